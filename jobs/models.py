@@ -1,0 +1,1 @@
+# Jobs arrive with the "Jobs" issue: training runs on reserved cards.

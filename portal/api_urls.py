@@ -1,0 +1,17 @@
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.authtoken.views import obtain_auth_token
+from rest_framework.routers import DefaultRouter
+
+from gpus.api import GPUViewSet, ServerViewSet
+
+router = DefaultRouter()
+router.register("servers", ServerViewSet, basename="server")
+router.register("gpus", GPUViewSet, basename="gpu")
+
+urlpatterns = [
+    path("token/", obtain_auth_token, name="api_token"),
+    path("schema/", SpectacularAPIView.as_view(), name="api_schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api_schema"), name="api_docs"),
+    path("", include(router.urls)),
+]

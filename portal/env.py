@@ -1,0 +1,112 @@
+"""Typed readers for environment variables that fail loudly on nonsense.
+
+A typo in a deployment's environment must stop the process at start-up with a message
+naming the variable, never silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+
+class ImproperlyConfiguredEnv(ValueError):
+    pass
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _raw(name: str) -> str | None:
+    """The variable's value; `NAME_FILE` (a path) wins so secrets can live in files."""
+    file_path = os.environ.get(f"{name}_FILE")
+    if file_path:
+        try:
+            return Path(file_path).read_text().strip()
+        except OSError as exc:
+            raise ImproperlyConfiguredEnv(f"{name}_FILE={file_path!r} cannot be read: {exc}") from exc
+    return os.environ.get(name)
+
+
+def env_str(name: str, default: str = "") -> str:
+    value = _raw(name)
+    return default if value is None else value
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = _raw(name)
+    if value is None:
+        return default
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ImproperlyConfiguredEnv(f"{name}={value!r} is not a boolean: use 1/0, true/false, yes/no")
+
+
+def env_int(name: str, default: int, *, min_value: int | None = None, max_value: int | None = None) -> int:
+    value = _raw(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ImproperlyConfiguredEnv(f"{name}={value!r} is not an integer") from None
+    if min_value is not None and number < min_value:
+        raise ImproperlyConfiguredEnv(f"{name}={number} is below the minimum {min_value}")
+    if max_value is not None and number > max_value:
+        raise ImproperlyConfiguredEnv(f"{name}={number} is above the maximum {max_value}")
+    return number
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    value = _raw(name)
+    if value is None:
+        return default
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = env_str(name, default).strip().lower()
+    if value not in choices:
+        raise ImproperlyConfiguredEnv(f"{name}={value!r} must be one of: {', '.join(choices)}")
+    return value
+
+
+def parse_database_url(url: str, *, var: str = "DATABASE_URL") -> dict:
+    """`postgres://user:pass@host:port/name` or `sqlite:///abs/path` → a DATABASES entry."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "sqlite":
+        path = unquote(parts.path)
+        if path.startswith("//"):  # sqlite:////abs/path
+            path = path[1:]
+        if not path or path == "/":
+            raise ImproperlyConfiguredEnv(f"{var}={url!r} names no SQLite file: use sqlite:///path/db.sqlite3")
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": path,
+            # IMMEDIATE takes the write lock at BEGIN, so two booking transactions
+            # serialise instead of both reading "free" and failing at commit.
+            "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20, "init_command": "PRAGMA journal_mode=WAL;"},
+        }
+    if scheme in {"postgres", "postgresql", "pgsql"}:
+        name = unquote(parts.path.lstrip("/"))
+        if not name:
+            raise ImproperlyConfiguredEnv(f"{var}={url!r} names no database: add /dbname")
+        options = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": name,
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": str(parts.port or ""),
+            "OPTIONS": options,
+            "CONN_MAX_AGE": 60,
+            "CONN_HEALTH_CHECKS": True,
+        }
+    raise ImproperlyConfiguredEnv(f"{var}={url!r}: scheme {scheme!r} is not supported; use postgres:// or sqlite:///")

@@ -1,0 +1,95 @@
+"""`make run`: the web server plus one Celery worker per GPU host this machine stands for.
+
+With real NVML that is this host; with the simulated inventory it is every simulated
+server, so the whole portal can be tried on a laptop. Ctrl-C stops everything started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+
+from gpus.backends import get_backend
+from portal.env import env_str
+from portal.services import demo_data_seed
+
+
+def _worker_servers() -> tuple[list[str], bool]:
+    backend = get_backend()
+    try:
+        simulated = backend.snapshot().host.simulated
+    finally:
+        backend.close()
+    if not simulated:
+        return [settings.WORKER_SERVER], False
+    from gpus.simulated import server_names
+
+    return server_names(settings.SIMULATED_INVENTORY or None), True
+
+
+class Command(BaseCommand):
+    help = "Serve the portal with its workers (what `make run` calls)."
+
+    def handle(self, *args, **options) -> None:
+        call_command("migrate", interactive=False, verbosity=0)
+        call_command("collectstatic", interactive=False, verbosity=0)
+        seeded = demo_data_seed(password=settings.PORTAL_DEMO_PASSWORD)
+        servers, simulated = _worker_servers()
+        python = sys.executable
+        children: list[subprocess.Popen] = []
+        for n, name in enumerate(servers):
+            queues = f"host.{name}" + (",portal" if n == 0 else "")
+            command = [
+                python, "-m", "celery", "-A", "portal", "worker", "-Q", queues, "-n", f"{name}@%h",
+                "--concurrency", "2", "--without-gossip", "--without-mingle", "-l", "INFO",
+            ]
+            if n == 0:  # exactly one beat for the whole portal (telemetry pruning)
+                command += ["-B", "-s", str(settings.VAR_DIR / "celerybeat-schedule")]
+            children.append(subprocess.Popen(command, env={**os.environ, "WORKER_SERVER": name}))
+        bind = env_str("BIND_ADDRESS", "127.0.0.1")
+        children.append(
+            subprocess.Popen(
+                [python, "-m", "gunicorn", "portal.wsgi", "-b", f"{bind}:{settings.PORT}",
+                 "--workers", "2", "--threads", "4", "--access-logfile", "-"]
+            )
+        )
+        host = "localhost" if bind in ("0.0.0.0", "127.0.0.1") else bind
+        self.stdout.write(self.style.SUCCESS(f"\nGPU lab portal: http://{host}:{settings.PORT}/"))
+        if simulated:
+            self.stdout.write(f"No NVIDIA driver here: SIMULATED servers {', '.join(servers)} (labelled in the UI).")
+        if seeded or settings.PORTAL_DEMO_PASSWORD == "gpu-lab-demo":
+            self.stdout.write(
+                f"Demo logins: admin, leader, alice, bob / password {settings.PORTAL_DEMO_PASSWORD!r}"
+                " (set PORTAL_DEMO_PASSWORD before the first run; change these on a real deployment)."
+            )
+        self.stdout.write("Ctrl-C stops the portal and its workers.\n")
+        self._supervise(children)
+
+    def _supervise(self, children: list[subprocess.Popen]) -> None:
+        stopping = False
+
+        def stop(*_: object) -> None:
+            nonlocal stopping
+            stopping = True
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+        while not stopping and all(child.poll() is None for child in children):
+            time.sleep(0.5)
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        deadline = time.monotonic() + 20
+        for child in children:
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()

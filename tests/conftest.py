@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from portal.models import Membership
+from tests.factories import MembershipFactory, TeamFactory, UserFactory
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUT = ROOT / "test-output"
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hasher(settings) -> None:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def team(db):
+    return TeamFactory(name="Vision Lab", slug="vision-lab")
+
+
+@pytest.fixture
+def alice(team):
+    """Owner in most tests: a member of `team`."""
+    return MembershipFactory(team=team, user=UserFactory(username="alice")).user
+
+
+@pytest.fixture
+def bob(team):
+    """alice's teammate."""
+    return MembershipFactory(team=team, user=UserFactory(username="bob")).user
+
+
+@pytest.fixture
+def leader(team):
+    return MembershipFactory(team=team, user=UserFactory(username="leader"), role=Membership.Role.LEADER).user
+
+
+@pytest.fixture
+def charlie(db):
+    """An outsider: in no team of alice's."""
+    return MembershipFactory(user=UserFactory(username="charlie")).user
+
+
+@pytest.fixture
+def admin_user(db):
+    return UserFactory(username="admin", is_staff=True, is_superuser=True)
+
+
+def database_url_for_subprocess() -> str:
+    """The URL of the database this test runs on (the test database, not the configured one)."""
+    s = connection.settings_dict
+    if s["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{s['NAME']}"
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30, interval: float = 0.2, what: str = "") -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def start_worker(transactional_db) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start real `celery -A portal worker` processes for simulated servers on the test database."""
+    procs: list[subprocess.Popen] = []
+    OUTPUT.mkdir(exist_ok=True)
+
+    def start(server: str, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url_for_subprocess(),
+            "GPU_BACKEND": "simulated",
+            "WORKER_SERVER": server,
+            "TELEMETRY_INTERVAL_SECONDS": "1",
+            **(extra_env or {}),
+        }
+        log = open(OUTPUT / f"worker-{server}.log", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", f"host.{server}",
+             "-n", f"{server}@test", "--pool", "solo", "--without-gossip", "--without-mingle", "-l", "INFO"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,81 @@
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from rest_framework.test import APIClient
+
+from gpus.services import server_report_ingest
+from tests.factories import make_snapshot
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def api():
+    return APIClient()
+
+
+def test_it_refuses_anonymous_requests(api):
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=1))
+    for url in ("/api/v1/servers/", "/api/v1/gpus/", "/api/v1/gpus/GPU-box1-00/"):
+        response = api.get(url)
+        assert response.status_code in (401, 403)
+        assert "uuid" not in response.content.decode()
+
+
+def test_it_issues_a_token_for_username_and_password(api, alice):
+    response = api.post("/api/v1/token/", {"username": "alice", "password": "password"}, format="json")
+    assert response.status_code == 200
+    token = response.json()["token"]
+    api.credentials(HTTP_AUTHORIZATION=f"Token {token}")
+    assert api.get("/api/v1/gpus/").status_code == 200
+    bad = APIClient().post("/api/v1/token/", {"username": "alice", "password": "x"}, format="json")
+    assert bad.status_code == 400
+
+
+def test_it_lists_gpus_with_the_documented_fields(api, alice):
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=2, processes=1, simulated=True))
+    api.force_authenticate(alice)
+    gpus = api.get("/api/v1/gpus/").json()
+    assert len(gpus) == 2
+    gpu = gpus[0]
+    for field in ("uuid", "server", "index", "name", "memory_total_mb", "memory_bookable_mb", "memory_used_mb",
+                  "utilization_pct", "temperature_c", "power_w", "processes", "simulated", "updated_at"):
+        assert field in gpu, field
+    assert gpu["server"] == "box1"
+    assert gpu["simulated"] is True
+    assert gpu["processes"][0] == {"pid": 1000, "username": "alice", "command": "python train.py",
+                                   "used_memory_mb": 500, "job": "unmanaged"}
+    assert api.get("/api/v1/gpus/?server=nope").json() == []
+
+
+def test_it_lists_servers_with_status(api, alice):
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=3))
+    api.force_authenticate(alice)
+    (server,) = api.get("/api/v1/servers/").json()
+    assert server["name"] == "box1"
+    assert server["status"] == "online"
+    assert server["gpu_count"] == 3
+    assert server["queue"] == "host.box1"
+    assert api.get("/api/v1/servers/box1/").json()["hostname"] == "box1.lab"
+
+
+def test_it_lists_gpus_in_a_constant_number_of_queries(api, alice):
+    server_report_ingest(snapshot=make_snapshot("box00", gpus=1))
+    api.force_authenticate(alice)
+    with CaptureQueriesContext(connection) as small:
+        api.get("/api/v1/gpus/")
+    for s in range(1, 64):
+        server_report_ingest(snapshot=make_snapshot(f"box{s:02d}", gpus=8, processes=2))
+    with CaptureQueriesContext(connection) as large:
+        assert len(api.get("/api/v1/gpus/").json()) == 1 + 63 * 8
+    assert len(large) == len(small)
+
+
+def test_it_publishes_an_openapi_schema_and_docs(api, alice):
+    api.force_authenticate(alice)
+    schema = api.get("/api/v1/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    assert schema["openapi"].startswith("3.")
+    assert "/api/v1/gpus/" in schema["paths"]
+    docs = api.get("/api/v1/docs/")
+    assert docs.status_code == 200
+    assert "cdn" not in docs.content.decode().lower()

@@ -1,0 +1,71 @@
+import pytest
+
+from portal.env import ImproperlyConfiguredEnv, env_bool, env_choice, env_int, env_list, env_str, parse_database_url
+
+
+def test_it_reads_booleans_and_rejects_nonsense(monkeypatch):
+    monkeypatch.setenv("FLAG", "yes")
+    assert env_bool("FLAG") is True
+    monkeypatch.setenv("FLAG", "0")
+    assert env_bool("FLAG", True) is False
+    monkeypatch.setenv("FLAG", "maybe")
+    with pytest.raises(ImproperlyConfiguredEnv, match="FLAG='maybe' is not a boolean"):
+        env_bool("FLAG")
+
+
+def test_it_reads_integers_with_bounds(monkeypatch):
+    assert env_int("NOPE_UNSET", 7) == 7
+    monkeypatch.setenv("PORT_X", "8080")
+    assert env_int("PORT_X", 1, min_value=1, max_value=65535) == 8080
+    monkeypatch.setenv("PORT_X", "80a")
+    with pytest.raises(ImproperlyConfiguredEnv, match="PORT_X='80a' is not an integer"):
+        env_int("PORT_X", 1)
+    monkeypatch.setenv("PORT_X", "70000")
+    with pytest.raises(ImproperlyConfiguredEnv, match="above the maximum 65535"):
+        env_int("PORT_X", 1, max_value=65535)
+
+
+def test_it_reads_lists_choices_and_file_secrets(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOSTS", "a.lab, b.lab,,")
+    assert env_list("HOSTS", []) == ["a.lab", "b.lab"]
+    monkeypatch.setenv("BACKEND", "NVML")
+    assert env_choice("BACKEND", "auto", ("auto", "nvml", "simulated")) == "nvml"
+    monkeypatch.setenv("BACKEND", "cuda")
+    with pytest.raises(ImproperlyConfiguredEnv, match="must be one of: auto, nvml, simulated"):
+        env_choice("BACKEND", "auto", ("auto", "nvml", "simulated"))
+    secret = tmp_path / "key"
+    secret.write_text("s3cret\n")
+    monkeypatch.setenv("SECRET_KEY_FILE", str(secret))
+    assert env_str("SECRET_KEY") == "s3cret"
+    monkeypatch.setenv("SECRET_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ImproperlyConfiguredEnv, match="SECRET_KEY_FILE"):
+        env_str("SECRET_KEY")
+
+
+def test_it_parses_database_urls():
+    pg = parse_database_url("postgres://postgres:pw@127.0.0.1:5432/test?sslmode=disable")
+    assert pg["ENGINE"] == "django.db.backends.postgresql"
+    assert (pg["NAME"], pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"]) == (
+        "test", "postgres", "pw", "127.0.0.1", "5432")
+    assert pg["OPTIONS"] == {"sslmode": "disable"}
+    lite = parse_database_url("sqlite:////srv/portal/db.sqlite3")
+    assert lite["NAME"] == "/srv/portal/db.sqlite3"
+    assert lite["OPTIONS"]["transaction_mode"] == "IMMEDIATE"
+    with pytest.raises(ImproperlyConfiguredEnv, match="scheme 'mysql' is not supported"):
+        parse_database_url("mysql://root@localhost/x")
+    with pytest.raises(ImproperlyConfiguredEnv, match="names no database"):
+        parse_database_url("postgres://localhost")
+
+
+def test_it_refuses_a_bad_setting_at_start_up():
+    """A typo in the environment stops the settings module loading, naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPU_BACKEND": "cuda"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import portal.settings"], env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode != 0
+    assert "GPU_BACKEND='cuda' must be one of" in result.stderr

@@ -1,0 +1,77 @@
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from gpus.models import GPU, GPUProcess, Server, TelemetrySample
+from gpus.services import server_report_ingest, telemetry_prune
+from tests.factories import make_snapshot
+
+pytestmark = pytest.mark.django_db
+
+
+def test_it_registers_a_server_and_its_gpus_on_first_report():
+    server = server_report_ingest(snapshot=make_snapshot("box1", gpus=4, processes=2))
+    assert server.name == "box1"
+    assert server.status == Server.Status.ONLINE
+    assert server.queue == "host.box1"
+    assert GPU.objects.filter(server=server).count() == 4
+    assert GPUProcess.objects.filter(gpu__server=server).count() == 8
+    gpu = GPU.objects.get(uuid="GPU-box1-02")
+    assert (gpu.index, gpu.memory_total_mb, gpu.temperature_c) == (2, 24 * 1024, 42)
+
+
+def test_it_updates_in_place_and_replaces_processes():
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=2, util=10, processes=2))
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=2, util=95, processes=0))
+    assert Server.objects.count() == 1
+    assert list(GPU.objects.values_list("utilization_pct", flat=True)) == [95, 95]
+    assert GPUProcess.objects.count() == 0
+
+
+def test_it_keeps_na_metrics_as_null():
+    from dataclasses import replace
+
+    snap = make_snapshot("box1", gpus=1)
+    card = replace(snap.gpus[0], power_w=None, temperature_c=None, utilization_pct=None)
+    server_report_ingest(snapshot=replace(snap, gpus=(card,)))
+    gpu = GPU.objects.get()
+    assert gpu.power_w is None and gpu.temperature_c is None and gpu.utilization_pct is None
+
+
+def test_it_computes_bookable_memory(settings):
+    settings.GPU_CONTEXT_HEADROOM_MB = 500
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=1, memory_gb=24))
+    gpu = GPU.objects.get()
+    assert gpu.memory_bookable_mb == 24 * 1024 - 300 - 500
+
+
+def test_it_shows_a_silent_server_offline_and_keeps_draining(settings):
+    settings.SERVER_OFFLINE_AFTER_SECONDS = 20
+    now = timezone.now()
+    server = server_report_ingest(snapshot=make_snapshot("box1", gpus=1), now=now - timedelta(seconds=25))
+    assert server.status == Server.Status.OFFLINE
+    assert not Server.objects.online().exists()
+    server = server_report_ingest(snapshot=make_snapshot("box1", gpus=1), now=now)
+    Server.objects.filter(pk=server.pk).update(draining=True)
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=1))
+    server.refresh_from_db()
+    assert server.status == Server.Status.DRAINING  # a report never clears draining
+
+
+def test_it_downsamples_history_and_prunes_old_samples(settings):
+    settings.TELEMETRY_HISTORY_SECONDS = 15
+    settings.TELEMETRY_RETENTION_HOURS = 1
+    start = timezone.now() - timedelta(hours=2)
+    for second in range(0, 60, 3):  # 20 reports, 3 s apart
+        server_report_ingest(snapshot=make_snapshot("box1", gpus=2), now=start + timedelta(seconds=second))
+    assert TelemetrySample.objects.count() == 2 * 4  # one per card at 0, 15, 30, 45 s
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=2))
+    assert telemetry_prune() == 8
+    assert TelemetrySample.objects.count() == 2
+
+
+def test_it_writes_a_round_in_a_fixed_number_of_queries(django_assert_max_num_queries):
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=8))
+    with django_assert_max_num_queries(7):
+        server_report_ingest(snapshot=make_snapshot("box1", gpus=8, processes=3))
