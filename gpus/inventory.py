@@ -8,7 +8,8 @@ support that query on this card (``NVMLError_NotSupported``), which the UI shows
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 
@@ -62,3 +63,16 @@ class Backend(Protocol):
     def snapshot(self) -> Snapshot: ...
 
     def close(self) -> None: ...
+
+
+def snapshot_to_json(snapshot: Snapshot) -> str:
+    return json.dumps(asdict(snapshot), separators=(",", ":"))
+
+
+def snapshot_from_json(raw: str | bytes) -> Snapshot:
+    data = json.loads(raw)
+    gpus = tuple(
+        GPUInfo(**{**g, "processes": tuple(ProcessInfo(**p) for p in g.get("processes", ()))})
+        for g in data.get("gpus", ())
+    )
+    return Snapshot(host=HostInfo(**data["host"]), gpus=gpus)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -28,35 +29,48 @@ _GPU_UPDATE_FIELDS = [
 ]
 
 
-@transaction.atomic
-def server_report_ingest(*, snapshot: Snapshot, now: datetime | None = None) -> Server:
-    """Record one telemetry round of one host: a fixed handful of queries however many GPUs.
+_SERVER_UPDATE_FIELDS = ["hostname", "simulated", "driver_version", "cuda_version", "cpu_count", "ram_mb", "last_seen"]
 
-    Registers the server on its first report. Re-running it with the same snapshot only
-    moves `last_seen`; the process list is replaced, never appended to.
+
+@transaction.atomic
+def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None = None) -> None:
+    """Record one telemetry round of many hosts in a fixed handful of bulk queries.
+
+    The collector calls this with every host's latest report; the query count does not
+    grow with the number of servers or GPUs. Registers unknown servers; re-running it
+    with the same snapshots only moves `last_seen`; process lists are replaced, never
+    appended to; `draining` is the admins' and is never touched.
     """
+    if not snapshots:
+        return
     now = now or timezone.now()
-    host = snapshot.host
-    fields = {
-        "hostname": host.hostname,
-        "simulated": host.simulated,
-        "driver_version": host.driver_version,
-        "cuda_version": host.cuda_version,
-        "cpu_count": host.cpu_count,
-        "ram_mb": host.ram_mb,
-        "last_seen": now,
-    }
-    # Plain SELECT + UPDATE (not update_or_create, which adds a savepoint): this runs
-    # every few seconds on every host. `draining` is the admins' and is never touched.
-    server = Server.objects.filter(name=host.name).first()
-    if server is None:
-        server = Server.objects.create(name=host.name, **fields)
-    else:
-        Server.objects.filter(pk=server.pk).update(**fields)
+    latest = {s.host.name: s for s in snapshots}  # a host's newer report wins
+    Server.objects.bulk_create(
+        [
+            Server(
+                name=name,
+                hostname=s.host.hostname,
+                simulated=s.host.simulated,
+                driver_version=s.host.driver_version,
+                cuda_version=s.host.cuda_version,
+                cpu_count=s.host.cpu_count,
+                ram_mb=s.host.ram_mb,
+                last_seen=now,
+            )
+            for name, s in latest.items()
+        ],
+        update_conflicts=True,
+        unique_fields=["name"],
+        update_fields=_SERVER_UPDATE_FIELDS,
+    )
+    rows = Server.objects.filter(name__in=latest).values_list("name", "pk", "last_history_at")
+    server_ids = {name: pk for name, pk, _ in rows}
+    history_every = timedelta(seconds=settings.TELEMETRY_HISTORY_SECONDS)
+    history_due = {name for name, _, at in rows if at is None or now - at >= history_every}
     gpus = [
         GPU(
             uuid=g.uuid,
-            server=server,
+            server_id=server_ids[name],
             index=g.index,
             name=g.name,
             pci_bus_id=g.pci_bus_id,
@@ -70,14 +84,15 @@ def server_report_ingest(*, snapshot: Snapshot, now: datetime | None = None) -> 
             power_limit_w=g.power_limit_w,
             updated_at=now,
         )
-        for g in snapshot.gpus
+        for name, s in latest.items()
+        for g in s.gpus
     ]
     if gpus:
-        # One INSERT … ON CONFLICT (uuid) DO UPDATE for all cards of the host.
+        # One INSERT … ON CONFLICT (uuid) DO UPDATE for every card of every host.
         GPU.objects.bulk_create(
             gpus, update_conflicts=True, unique_fields=["uuid"], update_fields=_GPU_UPDATE_FIELDS
         )
-    GPUProcess.objects.filter(gpu__server_id=server.pk).delete()
+    GPUProcess.objects.filter(gpu__server_id__in=server_ids.values()).delete()
     GPUProcess.objects.bulk_create(
         GPUProcess(
             gpu_id=g.uuid,
@@ -86,13 +101,11 @@ def server_report_ingest(*, snapshot: Snapshot, now: datetime | None = None) -> 
             command=p.command[:300],
             used_memory_mb=p.used_memory_mb,
         )
-        for g in snapshot.gpus
+        for s in latest.values()
+        for g in s.gpus
         for p in g.processes
     )
-    history_due = server.last_history_at is None or now - server.last_history_at >= timedelta(
-        seconds=settings.TELEMETRY_HISTORY_SECONDS
-    )
-    if history_due and gpus:
+    if history_due:
         TelemetrySample.objects.bulk_create(
             TelemetrySample(
                 gpu_id=g.uuid,
@@ -102,10 +115,16 @@ def server_report_ingest(*, snapshot: Snapshot, now: datetime | None = None) -> 
                 temperature_c=g.temperature_c,
                 power_w=g.power_w,
             )
-            for g in gpus
+            for name in history_due
+            for g in latest[name].gpus
         )
-        Server.objects.filter(pk=server.pk).update(last_history_at=now)
-    return server
+        Server.objects.filter(name__in=history_due).update(last_history_at=now)
+
+
+def server_report_ingest(*, snapshot: Snapshot, now: datetime | None = None) -> Server:
+    """Record one host's report on its own (tests, `report_telemetry --direct`)."""
+    servers_report_ingest(snapshots=[snapshot], now=now)
+    return Server.objects.get(name=snapshot.host.name)
 
 
 def telemetry_prune(*, now: datetime | None = None) -> int:

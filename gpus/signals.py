@@ -1,4 +1,4 @@
-"""Start the telemetry loop in a worker that serves this host's queue."""
+"""Start the telemetry threads in the workers that need them (see gpus/telemetry.py)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,20 @@ log = logging.getLogger(__name__)
 
 @worker_ready.connect
 def _start_telemetry(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    from gpus import telemetry
+
     queues = {q.name for q in sender.task_consumer.queues}
     own = f"host.{settings.WORKER_SERVER}"
-    if own not in queues:
-        if any(q.startswith("host.") for q in queues):
-            log.error("This worker consumes %s but WORKER_SERVER=%s: no telemetry sent", sorted(queues), own)
-        return
-    from gpus.telemetry import start_reporter
-
-    start_reporter()
+    if own in queues:
+        telemetry.start_reporter()
+    elif any(q.startswith("host.") for q in queues):
+        log.error("This worker consumes %s but WORKER_SERVER=%s: no telemetry sent", sorted(queues), own)
+    if settings.CELERY_TASK_DEFAULT_QUEUE in queues:
+        telemetry.start_collector()
 
 
 @worker_shutdown.connect
 def _stop_telemetry(**kwargs) -> None:  # type: ignore[no-untyped-def]
-    from gpus.telemetry import stop_reporter
+    from gpus import telemetry
 
-    stop_reporter()
+    telemetry.stop_all()

@@ -1,9 +1,16 @@
-"""The telemetry loop: a daemon thread inside each GPU host's Celery worker.
+"""Telemetry: each GPU host publishes, one collector writes.
 
-Why a thread in the worker rather than beat or a second process: the host reports
+Every GPU host's worker runs a *reporter* thread that reads its backend every
+TELEMETRY_INTERVAL_SECONDS and overwrites its entry in one Redis hash. The portal's own
+worker (the one consuming the `portal` queue) runs the *collector* thread, which takes
+the whole hash atomically each second and writes all hosts in one bulk transaction
+(`servers_report_ingest`): a fixed handful of queries per round for 512 GPUs instead of
+a transaction per host, and GPU hosts need no database round trip to stay "online".
+
+Why threads inside the workers rather than beat or separate daemons: a host reports
 exactly while its worker is alive, so "online" on the dashboard means "can run jobs
-now"; no beat schedule has to fan out to every host, and a dead worker goes offline
-by itself once `last_seen` ages past SERVER_OFFLINE_AFTER_SECONDS.
+now"; when the worker dies its server goes offline by itself once `last_seen` ages
+past SERVER_OFFLINE_AFTER_SECONDS.
 """
 
 from __future__ import annotations
@@ -11,53 +18,120 @@ from __future__ import annotations
 import logging
 import threading
 
+import redis
 from django.conf import settings
 from django.db import close_old_connections
 
 from gpus.backends import get_backend
-from gpus.inventory import Backend
-from gpus.services import server_report_ingest
+from gpus.inventory import Backend, Snapshot, snapshot_from_json, snapshot_to_json
+from gpus.services import servers_report_ingest
 
 log = logging.getLogger(__name__)
 
+REPORTS_KEY = "portal:telemetry:reports"
 
-class TelemetryReporter(threading.Thread):
-    def __init__(self, backend: Backend, interval: float | None = None) -> None:
-        super().__init__(name="gpu-telemetry", daemon=True)
-        self.backend = backend
-        self.interval = interval or settings.TELEMETRY_INTERVAL_SECONDS
+
+def redis_client() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+
+
+def publish_snapshot(client: redis.Redis, snapshot: Snapshot) -> None:
+    client.hset(REPORTS_KEY, snapshot.host.name, snapshot_to_json(snapshot))
+
+
+def take_reports(client: redis.Redis) -> list[Snapshot]:
+    """Every host's latest unread report; HGETALL + DEL in one MULTI so none is lost."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(REPORTS_KEY)
+    pipe.delete(REPORTS_KEY)
+    raw, _ = pipe.execute()
+    snapshots = []
+    for host, payload in raw.items():
+        try:
+            snapshots.append(snapshot_from_json(payload))
+        except (ValueError, TypeError, KeyError):
+            log.warning("Dropped a malformed telemetry report from %r", host)
+    return snapshots
+
+
+def collect_once(client: redis.Redis) -> int:
+    snapshots = take_reports(client)
+    if snapshots:
+        close_old_connections()  # a restarted database must not kill the loop
+        servers_report_ingest(snapshots=snapshots)
+    return len(snapshots)
+
+
+class _Loop(threading.Thread):
+    """Run `step` every `interval` seconds until stopped; a failed step is logged, not fatal."""
+
+    def __init__(self, name: str, interval: float) -> None:
+        super().__init__(name=name, daemon=True)
+        self.interval = interval
         self.stopped = threading.Event()
 
-    def report_once(self) -> None:
-        close_old_connections()  # a restarted database must not kill the loop
-        server_report_ingest(snapshot=self.backend.snapshot())
+    def step(self) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
-        log.info("Telemetry for %s every %ss", settings.WORKER_SERVER, self.interval)
         while not self.stopped.is_set():
             try:
-                self.report_once()
-            except Exception:  # noqa: BLE001 - one bad round must not stop the reports
-                log.exception("Telemetry round failed; retrying in %ss", self.interval)
+                self.step()
+            except Exception:
+                log.exception("%s failed; retrying in %ss", self.name, self.interval)
             self.stopped.wait(self.interval)
-        self.backend.close()
+        self.finish()
+
+    def finish(self) -> None:
+        pass
 
     def stop(self) -> None:
         self.stopped.set()
 
 
-_reporter: TelemetryReporter | None = None
+class TelemetryReporter(_Loop):
+    def __init__(self, backend: Backend, interval: float | None = None) -> None:
+        super().__init__("gpu-telemetry-reporter", interval or settings.TELEMETRY_INTERVAL_SECONDS)
+        self.backend = backend
+        self.client = redis_client()
+
+    def step(self) -> None:
+        publish_snapshot(self.client, self.backend.snapshot())
+
+    def finish(self) -> None:
+        self.backend.close()
 
 
-def start_reporter() -> TelemetryReporter:
-    global _reporter
-    if _reporter is None or not _reporter.is_alive():
-        _reporter = TelemetryReporter(get_backend())
-        _reporter.start()
-    return _reporter
+class TelemetryCollector(_Loop):
+    def __init__(self, interval: float = 1.0) -> None:
+        super().__init__("gpu-telemetry-collector", interval)
+        self.client = redis_client()
+
+    def step(self) -> None:
+        collect_once(self.client)
 
 
-def stop_reporter() -> None:
-    if _reporter is not None:
-        _reporter.stop()
-        _reporter.join(timeout=10)
+_threads: list[_Loop] = []
+
+
+def start_reporter() -> None:
+    log.info("Telemetry reporter for %s every %ss", settings.WORKER_SERVER, settings.TELEMETRY_INTERVAL_SECONDS)
+    _start(TelemetryReporter(get_backend()))
+
+
+def start_collector() -> None:
+    log.info("Telemetry collector started")
+    _start(TelemetryCollector())
+
+
+def _start(thread: _Loop) -> None:
+    thread.start()
+    _threads.append(thread)
+
+
+def stop_all() -> None:
+    for thread in _threads:
+        thread.stop()
+    for thread in _threads:
+        thread.join(timeout=10)
+    _threads.clear()

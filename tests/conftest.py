@@ -77,23 +77,28 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30, interval: flo
 
 @pytest.fixture
 def start_worker(transactional_db) -> Iterator[Callable[..., subprocess.Popen]]:
-    """Start real `celery -A portal worker` processes for simulated servers on the test database."""
+    """Start real `celery -A portal worker` processes on the test database.
+
+    `start("name")` is a GPU host's worker for a simulated server (queue host.name);
+    `start(None)` is the portal's own worker (queue `portal`), which runs the collector.
+    """
     procs: list[subprocess.Popen] = []
     OUTPUT.mkdir(exist_ok=True)
 
-    def start(server: str, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(server: str | None, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        queue, node = (f"host.{server}", server) if server else ("portal", "portal")
         env = {
             **os.environ,
             "DATABASE_URL": database_url_for_subprocess(),
             "GPU_BACKEND": "simulated",
-            "WORKER_SERVER": server,
+            "WORKER_SERVER": server or "portal-host",
             "TELEMETRY_INTERVAL_SECONDS": "1",
             **(extra_env or {}),
         }
-        log = open(OUTPUT / f"worker-{server}.log", "w")  # noqa: SIM115 - closed with the process
+        log = open(OUTPUT / f"worker-{node}.log", "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", f"host.{server}",
-             "-n", f"{server}@test", "--pool", "solo", "--without-gossip", "--without-mingle", "-l", "INFO"],
+            [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", queue,
+             "-n", f"{node}@test", "--pool", "solo", "--without-gossip", "--without-mingle", "-l", "INFO"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
         procs.append(proc)

@@ -1,0 +1,14 @@
+"""`make bench`: run every bench/bench_*.py in its own process and print its figures."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+if __name__ == "__main__":
+    failed = 0
+    for script in sorted((ROOT / "bench").glob("bench_*.py")):
+        print(f"== {script.name}", flush=True)
+        failed += subprocess.call([sys.executable, "-m", f"bench.{script.stem}"], cwd=ROOT) != 0
+    sys.exit(1 if failed else 0)
