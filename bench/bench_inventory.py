@@ -12,9 +12,10 @@ def main() -> None:
     try:
         from django.contrib.auth import get_user_model
         from django.db import connection
-        from django.test import Client
+        from django.core.handlers.wsgi import WSGIHandler
+        from django.test import Client, RequestFactory
 
-        from gpus.services import server_report_ingest
+        from gpus.services import servers_report_ingest
         from tests.factories import make_snapshot
 
         rounds = [[make_snapshot(f"bench{s:02d}", gpus=GPUS, util=u, processes=2) for s in range(SERVERS)]
@@ -22,8 +23,7 @@ def main() -> None:
         state = {"round": 0}
 
         def ingest_round() -> None:
-            for snapshot in rounds[state["round"] % 3]:
-                server_report_ingest(snapshot=snapshot)
+            servers_report_ingest(snapshots=rounds[state["round"] % 3])
             state["round"] += 1
 
         ingest_round()  # registers everything
@@ -31,12 +31,23 @@ def main() -> None:
         user = get_user_model().objects.create_user("bench", password="bench-password")
         client = Client()
         client.force_login(user)
-        dashboard_ms = median_ms(lambda: client.get("/"), repeat=REQUESTS)
-        api_ms = median_ms(lambda: client.get("/api/v1/gpus/"), repeat=REQUESTS)
+        cookie = "; ".join(f"{k}={v.value}" for k, v in client.cookies.items())
+        handler = WSGIHandler()
+        factory = RequestFactory()
+
+        def serve(path: str) -> None:
+            """The WSGI app alone, as gunicorn calls it: no test-client instrumentation."""
+            environ = factory.get(path, HTTP_COOKIE=cookie).environ
+            statuses = []
+            body = b"".join(handler(environ, lambda status, headers: statuses.append(status)))
+            assert statuses[0].startswith("200") and body, (path, statuses)
+
+        dashboard_ms = median_ms(lambda: serve("/"), repeat=REQUESTS)
+        api_ms = median_ms(lambda: serve("/api/v1/gpus/"), repeat=REQUESTS)
         print(f"Inventory ({SERVERS} servers × {GPUS} GPUs, {connection.vendor}, median of {REQUESTS} requests)")
         report("dashboard page, server time", dashboard_ms, "ms", "<= 25 ms", dashboard_ms <= 25)
         report("GET /api/v1/gpus/, server time", api_ms, "ms", "(none)", True)
-        report(f"ingest one round of {SERVERS * GPUS} GPUs ({SERVERS} reports)", ingest_ms, "ms", "<= 50 ms",
+        report(f"ingest one round: {SERVERS} reports, {SERVERS * GPUS} GPUs", ingest_ms, "ms", "<= 50 ms",
                ingest_ms <= 50)
     finally:
         teardown()

@@ -6,7 +6,7 @@ A server is "online" while its worker keeps reporting: the status is derived fro
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import models
@@ -53,12 +53,15 @@ class Server(models.Model):
         return f"host.{self.name}"
 
     @property
-    def status(self) -> str:
-        if self.last_seen is None or timezone.now() - self.last_seen > timedelta(
-            seconds=settings.SERVER_OFFLINE_AFTER_SECONDS
-        ):
-            return self.Status.OFFLINE
-        return self.Status.DRAINING if self.draining else self.Status.ONLINE
+    def status(self) -> Server.Status:
+        return self.status_for(self.last_seen, self.draining)
+
+    @classmethod
+    def status_for(cls, last_seen: datetime | None, draining: bool, now: datetime | None = None) -> Server.Status:
+        offline_after = timedelta(seconds=settings.SERVER_OFFLINE_AFTER_SECONDS)
+        if last_seen is None or (now or timezone.now()) - last_seen > offline_after:
+            return cls.Status.OFFLINE
+        return cls.Status.DRAINING if draining else cls.Status.ONLINE
 
 
 class GPU(models.Model):

@@ -3,23 +3,29 @@ from __future__ import annotations
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
+from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET
 
 from gpus.models import GPU
-from gpus.selectors import gpu_history, servers_for_dashboard
+from gpus.selectors import dashboard_servers as select_dashboard_servers
+from gpus.selectors import gpu_history
+
+
+def _servers_html(request: HttpRequest) -> str:
+    return render_to_string("gpus/_servers.html", {"servers": select_dashboard_servers()}, using="jinja2")
 
 
 @require_GET
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
-    return render(request, "gpus/dashboard.html", {"servers": servers_for_dashboard()})
+    return render(request, "gpus/dashboard.html", {"servers_html": _servers_html(request)})
 
 
 @require_GET
 @login_required
 def dashboard_servers(request: HttpRequest) -> HttpResponse:
     """The live part of the dashboard, polled by htmx and swapped in place."""
-    return render(request, "gpus/_servers.html", {"servers": servers_for_dashboard()})
+    return HttpResponse(_servers_html(request))
 
 
 @require_GET

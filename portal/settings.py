@@ -90,6 +90,14 @@ TEMPLATES = [
             ],
         },
     },
+    {
+        # Only for the hot partials (the 512-row dashboard): Jinja2 renders them ~10x
+        # faster than Django templates. Everything else stays a Django template.
+        "BACKEND": "django.template.backends.jinja2.Jinja2",
+        "DIRS": [BASE_DIR / "templates" / "jinja2"],
+        "APP_DIRS": False,
+        "OPTIONS": {"environment": "portal.jinja2.environment", "autoescape": True},
+    },
 ]
 
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'portal.sqlite3'}")
