@@ -29,6 +29,7 @@ def embedded_redis(socket_path: Path) -> Iterator[str]:
     """Start redis-server on `socket_path`; yields its `unix://` URL; stops it on exit."""
     import redis
 
+    socket_path = socket_path.resolve()  # redis-server chdirs to --dir before binding
     socket_path.parent.mkdir(parents=True, exist_ok=True)
     socket_path.unlink(missing_ok=True)
     process = subprocess.Popen(
