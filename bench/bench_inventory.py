@@ -11,15 +11,17 @@ def main() -> None:
     teardown = setup_django_test_db()
     try:
         from django.contrib.auth import get_user_model
-        from django.db import connection
         from django.core.handlers.wsgi import WSGIHandler
+        from django.db import connection
         from django.test import Client, RequestFactory
 
         from gpus.services import servers_report_ingest
         from tests.factories import make_snapshot
 
-        rounds = [[make_snapshot(f"bench{s:02d}", gpus=GPUS, util=u, processes=2) for s in range(SERVERS)]
-                  for u in (10, 50, 90)]
+        rounds = [
+            [make_snapshot(f"bench{s:02d}", gpus=GPUS, util=u, processes=2) for s in range(SERVERS)]
+            for u in (10, 50, 90)
+        ]
         state = {"round": 0}
 
         def ingest_round() -> None:
@@ -44,11 +46,18 @@ def main() -> None:
 
         dashboard_ms = median_ms(lambda: serve("/"), repeat=REQUESTS)
         api_ms = median_ms(lambda: serve("/api/v1/gpus/"), repeat=REQUESTS)
-        print(f"Inventory ({SERVERS} servers × {GPUS} GPUs, {connection.vendor}, median of {REQUESTS} requests)")
+        print(
+            f"Inventory ({SERVERS} servers × {GPUS} GPUs, {connection.vendor}, median of {REQUESTS} requests)"
+        )
         report("dashboard page, server time", dashboard_ms, "ms", "<= 25 ms", dashboard_ms <= 25)
         report("GET /api/v1/gpus/, server time", api_ms, "ms", "(none)", True)
-        report(f"ingest one round: {SERVERS} reports, {SERVERS * GPUS} GPUs", ingest_ms, "ms", "<= 50 ms",
-               ingest_ms <= 50)
+        report(
+            f"ingest one round: {SERVERS} reports, {SERVERS * GPUS} GPUs",
+            ingest_ms,
+            "ms",
+            "<= 50 ms",
+            ingest_ms <= 50,
+        )
     finally:
         teardown()
 

@@ -25,7 +25,9 @@ class Server(models.Model):
         OFFLINE = "offline", "Offline"
         DRAINING = "draining", "Draining"
 
-    name = models.SlugField(max_length=63, unique=True, help_text="Also names the worker's queue, host.<name>.")
+    name = models.SlugField(
+        max_length=63, unique=True, help_text="Also names the worker's queue, host.<name>."
+    )
     hostname = models.CharField(max_length=255, blank=True)
     draining = models.BooleanField(default=False, help_text="No new bookings or jobs; running work goes on.")
     simulated = models.BooleanField(default=False)
@@ -57,7 +59,9 @@ class Server(models.Model):
         return self.status_for(self.last_seen, self.draining)
 
     @classmethod
-    def status_for(cls, last_seen: datetime | None, draining: bool, now: datetime | None = None) -> Server.Status:
+    def status_for(
+        cls, last_seen: datetime | None, draining: bool, now: datetime | None = None
+    ) -> Server.Status:
         offline_after = timedelta(seconds=settings.SERVER_OFFLINE_AFTER_SECONDS)
         if last_seen is None or (now or timezone.now()) - last_seen > offline_after:
             return cls.Status.OFFLINE
@@ -139,3 +143,6 @@ class TelemetrySample(models.Model):
     class Meta:
         indexes = [models.Index(fields=["gpu", "at"], name="sample_gpu_at")]
         ordering = ["gpu", "at"]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id} at {self.at:%Y-%m-%d %H:%M:%S}"

@@ -36,8 +36,18 @@ def dashboard_servers() -> list[dict[str, Any]]:
         processes[row["gpu_id"]].append(row)
     gpus: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for gpu in GPU.objects.order_by("server_id", "index").values(
-        "uuid", "server_id", "index", "name", "mig_mode", "memory_total_mb", "memory_reserved_mb",
-        "memory_used_mb", "utilization_pct", "temperature_c", "power_w", "power_limit_w",
+        "uuid",
+        "server_id",
+        "index",
+        "name",
+        "mig_mode",
+        "memory_total_mb",
+        "memory_reserved_mb",
+        "memory_used_mb",
+        "utilization_pct",
+        "temperature_c",
+        "power_w",
+        "power_limit_w",
     ):
         total = gpu["memory_total_mb"] or 0
         bookable = max(0, total - gpu["memory_reserved_mb"] - headroom)
@@ -50,8 +60,16 @@ def dashboard_servers() -> list[dict[str, Any]]:
         gpus[gpu["server_id"]].append(gpu)
     servers = []
     for server in Server.objects.order_by("name").values(
-        "id", "name", "hostname", "draining", "simulated", "driver_version", "cuda_version",
-        "cpu_count", "ram_mb", "last_seen",
+        "id",
+        "name",
+        "hostname",
+        "draining",
+        "simulated",
+        "driver_version",
+        "cuda_version",
+        "cpu_count",
+        "ram_mb",
+        "last_seen",
     ):
         server["status"] = Server.status_for(server["last_seen"], server["draining"], now)
         server["ram_gb"] = round(server["ram_mb"] / 1024)

@@ -29,9 +29,32 @@ _GPU_UPDATE_FIELDS = [
 ]
 
 
-_GPU_STATIC_FIELDS = ["server_id", "index", "name", "pci_bus_id", "memory_total_mb", "memory_reserved_mb", "mig_mode"]
-_GPU_LIVE_FIELDS = ["memory_used_mb", "utilization_pct", "temperature_c", "power_w", "power_limit_w", "updated_at"]
-_SERVER_LIVE_FIELDS = ["hostname", "simulated", "driver_version", "cuda_version", "cpu_count", "ram_mb", "last_seen"]
+_GPU_STATIC_FIELDS = [
+    "server_id",
+    "index",
+    "name",
+    "pci_bus_id",
+    "memory_total_mb",
+    "memory_reserved_mb",
+    "mig_mode",
+]
+_GPU_LIVE_FIELDS = [
+    "memory_used_mb",
+    "utilization_pct",
+    "temperature_c",
+    "power_w",
+    "power_limit_w",
+    "updated_at",
+]
+_SERVER_LIVE_FIELDS = [
+    "hostname",
+    "simulated",
+    "driver_version",
+    "cuda_version",
+    "cpu_count",
+    "ram_mb",
+    "last_seen",
+]
 
 
 def _bulk_update(model: type, fields: list[str], key: str, rows: list[tuple]) -> None:
@@ -44,8 +67,9 @@ def _bulk_update(model: type, fields: list[str], key: str, rows: list[tuple]) ->
         # One statement over arrays: PostgreSQL parses and plans it once for all rows.
         sources = ", ".join(f"unnest(%s::{c.db_type(connection)}[]) AS {quote(c.column)}" for c in columns)
         assignments = ", ".join(f"{quote(c.column)} = v.{quote(c.column)}" for c in columns[:-1])
-        keycol = quote(columns[-1].column)
-        sql = f"UPDATE {table} AS t SET {assignments} FROM (SELECT {sources}) AS v WHERE t.{keycol} = v.{keycol}"
+        key_column = quote(columns[-1].column)
+        sql = f"UPDATE {table} AS t SET {assignments} FROM (SELECT {sources}) AS v"
+        sql += f" WHERE t.{key_column} = v.{key_column}"
         with connection.cursor() as cursor:
             cursor.execute(sql, [list(values) for values in zip(*rows, strict=True)])
         return
@@ -63,9 +87,13 @@ def _bulk_insert(model: type, fields: list[str], rows: list[tuple]) -> None:
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             sources = ", ".join(f"unnest(%s::{c.db_type(connection)}[])" for c in columns)
-            cursor.execute(f"INSERT INTO {table} ({names}) SELECT {sources}", [list(v) for v in zip(*rows, strict=True)])
+            cursor.execute(
+                f"INSERT INTO {table} ({names}) SELECT {sources}", [list(v) for v in zip(*rows, strict=True)]
+            )
         else:
-            cursor.executemany(f"INSERT INTO {table} ({names}) VALUES ({', '.join(['%s'] * len(columns))})", rows)
+            cursor.executemany(
+                f"INSERT INTO {table} ({names}) VALUES ({', '.join(['%s'] * len(columns))})", rows
+            )
 
 
 @transaction.atomic
@@ -86,51 +114,96 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
     db_now = connection.ops.adapt_datetimefield_value(now)
     latest = {s.host.name: s for s in snapshots}  # a host's newer report wins
 
-    known = {name: (pk, at) for name, pk, at in
-             Server.objects.filter(name__in=latest).values_list("name", "pk", "last_history_at")}
+    known = {
+        name: (pk, at)
+        for name, pk, at in Server.objects.filter(name__in=latest).values_list(
+            "name", "pk", "last_history_at"
+        )
+    }
     new_servers = [Server(name=name) for name in latest if name not in known]
     if new_servers:
         Server.objects.bulk_create(new_servers, ignore_conflicts=True)
-        known = {name: (pk, at) for name, pk, at in
-                 Server.objects.filter(name__in=latest).values_list("name", "pk", "last_history_at")}
+        known = {
+            name: (pk, at)
+            for name, pk, at in Server.objects.filter(name__in=latest).values_list(
+                "name", "pk", "last_history_at"
+            )
+        }
     _bulk_update(
-        Server, _SERVER_LIVE_FIELDS, "name",
-        [(h.hostname, h.simulated, h.driver_version, h.cuda_version, h.cpu_count, h.ram_mb, db_now, name)
-         for name, h in ((name, s.host) for name, s in latest.items())],
+        Server,
+        _SERVER_LIVE_FIELDS,
+        "name",
+        [
+            (h.hostname, h.simulated, h.driver_version, h.cuda_version, h.cpu_count, h.ram_mb, db_now, name)
+            for name, h in ((name, s.host) for name, s in latest.items())
+        ],
     )
 
     cards = [(known[name][0], g) for name, s in latest.items() for g in s.gpus]
-    described = {row[0]: row[1:] for row in
-                 GPU.objects.filter(uuid__in=[g.uuid for _, g in cards]).values_list("uuid", *_GPU_STATIC_FIELDS)}
+    described = {
+        row[0]: row[1:]
+        for row in GPU.objects.filter(uuid__in=[g.uuid for _, g in cards]).values_list(
+            "uuid", *_GPU_STATIC_FIELDS
+        )
+    }
     changed = [
-        GPU(uuid=g.uuid, server_id=server_id, index=g.index, name=g.name, pci_bus_id=g.pci_bus_id,
-            memory_total_mb=g.memory_total_mb, memory_reserved_mb=g.memory_reserved_mb, mig_mode=g.mig_mode or "")
+        GPU(
+            uuid=g.uuid,
+            server_id=server_id,
+            index=g.index,
+            name=g.name,
+            pci_bus_id=g.pci_bus_id,
+            memory_total_mb=g.memory_total_mb,
+            memory_reserved_mb=g.memory_reserved_mb,
+            mig_mode=g.mig_mode or "",
+        )
         for server_id, g in cards
-        if described.get(g.uuid) != (server_id, g.index, g.name, g.pci_bus_id, g.memory_total_mb,
-                                     g.memory_reserved_mb, g.mig_mode or "")
+        if described.get(g.uuid)
+        != (
+            server_id,
+            g.index,
+            g.name,
+            g.pci_bus_id,
+            g.memory_total_mb,
+            g.memory_reserved_mb,
+            g.mig_mode or "",
+        )
     ]
     if changed:  # new cards, or a card moved, was renumbered, or changed MIG mode
         static = [f.removesuffix("_id") if f == "server_id" else f for f in _GPU_STATIC_FIELDS]
         GPU.objects.bulk_create(changed, update_conflicts=True, unique_fields=["uuid"], update_fields=static)
     _bulk_update(
-        GPU, _GPU_LIVE_FIELDS, "uuid",
-        [(g.memory_used_mb, g.utilization_pct, g.temperature_c, g.power_w, g.power_limit_w, db_now, g.uuid)
-         for _, g in cards],
+        GPU,
+        _GPU_LIVE_FIELDS,
+        "uuid",
+        [
+            (g.memory_used_mb, g.utilization_pct, g.temperature_c, g.power_w, g.power_limit_w, db_now, g.uuid)
+            for _, g in cards
+        ],
     )
 
     GPUProcess.objects.filter(gpu__server_id__in=[pk for pk, _ in known.values()]).delete()
     _bulk_insert(
-        GPUProcess, ["gpu", "pid", "username", "command", "used_memory_mb"],
-        [(g.uuid, p.pid, p.username[:64], p.command[:300], p.used_memory_mb) for _, g in cards for p in g.processes],
+        GPUProcess,
+        ["gpu", "pid", "username", "command", "used_memory_mb"],
+        [
+            (g.uuid, p.pid, p.username[:64], p.command[:300], p.used_memory_mb)
+            for _, g in cards
+            for p in g.processes
+        ],
     )
 
     history_every = timedelta(seconds=settings.TELEMETRY_HISTORY_SECONDS)
     due = {name for name, (_, at) in known.items() if at is None or now - at >= history_every}
     if due:
         _bulk_insert(
-            TelemetrySample, ["gpu", "at", "memory_used_mb", "utilization_pct", "temperature_c", "power_w"],
-            [(g.uuid, db_now, g.memory_used_mb, g.utilization_pct, g.temperature_c, g.power_w)
-             for name in due for g in latest[name].gpus],
+            TelemetrySample,
+            ["gpu", "at", "memory_used_mb", "utilization_pct", "temperature_c", "power_w"],
+            [
+                (g.uuid, db_now, g.memory_used_mb, g.utilization_pct, g.temperature_c, g.power_w)
+                for name in due
+                for g in latest[name].gpus
+            ],
         )
         Server.objects.filter(name__in=due).update(last_history_at=now)
 

@@ -115,7 +115,9 @@ _threads: list[_Loop] = []
 
 
 def start_reporter() -> None:
-    log.info("Telemetry reporter for %s every %ss", settings.WORKER_SERVER, settings.TELEMETRY_INTERVAL_SECONDS)
+    log.info(
+        "Telemetry reporter for %s every %ss", settings.WORKER_SERVER, settings.TELEMETRY_INTERVAL_SECONDS
+    )
     _start(TelemetryReporter(get_backend()))
 
 

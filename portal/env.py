@@ -85,13 +85,19 @@ def parse_database_url(url: str, *, var: str = "DATABASE_URL") -> dict:
         if path.startswith("//"):  # sqlite:////abs/path
             path = path[1:]
         if not path or path == "/":
-            raise ImproperlyConfiguredEnv(f"{var}={url!r} names no SQLite file: use sqlite:///path/db.sqlite3")
+            raise ImproperlyConfiguredEnv(
+                f"{var}={url!r} names no SQLite file: use sqlite:///path/db.sqlite3"
+            )
         return {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": path,
             # IMMEDIATE takes the write lock at BEGIN, so two booking transactions
             # serialise instead of both reading "free" and failing at commit.
-            "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20, "init_command": "PRAGMA journal_mode=WAL;"},
+            "OPTIONS": {
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL;",
+            },
         }
     if scheme in {"postgres", "postgresql", "pgsql"}:
         name = unquote(parts.path.lstrip("/"))
@@ -109,4 +115,6 @@ def parse_database_url(url: str, *, var: str = "DATABASE_URL") -> dict:
             "CONN_MAX_AGE": 60,
             "CONN_HEALTH_CHECKS": True,
         }
-    raise ImproperlyConfiguredEnv(f"{var}={url!r}: scheme {scheme!r} is not supported; use postgres:// or sqlite:///")
+    raise ImproperlyConfiguredEnv(
+        f"{var}={url!r}: scheme {scheme!r} is not supported; use postgres:// or sqlite:///"
+    )

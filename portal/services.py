@@ -23,7 +23,11 @@ def demo_data_seed(*, password: str) -> bool:
         return False
     User.objects.create_superuser("admin", "admin@example.org", password)
     team = Team.objects.create(name="Vision Lab", slug="vision-lab")
-    for username, role in (("leader", Membership.Role.LEADER), ("alice", Membership.Role.MEMBER), ("bob", Membership.Role.MEMBER)):
+    for username, role in (
+        ("leader", Membership.Role.LEADER),
+        ("alice", Membership.Role.MEMBER),
+        ("bob", Membership.Role.MEMBER),
+    ):
         user = User.objects.create_user(username, f"{username}@example.org", password)
         Membership.objects.create(team=team, user=user, role=role)
     return True

@@ -64,7 +64,9 @@ def database_url_for_subprocess() -> str:
     return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 30, interval: float = 0.2, what: str = "") -> object:
+def wait_for(
+    predicate: Callable[[], object], timeout: float = 30, interval: float = 0.2, what: str = ""
+) -> object:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -97,9 +99,28 @@ def start_worker(transactional_db) -> Iterator[Callable[..., subprocess.Popen]]:
         }
         log = open(OUTPUT / f"worker-{node}.log", "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", queue,
-             "-n", f"{node}@test", "--pool", "solo", "--without-gossip", "--without-mingle", "-l", "INFO"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "portal",
+                "worker",
+                "-Q",
+                queue,
+                "-n",
+                f"{node}@test",
+                "--pool",
+                "solo",
+                "--without-gossip",
+                "--without-mingle",
+                "-l",
+                "INFO",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         procs.append(proc)
         return proc

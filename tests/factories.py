@@ -34,8 +34,15 @@ class MembershipFactory(factory.django.DjangoModelFactory):
     role = Membership.Role.MEMBER
 
 
-def make_snapshot(server: str = "box1", gpus: int = 4, *, util: int = 10, memory_gb: int = 24,
-                  processes: int = 1, simulated: bool = False) -> Snapshot:
+def make_snapshot(
+    server: str = "box1",
+    gpus: int = 4,
+    *,
+    util: int = 10,
+    memory_gb: int = 24,
+    processes: int = 1,
+    simulated: bool = False,
+) -> Snapshot:
     """A host report as a backend would produce it, with stable UUIDs per server and index."""
     cards = tuple(
         GPUInfo(
@@ -52,12 +59,21 @@ def make_snapshot(server: str = "box1", gpus: int = 4, *, util: int = 10, memory
             power_limit_w=300.0,
             mig_mode="disabled",
             processes=tuple(
-                ProcessInfo(pid=1000 + 10 * i + p, username="alice", command="python train.py", used_memory_mb=500)
+                ProcessInfo(
+                    pid=1000 + 10 * i + p, username="alice", command="python train.py", used_memory_mb=500
+                )
                 for p in range(processes)
             ),
         )
         for i in range(gpus)
     )
-    host = HostInfo(name=server, hostname=f"{server}.lab", driver_version="550.90.07", cuda_version="12.4",
-                    cpu_count=32, ram_mb=256 * 1024, simulated=simulated)
+    host = HostInfo(
+        name=server,
+        hostname=f"{server}.lab",
+        driver_version="550.90.07",
+        cuda_version="12.4",
+        cpu_count=32,
+        ram_mb=256 * 1024,
+        simulated=simulated,
+    )
     return Snapshot(host=host, gpus=cards)

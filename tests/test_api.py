@@ -38,13 +38,31 @@ def test_it_lists_gpus_with_the_documented_fields(api, alice):
     gpus = api.get("/api/v1/gpus/").json()
     assert len(gpus) == 2
     gpu = gpus[0]
-    for field in ("uuid", "server", "index", "name", "memory_total_mb", "memory_bookable_mb", "memory_used_mb",
-                  "utilization_pct", "temperature_c", "power_w", "processes", "simulated", "updated_at"):
+    for field in (
+        "uuid",
+        "server",
+        "index",
+        "name",
+        "memory_total_mb",
+        "memory_bookable_mb",
+        "memory_used_mb",
+        "utilization_pct",
+        "temperature_c",
+        "power_w",
+        "processes",
+        "simulated",
+        "updated_at",
+    ):
         assert field in gpu, field
     assert gpu["server"] == "box1"
     assert gpu["simulated"] is True
-    assert gpu["processes"][0] == {"pid": 1000, "username": "alice", "command": "python train.py",
-                                   "used_memory_mb": 500, "job": "unmanaged"}
+    assert gpu["processes"][0] == {
+        "pid": 1000,
+        "username": "alice",
+        "command": "python train.py",
+        "used_memory_mb": 500,
+        "job": "unmanaged",
+    }
     assert api.get("/api/v1/gpus/?server=nope").json() == []
 
 

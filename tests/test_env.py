@@ -1,6 +1,14 @@
 import pytest
 
-from portal.env import ImproperlyConfiguredEnv, env_bool, env_choice, env_int, env_list, env_str, parse_database_url
+from portal.env import (
+    ImproperlyConfiguredEnv,
+    env_bool,
+    env_choice,
+    env_int,
+    env_list,
+    env_str,
+    parse_database_url,
+)
 
 
 def test_it_reads_booleans_and_rejects_nonsense(monkeypatch):
@@ -46,7 +54,12 @@ def test_it_parses_database_urls():
     pg = parse_database_url("postgres://postgres:pw@127.0.0.1:5432/test?sslmode=disable")
     assert pg["ENGINE"] == "django.db.backends.postgresql"
     assert (pg["NAME"], pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"]) == (
-        "test", "postgres", "pw", "127.0.0.1", "5432")
+        "test",
+        "postgres",
+        "pw",
+        "127.0.0.1",
+        "5432",
+    )
     assert pg["OPTIONS"] == {"sslmode": "disable"}
     lite = parse_database_url("sqlite:////srv/portal/db.sqlite3")
     assert lite["NAME"] == "/srv/portal/db.sqlite3"

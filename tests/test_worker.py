@@ -45,7 +45,9 @@ def test_it_runs_one_worker_per_server_on_its_own_queue(start_worker, settings):
     assert not set(g.uuid for g in _gpus_of(first)) & set(g.uuid for g in _gpus_of(second))
 
     def queues() -> dict[str, set[str]]:
-        replies = app.control.inspect(destination=[f"{first}@test", f"{second}@test"], timeout=2).active_queues()
+        replies = app.control.inspect(
+            destination=[f"{first}@test", f"{second}@test"], timeout=2
+        ).active_queues()
         return {node: {q["name"] for q in qs} for node, qs in (replies or {}).items()}
 
     consumed = wait_for(lambda: len(queues()) == 2 and queues(), timeout=20, what="both workers to answer")
@@ -61,6 +63,9 @@ def test_it_shows_a_stopped_worker_offline(start_worker, settings):
     worker.kill()  # the host dies: no goodbye message
     worker.wait()
     stopped_at = timezone.now()
-    wait_for(lambda: Server.objects.get(name=name).status == Server.Status.OFFLINE, timeout=15,
-             what="the server to go offline")
+    wait_for(
+        lambda: Server.objects.get(name=name).status == Server.Status.OFFLINE,
+        timeout=15,
+        what="the server to go offline",
+    )
     assert (timezone.now() - stopped_at).total_seconds() < 30

@@ -47,8 +47,22 @@ class Command(BaseCommand):
         for n, name in enumerate(servers):
             queues = f"host.{name}" + (",portal" if n == 0 else "")
             command = [
-                python, "-m", "celery", "-A", "portal", "worker", "-Q", queues, "-n", f"{name}@%h",
-                "--concurrency", "2", "--without-gossip", "--without-mingle", "-l", "INFO",
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "portal",
+                "worker",
+                "-Q",
+                queues,
+                "-n",
+                f"{name}@%h",
+                "--concurrency",
+                "2",
+                "--without-gossip",
+                "--without-mingle",
+                "-l",
+                "INFO",
             ]
             if n == 0:  # exactly one beat for the whole portal (telemetry pruning)
                 command += ["-B", "-s", str(settings.VAR_DIR / "celerybeat-schedule")]
@@ -56,14 +70,28 @@ class Command(BaseCommand):
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
         children.append(
             subprocess.Popen(
-                [python, "-m", "gunicorn", "portal.wsgi", "-b", f"{bind}:{settings.PORT}",
-                 "--workers", "2", "--threads", "4", "--access-logfile", "-"]
+                [
+                    python,
+                    "-m",
+                    "gunicorn",
+                    "portal.wsgi",
+                    "-b",
+                    f"{bind}:{settings.PORT}",
+                    "--workers",
+                    "2",
+                    "--threads",
+                    "4",
+                    "--access-logfile",
+                    "-",
+                ]
             )
         )
         host = "localhost" if bind in ("0.0.0.0", "127.0.0.1") else bind
         self.stdout.write(self.style.SUCCESS(f"\nGPU lab portal: http://{host}:{settings.PORT}/"))
         if simulated:
-            self.stdout.write(f"No NVIDIA driver here: SIMULATED servers {', '.join(servers)} (labelled in the UI).")
+            self.stdout.write(
+                f"No NVIDIA driver here: SIMULATED servers {', '.join(servers)} (labelled in the UI)."
+            )
         if seeded or settings.PORTAL_DEMO_PASSWORD == "gpu-lab-demo":
             self.stdout.write(
                 f"Demo logins: admin, leader, alice, bob / password {settings.PORTAL_DEMO_PASSWORD!r}"
