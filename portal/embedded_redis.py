@@ -51,6 +51,9 @@ def embedded_redis(socket_path: Path) -> Iterator[str]:
             "warning",
         ],
         stdout=subprocess.DEVNULL,
+        # Out of the terminal's process group: Ctrl-C must not stop Redis before the
+        # workers using it have shut down; it is stopped below, last.
+        start_new_session=True,
     )
     url = f"unix://{socket_path}"
     try:

@@ -11,27 +11,31 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
-from gpus.backends import get_backend
+from gpus.inventory import BackendUnavailable
 from portal.env import env_str
 from portal.services import demo_data_seed
 
 
 def _worker_servers() -> tuple[list[str], bool]:
-    backend = get_backend()
-    try:
-        simulated = backend.snapshot().host.simulated
-    finally:
-        backend.close()
-    if not simulated:
-        return [settings.WORKER_SERVER], False
+    """This host when an NVIDIA driver answers, else every server of the simulated inventory."""
+    if settings.GPU_BACKEND != "simulated":
+        from gpus.nvml import NvmlBackend
+
+        try:
+            NvmlBackend(settings.WORKER_SERVER).close()
+            return [settings.WORKER_SERVER], False
+        except BackendUnavailable as exc:
+            if settings.GPU_BACKEND == "nvml":
+                raise CommandError(f"GPU_BACKEND=nvml but NVML is unavailable: {exc}") from exc
     from gpus.simulated import server_names
 
-    return server_names(settings.SIMULATED_INVENTORY or None), True
+    return server_names(Path(settings.SIMULATED_INVENTORY) if settings.SIMULATED_INVENTORY else None), True
 
 
 class Command(BaseCommand):
@@ -66,7 +70,8 @@ class Command(BaseCommand):
             ]
             if n == 0:  # exactly one beat for the whole portal (telemetry pruning)
                 command += ["-B", "-s", str(settings.VAR_DIR / "celerybeat-schedule")]
-            children.append(subprocess.Popen(command, env={**os.environ, "WORKER_SERVER": name}))
+            env = {**os.environ, "WORKER_SERVER": name, "GPU_BACKEND": "simulated" if simulated else "nvml"}
+            children.append(subprocess.Popen(command, env=env))
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
         children.append(
             subprocess.Popen(
