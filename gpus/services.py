@@ -12,25 +12,8 @@ from django.utils import timezone
 from gpus.inventory import Snapshot
 from gpus.models import GPU, GPUProcess, Server, TelemetrySample
 
-_GPU_UPDATE_FIELDS = [
-    "server",
-    "index",
-    "name",
-    "pci_bus_id",
-    "memory_total_mb",
-    "memory_reserved_mb",
-    "mig_mode",
-    "memory_used_mb",
-    "utilization_pct",
-    "temperature_c",
-    "power_w",
-    "power_limit_w",
-    "updated_at",
-]
-
-
 _GPU_STATIC_FIELDS = [
-    "server_id",
+    "server",  # values_list("server") reads the id
     "index",
     "name",
     "pci_bus_id",
@@ -134,8 +117,17 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
         _SERVER_LIVE_FIELDS,
         "name",
         [
-            (h.hostname, h.simulated, h.driver_version, h.cuda_version, h.cpu_count, h.ram_mb, db_now, name)
-            for name, h in ((name, s.host) for name, s in latest.items())
+            (
+                s.host.hostname,
+                s.host.simulated,
+                s.host.driver_version,
+                s.host.cuda_version,
+                s.host.cpu_count,
+                s.host.ram_mb,
+                db_now,
+                name,
+            )
+            for name, s in latest.items()
         ],
     )
 
@@ -170,8 +162,9 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
         )
     ]
     if changed:  # new cards, or a card moved, was renumbered, or changed MIG mode
-        static = [f.removesuffix("_id") if f == "server_id" else f for f in _GPU_STATIC_FIELDS]
-        GPU.objects.bulk_create(changed, update_conflicts=True, unique_fields=["uuid"], update_fields=static)
+        GPU.objects.bulk_create(
+            changed, update_conflicts=True, unique_fields=["uuid"], update_fields=_GPU_STATIC_FIELDS
+        )
     _bulk_update(
         GPU,
         _GPU_LIVE_FIELDS,

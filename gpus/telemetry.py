@@ -50,14 +50,13 @@ def take_reports(client: redis.Redis) -> list[Snapshot]:
         try:
             snapshots.append(snapshot_from_json(payload))
         except (ValueError, TypeError, KeyError):
-            log.warning("Dropped a malformed telemetry report from %r", host)
+            log.warning("Dropped a malformed telemetry report from %r", host.decode(errors="replace"))
     return snapshots
 
 
 def collect_once(client: redis.Redis) -> int:
     snapshots = take_reports(client)
     if snapshots:
-        close_old_connections()  # a restarted database must not kill the loop
         servers_report_ingest(snapshots=snapshots)
     return len(snapshots)
 
@@ -108,6 +107,7 @@ class TelemetryCollector(_Loop):
         self.client = redis_client()
 
     def step(self) -> None:
+        close_old_connections()  # a restarted database must not kill the loop
         collect_once(self.client)
 
 

@@ -89,3 +89,18 @@ def test_it_writes_a_round_of_many_hosts_in_a_fixed_number_of_queries():
     assert len(large) == len(small) if connection.vendor == "postgresql" else len(large) < 32
     assert GPU.objects.count() == 1 + 63 * 8 + 7
     assert GPUProcess.objects.count() == 64 * 8 * 3
+
+
+def test_it_redescribes_a_card_whose_hardware_facts_change():
+    from dataclasses import replace
+
+    snap = make_snapshot("box1", gpus=2)
+    server_report_ingest(snapshot=snap)
+    moved = replace(snap.gpus[1], mig_mode="enabled", index=5)
+    server_report_ingest(snapshot=replace(snap, gpus=(snap.gpus[0], moved)))
+    gpu = GPU.objects.get(uuid="GPU-box1-01")
+    assert (gpu.mig_mode, gpu.index) == ("enabled", 5)
+    # The card moves with its UUID when it reappears in another server.
+    other = make_snapshot("box2", gpus=0)
+    server_report_ingest(snapshot=replace(other, gpus=(moved,)))
+    assert GPU.objects.get(uuid="GPU-box1-01").server.name == "box2"
