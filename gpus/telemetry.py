@@ -20,7 +20,7 @@ import threading
 
 import redis
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 
 from gpus.backends import get_backend
 from gpus.inventory import Backend, Snapshot, snapshot_from_json, snapshot_to_json
@@ -80,6 +80,7 @@ class _Loop(threading.Thread):
                 log.exception("%s failed; retrying in %ss", self.name, self.interval)
             self.stopped.wait(self.interval)
         self.finish()
+        connection.close()  # this thread's own connection; the process may live on
 
     def finish(self) -> None:
         pass
