@@ -212,8 +212,3 @@ def telemetry_prune(*, now: datetime | None = None) -> int:
     cutoff = (now or timezone.now()) - timedelta(hours=settings.TELEMETRY_RETENTION_HOURS)
     deleted, _ = TelemetrySample.objects.filter(at__lt=cutoff).delete()
     return deleted
-
-
-def server_set_draining(*, server: Server, draining: bool) -> None:
-    Server.objects.filter(pk=server.pk).update(draining=draining)
-    server.draining = draining

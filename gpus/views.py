@@ -11,21 +11,21 @@ from gpus.selectors import dashboard_servers as select_dashboard_servers
 from gpus.selectors import gpu_history
 
 
-def _servers_html(request: HttpRequest) -> str:
+def _servers_html() -> str:
     return render_to_string("gpus/_servers.html", {"servers": select_dashboard_servers()}, using="jinja2")
 
 
 @require_GET
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
-    return render(request, "gpus/dashboard.html", {"servers_html": _servers_html(request)})
+    return render(request, "gpus/dashboard.html", {"servers_html": _servers_html()})
 
 
 @require_GET
 @login_required
 def dashboard_servers(request: HttpRequest) -> HttpResponse:
     """The live part of the dashboard, polled by htmx and swapped in place."""
-    return HttpResponse(_servers_html(request))
+    return HttpResponse(_servers_html())
 
 
 @require_GET

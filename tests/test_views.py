@@ -98,7 +98,7 @@ def test_it_regenerates_the_api_token_from_the_profile(client, alice):
     assert client.get(reverse("regenerate_token")).status_code == 405
 
 
-def test_it_serves_vendored_static_files_locally(client):
+def test_it_serves_vendored_static_files_locally():
     html_assets = ["vendor/htmx-2.0.11.min.js", "vendor/chart-4.6.1.umd.min.js", "css/portal.css"]
     from django.contrib.staticfiles import finders
 
