@@ -146,3 +146,127 @@ class TelemetrySample(models.Model):
 
     def __str__(self) -> str:
         return f"{self.gpu_id} at {self.at:%Y-%m-%d %H:%M:%S}"
+
+
+class ReservationQuerySet(models.QuerySet):
+    def visible_to(self, user) -> ReservationQuerySet:  # type: ignore[no-untyped-def]
+        """Own bookings and those of every team the user belongs to; admins (staff) see all."""
+        if user.is_staff:
+            return self
+        return self.filter(models.Q(owner=user) | models.Q(team__memberships__user=user)).distinct()
+
+
+class Reservation(models.Model):
+    """A booking of one or more cards (whole or a memory quota) for a time window.
+
+    Status is derived, never stored: upcoming → active → ended by the clock;
+    cancelled (before or during, by the owner or a leader/admin) and released (ended
+    early by the owner) are recorded by their timestamps. Release moves `end` to the
+    release time, so every conflict and quota query reads one window: [start, end).
+    """
+
+    class Status(models.TextChoices):
+        UPCOMING = "upcoming", "Upcoming"
+        ACTIVE = "active", "Active"
+        ENDED = "ended", "Ended"
+        CANCELLED = "cancelled", "Cancelled"
+        RELEASED = "released", "Released early"
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="reservations")
+    team = models.ForeignKey("portal.Team", on_delete=models.PROTECT, related_name="reservations")
+    start = models.DateTimeField()
+    end = models.DateTimeField()
+    booked_end = models.DateTimeField(help_text="The end as booked or extended, before any early release.")
+    note = models.CharField(max_length=500, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+    cancelled_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    cancel_reason = models.CharField(max_length=500, blank=True)
+
+    objects = ReservationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-start", "-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(end__gt=models.F("start")), name="reservation_end_after_start"
+            )
+        ]
+        indexes = [
+            models.Index(fields=["owner", "end"], name="reservation_owner_end"),
+            models.Index(fields=["team", "end"], name="reservation_team_end"),
+        ]
+
+    def __str__(self) -> str:
+        return f"reservation {self.pk}"
+
+    def status_at(self, now: datetime) -> Reservation.Status:
+        if self.cancelled_at:
+            return self.Status.CANCELLED
+        if self.released_at:
+            return self.Status.RELEASED
+        if now < self.start:
+            return self.Status.UPCOMING
+        return self.Status.ACTIVE if now < self.end else self.Status.ENDED
+
+    @property
+    def status(self) -> Reservation.Status:
+        return self.status_at(timezone.now())
+
+    @property
+    def is_open(self) -> bool:
+        """Still holding or about to hold its cards: it can be cancelled, released or extended."""
+        return self.status in (self.Status.UPCOMING, self.Status.ACTIVE)
+
+
+class Allocation(models.Model):
+    """One card of a reservation: the whole card (memory_mb NULL) or a memory quota on it.
+
+    `start`, `end` and `live` copy the reservation's window and state so the conflict
+    sweep reads one indexed table; the booking services keep them in step.
+    """
+
+    reservation = models.ForeignKey(Reservation, on_delete=models.CASCADE, related_name="allocations")
+    gpu = models.ForeignKey(GPU, on_delete=models.PROTECT, related_name="allocations")
+    memory_mb = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: the whole card.")
+    start = models.DateTimeField()
+    end = models.DateTimeField()
+    live = models.BooleanField(default=True, help_text="False once the reservation is cancelled.")
+
+    class Meta:
+        ordering = ["gpu_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["reservation", "gpu"], name="allocation_unique_gpu"),
+            models.CheckConstraint(
+                condition=models.Q(memory_mb__isnull=True) | models.Q(memory_mb__gt=0),
+                name="allocation_memory_positive",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(end__gt=models.F("start")), name="allocation_end_after_start"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["gpu", "end"], condition=models.Q(live=True), name="allocation_live_gpu_end")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id} ({self.memory_label}) for reservation {self.reservation_id}"
+
+    @property
+    def whole(self) -> bool:
+        return self.memory_mb is None
+
+    @property
+    def memory_label(self) -> str:
+        return "whole card" if self.memory_mb is None else format_mb(self.memory_mb)
+
+
+def format_mb(mb: int) -> str:
+    """16384 → '16 GB', 1536 → '1.5 GB', 500 → '500 MB'."""
+    if mb < 1024:
+        return f"{mb} MB"
+    gb = mb / 1024
+    return f"{gb:.0f} GB" if gb == int(gb) else f"{gb:.1f} GB"

@@ -168,6 +168,15 @@ TELEMETRY_RETENTION_HOURS = env_int("TELEMETRY_RETENTION_HOURS", 24, min_value=1
 # any TensorFlow memory_limit: bookable = total - driver reserved - this headroom.
 GPU_CONTEXT_HEADROOM_MB = env_int("GPU_CONTEXT_HEADROOM_MB", 512, min_value=0)
 
+# --- Bookings -----------------------------------------------------------------------
+BOOKING_DEFAULT_HOURS = env_int("BOOKING_DEFAULT_HOURS", 8, min_value=1)
+# The longest booking anyone may make; a member quota's max_booking_hours can only lower it.
+BOOKING_MAX_HOURS = env_int("BOOKING_MAX_HOURS", 14 * 24, min_value=1)
+# How far ahead a booking may start or end.
+BOOKING_HORIZON_DAYS = env_int("BOOKING_HORIZON_DAYS", 60, min_value=1)
+# A start this far in the past is still accepted (the form was filled in a minute ago).
+BOOKING_PAST_GRACE_MINUTES = env_int("BOOKING_PAST_GRACE_MINUTES", 5, min_value=0)
+
 CELERY_BEAT_SCHEDULE = {
     "prune-telemetry": {"task": "gpus.tasks.prune_telemetry", "schedule": 600.0},
 }

@@ -1,0 +1,584 @@
+"""Booking services: every reservation rule is checked here, for the web forms and the API alike.
+
+Concurrency: each service is one transaction that first locks what it is about to check,
+always in the same order (reservation, membership, team when it has limits, then GPU rows
+by UUID), so on PostgreSQL two bookings touching the same card serialise and can never
+deadlock; re-reads after the lock see the other's committed rows (READ COMMITTED). On
+SQLite every transaction is BEGIN IMMEDIATE (portal/env.py), which serialises all writers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
+from gpus.models import GPU, Allocation, Reservation, Server, format_mb
+from portal.access import can_manage_team, display_name, team_ids_of
+from portal.models import AuditEntry, Membership, Team
+from portal.quotas import Use, peak, quota_refusal
+
+PICK_ATTEMPTS = 3
+
+
+class BookingError(Exception):
+    """A refused booking action; nothing was written. `status` is what the API answers."""
+
+    status = 400
+    code = "invalid"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class BookingInvalid(BookingError):
+    pass
+
+
+class BookingConflict(BookingError):
+    status = 409
+    code = "conflict"
+
+
+class QuotaExceeded(BookingError):
+    status = 403
+    code = "quota_exceeded"
+
+
+class BookingForbidden(BookingError):
+    status = 403
+    code = "permission_denied"
+
+
+def format_time(at: datetime) -> str:
+    return timezone.localtime(at).strftime("%a %Y-%m-%d %H:%M %Z")
+
+
+def gpu_label(gpu: GPU) -> str:
+    return f"{gpu.server.name} GPU {gpu.index} ({gpu.uuid})"
+
+
+@dataclass(frozen=True)
+class Held:
+    """A live allocation already on a card."""
+
+    reservation_id: int
+    owner_id: int
+    owner_name: str
+    team_id: int
+    start: datetime
+    end: datetime
+    memory_mb: int | None
+
+
+def held_on(
+    uuids: Sequence[str], start: datetime, end: datetime, *, exclude: int | None = None
+) -> dict[str, list[Held]]:
+    """Live allocations on these cards overlapping [start, end), by card UUID, in one query."""
+    rows = Allocation.objects.filter(live=True, gpu_id__in=uuids, end__gt=start, start__lt=end)
+    if exclude is not None:
+        rows = rows.exclude(reservation_id=exclude)
+    held: dict[str, list[Held]] = defaultdict(list)
+    for gpu_id, *fields in rows.order_by("start").values_list(
+        "gpu_id",
+        "reservation_id",
+        "reservation__owner_id",
+        "reservation__owner__username",
+        "reservation__team_id",
+        "start",
+        "end",
+        "memory_mb",
+    ):
+        held[gpu_id].append(Held(*fields))
+    return held
+
+
+def blockers(
+    gpu: GPU, held: Sequence[Held], start: datetime, end: datetime, memory_mb: int | None
+) -> list[Held]:
+    """The bookings that stop `memory_mb` (None: the whole card) fitting on `gpu` in [start, end).
+
+    A whole card needs the card empty. Memory quotas may overlap while their sum at every
+    instant stays within the card's bookable memory: a sweep, not a pairwise test, because
+    three bookings can each fit pairwise and still overflow together.
+    """
+    overlapping = [h for h in held if h.start < end and h.end > start]
+    if not overlapping or memory_mb is None:
+        return overlapping
+    wholes = [h for h in overlapping if h.memory_mb is None]
+    if wholes:
+        return wholes
+    in_use = peak(((h.start, h.end, h.memory_mb or 0) for h in overlapping), start, end)
+    return overlapping if in_use + memory_mb > gpu.memory_bookable_mb else []
+
+
+def earliest_fit(
+    gpu: GPU, start: datetime, end: datetime, memory_mb: int | None, *, exclude: int | None = None
+) -> datetime | None:
+    """The first start ≥ `start` at which a booking of the same length fits, within the horizon.
+
+    Only a start or the end of an existing booking can be the first fitting instant.
+    """
+    length = end - start
+    horizon = start + timedelta(days=settings.BOOKING_HORIZON_DAYS)
+    held = held_on([gpu.uuid], start, horizon + length, exclude=exclude).get(gpu.uuid, [])
+    for candidate in sorted({start, *(h.end for h in held if h.end > start)}):
+        if candidate > horizon:
+            break
+        if not blockers(gpu, held, candidate, candidate + length, memory_mb):
+            return candidate
+    return None
+
+
+def _conflict_message(
+    viewer: AbstractBaseUser,
+    gpu: GPU,
+    found: list[Held],
+    start: datetime,
+    end: datetime,
+    memory_mb: int | None,
+    exclude: int | None,
+) -> str:
+    viewer_teams = team_ids_of(viewer)
+    who = "; ".join(
+        f"{display_name(viewer, viewer_teams, h.owner_id, h.owner_name, h.team_id)} holds "
+        f"{'the whole card' if h.memory_mb is None else format_mb(h.memory_mb)} "
+        f"from {format_time(h.start)} to {format_time(h.end)}"
+        for h in found[:3]
+    )
+    if len(found) > 3:
+        who += f"; and {len(found) - 3} more"
+    want = (
+        "the whole card"
+        if memory_mb is None
+        else f"{format_mb(memory_mb)} of its {format_mb(gpu.memory_bookable_mb)} bookable"
+    )
+    fit = earliest_fit(gpu, start, end, memory_mb, exclude=exclude)
+    when = (
+        f"The earliest a booking of the same length fits is {format_time(fit)}."
+        if fit
+        else f"No slot of that length is free within the next {settings.BOOKING_HORIZON_DAYS} days."
+    )
+    window = f"from {format_time(start)} to {format_time(end)}"
+    return f"{gpu_label(gpu)} is not free for {want} {window}: {who}. {when}"
+
+
+# --- checks shared by create and extend ---------------------------------------------
+
+
+def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membership:
+    """The user's membership for the booking's team, locked; the team too when it has limits."""
+    memberships = Membership.objects.select_for_update(of=("self",)).select_related("team").filter(user=user)
+    if isinstance(team, Team):
+        memberships = memberships.filter(team=team)
+    elif team:
+        memberships = memberships.filter(team__slug=team)
+    membership = memberships.order_by("team__name").first()
+    if membership is None:
+        if team:
+            raise BookingForbidden(
+                f"You are not a member of team {team}; book for one of your own teams.", field="team"
+            )
+        raise BookingForbidden(
+            "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
+        )
+    if any(
+        v is not None
+        for v in (membership.team.max_cards, membership.team.max_gb, membership.team.gpu_hours_per_week)
+    ):
+        # Serialises this team's bookings so two cannot both pass the team quota.
+        membership.team = Team.objects.select_for_update().get(pk=membership.team_id)
+    return membership
+
+
+def _check_window(
+    start: datetime, end: datetime, membership: Membership, now: datetime, *, new_start: bool = True
+) -> None:
+    if end <= start:
+        raise BookingInvalid(
+            f"The end ({format_time(end)}) must be after the start ({format_time(start)}).", field="end"
+        )
+    if new_start and start < now - timedelta(minutes=settings.BOOKING_PAST_GRACE_MINUTES):
+        raise BookingInvalid(
+            f"The start ({format_time(start)}) is in the past; start now or later.", field="start"
+        )
+    horizon = now + timedelta(days=settings.BOOKING_HORIZON_DAYS)
+    if end > horizon:
+        raise BookingInvalid(
+            f"Bookings can reach at most {settings.BOOKING_HORIZON_DAYS} days ahead "
+            f"(until {format_time(horizon)}); pick an earlier end.",
+            field="end",
+        )
+    hours = (end - start).total_seconds() / 3600
+    if hours > settings.BOOKING_MAX_HOURS:
+        raise BookingInvalid(
+            f"A booking can last at most {settings.BOOKING_MAX_HOURS} h; this one is {hours:.1f} h. "
+            "Pick an earlier end.",
+            field="end",
+        )
+    limit = membership.max_booking_hours
+    if limit is not None and hours > limit:
+        raise QuotaExceeded(
+            f"Your quota in {membership.team} allows bookings of at most {limit} h; "
+            f"this one is {hours:.1f} h. "
+            f"End it by {format_time(start + timedelta(hours=limit))} or ask a leader of {membership.team}.",
+            field="end",
+        )
+
+
+def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
+    gpus = list(
+        GPU.objects.select_for_update(of=("self",))
+        .select_related("server")
+        .filter(uuid__in=uuids)
+        .order_by("uuid")
+    )
+    missing = sorted(set(uuids) - {g.uuid for g in gpus})
+    if missing:
+        raise BookingInvalid(
+            f"There is no GPU {missing[0]}; pick cards from the dashboard or GET /api/v1/gpus/.", field="gpus"
+        )
+    servers = sorted({g.server.name for g in gpus})
+    if len(servers) > 1:
+        raise BookingInvalid(
+            f"These cards are on {len(servers)} servers ({', '.join(servers)}); a booking's cards must "
+            "share one server, because a job runs on one host. Make one booking per server.",
+            field="gpus",
+        )
+    for gpu in gpus:
+        if gpu.server.draining:
+            raise BookingInvalid(
+                f"{gpu_label(gpu)} is on {gpu.server.name}, which is draining: "
+                "pick a card on another server.",
+                field="gpus",
+            )
+        if memory_mb is not None and memory_mb > gpu.memory_bookable_mb:
+            raise BookingInvalid(
+                f"{format_mb(memory_mb)} is more than the {format_mb(gpu.memory_bookable_mb)} "
+                f"bookable on {gpu_label(gpu)}; "
+                f"ask for at most {gpu.memory_bookable_mb}M, or book the whole card.",
+                field="memory_mb",
+            )
+    return gpus
+
+
+def _check_free(
+    viewer: AbstractBaseUser,
+    gpus: Sequence[GPU],
+    start: datetime,
+    end: datetime,
+    memory_mb: int | None,
+    *,
+    exclude: int | None = None,
+) -> None:
+    held = held_on([g.uuid for g in gpus], start, end, exclude=exclude)
+    for gpu in gpus:
+        found = blockers(gpu, held.get(gpu.uuid, []), start, end, memory_mb)
+        if found:
+            raise BookingConflict(
+                _conflict_message(viewer, gpu, found, start, end, memory_mb, exclude), field="gpus"
+            )
+
+
+def _check_quota(
+    membership: Membership,
+    gpus: Sequence[GPU],
+    memory_mb: int | None,
+    start: datetime,
+    end: datetime,
+    *,
+    exclude: int | None = None,
+) -> None:
+    new = [Use.of(start, end, memory_mb, g.memory_total_mb) for g in gpus]
+    refusal = quota_refusal(membership, new, start, end, exclude_reservation=exclude)
+    if refusal:
+        raise QuotaExceeded(refusal)
+
+
+def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime, end: datetime) -> list[str]:
+    """Choose `count` cards on one server: the least loaded that fit, on the least loaded server.
+
+    Load of a card = share of its bookable memory booked in the window, then its current
+    utilisation and used memory. Unlocked reads: the caller locks the pick and re-checks.
+    """
+    candidates = GPU.objects.select_related("server").filter(server__draining=False)
+    if server:
+        if not Server.objects.filter(name=server).exists():
+            raise BookingInvalid(
+                f"There is no server {server!r}; leave it empty for any server.", field="server"
+            )
+        candidates = candidates.filter(server__name=server)
+    else:
+        candidates = candidates.filter(server__in=Server.objects.online())
+    gpus = list(candidates)
+    if memory_mb is not None and gpus and memory_mb > max(g.memory_bookable_mb for g in gpus):
+        largest = max(g.memory_bookable_mb for g in gpus)
+        raise BookingInvalid(
+            f"{format_mb(memory_mb)} is more than any card offers (at most {format_mb(largest)} bookable); "
+            f"ask for at most {largest}M, or whole cards.",
+            field="memory_mb",
+        )
+    held = held_on([g.uuid for g in gpus], start, end)
+    fitting: dict[str, list[tuple[tuple[float, int, int], str]]] = defaultdict(list)
+    for gpu in gpus:
+        mine = held.get(gpu.uuid, [])
+        if (memory_mb is not None and memory_mb > gpu.memory_bookable_mb) or blockers(
+            gpu, mine, start, end, memory_mb
+        ):
+            continue
+        booked = peak(((h.start, h.end, h.memory_mb or 0) for h in mine), start, end)
+        load = (
+            booked / gpu.memory_bookable_mb if gpu.memory_bookable_mb else 1.0,
+            gpu.utilization_pct or 0,
+            gpu.memory_used_mb or 0,
+        )
+        fitting[gpu.server.name].append((load, gpu.uuid))
+    options = []
+    for name, cards in fitting.items():
+        if len(cards) >= count:
+            chosen = sorted(cards)[:count]
+            total = tuple(sum(load[i] for load, _ in chosen) for i in range(3))
+            options.append((total, name, [uuid for _, uuid in chosen]))
+    if options:
+        return min(options)[2]
+    what = (
+        f"{count} whole card(s)" if memory_mb is None else f"{count} card(s) with {format_mb(memory_mb)} free"
+    )
+    where = f"Server {server} does not have" if server else "No online server has"
+    best = max(fitting.items(), key=lambda item: len(item[1]), default=None)
+    most = f" (the most on one server is {len(best[1])}, on {best[0]})" if best else ""
+    raise BookingConflict(
+        f"{where} {what} from {format_time(start)} to {format_time(end)}{most}. "
+        "Try fewer cards, less memory or a later time; the server timelines show what is free.",
+        field="count",
+    )
+
+
+def _audit(
+    actor: AbstractBaseUser, reservation: Reservation, action: str, message: str, **data: object
+) -> None:
+    AuditEntry.objects.create(
+        actor=actor,
+        team_id=reservation.team_id,
+        action=action,
+        target=f"reservation {reservation.pk}",
+        message=message,
+        data=data,
+    )
+
+
+def describe(gpus: Sequence[GPU], memory_mb: int | None) -> str:
+    cards = ", ".join(str(g.index) for g in gpus)
+    server = gpus[0].server.name
+    if memory_mb is None:
+        return f"{len(gpus)} whole card(s) on {server} (GPU {cards})"
+    return f"{format_mb(memory_mb)} on each of {len(gpus)} card(s) on {server} (GPU {cards})"
+
+
+# --- services -----------------------------------------------------------------------
+
+
+@transaction.atomic
+def reservation_create(
+    *,
+    user: AbstractBaseUser,
+    gpus: Sequence[str] | None = None,
+    count: int | None = None,
+    server: str | None = None,
+    memory_mb: int | None = None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    note: str = "",
+    team: Team | str | None = None,
+    now: datetime | None = None,
+) -> Reservation:
+    """Book `gpus` (UUIDs) or `count` cards the portal picks (on `server`, or anywhere).
+
+    `memory_mb` None books whole cards; otherwise that much memory on each card.
+    Raises a BookingError subclass, naming the field and the fix, and writes nothing.
+    """
+    now = now or timezone.now()
+    start = start or now
+    end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
+    if memory_mb is not None and memory_mb <= 0:
+        raise BookingInvalid(
+            "Memory must be more than 0; leave it empty to book whole cards.", field="memory_mb"
+        )
+    if len(note) > 500:
+        raise BookingInvalid(f"The note is {len(note)} characters; keep it to 500.", field="note")
+    if gpus and count:
+        raise BookingInvalid("Give either GPUs to book or a count of cards to pick, not both.", field="gpus")
+    if not gpus and not count:
+        raise BookingInvalid(
+            "Pick at least one GPU, or give a count of cards for the portal to pick.", field="gpus"
+        )
+    if gpus and len(set(gpus)) != len(gpus):
+        raise BookingInvalid("A GPU is listed twice; list each card once.", field="gpus")
+    if count is not None and count < 1:
+        raise BookingInvalid("The count must be at least 1.", field="count")
+
+    membership = _locked_membership(user, team)
+    _check_window(start, end, membership, now)
+    if gpus:
+        cards = _locked_gpus(gpus, memory_mb)
+        _check_free(user, cards, start, end, memory_mb)
+    else:
+        for attempt in range(PICK_ATTEMPTS):
+            cards = _locked_gpus(_pick(count or 0, server, memory_mb, start, end), memory_mb)
+            try:
+                _check_free(user, cards, start, end, memory_mb)
+                break
+            except BookingConflict:
+                # Another booking took a picked card between the pick and the lock: pick again.
+                if attempt == PICK_ATTEMPTS - 1:
+                    raise
+    _check_quota(membership, cards, memory_mb, start, end)
+
+    reservation = Reservation.objects.create(
+        owner=user, team=membership.team, start=start, end=end, booked_end=end, note=note
+    )
+    Allocation.objects.bulk_create(
+        Allocation(reservation=reservation, gpu=g, memory_mb=memory_mb, start=start, end=end) for g in cards
+    )
+    _audit(
+        user,
+        reservation,
+        AuditEntry.Action.RESERVATION_CREATE,
+        f"{user} booked {describe(cards, memory_mb)} from {format_time(start)} to {format_time(end)}",
+        gpus=[g.uuid for g in cards],
+        memory_mb=memory_mb,
+        start=start.isoformat(),
+        end=end.isoformat(),
+    )
+    return reservation
+
+
+def _locked_reservation(reservation: Reservation | int) -> Reservation:
+    pk = reservation if isinstance(reservation, int) else reservation.pk
+    return Reservation.objects.select_for_update(of=("self",)).select_related("owner", "team").get(pk=pk)
+
+
+@transaction.atomic
+def reservation_extend(
+    *, user: AbstractBaseUser, reservation: Reservation | int, end: datetime, now: datetime | None = None
+) -> Reservation:
+    """Move an open booking's end later, if its cards are free until then and quotas allow."""
+    now = now or timezone.now()
+    reservation = _locked_reservation(reservation)
+    if reservation.owner_id != user.pk:
+        raise BookingForbidden("Only the owner can extend a booking.")
+    status = reservation.status_at(now)
+    if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
+        raise BookingInvalid(f"This booking is {status.label.lower()}; make a new one instead.", field="end")
+    if end <= reservation.end:
+        raise BookingInvalid(
+            f"The new end must be after the current end, {format_time(reservation.end)}.", field="end"
+        )
+    membership = _locked_membership(user, reservation.team)
+    _check_window(reservation.start, end, membership, now, new_start=False)
+    allocations = list(reservation.allocations.all())
+    memory_mb = allocations[0].memory_mb
+    cards = _locked_gpus([a.gpu_id for a in allocations], memory_mb)
+    _check_free(user, cards, reservation.start, end, memory_mb, exclude=reservation.pk)
+    _check_quota(membership, cards, memory_mb, reservation.start, end, exclude=reservation.pk)
+
+    old_end = reservation.end
+    reservation.end = reservation.booked_end = end
+    reservation.save(update_fields=["end", "booked_end"])
+    reservation.allocations.update(end=end)
+    _audit(
+        user,
+        reservation,
+        AuditEntry.Action.RESERVATION_EXTEND,
+        f"{user} extended reservation {reservation.pk} from {format_time(old_end)} to {format_time(end)}",
+        old_end=old_end.isoformat(),
+        end=end.isoformat(),
+    )
+    return reservation
+
+
+def _end_now(reservation: Reservation, now: datetime) -> None:
+    """Stop holding the cards from `now`: started bookings keep the part they used."""
+    if now > reservation.start:
+        reservation.end = now
+        reservation.allocations.update(end=now)
+    else:
+        reservation.allocations.update(live=False)
+
+
+@transaction.atomic
+def reservation_cancel(
+    *, user: AbstractBaseUser, reservation: Reservation | int, reason: str = "", now: datetime | None = None
+) -> Reservation:
+    """Cancel a booking: the owner (their upcoming one; an active one is released), or a
+    leader of its team or an admin (upcoming or active), who must give a reason the owner sees."""
+    now = now or timezone.now()
+    reservation = _locked_reservation(reservation)
+    is_owner = reservation.owner_id == user.pk
+    if not is_owner and not can_manage_team(user, reservation.team_id):
+        raise BookingForbidden("Only the owner, leaders of the booking's team and admins can cancel it.")
+    status = reservation.status_at(now)
+    if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
+        raise BookingInvalid(f"This booking is already {status.label.lower()}; there is nothing to cancel.")
+    if is_owner and status == Reservation.Status.ACTIVE:
+        return _release(user, reservation, now)
+    reason = reason.strip()
+    if not is_owner and not reason:
+        raise BookingInvalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
+    if len(reason) > 500:
+        raise BookingInvalid("Keep the reason to 500 characters.", field="reason")
+    _end_now(reservation, now)
+    reservation.cancelled_at = now
+    reservation.cancelled_by = user
+    reservation.cancel_reason = reason
+    reservation.save(update_fields=["end", "cancelled_at", "cancelled_by", "cancel_reason"])
+    because = f": {reason}" if reason else ""
+    _audit(
+        user,
+        reservation,
+        AuditEntry.Action.RESERVATION_CANCEL,
+        f"{user} cancelled reservation {reservation.pk} of {reservation.owner}{because}",
+        reason=reason,
+    )
+    return reservation
+
+
+def _release(user: AbstractBaseUser, reservation: Reservation, now: datetime) -> Reservation:
+    _end_now(reservation, now)
+    reservation.released_at = now
+    reservation.save(update_fields=["end", "released_at"])
+    _audit(
+        user,
+        reservation,
+        AuditEntry.Action.RESERVATION_RELEASE,
+        f"{user} released reservation {reservation.pk} early, at {format_time(now)}",
+        booked_end=reservation.booked_end.isoformat(),
+    )
+    return reservation
+
+
+@transaction.atomic
+def reservation_release(
+    *, user: AbstractBaseUser, reservation: Reservation | int, now: datetime | None = None
+) -> Reservation:
+    """End the owner's active booking now, freeing its cards for others."""
+    now = now or timezone.now()
+    reservation = _locked_reservation(reservation)
+    if reservation.owner_id != user.pk:
+        raise BookingForbidden(
+            "Only the owner can release a booking; leaders and admins cancel it with a reason."
+        )
+    status = reservation.status_at(now)
+    if status == Reservation.Status.UPCOMING:
+        raise BookingInvalid("This booking has not started yet; cancel it instead.")
+    if status != Reservation.Status.ACTIVE:
+        raise BookingInvalid(f"This booking is already {status.label.lower()}; there is nothing to release.")
+    return _release(user, reservation, now)

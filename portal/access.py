@@ -1,0 +1,40 @@
+"""Who may see and change what. One place, so pages and the API agree."""
+
+from __future__ import annotations
+
+from django.contrib.auth.models import AbstractBaseUser
+
+from portal.models import Membership, Team
+
+
+def is_admin(user: AbstractBaseUser) -> bool:
+    """Portal admins are staff users: they set team quotas and see every team."""
+    return bool(user.is_authenticated and user.is_staff)
+
+
+def leads_team(user: AbstractBaseUser, team: Team | int) -> bool:
+    team_id = team if isinstance(team, int) else team.pk
+    return Membership.objects.filter(team_id=team_id, user=user, role=Membership.Role.LEADER).exists()
+
+
+def can_manage_team(user: AbstractBaseUser, team: Team | int) -> bool:
+    """Leaders of the team and admins: edit member quotas, cancel the team's bookings."""
+    return is_admin(user) or leads_team(user, team)
+
+
+def team_ids_of(user: AbstractBaseUser) -> set[int]:
+    return set(Membership.objects.filter(user=user).values_list("team_id", flat=True))
+
+
+def display_name(
+    viewer: AbstractBaseUser, viewer_teams: set[int], owner_id: int, owner_name: str, team_id: int
+) -> str:
+    """Name a booking's owner: by name for teammates (and admins), else 'another user'.
+
+    "Teammate" means the viewer belongs to the team the booking was made for.
+    """
+    if owner_id == viewer.pk:
+        return "you"
+    if team_id in viewer_teams or is_admin(viewer):
+        return owner_name
+    return "another user"

@@ -1,0 +1,212 @@
+"""Quota accounting: what a member or a team holds at once and per week, against their limits.
+
+A whole card counts one card and its full memory; a memory quota counts its GB and,
+for GPU-hours, the fraction of the card it books (GB / card total). Weeks run Monday
+00:00 to Monday 00:00 in the portal's time zone (TIME_ZONE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, time, timedelta
+
+from django.db.models import Q
+from django.utils import timezone
+
+from portal.models import Membership, QuotaFields, Team
+
+
+@dataclass(frozen=True)
+class Use:
+    """One allocation's weight for quotas."""
+
+    start: datetime
+    end: datetime
+    cards: int  # 1 for a whole card, 0 for a memory quota
+    mb: int
+    card_fraction: float  # 1.0 for a whole card, memory_mb / card total otherwise
+
+    @classmethod
+    def of(cls, start: datetime, end: datetime, memory_mb: int | None, card_total_mb: int) -> Use:
+        if memory_mb is None:
+            return cls(start, end, 1, card_total_mb, 1.0)
+        return cls(start, end, 0, memory_mb, memory_mb / card_total_mb if card_total_mb else 0.0)
+
+
+def peak(intervals: Iterable[tuple[datetime, datetime, float]], start: datetime, end: datetime) -> float:
+    """The highest sum of amounts at any instant of [start, end): a sweep over interval edges.
+
+    Windows are half-open, so a booking ending at 10:00 and one starting at 10:00 never add up.
+    """
+    events: list[tuple[datetime, float]] = []
+    for s, e, amount in intervals:
+        s, e = max(s, start), min(e, end)
+        if s < e:
+            events.append((s, amount))
+            events.append((e, -amount))
+    events.sort()  # at equal times the negative (an end) sorts first
+    current = best = 0.0
+    for _, delta in events:
+        current += delta
+        best = max(best, current)
+    return best
+
+
+def week_start(at: datetime) -> datetime:
+    local = timezone.localtime(at)
+    monday = local.date() - timedelta(days=local.weekday())
+    return timezone.make_aware(datetime.combine(monday, time.min))
+
+
+def weeks_touching(start: datetime, end: datetime) -> list[tuple[datetime, datetime]]:
+    weeks = []
+    week = week_start(start)
+    while week < end:
+        following = week_start(week + timedelta(days=7, hours=12))  # survives a DST change
+        weeks.append((week, following))
+        week = following
+    return weeks
+
+
+def gpu_hours(uses: Iterable[Use], start: datetime, end: datetime) -> float:
+    total = 0.0
+    for use in uses:
+        overlap = (min(use.end, end) - max(use.start, start)).total_seconds()
+        if overlap > 0:
+            total += use.card_fraction * overlap / 3600
+    return total
+
+
+def uses_between(
+    start: datetime,
+    end: datetime,
+    *,
+    team: Team,
+    owner_id: int | None = None,
+    exclude_reservation: int | None = None,
+) -> list[Use]:
+    """Live allocations of a team (or of one member in it) overlapping [start, end)."""
+    from gpus.models import Allocation  # gpus depends on portal, not the reverse, at import time
+
+    rows = Allocation.objects.filter(live=True, reservation__team=team, start__lt=end, end__gt=start)
+    if owner_id is not None:
+        rows = rows.filter(reservation__owner_id=owner_id)
+    if exclude_reservation is not None:
+        rows = rows.filter(~Q(reservation_id=exclude_reservation))
+    return [
+        Use.of(s, e, memory_mb, total)
+        for s, e, memory_mb, total in rows.values_list("start", "end", "memory_mb", "gpu__memory_total_mb")
+    ]
+
+
+def _gb(mb: float) -> str:
+    return f"{mb / 1024:.1f}".removesuffix(".0")
+
+
+def _refusal(
+    limits: QuotaFields,
+    label: str,
+    holder: str,
+    existing: Sequence[Use],
+    new: Sequence[Use],
+    start: datetime,
+    end: datetime,
+) -> str | None:
+    """Why `new` would pass one of `limits`, naming the limit, the use and what would fit; or None."""
+    if limits.max_cards is not None:
+        need = sum(u.cards for u in new)
+        held = int(peak(((u.start, u.end, u.cards) for u in existing), start, end))
+        if need and held + need > limits.max_cards:
+            room = max(0, limits.max_cards - held)
+            return (
+                f"{label} allows {limits.max_cards} whole card(s) at once; {holder} "
+                f"{held} in that window, so {room} more would fit and this booking asks for {need}."
+            )
+    if limits.max_gb is not None:
+        need_mb = sum(u.mb for u in new)
+        held_mb = peak(((u.start, u.end, u.mb) for u in existing), start, end)
+        if held_mb + need_mb > limits.max_gb * 1024:
+            room = max(0.0, limits.max_gb * 1024 - held_mb)
+            return (
+                f"{label} allows {limits.max_gb} GB of GPU memory at once; {holder} "
+                f"{_gb(held_mb)} GB in that window, so {_gb(room)} GB more would fit and this booking "
+                f"asks for {_gb(need_mb)} GB."
+            )
+    if limits.gpu_hours_per_week is not None:
+        for week, following in weeks_touching(start, end):
+            need = gpu_hours(new, week, following)
+            used = gpu_hours(existing, week, following)
+            if need and used + need > limits.gpu_hours_per_week + 1e-6:
+                room = max(0.0, limits.gpu_hours_per_week - used)
+                per_hour = sum(u.card_fraction for u in new) or 1.0
+                return (
+                    f"{label} allows {limits.gpu_hours_per_week} GPU-hours in the week of "
+                    f"{week:%a %Y-%m-%d}; {holder} {used:.1f} booked or used, so "
+                    f"{room:.1f} more would fit (about {room / per_hour:.1f} h with these cards) and "
+                    f"this booking needs {need:.1f}."
+                )
+    return None
+
+
+def _has_limits(limits: QuotaFields) -> bool:
+    return any(v is not None for v in (limits.max_cards, limits.max_gb, limits.gpu_hours_per_week))
+
+
+def quota_refusal(
+    membership: Membership,
+    new: Sequence[Use],
+    start: datetime,
+    end: datetime,
+    *,
+    exclude_reservation: int | None = None,
+) -> str | None:
+    """The first member or team limit the new allocations would pass, as a message; None if all fit."""
+    span_start = week_start(start)
+    span_end = weeks_touching(start, end)[-1][1]
+    team = membership.team
+    checks = [
+        (membership, f"Your quota in {team}", "you already have", membership.user_id),
+        (team, f"The team quota of {team}", "the team already has", None),
+    ]
+    for limits, label, holder, owner_id in checks:
+        if not _has_limits(limits):
+            continue  # no query at all for the common "no quota set" case
+        existing = uses_between(
+            span_start, span_end, team=team, owner_id=owner_id, exclude_reservation=exclude_reservation
+        )
+        refusal = _refusal(limits, label, holder, existing, new, start, end)
+        if refusal:
+            return refusal
+    return None
+
+
+@dataclass(frozen=True)
+class MemberUse:
+    cards_now: int
+    gb_now: float
+    gpu_hours_week: float
+
+
+def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
+    """Per member (user id): cards and GB held now and GPU-hours booked or used this week."""
+    now = now or timezone.now()
+    week = week_start(now)
+    following = weeks_touching(now, now + timedelta(seconds=1))[-1][1]
+    from gpus.models import Allocation
+
+    per_user: dict[int, list[Use]] = {}
+    rows = Allocation.objects.filter(live=True, reservation__team=team, start__lt=following, end__gt=week)
+    for owner_id, s, e, memory_mb, total in rows.values_list(
+        "reservation__owner_id", "start", "end", "memory_mb", "gpu__memory_total_mb"
+    ):
+        per_user.setdefault(owner_id, []).append(Use.of(s, e, memory_mb, total))
+    result = {}
+    for owner_id, uses in per_user.items():
+        current = [u for u in uses if u.start <= now < u.end]
+        result[owner_id] = MemberUse(
+            cards_now=sum(u.cards for u in current),
+            gb_now=round(sum(u.mb for u in current) / 1024, 1),
+            gpu_hours_week=round(gpu_hours(uses, week, following), 1),
+        )
+    return result
