@@ -21,41 +21,18 @@ from django.utils import timezone
 
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
 from portal.access import can_manage_team, display_name, team_ids_of
+from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import AuditEntry, Membership, Team
 from portal.quotas import Use, peak, quota_refusal
 
 PICK_ATTEMPTS = 3
 
 
-class BookingError(Exception):
-    """A refused booking action; nothing was written. `status` is what the API answers."""
-
-    status = 400
-    code = "invalid"
-
-    def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.field = field
-
-
-class BookingInvalid(BookingError):
-    pass
-
-
-class BookingConflict(BookingError):
-    status = 409
-    code = "conflict"
-
-
-class QuotaExceeded(BookingError):
-    status = 403
-    code = "quota_exceeded"
-
-
-class BookingForbidden(BookingError):
-    status = 403
-    code = "permission_denied"
+# The booking names for the shared service errors (portal/errors.py).
+BookingError = ServiceError
+BookingInvalid = Invalid
+BookingConflict = Conflict
+BookingForbidden = Forbidden
 
 
 def format_time(at: datetime) -> str:

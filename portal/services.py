@@ -5,7 +5,9 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from rest_framework.authtoken.models import Token
 
-from portal.models import Membership, Team
+from portal.access import can_manage_team, is_admin
+from portal.errors import Forbidden, Invalid
+from portal.models import AuditEntry, Membership, QuotaFields, Team
 
 User = get_user_model()
 
@@ -31,3 +33,88 @@ def demo_data_seed(*, password: str) -> bool:
         user = User.objects.create_user(username, f"{username}@example.org", password)
         Membership.objects.create(team=team, user=user, role=role)
     return True
+
+
+QUOTA_FIELDS = ("max_cards", "max_gb", "gpu_hours_per_week")
+QUOTA_LABELS = {
+    "max_cards": "cards at once",
+    "max_gb": "GB at once",
+    "gpu_hours_per_week": "GPU-hours per week",
+    "max_booking_hours": "longest booking (h)",
+}
+
+
+def _quota_changes(
+    target: QuotaFields, limits: dict[str, int | None], fields: tuple[str, ...]
+) -> dict[str, list]:
+    unknown = sorted(set(limits) - set(fields))
+    if unknown:
+        raise Invalid(
+            f"{unknown[0]} is not a quota setting; use one of {', '.join(fields)}.", field=unknown[0]
+        )
+    for field, value in limits.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise Invalid(
+                f"{QUOTA_LABELS[field]} must be a whole number ≥ 0, or empty for no limit.", field=field
+            )
+    return {f: [getattr(target, f), v] for f, v in limits.items() if getattr(target, f) != v}
+
+
+def _describe(changes: dict[str, list]) -> str:
+    def show(v: int | None) -> str:
+        return "no limit" if v is None else str(v)
+
+    return ", ".join(f"{QUOTA_LABELS[f]} {show(old)} → {show(new)}" for f, (old, new) in changes.items())
+
+
+@transaction.atomic
+def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None) -> Team:
+    """Set a team's limits (admins only). None means no limit. Logged in the audit log."""
+    if not is_admin(actor):
+        raise Forbidden("Only admins set team quotas; ask one.")
+    team = Team.objects.select_for_update().get(pk=team.pk)
+    changes = _quota_changes(team, limits, QUOTA_FIELDS)
+    if changes:
+        for field, (_, new) in changes.items():
+            setattr(team, field, new)
+        team.save(update_fields=list(changes))
+        AuditEntry.objects.create(
+            actor=actor,
+            team=team,
+            action=AuditEntry.Action.QUOTA_TEAM,
+            target=f"team {team.slug}",
+            message=f"{actor} set the quota of {team}: {_describe(changes)}",
+            data=changes,
+        )
+    return team
+
+
+@transaction.atomic
+def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limits: int | None) -> Membership:
+    """Set a member's limits (the team's leaders and admins), each within the team's own."""
+    if not can_manage_team(actor, membership.team_id):
+        raise Forbidden(f"Only leaders of {membership.team} and admins set its members' quotas.")
+    membership = Membership.objects.select_for_update().select_related("team", "user").get(pk=membership.pk)
+    changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours"))
+    team = membership.team
+    for field in QUOTA_FIELDS:
+        team_limit, value = getattr(team, field), limits.get(field, getattr(membership, field))
+        if team_limit is not None and value is not None and value > team_limit:
+            raise Invalid(
+                f"{team}'s own quota allows {team_limit} {QUOTA_LABELS[field]}; set at most {team_limit}, "
+                "or leave it empty to use the team's limit.",
+                field=field,
+            )
+    if changes:
+        for field, (_, new) in changes.items():
+            setattr(membership, field, new)
+        membership.save(update_fields=list(changes))
+        AuditEntry.objects.create(
+            actor=actor,
+            team=team,
+            action=AuditEntry.Action.QUOTA_MEMBER,
+            target=f"member {membership.user} of {team.slug}",
+            message=f"{actor} set {membership.user}'s quota in {team}: {_describe(changes)}",
+            data=changes,
+        )
+    return membership

@@ -192,6 +192,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": None,
+    "EXCEPTION_HANDLER": "portal.api_errors.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "GPU lab portal API",

@@ -1,0 +1,40 @@
+"""One error body for the whole API: {"detail": ..., "code": ..., "errors": {field: [...]}}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from portal.errors import ServiceError
+
+
+def _first_message(errors: Any) -> str:
+    if isinstance(errors, dict):
+        field, value = next(iter(errors.items()))
+        prefix = "" if field == "non_field_errors" else f"{field}: "
+        return prefix + _first_message(value)
+    if isinstance(errors, list) and errors:
+        return _first_message(errors[0])
+    return str(errors)
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    if isinstance(exc, ServiceError):
+        body: dict[str, Any] = {"detail": exc.message, "code": exc.code}
+        if exc.field:
+            body["errors"] = {exc.field: [exc.message]}
+        return Response(body, status=exc.status)
+    if isinstance(exc, exceptions.ValidationError):
+        errors = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
+        return Response(
+            {"detail": _first_message(errors), "code": "invalid", "errors": errors},
+            status=status.HTTP_400_BAD_REQUEST,
+        )
+    response = drf_exception_handler(exc, context)
+    if response is not None and isinstance(exc, exceptions.APIException):
+        codes = exc.get_codes()
+        response.data = {"detail": str(exc.detail), "code": codes if isinstance(codes, str) else "error"}
+    return response
