@@ -1,10 +1,18 @@
 from django.urls import path
 
-from gpus import views
+from gpus import reservation_views as rv
+from gpus import timeline, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
     path("dashboard/servers/", views.dashboard_servers, name="dashboard_servers"),
     path("gpus/<str:uuid>/", views.gpu_detail, name="gpu_detail"),
     path("gpus/<str:uuid>/history.json", views.gpu_history_json, name="gpu_history"),
+    path("servers/<slug:name>/timeline/", timeline.server_timeline, name="server_timeline"),
+    path("reservations/", rv.my_reservations, name="my_reservations"),
+    path("reservations/new/", rv.reservation_new, name="reservation_new"),
+    path("reservations/<int:pk>/", rv.reservation_detail, name="reservation_detail"),
+    path("reservations/<int:pk>/cancel/", rv.reservation_cancel, name="reservation_cancel"),
+    path("reservations/<int:pk>/release/", rv.reservation_release, name="reservation_release"),
+    path("reservations/<int:pk>/extend/", rv.reservation_extend, name="reservation_extend"),
 ]

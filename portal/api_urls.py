@@ -4,6 +4,7 @@ from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
 from gpus.api import GPUViewSet, ServerViewSet
+from portal.api import team_urlpatterns
 
 router = DefaultRouter()
 router.register("servers", ServerViewSet, basename="server")
@@ -14,4 +15,5 @@ urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="api_schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="api_schema"), name="api_docs"),
     path("", include(router.urls)),
+    *team_urlpatterns,
 ]
