@@ -1,10 +1,17 @@
-"""Read-only inventory API: /api/v1/servers/ and /api/v1/gpus/."""
+"""Inventory (/api/v1/servers/, /api/v1/gpus/, read-only) and bookings (/api/v1/reservations/)."""
 
 from __future__ import annotations
 
-from rest_framework import serializers, viewsets
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.pagination import PageNumberPagination
+from rest_framework.request import Request
+from rest_framework.response import Response
 
-from gpus.models import GPU, GPUProcess, Server
+from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
+from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server
 from gpus.selectors import gpus_with_processes
 
 
@@ -82,3 +89,164 @@ class GPUViewSet(viewsets.ReadOnlyModelViewSet):
         queryset = gpus_with_processes()
         server = self.request.query_params.get("server")
         return queryset.filter(server__name=server) if server else queryset
+
+
+# --- reservations -------------------------------------------------------------------
+
+
+class AllocationSerializer(serializers.ModelSerializer):
+    gpu = serializers.CharField(source="gpu_id", read_only=True)
+    server = serializers.CharField(source="gpu.server.name", read_only=True)
+    index = serializers.IntegerField(source="gpu.index", read_only=True)
+    whole_card = serializers.BooleanField(source="whole", read_only=True)
+
+    class Meta:
+        model = Allocation
+        fields = ["gpu", "server", "index", "memory_mb", "whole_card"]
+
+
+class ReservationSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+    team = serializers.CharField(source="team.slug", read_only=True)
+    status = serializers.CharField(read_only=True)
+    cancelled_by = serializers.CharField(source="cancelled_by.username", read_only=True, default=None)
+    allocations = AllocationSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Reservation
+        fields = [
+            "id",
+            "owner",
+            "team",
+            "status",
+            "start",
+            "end",
+            "booked_end",
+            "note",
+            "allocations",
+            "created_at",
+            "released_at",
+            "cancelled_at",
+            "cancelled_by",
+            "cancel_reason",
+        ]
+
+
+class ReservationCreateSerializer(serializers.Serializer):
+    """Types only; the rules are checked by gpus.booking.reservation_create."""
+
+    gpus = serializers.ListField(child=serializers.CharField(max_length=64), required=False, max_length=64)
+    count = serializers.IntegerField(required=False, allow_null=True)
+    server = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+    memory_mb = serializers.IntegerField(required=False, allow_null=True, help_text="null: whole cards")
+    start = serializers.DateTimeField(required=False, allow_null=True, help_text="Default: now")
+    end = serializers.DateTimeField(
+        required=False, allow_null=True, help_text="Default: start + default length"
+    )
+    note = serializers.CharField(required=False, allow_blank=True, max_length=500)
+    team = serializers.SlugField(required=False, allow_null=True, help_text="Default: your first team")
+
+
+class ExtendSerializer(serializers.Serializer):
+    end = serializers.DateTimeField()
+
+
+class CancelSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, allow_blank=True, max_length=500)
+
+
+class ReservationPagination(PageNumberPagination):
+    page_size = 50
+    page_size_query_param = "page_size"
+    max_page_size = 500
+
+
+class ReservationViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet
+):
+    """Own bookings and your teams' (admins: all). Filters: ?status=, ?server=, ?team=, ?mine=1.
+
+    DELETE cancels (the owner's active booking is released instead); leaders and admins
+    cancelling someone else's booking give `reason` (query parameter or body).
+    """
+
+    serializer_class = ReservationSerializer
+    pagination_class = ReservationPagination
+
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        queryset = Reservation.objects.visible_to(self.request.user).select_related(
+            "owner", "team", "cancelled_by"
+        )
+        queryset = queryset.prefetch_related("allocations__gpu__server").order_by("-start", "-id")
+        params = self.request.query_params
+        if params.get("mine") in ("1", "true"):
+            queryset = queryset.filter(owner=self.request.user)
+        if params.get("team"):
+            queryset = queryset.filter(team__slug=params["team"])
+        if params.get("server"):
+            queryset = queryset.filter(allocations__gpu__server__name=params["server"]).distinct()
+        if params.get("status"):
+            queryset = reservations_with_status(queryset, params["status"])
+        return queryset
+
+    @extend_schema(request=ReservationCreateSerializer, responses={201: ReservationSerializer})
+    def create(self, request: Request) -> Response:
+        data = ReservationCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        reservation = reservation_create(user=request.user, **data.validated_data)
+        return Response(self._show(reservation.pk), status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        parameters=[OpenApiParameter("reason", str, required=False)], responses=ReservationSerializer
+    )
+    def destroy(self, request: Request, pk: str | None = None) -> Response:
+        reservation = self.get_object()
+        reason = request.query_params.get("reason") or request.data.get("reason", "")
+        reservation_cancel(user=request.user, reservation=reservation, reason=reason)
+        return Response(self._show(reservation.pk))
+
+    @extend_schema(request=CancelSerializer, responses=ReservationSerializer)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        reservation = self.get_object()
+        data = CancelSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        reservation_cancel(
+            user=request.user, reservation=reservation, reason=data.validated_data.get("reason", "")
+        )
+        return Response(self._show(reservation.pk))
+
+    @extend_schema(request=None, responses=ReservationSerializer)
+    @action(detail=True, methods=["post"])
+    def release(self, request: Request, pk: str | None = None) -> Response:
+        reservation = self.get_object()
+        reservation_release(user=request.user, reservation=reservation)
+        return Response(self._show(reservation.pk))
+
+    @extend_schema(request=ExtendSerializer, responses=ReservationSerializer)
+    @action(detail=True, methods=["post"])
+    def extend(self, request: Request, pk: str | None = None) -> Response:
+        reservation = self.get_object()
+        data = ExtendSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        reservation_extend(user=request.user, reservation=reservation, end=data.validated_data["end"])
+        return Response(self._show(reservation.pk))
+
+    def _show(self, pk: int) -> dict:
+        return ReservationSerializer(self.get_queryset().get(pk=pk)).data
+
+
+def reservations_with_status(queryset, status_name: str):  # type: ignore[no-untyped-def]
+    """Filter by the derived status, in SQL."""
+    now = timezone.now()
+    running = queryset.filter(cancelled_at=None, released_at=None)
+    filters = {
+        "upcoming": lambda: running.filter(start__gt=now),
+        "active": lambda: running.filter(start__lte=now, end__gt=now),
+        "ended": lambda: running.filter(end__lte=now),
+        "cancelled": lambda: queryset.exclude(cancelled_at=None),
+        "released": lambda: queryset.exclude(released_at=None),
+    }
+    if status_name not in filters:
+        raise serializers.ValidationError({"status": [f"Unknown status; use one of {', '.join(filters)}."]})
+    return filters[status_name]()

@@ -217,6 +217,15 @@ class Reservation(models.Model):
         return self.status_at(timezone.now())
 
     @property
+    def summary(self) -> str:
+        """'box1 GPU 0, 1 · whole card' (prefetch allocations__gpu__server on lists)."""
+        allocations = sorted(self.allocations.all(), key=lambda a: a.gpu.index)
+        if not allocations:
+            return "no cards"
+        indices = ", ".join(str(a.gpu.index) for a in allocations)
+        return f"{allocations[0].gpu.server.name} GPU {indices} · {allocations[0].memory_label}"
+
+    @property
     def is_open(self) -> bool:
         """Still holding or about to hold its cards: it can be cancelled, released or extended."""
         return self.status in (self.Status.UPCOMING, self.Status.ACTIVE)

@@ -1,36 +1,144 @@
-"""Booking pages (being built)."""
+"""Booking pages: the form, "My reservations", one booking, and its actions.
+
+Every rule is in gpus/booking.py; these views only translate its errors into form errors
+or messages. POST → redirect → GET throughout.
+"""
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST
+
+from gpus import booking
+from gpus.forms import CancelForm, ExtendForm, ReservationForm, local_input
+from gpus.models import Reservation
+from portal.access import can_manage_team
+from portal.errors import Forbidden, ServiceError
+from portal.models import AuditEntry
+from portal.quotas import team_use
 
 
-@login_required
-def my_reservations(request: HttpRequest) -> HttpResponse:
-    return HttpResponse("being built")
+def _get_reservation_for_user(user, pk: int) -> Reservation:  # type: ignore[no-untyped-def]
+    """The booking if the user may see it (own, their team's, or admin); else 404."""
+    return get_object_or_404(
+        Reservation.objects.visible_to(user).select_related("owner", "team", "cancelled_by"), pk=pk
+    )
 
 
 @login_required
 def reservation_new(request: HttpRequest) -> HttpResponse:
-    return HttpResponse("being built")
+    server_name = request.GET.get("server") or None
+    preset = request.GET.getlist("gpu")
+    if request.method == "POST":
+        form = ReservationForm(request.POST, user=request.user)
+        if form.is_valid():
+            try:
+                reservation = booking.reservation_create(user=request.user, **form.service_kwargs())
+            except ServiceError as error:
+                form.add_service_error(error)
+            else:
+                messages.success(
+                    request,
+                    f"Booked {reservation.summary}, {booking.format_time(reservation.start)} "
+                    f"– {booking.format_time(reservation.end)}.",
+                )
+                return redirect("reservation_detail", pk=reservation.pk)
+    else:
+        initial = {"gpus": preset, "server": server_name or ""}
+        form = ReservationForm(user=request.user, server_name=server_name, initial=initial)
+    return render(request, "gpus/reservation_form.html", {"form": form, "server_name": server_name})
+
+
+@login_required
+def my_reservations(request: HttpRequest) -> HttpResponse:
+    now = timezone.now()
+    mine = Reservation.objects.filter(owner=request.user).select_related("team", "cancelled_by")
+    mine = mine.prefetch_related("allocations__gpu__server")
+    open_ = [r for r in mine.filter(end__gt=now, cancelled_at=None, released_at=None).order_by("start")]
+    past = list(mine.exclude(pk__in=[r.pk for r in open_]).order_by("-start")[:50])
+    quotas = [
+        (m, team_use(m.team, now).get(request.user.pk))
+        for m in request.user.memberships.select_related("team")
+    ]
+    context = {"open": open_, "past": past, "quotas": quotas, "extend_form": ExtendForm()}
+    return render(request, "gpus/my_reservations.html", context)
 
 
 @login_required
 def reservation_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    return HttpResponse("being built")
+    reservation = _get_reservation_for_user(request.user, pk)
+    manager = can_manage_team(request.user, reservation.team_id)
+    audit = AuditEntry.objects.filter(target=f"reservation {reservation.pk}") if manager else []
+    context = {
+        "r": reservation,
+        "allocations": reservation.allocations.select_related("gpu__server"),
+        "is_owner": reservation.owner_id == request.user.pk,
+        "can_manage": manager,
+        "extend_form": ExtendForm(initial={"end": local_input(reservation.end)}),
+        "cancel_form": CancelForm(),
+        "audit": audit,
+    }
+    return render(request, "gpus/reservation_detail.html", context)
 
 
+def _act(request: HttpRequest, pk: int, action, success: str) -> HttpResponse:  # type: ignore[no-untyped-def]
+    """Run a booking action; refusals become messages (403 when it is not the user's to do)."""
+    reservation = _get_reservation_for_user(request.user, pk)
+    try:
+        action(reservation)
+    except Forbidden as error:
+        raise PermissionDenied(error.message) from error
+    except ServiceError as error:
+        messages.error(request, error.message)
+    else:
+        messages.success(request, success)
+    next_url = request.POST.get("next", "")
+    if next_url and url_has_allowed_host_and_scheme(next_url, allowed_hosts={request.get_host()}):
+        return redirect(next_url)
+    return redirect("reservation_detail", pk=pk)
+
+
+@require_POST
 @login_required
 def reservation_cancel(request: HttpRequest, pk: int) -> HttpResponse:
-    return HttpResponse("being built")
+    reason = request.POST.get("reason", "")
+    return _act(
+        request,
+        pk,
+        lambda r: booking.reservation_cancel(user=request.user, reservation=r, reason=reason),
+        "The booking is cancelled; its cards are free again.",
+    )
 
 
+@require_POST
 @login_required
 def reservation_release(request: HttpRequest, pk: int) -> HttpResponse:
-    return HttpResponse("being built")
+    return _act(
+        request,
+        pk,
+        lambda r: booking.reservation_release(user=request.user, reservation=r),
+        "Released: the cards are free for others from now.",
+    )
 
 
+@require_POST
 @login_required
 def reservation_extend(request: HttpRequest, pk: int) -> HttpResponse:
-    return HttpResponse("being built")
+    form = ExtendForm(request.POST)
+    if not form.is_valid():
+        _get_reservation_for_user(request.user, pk)
+        messages.error(request, f"New end: {form.errors['end'][0]} Use the date and time picker.")
+        return redirect("reservation_detail", pk=pk)
+    end = form.cleaned_data["end"]
+    return _act(
+        request,
+        pk,
+        lambda r: booking.reservation_extend(user=request.user, reservation=r, end=end),
+        f"Extended until {booking.format_time(end)}.",
+    )

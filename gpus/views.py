@@ -4,6 +4,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.template.loader import render_to_string
+from django.urls import reverse
 from django.views.decorators.http import require_GET
 
 from gpus.models import GPU
@@ -11,21 +12,22 @@ from gpus.selectors import dashboard_servers as select_dashboard_servers
 from gpus.selectors import gpu_history
 
 
-def _servers_html() -> str:
-    return render_to_string("gpus/_servers.html", {"servers": select_dashboard_servers()}, using="jinja2")
+def _servers_html(request: HttpRequest) -> str:
+    context = {"servers": select_dashboard_servers(request.user), "reserve_url": reverse("reservation_new")}
+    return render_to_string("gpus/_servers.html", context, using="jinja2")
 
 
 @require_GET
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
-    return render(request, "gpus/dashboard.html", {"servers_html": _servers_html()})
+    return render(request, "gpus/dashboard.html", {"servers_html": _servers_html(request)})
 
 
 @require_GET
 @login_required
 def dashboard_servers(request: HttpRequest) -> HttpResponse:
     """The live part of the dashboard, polled by htmx and swapped in place."""
-    return HttpResponse(_servers_html())
+    return HttpResponse(_servers_html(request))
 
 
 @require_GET

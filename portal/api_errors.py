@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import PermissionDenied
+from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -33,6 +35,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
             {"detail": _first_message(errors), "code": "invalid", "errors": errors},
             status=status.HTTP_400_BAD_REQUEST,
         )
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound()
+    elif isinstance(exc, PermissionDenied):
+        exc = exceptions.PermissionDenied(str(exc) or None)
     response = drf_exception_handler(exc, context)
     if response is not None and isinstance(exc, exceptions.APIException):
         codes = exc.get_codes()

@@ -3,12 +3,13 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
-from gpus.api import GPUViewSet, ServerViewSet
+from gpus.api import GPUViewSet, ReservationViewSet, ServerViewSet
 from portal.api import team_urlpatterns
 
 router = DefaultRouter()
 router.register("servers", ServerViewSet, basename="server")
 router.register("gpus", GPUViewSet, basename="gpu")
+router.register("reservations", ReservationViewSet, basename="reservation")
 
 urlpatterns = [
     path("token/", obtain_auth_token, name="api_token"),

@@ -3,4 +3,4 @@ from django.http import HttpRequest
 
 
 def portal(request: HttpRequest) -> dict:
-    return {"TIME_ZONE": settings.TIME_ZONE}
+    return {"TIME_ZONE": settings.TIME_ZONE, "BOOKING_MAX_HOURS": settings.BOOKING_MAX_HOURS}

@@ -1,0 +1,148 @@
+"""Booking forms. They normalise input; every rule lives in gpus/booking.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+from django import forms
+from django.conf import settings
+from django.utils import timezone
+
+from gpus.models import GPU, Server, format_mb
+from portal.errors import ServiceError
+
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([GM])(?:I?B)?)?\s*$", re.IGNORECASE)
+LOCAL_INPUT = "%Y-%m-%dT%H:%M"
+
+
+def parse_memory_mb(text: str) -> int | None:
+    """'16G', '16 GB', '16GiB' → 16384; '16384M', '16384 MB' → 16384; '' → None (whole cards).
+
+    GB here are binary (1024 MB), as NVML reports card memory.
+    """
+    if not text.strip():
+        return None
+    match = _MEMORY.match(text)
+    if not match:
+        raise forms.ValidationError(
+            f"{text!r} is not a memory size: write it like 16G, 16 GB or 16384M, "
+            "or leave it empty for whole cards."
+        )
+    number, unit = float(match[1]), (match[2] or "").upper()
+    if not unit:
+        raise forms.ValidationError(f"Add a unit: {match[1]}G for gigabytes or {match[1]}M for megabytes.")
+    mb = round(number * 1024) if unit == "G" else round(number)
+    if mb <= 0:
+        raise forms.ValidationError("Memory must be more than 0; leave it empty to book whole cards.")
+    return mb
+
+
+def local_input(at: datetime) -> str:
+    return timezone.localtime(at).strftime(LOCAL_INPUT)
+
+
+class LocalDateTimeInput(forms.DateTimeInput):
+    input_type = "datetime-local"
+
+    def __init__(self) -> None:
+        super().__init__(format=LOCAL_INPUT)
+
+
+def _gpu_choices(gpus: Iterable[GPU]) -> list[tuple[str, list[tuple[str, str]]]]:
+    grouped: dict[str, list[tuple[str, str]]] = {}
+    for gpu in gpus:
+        label = f"GPU {gpu.index} · {gpu.name} · {format_mb(gpu.memory_bookable_mb)} bookable"
+        grouped.setdefault(gpu.server.name, []).append((gpu.uuid, label))
+    return list(grouped.items())
+
+
+class ReservationForm(forms.Form):
+    """Either tick cards, or ask for a count (on a server or anywhere) and let the portal pick."""
+
+    gpus = forms.MultipleChoiceField(
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        label="Cards",
+        help_text="Tick the cards you want (all on one server), or leave them all unticked and give a count.",
+    )
+    count = forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=64,
+        help_text="How many cards the portal should pick: the least loaded that fit, kept on one server.",
+    )
+    server = forms.ChoiceField(
+        required=False, help_text="Where to pick the cards; any online server if empty."
+    )
+    memory = forms.CharField(
+        required=False,
+        max_length=20,
+        label="Memory per card",
+        help_text="A share of each card, e.g. 16G, 16 GB or 16384M. Empty: whole cards (exclusive).",
+    )
+    start = forms.DateTimeField(required=False, widget=LocalDateTimeInput(), help_text="Empty: now.")
+    end = forms.DateTimeField(required=False, widget=LocalDateTimeInput())
+    note = forms.CharField(required=False, max_length=500, widget=forms.Textarea(attrs={"rows": 2}))
+    team = forms.ChoiceField(required=False, help_text="The team whose quota this booking counts against.")
+
+    # Service field names that differ from the form's.
+    FIELD_FOR = {"memory_mb": "memory", "reason": None}
+
+    def __init__(self, *args: Any, user: Any, server_name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        gpus = GPU.objects.select_related("server").filter(server__draining=False)
+        if server_name:
+            gpus = gpus.filter(server__name=server_name)
+        self.fields["gpus"].choices = _gpu_choices(gpus.order_by("server__name", "index"))
+        self.fields["server"].choices = [("", "any online server")] + [
+            (name, name) for name in Server.objects.filter(draining=False).values_list("name", flat=True)
+        ]
+        teams = list(user.memberships.select_related("team").order_by("team__name"))
+        self.fields["team"].choices = [(m.team.slug, m.team.name) for m in teams]
+        if len(teams) <= 1:
+            self.fields["team"].widget = forms.HiddenInput()
+        tz = timezone.get_current_timezone_name()
+        self.fields[
+            "end"
+        ].help_text = f"Empty: {settings.BOOKING_DEFAULT_HOURS} h after the start. Times in {tz}."
+        if not self.is_bound:
+            now = timezone.now().replace(second=0, microsecond=0)
+            self.initial.setdefault("start", local_input(now))
+            self.initial.setdefault("end", local_input(now + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)))
+            if teams:
+                self.initial.setdefault("team", teams[0].team.slug)
+
+    def clean_memory(self) -> int | None:
+        return parse_memory_mb(self.cleaned_data["memory"])
+
+    def service_kwargs(self) -> dict[str, Any]:
+        data = self.cleaned_data
+        return {
+            "gpus": data["gpus"] or None,
+            "count": data["count"],
+            "server": data["server"] or None,
+            "memory_mb": data["memory"],
+            "start": data["start"],
+            "end": data["end"],
+            "note": data["note"],
+            "team": data["team"] or None,
+        }
+
+    def add_service_error(self, error: ServiceError) -> None:
+        field = self.FIELD_FOR.get(error.field or "", error.field)
+        self.add_error(field if field in self.fields else None, error.message)
+
+
+class ExtendForm(forms.Form):
+    end = forms.DateTimeField(widget=LocalDateTimeInput(), label="New end")
+
+
+class CancelForm(forms.Form):
+    reason = forms.CharField(
+        required=False,
+        max_length=500,
+        help_text="Required when you cancel someone else's booking: the owner sees it.",
+    )
