@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from gpus.models import GPU, GPUProcess, Server
+from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server
 
 
 class GPUInline(admin.TabularInline):
@@ -31,3 +31,28 @@ class GPUAdmin(admin.ModelAdmin):
 class GPUProcessAdmin(admin.ModelAdmin):
     list_display = ["pid", "gpu", "username", "used_memory_mb", "command"]
     search_fields = ["username", "command"]
+
+
+class AllocationInline(admin.TabularInline):
+    model = Allocation
+    fields = ["gpu", "memory_mb", "start", "end", "live"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+
+@admin.register(Reservation)
+class ReservationAdmin(admin.ModelAdmin):
+    """Read-only: bookings change through the portal's services, which check the rules and audit."""
+
+    list_display = ["id", "owner", "team", "start", "end", "status", "note"]
+    list_filter = ["team"]
+    search_fields = ["owner__username", "note"]
+    date_hierarchy = "start"
+    inlines = [AllocationInline]
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
