@@ -1,7 +1,10 @@
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.utils import timezone
 
+from gpus.models import Reservation
 from gpus.services import server_report_ingest
 from tests.browser import log_in, page  # noqa: F401 - the fixture
 from tests.factories import make_snapshot
@@ -37,3 +40,37 @@ def test_it_rejects_a_wrong_password_in_the_browser(page, alice):  # noqa: F811
     page.fill("input[name=password]", "wrong")
     page.click("button[type=submit]")
     assert "correct username and password" in page.content()
+
+
+def test_it_reserves_a_card_from_the_dashboard_shows_it_on_the_timeline_and_cancels_it(page, alice):  # noqa: F811
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=4, simulated=True))
+    log_in(page, "alice")
+    page.click('[data-reserve="GPU-box1-01"]')
+    page.wait_for_url("**/reservations/new/**")
+    assert page.locator('input[name=gpus][value="GPU-box1-01"]').is_checked()
+    page.fill("input[name=memory]", "8G")
+    in_an_hour = timezone.localtime(timezone.now() + timedelta(hours=1))
+    page.fill("input[name=start]", in_an_hour.strftime("%Y-%m-%dT%H:%M"))
+    page.fill("textarea[name=note]", "browser test")
+    page.click("form.booking-form button[type=submit]")
+    page.wait_for_url("**/reservations/*/")
+    assert "Booked box1 GPU 1 · 8 GB" in page.locator(".message").inner_text()
+    reservation = Reservation.objects.get()
+
+    page.click("main table a[href*='/timeline/']")  # the card's server links to its timeline
+    page.wait_for_url("**/servers/box1/timeline/**")
+    bar = page.locator(f'[data-gpu-uuid="GPU-box1-01"] [data-reservation="{reservation.pk}"]')
+    assert bar.is_visible()
+    assert "8 GB" in bar.get_attribute("title")
+    OUTPUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUTPUT / "timeline.png"), full_page=True)
+
+    bar.click()  # the bar links back to the booking
+    page.wait_for_url(f"**/reservations/{reservation.pk}/")
+    page.click("main button:has-text('Cancel')")
+    page.wait_for_selector("h1 .badge.cancelled")
+    page.goto("/servers/box1/timeline/")
+    assert page.locator(f'[data-reservation="{reservation.pk}"]').count() == 0
+    page.goto("/")
+    assert "free" in page.locator('[data-gpu-uuid="GPU-box1-01"] td.booked').inner_text()
+    assert Reservation.objects.get().status == Reservation.Status.CANCELLED
