@@ -9,16 +9,19 @@ SQLite every transaction is BEGIN IMMEDIATE (portal/env.py), which serialises al
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from gpus import booking_sql
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
 from portal.access import can_manage_team, display_name, team_ids_of
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
@@ -45,36 +48,37 @@ def gpu_label(gpu: GPU) -> str:
 
 @dataclass(frozen=True)
 class Held:
-    """A live allocation already on a card."""
+    """A live allocation already on a card; the owner fields only when asked for (messages)."""
 
-    reservation_id: int
-    owner_id: int
-    owner_name: str
-    team_id: int
     start: datetime
     end: datetime
     memory_mb: int | None
+    owner_id: int | None = None
+    owner_name: str = ""
+    team_id: int | None = None
 
 
 def held_on(
-    uuids: Sequence[str], start: datetime, end: datetime, *, exclude: int | None = None
+    uuids: Sequence[str],
+    start: datetime,
+    end: datetime,
+    *,
+    exclude: int | None = None,
+    owners: bool = False,
 ) -> dict[str, list[Held]]:
-    """Live allocations on these cards overlapping [start, end), by card UUID, in one query."""
+    """Live allocations on these cards overlapping [start, end), by card UUID, in one query.
+
+    The check itself reads only the allocation table; owners are joined in just for messages.
+    """
+    if not owners:
+        return booking_sql.allocations_on(uuids, start, end, exclude=exclude)
     rows = Allocation.objects.filter(live=True, gpu_id__in=uuids, end__gt=start, start__lt=end)
     if exclude is not None:
         rows = rows.exclude(reservation_id=exclude)
+    fields = ["start", "end", "memory_mb", "reservation__owner_id", "reservation__owner__username"]
     held: dict[str, list[Held]] = defaultdict(list)
-    for gpu_id, *fields in rows.order_by("start").values_list(
-        "gpu_id",
-        "reservation_id",
-        "reservation__owner_id",
-        "reservation__owner__username",
-        "reservation__team_id",
-        "start",
-        "end",
-        "memory_mb",
-    ):
-        held[gpu_id].append(Held(*fields))
+    for gpu_id, *values in rows.order_by("start").values_list("gpu_id", *fields, "reservation__team_id"):
+        held[gpu_id].append(Held(*values))
     return held
 
 
@@ -115,15 +119,28 @@ def earliest_fit(
     return None
 
 
-def _conflict_message(
-    viewer: AbstractBaseUser,
-    gpu: GPU,
-    found: list[Held],
-    start: datetime,
-    end: datetime,
-    memory_mb: int | None,
-    exclude: int | None,
-) -> str:
+class _Blocked(Exception):
+    """A card is not free. Raised inside the locked transaction, which rolls back; the
+    message (owner names, the earliest slot: two more reads) is built after, unlocked."""
+
+    def __init__(self, gpu: GPU, start: datetime, end: datetime, memory_mb: int | None, exclude: int | None):
+        super().__init__(gpu.uuid)
+        self.gpu, self.start, self.end, self.memory_mb, self.exclude = gpu, start, end, memory_mb, exclude
+
+
+def _conflict_message(viewer: AbstractBaseUser, blocked: _Blocked) -> str:
+    gpu, start, end, memory_mb, exclude = (
+        blocked.gpu,
+        blocked.start,
+        blocked.end,
+        blocked.memory_mb,
+        blocked.exclude,
+    )
+    held = held_on([gpu.uuid], start, end, exclude=exclude, owners=True).get(gpu.uuid, [])
+    found = blockers(gpu, held, start, end, memory_mb)
+    window = f"from {format_time(start)} to {format_time(end)}"
+    if not found:
+        return f"{gpu_label(gpu)} was taken {window} a moment ago and is free again now; try again."
     viewer_teams = team_ids_of(viewer)
     who = "; ".join(
         f"{display_name(viewer, viewer_teams, h.owner_id, h.owner_name, h.team_id)} holds "
@@ -144,8 +161,18 @@ def _conflict_message(
         if fit
         else f"No slot of that length is free within the next {settings.BOOKING_HORIZON_DAYS} days."
     )
-    window = f"from {format_time(start)} to {format_time(end)}"
     return f"{gpu_label(gpu)} is not free for {want} {window}: {who}. {when}"
+
+
+def _explain_conflicts(service: Callable[..., Reservation]) -> Callable[..., Reservation]:
+    @functools.wraps(service)
+    def wrapper(*, user: AbstractBaseUser, **kwargs: Any) -> Reservation:
+        try:
+            return service(user=user, **kwargs)
+        except _Blocked as blocked:
+            raise Conflict(_conflict_message(user, blocked), field="gpus") from None
+
+    return wrapper
 
 
 # --- checks shared by create and extend ---------------------------------------------
@@ -153,12 +180,10 @@ def _conflict_message(
 
 def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membership:
     """The user's membership for the booking's team, locked; the team too when it has limits."""
-    memberships = Membership.objects.select_for_update(of=("self",)).select_related("team").filter(user=user)
     if isinstance(team, Team):
-        memberships = memberships.filter(team=team)
-    elif team:
-        memberships = memberships.filter(team__slug=team)
-    membership = memberships.order_by("team__name").first()
+        membership = booking_sql.membership_for_update(user.pk, team_id=team.pk)
+    else:
+        membership = booking_sql.membership_for_update(user.pk, team_slug=team or None)
     if membership is None:
         if team:
             raise BookingForbidden(
@@ -167,12 +192,9 @@ def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membe
         raise BookingForbidden(
             "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
         )
-    if any(
-        v is not None
-        for v in (membership.team.max_cards, membership.team.max_gb, membership.team.gpu_hours_per_week)
-    ):
-        # Serialises this team's bookings so two cannot both pass the team quota.
-        membership.team = Team.objects.select_for_update().get(pk=membership.team_id)
+    limits = membership.team
+    if any(v is not None for v in (limits.max_cards, limits.max_gb, limits.gpu_hours_per_week)):
+        booking_sql.lock_team(limits.pk)  # two bookings of this team cannot both pass its quota
     return membership
 
 
@@ -212,12 +234,7 @@ def _check_window(
 
 
 def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
-    gpus = list(
-        GPU.objects.select_for_update(of=("self",))
-        .select_related("server")
-        .filter(uuid__in=uuids)
-        .order_by("uuid")
-    )
+    gpus = booking_sql.gpus_for_update(uuids)
     missing = sorted(set(uuids) - {g.uuid for g in gpus})
     if missing:
         raise BookingInvalid(
@@ -248,7 +265,6 @@ def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
 
 
 def _check_free(
-    viewer: AbstractBaseUser,
     gpus: Sequence[GPU],
     start: datetime,
     end: datetime,
@@ -258,11 +274,8 @@ def _check_free(
 ) -> None:
     held = held_on([g.uuid for g in gpus], start, end, exclude=exclude)
     for gpu in gpus:
-        found = blockers(gpu, held.get(gpu.uuid, []), start, end, memory_mb)
-        if found:
-            raise BookingConflict(
-                _conflict_message(viewer, gpu, found, start, end, memory_mb, exclude), field="gpus"
-            )
+        if blockers(gpu, held.get(gpu.uuid, []), start, end, memory_mb):
+            raise _Blocked(gpu, start, end, memory_mb, exclude)
 
 
 def _check_quota(
@@ -363,6 +376,7 @@ def describe(gpus: Sequence[GPU], memory_mb: int | None) -> str:
 # --- services -----------------------------------------------------------------------
 
 
+@_explain_conflicts
 @transaction.atomic
 def reservation_create(
     *,
@@ -406,14 +420,14 @@ def reservation_create(
     _check_window(start, end, membership, now)
     if gpus:
         cards = _locked_gpus(gpus, memory_mb)
-        _check_free(user, cards, start, end, memory_mb)
+        _check_free(cards, start, end, memory_mb)
     else:
         for attempt in range(PICK_ATTEMPTS):
             cards = _locked_gpus(_pick(count or 0, server, memory_mb, start, end), memory_mb)
             try:
-                _check_free(user, cards, start, end, memory_mb)
+                _check_free(cards, start, end, memory_mb)
                 break
-            except BookingConflict:
+            except _Blocked:
                 # Another booking took a picked card between the pick and the lock: pick again.
                 if attempt == PICK_ATTEMPTS - 1:
                     raise
@@ -443,6 +457,7 @@ def _locked_reservation(reservation: Reservation | int) -> Reservation:
     return Reservation.objects.select_for_update(of=("self",)).select_related("owner", "team").get(pk=pk)
 
 
+@_explain_conflicts
 @transaction.atomic
 def reservation_extend(
     *, user: AbstractBaseUser, reservation: Reservation | int, end: datetime, now: datetime | None = None
@@ -464,7 +479,7 @@ def reservation_extend(
     allocations = list(reservation.allocations.all())
     memory_mb = allocations[0].memory_mb
     cards = _locked_gpus([a.gpu_id for a in allocations], memory_mb)
-    _check_free(user, cards, reservation.start, end, memory_mb, exclude=reservation.pk)
+    _check_free(cards, reservation.start, end, memory_mb, exclude=reservation.pk)
     _check_quota(membership, cards, memory_mb, reservation.start, end, exclude=reservation.pk)
 
     old_end = reservation.end

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, time, timedelta
 
-from django.db.models import Q
+from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet, Sum, Value
+from django.db.models.functions import Greatest, Least
 from django.utils import timezone
 
 from portal.models import Membership, QuotaFields, Team
@@ -78,6 +79,17 @@ def gpu_hours(uses: Iterable[Use], start: datetime, end: datetime) -> float:
     return total
 
 
+def _allocations(team: Team, owner_id: int | None, exclude_reservation: int | None) -> QuerySet:
+    from gpus.models import Allocation  # gpus depends on portal, not the reverse, at import time
+
+    rows = Allocation.objects.filter(live=True, reservation__team=team)
+    if owner_id is not None:
+        rows = rows.filter(reservation__owner_id=owner_id)
+    if exclude_reservation is not None:
+        rows = rows.filter(~Q(reservation_id=exclude_reservation))
+    return rows
+
+
 def uses_between(
     start: datetime,
     end: datetime,
@@ -87,17 +99,36 @@ def uses_between(
     exclude_reservation: int | None = None,
 ) -> list[Use]:
     """Live allocations of a team (or of one member in it) overlapping [start, end)."""
-    from gpus.models import Allocation  # gpus depends on portal, not the reverse, at import time
-
-    rows = Allocation.objects.filter(live=True, reservation__team=team, start__lt=end, end__gt=start)
-    if owner_id is not None:
-        rows = rows.filter(reservation__owner_id=owner_id)
-    if exclude_reservation is not None:
-        rows = rows.filter(~Q(reservation_id=exclude_reservation))
+    rows = _allocations(team, owner_id, exclude_reservation).filter(start__lt=end, end__gt=start)
     return [
         Use.of(s, e, memory_mb, total)
         for s, e, memory_mb, total in rows.values_list("start", "end", "memory_mb", "gpu__memory_total_mb")
     ]
+
+
+def gpu_hours_between(
+    start: datetime,
+    end: datetime,
+    *,
+    team: Team,
+    owner_id: int | None = None,
+    exclude_reservation: int | None = None,
+) -> float:
+    """GPU-hours of a team (or member) inside [start, end), summed by the database.
+
+    Grouped by (memory, card size), so a busy team's week is a handful of rows rather
+    than every booking: this runs under the team's lock on every booking.
+    """
+    overlap = ExpressionWrapper(
+        Least(F("end"), Value(end)) - Greatest(F("start"), Value(start)), output_field=DurationField()
+    )
+    rows = _allocations(team, owner_id, exclude_reservation).filter(start__lt=end, end__gt=start)
+    groups = rows.values("memory_mb", "gpu__memory_total_mb").annotate(held=Sum(overlap)).order_by()
+    total = 0.0
+    for group in groups:
+        use = Use.of(start, end, group["memory_mb"], group["gpu__memory_total_mb"])
+        total += use.card_fraction * group["held"].total_seconds() / 3600
+    return total
 
 
 def _gb(mb: float) -> str:
@@ -108,36 +139,40 @@ def _refusal(
     limits: QuotaFields,
     label: str,
     holder: str,
-    existing: Sequence[Use],
+    scope: dict,
     new: Sequence[Use],
     start: datetime,
     end: datetime,
 ) -> str | None:
     """Why `new` would pass one of `limits`, naming the limit, the use and what would fit; or None."""
-    if limits.max_cards is not None:
-        need = sum(u.cards for u in new)
-        held = int(peak(((u.start, u.end, u.cards) for u in existing), start, end))
-        if need and held + need > limits.max_cards:
-            room = max(0, limits.max_cards - held)
-            return (
-                f"{label} allows {limits.max_cards} whole card(s) at once; {holder} "
-                f"{held} in that window, so {room} more would fit and this booking asks for {need}."
-            )
-    if limits.max_gb is not None:
-        need_mb = sum(u.mb for u in new)
-        held_mb = peak(((u.start, u.end, u.mb) for u in existing), start, end)
-        if held_mb + need_mb > limits.max_gb * 1024:
-            room = max(0.0, limits.max_gb * 1024 - held_mb)
-            return (
-                f"{label} allows {limits.max_gb} GB of GPU memory at once; {holder} "
-                f"{_gb(held_mb)} GB in that window, so {_gb(room)} GB more would fit and this booking "
-                f"asks for {_gb(need_mb)} GB."
-            )
+    if limits.max_cards is not None or limits.max_gb is not None:
+        existing = uses_between(start, end, **scope)
+        if limits.max_cards is not None:
+            need = sum(u.cards for u in new)
+            held = int(peak(((u.start, u.end, u.cards) for u in existing), start, end))
+            if need and held + need > limits.max_cards:
+                room = max(0, limits.max_cards - held)
+                return (
+                    f"{label} allows {limits.max_cards} whole card(s) at once; {holder} "
+                    f"{held} in that window, so {room} more would fit and this booking asks for {need}."
+                )
+        if limits.max_gb is not None:
+            need_mb = sum(u.mb for u in new)
+            held_mb = peak(((u.start, u.end, u.mb) for u in existing), start, end)
+            if held_mb + need_mb > limits.max_gb * 1024:
+                room = max(0.0, limits.max_gb * 1024 - held_mb)
+                return (
+                    f"{label} allows {limits.max_gb} GB of GPU memory at once; {holder} "
+                    f"{_gb(held_mb)} GB in that window, so {_gb(room)} GB more would fit and this booking "
+                    f"asks for {_gb(need_mb)} GB."
+                )
     if limits.gpu_hours_per_week is not None:
         for week, following in weeks_touching(start, end):
             need = gpu_hours(new, week, following)
-            used = gpu_hours(existing, week, following)
-            if need and used + need > limits.gpu_hours_per_week + 1e-6:
+            if not need:
+                continue
+            used = gpu_hours_between(week, following, **scope)
+            if used + need > limits.gpu_hours_per_week + 1e-6:
                 room = max(0.0, limits.gpu_hours_per_week - used)
                 per_hour = sum(u.card_fraction for u in new) or 1.0
                 return (
@@ -162,8 +197,6 @@ def quota_refusal(
     exclude_reservation: int | None = None,
 ) -> str | None:
     """The first member or team limit the new allocations would pass, as a message; None if all fit."""
-    span_start = week_start(start)
-    span_end = weeks_touching(start, end)[-1][1]
     team = membership.team
     checks = [
         (membership, f"Your quota in {team}", "you already have", membership.user_id),
@@ -172,10 +205,8 @@ def quota_refusal(
     for limits, label, holder, owner_id in checks:
         if not _has_limits(limits):
             continue  # no query at all for the common "no quota set" case
-        existing = uses_between(
-            span_start, span_end, team=team, owner_id=owner_id, exclude_reservation=exclude_reservation
-        )
-        refusal = _refusal(limits, label, holder, existing, new, start, end)
+        scope = {"team": team, "owner_id": owner_id, "exclude_reservation": exclude_reservation}
+        refusal = _refusal(limits, label, holder, scope, new, start, end)
         if refusal:
             return refusal
     return None

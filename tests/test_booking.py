@@ -300,3 +300,13 @@ def test_peak_is_a_sweep_over_half_open_windows(t0):
     assert peak([a, b], t0, t0 + 5 * H) == 1
     assert peak([a, b, c], t0, t0 + 5 * H) == 6
     assert peak([a, c], t0 + 2 * H, t0 + 5 * H) == 5
+
+
+def test_weekly_gpu_hours_clip_bookings_that_cross_the_week_boundary(alice, box):
+    alice.memberships.update(gpu_hours_per_week=5)
+    monday = timezone.localtime(timezone.now()).replace(hour=0, minute=0, second=0, microsecond=0)
+    monday += timedelta(days=7 - monday.weekday())
+    book(alice, box[:1], monday - 2 * H, hours=6)  # Sunday 22:00 → Monday 04:00: 4 of its 6 h fall in this week
+    with pytest.raises(QuotaExceeded, match="you already have 4.0 booked or used, so 1.0 more would fit"):
+        book(alice, box[1:2], monday + 10 * H, hours=2)
+    book(alice, box[1:2], monday + 10 * H, hours=1)
