@@ -355,13 +355,14 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
 def _audit(
     actor: AbstractBaseUser, reservation: Reservation, action: str, message: str, **data: object
 ) -> None:
-    AuditEntry.objects.create(
-        actor=actor,
+    booking_sql.insert_audit(
+        actor_id=actor.pk,
         team_id=reservation.team_id,
         action=action,
         target=f"reservation {reservation.pk}",
         message=message,
         data=data,
+        at=timezone.now(),
     )
 
 
@@ -433,11 +434,17 @@ def reservation_create(
                     raise
     _check_quota(membership, cards, memory_mb, start, end)
 
-    reservation = Reservation.objects.create(
-        owner=user, team=membership.team, start=start, end=end, booked_end=end, note=note
+    reservation = Reservation(
+        owner=user, team=membership.team, start=start, end=end, booked_end=end, note=note, created_at=now
     )
-    Allocation.objects.bulk_create(
-        Allocation(reservation=reservation, gpu=g, memory_mb=memory_mb, start=start, end=end) for g in cards
+    reservation.pk = booking_sql.insert_reservation(
+        owner_id=user.pk,
+        team_id=membership.team_id,
+        start=start,
+        end=end,
+        note=note,
+        created_at=now,
+        allocations=[(g.uuid, memory_mb) for g in cards],
     )
     _audit(
         user,

@@ -127,3 +127,50 @@ def lock_team(team_id: int) -> None:
     if connection.features.has_select_for_update:
         with connection.cursor() as cursor:
             cursor.execute("SELECT id FROM portal_team WHERE id = %s FOR UPDATE", [team_id])
+
+
+def insert_reservation(
+    *,
+    owner_id: int,
+    team_id: int,
+    start: datetime,
+    end: datetime,
+    note: str,
+    created_at: datetime,
+    allocations: Sequence[tuple[str, int | None]],
+) -> int:
+    """Write a reservation and its (card UUID, memory MB) allocations; returns its id."""
+    times = [_db_time(start), _db_time(end)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            'INSERT INTO gpus_reservation (owner_id, team_id, start, "end", booked_end, note, created_at,'
+            " cancel_reason) VALUES (%s, %s, %s, %s, %s, %s, %s, '') RETURNING id",
+            [owner_id, team_id, *times, times[1], note, _db_time(created_at)],
+        )
+        reservation_id = cursor.fetchone()[0]
+        rows = [[reservation_id, uuid, memory_mb, *times, True] for uuid, memory_mb in allocations]
+        cursor.execute(
+            'INSERT INTO gpus_allocation (reservation_id, gpu_id, memory_mb, start, "end", live) VALUES '
+            + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(rows)),
+            [value for row in rows for value in row],
+        )
+    return reservation_id
+
+
+def insert_audit(
+    *, actor_id: int, team_id: int | None, action: str, target: str, message: str, data: dict, at: datetime
+) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO portal_auditentry (at, actor_id, team_id, action, target, message, data)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            [
+                _db_time(at),
+                actor_id,
+                team_id,
+                action,
+                target,
+                message,
+                connection.ops.adapt_json_value(data, None),
+            ],
+        )

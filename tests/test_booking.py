@@ -52,6 +52,8 @@ def test_it_books_a_whole_card_and_records_it(alice, box, t0):
     entry = AuditEntry.objects.get()
     assert entry.actor == alice and entry.action == "reservation.create"
     assert "2 whole card(s) on box1" in entry.message
+    assert entry.data["gpus"] == [box[0].uuid, box[1].uuid] and entry.data["memory_mb"] is None
+    assert r.created_at and Reservation.objects.get(pk=r.pk).note == "resnet sweep"
 
 
 def test_it_refuses_a_whole_card_that_overlaps_and_names_the_teammate_and_the_next_slot(alice, bob, box, t0):
