@@ -71,6 +71,31 @@ def _describe(changes: dict[str, list]) -> str:
     return ", ".join(f"{QUOTA_LABELS[f]} {show(old)} → {show(new)}" for f, (old, new) in changes.items())
 
 
+def _save_quota(
+    actor: AbstractBaseUser,
+    team: Team,
+    holder: QuotaFields,
+    changes: dict[str, list],
+    action: str,
+    target: str,
+    what: str,
+) -> None:
+    """Write the changed limits and their audit entry; nothing at all when nothing changed."""
+    if not changes:
+        return
+    for field, (_, new) in changes.items():
+        setattr(holder, field, new)
+    holder.save(update_fields=list(changes))
+    AuditEntry.objects.create(
+        actor=actor,
+        team=team,
+        action=action,
+        target=target,
+        message=f"{actor} set {what} {team}: {_describe(changes)}",
+        data=changes,
+    )
+
+
 @transaction.atomic
 def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None) -> Team:
     """Set a team's limits (admins only). None means no limit. Logged in the audit log."""
@@ -78,18 +103,7 @@ def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None)
         raise Forbidden("Only admins set team quotas; ask one.")
     team = Team.objects.select_for_update().get(pk=team.pk)
     changes = _quota_changes(team, limits, QUOTA_FIELDS)
-    if changes:
-        for field, (_, new) in changes.items():
-            setattr(team, field, new)
-        team.save(update_fields=list(changes))
-        AuditEntry.objects.create(
-            actor=actor,
-            team=team,
-            action=AuditEntry.Action.QUOTA_TEAM,
-            target=f"team {team.slug}",
-            message=f"{actor} set the quota of {team}: {_describe(changes)}",
-            data=changes,
-        )
+    _save_quota(actor, team, team, changes, AuditEntry.Action.QUOTA_TEAM, f"team {team.slug}", "the quota of")
     return team
 
 
@@ -109,16 +123,14 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
                 "or leave it empty to use the team's limit.",
                 field=field,
             )
-    if changes:
-        for field, (_, new) in changes.items():
-            setattr(membership, field, new)
-        membership.save(update_fields=list(changes))
-        AuditEntry.objects.create(
-            actor=actor,
-            team=team,
-            action=AuditEntry.Action.QUOTA_MEMBER,
-            target=f"member {membership.user} of {team.slug}",
-            message=f"{actor} set {membership.user}'s quota in {team}: {_describe(changes)}",
-            data=changes,
-        )
+    target = f"member {membership.user} of {team.slug}"
+    _save_quota(
+        actor,
+        team,
+        membership,
+        changes,
+        AuditEntry.Action.QUOTA_MEMBER,
+        target,
+        f"{membership.user}'s quota in",
+    )
     return membership

@@ -5,13 +5,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from portal.models import Membership
-from tests.factories import MembershipFactory, TeamFactory, UserFactory
+from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "test-output"
@@ -48,6 +50,22 @@ def leader(team):
 def charlie(db):
     """An outsider: in no team of alice's."""
     return MembershipFactory(user=UserFactory(username="charlie")).user
+
+
+@pytest.fixture
+def box(db) -> list:
+    """A reporting server `box1` with four 24 GB cards, by index."""
+    from gpus.models import GPU
+    from gpus.services import server_report_ingest
+
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=4))
+    return list(GPU.objects.filter(server__name="box1").order_by("index"))
+
+
+@pytest.fixture
+def t0():
+    """The start of the next hour-long slot: a minute-aligned time an hour from now."""
+    return timezone.now().replace(second=0, microsecond=0) + timedelta(hours=1)
 
 
 @pytest.fixture

@@ -27,17 +27,6 @@ H = timedelta(hours=1)
 BOOKABLE = 24 * 1024 - 300 - 512  # make_snapshot's card: total - driver reserved - headroom
 
 
-@pytest.fixture
-def box(db):
-    server_report_ingest(snapshot=make_snapshot("box1", gpus=4))
-    return list(GPU.objects.filter(server__name="box1").order_by("index"))
-
-
-@pytest.fixture
-def t0():
-    return timezone.now().replace(microsecond=0) + H
-
-
 def book(user, gpus, start, hours=2, memory_mb=None, **kw):
     return reservation_create(
         user=user, gpus=[g.uuid for g in gpus], start=start, end=start + hours * H, memory_mb=memory_mb, **kw
@@ -308,7 +297,8 @@ def test_weekly_gpu_hours_clip_bookings_that_cross_the_week_boundary(alice, box)
     alice.memberships.update(gpu_hours_per_week=5)
     monday = timezone.localtime(timezone.now()).replace(hour=0, minute=0, second=0, microsecond=0)
     monday += timedelta(days=7 - monday.weekday())
-    book(alice, box[:1], monday - 2 * H, hours=6)  # Sunday 22:00 → Monday 04:00: 4 of its 6 h fall in this week
-    with pytest.raises(QuotaExceeded, match="you already have 4.0 booked or used, so 1.0 more would fit"):
+    # Sunday 22:00 → Monday 04:00: 4 of its 6 h fall in this week.
+    book(alice, box[:1], monday - 2 * H, hours=6)
+    with pytest.raises(QuotaExceeded, match=r"you already have 4\.0 booked or used, so 1\.0 more would fit"):
         book(alice, box[1:2], monday + 10 * H, hours=2)
     book(alice, box[1:2], monday + 10 * H, hours=1)

@@ -11,23 +11,10 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.forms import local_input, parse_memory_mb
-from gpus.models import GPU, Reservation, Server
-from gpus.services import server_report_ingest
+from gpus.models import Reservation, Server
 from portal.models import AuditEntry
-from tests.factories import make_snapshot
 
 H = timedelta(hours=1)
-
-
-@pytest.fixture
-def box(db):
-    server_report_ingest(snapshot=make_snapshot("box1", gpus=4))
-    return list(GPU.objects.filter(server__name="box1").order_by("index"))
-
-
-@pytest.fixture
-def t0():
-    return timezone.now().replace(second=0, microsecond=0) + H
 
 
 @pytest.fixture

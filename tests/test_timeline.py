@@ -12,21 +12,14 @@ from django.urls import reverse
 from django.utils import timezone
 
 from gpus.booking import format_time, reservation_cancel, reservation_create
-from gpus.models import GPU, Server
-from gpus.services import server_report_ingest
+from gpus.models import Server
 from gpus.timeline import server_timeline_rows, timeline_axis
-from tests.factories import MembershipFactory, UserFactory, make_snapshot
+from tests.factories import MembershipFactory, UserFactory
 
 H = timedelta(hours=1)
 D = timedelta(days=1)
 BOOKABLE = 24 * 1024 - 300 - 512  # make_snapshot's card: total - driver reserved - headroom
 DAY_PCT = 100 / 7
-
-
-@pytest.fixture
-def box(db):
-    server_report_ingest(snapshot=make_snapshot("box1", gpus=4))
-    return list(GPU.objects.filter(server__name="box1").order_by("index"))
 
 
 @pytest.fixture
