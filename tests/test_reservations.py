@@ -322,3 +322,26 @@ def test_draining_servers_offer_no_reserve_button(client, alice, box):
     Server.objects.filter(name="box1").update(draining=True)
     client.force_login(alice)
     assert "data-reserve=" not in client.get(reverse("dashboard_servers")).content.decode()
+
+
+@pytest.mark.parametrize(
+    ("who", "page_status", "api_status", "extended"),
+    [
+        ("alice", 302, 200, True),
+        ("bob", 403, 403, False),
+        ("charlie", 404, 404, False),
+        ("leader", 403, 200, False),
+        ("admin_user", 403, 200, False),
+    ],
+)
+def test_access_to_extend_in_the_page_and_cancel_in_the_api(
+    client, request, booking, t0, who, page_status, api_status, extended
+):
+    user = request.getfixturevalue(who)
+    client.force_login(user)
+    page = client.post(reverse("reservation_extend", args=[booking.pk]), {"end": local_input(t0 + 3 * H)})
+    assert page.status_code == page_status
+    booking.refresh_from_db()
+    assert (booking.end == t0 + 3 * H) is extended
+    cancel = api(user).post(f"/api/v1/reservations/{booking.pk}/cancel/", {"reason": "maintenance"})
+    assert cancel.status_code == api_status
