@@ -12,7 +12,7 @@ from portal.errors import ServiceError
 from portal.models import Membership, QuotaFields, Team
 
 # Well inside PositiveIntegerField's range, so a typo never reaches the database as an overflow.
-QUOTA_MAX = 1_000_000
+from portal.services import QUOTA_MAX
 
 
 def _limit_field(

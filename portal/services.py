@@ -39,6 +39,7 @@ def demo_data_seed(*, password: str) -> bool:
     return True
 
 
+QUOTA_MAX = 1_000_000  # any larger limit means "no limit"; keeps values inside the integer column
 QUOTA_FIELDS = ("max_cards", "max_gb", "gpu_hours_per_week")
 QUOTA_LABELS = {
     "max_cards": "cards at once",
@@ -57,9 +58,13 @@ def _quota_changes(
             f"{unknown[0]} is not a quota setting; use one of {', '.join(fields)}.", field=unknown[0]
         )
     for field, value in limits.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= QUOTA_MAX
+        ):
             raise Invalid(
-                f"{QUOTA_LABELS[field]} must be a whole number ≥ 0, or empty for no limit.", field=field
+                f"{QUOTA_LABELS[field]} must be a whole number from 0 to {QUOTA_MAX:,}, "
+                "or empty for no limit.",
+                field=field,
             )
     return {f: [getattr(target, f), v] for f, v in limits.items() if getattr(target, f) != v}
 

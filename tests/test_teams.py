@@ -498,3 +498,14 @@ def test_it_names_users_by_their_username_in_the_audit_api(api, team, alice, lea
     entry = api.get(f"{API_TEAM}audit/").json()["results"][0]
     assert entry["actor"] == "leader" and entry["action"] == "quota.member"
     assert entry["data"] == {"max_cards": [None, 1]}
+
+
+def test_the_service_itself_refuses_limits_beyond_the_column(team, admin_user):
+    from portal.errors import Invalid
+    from portal.services import quota_team_set
+
+    with pytest.raises(Invalid, match="from 0 to 1,000,000") as err:
+        quota_team_set(actor=admin_user, team=team, max_gb=10**12)
+    assert err.value.field == "max_gb"
+    team.refresh_from_db()
+    assert team.max_gb is None
