@@ -96,7 +96,15 @@ class GPU(models.Model):
 
     @property
     def memory_bookable_mb(self) -> int:
-        return max(0, self.memory_total_mb - self.memory_reserved_mb - settings.GPU_CONTEXT_HEADROOM_MB)
+        return self.bookable_mb(self.memory_total_mb, self.memory_reserved_mb)
+
+    @staticmethod
+    def bookable_mb(total_mb: int, reserved_mb: int) -> int:
+        """What bookings may share: total - driver reserved - the CUDA context headroom.
+
+        A static method so the dashboard and timeline selectors, which read plain rows,
+        use the same formula as the model."""
+        return max(0, total_mb - reserved_mb - settings.GPU_CONTEXT_HEADROOM_MB)
 
     @property
     def memory_used_pct(self) -> float | None:

@@ -6,7 +6,6 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 from django.urls import reverse
 from django.utils import timezone
@@ -51,7 +50,6 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     up to hundreds of cards, and building 2,000 model objects per poll dominated its cost.
     """
     now = timezone.now()
-    headroom = settings.GPU_CONTEXT_HEADROOM_MB
     detail_url = reverse("gpu_detail", args=["UUID"])
     booked = bookings_now(viewer, now)
     processes: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -75,7 +73,7 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
         "power_limit_w",
     ):
         total = gpu["memory_total_mb"] or 0
-        bookable = max(0, total - gpu["memory_reserved_mb"] - headroom)
+        bookable = GPU.bookable_mb(total, gpu["memory_reserved_mb"])
         used = gpu["memory_used_mb"]
         gpu["memory_bookable_mb"] = bookable
         gpu["used_pct"] = round(100 * used / total, 1) if total and used is not None else 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 from datetime import datetime, time, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
@@ -85,7 +84,6 @@ def server_timeline_rows(
     span = _seconds(start, end)
     viewer_teams = team_ids_of(viewer)
     admin = is_admin(viewer)
-    headroom = settings.GPU_CONTEXT_HEADROOM_MB
     reserve_url = reverse("reservation_new")
 
     rows: dict[str, dict[str, Any]] = {}
@@ -94,14 +92,14 @@ def server_timeline_rows(
         .order_by("index")
         .values_list("uuid", "index", "name", "memory_total_mb", "memory_reserved_mb")
     ):
-        bookable = max(0, total - reserved - headroom)
+        bookable = GPU.bookable_mb(total, reserved)
         rows[uuid] = {
             "uuid": uuid,
             "index": index,
             "name": name,
             "bookable_mb": bookable,
             "bookable": format_mb(bookable),
-            "reserve_url": f"{reserve_url}?gpu={uuid}",
+            "reserve_url": f"{reserve_url}?server={server.name}&gpu={uuid}",
             "bars": [],
         }
 

@@ -50,7 +50,7 @@ def test_it_lists_every_card_with_reserve_links(client, alice, box):
     assert response.status_code == 200
     assert html.count('class="tl-row" data-gpu-uuid=') == 4
     assert html.index('data-gpu-uuid="GPU-box1-00"') < html.index('data-gpu-uuid="GPU-box1-03"')
-    assert f"{reverse('reservation_new')}?gpu=GPU-box1-02" in html
+    assert f"{reverse('reservation_new')}?server=box1&amp;gpu=GPU-box1-02" in html
     assert f"{reverse('reservation_new')}?server=box1" in html
     assert "23.2 GB bookable" in html
     assert '<span class="badge online">Online</span>' in html
