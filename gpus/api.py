@@ -155,6 +155,9 @@ class CancelSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, max_length=500)
 
 
+STATUSES = ("upcoming", "active", "ended", "cancelled", "released", "open")
+
+
 class ReservationPagination(PageNumberPagination):
     page_size = 50
     page_size_query_param = "page_size"
@@ -186,7 +189,11 @@ class ReservationViewSet(
         if params.get("server"):
             queryset = queryset.filter(allocations__gpu__server__name=params["server"]).distinct()
         if params.get("status"):
-            queryset = reservations_with_status(queryset, params["status"])
+            if params["status"] not in STATUSES:
+                raise serializers.ValidationError(
+                    {"status": [f"Unknown status; use one of {', '.join(STATUSES)}."]}
+                )
+            queryset = queryset.with_status(params["status"], timezone.now())
         return queryset
 
     @extend_schema(request=ReservationCreateSerializer, responses={201: ReservationSerializer})
@@ -234,19 +241,3 @@ class ReservationViewSet(
 
     def _show(self, pk: int) -> dict:
         return ReservationSerializer(self.get_queryset().get(pk=pk)).data
-
-
-def reservations_with_status(queryset, status_name: str):  # type: ignore[no-untyped-def]
-    """Filter by the derived status, in SQL."""
-    now = timezone.now()
-    running = queryset.filter(cancelled_at=None, released_at=None)
-    filters = {
-        "upcoming": lambda: running.filter(start__gt=now),
-        "active": lambda: running.filter(start__lte=now, end__gt=now),
-        "ended": lambda: running.filter(end__lte=now),
-        "cancelled": lambda: queryset.exclude(cancelled_at=None),
-        "released": lambda: queryset.exclude(released_at=None),
-    }
-    if status_name not in filters:
-        raise serializers.ValidationError({"status": [f"Unknown status; use one of {', '.join(filters)}."]})
-    return filters[status_name]()

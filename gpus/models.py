@@ -163,6 +163,26 @@ class ReservationQuerySet(models.QuerySet):
             return self
         return self.filter(models.Q(owner=user) | models.Q(team__memberships__user=user)).distinct()
 
+    def with_status(self, status: str, now: datetime) -> ReservationQuerySet:
+        """Filter by the derived status in SQL (the same rules as Reservation.status_at)."""
+        neither = self.filter(cancelled_at=None, released_at=None)
+        return {
+            "upcoming": lambda: neither.filter(start__gt=now),
+            "active": lambda: neither.filter(start__lte=now, end__gt=now),
+            "ended": lambda: neither.filter(end__lte=now),
+            "cancelled": lambda: self.exclude(cancelled_at=None),
+            "released": lambda: self.exclude(released_at=None),
+            "open": lambda: neither.filter(end__gt=now),  # upcoming or active
+        }[status]()
+
+    def split_open(self, now: datetime, *, past_limit: int = 50) -> dict[str, list[Reservation]]:
+        """Open bookings (soonest first) and the most recent others, for the list pages."""
+        open_ = self.with_status("open", now)
+        return {
+            "open": list(open_.order_by("start", "id")),
+            "past": list(self.exclude(pk__in=open_.values("pk")).order_by("-start", "-id")[:past_limit]),
+        }
+
 
 class Reservation(models.Model):
     """A booking of one or more cards (whole or a memory quota) for a time window.

@@ -60,13 +60,11 @@ def my_reservations(request: HttpRequest) -> HttpResponse:
     now = timezone.now()
     mine = Reservation.objects.filter(owner=request.user).select_related("team", "cancelled_by")
     mine = mine.prefetch_related("allocations__gpu__server")
-    open_ = [r for r in mine.filter(end__gt=now, cancelled_at=None, released_at=None).order_by("start")]
-    past = list(mine.exclude(pk__in=[r.pk for r in open_]).order_by("-start")[:50])
     quotas = [
         (m, team_use(m.team, now).get(request.user.pk))
         for m in request.user.memberships.select_related("team")
     ]
-    context = {"open": open_, "past": past, "quotas": quotas, "extend_form": ExtendForm()}
+    context = {**mine.split_open(now), "quotas": quotas, "extend_form": ExtendForm()}
     return render(request, "gpus/my_reservations.html", context)
 
 

@@ -15,7 +15,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Q
+from django.db.models import Count
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -119,12 +119,10 @@ def _team_page(
 
 def _team_bookings(team: Team, now: datetime) -> dict[str, list[Reservation]]:
     bookings = Reservation.objects.filter(team=team).select_related("owner", "cancelled_by")
-    bookings = bookings.prefetch_related("allocations__gpu__server")
-    running = Q(cancelled_at=None, released_at=None, end__gt=now)
-    return {
-        "open_bookings": list(bookings.filter(running).order_by("start", "id")),
-        "recent_bookings": list(bookings.exclude(running).order_by("-start", "-id")[:RECENT_BOOKINGS_SHOWN]),
-    }
+    split = bookings.prefetch_related("allocations__gpu__server").split_open(
+        now, past_limit=RECENT_BOOKINGS_SHOWN
+    )
+    return {"open_bookings": split["open"], "recent_bookings": split["past"]}
 
 
 @login_required

@@ -302,3 +302,22 @@ def test_weekly_gpu_hours_clip_bookings_that_cross_the_week_boundary(alice, box)
     with pytest.raises(QuotaExceeded, match=r"you already have 4\.0 booked or used, so 1\.0 more would fit"):
         book(alice, box[1:2], monday + 10 * H, hours=2)
     book(alice, box[1:2], monday + 10 * H, hours=1)
+
+
+def test_the_status_filter_in_sql_agrees_with_the_derived_status(alice, box, t0):
+    now = timezone.now()
+    long_ago = now - 30 * H
+    ended = reservation_create(user=alice, gpus=[box[0].uuid], start=long_ago, end=long_ago + H, now=long_ago)
+    active = reservation_create(user=alice, gpus=[box[1].uuid], start=now, end=now + H)
+    released = reservation_create(user=alice, gpus=[box[2].uuid], start=now, end=now + H)
+    reservation_release(user=alice, reservation=released)
+    upcoming = book(alice, box[3:4], t0)
+    cancelled = book(alice, box[3:4], t0 + 3 * H)
+    reservation_cancel(user=alice, reservation=cancelled)
+    everything = Reservation.objects.all()
+    for r in (ended, active, released, upcoming, cancelled):
+        r.refresh_from_db()
+        matching = everything.with_status(r.status_at(timezone.now()), timezone.now())
+        assert list(matching.values_list("pk", flat=True)) == [r.pk], r.status
+    split = everything.split_open(timezone.now())
+    assert [r.pk for r in split["open"]] == [active.pk, upcoming.pk]
