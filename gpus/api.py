@@ -6,13 +6,13 @@ from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.pagination import PageNumberPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
 from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server
 from gpus.selectors import gpus_with_processes
+from portal.pagination import PagePagination
 
 
 class GPUProcessSerializer(serializers.ModelSerializer):
@@ -158,12 +158,6 @@ class CancelSerializer(serializers.Serializer):
 STATUSES = ("upcoming", "active", "ended", "cancelled", "released", "open")
 
 
-class ReservationPagination(PageNumberPagination):
-    page_size = 50
-    page_size_query_param = "page_size"
-    max_page_size = 500
-
-
 class ReservationViewSet(
     mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet
 ):
@@ -174,7 +168,7 @@ class ReservationViewSet(
     """
 
     serializer_class = ReservationSerializer
-    pagination_class = ReservationPagination
+    pagination_class = PagePagination
 
     def get_queryset(self):  # type: ignore[no-untyped-def]
         queryset = Reservation.objects.visible_to(self.request.user).select_related(

@@ -24,18 +24,11 @@ from django.utils import timezone
 from gpus import booking_sql
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
 from portal.access import can_manage_team, display_name, team_ids_of
-from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
+from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, Team
 from portal.quotas import Use, peak, quota_refusal
 
 PICK_ATTEMPTS = 3
-
-
-# The booking names for the shared service errors (portal/errors.py).
-BookingError = ServiceError
-BookingInvalid = Invalid
-BookingConflict = Conflict
-BookingForbidden = Forbidden
 
 
 def format_time(at: datetime) -> str:
@@ -186,10 +179,10 @@ def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membe
         membership = booking_sql.membership_for_update(user.pk, team_slug=team or None)
     if membership is None:
         if team:
-            raise BookingForbidden(
+            raise Forbidden(
                 f"You are not a member of team {team}; book for one of your own teams.", field="team"
             )
-        raise BookingForbidden(
+        raise Forbidden(
             "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
         )
     limits = membership.team
@@ -202,23 +195,21 @@ def _check_window(
     start: datetime, end: datetime, membership: Membership, now: datetime, *, new_start: bool = True
 ) -> None:
     if end <= start:
-        raise BookingInvalid(
+        raise Invalid(
             f"The end ({format_time(end)}) must be after the start ({format_time(start)}).", field="end"
         )
     if new_start and start < now - timedelta(minutes=settings.BOOKING_PAST_GRACE_MINUTES):
-        raise BookingInvalid(
-            f"The start ({format_time(start)}) is in the past; start now or later.", field="start"
-        )
+        raise Invalid(f"The start ({format_time(start)}) is in the past; start now or later.", field="start")
     horizon = now + timedelta(days=settings.BOOKING_HORIZON_DAYS)
     if end > horizon:
-        raise BookingInvalid(
+        raise Invalid(
             f"Bookings can reach at most {settings.BOOKING_HORIZON_DAYS} days ahead "
             f"(until {format_time(horizon)}); pick an earlier end.",
             field="end",
         )
     hours = (end - start).total_seconds() / 3600
     if hours > settings.BOOKING_MAX_HOURS:
-        raise BookingInvalid(
+        raise Invalid(
             f"A booking can last at most {settings.BOOKING_MAX_HOURS} h; this one is {hours:.1f} h. "
             "Pick an earlier end.",
             field="end",
@@ -237,25 +228,25 @@ def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
     gpus = booking_sql.gpus_for_update(uuids)
     missing = sorted(set(uuids) - {g.uuid for g in gpus})
     if missing:
-        raise BookingInvalid(
+        raise Invalid(
             f"There is no GPU {missing[0]}; pick cards from the dashboard or GET /api/v1/gpus/.", field="gpus"
         )
     servers = sorted({g.server.name for g in gpus})
     if len(servers) > 1:
-        raise BookingInvalid(
+        raise Invalid(
             f"These cards are on {len(servers)} servers ({', '.join(servers)}); a booking's cards must "
             "share one server, because a job runs on one host. Make one booking per server.",
             field="gpus",
         )
     for gpu in gpus:
         if gpu.server.draining:
-            raise BookingInvalid(
+            raise Invalid(
                 f"{gpu_label(gpu)} is on {gpu.server.name}, which is draining: "
                 "pick a card on another server.",
                 field="gpus",
             )
         if memory_mb is not None and memory_mb > gpu.memory_bookable_mb:
-            raise BookingInvalid(
+            raise Invalid(
                 f"{format_mb(memory_mb)} is more than the {format_mb(gpu.memory_bookable_mb)} "
                 f"bookable on {gpu_label(gpu)}; "
                 f"ask for at most {gpu.memory_bookable_mb}M, or book the whole card.",
@@ -302,16 +293,14 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
     candidates = GPU.objects.select_related("server").filter(server__draining=False)
     if server:
         if not Server.objects.filter(name=server).exists():
-            raise BookingInvalid(
-                f"There is no server {server!r}; leave it empty for any server.", field="server"
-            )
+            raise Invalid(f"There is no server {server!r}; leave it empty for any server.", field="server")
         candidates = candidates.filter(server__name=server)
     else:
         candidates = candidates.filter(server__in=Server.objects.online())
     gpus = list(candidates)
     if memory_mb is not None and gpus and memory_mb > max(g.memory_bookable_mb for g in gpus):
         largest = max(g.memory_bookable_mb for g in gpus)
-        raise BookingInvalid(
+        raise Invalid(
             f"{format_mb(memory_mb)} is more than any card offers (at most {format_mb(largest)} bookable); "
             f"ask for at most {largest}M, or whole cards.",
             field="memory_mb",
@@ -345,7 +334,7 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
     where = f"Server {server} does not have" if server else "No online server has"
     best = max(fitting.items(), key=lambda item: len(item[1]), default=None)
     most = f" (the most on one server is {len(best[1])}, on {best[0]})" if best else ""
-    raise BookingConflict(
+    raise Conflict(
         f"{where} {what} from {format_time(start)} to {format_time(end)}{most}. "
         "Try fewer cards, less memory or a later time; the server timelines show what is free.",
         field="count",
@@ -395,27 +384,23 @@ def reservation_create(
     """Book `gpus` (UUIDs) or `count` cards the portal picks (on `server`, or anywhere).
 
     `memory_mb` None books whole cards; otherwise that much memory on each card.
-    Raises a BookingError subclass, naming the field and the fix, and writes nothing.
+    Raises a ServiceError subclass, naming the field and the fix, and writes nothing.
     """
     now = now or timezone.now()
     start = start or now
     end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
     if memory_mb is not None and memory_mb <= 0:
-        raise BookingInvalid(
-            "Memory must be more than 0; leave it empty to book whole cards.", field="memory_mb"
-        )
+        raise Invalid("Memory must be more than 0; leave it empty to book whole cards.", field="memory_mb")
     if len(note) > 500:
-        raise BookingInvalid(f"The note is {len(note)} characters; keep it to 500.", field="note")
+        raise Invalid(f"The note is {len(note)} characters; keep it to 500.", field="note")
     if gpus and count:
-        raise BookingInvalid("Give either GPUs to book or a count of cards to pick, not both.", field="gpus")
+        raise Invalid("Give either GPUs to book or a count of cards to pick, not both.", field="gpus")
     if not gpus and not count:
-        raise BookingInvalid(
-            "Pick at least one GPU, or give a count of cards for the portal to pick.", field="gpus"
-        )
+        raise Invalid("Pick at least one GPU, or give a count of cards for the portal to pick.", field="gpus")
     if gpus and len(set(gpus)) != len(gpus):
-        raise BookingInvalid("A GPU is listed twice; list each card once.", field="gpus")
+        raise Invalid("A GPU is listed twice; list each card once.", field="gpus")
     if count is not None and count < 1:
-        raise BookingInvalid("The count must be at least 1.", field="count")
+        raise Invalid("The count must be at least 1.", field="count")
 
     membership = _locked_membership(user, team)
     _check_window(start, end, membership, now)
@@ -473,12 +458,12 @@ def reservation_extend(
     now = now or timezone.now()
     reservation = _locked_reservation(reservation)
     if reservation.owner_id != user.pk:
-        raise BookingForbidden("Only the owner can extend a booking.")
+        raise Forbidden("Only the owner can extend a booking.")
     status = reservation.status_at(now)
     if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
-        raise BookingInvalid(f"This booking is {status.label.lower()}; make a new one instead.", field="end")
+        raise Invalid(f"This booking is {status.label.lower()}; make a new one instead.", field="end")
     if end <= reservation.end:
-        raise BookingInvalid(
+        raise Invalid(
             f"The new end must be after the current end, {format_time(reservation.end)}.", field="end"
         )
     membership = _locked_membership(user, reservation.team)
@@ -523,17 +508,17 @@ def reservation_cancel(
     reservation = _locked_reservation(reservation)
     is_owner = reservation.owner_id == user.pk
     if not is_owner and not can_manage_team(user, reservation.team_id):
-        raise BookingForbidden("Only the owner, leaders of the booking's team and admins can cancel it.")
+        raise Forbidden("Only the owner, leaders of the booking's team and admins can cancel it.")
     status = reservation.status_at(now)
     if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
-        raise BookingInvalid(f"This booking is already {status.label.lower()}; there is nothing to cancel.")
+        raise Invalid(f"This booking is already {status.label.lower()}; there is nothing to cancel.")
     if is_owner and status == Reservation.Status.ACTIVE:
         return _release(user, reservation, now)
     reason = reason.strip()
     if not is_owner and not reason:
-        raise BookingInvalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
+        raise Invalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
     if len(reason) > 500:
-        raise BookingInvalid("Keep the reason to 500 characters.", field="reason")
+        raise Invalid("Keep the reason to 500 characters.", field="reason")
     _end_now(reservation, now)
     reservation.cancelled_at = now
     reservation.cancelled_by = user
@@ -572,12 +557,10 @@ def reservation_release(
     now = now or timezone.now()
     reservation = _locked_reservation(reservation)
     if reservation.owner_id != user.pk:
-        raise BookingForbidden(
-            "Only the owner can release a booking; leaders and admins cancel it with a reason."
-        )
+        raise Forbidden("Only the owner can release a booking; leaders and admins cancel it with a reason.")
     status = reservation.status_at(now)
     if status == Reservation.Status.UPCOMING:
-        raise BookingInvalid("This booking has not started yet; cancel it instead.")
+        raise Invalid("This booking has not started yet; cancel it instead.")
     if status != Reservation.Status.ACTIVE:
-        raise BookingInvalid(f"This booking is already {status.label.lower()}; there is nothing to release.")
+        raise Invalid(f"This booking is already {status.label.lower()}; there is nothing to release.")
     return _release(user, reservation, now)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import PermissionDenied
+from django.http import Http404
+from django.shortcuts import get_object_or_404
 
 from portal.models import Membership, Team
 
@@ -38,3 +41,19 @@ def display_name(
     if team_id in viewer_teams or is_admin(viewer):
         return owner_name
     return "another user"
+
+
+def team_for_user(user: AbstractBaseUser, slug: str, *, manage: bool) -> Team:
+    """The team if the user is a member or an admin, else 404 (outsiders never learn it exists).
+
+    With manage=True, members who do not lead it get 403: they know the team, not its management.
+    """
+    team = get_object_or_404(Team, slug=slug)
+    if is_admin(user):
+        return team
+    role = Membership.objects.filter(team=team, user=user).values_list("role", flat=True).first()
+    if role is None:
+        raise Http404("No such team.")
+    if manage and role != Membership.Role.LEADER:
+        raise PermissionDenied(f"Only leaders of {team} and admins manage it.")
+    return team

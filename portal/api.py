@@ -23,17 +23,14 @@ from django.shortcuts import get_object_or_404
 from django.urls import URLPattern, URLResolver, path
 from drf_spectacular.utils import extend_schema, extend_schema_field
 from rest_framework import generics, serializers
-from rest_framework.pagination import PageNumberPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from portal.access import is_admin, team_ids_of
-from portal.forms import QUOTA_MAX
+from portal.access import is_admin, team_for_user, team_ids_of
 from portal.models import AuditEntry, Membership, Team
-from portal.quotas import team_use
-from portal.services import quota_member_set, quota_team_set
-from portal.views import _get_team_for_user as get_team_for_user
-from portal.views import team_use_total
+from portal.pagination import PagePagination
+from portal.quotas import team_use, team_use_total
+from portal.services import QUOTA_MAX, quota_member_set, quota_team_set
 
 
 def _limit(help_text: str) -> serializers.IntegerField:
@@ -175,11 +172,11 @@ class TeamDetail(generics.GenericAPIView):
         return Response(TeamDetailSerializer(team, context={"roles": _roles(self.request.user)}).data)
 
     def get(self, request: Request, slug: str) -> Response:
-        return self._show(get_team_for_user(request.user, slug, manage=False))
+        return self._show(team_for_user(request.user, slug, manage=False))
 
     @extend_schema(request=TeamQuotaInputSerializer, responses=TeamDetailSerializer)
     def patch(self, request: Request, slug: str) -> Response:
-        team = get_team_for_user(request.user, slug, manage=False)
+        team = team_for_user(request.user, slug, manage=False)
         if not is_admin(request.user):
             raise PermissionDenied("Only admins set team quotas; ask one.")
         data = TeamQuotaInputSerializer(data=request.data)
@@ -195,7 +192,7 @@ class MemberList(generics.GenericAPIView):
 
     @extend_schema(responses=MemberSerializer(many=True))
     def get(self, request: Request, slug: str) -> Response:
-        team = get_team_for_user(request.user, slug, manage=True)
+        team = team_for_user(request.user, slug, manage=True)
         members = team.memberships.select_related("user", "team").order_by("role", "user__username")
         return Response(MemberSerializer(members, many=True, context={"use": team_use(team)}).data)
 
@@ -209,7 +206,7 @@ class MemberDetail(generics.GenericAPIView):
     def _membership(self, slug: str, username: str, *, manage: bool) -> Membership:
         user = self.request.user
         own = username == user.get_username()
-        team = get_team_for_user(user, slug, manage=manage or not own)
+        team = team_for_user(user, slug, manage=manage or not own)
         return get_object_or_404(
             Membership.objects.select_related("user", "team"), team=team, user__username=username
         )
@@ -228,22 +225,16 @@ class MemberDetail(generics.GenericAPIView):
         return self._show(quota_member_set(actor=request.user, membership=membership, **data.validated_data))
 
 
-class AuditPagination(PageNumberPagination):
-    page_size = 50
-    page_size_query_param = "page_size"
-    max_page_size = 500
-
-
 class AuditList(generics.ListAPIView):
     """The team's audit log, newest first: every booking action and quota change (leaders, admins)."""
 
     serializer_class = AuditEntrySerializer
-    pagination_class = AuditPagination
+    pagination_class = PagePagination
 
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return AuditEntry.objects.none()
-        team = get_team_for_user(self.request.user, self.kwargs["slug"], manage=True)
+        team = team_for_user(self.request.user, self.kwargs["slug"], manage=True)
         return AuditEntry.objects.filter(team=team).select_related("actor")
 
 

@@ -241,3 +241,12 @@ def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
             gpu_hours_week=round(gpu_hours(uses, week, following), 1),
         )
     return result
+
+
+def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
+    """The whole team's use: the sum over everyone who booked for it (former members included)."""
+    return MemberUse(
+        cards_now=sum(u.cards_now for u in use.values()),
+        gb_now=round(sum(u.gb_now for u in use.values()), 1),
+        gpu_hours_week=round(sum(u.gpu_hours_week for u in use.values()), 1),
+    )

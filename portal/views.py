@@ -1,6 +1,6 @@
 """Profile, teams and quota pages.
 
-Who may do what is decided by `_get_team_for_user` (pages) and the same helper in portal/api.py;
+Who may do what is decided by `portal.access.team_for_user`, which the API uses too;
 the quota rules themselves are in portal/services.py. POST → redirect → GET; a refused form is
 shown again with the message beside its field, and nothing was written.
 """
@@ -13,10 +13,9 @@ from functools import partial
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -24,40 +23,15 @@ from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
 from gpus.models import Reservation
-from portal.access import is_admin, team_ids_of
+from portal.access import is_admin, team_for_user, team_ids_of
 from portal.errors import ServiceError
 from portal.forms import MemberQuotaForm, QuotaForm, TeamQuotaForm
 from portal.models import AuditEntry, Membership, Team
-from portal.quotas import MemberUse, team_use
+from portal.quotas import team_use, team_use_total
 from portal.services import api_token_regenerate, quota_member_set, quota_team_set
 
 AUDIT_SHOWN = 50
 RECENT_BOOKINGS_SHOWN = 50
-
-
-def _get_team_for_user(user: AbstractBaseUser, slug: str, *, manage: bool) -> Team:
-    """The team if the user is a member or an admin, else 404 (outsiders never learn it exists).
-
-    With manage=True, members who do not lead it get 403: they know the team, not its management.
-    """
-    team = get_object_or_404(Team, slug=slug)
-    if is_admin(user):
-        return team
-    role = Membership.objects.filter(team=team, user=user).values_list("role", flat=True).first()
-    if role is None:
-        raise Http404("No such team.")
-    if manage and role != Membership.Role.LEADER:
-        raise PermissionDenied(f"Only leaders of {team} and admins manage it.")
-    return team
-
-
-def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
-    """The whole team's use: the sum over everyone who booked for it (former members included)."""
-    return MemberUse(
-        cards_now=sum(u.cards_now for u in use.values()),
-        gb_now=round(sum(u.gb_now for u in use.values()), 1),
-        gpu_hours_week=round(sum(u.gpu_hours_week for u in use.values()), 1),
-    )
 
 
 @login_required
@@ -127,7 +101,7 @@ def _team_bookings(team: Team, now: datetime) -> dict[str, list[Reservation]]:
 
 @login_required
 def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
-    return _team_page(request, _get_team_for_user(request.user, slug, manage=True))
+    return _team_page(request, team_for_user(request.user, slug, manage=True))
 
 
 def _save(
@@ -155,7 +129,7 @@ def _save(
 @require_POST
 @login_required
 def team_quota(request: HttpRequest, slug: str) -> HttpResponse:
-    team = _get_team_for_user(request.user, slug, manage=False)
+    team = team_for_user(request.user, slug, manage=False)
     if not is_admin(request.user):
         raise PermissionDenied("Only admins set team quotas; ask one.")
     form = TeamQuotaForm.for_team(team, request.POST)
@@ -168,7 +142,7 @@ def team_quota(request: HttpRequest, slug: str) -> HttpResponse:
 @require_POST
 @login_required
 def member_quota(request: HttpRequest, slug: str, username: str) -> HttpResponse:
-    team = _get_team_for_user(request.user, slug, manage=True)
+    team = team_for_user(request.user, slug, manage=True)
     membership = get_object_or_404(
         Membership.objects.select_related("team", "user"), team=team, user__username=username
     )

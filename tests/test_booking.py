@@ -8,10 +8,6 @@ import pytest
 from django.utils import timezone
 
 from gpus.booking import (
-    BookingConflict,
-    BookingForbidden,
-    BookingInvalid,
-    QuotaExceeded,
     reservation_cancel,
     reservation_create,
     reservation_extend,
@@ -19,6 +15,7 @@ from gpus.booking import (
 )
 from gpus.models import GPU, Allocation, Reservation, Server
 from gpus.services import server_report_ingest
+from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry
 from portal.quotas import peak, team_use
 from tests.factories import UserFactory, make_snapshot
@@ -47,7 +44,7 @@ def test_it_books_a_whole_card_and_records_it(alice, box, t0):
 
 def test_it_refuses_a_whole_card_that_overlaps_and_names_the_teammate_and_the_next_slot(alice, bob, box, t0):
     book(alice, box[:1], t0, hours=2)
-    with pytest.raises(BookingConflict) as err:
+    with pytest.raises(Conflict) as err:
         book(bob, box[:1], t0 + H, hours=1)
     message = err.value.message
     assert "box1 GPU 0 (GPU-box1-00)" in message
@@ -59,7 +56,7 @@ def test_it_refuses_a_whole_card_that_overlaps_and_names_the_teammate_and_the_ne
 
 def test_it_calls_an_outsider_another_user(alice, charlie, box, t0):
     book(alice, box[:1], t0)
-    with pytest.raises(BookingConflict) as err:
+    with pytest.raises(Conflict) as err:
         book(charlie, box[:1], t0)
     assert "another user holds" in err.value.message and "alice" not in err.value.message
 
@@ -72,10 +69,10 @@ def test_it_lets_touching_windows_follow_each_other(alice, bob, box, t0):
 
 def test_it_refuses_shared_memory_under_a_whole_card_and_the_reverse(alice, bob, box, t0):
     book(alice, box[:1], t0)
-    with pytest.raises(BookingConflict):
+    with pytest.raises(Conflict):
         book(bob, box[:1], t0, memory_mb=1024)
     book(alice, box[1:2], t0, memory_mb=1024)
-    with pytest.raises(BookingConflict):
+    with pytest.raises(Conflict):
         book(bob, box[1:2], t0 + H)
 
 
@@ -83,7 +80,7 @@ def test_it_sums_memory_at_every_instant_not_pairwise(alice, bob, box, t0):
     gb10 = 10 * 1024
     book(alice, box[:1], t0, hours=4, memory_mb=gb10)  # [0, 4)
     book(bob, box[:1], t0 + 2 * H, hours=4, memory_mb=gb10)  # [2, 6): 20 GB at 2..4
-    with pytest.raises(BookingConflict) as err:
+    with pytest.raises(Conflict) as err:
         book(bob, box[:1], t0 + 3 * H, hours=2, memory_mb=gb10)  # would be 30 GB at 3..4
     assert "10 GB of its" in err.value.message
     # Pairwise-fitting but never all three at once: 0..2 and 4..6 hold only one 10 GB booking.
@@ -94,7 +91,7 @@ def test_it_sums_memory_at_every_instant_not_pairwise(alice, bob, box, t0):
 def test_it_fills_a_card_exactly_to_its_bookable_memory(alice, bob, box, t0):
     book(alice, box[:1], t0, memory_mb=BOOKABLE - 1000)
     book(bob, box[:1], t0, memory_mb=1000)
-    with pytest.raises(BookingConflict):
+    with pytest.raises(Conflict):
         book(bob, box[:1], t0, memory_mb=1)
 
 
@@ -118,7 +115,7 @@ def test_it_refuses_bad_input_naming_the_field(alice, box, kwargs, field, words)
     now = timezone.now()
     start, end = now + kwargs.pop("start_h") * H, now + kwargs.pop("end_h") * H
     kwargs.setdefault("gpus", ["GPU-box1-00"])
-    with pytest.raises(BookingInvalid) as err:
+    with pytest.raises(Invalid) as err:
         reservation_create(user=alice, start=start, end=end, **kwargs)
     assert err.value.field == field
     assert words in err.value.message
@@ -141,16 +138,16 @@ def test_it_defaults_to_now_and_the_default_length(alice, box, settings):
 
 def test_it_refuses_a_draining_server_and_cards_on_two_servers(alice, box, t0):
     server_report_ingest(snapshot=make_snapshot("box2", gpus=2))
-    with pytest.raises(BookingInvalid, match="share one server"):
+    with pytest.raises(Invalid, match="share one server"):
         reservation_create(user=alice, gpus=["GPU-box1-00", "GPU-box2-00"], start=t0, end=t0 + H)
     Server.objects.filter(name="box2").update(draining=True)
-    with pytest.raises(BookingInvalid, match="draining"):
+    with pytest.raises(Invalid, match="draining"):
         reservation_create(user=alice, gpus=["GPU-box2-00"], start=t0, end=t0 + H)
 
 
 def test_it_refuses_users_without_a_team(box, t0):
     loner = UserFactory(username="loner")
-    with pytest.raises(BookingForbidden, match="no team"):
+    with pytest.raises(Forbidden, match="no team"):
         book(loner, box[:1], t0)
 
 
@@ -168,11 +165,11 @@ def test_it_picks_the_least_loaded_free_cards_on_one_server(alice, bob, box, t0)
 def test_it_picks_shared_memory_and_says_when_nothing_fits(alice, bob, box, t0):
     r = reservation_create(user=alice, count=1, server="box1", memory_mb=8192, start=t0, end=t0 + H)
     assert r.allocations.get().memory_mb == 8192
-    with pytest.raises(BookingConflict) as err:
+    with pytest.raises(Conflict) as err:
         reservation_create(user=bob, count=5, server="box1", start=t0, end=t0 + H)
     assert "Server box1 does not have 5 whole card(s)" in err.value.message
     assert "the most on one server is 3, on box1" in err.value.message
-    with pytest.raises(BookingInvalid) as err:
+    with pytest.raises(Invalid) as err:
         reservation_create(user=bob, count=1, server="nope", start=t0, end=t0 + H)
     assert err.value.field == "server"
 
@@ -186,7 +183,7 @@ def test_it_cancels_upcoming_and_releases_active_bookings(alice, bob, box, t0):
 
     now = timezone.now()
     active = reservation_create(user=alice, gpus=[box[1].uuid], start=now, end=now + 2 * H)
-    with pytest.raises(BookingInvalid, match="has not started"):
+    with pytest.raises(Invalid, match="has not started"):
         reservation_release(user=bob, reservation=book(bob, box[2:3], t0))
     reservation_release(user=alice, reservation=active)
     active.refresh_from_db()
@@ -209,15 +206,15 @@ def test_only_owner_leader_or_admin_may_cancel_and_others_need_a_reason(
 ):
     r = book(alice, box[:1], t0)
     for outsider in (bob, charlie):
-        with pytest.raises(BookingForbidden):
+        with pytest.raises(Forbidden):
             reservation_cancel(user=outsider, reservation=r, reason="mine now")
-    with pytest.raises(BookingInvalid) as err:
+    with pytest.raises(Invalid) as err:
         reservation_cancel(user=leader, reservation=r)
     assert err.value.field == "reason" and "alice will see it" in err.value.message
     reservation_cancel(user=leader, reservation=r, reason="paper deadline for bob")
     r.refresh_from_db()
     assert r.cancelled_by == leader and r.cancel_reason == "paper deadline for bob"
-    with pytest.raises(BookingInvalid, match="already cancelled"):
+    with pytest.raises(Invalid, match="already cancelled"):
         reservation_cancel(user=admin_user, reservation=r, reason="again")
     r2 = book(alice, box[1:2], t0)
     reservation_cancel(user=admin_user, reservation=r2, reason="maintenance")
@@ -229,11 +226,11 @@ def test_it_extends_only_when_free(alice, bob, box, t0):
     reservation_extend(user=alice, reservation=r, end=t0 + 2 * H)
     assert Allocation.objects.get(reservation=r).end == t0 + 2 * H
     book(bob, box[:1], t0 + 3 * H)
-    with pytest.raises(BookingConflict, match="bob holds"):
+    with pytest.raises(Conflict, match="bob holds"):
         reservation_extend(user=alice, reservation=r, end=t0 + 4 * H)
-    with pytest.raises(BookingForbidden):
+    with pytest.raises(Forbidden):
         reservation_extend(user=bob, reservation=r, end=t0 + 3 * H)
-    with pytest.raises(BookingInvalid, match="after the current end"):
+    with pytest.raises(Invalid, match="after the current end"):
         reservation_extend(user=alice, reservation=r, end=t0 + H)
 
 
