@@ -19,6 +19,7 @@ class ProcessInfo:
     username: str  # OS user owning the process, "?" when it cannot be read
     command: str  # command line, truncated to 300 characters
     used_memory_mb: int | None = None
+    job_id: int | None = None  # the portal job it belongs to (PORTAL_JOB_ID in its environment)
 
 
 @dataclass(frozen=True)

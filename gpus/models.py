@@ -125,6 +125,11 @@ class GPUProcess(models.Model):
     username = models.CharField(max_length=64, blank=True)
     command = models.CharField(max_length=300, blank=True)
     used_memory_mb = models.PositiveIntegerField(null=True, blank=True)
+    # The portal job this process belongs to (its PORTAL_JOB_ID), if any. No database
+    # constraint: telemetry rows are replaced every round and must never block a job's deletion.
+    job = models.ForeignKey(
+        "jobs.Job", null=True, blank=True, on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+    )
 
     class Meta:
         ordering = ["gpu", "-used_memory_mb", "pid"]
@@ -134,8 +139,7 @@ class GPUProcess(models.Model):
 
     @property
     def job_label(self) -> str:
-        # Processes started by the portal's job runner get linked in the jobs issue.
-        return "unmanaged"
+        return f"job {self.job_id}" if self.job_id else "unmanaged"
 
 
 class TelemetrySample(models.Model):

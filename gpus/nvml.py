@@ -86,19 +86,31 @@ def _compute_processes(handle: Any) -> list[Any]:
         return pynvml.nvmlDeviceGetComputeRunningProcesses_v2(handle)
 
 
-def _owner_and_command(pid: int) -> tuple[str, str]:
-    """OS user and command line of a GPU process; ("?", "") when /proc does not show it.
+def _owner_and_command(pid: int) -> tuple[str, str, int | None]:
+    """OS user, command line and portal job id of a GPU process; ("?", "", None) when /proc
+    does not show it.
 
     In a container NVML reports host PIDs, which this PID namespace usually does not have.
+    The job id is PORTAL_JOB_ID in the process's environment: the worker runs jobs as its
+    own user, so it can read their environment.
     """
-    username, command = "?", ""
+    username, command, job_id = "?", "", None
     try:
         proc = psutil.Process(pid)
         username = proc.username()
         command = " ".join(proc.cmdline()) or proc.name()
+        job_id = job_id_of(proc)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         pass  # exited since NVML listed it, or another user's process under hidepid
-    return username, command[:COMMAND_MAX_CHARS]
+    return username, command[:COMMAND_MAX_CHARS], job_id
+
+
+def job_id_of(proc: psutil.Process) -> int | None:
+    try:
+        value = proc.environ().get("PORTAL_JOB_ID", "")
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+        return None
+    return int(value) if value.isdigit() else None
 
 
 def _watts(milliwatts: int | None) -> float | None:
@@ -168,7 +180,7 @@ class NvmlBackend:
         utilization = _query(pynvml.nvmlDeviceGetUtilizationRates, handle)
         processes = []
         for proc in _query(_compute_processes, handle) or ():
-            username, command = _owner_and_command(proc.pid)
+            username, command, job_id = _owner_and_command(proc.pid)
             used_bytes = proc.usedGpuMemory  # None where NVML cannot tell (WDDM, some containers)
             processes.append(
                 ProcessInfo(
@@ -176,6 +188,7 @@ class NvmlBackend:
                     username=username,
                     command=command,
                     used_memory_mb=None if used_bytes is None else used_bytes // MIB,
+                    job_id=job_id,
                 )
             )
         return GPUInfo(

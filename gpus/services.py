@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from gpus.inventory import Snapshot
+from gpus.inventory import GPUInfo, Snapshot
 from gpus.models import GPU, GPUProcess, Server, TelemetrySample
 
 _GPU_STATIC_FIELDS = [
@@ -178,13 +178,14 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
     GPUProcess.objects.filter(gpu__server_id__in=[pk for pk, _ in known.values()]).delete()
     _bulk_insert(
         GPUProcess,
-        ["gpu", "pid", "username", "command", "used_memory_mb"],
+        ["gpu", "pid", "username", "command", "used_memory_mb", "job"],
         [
-            (g.uuid, p.pid, p.username[:64], p.command[:300], p.used_memory_mb)
+            (g.uuid, p.pid, p.username[:64], p.command[:300], p.used_memory_mb, p.job_id)
             for _, g in cards
             for p in g.processes
         ],
     )
+    _record_job_usage([g for _, g in cards])
 
     history_every = timedelta(seconds=settings.TELEMETRY_HISTORY_SECONDS)
     due = {name for name, (_, at) in known.items() if at is None or now - at >= history_every}
@@ -199,6 +200,35 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
             ],
         )
         Server.objects.filter(name__in=due).update(last_history_at=now)
+
+
+def _record_job_usage(cards: Sequence[GPUInfo]) -> None:
+    """Peak GPU memory (summed over the job's cards) and mean utilization of running jobs.
+
+    Utilization is the card's: NVML reports it per card; on a whole-card booking that is
+    the job's own, on a shared card an upper bound."""
+    memory: dict[int, int] = {}
+    utilization: dict[int, list[int]] = {}
+    for card in cards:
+        for job_id in {p.job_id for p in card.processes if p.job_id}:
+            memory[job_id] = memory.get(job_id, 0) + sum(
+                p.used_memory_mb or 0 for p in card.processes if p.job_id == job_id
+            )
+            if card.utilization_pct is not None:
+                utilization.setdefault(job_id, []).append(card.utilization_pct)
+    if not memory:
+        return
+    from jobs.models import Job  # jobs builds on gpus; import at use
+
+    rows = []
+    for pk, peak, total, samples in Job.objects.filter(pk__in=memory, status=Job.Status.RUNNING).values_list(
+        "pk", "peak_memory_mb", "utilization_sum", "utilization_samples"
+    ):
+        utils = utilization.get(pk)
+        if utils:
+            total, samples = total + sum(utils) / len(utils), samples + 1
+        rows.append((max(peak or 0, memory[pk]), total, samples, pk))
+    _bulk_update(Job, ["peak_memory_mb", "utilization_sum", "utilization_samples"], "id", rows)
 
 
 def server_report_ingest(*, snapshot: Snapshot, now: datetime | None = None) -> Server:

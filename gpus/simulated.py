@@ -11,14 +11,16 @@ they survive restarts; the walk itself is deterministic only when a ``seed`` is 
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from gpus.inventory import GPUInfo, HostInfo, ProcessInfo, Snapshot
@@ -223,6 +225,31 @@ class _Card:
         return min(IDLE_POWER_W, self.spec.power_limit_w / 4)
 
 
+def local_job_processes(server: str) -> dict[str, list[ProcessInfo]]:
+    """This machine's portal job processes for simulated `server`, by booked card UUID."""
+    found: dict[str, list[ProcessInfo]] = {}
+    for proc in psutil.process_iter(["pid", "username", "cmdline"]):
+        try:
+            env = proc.environ()
+            if env.get("PORTAL_SERVER") != server or not env.get("PORTAL_JOB_ID", "").isdigit():
+                continue
+            if os.getsid(proc.pid) != proc.pid:
+                continue  # the job's session leader stands for the job
+            info = ProcessInfo(
+                pid=proc.pid,
+                username=proc.info["username"] or "?",
+                command=" ".join(proc.info["cmdline"] or ())[:300],
+                used_memory_mb=proc.memory_info().rss // (1024 * 1024),
+                job_id=int(env["PORTAL_JOB_ID"]),
+            )
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+        for uuid_ in env.get("CUDA_VISIBLE_DEVICES", "").split(","):
+            if uuid_:
+                found.setdefault(uuid_, []).append(info)
+    return found
+
+
 def _revert(value: float, target: float, pull: float, noise: float, low: float, high: float) -> float:
     """One step of a mean-reverting walk, clamped to [low, high]."""
     return min(high, max(low, value + pull * (target - value) + noise))
@@ -263,7 +290,25 @@ class SimulatedBackend:
     def snapshot(self) -> Snapshot:
         for card in self._cards:
             self._step(card)
-        return Snapshot(host=self.host, gpus=tuple(self._report(card) for card in self._cards))
+        jobs = local_job_processes(self.server.name)
+        return Snapshot(
+            host=self.host, gpus=tuple(self._with_jobs(self._report(card), jobs) for card in self._cards)
+        )
+
+    @staticmethod
+    def _with_jobs(report: GPUInfo, jobs: dict[str, list[ProcessInfo]]) -> GPUInfo:
+        """Portal jobs booked on this simulated card run on the CPU here; show them on the
+        card anyway (resident memory as "GPU memory") so the demo shows who holds what."""
+        mine = jobs.get(report.uuid)
+        if not mine:
+            return report
+        used = (report.memory_used_mb or 0) + sum(p.used_memory_mb or 0 for p in mine)
+        return replace(
+            report,
+            processes=report.processes + tuple(mine),
+            memory_used_mb=min(report.memory_total_mb, used),
+            utilization_pct=max(report.utilization_pct or 0, 90),
+        )
 
     def close(self) -> None:
         pass  # nothing held

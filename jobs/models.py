@@ -1,1 +1,156 @@
-# Jobs arrive with the "Jobs" issue: training runs on reserved cards.
+"""Training jobs and their logs.
+
+The Job row is the record of a run: Celery only carries its id, and every status change
+is a conditional UPDATE on this row (the claim QUEUED → STARTING above all), so a message
+delivered twice can never start a second run.
+
+Status transitions:
+    QUEUED → STARTING (a worker claimed it) → RUNNING (the subprocess started)
+    RUNNING → SUCCEEDED (exit 0) | FAILED (exit ≠ 0, or it could not start)
+            | CANCELLED (a user asked) | TIMED_OUT (time limit or booking end)
+    QUEUED → CANCELLED (cancelled before any worker took it)
+    STARTING/RUNNING → LOST (no heartbeat for JOB_LOST_AFTER_SECONDS: the worker or host died)
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class Job(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        STARTING = "starting", "Starting"
+        RUNNING = "running", "Running"
+        SUCCEEDED = "succeeded", "Succeeded"
+        FAILED = "failed", "Failed"
+        CANCELLED = "cancelled", "Cancelled"
+        TIMED_OUT = "timed_out", "Timed out"
+        LOST = "lost", "Lost"
+
+    ACTIVE = (Status.QUEUED, Status.STARTING, Status.RUNNING)
+    FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED, Status.TIMED_OUT, Status.LOST)
+
+    class MemoryMode(models.TextChoices):
+        LIMIT = "limit", "Limit to my booking"
+        LIMIT_GROW = "limit_grow", "Limit to my booking and grow as needed"
+        GROW = "grow", "Grow as needed"
+        ALL = "all", "TF default: take all (whole cards only)"
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
+    reservation = models.ForeignKey("gpus.Reservation", on_delete=models.PROTECT, related_name="jobs")
+    team = models.ForeignKey("portal.Team", on_delete=models.PROTECT, related_name="jobs")
+    server = models.ForeignKey("gpus.Server", on_delete=models.PROTECT, related_name="jobs")
+    gpu_uuids = models.JSONField(default=list, help_text="The booked cards, in index order.")
+    name = models.CharField(max_length=200, help_text="The script's file name, for lists.")
+    # The script: an upload (kept here, so any host can run it) or a path under JOB_ROOTS.
+    script_path = models.CharField(max_length=1000, blank=True)
+    script_source = models.TextField(blank=True)
+    args = models.JSONField(default=list)
+    workdir = models.CharField(max_length=1000, blank=True, help_text="Empty: a fresh per-job folder.")
+    interpreter = models.CharField(max_length=64, default="default")
+    env = models.JSONField(default=dict, help_text="Extra environment variables given by the user.")
+    time_limit_minutes = models.PositiveIntegerField(null=True, blank=True)
+    # TensorFlow settings, applied by jobs/launcher.py.
+    memory_mode = models.CharField(max_length=16, choices=MemoryMode.choices, default=MemoryMode.LIMIT)
+    intra_op_threads = models.PositiveSmallIntegerField(null=True, blank=True)
+    inter_op_threads = models.PositiveSmallIntegerField(null=True, blank=True)
+    soft_placement = models.BooleanField(default=True)
+    log_placement = models.BooleanField(default=False)
+    mirrored = models.BooleanField(default=False)
+
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    not_before = models.DateTimeField(help_text="The booking's start: the job waits until then.")
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    cancelled_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    worker = models.CharField(max_length=200, blank=True, help_text="The worker host that ran it.")
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    message = models.CharField(max_length=1000, blank=True, help_text="Why it failed, was lost or stopped.")
+    env_applied = models.JSONField(default=dict, help_text="The environment the portal set for the job.")
+    launcher_line = models.CharField(max_length=1000, blank=True)
+    # From telemetry: the job's processes on its cards.
+    peak_memory_mb = models.PositiveIntegerField(null=True, blank=True)
+    utilization_sum = models.FloatField(default=0)
+    utilization_samples = models.PositiveIntegerField(default=0)
+    # The log: every byte the job wrote (with timestamps), and how many the cap dropped.
+    log_bytes = models.PositiveBigIntegerField(default=0)
+    log_dropped_bytes = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            # One job at a time per booking: two would each take the booking's memory.
+            models.UniqueConstraint(
+                fields=["reservation"],
+                condition=models.Q(status__in=["queued", "starting", "running"]),
+                name="job_one_active_per_reservation",
+            )
+        ]
+        indexes = [
+            models.Index(fields=["owner", "-created_at"], name="job_owner_created"),
+            models.Index(fields=["team", "-created_at"], name="job_team_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} ({self.name})"
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in self.ACTIVE
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in self.FINISHED
+
+    @property
+    def duration(self) -> timedelta | None:
+        if not self.started_at:
+            return None
+        return (self.finished_at or timezone.now()) - self.started_at
+
+    @property
+    def mean_utilization_pct(self) -> float | None:
+        if not self.utilization_samples:
+            return None
+        return round(self.utilization_sum / self.utilization_samples, 1)
+
+    def deadline(self, booking_end: datetime) -> datetime:
+        """When the job must stop: its time limit from the start, or the booking's end."""
+        if self.time_limit_minutes and self.started_at:
+            return min(booking_end, self.started_at + timedelta(minutes=self.time_limit_minutes))
+        return booking_end
+
+
+class LogChunk(models.Model):
+    """A piece of a job's log as the worker flushed it (≤ 1 MB each).
+
+    `start` is the chunk's byte offset in the job's whole output, so offsets stay valid
+    for tailing clients even after the cap dropped middle chunks. `head` chunks are the
+    first half of the cap and are never dropped; tail chunks are dropped oldest-first.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_chunks")
+    seq = models.PositiveIntegerField()
+    start = models.PositiveBigIntegerField()
+    size = models.PositiveIntegerField()
+    head = models.BooleanField(default=True)
+    data = models.BinaryField()
+
+    class Meta:
+        ordering = ["job", "seq"]
+        constraints = [models.UniqueConstraint(fields=["job", "seq"], name="logchunk_unique_seq")]
+
+    def __str__(self) -> str:
+        return f"log chunk {self.seq} of job {self.job_id}"

@@ -4,12 +4,14 @@ from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
 from gpus.api import GPUViewSet, ReservationViewSet, ServerViewSet
+from jobs.api import JobViewSet
 from portal.api import team_urlpatterns
 
 router = DefaultRouter()
 router.register("servers", ServerViewSet, basename="server")
 router.register("gpus", GPUViewSet, basename="gpu")
 router.register("reservations", ReservationViewSet, basename="reservation")
+router.register("jobs", JobViewSet, basename="job")
 
 urlpatterns = [
     path("token/", obtain_auth_token, name="api_token"),

@@ -69,6 +69,24 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def env_pairs(name: str, default: dict[str, str]) -> dict[str, str]:
+    """`a=/x,b=/y` → {"a": "/x", "b": "/y"}; names are letters, digits, '.', '_' and '-'."""
+    value = _raw(name)
+    if value is None or not value.strip():
+        return dict(default)
+    pairs: dict[str, str] = {}
+    for item in value.split(","):
+        key, sep, path = (part.strip() for part in item.partition("="))
+        if not sep or not key or not path or not all(c.isalnum() or c in "._-" for c in key):
+            raise ImproperlyConfiguredEnv(
+                f"{name}: {item.strip()!r} is not name=value (e.g. default=/usr/bin/python3)"
+            )
+        if key in pairs:
+            raise ImproperlyConfiguredEnv(f"{name}: {key!r} is given twice")
+        pairs[key] = path
+    return pairs
+
+
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     value = env_str(name, default).strip().lower()
     if value not in choices:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import sys
 from pathlib import Path
 
 from portal.env import (
@@ -12,6 +13,7 @@ from portal.env import (
     env_choice,
     env_int,
     env_list,
+    env_pairs,
     env_str,
     parse_database_url,
 )
@@ -145,15 +147,17 @@ CELERY_BROKER_URL = _broker_url(REDIS_URL)
 # The database row is the record of every piece of work; results are never stored.
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_RESULT_BACKEND = None
-# Telemetry and housekeeping tasks are short; training runs never go through acks_late
-# (issue "Jobs"): a message acked late and held past visibility_timeout is redelivered.
+# acks_late stays off: a message acked late and held past Redis' visibility_timeout
+# (1 h) is redelivered, so a job longer than that would run twice. Acked at start, a
+# job can never be redelivered once running; a prefetched message restored while it
+# waits only finds its row already claimed (jobs.runner.job_claim).
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "portal"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
-CELERY_TASK_SOFT_TIME_LIMIT = 120
-CELERY_TASK_TIME_LIMIT = 180
+# No global time limit: a training run (jobs.tasks.run_job) lasts as long as its booking
+# and enforces its own limit; the short housekeeping tasks set theirs on the task.
 
 # --- GPU inventory and telemetry ----------------------------------------------------
 GPU_BACKEND = env_choice("GPU_BACKEND", "auto", ("auto", "nvml", "simulated"))
@@ -177,8 +181,33 @@ BOOKING_HORIZON_DAYS = env_int("BOOKING_HORIZON_DAYS", 60, min_value=1)
 # A start this far in the past is still accepted (the form was filled in a minute ago).
 BOOKING_PAST_GRACE_MINUTES = env_int("BOOKING_PAST_GRACE_MINUTES", 5, min_value=0)
 
+# --- Jobs ---------------------------------------------------------------------------
+# Folders on each GPU host where scripts may live and jobs may work; a job's default
+# working directory is a fresh folder <first root>/job-<id>.
+JOB_ROOTS = [Path(p).resolve() for p in env_list("JOB_ROOTS", [str(VAR_DIR / "jobs")])]
+# Named Python environments jobs may run in: "name=/path/to/python,..."; "default" is
+# the worker's own interpreter unless given.
+JOB_INTERPRETERS = env_pairs("JOB_INTERPRETERS", {"default": sys.executable})
+JOB_INTERPRETERS.setdefault("default", sys.executable)
+# cancel and time limits: SIGTERM to the job's process group, SIGKILL this much later.
+JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_value=600)
+# Per-job log cap: past it the head and the tail are kept and the middle is dropped.
+JOB_LOG_MAX_MB = env_int("JOB_LOG_MAX_MB", 100, min_value=1)
+JOB_UPLOAD_MAX_KB = env_int("JOB_UPLOAD_MAX_KB", 1024, min_value=1, max_value=64 * 1024)
+# A running job's worker writes a heartbeat this often; past JOB_LOST_AFTER_SECONDS
+# without one the reconciler (beat, every JOB_RECONCILE_SECONDS) marks the job LOST.
+JOB_HEARTBEAT_SECONDS = env_int("JOB_HEARTBEAT_SECONDS", 5, min_value=1, max_value=60)
+JOB_LOST_AFTER_SECONDS = env_int("JOB_LOST_AFTER_SECONDS", 30, min_value=10, max_value=600)
+JOB_RECONCILE_SECONDS = env_int("JOB_RECONCILE_SECONDS", 5, min_value=1, max_value=60)
+if JOB_LOST_AFTER_SECONDS < 3 * JOB_HEARTBEAT_SECONDS:
+    raise ImproperlyConfiguredEnv(
+        f"JOB_LOST_AFTER_SECONDS={JOB_LOST_AFTER_SECONDS} must be at least 3 × JOB_HEARTBEAT_SECONDS"
+        f" ({3 * JOB_HEARTBEAT_SECONDS}) or healthy jobs would be marked lost"
+    )
+
 CELERY_BEAT_SCHEDULE = {
     "prune-telemetry": {"task": "gpus.tasks.prune_telemetry", "schedule": 600.0},
+    "reconcile-jobs": {"task": "jobs.tasks.reconcile_jobs", "schedule": float(JOB_RECONCILE_SECONDS)},
 }
 
 # --- Demo data and API ---------------------------------------------------------------

@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from gpus.inventory import BackendUnavailable
-from portal.env import env_str
+from portal.env import env_int, env_str
 from portal.services import demo_data_seed
 
 
@@ -48,30 +48,13 @@ class Command(BaseCommand):
         servers, simulated = _worker_servers()
         python = sys.executable
         children: list[subprocess.Popen] = []
-        for n, name in enumerate(servers):
-            queues = f"host.{name}" + (",portal" if n == 0 else "")
-            command = [
-                python,
-                "-m",
-                "celery",
-                "-A",
-                "portal",
-                "worker",
-                "-Q",
-                queues,
-                "-n",
-                f"{name}@%h",
-                "--concurrency",
-                "2",
-                "--without-gossip",
-                "--without-mingle",
-                "-l",
-                "INFO",
-            ]
-            if n == 0:  # exactly one beat for the whole portal (telemetry pruning)
-                command += ["-B", "-s", str(settings.VAR_DIR / "celerybeat-schedule")]
+        # The portal's own worker (collector, reconciler, the one beat) apart from the GPU
+        # hosts' workers, whose pool slots are held by jobs for as long as they run.
+        children.append(subprocess.Popen(self._worker("portal", "portal", 1, beat=True)))
+        for name in servers:
             env = {**os.environ, "WORKER_SERVER": name, "GPU_BACKEND": "simulated" if simulated else "nvml"}
-            children.append(subprocess.Popen(command, env=env))
+            concurrency = env_int("WORKER_CONCURRENCY", 4, min_value=1)
+            children.append(subprocess.Popen(self._worker(name, f"host.{name}", concurrency), env=env))
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
         children.append(
             subprocess.Popen(
@@ -104,6 +87,30 @@ class Command(BaseCommand):
             )
         self.stdout.write("Ctrl-C stops the portal and its workers.\n")
         self._supervise(children)
+
+    @staticmethod
+    def _worker(name: str, queues: str, concurrency: int, *, beat: bool = False) -> list[str]:
+        command = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "portal",
+            "worker",
+            "-Q",
+            queues,
+            "-n",
+            f"{name}@%h",
+            "--concurrency",
+            str(concurrency),
+            "--without-gossip",
+            "--without-mingle",
+            "-l",
+            "INFO",
+        ]
+        if beat:  # exactly one beat for the whole portal (job reconciler, telemetry pruning)
+            command += ["-B", "-s", str(settings.VAR_DIR / "celerybeat-schedule")]
+        return command
 
     def _supervise(self, children: list[subprocess.Popen]) -> None:
         stopping = False

@@ -1,0 +1,212 @@
+"""Job logs: written in chunks to the database by the worker, read back in constant memory.
+
+Why the database: a worker may run on another host with no shared filesystem, and the
+log must outlive that host. The worker flushes every LOG_FLUSH_SECONDS (so the browser,
+polling once a second, sees a line within about 1.5 s) or whenever 1 MB is pending.
+
+Offsets are byte positions in the job's whole output (timestamps included). The cap
+(JOB_LOG_MAX_MB) keeps the first half as `head` chunks and the newest half as tail
+chunks, dropping the oldest tail chunk as new ones arrive; readers put a marker line
+where bytes were dropped, and offsets stay valid for tailing clients throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Max
+from django.http import StreamingHttpResponse
+from django.utils import timezone
+
+from jobs.models import Job, LogChunk
+
+CHUNK_BYTES = 1024 * 1024
+LOG_FLUSH_SECONDS = 0.5
+READ_BATCH = 8  # chunks per query while streaming: ≤ 8 MB in memory at a time
+
+
+def timestamp(at: float | None = None) -> bytes:
+    moment = datetime.fromtimestamp(time.time() if at is None else at, UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.").encode() + f"{moment.microsecond // 1000:03d}Z ".encode()
+
+
+def dropped_marker(dropped: int) -> bytes:
+    return (
+        f"\n[portal] … {dropped:,} bytes of this log were dropped here: the log cap "
+        f"(JOB_LOG_MAX_MB={settings.JOB_LOG_MAX_MB}) keeps the first and the last part …\n\n"
+    ).encode()
+
+
+class LogWriter:
+    """The worker's side: timestamps each line and stores it in chunks under the cap."""
+
+    def __init__(self, job_id: int, cap_bytes: int | None = None) -> None:
+        self.job_id = job_id
+        cap = cap_bytes or settings.JOB_LOG_MAX_MB * 1024 * 1024
+        self.head_limit = cap // 2
+        self.tail_limit = cap - self.head_limit
+        self.chunk_bytes = max(1024, min(CHUNK_BYTES, self.tail_limit // 4))
+        state = LogChunk.objects.filter(job_id=job_id).aggregate(seq=Max("seq"))
+        self.seq = state["seq"] or 0
+        job = Job.objects.filter(pk=job_id).values("log_bytes", "log_dropped_bytes").get()
+        self.total = job["log_bytes"]
+        self.dropped = job["log_dropped_bytes"]
+        self.tail: deque[tuple[int, int]] = deque(
+            LogChunk.objects.filter(job_id=job_id, head=False).order_by("seq").values_list("seq", "size")
+        )
+        self.tail_bytes = sum(size for _, size in self.tail)
+        self.pending = bytearray()
+        self.partial = bytearray()  # a line still waiting for its newline
+        self.partial_since = 0.0
+        self.last_flush = time.monotonic()
+
+    def feed(self, data: bytes, at: float | None = None) -> None:
+        """Add raw output; complete lines get their timestamp now (the time they arrived)."""
+        self.partial += data
+        if b"\n" not in data:
+            if len(self.partial) == len(data):
+                self.partial_since = time.monotonic()
+            if len(self.partial) >= self.chunk_bytes:
+                self._take_partial(at)
+            return
+        stamp = timestamp(at)
+        *lines, rest = bytes(self.partial).split(b"\n")
+        for line in lines:
+            self.pending += stamp + line + b"\n"
+        self.partial = bytearray(rest)
+        self.partial_since = time.monotonic()
+        if len(self.pending) >= self.chunk_bytes:
+            self.flush()
+
+    def _take_partial(self, at: float | None = None) -> None:
+        self.pending += timestamp(at) + bytes(self.partial) + b"\n"
+        self.partial.clear()
+
+    def write_line(self, text: str) -> None:
+        """A line of the portal's own (what it applied, why it stopped the job)."""
+        self.pending += timestamp() + text.rstrip("\n").encode() + b"\n"
+
+    def maybe_flush(self) -> None:
+        now = time.monotonic()
+        if self.partial and now - self.partial_since >= LOG_FLUSH_SECONDS:
+            self._take_partial()  # e.g. a progress bar without newlines: show it anyway
+        if self.pending and now - self.last_flush >= LOG_FLUSH_SECONDS:
+            self.flush()
+
+    def close(self) -> None:
+        if self.partial:
+            self._take_partial()
+        self.flush()
+
+    def flush(self) -> None:
+        self.last_flush = time.monotonic()
+        if not self.pending:
+            return
+        data, self.pending = bytes(self.pending), bytearray()
+        rows: list[LogChunk] = []
+        for piece in range(0, len(data), self.chunk_bytes):
+            rows += self._chunks(data[piece : piece + self.chunk_bytes])
+        drop: list[int] = []
+        while self.tail_bytes > self.tail_limit and self.tail:
+            seq, size = self.tail.popleft()
+            drop.append(seq)
+            self.tail_bytes -= size
+            self.dropped += size
+        with transaction.atomic():
+            LogChunk.objects.bulk_create(rows)
+            if drop:
+                LogChunk.objects.filter(job_id=self.job_id, seq__in=drop).delete()
+            Job.objects.filter(pk=self.job_id).update(log_bytes=self.total, log_dropped_bytes=self.dropped)
+
+    def _chunks(self, data: bytes) -> list[LogChunk]:
+        """Store `data`, splitting it where the head ends; tail chunks join the drop queue."""
+        rows = []
+        while data:
+            room = self.head_limit - self.total
+            part = data[:room] if room > 0 else data
+            self.seq += 1
+            head = room > 0
+            rows.append(
+                LogChunk(
+                    job_id=self.job_id, seq=self.seq, start=self.total, size=len(part), head=head, data=part
+                )
+            )
+            if not head:
+                self.tail.append((self.seq, len(part)))
+                self.tail_bytes += len(part)
+            self.total += len(part)
+            data = data[len(part) :]
+        return rows
+
+
+def log_append(job_id: int, text: str, *, now: datetime | None = None) -> None:
+    """Append one portal line to a job's log from outside its worker (e.g. the reconciler)."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id).values("log_bytes").get()
+        seq = (LogChunk.objects.filter(job_id=job_id).aggregate(seq=Max("seq"))["seq"] or 0) + 1
+        at = (now or timezone.now()).timestamp()
+        data = timestamp(at) + text.rstrip("\n").encode() + b"\n"
+        LogChunk.objects.create(
+            job_id=job_id, seq=seq, start=job["log_bytes"], size=len(data), head=False, data=data
+        )
+        Job.objects.filter(pk=job_id).update(log_bytes=F("log_bytes") + len(data))
+
+
+def log_end(job_id: int) -> int:
+    """The offset just past the last stored byte: where a tailing client continues."""
+    last = LogChunk.objects.filter(job_id=job_id).order_by("-seq").values_list("start", "size").first()
+    return last[0] + last[1] if last else 0
+
+
+def log_stream(job_id: int, offset: int = 0, *, until: int | None = None) -> Iterator[bytes]:
+    """The stored log from byte `offset` (of the whole output) up to `until`, chunk by chunk.
+
+    Reads READ_BATCH chunks per query by sequence number, so memory stays flat however
+    large the log; a marker line stands where the cap dropped bytes."""
+    last_seq, position = 0, offset
+    while True:
+        batch = list(
+            LogChunk.objects.filter(
+                job_id=job_id, seq__gt=last_seq, start__lt=until if until is not None else 2**62
+            )
+            .filter(start__gte=offset - CHUNK_BYTES)
+            .order_by("seq")
+            .values_list("seq", "start", "size", "data")[:READ_BATCH]
+        )
+        if not batch:
+            return
+        for seq, start, size, data in batch:
+            last_seq = seq
+            end = start + size
+            if end <= position:
+                continue
+            if start > position:  # the cap dropped [position, start)
+                if position > 0 or offset == 0:
+                    yield dropped_marker(start - position)
+                position = start
+            piece = data[position - start :] if position > start else data
+            if until is not None and end > until:
+                piece = piece[: until - max(start, position)]
+            yield bytes(piece)
+            position = end
+
+
+def log_response(job: Job, *, offset: int = 0, attachment: bool = False) -> StreamingHttpResponse:
+    """The log as text/plain, streamed; headers tell a tailing client where to go on."""
+    end = log_end(job.pk)
+    response = StreamingHttpResponse(
+        log_stream(job.pk, offset, until=end), content_type="text/plain; charset=utf-8"
+    )
+    response["X-Log-Next-Offset"] = str(max(end, offset))
+    response["X-Job-Status"] = job.status
+    response["Cache-Control"] = "no-store"
+    if attachment:
+        response["Content-Disposition"] = (
+            f'attachment; filename="job-{job.pk}-{job.name.removesuffix(".py")}.log"'
+        )
+    return response

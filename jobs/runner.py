@@ -1,0 +1,387 @@
+"""The worker's side of a job: claim it, build its environment, supervise the subprocess.
+
+The worker never imports TensorFlow (GPU memory taken by a long-lived worker is never
+given back): every job is a subprocess in its own session, started through
+jobs/launcher.py with the job's interpreter. Cancel and time limits send SIGTERM to the
+job's process group and SIGKILL after JOB_KILL_GRACE_SECONDS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+from gpus.models import Allocation, Reservation
+from jobs import paths
+from jobs.logs import LogWriter
+from jobs.models import Job
+from portal.errors import Invalid
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = Path(__file__).resolve().parent / "launcher.py"
+# Inherited from the worker's environment; everything else (DATABASE_URL, SECRET_KEY,
+# REDIS_URL, TF_CONFIG, ...) stays out of the user's job.
+INHERITED_ENV = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "TMPDIR",
+    "LD_LIBRARY_PATH",
+    "CUDA_HOME",
+    "CUDA_PATH",
+    "XLA_FLAGS",
+    "CONDA_PREFIX",
+    "VIRTUAL_ENV",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+)
+TICK_SECONDS = 0.1
+CANCEL_POLL_SECONDS = 1.0
+PR_SET_PDEATHSIG = 1
+
+
+class JobSetupError(Exception):
+    """The job cannot start here (missing script, interpreter or folder): it FAILS, no retry."""
+
+
+@dataclass
+class Launch:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    config: dict[str, object] = field(default_factory=dict)
+
+
+def _booked_memory(job: Job, allocations: list[Allocation]) -> tuple[int | None, float | None]:
+    """TF memory_limit per card and the TF1 session fraction for the job's memory mode."""
+    if job.memory_mode in (Job.MemoryMode.GROW, Job.MemoryMode.ALL):
+        return None, None
+    first = allocations[0]
+    total = first.gpu.memory_total_mb or 1
+    if first.memory_mb is None:  # whole card: everything bookable
+        limit = first.gpu.memory_bookable_mb
+        return limit, round(limit / total, 4)
+    # The CUDA context and cuDNN sit outside TF's allocator: keep headroom for them.
+    limit = max(1, first.memory_mb - settings.GPU_CONTEXT_HEADROOM_MB)
+    return limit, round(first.memory_mb / total, 4)
+
+
+def launch_for(job: Job) -> Launch:
+    """Everything the subprocess gets: argv, cwd and an environment built from the booking."""
+    allocations = list(Allocation.objects.filter(reservation_id=job.reservation_id).select_related("gpu"))
+    by_uuid = {a.gpu_id: a for a in allocations}
+    allocations = [by_uuid[u] for u in job.gpu_uuids if u in by_uuid] or allocations
+    interpreter = settings.JOB_INTERPRETERS.get(job.interpreter)
+    if not interpreter or not os.access(interpreter, os.X_OK):
+        raise JobSetupError(
+            f"Python environment {job.interpreter!r} ({interpreter or 'not configured'}) is not executable on "
+            f"{socket.gethostname()}; check JOB_INTERPRETERS on this host."
+        )
+    try:
+        cwd = (
+            paths.checked_path(job.workdir, field="workdir", what="working directory")
+            if job.workdir
+            else None
+        )
+        if cwd is None:
+            cwd = paths.roots()[0] / f"job-{job.pk}"
+            cwd.mkdir(parents=True, exist_ok=True)
+        if job.script_path:
+            script = paths.checked_path(job.script_path, field="script_path", what="script path")
+        else:
+            script = cwd / job.name
+            script.write_text(job.script_source)
+    except Invalid as exc:
+        raise JobSetupError(exc.message) from None
+    except OSError as exc:
+        raise JobSetupError(f"Cannot prepare the job's folder on {socket.gethostname()}: {exc}") from None
+    if not script.is_file():
+        raise JobSetupError(f"The script {script} does not exist on {socket.gethostname()}.")
+    if not cwd.is_dir():
+        raise JobSetupError(f"The working directory {cwd} does not exist on {socket.gethostname()}.")
+
+    memory_limit, fraction = _booked_memory(job, allocations)
+    grow = job.memory_mode in (Job.MemoryMode.GROW, Job.MemoryMode.LIMIT_GROW)
+    config = {
+        "job_id": job.pk,
+        "memory_limit_mb": memory_limit,
+        "allow_growth": grow,
+        "memory_fraction": fraction,
+        "intra_op_threads": job.intra_op_threads,
+        "inter_op_threads": job.inter_op_threads,
+        "soft_placement": job.soft_placement,
+        "log_placement": job.log_placement,
+        "mirrored": job.mirrored,
+    }
+    portal_env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(job.gpu_uuids),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # indices as nvidia-smi shows them; UUIDs are exact anyway
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true" if grow else "false",
+        "TF_CPP_MIN_LOG_LEVEL": "1",
+        "TF_NUM_INTRAOP_THREADS": str(job.intra_op_threads or ""),
+        "TF_NUM_INTEROP_THREADS": str(job.inter_op_threads or ""),
+        "OMP_NUM_THREADS": str(job.intra_op_threads or ""),
+        "PYTHONUNBUFFERED": "1",
+        "PORTAL_JOB_ID": str(job.pk),
+        "PORTAL_RESERVATION_ID": str(job.reservation_id),
+        "PORTAL_SERVER": settings.WORKER_SERVER,
+    }
+    portal_env = {k: v for k, v in portal_env.items() if v != ""}
+    env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    # The user's variables may set TF_CPP_MIN_LOG_LEVEL; never the portal's own (checked at submit).
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "1"})
+    env.update(job.env)
+    env.update({k: v for k, v in portal_env.items() if k != "TF_CPP_MIN_LOG_LEVEL"})
+    env_applied = {k: env[k] for k in sorted(portal_env)}
+    env["PORTAL_LAUNCH_CONFIG"] = json.dumps(config)
+    argv = [interpreter, "-u", str(LAUNCHER), str(script), *job.args]
+    return Launch(argv=argv, env=env, cwd=cwd, config={"tf": config, "env": env_applied})
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the worker dies (SIGKILL, OOM, host crash
+    of the worker process), so a lost job cannot hold its cards behind the portal's back."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _pump(stream, out: queue.Queue[bytes | None]) -> None:  # type: ignore[no-untyped-def]
+    """Reader thread: the job's single stdout+stderr pipe, as it comes, then None at EOF."""
+    fd = stream.fileno()
+    while True:
+        data = os.read(fd, 65536)
+        if not data:
+            break
+        out.put(data)
+    out.put(None)
+
+
+class Supervisor:
+    """Run one claimed job to its end, recording everything on the Job row."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.writer = LogWriter(job.pk)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stop_reason: str | None = None  # Job.Status to record once the process is gone
+        self.stop_message = ""
+        self.term_sent_at: float | None = None
+        self.killed = False
+
+    # --- the loop --------------------------------------------------------------------
+
+    def run(self) -> None:
+        job = self.job
+        try:
+            launch = launch_for(job)
+        except JobSetupError as exc:
+            self.writer.write_line(f"[portal] cannot start: {exc}")
+            self.writer.close()
+            self._finish(Job.Status.FAILED, None, str(exc))
+            return
+        self.writer.write_line(
+            f"[portal] job {job.pk} on {settings.WORKER_SERVER} ({socket.gethostname()}): "
+            f"{' '.join(launch.argv[3:])} in {launch.cwd}"
+        )
+        try:
+            self.proc = subprocess.Popen(
+                launch.argv,
+                cwd=launch.cwd,
+                env=launch.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,  # one pipe: stdout and stderr interleaved in order
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            self.writer.write_line(f"[portal] cannot start: {exc}")
+            self.writer.close()
+            self._finish(Job.Status.FAILED, None, f"Could not start {launch.argv[0]}: {exc}")
+            return
+        now = timezone.now()
+        Job.objects.filter(pk=job.pk, status=Job.Status.STARTING).update(
+            status=Job.Status.RUNNING,
+            pid=self.proc.pid,
+            started_at=now,
+            heartbeat_at=now,
+            env_applied=launch.config["env"],
+        )
+        job.started_at = now
+        self._supervise()
+
+    def _supervise(self) -> None:
+        assert self.proc is not None
+        chunks: queue.Queue[bytes | None] = queue.Queue()
+        reader = threading.Thread(target=_pump, args=(self.proc.stdout, chunks), daemon=True)
+        reader.start()
+        last_poll = last_beat = time.monotonic()
+        eof = False
+        launcher_seen = False
+        while not eof:
+            deadline = time.monotonic() + TICK_SECONDS
+            while True:
+                try:
+                    data = chunks.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if data is None:
+                    eof = True
+                    break
+                if not launcher_seen:
+                    launcher_seen = self._note_launcher_line(data)
+                self.writer.feed(data)
+            self.writer.maybe_flush()
+            now = time.monotonic()
+            if now - last_poll >= CANCEL_POLL_SECONDS:
+                last_poll = now
+                beat = now - last_beat >= settings.JOB_HEARTBEAT_SECONDS
+                if beat:
+                    last_beat = now
+                self._check_row(beat)
+            self._escalate()
+        code = self.proc.wait()
+        self._reap_group()
+        self.writer.close()
+        self._record(code)
+
+    def _note_launcher_line(self, data: bytes) -> bool:
+        for line in data.split(b"\n"):
+            if line.startswith(b"[portal] launcher:"):
+                text = line.decode(errors="replace")[:1000]
+                Job.objects.filter(pk=self.job.pk).update(launcher_line=text)
+                return True
+        return len(data) > 4096  # the launcher prints first; stop looking after that
+
+    def _check_row(self, beat: bool) -> None:
+        """Heartbeat, and pick up a cancel request or a moved booking end (release, cancel)."""
+        close_old_connections()
+        now = timezone.now()
+        if beat:
+            Job.objects.filter(pk=self.job.pk).update(heartbeat_at=now)
+        row = (
+            Job.objects.filter(pk=self.job.pk)
+            .values(
+                "cancel_requested_at",
+                "cancelled_by__username",
+                "message",
+                "reservation__end",
+                "reservation__cancelled_at",
+            )
+            .get()
+        )
+        if self.stop_reason:
+            return
+        if row["cancel_requested_at"]:
+            who = row["cancelled_by__username"]
+            self._stop(Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled.")
+        elif row["reservation__cancelled_at"] and now >= row["reservation__end"]:
+            self._stop(Job.Status.TIMED_OUT, "The booking was cancelled; the job was stopped.")
+        elif now >= self.job.deadline(row["reservation__end"]):
+            if self.job.time_limit_minutes and now >= self.job.started_at + timedelta(
+                minutes=self.job.time_limit_minutes
+            ):
+                self._stop(Job.Status.TIMED_OUT, f"Time limit of {self.job.time_limit_minutes} min reached.")
+            else:
+                self._stop(Job.Status.TIMED_OUT, "The booking ended; the job was stopped.")
+
+    def _stop(self, status: str, message: str) -> None:
+        self.stop_reason, self.stop_message = status, message
+        grace = settings.JOB_KILL_GRACE_SECONDS
+        self.writer.write_line(f"[portal] {message} Sending SIGTERM; SIGKILL in {grace} s if still running.")
+        self._signal(signal.SIGTERM)
+        self.term_sent_at = time.monotonic()
+
+    def _escalate(self) -> None:
+        if self.term_sent_at is None or self.killed:
+            return
+        if time.monotonic() - self.term_sent_at >= settings.JOB_KILL_GRACE_SECONDS:
+            self.writer.write_line("[portal] still running after the grace period: SIGKILL.")
+            self._signal(signal.SIGKILL)
+            self.killed = True
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)  # the session leader's pid is the group id
+        except ProcessLookupError:
+            pass
+
+    def _reap_group(self) -> None:
+        """The main process is gone; anything it left in its group goes with it."""
+        self._signal(signal.SIGKILL)
+
+    def _record(self, code: int) -> None:
+        if self.stop_reason:
+            status, message = self.stop_reason, self.stop_message
+        elif code == 0:
+            status, message = Job.Status.SUCCEEDED, ""
+        else:
+            status = Job.Status.FAILED
+            message = f"Exited with code {code}." if code > 0 else f"Killed by signal {-code}."
+        self._finish(status, code, message)
+
+    def _finish(self, status: str, code: int | None, message: str) -> None:
+        # The worker's word is final even over LOST (a heartbeat missed during a DB outage).
+        Job.objects.filter(
+            pk=self.job.pk, status__in=(Job.Status.STARTING, Job.Status.RUNNING, Job.Status.LOST)
+        ).update(status=status, exit_code=code, finished_at=timezone.now(), message=message[:1000])
+        log.info("Job %s finished: %s %s", self.job.pk, status, message)
+
+
+def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
+    """QUEUED → STARTING, once: a re-delivered message finds 0 rows and does nothing."""
+    now = now or timezone.now()
+    claimed = Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(
+        status=Job.Status.STARTING, worker=socket.gethostname()[:200], heartbeat_at=now
+    )
+    if not claimed:
+        return None
+    return Job.objects.select_related("reservation", "server").get(pk=job_id)
+
+
+def job_run(job_id: int) -> str | None:
+    """Claim and run a job to its end; returns its final status (None: not ours to run)."""
+    job = job_claim(job_id)
+    if job is None:
+        log.info("Job %s is not queued (already claimed, cancelled or gone): nothing to do", job_id)
+        return None
+    if job.reservation.status_at(timezone.now()) != Reservation.Status.ACTIVE:
+        Job.objects.filter(pk=job_id, status=Job.Status.STARTING).update(
+            status=Job.Status.CANCELLED,
+            finished_at=timezone.now(),
+            message="Cancelled: the booking is not active (ended or cancelled before the job started).",
+        )
+        return Job.Status.CANCELLED
+    Supervisor(job).run()
+    return Job.objects.values_list("status", flat=True).get(pk=job_id)

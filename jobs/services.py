@@ -1,0 +1,425 @@
+"""Job services: submit, cancel, and the reconciler. The web form and the API both call these.
+
+Every rule is checked before anything is written; a refusal is a ServiceError naming
+the field and the fix. Dispatch happens after commit (`transaction.on_commit`), so a
+worker never sees an id whose row is not there yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from gpus.booking import format_time
+from gpus.models import Allocation, Reservation, Server, format_mb
+from jobs import paths
+from jobs.logs import log_append
+from jobs.models import Job
+from portal.access import can_manage_team
+from portal.errors import Conflict, Forbidden, Invalid
+
+log = logging.getLogger(__name__)
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# Set by the portal for every job; a user may not override them.
+PROTECTED_ENV = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "NVIDIA_VISIBLE_DEVICES",
+        "TF_FORCE_GPU_ALLOW_GROWTH",
+        "TF_CONFIG",
+        "TF_NUM_INTRAOP_THREADS",
+        "TF_NUM_INTEROP_THREADS",
+        "OMP_NUM_THREADS",
+        "PYTHONUNBUFFERED",
+    }
+)
+PROTECTED_PREFIXES = ("PORTAL_", "CUDA_MPS_")
+MAX_ENV_VARS = 50
+MAX_ENV_VALUE = 4096
+MAX_ARGS = 200
+MAX_THREADS = 256
+# Unquoted shell syntax: jobs never run through a shell, so these would reach the script
+# as literal words, which is never what someone typing them meant.
+_SHELL_OPERATORS = set("|&;<>()")
+
+
+@dataclass(frozen=True)
+class ScriptUpload:
+    name: str
+    content: bytes
+
+
+# --- validation helpers ---------------------------------------------------------------
+
+
+def parse_args(args: str | Sequence[str] | None) -> list[str]:
+    """A command-line string (shlex) or a list of strings → the argv list after the script."""
+    if args is None:
+        return []
+    if isinstance(args, str):
+        try:
+            lexer = shlex.shlex(args, posix=False, punctuation_chars=True)
+            lexer.whitespace_split = True
+            raw = list(lexer)
+            parsed = shlex.split(args)
+        except ValueError as exc:
+            raise Invalid(f"Arguments: {exc}; close every quote you open.", field="args") from None
+        for token in raw:
+            bare = token[:1] not in ("'", '"')
+            if (bare and set(token) <= _SHELL_OPERATORS) or (bare and ("$" in token or "`" in token)):
+                raise Invalid(
+                    f"Arguments: {token!r} is shell syntax, but jobs never run through a shell "
+                    "(no pipes, redirects, ';', '&&' or $VARIABLES). Quote it, e.g. '{token}', "
+                    "to pass it to your script literally.".replace("{token}", token),
+                    field="args",
+                )
+    else:
+        if not all(isinstance(a, str) for a in args):
+            raise Invalid("Arguments must be a list of strings.", field="args")
+        parsed = list(args)
+    if len(parsed) > MAX_ARGS:
+        raise Invalid(f"{len(parsed)} arguments; keep it to {MAX_ARGS}.", field="args")
+    if any("\x00" in a or len(a) > 4096 for a in parsed):
+        raise Invalid("An argument is longer than 4096 characters or holds a NUL byte.", field="args")
+    return parsed
+
+
+def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
+    """`NAME=value` lines (the form) or a mapping (the API) → checked extra variables."""
+    if not env:
+        return {}
+    if isinstance(env, str):
+        pairs: dict[str, str] = {}
+        for number, line in enumerate(env.splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            name, sep, value = line.partition("=")
+            if not sep:
+                raise Invalid(f"Environment line {number}: write NAME=value.", field="env")
+            pairs[name.strip()] = value
+        env = pairs
+    if not isinstance(env, Mapping):
+        raise Invalid(
+            'Environment: give an object of names to values, e.g. {"WANDB_MODE": "offline"}.', field="env"
+        )
+    if len(env) > MAX_ENV_VARS:
+        raise Invalid(f"{len(env)} environment variables; keep it to {MAX_ENV_VARS}.", field="env")
+    checked: dict[str, str] = {}
+    for name, value in env.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise Invalid(
+                f"Environment: {name!r} is not a variable name; use letters, digits and '_', "
+                "not starting with a digit.",
+                field="env",
+            )
+        if name in PROTECTED_ENV or name.startswith(PROTECTED_PREFIXES):
+            raise Invalid(
+                f"Environment: {name} is set by the portal from your booking and cannot be overridden; "
+                "remove it (choose cards by booking them, memory and threads in the TensorFlow settings).",
+                field="env",
+            )
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise Invalid(f"Environment: the value of {name} must be text.", field="env")
+        value = str(value)
+        if "\x00" in value or len(value) > MAX_ENV_VALUE:
+            raise Invalid(f"Environment: {name} is longer than {MAX_ENV_VALUE} characters.", field="env")
+        checked[name] = value
+    return checked
+
+
+def _check_upload(upload: ScriptUpload) -> str:
+    limit = settings.JOB_UPLOAD_MAX_KB * 1024
+    if not upload.name.endswith(".py"):
+        raise Invalid(f"{upload.name!r} is not a Python script; upload a .py file.", field="script")
+    if len(upload.content) > limit:
+        raise Invalid(
+            f"The script is {len(upload.content) // 1024} KB; the limit is {settings.JOB_UPLOAD_MAX_KB} KB. "
+            "Put large code under a job folder and give its path instead.",
+            field="script",
+        )
+    try:
+        source = upload.content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Invalid("The script is not UTF-8 text; upload a .py source file.", field="script") from None
+    if "\x00" in source:
+        raise Invalid("The script holds NUL bytes; upload a .py source file.", field="script")
+    return source
+
+
+def _interpreter(name: str) -> str:
+    name = (name or "default").strip()
+    if name not in settings.JOB_INTERPRETERS:
+        raise Invalid(
+            f"Unknown Python environment {name!r}; choose one of {', '.join(settings.JOB_INTERPRETERS)}.",
+            field="interpreter",
+        )
+    return name
+
+
+def _check_threads(value: int | None, field: str) -> int | None:
+    if value is not None and not 1 <= value <= MAX_THREADS:
+        raise Invalid(
+            f"Threads must be between 1 and {MAX_THREADS}; leave empty for the default.", field=field
+        )
+    return value
+
+
+def cpu_share(server: Server, allocations: Sequence[Allocation]) -> int:
+    """This booking's share of the host's CPUs: its fraction of the server's cards (memory
+    quotas count their fraction of the card)."""
+    cards = server.gpus.count() or 1
+    fraction = sum(
+        1.0 if a.memory_mb is None else min(1.0, a.memory_mb / max(1, a.gpu.memory_bookable_mb))
+        for a in allocations
+    )
+    return max(1, int(server.cpu_count * fraction / cards)) if server.cpu_count else 1
+
+
+def default_threads(share: int) -> tuple[int, int]:
+    """Intra-op threads = the CPU share; inter-op a couple, for independent ops."""
+    return share, (2 if share >= 4 else 1)
+
+
+def _reservation_for_job(
+    user: AbstractBaseUser, reservation: Reservation | int | None, now: datetime
+) -> Reservation:
+    if reservation is None:
+        raise Invalid("Choose the booking the job runs on.", field="reservation")
+    pk = reservation if isinstance(reservation, int) else reservation.pk
+    found = Reservation.objects.select_related("team").filter(pk=pk).first()
+    if found is None or (
+        found.owner_id != user.pk and not Reservation.objects.visible_to(user).filter(pk=pk).exists()
+    ):
+        raise Invalid(
+            f"There is no booking {pk} of yours; choose one from your reservations.", field="reservation"
+        )
+    if found.owner_id != user.pk:
+        raise Forbidden("Jobs run on your own bookings only; this one is someone else's.")
+    status = found.status_at(now)
+    if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
+        raise Invalid(
+            f"Booking {found.pk} is {status.label.lower()}; run jobs on an active or upcoming booking.",
+            field="reservation",
+        )
+    return found
+
+
+# --- services -------------------------------------------------------------------------
+
+
+@transaction.atomic
+def job_submit(
+    *,
+    user: AbstractBaseUser,
+    reservation: Reservation | int | None,
+    script: ScriptUpload | None = None,
+    script_path: str = "",
+    args: str | Sequence[str] | None = None,
+    workdir: str = "",
+    interpreter: str = "default",
+    env: str | Mapping[str, Any] | None = None,
+    time_limit_minutes: int | None = None,
+    memory_mode: str | None = None,
+    intra_op_threads: int | None = None,
+    inter_op_threads: int | None = None,
+    soft_placement: bool = True,
+    log_placement: bool = False,
+    mirrored: bool = False,
+    now: datetime | None = None,
+) -> Job:
+    """Queue a job on a booking's server and cards; it starts when the booking does.
+
+    Raises a ServiceError (field and fix in the message) and writes nothing on bad input.
+    """
+    now = now or timezone.now()
+    booking = _reservation_for_job(user, reservation, now)
+    allocations = list(booking.allocations.select_related("gpu__server").order_by("gpu__index"))
+    if not allocations:
+        raise Invalid(f"Booking {booking.pk} holds no cards.", field="reservation")
+    server = allocations[0].gpu.server
+    if server.draining:
+        raise Invalid(
+            f"{server.name} is draining: no new jobs go there. Book another server.", field="reservation"
+        )
+    shared_mb = allocations[0].memory_mb  # None: whole cards
+
+    if bool(script) == bool(script_path and script_path.strip()):
+        raise Invalid("Upload a .py script or give the path of one on the server, not both.", field="script")
+    source, path_text, name = "", "", ""
+    if script:
+        source, name = _check_upload(script), script.name.rsplit("/", 1)[-1]
+    else:
+        path = paths.checked_path(script_path, field="script_path", what="script path")
+        if path.suffix != ".py":
+            raise Invalid(
+                f"{path.name!r} is not a Python script; give the path of a .py file.", field="script_path"
+            )
+        path_text, name = str(path), path.name
+    argv = parse_args(args)
+    workdir_text = (
+        str(paths.checked_path(workdir, field="workdir", what="working directory")) if workdir.strip() else ""
+    )
+    interpreter = _interpreter(interpreter)
+    extra_env = parse_env(env)
+
+    start = max(now, booking.start)
+    if time_limit_minutes is not None:
+        if time_limit_minutes < 1:
+            raise Invalid(
+                "The time limit must be at least 1 minute; leave it empty to run until the booking ends.",
+                field="time_limit_minutes",
+            )
+        longest = int((booking.end - start).total_seconds() // 60)
+        if time_limit_minutes > longest:
+            raise Invalid(
+                f"The booking ends at {format_time(booking.end)}: the time limit can be at most {longest} minutes. "
+                "Extend the booking first for a longer run.",
+                field="time_limit_minutes",
+            )
+
+    mode = memory_mode or (Job.MemoryMode.LIMIT if shared_mb else Job.MemoryMode.ALL)
+    if mode not in Job.MemoryMode.values:
+        raise Invalid(f"Memory mode must be one of {', '.join(Job.MemoryMode.values)}.", field="memory_mode")
+    if mode == Job.MemoryMode.ALL and shared_mb:
+        raise Invalid(
+            f"'TF default: take all' is for whole-card bookings; this booking shares the card ({format_mb(shared_mb)}). "
+            "Choose 'limit to my booking' or 'grow as needed'.",
+            field="memory_mode",
+        )
+    if mode in (Job.MemoryMode.LIMIT, Job.MemoryMode.LIMIT_GROW) and shared_mb:
+        if shared_mb <= settings.GPU_CONTEXT_HEADROOM_MB:
+            raise Invalid(
+                f"{format_mb(shared_mb)} leaves nothing for TensorFlow after the {settings.GPU_CONTEXT_HEADROOM_MB} MB "
+                "CUDA context headroom; book more memory or choose 'grow as needed'.",
+                field="memory_mode",
+            )
+    if mirrored and len(allocations) < 2:
+        raise Invalid("MirroredStrategy needs a booking of two or more cards; untick it.", field="mirrored")
+    intra_default, inter_default = default_threads(cpu_share(server, allocations))
+
+    job = Job(
+        owner=user,
+        reservation=booking,
+        team=booking.team,
+        server=server,
+        gpu_uuids=[a.gpu_id for a in allocations],
+        name=name[:200],
+        script_path=path_text,
+        script_source=source,
+        args=argv,
+        workdir=workdir_text,
+        interpreter=interpreter,
+        env=extra_env,
+        time_limit_minutes=time_limit_minutes,
+        memory_mode=mode,
+        intra_op_threads=_check_threads(intra_op_threads, "intra_op_threads") or intra_default,
+        inter_op_threads=_check_threads(inter_op_threads, "inter_op_threads") or inter_default,
+        soft_placement=soft_placement,
+        log_placement=log_placement,
+        mirrored=mirrored,
+        created_at=now,
+        not_before=booking.start,
+    )
+    running = Job.objects.filter(reservation=booking, status__in=Job.ACTIVE).first()
+    if running:
+        raise Conflict(
+            f"Job {running.pk} ({running.name}) is still {running.get_status_display().lower()} on booking "
+            f"{booking.pk}; one job runs on a booking at a time. Wait for it or cancel it.",
+        )
+    try:
+        with transaction.atomic():
+            job.save()
+    except IntegrityError:  # a concurrent submit on the same booking won the race
+        raise Conflict(
+            f"Another job was just submitted on booking {booking.pk}; one job runs on a booking at a time."
+        ) from None
+    if booking.start <= now:
+        _dispatch(job, now)
+    return job
+
+
+def _dispatch(job: Job, now: datetime) -> None:
+    """Send the job id to its host's queue once this transaction commits."""
+    from jobs.tasks import run_job
+
+    Job.objects.filter(pk=job.pk).update(dispatched_at=now)
+    queue = job.server.queue
+    transaction.on_commit(lambda: run_job.apply_async(args=[job.pk], queue=queue))
+
+
+@transaction.atomic
+def job_cancel(*, user: AbstractBaseUser, job: Job | int, now: datetime | None = None) -> Job:
+    """Cancel a job: a queued one at once; a running one is stopped by its worker
+    (SIGTERM to its process group, SIGKILL after JOB_KILL_GRACE_SECONDS)."""
+    now = now or timezone.now()
+    pk = job if isinstance(job, int) else job.pk
+    job = Job.objects.select_for_update(of=("self",)).get(pk=pk)
+    if job.owner_id != user.pk and not can_manage_team(user, job.team_id):
+        raise Forbidden("Only the job's owner, leaders of its team and admins can cancel it.")
+    if job.is_finished:
+        raise Invalid(
+            f"Job {job.pk} has already {job.get_status_display().lower()}; there is nothing to cancel."
+        )
+    if job.status == Job.Status.QUEUED:
+        Job.objects.filter(pk=pk, status=Job.Status.QUEUED).update(
+            status=Job.Status.CANCELLED,
+            finished_at=now,
+            cancel_requested_at=now,
+            cancelled_by=user,
+            message=f"Cancelled by {user} before it started.",
+        )
+    else:
+        Job.objects.filter(pk=pk, cancel_requested_at=None).update(cancel_requested_at=now, cancelled_by=user)
+    job.refresh_from_db()
+    return job
+
+
+def jobs_reconcile(*, now: datetime | None = None) -> dict[str, int]:
+    """The periodic pass (beat): start due jobs, mark lost ones, drop jobs whose booking is gone.
+
+    Safe to run twice or on two hosts at once: every change is a conditional UPDATE.
+    """
+    now = now or timezone.now()
+    done = {"dispatched": 0, "lost": 0, "expired": 0}
+    for job in Job.objects.filter(
+        status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
+    ).select_related("server"):
+        with transaction.atomic():
+            if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None).exists():
+                _dispatch(job, now)
+                done["dispatched"] += 1
+    stale = now - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS)
+    for job in Job.objects.filter(
+        status__in=(Job.Status.STARTING, Job.Status.RUNNING), heartbeat_at__lt=stale
+    ):
+        message = (
+            f"Lost: no heartbeat from worker {job.worker or '?'} since {format_time(job.heartbeat_at)}; "
+            "the worker or its host died. The booking's cards are free for a new job."
+        )
+        if Job.objects.filter(pk=job.pk, status=job.status, heartbeat_at=job.heartbeat_at).update(
+            status=Job.Status.LOST, finished_at=now, message=message
+        ):
+            log_append(job.pk, f"[portal] {message}\n", now=now)
+            done["lost"] += 1
+    over = Q(reservation__end__lte=now) | Q(reservation__cancelled_at__isnull=False)
+    for job in Job.objects.filter(over, status=Job.Status.QUEUED):
+        if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(
+            status=Job.Status.CANCELLED,
+            finished_at=now,
+            message="Cancelled: the booking ended or was cancelled before a worker started the job.",
+        ):
+            done["expired"] += 1
+    return done

@@ -1,0 +1,31 @@
+"""Celery tasks: thin wrappers that take ids and call the runner or a service."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from jobs.runner import job_run
+from jobs.services import jobs_reconcile
+
+log = logging.getLogger(__name__)
+
+
+# No retries, no time limit, no acks_late: a training run is never repeated behind the
+# user's back. The message is acked when the task starts, so however long the job runs,
+# Redis' visibility_timeout can never hand it to a second worker; a message delivered
+# twice anyway (a restored prefetch) finds the row already claimed and does nothing.
+@shared_task(ignore_result=True, acks_late=False, max_retries=0)
+def run_job(job_id: int) -> str | None:
+    """Run job `job_id` on this host to its end. Re-running it for the same id is a no-op."""
+    return job_run(job_id)
+
+
+@shared_task(ignore_result=True, soft_time_limit=50, time_limit=60)
+def reconcile_jobs() -> dict[str, int]:
+    """Beat, every JOB_RECONCILE_SECONDS: start due jobs, mark dead ones LOST. Idempotent."""
+    done = jobs_reconcile()
+    if any(done.values()):
+        log.info("Jobs reconciled: %s", done)
+    return done
