@@ -1,0 +1,183 @@
+"""Jobs end to end: a real Celery worker process, real Redis, real subprocesses (TF on the CPU)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gpus.booking import reservation_create
+from gpus.services import server_report_ingest
+from gpus.simulated import server_names
+from jobs.logs import log_stream
+from jobs.models import Job
+from jobs.runner import job_run
+from jobs.tasks import run_job
+from tests.conftest import wait_for
+from tests.factories import make_snapshot
+
+pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+EXAMPLE = Path(__file__).resolve().parent.parent / "jobs" / "examples" / "keras_example.py"
+FINAL = {s.value for s in Job.FINISHED}
+
+
+@pytest.fixture
+def host(start_worker) -> str:
+    """A simulated GPU host's worker (queue host.<name>), its cards known to the portal."""
+    name = server_names()[0]
+    server_report_ingest(snapshot=make_snapshot(name, gpus=4, simulated=True))
+    start_worker(name, extra_env={"JOB_KILL_GRACE_SECONDS": "2"})
+    return name
+
+
+@pytest.fixture
+def api(alice) -> APIClient:
+    client = APIClient()
+    client.force_authenticate(alice)
+    return client
+
+
+def _book(alice, host: str, card: int = 0, **kwargs):
+    return reservation_create(user=alice, gpus=[f"GPU-{host}-{card:02d}"], **kwargs)
+
+
+def _submit(api: APIClient, booking, source: bytes, name: str = "job.py", **data) -> int:
+    upload = SimpleUploadedFile(name, source)
+    response = api.post("/api/v1/jobs/", {"reservation": booking.pk, "script": upload, **data}, format="multipart")
+    assert response.status_code == 201, response.json()
+    return response.json()["id"]
+
+
+def _log(job_id: int) -> str:
+    return b"".join(log_stream(job_id)).decode()
+
+
+def _finished(job_id: int, timeout: float = 120) -> Job:
+    wait_for(
+        lambda: Job.objects.get(pk=job_id).status in FINAL, timeout=timeout, what=f"job {job_id} to finish"
+    )
+    return Job.objects.get(pk=job_id)
+
+
+def test_it_runs_the_example_keras_job_on_the_booked_cards(api, alice, host):
+    booking = reservation_create(user=alice, gpus=[f"GPU-{host}-01", f"GPU-{host}-02"])
+    job_id = _submit(api, booking, EXAMPLE.read_bytes(), "keras_example.py", args="--epochs 2")
+    job = _finished(job_id)
+    log = _log(job_id)
+    assert job.status == Job.Status.SUCCEEDED, log
+    assert job.exit_code == 0 and job.started_at and job.finished_at
+    assert f"CUDA_VISIBLE_DEVICES=GPU-{host}-01,GPU-{host}-02" in log  # what the subprocess saw
+    assert "[portal] launcher:" in log and "TensorFlow 2." in log
+    assert "Epoch 1/2" in log and "Epoch 2/2" in log
+    assert job.launcher_line.startswith("[portal] launcher:")
+    assert job.env_applied["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert job.env_applied["TF_FORCE_GPU_ALLOW_GROWTH"] == "false"
+    assert "DATABASE_URL" not in log and "SECRET_KEY" not in log
+    lines = log.splitlines()
+    assert all(line[:4].isdigit() and line[23:25] == "Z " for line in lines)  # every line timestamped
+
+
+def test_it_records_a_failing_script_with_its_exit_code_and_traceback(api, alice, host):
+    source = b"import sys\nprint('about to fail', flush=True)\nraise ValueError('bad hyperparameter')\n"
+    job = _finished(_submit(api, _book(alice, host), source))
+    assert job.status == Job.Status.FAILED and job.exit_code == 1
+    log = _log(job.pk)
+    assert "about to fail" in log and "Traceback" in log and "ValueError: bad hyperparameter" in log
+    assert log.index("about to fail") < log.index("Traceback")  # stdout and stderr in order
+
+
+SLEEPER = b"""
+import signal, sys, time
+def on_term(*_):
+    print("got SIGTERM, ignoring it", flush=True)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # exited, not yet reaped by init
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_running(job_id: int) -> Job:
+    wait_for(lambda: "ready" in _log(job_id), timeout=60, what="the script's first line")
+    return Job.objects.get(pk=job_id)
+
+
+def test_it_cancels_a_running_job_sigterm_then_sigkill(api, alice, host):
+    job_id = _submit(api, _book(alice, host), SLEEPER)
+    job = _wait_running(job_id)
+    assert job.status == Job.Status.RUNNING and psutil.pid_exists(job.pid)
+    requested = time.monotonic()
+    assert api.post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 200
+    job = _finished(job_id, timeout=30)
+    assert job.status == Job.Status.CANCELLED and "alice" in job.message
+    assert 2 <= time.monotonic() - requested < 10  # the 2 s grace, then SIGKILL
+    log = _log(job_id)
+    assert "got SIGTERM" in log and "SIGKILL" in log
+    assert _gone(job.pid)
+
+
+def test_it_stops_a_job_at_its_time_limit(api, alice, host):
+    job_id = _submit(api, _book(alice, host), SLEEPER, time_limit_minutes=1)
+    _wait_running(job_id)
+    job = _finished(job_id, timeout=90)
+    assert job.status == Job.Status.TIMED_OUT and "Time limit of 1 min" in job.message
+    assert 60 <= job.duration.total_seconds() < 75
+    assert "[portal] Time limit of 1 min reached" in _log(job_id)
+
+
+def test_it_stops_a_job_when_its_booking_ends(api, alice, host):
+    booking = _book(alice, host, end=timezone.now() + timezone.timedelta(seconds=8))
+    job_id = _submit(api, booking, SLEEPER)
+    _wait_running(job_id)
+    job = _finished(job_id, timeout=30)
+    assert job.status == Job.Status.TIMED_OUT and "booking ended" in job.message
+
+
+def test_it_never_starts_a_second_run_for_a_redelivered_message(api, alice, host):
+    source = b"import os\nprint('run of job', os.environ['PORTAL_JOB_ID'], flush=True)\n"
+    job_id = _submit(api, _book(alice, host), source)
+    run_job.apply_async(args=[job_id], queue=f"host.{host}")  # the same message, delivered again
+    job = _finished(job_id)
+    assert job.status == Job.Status.SUCCEEDED
+    assert job_run(job_id) is None  # and once more, in this process: a no-op
+    time.sleep(2)  # let the duplicate message reach the worker
+    assert _log(job_id).count("run of job") == 1
+    assert Job.objects.get(pk=job_id).log_bytes == job.log_bytes
+
+
+def test_it_marks_a_job_lost_when_its_worker_is_killed(api, alice, start_worker):
+    name = server_names()[0]
+    server_report_ingest(snapshot=make_snapshot(name, gpus=4, simulated=True))
+    start_worker(None, beat=True)  # the portal's worker runs the reconciler (beat)
+    worker = start_worker(name)
+    booking = _book(alice, name)
+    job_id = _submit(api, booking, SLEEPER)
+    job = _wait_running(job_id)
+    worker.send_signal(signal.SIGKILL)  # the host's worker dies mid-job
+    worker.wait()
+    killed_at = time.monotonic()
+    job = _finished(job_id, timeout=60)
+    assert job.status == Job.Status.LOST and "no heartbeat" in job.message
+    assert time.monotonic() - killed_at < 60
+    # The job's process died with its worker (PDEATHSIG): nothing holds the cards.
+    wait_for(lambda: _gone(job.pid), timeout=5, what="the job process to be gone")
+    # and the booking takes a new job.
+    response = api.post(
+        "/api/v1/jobs/",
+        {"reservation": booking.pk, "script": SimpleUploadedFile("again.py", b"print(1)")},
+        format="multipart",
+    )
+    assert response.status_code == 201
