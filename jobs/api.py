@@ -112,7 +112,9 @@ class JobCreateSerializer(serializers.Serializer):
 
     reservation = serializers.IntegerField()
     script = serializers.FileField(required=False, help_text="A .py file (multipart).")
-    script_path = serializers.CharField(required=False, allow_blank=True, help_text="A .py under the job roots.")
+    script_path = serializers.CharField(
+        required=False, allow_blank=True, help_text="A .py under the job roots."
+    )
     args = PassThroughField(required=False, help_text="A list of strings, or one string split like a shell.")
     workdir = serializers.CharField(required=False, allow_blank=True)
     interpreter = serializers.CharField(required=False, default="default")
@@ -178,7 +180,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         data = JobCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         job = job_submit(user=request.user, **data.service_kwargs())
-        return Response(JobSerializer(get_job_for_user(request.user, job.pk)).data, status=status.HTTP_201_CREATED)
+        return Response(
+            JobSerializer(get_job_for_user(request.user, job.pk)).data, status=status.HTTP_201_CREATED
+        )
 
     @extend_schema(request=None, responses=JobSerializer)
     @action(detail=True, methods=["post"])

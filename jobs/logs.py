@@ -104,10 +104,21 @@ class LogWriter:
         self.flush()
 
     def flush(self) -> None:
+        """Store what is pending. On a database error nothing is lost: the state is put
+        back and the same bytes go out with the next flush."""
         self.last_flush = time.monotonic()
         if not self.pending:
             return
         data, self.pending = bytes(self.pending), bytearray()
+        saved = (self.seq, self.total, self.dropped, self.tail_bytes, deque(self.tail))
+        try:
+            self._store(data)
+        except Exception:
+            self.seq, self.total, self.dropped, self.tail_bytes, self.tail = saved
+            self.pending[:0] = data
+            raise
+
+    def _store(self, data: bytes) -> None:
         rows: list[LogChunk] = []
         for piece in range(0, len(data), self.chunk_bytes):
             rows += self._chunks(data[piece : piece + self.chunk_bytes])
@@ -186,8 +197,7 @@ def log_stream(job_id: int, offset: int = 0, *, until: int | None = None) -> Ite
             if end <= position:
                 continue
             if start > position:  # the cap dropped [position, start)
-                if position > 0 or offset == 0:
-                    yield dropped_marker(start - position)
+                yield dropped_marker(start - position)
                 position = start
             piece = data[position - start :] if position > start else data
             if until is not None and end > until:

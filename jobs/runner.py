@@ -8,6 +8,7 @@ job's process group and SIGKILL after JOB_KILL_GRACE_SECONDS.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -18,12 +19,13 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections
 from django.utils import timezone
 
 from gpus.models import Allocation, Reservation
@@ -64,6 +66,7 @@ INHERITED_ENV = (
 TICK_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1
+FINISH_ATTEMPTS = 30  # × 2 s: ride out a database restart
 
 
 class JobSetupError(Exception):
@@ -100,22 +103,21 @@ def launch_for(job: Job) -> Launch:
     interpreter = settings.JOB_INTERPRETERS.get(job.interpreter)
     if not interpreter or not os.access(interpreter, os.X_OK):
         raise JobSetupError(
-            f"Python environment {job.interpreter!r} ({interpreter or 'not configured'}) is not executable on "
-            f"{socket.gethostname()}; check JOB_INTERPRETERS on this host."
+            f"Python environment {job.interpreter!r} ({interpreter or 'not configured'}) is not "
+            f"executable on {socket.gethostname()}; check JOB_INTERPRETERS on this host."
         )
     try:
+        # The job's own folder: its default working directory and where an upload is put
+        # (never into a chosen working directory, where it could overwrite the user's file).
+        own = paths.roots()[0] / f"job-{job.pk}"
+        own.mkdir(parents=True, exist_ok=True)
         cwd = (
-            paths.checked_path(job.workdir, field="workdir", what="working directory")
-            if job.workdir
-            else None
+            paths.checked_path(job.workdir, field="workdir", what="working directory") if job.workdir else own
         )
-        if cwd is None:
-            cwd = paths.roots()[0] / f"job-{job.pk}"
-            cwd.mkdir(parents=True, exist_ok=True)
         if job.script_path:
             script = paths.checked_path(job.script_path, field="script_path", what="script path")
         else:
-            script = cwd / job.name
+            script = own / job.name
             script.write_text(job.script_source)
     except Invalid as exc:
         raise JobSetupError(exc.message) from None
@@ -168,10 +170,8 @@ def launch_for(job: Job) -> Launch:
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it if the worker dies (SIGKILL, OOM, host crash
     of the worker process), so a lost job cannot hold its cards behind the portal's back."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _pump(stream, out: queue.Queue[bytes | None]) -> None:  # type: ignore[no-untyped-def]
@@ -196,6 +196,8 @@ class Supervisor:
         self.stop_message = ""
         self.term_sent_at: float | None = None
         self.killed = False
+        self.launcher_seen = False
+        self.first_output = bytearray()  # the launcher's line is among the first output
 
     # --- the loop --------------------------------------------------------------------
 
@@ -245,12 +247,23 @@ class Supervisor:
         chunks: queue.Queue[bytes | None] = queue.Queue()
         reader = threading.Thread(target=_pump, args=(self.proc.stdout, chunks), daemon=True)
         reader.start()
+        try:
+            self._loop(chunks)
+            code = self.proc.wait()
+        except Exception:
+            log.exception("Job %s: the supervisor failed", self.job.pk)
+            code = self._kill_now()  # never leave a job running unwatched
+        self._reap_group()
+        self._guarded(self.writer.close)
+        self._record(code)
+
+    def _loop(self, chunks: queue.Queue[bytes | None]) -> None:
+        """Until the job has exited and its output is drained: log, heartbeat, cancel, limits."""
         last_poll = last_beat = time.monotonic()
         eof = False
-        launcher_seen = False
-        while not eof:
+        while not (eof and self.proc is not None and self.proc.poll() is not None):
             deadline = time.monotonic() + TICK_SECONDS
-            while True:
+            while not eof:
                 try:
                     data = chunks.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
@@ -258,40 +271,52 @@ class Supervisor:
                 if data is None:
                     eof = True
                     break
-                if not launcher_seen:
-                    launcher_seen = self._note_launcher_line(data)
+                self._note_launcher_line(data)
                 self.writer.feed(data)
-            self.writer.maybe_flush()
+            if eof:
+                time.sleep(max(0.0, deadline - time.monotonic()))  # output closed; waiting for the exit
+            self._guarded(self.writer.maybe_flush)
             now = time.monotonic()
             if now - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = now
                 beat = now - last_beat >= settings.JOB_HEARTBEAT_SECONDS
-                if beat:
+                if self._guarded(lambda: self._check_row(beat)) and beat:  # noqa: B023 - called at once
                     last_beat = now
-                self._check_row(beat)
             self._escalate()
-        code = self.proc.wait()
-        self._reap_group()
-        self.writer.close()
-        self._record(code)
 
-    def _note_launcher_line(self, data: bytes) -> bool:
-        for line in data.split(b"\n"):
+    def _guarded(self, step: Callable[[], object]) -> bool:
+        """Run a database step; a failure (database restarting) is logged and tried again
+        on the next tick. The log keeps what it could not write yet; a heartbeat missed for
+        longer than JOB_LOST_AFTER_SECONDS makes the reconciler mark the job lost, which
+        this loop then sees and honours."""
+        try:
+            step()
+        except DatabaseError:
+            log.warning("Job %s: database step failed; retrying", self.job.pk, exc_info=True)
+            close_old_connections()
+            return False
+        return True
+
+    def _note_launcher_line(self, data: bytes) -> None:
+        if self.launcher_seen or len(self.first_output) > 8192:
+            return
+        self.first_output += data
+        for line in bytes(self.first_output).split(b"\n")[:-1]:
             if line.startswith(b"[portal] launcher:"):
+                self.launcher_seen = True
                 text = line.decode(errors="replace")[:1000]
-                Job.objects.filter(pk=self.job.pk).update(launcher_line=text)
-                return True
-        return len(data) > 4096  # the launcher prints first; stop looking after that
+                self._guarded(lambda: Job.objects.filter(pk=self.job.pk).update(launcher_line=text))  # noqa: B023
+                return
 
     def _check_row(self, beat: bool) -> None:
         """Heartbeat, and pick up a cancel request or a moved booking end (release, cancel)."""
-        close_old_connections()
         now = timezone.now()
         if beat:
             Job.objects.filter(pk=self.job.pk).update(heartbeat_at=now)
         row = (
             Job.objects.filter(pk=self.job.pk)
             .values(
+                "status",
                 "cancel_requested_at",
                 "cancelled_by__username",
                 "message",
@@ -302,16 +327,21 @@ class Supervisor:
         )
         if self.stop_reason:
             return
-        if row["cancel_requested_at"]:
+        if row["status"] == Job.Status.LOST:
+            # Declared dead while this worker could not reach the database: its booking may
+            # already hold a new job, so this one must not go on.
+            self._stop(Job.Status.LOST, "This job was marked lost while its worker was out of touch.")
+        elif row["cancel_requested_at"]:
             who = row["cancelled_by__username"]
-            self._stop(Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled.")
+            self._stop(
+                Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+            )
         elif row["reservation__cancelled_at"] and now >= row["reservation__end"]:
             self._stop(Job.Status.TIMED_OUT, "The booking was cancelled; the job was stopped.")
         elif now >= self.job.deadline(row["reservation__end"]):
-            if self.job.time_limit_minutes and now >= self.job.started_at + timedelta(
-                minutes=self.job.time_limit_minutes
-            ):
-                self._stop(Job.Status.TIMED_OUT, f"Time limit of {self.job.time_limit_minutes} min reached.")
+            limit = self.job.time_limit_minutes
+            if limit and now >= self.job.started_at + timedelta(minutes=limit):
+                self._stop(Job.Status.TIMED_OUT, f"Time limit of {limit} min reached.")
             else:
                 self._stop(Job.Status.TIMED_OUT, "The booking ended; the job was stopped.")
 
@@ -332,10 +362,17 @@ class Supervisor:
 
     def _signal(self, sig: int) -> None:
         assert self.proc is not None
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)  # the session leader's pid is the group id
-        except ProcessLookupError:
-            pass
+
+    def _kill_now(self) -> int:
+        """The supervisor itself failed: stop the job at once rather than leave it unwatched."""
+        log.error("Job %s: supervisor failed; killing the job", self.job.pk)
+        self.stop_reason = self.stop_reason or Job.Status.FAILED
+        self.stop_message = self.stop_message or "The worker's supervisor failed; the job was killed."
+        self._signal(signal.SIGKILL)
+        assert self.proc is not None
+        return self.proc.wait()
 
     def _reap_group(self) -> None:
         """The main process is gone; anything it left in its group goes with it."""
@@ -352,10 +389,21 @@ class Supervisor:
         self._finish(status, code, message)
 
     def _finish(self, status: str, code: int | None, message: str) -> None:
-        # The worker's word is final even over LOST (a heartbeat missed during a DB outage).
-        Job.objects.filter(
-            pk=self.job.pk, status__in=(Job.Status.STARTING, Job.Status.RUNNING, Job.Status.LOST)
-        ).update(status=status, exit_code=code, finished_at=timezone.now(), message=message[:1000])
+        """Record the outcome; a database that is restarting gets FINISH_ATTEMPTS tries.
+
+        The worker's word is final even over LOST (marked while it was out of touch)."""
+        for attempt in range(FINISH_ATTEMPTS):
+            try:
+                Job.objects.filter(
+                    pk=self.job.pk, status__in=(Job.Status.STARTING, Job.Status.RUNNING, Job.Status.LOST)
+                ).update(status=status, exit_code=code, finished_at=timezone.now(), message=message[:1000])
+                break
+            except DatabaseError:
+                if attempt == FINISH_ATTEMPTS - 1:
+                    raise
+                log.warning("Job %s: could not record its end; retrying", self.job.pk)
+                close_old_connections()
+                time.sleep(2)
         log.info("Job %s finished: %s %s", self.job.pk, status, message)
 
 

@@ -285,8 +285,8 @@ def job_submit(
         longest = int((booking.end - start).total_seconds() // 60)
         if time_limit_minutes > longest:
             raise Invalid(
-                f"The booking ends at {format_time(booking.end)}: the time limit can be at most {longest} minutes. "
-                "Extend the booking first for a longer run.",
+                f"The booking ends at {format_time(booking.end)}: the time limit can be at most "
+                f"{longest} minutes. Extend the booking first for a longer run.",
                 field="time_limit_minutes",
             )
 
@@ -295,17 +295,18 @@ def job_submit(
         raise Invalid(f"Memory mode must be one of {', '.join(Job.MemoryMode.values)}.", field="memory_mode")
     if mode == Job.MemoryMode.ALL and shared_mb:
         raise Invalid(
-            f"'TF default: take all' is for whole-card bookings; this booking shares the card ({format_mb(shared_mb)}). "
-            "Choose 'limit to my booking' or 'grow as needed'.",
+            "'TF default: take all' is for whole-card bookings; this booking shares the card "
+            f"({format_mb(shared_mb)}). Choose 'limit to my booking' or 'grow as needed'.",
             field="memory_mode",
         )
-    if mode in (Job.MemoryMode.LIMIT, Job.MemoryMode.LIMIT_GROW) and shared_mb:
-        if shared_mb <= settings.GPU_CONTEXT_HEADROOM_MB:
-            raise Invalid(
-                f"{format_mb(shared_mb)} leaves nothing for TensorFlow after the {settings.GPU_CONTEXT_HEADROOM_MB} MB "
-                "CUDA context headroom; book more memory or choose 'grow as needed'.",
-                field="memory_mode",
-            )
+    limited = mode in (Job.MemoryMode.LIMIT, Job.MemoryMode.LIMIT_GROW)
+    if limited and shared_mb and shared_mb <= settings.GPU_CONTEXT_HEADROOM_MB:
+        raise Invalid(
+            f"{format_mb(shared_mb)} leaves nothing for TensorFlow after the "
+            f"{settings.GPU_CONTEXT_HEADROOM_MB} MB CUDA context headroom; book more memory or choose "
+            "'grow as needed'.",
+            field="memory_mode",
+        )
     if mirrored and len(allocations) < 2:
         raise Invalid("MirroredStrategy needs a booking of two or more cards; untick it.", field="mirrored")
     intra_default, inter_default = default_threads(cpu_share(server, allocations))
@@ -351,13 +352,18 @@ def job_submit(
     return job
 
 
-def _dispatch(job: Job, now: datetime) -> None:
-    """Send the job id to its host's queue once this transaction commits."""
-    from jobs.tasks import run_job
+def _dispatch(job: Job, now: datetime) -> bool:
+    """Send the job id to its host's queue once this transaction commits; once per job
+    (a conditional UPDATE, so two reconcilers racing send it once)."""
+    from jobs.tasks import run_job  # the tasks module imports this one
 
-    Job.objects.filter(pk=job.pk).update(dispatched_at=now)
+    if not Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None).update(
+        dispatched_at=now
+    ):
+        return False
     queue = job.server.queue
     transaction.on_commit(lambda: run_job.apply_async(args=[job.pk], queue=queue))
+    return True
 
 
 @transaction.atomic
@@ -394,13 +400,10 @@ def jobs_reconcile(*, now: datetime | None = None) -> dict[str, int]:
     """
     now = now or timezone.now()
     done = {"dispatched": 0, "lost": 0, "expired": 0}
-    for job in Job.objects.filter(
-        status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
-    ).select_related("server"):
+    due = Job.objects.filter(status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now)
+    for job in due.select_related("server"):
         with transaction.atomic():
-            if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None).exists():
-                _dispatch(job, now)
-                done["dispatched"] += 1
+            done["dispatched"] += _dispatch(job, now)
     stale = now - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS)
     for job in Job.objects.filter(
         status__in=(Job.Status.STARTING, Job.Status.RUNNING), heartbeat_at__lt=stale

@@ -132,7 +132,11 @@ class FakeNvml:
         if isinstance(owner, Exception):
             raise owner
         username, cmdline = owner
-        return SimpleNamespace(username=lambda: username, cmdline=lambda: cmdline, name=lambda: cmdline[0])
+        # pid 101 was started by the portal as job 7 (the worker reads its environment).
+        environ = {"PORTAL_JOB_ID": "7"} if pid == 101 else {"HOME": "/root"}
+        return SimpleNamespace(
+            username=lambda: username, cmdline=lambda: cmdline, name=lambda: cmdline[0], environ=lambda: environ
+        )
 
 
 @pytest.fixture
@@ -159,7 +163,7 @@ def test_it_reports_a_healthy_two_gpu_host(fake: FakeNvml) -> None:
     assert (first.power_w, first.power_limit_w, first.mig_mode) == (312.456, 400.0, "disabled")
     (process,) = first.processes
     assert process == ProcessInfo(
-        pid=101, username="alice", command="python train.py --epochs 90", used_memory_mb=9216
+        pid=101, username="alice", command="python train.py --epochs 90", used_memory_mb=9216, job_id=7
     )
     assert (second.index, second.pci_bus_id, second.utilization_pct, second.processes) == (
         1,

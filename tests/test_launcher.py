@@ -1,0 +1,234 @@
+"""jobs/launcher.py, run as the worker runs it: a subprocess of the venv's python, no database.
+
+TensorFlow subprocesses cost several seconds each, so there are three: the Keras example, the TF1 session
+example and one script that imports TensorFlow only indirectly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs import launcher
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "jobs" / "launcher.py"
+EXAMPLES = ROOT / "jobs" / "examples"
+BOOKING = {"job_id": 12, "allow_growth": True, "intra_op_threads": 2, "inter_op_threads": 1}
+
+
+def launch(
+    script: Path | str,
+    *args: str,
+    cwd: Path,
+    config: dict[str, Any] | str | None = None,
+    cuda: str = "GPU-test-00",
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", launcher.CONFIG_VAR}}
+    # A fake card UUID: TF sees no GPU and runs on the CPU, as on a machine without CUDA.
+    env.update(CUDA_VISIBLE_DEVICES=cuda, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2", PORTAL_JOB_ID="12")
+    if config is not None:
+        env[launcher.CONFIG_VAR] = config if isinstance(config, str) else json.dumps(config)
+    return subprocess.run(
+        [sys.executable, "-u", str(LAUNCHER), str(script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def write(path: Path, source: str) -> Path:
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def portal_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("[portal] launcher:")]
+
+
+def test_it_runs_a_script_without_tensorflow_like_python(tmp_path: Path) -> None:
+    # A user module named like one in jobs/: the launcher's directory must not shadow it.
+    write(tmp_path / "models.py", "WHO = 'user'\n")
+    script = write(
+        tmp_path / "train.py",
+        """
+        import json, os, sys
+        import models
+        print("RESULT " + json.dumps({
+            "argv": sys.argv,
+            "path0": sys.path[0],
+            "main": __name__,
+            "models": models.WHO,
+            "tensorflow_loaded": "tensorflow" in sys.modules,
+            "config_var": "PORTAL_LAUNCH_CONFIG" in os.environ,
+            "job_id": os.environ.get("PORTAL_JOB_ID"),
+            "launcher_dir_on_path": any(os.path.realpath(p or ".") == LAUNCHER_DIR for p in sys.path),
+        }))
+        """.replace("LAUNCHER_DIR", repr(str(LAUNCHER.parent))),
+    )
+
+    result = launch("train.py", "--lr", "0.1", cwd=tmp_path, config=BOOKING)
+
+    assert result.returncode == 0, result.stderr
+    assert portal_lines(result.stdout) == [
+        "[portal] launcher: job 12 · no TensorFlow import in the script: settings via environment only "
+        "(CUDA_VISIBLE_DEVICES=GPU-test-00, TF_FORCE_GPU_ALLOW_GROWTH unset)"
+    ]
+    assert result.stdout.startswith("[portal] launcher:")
+    seen = json.loads(result.stdout.split("RESULT ", 1)[1])
+    assert seen == {
+        "argv": ["train.py", "--lr", "0.1"],
+        "path0": str(script.parent.resolve()),
+        "main": "__main__",
+        "models": "user",
+        "tensorflow_loaded": False,
+        "config_var": False,
+        "job_id": "12",
+        "launcher_dir_on_path": False,
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [("raise ValueError('boom')", 1), ("import sys\nsys.exit(3)", 3), ("print('fine')", 0)],
+)
+def test_it_passes_exit_codes_through(tmp_path: Path, body: str, code: int) -> None:
+    write(tmp_path / "job.py", f"def run():\n    pass\n{body}\n")
+
+    result = launch("job.py", cwd=tmp_path, config=BOOKING)
+
+    assert result.returncode == code, result.stderr
+    if code == 1:
+        assert "Traceback (most recent call last):" in result.stderr
+        assert 'job.py", line 3, in <module>' in result.stderr
+        assert result.stderr.rstrip().endswith("ValueError: boom")
+        # Reads like `python job.py`: none of the launcher's own frames.
+        assert "launcher.py" not in result.stderr and "runpy" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "config",
+    [None, "{not json", "[1, 2]", '{"allow_growth": "yes"}', '{"memory_limit_mb": -5}'],
+)
+def test_it_rejects_a_missing_or_bad_config(tmp_path: Path, config: str | None) -> None:
+    write(tmp_path / "job.py", "print('should not run')\n")
+
+    result = launch("job.py", cwd=tmp_path, config=config)
+
+    assert result.returncode == 2
+    assert "PORTAL_LAUNCH_CONFIG" in result.stderr
+    assert "should not run" not in result.stdout
+
+
+def test_it_rejects_a_missing_script(tmp_path: Path) -> None:
+    result = launch("nope.py", cwd=tmp_path, config=BOOKING)
+
+    assert result.returncode == 2
+    assert "script not found: nope.py" in result.stderr
+
+
+def test_it_finds_tensorflow_imports_anywhere_in_the_script() -> None:
+    assert launcher.uses_tensorflow(b"def f():\n    import tensorflow as tf\n")
+    assert launcher.uses_tensorflow(b"from keras.layers import Dense\n")
+    assert launcher.uses_tensorflow(b"import os, tensorflow.compat.v1 as tf\n")
+    assert not launcher.uses_tensorflow(b"import tensorflow_helpers\nfrom .keras import x\n# import keras\n")
+    assert not launcher.uses_tensorflow(b"def broken(:\n")
+
+
+def test_it_runs_the_keras_example_with_the_booking(tmp_path: Path) -> None:
+    result = launch(EXAMPLES / "keras_example.py", "--epochs", "2", cwd=tmp_path, config=BOOKING)
+
+    assert result.returncode == 0, result.stderr
+    (line,) = portal_lines(result.stdout)
+    assert result.stdout.startswith(line)
+    assert line.startswith("[portal] launcher: job 12 · TensorFlow 2.21")
+    assert "GPUs visible: 0 (CUDA_VISIBLE_DEVICES=GPU-test-00)" in line
+    assert "threads intra 2 / inter 1" in line
+    assert "memory_limit none · allow_growth on" in line
+    assert "CUDA_VISIBLE_DEVICES=GPU-test-00" in result.stdout.splitlines()
+    assert "Epoch 1/2" in result.stdout and "Epoch 2/2" in result.stdout
+    assert "loss:" in result.stdout
+    assert "done: accuracy=" in result.stdout
+
+
+def test_it_applies_settings_after_an_indirect_import_and_ignores_later_setters(tmp_path: Path) -> None:
+    # The script itself never imports TensorFlow: its helper does, so the meta path hook has to apply.
+    write(tmp_path / "helper.py", "import tensorflow as tf\n")
+    write(
+        tmp_path / "job.py",
+        """
+        import importlib.util
+        assert importlib.util.find_spec("tensorflow")  # an availability check must not use up the hook
+        import helper
+        tf = helper.tf
+        print("sum", float(tf.reduce_sum(tf.constant([1.0, 2.0]))))  # the runtime is initialised now
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.experimental.set_memory_growth(cpu, True)
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()])
+        tf.config.experimental.set_virtual_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()])
+        tf.config.threading.set_intra_op_parallelism_threads(7)
+        strategy = tf.distribute.get_strategy()
+        print("THREADS", tf.config.threading.get_intra_op_parallelism_threads(),
+              tf.config.threading.get_inter_op_parallelism_threads())
+        print("STRATEGY", type(strategy).__name__, strategy.num_replicas_in_sync)
+        """,
+    )
+    booking = {
+        **BOOKING,
+        "memory_limit_mb": 1024,
+        "intra_op_threads": 3,
+        "inter_op_threads": 2,
+        "mirrored": True,
+    }
+
+    result = launch("job.py", cwd=tmp_path, config=booking, cuda="")
+
+    assert result.returncode == 0, result.stderr
+    env_line, applied_line = portal_lines(result.stdout)
+    assert "no TensorFlow import in the script" in env_line
+    assert applied_line.startswith("[portal] launcher: job 12 · TensorFlow 2.21")
+    assert "GPUs visible: 0 (CUDA_VISIBLE_DEVICES=)" in applied_line
+    assert "memory_limit 1024 MB per GPU" in applied_line
+    assert "threads intra 3 / inter 2" in applied_line
+    assert "MirroredStrategy on (1 replicas)" in applied_line
+    assert applied_line.endswith("applied when TensorFlow was imported indirectly")
+    assert "THREADS 3 2" in result.stdout
+    assert "STRATEGY MirroredStrategy 1" in result.stdout
+    for name in ("set_memory_growth", "set_logical_device_configuration", "set_virtual_device_configuration"):
+        assert (
+            f"[portal] ignored {name}(...): the portal already configured GPU memory for this booking"
+            in result.stderr
+        )
+    assert "[portal] ignored set_intra_op_parallelism_threads(...)" in result.stderr
+
+
+def test_it_merges_the_booking_into_tf1_sessions(tmp_path: Path) -> None:
+    booking = {**BOOKING, "memory_fraction": 0.25, "intra_op_threads": 4}
+
+    # The script asks for 0.9 (more than booked: capped) and then 0.1 (less than booked: kept).
+    result = launch(EXAMPLES / "tf1_session_example.py", "0.9", "0.1", cwd=tmp_path, config=booking)
+
+    assert result.returncode == 0, result.stderr
+    sessions = [
+        json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if "SESSION_CONFIG" in line
+    ]
+    assert [s["fraction"] for s in sessions] == [0.25, 0.1]
+    for held in sessions:
+        assert held["allow_growth"] is True  # the script asked for False
+        assert held["intra"] == 4  # the script asked for 16
+        assert held["inter"] == 1
+        assert held["soft"] is True
+        assert held["log"] is False
+        assert held["script_fraction"] == held["asked_fraction"]  # the caller's ConfigProto is not mutated
+        assert held["result"] == 12.0
+    assert result.stderr.count("[portal] merged the booking into a tf.compat.v1.Session config") == 1
+    assert "fraction=0.25, allow_growth=True, intra=4, inter=1" in result.stderr
