@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -181,3 +182,18 @@ def test_it_marks_a_job_lost_when_its_worker_is_killed(api, alice, start_worker)
         format="multipart",
     )
     assert response.status_code == 201
+
+
+def test_it_merges_the_booking_into_a_legacy_tf1_session_config(api, alice, host):
+    """A TF1-style script asks for 90 % of the card; its 8 GB booking on a 24 GB card wins."""
+    script = EXAMPLE.parent / "tf1_session_example.py"
+    booking = _book(alice, host, memory_mb=8192)
+    job_id = _submit(api, booking, script.read_bytes(), script.name, intra_op_threads=3)
+    job = _finished(job_id)
+    log = _log(job_id)
+    assert job.status == Job.Status.SUCCEEDED, log
+    received = json.loads(log.split("SESSION_CONFIG ", 1)[1].splitlines()[0])
+    assert received["fraction"] == pytest.approx(8192 / (24 * 1024), abs=1e-4)  # not the script's 0.9
+    assert received["allow_growth"] is False  # "limit to my booking"
+    assert received["intra"] == 3 and received["soft"] is True
+    assert "merged the booking into a tf.compat.v1.Session config" in log
