@@ -14,6 +14,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
+from gpus.models import GPU, GPUProcess
 from gpus.services import server_report_ingest
 from gpus.simulated import server_names
 from jobs.logs import log_stream
@@ -197,3 +198,24 @@ def test_it_merges_the_booking_into_a_legacy_tf1_session_config(api, alice, host
     assert received["allow_growth"] is False  # "limit to my booking"
     assert received["intra"] == 3 and received["soft"] is True
     assert "merged the booking into a tf.compat.v1.Session config" in log
+
+
+def test_it_records_the_jobs_memory_from_telemetry_and_shows_it_on_its_card(api, alice, start_worker):
+    """With the simulated inventory a job runs on the CPU; the simulated reporter shows it on its
+    booked card (resident memory as "GPU memory"), through the same path as NVML's processes."""
+    name = server_names()[0]
+    start_worker(None)  # the collector
+    start_worker(name)
+    wait_for(lambda: GPU.objects.filter(server__name=name).count() >= 4, timeout=60, what="the cards")
+    card = GPU.objects.filter(server__name=name).order_by("index").first()
+    booking = reservation_create(user=alice, gpus=[card.uuid])
+    source = b"import time\nheld = bytearray(300 * 1024 * 1024)\nprint('ready', flush=True)\ntime.sleep(6)\n"
+    job_id = _submit(api, booking, source)
+    _wait_running(job_id)
+    process = wait_for(
+        lambda: GPUProcess.objects.filter(gpu=card, job_id=job_id).first(), timeout=10, what="the job on its card"
+    )
+    assert process.job_label == f"job {job_id}"
+    job = _finished(job_id, timeout=30)
+    assert job.status == Job.Status.SUCCEEDED
+    assert job.peak_memory_mb >= 300 and job.mean_utilization_pct is not None
