@@ -48,7 +48,9 @@ def _submit(user, booking, **kwargs) -> Job:
     return job_submit(user=user, reservation=booking, **kwargs)
 
 
-def test_it_queues_a_job_and_dispatches_it_after_commit(alice, booking, sent, django_capture_on_commit_callbacks):
+def test_it_queues_a_job_and_dispatches_it_after_commit(
+    alice, booking, sent, django_capture_on_commit_callbacks
+):
     with django_capture_on_commit_callbacks(execute=True):
         job = _submit(alice, booking, args="--epochs 3 'a b'")
     assert job.status == Job.Status.QUEUED
@@ -139,7 +141,9 @@ def test_it_runs_jobs_only_on_the_users_own_open_bookings(alice, bob, charlie, b
         _submit(alice, booking)
 
 
-def test_it_cancels_a_queued_job_at_once_and_a_running_one_through_its_worker(alice, leader, bob, booking, sent):
+def test_it_cancels_a_queued_job_at_once_and_a_running_one_through_its_worker(
+    alice, leader, bob, booking, sent
+):
     job = _submit(alice, booking)
     with pytest.raises(Forbidden):
         job_cancel(user=bob, job=job)
@@ -149,7 +153,11 @@ def test_it_cancels_a_queued_job_at_once_and_a_running_one_through_its_worker(al
     running = _submit(alice, booking)
     Job.objects.filter(pk=running.pk).update(status=Job.Status.RUNNING)
     running = job_cancel(user=leader, job=running)
-    assert running.status == Job.Status.RUNNING and running.cancel_requested_at and running.cancelled_by == leader
+    assert (
+        running.status == Job.Status.RUNNING
+        and running.cancel_requested_at
+        and running.cancelled_by == leader
+    )
 
 
 def test_it_marks_jobs_without_heartbeat_lost_and_frees_the_booking(alice, booking, sent, settings):
@@ -240,7 +248,11 @@ def test_it_submits_an_upload_through_the_api(api, booking, sent):
     )
     assert response.status_code == 201, response.json()
     body = response.json()
-    assert body["status"] == "queued" and body["args"] == ["--lr", "0.1"] and body["env"] == {"WANDB_MODE": "offline"}
+    assert (
+        body["status"] == "queued"
+        and body["args"] == ["--lr", "0.1"]
+        and body["env"] == {"WANDB_MODE": "offline"}
+    )
     assert api.get(f"/api/v1/jobs/{body['id']}/").json()["name"] == "train.py"
     assert [j["id"] for j in api.get("/api/v1/jobs/?status=queued").json()["results"]] == [body["id"]]
 
@@ -270,7 +282,9 @@ def test_it_answers_a_huge_api_upload_with_a_400(api, booking, settings):
     assert not Job.objects.exists()
 
 
-def test_it_shows_jobs_to_the_owner_leaders_and_admins_only(alice, bob, charlie, leader, admin_user, booking, sent):
+def test_it_shows_jobs_to_the_owner_leaders_and_admins_only(
+    alice, bob, charlie, leader, admin_user, booking, sent
+):
     job = _submit(alice, booking)
     writer = LogWriter(job.pk)
     writer.write_line("hello")

@@ -51,7 +51,9 @@ def _book(alice, host: str, card: int = 0, **kwargs):
 
 def _submit(api: APIClient, booking, source: bytes, name: str = "job.py", **data) -> int:
     upload = SimpleUploadedFile(name, source)
-    response = api.post("/api/v1/jobs/", {"reservation": booking.pk, "script": upload, **data}, format="multipart")
+    response = api.post(
+        "/api/v1/jobs/", {"reservation": booking.pk, "script": upload, **data}, format="multipart"
+    )
     assert response.status_code == 201, response.json()
     return response.json()["id"]
 
@@ -213,7 +215,9 @@ def test_it_records_the_jobs_memory_from_telemetry_and_shows_it_on_its_card(api,
     job_id = _submit(api, booking, source)
     _wait_running(job_id)
     process = wait_for(
-        lambda: GPUProcess.objects.filter(gpu=card, job_id=job_id).first(), timeout=10, what="the job on its card"
+        lambda: GPUProcess.objects.filter(gpu=card, job_id=job_id).first(),
+        timeout=10,
+        what="the job on its card",
     )
     assert process.job_label == f"job {job_id}"
     job = _finished(job_id, timeout=30)
