@@ -135,7 +135,10 @@ class FakeNvml:
         # pid 101 was started by the portal as job 7 (the worker reads its environment).
         environ = {"PORTAL_JOB_ID": "7"} if pid == 101 else {"HOME": "/root"}
         return SimpleNamespace(
-            username=lambda: username, cmdline=lambda: cmdline, name=lambda: cmdline[0], environ=lambda: environ
+            username=lambda: username,
+            cmdline=lambda: cmdline,
+            name=lambda: cmdline[0],
+            environ=lambda: environ,
         )
 
 
