@@ -235,18 +235,19 @@ def local_job_processes(server: str) -> dict[str, list[ProcessInfo]]:
                 continue
             if os.getsid(proc.pid) != proc.pid:
                 continue  # the job's session leader stands for the job
+            cards = [u for u in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if u]
             info = ProcessInfo(
                 pid=proc.pid,
                 username=proc.info["username"] or "?",
                 command=" ".join(proc.info["cmdline"] or ())[:300],
-                used_memory_mb=proc.memory_info().rss // (1024 * 1024),
+                # Spread over its cards, so the job's sum over cards is its real footprint.
+                used_memory_mb=proc.memory_info().rss // (1024 * 1024) // max(1, len(cards)),
                 job_id=int(env["PORTAL_JOB_ID"]),
             )
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
-        for uuid_ in env.get("CUDA_VISIBLE_DEVICES", "").split(","):
-            if uuid_:
-                found.setdefault(uuid_, []).append(info)
+        for card in cards:
+            found.setdefault(card, []).append(info)
     return found
 
 

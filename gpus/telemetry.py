@@ -61,7 +61,7 @@ def collect_once(client: redis.Redis) -> int:
     return len(snapshots)
 
 
-class _Loop(threading.Thread):
+class PeriodicThread(threading.Thread):
     """Run `step` every `interval` seconds until stopped; a failed step is logged, not fatal."""
 
     def __init__(self, name: str, interval: float) -> None:
@@ -89,7 +89,7 @@ class _Loop(threading.Thread):
         self.stopped.set()
 
 
-class TelemetryReporter(_Loop):
+class TelemetryReporter(PeriodicThread):
     def __init__(self, backend: Backend, interval: float | None = None) -> None:
         super().__init__("gpu-telemetry-reporter", interval or settings.TELEMETRY_INTERVAL_SECONDS)
         self.backend = backend
@@ -102,7 +102,7 @@ class TelemetryReporter(_Loop):
         self.backend.close()
 
 
-class TelemetryCollector(_Loop):
+class TelemetryCollector(PeriodicThread):
     def __init__(self, interval: float = 1.0) -> None:
         super().__init__("gpu-telemetry-collector", interval)
         self.client = redis_client()
@@ -112,22 +112,22 @@ class TelemetryCollector(_Loop):
         collect_once(self.client)
 
 
-_threads: list[_Loop] = []
+_threads: list[PeriodicThread] = []
 
 
 def start_reporter() -> None:
     log.info(
         "Telemetry reporter for %s every %ss", settings.WORKER_SERVER, settings.TELEMETRY_INTERVAL_SECONDS
     )
-    _start(TelemetryReporter(get_backend()))
+    start_thread(TelemetryReporter(get_backend()))
 
 
 def start_collector() -> None:
     log.info("Telemetry collector started")
-    _start(TelemetryCollector())
+    start_thread(TelemetryCollector())
 
 
-def _start(thread: _Loop) -> None:
+def start_thread(thread: PeriodicThread) -> None:
     thread.start()
     _threads.append(thread)
 

@@ -1,4 +1,11 @@
-"""A GPU host's worker that is told to stop asks its running jobs to stop first.
+"""Worker signals for jobs: the reconciler thread, and stopping jobs when a worker stops.
+
+The portal's own worker (the one consuming the default queue, where the telemetry
+collector runs) also runs the job reconciler every JOB_RECONCILE_SECONDS: a thread like
+the collector rather than a beat task, so it costs no broker message and no log lines
+every few seconds, and it runs exactly while the portal's worker does.
+
+A GPU host's worker that is told to stop asks its running jobs to stop first.
 
 On SIGTERM (systemctl stop) Celery's warm shutdown waits for running tasks. Each job's
 supervisor sees this request within a second and stops its job the usual way (SIGTERM,
@@ -12,11 +19,34 @@ from __future__ import annotations
 import logging
 import socket
 
-from celery.signals import worker_shutting_down
+from celery.signals import worker_ready, worker_shutting_down
 from django.conf import settings
+from django.db import close_old_connections
 from django.utils import timezone
 
+from gpus.telemetry import PeriodicThread, start_thread
+
 log = logging.getLogger(__name__)
+
+
+class JobReconciler(PeriodicThread):
+    def __init__(self) -> None:
+        super().__init__("job-reconciler", settings.JOB_RECONCILE_SECONDS)
+
+    def step(self) -> None:
+        from jobs.services import jobs_reconcile
+
+        close_old_connections()  # a restarted database must not kill the loop
+        done = jobs_reconcile()
+        if any(done.values()):
+            log.info("Jobs reconciled: %s", done)
+
+
+@worker_ready.connect
+def _start_reconciler(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    if settings.CELERY_TASK_DEFAULT_QUEUE in {q.name for q in sender.task_consumer.queues}:
+        log.info("Job reconciler every %ss", settings.JOB_RECONCILE_SECONDS)
+        start_thread(JobReconciler())
 
 
 @worker_shutting_down.connect

@@ -7,7 +7,6 @@ import logging
 from celery import shared_task
 
 from jobs.runner import job_run
-from jobs.services import jobs_reconcile
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +19,3 @@ log = logging.getLogger(__name__)
 def run_job(job_id: int) -> str | None:
     """Run job `job_id` on this host to its end. Re-running it for the same id is a no-op."""
     return job_run(job_id)
-
-
-@shared_task(ignore_result=True, soft_time_limit=50, time_limit=60)
-def reconcile_jobs() -> dict[str, int]:
-    """Beat, every JOB_RECONCILE_SECONDS: start due jobs, mark dead ones LOST. Idempotent."""
-    done = jobs_reconcile()
-    if any(done.values()):
-        log.info("Jobs reconciled: %s", done)
-    return done

@@ -195,7 +195,8 @@ JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_
 JOB_LOG_MAX_MB = env_int("JOB_LOG_MAX_MB", 100, min_value=1)
 JOB_UPLOAD_MAX_KB = env_int("JOB_UPLOAD_MAX_KB", 1024, min_value=1, max_value=64 * 1024)
 # A running job's worker writes a heartbeat this often; past JOB_LOST_AFTER_SECONDS
-# without one the reconciler (beat, every JOB_RECONCILE_SECONDS) marks the job LOST.
+# without one the reconciler (a thread of the portal's worker, every JOB_RECONCILE_SECONDS)
+# marks the job LOST.
 JOB_HEARTBEAT_SECONDS = env_int("JOB_HEARTBEAT_SECONDS", 5, min_value=1, max_value=60)
 JOB_LOST_AFTER_SECONDS = env_int("JOB_LOST_AFTER_SECONDS", 30, min_value=10, max_value=600)
 JOB_RECONCILE_SECONDS = env_int("JOB_RECONCILE_SECONDS", 5, min_value=1, max_value=60)
@@ -207,7 +208,6 @@ if JOB_LOST_AFTER_SECONDS < 3 * JOB_HEARTBEAT_SECONDS:
 
 CELERY_BEAT_SCHEDULE = {
     "prune-telemetry": {"task": "gpus.tasks.prune_telemetry", "schedule": 600.0},
-    "reconcile-jobs": {"task": "jobs.tasks.reconcile_jobs", "schedule": float(JOB_RECONCILE_SECONDS)},
 }
 
 # --- Demo data and API ---------------------------------------------------------------

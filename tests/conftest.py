@@ -105,9 +105,7 @@ def start_worker(transactional_db) -> Iterator[Callable[..., subprocess.Popen]]:
     procs: list[subprocess.Popen] = []
     OUTPUT.mkdir(exist_ok=True)
 
-    def start(
-        server: str | None, *, extra_env: dict[str, str] | None = None, beat: bool = False
-    ) -> subprocess.Popen:
+    def start(server: str | None, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         queue, node = (f"host.{server}", server) if server else ("portal", "portal")
         env = {
             **os.environ,
@@ -136,7 +134,6 @@ def start_worker(transactional_db) -> Iterator[Callable[..., subprocess.Popen]]:
                 "--without-mingle",
                 "-l",
                 "INFO",
-                *(["-B", "-s", str(OUTPUT / f"beat-{node}-{os.getpid()}")] if beat else []),
             ],
             cwd=ROOT,
             env=env,

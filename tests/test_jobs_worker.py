@@ -165,7 +165,7 @@ def test_it_never_starts_a_second_run_for_a_redelivered_message(api, alice, host
 def test_it_marks_a_job_lost_when_its_worker_is_killed(api, alice, start_worker):
     name = server_names()[0]
     server_report_ingest(snapshot=make_snapshot(name, gpus=4, simulated=True))
-    start_worker(None, beat=True)  # the portal's worker runs the reconciler (beat)
+    start_worker(None)  # the portal's worker runs the reconciler
     worker = start_worker(name)
     booking = _book(alice, name)
     job_id = _submit(api, booking, SLEEPER)

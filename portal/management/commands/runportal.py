@@ -48,7 +48,7 @@ class Command(BaseCommand):
         servers, simulated = _worker_servers()
         python = sys.executable
         children: list[subprocess.Popen] = []
-        # The portal's own worker (collector, reconciler, the one beat) apart from the GPU
+        # The portal's own worker (collector, job reconciler, the one beat) apart from the GPU
         # hosts' workers, whose pool slots are held by jobs for as long as they run.
         children.append(subprocess.Popen(self._worker("portal", "portal", 1, beat=True)))
         for name in servers:
@@ -108,7 +108,7 @@ class Command(BaseCommand):
             "-l",
             "INFO",
         ]
-        if beat:  # exactly one beat for the whole portal (job reconciler, telemetry pruning)
+        if beat:  # exactly one beat for the whole portal (telemetry pruning)
             command += ["-B", "-s", str(settings.VAR_DIR / "celerybeat-schedule")]
         return command
 
