@@ -152,6 +152,8 @@ CELERY_RESULT_BACKEND = None
 # job can never be redelivered once running; a prefetched message restored while it
 # waits only finds its row already claimed (jobs.runner.job_claim).
 CELERY_TASK_ACKS_LATE = False
+# Redis' default, made explicit: what the paragraph above reasons about.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "portal"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
