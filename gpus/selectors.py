@@ -54,7 +54,7 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     booked = bookings_now(viewer, now)
     processes: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values(
-        "gpu_id", "pid", "username", "used_memory_mb"
+        "gpu_id", "pid", "username", "used_memory_mb", "job_id"
     ):
         processes[row["gpu_id"]].append(row)
     gpus: dict[int, list[dict[str, Any]]] = defaultdict(list)

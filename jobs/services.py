@@ -361,6 +361,7 @@ def _dispatch(job: Job, now: datetime) -> bool:
         dispatched_at=now
     ):
         return False
+    job.dispatched_at = now
     queue = job.server.queue
     transaction.on_commit(lambda: run_job.apply_async(args=[job.pk], queue=queue))
     return True

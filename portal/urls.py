@@ -6,6 +6,7 @@ from portal import views
 
 urlpatterns = [
     path("", include("gpus.urls")),
+    path("", include("jobs.urls")),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("profile/", views.profile, name="profile"),

@@ -1,0 +1,204 @@
+"""Job forms. They normalise types only; every rule lives in jobs/services.py (job_submit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.conf import settings
+from django.utils import timezone
+
+from gpus.models import Reservation, Server
+from jobs.models import Job
+from jobs.services import ScriptUpload
+from portal.errors import ServiceError
+from portal.models import Membership, Team
+
+
+def reservation_label(reservation: Reservation) -> str:
+    """'#12 box1 GPU 0, 1 · 8 GB · until Mon 18:00' (prefetch allocations__gpu__server)."""
+    end = timezone.localtime(reservation.end).strftime("%a %H:%M")
+    if reservation.start > timezone.now():
+        start = timezone.localtime(reservation.start).strftime("%a %H:%M")
+        return f"#{reservation.pk} {reservation.summary} · from {start} until {end}"
+    return f"#{reservation.pk} {reservation.summary} · until {end}"
+
+
+class ReservationChoiceField(forms.ModelChoiceField):
+    def label_from_instance(self, obj: Reservation) -> str:  # type: ignore[override]
+        return reservation_label(obj)
+
+
+class JobForm(forms.Form):
+    """One Python script on one of the user's own open bookings, with the TensorFlow settings."""
+
+    reservation = ReservationChoiceField(
+        queryset=Reservation.objects.none(),
+        label="Booking",
+        empty_label="— choose one of your bookings —",
+        error_messages={
+            "required": "Choose the booking the job runs on.",
+            "invalid_choice": "That is not one of your active or upcoming bookings; choose one from the list "
+            "(book cards under Reservations first).",
+        },
+        help_text="The job runs on this booking's server and cards only, and starts when the booking does. "
+        "One job at a time per booking.",
+    )
+    script = forms.FileField(
+        required=False,
+        label="Upload a script",
+        help_text="A .py file, kept by the portal so any host can run it. Or give a path below instead.",
+    )
+    script_path = forms.CharField(
+        required=False,
+        max_length=1000,
+        label="…or a script on the server",
+        help_text="A .py file under the job folders (JOB_ROOTS); a relative path starts at the first one. "
+        "'..' and symlinks leading out are refused.",
+    )
+    args = forms.CharField(
+        required=False,
+        max_length=20_000,
+        label="Arguments",
+        help_text="Split like a shell command line, e.g. --epochs 3 --name 'run a'. Jobs never run through "
+        "a shell: quote |, ;, > or $VAR to pass them literally.",
+    )
+    workdir = forms.CharField(
+        required=False,
+        max_length=1000,
+        label="Working directory",
+        help_text="A folder under the job folders. Empty: a fresh folder named after the job.",
+    )
+    interpreter = forms.ChoiceField(
+        label="Python environment",
+        help_text="The Python that runs the script (JOB_INTERPRETERS); it needs TensorFlow if the script "
+        "imports it.",
+    )
+    env = forms.CharField(
+        required=False,
+        label="Extra environment variables",
+        widget=forms.Textarea(attrs={"rows": 3, "placeholder": "WANDB_MODE=offline"}),
+        help_text="One NAME=value per line. CUDA_VISIBLE_DEVICES, TF_FORCE_GPU_ALLOW_GROWTH, thread counts "
+        "and PORTAL_* are set by the portal from your booking and cannot be overridden.",
+    )
+    time_limit_minutes = forms.IntegerField(
+        required=False,
+        label="Time limit (minutes)",
+        help_text="Stop the job (SIGTERM, then SIGKILL) after this long. Empty: it may run until the "
+        "booking ends, when it is stopped anyway.",
+    )
+    memory_mode = forms.ChoiceField(
+        required=False,
+        label="GPU memory",
+        help_text="Limit: TensorFlow may use the booked memory minus the CUDA context headroom "
+        "(a logical GPU with memory_limit); Grow: allocate as needed (TF_FORCE_GPU_ALLOW_GROWTH) instead "
+        "of all at once; Take all: TF's default, whole-card bookings only. Default: limit on shared cards, "
+        "take all on whole cards.",
+    )
+    intra_op_threads = forms.IntegerField(
+        required=False,
+        label="Intra-op threads",
+        help_text="Threads inside one op (a matmul). Empty: the booking's share of the host's CPUs, so "
+        "jobs on the same host do not oversubscribe it.",
+    )
+    inter_op_threads = forms.IntegerField(
+        required=False,
+        label="Inter-op threads",
+        help_text="Independent ops run in parallel. Empty: 1–2, which suits most models.",
+    )
+    soft_placement = forms.BooleanField(
+        required=False,
+        initial=True,
+        label="Soft device placement",
+        help_text="An op with no GPU kernel runs on the CPU instead of failing "
+        "(tf.config.set_soft_device_placement).",
+    )
+    log_placement = forms.BooleanField(
+        required=False,
+        label="Log device placement",
+        help_text="Log the device of every op (tf.debugging.set_log_device_placement): verbose, for "
+        "finding ops that fall back to the CPU.",
+    )
+    mirrored = forms.BooleanField(
+        required=False,
+        label="Use all my cards (MirroredStrategy)",
+        help_text="Keras models built by the script replicate over the booked cards; bookings of two or "
+        "more cards only. Without it TensorFlow uses the first card.",
+    )
+
+    def __init__(self, *args: Any, user: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        own = Reservation.objects.filter(owner=user).with_status("open", timezone.now())
+        self.fields["reservation"].queryset = own.prefetch_related("allocations__gpu__server").order_by(
+            "start", "id"
+        )
+        self.fields["interpreter"].choices = [(name, name) for name in settings.JOB_INTERPRETERS]
+        self.fields["memory_mode"].choices = [("", "Default for the booking"), *Job.MemoryMode.choices]
+        self.initial.setdefault("interpreter", "default")
+
+    def service_kwargs(self) -> dict[str, Any]:
+        data = self.cleaned_data
+        upload = data["script"]
+        script = None
+        if upload is not None:
+            # One byte past the limit is enough for the service to refuse a huge upload.
+            content = upload.read(settings.JOB_UPLOAD_MAX_KB * 1024 + 1)
+            script = ScriptUpload(name=upload.name, content=content)
+        return {
+            "reservation": data["reservation"],
+            "script": script,
+            "script_path": data["script_path"],
+            "args": data["args"],
+            "workdir": data["workdir"],
+            "interpreter": data["interpreter"],
+            "env": data["env"],
+            "time_limit_minutes": data["time_limit_minutes"],
+            "memory_mode": data["memory_mode"] or None,
+            "intra_op_threads": data["intra_op_threads"],
+            "inter_op_threads": data["inter_op_threads"],
+            "soft_placement": data["soft_placement"],
+            "log_placement": data["log_placement"],
+            "mirrored": data["mirrored"],
+        }
+
+    def add_service_error(self, error: ServiceError) -> None:
+        field = error.field if error.field in self.fields else None
+        self.add_error(field, error.message)
+
+
+class JobFilterForm(forms.Form):
+    """The list filters. Values go to jobs.selectors.jobs_filter as typed; it reports bad ones."""
+
+    user = forms.CharField(required=False, max_length=150, help_text="A username.")
+    team = forms.CharField(required=False, widget=forms.Select)
+    server = forms.CharField(required=False, widget=forms.Select)
+    status = forms.CharField(required=False, widget=forms.Select)
+    since = forms.CharField(
+        required=False, widget=forms.DateInput(attrs={"type": "date"}), help_text="YYYY-MM-DD, inclusive."
+    )
+    until = forms.CharField(
+        required=False, widget=forms.DateInput(attrs={"type": "date"}), help_text="YYYY-MM-DD, inclusive."
+    )
+
+    def __init__(self, *args: Any, user: Any, fields: tuple[str, ...], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name in [name for name in self.fields if name not in fields]:
+            del self.fields[name]
+        if "team" in self.fields:
+            teams = Team.objects.order_by("name")
+            if not user.is_staff:
+                led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
+                teams = teams.filter(pk__in=led)
+            self.fields["team"].widget.choices = [("", "any team")] + [(t.slug, t.name) for t in teams]
+        if "server" in self.fields:
+            names = Server.objects.order_by("name").values_list("name", flat=True)
+            self.fields["server"].widget.choices = [("", "any server")] + [(n, n) for n in names]
+        if "status" in self.fields:
+            self.fields["status"].widget.choices = [("", "any status"), *Job.Status.choices]
+
+    def params(self) -> dict[str, str]:
+        return {name: (self.data.get(name) or "").strip() for name in self.fields}
+
+    def add_service_error(self, error: ServiceError) -> None:
+        field = error.field if error.field in self.fields else None
+        self.add_error(field, error.message)

@@ -1,0 +1,14 @@
+from django.urls import path
+
+from jobs import views
+
+urlpatterns = [
+    path("jobs/", views.my_jobs, name="my_jobs"),
+    path("jobs/new/", views.job_new, name="job_new"),
+    path("jobs/example/", views.job_example, name="job_example"),
+    path("jobs/history/", views.job_history, name="job_history"),
+    path("jobs/<int:pk>/", views.job_detail, name="job_detail"),
+    path("jobs/<int:pk>/log/", views.job_log_tail, name="job_log_tail"),
+    path("jobs/<int:pk>/log.txt", views.job_log_download, name="job_log_download"),
+    path("jobs/<int:pk>/cancel/", views.job_cancel_view, name="job_cancel"),
+]

@@ -1,0 +1,211 @@
+"""Job pages: the form, "My jobs", history, one job with its live log, and cancel.
+
+Every rule is in jobs/services.py; these views only translate its errors into form errors
+or messages. POST → redirect → GET throughout. Who sees a job: jobs.selectors
+(owner, leaders of its team, admins; 404 for everyone else).
+"""
+
+from __future__ import annotations
+
+import shlex
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Page, Paginator
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_GET, require_POST
+
+from gpus.booking import format_time
+from gpus.models import GPU, format_mb
+from jobs.forms import JobFilterForm, JobForm
+from jobs.logs import log_response
+from jobs.models import Job
+from jobs.selectors import get_job_for_user, jobs_filter, jobs_visible_to
+from jobs.services import ScriptUpload, job_cancel, job_submit
+from portal.access import can_manage_team
+from portal.errors import Forbidden, Invalid, ServiceError
+
+EXAMPLE = Path(__file__).resolve().parent / "examples" / "keras_example.py"
+PAGE_SIZE = 25
+
+
+def format_duration(duration: timedelta | None) -> str:
+    """'1 h 02 min', '3 min 07 s', '12 s'; '' when the job has not started."""
+    if duration is None:
+        return ""
+    seconds = max(0, int(duration.total_seconds()))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
+def _describe(jobs: list[Job]) -> list[Job]:
+    """Add the display values lists and the job page need: card indices and the duration."""
+    uuids = {uuid for job in jobs for uuid in job.gpu_uuids}
+    index = dict(GPU.objects.filter(uuid__in=uuids).values_list("uuid", "index"))
+    for job in jobs:
+        job.cards_label = "GPU " + ", ".join(str(index.get(u, "?")) for u in job.gpu_uuids)
+        job.duration_label = format_duration(job.duration)
+    return jobs
+
+
+def _queued_message(job: Job) -> str:
+    if job.not_before <= timezone.now():
+        when = f"as soon as the worker on {job.server.name} takes it"
+    else:
+        when = f"when the booking starts ({format_time(job.not_before)})"
+    return f"Job {job.pk} ({job.name}) is queued on {job.server.name}; it starts {when}."
+
+
+def _back(request: HttpRequest, fallback: str) -> HttpResponse:
+    """To the page the button was on (its `next`), else `fallback`."""
+    next_url = request.POST.get("next", "")
+    if next_url and url_has_allowed_host_and_scheme(next_url, allowed_hosts={request.get_host()}):
+        return redirect(next_url)
+    return redirect(fallback)
+
+
+@login_required
+def job_new(request: HttpRequest) -> HttpResponse:
+    if request.method == "POST":
+        form = JobForm(request.POST, request.FILES, user=request.user)
+        if form.is_valid():
+            try:
+                job = job_submit(user=request.user, **form.service_kwargs())
+            except ServiceError as error:
+                form.add_service_error(error)
+            else:
+                messages.success(request, _queued_message(job))
+                return redirect("job_detail", pk=job.pk)
+    else:
+        form = JobForm(user=request.user, initial={"reservation": request.GET.get("reservation")})
+    return render(request, "jobs/job_form.html", {"form": form})
+
+
+@require_POST
+@login_required
+def job_example(request: HttpRequest) -> HttpResponse:
+    """Submit jobs/examples/keras_example.py on a booking with the default settings."""
+    raw = request.POST.get("reservation", "")
+    if not raw.isdigit():
+        messages.error(request, "Run the example: choose a booking (its number) to run it on.")
+        return _back(request, "my_reservations")
+    upload = ScriptUpload(name=EXAMPLE.name, content=EXAMPLE.read_bytes())
+    try:
+        job = job_submit(user=request.user, reservation=int(raw), script=upload)
+    except ServiceError as error:
+        messages.error(request, f"Run the example: {error.message}")
+        return _back(request, "my_reservations")
+    messages.success(request, _queued_message(job))
+    return redirect("job_detail", pk=job.pk)
+
+
+def _job_list(request: HttpRequest, jobs: QuerySet[Job], fields: tuple[str, ...]) -> dict[str, Any]:
+    """Filter (errors beside the filter form, and then an empty list) and paginate."""
+    form = JobFilterForm(request.GET, user=request.user, fields=fields)
+    form.is_valid()
+    try:
+        jobs = jobs_filter(jobs, form.params())
+    except Invalid as error:
+        form.add_service_error(error)
+        jobs = jobs.none()
+    page: Page = Paginator(jobs, PAGE_SIZE).get_page(request.GET.get("page"))
+    return {"filter_form": form, "page": page, "jobs": _describe(list(page.object_list))}
+
+
+@require_GET
+@login_required
+def my_jobs(request: HttpRequest) -> HttpResponse:
+    own = Job.objects.filter(owner=request.user).select_related("owner", "server")
+    context = _job_list(request, own, ("status", "server", "since", "until"))
+    return render(request, "jobs/my_jobs.html", context)
+
+
+@require_GET
+@login_required
+def job_history(request: HttpRequest) -> HttpResponse:
+    """Leaders see their teams' jobs, admins all; members only their own (jobs_visible_to)."""
+    fields = ("user", "team", "server", "status", "since", "until")
+    context = _job_list(request, jobs_visible_to(request.user), fields)
+    return render(request, "jobs/job_history.html", context)
+
+
+def _status_context(request: HttpRequest, job: Job) -> dict[str, Any]:
+    _describe([job])
+    may_cancel = job.is_active and (
+        job.owner_id == request.user.pk or can_manage_team(request.user, job.team_id)
+    )
+    peak = format_mb(job.peak_memory_mb) if job.peak_memory_mb is not None else ""
+    env_applied = sorted(job.env_applied.items())
+    return {"job": job, "may_cancel": may_cancel, "peak_memory": peak, "env_applied": env_applied}
+
+
+@require_GET
+@login_required
+def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    job = get_job_for_user(request.user, pk)
+    context = _status_context(request, job)
+    if request.GET.get("part") == "status":  # the htmx poll while the job is active
+        return render(request, "jobs/_job_status.html", context)
+    gpus = {g.uuid: g for g in GPU.objects.filter(uuid__in=job.gpu_uuids)}
+    context |= {
+        "cards": [(uuid, gpus.get(uuid)) for uuid in job.gpu_uuids],
+        "command_args": shlex.join(job.args),
+        "env_extra": sorted(job.env.items()),
+        "job_root": settings.JOB_ROOTS[0] if settings.JOB_ROOTS else "",
+    }
+    return render(request, "jobs/job_detail.html", context)
+
+
+@require_GET
+@login_required
+def job_log_tail(request: HttpRequest, pk: int) -> HttpResponse:
+    """The log from ?offset= on; X-Log-Next-Offset says where to go on, X-Job-Status whether to."""
+    job = get_job_for_user(request.user, pk)
+    raw = request.GET.get("offset", "0")
+    if not raw.isdigit():
+        return HttpResponseBadRequest(
+            "offset must be a whole number of bytes, e.g. ?offset=0 (start over) or the last "
+            "X-Log-Next-Offset header.",
+            content_type="text/plain; charset=utf-8",
+        )
+    return log_response(job, offset=int(raw))
+
+
+@require_GET
+@login_required
+def job_log_download(request: HttpRequest, pk: int) -> HttpResponse:
+    return log_response(get_job_for_user(request.user, pk), attachment=True)
+
+
+@require_POST
+@login_required
+def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
+    job = get_job_for_user(request.user, pk)
+    try:
+        job = job_cancel(user=request.user, job=job)
+    except Forbidden as error:
+        raise PermissionDenied(error.message) from error
+    except ServiceError as error:
+        messages.error(request, error.message)
+    else:
+        if job.status == Job.Status.CANCELLED:
+            messages.success(request, f"Cancel requested: job {job.pk} ({job.name}) is cancelled.")
+        else:
+            messages.success(
+                request,
+                f"Cancel requested: job {job.pk} ({job.name}) gets SIGTERM now and SIGKILL after "
+                f"{settings.JOB_KILL_GRACE_SECONDS} s if it is still running.",
+            )
+    return redirect("job_detail", pk=pk)
