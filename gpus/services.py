@@ -205,29 +205,28 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
 def _record_job_usage(cards: Sequence[GPUInfo]) -> None:
     """Peak GPU memory (summed over the job's cards) and mean utilization of running jobs.
 
-    Utilization is the card's: NVML reports it per card; on a whole-card booking that is
-    the job's own, on a shared card an upper bound."""
-    memory: dict[int, int] = {}
-    utilization: dict[int, list[int]] = {}
-    for card in cards:
-        for job_id in {p.job_id for p in card.processes if p.job_id}:
-            memory[job_id] = memory.get(job_id, 0) + sum(
-                p.used_memory_mb or 0 for p in card.processes if p.job_id == job_id
-            )
-            if card.utilization_pct is not None:
-                utilization.setdefault(job_id, []).append(card.utilization_pct)
-    if not memory:
+    A process counts for a job only on a card that job booked: PORTAL_JOB_ID is just an
+    environment variable, which any process could set. Utilization is the card's: NVML
+    reports it per card; on a whole-card booking that is the job's own, on a shared card
+    an upper bound."""
+    claimed = {p.job_id for card in cards for p in card.processes if p.job_id}
+    if not claimed:
         return
     from jobs.models import Job  # jobs builds on gpus; import at use
 
+    running = Job.objects.filter(pk__in=claimed, status=Job.Status.RUNNING)
     rows = []
-    for pk, peak, total, samples in Job.objects.filter(pk__in=memory, status=Job.Status.RUNNING).values_list(
-        "pk", "peak_memory_mb", "utilization_sum", "utilization_samples"
+    for pk, booked, peak, total, samples in running.values_list(
+        "pk", "gpu_uuids", "peak_memory_mb", "utilization_sum", "utilization_samples"
     ):
-        utils = utilization.get(pk)
+        own = [card for card in cards if card.uuid in booked and any(p.job_id == pk for p in card.processes)]
+        if not own:
+            continue
+        memory = sum(p.used_memory_mb or 0 for card in own for p in card.processes if p.job_id == pk)
+        utils = [card.utilization_pct for card in own if card.utilization_pct is not None]
         if utils:
             total, samples = total + sum(utils) / len(utils), samples + 1
-        rows.append((max(peak or 0, memory[pk]), total, samples, pk))
+        rows.append((max(peak or 0, memory), total, samples, pk))
     _bulk_update(Job, ["peak_memory_mb", "utilization_sum", "utilization_samples"], "id", rows)
 
 

@@ -18,7 +18,7 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from jobs.logs import log_response
+from jobs.logs import log_response, parse_offset
 from jobs.models import Job
 from jobs.selectors import get_job_for_user, jobs_filter, jobs_visible_to
 from jobs.services import ScriptUpload, job_cancel, job_submit
@@ -133,7 +133,7 @@ class JobCreateSerializer(serializers.Serializer):
         data = dict(self.validated_data)
         upload = data.pop("script", None)
         if upload is not None:
-            data["script"] = ScriptUpload(name=upload.name, content=_read_capped(upload))
+            data["script"] = ScriptUpload(name=upload.name, content=_read_capped(upload), size=upload.size)
         if not isinstance(data.get("args", []), str | list):
             raise Invalid("Arguments: give a list of strings or one command-line string.", field="args")
         env = data.get("env")
@@ -198,7 +198,5 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def log(self, request: Request, pk: str | None = None):  # type: ignore[no-untyped-def]
         """The log as text/plain, streamed. X-Log-Next-Offset says where to continue tailing."""
         job = self.get_object()
-        raw = request.query_params.get("offset", "0")
-        if not raw.isdigit():
-            raise Invalid("offset must be a whole number of bytes, e.g. ?offset=0.", field="offset")
-        return log_response(job, offset=int(raw), attachment=request.query_params.get("download") == "1")
+        offset = parse_offset(request.query_params.get("offset"))
+        return log_response(job, offset=offset, attachment=request.query_params.get("download") == "1")

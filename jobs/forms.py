@@ -143,7 +143,7 @@ class JobForm(forms.Form):
         if upload is not None:
             # One byte past the limit is enough for the service to refuse a huge upload.
             content = upload.read(settings.JOB_UPLOAD_MAX_KB * 1024 + 1)
-            script = ScriptUpload(name=upload.name, content=content)
+            script = ScriptUpload(name=upload.name, content=content, size=upload.size)
         return {
             "reservation": data["reservation"],
             "script": script,

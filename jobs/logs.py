@@ -12,22 +12,25 @@ where bytes were dropped, and offsets stay valid for tailing clients throughout.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Max
 from django.http import StreamingHttpResponse
 from django.utils import timezone
 
 from jobs.models import Job, LogChunk
+from portal.errors import Invalid
 
 CHUNK_BYTES = 1024 * 1024
 LOG_FLUSH_SECONDS = 0.5
 READ_BATCH = 8  # chunks per query while streaming: ≤ 8 MB in memory at a time
+MAX_PENDING_BYTES = 16 * CHUNK_BYTES  # held in the worker while the database cannot take it
 
 
 def timestamp(at: float | None = None) -> bytes:
@@ -80,8 +83,13 @@ class LogWriter:
             self.pending += stamp + line + b"\n"
         self.partial = bytearray(rest)
         self.partial_since = time.monotonic()
-        if len(self.pending) >= self.chunk_bytes:
-            self.flush()
+        if len(self.pending) > MAX_PENDING_BYTES:
+            # The database has been away for a while: keep the newest output, count the rest
+            # as dropped (the reader shows the gap), and never grow without bound.
+            excess = len(self.pending) - MAX_PENDING_BYTES
+            del self.pending[:excess]
+            self.total += excess
+            self.dropped += excess
 
     def _take_partial(self, at: float | None = None) -> None:
         self.pending += timestamp(at) + bytes(self.partial) + b"\n"
@@ -95,7 +103,9 @@ class LogWriter:
         now = time.monotonic()
         if self.partial and now - self.partial_since >= LOG_FLUSH_SECONDS:
             self._take_partial()  # e.g. a progress bar without newlines: show it anyway
-        if self.pending and now - self.last_flush >= LOG_FLUSH_SECONDS:
+        if len(self.pending) >= self.chunk_bytes or (
+            self.pending and now - self.last_flush >= LOG_FLUSH_SECONDS
+        ):
             self.flush()
 
     def close(self) -> None:
@@ -112,11 +122,23 @@ class LogWriter:
         data, self.pending = bytes(self.pending), bytearray()
         saved = (self.seq, self.total, self.dropped, self.tail_bytes, deque(self.tail))
         try:
-            self._store(data)
+            try:
+                self._store(data)
+            except IntegrityError:
+                # Someone else appended (the reconciler's "lost" line while this worker was
+                # out of touch): continue after what is stored.
+                self.seq, self.total, self.dropped, self.tail_bytes, self.tail = saved
+                self._resync()
+                self._store(data)
         except Exception:
             self.seq, self.total, self.dropped, self.tail_bytes, self.tail = saved
             self.pending[:0] = data
             raise
+
+    def _resync(self) -> None:
+        self.seq = LogChunk.objects.filter(job_id=self.job_id).aggregate(seq=Max("seq"))["seq"] or 0
+        stored = Job.objects.filter(pk=self.job_id).values_list("log_bytes", flat=True).get()
+        self.total = max(self.total, stored)
 
     def _store(self, data: bytes) -> None:
         rows: list[LogChunk] = []
@@ -166,6 +188,18 @@ def log_append(job_id: int, text: str, *, now: datetime | None = None) -> None:
             job_id=job_id, seq=seq, start=job["log_bytes"], size=len(data), head=False, data=data
         )
         Job.objects.filter(pk=job_id).update(log_bytes=F("log_bytes") + len(data))
+
+
+def parse_offset(raw: str | None) -> int:
+    """`?offset=` as a byte count, or Invalid naming the field (ASCII digits only)."""
+    raw = (raw or "0").strip()
+    if not re.fullmatch(r"[0-9]{1,18}", raw):
+        raise Invalid(
+            "offset must be a whole number of bytes, e.g. ?offset=0 (from the start) or the last "
+            "X-Log-Next-Offset header.",
+            field="offset",
+        )
+    return int(raw)
 
 
 def log_end(job_id: int) -> int:

@@ -13,6 +13,7 @@ import ctypes
 import json
 import logging
 import os
+import pwd
 import queue
 import signal
 import socket
@@ -66,6 +67,7 @@ INHERITED_ENV = (
 TICK_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1
+DRAIN_SECONDS = 2.0  # output still read after the job's main process exited
 FINISH_ATTEMPTS = 30  # × 2 s: ride out a database restart
 
 
@@ -82,17 +84,18 @@ class Launch:
 
 
 def _booked_memory(job: Job, allocations: list[Allocation]) -> tuple[int | None, float | None]:
-    """TF memory_limit per card and the TF1 session fraction for the job's memory mode."""
-    if job.memory_mode in (Job.MemoryMode.GROW, Job.MemoryMode.ALL):
+    """TF memory_limit per card (limit modes) and the TF1 session fraction (all but "take all"):
+    booked / card memory, so a legacy session never takes more than the booking, growing or not."""
+    if job.memory_mode == Job.MemoryMode.ALL:
         return None, None
     first = allocations[0]
     total = first.gpu.memory_total_mb or 1
-    if first.memory_mb is None:  # whole card: everything bookable
-        limit = first.gpu.memory_bookable_mb
-        return limit, round(limit / total, 4)
-    # The CUDA context and cuDNN sit outside TF's allocator: keep headroom for them.
-    limit = max(1, first.memory_mb - settings.GPU_CONTEXT_HEADROOM_MB)
-    return limit, round(first.memory_mb / total, 4)
+    booked = first.gpu.memory_bookable_mb if first.memory_mb is None else first.memory_mb
+    # The CUDA context and cuDNN sit outside TF's allocator: keep headroom for them on a
+    # shared card (a whole card's bookable memory already leaves it).
+    limit = booked if first.memory_mb is None else max(1, booked - settings.GPU_CONTEXT_HEADROOM_MB)
+    fraction = round(booked / total, 4)
+    return (None if job.memory_mode == Job.MemoryMode.GROW else limit), fraction
 
 
 def launch_for(job: Job) -> Launch:
@@ -111,6 +114,9 @@ def launch_for(job: Job) -> Launch:
         # (never into a chosen working directory, where it could overwrite the user's file).
         own = paths.roots()[0] / f"job-{job.pk}"
         own.mkdir(parents=True, exist_ok=True)
+        if settings.JOB_USER:  # the job's own folder is the job user's to write
+            account = pwd.getpwnam(settings.JOB_USER)
+            os.chown(own, account.pw_uid, account.pw_gid)
         cwd = (
             paths.checked_path(job.workdir, field="workdir", what="working directory") if job.workdir else own
         )
@@ -121,6 +127,10 @@ def launch_for(job: Job) -> Launch:
             script.write_text(job.script_source)
     except Invalid as exc:
         raise JobSetupError(exc.message) from None
+    except KeyError:
+        raise JobSetupError(
+            f"JOB_USER={settings.JOB_USER!r} is no account on {socket.gethostname()}."
+        ) from None
     except OSError as exc:
         raise JobSetupError(f"Cannot prepare the job's folder on {socket.gethostname()}: {exc}") from None
     if not script.is_file():
@@ -157,6 +167,9 @@ def launch_for(job: Job) -> Launch:
     portal_env = {k: v for k, v in portal_env.items() if v != ""}
     env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    if settings.JOB_USER:
+        account = pwd.getpwnam(settings.JOB_USER)
+        env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
     # The user's variables may set TF_CPP_MIN_LOG_LEVEL; never the portal's own (checked at submit).
     env.update({"TF_CPP_MIN_LOG_LEVEL": "1"})
     env.update(job.env)
@@ -165,6 +178,10 @@ def launch_for(job: Job) -> Launch:
     env["PORTAL_LAUNCH_CONFIG"] = json.dumps(config)
     argv = [interpreter, "-u", str(LAUNCHER), str(script), *job.args]
     return Launch(argv=argv, env=env, cwd=cwd, config={"tf": config, "env": env_applied})
+
+
+def _group_of(user: str) -> int:
+    return pwd.getpwnam(user).pw_gid
 
 
 def _die_with_parent() -> None:
@@ -225,6 +242,12 @@ class Supervisor:
                 start_new_session=True,
                 close_fds=True,
                 preexec_fn=_die_with_parent,
+                # JOB_USER: jobs run as an account that cannot read the worker's secrets.
+                **(
+                    {"user": settings.JOB_USER, "group": _group_of(settings.JOB_USER), "extra_groups": []}
+                    if settings.JOB_USER
+                    else {}
+                ),
             )
         except OSError as exc:
             self.writer.write_line(f"[portal] cannot start: {exc}")
@@ -254,14 +277,23 @@ class Supervisor:
             log.exception("Job %s: the supervisor failed", self.job.pk)
             code = self._kill_now()  # never leave a job running unwatched
         self._reap_group()
+        self._drain(chunks)
         self._guarded(self.writer.close)
         self._record(code)
 
     def _loop(self, chunks: queue.Queue[bytes | None]) -> None:
         """Until the job has exited and its output is drained: log, heartbeat, cancel, limits."""
+        assert self.proc is not None
         last_poll = last_beat = time.monotonic()
         eof = False
-        while not (eof and self.proc is not None and self.proc.poll() is not None):
+        exited_at: float | None = None
+        while True:
+            if exited_at is None and self.proc.poll() is not None:
+                exited_at = time.monotonic()
+            if exited_at is not None and (eof or time.monotonic() - exited_at > DRAIN_SECONDS):
+                # Done; a child that kept the output pipe open (a server started in the
+                # background) does not keep the job alive: _reap_group ends it.
+                return
             deadline = time.monotonic() + TICK_SECONDS
             while not eof:
                 try:
@@ -283,6 +315,12 @@ class Supervisor:
                 if self._guarded(lambda: self._check_row(beat)) and beat:  # noqa: B023 - called at once
                     last_beat = now
             self._escalate()
+
+    def _drain(self, chunks: queue.Queue[bytes | None]) -> None:
+        """Whatever the job wrote just before the end."""
+        with contextlib.suppress(queue.Empty):
+            while (data := chunks.get(timeout=0.2)) is not None:
+                self.writer.feed(data)
 
     def _guarded(self, step: Callable[[], object]) -> bool:
         """Run a database step; a failure (database restarting) is logged and tried again

@@ -60,6 +60,7 @@ _SHELL_OPERATORS = set("|&;<>()")
 class ScriptUpload:
     name: str
     content: bytes
+    size: int | None = None  # the uploaded size, when only the first bytes were kept
 
 
 # --- validation helpers ---------------------------------------------------------------
@@ -71,21 +72,17 @@ def parse_args(args: str | Sequence[str] | None) -> list[str]:
         return []
     if isinstance(args, str):
         try:
-            lexer = shlex.shlex(args, posix=False, punctuation_chars=True)
-            lexer.whitespace_split = True
-            raw = list(lexer)
             parsed = shlex.split(args)
         except ValueError as exc:
             raise Invalid(f"Arguments: {exc}; close every quote you open.", field="args") from None
-        for token in raw:
-            bare = token[:1] not in ("'", '"')
-            if (bare and set(token) <= _SHELL_OPERATORS) or (bare and ("$" in token or "`" in token)):
-                raise Invalid(
-                    f"Arguments: {token!r} is shell syntax, but jobs never run through a shell "
-                    "(no pipes, redirects, ';', '&&' or $VARIABLES). Quote it, e.g. '{token}', "
-                    "to pass it to your script literally.".replace("{token}", token),
-                    field="args",
-                )
+        syntax = _shell_syntax(args)
+        if syntax:
+            raise Invalid(
+                f"Arguments: {syntax!r} is shell syntax, but jobs never run through a shell "
+                "(no pipes, redirects, ';', '&&', $VARIABLES or `commands`). Put it in single quotes, "
+                f"e.g. '{syntax}', to pass it to your script literally.",
+                field="args",
+            )
     else:
         if not all(isinstance(a, str) for a in args):
             raise Invalid("Arguments must be a list of strings.", field="args")
@@ -95,6 +92,29 @@ def parse_args(args: str | Sequence[str] | None) -> list[str]:
     if any("\x00" in a or len(a) > 4096 for a in parsed):
         raise Invalid("An argument is longer than 4096 characters or holds a NUL byte.", field="args")
     return parsed
+
+
+def _shell_syntax(text: str) -> str:
+    """The first character a shell would treat as syntax: unquoted |&;<>() or a $ or `
+    outside single quotes (a shell expands those even in double quotes); '' if none."""
+    quote = ""
+    escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif quote == "'":
+            quote = "" if char == "'" else quote
+        elif char == "\\":
+            escaped = True
+        elif char in "$`":
+            return char
+        elif quote == '"':
+            quote = "" if char == '"' else quote
+        elif char in "'\"":
+            quote = char
+        elif char in _SHELL_OPERATORS:
+            return char
+    return ""
 
 
 def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
@@ -144,9 +164,10 @@ def _check_upload(upload: ScriptUpload) -> str:
     limit = settings.JOB_UPLOAD_MAX_KB * 1024
     if not upload.name.endswith(".py"):
         raise Invalid(f"{upload.name!r} is not a Python script; upload a .py file.", field="script")
-    if len(upload.content) > limit:
+    size = max(upload.size or 0, len(upload.content))
+    if size > limit:
         raise Invalid(
-            f"The script is {len(upload.content) // 1024} KB; the limit is {settings.JOB_UPLOAD_MAX_KB} KB. "
+            f"The script is {size / 1024:,.0f} KB; the limit is {settings.JOB_UPLOAD_MAX_KB} KB. "
             "Put large code under a job folder and give its path instead.",
             field="script",
         )
@@ -363,7 +384,16 @@ def _dispatch(job: Job, now: datetime) -> bool:
         return False
     job.dispatched_at = now
     queue = job.server.queue
-    transaction.on_commit(lambda: run_job.apply_async(args=[job.pk], queue=queue))
+
+    def send() -> None:
+        try:
+            run_job.apply_async(args=[job.pk], queue=queue)
+        except Exception:
+            # The broker is away: the job stays queued and the reconciler sends it again.
+            log.exception("Could not send job %s to %s; the reconciler will retry", job.pk, queue)
+            Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(dispatched_at=None)
+
+    transaction.on_commit(send)
     return True
 
 
@@ -378,17 +408,20 @@ def job_cancel(*, user: AbstractBaseUser, job: Job | int, now: datetime | None =
         raise Forbidden("Only the job's owner, leaders of its team and admins can cancel it.")
     if job.is_finished:
         raise Invalid(
-            f"Job {job.pk} has already {job.get_status_display().lower()}; there is nothing to cancel."
+            f"Job {job.pk} is already {job.get_status_display().lower()}; there is nothing to cancel."
         )
-    if job.status == Job.Status.QUEUED:
-        Job.objects.filter(pk=pk, status=Job.Status.QUEUED).update(
-            status=Job.Status.CANCELLED,
-            finished_at=now,
-            cancel_requested_at=now,
-            cancelled_by=user,
-            message=f"Cancelled by {user} before it started.",
-        )
-    else:
+    # A queued job is cancelled here; a running one (or one a worker claimed a moment ago:
+    # SQLite takes no row lock) is stopped by its worker, which watches for this request.
+    cancelled_here = job.status == Job.Status.QUEUED and Job.objects.filter(
+        pk=pk, status=Job.Status.QUEUED
+    ).update(
+        status=Job.Status.CANCELLED,
+        finished_at=now,
+        cancel_requested_at=now,
+        cancelled_by=user,
+        message=f"Cancelled by {user} before it started.",
+    )
+    if not cancelled_here:
         Job.objects.filter(pk=pk, cancel_requested_at=None).update(cancel_requested_at=now, cancelled_by=user)
     job.refresh_from_db()
     return job

@@ -42,17 +42,47 @@ class JobReconciler(PeriodicThread):
             log.info("Jobs reconciled: %s", done)
 
 
+_host_worker = False  # set when this worker consumes its GPU host's queue
+
+
 @worker_ready.connect
-def _start_reconciler(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    if settings.CELERY_TASK_DEFAULT_QUEUE in {q.name for q in sender.task_consumer.queues}:
+def _on_worker_ready(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    global _host_worker
+    queues = {q.name for q in sender.task_consumer.queues}
+    if settings.CELERY_TASK_DEFAULT_QUEUE in queues:
         log.info("Job reconciler every %ss", settings.JOB_RECONCILE_SECONDS)
         start_thread(JobReconciler())
+    if f"host.{settings.WORKER_SERVER}" in queues:
+        _host_worker = True
+        kill_orphans(settings.WORKER_SERVER)
+
+
+def kill_orphans(server: str) -> int:
+    """Job processes of this server left from a previous worker (its pool process was killed
+    and only the launcher died with it): no supervisor watches them now, so they go."""
+    import psutil
+
+    killed = 0
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+            if env.get("PORTAL_SERVER") != server or "PORTAL_JOB_ID" not in env:
+                continue
+            log.warning("Killing orphaned job %s process %s", env["PORTAL_JOB_ID"], proc.pid)
+            proc.kill()
+            killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return killed
 
 
 @worker_shutting_down.connect
 def _stop_running_jobs(**kwargs) -> None:  # type: ignore[no-untyped-def]
+    """Only in a GPU host's worker: the portal's own worker runs no jobs."""
     from jobs.models import Job
 
+    if not _host_worker:
+        return
     stopping = Job.objects.filter(
         status__in=(Job.Status.STARTING, Job.Status.RUNNING),
         server__name=settings.WORKER_SERVER,

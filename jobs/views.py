@@ -7,6 +7,7 @@ or messages. POST → redirect → GET throughout. Who sees a job: jobs.selector
 
 from __future__ import annotations
 
+import re
 import shlex
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 from gpus.booking import format_time
 from gpus.models import GPU, format_mb
 from jobs.forms import JobFilterForm, JobForm
-from jobs.logs import log_response
+from jobs.logs import log_response, parse_offset
 from jobs.models import Job
 from jobs.selectors import get_job_for_user, jobs_filter, jobs_visible_to
 from jobs.services import ScriptUpload, job_cancel, job_submit
@@ -98,7 +99,7 @@ def job_new(request: HttpRequest) -> HttpResponse:
 def job_example(request: HttpRequest) -> HttpResponse:
     """Submit jobs/examples/keras_example.py on a booking with the default settings."""
     raw = request.POST.get("reservation", "")
-    if not raw.isdigit():
+    if not re.fullmatch(r"[0-9]{1,18}", raw):
         messages.error(request, "Run the example: choose a booking (its number) to run it on.")
         return _back(request, "my_reservations")
     upload = ScriptUpload(name=EXAMPLE.name, content=EXAMPLE.read_bytes())
@@ -173,14 +174,11 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
 def job_log_tail(request: HttpRequest, pk: int) -> HttpResponse:
     """The log from ?offset= on; X-Log-Next-Offset says where to go on, X-Job-Status whether to."""
     job = get_job_for_user(request.user, pk)
-    raw = request.GET.get("offset", "0")
-    if not raw.isdigit():
-        return HttpResponseBadRequest(
-            "offset must be a whole number of bytes, e.g. ?offset=0 (start over) or the last "
-            "X-Log-Next-Offset header.",
-            content_type="text/plain; charset=utf-8",
-        )
-    return log_response(job, offset=int(raw))
+    try:
+        offset = parse_offset(request.GET.get("offset"))
+    except Invalid as error:
+        return HttpResponseBadRequest(error.message, content_type="text/plain; charset=utf-8")
+    return log_response(job, offset=offset)
 
 
 @require_GET

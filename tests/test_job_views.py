@@ -244,7 +244,7 @@ def test_it_cancels_a_queued_job_and_says_so(client, alice, job):
     assert f"Cancel requested: job {job.pk} (train.py) is cancelled." in html
     assert "Cancel job" not in html  # nothing left to cancel
     again = client.post(reverse("job_cancel", args=[job.pk]), follow=True).content.decode()
-    assert "has already cancelled; there is nothing to cancel" in again
+    assert "is already cancelled; there is nothing to cancel" in again
 
 
 def test_it_requests_a_cancel_of_a_running_job(client, alice, job):

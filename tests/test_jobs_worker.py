@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -223,3 +224,56 @@ def test_it_records_the_jobs_memory_from_telemetry_and_shows_it_on_its_card(api,
     job = _finished(job_id, timeout=30)
     assert job.status == Job.Status.SUCCEEDED
     assert job.peak_memory_mb >= 300 and job.mean_utilization_pct is not None
+
+
+def test_it_ends_a_job_whose_background_child_keeps_its_output_open(api, alice, host):
+    """The script returns but leaves a child holding stdout (a server started in the background):
+    the job is over when its main process is, and the child goes with it."""
+    source = (
+        b"import subprocess\n"
+        b"child = subprocess.Popen(['sleep', '300'])\n"
+        b"print('child', child.pid, flush=True)\n"
+    )
+    job_id = _submit(api, _book(alice, host), source)
+    job = _finished(job_id, timeout=30)
+    assert job.status == Job.Status.SUCCEEDED and job.duration.total_seconds() < 10
+    child = int(_log(job_id).split("child ", 1)[1].split()[0])
+    wait_for(lambda: _gone(child), timeout=5, what="the background child to be killed")
+
+
+def _readable_by_others(path: Path) -> bool:
+    """Every folder on the way is searchable and the file readable by any user."""
+    return all(p.stat().st_mode & 0o001 for p in path.parents) and bool(path.stat().st_mode & 0o004)
+
+
+def test_it_runs_jobs_as_job_user_who_cannot_read_the_workers_secrets(api, alice, start_worker, tmp_path):
+    import pwd
+
+    from django.conf import settings
+
+    launcher = Path(__file__).resolve().parent.parent / "jobs" / "launcher.py"
+    python = Path("/usr/bin/python3")  # the launcher needs no more than the standard library
+    if os.geteuid() != 0 or not python.exists() or not _readable_by_others(launcher):
+        pytest.skip("needs root, /usr/bin/python3 and a checkout other users can read")
+    if not all(p.stat().st_mode & 0o001 for p in [settings.JOB_ROOTS[0], *settings.JOB_ROOTS[0].parents]):
+        pytest.skip("the job root is not searchable by other users")
+    secret = tmp_path / "env"
+    secret.write_text("SECRET_KEY=do-not-leak")
+    secret.chmod(0o600)
+    name = server_names()[0]
+    server_report_ingest(snapshot=make_snapshot(name, gpus=4, simulated=True))
+    start_worker(name, extra_env={"JOB_USER": "nobody", "JOB_INTERPRETERS": f"default={python}"})
+    source = (
+        b"import os\n"
+        b"print('uid', os.getuid(), 'home', os.environ['HOME'], flush=True)\n"
+        b"try:\n"
+        b"    open(" + repr(str(secret)).encode() + b").read()\n"
+        b"except PermissionError:\n"
+        b"    print('secret: permission denied', flush=True)\n"
+        b"open('output.txt', 'w').write('the job folder is mine')\n"
+    )
+    job = _finished(_submit(api, _book(alice, name), source))
+    log = _log(job.pk)
+    assert job.status == Job.Status.SUCCEEDED, log
+    assert f"uid {pwd.getpwnam('nobody').pw_uid} " in log
+    assert "secret: permission denied" in log and "do-not-leak" not in log
