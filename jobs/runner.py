@@ -114,9 +114,6 @@ def launch_for(job: Job) -> Launch:
         # (never into a chosen working directory, where it could overwrite the user's file).
         own = paths.roots()[0] / f"job-{job.pk}"
         own.mkdir(parents=True, exist_ok=True)
-        if settings.JOB_USER:  # the job's own folder is the job user's to write
-            account = pwd.getpwnam(settings.JOB_USER)
-            os.chown(own, account.pw_uid, account.pw_gid)
         cwd = (
             paths.checked_path(job.workdir, field="workdir", what="working directory") if job.workdir else own
         )
@@ -125,6 +122,9 @@ def launch_for(job: Job) -> Launch:
         else:
             script = own / job.name
             script.write_text(job.script_source)
+        if settings.JOB_USER:  # then the job's own folder is the job user's to write (last:
+            account = pwd.getpwnam(settings.JOB_USER)  # a non-root worker could not write after)
+            os.chown(own, account.pw_uid, account.pw_gid)
     except Invalid as exc:
         raise JobSetupError(exc.message) from None
     except KeyError:
