@@ -122,8 +122,10 @@ def launch_for(job: Job) -> Launch:
         else:
             script = own / job.name
             script.write_text(job.script_source)
-        if settings.JOB_USER:  # then the job's own folder is the job user's to write (last:
-            account = pwd.getpwnam(settings.JOB_USER)  # a non-root worker could not write after)
+        if settings.JOB_USER:
+            # The job's own folder becomes the job user's once the upload is in it: a worker
+            # that is not root could not write there afterwards.
+            account = pwd.getpwnam(settings.JOB_USER)
             os.chown(own, account.pw_uid, account.pw_gid)
     except Invalid as exc:
         raise JobSetupError(exc.message) from None
