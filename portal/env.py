@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 
 class ImproperlyConfiguredEnv(ValueError):
@@ -92,6 +92,18 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ImproperlyConfiguredEnv(f"{name}={value!r} must be one of: {', '.join(choices)}")
     return value
+
+
+def database_url(settings_dict: dict) -> str:
+    """A DATABASES entry back as a URL: how tests and benchmarks hand their throw-away test
+    database to the worker and web server processes they start."""
+    if settings_dict["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{settings_dict['NAME']}"
+    auth = quote(settings_dict["USER"], safe="")
+    if settings_dict["PASSWORD"]:
+        auth += ":" + quote(settings_dict["PASSWORD"], safe="")
+    host = settings_dict["HOST"] or "127.0.0.1"
+    return f"postgres://{auth}@{host}:{settings_dict['PORT'] or 5432}/{settings_dict['NAME']}"
 
 
 def parse_database_url(url: str, *, var: str = "DATABASE_URL") -> dict:

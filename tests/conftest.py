@@ -12,6 +12,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from portal.env import database_url
 from portal.models import Membership
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
 
@@ -75,11 +76,7 @@ def admin_user(db):
 
 def database_url_for_subprocess() -> str:
     """The URL of the database this test runs on (the test database, not the configured one)."""
-    s = connection.settings_dict
-    if s["ENGINE"].endswith("sqlite3"):
-        return f"sqlite:///{s['NAME']}"
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+    return database_url(connection.settings_dict)
 
 
 def wait_for(
