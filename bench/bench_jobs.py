@@ -17,8 +17,8 @@ What is measured (MB = 2**20 bytes)
        time of `python keras_example.py` against `python -u jobs/launcher.py keras_example.py` with a
        realistic PORTAL_LAUNCH_CONFIG, both in the same environment otherwise (a fake
        CUDA_VISIBLE_DEVICES UUID, 2 intra-op / 1 inter-op threads through TF_NUM_*_THREADS and
-       OMP_NUM_THREADS, TF_CPP_MIN_LOG_LEVEL=1, PYTHONUNBUFFERED=1). One warm-up each, then 4 runs
-       each, alternating. Goal: median launcher / median direct ≤ 1.05.
+       OMP_NUM_THREADS, TF_CPP_MIN_LOG_LEVEL=1, PYTHONUNBUFFERED=1). One warm-up each, then 6 runs
+       each in ABBA order. Goal: median launcher / median direct ≤ 1.05.
     3. Log download. A finished job row holds 1 GiB of realistic log text (timestamped ~100-character
        lines) as 1024 LogChunk rows of 1 MiB, bulk-created the way LogWriter stores them with
        JOB_LOG_MAX_MB=1024 (the first 512 MiB head chunks, the rest tail chunks, none dropped).
@@ -64,7 +64,7 @@ POLL_S = 0.02
 
 EXAMPLE = ROOT / "jobs" / "examples" / "keras_example.py"
 LAUNCHER = ROOT / "jobs" / "launcher.py"
-KERAS_RUNS, KERAS_EPOCHS = 4, 3
+KERAS_RUNS, KERAS_EPOCHS = 6, 3
 LAUNCH_CONFIG = {
     "job_id": 1,
     "memory_limit_mb": 7680,
@@ -282,9 +282,11 @@ def bench_launcher() -> None:
     timed_run(direct_argv, env)  # warm-ups: page cache, .pyc files
     timed_run(launcher_argv, launcher_env)
     direct, launched = [], []
-    for _ in range(KERAS_RUNS):
-        direct.append(timed_run(direct_argv, env))
-        launched.append(timed_run(launcher_argv, launcher_env))
+    for n in range(KERAS_RUNS):
+        # ABBA order, so drift in the machine's speed during the runs falls on both sides.
+        pair = [(direct, direct_argv, env), (launched, launcher_argv, launcher_env)]
+        for runs, argv, run_env in pair if n % 2 == 0 else pair[::-1]:
+            runs.append(timed_run(argv, run_env))
     direct_s, launched_s = (statistics.median(r[0] for r in runs) for runs in (direct, launched))
     direct_cpu, launched_cpu = (statistics.median(r[1] for r in runs) for runs in (direct, launched))
     ratio = launched_s / direct_s
