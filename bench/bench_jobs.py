@@ -55,6 +55,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from bench.common import ROOT, report, setup_django_test_db
+from portal.workers import worker_argv
 
 MB = 1024 * 1024
 JOBS, BARE_RUNS, WARMUP = 20, 20, 2
@@ -136,26 +137,7 @@ def start_worker(server: str, db_url: str, scratch: Path) -> tuple[subprocess.Po
     }
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "portal",
-                "worker",
-                "-Q",
-                f"host.{server}",
-                "-n",
-                f"{server}@bench",
-                "--pool",
-                "prefork",
-                "--concurrency",
-                "1",
-                "--without-gossip",
-                "--without-mingle",
-                "-l",
-                "INFO",
-            ],
+            worker_argv(f"host.{server}", f"{server}@bench"),  # prefork, as in production
             cwd=ROOT,
             env=env,
             stdout=log,

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -14,6 +13,7 @@ from django.utils import timezone
 
 from portal.env import database_url
 from portal.models import Membership
+from portal.workers import worker_argv
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,24 +114,7 @@ def start_worker(transactional_db) -> Iterator[Callable[..., subprocess.Popen]]:
         }
         log = open(OUTPUT / f"worker-{node}.log", "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "portal",
-                "worker",
-                "-Q",
-                queue,
-                "-n",
-                f"{node}@test",
-                "--pool",
-                "solo",
-                "--without-gossip",
-                "--without-mingle",
-                "-l",
-                "INFO",
-            ],
+            worker_argv(queue, f"{node}@test", pool="solo"),
             cwd=ROOT,
             env=env,
             stdout=log,

@@ -20,6 +20,7 @@ from django.core.management.base import BaseCommand, CommandError
 from gpus.inventory import BackendUnavailable
 from portal.env import env_int, env_str
 from portal.services import demo_data_seed
+from portal.workers import worker_argv
 
 
 def _worker_servers() -> tuple[list[str], bool]:
@@ -48,13 +49,15 @@ class Command(BaseCommand):
         servers, simulated = _worker_servers()
         python = sys.executable
         children: list[subprocess.Popen] = []
-        # The portal's own worker (collector, job reconciler, the one beat) apart from the GPU
-        # hosts' workers, whose pool slots are held by jobs for as long as they run.
-        children.append(subprocess.Popen(self._worker("portal", "portal", 1, beat=True)))
+        # The portal's own worker (collector, job reconciler, the portal's one beat) apart from
+        # the GPU hosts' workers, whose pool slots are held by jobs for as long as they run.
+        beat = str(settings.VAR_DIR / "celerybeat-schedule")
+        children.append(subprocess.Popen(worker_argv("portal", "portal@%h", beat_schedule=beat)))
         for name in servers:
             env = {**os.environ, "WORKER_SERVER": name, "GPU_BACKEND": "simulated" if simulated else "nvml"}
             concurrency = env_int("WORKER_CONCURRENCY", 4, min_value=1)
-            children.append(subprocess.Popen(self._worker(name, f"host.{name}", concurrency), env=env))
+            argv = worker_argv(f"host.{name}", f"{name}@%h", concurrency=concurrency)
+            children.append(subprocess.Popen(argv, env=env))
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
         children.append(
             subprocess.Popen(
@@ -87,30 +90,6 @@ class Command(BaseCommand):
             )
         self.stdout.write("Ctrl-C stops the portal and its workers.\n")
         self._supervise(children)
-
-    @staticmethod
-    def _worker(name: str, queues: str, concurrency: int, *, beat: bool = False) -> list[str]:
-        command = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "portal",
-            "worker",
-            "-Q",
-            queues,
-            "-n",
-            f"{name}@%h",
-            "--concurrency",
-            str(concurrency),
-            "--without-gossip",
-            "--without-mingle",
-            "-l",
-            "INFO",
-        ]
-        if beat:  # exactly one beat for the whole portal (telemetry pruning)
-            command += ["-B", "-s", str(settings.VAR_DIR / "celerybeat-schedule")]
-        return command
 
     def _supervise(self, children: list[subprocess.Popen]) -> None:
         stopping = False
