@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import replace
 from datetime import timedelta
+from itertools import pairwise
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -19,7 +20,7 @@ from gpus.booking import reservation_cancel, reservation_create
 from gpus.inventory import ProcessInfo
 from gpus.models import GPUProcess
 from gpus.services import server_report_ingest
-from jobs.logs import LogWriter, log_end, log_stream
+from jobs.logs import LogWriter, log_append, log_end, log_stream
 from jobs.models import Job, LogChunk
 from jobs.services import ScriptUpload, job_cancel, job_submit, jobs_reconcile, parse_args
 from jobs.signals import kill_orphans
@@ -354,3 +355,20 @@ def test_it_kills_job_processes_a_previous_worker_left_behind():
         for proc in (orphan, other):
             proc.kill()
             proc.wait()
+
+
+def test_it_continues_the_log_after_a_line_the_reconciler_appended(alice, booking, sent):
+    """A worker out of touch for a while: the reconciler wrote "lost" into the log meanwhile."""
+    job = _submit(alice, booking)
+    writer = LogWriter(job.pk)
+    writer.feed(b"epoch 1\n")
+    writer.flush()
+    log_append(job.pk, "[portal] Lost: no heartbeat")
+    writer.feed(b"epoch 2\n")
+    writer.close()  # would collide on the chunk number without a resync
+    lines = [line.split(" ", 1)[1] for line in b"".join(log_stream(job.pk)).decode().splitlines()]
+    assert lines == ["epoch 1", "[portal] Lost: no heartbeat", "epoch 2"]
+    starts = list(LogChunk.objects.filter(job=job).order_by("seq").values_list("start", "size"))
+    assert all(a + size == b for (a, size), (b, _) in pairwise(starts))
+    job.refresh_from_db()
+    assert job.log_bytes == sum(size for _, size in starts)
