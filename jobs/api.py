@@ -133,7 +133,7 @@ class JobCreateSerializer(serializers.Serializer):
         data = dict(self.validated_data)
         upload = data.pop("script", None)
         if upload is not None:
-            data["script"] = ScriptUpload(name=upload.name, content=_read_capped(upload), size=upload.size)
+            data["script"] = ScriptUpload.from_file(upload)
         if not isinstance(data.get("args", []), str | list):
             raise Invalid("Arguments: give a list of strings or one command-line string.", field="args")
         env = data.get("env")
@@ -143,13 +143,6 @@ class JobCreateSerializer(serializers.Serializer):
             except ValueError:
                 raise Invalid('Environment: not valid JSON; send {"NAME": "value"}.', field="env") from None
         return data
-
-
-def _read_capped(upload) -> bytes:  # type: ignore[no-untyped-def]
-    """At most one byte past the limit: enough for the service to refuse a huge upload."""
-    from django.conf import settings
-
-    return upload.read(settings.JOB_UPLOAD_MAX_KB * 1024 + 1)
 
 
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

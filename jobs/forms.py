@@ -138,15 +138,9 @@ class JobForm(forms.Form):
 
     def service_kwargs(self) -> dict[str, Any]:
         data = self.cleaned_data
-        upload = data["script"]
-        script = None
-        if upload is not None:
-            # One byte past the limit is enough for the service to refuse a huge upload.
-            content = upload.read(settings.JOB_UPLOAD_MAX_KB * 1024 + 1)
-            script = ScriptUpload(name=upload.name, content=content, size=upload.size)
         return {
             "reservation": data["reservation"],
-            "script": script,
+            "script": ScriptUpload.from_file(data["script"]) if data["script"] is not None else None,
             "script_path": data["script_path"],
             "args": data["args"],
             "workdir": data["workdir"],

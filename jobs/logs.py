@@ -68,16 +68,16 @@ class LogWriter:
         self.partial_since = 0.0
         self.last_flush = time.monotonic()
 
-    def feed(self, data: bytes, at: float | None = None) -> None:
+    def feed(self, data: bytes) -> None:
         """Add raw output; complete lines get their timestamp now (the time they arrived)."""
         self.partial += data
         if b"\n" not in data:
             if len(self.partial) == len(data):
                 self.partial_since = time.monotonic()
             if len(self.partial) >= self.chunk_bytes:
-                self._take_partial(at)
+                self._take_partial()
             return
-        stamp = timestamp(at)
+        stamp = timestamp()
         *lines, rest = bytes(self.partial).split(b"\n")
         for line in lines:
             self.pending += stamp + line + b"\n"
@@ -91,8 +91,8 @@ class LogWriter:
             self.total += excess
             self.dropped += excess
 
-    def _take_partial(self, at: float | None = None) -> None:
-        self.pending += timestamp(at) + bytes(self.partial) + b"\n"
+    def _take_partial(self) -> None:
+        self.pending += timestamp() + bytes(self.partial) + b"\n"
         self.partial.clear()
 
     def write_line(self, text: str) -> None:

@@ -21,7 +21,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -80,15 +80,14 @@ class Launch:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
-    config: dict[str, object] = field(default_factory=dict)
+    env_applied: dict[str, str]  # the portal's own variables, shown on the job's page
 
 
-def _booked_memory(job: Job, allocations: list[Allocation]) -> tuple[int | None, float | None]:
+def _booked_memory(job: Job, first: Allocation) -> tuple[int | None, float | None]:
     """TF memory_limit per card (limit modes) and the TF1 session fraction (all but "take all"):
     booked / card memory, so a legacy session never takes more than the booking, growing or not."""
     if job.memory_mode == Job.MemoryMode.ALL:
         return None, None
-    first = allocations[0]
     total = first.gpu.memory_total_mb or 1
     booked = first.gpu.memory_bookable_mb if first.memory_mb is None else first.memory_mb
     # The CUDA context and cuDNN sit outside TF's allocator: keep headroom for them on a
@@ -100,9 +99,10 @@ def _booked_memory(job: Job, allocations: list[Allocation]) -> tuple[int | None,
 
 def launch_for(job: Job) -> Launch:
     """Everything the subprocess gets: argv, cwd and an environment built from the booking."""
-    allocations = list(Allocation.objects.filter(reservation_id=job.reservation_id).select_related("gpu"))
-    by_uuid = {a.gpu_id: a for a in allocations}
-    allocations = [by_uuid[u] for u in job.gpu_uuids if u in by_uuid] or allocations
+    # Every card of a booking holds the same memory_mb; the first card's size stands for all.
+    first = Allocation.objects.select_related("gpu").get(
+        reservation_id=job.reservation_id, gpu_id=job.gpu_uuids[0]
+    )
     interpreter = settings.JOB_INTERPRETERS.get(job.interpreter)
     if not interpreter or not os.access(interpreter, os.X_OK):
         raise JobSetupError(
@@ -140,7 +140,7 @@ def launch_for(job: Job) -> Launch:
     if not cwd.is_dir():
         raise JobSetupError(f"The working directory {cwd} does not exist on {socket.gethostname()}.")
 
-    memory_limit, fraction = _booked_memory(job, allocations)
+    memory_limit, fraction = _booked_memory(job, first)
     grow = job.memory_mode in (Job.MemoryMode.GROW, Job.MemoryMode.LIMIT_GROW)
     config = {
         "job_id": job.pk,
@@ -179,7 +179,7 @@ def launch_for(job: Job) -> Launch:
     env_applied = {k: env[k] for k in sorted(portal_env)}
     env["PORTAL_LAUNCH_CONFIG"] = json.dumps(config)
     argv = [interpreter, "-u", str(LAUNCHER), str(script), *job.args]
-    return Launch(argv=argv, env=env, cwd=cwd, config={"tf": config, "env": env_applied})
+    return Launch(argv=argv, env=env, cwd=cwd, env_applied=env_applied)
 
 
 def _group_of(user: str) -> int:
@@ -262,7 +262,7 @@ class Supervisor:
             pid=self.proc.pid,
             started_at=now,
             heartbeat_at=now,
-            env_applied=launch.config["env"],
+            env_applied=launch.env_applied,
         )
         job.started_at = now
         self._supervise()

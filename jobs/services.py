@@ -62,6 +62,12 @@ class ScriptUpload:
     content: bytes
     size: int | None = None  # the uploaded size, when only the first bytes were kept
 
+    @classmethod
+    def from_file(cls, upload: Any) -> ScriptUpload:
+        """A form's or the API's uploaded file. jobs.uploads.CappedUploadHandler already kept
+        at most one byte past the limit, and its size says how large the upload really was."""
+        return cls(name=upload.name, content=upload.read(), size=upload.size)
+
 
 # --- validation helpers ---------------------------------------------------------------
 
@@ -220,10 +226,8 @@ def _reservation_for_job(
     if reservation is None:
         raise Invalid("Choose the booking the job runs on.", field="reservation")
     pk = reservation if isinstance(reservation, int) else reservation.pk
-    found = Reservation.objects.select_related("team").filter(pk=pk).first()
-    if found is None or (
-        found.owner_id != user.pk and not Reservation.objects.visible_to(user).filter(pk=pk).exists()
-    ):
+    found = Reservation.objects.visible_to(user).select_related("team").filter(pk=pk).first()
+    if found is None:
         raise Invalid(
             f"There is no booking {pk} of yours; choose one from your reservations.", field="reservation"
         )
