@@ -1,7 +1,7 @@
 from django.urls import path
 
 from gpus import reservation_views as rv
-from gpus import timeline, views
+from gpus import team_views, timeline, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -15,4 +15,7 @@ urlpatterns = [
     path("reservations/<int:pk>/cancel/", rv.reservation_cancel, name="reservation_cancel"),
     path("reservations/<int:pk>/release/", rv.reservation_release, name="reservation_release"),
     path("reservations/<int:pk>/extend/", rv.reservation_extend, name="reservation_extend"),
+    path("teams/<slug:slug>/", team_views.team_detail, name="team_detail"),
+    path("teams/<slug:slug>/quota/", team_views.team_quota, name="team_quota"),
+    path("teams/<slug:slug>/members/<str:username>/quota/", team_views.member_quota, name="member_quota"),
 ]

@@ -29,6 +29,11 @@ def team_ids_of(user: AbstractBaseUser) -> set[int]:
     return set(Membership.objects.filter(user=user).values_list("team_id", flat=True))
 
 
+def roles_of(user: AbstractBaseUser) -> dict[int, str]:
+    """The user's role in each of their teams, by team id."""
+    return dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
+
+
 def display_name(
     viewer: AbstractBaseUser, viewer_teams: set[int], owner_id: int, owner_name: str, team_id: int
 ) -> str:

@@ -1,88 +1,24 @@
-"""Teams and quotas API: /api/v1/teams/… (the pages' rules, through the same helper and services).
+"""Teams API: /api/v1/teams/… (the pages' rules, through the same access helper).
 
 Who may do what:
   GET   teams/                           your teams (admins: all)
-  GET   teams/{slug}/                    members and admins (outsiders 404)
-  PATCH teams/{slug}/                    admins → quota_team_set (members and leaders 403)
-  GET   teams/{slug}/members/            leaders and admins (plain members 403)
-  GET   teams/{slug}/members/{username}/ leaders, admins and that member
-  PATCH teams/{slug}/members/{username}/ leaders and admins → quota_member_set
   GET   teams/{slug}/audit/              leaders and admins (paginated, newest first)
 
-Serializers check types only; every rule is in portal/services.py, whose errors the
-exception handler (portal/api_errors.py) turns into {"detail", "code", "errors"}.
+A team's quota, its members' quotas and their use (teams/{slug}/, teams/{slug}/members/…)
+are counted from bookings, so they are served by gpus/team_api.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import PermissionDenied
-from django.shortcuts import get_object_or_404
 from django.urls import URLPattern, URLResolver, path
-from drf_spectacular.utils import extend_schema, extend_schema_field
 from rest_framework import generics, serializers
-from rest_framework.request import Request
-from rest_framework.response import Response
 
-from portal.access import is_admin, team_for_user, team_ids_of
-from portal.models import AuditEntry, Membership, Team
+from portal.access import is_admin, roles_of, team_for_user, team_ids_of
+from portal.filters import AuditEntryFilter
+from portal.models import AuditEntry, Team
 from portal.pagination import PagePagination
-from portal.quotas import team_use, team_use_total
-from portal.services import QUOTA_MAX, quota_member_set, quota_team_set
-
-
-def _limit(help_text: str) -> serializers.IntegerField:
-    return serializers.IntegerField(
-        required=False,
-        allow_null=True,
-        min_value=0,
-        max_value=QUOTA_MAX,
-        help_text=f"{help_text} null: no limit.",
-        error_messages={
-            "invalid": "Give a whole number, e.g. 4, or null for no limit.",
-            "min_value": "Give 0 or more (0 allows none), or null for no limit.",
-            "max_value": f"Give at most {QUOTA_MAX}, or null for no limit.",
-        },
-    )
-
-
-class QuotaInputSerializer(serializers.Serializer):
-    # Unknown keys are refused, so a typo ("max_card") is an error rather than a silent no-op.
-    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(self.initial_data) - set(self.fields))
-        if unknown:
-            allowed = ", ".join(self.fields)
-            raise serializers.ValidationError(
-                {
-                    name: [f"Not a quota setting you can change here; use one of {allowed}."]
-                    for name in unknown
-                }
-            )
-        return attrs
-
-
-class TeamQuotaInputSerializer(QuotaInputSerializer):
-    max_cards = _limit("Whole cards the team holds at once.")
-    max_gb = _limit("GB of GPU memory the team holds at once.")
-    gpu_hours_per_week = _limit("GPU-hours per calendar week for the whole team.")
-
-
-class MemberQuotaInputSerializer(QuotaInputSerializer):
-    max_cards = _limit("Whole cards the member holds at once; at most the team's.")
-    max_gb = _limit("GB of GPU memory the member holds at once; at most the team's.")
-    gpu_hours_per_week = _limit("GPU-hours per calendar week; at most the team's.")
-    max_booking_hours = _limit("Longest single booking in hours (null: the portal's limit).")
-
-
-class QuotaUseSerializer(serializers.Serializer):
-    cards_now = serializers.IntegerField()
-    gb_now = serializers.FloatField()
-    gpu_hours_week = serializers.FloatField(help_text="Booked or used this week (Monday to Sunday).")
-
-
-NO_USE = {"cards_now": 0, "gb_now": 0.0, "gpu_hours_week": 0.0}
 
 
 class TeamSerializer(serializers.ModelSerializer):
@@ -97,43 +33,6 @@ class TeamSerializer(serializers.ModelSerializer):
         return self.context["roles"].get(team.pk)
 
 
-class TeamDetailSerializer(TeamSerializer):
-    use = serializers.SerializerMethodField()
-
-    class Meta(TeamSerializer.Meta):
-        fields = [*TeamSerializer.Meta.fields, "use"]
-        read_only_fields = fields
-
-    @extend_schema_field(QuotaUseSerializer)
-    def get_use(self, team: Team) -> dict[str, Any]:
-        return QuotaUseSerializer(team_use_total(team_use(team))).data
-
-
-class MemberSerializer(serializers.ModelSerializer):
-    username = serializers.CharField(source="user.username", read_only=True)
-    team = serializers.CharField(source="team.slug", read_only=True)
-    use = serializers.SerializerMethodField()
-
-    class Meta:
-        model = Membership
-        fields = [
-            "username",
-            "team",
-            "role",
-            "max_cards",
-            "max_gb",
-            "gpu_hours_per_week",
-            "max_booking_hours",
-            "use",
-        ]
-        read_only_fields = fields
-
-    @extend_schema_field(QuotaUseSerializer)
-    def get_use(self, membership: Membership) -> dict[str, Any]:
-        use = self.context["use"].get(membership.user_id)
-        return QuotaUseSerializer(use).data if use else dict(NO_USE)
-
-
 class AuditEntrySerializer(serializers.ModelSerializer):
     actor = serializers.CharField(source="actor.username", read_only=True, default=None)
 
@@ -143,93 +42,31 @@ class AuditEntrySerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-def _roles(user: AbstractBaseUser) -> dict[int, str]:
-    return dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
-
-
 class TeamList(generics.ListAPIView):
     """Your teams with their quotas; admins see every team."""
 
     serializer_class = TeamSerializer
 
     def get_queryset(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
+            return Team.objects.none()
         user = self.request.user
         teams = Team.objects.all() if is_admin(user) else Team.objects.filter(pk__in=team_ids_of(user))
         return teams.order_by("name")
 
     def get_serializer_context(self) -> dict[str, Any]:
-        return {**super().get_serializer_context(), "roles": _roles(self.request.user)}
-
-
-class TeamDetail(generics.GenericAPIView):
-    """A team, its quota and its use now / this week. PATCH (admins) sets the quota."""
-
-    serializer_class = TeamDetailSerializer
-    queryset = Team.objects.all()
-    lookup_field = "slug"
-
-    def _show(self, team: Team) -> Response:
-        return Response(TeamDetailSerializer(team, context={"roles": _roles(self.request.user)}).data)
-
-    def get(self, request: Request, slug: str) -> Response:
-        return self._show(team_for_user(request.user, slug, manage=False))
-
-    @extend_schema(request=TeamQuotaInputSerializer, responses=TeamDetailSerializer)
-    def patch(self, request: Request, slug: str) -> Response:
-        team = team_for_user(request.user, slug, manage=False)
-        if not is_admin(request.user):
-            raise PermissionDenied("Only admins set team quotas; ask one.")
-        data = TeamQuotaInputSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return self._show(quota_team_set(actor=request.user, team=team, **data.validated_data))
-
-
-class MemberList(generics.GenericAPIView):
-    """The team's members with their quotas and use (leaders and admins)."""
-
-    serializer_class = MemberSerializer
-    queryset = Membership.objects.none()
-
-    @extend_schema(responses=MemberSerializer(many=True))
-    def get(self, request: Request, slug: str) -> Response:
-        team = team_for_user(request.user, slug, manage=True)
-        members = team.memberships.select_related("user", "team").order_by("role", "user__username")
-        return Response(MemberSerializer(members, many=True, context={"use": team_use(team)}).data)
-
-
-class MemberDetail(generics.GenericAPIView):
-    """One member's quota and use: leaders, admins and the member; PATCH: leaders and admins."""
-
-    serializer_class = MemberSerializer
-    queryset = Membership.objects.none()
-
-    def _membership(self, slug: str, username: str, *, manage: bool) -> Membership:
-        user = self.request.user
-        own = username == user.get_username()
-        team = team_for_user(user, slug, manage=manage or not own)
-        return get_object_or_404(
-            Membership.objects.select_related("user", "team"), team=team, user__username=username
-        )
-
-    def _show(self, membership: Membership) -> Response:
-        return Response(MemberSerializer(membership, context={"use": team_use(membership.team)}).data)
-
-    def get(self, request: Request, slug: str, username: str) -> Response:
-        return self._show(self._membership(slug, username, manage=False))
-
-    @extend_schema(request=MemberQuotaInputSerializer, responses=MemberSerializer)
-    def patch(self, request: Request, slug: str, username: str) -> Response:
-        membership = self._membership(slug, username, manage=True)
-        data = MemberQuotaInputSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return self._show(quota_member_set(actor=request.user, membership=membership, **data.validated_data))
+        return {**super().get_serializer_context(), "roles": roles_of(self.request.user)}
 
 
 class AuditList(generics.ListAPIView):
-    """The team's audit log, newest first: every booking action and quota change (leaders, admins)."""
+    """The team's audit log, newest first: every booking action and quota change (leaders, admins).
+
+    Filters: ?action= ?actor= ?target= ?since=YYYY-MM-DD ?until=YYYY-MM-DD (portal.filters).
+    """
 
     serializer_class = AuditEntrySerializer
     pagination_class = PagePagination
+    filterset_class = AuditEntryFilter
 
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
@@ -240,8 +77,5 @@ class AuditList(generics.ListAPIView):
 
 team_urlpatterns: list[URLPattern | URLResolver] = [
     path("teams/", TeamList.as_view(), name="api_teams"),
-    path("teams/<slug:slug>/", TeamDetail.as_view(), name="api_team"),
-    path("teams/<slug:slug>/members/", MemberList.as_view(), name="api_team_members"),
-    path("teams/<slug:slug>/members/<str:username>/", MemberDetail.as_view(), name="api_team_member"),
     path("teams/<slug:slug>/audit/", AuditList.as_view(), name="api_team_audit"),
 ]

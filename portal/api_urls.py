@@ -3,9 +3,10 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
+from gpus import team_api
 from gpus.api import GPUViewSet, ReservationViewSet, ServerViewSet
 from jobs.api import JobViewSet
-from portal.api import team_urlpatterns
+from portal import api as portal_api
 
 router = DefaultRouter()
 router.register("servers", ServerViewSet, basename="server")
@@ -18,5 +19,6 @@ urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="api_schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="api_schema"), name="api_docs"),
     path("", include(router.urls)),
-    *team_urlpatterns,
+    *portal_api.team_urlpatterns,
+    *team_api.team_urlpatterns,
 ]

@@ -12,9 +12,6 @@ urlpatterns = [
     path("profile/", views.profile, name="profile"),
     path("profile/token/", views.regenerate_token, name="regenerate_token"),
     path("teams/", views.teams, name="teams"),
-    path("teams/<slug:slug>/", views.team_detail, name="team_detail"),
-    path("teams/<slug:slug>/quota/", views.team_quota, name="team_quota"),
-    path("teams/<slug:slug>/members/<str:username>/quota/", views.member_quota, name="member_quota"),
     path("admin/", admin.site.urls),
     path("api/v1/", include("portal.api_urls")),
 ]

@@ -15,8 +15,8 @@ from rest_framework.test import APIClient
 
 from gpus import booking
 from gpus.models import GPU, Allocation
+from gpus.quotas import peak
 from gpus.services import server_report_ingest
-from portal.quotas import peak
 from tests.factories import MembershipFactory, UserFactory, make_snapshot
 
 pytestmark = pytest.mark.django_db(transaction=True)

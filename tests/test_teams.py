@@ -13,11 +13,10 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import GPU
+from gpus.quotas import quota_member_set, quota_team_set, team_use
 from gpus.services import server_report_ingest
 from portal.errors import Forbidden, Invalid
 from portal.models import AuditEntry, Membership, Team
-from portal.quotas import team_use
-from portal.services import quota_member_set, quota_team_set
 from tests.factories import MembershipFactory, TeamFactory, make_snapshot
 
 H = timedelta(hours=1)
@@ -501,9 +500,6 @@ def test_it_names_users_by_their_username_in_the_audit_api(api, team, alice, lea
 
 
 def test_the_service_itself_refuses_limits_beyond_the_column(team, admin_user):
-    from portal.errors import Invalid
-    from portal.services import quota_team_set
-
     with pytest.raises(Invalid, match="from 0 to 1,000,000") as err:
         quota_team_set(actor=admin_user, team=team, max_gb=10**12)
     assert err.value.field == "max_gb"

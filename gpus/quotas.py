@@ -1,4 +1,8 @@
-"""Quota accounting: what a member or a team holds at once and per week, against their limits.
+"""Quotas: what a member or a team holds at once and per week, against their limits, and
+the services that set those limits.
+
+The limits are fields on portal's Team and Membership rows; what counts against them is
+the live allocations booked here in gpus, so the rules live beside the bookings.
 
 A whole card counts one card and its full memory; a memory quota counts its GB and,
 for GPU-hours, the fraction of the card it books (GB / card total). Weeks run Monday
@@ -11,11 +15,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, time, timedelta
 
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
 from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet, Sum, Value
 from django.db.models.functions import Greatest, Least
 from django.utils import timezone
 
-from portal.models import Membership, QuotaFields, Team
+from gpus.models import Allocation
+from portal.access import can_manage_team, is_admin
+from portal.errors import Forbidden, Invalid
+from portal.models import AuditEntry, Membership, QuotaFields, Team
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,6 @@ def gpu_hours(uses: Iterable[Use], start: datetime, end: datetime) -> float:
 
 
 def _allocations(team: Team, owner_id: int | None, exclude_reservation: int | None) -> QuerySet:
-    from gpus.models import Allocation  # gpus depends on portal, not the reverse, at import time
-
     rows = Allocation.objects.filter(live=True, reservation__team=team)
     if owner_id is not None:
         rows = rows.filter(reservation__owner_id=owner_id)
@@ -224,8 +231,6 @@ def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
     now = now or timezone.now()
     week = week_start(now)
     following = weeks_touching(now, now + timedelta(seconds=1))[-1][1]
-    from gpus.models import Allocation
-
     per_user: dict[int, list[Use]] = {}
     rows = Allocation.objects.filter(live=True, reservation__team=team, start__lt=following, end__gt=week)
     for owner_id, s, e, memory_mb, total in rows.values_list(
@@ -250,3 +255,107 @@ def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
         gb_now=round(sum(u.gb_now for u in use.values()), 1),
         gpu_hours_week=round(sum(u.gpu_hours_week for u in use.values()), 1),
     )
+
+
+# --- setting the limits ------------------------------------------------------------------
+
+QUOTA_MAX = 1_000_000  # any larger limit means "no limit"; keeps values inside the integer column
+QUOTA_FIELDS = ("max_cards", "max_gb", "gpu_hours_per_week")
+QUOTA_LABELS = {
+    "max_cards": "cards at once",
+    "max_gb": "GB at once",
+    "gpu_hours_per_week": "GPU-hours per week",
+    "max_booking_hours": "longest booking (h)",
+}
+
+
+def _quota_changes(
+    target: QuotaFields, limits: dict[str, int | None], fields: tuple[str, ...]
+) -> dict[str, list]:
+    unknown = sorted(set(limits) - set(fields))
+    if unknown:
+        raise Invalid(
+            f"{unknown[0]} is not a quota setting; use one of {', '.join(fields)}.", field=unknown[0]
+        )
+    for field, value in limits.items():
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= QUOTA_MAX
+        ):
+            raise Invalid(
+                f"{QUOTA_LABELS[field]} must be a whole number from 0 to {QUOTA_MAX:,}, "
+                "or empty for no limit.",
+                field=field,
+            )
+    return {f: [getattr(target, f), v] for f, v in limits.items() if getattr(target, f) != v}
+
+
+def _describe(changes: dict[str, list]) -> str:
+    def show(v: int | None) -> str:
+        return "no limit" if v is None else str(v)
+
+    return ", ".join(f"{QUOTA_LABELS[f]} {show(old)} → {show(new)}" for f, (old, new) in changes.items())
+
+
+def _save_quota(
+    actor: AbstractBaseUser,
+    team: Team,
+    holder: QuotaFields,
+    changes: dict[str, list],
+    action: str,
+    target: str,
+    what: str,
+) -> None:
+    """Write the changed limits and their audit entry; nothing at all when nothing changed."""
+    if not changes:
+        return
+    for field, (_, new) in changes.items():
+        setattr(holder, field, new)
+    holder.save(update_fields=list(changes))
+    AuditEntry.objects.create(
+        actor=actor,
+        team=team,
+        action=action,
+        target=target,
+        message=f"{actor} set {what} {team}: {_describe(changes)}",
+        data=changes,
+    )
+
+
+@transaction.atomic
+def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None) -> Team:
+    """Set a team's limits (admins only). None means no limit. Logged in the audit log."""
+    if not is_admin(actor):
+        raise Forbidden("Only admins set team quotas; ask one.")
+    team = Team.objects.select_for_update().get(pk=team.pk)
+    changes = _quota_changes(team, limits, QUOTA_FIELDS)
+    _save_quota(actor, team, team, changes, AuditEntry.Action.QUOTA_TEAM, f"team {team.slug}", "the quota of")
+    return team
+
+
+@transaction.atomic
+def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limits: int | None) -> Membership:
+    """Set a member's limits (the team's leaders and admins), each within the team's own."""
+    if not can_manage_team(actor, membership.team_id):
+        raise Forbidden(f"Only leaders of {membership.team} and admins set its members' quotas.")
+    membership = Membership.objects.select_for_update().select_related("team", "user").get(pk=membership.pk)
+    changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours"))
+    team = membership.team
+    for field in QUOTA_FIELDS:
+        team_limit, value = getattr(team, field), limits.get(field, getattr(membership, field))
+        if team_limit is not None and value is not None and value > team_limit:
+            raise Invalid(
+                f"{team}'s own quota allows {team_limit} {QUOTA_LABELS[field]}; set at most {team_limit}, "
+                "or leave it empty to use the team's limit.",
+                field=field,
+            )
+    target = f"member {membership.user} of {team.slug}"
+    _save_quota(
+        actor,
+        team,
+        membership,
+        changes,
+        AuditEntry.Action.QUOTA_MEMBER,
+        target,
+        f"{membership.user}'s quota in",
+    )
+    return membership

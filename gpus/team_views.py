@@ -1,0 +1,120 @@
+"""The team page: its quota and members' quotas with their use, its bookings and audit log.
+
+These are booking-domain pages on portal's teams: who may see them is decided by
+`portal.access.team_for_user` (the API uses it too); the quota rules are in gpus/quotas.py.
+POST → redirect → GET; a refused form is shown again with the message beside its field, and
+nothing was written. The team list, the profile and the API token stay in portal/views.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from functools import partial
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from gpus.models import Reservation
+from gpus.quotas import quota_member_set, quota_team_set, team_use, team_use_total
+from gpus.team_forms import MemberQuotaForm, QuotaForm, TeamQuotaForm
+from portal.access import is_admin, team_for_user
+from portal.errors import ServiceError
+from portal.models import AuditEntry, Membership, Team
+
+AUDIT_SHOWN = 50
+RECENT_BOOKINGS_SHOWN = 50
+
+
+def _team_page(
+    request: HttpRequest,
+    team: Team,
+    *,
+    team_form: TeamQuotaForm | None = None,
+    member_forms: dict[int, MemberQuotaForm] | None = None,
+) -> HttpResponse:
+    """The leader's page; a refused form (bound, with its errors) replaces the blank one."""
+    now = timezone.now()
+    use = team_use(team, now)
+    member_forms = member_forms or {}
+    members = [
+        (m, use.get(m.user_id), member_forms.get(m.pk) or MemberQuotaForm.for_membership(m))
+        for m in team.memberships.select_related("user").order_by("role", "user__username")
+    ]
+    context = {
+        "team": team,
+        "team_total": team_use_total(use),
+        "team_form": (team_form or TeamQuotaForm.for_team(team)) if is_admin(request.user) else None,
+        "members": members,
+        **_team_bookings(team, now),
+        "audit": AuditEntry.objects.filter(team=team).select_related("actor")[:AUDIT_SHOWN],
+    }
+    return render(request, "portal/team_detail.html", context)
+
+
+def _team_bookings(team: Team, now: datetime) -> dict[str, list[Reservation]]:
+    bookings = Reservation.objects.filter(team=team).select_related("owner", "cancelled_by")
+    split = bookings.prefetch_related("allocations__gpu__server").split_open(
+        now, past_limit=RECENT_BOOKINGS_SHOWN
+    )
+    return {"open_bookings": split["open"], "recent_bookings": split["past"]}
+
+
+@login_required
+def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
+    return _team_page(request, team_for_user(request.user, slug, manage=True))
+
+
+def _save(
+    request: HttpRequest, form: QuotaForm, target: Team | Membership, save: Callable[..., object], what: str
+) -> bool:
+    """Validate, call the service, report the outcome; False (with the form's errors) if refused."""
+    if not form.is_valid():
+        messages.error(request, f"{what} was not saved: correct the fields marked below.")
+        return False
+    limits = form.limits()
+    changed = any(getattr(target, name) != value for name, value in limits.items())
+    try:
+        save(**limits)
+    except ServiceError as error:
+        form.add_service_error(error)
+        messages.error(request, f"{what} was not saved: correct the fields marked below.")
+        return False
+    if changed:
+        messages.success(request, f"{what} saved; the change is in the audit log.")
+    else:
+        messages.info(request, f"{what}: nothing changed.")
+    return True
+
+
+@require_POST
+@login_required
+def team_quota(request: HttpRequest, slug: str) -> HttpResponse:
+    team = team_for_user(request.user, slug, manage=False)
+    if not is_admin(request.user):
+        raise PermissionDenied("Only admins set team quotas; ask one.")
+    form = TeamQuotaForm.for_team(team, request.POST)
+    save = partial(quota_team_set, actor=request.user, team=team)
+    if _save(request, form, team, save, f"The quota of {team}"):
+        return redirect("team_detail", slug=team.slug)
+    return _team_page(request, team, team_form=form)
+
+
+@require_POST
+@login_required
+def member_quota(request: HttpRequest, slug: str, username: str) -> HttpResponse:
+    team = team_for_user(request.user, slug, manage=True)
+    membership = get_object_or_404(
+        Membership.objects.select_related("team", "user"), team=team, user__username=username
+    )
+    form = MemberQuotaForm.for_membership(membership, request.POST)
+    save = partial(quota_member_set, actor=request.user, membership=membership)
+    if _save(request, form, membership, save, f"{membership.user}'s quota in {team}"):
+        return redirect(f"{reverse('team_detail', args=[team.slug])}#member-{membership.pk}")
+    return _team_page(request, team, member_forms={membership.pk: form})
