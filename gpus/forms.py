@@ -12,7 +12,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from gpus.models import GPU, Server, format_mb
-from portal.errors import ServiceError
+from portal.forms import ServiceErrorsMixin
 
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([GM])(?:I?B)?)?\s*$", re.IGNORECASE)
 LOCAL_INPUT = "%Y-%m-%dT%H:%M"
@@ -59,7 +59,7 @@ def _gpu_choices(gpus: Iterable[GPU]) -> list[tuple[str, list[tuple[str, str]]]]
     return list(grouped.items())
 
 
-class ReservationForm(forms.Form):
+class ReservationForm(ServiceErrorsMixin, forms.Form):
     """Either tick cards, or ask for a count (on a server or anywhere) and let the portal pick."""
 
     gpus = forms.MultipleChoiceField(
@@ -88,8 +88,7 @@ class ReservationForm(forms.Form):
     note = forms.CharField(required=False, max_length=500, widget=forms.Textarea(attrs={"rows": 2}))
     team = forms.ChoiceField(required=False, help_text="The team whose quota this booking counts against.")
 
-    # Service field names that differ from the form's.
-    FIELD_FOR = {"memory_mb": "memory", "reason": None}
+    service_fields = {"memory_mb": "memory"}
 
     def __init__(self, *args: Any, user: Any, server_name: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -130,10 +129,6 @@ class ReservationForm(forms.Form):
             "note": data["note"],
             "team": data["team"] or None,
         }
-
-    def add_service_error(self, error: ServiceError) -> None:
-        field = self.FIELD_FOR.get(error.field or "", error.field)
-        self.add_error(field if field in self.fields else None, error.message)
 
 
 class ExtendForm(forms.Form):

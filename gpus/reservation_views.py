@@ -12,16 +12,17 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
-from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from gpus import booking
 from gpus.forms import CancelForm, ExtendForm, ReservationForm, local_input
 from gpus.models import Reservation
+from gpus.quotas import team_use
 from portal.access import can_manage_team
 from portal.errors import Forbidden, ServiceError
+from portal.http import redirect_back
 from portal.models import AuditEntry
-from portal.quotas import team_use
+from portal.timefmt import format_time
 
 
 def _get_reservation_for_user(user, pk: int) -> Reservation:  # type: ignore[no-untyped-def]
@@ -45,8 +46,8 @@ def reservation_new(request: HttpRequest) -> HttpResponse:
             else:
                 messages.success(
                     request,
-                    f"Booked {reservation.summary}, {booking.format_time(reservation.start)} "
-                    f"– {booking.format_time(reservation.end)}.",
+                    f"Booked {reservation.summary}, {format_time(reservation.start)} "
+                    f"– {format_time(reservation.end)}.",
                 )
                 return redirect("reservation_detail", pk=reservation.pk)
     else:
@@ -96,10 +97,7 @@ def _act(request: HttpRequest, pk: int, action, success: str) -> HttpResponse:  
         messages.error(request, error.message)
     else:
         messages.success(request, success)
-    next_url = request.POST.get("next", "")
-    if next_url and url_has_allowed_host_and_scheme(next_url, allowed_hosts={request.get_host()}):
-        return redirect(next_url)
-    return redirect("reservation_detail", pk=pk)
+    return redirect_back(request, "reservation_detail", pk)
 
 
 @require_POST
@@ -138,5 +136,5 @@ def reservation_extend(request: HttpRequest, pk: int) -> HttpResponse:
         request,
         pk,
         lambda r: booking.reservation_extend(user=request.user, reservation=r, end=end),
-        f"Extended until {booking.format_time(end)}.",
+        f"Extended until {format_time(end)}.",
     )

@@ -8,19 +8,18 @@ from django import forms
 from django.conf import settings
 from django.utils import timezone
 
-from gpus.models import Reservation, Server
+from gpus.models import Reservation
 from jobs.models import Job
 from jobs.services import ScriptUpload
-from portal.errors import ServiceError
-from portal.models import Membership, Team
+from portal.forms import ServiceErrorsMixin
+from portal.timefmt import short_time
 
 
 def reservation_label(reservation: Reservation) -> str:
     """'#12 box1 GPU 0, 1 · 8 GB · until Mon 18:00' (prefetch allocations__gpu__server)."""
-    end = timezone.localtime(reservation.end).strftime("%a %H:%M")
+    end = short_time(reservation.end)
     if reservation.start > timezone.now():
-        start = timezone.localtime(reservation.start).strftime("%a %H:%M")
-        return f"#{reservation.pk} {reservation.summary} · from {start} until {end}"
+        return f"#{reservation.pk} {reservation.summary} · from {short_time(reservation.start)} until {end}"
     return f"#{reservation.pk} {reservation.summary} · until {end}"
 
 
@@ -29,7 +28,7 @@ class ReservationChoiceField(forms.ModelChoiceField):
         return reservation_label(obj)
 
 
-class JobForm(forms.Form):
+class JobForm(ServiceErrorsMixin, forms.Form):
     """One Python script on one of the user's own open bookings, with the TensorFlow settings."""
 
     reservation = ReservationChoiceField(
@@ -154,45 +153,3 @@ class JobForm(forms.Form):
             "log_placement": data["log_placement"],
             "mirrored": data["mirrored"],
         }
-
-    def add_service_error(self, error: ServiceError) -> None:
-        field = error.field if error.field in self.fields else None
-        self.add_error(field, error.message)
-
-
-class JobFilterForm(forms.Form):
-    """The list filters. Values go to jobs.selectors.jobs_filter as typed; it reports bad ones."""
-
-    user = forms.CharField(required=False, max_length=150, help_text="A username.")
-    team = forms.CharField(required=False, widget=forms.Select)
-    server = forms.CharField(required=False, widget=forms.Select)
-    status = forms.CharField(required=False, widget=forms.Select)
-    since = forms.CharField(
-        required=False, widget=forms.DateInput(attrs={"type": "date"}), help_text="YYYY-MM-DD, inclusive."
-    )
-    until = forms.CharField(
-        required=False, widget=forms.DateInput(attrs={"type": "date"}), help_text="YYYY-MM-DD, inclusive."
-    )
-
-    def __init__(self, *args: Any, user: Any, fields: tuple[str, ...], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        for name in [name for name in self.fields if name not in fields]:
-            del self.fields[name]
-        if "team" in self.fields:
-            teams = Team.objects.order_by("name")
-            if not user.is_staff:
-                led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
-                teams = teams.filter(pk__in=led)
-            self.fields["team"].widget.choices = [("", "any team")] + [(t.slug, t.name) for t in teams]
-        if "server" in self.fields:
-            names = Server.objects.order_by("name").values_list("name", flat=True)
-            self.fields["server"].widget.choices = [("", "any server")] + [(n, n) for n in names]
-        if "status" in self.fields:
-            self.fields["status"].widget.choices = [("", "any status"), *Job.Status.choices]
-
-    def params(self) -> dict[str, str]:
-        return {name: (self.data.get(name) or "").strip() for name in self.fields}
-
-    def add_service_error(self, error: ServiceError) -> None:
-        field = error.field if error.field in self.fields else None
-        self.add_error(field, error.message)

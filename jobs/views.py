@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shlex
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,33 +21,22 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.utils import timezone
-from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
 
-from gpus.booking import format_time
 from gpus.models import GPU, format_mb
-from jobs.forms import JobFilterForm, JobForm
+from jobs.filters import JobFilter, JobHistoryFilter, MyJobFilter
+from jobs.forms import JobForm
 from jobs.logs import log_response, parse_offset
 from jobs.models import Job
-from jobs.selectors import get_job_for_user, jobs_filter, jobs_visible_to
+from jobs.selectors import get_job_for_user, jobs_visible_to
 from jobs.services import ScriptUpload, job_cancel, job_submit
 from portal.access import can_manage_team
 from portal.errors import Forbidden, Invalid, ServiceError
+from portal.http import redirect_back
+from portal.timefmt import format_duration, format_time
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "keras_example.py"
 PAGE_SIZE = 25
-
-
-def format_duration(duration: timedelta | None) -> str:
-    """'1 h 02 min', '3 min 07 s', '12 s'; '' when the job has not started."""
-    if duration is None:
-        return ""
-    seconds = max(0, int(duration.total_seconds()))
-    hours, rest = divmod(seconds, 3600)
-    minutes, seconds = divmod(rest, 60)
-    if hours:
-        return f"{hours} h {minutes:02d} min"
-    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
 def _describe(jobs: list[Job]) -> list[Job]:
@@ -67,14 +55,6 @@ def _queued_message(job: Job) -> str:
     else:
         when = f"when the booking starts ({format_time(job.not_before)})"
     return f"Job {job.pk} ({job.name}) is queued on {job.server.name}; it starts {when}."
-
-
-def _back(request: HttpRequest, fallback: str) -> HttpResponse:
-    """To the page the button was on (its `next`), else `fallback`."""
-    next_url = request.POST.get("next", "")
-    if next_url and url_has_allowed_host_and_scheme(next_url, allowed_hosts={request.get_host()}):
-        return redirect(next_url)
-    return redirect(fallback)
 
 
 @login_required
@@ -101,44 +81,37 @@ def job_example(request: HttpRequest) -> HttpResponse:
     raw = request.POST.get("reservation", "")
     if not re.fullmatch(r"[0-9]{1,18}", raw):
         messages.error(request, "Run the example: choose a booking (its number) to run it on.")
-        return _back(request, "my_reservations")
+        return redirect_back(request, "my_reservations")
     upload = ScriptUpload(name=EXAMPLE.name, content=EXAMPLE.read_bytes())
     try:
         job = job_submit(user=request.user, reservation=int(raw), script=upload)
     except ServiceError as error:
         messages.error(request, f"Run the example: {error.message}")
-        return _back(request, "my_reservations")
+        return redirect_back(request, "my_reservations")
     messages.success(request, _queued_message(job))
     return redirect("job_detail", pk=job.pk)
 
 
-def _job_list(request: HttpRequest, jobs: QuerySet[Job], fields: tuple[str, ...]) -> dict[str, Any]:
-    """Filter (errors beside the filter form, and then an empty list) and paginate."""
-    form = JobFilterForm(request.GET, user=request.user, fields=fields)
-    form.is_valid()
-    try:
-        jobs = jobs_filter(jobs, form.params())
-    except Invalid as error:
-        form.add_service_error(error)
-        jobs = jobs.none()
+def _job_list(request: HttpRequest, jobs: QuerySet[Job], filterset_class: type[JobFilter]) -> dict[str, Any]:
+    """Filter (errors beside the filter form, and then an empty list) and paginate, newest first."""
+    filters = filterset_class(request.GET, jobs.order_by("-created_at", "-id"), request=request)
+    jobs = filters.qs if filters.is_valid() else jobs.none()
     page: Page = Paginator(jobs, PAGE_SIZE).get_page(request.GET.get("page"))
-    return {"filter_form": form, "page": page, "jobs": _describe(list(page.object_list))}
+    return {"filter_form": filters.form, "page": page, "jobs": _describe(list(page.object_list))}
 
 
 @require_GET
 @login_required
 def my_jobs(request: HttpRequest) -> HttpResponse:
     own = Job.objects.filter(owner=request.user).select_related("owner", "server")
-    context = _job_list(request, own, ("status", "server", "since", "until"))
-    return render(request, "jobs/my_jobs.html", context)
+    return render(request, "jobs/my_jobs.html", _job_list(request, own, MyJobFilter))
 
 
 @require_GET
 @login_required
 def job_history(request: HttpRequest) -> HttpResponse:
     """Leaders see their teams' jobs, admins all; members only their own (jobs_visible_to)."""
-    fields = ("user", "team", "server", "status", "since", "until")
-    context = _job_list(request, jobs_visible_to(request.user), fields)
+    context = _job_list(request, jobs_visible_to(request.user), JobHistoryFilter)
     return render(request, "jobs/job_history.html", context)
 
 

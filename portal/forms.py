@@ -1,73 +1,20 @@
-"""Quota forms. They only parse numbers; the rules (who may, within the team's limits) are in
-portal/services.py, whose errors the views put beside the field they name.
+"""What every form shares: putting a service's refusal beside the field it names.
+
+The forms themselves live with their app (gpus/forms.py, gpus/team_forms.py, jobs/forms.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from django import forms
-
 from portal.errors import ServiceError
-from portal.models import Membership, QuotaFields, Team
-
-# Well inside PositiveIntegerField's range, so a typo never reaches the database as an overflow.
-from portal.services import QUOTA_MAX
 
 
-def _limit_field(
-    model: type[QuotaFields], name: str, label: str, unit: str, note: str = ""
-) -> forms.IntegerField:
-    return forms.IntegerField(
-        required=False,
-        min_value=0,
-        max_value=QUOTA_MAX,
-        label=label,
-        help_text=f"{model._meta.get_field(name).help_text} {note}".strip(),
-        error_messages={
-            "invalid": f"Enter a whole number of {unit}, e.g. 4, or leave it empty for no limit.",
-            "min_value": "Enter 0 or more (0 allows none), or leave it empty for no limit.",
-            "max_value": f"Enter at most {QUOTA_MAX:,}, or leave it empty for no limit.",
-        },
-    )
+class ServiceErrorsMixin:
+    """For every form whose data goes to a service: the service's refusal (a ServiceError)
+    goes beside the field it names, or above the form when the form has no such field."""
 
-
-class QuotaForm(forms.Form):
-    """Empty fields mean "no limit" (None). `limits()` is what the service takes."""
-
-    def limits(self) -> dict[str, int | None]:
-        return {name: self.cleaned_data[name] for name in self.fields}
+    # Service argument names that the form spells differently (e.g. memory_mb → memory).
+    service_fields: dict[str, str] = {}
 
     def add_service_error(self, error: ServiceError) -> None:
-        self.add_error(error.field if error.field in self.fields else None, error.message)
-
-
-class TeamQuotaForm(QuotaForm):
-    max_cards = _limit_field(Team, "max_cards", "Cards at once", "cards")
-    max_gb = _limit_field(Team, "max_gb", "GB at once", "GB")
-    gpu_hours_per_week = _limit_field(Team, "gpu_hours_per_week", "GPU-hours per week", "GPU-hours")
-
-    @classmethod
-    def for_team(cls, team: Team, data: Any = None) -> TeamQuotaForm:
-        return cls(data, initial={name: getattr(team, name) for name in cls.base_fields})
-
-
-TEAM_STILL_APPLIES = "At most the team's own limit, which applies as well."
-
-
-class MemberQuotaForm(QuotaForm):
-    max_cards = _limit_field(Membership, "max_cards", "Cards at once", "cards", TEAM_STILL_APPLIES)
-    max_gb = _limit_field(Membership, "max_gb", "GB at once", "GB", TEAM_STILL_APPLIES)
-    gpu_hours_per_week = _limit_field(
-        Membership, "gpu_hours_per_week", "GPU-hours per week", "GPU-hours", TEAM_STILL_APPLIES
-    )
-    max_booking_hours = _limit_field(Membership, "max_booking_hours", "Longest booking (hours)", "hours")
-
-    @classmethod
-    def for_membership(cls, membership: Membership, data: Any = None) -> MemberQuotaForm:
-        """One form per member on the team page: ids carry the membership so they stay unique."""
-        return cls(
-            data,
-            initial={name: getattr(membership, name) for name in cls.base_fields},
-            auto_id=f"id_m{membership.pk}_%s",
-        )
+        name = self.service_fields.get(error.field or "", error.field)
+        self.add_error(name if name in self.fields else None, error.message)  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from gpus.services import server_report_ingest
 from jobs.logs import LogWriter
 from jobs.models import Job
 from jobs.services import ScriptUpload, job_submit
-from jobs.views import format_duration
+from portal.timefmt import format_duration
 from tests.factories import make_snapshot
 
 SCRIPT = b"print('hello from the job')\n"
@@ -455,7 +455,7 @@ def test_it_paginates_25_a_page_and_keeps_filters_in_page_links(client, alice, j
 
 
 def test_it_links_a_jobs_process_on_the_dashboard(client, alice, job, box):
-    GPUProcess.objects.create(gpu=box[0], pid=4242, username="alice", used_memory_mb=900, job=job)
+    GPUProcess.objects.create(gpu=box[0], pid=4242, username="alice", used_memory_mb=900, job_id=job.pk)
     GPUProcess.objects.create(gpu=box[0], pid=4343, username="eve", used_memory_mb=100)
     client.force_login(alice)
     html = client.get(reverse("dashboard_servers")).content.decode()

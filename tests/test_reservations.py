@@ -221,6 +221,24 @@ def test_access_to_extend_and_release(client, request, box, who, status):
     assert page.status_code == {200: 302, 403: 403, 404: 404}[status]
 
 
+@pytest.mark.parametrize(
+    ("who", "action", "words"),
+    [
+        ("bob", "cancel", "Only the owner, leaders of the booking's team and admins can cancel it."),
+        ("leader", "release", "Only the owner can release a booking; leaders and admins cancel it"),
+        ("admin_user", "extend", "Only the owner can extend a booking."),
+    ],
+)
+def test_the_api_says_why_it_refuses_with_a_403(request, box, t0, who, action, words):
+    now = timezone.now()
+    alice = request.getfixturevalue("alice")
+    pk = reservation_create(user=alice, gpus=[box[2].uuid], start=now, end=now + H).pk
+    data = {"end": (t0 + 3 * H).isoformat(), "reason": "needed"}
+    response = api(request.getfixturevalue(who)).post(f"/api/v1/reservations/{pk}/{action}/", data)
+    assert response.status_code == 403
+    assert response.json()["code"] == "permission_denied" and words in response.json()["detail"]
+
+
 def test_anonymous_users_are_sent_to_log_in(client, booking):
     for name in ("my_reservations", "reservation_new"):
         assert client.get(reverse(name)).status_code == 302
