@@ -21,18 +21,25 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
-from gpus import booking_sql
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
+from gpus.quotas import Use, peak, quota_refusal
 from portal.access import can_manage_team, display_name, team_ids_of
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, Team
-from portal.quotas import Use, peak, quota_refusal
+from portal.timefmt import format_time
 
 PICK_ATTEMPTS = 3
-
-
-def format_time(at: datetime) -> str:
-    return timezone.localtime(at).strftime("%a %Y-%m-%d %H:%M %Z")
+# Only what the rules read is loaded from the locked card rows.
+_LOCKED_GPU_FIELDS = (
+    "uuid",
+    "index",
+    "name",
+    "memory_total_mb",
+    "memory_reserved_mb",
+    "server__id",
+    "server__name",
+    "server__draining",
+)
 
 
 def gpu_label(gpu: GPU) -> str:
@@ -59,18 +66,16 @@ def held_on(
     exclude: int | None = None,
     owners: bool = False,
 ) -> dict[str, list[Held]]:
-    """Live allocations on these cards overlapping [start, end), by card UUID, in one query.
-
-    The check itself reads only the allocation table; owners are joined in just for messages.
-    """
-    if not owners:
-        return booking_sql.allocations_on(uuids, start, end, exclude=exclude)
+    """Live allocations on these cards overlapping [start, end), by card UUID, oldest first, in one
+    query on the indexed allocation table; the owners are joined in only for messages."""
     rows = Allocation.objects.filter(live=True, gpu_id__in=uuids, end__gt=start, start__lt=end)
     if exclude is not None:
         rows = rows.exclude(reservation_id=exclude)
-    fields = ["start", "end", "memory_mb", "reservation__owner_id", "reservation__owner__username"]
+    fields = ["start", "end", "memory_mb"]
+    if owners:
+        fields += ["reservation__owner_id", "reservation__owner__username", "reservation__team_id"]
     held: dict[str, list[Held]] = defaultdict(list)
-    for gpu_id, *values in rows.order_by("start").values_list("gpu_id", *fields, "reservation__team_id"):
+    for gpu_id, *values in rows.order_by("start").values_list("gpu_id", *fields):
         held[gpu_id].append(Held(*values))
     return held
 
@@ -172,11 +177,14 @@ def _explain_conflicts(service: Callable[..., Reservation]) -> Callable[..., Res
 
 
 def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membership:
-    """The user's membership for the booking's team, locked; the team too when it has limits."""
+    """The user's membership for the booking's team (default: their first team by name), locked,
+    with its team attached; the team's row is locked too when the team has limits."""
+    rows = Membership.objects.select_for_update(of=("self",)).select_related("team").filter(user_id=user.pk)
     if isinstance(team, Team):
-        membership = booking_sql.membership_for_update(user.pk, team_id=team.pk)
-    else:
-        membership = booking_sql.membership_for_update(user.pk, team_slug=team or None)
+        rows = rows.filter(team_id=team.pk)
+    elif team:
+        rows = rows.filter(team__slug=team)
+    membership = rows.order_by("team__name").first()
     if membership is None:
         if team:
             raise Forbidden(
@@ -187,7 +195,9 @@ def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membe
         )
     limits = membership.team
     if any(v is not None for v in (limits.max_cards, limits.max_gb, limits.gpu_hours_per_week)):
-        booking_sql.lock_team(limits.pk)  # two bookings of this team cannot both pass its quota
+        # Two bookings of this team cannot both pass its quota. Teams without limits are not
+        # locked, so their members' bookings of different cards never wait for each other.
+        list(Team.objects.select_for_update().filter(pk=limits.pk).values_list("pk"))
     return membership
 
 
@@ -225,7 +235,14 @@ def _check_window(
 
 
 def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
-    gpus = booking_sql.gpus_for_update(uuids)
+    """The cards, row-locked in UUID order: the one lock order every booking uses."""
+    gpus = list(
+        GPU.objects.select_for_update(of=("self",))
+        .select_related("server")
+        .only(*_LOCKED_GPU_FIELDS)
+        .filter(uuid__in=uuids)
+        .order_by("uuid")
+    )
     missing = sorted(set(uuids) - {g.uuid for g in gpus})
     if missing:
         raise Invalid(
@@ -292,12 +309,25 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
     """
     candidates = GPU.objects.select_related("server").filter(server__draining=False)
     if server:
-        if not Server.objects.filter(name=server).exists():
+        draining = Server.objects.filter(name=server).values_list("draining", flat=True).first()
+        if draining is None:
             raise Invalid(f"There is no server {server!r}; leave it empty for any server.", field="server")
+        if draining:
+            raise Invalid(
+                f"Server {server} is draining: it takes no new bookings. "
+                "Pick another server, or leave it empty for any online server.",
+                field="server",
+            )
         candidates = candidates.filter(server__name=server)
     else:
         candidates = candidates.filter(server__in=Server.objects.online())
     gpus = list(candidates)
+    if not gpus and not server:
+        raise Conflict(
+            "No GPU server is online now, so the portal has no cards to pick from. Pick cards on the "
+            "dashboard or name a server to book ahead, or try again once a server reports.",
+            field="server",
+        )
     if memory_mb is not None and gpus and memory_mb > max(g.memory_bookable_mb for g in gpus):
         largest = max(g.memory_bookable_mb for g in gpus)
         raise Invalid(
@@ -344,14 +374,13 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
 def _audit(
     actor: AbstractBaseUser, reservation: Reservation, action: str, message: str, **data: object
 ) -> None:
-    booking_sql.insert_audit(
+    AuditEntry.objects.create(
         actor_id=actor.pk,
         team_id=reservation.team_id,
         action=action,
         target=f"reservation {reservation.pk}",
         message=message,
         data=data,
-        at=timezone.now(),
     )
 
 
@@ -419,17 +448,12 @@ def reservation_create(
                     raise
     _check_quota(membership, cards, memory_mb, start, end)
 
-    reservation = Reservation(
-        owner=user, team=membership.team, start=start, end=end, booked_end=end, note=note, created_at=now
+    reservation = Reservation.objects.create(
+        owner=user, team=membership.team, start=start, end=end, booked_end=end, note=note
     )
-    reservation.pk = booking_sql.insert_reservation(
-        owner_id=user.pk,
-        team_id=membership.team_id,
-        start=start,
-        end=end,
-        note=note,
-        created_at=now,
-        allocations=[(g.uuid, memory_mb) for g in cards],
+    Allocation.objects.bulk_create(
+        Allocation(reservation=reservation, gpu_id=g.uuid, memory_mb=memory_mb, start=start, end=end)
+        for g in cards
     )
     _audit(
         user,

@@ -125,11 +125,10 @@ class GPUProcess(models.Model):
     username = models.CharField(max_length=64, blank=True)
     command = models.CharField(max_length=300, blank=True)
     used_memory_mb = models.PositiveIntegerField(null=True, blank=True)
-    # The portal job this process belongs to (its PORTAL_JOB_ID), if any. No database
-    # constraint: telemetry rows are replaced every round and must never block a job's deletion.
-    job = models.ForeignKey(
-        "jobs.Job", null=True, blank=True, on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
-    )
+    # The portal job this process belongs to (its PORTAL_JOB_ID), if any: a plain number, not a
+    # foreign key, because jobs build on gpus and not the reverse; telemetry rows are replaced
+    # every round, so they must never block a job's deletion either.
+    job_id = models.PositiveIntegerField(null=True, blank=True, help_text="The portal job (PORTAL_JOB_ID).")
 
     class Meta:
         ordering = ["gpu", "-used_memory_mb", "pid"]

@@ -17,9 +17,9 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
-from gpus.booking import format_time
 from gpus.models import GPU, Allocation, Server, format_mb
 from portal.access import display_name, is_admin, team_ids_of
+from portal.timefmt import format_time
 
 DAYS = 7
 MAX_PAGE_DAYS = 10 * 365

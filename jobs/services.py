@@ -21,13 +21,14 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from gpus.booking import format_time
+from gpus.inventory import GPUInfo
 from gpus.models import Allocation, Reservation, Server, format_mb
 from jobs import paths
 from jobs.logs import log_append
 from jobs.models import Job
 from portal.access import can_manage_team
 from portal.errors import Conflict, Forbidden, Invalid
+from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
 
@@ -464,3 +465,33 @@ def jobs_reconcile(*, now: datetime | None = None) -> dict[str, int]:
         ):
             done["expired"] += 1
     return done
+
+
+def jobs_usage_record(*, cards: Sequence[GPUInfo]) -> int:
+    """Peak GPU memory (summed over the job's cards) and mean utilization of running jobs, from one
+    telemetry round; returns the jobs updated. The collector calls it through
+    `gpus.services.telemetry_ingested`, inside the round's transaction.
+
+    A process counts for a job only on a card that job booked: PORTAL_JOB_ID is just an
+    environment variable, which any process could set. Utilization is the card's: NVML
+    reports it per card; on a whole-card booking that is the job's own, on a shared card
+    an upper bound."""
+    claimed = {p.job_id for card in cards for p in card.processes if p.job_id}
+    if not claimed:
+        return 0
+    changed = []
+    for job in Job.objects.filter(pk__in=claimed, status=Job.Status.RUNNING).only(
+        "gpu_uuids", "peak_memory_mb", "utilization_sum", "utilization_samples"
+    ):
+        own = [c for c in cards if c.uuid in job.gpu_uuids and any(p.job_id == job.pk for p in c.processes)]
+        if not own:
+            continue
+        memory = sum(p.used_memory_mb or 0 for c in own for p in c.processes if p.job_id == job.pk)
+        job.peak_memory_mb = max(job.peak_memory_mb or 0, memory)
+        utils = [c.utilization_pct for c in own if c.utilization_pct is not None]
+        if utils:
+            job.utilization_sum += sum(utils) / len(utils)
+            job.utilization_samples += 1
+        changed.append(job)
+    Job.objects.bulk_update(changed, ["peak_memory_mb", "utilization_sum", "utilization_samples"])
+    return len(changed)

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from rest_framework.test import APIClient
 
 from gpus.booking import (
     reservation_cancel,
@@ -14,10 +15,10 @@ from gpus.booking import (
     reservation_release,
 )
 from gpus.models import GPU, Allocation, Reservation, Server
+from gpus.quotas import peak, team_use
 from gpus.services import server_report_ingest
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry
-from portal.quotas import peak, team_use
 from tests.factories import UserFactory, make_snapshot
 
 H = timedelta(hours=1)
@@ -318,3 +319,29 @@ def test_the_status_filter_in_sql_agrees_with_the_derived_status(alice, box, t0)
         assert list(matching.values_list("pk", flat=True)) == [r.pk], r.status
     split = everything.split_open(timezone.now())
     assert [r.pk for r in split["open"]] == [active.pk, upcoming.pk]
+
+
+@pytest.mark.parametrize(
+    ("setup", "payload", "status", "field", "says"),
+    [
+        ("drain", {"count": 1, "server": "box1"}, 400, "server", "Server box1 is draining"),
+        ("offline", {"count": 1}, 409, "server", "No GPU server is online now"),
+        ("drain", {"count": 2, "memory_mb": 1024}, 409, "server", "No GPU server is online now"),
+    ],
+)
+def test_the_api_answers_a_count_with_no_card_to_pick_from_with_a_4xx(
+    alice, box, t0, setup, payload, status, field, says
+):
+    """With no candidate card the pick used to send `... IN ()` to PostgreSQL (a 500 there;
+    CI runs this on PostgreSQL). Now: a refusal naming the field, and nothing written."""
+    if setup == "drain":
+        Server.objects.update(draining=True)
+    else:
+        Server.objects.update(last_seen=timezone.now() - timedelta(hours=1))
+    client = APIClient()
+    client.force_authenticate(alice)
+    response = client.post("/api/v1/reservations/", {**payload, "start": t0.isoformat()}, format="json")
+    assert response.status_code == status, response.content
+    body = response.json()
+    assert says in body["detail"] and list(body["errors"]) == [field]
+    assert not Reservation.objects.exists() and not AuditEntry.objects.exists()

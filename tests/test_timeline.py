@@ -11,9 +11,10 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.booking import format_time, reservation_cancel, reservation_create
+from gpus.booking import reservation_cancel, reservation_create
 from gpus.models import Server
 from gpus.timeline import server_timeline_rows, timeline_axis
+from portal.timefmt import format_time
 from tests.factories import MembershipFactory, UserFactory
 
 H = timedelta(hours=1)
