@@ -14,11 +14,12 @@ What is measured (MB = 2**20 bytes)
        Goal: overhead (portal median − bare median) ≤ 0.5 s. The split of the portal's median at the
        row's started_at (the worker's Popen returned) is printed too, without a goal.
     2. Launcher overhead on jobs/examples/keras_example.py --epochs 3 (TensorFlow on the CPU): wall
-       time of `python keras_example.py` against `python -u jobs/launcher.py keras_example.py` with a
-       realistic PORTAL_LAUNCH_CONFIG, both in the same environment otherwise (a fake
-       CUDA_VISIBLE_DEVICES UUID, 2 intra-op / 1 inter-op threads through TF_NUM_*_THREADS and
-       OMP_NUM_THREADS, TF_CPP_MIN_LOG_LEVEL=1, PYTHONUNBUFFERED=1). One warm-up each, then 6 runs
-       each in ABBA order. Goal: median launcher / median direct ≤ 1.05.
+       time of `python keras_example.py` against
+       `python -u jobs/launcher-bin/launcher.py keras_example.py` with a realistic PORTAL_LAUNCH_CONFIG,
+       both in the same environment otherwise (a fake CUDA_VISIBLE_DEVICES UUID, 2 intra-op / 1 inter-op
+       threads through TF_NUM_*_THREADS and OMP_NUM_THREADS, TF_CPP_MIN_LOG_LEVEL=1,
+       PYTHONUNBUFFERED=1). One warm-up each, then 6 runs each in ABBA order.
+       Goal: median launcher / median direct ≤ 1.05.
     1b. Live log: a job prints 12 timestamped lines a quarter-second apart; the bench polls the
        stored log every 20 ms (what the browser's once-a-second poll reads) and reports how long
        each line took from print() to readable. Goal: max ≤ 1 s (the page adds its poll interval).
@@ -67,7 +68,7 @@ FIRST_LINE = re.compile(rb"FIRST (\d+\.\d+)")
 POLL_S = 0.02
 
 EXAMPLE = ROOT / "jobs" / "examples" / "keras_example.py"
-LAUNCHER = ROOT / "jobs" / "launcher.py"
+LAUNCHER = ROOT / "jobs" / "launcher-bin" / "launcher.py"
 KERAS_RUNS, KERAS_EPOCHS = 6, 3
 LAUNCH_CONFIG = {
     "job_id": 1,
@@ -313,7 +314,7 @@ def bench_launcher() -> None:
     ratio = launched_s / direct_s
     print(f"Launcher overhead (keras_example.py --epochs {KERAS_EPOCHS}, {KERAS_RUNS} runs each, median)")
     report("python keras_example.py", direct_s, "s", "(none)", True)
-    report("python -u jobs/launcher.py keras_example.py", launched_s, "s", "(none)", True)
+    report("python -u jobs/launcher-bin/launcher.py keras_example.py", launched_s, "s", "(none)", True)
     report("ratio launcher / direct", ratio, "x", "<= 1.05", ratio <= 1.05)
     report("CPU time ratio launcher / direct (less noisy)", launched_cpu / direct_cpu, "x", "(none)", True)
     print(

@@ -1,19 +1,22 @@
-"""Start the telemetry threads in the workers that need them (see gpus/telemetry.py)."""
+"""Start the telemetry threads in the workers that need them (see gpus/telemetry.py).
+
+The worker's shutdown stops them, with every other periodic thread (portal/periodic.py).
+"""
 
 from __future__ import annotations
 
 import logging
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready
 from django.conf import settings
+
+from gpus import telemetry
 
 log = logging.getLogger(__name__)
 
 
 @worker_ready.connect
 def _start_telemetry(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    from gpus import telemetry
-
     queues = {q.name for q in sender.task_consumer.queues}
     own = f"host.{settings.WORKER_SERVER}"
     if own in queues:
@@ -22,10 +25,3 @@ def _start_telemetry(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
         log.error("This worker consumes %s but WORKER_SERVER=%s: no telemetry sent", sorted(queues), own)
     if settings.CELERY_TASK_DEFAULT_QUEUE in queues:
         telemetry.start_collector()
-
-
-@worker_shutdown.connect
-def _stop_telemetry(**kwargs) -> None:  # type: ignore[no-untyped-def]
-    from gpus import telemetry
-
-    telemetry.stop_all()

@@ -10,21 +10,22 @@ a transaction per host, and GPU hosts need no database round trip to stay "onlin
 Why threads inside the workers rather than beat or separate daemons: a host reports
 exactly while its worker is alive, so "online" on the dashboard means "can run jobs
 now"; when the worker dies its server goes offline by itself once `last_seen` ages
-past SERVER_OFFLINE_AFTER_SECONDS.
+past SERVER_OFFLINE_AFTER_SECONDS. The threads are `portal.periodic.PeriodicThread`s: the
+worker's shutdown stops them.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import redis
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 
 from gpus.backends import get_backend
 from gpus.inventory import Backend, Snapshot, snapshot_from_json, snapshot_to_json
 from gpus.services import servers_report_ingest
+from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
 
@@ -61,34 +62,6 @@ def collect_once(client: redis.Redis) -> int:
     return len(snapshots)
 
 
-class PeriodicThread(threading.Thread):
-    """Run `step` every `interval` seconds until stopped; a failed step is logged, not fatal."""
-
-    def __init__(self, name: str, interval: float) -> None:
-        super().__init__(name=name, daemon=True)
-        self.interval = interval
-        self.stopped = threading.Event()
-
-    def step(self) -> None:
-        raise NotImplementedError
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                self.step()
-            except Exception:
-                log.exception("%s failed; retrying in %ss", self.name, self.interval)
-            self.stopped.wait(self.interval)
-        self.finish()
-        connection.close()  # this thread's own connection; the process may live on
-
-    def finish(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        self.stopped.set()
-
-
 class TelemetryReporter(PeriodicThread):
     def __init__(self, backend: Backend, interval: float | None = None) -> None:
         super().__init__("gpu-telemetry-reporter", interval or settings.TELEMETRY_INTERVAL_SECONDS)
@@ -112,9 +85,6 @@ class TelemetryCollector(PeriodicThread):
         collect_once(self.client)
 
 
-_threads: list[PeriodicThread] = []
-
-
 def start_reporter() -> None:
     log.info(
         "Telemetry reporter for %s every %ss", settings.WORKER_SERVER, settings.TELEMETRY_INTERVAL_SECONDS
@@ -125,16 +95,3 @@ def start_reporter() -> None:
 def start_collector() -> None:
     log.info("Telemetry collector started")
     start_thread(TelemetryCollector())
-
-
-def start_thread(thread: PeriodicThread) -> None:
-    thread.start()
-    _threads.append(thread)
-
-
-def stop_all() -> None:
-    for thread in _threads:
-        thread.stop()
-    for thread in _threads:
-        thread.join(timeout=10)
-    _threads.clear()

@@ -2,15 +2,14 @@
 
 The worker never imports TensorFlow (GPU memory taken by a long-lived worker is never
 given back): every job is a subprocess in its own session, started through
-jobs/launcher.py with the job's interpreter. Cancel and time limits send SIGTERM to the
-job's process group and SIGKILL after JOB_KILL_GRACE_SECONDS.
+jobs/launcher-bin/launcher.py with the job's interpreter. Cancel and time limits send
+SIGTERM to the job's process group and SIGKILL after JOB_KILL_GRACE_SECONDS.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import pwd
@@ -31,39 +30,16 @@ from django.utils import timezone
 
 from gpus.models import Allocation, Reservation
 from jobs import paths
+from jobs.environment import BookedCard, job_environment
 from jobs.logs import LogWriter
 from jobs.models import Job
 from portal.errors import Invalid
 
 log = logging.getLogger(__name__)
 
-LAUNCHER = Path(__file__).resolve().parent / "launcher.py"
-# Inherited from the worker's environment; everything else (DATABASE_URL, SECRET_KEY,
-# REDIS_URL, TF_CONFIG, ...) stays out of the user's job.
-INHERITED_ENV = (
-    "PATH",
-    "HOME",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TZ",
-    "USER",
-    "LOGNAME",
-    "SHELL",
-    "TMPDIR",
-    "LD_LIBRARY_PATH",
-    "CUDA_HOME",
-    "CUDA_PATH",
-    "XLA_FLAGS",
-    "CONDA_PREFIX",
-    "VIRTUAL_ENV",
-    "HTTP_PROXY",
-    "HTTPS_PROXY",
-    "NO_PROXY",
-    "http_proxy",
-    "https_proxy",
-    "no_proxy",
-)
+# In a folder of its own that is no package: Python puts the launcher's folder first on the
+# job's sys.path, and nothing else in it may shadow a module of the user's or the standard library.
+LAUNCHER = Path(__file__).resolve().parent / "launcher-bin" / "launcher.py"
 TICK_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1
@@ -81,24 +57,14 @@ class Launch:
     env: dict[str, str]
     cwd: Path
     env_applied: dict[str, str]  # the portal's own variables, shown on the job's page
-
-
-def _booked_memory(job: Job, first: Allocation) -> tuple[int | None, float | None]:
-    """TF memory_limit per card (limit modes) and the TF1 session fraction (all but "take all"):
-    booked / card memory, so a legacy session never takes more than the booking, growing or not."""
-    if job.memory_mode == Job.MemoryMode.ALL:
-        return None, None
-    total = first.gpu.memory_total_mb or 1
-    booked = first.gpu.memory_bookable_mb if first.memory_mb is None else first.memory_mb
-    # The CUDA context and cuDNN sit outside TF's allocator: keep headroom for them on a
-    # shared card (a whole card's bookable memory already leaves it).
-    limit = booked if first.memory_mb is None else max(1, booked - settings.GPU_CONTEXT_HEADROOM_MB)
-    fraction = round(booked / total, 4)
-    return (None if job.memory_mode == Job.MemoryMode.GROW else limit), fraction
+    account: pwd.struct_passwd | None  # JOB_USER's: the job runs as it (None: as the worker)
 
 
 def launch_for(job: Job) -> Launch:
-    """Everything the subprocess gets: argv, cwd and an environment built from the booking."""
+    """Everything the subprocess gets: argv, cwd and the environment built from the booking.
+
+    The steps with side effects are here (the job's folder, the upload, chown); the environment
+    itself comes from the pure `job_environment`."""
     # Every card of a booking holds the same memory_mb; the first card's size stands for all.
     first = Allocation.objects.select_related("gpu").get(
         reservation_id=job.reservation_id, gpu_id=job.gpu_uuids[0]
@@ -109,6 +75,34 @@ def launch_for(job: Job) -> Launch:
             f"Python environment {job.interpreter!r} ({interpreter or 'not configured'}) is not "
             f"executable on {socket.gethostname()}; check JOB_INTERPRETERS on this host."
         )
+    account = _job_account()
+    script, cwd = _prepare_folders(job, account)
+    built = job_environment(
+        job,
+        BookedCard.of(first),
+        inherited=os.environ,
+        server=settings.WORKER_SERVER,
+        headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
+        account=account,
+    )
+    argv = [interpreter, "-u", str(LAUNCHER), str(script), *job.args]
+    return Launch(argv=argv, env=built.env, cwd=cwd, env_applied=built.applied, account=account)
+
+
+def _job_account() -> pwd.struct_passwd | None:
+    """JOB_USER's account: jobs run as it, in its HOME (None: as the worker's own user)."""
+    if not settings.JOB_USER:
+        return None
+    try:
+        return pwd.getpwnam(settings.JOB_USER)
+    except KeyError:
+        raise JobSetupError(
+            f"JOB_USER={settings.JOB_USER!r} is no account on {socket.gethostname()}."
+        ) from None
+
+
+def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path, Path]:
+    """The script and the working directory, checked; an upload is written into the job's folder."""
     try:
         # The job's own folder: its default working directory and where an upload is put
         # (never into a chosen working directory, where it could overwrite the user's file).
@@ -122,68 +116,19 @@ def launch_for(job: Job) -> Launch:
         else:
             script = own / job.name
             script.write_text(job.script_source)
-        if settings.JOB_USER:
+        if account is not None:
             # The job's own folder becomes the job user's once the upload is in it: a worker
             # that is not root could not write there afterwards.
-            account = pwd.getpwnam(settings.JOB_USER)
             os.chown(own, account.pw_uid, account.pw_gid)
     except Invalid as exc:
         raise JobSetupError(exc.message) from None
-    except KeyError:
-        raise JobSetupError(
-            f"JOB_USER={settings.JOB_USER!r} is no account on {socket.gethostname()}."
-        ) from None
     except OSError as exc:
         raise JobSetupError(f"Cannot prepare the job's folder on {socket.gethostname()}: {exc}") from None
     if not script.is_file():
         raise JobSetupError(f"The script {script} does not exist on {socket.gethostname()}.")
     if not cwd.is_dir():
         raise JobSetupError(f"The working directory {cwd} does not exist on {socket.gethostname()}.")
-
-    memory_limit, fraction = _booked_memory(job, first)
-    grow = job.memory_mode in (Job.MemoryMode.GROW, Job.MemoryMode.LIMIT_GROW)
-    config = {
-        "job_id": job.pk,
-        "memory_limit_mb": memory_limit,
-        "allow_growth": grow,
-        "memory_fraction": fraction,
-        "intra_op_threads": job.intra_op_threads,
-        "inter_op_threads": job.inter_op_threads,
-        "soft_placement": job.soft_placement,
-        "log_placement": job.log_placement,
-        "mirrored": job.mirrored,
-    }
-    portal_env = {
-        "CUDA_VISIBLE_DEVICES": ",".join(job.gpu_uuids),
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # indices as nvidia-smi shows them; UUIDs are exact anyway
-        "TF_FORCE_GPU_ALLOW_GROWTH": "true" if grow else "false",
-        "TF_CPP_MIN_LOG_LEVEL": "1",
-        "TF_NUM_INTRAOP_THREADS": str(job.intra_op_threads or ""),
-        "TF_NUM_INTEROP_THREADS": str(job.inter_op_threads or ""),
-        "OMP_NUM_THREADS": str(job.intra_op_threads or ""),
-        "PYTHONUNBUFFERED": "1",
-        "PORTAL_JOB_ID": str(job.pk),
-        "PORTAL_RESERVATION_ID": str(job.reservation_id),
-        "PORTAL_SERVER": settings.WORKER_SERVER,
-    }
-    portal_env = {k: v for k, v in portal_env.items() if v != ""}
-    env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
-    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
-    if settings.JOB_USER:
-        account = pwd.getpwnam(settings.JOB_USER)
-        env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
-    # The user's variables may set TF_CPP_MIN_LOG_LEVEL; never the portal's own (checked at submit).
-    env.update({"TF_CPP_MIN_LOG_LEVEL": "1"})
-    env.update(job.env)
-    env.update({k: v for k, v in portal_env.items() if k != "TF_CPP_MIN_LOG_LEVEL"})
-    env_applied = {k: env[k] for k in sorted(portal_env)}
-    env["PORTAL_LAUNCH_CONFIG"] = json.dumps(config)
-    argv = [interpreter, "-u", str(LAUNCHER), str(script), *job.args]
-    return Launch(argv=argv, env=env, cwd=cwd, env_applied=env_applied)
-
-
-def _group_of(user: str) -> int:
-    return pwd.getpwnam(user).pw_gid
+    return script, cwd
 
 
 def _die_with_parent() -> None:
@@ -246,8 +191,8 @@ class Supervisor:
                 preexec_fn=_die_with_parent,
                 # JOB_USER: jobs run as an account that cannot read the worker's secrets.
                 **(
-                    {"user": settings.JOB_USER, "group": _group_of(settings.JOB_USER), "extra_groups": []}
-                    if settings.JOB_USER
+                    {"user": launch.account.pw_uid, "group": launch.account.pw_gid, "extra_groups": []}
+                    if launch.account is not None
                     else {}
                 ),
             )
@@ -357,6 +302,7 @@ class Supervisor:
             Job.objects.filter(pk=self.job.pk)
             .values(
                 "status",
+                "started_at",
                 "cancel_requested_at",
                 "cancelled_by__username",
                 "message",
@@ -367,6 +313,8 @@ class Supervisor:
         )
         if self.stop_reason:
             return
+        # The row is the record: the time limit counts from the start it shows.
+        self.job.started_at = row["started_at"] or self.job.started_at
         if row["status"] == Job.Status.LOST:
             # Declared dead while this worker could not reach the database: its booking may
             # already hold a new job, so this one must not go on.

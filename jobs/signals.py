@@ -3,7 +3,8 @@
 The portal's own worker (the one consuming the default queue, where the telemetry
 collector runs) also runs the job reconciler every JOB_RECONCILE_SECONDS: a thread like
 the collector rather than a beat task, so it costs no broker message and no log lines
-every few seconds, and it runs exactly while the portal's worker does.
+every few seconds, and it runs exactly while the portal's worker does (portal/periodic.py;
+the worker's shutdown stops it).
 
 A GPU host's worker that is told to stop asks its running jobs to stop first.
 
@@ -19,12 +20,15 @@ from __future__ import annotations
 import logging
 import socket
 
+import psutil
 from celery.signals import worker_ready, worker_shutting_down
 from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from gpus.telemetry import PeriodicThread, start_thread
+from jobs.models import Job
+from jobs.services import jobs_reconcile
+from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +38,6 @@ class JobReconciler(PeriodicThread):
         super().__init__("job-reconciler", settings.JOB_RECONCILE_SECONDS)
 
     def step(self) -> None:
-        from jobs.services import jobs_reconcile
-
         close_old_connections()  # a restarted database must not kill the loop
         done = jobs_reconcile()
         if any(done.values()):
@@ -60,8 +62,6 @@ def _on_worker_ready(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
 def kill_orphans(server: str) -> int:
     """Job processes of this server left from a previous worker (its pool process was killed
     and only the launcher died with it): no supervisor watches them now, so they go."""
-    import psutil
-
     killed = 0
     for proc in psutil.process_iter():
         try:
@@ -79,8 +79,6 @@ def kill_orphans(server: str) -> int:
 @worker_shutting_down.connect
 def _stop_running_jobs(**kwargs) -> None:  # type: ignore[no-untyped-def]
     """Only in a GPU host's worker: the portal's own worker runs no jobs."""
-    from jobs.models import Job
-
     if not _host_worker:
         return
     stopping = Job.objects.filter(

@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from datetime import timedelta
 from itertools import pairwise
 
+import psutil
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
@@ -25,6 +25,7 @@ from jobs.models import Job, LogChunk
 from jobs.services import ScriptUpload, job_cancel, job_submit, jobs_reconcile, parse_args
 from jobs.signals import kill_orphans
 from portal.errors import Conflict, Forbidden, Invalid
+from tests.conftest import wait_for
 from tests.factories import make_snapshot
 
 SCRIPT = b"print('hello')\n"
@@ -347,7 +348,8 @@ def test_it_kills_job_processes_a_previous_worker_left_behind():
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        time.sleep(0.3)  # let the environment be readable
+        # Until it has exec'd, the child still has this process's environment.
+        wait_for(lambda: psutil.Process(orphan.pid).environ().get("PORTAL_SERVER"), timeout=10, what="exec")
         assert kill_orphans("orphan-box") == 1
         assert orphan.wait(timeout=5) == -signal.SIGKILL
         assert other.poll() is None

@@ -1,4 +1,4 @@
-"""jobs/launcher.py, run as the worker runs it: a subprocess of the venv's python, no database.
+"""jobs/launcher-bin/launcher.py, run as the worker runs it: a subprocess of the venv's python, no database.
 
 TensorFlow subprocesses cost several seconds each, so there are three: the Keras example, the TF1 session
 example and one script that imports TensorFlow only indirectly.
@@ -6,20 +6,39 @@ example and one script that imports TensorFlow only indirectly.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
-from jobs import launcher
+from jobs.runner import LAUNCHER
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = ROOT / "jobs" / "launcher.py"
+
+
+def _load_launcher() -> ModuleType:
+    """The launcher as a module, for its pure helpers; it lives in no package, so load it by path."""
+    spec = importlib.util.spec_from_file_location("portal_job_launcher", LAUNCHER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    writes = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # no __pycache__ beside it: its folder holds the launcher alone
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = writes
+    return module
+
+
+launcher = _load_launcher()
 EXAMPLES = ROOT / "jobs" / "examples"
 BOOKING = {"job_id": 12, "allow_growth": True, "intra_op_threads": 2, "inter_op_threads": 1}
 
@@ -31,9 +50,7 @@ def launch(
     config: dict[str, Any] | str | None = None,
     cuda: str = "GPU-test-00",
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", launcher.CONFIG_VAR}}
-    # A fake card UUID: TF sees no GPU and runs on the CPU, as on a machine without CUDA.
-    env.update(CUDA_VISIBLE_DEVICES=cuda, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2", PORTAL_JOB_ID="12")
+    env = _job_env(cuda)
     if config is not None:
         env[launcher.CONFIG_VAR] = config if isinstance(config, str) else json.dumps(config)
     return subprocess.run(
@@ -46,6 +63,13 @@ def launch(
     )
 
 
+def _job_env(cuda: str = "GPU-test-00") -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", launcher.CONFIG_VAR}}
+    # A fake card UUID: TF sees no GPU and runs on the CPU, as on a machine without CUDA.
+    env.update(CUDA_VISIBLE_DEVICES=cuda, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2", PORTAL_JOB_ID="12")
+    return env
+
+
 def write(path: Path, source: str) -> Path:
     path.write_text(textwrap.dedent(source))
     return path
@@ -56,7 +80,7 @@ def portal_lines(stdout: str) -> list[str]:
 
 
 def test_it_runs_a_script_without_tensorflow_like_python(tmp_path: Path) -> None:
-    # A user module named like one in jobs/: the launcher's directory must not shadow it.
+    # A user module named like one of the project's: nothing of the portal's may shadow it.
     write(tmp_path / "models.py", "WHO = 'user'\n")
     script = write(
         tmp_path / "train.py",
@@ -95,6 +119,60 @@ def test_it_runs_a_script_without_tensorflow_like_python(tmp_path: Path) -> None
         "job_id": "12",
         "launcher_dir_on_path": False,
     }
+
+
+def test_it_lives_alone_in_a_folder_that_is_no_package() -> None:
+    folder = LAUNCHER.parent
+    assert not folder.name.isidentifier()  # no `import` can name it
+    assert [p.name for p in folder.iterdir() if p.name != "__pycache__"] == ["launcher.py"]
+    tree = ast.parse(LAUNCHER.read_bytes())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    # The job's interpreter may be any venv: the standard library only, TensorFlow when the script uses it.
+    assert {name.split(".")[0] for name in imported} - {"tensorflow"} <= sys.stdlib_module_names
+
+
+@pytest.mark.parametrize("folder", ["project", "link"])
+def test_it_gives_the_script_the_sys_path_of_python_script_py(tmp_path: Path, folder: str) -> None:
+    """Run from another folder by a relative path (`link` is a symlink to `project`): the script
+    imports its own siblings, even those named like the project's modules or the launcher, and the
+    standard library's `selectors` (which the project's jobs/selectors.py would shadow)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (tmp_path / "link").symlink_to(project)
+    for name in ("helpers", "models", "signals", "runner", "launcher"):
+        write(project / f"{name}.py", f"WHO = 'user {name}'\n")
+    write(
+        project / "train.py",
+        """
+        import json, selectors, sys
+        import helpers, launcher, models, runner, signals
+        print("RESULT " + json.dumps({
+            "path": sys.path,
+            "own": [m.WHO for m in (helpers, launcher, models, runner, signals)],
+            "stdlib_selectors": hasattr(selectors, "DefaultSelector"),
+        }))
+        """,
+    )
+    script = f"{folder}/train.py"
+
+    direct = subprocess.run(
+        [sys.executable, "-u", script],
+        cwd=tmp_path,
+        env=_job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    launched = launch(script, cwd=tmp_path, config=BOOKING)
+
+    assert direct.returncode == 0, direct.stderr
+    assert launched.returncode == 0, launched.stderr
+    seen = json.loads(launched.stdout.split("RESULT ", 1)[1])
+    assert seen == json.loads(direct.stdout.split("RESULT ", 1)[1])
+    assert seen["path"][0] == str(project.resolve())
+    assert seen["own"] == ["user helpers", "user launcher", "user models", "user runner", "user signals"]
+    assert seen["stdlib_selectors"] is True
 
 
 @pytest.mark.parametrize(

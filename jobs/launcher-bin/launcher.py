@@ -3,31 +3,29 @@
 The worker runs this file directly with the job's own interpreter (which may be another venv or conda env
 without this project on ``sys.path``)::
 
-    <interpreter> -u /abs/path/jobs/launcher.py <script.py> [args...]
+    <interpreter> -u /abs/path/jobs/launcher-bin/launcher.py <script.py> [args...]
 
 so it imports nothing from the project and only the standard library at import time. TensorFlow is imported
 only when the script imports it (found with ``ast``); otherwise a ``sys.meta_path`` hook applies the settings
 if TensorFlow is imported indirectly later. The configuration comes as JSON in ``PORTAL_LAUNCH_CONFIG``
 (see ``DEFAULTS``); a missing or invalid value exits with code 2.
+
+Python puts this file's folder first on ``sys.path``. That folder is not a package (its name is not even
+an identifier) and holds nothing but this file, so no project module can shadow the standard library's or
+the user's; before the script runs, the script's own folder takes that first place, as with
+``python script.py``.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import json
 import os
+import runpy
 import sys
-
-# Python put this file's directory (the project's jobs/ package) first on sys.path. Its modules (selectors.py,
-# models.py, ...) would shadow the standard library and the user's modules, so drop it before any other
-# import (os and sys are loaded at interpreter start, before sys.path is read).
-_HERE = os.path.dirname(os.path.realpath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-
-import ast  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import runpy  # noqa: E402
-from types import ModuleType, TracebackType  # noqa: E402
-from typing import Any  # noqa: E402
+from types import ModuleType, TracebackType
+from typing import Any
 
 CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"
 PREFIX = "[portal]"
@@ -394,6 +392,18 @@ def prepare(argv: list[str]) -> tuple[dict[str, Any], str]:
     return config, script
 
 
+def _put_script_first_on_path(script: str) -> None:
+    """The sys.path of `python script.py`: the script's (symlink-resolved) folder where Python put ours."""
+    if sys.flags.safe_path:  # -P, -I or PYTHONSAFEPATH: Python added neither folder
+        return
+    here = os.path.dirname(os.path.realpath(__file__))
+    folder = os.path.dirname(os.path.realpath(script))
+    if sys.path and os.path.realpath(sys.path[0] or os.curdir) == here:
+        sys.path[0] = folder
+    else:  # started some other way (imported, -m): keep what is there
+        sys.path.insert(0, folder)
+
+
 def main(argv: list[str]) -> int:
     try:
         config, script = prepare(argv)
@@ -421,9 +431,7 @@ def main(argv: list[str]) -> int:
         if "tensorflow" not in sys.modules:
             sys.meta_path.insert(0, TensorFlowImportHook(config))
 
-    # Same sys.path as `python script.py`: the script's (symlink-resolved) directory first.
-    if not sys.flags.safe_path:
-        sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+    _put_script_first_on_path(script)
     sys.argv = [script, *argv[1:]]
     try:
         # The path as given, not made absolute: run_path sets sys.argv[0] to it (so __file__ is relative

@@ -1,0 +1,141 @@
+"""A job's environment and launch configuration, from its booking: a pure function.
+
+`job_environment` reads nothing but its arguments (no files, no os.environ, no settings, no
+database), so every rule about what a job sees is unit-tested without a worker. The runner
+gathers the facts (the booked card, the worker's environment, the settings, the JOB_USER
+account), calls it, and does everything with side effects: folders, the upload, chown, Popen.
+"""
+
+from __future__ import annotations
+
+import json
+import pwd
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpus.models import Allocation
+from jobs.models import Job
+
+LAUNCH_CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"  # read (and removed) by jobs/launcher-bin/launcher.py
+# Inherited from the worker's environment; everything else (DATABASE_URL, SECRET_KEY,
+# REDIS_URL, TF_CONFIG, ...) stays out of the user's job.
+INHERITED_ENV = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "TMPDIR",
+    "LD_LIBRARY_PATH",
+    "CUDA_HOME",
+    "CUDA_PATH",
+    "XLA_FLAGS",
+    "CONDA_PREFIX",
+    "VIRTUAL_ENV",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+)
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+TF_LOG_LEVEL = "1"  # the user's variables may change it; nothing else of the portal's
+
+
+@dataclass(frozen=True)
+class BookedCard:
+    """One card of the booking, as the environment needs it. Every card of a booking holds the
+    same `memory_mb`, so one card's facts stand for all."""
+
+    memory_mb: int | None  # the booked share; None: the whole card
+    total_mb: int
+    bookable_mb: int  # what bookings may share: total - driver reserved - context headroom
+
+    @classmethod
+    def of(cls, allocation: Allocation) -> BookedCard:
+        gpu = allocation.gpu
+        return cls(
+            memory_mb=allocation.memory_mb, total_mb=gpu.memory_total_mb, bookable_mb=gpu.memory_bookable_mb
+        )
+
+
+@dataclass(frozen=True)
+class JobEnvironment:
+    env: dict[str, str]  # the subprocess's whole environment, PORTAL_LAUNCH_CONFIG included
+    applied: dict[str, str]  # the portal's own variables, shown on the job's page
+    config: dict[str, Any]  # the launch configuration (also in env as JSON)
+
+
+def booked_memory(mode: str, card: BookedCard, *, headroom_mb: int) -> tuple[int | None, float | None]:
+    """TF memory_limit per card (limit modes) and the TF1 session fraction (all but "take all"):
+    booked / card memory, so a legacy session never takes more than the booking, growing or not."""
+    if mode == Job.MemoryMode.ALL:
+        return None, None
+    booked = card.bookable_mb if card.memory_mb is None else card.memory_mb
+    # The CUDA context and cuDNN sit outside TF's allocator: keep headroom for them on a
+    # shared card (a whole card's bookable memory already leaves it).
+    limit = booked if card.memory_mb is None else max(1, booked - headroom_mb)
+    fraction = round(booked / (card.total_mb or 1), 4)
+    return (None if mode == Job.MemoryMode.GROW else limit), fraction
+
+
+def job_environment(
+    job: Job,
+    card: BookedCard,
+    *,
+    inherited: Mapping[str, str],
+    server: str,
+    headroom_mb: int,
+    account: pwd.struct_passwd | None = None,
+) -> JobEnvironment:
+    """What the job's process sees.
+
+    `inherited` is the worker's environment: only INHERITED_ENV passes. `server` is
+    WORKER_SERVER, `headroom_mb` GPU_CONTEXT_HEADROOM_MB, `account` JOB_USER's (its HOME,
+    USER and LOGNAME). The job's own variables come next, and the portal's last: a job cannot
+    override them (job_submit refuses to store them in the first place).
+    """
+    memory_limit, fraction = booked_memory(job.memory_mode, card, headroom_mb=headroom_mb)
+    grow = job.memory_mode in (Job.MemoryMode.GROW, Job.MemoryMode.LIMIT_GROW)
+    config = {
+        "job_id": job.pk,
+        "memory_limit_mb": memory_limit,
+        "allow_growth": grow,
+        "memory_fraction": fraction,
+        "intra_op_threads": job.intra_op_threads,
+        "inter_op_threads": job.inter_op_threads,
+        "soft_placement": job.soft_placement,
+        "log_placement": job.log_placement,
+        "mirrored": job.mirrored,
+    }
+    threads = {
+        "TF_NUM_INTRAOP_THREADS": job.intra_op_threads,
+        "TF_NUM_INTEROP_THREADS": job.inter_op_threads,
+        "OMP_NUM_THREADS": job.intra_op_threads,
+    }
+    portal = {
+        "CUDA_VISIBLE_DEVICES": ",".join(job.gpu_uuids),  # UUIDs, in the booking's order
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # indices as nvidia-smi shows them; UUIDs are exact anyway
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true" if grow else "false",
+        **{name: str(value) for name, value in threads.items() if value},
+        "PYTHONUNBUFFERED": "1",
+        "PORTAL_JOB_ID": str(job.pk),
+        "PORTAL_RESERVATION_ID": str(job.reservation_id),
+        "PORTAL_SERVER": server,
+    }
+    env = {name: inherited[name] for name in INHERITED_ENV if name in inherited}
+    env.setdefault("PATH", DEFAULT_PATH)
+    if account is not None:
+        env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
+    env["TF_CPP_MIN_LOG_LEVEL"] = TF_LOG_LEVEL
+    env.update(job.env)
+    env.update(portal)
+    env[LAUNCH_CONFIG_VAR] = json.dumps(config)
+    applied = {name: env[name] for name in sorted([*portal, "TF_CPP_MIN_LOG_LEVEL"])}
+    return JobEnvironment(env=env, applied=applied, config=config)

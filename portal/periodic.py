@@ -1,0 +1,66 @@
+"""Periodic threads inside a Celery worker: the telemetry reporter and collector, the job reconciler.
+
+Why threads rather than beat tasks: they run exactly while their worker does, cost no broker
+message and no log lines every few seconds. `start_thread` keeps each one so the worker's
+shutdown stops them all (`stop_all`, connected to Celery's `worker_shutdown` below).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from celery.signals import worker_shutdown
+from django.db import connection
+
+log = logging.getLogger(__name__)
+
+
+class PeriodicThread(threading.Thread):
+    """Run `step` every `interval` seconds until stopped; a failed step is logged, not fatal."""
+
+    def __init__(self, name: str, interval: float) -> None:
+        super().__init__(name=name, daemon=True)
+        self.interval = interval
+        self.stopped = threading.Event()
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.step()
+            except Exception:
+                log.exception("%s failed; retrying in %ss", self.name, self.interval)
+            self.stopped.wait(self.interval)
+        self.finish()
+        connection.close()  # this thread's own connection; the process may live on
+
+    def finish(self) -> None:
+        """Called once in the thread after the last step (close a backend, ...)."""
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+_threads: list[PeriodicThread] = []
+
+
+def start_thread(thread: PeriodicThread) -> None:
+    thread.start()
+    _threads.append(thread)
+
+
+def stop_all(timeout: float = 10) -> None:
+    """Stop every thread started here and wait for each (its `finish` included)."""
+    for thread in _threads:
+        thread.stop()
+    for thread in _threads:
+        thread.join(timeout=timeout)
+    _threads.clear()
+
+
+@worker_shutdown.connect
+def _stop_on_worker_shutdown(**kwargs: object) -> None:
+    stop_all()

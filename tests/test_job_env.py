@@ -1,0 +1,167 @@
+"""The job's environment, from its booking: `job_environment` alone, without a database or a worker.
+
+No test here asks for the database: pytest-django would fail any query the function made.
+"""
+
+from __future__ import annotations
+
+import json
+import pwd
+
+import pytest
+
+from gpus.models import GPU, Allocation
+from jobs.environment import LAUNCH_CONFIG_VAR, BookedCard, job_environment
+from jobs.models import Job
+
+Mode = Job.MemoryMode
+GB = 1024
+WHOLE = BookedCard(memory_mb=None, total_mb=24 * GB, bookable_mb=23 * GB)  # 1 GB reserved + headroom
+SHARED = BookedCard(memory_mb=8 * GB, total_mb=24 * GB, bookable_mb=23 * GB)
+HEADROOM = 512
+WORKER_ENV = {
+    "PATH": "/opt/conda/bin:/usr/bin",
+    "HOME": "/root",
+    "USER": "root",
+    "LANG": "C.UTF-8",
+    "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
+    "DATABASE_URL": "postgres://portal:pw@db/portal",
+    "SECRET_KEY": "do-not-leak",
+    "REDIS_URL": "redis://:pw@redis:6379/0",
+    "TF_CONFIG": '{"cluster": {}}',
+    "DJANGO_SETTINGS_MODULE": "portal.settings",
+}
+
+
+def _job(**fields) -> Job:
+    fields = {
+        "pk": 7,
+        "reservation_id": 3,
+        "gpu_uuids": ["GPU-box1-00"],
+        "memory_mode": Mode.LIMIT,
+        **fields,
+    }
+    return Job(**fields)
+
+
+def _build(job: Job, card: BookedCard = SHARED, **kwargs):
+    kwargs = {"inherited": WORKER_ENV, "server": "box1", "headroom_mb": HEADROOM, **kwargs}
+    return job_environment(job, card, **kwargs)
+
+
+def test_it_shows_the_booked_cards_by_uuid_in_booking_order():
+    built = _build(_job(gpu_uuids=["GPU-box1-03", "GPU-box1-01", "GPU-box1-02"]))
+    assert built.env["CUDA_VISIBLE_DEVICES"] == "GPU-box1-03,GPU-box1-01,GPU-box1-02"
+    assert built.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert (built.env["PORTAL_JOB_ID"], built.env["PORTAL_RESERVATION_ID"]) == ("7", "3")
+    assert built.env["PORTAL_SERVER"] == "box1"
+    assert built.env["PYTHONUNBUFFERED"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("card", "mode", "limit", "fraction", "grow"),
+    [
+        # A whole card: TF may use what bookings may share (the headroom is already off it).
+        (WHOLE, Mode.LIMIT, 23 * GB, round(23 / 24, 4), False),
+        (WHOLE, Mode.LIMIT_GROW, 23 * GB, round(23 / 24, 4), True),
+        (WHOLE, Mode.GROW, None, round(23 / 24, 4), True),
+        (WHOLE, Mode.ALL, None, None, False),
+        # A shared card: the booked 8 GB less the CUDA context's headroom.
+        (SHARED, Mode.LIMIT, 8 * GB - HEADROOM, round(8 / 24, 4), False),
+        (SHARED, Mode.LIMIT_GROW, 8 * GB - HEADROOM, round(8 / 24, 4), True),
+        (SHARED, Mode.GROW, None, round(8 / 24, 4), True),
+    ],
+)
+def test_it_limits_memory_by_mode_on_whole_and_shared_cards(card, mode, limit, fraction, grow):
+    built = _build(_job(memory_mode=mode), card)
+    assert built.config["memory_limit_mb"] == limit
+    assert built.config["memory_fraction"] == fraction
+    assert built.config["allow_growth"] is grow
+    assert built.env["TF_FORCE_GPU_ALLOW_GROWTH"] == ("true" if grow else "false")
+    assert json.loads(built.env[LAUNCH_CONFIG_VAR]) == built.config
+
+
+def test_it_passes_the_rest_of_the_tensorflow_settings_to_the_launcher():
+    job = _job(soft_placement=False, log_placement=True, mirrored=True, gpu_uuids=["GPU-a", "GPU-b"])
+    config = _build(job).config
+    assert config["job_id"] == 7
+    assert (config["soft_placement"], config["log_placement"], config["mirrored"]) == (False, True, True)
+
+
+def test_it_sets_the_thread_variables_only_when_the_job_has_threads():
+    built = _build(_job(intra_op_threads=6, inter_op_threads=2))
+    assert built.env["TF_NUM_INTRAOP_THREADS"] == "6"
+    assert built.env["TF_NUM_INTEROP_THREADS"] == "2"
+    assert built.env["OMP_NUM_THREADS"] == "6"
+    assert (built.config["intra_op_threads"], built.config["inter_op_threads"]) == (6, 2)
+    unset = _build(_job(intra_op_threads=None, inter_op_threads=None))
+    assert not {"TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS"} & set(unset.env)
+    assert (unset.config["intra_op_threads"], unset.config["inter_op_threads"]) == (None, None)
+
+
+def test_it_lets_the_users_variables_in_but_never_over_the_portals():
+    # job_submit refuses these; a row written some other way still cannot get past the portal.
+    mine = {
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+        "CUDA_DEVICE_ORDER": "FASTEST_FIRST",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        "TF_NUM_INTRAOP_THREADS": "64",
+        "PORTAL_JOB_ID": "1",
+        "PORTAL_SERVER": "elsewhere",
+        LAUNCH_CONFIG_VAR: "{}",
+        "WANDB_MODE": "offline",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    built = _build(_job(env=mine, intra_op_threads=4))
+    env = built.env
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-box1-00" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "false" and env["TF_NUM_INTRAOP_THREADS"] == "4"
+    assert (env["PORTAL_JOB_ID"], env["PORTAL_SERVER"]) == ("7", "box1")
+    assert json.loads(env[LAUNCH_CONFIG_VAR]) == built.config
+    assert env["WANDB_MODE"] == "offline"
+    assert env["TF_CPP_MIN_LOG_LEVEL"] == "3"  # the one portal default a user may change
+    # The job's page shows what the portal set, as the job got it.
+    assert built.applied["TF_CPP_MIN_LOG_LEVEL"] == "3"
+    assert built.applied["CUDA_VISIBLE_DEVICES"] == "GPU-box1-00"
+    assert "WANDB_MODE" not in built.applied and LAUNCH_CONFIG_VAR not in built.applied
+    assert list(built.applied) == sorted(built.applied)
+
+
+def test_it_never_inherits_the_workers_secrets():
+    env = _build(_job()).env
+    assert not {"DATABASE_URL", "SECRET_KEY", "REDIS_URL", "TF_CONFIG", "DJANGO_SETTINGS_MODULE"} & set(env)
+    assert not any("do-not-leak" in value for value in env.values())
+    assert env["PATH"] == "/opt/conda/bin:/usr/bin"
+    assert (env["LANG"], env["LD_LIBRARY_PATH"]) == ("C.UTF-8", "/usr/local/cuda/lib64")
+    assert env["TF_CPP_MIN_LOG_LEVEL"] == "1"
+
+
+def test_it_gives_a_plain_path_when_the_worker_has_none():
+    assert _build(_job(), inherited={}).env["PATH"] == "/usr/local/bin:/usr/bin:/bin"
+
+
+def test_it_runs_as_job_users_home_and_name():
+    account = pwd.struct_passwd(("labjob", "x", 1500, 1500, "", "/home/labjob", "/bin/sh"))
+    env = _build(_job(), account=account).env
+    assert (env["HOME"], env["USER"], env["LOGNAME"]) == ("/home/labjob", "labjob", "labjob")
+    # Without JOB_USER the job runs as the worker's user, in its HOME.
+    env = _build(_job()).env
+    assert (env["HOME"], env["USER"]) == ("/root", "root") and "LOGNAME" not in env
+
+
+def test_it_reads_nothing_but_its_arguments(monkeypatch, settings):
+    monkeypatch.setenv("LANG", "xx_XX.UTF-8")
+    monkeypatch.setenv("SECRET_KEY", "from-os-environ")
+    settings.WORKER_SERVER = "from-settings"
+    settings.GPU_CONTEXT_HEADROOM_MB = 4096
+    built = _build(_job(), inherited={"PATH": "/bin"}, server="box9", headroom_mb=256)
+    assert set(built.env) - set(built.applied) == {"PATH", LAUNCH_CONFIG_VAR}
+    assert built.env["PORTAL_SERVER"] == "box9"
+    assert built.config["memory_limit_mb"] == 8 * GB - 256
+
+
+def test_it_takes_a_cards_facts_from_its_allocation(settings):
+    settings.GPU_CONTEXT_HEADROOM_MB = 512
+    gpu = GPU(uuid="GPU-box1-00", memory_total_mb=24 * GB, memory_reserved_mb=512)
+    assert BookedCard.of(Allocation(gpu=gpu, memory_mb=None)) == BookedCard(None, 24 * GB, 23 * GB)
+    assert BookedCard.of(Allocation(gpu=gpu, memory_mb=4096)) == BookedCard(4096, 24 * GB, 23 * GB)
