@@ -1,16 +1,15 @@
 """`make run`: the web server plus one Celery worker per GPU host this machine stands for.
 
 With real NVML that is this host; with the simulated inventory it is every simulated
-server, so the whole portal can be tried on a laptop. Ctrl-C stops everything started.
+server, so the whole portal can be tried on a laptop. A child that dies is restarted
+(portal/supervisor.py); Ctrl-C or SIGTERM stops everything started.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from django.conf import settings
@@ -20,6 +19,7 @@ from django.core.management.base import BaseCommand, CommandError
 from gpus.inventory import BackendUnavailable
 from portal.env import env_int, env_str
 from portal.services import demo_data_seed
+from portal.supervisor import ChildSpec, Supervisor
 from portal.workers import worker_argv
 
 
@@ -39,6 +39,27 @@ def _worker_servers() -> tuple[list[str], bool]:
     return server_names(Path(settings.SIMULATED_INVENTORY) if settings.SIMULATED_INVENTORY else None), True
 
 
+def _web_argv(bind: str) -> list[str]:
+    # The control socket in VAR_DIR, not ~/.gunicorn/gunicorn.ctl: two portals on one machine
+    # (a test's and `make run`) would otherwise take it from each other.
+    return [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "portal.wsgi",
+        "-b",
+        bind,
+        "--workers",
+        "2",
+        "--threads",
+        "4",
+        "--access-logfile",
+        "-",
+        "--control-socket",
+        str(settings.VAR_DIR / "gunicorn.ctl"),
+    ]
+
+
 class Command(BaseCommand):
     help = "Serve the portal with its workers (what `make run` calls)."
 
@@ -47,36 +68,17 @@ class Command(BaseCommand):
         call_command("collectstatic", interactive=False, verbosity=0)
         seeded = demo_data_seed(password=settings.PORTAL_DEMO_PASSWORD)
         servers, simulated = _worker_servers()
-        python = sys.executable
-        children: list[subprocess.Popen] = []
         # The portal's own worker (collector, job reconciler, the portal's one beat) apart from
         # the GPU hosts' workers, whose pool slots are held by jobs for as long as they run.
         beat = str(settings.VAR_DIR / "celerybeat-schedule")
-        children.append(subprocess.Popen(worker_argv("portal", "portal@%h", beat_schedule=beat)))
+        children = [ChildSpec("worker portal", worker_argv("portal", "portal@%h", beat_schedule=beat))]
+        concurrency = env_int("WORKER_CONCURRENCY", 4, min_value=1)
         for name in servers:
             env = {**os.environ, "WORKER_SERVER": name, "GPU_BACKEND": "simulated" if simulated else "nvml"}
-            concurrency = env_int("WORKER_CONCURRENCY", 4, min_value=1)
             argv = worker_argv(f"host.{name}", f"{name}@%h", concurrency=concurrency)
-            children.append(subprocess.Popen(argv, env=env))
+            children.append(ChildSpec(f"worker host.{name}", argv, env))
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
-        children.append(
-            subprocess.Popen(
-                [
-                    python,
-                    "-m",
-                    "gunicorn",
-                    "portal.wsgi",
-                    "-b",
-                    f"{bind}:{settings.PORT}",
-                    "--workers",
-                    "2",
-                    "--threads",
-                    "4",
-                    "--access-logfile",
-                    "-",
-                ]
-            )
-        )
+        children.append(ChildSpec("web server", _web_argv(f"{bind}:{settings.PORT}")))
         host = "localhost" if bind in ("0.0.0.0", "127.0.0.1") else bind
         self.stdout.write(self.style.SUCCESS(f"\nGPU lab portal: http://{host}:{settings.PORT}/"))
         if simulated:
@@ -88,27 +90,17 @@ class Command(BaseCommand):
                 f"Demo logins: admin, leader, alice, bob / password {settings.PORTAL_DEMO_PASSWORD!r}"
                 " (set PORTAL_DEMO_PASSWORD before the first run; change these on a real deployment)."
             )
-        self.stdout.write("Ctrl-C stops the portal and its workers.\n")
-        self._supervise(children)
+        self.stdout.write("A worker or the web server that dies is restarted; Ctrl-C stops them all.\n")
+        self.stdout.flush()
+        supervisor = Supervisor(children, log=self._log)
+        signal.signal(signal.SIGINT, supervisor.request_stop)
+        signal.signal(signal.SIGTERM, supervisor.request_stop)
+        # A closed terminal must not leave the children running without us; under nohup
+        # (SIGHUP ignored) it must not stop the portal either.
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, supervisor.request_stop)
+        supervisor.run()
 
-    def _supervise(self, children: list[subprocess.Popen]) -> None:
-        stopping = False
-
-        def stop(*_: object) -> None:
-            nonlocal stopping
-            stopping = True
-
-        signal.signal(signal.SIGINT, stop)
-        signal.signal(signal.SIGTERM, stop)
-        while not stopping and all(child.poll() is None for child in children):
-            time.sleep(0.5)
-        for child in children:
-            if child.poll() is None:
-                child.terminate()
-        deadline = time.monotonic() + 20
-        for child in children:
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+    def _log(self, line: str) -> None:
+        self.stdout.write(f"[runportal] {line}")
+        self.stdout.flush()  # a line a minute late in a log file helps nobody
