@@ -22,7 +22,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
-from gpus.quotas import Use, peak, quota_refusal
+from gpus.quotas import Use, has_limits, peak, quota_refusal
 from portal.access import can_manage_team, display_name, team_ids_of
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, Team
@@ -193,12 +193,27 @@ def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membe
         raise Forbidden(
             "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
         )
-    limits = membership.team
-    if any(v is not None for v in (limits.max_cards, limits.max_gb, limits.gpu_hours_per_week)):
+    if has_limits(membership.team):
         # Two bookings of this team cannot both pass its quota. Teams without limits are not
         # locked, so their members' bookings of different cards never wait for each other.
-        list(Team.objects.select_for_update().filter(pk=limits.pk).values_list("pk"))
+        list(Team.objects.select_for_update().filter(pk=membership.team_id).values_list("pk"))
     return membership
+
+
+def _check_request(gpus: Sequence[str] | None, count: int | None, memory_mb: int | None, note: str) -> None:
+    """What a booking request must say, before anything is read or locked."""
+    if memory_mb is not None and memory_mb <= 0:
+        raise Invalid("Memory must be more than 0; leave it empty to book whole cards.", field="memory_mb")
+    if len(note) > 500:
+        raise Invalid(f"The note is {len(note)} characters; keep it to 500.", field="note")
+    if gpus and count:
+        raise Invalid("Give either GPUs to book or a count of cards to pick, not both.", field="gpus")
+    if not gpus and not count:
+        raise Invalid("Pick at least one GPU, or give a count of cards for the portal to pick.", field="gpus")
+    if gpus and len(set(gpus)) != len(gpus):
+        raise Invalid("A GPU is listed twice; list each card once.", field="gpus")
+    if count is not None and count < 1:
+        raise Invalid("The count must be at least 1.", field="count")
 
 
 def _check_window(
@@ -323,6 +338,12 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
         candidates = candidates.filter(server__in=Server.objects.online())
     gpus = list(candidates)
     if not gpus and not server:
+        if Server.objects.online().exists():
+            raise Conflict(
+                "Every online GPU server is draining (taking no new bookings), so the portal has no "
+                "cards to pick from. Try again later, or ask an admin which server to use.",
+                field="server",
+            )
         raise Conflict(
             "No GPU server is online now, so the portal has no cards to pick from. Pick cards on the "
             "dashboard or name a server to book ahead, or try again once a server reports.",
@@ -369,6 +390,27 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
         "Try fewer cards, less memory or a later time; the server timelines show what is free.",
         field="count",
     )
+
+
+def _pick_and_lock(
+    count: int, server: str | None, memory_mb: int | None, start: datetime, end: datetime
+) -> list[GPU]:
+    """Pick cards, lock them and check them again: another booking may have taken one between
+    the unlocked pick and the lock, and then the portal picks again.
+
+    Each attempt is a savepoint. A failed one releases the row locks it took, so the next
+    attempt again locks its cards in UUID order with none held: two bookings cannot deadlock.
+    """
+    for attempt in range(1, PICK_ATTEMPTS + 1):
+        try:
+            with transaction.atomic():
+                cards = _locked_gpus(_pick(count, server, memory_mb, start, end), memory_mb)
+                _check_free(cards, start, end, memory_mb)
+                return cards
+        except _Blocked:
+            if attempt == PICK_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _audit(
@@ -418,34 +460,14 @@ def reservation_create(
     now = now or timezone.now()
     start = start or now
     end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
-    if memory_mb is not None and memory_mb <= 0:
-        raise Invalid("Memory must be more than 0; leave it empty to book whole cards.", field="memory_mb")
-    if len(note) > 500:
-        raise Invalid(f"The note is {len(note)} characters; keep it to 500.", field="note")
-    if gpus and count:
-        raise Invalid("Give either GPUs to book or a count of cards to pick, not both.", field="gpus")
-    if not gpus and not count:
-        raise Invalid("Pick at least one GPU, or give a count of cards for the portal to pick.", field="gpus")
-    if gpus and len(set(gpus)) != len(gpus):
-        raise Invalid("A GPU is listed twice; list each card once.", field="gpus")
-    if count is not None and count < 1:
-        raise Invalid("The count must be at least 1.", field="count")
-
+    _check_request(gpus, count, memory_mb, note)
     membership = _locked_membership(user, team)
     _check_window(start, end, membership, now)
     if gpus:
         cards = _locked_gpus(gpus, memory_mb)
         _check_free(cards, start, end, memory_mb)
     else:
-        for attempt in range(PICK_ATTEMPTS):
-            cards = _locked_gpus(_pick(count or 0, server, memory_mb, start, end), memory_mb)
-            try:
-                _check_free(cards, start, end, memory_mb)
-                break
-            except _Blocked:
-                # Another booking took a picked card between the pick and the lock: pick again.
-                if attempt == PICK_ATTEMPTS - 1:
-                    raise
+        cards = _pick_and_lock(count or 0, server, memory_mb, start, end)
     _check_quota(membership, cards, memory_mb, start, end)
 
     reservation = Reservation.objects.create(

@@ -8,6 +8,10 @@ the worker's shutdown stops it).
 
 A GPU host's worker that is told to stop asks its running jobs to stop first.
 
+Each telemetry round (gpus' collector) also reports the processes on every card: the jobs'
+peak memory and utilization are recorded from it here, since jobs builds on gpus and not
+the reverse.
+
 On SIGTERM (systemctl stop) Celery's warm shutdown waits for running tasks. Each job's
 supervisor sees this request within a second and stops its job the usual way (SIGTERM,
 SIGKILL after JOB_KILL_GRACE_SECONDS), so the worker exits within the grace period
@@ -23,11 +27,14 @@ import socket
 import psutil
 from celery.signals import worker_ready, worker_shutting_down
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, transaction
+from django.dispatch import receiver
 from django.utils import timezone
 
+from gpus.inventory import GPUInfo
+from gpus.services import telemetry_ingested
 from jobs.models import Job
-from jobs.services import jobs_reconcile
+from jobs.services import jobs_reconcile, jobs_usage_record
 from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
@@ -89,3 +96,14 @@ def _stop_running_jobs(**kwargs) -> None:  # type: ignore[no-untyped-def]
     ).update(cancel_requested_at=timezone.now(), message=f"The worker on {socket.gethostname()} shut down.")
     if stopping:
         log.warning("Worker shutting down: stopping %d running job(s)", stopping)
+
+
+@receiver(telemetry_ingested, dispatch_uid="jobs_usage_record")
+def _record_job_usage(sender: object, *, cards: list[GPUInfo], **kwargs: object) -> None:
+    """Sent inside the round's transaction: a failure here costs the jobs' usage figures of this
+    round only (its own savepoint rolls back), never the telemetry of every host."""
+    try:
+        with transaction.atomic():
+            jobs_usage_record(cards=cards)
+    except Exception:  # a usage figure is never worth the telemetry of every host
+        log.exception("Could not record this round's job usage; telemetry goes on")

@@ -8,6 +8,7 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from gpus import booking
 from gpus.booking import (
     reservation_cancel,
     reservation_create,
@@ -326,7 +327,7 @@ def test_the_status_filter_in_sql_agrees_with_the_derived_status(alice, box, t0)
     [
         ("drain", {"count": 1, "server": "box1"}, 400, "server", "Server box1 is draining"),
         ("offline", {"count": 1}, 409, "server", "No GPU server is online now"),
-        ("drain", {"count": 2, "memory_mb": 1024}, 409, "server", "No GPU server is online now"),
+        ("drain", {"count": 2, "memory_mb": 1024}, 409, "server", "Every online GPU server is draining"),
     ],
 )
 def test_the_api_answers_a_count_with_no_card_to_pick_from_with_a_4xx(
@@ -345,3 +346,19 @@ def test_the_api_answers_a_count_with_no_card_to_pick_from_with_a_4xx(
     body = response.json()
     assert says in body["detail"] and list(body["errors"]) == [field]
     assert not Reservation.objects.exists() and not AuditEntry.objects.exists()
+
+
+def test_it_picks_again_when_a_picked_card_was_taken_before_the_lock(alice, bob, box, t0, monkeypatch):
+    """The pick reads without locks; a card booked between the pick and the lock is re-picked,
+    and the failed attempt's savepoint gives its row locks back."""
+    book(bob, box[:1], t0)
+    real_pick = booking._pick
+    picks = []
+
+    def stale_then_real(*args, **kwargs):
+        picks.append(1)
+        return [box[0].uuid] if len(picks) == 1 else real_pick(*args, **kwargs)
+
+    monkeypatch.setattr(booking, "_pick", stale_then_real)
+    r = reservation_create(user=alice, count=1, server="box1", start=t0, end=t0 + H)
+    assert len(picks) == 2 and r.allocations.get().gpu_id != box[0].uuid

@@ -16,7 +16,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="gpuprocess",
             name="job_id",
-            field=models.PositiveIntegerField(
+            field=models.PositiveBigIntegerField(
                 blank=True, help_text="The portal job (PORTAL_JOB_ID).", null=True
             ),
         ),
