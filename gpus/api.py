@@ -9,6 +9,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from gpus import booking
 from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
 from gpus.filters import GPUFilter, ReservationFilter
 from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server
@@ -159,15 +160,15 @@ class CancelSerializer(serializers.Serializer):
 
 
 class MayCancel(IsOwnerOrTeamManager):
-    message = "Only the owner, leaders of the booking's team and admins can cancel it."
+    message = booking.ONLY_OWNER_OR_MANAGER_CANCELS
 
 
 class MayRelease(IsOwner):
-    message = "Only the owner can release a booking; leaders and admins cancel it with a reason."
+    message = booking.ONLY_OWNER_RELEASES
 
 
 class MayExtend(IsOwner):
-    message = "Only the owner can extend a booking."
+    message = booking.ONLY_OWNER_EXTENDS
 
 
 class ReservationViewSet(

@@ -29,6 +29,10 @@ from portal.models import AuditEntry, Membership, Team
 from portal.timefmt import format_time
 
 PICK_ATTEMPTS = 3
+# Who may act on a booking; the API's permission classes answer with the same words.
+ONLY_OWNER_EXTENDS = "Only the owner can extend a booking."
+ONLY_OWNER_RELEASES = "Only the owner can release a booking; leaders and admins cancel it with a reason."
+ONLY_OWNER_OR_MANAGER_CANCELS = "Only the owner, leaders of the booking's team and admins can cancel it."
 # Only what the rules read is loaded from the locked card rows.
 _LOCKED_GPU_FIELDS = (
     "uuid",
@@ -504,7 +508,7 @@ def reservation_extend(
     now = now or timezone.now()
     reservation = _locked_reservation(reservation)
     if reservation.owner_id != user.pk:
-        raise Forbidden("Only the owner can extend a booking.")
+        raise Forbidden(ONLY_OWNER_EXTENDS)
     status = reservation.status_at(now)
     if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
         raise Invalid(f"This booking is {status.label.lower()}; make a new one instead.", field="end")
@@ -554,7 +558,7 @@ def reservation_cancel(
     reservation = _locked_reservation(reservation)
     is_owner = reservation.owner_id == user.pk
     if not is_owner and not can_manage_team(user, reservation.team_id):
-        raise Forbidden("Only the owner, leaders of the booking's team and admins can cancel it.")
+        raise Forbidden(ONLY_OWNER_OR_MANAGER_CANCELS)
     status = reservation.status_at(now)
     if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
         raise Invalid(f"This booking is already {status.label.lower()}; there is nothing to cancel.")
@@ -603,7 +607,7 @@ def reservation_release(
     now = now or timezone.now()
     reservation = _locked_reservation(reservation)
     if reservation.owner_id != user.pk:
-        raise Forbidden("Only the owner can release a booking; leaders and admins cancel it with a reason.")
+        raise Forbidden(ONLY_OWNER_RELEASES)
     status = reservation.status_at(now)
     if status == Reservation.Status.UPCOMING:
         raise Invalid("This booking has not started yet; cancel it instead.")
