@@ -128,7 +128,9 @@ class GPUProcess(models.Model):
     # The portal job this process belongs to (its PORTAL_JOB_ID), if any: a plain number, not a
     # foreign key, because jobs build on gpus and not the reverse; telemetry rows are replaced
     # every round, so they must never block a job's deletion either.
-    job_id = models.PositiveBigIntegerField(null=True, blank=True, help_text="The portal job (PORTAL_JOB_ID).")
+    job_id = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="The portal job (PORTAL_JOB_ID)."
+    )
 
     class Meta:
         ordering = ["gpu", "-used_memory_mb", "pid"]

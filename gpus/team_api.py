@@ -1,10 +1,11 @@
-"""Team quota API: /api/v1/teams/{slug}/… (the team page's rules, through the same helper and services).
+"""Team quota API: /api/v1/teams/{slug}/… (the team page's rules and services).
 
-Who may do what:
-  GET   teams/{slug}/                    members and admins (outsiders 404)
-  PATCH teams/{slug}/                    admins → quota_team_set (members and leaders 403)
-  GET   teams/{slug}/members/            leaders and admins (plain members 403)
-  GET   teams/{slug}/members/{username}/ leaders, admins and that member
+Who may do what (outsiders get 404 everywhere: the team is looked up among those they may see,
+portal.permissions.teams_visible_to; the 403s are the permission classes named here):
+  GET   teams/{slug}/                    members and admins
+  PATCH teams/{slug}/                    admins → quota_team_set (MaySetTeamQuota: members and leaders 403)
+  GET   teams/{slug}/members/            leaders and admins (IsTeamManager: plain members 403)
+  GET   teams/{slug}/members/{username}/ leaders, admins and that member (IsTeamManagerOrSelfReadOnly)
   PATCH teams/{slug}/members/{username}/ leaders and admins → quota_member_set
 
 The team list and the audit log are portal's (portal/api.py). Serializers check types only;
@@ -16,18 +17,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import PermissionDenied
-from django.shortcuts import get_object_or_404
 from django.urls import URLPattern, URLResolver, path
 from drf_spectacular.utils import extend_schema, extend_schema_field
 from rest_framework import generics, serializers
+from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from gpus.quotas import QUOTA_MAX, quota_member_set, quota_team_set, team_use, team_use_total
-from portal.access import is_admin, roles_of, team_for_user
+from portal.access import roles_of
 from portal.api import TeamSerializer
 from portal.models import Membership, Team
+from portal.permissions import (
+    IsAdminOrReadOnly,
+    IsTeamManager,
+    IsTeamManagerOrSelfReadOnly,
+    TeamLookupMixin,
+    teams_visible_to,
+)
 
 
 def _limit(help_text: str) -> serializers.IntegerField:
@@ -119,65 +126,74 @@ class MemberSerializer(serializers.ModelSerializer):
         return QuotaUseSerializer(use).data if use else dict(NO_USE)
 
 
+class MaySetTeamQuota(IsAdminOrReadOnly):
+    message = "Only admins set team quotas; ask one."
+
+
 class TeamDetail(generics.GenericAPIView):
     """A team, its quota and its use now / this week. PATCH (admins) sets the quota."""
 
     serializer_class = TeamDetailSerializer
-    queryset = Team.objects.all()
+    permission_classes = [IsAuthenticated, MaySetTeamQuota]
     lookup_field = "slug"
+
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
+            return Team.objects.none()
+        return teams_visible_to(self.request.user)
 
     def _show(self, team: Team) -> Response:
         return Response(TeamDetailSerializer(team, context={"roles": roles_of(self.request.user)}).data)
 
     def get(self, request: Request, slug: str) -> Response:
-        return self._show(team_for_user(request.user, slug, manage=False))
+        return self._show(self.get_object())
 
     @extend_schema(request=TeamQuotaInputSerializer, responses=TeamDetailSerializer)
     def patch(self, request: Request, slug: str) -> Response:
-        team = team_for_user(request.user, slug, manage=False)
-        if not is_admin(request.user):
-            raise PermissionDenied("Only admins set team quotas; ask one.")
+        team = self.get_object()
         data = TeamQuotaInputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         return self._show(quota_team_set(actor=request.user, team=team, **data.validated_data))
 
 
-class MemberList(generics.GenericAPIView):
+class MemberList(TeamLookupMixin, generics.GenericAPIView):
     """The team's members with their quotas and use (leaders and admins)."""
 
     serializer_class = MemberSerializer
     queryset = Membership.objects.none()
+    permission_classes = [IsAuthenticated, IsTeamManager]
 
     @extend_schema(responses=MemberSerializer(many=True))
     def get(self, request: Request, slug: str) -> Response:
-        team = team_for_user(request.user, slug, manage=True)
+        team = self.get_team()
         members = team.memberships.select_related("user", "team").order_by("role", "user__username")
         return Response(MemberSerializer(members, many=True, context={"use": team_use(team)}).data)
 
 
-class MemberDetail(generics.GenericAPIView):
+class MemberDetail(TeamLookupMixin, generics.GenericAPIView):
     """One member's quota and use: leaders, admins and the member; PATCH: leaders and admins."""
 
     serializer_class = MemberSerializer
-    queryset = Membership.objects.none()
+    permission_classes = [IsAuthenticated, IsTeamManagerOrSelfReadOnly]
+    lookup_field = "user__username"
+    lookup_url_kwarg = "username"
 
-    def _membership(self, slug: str, username: str, *, manage: bool) -> Membership:
-        user = self.request.user
-        own = username == user.get_username()
-        team = team_for_user(user, slug, manage=manage or not own)
-        return get_object_or_404(
-            Membership.objects.select_related("user", "team"), team=team, user__username=username
-        )
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
+            return Membership.objects.none()
+        # The membership is the object whose permissions count; its team only has to be visible.
+        team = self.get_team(check_permissions=False)
+        return team.memberships.select_related("user", "team")
 
     def _show(self, membership: Membership) -> Response:
         return Response(MemberSerializer(membership, context={"use": team_use(membership.team)}).data)
 
     def get(self, request: Request, slug: str, username: str) -> Response:
-        return self._show(self._membership(slug, username, manage=False))
+        return self._show(self.get_object())
 
     @extend_schema(request=MemberQuotaInputSerializer, responses=MemberSerializer)
     def patch(self, request: Request, slug: str, username: str) -> Response:
-        membership = self._membership(slug, username, manage=True)
+        membership = self.get_object()
         data = MemberQuotaInputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         return self._show(quota_member_set(actor=request.user, membership=membership, **data.validated_data))

@@ -48,6 +48,11 @@ def display_name(
     return "another user"
 
 
+def only_managers(team: Team) -> str:
+    """Why a member who does not lead `team` is refused (pages and API alike)."""
+    return f"Only leaders of {team} and admins manage it."
+
+
 def team_for_user(user: AbstractBaseUser, slug: str, *, manage: bool) -> Team:
     """The team if the user is a member or an admin, else 404 (outsiders never learn it exists).
 
@@ -60,5 +65,5 @@ def team_for_user(user: AbstractBaseUser, slug: str, *, manage: bool) -> Team:
     if role is None:
         raise Http404("No such team.")
     if manage and role != Membership.Role.LEADER:
-        raise PermissionDenied(f"Only leaders of {team} and admins manage it.")
+        raise PermissionDenied(only_managers(team))
     return team

@@ -1,8 +1,8 @@
-"""Teams API: /api/v1/teams/… (the pages' rules, through the same access helper).
+"""Teams API: /api/v1/teams/… (the pages' rules: portal.access, through portal.permissions).
 
 Who may do what:
   GET   teams/                           your teams (admins: all)
-  GET   teams/{slug}/audit/              leaders and admins (paginated, newest first)
+  GET   teams/{slug}/audit/              leaders and admins (paginated, newest first; outsiders 404)
 
 A team's quota, its members' quotas and their use (teams/{slug}/, teams/{slug}/members/…)
 are counted from bookings, so they are served by gpus/team_api.py.
@@ -14,11 +14,13 @@ from typing import Any
 
 from django.urls import URLPattern, URLResolver, path
 from rest_framework import generics, serializers
+from rest_framework.permissions import IsAuthenticated
 
-from portal.access import is_admin, roles_of, team_for_user, team_ids_of
+from portal.access import roles_of
 from portal.filters import AuditEntryFilter
 from portal.models import AuditEntry, Team
 from portal.pagination import PagePagination
+from portal.permissions import IsTeamManager, TeamLookupMixin, teams_visible_to
 
 
 class TeamSerializer(serializers.ModelSerializer):
@@ -50,15 +52,13 @@ class TeamList(generics.ListAPIView):
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return Team.objects.none()
-        user = self.request.user
-        teams = Team.objects.all() if is_admin(user) else Team.objects.filter(pk__in=team_ids_of(user))
-        return teams.order_by("name")
+        return teams_visible_to(self.request.user).order_by("name")
 
     def get_serializer_context(self) -> dict[str, Any]:
         return {**super().get_serializer_context(), "roles": roles_of(self.request.user)}
 
 
-class AuditList(generics.ListAPIView):
+class AuditList(TeamLookupMixin, generics.ListAPIView):
     """The team's audit log, newest first: every booking action and quota change (leaders, admins).
 
     Filters: ?action= ?actor= ?target= ?since=YYYY-MM-DD ?until=YYYY-MM-DD (portal.filters).
@@ -67,12 +67,12 @@ class AuditList(generics.ListAPIView):
     serializer_class = AuditEntrySerializer
     pagination_class = PagePagination
     filterset_class = AuditEntryFilter
+    permission_classes = [IsAuthenticated, IsTeamManager]
 
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return AuditEntry.objects.none()
-        team = team_for_user(self.request.user, self.kwargs["slug"], manage=True)
-        return AuditEntry.objects.filter(team=team).select_related("actor")
+        return AuditEntry.objects.filter(team=self.get_team()).select_related("actor")
 
 
 team_urlpatterns: list[URLPattern | URLResolver] = [

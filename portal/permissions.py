@@ -3,16 +3,21 @@
 Who may see an object is the view's queryset (scoped by visibility), so DRF's `get_object`
 answers 404 for the rest. These classes answer 403 for what is visible but not the user's to do.
 The services check the same rules (they raise Forbidden); these keep the API's answer declared.
+The rules themselves are portal.access's, which the pages use too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rest_framework.permissions import BasePermission
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import QuerySet
+from rest_framework.generics import get_object_or_404
+from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
-from portal.access import can_manage_team
+from portal.access import can_manage_team, is_admin, only_managers, team_ids_of
+from portal.models import Team
 
 
 class IsOwner(BasePermission):
@@ -42,3 +47,60 @@ class ActionPermissionsMixin:
     def get_permissions(self) -> list[BasePermission]:
         extra = self.action_permissions.get(getattr(self, "action", None) or "", [])
         return [*super().get_permissions(), *(permission() for permission in extra)]  # type: ignore[misc]
+
+
+# --- teams ---------------------------------------------------------------------------------
+
+
+def teams_visible_to(user: AbstractBaseUser) -> QuerySet[Team]:
+    """The teams a user may see: their own; admins see every team. Outsiders never learn the rest exist."""
+    return Team.objects.all() if is_admin(user) else Team.objects.filter(pk__in=team_ids_of(user))
+
+
+def _team_of(obj: Team | Any) -> Team:
+    """A team is its own team; anything else (a membership) names its `team`."""
+    return obj if isinstance(obj, Team) else obj.team
+
+
+class IsAdminOrReadOnly(BasePermission):
+    """Whoever may see the object reads it; only admins change it."""
+
+    message = "Only admins can change this; ask one."
+
+    def has_object_permission(self, request: Request, view: Any, obj: Any) -> bool:
+        return request.method in SAFE_METHODS or is_admin(request.user)
+
+
+class IsTeamManager(BasePermission):
+    """Leaders of the team (the object itself, or the object's `team`) and admins."""
+
+    message = "Only leaders of the team and admins manage it."
+
+    def has_object_permission(self, request: Request, view: Any, obj: Any) -> bool:
+        team = _team_of(obj)
+        self.message = only_managers(team)
+        return can_manage_team(request.user, team)
+
+
+class IsTeamManagerOrSelfReadOnly(IsTeamManager):
+    """A membership: its own user reads it; leaders of its team and admins read and change it."""
+
+    def has_object_permission(self, request: Request, view: Any, obj: Any) -> bool:
+        if request.method in SAFE_METHODS and obj.user_id == request.user.pk:
+            return True
+        return super().has_object_permission(request, view, obj)
+
+
+class TeamLookupMixin:
+    """For API views under teams/{slug}/…: `get_team()` finds the team in the URL the way DRF's
+    `get_object` finds an object, among `teams_visible_to` the user (others: 404), then through the
+    view's permission classes (403). One lookup for every nested route, so they cannot disagree."""
+
+    def get_team(self, *, check_permissions: bool = True) -> Team:
+        """check_permissions=False where the team only leads to the view's object (a membership),
+        whose permissions `get_object` checks instead."""
+        request = self.request  # type: ignore[attr-defined]
+        team = get_object_or_404(teams_visible_to(request.user), slug=self.kwargs["slug"])  # type: ignore[attr-defined]
+        if check_permissions:
+            self.check_object_permissions(request, team)  # type: ignore[attr-defined]
+        return team

@@ -367,14 +367,25 @@ def test_it_hides_a_team_from_a_leader_of_another_team(client, api, team, alice)
 
 API_TEAM = "/api/v1/teams/vision-lab/"
 API_ACCESS = {
+    # (method, url): expected status for alice (owner of the quota), bob (teammate),
+    # charlie (outsider), the team's leader, an admin. Outsiders never learn the team exists.
+    ("get", "/api/v1/teams/"): (200, 200, 200, 200, 200),
     ("get", API_TEAM): (200, 200, 404, 200, 200),
     ("patch", API_TEAM): (403, 403, 404, 403, 200),
     ("get", f"{API_TEAM}members/"): (403, 403, 404, 200, 200),
+    ("patch", f"{API_TEAM}members/"): (405, 405, 405, 405, 405),
     ("get", f"{API_TEAM}members/alice/"): (200, 403, 404, 200, 200),
     ("patch", f"{API_TEAM}members/alice/"): (403, 403, 404, 200, 200),
+    ("get", f"{API_TEAM}members/leader/"): (403, 403, 404, 200, 200),
+    ("patch", f"{API_TEAM}members/leader/"): (403, 403, 404, 200, 200),
     ("get", f"{API_TEAM}audit/"): (403, 403, 404, 200, 200),
+    ("patch", f"{API_TEAM}audit/"): (405, 405, 405, 405, 405),
 }
 API_CASES = access_cases(API_ACCESS)
+# A 403 says who may do it, so the reader knows whom to ask.
+API_REFUSALS = {(API_TEAM, "patch"): "Only admins set team quotas; ask one."}
+MANAGERS_ONLY = "Only leaders of Vision Lab and admins manage it."
+API_ERROR_CODES = {403: "permission_denied", 404: "not_found", 405: "method_not_allowed"}
 
 
 @pytest.mark.parametrize(("method", "url", "who", "expected"), API_CASES)
@@ -384,9 +395,44 @@ def test_it_guards_every_team_api_url(api, people, team, method, url, who, expec
     assert response.status_code == expected, response.content
     if expected >= 400:
         body = response.json()
-        assert body["code"] == {403: "permission_denied", 404: "not_found"}[expected]
+        assert body["code"] == API_ERROR_CODES[expected]
         assert body["detail"]
+    if expected == 403:
+        assert body["detail"] == API_REFUSALS.get((url, method), MANAGERS_ONLY)
     assert AuditEntry.objects.exists() == (method == "patch" and expected == 200)
+
+
+# Every (method, url) of one team that someone may use (not the 405s).
+TEAM_API_URLS = [key for key, codes in API_ACCESS.items() if key[1].startswith(API_TEAM) and 405 not in codes]
+
+
+@pytest.mark.parametrize(("method", "url"), TEAM_API_URLS)
+def test_it_hides_a_team_in_the_api_from_a_leader_of_another_team(api, people, team, method, url):
+    api.force_authenticate(MembershipFactory(role=Membership.Role.LEADER).user)
+    response = getattr(api, method)(url, {"max_cards": 1} if method == "patch" else None, format="json")
+    assert response.status_code == 404 and response.json()["code"] == "not_found"
+    assert not AuditEntry.objects.exists()
+
+
+@pytest.mark.parametrize(("method", "url"), TEAM_API_URLS)
+@pytest.mark.parametrize("who", WHO)
+def test_it_answers_404_in_the_api_for_an_unknown_team(api, people, team, method, url, who):
+    api.force_authenticate(people[who])
+    url = url.replace("/vision-lab/", "/no-such-team/")
+    response = getattr(api, method)(url, {"max_cards": 1} if method == "patch" else None, format="json")
+    assert response.status_code == 404 and response.json() == {"detail": "Not found.", "code": "not_found"}
+
+
+@pytest.mark.parametrize("method", ["get", "patch"])
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("username", ["nobody", "charlie"])
+def test_it_answers_404_in_the_api_for_someone_outside_the_team(api, people, team, method, who, username):
+    """Outsiders do not see the team; members, leaders and admins see no such member in it."""
+    api.force_authenticate(people[who])
+    url = f"{API_TEAM}members/{username}/"
+    response = getattr(api, method)(url, {"max_cards": 1} if method == "patch" else None, format="json")
+    assert response.status_code == 404 and response.json()["code"] == "not_found"
+    assert not AuditEntry.objects.exists()
 
 
 @pytest.mark.parametrize(("method", "url"), [*API_ACCESS, ("get", "/api/v1/teams/")])
