@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, time, timedelta
+from typing import NamedTuple
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
@@ -191,7 +192,8 @@ def _refusal(
     return None
 
 
-def _has_limits(limits: QuotaFields) -> bool:
+def has_limits(limits: QuotaFields) -> bool:
+    """Whether a team or member quota sets any limit on what is held (no limit: no query needed)."""
     return any(v is not None for v in (limits.max_cards, limits.max_gb, limits.gpu_hours_per_week))
 
 
@@ -210,7 +212,7 @@ def quota_refusal(
         (team, f"The team quota of {team}", "the team already has", None),
     ]
     for limits, label, holder, owner_id in checks:
-        if not _has_limits(limits):
+        if not has_limits(limits):
             continue  # no query at all for the common "no quota set" case
         scope = {"team": team, "owner_id": owner_id, "exclude_reservation": exclude_reservation}
         refusal = _refusal(limits, label, holder, scope, new, start, end)
@@ -226,26 +228,56 @@ class MemberUse:
     gpu_hours_week: float
 
 
-def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
-    """Per member (user id): cards and GB held now and GPU-hours booked or used this week."""
-    now = now or timezone.now()
-    week = week_start(now)
-    following = weeks_touching(now, now + timedelta(seconds=1))[-1][1]
-    per_user: dict[int, list[Use]] = {}
-    rows = Allocation.objects.filter(live=True, reservation__team=team, start__lt=following, end__gt=week)
-    for owner_id, s, e, memory_mb, total in rows.values_list(
-        "reservation__owner_id", "start", "end", "memory_mb", "gpu__memory_total_mb"
+NO_USE = MemberUse(cards_now=0, gb_now=0.0, gpu_hours_week=0.0)
+
+
+def _this_week(now: datetime) -> tuple[datetime, datetime]:
+    return week_start(now), weeks_touching(now, now + timedelta(seconds=1))[-1][1]
+
+
+def _uses_this_week(rows: QuerySet, key: str, now: datetime) -> dict[int, MemberUse]:
+    """Allocations overlapping this week, grouped by `key` (a user or team id): use now and this week."""
+    week, following = _this_week(now)
+    grouped: dict[int, list[Use]] = {}
+    for group, s, e, memory_mb, total in rows.filter(start__lt=following, end__gt=week).values_list(
+        key, "start", "end", "memory_mb", "gpu__memory_total_mb"
     ):
-        per_user.setdefault(owner_id, []).append(Use.of(s, e, memory_mb, total))
+        grouped.setdefault(group, []).append(Use.of(s, e, memory_mb, total))
     result = {}
-    for owner_id, uses in per_user.items():
+    for group, uses in grouped.items():
         current = [u for u in uses if u.start <= now < u.end]
-        result[owner_id] = MemberUse(
+        result[group] = MemberUse(
             cards_now=sum(u.cards for u in current),
             gb_now=round(sum(u.mb for u in current) / 1024, 1),
             gpu_hours_week=round(gpu_hours(uses, week, following), 1),
         )
     return result
+
+
+def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
+    """Per member (user id): cards and GB held now and GPU-hours booked or used this week."""
+    rows = Allocation.objects.filter(live=True, reservation__team=team)
+    return _uses_this_week(rows, "reservation__owner_id", now or timezone.now())
+
+
+class MemberQuota(NamedTuple):
+    membership: Membership
+    use: MemberUse  # the member's own, in this team
+    may_manage: bool  # leads the team, or an admin: the team page is theirs to open
+
+
+def member_quotas(user: AbstractBaseUser, now: datetime | None = None) -> list[MemberQuota]:
+    """The user's quota in each of their teams with their own use (not the team's): "My quotas".
+
+    Two queries however many teams and teammates: the memberships, and the user's allocations.
+    """
+    rows = Allocation.objects.filter(live=True, reservation__owner=user)
+    use = _uses_this_week(rows, "reservation__team_id", now or timezone.now())
+    admin = is_admin(user)
+    return [
+        MemberQuota(m, use.get(m.team_id, NO_USE), admin or m.is_leader)
+        for m in Membership.objects.filter(user=user).select_related("team").order_by("team__name")
+    ]
 
 
 def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
@@ -337,7 +369,8 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
     """Set a member's limits (the team's leaders and admins), each within the team's own."""
     if not can_manage_team(actor, membership.team_id):
         raise Forbidden(f"Only leaders of {membership.team} and admins set its members' quotas.")
-    membership = Membership.objects.select_for_update().select_related("team", "user").get(pk=membership.pk)
+    locked = Membership.objects.select_for_update(of=("self",)).select_related("team", "user")
+    membership = locked.get(pk=membership.pk)
     changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours"))
     team = membership.team
     for field in QUOTA_FIELDS:

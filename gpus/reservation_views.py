@@ -9,20 +9,25 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from gpus import booking
+from gpus.filters import MyReservationFilter
 from gpus.forms import CancelForm, ExtendForm, ReservationForm, local_input
 from gpus.models import Reservation
-from gpus.quotas import team_use
+from gpus.quotas import member_quotas
 from portal.access import can_manage_team
 from portal.errors import Forbidden, ServiceError
+from portal.filters import filter_list
 from portal.http import redirect_back
 from portal.models import AuditEntry
 from portal.timefmt import format_time
+
+PAST_PAGE_SIZE = 25
 
 
 def _get_reservation_for_user(user, pk: int) -> Reservation:  # type: ignore[no-untyped-def]
@@ -56,16 +61,24 @@ def reservation_new(request: HttpRequest) -> HttpResponse:
     return render(request, "gpus/reservation_form.html", {"form": form, "server_name": server_name})
 
 
+@require_GET
 @login_required
 def my_reservations(request: HttpRequest) -> HttpResponse:
+    """The user's quotas, then their bookings through one filter form: open ones (soonest first,
+    all of them), and a page of the others (newest first)."""
     now = timezone.now()
     mine = Reservation.objects.filter(owner=request.user).select_related("team", "cancelled_by")
     mine = mine.prefetch_related("allocations__gpu__server")
-    quotas = [
-        (m, team_use(m.team, now).get(request.user.pk))
-        for m in request.user.memberships.select_related("team")
-    ]
-    context = {**mine.split_open(now), "quotas": quotas, "extend_form": ExtendForm()}
+    filter_form, shown = filter_list(request, MyReservationFilter, mine)
+    open_ = shown.with_status("open", now)
+    past = shown.exclude(pk__in=open_.values("pk")).order_by("-start", "-id")
+    context = {
+        "quotas": member_quotas(request.user, now),
+        "filter_form": filter_form,
+        "open": list(open_.order_by("start", "id")),
+        "page": Paginator(past, PAST_PAGE_SIZE).get_page(request.GET.get("page")),
+        "extend_form": ExtendForm(),
+    }
     return render(request, "gpus/my_reservations.html", context)
 
 

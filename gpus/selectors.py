@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, format_mb
 from portal.access import display_name, team_ids_of
+from portal.timefmt import short_time
 
 
 def gpus_with_processes() -> QuerySet[GPU]:
@@ -37,7 +38,7 @@ def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
             {
                 "who": display_name(viewer, viewer_teams, owner_id, owner_name, team_id),
                 "memory": "whole card" if memory_mb is None else format_mb(memory_mb),
-                "until": timezone.localtime(end).strftime("%a %H:%M"),
+                "until": short_time(end),
             }
         )
     return held

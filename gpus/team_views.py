@@ -1,4 +1,5 @@
-"""The team page: its quota and members' quotas with their use, its bookings and audit log.
+"""The team page: its quota and members' quotas with their use, its bookings and audit log
+(filtered by the API's own AuditEntryFilter, a page at a time).
 
 These are booking-domain pages on portal's teams: who may see them is decided by
 `portal.access.team_for_user` (the API uses it too); the quota rules are in gpus/quotas.py.
@@ -15,6 +16,7 @@ from functools import partial
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -26,9 +28,10 @@ from gpus.quotas import quota_member_set, quota_team_set, team_use, team_use_tot
 from gpus.team_forms import MemberQuotaForm, QuotaForm, TeamQuotaForm
 from portal.access import is_admin, team_for_user
 from portal.errors import ServiceError
+from portal.filters import AuditEntryFilter, filter_list
 from portal.models import AuditEntry, Membership, Team
 
-AUDIT_SHOWN = 50
+AUDIT_PAGE_SIZE = 50
 RECENT_BOOKINGS_SHOWN = 50
 
 
@@ -53,9 +56,17 @@ def _team_page(
         "team_form": (team_form or TeamQuotaForm.for_team(team)) if is_admin(request.user) else None,
         "members": members,
         **_team_bookings(team, now),
-        "audit": AuditEntry.objects.filter(team=team).select_related("actor")[:AUDIT_SHOWN],
+        **_team_audit(request, team),
     }
-    return render(request, "portal/team_detail.html", context)
+    return render(request, "gpus/team_detail.html", context)
+
+
+def _team_audit(request: HttpRequest, team: Team) -> dict[str, object]:
+    """The audit log through its filter form (the API's AuditEntryFilter), a page at a time."""
+    entries = AuditEntry.objects.filter(team=team).select_related("actor").order_by("-at", "-id")
+    audit_form, entries = filter_list(request, AuditEntryFilter, entries)
+    page = Paginator(entries, AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
+    return {"audit_form": audit_form, "audit_page": page}
 
 
 def _team_bookings(team: Team, now: datetime) -> dict[str, list[Reservation]]:

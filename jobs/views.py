@@ -32,6 +32,7 @@ from jobs.selectors import get_job_for_user, jobs_visible_to
 from jobs.services import ScriptUpload, job_cancel, job_submit
 from portal.access import can_manage_team
 from portal.errors import Forbidden, Invalid, ServiceError
+from portal.filters import filter_list
 from portal.http import redirect_back
 from portal.timefmt import format_duration, format_time
 
@@ -94,10 +95,9 @@ def job_example(request: HttpRequest) -> HttpResponse:
 
 def _job_list(request: HttpRequest, jobs: QuerySet[Job], filterset_class: type[JobFilter]) -> dict[str, Any]:
     """Filter (errors beside the filter form, and then an empty list) and paginate, newest first."""
-    filters = filterset_class(request.GET, jobs.order_by("-created_at", "-id"), request=request)
-    jobs = filters.qs if filters.is_valid() else jobs.none()
+    filter_form, jobs = filter_list(request, filterset_class, jobs.order_by("-created_at", "-id"))
     page: Page = Paginator(jobs, PAGE_SIZE).get_page(request.GET.get("page"))
-    return {"filter_form": filters.form, "page": page, "jobs": _describe(list(page.object_list))}
+    return {"filter_form": filter_form, "page": page, "jobs": _describe(list(page.object_list))}
 
 
 @require_GET

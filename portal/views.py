@@ -16,7 +16,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 from rest_framework.authtoken.models import Token
 
-from portal.access import is_admin, team_ids_of
+from portal.access import is_admin, roles_of
 from portal.models import Membership, Team
 from portal.services import api_token_regenerate
 
@@ -38,8 +38,8 @@ def regenerate_token(request: HttpRequest) -> HttpResponse:
 @login_required
 def teams(request: HttpRequest) -> HttpResponse:
     admin = is_admin(request.user)
-    visible = Team.objects.all() if admin else Team.objects.filter(pk__in=team_ids_of(request.user))
-    roles = dict(request.user.memberships.values_list("team_id", "role"))
+    roles = roles_of(request.user)
+    visible = Team.objects.all() if admin else Team.objects.filter(pk__in=roles)
     rows = [
         (team, roles.get(team.pk), admin or roles.get(team.pk) == Membership.Role.LEADER)
         for team in visible.annotate(member_count=Count("memberships")).order_by("name")

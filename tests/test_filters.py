@@ -7,15 +7,18 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_cancel, reservation_create
+from gpus.models import Reservation
 from gpus.quotas import quota_member_set
 from gpus.services import server_report_ingest
 from jobs.models import Job
 from jobs.services import ScriptUpload, job_submit
+from portal.filters import DayFilter
 from portal.models import AuditEntry, Membership
 from tests.factories import MembershipFactory, TeamFactory, make_snapshot
 
@@ -75,7 +78,7 @@ def test_the_jobs_api_filters_like_the_history_page(alice, leader, jobs):
     yesterday = (timezone.localdate() - timedelta(days=1)).isoformat()
     assert ids(client.get(url, {"since": week_ago, "until": yesterday})) == {jobs["failed"]}
     assert ids(client.get(url, {"since": timezone.localdate().isoformat()})) == {jobs["queued"], jobs["bob"]}
-    assert ids(client.get(url, {"until": "9999-12-31", "since": "0001-01-01"})) == set(jobs.values())
+    assert ids(client.get(url, {"until": "9000-12-31", "since": "1900-01-01"})) == set(jobs.values())
     assert ids(client.get(url, {"mine": "1"})) == set()  # the leader runs none
     assert ids(api(alice).get(url, {"mine": "true"})) == {jobs["queued"], jobs["failed"]}
     assert ids(api(alice).get(url, {"mine": "false"})) == {jobs["queued"], jobs["failed"]}
@@ -89,6 +92,12 @@ def test_the_jobs_api_filters_like_the_history_page(alice, leader, jobs):
         ({"until": "last week"}, "until", "'last week' is not a date; write it as YYYY-MM-DD."),
         ({"since": "50%"}, "since", "'50%' is not a date"),
         ({"user": "x" * 151}, "user", "at most 150 characters"),
+        (
+            {"since": "0001-01-01"},
+            "since",
+            "'0001-01-01' is out of range; give a date between 1900-01-01 and 9000-12-31.",
+        ),
+        ({"until": "9999-12-31"}, "until", "'9999-12-31' is out of range"),
     ],
 )
 def test_the_jobs_api_answers_a_bad_filter_with_a_400_naming_it(alice, jobs, params, param, message):
@@ -221,3 +230,186 @@ def test_the_pages_keep_the_filter_values_and_render_dates_as_date_inputs(client
     assert '<option value="box2" selected>box2</option>' in html
     assert 'type="date" name="since" value="2024-01-02"' in html
     assert "YYYY-MM-DD, inclusive." in html
+
+
+# --- the ends of the calendar ---------------------------------------------------------------
+
+
+@pytest.fixture
+def berlin(settings):
+    """A time zone east of UTC: 0001-01-01 00:00 there is before the first moment UTC can hold."""
+    settings.TIME_ZONE = "Europe/Berlin"
+
+
+@pytest.mark.parametrize("url", ["/api/v1/jobs/", "/api/v1/teams/vision-lab/audit/"])
+@pytest.mark.parametrize(("param", "day"), [("since", "0001-01-01"), ("until", "9999-12-31")])
+def test_the_api_answers_a_day_off_the_calendar_with_a_400_east_of_utc(berlin, leader, jobs, url, param, day):
+    response = api(leader).get(url, {param: day})
+    assert response.status_code == 400, response.content
+    message = f"'{day}' is out of range; give a date between 1900-01-01 and 9000-12-31."
+    assert response.json() == {
+        "detail": f"{param}: {message}",
+        "code": "invalid",
+        "errors": {param: [message]},
+    }
+
+
+def test_the_history_page_shows_a_day_off_the_calendar_beside_the_field_east_of_utc(
+    berlin, client, leader, jobs
+):
+    client.force_login(leader)
+    response = client.get(reverse("job_history"), {"since": "0001-01-01"})
+    assert response.status_code == 200
+    assert response.context["filter_form"].errors == {
+        "since": ["'0001-01-01' is out of range; give a date between 1900-01-01 and 9000-12-31."]
+    }
+    assert response.context["jobs"] == []
+    assert "No jobs match these filters." in response.content.decode()
+    wide = client.get(reverse("job_history"), {"since": "1900-01-01", "until": "9000-12-31"})
+    assert {job.pk for job in wide.context["jobs"]} == set(jobs.values())
+
+
+def test_a_day_filter_refuses_a_lookup_it_cannot_bound_when_declared():
+    with pytest.raises(ImproperlyConfigured, match="lookup_expr must be 'gte' or 'lte', not 'exact'"):
+        DayFilter(field_name="at")
+    DayFilter(field_name="at", lookup_expr="gte")
+
+
+# --- the team page's audit log ---------------------------------------------------------------
+
+
+def test_the_team_page_filters_its_audit_log_with_the_apis_filterset(client, alice, leader, team, bookings):
+    quota_member_set(actor=leader, membership=Membership.objects.get(user=alice, team=team), max_cards=2)
+    AuditEntry.objects.filter(action=AuditEntry.Action.RESERVATION_CANCEL).update(
+        at=timezone.now() - timedelta(days=3)
+    )
+    client.force_login(leader)
+    url = reverse("team_detail", args=[team.slug])
+
+    def shown(params: dict) -> set[int]:
+        response = client.get(url, params)
+        assert response.status_code == 200
+        return {entry.pk for entry in response.context["audit_page"]}
+
+    team_log = AuditEntry.objects.filter(team=team)
+    assert shown({}) == set(team_log.values_list("pk", flat=True))
+    quota = set(team_log.filter(action="quota.member").values_list("pk", flat=True))
+    assert shown({"action": "quota.member"}) == quota
+    assert shown({"actor": "leader"}) == quota
+    cancel = team_log.get(action="reservation.cancel")
+    assert shown({"target": cancel.target, "action": "reservation.cancel"}) == {cancel.pk}
+    day = (timezone.localdate() - timedelta(days=3)).isoformat()
+    assert shown({"since": day, "until": day}) == {cancel.pk}
+    form = client.get(url).context["audit_form"]
+    assert list(form.fields) == ["action", "actor", "target", "since", "until"]
+    # The menu offers whoever acted in this team's log, nobody else's.
+    assert list(form.fields["actor"].widget.choices) == [
+        ("", "anyone"),
+        ("alice", "alice"),
+        ("bob", "bob"),
+        ("leader", "leader"),
+    ]
+
+
+def test_the_team_page_shows_a_bad_audit_filter_beside_its_field_and_keeps_the_rest(
+    client, leader, team, bookings
+):
+    client.force_login(leader)
+    response = client.get(
+        reverse("team_detail", args=[team.slug]), {"action": "deleted", "until": "tomorrow"}
+    )
+    assert response.status_code == 200
+    errors = response.context["audit_form"].errors
+    assert errors["action"][0].startswith("Unknown action; use one of reservation.create, ")
+    assert errors["until"] == ["'tomorrow' is not a date; write it as YYYY-MM-DD."]
+    body = response.content.decode()
+    assert list(response.context["audit_page"]) == []
+    assert "No entries match these filters." in body
+    assert "{#" not in body and "{% comment" not in body
+    assert 'id="team-open-bookings"' in body and 'data-member="alice"' in body  # the rest of the page
+
+
+def test_the_team_page_pages_through_its_audit_log_keeping_the_filters(client, leader, team):
+    AuditEntry.objects.bulk_create(
+        AuditEntry(
+            team=team,
+            actor=leader,
+            action=AuditEntry.Action.QUOTA_TEAM,
+            target=f"n {i}",
+            message=f"entry {i}",
+        )
+        for i in range(60)
+    )
+    client.force_login(leader)
+    url = reverse("team_detail", args=[team.slug])
+    first = client.get(url, {"action": "quota.team"})
+    page = first.context["audit_page"]
+    assert len(page) == 50 and page.paginator.count == 60
+    body = first.content.decode()
+    assert '<a href="?action=quota.team&amp;page=2#audit">Older →</a>' in body
+    older = client.get(url, {"action": "quota.team", "page": "2"}).context["audit_page"]
+    assert len(older) == 10
+    assert {e.pk for e in page}.isdisjoint({e.pk for e in older})
+
+
+# --- My reservations -------------------------------------------------------------------------
+
+
+def test_my_reservations_filters_both_lists_with_the_reservation_filterset(client, alice, bookings):
+    ended = reservation_create(
+        user=alice,
+        gpus=["GPU-box2-00"],
+        start=timezone.now() + 3 * H,
+        end=timezone.now() + 4 * H,
+        team="speech",
+    )
+    Reservation.objects.filter(pk=ended.pk).update(start=timezone.now() - 3 * H, end=timezone.now() - 2 * H)
+    client.force_login(alice)
+    url = reverse("my_reservations")
+
+    def lists(params: dict) -> tuple[set[int], set[int]]:
+        response = client.get(url, params)
+        assert response.status_code == 200
+        return {r.pk for r in response.context["open"]}, {r.pk for r in response.context["page"]}
+
+    b = bookings
+    assert lists({}) == ({b["active"], b["upcoming"]}, {ended.pk})
+    assert lists({"status": "upcoming"}) == ({b["upcoming"]}, set())
+    assert lists({"status": "ended"}) == (set(), {ended.pk})
+    assert lists({"server": "box2"}) == ({b["upcoming"]}, {ended.pk})
+    assert lists({"team": "speech", "status": "open"}) == ({b["upcoming"]}, set())
+    form = client.get(url).context["filter_form"]
+    assert list(form.fields) == ["status", "server", "team"]  # ?mine= is moot here
+    # Menus: every server, and only the teams alice belongs to.
+    assert [v for v, _ in form.fields["server"].widget.choices] == ["", "box1", "box2"]
+    assert [v for v, _ in form.fields["team"].widget.choices] == ["", "speech", "vision-lab"]
+
+
+def test_my_reservations_shows_a_bad_filter_beside_its_field_and_lists_nothing(client, alice, bookings):
+    client.force_login(alice)
+    response = client.get(reverse("my_reservations"), {"status": "soon"})
+    assert response.status_code == 200
+    assert response.context["filter_form"].errors["status"] == [
+        "Unknown status; use one of upcoming, active, ended, cancelled, released, open."
+    ]
+    assert response.context["open"] == [] and list(response.context["page"]) == []
+    body = response.content.decode()
+    assert "No open booking matches these filters." in body
+    assert "{#" not in body and "{% comment" not in body  # the partials' comments stay out of the page
+    assert '<tr data-team="vision-lab">' in body  # the quota section is still there
+
+
+def test_my_reservations_pages_through_past_bookings(client, alice, box):
+    now = timezone.now()
+    for i in range(30):
+        booked = reservation_create(
+            user=alice, gpus=[box[i % 4].uuid], start=now + (i + 1) * H, end=now + (i + 2) * H
+        )
+        reservation_cancel(user=alice, reservation=booked)
+    client.force_login(alice)
+    first = client.get(reverse("my_reservations"), {"status": "cancelled"})
+    assert len(first.context["page"]) == 25 and first.context["page"].paginator.count == 30
+    assert '<a href="?status=cancelled&amp;page=2#bookings">Older →</a>' in first.content.decode()
+    assert (
+        len(client.get(reverse("my_reservations"), {"status": "cancelled", "page": 2}).context["page"]) == 5
+    )

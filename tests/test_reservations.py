@@ -12,7 +12,9 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.forms import local_input, parse_memory_mb
 from gpus.models import Reservation, Server
+from gpus.quotas import NO_USE, member_quotas
 from portal.models import AuditEntry
+from tests.factories import MembershipFactory, TeamFactory
 
 H = timedelta(hours=1)
 
@@ -118,6 +120,26 @@ def test_my_reservations_lists_open_and_past_with_quota(client, alice, booking):
     html = client.get(reverse("my_reservations")).content.decode()
     assert f'data-reservation="{booking.pk}"' in html and "box1 GPU 0 · whole card" in html
     assert "0 / 3" in html  # cards now / limit
+
+
+def test_my_quotas_count_only_the_users_own_bookings_in_two_queries(
+    alice, bob, leader, box, django_assert_num_queries
+):
+    now = timezone.now()
+    speech = TeamFactory(name="Speech", slug="speech")
+    MembershipFactory(team=speech, user=alice)
+    reservation_create(user=alice, gpus=[box[0].uuid], start=now, end=now + H, team="vision-lab")
+    reservation_create(user=alice, gpus=[box[1].uuid], start=now, end=now + H, memory_mb=6144, team="speech")
+    reservation_create(user=bob, gpus=[box[2].uuid, box[3].uuid], start=now, end=now + H)
+    with django_assert_num_queries(2):  # the memberships, and alice's allocations: not her teammates'
+        rows = member_quotas(alice, now)
+    assert [(m.team.slug, use.cards_now, use.gb_now, may_manage) for m, use, may_manage in rows] == [
+        ("speech", 0, 6.0, False),
+        ("vision-lab", 1, 24.0, False),
+    ]
+    assert [(row.membership.team.slug, row.use, row.may_manage) for row in member_quotas(leader, now)] == [
+        ("vision-lab", NO_USE, True)
+    ]
 
 
 def test_the_owner_cancels_and_a_leader_cancels_with_a_reason_the_owner_sees(

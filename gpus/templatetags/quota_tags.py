@@ -10,20 +10,13 @@ from typing import Any
 
 from django import template
 from django.conf import settings
-from django.utils import timezone
 
-from gpus.quotas import team_use
-from portal.access import is_admin
+from gpus.quotas import member_quotas
 
 register = template.Library()
 
 
 @register.inclusion_tag("gpus/_my_quotas.html", takes_context=True)
 def my_quotas(context: template.Context) -> dict[str, Any]:
-    user = context["request"].user
-    now = timezone.now()
-    memberships = [
-        (m, team_use(m.team, now).get(user.pk), m.is_leader or is_admin(user))
-        for m in user.memberships.select_related("team").order_by("team__name")
-    ]
+    memberships = member_quotas(context["request"].user)
     return {"memberships": memberships, "BOOKING_MAX_HOURS": settings.BOOKING_MAX_HOURS}
