@@ -1,4 +1,4 @@
-"""The portal's only settings module. Every knob is an environment variable (README table)."""
+"""The portal's only settings module. Every knob is an environment variable (docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ JOB_INTERPRETERS.setdefault("default", sys.executable)
 JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_value=100)
 # The OS account jobs run as. Empty: the worker's own, which can read what the worker
 # can (its env file with DATABASE_URL and SECRET_KEY): fine on a one-person machine, not
-# on a shared server. Needs a worker with CAP_SETUID/CAP_SETGID/CAP_KILL (README).
+# on a shared server. Needs a worker with CAP_SETUID/CAP_SETGID/CAP_KILL (docs/jobs.md).
 JOB_USER = env_str("JOB_USER", "")
 # Per-job log cap: past it the head and the tail are kept and the middle is dropped.
 JOB_LOG_MAX_MB = env_int("JOB_LOG_MAX_MB", 100, min_value=1)
