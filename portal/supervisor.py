@@ -3,20 +3,21 @@
 `runportal` starts the web server and the Celery workers as children of one process. When
 one dies (the OOM killer, a crash, `kill -9`) only that one is started again, after 1 s,
 2 s, 4 s ... up to MAX_DELAY_SECONDS; the delay starts over at 1 s once the child has stayed
-up for HEALTHY_AFTER_SECONDS. Everything stops only when `Supervisor.stop()` is called
-(runportal does on Ctrl-C or SIGTERM).
+up for HEALTHY_AFTER_SECONDS. Everything stops only when `ProcessSupervisor.stop()` is called
+(runportal does on Ctrl-C or SIGTERM); a second Ctrl-C or SIGTERM during that graceful stop
+kills every child at once.
 
 Each child runs in its own process group, and a dead child's group is killed before it is
 started again: a Celery worker's embedded beat has no parent-death signal and outlives a
 SIGKILLed worker, and gunicorn's workers notice their master's death only later. Without
-this a restarted worker would run beside its predecessor's leftovers. The group is killed
-while the dead child is still an unreaped zombie, so its id cannot have been reused.
+this a restarted worker would run beside its predecessor's leftovers. A group is only ever
+signalled while its leader is our child and unreaped (running, or a zombie we have seen with
+WNOWAIT), so its id cannot have been reused by an unrelated process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -24,12 +25,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from portal.processes import die_with_parent
+
 FIRST_DELAY_SECONDS = 1.0
 MAX_DELAY_SECONDS = 30.0
 HEALTHY_AFTER_SECONDS = 60.0  # up this long: the next death starts the delays over
 STOP_GRACE_SECONDS = 20.0  # after SIGTERM on stop, then SIGKILL
 TICK_SECONDS = 0.2
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,6 @@ def exit_status(returncode: int) -> str:
         return f"killed by signal {-returncode}"
 
 
-def _stop_with_parent() -> None:
-    """In the child before exec: SIGTERM (a clean stop) if the supervisor itself is killed."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
@@ -86,8 +82,10 @@ def _exit_code(proc: subprocess.Popen) -> int | None:
     try:
         # WNOWAIT: look without reaping, so the group id stays ours until the kill below.
         exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # already reaped elsewhere
-        exited = True
+    except ChildProcessError:
+        # Reaped elsewhere: its pid, and so its group id, may be an unrelated process's by
+        # now. Its leftovers are no longer ours to kill; record it as gone (Popen says 0).
+        return proc.wait()
     if not exited:
         return None
     _kill_group(proc.pid)
@@ -103,7 +101,7 @@ class _Child:
     restart_at: float | None = None  # set while dead and waiting out its delay
 
 
-class Supervisor:
+class ProcessSupervisor:
     """Start `specs`, restart each one that dies, stop them all on `stop()`.
 
     `clock` (seconds, monotonic) times the restarts; tests pass a fake one and call
@@ -123,9 +121,13 @@ class Supervisor:
         self.clock = clock
         self.stop_grace = stop_grace
         self.stopping = False
+        self.hurry = False  # asked to stop again while stopping: no more grace
 
     def request_stop(self, *_: object) -> None:
-        """Safe from a signal handler: `run()` stops everything on its next tick."""
+        """Safe from a signal handler: `run()` stops everything on its next tick; asked again
+        while stopping, `stop()` kills every child at once instead of waiting out the grace."""
+        if self.stopping:
+            self.hurry = True
         self.stopping = True
 
     def run(self) -> None:
@@ -159,21 +161,26 @@ class Supervisor:
 
     def stop(self) -> None:
         """SIGTERM to every child's main process (Celery's warm shutdown, gunicorn's graceful
-        one), SIGKILL to the group of any still running after `stop_grace` seconds."""
+        one), SIGKILL to the group of any still running after `stop_grace` seconds, or to every
+        group at once on a second `request_stop()` (Ctrl-C again)."""
         self.stopping = True
         running = [c for c in self.children if c.proc is not None and _exit_code(c.proc) is None]
         for child in running:
             # os.kill, not Popen.terminate: that may reap the child before its group is swept.
             os.kill(child.proc.pid, signal.SIGTERM)  # type: ignore[union-attr] - unreaped: still ours
         deadline = time.monotonic() + self.stop_grace  # real time: a stop must end
-        while running and time.monotonic() < deadline:
+        while running and not self.hurry and time.monotonic() < deadline:
             time.sleep(0.1)
             running = [c for c in running if _exit_code(c.proc) is None]  # type: ignore[arg-type]
+        if running and self.hurry:
+            self.log("asked to stop again: killing every child now")
         for child in running:
             assert child.proc is not None
-            self.log(f"{child.spec.name} still running {self.stop_grace:g} s after SIGTERM: killing it")
-            _kill_group(child.proc.pid)
-            child.proc.wait()
+            if not self.hurry:
+                self.log(f"{child.spec.name} still running {self.stop_grace:g} s after SIGTERM: killing it")
+            _kill_group(child.proc.pid)  # still unreaped: the group is ours
+        for child in running:
+            child.proc.wait()  # type: ignore[union-attr]
 
     def _start(self, child: _Child, now: float) -> None:
         child.started_at, child.restart_at = now, None
@@ -185,7 +192,8 @@ class Supervisor:
                 # Its own group: leftovers can be killed with it, and Ctrl-C reaches only
                 # the supervisor, which then stops the children in order.
                 process_group=0,
-                preexec_fn=_stop_with_parent,
+                # SIGTERM, a clean stop, if the supervisor itself is killed.
+                preexec_fn=die_with_parent(signal.SIGTERM),
             )
         except OSError as exc:
             self._schedule(child, now, f"could not start: {exc}")

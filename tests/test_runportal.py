@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -29,7 +30,7 @@ from portal.supervisor import (
     MAX_DELAY_SECONDS,
     Backoff,
     ChildSpec,
-    Supervisor,
+    ProcessSupervisor,
     exit_status,
 )
 from tests.conftest import OUTPUT, ROOT, wait_for
@@ -83,11 +84,11 @@ class FakeClock:
 
 @pytest.fixture
 def supervise() -> Iterator:
-    made: list[Supervisor] = []
+    made: list[ProcessSupervisor] = []
 
-    def make(*specs: ChildSpec, stop_grace: float = 5) -> tuple[Supervisor, FakeClock, list[str]]:
+    def make(*specs: ChildSpec, stop_grace: float = 5) -> tuple[ProcessSupervisor, FakeClock, list[str]]:
         clock, lines = FakeClock(), []
-        supervisor = Supervisor(specs, log=lines.append, clock=clock, stop_grace=stop_grace)
+        supervisor = ProcessSupervisor(specs, log=lines.append, clock=clock, stop_grace=stop_grace)
         made.append(supervisor)
         supervisor.start()
         return supervisor, clock, lines
@@ -97,7 +98,7 @@ def supervise() -> Iterator:
         supervisor.stop()
 
 
-def _poll_until_logged(supervisor: Supervisor, lines: list[str], count: int) -> str:
+def _poll_until_logged(supervisor: ProcessSupervisor, lines: list[str], count: int) -> str:
     wait_for(lambda: supervisor.poll() or len(lines) >= count, timeout=10, what=f"log line {count}")
     return lines[count - 1]
 
@@ -140,6 +141,49 @@ def test_it_kills_a_child_that_ignores_sigterm_on_stop(supervise, tmp_path):
     supervisor.stop()
     assert proc.returncode == -signal.SIGKILL
     assert lines == ["stubborn still running 1 s after SIGTERM: killing it"]
+
+
+def test_it_kills_every_group_at_once_when_asked_to_stop_again(supervise, tmp_path):
+    # Children that take SIGTERM as a cue to carry on, each with a leftover in its group.
+    script = "import pathlib, signal, subprocess, sys, time\n"
+    script += "term, leftover = map(pathlib.Path, sys.argv[1:])\n"
+    script += "signal.signal(signal.SIGTERM, lambda *_: term.touch())\n"
+    script += "leftover.write_text(str(subprocess.Popen(['sleep', '300']).pid))\n"
+    script += "while True: time.sleep(0.1)\n"
+    terms, pid_files = [tmp_path / f"term{i}" for i in (1, 2)], [tmp_path / f"leftover{i}" for i in (1, 2)]
+    specs = [
+        ChildSpec(f"stubborn{i}", [sys.executable, "-c", script, str(terms[i]), str(pid_files[i])])
+        for i in (0, 1)
+    ]
+    supervisor, _, lines = supervise(*specs, stop_grace=30)
+    procs = [child.proc for child in supervisor.children]
+    wait_for(lambda: all(f.exists() and f.read_text() for f in pid_files), timeout=10, what="the leftovers")
+    leftovers = [psutil.Process(int(f.read_text())) for f in pid_files]
+
+    def ctrl_c_again() -> None:
+        wait_for(lambda: all(t.exists() for t in terms), timeout=10, what="SIGTERM to reach both")
+        supervisor.request_stop()
+
+    supervisor.request_stop()  # the first Ctrl-C
+    again = threading.Thread(target=ctrl_c_again)
+    again.start()
+    supervisor.stop()  # returns long before the 30 s grace only if the second request kills
+    again.join()
+    assert [proc.returncode for proc in procs] == [-signal.SIGKILL, -signal.SIGKILL]
+    assert lines == ["asked to stop again: killing every child now"]
+    wait_for(
+        lambda: all(_gone(p) for p in leftovers), timeout=5, what="the leftovers to go with their groups"
+    )
+
+
+def test_it_never_signals_the_group_of_a_child_reaped_elsewhere(supervise, monkeypatch):
+    supervisor, _, lines = supervise(ChildSpec("reaped", ["sh", "-c", "exit 3"]))
+    os.waitpid(supervisor.children[0].proc.pid, 0)  # its pid, and group id, are free for reuse now
+    signalled: list[int] = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: signalled.append(pgid))
+    supervisor.poll()
+    assert lines[0].startswith("reaped exited (")
+    assert signalled == []
 
 
 # --- the real runportal ----------------------------------------------------------------------
@@ -335,12 +379,11 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     job_id = api.post("/api/v1/jobs/", {"reservation": booking}, {"script": ("sleeper.py", SLEEPER)})["id"]
     wait_for(lambda: "ready" in api.log(job_id), timeout=60, what="the job's first line")
 
-    worker = _child(proc, queue="host.rp1")
+    worker, web = _child(proc, queue="host.rp1"), _child(proc, web=True)
     old = worker.children(recursive=True)  # its pool process and, below that, the job
     assert any(p.environ().get("PORTAL_JOB_ID") == str(job_id) for p in old)
     worker.send_signal(signal.SIGKILL)  # the OOM killer, say
     killed_at = time.monotonic()
-    assert api.answers()
 
     wait_for(lambda: "[runportal] worker host.rp1 restarted" in output(), timeout=30, what="the restart")
     assert "[runportal] worker host.rp1 exited (killed by SIGKILL); restarting it in 1 s" in output()
@@ -350,6 +393,8 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     wait_for(lambda: api.job(job_id)["status"] in FINISHED, timeout=within_a_minute, what="the job's end")
     job = api.job(job_id)
     assert job["status"] == "lost", job
+    # Served all along by the same web server: the old runportal stopped every child when one died.
+    assert _child(proc, web=True).pid == web.pid
 
     # The restarted worker is up (a second "ready" from its node), then reports telemetry again.
     ready = re.compile(r"\brp1@\S+ ready\.")
@@ -366,7 +411,6 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     wait_for(lambda: api.job(again)["status"] in FINISHED, timeout=60, what="the second job")
     assert api.job(again)["status"] == "succeeded", api.log(again)
     assert "second run" in api.log(again)
-    assert api.answers()
 
     # The portal's worker and the web server come back too, without what they had started:
     # the worker's embedded beat outlives a SIGKILLed worker unless its group goes with it.

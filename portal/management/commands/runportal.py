@@ -2,7 +2,8 @@
 
 With real NVML that is this host; with the simulated inventory it is every simulated
 server, so the whole portal can be tried on a laptop. A child that dies is restarted
-(portal/supervisor.py); Ctrl-C or SIGTERM stops everything started.
+(portal/supervisor.py); Ctrl-C or SIGTERM stops everything started, and a second one during
+that stop kills it all at once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from django.core.management.base import BaseCommand, CommandError
 from gpus.inventory import BackendUnavailable
 from portal.env import env_int, env_str
 from portal.services import demo_data_seed
-from portal.supervisor import ChildSpec, Supervisor
+from portal.supervisor import ChildSpec, ProcessSupervisor
 from portal.workers import worker_argv
 
 
@@ -40,8 +41,8 @@ def _worker_servers() -> tuple[list[str], bool]:
 
 
 def _web_argv(bind: str) -> list[str]:
-    # The control socket in VAR_DIR, not ~/.gunicorn/gunicorn.ctl: two portals on one machine
-    # (a test's and `make run`) would otherwise take it from each other.
+    # No control socket: nothing here uses it, and the default ~/.gunicorn/gunicorn.ctl would be
+    # fought over by two portals on one machine (a test's and `make run`).
     return [
         sys.executable,
         "-m",
@@ -55,8 +56,7 @@ def _web_argv(bind: str) -> list[str]:
         "4",
         "--access-logfile",
         "-",
-        "--control-socket",
-        str(settings.VAR_DIR / "gunicorn.ctl"),
+        "--no-control-socket",
     ]
 
 
@@ -90,9 +90,12 @@ class Command(BaseCommand):
                 f"Demo logins: admin, leader, alice, bob / password {settings.PORTAL_DEMO_PASSWORD!r}"
                 " (set PORTAL_DEMO_PASSWORD before the first run; change these on a real deployment)."
             )
-        self.stdout.write("A worker or the web server that dies is restarted; Ctrl-C stops them all.\n")
+        self.stdout.write(
+            "A worker or the web server that dies is restarted; Ctrl-C stops them all"
+            " (a second Ctrl-C without waiting for them).\n"
+        )
         self.stdout.flush()
-        supervisor = Supervisor(children, log=self._log)
+        supervisor = ProcessSupervisor(children, log=self._log)
         signal.signal(signal.SIGINT, supervisor.request_stop)
         signal.signal(signal.SIGTERM, supervisor.request_stop)
         # A closed terminal must not leave the children running without us; under nohup
