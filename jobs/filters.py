@@ -9,7 +9,7 @@ import django_filters
 from django import forms
 from django.contrib.auth.models import AbstractBaseUser
 
-from gpus.models import Server
+from gpus.filters import server_choices
 from jobs.models import Job
 from portal.access import is_admin
 from portal.filters import DayFilter, MineFilter, unknown_choice
@@ -23,11 +23,6 @@ def _team_choices(user: AbstractBaseUser | None) -> list[tuple[str, str]]:
         led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
         teams = teams.filter(pk__in=led)
     return [("", "any team"), *((t.slug, t.name) for t in teams)]
-
-
-def _server_choices() -> list[tuple[str, str]]:
-    names = Server.objects.order_by("name").values_list("name", flat=True)
-    return [("", "any server"), *((name, name) for name in names)]
 
 
 class JobFilter(django_filters.FilterSet):
@@ -64,7 +59,7 @@ class JobFilter(django_filters.FilterSet):
         if "team" in fields:
             fields["team"].widget.choices = partial(_team_choices, user)
         if "server" in fields:
-            fields["server"].widget.choices = _server_choices
+            fields["server"].widget.choices = server_choices
 
 
 # The pages show the same filters less those their list makes moot.
