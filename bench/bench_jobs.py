@@ -68,7 +68,6 @@ FIRST_LINE = re.compile(rb"FIRST (\d+\.\d+)")
 POLL_S = 0.02
 
 EXAMPLE = ROOT / "jobs" / "examples" / "keras_example.py"
-LAUNCHER = ROOT / "jobs" / "launcher-bin" / "launcher.py"
 KERAS_RUNS, KERAS_EPOCHS = 6, 3
 LAUNCH_CONFIG = {
     "job_id": 1,
@@ -293,6 +292,8 @@ def timed_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 
 def bench_launcher() -> None:
+    from jobs.runner import LAUNCHER  # the file the worker runs (after django.setup(): it imports models)
+
     if not EXAMPLE.is_file():
         print(f"Launcher overhead: {EXAMPLE.relative_to(ROOT)} is missing; skipped")
         return
@@ -314,7 +315,7 @@ def bench_launcher() -> None:
     ratio = launched_s / direct_s
     print(f"Launcher overhead (keras_example.py --epochs {KERAS_EPOCHS}, {KERAS_RUNS} runs each, median)")
     report("python keras_example.py", direct_s, "s", "(none)", True)
-    report("python -u jobs/launcher-bin/launcher.py keras_example.py", launched_s, "s", "(none)", True)
+    report(f"python -u {LAUNCHER.relative_to(ROOT)} keras_example.py", launched_s, "s", "(none)", True)
     report("ratio launcher / direct", ratio, "x", "<= 1.05", ratio <= 1.05)
     report("CPU time ratio launcher / direct (less noisy)", launched_cpu / direct_cpu, "x", "(none)", True)
     print(

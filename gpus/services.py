@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
 from django.dispatch import Signal
 from django.utils import timezone
 
-from gpus.inventory import Snapshot
+from gpus.inventory import GPUInfo, Snapshot
 from gpus.models import GPU, GPUProcess, Server, TelemetrySample
 
 # Sent once per telemetry round, inside its transaction, with `cards`: every reported card
@@ -89,23 +90,40 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
         return
     now = now or timezone.now()
     latest = {s.host.name: s for s in snapshots}  # a host's newer report wins
+    db_now = connection.ops.adapt_datetimefield_value(now)
+    known = _servers_register(latest)
+    _servers_update_live(latest, db_now)
+    cards = [(known[name].pk, g) for name, s in latest.items() for g in s.gpus]
+    _gpus_describe(cards)
+    _gpus_update_live(cards, db_now)
+    _processes_replace([k.pk for k in known.values()], cards)
+    # Inside the transaction: the jobs app records its running jobs' memory and utilization.
+    telemetry_ingested.send(sender=GPUProcess, cards=[g for _, g in cards])
+    _history_record(latest, known, now)
 
-    known = {
-        name: (pk, at)
-        for name, pk, at in Server.objects.filter(name__in=latest).values_list(
-            "name", "pk", "last_history_at"
-        )
-    }
+
+class _Known(NamedTuple):
+    pk: int
+    last_history_at: datetime | None
+
+
+def _servers_register(latest: dict[str, Snapshot]) -> dict[str, _Known]:
+    """Every reporting host's row, by name; new hosts get one (a racing collector's insert wins)."""
+
+    def read() -> dict[str, _Known]:
+        rows = Server.objects.filter(name__in=latest).values_list("name", "pk", "last_history_at")
+        return {name: _Known(pk, at) for name, pk, at in rows}
+
+    known = read()
     new_servers = [Server(name=name) for name in latest if name not in known]
     if new_servers:
         Server.objects.bulk_create(new_servers, ignore_conflicts=True)
-        known = {
-            name: (pk, at)
-            for name, pk, at in Server.objects.filter(name__in=latest).values_list(
-                "name", "pk", "last_history_at"
-            )
-        }
-    db_now = connection.ops.adapt_datetimefield_value(now)
+        known = read()
+    return known
+
+
+def _servers_update_live(latest: dict[str, Snapshot], db_now: object) -> None:
+    """The host facts every report carries, and `last_seen`: one UPDATE for all hosts."""
     _bulk_update(
         Server,
         _SERVER_LIVE_FIELDS,
@@ -125,7 +143,23 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
         ],
     )
 
-    cards = [(known[name][0], g) for name, s in latest.items() for g in s.gpus]
+
+def _card_facts(server_id: int, g: GPUInfo) -> tuple:
+    """A card's hardware facts in `_GPU_STATIC_FIELDS` order, as values_list reads them back."""
+    return (
+        server_id,
+        g.index,
+        g.name,
+        g.pci_bus_id,
+        g.memory_total_mb,
+        g.memory_reserved_mb,
+        g.mig_mode or "",
+    )
+
+
+def _gpus_describe(cards: list[tuple[int, GPUInfo]]) -> None:
+    """Create new cards and re-describe changed ones (moved, renumbered, MIG mode changed):
+    one SELECT, and an upsert only when something differs."""
     described = {
         row[0]: row[1:]
         for row in GPU.objects.filter(uuid__in=[g.uuid for _, g in cards]).values_list(
@@ -144,21 +178,16 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
             mig_mode=g.mig_mode or "",
         )
         for server_id, g in cards
-        if described.get(g.uuid)
-        != (
-            server_id,
-            g.index,
-            g.name,
-            g.pci_bus_id,
-            g.memory_total_mb,
-            g.memory_reserved_mb,
-            g.mig_mode or "",
-        )
+        if described.get(g.uuid) != _card_facts(server_id, g)
     ]
-    if changed:  # new cards, or a card moved, was renumbered, or changed MIG mode
+    if changed:
         GPU.objects.bulk_create(
             changed, update_conflicts=True, unique_fields=["uuid"], update_fields=_GPU_STATIC_FIELDS
         )
+
+
+def _gpus_update_live(cards: list[tuple[int, GPUInfo]], db_now: object) -> None:
+    """The numbers that move every round: one UPDATE for all cards."""
     _bulk_update(
         GPU,
         _GPU_LIVE_FIELDS,
@@ -169,7 +198,10 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
         ],
     )
 
-    GPUProcess.objects.filter(gpu__server_id__in=[pk for pk, _ in known.values()]).delete()
+
+def _processes_replace(server_ids: list[int], cards: list[tuple[int, GPUInfo]]) -> None:
+    """The reporting hosts' process lists, replaced (never appended to): a delete and a bulk insert."""
+    GPUProcess.objects.filter(gpu__server_id__in=server_ids).delete()
     GPUProcess.objects.bulk_create(
         GPUProcess(
             gpu_id=g.uuid,
@@ -182,25 +214,27 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
         for _, g in cards
         for p in g.processes
     )
-    # Inside the transaction: the jobs app records its running jobs' memory and utilization.
-    telemetry_ingested.send(sender=GPUProcess, cards=[g for _, g in cards])
 
+
+def _history_record(latest: dict[str, Snapshot], known: dict[str, _Known], now: datetime) -> None:
+    """A chart point per card of the hosts whose last one is TELEMETRY_HISTORY_SECONDS old."""
     history_every = timedelta(seconds=settings.TELEMETRY_HISTORY_SECONDS)
     due = {name for name, (_, at) in known.items() if at is None or now - at >= history_every}
-    if due:
-        TelemetrySample.objects.bulk_create(
-            TelemetrySample(
-                gpu_id=g.uuid,
-                at=now,
-                memory_used_mb=g.memory_used_mb,
-                utilization_pct=g.utilization_pct,
-                temperature_c=g.temperature_c,
-                power_w=g.power_w,
-            )
-            for name in due
-            for g in latest[name].gpus
+    if not due:
+        return
+    TelemetrySample.objects.bulk_create(
+        TelemetrySample(
+            gpu_id=g.uuid,
+            at=now,
+            memory_used_mb=g.memory_used_mb,
+            utilization_pct=g.utilization_pct,
+            temperature_c=g.temperature_c,
+            power_w=g.power_w,
         )
-        Server.objects.filter(name__in=due).update(last_history_at=now)
+        for name in due
+        for g in latest[name].gpus
+    )
+    Server.objects.filter(name__in=due).update(last_history_at=now)
 
 
 def server_report_ingest(*, snapshot: Snapshot, now: datetime | None = None) -> Server:

@@ -9,6 +9,7 @@ account), calls it, and does everything with side effects: folders, the upload, 
 from __future__ import annotations
 
 import json
+import posixpath
 import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,8 +19,31 @@ from gpus.models import Allocation
 from jobs.models import Job
 
 LAUNCH_CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"  # read (and removed) by jobs/launcher-bin/launcher.py
+# The portal's own variables: `job_environment` sets them over the job's own, and job_submit
+# refuses them (tests/test_job_env.py checks the function sets no other of its own).
+PORTAL_ENV = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "TF_FORCE_GPU_ALLOW_GROWTH",
+        "TF_NUM_INTRAOP_THREADS",
+        "TF_NUM_INTEROP_THREADS",
+        "OMP_NUM_THREADS",
+        "PYTHONUNBUFFERED",
+        "PORTAL_JOB_ID",
+        "PORTAL_RESERVATION_ID",
+        "PORTAL_SERVER",
+        LAUNCH_CONFIG_VAR,
+    }
+)
+# Refused at submit as well, though the portal leaves them unset: they would reach past the
+# booking (other cards through the container runtime or MPS, other hosts through TF_CONFIG).
+RESERVED_ENV = PORTAL_ENV | {"NVIDIA_VISIBLE_DEVICES", "TF_CONFIG"}
+RESERVED_PREFIXES = ("PORTAL_", "CUDA_MPS_")
 # Inherited from the worker's environment; everything else (DATABASE_URL, SECRET_KEY,
-# REDIS_URL, TF_CONFIG, ...) stays out of the user's job.
+# REDIS_URL, TF_CONFIG, ...) stays out of the user's job. Not VIRTUAL_ENV or CONDA_PREFIX:
+# they describe the worker's interpreter, and a job runs its own (`job_environment` puts that
+# one's folder first on PATH, so `pip` in a job never writes into the portal's venv).
 INHERITED_ENV = (
     "PATH",
     "HOME",
@@ -35,8 +59,8 @@ INHERITED_ENV = (
     "CUDA_HOME",
     "CUDA_PATH",
     "XLA_FLAGS",
-    "CONDA_PREFIX",
-    "VIRTUAL_ENV",
+    # Lab networks are often closed: jobs reach pip, dataset and model downloads
+    # (keras.datasets, pretrained weights) through the site's proxy, as the worker does.
     "HTTP_PROXY",
     "HTTPS_PROXY",
     "NO_PROXY",
@@ -90,30 +114,22 @@ def job_environment(
     card: BookedCard,
     *,
     inherited: Mapping[str, str],
+    interpreter: str,
+    venv: str | None = None,
     server: str,
     headroom_mb: int,
     account: pwd.struct_passwd | None = None,
 ) -> JobEnvironment:
     """What the job's process sees.
 
-    `inherited` is the worker's environment: only INHERITED_ENV passes. `server` is
-    WORKER_SERVER, `headroom_mb` GPU_CONTEXT_HEADROOM_MB, `account` JOB_USER's (its HOME,
-    USER and LOGNAME). The job's own variables come next, and the portal's last: a job cannot
-    override them (job_submit refuses to store them in the first place).
+    `inherited` is the worker's environment: only INHERITED_ENV passes. `interpreter` is the
+    job's Python (its JOB_INTERPRETERS path) and `venv` the virtual environment it belongs to,
+    if the runner found one: the job sees them as if that environment were activated. `server`
+    is WORKER_SERVER, `headroom_mb` GPU_CONTEXT_HEADROOM_MB, `account` JOB_USER's (its HOME,
+    USER and LOGNAME). The job's own variables come next, and the portal's (PORTAL_ENV) last:
+    a job cannot override them (job_submit refuses to store them in the first place).
     """
-    memory_limit, fraction = booked_memory(job.memory_mode, card, headroom_mb=headroom_mb)
-    grow = job.memory_mode in (Job.MemoryMode.GROW, Job.MemoryMode.LIMIT_GROW)
-    config = {
-        "job_id": job.pk,
-        "memory_limit_mb": memory_limit,
-        "allow_growth": grow,
-        "memory_fraction": fraction,
-        "intra_op_threads": job.intra_op_threads,
-        "inter_op_threads": job.inter_op_threads,
-        "soft_placement": job.soft_placement,
-        "log_placement": job.log_placement,
-        "mirrored": job.mirrored,
-    }
+    config = launch_config(job, card, headroom_mb=headroom_mb)
     threads = {
         "TF_NUM_INTRAOP_THREADS": job.intra_op_threads,
         "TF_NUM_INTEROP_THREADS": job.inter_op_threads,
@@ -122,20 +138,49 @@ def job_environment(
     portal = {
         "CUDA_VISIBLE_DEVICES": ",".join(job.gpu_uuids),  # UUIDs, in the booking's order
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # indices as nvidia-smi shows them; UUIDs are exact anyway
-        "TF_FORCE_GPU_ALLOW_GROWTH": "true" if grow else "false",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true" if config["allow_growth"] else "false",
         **{name: str(value) for name, value in threads.items() if value},
         "PYTHONUNBUFFERED": "1",
         "PORTAL_JOB_ID": str(job.pk),
         "PORTAL_RESERVATION_ID": str(job.reservation_id),
         "PORTAL_SERVER": server,
+        LAUNCH_CONFIG_VAR: json.dumps(config),
     }
     env = {name: inherited[name] for name in INHERITED_ENV if name in inherited}
-    env.setdefault("PATH", DEFAULT_PATH)
     if account is not None:
         env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
-    env["TF_CPP_MIN_LOG_LEVEL"] = TF_LOG_LEVEL
+    # Defaults the job's own variables may change.
+    defaults = {"TF_CPP_MIN_LOG_LEVEL": TF_LOG_LEVEL, **activation(interpreter, venv, env.get("PATH"))}
+    env.update(defaults)
     env.update(job.env)
     env.update(portal)
-    env[LAUNCH_CONFIG_VAR] = json.dumps(config)
-    applied = {name: env[name] for name in sorted([*portal, "TF_CPP_MIN_LOG_LEVEL"])}
+    shown = [name for name in [*portal, *defaults] if name not in ("PATH", LAUNCH_CONFIG_VAR)]
+    applied = {name: env[name] for name in sorted(shown)}
     return JobEnvironment(env=env, applied=applied, config=config)
+
+
+def launch_config(job: Job, card: BookedCard, *, headroom_mb: int) -> dict[str, Any]:
+    """The booking's TensorFlow settings, for the launcher (PORTAL_LAUNCH_CONFIG)."""
+    memory_limit, fraction = booked_memory(job.memory_mode, card, headroom_mb=headroom_mb)
+    return {
+        "job_id": job.pk,
+        "memory_limit_mb": memory_limit,
+        "allow_growth": job.memory_mode in (Job.MemoryMode.GROW, Job.MemoryMode.LIMIT_GROW),
+        "memory_fraction": fraction,
+        "intra_op_threads": job.intra_op_threads,
+        "inter_op_threads": job.inter_op_threads,
+        "soft_placement": job.soft_placement,
+        "log_placement": job.log_placement,
+        "mirrored": job.mirrored,
+    }
+
+
+def activation(interpreter: str, venv: str | None, path: str | None) -> dict[str, str]:
+    """PATH (and VIRTUAL_ENV) as activating the interpreter's environment would set them: its
+    own folder first, so `python` and `pip` in the job are the job's interpreter's. The path as
+    configured, not resolved: a venv's python is a link into the base interpreter's folder."""
+    folder = posixpath.dirname(interpreter)
+    path = path or DEFAULT_PATH
+    if folder and path.split(":", 1)[0] != folder:
+        path = f"{folder}:{path}"
+    return {"PATH": path, **({"VIRTUAL_ENV": venv} if venv else {})}

@@ -9,7 +9,6 @@ SIGTERM to the job's process group and SIGKILL after JOB_KILL_GRACE_SECONDS.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pwd
@@ -34,6 +33,7 @@ from jobs.environment import BookedCard, job_environment
 from jobs.logs import LogWriter
 from jobs.models import Job
 from portal.errors import Invalid
+from portal.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 LAUNCHER = Path(__file__).resolve().parent / "launcher-bin" / "launcher.py"
 TICK_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 1.0
-PR_SET_PDEATHSIG = 1
 DRAIN_SECONDS = 2.0  # output still read after the job's main process exited
 FINISH_ATTEMPTS = 30  # × 2 s: ride out a database restart
 
@@ -77,10 +76,13 @@ def launch_for(job: Job) -> Launch:
         )
     account = _job_account()
     script, cwd = _prepare_folders(job, account)
+    home = Path(interpreter).parent.parent  # a venv's root holds pyvenv.cfg, beside its bin/
     built = job_environment(
         job,
         BookedCard.of(first),
         inherited=os.environ,
+        interpreter=interpreter,
+        venv=str(home) if (home / "pyvenv.cfg").is_file() else None,
         server=settings.WORKER_SERVER,
         headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
         account=account,
@@ -129,13 +131,6 @@ def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path,
     if not cwd.is_dir():
         raise JobSetupError(f"The working directory {cwd} does not exist on {socket.gethostname()}.")
     return script, cwd
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it if the worker dies (SIGKILL, OOM, host crash
-    of the worker process), so a lost job cannot hold its cards behind the portal's back."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _pump(stream, out: queue.Queue[bytes | None]) -> None:  # type: ignore[no-untyped-def]
@@ -188,7 +183,9 @@ class Supervisor:
                 stderr=subprocess.STDOUT,  # one pipe: stdout and stderr interleaved in order
                 start_new_session=True,
                 close_fds=True,
-                preexec_fn=_die_with_parent,
+                # SIGKILL the job if the worker dies (SIGKILL, the OOM killer): a lost job
+                # must not hold its cards behind the portal's back.
+                preexec_fn=die_with_parent(signal.SIGKILL),
                 # JOB_USER: jobs run as an account that cannot read the worker's secrets.
                 **(
                     {"user": launch.account.pw_uid, "group": launch.account.pw_gid, "extra_groups": []}

@@ -24,6 +24,7 @@ from django.utils import timezone
 from gpus.inventory import GPUInfo
 from gpus.models import Allocation, Reservation, Server, format_mb
 from jobs import paths
+from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
 from jobs.logs import log_append
 from jobs.models import Job
 from portal.access import can_manage_team
@@ -33,21 +34,6 @@ from portal.timefmt import format_time
 log = logging.getLogger(__name__)
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-# Set by the portal for every job; a user may not override them.
-PROTECTED_ENV = frozenset(
-    {
-        "CUDA_VISIBLE_DEVICES",
-        "CUDA_DEVICE_ORDER",
-        "NVIDIA_VISIBLE_DEVICES",
-        "TF_FORCE_GPU_ALLOW_GROWTH",
-        "TF_CONFIG",
-        "TF_NUM_INTRAOP_THREADS",
-        "TF_NUM_INTEROP_THREADS",
-        "OMP_NUM_THREADS",
-        "PYTHONUNBUFFERED",
-    }
-)
-PROTECTED_PREFIXES = ("PORTAL_", "CUDA_MPS_")
 MAX_ENV_VARS = 50
 MAX_ENV_VALUE = 4096
 MAX_ARGS = 200
@@ -152,7 +138,7 @@ def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
                 "not starting with a digit.",
                 field="env",
             )
-        if name in PROTECTED_ENV or name.startswith(PROTECTED_PREFIXES):
+        if name in RESERVED_ENV or name.startswith(RESERVED_PREFIXES):
             raise Invalid(
                 f"Environment: {name} is set by the portal from your booking and cannot be overridden; "
                 "remove it (choose cards by booking them, memory and threads in the TensorFlow settings).",
@@ -165,82 +151,6 @@ def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
             raise Invalid(f"Environment: {name} is longer than {MAX_ENV_VALUE} characters.", field="env")
         checked[name] = value
     return checked
-
-
-def _check_upload(upload: ScriptUpload) -> str:
-    limit = settings.JOB_UPLOAD_MAX_KB * 1024
-    if not upload.name.endswith(".py"):
-        raise Invalid(f"{upload.name!r} is not a Python script; upload a .py file.", field="script")
-    size = max(upload.size or 0, len(upload.content))
-    if size > limit:
-        raise Invalid(
-            f"The script is {size / 1024:,.0f} KB; the limit is {settings.JOB_UPLOAD_MAX_KB} KB. "
-            "Put large code under a job folder and give its path instead.",
-            field="script",
-        )
-    try:
-        source = upload.content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise Invalid("The script is not UTF-8 text; upload a .py source file.", field="script") from None
-    if "\x00" in source:
-        raise Invalid("The script holds NUL bytes; upload a .py source file.", field="script")
-    return source
-
-
-def _interpreter(name: str) -> str:
-    name = (name or "default").strip()
-    if name not in settings.JOB_INTERPRETERS:
-        raise Invalid(
-            f"Unknown Python environment {name!r}; choose one of {', '.join(settings.JOB_INTERPRETERS)}.",
-            field="interpreter",
-        )
-    return name
-
-
-def _check_threads(value: int | None, field: str) -> int | None:
-    if value is not None and not 1 <= value <= MAX_THREADS:
-        raise Invalid(
-            f"Threads must be between 1 and {MAX_THREADS}; leave empty for the default.", field=field
-        )
-    return value
-
-
-def cpu_share(server: Server, allocations: Sequence[Allocation]) -> int:
-    """This booking's share of the host's CPUs: its fraction of the server's cards (memory
-    quotas count their fraction of the card)."""
-    cards = server.gpus.count() or 1
-    fraction = sum(
-        1.0 if a.memory_mb is None else min(1.0, a.memory_mb / max(1, a.gpu.memory_bookable_mb))
-        for a in allocations
-    )
-    return max(1, int(server.cpu_count * fraction / cards)) if server.cpu_count else 1
-
-
-def default_threads(share: int) -> tuple[int, int]:
-    """Intra-op threads = the CPU share; inter-op a couple, for independent ops."""
-    return share, (2 if share >= 4 else 1)
-
-
-def _reservation_for_job(
-    user: AbstractBaseUser, reservation: Reservation | int | None, now: datetime
-) -> Reservation:
-    if reservation is None:
-        raise Invalid("Choose the booking the job runs on.", field="reservation")
-    pk = reservation if isinstance(reservation, int) else reservation.pk
-    found = Reservation.objects.visible_to(user).select_related("team").filter(pk=pk).first()
-    if found is None:
-        raise Invalid(
-            f"There is no booking {pk} of yours; choose one from your reservations.", field="reservation"
-        )
-    if found.owner_id != user.pk:
-        raise Forbidden("Jobs run on your own bookings only; this one is someone else's.")
-    status = found.status_at(now)
-    if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
-        raise Invalid(
-            f"Booking {found.pk} is {status.label.lower()}; run jobs on an active or upcoming booking.",
-            field="reservation",
-        )
-    return found
 
 
 # --- services -------------------------------------------------------------------------
@@ -268,10 +178,74 @@ def job_submit(
 ) -> Job:
     """Queue a job on a booking's server and cards; it starts when the booking does.
 
-    Raises a ServiceError (field and fix in the message) and writes nothing on bad input.
+    Raises a ServiceError (field and fix in the message) and writes nothing on bad input:
+    every step before the save only reads.
     """
     now = now or timezone.now()
-    booking = _reservation_for_job(user, reservation, now)
+    booking, allocations = _check_booking(user, reservation, now)
+    server, shared_mb = allocations[0].gpu.server, allocations[0].memory_mb  # None: whole cards
+    name, path_text, source = _check_script(script, script_path)
+    argv = parse_args(args)
+    workdir_text = _check_workdir(workdir)
+    interpreter = _check_interpreter(interpreter)
+    extra_env = parse_env(env)
+    _check_time_limit(time_limit_minutes, booking, now)
+    mode = _check_memory_mode(memory_mode, shared_mb)
+    _check_mirrored(mirrored, allocations)
+    intra, inter = _check_threads(intra_op_threads, inter_op_threads, cpu_share(server, allocations))
+    job = Job(
+        owner=user,
+        reservation=booking,
+        team=booking.team,
+        server=server,
+        gpu_uuids=[a.gpu_id for a in allocations],
+        name=name[:200],
+        script_path=path_text,
+        script_source=source,
+        args=argv,
+        workdir=workdir_text,
+        interpreter=interpreter,
+        env=extra_env,
+        time_limit_minutes=time_limit_minutes,
+        memory_mode=mode,
+        intra_op_threads=intra,
+        inter_op_threads=inter,
+        soft_placement=soft_placement,
+        log_placement=log_placement,
+        mirrored=mirrored,
+        created_at=now,
+        not_before=booking.start,
+    )
+    _save_alone_on_booking(job)
+    if booking.start <= now:
+        _dispatch(job, now)
+    return job
+
+
+# --- job_submit's steps: each checks one part of the request and writes nothing ------------
+
+
+def _check_booking(
+    user: AbstractBaseUser, reservation: Reservation | int | None, now: datetime
+) -> tuple[Reservation, list[Allocation]]:
+    """The user's own active or upcoming booking, and its cards in index order, on a server
+    that takes new jobs."""
+    if reservation is None:
+        raise Invalid("Choose the booking the job runs on.", field="reservation")
+    pk = reservation if isinstance(reservation, int) else reservation.pk
+    booking = Reservation.objects.visible_to(user).select_related("team").filter(pk=pk).first()
+    if booking is None:
+        raise Invalid(
+            f"There is no booking {pk} of yours; choose one from your reservations.", field="reservation"
+        )
+    if booking.owner_id != user.pk:
+        raise Forbidden("Jobs run on your own bookings only; this one is someone else's.")
+    status = booking.status_at(now)
+    if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
+        raise Invalid(
+            f"Booking {booking.pk} is {status.label.lower()}; run jobs on an active or upcoming booking.",
+            field="reservation",
+        )
     allocations = list(booking.allocations.select_related("gpu__server").order_by("gpu__index"))
     if not allocations:
         raise Invalid(f"Booking {booking.pk} holds no cards.", field="reservation")
@@ -280,42 +254,84 @@ def job_submit(
         raise Invalid(
             f"{server.name} is draining: no new jobs go there. Book another server.", field="reservation"
         )
-    shared_mb = allocations[0].memory_mb  # None: whole cards
+    return booking, allocations
 
+
+def _check_script(script: ScriptUpload | None, script_path: str) -> tuple[str, str, str]:
+    """(name, path, source): an upload's name and source, or a .py path under the job roots."""
     if bool(script) == bool(script_path and script_path.strip()):
         raise Invalid("Upload a .py script or give the path of one on the server, not both.", field="script")
-    source, path_text, name = "", "", ""
     if script:
-        source, name = _check_upload(script), script.name.rsplit("/", 1)[-1]
-    else:
-        path = paths.checked_path(script_path, field="script_path", what="script path")
-        if path.suffix != ".py":
-            raise Invalid(
-                f"{path.name!r} is not a Python script; give the path of a .py file.", field="script_path"
-            )
-        path_text, name = str(path), path.name
-    argv = parse_args(args)
-    workdir_text = (
-        str(paths.checked_path(workdir, field="workdir", what="working directory")) if workdir.strip() else ""
-    )
-    interpreter = _interpreter(interpreter)
-    extra_env = parse_env(env)
+        return script.name.rsplit("/", 1)[-1], "", _check_upload(script)
+    path = paths.checked_path(script_path, field="script_path", what="script path")
+    if path.suffix != ".py":
+        raise Invalid(
+            f"{path.name!r} is not a Python script; give the path of a .py file.", field="script_path"
+        )
+    return path.name, str(path), ""
 
-    start = max(now, booking.start)
-    if time_limit_minutes is not None:
-        if time_limit_minutes < 1:
-            raise Invalid(
-                "The time limit must be at least 1 minute; leave it empty to run until the booking ends.",
-                field="time_limit_minutes",
-            )
-        longest = int((booking.end - start).total_seconds() // 60)
-        if time_limit_minutes > longest:
-            raise Invalid(
-                f"The booking ends at {format_time(booking.end)}: the time limit can be at most "
-                f"{longest} minutes. Extend the booking first for a longer run.",
-                field="time_limit_minutes",
-            )
 
+def _check_upload(upload: ScriptUpload) -> str:
+    """The uploaded script's source: a .py name, within JOB_UPLOAD_MAX_KB, UTF-8 text."""
+    limit = settings.JOB_UPLOAD_MAX_KB * 1024
+    if not upload.name.endswith(".py"):
+        raise Invalid(f"{upload.name!r} is not a Python script; upload a .py file.", field="script")
+    size = max(upload.size or 0, len(upload.content))
+    if size > limit:
+        raise Invalid(
+            f"The script is {size / 1024:,.0f} KB; the limit is {settings.JOB_UPLOAD_MAX_KB} KB. "
+            "Put large code under a job folder and give its path instead.",
+            field="script",
+        )
+    try:
+        source = upload.content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Invalid("The script is not UTF-8 text; upload a .py source file.", field="script") from None
+    if "\x00" in source:
+        raise Invalid("The script holds NUL bytes; upload a .py source file.", field="script")
+    return source
+
+
+def _check_workdir(workdir: str) -> str:
+    """A folder under the job roots, or '' for the job's own folder."""
+    if not workdir.strip():
+        return ""
+    return str(paths.checked_path(workdir, field="workdir", what="working directory"))
+
+
+def _check_interpreter(name: str) -> str:
+    """One of JOB_INTERPRETERS' names; empty means "default"."""
+    name = (name or "default").strip()
+    if name not in settings.JOB_INTERPRETERS:
+        raise Invalid(
+            f"Unknown Python environment {name!r}; choose one of {', '.join(settings.JOB_INTERPRETERS)}.",
+            field="interpreter",
+        )
+    return name
+
+
+def _check_time_limit(minutes: int | None, booking: Reservation, now: datetime) -> None:
+    """None (until the booking ends), or at least a minute and no longer than the booking has left
+    from the job's start."""
+    if minutes is None:
+        return
+    if minutes < 1:
+        raise Invalid(
+            "The time limit must be at least 1 minute; leave it empty to run until the booking ends.",
+            field="time_limit_minutes",
+        )
+    longest = int((booking.end - max(now, booking.start)).total_seconds() // 60)
+    if minutes > longest:
+        raise Invalid(
+            f"The booking ends at {format_time(booking.end)}: the time limit can be at most "
+            f"{longest} minutes. Extend the booking first for a longer run.",
+            field="time_limit_minutes",
+        )
+
+
+def _check_memory_mode(memory_mode: str | None, shared_mb: int | None) -> str:
+    """The TF memory mode, defaulting by booking: "limit" on a shared card, "all" on whole cards.
+    "all" needs whole cards; a limit needs more memory than the CUDA context's headroom."""
     mode = memory_mode or (Job.MemoryMode.LIMIT if shared_mb else Job.MemoryMode.ALL)
     if mode not in Job.MemoryMode.values:
         raise Invalid(f"Memory mode must be one of {', '.join(Job.MemoryMode.values)}.", field="memory_mode")
@@ -333,49 +349,59 @@ def job_submit(
             "'grow as needed'.",
             field="memory_mode",
         )
+    return mode
+
+
+def _check_mirrored(mirrored: bool, allocations: Sequence[Allocation]) -> None:
     if mirrored and len(allocations) < 2:
         raise Invalid("MirroredStrategy needs a booking of two or more cards; untick it.", field="mirrored")
-    intra_default, inter_default = default_threads(cpu_share(server, allocations))
 
-    job = Job(
-        owner=user,
-        reservation=booking,
-        team=booking.team,
-        server=server,
-        gpu_uuids=[a.gpu_id for a in allocations],
-        name=name[:200],
-        script_path=path_text,
-        script_source=source,
-        args=argv,
-        workdir=workdir_text,
-        interpreter=interpreter,
-        env=extra_env,
-        time_limit_minutes=time_limit_minutes,
-        memory_mode=mode,
-        intra_op_threads=_check_threads(intra_op_threads, "intra_op_threads") or intra_default,
-        inter_op_threads=_check_threads(inter_op_threads, "inter_op_threads") or inter_default,
-        soft_placement=soft_placement,
-        log_placement=log_placement,
-        mirrored=mirrored,
-        created_at=now,
-        not_before=booking.start,
+
+def _check_threads(intra: int | None, inter: int | None, share: int) -> tuple[int, int]:
+    """(intra-op, inter-op) threads: each as asked, 1 to MAX_THREADS, or the default for the
+    booking's CPU `share`."""
+    for value, field in ((intra, "intra_op_threads"), (inter, "inter_op_threads")):
+        if value is not None and not 1 <= value <= MAX_THREADS:
+            raise Invalid(
+                f"Threads must be between 1 and {MAX_THREADS}; leave empty for the default.", field=field
+            )
+    intra_default, inter_default = default_threads(share)
+    return intra or intra_default, inter or inter_default
+
+
+def cpu_share(server: Server, allocations: Sequence[Allocation]) -> int:
+    """This booking's share of the host's CPUs: its fraction of the server's cards (memory
+    quotas count their fraction of the card)."""
+    cards = server.gpus.count() or 1
+    fraction = sum(
+        1.0 if a.memory_mb is None else min(1.0, a.memory_mb / max(1, a.gpu.memory_bookable_mb))
+        for a in allocations
     )
-    running = Job.objects.filter(reservation=booking, status__in=Job.ACTIVE).first()
+    return max(1, int(server.cpu_count * fraction / cards)) if server.cpu_count else 1
+
+
+def default_threads(share: int) -> tuple[int, int]:
+    """Intra-op threads = the CPU share; inter-op a couple, for independent ops."""
+    return share, (2 if share >= 4 else 1)
+
+
+def _save_alone_on_booking(job: Job) -> None:
+    """Save the job unless another is active on its booking: one job runs on a booking at a time
+    (a database constraint settles two submits racing past the check)."""
+    running = Job.objects.filter(reservation=job.reservation, status__in=Job.ACTIVE).first()
     if running:
         raise Conflict(
             f"Job {running.pk} ({running.name}) is still {running.get_status_display().lower()} on booking "
-            f"{booking.pk}; one job runs on a booking at a time. Wait for it or cancel it.",
+            f"{job.reservation.pk}; one job runs on a booking at a time. Wait for it or cancel it.",
         )
     try:
         with transaction.atomic():
             job.save()
     except IntegrityError:  # a concurrent submit on the same booking won the race
         raise Conflict(
-            f"Another job was just submitted on booking {booking.pk}; one job runs on a booking at a time."
+            f"Another job was just submitted on booking {job.reservation.pk}; one job runs on a booking "
+            "at a time."
         ) from None
-    if booking.start <= now:
-        _dispatch(job, now)
-    return job
 
 
 def _dispatch(job: Job, now: datetime) -> bool:

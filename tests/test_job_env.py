@@ -11,16 +11,23 @@ import pwd
 import pytest
 
 from gpus.models import GPU, Allocation
-from jobs.environment import LAUNCH_CONFIG_VAR, BookedCard, job_environment
+from jobs.environment import LAUNCH_CONFIG_VAR, PORTAL_ENV, BookedCard, job_environment
 from jobs.models import Job
+from jobs.services import parse_env
+from portal.errors import Invalid
 
 Mode = Job.MemoryMode
 GB = 1024
 WHOLE = BookedCard(memory_mb=None, total_mb=24 * GB, bookable_mb=23 * GB)  # 1 GB reserved + headroom
 SHARED = BookedCard(memory_mb=8 * GB, total_mb=24 * GB, bookable_mb=23 * GB)
 HEADROOM = 512
+PYTHON = "/opt/envs/tf/bin/python"  # the job's interpreter: not the worker's
 WORKER_ENV = {
-    "PATH": "/opt/conda/bin:/usr/bin",
+    # The worker runs in the portal's activated venv.
+    "PATH": "/srv/portal/.venv/bin:/opt/conda/bin:/usr/bin",
+    "VIRTUAL_ENV": "/srv/portal/.venv",
+    "CONDA_PREFIX": "/opt/conda",
+    "HTTPS_PROXY": "http://proxy.lab:3128",
     "HOME": "/root",
     "USER": "root",
     "LANG": "C.UTF-8",
@@ -45,7 +52,13 @@ def _job(**fields) -> Job:
 
 
 def _build(job: Job, card: BookedCard = SHARED, **kwargs):
-    kwargs = {"inherited": WORKER_ENV, "server": "box1", "headroom_mb": HEADROOM, **kwargs}
+    kwargs = {
+        "inherited": WORKER_ENV,
+        "interpreter": PYTHON,
+        "server": "box1",
+        "headroom_mb": HEADROOM,
+        **kwargs,
+    }
     return job_environment(job, card, **kwargs)
 
 
@@ -131,13 +144,60 @@ def test_it_never_inherits_the_workers_secrets():
     env = _build(_job()).env
     assert not {"DATABASE_URL", "SECRET_KEY", "REDIS_URL", "TF_CONFIG", "DJANGO_SETTINGS_MODULE"} & set(env)
     assert not any("do-not-leak" in value for value in env.values())
-    assert env["PATH"] == "/opt/conda/bin:/usr/bin"
     assert (env["LANG"], env["LD_LIBRARY_PATH"]) == ("C.UTF-8", "/usr/local/cuda/lib64")
+    assert env["HTTPS_PROXY"] == "http://proxy.lab:3128"  # downloads go through the lab's proxy
     assert env["TF_CPP_MIN_LOG_LEVEL"] == "1"
 
 
+def test_it_puts_the_jobs_interpreter_first_on_path_and_not_the_workers_venv():
+    env = _build(_job()).env
+    # As if the job's environment were activated: its `python` and `pip` come first, so `pip
+    # install` in a job cannot write into the portal's venv; the worker's venv says nothing.
+    assert env["PATH"] == "/opt/envs/tf/bin:/srv/portal/.venv/bin:/opt/conda/bin:/usr/bin"
+    assert "VIRTUAL_ENV" not in env and "CONDA_PREFIX" not in env
+
+
+def test_it_names_the_jobs_venv_only_when_given_one():
+    built = _build(_job(), venv="/opt/envs/tf")
+    assert built.env["VIRTUAL_ENV"] == "/opt/envs/tf"
+    assert built.applied["VIRTUAL_ENV"] == "/opt/envs/tf"  # the job's page shows it
+    assert "VIRTUAL_ENV" not in _build(_job(), venv=None).env
+
+
+def test_it_puts_the_interpreters_folder_first_once():
+    inherited = {"PATH": "/opt/envs/tf/bin:/usr/bin"}
+    assert _build(_job(), inherited=inherited).env["PATH"] == "/opt/envs/tf/bin:/usr/bin"
+    # A bare name (found on PATH) has no folder to add.
+    assert _build(_job(), inherited={"PATH": "/usr/bin"}, interpreter="python3").env["PATH"] == "/usr/bin"
+
+
 def test_it_gives_a_plain_path_when_the_worker_has_none():
-    assert _build(_job(), inherited={}).env["PATH"] == "/usr/local/bin:/usr/bin:/bin"
+    assert _build(_job(), inherited={}).env["PATH"] == "/opt/envs/tf/bin:/usr/local/bin:/usr/bin:/bin"
+
+
+def test_it_sets_over_the_jobs_variables_only_what_job_submit_refuses():
+    """One list of the portal's own variables: the ones the function sets over the job's own are
+    PORTAL_ENV, and job_submit (parse_env) refuses every one of them. The rest it sets are defaults
+    a job may change."""
+    account = pwd.struct_passwd(("labjob", "x", 1500, 1500, "", "/home/labjob", "/bin/sh"))
+    everything = {
+        "intra_op_threads": 4,
+        "inter_op_threads": 2,
+        "mirrored": True,
+        "gpu_uuids": ["GPU-a", "GPU-b"],
+    }
+    kwargs = {"inherited": {}, "venv": "/opt/envs/tf", "account": account}
+    names = set(_build(_job(**everything), **kwargs).env)
+    env = _build(_job(**everything, env=dict.fromkeys(names, "mine")), **kwargs).env
+    overridden = {name for name in names if env[name] != "mine"}
+    assert overridden == PORTAL_ENV
+    for name in sorted(overridden):
+        with pytest.raises(Invalid, match="set by the portal") as error:
+            parse_env({name: "1"})
+        assert error.value.field == "env"
+    changeable = names - overridden
+    assert changeable == {"PATH", "VIRTUAL_ENV", "TF_CPP_MIN_LOG_LEVEL", "HOME", "USER", "LOGNAME"}
+    assert parse_env(dict.fromkeys(changeable, "mine")) == dict.fromkeys(changeable, "mine")
 
 
 def test_it_runs_as_job_users_home_and_name():

@@ -18,11 +18,21 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_cancel, reservation_create
 from gpus.inventory import ProcessInfo
-from gpus.models import GPUProcess
+from gpus.models import GPUProcess, Reservation
 from gpus.services import server_report_ingest
 from jobs.logs import LogWriter, log_append, log_end, log_stream
 from jobs.models import Job, LogChunk
-from jobs.services import ScriptUpload, job_cancel, job_submit, jobs_reconcile, parse_args
+from jobs.services import (
+    ScriptUpload,
+    _check_memory_mode,
+    _check_script,
+    _check_threads,
+    _check_time_limit,
+    job_cancel,
+    job_submit,
+    jobs_reconcile,
+    parse_args,
+)
 from jobs.signals import kill_orphans
 from portal.errors import Conflict, Forbidden, Invalid
 from tests.conftest import wait_for
@@ -111,6 +121,53 @@ def test_it_refuses_bad_input_naming_the_field_and_writes_nothing(alice, booking
 def test_it_keeps_quoted_shell_characters_as_literal_arguments():
     assert parse_args("--sep '|' --pattern \"a;b\"") == ["--sep", "|", "--pattern", "a;b"]
     assert parse_args(["a | b", "$X"]) == ["a | b", "$X"]  # a list is never parsed
+
+
+# --- job_submit's steps, alone (no database) ----------------------------------------------
+
+
+def test_it_takes_an_uploads_own_name_or_a_paths_and_wants_exactly_one():
+    upload = ScriptUpload(name="runs/2024/train.py", content=SCRIPT)
+    assert _check_script(upload, "") == ("train.py", "", "print('hello')\n")
+    for script, path in ((None, ""), (None, "   "), (upload, "train.py")):
+        with pytest.raises(Invalid, match="not both") as error:
+            _check_script(script, path)
+        assert error.value.field == "script"
+
+
+def test_it_measures_the_time_limit_from_when_the_job_can_start(t0):
+    upcoming = Reservation(start=t0 + timedelta(hours=1), end=t0 + timedelta(hours=3))
+    _check_time_limit(None, upcoming, t0)  # until the booking ends
+    _check_time_limit(120, upcoming, t0)
+    with pytest.raises(Invalid, match="at most 120 minutes") as error:
+        _check_time_limit(121, upcoming, t0)  # not 180: the job waits for the booking
+    assert error.value.field == "time_limit_minutes"
+    _check_time_limit(30, upcoming, t0 + timedelta(hours=2, minutes=30))  # active: from now
+    with pytest.raises(Invalid, match="at least 1 minute"):
+        _check_time_limit(0, upcoming, t0)
+
+
+def test_it_defaults_the_memory_mode_by_booking_and_keeps_room_for_the_cuda_context(settings):
+    settings.GPU_CONTEXT_HEADROOM_MB = 512
+    assert _check_memory_mode(None, None) == Job.MemoryMode.ALL  # whole cards
+    assert _check_memory_mode(None, 8192) == Job.MemoryMode.LIMIT  # a share of a card
+    assert _check_memory_mode(Job.MemoryMode.GROW, 512) == Job.MemoryMode.GROW
+    for mode in (Job.MemoryMode.LIMIT, Job.MemoryMode.LIMIT_GROW):
+        with pytest.raises(Invalid, match="512 MB CUDA context headroom"):
+            _check_memory_mode(mode, 512)
+    with pytest.raises(Invalid, match="must be one of") as error:
+        _check_memory_mode("most", None)
+    assert error.value.field == "memory_mode"
+
+
+def test_it_defaults_threads_to_the_bookings_cpu_share_and_names_the_bad_field():
+    assert _check_threads(None, None, 8) == (8, 2)
+    assert _check_threads(None, None, 2) == (2, 1)
+    assert _check_threads(3, None, 8) == (3, 2)
+    assert _check_threads(None, 5, 8) == (8, 5)
+    with pytest.raises(Invalid, match="between 1 and 256") as error:
+        _check_threads(4, 257, 8)
+    assert error.value.field == "inter_op_threads"
 
 
 def test_it_refuses_a_huge_upload(alice, booking, settings):

@@ -175,6 +175,67 @@ def test_it_gives_the_script_the_sys_path_of_python_script_py(tmp_path: Path, fo
     assert seen["stdlib_selectors"] is True
 
 
+def test_it_imports_tensorflow_from_the_scripts_folder_first_as_python_does(tmp_path: Path) -> None:
+    """The script's folder is first on sys.path before the launcher imports TensorFlow for it, so a
+    package beside the script shadows the installed one, for that import too: here a fake
+    `tensorflow` (just enough of the API for the settings) that records sys.path[0] when imported."""
+    project = tmp_path / "project"
+    (project / "tensorflow").mkdir(parents=True)
+    write(
+        project / "tensorflow" / "__init__.py",
+        """
+        import sys
+        from types import SimpleNamespace
+
+        __version__ = "0.0-beside-the-script"
+        PATH0_AT_IMPORT = sys.path[0]
+        ARGV_AT_IMPORT = list(sys.argv)
+        _noop = lambda *args, **kwargs: None
+        config = SimpleNamespace(
+            list_physical_devices=lambda kind: [],
+            set_soft_device_placement=_noop,
+            threading=SimpleNamespace(
+                set_intra_op_parallelism_threads=_noop, set_inter_op_parallelism_threads=_noop
+            ),
+        )
+        debugging = SimpleNamespace(set_log_device_placement=_noop)
+        """,
+    )
+    write(
+        project / "train.py",
+        """
+        import json, sys
+        import tensorflow as tf
+        print("RESULT " + json.dumps({
+            "file": tf.__file__,
+            "path0_at_import": tf.PATH0_AT_IMPORT,
+            "argv_at_import": tf.ARGV_AT_IMPORT,
+        }))
+        """,
+    )
+
+    direct = subprocess.run(
+        [sys.executable, "-u", "project/train.py", "--lr", "0.1"],
+        cwd=tmp_path,
+        env=_job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    launched = launch("project/train.py", "--lr", "0.1", cwd=tmp_path, config=BOOKING)
+
+    assert direct.returncode == 0, direct.stderr
+    assert launched.returncode == 0, launched.stderr
+    seen = json.loads(launched.stdout.split("RESULT ", 1)[1])
+    assert seen == json.loads(direct.stdout.split("RESULT ", 1)[1])
+    assert seen["file"] == str(project.resolve() / "tensorflow" / "__init__.py")
+    assert seen["path0_at_import"] == str(project.resolve())
+    assert seen["argv_at_import"] == ["project/train.py", "--lr", "0.1"]
+    # The launcher applied the booking to that package: it is the one it imported.
+    (line,) = portal_lines(launched.stdout)
+    assert line.startswith("[portal] launcher: job 12 · TensorFlow 0.0-beside-the-script")
+
+
 @pytest.mark.parametrize(
     ("body", "code"),
     [("raise ValueError('boom')", 1), ("import sys\nsys.exit(3)", 3), ("print('fine')", 0)],

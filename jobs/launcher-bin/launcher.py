@@ -12,8 +12,8 @@ if TensorFlow is imported indirectly later. The configuration comes as JSON in `
 
 Python puts this file's folder first on ``sys.path``. That folder is not a package (its name is not even
 an identifier) and holds nothing but this file, so no project module can shadow the standard library's or
-the user's; before the script runs, the script's own folder takes that first place, as with
-``python script.py``.
+the user's; before TensorFlow is imported and the script runs, the script's own folder takes that first
+place, as with ``python script.py``.
 """
 
 from __future__ import annotations
@@ -414,6 +414,10 @@ def main(argv: list[str]) -> int:
     job = _job(config)
     with open(script, "rb") as fh:
         source = fh.read()
+    # Before TensorFlow is imported: its import must find what `python script.py` would find
+    # (a sibling module of the script shadows an installed one, for TF's imports too).
+    _put_script_first_on_path(script)
+    sys.argv = [script, *argv[1:]]
 
     env = _env_summary()
     if uses_tensorflow(source):
@@ -431,8 +435,6 @@ def main(argv: list[str]) -> int:
         if "tensorflow" not in sys.modules:
             sys.meta_path.insert(0, TensorFlowImportHook(config))
 
-    _put_script_first_on_path(script)
-    sys.argv = [script, *argv[1:]]
     try:
         # The path as given, not made absolute: run_path sets sys.argv[0] to it (so __file__ is relative
         # when the worker passes a relative path, unlike `python script.py` since 3.9).
