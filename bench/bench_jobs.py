@@ -40,14 +40,12 @@ A missed goal prints MISSED; the exit code is non-zero only on errors.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
 import re
 import resource
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -58,7 +56,15 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from bench.common import ROOT, report, setup_django_test_db
+from bench.common import (
+    ROOT,
+    database_url_for_subprocess,
+    report,
+    setup_django_test_db,
+    stop,
+    tail,
+    wait_until,
+)
 from portal.workers import worker_argv
 
 MB = 1024 * 1024
@@ -87,43 +93,6 @@ LOG_CAP_MB = 1024  # JOB_LOG_MAX_MB the chunks are laid out for: 512 MiB head, 5
 DISTINCT_CHUNKS = 16
 INSERT_BATCH = 16  # chunks per INSERT: 16 MiB
 RSS_SAMPLE_S = 0.02
-
-
-def database_url_for_subprocess() -> str:
-    """The test database's URL, for the worker and web server processes."""
-    from django.db import connection
-
-    from portal.env import database_url
-
-    return database_url(connection.settings_dict)
-
-
-def stop(proc: subprocess.Popen | None, timeout: float = 20) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def tail(path: Path, lines: int = 30) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 # --- 1. submit → first line ---------------------------------------------------------------------
@@ -447,12 +416,12 @@ def download(port: int, path: str, token: str) -> tuple[int, float]:
 def bench_log_download(user, booking, db_url: str, scratch: Path) -> None:  # type: ignore[no-untyped-def]
     import psutil
     from django.db import connection
-    from rest_framework.authtoken.models import Token
 
     from jobs.logs import log_stream
+    from portal.services import api_token_create
 
     job_id, store_s = store_big_log(user, booking)
-    token = Token.objects.get_or_create(user=user)[0].key
+    token = api_token_create(user=user, name="benchmark", expires_at=None)[1]
 
     start = time.perf_counter()
     streamed = sum(len(piece) for piece in log_stream(job_id))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -12,6 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+
+from portal.workers import worker_argv  # noqa: E402 - after the path and settings above
 
 
 def setup_django_test_db() -> Callable[[], None]:
@@ -45,3 +50,91 @@ def median_ms(fn: Callable[[], object], *, repeat: int, warmup: int = 3) -> floa
 
 def report(name: str, value: float, unit: str, goal: str, ok: bool) -> None:
     print(f"  {name:<48} {value:10.2f} {unit:<6} goal {goal:<10} {'OK' if ok else 'MISSED'}")
+
+
+def database_url_for_subprocess() -> str:
+    """The test database's URL, for the worker and web server processes."""
+    from django.db import connection
+
+    from portal.env import database_url
+
+    return database_url(connection.settings_dict)
+
+
+def stop(proc: subprocess.Popen | None, timeout: float = 20) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Workers:
+    """The portal's worker (collector, scheduler, reconciler) and one simulated host's, started
+    on the bench's database and Redis, for the end-to-end figures."""
+
+    def __init__(
+        self, server: str, scratch: Path, *, declarations: Path | None = None, **host_env: str
+    ) -> None:
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url_for_subprocess(),
+            "GPU_BACKEND": "simulated",
+            "SIMULATED_PROCESSES_FILE": str(declarations or scratch / "simulated-gpu-processes.json"),
+            "JOB_ROOTS": str(scratch / "jobs"),
+            "EMAIL_DELIVERY": "file",
+            "EMAIL_FILE_PATH": str(scratch / "mail"),
+        }
+        node = f"bench-{os.getpid()}"
+        self.logs = {"portal": scratch / "worker-portal.log", "host": scratch / "worker-host.log"}
+        self.procs: dict[str, subprocess.Popen] = {}
+        try:
+            self._start("portal", worker_argv("portal", f"portal@{node}"), {**env, "WORKER_SERVER": "portal"})
+            self._start(
+                "host",
+                worker_argv(f"host.{server}", f"{server}@{node}"),
+                {**env, "WORKER_SERVER": server, **host_env},
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, role: str, argv: list[str], env: dict[str, str]) -> None:
+        with open(self.logs[role], "w") as log:
+            self.procs[role] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            for role, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the {role} worker exited with {proc.returncode}:\n{self.tail()}")
+            return all(" ready." in path.read_text(errors="replace") for path in self.logs.values())
+
+        wait_until(ready, 90, "the Celery workers to be ready")
+
+    def tail(self) -> str:
+        return "\n".join(f"--- {role} worker:\n{tail(path)}" for role, path in self.logs.items())
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            stop(proc)

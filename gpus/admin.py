@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server
+from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server, Violation, WatchdogPolicy
 
 
 class GPUInline(admin.TabularInline):
@@ -56,3 +56,34 @@ class ReservationAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
         return False
+
+
+@admin.register(Violation)
+class ViolationAdmin(admin.ModelAdmin):
+    """Written by the GPU watchdog; shown here, changed only by it."""
+
+    list_display = [
+        "id",
+        "kind",
+        "gpu",
+        "pid",
+        "os_user",
+        "user",
+        "job_id",
+        "memory_mb",
+        "first_seen",
+        "action",
+    ]
+    list_filter = ["kind", "action", "server"]
+    search_fields = ["gpu__uuid", "os_user", "user__username", "command"]
+    readonly_fields = [f.name for f in Violation._meta.fields]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(WatchdogPolicy)
+class WatchdogPolicyAdmin(admin.ModelAdmin):
+    """What the watchdog does about each kind; a kind without a row keeps its default (settings)."""
+
+    list_display = ["kind", "action", "grace_seconds"]

@@ -1,7 +1,9 @@
-"""Inventory (/api/v1/servers/, /api/v1/gpus/, read-only) and bookings (/api/v1/reservations/)."""
+"""Inventory (/api/v1/servers/, /api/v1/gpus/, read-only), bookings (/api/v1/reservations/) and
+usage (/api/v1/usage/, read-only)."""
 
 from __future__ import annotations
 
+from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -11,9 +13,10 @@ from rest_framework.response import Response
 
 from gpus import booking
 from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
-from gpus.filters import GPUFilter, ReservationFilter
-from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server
-from gpus.selectors import gpus_with_processes
+from gpus.filters import GPUFilter, ReservationFilter, UsageFilter, ViolationFilter
+from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server, UsageDay, Violation
+from gpus.reports import UsageScope, usage_queryset, usage_rows
+from gpus.selectors import bookings_now, gpus_with_processes
 from portal.pagination import PagePagination
 from portal.permissions import ActionPermissionsMixin, IsOwner, IsOwnerOrTeamManager
 
@@ -23,14 +26,21 @@ class GPUProcessSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = GPUProcess
-        fields = ["pid", "username", "command", "used_memory_mb", "job"]
+        fields = ["pid", "username", "command", "used_memory_mb", "session_id", "job"]
 
 
 class GPUSerializer(serializers.ModelSerializer):
+    """Memory fields are MiB, as NVML counts them."""
+
     server = serializers.SlugRelatedField(slug_field="name", read_only=True)
-    memory_bookable_mb = serializers.IntegerField(read_only=True)
+    memory_bookable_mb = serializers.IntegerField(
+        read_only=True, help_text="MiB that bookings may share: total − driver-reserved − context headroom."
+    )
     simulated = serializers.BooleanField(source="server.simulated", read_only=True)
     processes = GPUProcessSerializer(many=True, read_only=True)
+    booked = serializers.SerializerMethodField(
+        help_text="Who holds the card now: [{who, memory, until}], named as the privacy rule allows."
+    )
 
     class Meta:
         model = GPU
@@ -49,10 +59,16 @@ class GPUSerializer(serializers.ModelSerializer):
             "power_w",
             "power_limit_w",
             "mig_mode",
+            "state",
+            "processes_known",
             "processes",
+            "booked",
             "simulated",
             "updated_at",
         ]
+
+    def get_booked(self, gpu: GPU) -> list[dict[str, str]]:
+        return self.context.get("booked", {}).get(gpu.uuid, [])
 
 
 class ServerSerializer(serializers.ModelSerializer):
@@ -94,6 +110,12 @@ class GPUViewSet(viewsets.ReadOnlyModelViewSet):
     def get_queryset(self):  # type: ignore[no-untyped-def]
         return gpus_with_processes()
 
+    def get_serializer_context(self) -> dict:
+        context = super().get_serializer_context()
+        if not getattr(self, "swagger_fake_view", False):
+            context["booked"] = bookings_now(self.request.user, timezone.now())  # one query for all cards
+        return context
+
 
 # --- reservations -------------------------------------------------------------------
 
@@ -133,7 +155,10 @@ class ReservationSerializer(serializers.ModelSerializer):
             "cancelled_at",
             "cancelled_by",
             "cancel_reason",
+            "idle_since",
+            "idle_minutes",
         ]
+        read_only_fields = ["idle_since", "idle_minutes"]  # the idle checker's (gpus/idle.py)
 
 
 class ReservationCreateSerializer(serializers.Serializer):
@@ -142,7 +167,9 @@ class ReservationCreateSerializer(serializers.Serializer):
     gpus = serializers.ListField(child=serializers.CharField(max_length=64), required=False, max_length=64)
     count = serializers.IntegerField(required=False, allow_null=True)
     server = serializers.CharField(required=False, allow_null=True, allow_blank=True)
-    memory_mb = serializers.IntegerField(required=False, allow_null=True, help_text="null: whole cards")
+    memory_mb = serializers.IntegerField(
+        required=False, allow_null=True, help_text="MiB per card (NVML's unit); null: whole cards"
+    )
     start = serializers.DateTimeField(required=False, allow_null=True, help_text="Default: now")
     end = serializers.DateTimeField(
         required=False, allow_null=True, help_text="Default: start + default length"
@@ -155,7 +182,7 @@ class ExtendSerializer(serializers.Serializer):
     end = serializers.DateTimeField()
 
 
-class CancelSerializer(serializers.Serializer):
+class ReservationCancelSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, max_length=500)
 
 
@@ -204,8 +231,10 @@ class ReservationViewSet(
         )
         return queryset.prefetch_related("allocations__gpu__server").order_by("-start", "-id")
 
+    # Every handler takes `format`: the router also routes `….json` and passes the
+    # suffix on; without it such a request is a TypeError, a 500.
     @extend_schema(request=ReservationCreateSerializer, responses={201: ReservationSerializer})
-    def create(self, request: Request) -> Response:
+    def create(self, request: Request, format: str | None = None) -> Response:
         data = ReservationCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         reservation = reservation_create(user=request.user, **data.validated_data)
@@ -214,17 +243,17 @@ class ReservationViewSet(
     @extend_schema(
         parameters=[OpenApiParameter("reason", str, required=False)], responses=ReservationSerializer
     )
-    def destroy(self, request: Request, pk: str | None = None) -> Response:
+    def destroy(self, request: Request, pk: str | None = None, format: str | None = None) -> Response:
         reservation = self.get_object()
         reason = request.query_params.get("reason") or request.data.get("reason", "")
         reservation_cancel(user=request.user, reservation=reservation, reason=reason)
         return Response(self._show(reservation.pk))
 
-    @extend_schema(request=CancelSerializer, responses=ReservationSerializer)
+    @extend_schema(request=ReservationCancelSerializer, responses=ReservationSerializer)
     @action(detail=True, methods=["post"])
-    def cancel(self, request: Request, pk: str | None = None) -> Response:
+    def cancel(self, request: Request, pk: str | None = None, format: str | None = None) -> Response:
         reservation = self.get_object()
-        data = CancelSerializer(data=request.data)
+        data = ReservationCancelSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         reservation_cancel(
             user=request.user, reservation=reservation, reason=data.validated_data.get("reason", "")
@@ -233,14 +262,14 @@ class ReservationViewSet(
 
     @extend_schema(request=None, responses=ReservationSerializer)
     @action(detail=True, methods=["post"])
-    def release(self, request: Request, pk: str | None = None) -> Response:
+    def release(self, request: Request, pk: str | None = None, format: str | None = None) -> Response:
         reservation = self.get_object()
         reservation_release(user=request.user, reservation=reservation)
         return Response(self._show(reservation.pk))
 
     @extend_schema(request=ExtendSerializer, responses=ReservationSerializer)
     @action(detail=True, methods=["post"])
-    def extend(self, request: Request, pk: str | None = None) -> Response:
+    def extend(self, request: Request, pk: str | None = None, format: str | None = None) -> Response:
         reservation = self.get_object()
         data = ExtendSerializer(data=request.data)
         data.is_valid(raise_exception=True)
@@ -249,3 +278,117 @@ class ReservationViewSet(
 
     def _show(self, pk: int) -> dict:
         return ReservationSerializer(self.get_queryset().get(pk=pk)).data
+
+
+class ViolationSerializer(serializers.ModelSerializer):
+    """What the GPU watchdog found: one process of one kind. Memory in MiB."""
+
+    gpu = serializers.CharField(source="gpu_id", read_only=True, help_text="The card's UUID.")
+    server = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    user = serializers.SlugRelatedField(
+        slug_field="username", read_only=True, help_text="The portal user behind the process, if known."
+    )
+    job = serializers.IntegerField(source="job_id", read_only=True, allow_null=True)
+    reservation = serializers.IntegerField(source="reservation_id", read_only=True, allow_null=True)
+
+    class Meta:
+        model = Violation
+        fields = [
+            "id",
+            "kind",
+            "gpu",
+            "server",
+            "pid",
+            "os_user",
+            "user",
+            "job",
+            "reservation",
+            "command",
+            "memory_mb",
+            "booked_mb",
+            "first_seen",
+            "last_seen",
+            "ended_at",
+            "action",
+            "action_at",
+            "stopped_at",
+            "message",
+        ]
+        read_only_fields = fields
+
+
+class ViolationViewSet(viewsets.ReadOnlyModelViewSet):
+    """Violations you caused, those on your bookings and those of the teams you lead (admins: all).
+
+    Filters: ?kind=, ?action=, ?server=, ?open=, ?mine=, ?since=, ?until=."""
+
+    serializer_class = ViolationSerializer
+    pagination_class = PagePagination
+    filterset_class = ViolationFilter
+    permission_classes = [IsAuthenticated]
+
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
+            return Violation.objects.none()
+        return (
+            Violation.objects.visible_to(self.request.user)
+            .select_related("server", "user")
+            .order_by("-first_seen", "-id")
+        )
+
+
+# --- usage ------------------------------------------------------------------------------------
+
+
+class UsageRowSerializer(serializers.Serializer):
+    """One group's usage. GPU-hours: a card for an hour; a memory share counts its fraction of the card."""
+
+    key = serializers.CharField(
+        allow_null=True,
+        help_text="The group: a username, team slug, server name, card UUID, or the period's first day "
+        "(YYYY-MM-DD; a month: YYYY-MM). null: the time nobody booked.",
+    )
+    label = serializers.CharField()
+    gpu_hours_booked = serializers.FloatField()
+    gpu_hours_used = serializers.FloatField(
+        help_text="Utilization-weighted: a card at 50 % for an hour is 0.5."
+    )
+    gpu_hours_unbooked = serializers.FloatField(help_text="Card time nobody had booked (admins only see it).")
+    idle_hours = serializers.FloatField(help_text="GPU-hours booked while the card was idle.")
+    memory_gb_hours_booked = serializers.FloatField()
+    peak_memory_mb = serializers.IntegerField(
+        allow_null=True, help_text="The most memory used on a card, MiB."
+    )
+    jobs = serializers.IntegerField(help_text="Jobs that finished, on their first card.")
+    jobs_succeeded = serializers.IntegerField()
+    jobs_failed = serializers.IntegerField()
+    jobs_other = serializers.IntegerField(help_text="Cancelled, timed out or lost.")
+    utilization_pct = serializers.FloatField(
+        allow_null=True, help_text="Used over booked (on unbooked time: over the free card time)."
+    )
+
+
+class UsageViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    """GPU-hours booked, used and idle, one row per ?group_by= (user, team, server, gpu, day, week,
+    month; default user). Your own usage; leaders: their teams'; admins: everything.
+
+    Filters: ?since=, ?until= (default: this month so far), ?team=, ?user=, ?server=: the Reports
+    page's, and its CSV export's."""
+
+    serializer_class = UsageRowSerializer
+    pagination_class = PagePagination
+    filterset_class = UsageFilter
+    permission_classes = [IsAuthenticated]
+
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
+            return UsageDay.objects.none()
+        return usage_queryset(UsageScope.of(self.request.user), self._group_by())
+
+    def list(self, request: Request, format: str | None = None) -> Response:
+        rows = usage_rows(self.filter_queryset(self.get_queryset()), self._group_by())  # a bad value: 400
+        page = self.paginate_queryset(rows)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
+
+    def _group_by(self) -> str:
+        return self.request.query_params.get("group_by") or "user"

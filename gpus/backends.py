@@ -7,25 +7,32 @@ from pathlib import Path
 
 from django.conf import settings
 
-from gpus.inventory import Backend, BackendUnavailable
+from gpus.inventory import Backend
 
 log = logging.getLogger(__name__)
 
 
 def get_backend(kind: str | None = None, server_name: str | None = None) -> Backend:
-    """`nvml` fails loudly without a driver; `auto` falls back to the simulation with a log line."""
+    """The backend `kind` (default GPU_BACKEND) names; raises BackendUnavailable for the caller to retry.
+
+    `auto` falls back to the simulation only where there is no NVML library at all: a machine
+    without an NVIDIA driver. On a host with a driver whose NVML fails to start, made-up cards
+    would hide a broken GPU host, so `auto` raises like `nvml` does, which never falls back.
+    """
     kind = kind or settings.GPU_BACKEND
     server_name = server_name or settings.WORKER_SERVER
     if kind in ("nvml", "auto"):
-        from gpus.nvml import NvmlBackend
+        from gpus.nvml import NvmlBackend, NvmlNotInstalled
 
         try:
-            return NvmlBackend(server_name)
-        except BackendUnavailable as exc:
+            return NvmlBackend(server_name, round_timeout=settings.NVML_ROUND_TIMEOUT_SECONDS)
+        except NvmlNotInstalled as exc:
             if kind == "nvml":
                 raise
-            log.warning("No NVIDIA driver answered (%s); GPU_BACKEND=auto uses the SIMULATED inventory.", exc)
+            log.warning(
+                "No NVIDIA driver on this host (%s); GPU_BACKEND=auto uses the SIMULATED inventory.", exc
+            )
     from gpus.simulated import SimulatedBackend
 
     path = Path(settings.SIMULATED_INVENTORY) if settings.SIMULATED_INVENTORY else None
-    return SimulatedBackend(server_name, path)
+    return SimulatedBackend(server_name, path, processes_file=Path(settings.SIMULATED_PROCESSES_FILE))

@@ -21,12 +21,14 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
 from gpus.quotas import Use, has_limits, peak, quota_refusal
 from portal.access import can_manage_team, display_name, team_ids_of
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, Team
 from portal.timefmt import format_time
+from portal.wakeups import wake_on_commit
 
 PICK_ATTEMPTS = 3
 # Who may act on a booking; the API's permission classes answer with the same words.
@@ -40,10 +42,32 @@ _LOCKED_GPU_FIELDS = (
     "name",
     "memory_total_mb",
     "memory_reserved_mb",
+    "state",
     "server__id",
     "server__name",
     "server__draining",
 )
+
+
+_UNBOOKABLE = {
+    CardState.LOST: "has fallen off the bus (NVML: GPU is lost): it takes no bookings until an admin "
+    "resets it and it reports again. Pick another card.",
+    CardState.UNRESPONSIVE: "did not answer its host's last reading (NVML hung): it takes no bookings "
+    "until it answers again. Pick another card, or try again in a minute.",
+}
+
+
+class PortalActor:
+    """The portal itself acting on a rule, not on anyone's request: the auto-release of an idle
+    booking (gpus/idle.py). Only code passes it, never a view; it is audited with no actor."""
+
+    pk = None
+
+    def __str__(self) -> str:
+        return "The portal"
+
+
+PORTAL = PortalActor()
 
 
 def gpu_label(gpu: GPU) -> str:
@@ -281,6 +305,8 @@ def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
                 "pick a card on another server.",
                 field="gpus",
             )
+        if not gpu.bookable:
+            raise Conflict(f"{gpu_label(gpu)} {_UNBOOKABLE[gpu.state]}", field="gpus")
         if memory_mb is not None and memory_mb > gpu.memory_bookable_mb:
             raise Invalid(
                 f"{format_mb(memory_mb)} is more than the {format_mb(gpu.memory_bookable_mb)} "
@@ -326,7 +352,7 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
     Load of a card = share of its bookable memory booked in the window, then its current
     utilisation and used memory. Unlocked reads: the caller locks the pick and re-checks.
     """
-    candidates = GPU.objects.select_related("server").filter(server__draining=False)
+    candidates = GPU.objects.select_related("server").filter(server__draining=False, state=CardState.OK)
     if server:
         draining = Server.objects.filter(name=server).values_list("draining", flat=True).first()
         if draining is None:
@@ -418,8 +444,10 @@ def _pick_and_lock(
 
 
 def _audit(
-    actor: AbstractBaseUser, reservation: Reservation, action: str, message: str, **data: object
+    actor: AbstractBaseUser | PortalActor, reservation: Reservation, action: str, message: str, **data: object
 ) -> None:
+    if actor is PORTAL:
+        data["by"] = "portal"  # no actor, yet not a deleted user's entry
     AuditEntry.objects.create(
         actor_id=actor.pk,
         team_id=reservation.team_id,
@@ -574,6 +602,7 @@ def reservation_cancel(
     reservation.cancelled_by = user
     reservation.cancel_reason = reason
     reservation.save(update_fields=["end", "cancelled_at", "cancelled_by", "cancel_reason"])
+    wake_on_commit("queue")  # its cards are free: pending jobs may start now
     because = f": {reason}" if reason else ""
     _audit(
         user,
@@ -585,32 +614,45 @@ def reservation_cancel(
     return reservation
 
 
-def _release(user: AbstractBaseUser, reservation: Reservation, now: datetime) -> Reservation:
+def _release(
+    user: AbstractBaseUser | PortalActor, reservation: Reservation, now: datetime, reason: str = ""
+) -> Reservation:
     _end_now(reservation, now)
     reservation.released_at = now
     reservation.save(update_fields=["end", "released_at"])
+    wake_on_commit("queue")  # its cards are free: pending jobs may start now
+    because = f": {reason}" if reason else ""
     _audit(
         user,
         reservation,
         AuditEntry.Action.RESERVATION_RELEASE,
-        f"{user} released reservation {reservation.pk} early, at {format_time(now)}",
+        f"{user} released reservation {reservation.pk} early, at {format_time(now)}{because}",
         booked_end=reservation.booked_end.isoformat(),
+        reason=reason,
     )
     return reservation
 
 
 @transaction.atomic
 def reservation_release(
-    *, user: AbstractBaseUser, reservation: Reservation | int, now: datetime | None = None
+    *,
+    user: AbstractBaseUser | PortalActor,
+    reservation: Reservation | int,
+    now: datetime | None = None,
+    reason: str = "",
 ) -> Reservation:
-    """End the owner's active booking now, freeing its cards for others."""
+    """End the owner's active booking now, freeing its cards for others.
+
+    `user=PORTAL` is the portal releasing it on a rule (an idle booking), with the `reason`
+    for the audit log; no user but the owner can ever pass the check below.
+    """
     now = now or timezone.now()
     reservation = _locked_reservation(reservation)
-    if reservation.owner_id != user.pk:
+    if user is not PORTAL and reservation.owner_id != user.pk:
         raise Forbidden(ONLY_OWNER_RELEASES)
     status = reservation.status_at(now)
     if status == Reservation.Status.UPCOMING:
         raise Invalid("This booking has not started yet; cancel it instead.")
     if status != Reservation.Status.ACTIVE:
         raise Invalid(f"This booking is already {status.label.lower()}; there is nothing to release.")
-    return _release(user, reservation, now)
+    return _release(user, reservation, now, reason)

@@ -19,21 +19,22 @@ LOCAL_INPUT = "%Y-%m-%dT%H:%M"
 
 
 def parse_memory_mb(text: str) -> int | None:
-    """'16G', '16 GB', '16GiB' → 16384; '16384M', '16384 MB' → 16384; '' → None (whole cards).
+    """'16G', '16 GiB', '16 GB' → 16384; '16384M', '16384 MiB' → 16384; '' → None (whole cards).
 
-    GB here are binary (1024 MB), as NVML reports card memory.
+    Always binary units (G = GiB = 1024 MiB), as NVML and nvidia-smi count card memory; 'GB' is
+    read as GiB too, because that is what people mean when they copy a size from nvidia-smi.
     """
     if not text.strip():
         return None
     match = _MEMORY.match(text)
     if not match:
         raise forms.ValidationError(
-            f"{text!r} is not a memory size: write it like 16G, 16 GB or 16384M, "
+            f"{text!r} is not a memory size: write it like 16G, 16 GiB or 16384M, "
             "or leave it empty for whole cards."
         )
     number, unit = float(match[1]), (match[2] or "").upper()
     if not unit:
-        raise forms.ValidationError(f"Add a unit: {match[1]}G for gigabytes or {match[1]}M for megabytes.")
+        raise forms.ValidationError(f"Add a unit: {match[1]}G for GiB or {match[1]}M for MiB.")
     mb = round(number * 1024) if unit == "G" else round(number)
     if mb <= 0:
         raise forms.ValidationError("Memory must be more than 0; leave it empty to book whole cards.")
@@ -81,7 +82,7 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         required=False,
         max_length=20,
         label="Memory per card",
-        help_text="A share of each card, e.g. 16G, 16 GB or 16384M. Empty: whole cards (exclusive).",
+        help_text="A share of each card, e.g. 16G (GiB) or 16384M (MiB). Empty: whole cards (exclusive).",
     )
     start = forms.DateTimeField(required=False, widget=LocalDateTimeInput(), help_text="Empty: now.")
     end = forms.DateTimeField(required=False, widget=LocalDateTimeInput())

@@ -18,8 +18,21 @@ class ProcessInfo:
     pid: int
     username: str  # OS user owning the process, "?" when it cannot be read
     command: str  # command line, truncated to 300 characters
-    used_memory_mb: int | None = None
-    job_id: int | None = None  # the portal job it belongs to (PORTAL_JOB_ID in its environment)
+    used_memory_mb: int | None = None  # MiB, as NVML counts
+    # os.getsid(pid): every job runs in a session of its own whose id is the pid the worker
+    # recorded, so the session names the job without privileges, and the job cannot forge it.
+    # None for a process that is gone, and for the simulation's invented processes.
+    session_id: int | None = None
+    # The portal job, resolved from session_id at ingest (gpus.services); never read from the
+    # process itself, whose environment is the job's to set.
+    job_id: int | None = None
+
+
+class CardState:
+    OK = "ok"
+    LOST = "lost"  # fell off the bus (NVML_ERROR_GPU_IS_LOST): not bookable until it answers again
+    UNRESPONSIVE = "unresponsive"  # NVML did not answer within the round's time bound
+    ALL = (OK, LOST, UNRESPONSIVE)
 
 
 @dataclass(frozen=True)
@@ -36,7 +49,12 @@ class GPUInfo:
     power_w: float | None = None
     power_limit_w: float | None = None
     mig_mode: str | None = None  # "enabled", "disabled", or None when not supported
-    processes: tuple[ProcessInfo, ...] = ()
+    # None: the list could not be read (no permission, MIG without privileges): "unknown",
+    # which is not the same as idle.
+    processes: tuple[ProcessInfo, ...] | None = ()
+    # CardState: a lost or unresponsive card's hardware facts above are placeholders, which the
+    # ingest never stores over the known ones.
+    state: str = CardState.OK
 
 
 @dataclass(frozen=True)
@@ -73,7 +91,11 @@ def snapshot_to_json(snapshot: Snapshot) -> str:
 def snapshot_from_json(raw: str | bytes) -> Snapshot:
     data = json.loads(raw)
     gpus = tuple(
-        GPUInfo(**{**g, "processes": tuple(ProcessInfo(**p) for p in g.get("processes", ()))})
+        GPUInfo(**{**g, "processes": _processes_from_json(g.get("processes", ()))})
         for g in data.get("gpus", ())
     )
     return Snapshot(host=HostInfo(**data["host"]), gpus=gpus)
+
+
+def _processes_from_json(raw: list[dict] | None) -> tuple[ProcessInfo, ...] | None:
+    return None if raw is None else tuple(ProcessInfo(**p) for p in raw)

@@ -12,6 +12,9 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from gpus.inventory import CardState
+from portal.models import Membership
+
 
 class ServerQuerySet(models.QuerySet):
     def online(self) -> ServerQuerySet:
@@ -86,6 +89,15 @@ class GPU(models.Model):
     power_w = models.FloatField(null=True, blank=True)
     power_limit_w = models.FloatField(null=True, blank=True)
     updated_at = models.DateTimeField(null=True, blank=True)
+    state = models.CharField(
+        max_length=16,
+        choices=[(s, s) for s in CardState.ALL],
+        default=CardState.OK,
+        help_text="ok; lost (fell off the bus) or unresponsive (NVML did not answer): not bookable.",
+    )
+    # False when the last report could not read the card's process list (no permission, a MIG
+    # card read without privileges): the list shown is then "unknown", not "idle".
+    processes_known = models.BooleanField(default=True)
 
     class Meta:
         ordering = ["server__name", "index"]
@@ -107,6 +119,10 @@ class GPU(models.Model):
         return max(0, total_mb - reserved_mb - settings.GPU_CONTEXT_HEADROOM_MB)
 
     @property
+    def bookable(self) -> bool:
+        return self.state == CardState.OK
+
+    @property
     def memory_used_pct(self) -> float | None:
         if self.memory_used_mb is None or not self.memory_total_mb:
             return None
@@ -124,12 +140,13 @@ class GPUProcess(models.Model):
     pid = models.PositiveIntegerField()
     username = models.CharField(max_length=64, blank=True)
     command = models.CharField(max_length=300, blank=True)
-    used_memory_mb = models.PositiveIntegerField(null=True, blank=True)
-    # The portal job this process belongs to (its PORTAL_JOB_ID), if any: a plain number, not a
-    # foreign key, because jobs build on gpus and not the reverse; telemetry rows are replaced
-    # every round, so they must never block a job's deletion either.
+    used_memory_mb = models.PositiveIntegerField(null=True, blank=True, help_text="MiB, as NVML counts.")
+    session_id = models.PositiveIntegerField(null=True, blank=True, help_text="os.getsid() of the process.")
+    # The portal job this process belongs to, resolved from its session at ingest: a plain
+    # number, not a foreign key, because jobs build on gpus and not the reverse; telemetry rows
+    # are replaced every round, so they must never block a job's deletion either.
     job_id = models.PositiveBigIntegerField(
-        null=True, blank=True, help_text="The portal job (PORTAL_JOB_ID)."
+        null=True, blank=True, help_text="The portal job whose session the process is in."
     )
 
     class Meta:
@@ -218,6 +235,21 @@ class Reservation(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     cancel_reason = models.CharField(max_length=500, blank=True)
+    # The idle clock (gpus/idle.py, docs/booking.md "Idle bookings"): written by its checker only.
+    idle_since = models.DateTimeField(
+        null=True, blank=True, help_text="Start of the current idle stretch; empty while the cards are used."
+    )
+    idle_minutes = models.PositiveIntegerField(
+        default=0, help_text="Whole minutes the booking's cards were idle, over its whole life."
+    )
+    idle_counted_until = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="How far the current stretch is counted into idle_minutes (the rest of a minute waits).",
+    )
+    idle_warned_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the owner was told of the current idle stretch."
+    )
 
     objects = ReservationQuerySet.as_manager()
 
@@ -307,8 +339,303 @@ class Allocation(models.Model):
 
 
 def format_mb(mb: int) -> str:
-    """16384 → '16 GB', 1536 → '1.5 GB', 500 → '500 MB'."""
+    """16384 → '16 GiB', 1536 → '1.5 GiB', 500 → '500 MiB': binary units, as NVML and
+    nvidia-smi count card memory (every `*_mb` field of the portal is MiB)."""
     if mb < 1024:
-        return f"{mb} MB"
+        return f"{mb} MiB"
     gb = mb / 1024
-    return f"{gb:.0f} GB" if gb == int(gb) else f"{gb:.1f} GB"
+    return f"{gb:.0f} GiB" if gb == int(gb) else f"{gb:.1f} GiB"
+
+
+class ViolationQuerySet(models.QuerySet):
+    def visible_to(self, user) -> ViolationQuerySet:  # type: ignore[no-untyped-def]
+        """Admins: all. Others: the ones they caused, those on their own bookings, and those of the
+        people and bookings of the teams they lead."""
+        if user.is_staff:
+            return self
+        led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
+        return self.filter(
+            models.Q(user=user)
+            | models.Q(reservation__owner=user)
+            | models.Q(reservation__team_id__in=led)
+            | models.Q(user__memberships__team_id__in=led)
+        ).distinct()
+
+
+class Violation(models.Model):
+    """One process of one kind that breaks a booking, as the GPU watchdog saw it (jobs/watchdog.py).
+
+    Updated while the process lives (`last_seen`, the most memory measured, the action taken),
+    never created anew each round; `ended_at` is set when the process is gone from the card.
+    Actions: observed → warned (its people were told) → stopped (NVML shows it gone after the
+    stop) or stop_failed (the signal was refused, or it outlived SIGKILL). `job_id` is a plain
+    number, as on GPUProcess: jobs build on gpus, not the reverse.
+    """
+
+    class Kind(models.TextChoices):
+        ESCAPED = "escaped", "Escaped: a job's process on a card its booking does not hold"
+        OVER_MEMORY = "over_memory", "Over memory: a job above its booked memory on a shared card"
+        INTRUDER = "intruder", "Intruder: a process the portal did not start, on someone else's booking"
+        OWNER_OUTSIDE_JOB = "owner_outside_job", "Owner outside a job: the booking's owner, not in a job"
+        UNBOOKED = "unbooked", "Unbooked: a process the portal did not start, on a card nobody booked"
+        ZOMBIE = "zombie", "Zombie: a process of a job that has ended, still holding memory"
+
+    class Action(models.TextChoices):
+        OBSERVED = "observed", "Observed"
+        WARNED = "warned", "Warned"
+        STOPPED = "stopped", "Stopped"
+        STOP_FAILED = "stop_failed", "Could not stop"
+
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    gpu = models.ForeignKey(GPU, on_delete=models.CASCADE, related_name="violations")
+    server = models.ForeignKey(Server, on_delete=models.CASCADE, related_name="violations")
+    pid = models.PositiveIntegerField()
+    session_id = models.PositiveIntegerField(null=True, blank=True)
+    os_user = models.CharField(max_length=64, blank=True, help_text="The process's OS user.")
+    command = models.CharField(max_length=300, blank=True)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="gpu_violations",
+        help_text="The portal user behind the process: the job's owner, or the OS user's account.",
+    )
+    job_id = models.PositiveBigIntegerField(null=True, blank=True, help_text="The portal job, if any.")
+    reservation = models.ForeignKey(
+        "Reservation",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="violations",
+        help_text="The booking concerned: the job's own, or the one whose card was taken.",
+    )
+    memory_mb = models.PositiveIntegerField(null=True, blank=True, help_text="The most MiB measured.")
+    booked_mb = models.PositiveIntegerField(null=True, blank=True, help_text="over_memory: MiB booked.")
+    first_seen = models.DateTimeField(db_index=True)
+    last_seen = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True, help_text="Gone from the card.")
+    action = models.CharField(max_length=12, choices=Action.choices, default=Action.OBSERVED)
+    action_at = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    message = models.CharField(max_length=500, blank=True, help_text="What the watchdog did and why.")
+
+    objects = ViolationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-first_seen", "-id"]
+        indexes = [
+            models.Index(fields=["server", "ended_at"], name="violation_server_open"),
+            models.Index(fields=["user", "-first_seen"], name="violation_user_first_seen"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} pid {self.pid} on {self.gpu_id}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.ended_at is None
+
+
+class WatchdogPolicy(models.Model):
+    """What the watchdog does about one kind of violation; admins set it in the admin.
+
+    A kind without a row uses the defaults from settings (`policy_defaults`)."""
+
+    class Action(models.TextChoices):
+        OBSERVE = "observe", "Observe: record only"
+        WARN = "warn", "Warn: record and tell the people concerned"
+        STOP = "stop", "Stop: warn at once, stop the process after the grace period"
+
+    kind = models.CharField(max_length=20, choices=Violation.Kind.choices, unique=True)
+    action = models.CharField(max_length=8, choices=Action.choices)
+    grace_seconds = models.PositiveIntegerField(
+        default=60, help_text="Stop: how long after it is first seen the process is stopped."
+    )
+
+    class Meta:
+        ordering = ["kind"]
+        verbose_name_plural = "watchdog policies"
+        constraints = [
+            # Never punished: the owner's own process on their own booking is only shown.
+            models.CheckConstraint(
+                condition=~models.Q(kind="owner_outside_job", action="stop"), name="owner_never_stopped"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.action}"
+
+    @staticmethod
+    def defaults() -> dict[str, tuple[str, int]]:
+        """{kind: (action, grace seconds)} from settings, before any admin's row."""
+        stop_after = settings.WATCHDOG_STOP_AFTER_SECONDS
+        return {
+            Violation.Kind.ESCAPED: (WatchdogPolicy.Action.STOP, stop_after),
+            Violation.Kind.OVER_MEMORY: (WatchdogPolicy.Action.STOP, stop_after),
+            Violation.Kind.INTRUDER: (WatchdogPolicy.Action.STOP, stop_after),
+            Violation.Kind.ZOMBIE: (WatchdogPolicy.Action.STOP, settings.WATCHDOG_ZOMBIE_STOP_AFTER_SECONDS),
+            Violation.Kind.UNBOOKED: (WatchdogPolicy.Action.WARN, stop_after),
+            Violation.Kind.OWNER_OUTSIDE_JOB: (WatchdogPolicy.Action.OBSERVE, stop_after),
+        }
+
+    @classmethod
+    def current(cls) -> dict[str, tuple[str, int]]:
+        """The policy of every kind: the admins' rows over the defaults (one query)."""
+        policies = cls.defaults()
+        policies.update(
+            {
+                kind: (action, grace)
+                for kind, action, grace in cls.objects.values_list("kind", "action", "grace_seconds")
+            }
+        )
+        return policies
+
+
+# --- usage accounting (written by gpus/usage.py only; docs/reports.md) -------------------------
+
+
+class UsageFigures(models.Model):
+    """What every usage rollup row counts. A GPU-hour is one card for one hour; a memory share
+    counts its fraction of the card (memory / card total), as the quotas do (gpus/quotas.py)."""
+
+    gpu_hours_booked = models.FloatField(default=0, help_text="GPU-hours held by bookings.")
+    gpu_hours_used = models.FloatField(
+        default=0, help_text="Utilization-weighted GPU-hours: a card at 50 % for an hour is 0.5."
+    )
+    gpu_hours_unbooked = models.FloatField(
+        default=0, help_text="GPU-hours nobody had booked, while the card reported (rows without a user)."
+    )
+    idle_hours = models.FloatField(
+        default=0,
+        help_text="GPU-hours booked while the card was idle (no process, utilization below IDLE_UTIL_PCT).",
+    )
+    memory_gb_hours_booked = models.FloatField(
+        default=0, help_text="GiB booked × hours (a whole card: all of it)."
+    )
+    peak_memory_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="The most memory used on the card meanwhile, MiB (the card's, on a share too).",
+    )
+    jobs_succeeded = models.PositiveIntegerField(default=0)
+    jobs_failed = models.PositiveIntegerField(default=0)
+    jobs_other = models.PositiveIntegerField(default=0, help_text="Cancelled, timed out or lost.")
+
+    SUMMED = (
+        "gpu_hours_booked",
+        "gpu_hours_used",
+        "gpu_hours_unbooked",
+        "idle_hours",
+        "memory_gb_hours_booked",
+        "jobs_succeeded",
+        "jobs_failed",
+        "jobs_other",
+    )
+
+    class Meta:
+        abstract = True
+
+    @staticmethod
+    def utilization_pct(used: float, booked: float, unbooked: float = 0.0) -> float | None:
+        """Used ÷ the card time the rows cover: of a booker's rows, their booked GPU-hours; of the
+        unbooked rows, the free card time; of both, the cards'. None when they cover nothing."""
+        covered = booked + unbooked
+        return round(100 * used / covered, 1) if covered > 0 else None
+
+
+# The heatmap groups by this in SQL: 168 groups, rather than a moment per hour to load and convert.
+HOUR_OF_WEEK_HELP = (
+    "The hour's place in its week in TIME_ZONE when written: Monday 0 h is 0, Sunday 23 h is 167."
+)
+
+
+class UsageHour(UsageFigures):
+    """One card's hour for one booker; `user` empty: the card's time nobody had booked, and what it
+    did meanwhile. The record the other usage tables are summed from."""
+
+    start = models.DateTimeField(help_text="The hour's first moment (whole UTC hours).")
+    hour_of_week = models.PositiveSmallIntegerField(help_text=HOUR_OF_WEEK_HELP)
+    gpu = models.ForeignKey(GPU, on_delete=models.CASCADE, related_name="+")
+    server = models.ForeignKey(Server, on_delete=models.CASCADE, related_name="+")
+    team = models.ForeignKey(
+        "portal.Team", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["start", "gpu_id"]
+        constraints = [
+            # Two partial constraints: NULLs are distinct in a unique index, so one over (start, gpu,
+            # user) would let a card's hour hold two unbooked rows.
+            models.UniqueConstraint(
+                fields=["start", "gpu", "user"],
+                condition=models.Q(user__isnull=False),
+                name="usagehour_one_per_booker",
+            ),
+            models.UniqueConstraint(
+                fields=["start", "gpu"], condition=models.Q(user__isnull=True), name="usagehour_one_unbooked"
+            ),
+        ]
+        indexes = [
+            # The partial unique indexes serve no query that does not name the user: the writes and
+            # the period reads need their own.
+            models.Index(fields=["start"], name="usagehour_start"),
+            models.Index(fields=["user", "start"], name="usagehour_user_start"),
+            models.Index(fields=["team", "start"], name="usagehour_team_start"),
+            models.Index(fields=["server", "start"], name="usagehour_server_start"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id} at {self.start:%Y-%m-%d %H:00} for {self.user_id or 'nobody'}"
+
+
+class UsageDay(UsageFigures):
+    """A day (in TIME_ZONE) of one booker on one server, summed from UsageHour: what the reports
+    read, so a year is ~60k rows rather than millions."""
+
+    start = models.DateTimeField(help_text="The day's first moment in TIME_ZONE.")
+    # The same day as a date: the reports group by it, and a date loads far cheaper than a moment.
+    day = models.DateField(help_text="The day in TIME_ZONE.")
+    server = models.ForeignKey(Server, on_delete=models.CASCADE, related_name="+")
+    team = models.ForeignKey(
+        "portal.Team", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["start", "server_id"]
+        indexes = [
+            models.Index(fields=["start"], name="usageday_start"),
+            models.Index(fields=["user", "start"], name="usageday_user_start"),
+            models.Index(fields=["team", "start"], name="usageday_team_start"),
+            models.Index(fields=["server", "start"], name="usageday_server_start"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.server_id} on {self.start:%Y-%m-%d} for {self.user_id or 'nobody'}"
+
+
+class UsageTeamHour(UsageFigures):
+    """An hour of one team (empty: the time nobody booked) over every card, summed from UsageHour:
+    the hour-of-the-week heatmap of a whole team or of the lab, in ~50k rows a year."""
+
+    start = models.DateTimeField(help_text="The hour's first moment (whole UTC hours).")
+    hour_of_week = models.PositiveSmallIntegerField(help_text=HOUR_OF_WEEK_HELP)
+    team = models.ForeignKey(
+        "portal.Team", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["start", "team_id"]
+        indexes = [
+            models.Index(fields=["start"], name="usageteamhour_start"),
+            models.Index(fields=["team", "start"], name="usageteamhour_team_start"),
+        ]
+
+    def __str__(self) -> str:
+        return f"team {self.team_id or 'nobody'} at {self.start:%Y-%m-%d %H:00}"

@@ -170,9 +170,9 @@ def _refusal(
             if held_mb + need_mb > limits.max_gb * 1024:
                 room = max(0.0, limits.max_gb * 1024 - held_mb)
                 return (
-                    f"{label} allows {limits.max_gb} GB of GPU memory at once; {holder} "
-                    f"{_gb(held_mb)} GB in that window, so {_gb(room)} GB more would fit and this booking "
-                    f"asks for {_gb(need_mb)} GB."
+                    f"{label} allows {limits.max_gb} GiB of GPU memory at once; {holder} "
+                    f"{_gb(held_mb)} GiB in that window, so {_gb(room)} GiB more would fit and this "
+                    f"booking asks for {_gb(need_mb)} GiB."
                 )
     if limits.gpu_hours_per_week is not None:
         for week, following in weeks_touching(start, end):
@@ -295,9 +295,10 @@ QUOTA_MAX = 1_000_000  # any larger limit means "no limit"; keeps values inside 
 QUOTA_FIELDS = ("max_cards", "max_gb", "gpu_hours_per_week")
 QUOTA_LABELS = {
     "max_cards": "cards at once",
-    "max_gb": "GB at once",
+    "max_gb": "GiB at once",
     "gpu_hours_per_week": "GPU-hours per week",
     "max_booking_hours": "longest booking (h)",
+    "shares": "fair-share shares",
 }
 
 
@@ -310,6 +311,10 @@ def _quota_changes(
             f"{unknown[0]} is not a quota setting; use one of {', '.join(fields)}.", field=unknown[0]
         )
     for field, value in limits.items():
+        if field == "shares" and (
+            value is None or isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise Invalid("Shares must be a whole number of 1 or more (equal shares: 1 each).", field=field)
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= QUOTA_MAX
         ):
@@ -359,7 +364,7 @@ def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None)
     if not is_admin(actor):
         raise Forbidden("Only admins set team quotas; ask one.")
     team = Team.objects.select_for_update().get(pk=team.pk)
-    changes = _quota_changes(team, limits, QUOTA_FIELDS)
+    changes = _quota_changes(team, limits, (*QUOTA_FIELDS, "shares"))
     _save_quota(actor, team, team, changes, AuditEntry.Action.QUOTA_TEAM, f"team {team.slug}", "the quota of")
     return team
 
@@ -371,7 +376,7 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
         raise Forbidden(f"Only leaders of {membership.team} and admins set its members' quotas.")
     locked = Membership.objects.select_for_update(of=("self",)).select_related("team", "user")
     membership = locked.get(pk=membership.pk)
-    changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours"))
+    changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours", "shares"))
     team = membership.team
     for field in QUOTA_FIELDS:
         team_limit, value = getattr(team, field), limits.get(field, getattr(membership, field))

@@ -10,7 +10,7 @@ from django.db.models import Prefetch, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, format_mb
+from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, Violation, format_mb
 from portal.access import display_name, team_ids_of
 from portal.timefmt import short_time
 
@@ -53,10 +53,18 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     now = timezone.now()
     detail_url = reverse("gpu_detail", args=["UUID"])
     booked = bookings_now(viewer, now)
+    # The watchdog's open findings: a red badge on the card and on the process.
+    breaking: dict[tuple[str, int], str] = dict(
+        ((gpu, pid), kind)
+        for gpu, pid, kind in Violation.objects.filter(ended_at=None)
+        .exclude(kind=Violation.Kind.OWNER_OUTSIDE_JOB)
+        .values_list("gpu_id", "pid", "kind")
+    )
     processes: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values(
         "gpu_id", "pid", "username", "used_memory_mb", "job_id"
     ):
+        row["violation"] = breaking.get((row["gpu_id"], row["pid"]))
         processes[row["gpu_id"]].append(row)
     gpus: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for gpu in GPU.objects.order_by("server_id", "index").values(
@@ -72,6 +80,8 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
         "temperature_c",
         "power_w",
         "power_limit_w",
+        "state",
+        "processes_known",
     ):
         total = gpu["memory_total_mb"] or 0
         bookable = GPU.bookable_mb(total, gpu["memory_reserved_mb"])
@@ -80,6 +90,7 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
         gpu["used_pct"] = round(100 * used / total, 1) if total and used is not None else 0
         gpu["bookable_pct"] = round(100 * bookable / total, 1) if total else 0
         gpu["processes"] = processes.get(gpu["uuid"], ())
+        gpu["violations"] = sum(1 for p in gpu["processes"] if p["violation"])
         gpu["url"] = detail_url.replace("UUID", gpu["uuid"])
         gpu["booked"] = booked.get(gpu["uuid"], ())
         gpus[gpu["server_id"]].append(gpu)

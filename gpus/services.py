@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
@@ -11,13 +13,20 @@ from django.db import connection, transaction
 from django.dispatch import Signal
 from django.utils import timezone
 
-from gpus.inventory import GPUInfo, Snapshot
+from gpus.inventory import CardState, GPUInfo, Snapshot
 from gpus.models import GPU, GPUProcess, Server, TelemetrySample
+from gpus.sanitize import checked_snapshot
+from gpus.usage import usage_observe
 
 # Sent once per telemetry round, inside its transaction, with `cards`: every reported card
-# (GPUInfo, its processes carrying the PORTAL_JOB_ID they declare). A signal because the jobs
-# app builds on gpus, not the reverse: jobs listens and writes its own rows.
+# (GPUInfo, its processes carrying the job ids resolved from their sessions). A signal because
+# the jobs app builds on gpus, not the reverse: jobs listens and writes its own rows.
 telemetry_ingested = Signal()
+# Sent once per round before the processes are stored, with `sessions`: {server id: {session
+# id, ...}} of the reported processes. A receiver answers {(server id, session id): job id} for
+# the portal jobs whose recorded pid (a job's session leader) is one of them: jobs knows its
+# jobs, gpus only asks.
+job_sessions_resolve = Signal()
 
 _GPU_STATIC_FIELDS = [
     "server",  # values_list("server") reads the id
@@ -34,6 +43,8 @@ _GPU_LIVE_FIELDS = [
     "temperature_c",
     "power_w",
     "power_limit_w",
+    "state",
+    "processes_known",
     "updated_at",
 ]
 _SERVER_LIVE_FIELDS = [
@@ -109,21 +120,26 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
     table (`_bulk_update`); process lists and chart points are one INSERT each (`_bulk_insert`).
     Re-running it with the same snapshots only moves `last_seen`; process lists are
     replaced, never appended to; `draining` belongs to the admins and is never touched.
+    Every number is range-checked first (gpus.sanitize): one host's garbage costs that value,
+    never the round. A lost or unresponsive card keeps its stored hardware facts.
     """
-    if not snapshots:
+    checked = [c for c in map(checked_snapshot, snapshots) if c is not None]
+    if not checked:
         return
     now = now or timezone.now()
-    latest = {s.host.name: s for s in snapshots}  # a host's newer report wins
+    latest = {s.host.name: s for s in checked}  # a host's newer report wins
     db_now = connection.ops.adapt_datetimefield_value(now)
     known = _servers_register(latest)
     _servers_update_live(latest, db_now)
     cards = [(known[name].pk, g) for name, s in latest.items() for g in s.gpus]
-    _gpus_describe(cards)
+    stored = _gpus_describe(cards)
+    cards = _jobs_attribute([(server_id, g) for server_id, g in cards if g.uuid in stored])
     _gpus_update_live(cards, db_now)
     _processes_replace([k.pk for k in known.values()], cards)
     # Inside the transaction: the jobs app records its running jobs' memory and utilization.
     telemetry_ingested.send(sender=GPUProcess, cards=[g for _, g in cards])
-    _history_record(latest, known, now)
+    _history_record(latest, known, now, stored)
+    usage_observe(cards=cards, now=now)  # the usage rollup (gpus/usage.py): memory, a write a minute
 
 
 class _Known(NamedTuple):
@@ -181,9 +197,13 @@ def _card_facts(server_id: int, g: GPUInfo) -> tuple:
     )
 
 
-def _gpus_describe(cards: list[tuple[int, GPUInfo]]) -> None:
+def _gpus_describe(cards: list[tuple[int, GPUInfo]]) -> set[str]:
     """Create new cards and re-describe changed ones (moved, renumbered, MIG mode changed):
-    one SELECT, and an upsert only when something differs."""
+    one SELECT, and an upsert only when something differs. Returns the UUIDs that have a row.
+
+    A lost or unresponsive card reports placeholders, not facts: it is never created or
+    re-described from them, so a card that fell off the bus keeps its name, memory and PCI id.
+    """
     described = {
         row[0]: row[1:]
         for row in GPU.objects.filter(uuid__in=[g.uuid for _, g in cards]).values_list(
@@ -202,12 +222,39 @@ def _gpus_describe(cards: list[tuple[int, GPUInfo]]) -> None:
             mig_mode=g.mig_mode or "",
         )
         for server_id, g in cards
-        if described.get(g.uuid) != _card_facts(server_id, g)
+        if g.state == CardState.OK and described.get(g.uuid) != _card_facts(server_id, g)
     ]
     if changed:
         GPU.objects.bulk_create(
             changed, update_conflicts=True, unique_fields=["uuid"], update_fields=_GPU_STATIC_FIELDS
         )
+    return set(described) | {g.uuid for g in changed}
+
+
+def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo]]:
+    """Each process's job, from its session (see gpus.procinfo): one question for the round."""
+    sessions: dict[int, set[int]] = defaultdict(set)
+    for server_id, g in cards:
+        sessions[server_id].update(p.session_id for p in g.processes or () if p.session_id)
+    if not any(sessions.values()):
+        return cards
+    jobs: dict[tuple[int, int], int] = {}
+    for _receiver, answer in job_sessions_resolve.send(sender=GPUProcess, sessions=dict(sessions)):
+        jobs.update(answer or {})
+    if not jobs:
+        return cards
+    return [
+        (
+            server_id,
+            g
+            if g.processes is None
+            else replace(
+                g,
+                processes=tuple(replace(p, job_id=jobs.get((server_id, p.session_id))) for p in g.processes),
+            ),
+        )
+        for server_id, g in cards
+    ]
 
 
 def _gpus_update_live(cards: list[tuple[int, GPUInfo]], db_now: object) -> None:
@@ -217,7 +264,17 @@ def _gpus_update_live(cards: list[tuple[int, GPUInfo]], db_now: object) -> None:
         _GPU_LIVE_FIELDS,
         "uuid",
         [
-            (g.memory_used_mb, g.utilization_pct, g.temperature_c, g.power_w, g.power_limit_w, db_now, g.uuid)
+            (
+                g.memory_used_mb,
+                g.utilization_pct,
+                g.temperature_c,
+                g.power_w,
+                g.power_limit_w,
+                g.state,
+                g.processes is not None,
+                db_now,
+                g.uuid,
+            )
             for _, g in cards
         ],
     )
@@ -228,16 +285,18 @@ def _processes_replace(server_ids: list[int], cards: list[tuple[int, GPUInfo]]) 
     GPUProcess.objects.filter(gpu__server_id__in=server_ids).delete()
     _bulk_insert(
         GPUProcess,
-        ["gpu", "pid", "username", "command", "used_memory_mb", "job_id"],
+        ["gpu", "pid", "username", "command", "used_memory_mb", "session_id", "job_id"],
         [
-            (g.uuid, p.pid, p.username[:64], p.command[:300], p.used_memory_mb, p.job_id)
+            (g.uuid, p.pid, p.username, p.command, p.used_memory_mb, p.session_id, p.job_id)
             for _, g in cards
-            for p in g.processes
+            for p in g.processes or ()
         ],
     )
 
 
-def _history_record(latest: dict[str, Snapshot], known: dict[str, _Known], now: datetime) -> None:
+def _history_record(
+    latest: dict[str, Snapshot], known: dict[str, _Known], now: datetime, stored: set[str]
+) -> None:
     """A chart point per card of the hosts whose last one is TELEMETRY_HISTORY_SECONDS old."""
     history_every = timedelta(seconds=settings.TELEMETRY_HISTORY_SECONDS)
     due = {name for name, (_, at) in known.items() if at is None or now - at >= history_every}
@@ -251,6 +310,7 @@ def _history_record(latest: dict[str, Snapshot], known: dict[str, _Known], now: 
             (g.uuid, db_now, g.memory_used_mb, g.utilization_pct, g.temperature_c, g.power_w)
             for name in due
             for g in latest[name].gpus
+            if g.uuid in stored
         ],
     )
     Server.objects.filter(name__in=due).update(last_history_at=now)

@@ -5,18 +5,27 @@ module). Telemetry is a mean-reverting random walk per card: busy cards run one 
 fake processes at high utilisation, idle cards sit at 0% with a few hundred MB in use, and
 now and then a job finishes or starts. Every report says ``simulated=True``.
 
+Real processes of this machine show on the cards too: portal jobs (by the card they booked),
+and processes declared with ``manage.py simulate_gpu_process`` (a small JSON file), so the
+watchdog can be tried end to end without a GPU.
+
 Card constants (UUID, PCI bus id, reserved memory) derive from server name and index, so
 they survive restarts; the walk itself is deterministic only when a ``seed`` is given.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import logging
 import os
 import random
 import re
+import tempfile
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,9 @@ import psutil
 import yaml
 
 from gpus.inventory import GPUInfo, HostInfo, ProcessInfo, Snapshot
+from gpus.procinfo import describe_process
+
+log = logging.getLogger(__name__)
 
 DEFAULT_INVENTORY = Path(__file__).with_name("simulated_inventory.yaml")
 
@@ -226,29 +238,186 @@ class _Card:
 
 
 def local_job_processes(server: str) -> dict[str, list[ProcessInfo]]:
-    """This machine's portal job processes for simulated `server`, by booked card UUID."""
+    """This machine's portal job processes for simulated `server`, by booked card UUID.
+
+    The simulation stands in for the driver's knowledge of which card a process uses: it takes
+    it from the job's environment (PORTAL_SERVER, CUDA_VISIBLE_DEVICES), which the worker wrote.
+    What the process is, and which job it belongs to, comes from `describe_process` and the
+    session id, exactly as with NVML; a job's own PORTAL_JOB_ID is never read.
+    """
     found: dict[str, list[ProcessInfo]] = {}
-    for proc in psutil.process_iter(["pid", "username", "cmdline"]):
+    for proc in psutil.process_iter():
         try:
-            env = proc.environ()
-            if env.get("PORTAL_SERVER") != server or not env.get("PORTAL_JOB_ID", "").isdigit():
-                continue
             if os.getsid(proc.pid) != proc.pid:
                 continue  # the job's session leader stands for the job
+            env = proc.environ()
+            if env.get("PORTAL_SERVER") != server:
+                continue
             cards = [u for u in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if u]
-            info = ProcessInfo(
-                pid=proc.pid,
-                username=proc.info["username"] or "?",
-                command=" ".join(proc.info["cmdline"] or ())[:300],
-                # Spread over its cards, so the job's sum over cards is its real footprint.
-                used_memory_mb=proc.memory_info().rss // (1024 * 1024) // max(1, len(cards)),
-                job_id=int(env["PORTAL_JOB_ID"]),
-            )
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
+            # Spread over its cards, so the job's sum over cards is its real footprint.
+            used_mb = proc.memory_info().rss // (1024 * 1024) // max(1, len(cards))
+        except (psutil.Error, OSError):
+            continue  # exited meanwhile, or another user's (JOB_USER): the simulation cannot see it
+        info = describe_process(proc.pid, used_mb)
         for card in cards:
             found.setdefault(card, []).append(info)
     return found
+
+
+# --- processes declared with `manage.py simulate_gpu_process` -----------------------------
+
+# A live process whose start differs from the declared one by more than this is another process
+# that reuses the pid (after a reboot, pids count from 1 again): it was never declared, and the
+# watchdog must not stop it. The slack absorbs clock adjustments, which move the start times
+# psutil derives from the boot time.
+START_TIME_SLACK_SECONDS = 1.0
+
+
+class DeclarationsError(ValueError):
+    """The declarations file is malformed; the message names the file and the bad field."""
+
+
+@dataclass(frozen=True)
+class DeclaredProcess:
+    gpu: str  # the simulated card's UUID
+    pid: int
+    started: float  # psutil's create_time: tells the process from a later one with its pid
+    memory_mb: int
+
+    def is_running(self) -> bool:
+        started = process_started(self.pid)
+        return started is not None and abs(started - self.started) <= START_TIME_SLACK_SECONDS
+
+
+def process_started(pid: int) -> float | None:
+    """When live process `pid` of this machine started; None when there is none."""
+    if pid <= 0:
+        return None  # not a process: to os.kill, 0 and -1 mean whole groups of them
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None  # exited, not reaped yet: it holds no memory and cannot be stopped
+        return proc.create_time()
+    except (psutil.Error, OverflowError, ValueError):
+        return None
+
+
+def declared_processes(path: Path) -> list[DeclaredProcess]:
+    """Every declaration in `path`, exited processes included; none when there is no file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    try:
+        data = _mapping(json.loads(text), "", {"processes"})
+        raw = _field(data, "processes", "", lambda v: isinstance(v, list), "a list")
+        return [_declared(entry, f"processes[{i}]") for i, entry in enumerate(raw)]
+    except json.JSONDecodeError as exc:
+        raise DeclarationsError(f"{path}: not valid JSON: {exc}") from None
+    except InventoryError as exc:
+        raise DeclarationsError(f"{path}: {exc}") from None
+
+
+def _declared(data: object, where: str) -> DeclaredProcess:
+    data = _mapping(data, where, {"gpu", "pid", "started", "memory_mb"})
+    return DeclaredProcess(
+        gpu=_field(data, "gpu", where, _is_text, "a card UUID"),
+        pid=_field(data, "pid", where, _is_positive_int, "a positive integer"),
+        started=float(_field(data, "started", where, _is_positive_number, "a start time")),
+        memory_mb=_field(data, "memory_mb", where, _is_positive_int, "a positive integer"),
+    )
+
+
+def simulated_process_declare(*, path: Path, gpu: str, pid: int, memory_mb: int) -> DeclaredProcess | None:
+    """Declare that live process `pid` uses `memory_mb` on simulated card `gpu`.
+
+    Returns the declaration this one replaces (the same pid on the same card), or None.
+    Raises ProcessLookupError when `pid` is no live process of this machine.
+    """
+    started = process_started(pid)
+    if started is None:
+        raise ProcessLookupError(pid)
+    new = DeclaredProcess(gpu=gpu, pid=pid, started=started, memory_mb=memory_mb)
+    with _declarations_edit(path) as declared:
+        previous = next((d for d in declared if (d.gpu, d.pid) == (gpu, pid)), None)
+        if previous is None:
+            declared.append(new)
+        else:
+            declared[declared.index(previous)] = new
+    return previous
+
+
+def simulated_process_remove(*, path: Path, pid: int, gpu: str | None = None) -> list[DeclaredProcess]:
+    """Take back `pid`'s declarations (on card `gpu` only, when given); returns those removed."""
+    with _declarations_edit(path) as declared:
+        removed = [d for d in declared if d.pid == pid and gpu in (None, d.gpu)]
+        declared[:] = [d for d in declared if d not in removed]
+    return removed
+
+
+@contextlib.contextmanager
+def _declarations_edit(path: Path) -> Iterator[list[DeclaredProcess]]:
+    """The declarations of running processes, to change in place; written back on exit.
+
+    Read, change and write happen under one exclusive lock, so two commands at once never lose
+    each other's entries. The lock is a file of its own: every write replaces the data file
+    with a new inode, and a lock on the old one would guard nothing.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        declared = [d for d in declared_processes(path) if d.is_running()]
+        yield declared
+        _declarations_write(path, declared)
+
+
+def _declarations_write(path: Path, declared: list[DeclaredProcess]) -> None:
+    # A temporary file renamed over the old one: a worker reads the old list or the new one,
+    # never half of one.
+    text = json.dumps({"processes": [asdict(d) for d in declared]}, indent=2) + "\n"
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+class _DeclarationsFile:
+    """The declarations file as a worker reads it, every snapshot: parsed again only when it
+    changed. No file means no declarations; a malformed one counts as empty, logged once per
+    version of it, so a typo never costs the server its telemetry."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._version: tuple[int, int, int] | None = None
+        self._declared: list[DeclaredProcess] = []
+
+    def running(self) -> list[DeclaredProcess]:
+        if self.path is None:
+            return []
+        try:
+            stat = self.path.stat()
+            # Every write is a new inode (os.replace), so an edit that keeps the size within
+            # the clock's granularity still reads as a change.
+            version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            version = None  # no file yet
+        if version != self._version:
+            self._version = version
+            self._declared = self._read(self.path) if version else []
+        return [d for d in self._declared if d.is_running()]
+
+    @staticmethod
+    def _read(path: Path) -> list[DeclaredProcess]:
+        try:
+            return declared_processes(path)
+        except (DeclarationsError, OSError) as exc:
+            log.warning("Ignoring the simulated GPU processes until the file changes: %s", exc)
+            return []
 
 
 def _revert(value: float, target: float, pull: float, noise: float, low: float, high: float) -> float:
@@ -259,7 +428,14 @@ def _revert(value: float, target: float, pull: float, noise: float, low: float, 
 class SimulatedBackend:
     """Reports one server of the simulated inventory, with plausibly moving telemetry."""
 
-    def __init__(self, server_name: str, path: Path | None = None, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        server_name: str,
+        path: Path | None = None,
+        seed: int | None = None,
+        processes_file: Path | None = None,
+    ) -> None:
+        """`processes_file`: the processes declared with `simulate_gpu_process`; None: none."""
         servers = {s.name: s for s in load_inventory(path)}
         if server_name not in servers:
             raise ValueError(
@@ -268,6 +444,7 @@ class SimulatedBackend:
             )
         self.server = server = servers[server_name]
         self._rng = random.Random(seed)
+        self._declarations = _DeclarationsFile(processes_file)
         self.host = HostInfo(
             name=server.name,
             hostname=server.hostname,
@@ -292,23 +469,38 @@ class SimulatedBackend:
         for card in self._cards:
             self._step(card)
         jobs = local_job_processes(self.server.name)
+        declared = self._declarations.running()
         return Snapshot(
-            host=self.host, gpus=tuple(self._with_jobs(self._report(card), jobs) for card in self._cards)
+            host=self.host,
+            gpus=tuple(self._with_local(self._report(card), jobs, declared) for card in self._cards),
         )
 
     @staticmethod
-    def _with_jobs(report: GPUInfo, jobs: dict[str, list[ProcessInfo]]) -> GPUInfo:
-        """Portal jobs booked on this simulated card run on the CPU here; show them on the
-        card anyway (resident memory as "GPU memory") so the demo shows who holds what."""
-        mine = jobs.get(report.uuid)
-        if not mine:
+    def _with_local(
+        report: GPUInfo, jobs: dict[str, list[ProcessInfo]], declared: list[DeclaredProcess]
+    ) -> GPUInfo:
+        """This machine's real processes on a simulated card, described as NVML's are.
+
+        Portal jobs booked on the card run on the CPU here; they show on the card anyway
+        (resident memory as "GPU memory", the card busy) so the demo shows who holds what.
+        A declared process holds the memory it was declared with, even a job's process: an
+        over-memory job is what such a declaration is for. It leaves the utilization alone.
+        """
+        mine = [describe_process(d.pid, d.memory_mb) for d in declared if d.gpu == report.uuid]
+        shown = {p.pid for p in mine}
+        job_processes = [p for p in jobs.get(report.uuid, ()) if p.pid not in shown]
+        local = tuple(job_processes + mine)
+        if not local:
             return report
-        used = (report.memory_used_mb or 0) + sum(p.used_memory_mb or 0 for p in mine)
+        used = (report.memory_used_mb or 0) + sum(p.used_memory_mb or 0 for p in local)
+        utilization = report.utilization_pct
+        if job_processes:
+            utilization = max(utilization or 0, 90)
         return replace(
             report,
-            processes=report.processes + tuple(mine),
+            processes=(report.processes or ()) + local,
             memory_used_mb=min(report.memory_total_mb, used),
-            utilization_pct=max(report.utilization_pct or 0, 90),
+            utilization_pct=utilization,
         )
 
     def close(self) -> None:

@@ -3,33 +3,36 @@
 Who may do what (outsiders get 404 everywhere: the team is looked up among those they may see,
 portal.permissions.teams_visible_to; the 403s are the permission classes named here):
   GET   teams/{slug}/                    members and admins
-  PATCH teams/{slug}/                    admins → quota_team_set (MaySetTeamQuota: members and leaders 403)
+  PATCH teams/{slug}/                    quota fields: admins → quota_team_set; auto_release_idle:
+                                         leaders and admins → team_auto_release_set (MayChangeTeam)
   GET   teams/{slug}/members/            leaders and admins (IsTeamManager: plain members 403)
   GET   teams/{slug}/members/{username}/ leaders, admins and that member (IsTeamManagerOrSelfReadOnly)
   PATCH teams/{slug}/members/{username}/ leaders and admins → quota_member_set
 
 The team list and the audit log are portal's (portal/api.py). Serializers check types only;
-every rule is in gpus/quotas.py, whose errors the exception handler (portal/api_errors.py)
+every rule is in gpus/quotas.py and gpus/idle.py, whose errors the exception handler (portal/api_errors.py)
 turns into {"detail", "code", "errors"}.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from django.db import transaction
 from django.urls import URLPattern, URLResolver, path
 from drf_spectacular.utils import extend_schema, extend_schema_field
 from rest_framework import generics, serializers
-from rest_framework.permissions import IsAuthenticated
+from rest_framework.permissions import SAFE_METHODS, BasePermission, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from gpus.quotas import QUOTA_MAX, quota_member_set, quota_team_set, team_use, team_use_total
-from portal.access import roles_of
+from gpus.idle import team_auto_release_set
+from gpus.quotas import QUOTA_FIELDS, QUOTA_MAX, quota_member_set, quota_team_set, team_use, team_use_total
+from portal.access import can_manage_team, is_admin, only_managers, roles_of
 from portal.api import TeamSerializer
 from portal.models import Membership, Team
 from portal.permissions import (
-    IsAdminOrReadOnly,
     IsTeamManager,
     IsTeamManagerOrSelfReadOnly,
     TeamLookupMixin,
@@ -67,17 +70,26 @@ class QuotaInputSerializer(serializers.Serializer):
         return attrs
 
 
-class TeamQuotaInputSerializer(QuotaInputSerializer):
-    max_cards = _limit("Whole cards the team holds at once.")
-    max_gb = _limit("GB of GPU memory the team holds at once.")
-    gpu_hours_per_week = _limit("GPU-hours per calendar week for the whole team.")
+class TeamInputSerializer(QuotaInputSerializer):
+    max_cards = _limit("Whole cards the team holds at once. Admins only.")
+    max_gb = _limit("GiB of GPU memory the team holds at once. Admins only.")
+    gpu_hours_per_week = _limit("GPU-hours per calendar week for the whole team. Admins only.")
+    shares = serializers.IntegerField(
+        required=False, min_value=1, help_text="Fair share among the teams. Admins only."
+    )
+    auto_release_idle = serializers.BooleanField(
+        required=False,
+        help_text="Release the team's idle bookings IDLE_RELEASE_MINUTES after their owner was warned. "
+        "Leaders and admins.",
+    )
 
 
 class MemberQuotaInputSerializer(QuotaInputSerializer):
     max_cards = _limit("Whole cards the member holds at once; at most the team's.")
-    max_gb = _limit("GB of GPU memory the member holds at once; at most the team's.")
+    max_gb = _limit("GiB of GPU memory the member holds at once; at most the team's.")
     gpu_hours_per_week = _limit("GPU-hours per calendar week; at most the team's.")
     max_booking_hours = _limit("Longest single booking in hours (null: the portal's limit).")
+    shares = serializers.IntegerField(required=False, min_value=1, help_text="Fair share within the team.")
 
 
 class QuotaUseSerializer(serializers.Serializer):
@@ -93,7 +105,7 @@ class TeamDetailSerializer(TeamSerializer):
     use = serializers.SerializerMethodField()
 
     class Meta(TeamSerializer.Meta):
-        fields = [*TeamSerializer.Meta.fields, "use"]
+        fields = [*TeamSerializer.Meta.fields, "auto_release_idle", "use"]
         read_only_fields = fields
 
     @extend_schema_field(QuotaUseSerializer)
@@ -126,15 +138,26 @@ class MemberSerializer(serializers.ModelSerializer):
         return QuotaUseSerializer(use).data if use else dict(NO_USE)
 
 
-class MaySetTeamQuota(IsAdminOrReadOnly):
-    message = "Only admins set team quotas; ask one."
+class MayChangeTeam(BasePermission):
+    """Whoever sees the team reads it. A PATCH that sets its quota: admins; one that only turns its
+    auto-release on or off: its leaders and admins. The services check the same."""
+
+    def has_object_permission(self, request: Request, view: Any, team: Team) -> bool:
+        if request.method in SAFE_METHODS:
+            return True
+        if isinstance(request.data, Mapping) and set(request.data) & set(QUOTA_FIELDS):
+            self.message = "Only admins set team quotas; ask one."
+            return is_admin(request.user)
+        self.message = only_managers(team)
+        return can_manage_team(request.user, team)
 
 
 class TeamDetail(generics.GenericAPIView):
-    """A team, its quota and its use now / this week. PATCH (admins) sets the quota."""
+    """A team, its quota, its auto-release of idle bookings and its use now / this week.
+    PATCH sets the quota (admins) or the auto-release (leaders and admins)."""
 
     serializer_class = TeamDetailSerializer
-    permission_classes = [IsAuthenticated, MaySetTeamQuota]
+    permission_classes = [IsAuthenticated, MayChangeTeam]
     lookup_field = "slug"
 
     def get_queryset(self):  # type: ignore[no-untyped-def]
@@ -148,12 +171,19 @@ class TeamDetail(generics.GenericAPIView):
     def get(self, request: Request, slug: str) -> Response:
         return self._show(self.get_object())
 
-    @extend_schema(request=TeamQuotaInputSerializer, responses=TeamDetailSerializer)
+    @extend_schema(request=TeamInputSerializer, responses=TeamDetailSerializer)
     def patch(self, request: Request, slug: str) -> Response:
         team = self.get_object()
-        data = TeamQuotaInputSerializer(data=request.data)
+        data = TeamInputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        return self._show(quota_team_set(actor=request.user, team=team, **data.validated_data))
+        limits = dict(data.validated_data)
+        auto_release = limits.pop("auto_release_idle", None)
+        with transaction.atomic():  # both or neither
+            if limits:
+                team = quota_team_set(actor=request.user, team=team, **limits)
+            if auto_release is not None:
+                team = team_auto_release_set(actor=request.user, team=team, on=auto_release)
+        return self._show(team)
 
 
 class MemberList(TeamLookupMixin, generics.GenericAPIView):

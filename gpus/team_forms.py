@@ -1,5 +1,6 @@
-"""Quota forms for the team page. They only parse numbers; the rules (who may, within the team's
-limits) are in gpus/quotas.py, whose errors the views put beside the field they name.
+"""Forms for the team page: quotas and the auto-release of idle bookings. They only parse values;
+the rules (who may, within the team's limits) are in gpus/quotas.py and gpus/idle.py, whose errors
+the views put beside the field they name.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from django import forms
+from django.conf import settings
 
 from gpus.quotas import QUOTA_MAX
 from portal.forms import ServiceErrorsMixin
@@ -32,17 +34,34 @@ def _limit_field(
     )
 
 
+def _shares_field(model: type[QuotaFields]) -> forms.IntegerField:
+    """Fair-share shares: never "no limit", so an empty field leaves them as they are."""
+    return forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=QUOTA_MAX,
+        label="Fair-share shares",
+        help_text=model._meta.get_field("shares").help_text,
+    )
+
+
 class QuotaForm(ServiceErrorsMixin, forms.Form):
     """Empty fields mean "no limit" (None). `limits()` is what the service takes."""
 
     def limits(self) -> dict[str, int | None]:
-        return {name: self.cleaned_data[name] for name in self.fields}
+        # Shares are never "no limit": an empty field leaves them as they are.
+        return {
+            name: value
+            for name, value in self.cleaned_data.items()
+            if name in self.fields and not (name == "shares" and value is None)
+        }
 
 
 class TeamQuotaForm(QuotaForm):
     max_cards = _limit_field(Team, "max_cards", "Cards at once", "cards")
-    max_gb = _limit_field(Team, "max_gb", "GB at once", "GB")
+    max_gb = _limit_field(Team, "max_gb", "GiB at once", "GiB")
     gpu_hours_per_week = _limit_field(Team, "gpu_hours_per_week", "GPU-hours per week", "GPU-hours")
+    shares = _shares_field(Team)
 
     @classmethod
     def for_team(cls, team: Team, data: Any = None) -> TeamQuotaForm:
@@ -54,11 +73,12 @@ TEAM_STILL_APPLIES = "At most the team's own limit, which applies as well."
 
 class MemberQuotaForm(QuotaForm):
     max_cards = _limit_field(Membership, "max_cards", "Cards at once", "cards", TEAM_STILL_APPLIES)
-    max_gb = _limit_field(Membership, "max_gb", "GB at once", "GB", TEAM_STILL_APPLIES)
+    max_gb = _limit_field(Membership, "max_gb", "GiB at once", "GiB", TEAM_STILL_APPLIES)
     gpu_hours_per_week = _limit_field(
         Membership, "gpu_hours_per_week", "GPU-hours per week", "GPU-hours", TEAM_STILL_APPLIES
     )
     max_booking_hours = _limit_field(Membership, "max_booking_hours", "Longest booking (hours)", "hours")
+    shares = _shares_field(Membership)
 
     @classmethod
     def for_membership(cls, membership: Membership, data: Any = None) -> MemberQuotaForm:
@@ -68,3 +88,21 @@ class MemberQuotaForm(QuotaForm):
             initial={name: getattr(membership, name) for name in cls.base_fields},
             auto_id=f"id_m{membership.pk}_%s",
         )
+
+
+class AutoReleaseForm(forms.Form):
+    """The team's auto-release of idle bookings (gpus/idle.py has the rule and the service)."""
+
+    auto_release_idle = forms.BooleanField(required=False, label="Release idle bookings automatically")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["auto_release_idle"].help_text = (
+            f"A booking whose cards stay idle for {settings.IDLE_WARN_MINUTES} minutes warns its owner. "
+            f"With this on, it is released {settings.IDLE_RELEASE_MINUTES} minutes after the warning "
+            "unless its cards are used, and the owner is told. Off: owners are only warned."
+        )
+
+    @classmethod
+    def for_team(cls, team: Team, data: Any = None) -> AutoReleaseForm:
+        return cls(data, initial={"auto_release_idle": team.auto_release_idle})

@@ -1,10 +1,11 @@
-"""The team page: its quota and members' quotas with their use, its bookings and audit log
-(filtered by the API's own AuditEntryFilter, a page at a time).
+"""The team page: its quota and members' quotas with their use, the auto-release of its idle
+bookings, its bookings and audit log (filtered by the API's own AuditEntryFilter, a page at a time).
 
 These are booking-domain pages on portal's teams: who may see them is decided by
 `portal.access.team_for_user` (the API uses it too); the quota rules are in gpus/quotas.py.
 POST → redirect → GET; a refused form is shown again with the message beside its field, and
-nothing was written. The team list, the profile and the API token stay in portal/views.py.
+nothing was written. The auto-release checkbox posts to the page itself (leaders and admins, who
+alone see the page). The team list, the profile and the API token stay in portal/views.py.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_http_methods, require_POST
 
+from gpus.idle import team_auto_release_set
 from gpus.models import Reservation
 from gpus.quotas import quota_member_set, quota_team_set, team_use, team_use_total
-from gpus.team_forms import MemberQuotaForm, QuotaForm, TeamQuotaForm
+from gpus.team_forms import AutoReleaseForm, MemberQuotaForm, QuotaForm, TeamQuotaForm
 from portal.access import is_admin, team_for_user
 from portal.errors import ServiceError
 from portal.filters import AuditEntryFilter, filter_list
@@ -55,6 +57,7 @@ def _team_page(
         "team_total": team_use_total(use),
         "team_form": (team_form or TeamQuotaForm.for_team(team)) if is_admin(request.user) else None,
         "members": members,
+        "auto_release_form": AutoReleaseForm.for_team(team),
         **_team_bookings(team, now),
         **_team_audit(request, team),
     }
@@ -77,9 +80,29 @@ def _team_bookings(team: Team, now: datetime) -> dict[str, list[Reservation]]:
     return {"open_bookings": split["open"], "recent_bookings": split["past"]}
 
 
+@require_http_methods(["GET", "POST"])
 @login_required
 def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
-    return _team_page(request, team_for_user(request.user, slug, manage=True))
+    """The page; a POST is its auto-release form."""
+    team = team_for_user(request.user, slug, manage=True)
+    if request.method == "POST":
+        return _auto_release(request, team)
+    return _team_page(request, team)
+
+
+def _auto_release(request: HttpRequest, team: Team) -> HttpResponse:
+    form = AutoReleaseForm(request.POST)
+    on = form.is_valid() and form.cleaned_data["auto_release_idle"]  # a checkbox: unticked is off
+    changed = team.auto_release_idle != on
+    team_auto_release_set(actor=request.user, team=team, on=on)
+    state = "on" if on else "off"
+    if changed:
+        messages.success(
+            request, f"Auto-release of idle bookings is {state}; the change is in the audit log."
+        )
+    else:
+        messages.info(request, f"Auto-release of idle bookings was already {state}: nothing changed.")
+    return redirect(f"{reverse('team_detail', args=[team.slug])}#idle")
 
 
 def _save(

@@ -17,19 +17,25 @@ worker's shutdown stops them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from time import monotonic
 
 import redis
 from django.conf import settings
 from django.db import close_old_connections
+from django.dispatch import Signal
 
 from gpus.backends import get_backend
-from gpus.inventory import Backend, Snapshot, snapshot_from_json, snapshot_to_json
+from gpus.inventory import Backend, BackendUnavailable, Snapshot, snapshot_from_json, snapshot_to_json
 from gpus.services import servers_report_ingest
 from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
 
 REPORTS_KEY = "portal:telemetry:reports"
+# Sent on a GPU host, in the reporter's thread, with every `snapshot` it reads: the GPU watchdog
+# (jobs) judges the same processes the dashboard shows. A signal, because jobs builds on gpus.
+snapshot_read = Signal()
 
 
 def redis_client() -> redis.Redis:
@@ -63,16 +69,87 @@ def collect_once(client: redis.Redis) -> int:
 
 
 class TelemetryReporter(PeriodicThread):
-    def __init__(self, backend: Backend, interval: float | None = None) -> None:
-        super().__init__("gpu-telemetry-reporter", interval or settings.TELEMETRY_INTERVAL_SECONDS)
-        self.backend = backend
+    """Reads this host's cards every WATCHDOG_INTERVAL_SECONDS for the watchdog (`snapshot_read`)
+    and publishes a snapshot every TELEMETRY_INTERVAL_SECONDS.
+
+    The backend is opened here, in the loop, and opened again whenever it fails as a whole: a
+    driver that is not ready when the worker starts, or is reloaded under it, costs the reports
+    until NVML answers again (the server shows offline meanwhile), never the host's telemetry for
+    the rest of the worker's life. Attempts back off 1, 2, 4 … seconds up to
+    NVML_INIT_RETRY_MAX_SECONDS; the failure is logged as an ERROR when it is new, then once per
+    ERROR_EVERY_SECONDS.
+    """
+
+    ERROR_EVERY_SECONDS = 10 * 60
+
+    def __init__(
+        self, open_backend: Callable[[], Backend] = get_backend, interval: float | None = None
+    ) -> None:
+        every = min(settings.TELEMETRY_INTERVAL_SECONDS, settings.WATCHDOG_INTERVAL_SECONDS)
+        super().__init__("gpu-telemetry-reporter", interval or every)
+        self.publish_every = interval or settings.TELEMETRY_INTERVAL_SECONDS
+        self._published_at = float("-inf")
+        self.open_backend = open_backend
+        self.backend: Backend | None = None
         self.client = redis_client()
+        self.failures = 0
+        self._retry_at = 0.0
+        self._logged: tuple[str, float] = ("", 0.0)  # the last ERROR and when
 
     def step(self) -> None:
-        publish_snapshot(self.client, self.backend.snapshot())
+        backend = self._open()
+        if backend is None:
+            return
+        try:
+            snapshot = backend.snapshot()
+        except BackendUnavailable as exc:
+            backend.close()
+            self.backend = None
+            self._failed(exc)
+            return
+        now = monotonic()
+        if now - self._published_at >= self.publish_every - 0.05:  # a tick early is not a round late
+            publish_snapshot(self.client, snapshot)
+            self._published_at = now
+        for receiver, error in snapshot_read.send_robust(sender=TelemetryReporter, snapshot=snapshot):
+            if isinstance(error, Exception):
+                log.error("%s failed on this snapshot", receiver, exc_info=error)
 
     def finish(self) -> None:
-        self.backend.close()
+        if self.backend is not None:
+            self.backend.close()
+
+    def _open(self) -> Backend | None:
+        if self.backend is not None or monotonic() < self._retry_at:
+            return self.backend
+        try:
+            self.backend = self.open_backend()
+        except BackendUnavailable as exc:
+            self._failed(exc)
+            return None
+        if self.failures:
+            log.info("GPU backend opened after %d failed attempts; reporting again", self.failures)
+        self.failures = 0
+        return self.backend
+
+    def _failed(self, exc: BackendUnavailable) -> None:
+        self.failures += 1
+        delay = min(2 ** min(self.failures - 1, 30), settings.NVML_INIT_RETRY_MAX_SECONDS)
+        now = monotonic()
+        self._retry_at = now + delay
+        message = str(exc)
+        last, logged_at = self._logged
+        if message != last or now - logged_at >= self.ERROR_EVERY_SECONDS:
+            self._logged = (message, now)
+            log.error(
+                "GPU backend unavailable, so %s sends no telemetry: %s (attempt %d, next in %ss)",
+                settings.WORKER_SERVER,
+                message,
+                self.failures,
+                delay,
+            )
+        else:
+            log.debug("GPU backend still unavailable: %s (attempt %d)", message, self.failures)
 
 
 class TelemetryCollector(PeriodicThread):
@@ -89,7 +166,7 @@ def start_reporter() -> None:
     log.info(
         "Telemetry reporter for %s every %ss", settings.WORKER_SERVER, settings.TELEMETRY_INTERVAL_SECONDS
     )
-    start_thread(TelemetryReporter(get_backend()))
+    start_thread(TelemetryReporter())
 
 
 def start_collector() -> None:

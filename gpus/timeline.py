@@ -77,7 +77,8 @@ def server_timeline_rows(
     Bars are clipped to the window; `left`/`width` are percent of the window, `top`/`height`
     percent of the row (whole cards fill it; memory bookings stack by their share of the
     card's bookable memory). Owners are named as portal.access.display_name allows, and a
-    bar links to its booking only where the viewer may open it (own, team's, admin).
+    bar links to its booking, and shows its note, only where the viewer may open it (own, team's,
+    admin).
     Three queries: the viewer's teams, the cards, the allocations.
     """
     end = window_end(start, days)
@@ -122,6 +123,8 @@ def server_timeline_rows(
         row = rows[gpu_id]
         who = display_name(viewer, viewer_teams, owner_id, owner_name, team_id)
         kind = "own" if owner_id == viewer.pk else "team" if team_id in viewer_teams else "other"
+        if kind == "other" and not admin:
+            note = ""  # the note is the booking's, as its page is: "alice's thesis" would name her
         memory = "whole card" if memory_mb is None else format_mb(memory_mb)
         shown_start, shown_end = max(a_start, start), min(a_end, end)
         if memory_mb is None or not row["bookable_mb"]:

@@ -1,7 +1,8 @@
 from django.urls import path
 
+from gpus import report_views, team_views, timeline, views
 from gpus import reservation_views as rv
-from gpus import team_views, timeline, views
+from gpus import violation_views as vv
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -15,6 +16,10 @@ urlpatterns = [
     path("reservations/<int:pk>/cancel/", rv.reservation_cancel, name="reservation_cancel"),
     path("reservations/<int:pk>/release/", rv.reservation_release, name="reservation_release"),
     path("reservations/<int:pk>/extend/", rv.reservation_extend, name="reservation_extend"),
+    path("violations/", vv.violations, name="violations"),
+    path("violations/<int:pk>/", vv.violation_detail, name="violation_detail"),
+    path("reports/", report_views.reports, name="reports"),
+    path("reports/usage.csv", report_views.reports_csv, name="reports_csv"),
     path("teams/<slug:slug>/", team_views.team_detail, name="team_detail"),
     path("teams/<slug:slug>/quota/", team_views.team_quota, name="team_quota"),
     path("teams/<slug:slug>/members/<str:username>/quota/", team_views.member_quota, name="member_quota"),

@@ -1,4 +1,5 @@
-"""/api/v1/jobs/: submit, list (filters), retrieve, cancel, and the log (streamed text).
+"""/api/v1/jobs/: submit, list (filters), retrieve, cancel, the log (streamed text) and the training
+curves (JSON or CSV); and size-hint/, from the caller's own runs (jobs/rightsizing.py).
 
 Visible to the owner, leaders of the job's team and admins; everyone else gets 404 (the queryset
 is jobs_visible_to, and DRF's get_object looks the job up in it). Every rule is in jobs.services,
@@ -11,7 +12,7 @@ import json
 import shlex
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
@@ -22,8 +23,11 @@ from rest_framework.response import Response
 
 from jobs.filters import JobFilter
 from jobs.logs import log_response, parse_offset
+from jobs.metrics import metric_records, metrics_csv_response, parse_since
 from jobs.models import Job
-from jobs.selectors import jobs_visible_to
+from jobs.rightsizing import size_hint_for
+from jobs.scheduler import queue_plan
+from jobs.selectors import jobs_visible_to, queue_rows
 from jobs.services import ScriptUpload, job_cancel, job_submit
 from portal.errors import Invalid
 from portal.pagination import PagePagination
@@ -33,7 +37,12 @@ from portal.permissions import ActionPermissionsMixin, IsOwnerOrTeamManager
 class JobSerializer(serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
     team = serializers.CharField(source="team.slug", read_only=True)
-    server = serializers.CharField(source="server.name", read_only=True)
+    server = serializers.CharField(source="server.name", read_only=True, allow_null=True, default=None)
+    requested_server = serializers.CharField(source="request_server.name", read_only=True, default=None)
+    reason = serializers.CharField(
+        source="pending_reason", read_only=True, help_text="Why a pending job waits."
+    )
+    array_id = serializers.IntegerField(read_only=True, allow_null=True)
     script = serializers.SerializerMethodField()
     command = serializers.SerializerMethodField()
     duration_seconds = serializers.SerializerMethodField()
@@ -50,6 +59,15 @@ class JobSerializer(serializers.ModelSerializer):
             "reservation",
             "server",
             "gpu_uuids",
+            "queued",
+            "gpu_count",
+            "memory_mb",
+            "requested_server",
+            "nice",
+            "begin_at",
+            "reason",
+            "array_id",
+            "array_index",
             "script",
             "args",
             "command",
@@ -99,6 +117,18 @@ class PassThroughField(serializers.Field):
         return value
 
 
+@extend_schema_field({"oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]})
+class ArgsField(PassThroughField):
+    """The script's arguments: a list of strings, or one string split like a shell."""
+
+
+@extend_schema_field(
+    {"oneOf": [{"type": "object", "additionalProperties": {"type": "string"}}, {"type": "string"}]}
+)
+class EnvField(PassThroughField):
+    """Extra environment variables: {"NAME": "value"}, or NAME=value lines (multipart forms)."""
+
+
 class PlainTextRenderer(BaseRenderer):
     media_type = "text/plain"
     format = "txt"
@@ -111,20 +141,40 @@ class PlainTextRenderer(BaseRenderer):
         return str(data).encode()
 
 
+class CSVRenderer(PlainTextRenderer):
+    """?format=csv of the training curves; the CSV itself is a streamed response, errors come here."""
+
+    media_type = "text/csv"
+    format = "csv"
+
+
 class JobCreateSerializer(serializers.Serializer):
     """Types only; jobs.services.job_submit checks every rule."""
 
-    reservation = serializers.IntegerField()
+    reservation = serializers.IntegerField(
+        required=False, allow_null=True, help_text="The booking to run on; leave it out to queue the job."
+    )
+    gpu_count = serializers.IntegerField(required=False, allow_null=True, help_text="Queued: how many cards.")
+    memory_mb = serializers.IntegerField(
+        required=False, allow_null=True, help_text="Queued: MiB per card; null: whole cards."
+    )
+    server = serializers.CharField(required=False, allow_blank=True, help_text="Queued: a server's name.")
+    array = serializers.CharField(required=False, allow_blank=True, help_text='Queued: "0-99" or "0-99%8".')
+    nice = serializers.IntegerField(required=False, default=0, help_text="Queued: lowers its priority.")
+    begin_at = serializers.DateTimeField(
+        required=False, allow_null=True, help_text="Queued: not before this."
+    )
+    team = serializers.CharField(
+        required=False, allow_blank=True, help_text="Queued: your team's slug, if several."
+    )
     script = serializers.FileField(required=False, help_text="A .py file (multipart).")
     script_path = serializers.CharField(
         required=False, allow_blank=True, help_text="A .py under the job roots."
     )
-    args = PassThroughField(required=False, help_text="A list of strings, or one string split like a shell.")
+    args = ArgsField(required=False, help_text="A list of strings, or one string split like a shell.")
     workdir = serializers.CharField(required=False, allow_blank=True)
     interpreter = serializers.CharField(required=False, default="default")
-    env = PassThroughField(
-        required=False, help_text='{"NAME": "value"} (JSON), or NAME=value lines (multipart).'
-    )
+    env = EnvField(required=False, help_text='{"NAME": "value"} (JSON), or NAME=value lines (multipart).')
     time_limit_minutes = serializers.IntegerField(required=False, allow_null=True)
     memory_mode = serializers.ChoiceField(choices=Job.MemoryMode.choices, required=False, allow_null=True)
     intra_op_threads = serializers.IntegerField(required=False, allow_null=True)
@@ -147,6 +197,23 @@ class JobCreateSerializer(serializers.Serializer):
             except ValueError:
                 raise Invalid('Environment: not valid JSON; send {"NAME": "value"}.', field="env") from None
         return data
+
+
+class SizeHintSerializer(serializers.Serializer):
+    """What to book per card for a script, from your own recent runs of it (docs/rightsizing.md)."""
+
+    script = serializers.CharField(help_text="The script's file name.")
+    runs = serializers.IntegerField(help_text="How many of your recent runs of it were measured (3 to 10).")
+    peak_mb = serializers.IntegerField(help_text="Their highest peak per card, MiB.")
+    booked_mb = serializers.IntegerField(help_text="What the latest of them booked per card, MiB.")
+    suggested_mb = serializers.IntegerField(help_text="What would do per card, MiB.")
+    text = serializers.CharField()
+
+
+class JobCancelSerializer(serializers.Serializer):
+    whole_array = serializers.BooleanField(
+        required=False, default=False, help_text="Every task of its array."
+    )
 
 
 class MayCancelJob(IsOwnerOrTeamManager):
@@ -174,20 +241,47 @@ class JobViewSet(
             return Job.objects.none()
         return jobs_visible_to(self.request.user).order_by("-created_at", "-id")
 
+    def filter_queryset(self, queryset):  # type: ignore[no-untyped-def]
+        # The list's filters are not the records' (?since= is a date there, a record number here).
+        if self.action == "metrics":
+            return queryset
+        return super().filter_queryset(queryset)
+
     def _show(self, pk: int) -> dict:
         return JobSerializer(self.get_queryset().get(pk=pk)).data
 
+    # Every handler takes `format`: the router also routes `….json` (and `.csv`) and passes the
+    # suffix on; without it such a request is a TypeError, a 500.
     @extend_schema(request=JobCreateSerializer, responses={201: JobSerializer})
-    def create(self, request: Request) -> Response:
+    def create(self, request: Request, format: str | None = None) -> Response:
         data = JobCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         job = job_submit(user=request.user, **data.service_kwargs())
         return Response(self._show(job.pk), status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=None, responses=JobSerializer)
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "script", str, required=False, description="A file name or path; empty: your most frequent."
+            )
+        ],
+        responses={200: SizeHintSerializer, 204: None},
+    )
+    @action(detail=False, methods=["get"], url_path="size-hint", filter_backends=[], pagination_class=None)
+    def size_hint(self, request: Request, format: str | None = None) -> Response:
+        """A size to book per card for ?script=, from your own recent runs of it; 204 when there is
+        none (fewer than 3 measured runs, or they already book about that much)."""
+        hint = size_hint_for(request.user, request.query_params.get("script"))
+        if hint is None:
+            return Response(status=status.HTTP_204_NO_CONTENT)
+        return Response(SizeHintSerializer(hint).data)
+
+    @extend_schema(request=JobCancelSerializer, responses=JobSerializer)
     @action(detail=True, methods=["post"])
-    def cancel(self, request: Request, pk: str | None = None) -> Response:
-        job = job_cancel(user=request.user, job=self.get_object())
+    def cancel(self, request: Request, pk: str | None = None, format: str | None = None) -> Response:
+        data = JobCancelSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        job = job_cancel(user=request.user, job=self.get_object(), **data.validated_data)
         return Response(self._show(job.pk))
 
     @extend_schema(
@@ -195,8 +289,80 @@ class JobViewSet(
         responses={(200, "text/plain"): OpenApiTypes.STR},
     )
     @action(detail=True, methods=["get"], renderer_classes=[PlainTextRenderer, JSONRenderer])
-    def log(self, request: Request, pk: str | None = None):  # type: ignore[no-untyped-def]
+    def log(self, request: Request, pk: str | None = None, format: str | None = None):  # type: ignore[no-untyped-def]
         """The log as text/plain, streamed. X-Log-Next-Offset says where to continue tailing."""
         job = self.get_object()
         offset = parse_offset(request.query_params.get("offset"))
         return log_response(job, offset=offset, attachment=request.query_params.get("download") == "1")
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "since", int, required=False, description="Only records after this seq (0: from the first)."
+            ),
+            OpenApiParameter("format", str, required=False, enum=["json", "csv"]),
+        ],
+        responses={
+            (200, "application/json"): {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "seq": {"type": "integer"},
+                        "kind": {"type": "string", "enum": ["epoch", "batch"]},
+                        "epoch": {"type": "integer", "nullable": True},
+                        "step": {"type": "integer", "nullable": True},
+                        "at": {"type": "string", "format": "date-time"},
+                    },
+                    "additionalProperties": {"type": "number", "nullable": True},
+                },
+            },
+            (200, "text/csv"): OpenApiTypes.STR,
+        },
+    )
+    @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, CSVRenderer])
+    def metrics(self, request: Request, pk: str | None = None, format: str | None = None):  # type: ignore[no-untyped-def]
+        """The training curves: what the job's Keras fit() reported, oldest first, at most 10,000
+        records an answer (ask again with ?since= the last seq). X-Job-Status says whether more may
+        come. ?format=csv: all of them, one column per metric name."""
+        job = self.get_object()
+        if request.accepted_renderer.format == "csv":
+            return metrics_csv_response(job)
+        records = metric_records(job.pk, since=parse_since(request.query_params.get("since")))
+        return Response(records, headers={"X-Job-Status": job.status, "Cache-Control": "no-store"})
+
+
+class QueueEntrySerializer(serializers.Serializer):
+    """One pending job in the queue, in priority order."""
+
+    job = serializers.IntegerField()
+    name = serializers.CharField(help_text="Empty unless it is yours, a teammate's, or you are an admin.")
+    owner = serializers.CharField()
+    team = serializers.CharField()
+    gpu_count = serializers.IntegerField()
+    memory_mb = serializers.IntegerField(allow_null=True, help_text="MiB per card; null: whole cards.")
+    server = serializers.CharField(help_text="The server asked for; empty: any.")
+    time_limit_minutes = serializers.IntegerField()
+    priority = serializers.FloatField()
+    factors = serializers.DictField(child=serializers.FloatField(), help_text="fairshare, age and nice.")
+    reason = serializers.CharField(help_text="resources, priority, quota, begin_time, draining, array_limit.")
+    estimated_start = serializers.DateTimeField(allow_null=True)
+    submitted_at = serializers.DateTimeField()
+    array_id = serializers.IntegerField(allow_null=True)
+    array_index = serializers.IntegerField(allow_null=True)
+
+
+class QueueViewSet(viewsets.GenericViewSet):
+    """GET /api/v1/queue/: the pending jobs in priority order, with their priority factors, the
+    reason each waits and its estimated start (none beyond QUEUE_BACKFILL_DEPTH). Like `squeue`."""
+
+    serializer_class = QueueEntrySerializer
+    # The rows are computed (jobs.queue), not a queryset; this names their model for the schema.
+    queryset = Job.objects.none()
+    pagination_class = PagePagination
+    permission_classes = [IsAuthenticated]
+
+    def list(self, request: Request, format: str | None = None) -> Response:
+        rows = queue_rows(request.user, queue_plan())
+        page = self.paginate_queryset(rows)
+        return self.get_paginated_response(QueueEntrySerializer(page, many=True).data)

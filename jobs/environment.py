@@ -9,6 +9,7 @@ account), calls it, and does everything with side effects: folders, the upload, 
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import pwd
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ PORTAL_ENV = frozenset(
         "PORTAL_JOB_ID",
         "PORTAL_RESERVATION_ID",
         "PORTAL_SERVER",
+        "PORTAL_ARRAY_INDEX",
         LAUNCH_CONFIG_VAR,
     }
 )
@@ -97,16 +99,20 @@ class JobEnvironment:
 
 
 def booked_memory(mode: str, card: BookedCard, *, headroom_mb: int) -> tuple[int | None, float | None]:
-    """TF memory_limit per card (limit modes) and the TF1 session fraction (all but "take all"):
-    booked / card memory, so a legacy session never takes more than the booking, growing or not."""
+    """TF memory_limit per card (limit modes) and the TF1 session fraction (all but "take all").
+
+    Both cap the same memory: the booking less the CUDA context's headroom, because the context
+    and cuDNN sit outside TF's allocator (a cap of the whole booking plus the context would exceed
+    it). A whole card's bookable memory already leaves the headroom; a share does not.
+    """
     if mode == Job.MemoryMode.ALL:
         return None, None
-    booked = card.bookable_mb if card.memory_mb is None else card.memory_mb
-    # The CUDA context and cuDNN sit outside TF's allocator: keep headroom for them on a
-    # shared card (a whole card's bookable memory already leaves it).
-    limit = booked if card.memory_mb is None else max(1, booked - headroom_mb)
-    fraction = round(booked / (card.total_mb or 1), 4)
-    return (None if mode == Job.MemoryMode.GROW else limit), fraction
+    usable = max(1, card.bookable_mb if card.memory_mb is None else card.memory_mb - headroom_mb)
+    # TF takes fraction × the card's total: rounded down, so that is never more than `usable`. Not
+    # to 0, which TF reads as "no cap": even a share at or below the headroom (allowed when growing)
+    # keeps 1 MiB, more than a millionth of any card.
+    fraction = math.floor(usable * 10**6 / (card.total_mb or 1)) / 10**6
+    return (None if mode == Job.MemoryMode.GROW else usable), fraction
 
 
 def job_environment(
@@ -146,6 +152,8 @@ def job_environment(
         "PORTAL_SERVER": server,
         LAUNCH_CONFIG_VAR: json.dumps(config),
     }
+    if job.array_index is not None:
+        portal["PORTAL_ARRAY_INDEX"] = str(job.array_index)  # this task's index in its array
     env = {name: inherited[name] for name in INHERITED_ENV if name in inherited}
     if account is not None:
         env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)

@@ -46,6 +46,9 @@ class JobFilter(django_filters.FilterSet):
         field_name="created_at", lookup_expr="lte", label="Until", help_text="YYYY-MM-DD, inclusive."
     )
     mine = MineFilter(field_name="owner", label="Mine")
+    array = django_filters.NumberFilter(
+        field_name="array_id", label="Array", help_text="An array's id: its tasks."
+    )
 
     class Meta:
         model = Job

@@ -8,6 +8,8 @@ from django import forms
 from django.conf import settings
 from django.utils import timezone
 
+from gpus.filters import server_choices
+from gpus.forms import parse_memory_mb
 from gpus.models import Reservation
 from jobs.models import Job
 from jobs.services import ScriptUpload
@@ -16,7 +18,7 @@ from portal.timefmt import short_time
 
 
 def reservation_label(reservation: Reservation) -> str:
-    """'#12 box1 GPU 0, 1 · 8 GB · until Mon 18:00' (prefetch allocations__gpu__server)."""
+    """'#12 box1 GPU 0, 1 · 8 GiB · until Mon 18:00' (prefetch allocations__gpu__server)."""
     end = short_time(reservation.end)
     if reservation.start > timezone.now():
         return f"#{reservation.pk} {reservation.summary} · from {short_time(reservation.start)} until {end}"
@@ -33,15 +35,36 @@ class JobForm(ServiceErrorsMixin, forms.Form):
 
     reservation = ReservationChoiceField(
         queryset=Reservation.objects.none(),
+        required=False,
         label="Booking",
-        empty_label="— choose one of your bookings —",
+        empty_label="— none: queue it (give the cards below) —",
         error_messages={
-            "required": "Choose the booking the job runs on.",
             "invalid_choice": "That is not one of your active or upcoming bookings; choose one from the list "
             "(book cards under Reservations first).",
         },
         help_text="The job runs on this booking's server and cards only, and starts when the booking does. "
-        "One job at a time per booking.",
+        "One job at a time per booking. Or leave it empty and queue the job: it starts as soon as cards "
+        "are free, in fair-share order.",
+    )
+    gpu_count = forms.IntegerField(
+        required=False,
+        min_value=1,
+        label="Queue: cards",
+        help_text="Without a booking: how many cards, all on one server. The portal books them for the "
+        "time limit when they are free, and releases them when the job ends.",
+    )
+    memory = forms.CharField(
+        required=False,
+        label="Queue: memory per card",
+        help_text="Empty: whole cards. Or a share, e.g. 8G (GiB) or 4096M (MiB).",
+    )
+    server = forms.ChoiceField(required=False, label="Queue: server", help_text="Empty: any server.")
+    array = forms.CharField(
+        required=False,
+        max_length=50,
+        label="Queue: array",
+        help_text="Run the script once per index, e.g. 0-99, or 0-99%8 for at most 8 at once; each task gets "
+        "PORTAL_ARRAY_INDEX.",
     )
     script = forms.FileField(
         required=False,
@@ -84,7 +107,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         required=False,
         label="Time limit (minutes)",
         help_text="Stop the job (SIGTERM, then SIGKILL) after this long. Empty: it may run until the "
-        "booking ends, when it is stopped anyway.",
+        "booking ends, when it is stopped anyway; a queued job gets QUEUE_DEFAULT_TIME_LIMIT_MINUTES.",
     )
     memory_mode = forms.ChoiceField(
         required=False,
@@ -132,12 +155,25 @@ class JobForm(ServiceErrorsMixin, forms.Form):
             "start", "id"
         )
         self.fields["interpreter"].choices = [(name, name) for name in settings.JOB_INTERPRETERS]
+        self.fields["server"].choices = server_choices()
         self.fields["memory_mode"].choices = [("", "Default for the booking"), *Job.MemoryMode.choices]
         self.initial.setdefault("interpreter", "default")
 
+    def clean_memory(self) -> int | None:
+        return parse_memory_mb(self.cleaned_data["memory"])
+
     def service_kwargs(self) -> dict[str, Any]:
         data = self.cleaned_data
+        queued = {}
+        if data["reservation"] is None:
+            queued = {
+                "gpu_count": data["gpu_count"] or 1,
+                "memory_mb": data["memory"],
+                "server": data["server"] or None,
+                "array": data["array"],
+            }
         return {
+            **queued,
             "reservation": data["reservation"],
             "script": ScriptUpload.from_file(data["script"]) if data["script"] is not None else None,
             "script_path": data["script_path"],

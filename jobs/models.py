@@ -5,6 +5,8 @@ is a conditional UPDATE on this row (the claim QUEUED → STARTING above all), s
 delivered twice can never start a second run.
 
 Status transitions:
+    PENDING → QUEUED (a queued job: the scheduler booked its cards, jobs/scheduler.py)
+    PENDING → CANCELLED (cancelled while it waited)
     QUEUED → STARTING (a worker claimed it) → RUNNING (the subprocess started)
     RUNNING → SUCCEEDED (exit 0) | FAILED (exit ≠ 0, or it could not start)
             | CANCELLED (a user asked) | TIMED_OUT (time limit or booking end)
@@ -21,8 +23,23 @@ from django.db import models
 from django.utils import timezone
 
 
+class JobArray(models.Model):
+    """Many jobs from one script, each with its PORTAL_ARRAY_INDEX ("0-99%8": 100 tasks, at most 8
+    running at once). Its tasks are Job rows pointing here; they are cancelled all at once."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="job_arrays")
+    spec = models.CharField(max_length=50, help_text='As given, e.g. "0-99%8".')
+    size = models.PositiveIntegerField()
+    max_running = models.PositiveIntegerField(null=True, blank=True, help_text="None: no limit.")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"array {self.pk} ({self.spec})"
+
+
 class Job(models.Model):
     class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
         QUEUED = "queued", "Queued"
         STARTING = "starting", "Starting"
         RUNNING = "running", "Running"
@@ -32,7 +49,17 @@ class Job(models.Model):
         TIMED_OUT = "timed_out", "Timed out"
         LOST = "lost", "Lost"
 
-    ACTIVE = (Status.QUEUED, Status.STARTING, Status.RUNNING)
+    class Reason(models.TextChoices):
+        """Why a pending job waits, in Slurm's spirit."""
+
+        RESOURCES = "resources", "Not enough free cards now"
+        PRIORITY = "priority", "Jobs of higher priority come first"
+        QUOTA = "quota", "You or your team are at a quota limit"
+        BEGIN_TIME = "begin_time", "It asked for a later start"
+        DRAINING = "draining", "The chosen server is draining"
+        ARRAY_LIMIT = "array_limit", "Its array already runs as many tasks as it may"
+
+    ACTIVE = (Status.PENDING, Status.QUEUED, Status.STARTING, Status.RUNNING)
     FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED, Status.TIMED_OUT, Status.LOST)
 
     class MemoryMode(models.TextChoices):
@@ -42,9 +69,14 @@ class Job(models.Model):
         ALL = "all", "TF default: take all (whole cards only)"
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
-    reservation = models.ForeignKey("gpus.Reservation", on_delete=models.PROTECT, related_name="jobs")
+    # None while a queued job is pending: the scheduler books its cards when it starts it.
+    reservation = models.ForeignKey(
+        "gpus.Reservation", null=True, blank=True, on_delete=models.PROTECT, related_name="jobs"
+    )
     team = models.ForeignKey("portal.Team", on_delete=models.PROTECT, related_name="jobs")
-    server = models.ForeignKey("gpus.Server", on_delete=models.PROTECT, related_name="jobs")
+    server = models.ForeignKey(
+        "gpus.Server", null=True, blank=True, on_delete=models.PROTECT, related_name="jobs"
+    )
     gpu_uuids = models.JSONField(default=list, help_text="The booked cards, in index order.")
     name = models.CharField(max_length=200, help_text="The script's file name, for lists.")
     # The script: an upload (kept here, so any host can run it) or a path under JOB_ROOTS.
@@ -62,10 +94,27 @@ class Job(models.Model):
     soft_placement = models.BooleanField(default=True)
     log_placement = models.BooleanField(default=False)
     mirrored = models.BooleanField(default=False)
+    # A queued job (no booking given): what it asks for; the scheduler books it for
+    # [start, start + time_limit_minutes) and releases that booking when the job ends.
+    queued = models.BooleanField(default=False, help_text="Submitted to the queue rather than to a booking.")
+    gpu_count = models.PositiveSmallIntegerField(null=True, blank=True)
+    memory_mb = models.PositiveIntegerField(
+        null=True, blank=True, help_text="MiB per card; empty: whole cards."
+    )
+    request_server = models.ForeignKey(
+        "gpus.Server", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    nice = models.PositiveIntegerField(default=0, help_text="Lowers the job's priority by this much.")
+    begin_at = models.DateTimeField(null=True, blank=True, help_text="Not before this time.")
+    pending_reason = models.CharField(max_length=16, choices=Reason.choices, blank=True)
+    array = models.ForeignKey(JobArray, null=True, blank=True, on_delete=models.CASCADE, related_name="tasks")
+    array_index = models.PositiveIntegerField(null=True, blank=True)
 
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
-    not_before = models.DateTimeField(help_text="The booking's start: the job waits until then.")
+    not_before = models.DateTimeField(
+        null=True, blank=True, help_text="The booking's start: the job waits until then."
+    )
     dispatched_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -78,6 +127,9 @@ class Job(models.Model):
     pid = models.PositiveIntegerField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     message = models.CharField(max_length=1000, blank=True, help_text="Why it failed, was lost or stopped.")
+    # Set by the GPU watchdog (jobs/watchdog_host.py) to stop a running job that broke its booking:
+    # the job's supervisor stops it and records it failed with this message.
+    watchdog_stop = models.CharField(max_length=500, blank=True)
     env_applied = models.JSONField(default=dict, help_text="The environment the portal set for the job.")
     launcher_line = models.CharField(max_length=1000, blank=True)
     # From telemetry: the job's processes on its cards.
@@ -100,6 +152,9 @@ class Job(models.Model):
         ]
         indexes = [
             models.Index(fields=["owner", "-created_at"], name="job_owner_created"),
+            models.Index(fields=["status", "created_at"], name="job_status_created"),
+            # The usage rollup reads the jobs that ended in an hour, once a minute (gpus/usage.py).
+            models.Index(fields=["finished_at"], name="job_finished"),
             models.Index(fields=["team", "-created_at"], name="job_team_created"),
         ]
 
@@ -154,3 +209,34 @@ class LogChunk(models.Model):
 
     def __str__(self) -> str:
         return f"log chunk {self.seq} of job {self.job_id}"
+
+
+class JobMetric(models.Model):
+    """One record of a job's training curves: what Keras reported after an epoch or a batch.
+
+    The launcher's callback prints it on the job's output; the worker takes it out of the log and
+    stores it here (jobs/metrics.py). `seq` numbers a job's records in arrival order, so a page
+    polls for those after the last it has; `at` is when the worker received it. `values` maps metric
+    names to numbers (null: NaN or infinite, e.g. a diverged loss).
+    """
+
+    class Kind(models.TextChoices):
+        EPOCH = "epoch", "Epoch"
+        BATCH = "batch", "Batch"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
+    seq = models.PositiveIntegerField()
+    kind = models.CharField(max_length=8, choices=Kind.choices)
+    epoch = models.PositiveIntegerField(null=True, blank=True, help_text="From 1, as in the log.")
+    step = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Training batches so far, over every fit() of the job."
+    )
+    at = models.DateTimeField()
+    values = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["job", "seq"]
+        constraints = [models.UniqueConstraint(fields=["job", "seq"], name="jobmetric_unique_seq")]
+
+    def __str__(self) -> str:
+        return f"metrics {self.seq} of job {self.job_id}"

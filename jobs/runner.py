@@ -2,8 +2,11 @@
 
 The worker never imports TensorFlow (GPU memory taken by a long-lived worker is never
 given back): every job is a subprocess in its own session, started through
-jobs/launcher-bin/launcher.py with the job's interpreter. Cancel and time limits send
-SIGTERM to the job's process group and SIGKILL after JOB_KILL_GRACE_SECONDS.
+jobs/launcher-bin/launcher.py with the job's interpreter, without any of the worker's
+privileges (portal.processes.start_job_process). Cancel and time limits send SIGTERM to the
+job's process group and SIGKILL after JOB_KILL_GRACE_SECONDS. A worker that may not signal
+its job (JOB_USER without CAP_KILL) says so on the job and in its log, and keeps watching it
+until it ends by itself.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from gpus.models import Allocation, Reservation
 from jobs import paths
 from jobs.environment import BookedCard, job_environment
 from jobs.logs import LogWriter
+from jobs.metrics import MetricsRecorder
 from jobs.models import Job
+from jobs.scheduler import queued_job_ended
+from portal.accounts import JOB_USER_OWNER, unix_account_name
 from portal.errors import Invalid
-from portal.processes import die_with_parent
+from portal.processes import PRIVILEGES_EXIT_CODE, start_job_process
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,7 @@ TICK_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 1.0
 DRAIN_SECONDS = 2.0  # output still read after the job's main process exited
 FINISH_ATTEMPTS = 30  # × 2 s: ride out a database restart
+CANNOT_STOP = "Could not stop: permission denied"
 
 
 class JobSetupError(Exception):
@@ -56,7 +63,7 @@ class Launch:
     env: dict[str, str]
     cwd: Path
     env_applied: dict[str, str]  # the portal's own variables, shown on the job's page
-    account: pwd.struct_passwd | None  # JOB_USER's: the job runs as it (None: as the worker)
+    account: pwd.struct_passwd | None  # the job runs as it (JOB_USER; None: as the worker)
 
 
 def launch_for(job: Job) -> Launch:
@@ -74,7 +81,7 @@ def launch_for(job: Job) -> Launch:
             f"Python environment {job.interpreter!r} ({interpreter or 'not configured'}) is not "
             f"executable on {socket.gethostname()}; check JOB_INTERPRETERS on this host."
         )
-    account = _job_account()
+    account = _job_account(job)
     script, cwd = _prepare_folders(job, account)
     home = Path(interpreter).parent.parent  # a venv's root holds pyvenv.cfg, beside its bin/
     built = job_environment(
@@ -91,16 +98,33 @@ def launch_for(job: Job) -> Launch:
     return Launch(argv=argv, env=built.env, cwd=cwd, env_applied=built.applied, account=account)
 
 
-def _job_account() -> pwd.struct_passwd | None:
-    """JOB_USER's account: jobs run as it, in its HOME (None: as the worker's own user)."""
+def _job_account(job: Job) -> pwd.struct_passwd | None:
+    """The account the job runs as, in its HOME (None: as the worker's own user).
+
+    JOB_USER names one account for every job, or is "@owner": each job runs as its owner's Unix
+    account (portal.accounts.unix_account_name), so its files are theirs and the GPU watchdog
+    sees their name on the card. Never root or a system account (below JOB_MIN_UID).
+    """
     if not settings.JOB_USER:
         return None
+    if settings.JOB_USER == JOB_USER_OWNER:
+        name, source = unix_account_name(job.owner), f"{job.owner.username}'s Unix account"
+    else:
+        name, source = settings.JOB_USER, "JOB_USER"
+    host = socket.gethostname()
     try:
-        return pwd.getpwnam(settings.JOB_USER)
+        account = pwd.getpwnam(name)
     except KeyError:
         raise JobSetupError(
-            f"JOB_USER={settings.JOB_USER!r} is no account on {socket.gethostname()}."
+            f"{source} {name!r} is no account on {host}: an admin sets the Unix account on the"
+            " person's profile, or creates the account on the host."
         ) from None
+    if account.pw_uid < settings.JOB_MIN_UID:
+        raise JobSetupError(
+            f"{source} {name!r} has uid {account.pw_uid} on {host}, below JOB_MIN_UID"
+            f" ({settings.JOB_MIN_UID}): jobs never run as root or a system account."
+        )
+    return account
 
 
 def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path, Path]:
@@ -150,11 +174,13 @@ class Supervisor:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.writer = LogWriter(job.pk)
+        self.metrics = MetricsRecorder(job.pk)  # the training curves, taken out of the output
         self.proc: subprocess.Popen[bytes] | None = None
         self.stop_reason: str | None = None  # Job.Status to record once the process is gone
         self.stop_message = ""
         self.term_sent_at: float | None = None
         self.killed = False
+        self.not_stopped = ""  # why the job could not be stopped, for its final message
         self.launcher_seen = False
         self.first_output = bytearray()  # the launcher's line is among the first output
 
@@ -173,25 +199,14 @@ class Supervisor:
             f"[portal] job {job.pk} on {settings.WORKER_SERVER} ({socket.gethostname()}): "
             f"{' '.join(launch.argv[3:])} in {launch.cwd}"
         )
+        account = launch.account  # JOB_USER's: jobs run as an account that cannot read the worker's secrets
         try:
-            self.proc = subprocess.Popen(
+            self.proc = start_job_process(
                 launch.argv,
-                cwd=launch.cwd,
                 env=launch.env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,  # one pipe: stdout and stderr interleaved in order
-                start_new_session=True,
-                close_fds=True,
-                # SIGKILL the job if the worker dies (SIGKILL, the OOM killer): a lost job
-                # must not hold its cards behind the portal's back.
-                preexec_fn=die_with_parent(signal.SIGKILL),
-                # JOB_USER: jobs run as an account that cannot read the worker's secrets.
-                **(
-                    {"user": launch.account.pw_uid, "group": launch.account.pw_gid, "extra_groups": []}
-                    if launch.account is not None
-                    else {}
-                ),
+                cwd=launch.cwd,
+                user=account.pw_uid if account is not None else None,
+                group=account.pw_gid if account is not None else None,
             )
         except OSError as exc:
             self.writer.write_line(f"[portal] cannot start: {exc}")
@@ -248,10 +263,13 @@ class Supervisor:
                     eof = True
                     break
                 self._note_launcher_line(data)
-                self.writer.feed(data)
+                self._take_output(data)
             if eof:
                 time.sleep(max(0.0, deadline - time.monotonic()))  # output closed; waiting for the exit
+            if late := self.metrics.release():  # held back in case it became a record; it did not
+                self.writer.feed(late)
             self._guarded(self.writer.maybe_flush)
+            self._guarded(self.metrics.maybe_flush)
             now = time.monotonic()
             if now - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = now
@@ -264,7 +282,17 @@ class Supervisor:
         """Whatever the job wrote just before the end."""
         with contextlib.suppress(queue.Empty):
             while (data := chunks.get(timeout=0.2)) is not None:
-                self.writer.feed(data)
+                self._take_output(data)
+        if late := self.metrics.release(everything=True):
+            self.writer.feed(late)
+        self._guarded(self.metrics.flush)
+
+    def _take_output(self, data: bytes) -> None:
+        """The job's training records to their table (jobs/metrics.py), the rest of its output to the log."""
+        if rest := self.metrics.feed(data):
+            self.writer.feed(rest)
+        if note := self.metrics.full_note():
+            self.writer.write_line(note)
 
     def _guarded(self, step: Callable[[], object]) -> bool:
         """Run a database step; a failure (database restarting) is logged and tried again
@@ -302,6 +330,7 @@ class Supervisor:
                 "started_at",
                 "cancel_requested_at",
                 "cancelled_by__username",
+                "watchdog_stop",
                 "message",
                 "reservation__end",
                 "reservation__cancelled_at",
@@ -316,6 +345,8 @@ class Supervisor:
             # Declared dead while this worker could not reach the database: its booking may
             # already hold a new job, so this one must not go on.
             self._stop(Job.Status.LOST, "This job was marked lost while its worker was out of touch.")
+        elif row["watchdog_stop"]:
+            self._stop(Job.Status.FAILED, row["watchdog_stop"])
         elif row["cancel_requested_at"]:
             who = row["cancelled_by__username"]
             self._stop(
@@ -334,44 +365,90 @@ class Supervisor:
         self.stop_reason, self.stop_message = status, message
         grace = settings.JOB_KILL_GRACE_SECONDS
         self.writer.write_line(f"[portal] {message} Sending SIGTERM; SIGKILL in {grace} s if still running.")
-        self._signal(signal.SIGTERM)
         self.term_sent_at = time.monotonic()
+        if not self._signal(signal.SIGTERM):
+            self._stop_denied()
+
+    def _stop_denied(self) -> None:
+        """The worker may not signal the job (JOB_USER without CAP_KILL). Crashing would leave it
+        running unwatched; instead it runs on, watched as before (heartbeat, log, its end
+        recorded when it comes), and its row says so while it does."""
+        self.not_stopped = f"{CANNOT_STOP}; it ran until it ended by itself."
+        self.writer.write_line(
+            "[portal] could not send SIGTERM: permission denied. The job runs on; "
+            "the portal keeps watching it and records its end."
+        )
+        note = f"{self.stop_message} {CANNOT_STOP}; the job is still running."[:1000]
+        self._guarded(
+            lambda: Job.objects.filter(pk=self.job.pk, status=Job.Status.RUNNING).update(message=note)
+        )
 
     def _escalate(self) -> None:
         if self.term_sent_at is None or self.killed:
             return
         if time.monotonic() - self.term_sent_at >= settings.JOB_KILL_GRACE_SECONDS:
             self.writer.write_line("[portal] still running after the grace period: SIGKILL.")
-            self._signal(signal.SIGKILL)
-            self.killed = True
+            self.killed = True  # one attempt: a denied SIGKILL is said once, not on every tick
+            if not self._signal(signal.SIGKILL):
+                self.writer.write_line("[portal] could not send SIGKILL: permission denied.")
 
-    def _signal(self, sig: int) -> None:
+    def _signal(self, sig: signal.Signals) -> bool:
+        """Signal the job's process group; False when the worker may not. A group already gone
+        counts as signalled."""
         assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.killpg(self.proc.pid, sig)  # the session leader's pid is the group id
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            log.warning(
+                "Job %s: may not send %s to its process group %s (permission denied: CAP_KILL?)",
+                self.job.pk,
+                sig.name,
+                self.proc.pid,
+            )
+            return False
+        return True
 
     def _kill_now(self) -> int:
         """The supervisor itself failed: stop the job at once rather than leave it unwatched."""
         log.error("Job %s: supervisor failed; killing the job", self.job.pk)
+        killed = self._signal(signal.SIGKILL)
+        if not killed:  # nothing else is left to do: wait for its end, so that it is recorded
+            log.error("Job %s: may not kill it either; waiting for it to end by itself", self.job.pk)
+            self.not_stopped = self.not_stopped or f"{CANNOT_STOP}; it ran until it ended by itself."
         self.stop_reason = self.stop_reason or Job.Status.FAILED
-        self.stop_message = self.stop_message or "The worker's supervisor failed; the job was killed."
-        self._signal(signal.SIGKILL)
+        self.stop_message = self.stop_message or (
+            "The worker's supervisor failed; the job was killed."
+            if killed
+            else "The worker's supervisor failed."
+        )
         assert self.proc is not None
         return self.proc.wait()
 
     def _reap_group(self) -> None:
         """The main process is gone; anything it left in its group goes with it."""
-        self._signal(signal.SIGKILL)
+        if not self._signal(signal.SIGKILL):
+            self.writer.write_line(
+                "[portal] the job left processes running that the worker may not kill: permission denied."
+            )
+            self.not_stopped = self.not_stopped or "Could not stop what it left running: permission denied."
 
     def _record(self, code: int) -> None:
         if self.stop_reason:
             status, message = self.stop_reason, self.stop_message
         elif code == 0:
             status, message = Job.Status.SUCCEEDED, ""
+        elif code == PRIVILEGES_EXIT_CODE and not self.launcher_seen:
+            status = Job.Status.FAILED
+            message = (
+                f"Did not start: its process could not drop the worker's privileges (exit code {code}; "
+                "the log says which step failed)."
+            )
         else:
             status = Job.Status.FAILED
             message = f"Exited with code {code}." if code > 0 else f"Killed by signal {-code}."
-        self._finish(status, code, message)
+        self._finish(status, code, " ".join(filter(None, (message, self.not_stopped))))
 
     def _finish(self, status: str, code: int | None, message: str) -> None:
         """Record the outcome; a database that is restarting gets FINISH_ATTEMPTS tries.
@@ -390,6 +467,7 @@ class Supervisor:
                 close_old_connections()
                 time.sleep(2)
         log.info("Job %s finished: %s %s", self.job.pk, status, message)
+        self._guarded(lambda: queued_job_ended(self.job))
 
 
 def job_claim(job_id: int, now: datetime | None = None) -> Job | None:

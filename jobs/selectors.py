@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Q, QuerySet
 from django.http import Http404
 
 from jobs.models import Job
-from portal.access import is_admin
+from jobs.queue import Entry
+from portal.access import display_name, is_admin, team_ids_of
 from portal.models import Membership
 
 
@@ -26,3 +30,51 @@ def get_job_for_user(user: AbstractBaseUser, pk: int) -> Job:
     if job is None:
         raise Http404("No such job.")
     return job
+
+
+def queue_rows(viewer: AbstractBaseUser, entries: Sequence[Entry]) -> list[dict[str, Any]]:
+    """The plan's entries as rows for the Queue page and GET /api/v1/queue/, in priority order.
+
+    Everyone sees the whole queue (where they stand needs it); the job's name and owner only
+    as the booking privacy rule allows (teammates and admins by name, others "another user")."""
+    jobs = {
+        row["pk"]: row
+        for row in Job.objects.filter(pk__in=[e.request.job_id for e in entries]).values(
+            "pk",
+            "name",
+            "owner_id",
+            "owner__username",
+            "team_id",
+            "team__slug",
+            "request_server__name",
+            "array_index",
+        )
+    }
+    teams = team_ids_of(viewer)
+    rows = []
+    for entry in entries:
+        job, r = jobs.get(entry.request.job_id), entry.request
+        if job is None:
+            continue  # started or cancelled since the plan was made
+        visible = job["owner_id"] == viewer.pk or job["team_id"] in teams or is_admin(viewer)
+        rows.append(
+            {
+                "job": r.job_id,
+                "name": job["name"] if visible else "",
+                "owner": display_name(viewer, teams, job["owner_id"], job["owner__username"], job["team_id"]),
+                "team": job["team__slug"] if visible else "",
+                "gpu_count": r.gpu_count,
+                "memory_mb": r.memory_mb,
+                "server": job["request_server__name"] or "",
+                "time_limit_minutes": r.minutes,
+                "priority": entry.priority,
+                "factors": {"fairshare": entry.fairshare, "age": entry.age, "nice": r.nice},
+                "reason": entry.reason or ("starting" if entry.start_now else ""),
+                "estimated_start": entry.estimated_start,
+                "submitted_at": r.submitted_at,
+                "array_id": r.array_id,
+                "array_index": job["array_index"],
+                "mine": job["owner_id"] == viewer.pk,
+            }
+        )
+    return rows

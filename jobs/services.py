@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -26,10 +26,12 @@ from gpus.models import Allocation, Reservation, Server, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
 from jobs.logs import log_append
-from jobs.models import Job
+from jobs.models import Job, JobArray
+from jobs.queue_requests import QueueRequest
 from portal.access import can_manage_team
 from portal.errors import Conflict, Forbidden, Invalid
 from portal.timefmt import format_time
+from portal.wakeups import wake_on_commit
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,7 @@ def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
 def job_submit(
     *,
     user: AbstractBaseUser,
-    reservation: Reservation | int | None,
+    reservation: Reservation | int | None = None,
     script: ScriptUpload | None = None,
     script_path: str = "",
     args: str | Sequence[str] | None = None,
@@ -174,14 +176,61 @@ def job_submit(
     soft_placement: bool = True,
     log_placement: bool = False,
     mirrored: bool = False,
+    gpu_count: int | None = None,
+    memory_mb: int | None = None,
+    server: str | None = None,
+    array: str = "",
+    nice: int = 0,
+    begin_at: datetime | None = None,
+    team: str | None = None,
     now: datetime | None = None,
 ) -> Job:
-    """Queue a job on a booking's server and cards; it starts when the booking does.
+    """Run a job on a booking's server and cards (it starts when the booking does), or, without a
+    booking, queue it for `gpu_count` cards (`memory_mb` each, or whole) for its time limit: the
+    scheduler starts it when cards are free (jobs/scheduler.py). An `array` ("0-99%8") queues
+    one job per index; the first is returned.
 
     Raises a ServiceError (field and fix in the message) and writes nothing on bad input:
     every step before the save only reads.
     """
     now = now or timezone.now()
+    common = {
+        "script": script,
+        "script_path": script_path,
+        "args": args,
+        "workdir": workdir,
+        "interpreter": interpreter,
+        "env": env,
+        "memory_mode": memory_mode,
+        "soft_placement": soft_placement,
+        "log_placement": log_placement,
+        "mirrored": mirrored,
+    }
+    if reservation is None and gpu_count is not None:
+        return _enqueue(
+            user=user,
+            request=QueueRequest.check(
+                user=user,
+                gpu_count=gpu_count,
+                memory_mb=memory_mb,
+                server=server,
+                time_limit_minutes=time_limit_minutes,
+                array=array,
+                nice=nice,
+                begin_at=begin_at,
+                team=team,
+                now=now,
+            ),
+            threads=(intra_op_threads, inter_op_threads),
+            now=now,
+            **common,
+        )
+    if gpu_count is not None or array:
+        raise Invalid(
+            "A job runs either on a booking or in the queue: give a booking, or cards (gpu_count) "
+            "without one.",
+            field="gpu_count" if gpu_count is not None else "array",
+        )
     booking, allocations = _check_booking(user, reservation, now)
     server, shared_mb = allocations[0].gpu.server, allocations[0].memory_mb  # None: whole cards
     name, path_text, source = _check_script(script, script_path)
@@ -218,7 +267,81 @@ def job_submit(
     )
     _save_alone_on_booking(job)
     if booking.start <= now:
-        _dispatch(job, now)
+        dispatch(job, now)
+    return job
+
+
+def _enqueue(
+    *,
+    user: AbstractBaseUser,
+    request: QueueRequest,
+    threads: tuple[int | None, int | None],
+    now: datetime,
+    script: ScriptUpload | None,
+    script_path: str,
+    args: str | Sequence[str] | None,
+    workdir: str,
+    interpreter: str,
+    env: str | Mapping[str, Any] | None,
+    memory_mode: str | None,
+    soft_placement: bool,
+    log_placement: bool,
+    mirrored: bool,
+) -> Job:
+    """A queued job, or an array of them, PENDING until the scheduler books its cards."""
+    name, path_text, source = _check_script(script, script_path)
+    mode = _check_memory_mode(memory_mode, request.memory_mb)
+    if mirrored and request.gpu_count < 2:
+        raise Invalid(
+            "MirroredStrategy needs two or more cards; ask for more, or untick it.", field="mirrored"
+        )
+    intra, inter = _check_thread_counts(*threads)  # None: the booking's CPU share, known at its start
+    fields = {
+        "owner": user,
+        "team": request.team,
+        "name": name[:200],
+        "script_path": path_text,
+        "script_source": source,
+        "args": parse_args(args),
+        "workdir": _check_workdir(workdir),
+        "interpreter": _check_interpreter(interpreter),
+        "env": parse_env(env),
+        "time_limit_minutes": request.minutes,
+        "memory_mode": mode,
+        "intra_op_threads": intra,
+        "inter_op_threads": inter,
+        "soft_placement": soft_placement,
+        "log_placement": log_placement,
+        "mirrored": mirrored,
+        "queued": True,
+        "status": Job.Status.PENDING,
+        "gpu_count": request.gpu_count,
+        "memory_mb": request.memory_mb,
+        "request_server": request.server,
+        "nice": request.nice,
+        "begin_at": request.begin_at,
+        "created_at": now,
+    }
+    if request.indices is None:
+        job = Job.objects.create(**fields)
+    else:
+        array = JobArray.objects.create(
+            owner=user,
+            spec=request.array_spec,
+            size=len(request.indices),
+            max_running=request.max_running,
+            created_at=now,
+        )
+        tasks = Job.objects.bulk_create(
+            Job(
+                **fields,
+                array=array,
+                array_index=index,
+            )
+            for index in request.indices
+        )
+        job = tasks[0] if tasks[0].pk else Job.objects.filter(array=array).order_by("pk").first()
+    wake_on_commit("queue")
     return job
 
 
@@ -231,7 +354,10 @@ def _check_booking(
     """The user's own active or upcoming booking, and its cards in index order, on a server
     that takes new jobs."""
     if reservation is None:
-        raise Invalid("Choose the booking the job runs on.", field="reservation")
+        raise Invalid(
+            "Choose the booking the job runs on, or ask for cards (gpu_count) to queue it.",
+            field="reservation",
+        )
     pk = reservation if isinstance(reservation, int) else reservation.pk
     booking = Reservation.objects.visible_to(user).select_related("team").filter(pk=pk).first()
     if booking is None:
@@ -345,7 +471,7 @@ def _check_memory_mode(memory_mode: str | None, shared_mb: int | None) -> str:
     if limited and shared_mb and shared_mb <= settings.GPU_CONTEXT_HEADROOM_MB:
         raise Invalid(
             f"{format_mb(shared_mb)} leaves nothing for TensorFlow after the "
-            f"{settings.GPU_CONTEXT_HEADROOM_MB} MB CUDA context headroom; book more memory or choose "
+            f"{settings.GPU_CONTEXT_HEADROOM_MB} MiB CUDA context headroom; book more memory or choose "
             "'grow as needed'.",
             field="memory_mode",
         )
@@ -360,13 +486,19 @@ def _check_mirrored(mirrored: bool, allocations: Sequence[Allocation]) -> None:
 def _check_threads(intra: int | None, inter: int | None, share: int) -> tuple[int, int]:
     """(intra-op, inter-op) threads: each as asked, 1 to MAX_THREADS, or the default for the
     booking's CPU `share`."""
+    intra, inter = _check_thread_counts(intra, inter)
+    intra_default, inter_default = default_threads(share)
+    return intra or intra_default, inter or inter_default
+
+
+def _check_thread_counts(intra: int | None, inter: int | None) -> tuple[int | None, int | None]:
+    """Each thread count as asked, 1 to MAX_THREADS, or None for the default."""
     for value, field in ((intra, "intra_op_threads"), (inter, "inter_op_threads")):
         if value is not None and not 1 <= value <= MAX_THREADS:
             raise Invalid(
                 f"Threads must be between 1 and {MAX_THREADS}; leave empty for the default.", field=field
             )
-    intra_default, inter_default = default_threads(share)
-    return intra or intra_default, inter or inter_default
+    return intra, inter
 
 
 def cpu_share(server: Server, allocations: Sequence[Allocation]) -> int:
@@ -404,7 +536,7 @@ def _save_alone_on_booking(job: Job) -> None:
         ) from None
 
 
-def _dispatch(job: Job, now: datetime) -> bool:
+def dispatch(job: Job, now: datetime) -> bool:
     """Send the job id to its host's queue once this transaction commits; once per job
     (a conditional UPDATE, so two reconcilers racing send it once)."""
     from jobs.tasks import run_job  # the tasks module imports this one
@@ -429,23 +561,39 @@ def _dispatch(job: Job, now: datetime) -> bool:
 
 
 @transaction.atomic
-def job_cancel(*, user: AbstractBaseUser, job: Job | int, now: datetime | None = None) -> Job:
-    """Cancel a job: a queued one at once; a running one is stopped by its worker
-    (SIGTERM to its process group, SIGKILL after JOB_KILL_GRACE_SECONDS)."""
+def job_cancel(
+    *, user: AbstractBaseUser, job: Job | int, whole_array: bool = False, now: datetime | None = None
+) -> Job:
+    """Cancel a job: a pending or queued one at once; a running one is stopped by its worker
+    (SIGTERM to its process group, SIGKILL after JOB_KILL_GRACE_SECONDS). With `whole_array`, every
+    task of the job's array that has not finished."""
     now = now or timezone.now()
     pk = job if isinstance(job, int) else job.pk
     job = Job.objects.select_for_update(of=("self",)).get(pk=pk)
+    if whole_array:
+        if job.array_id is None:
+            raise Invalid(f"Job {job.pk} is not part of an array; cancel it alone.", field="whole_array")
+        for task in Job.objects.filter(array_id=job.array_id, status__in=Job.ACTIVE).exclude(pk=job.pk):
+            _cancel_one(user, task, now)
+        if not job.is_finished:
+            _cancel_one(user, job, now)
+        job.refresh_from_db()
+        return job
+    return _cancel_one(user, job, now)
+
+
+def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
+    pk = job.pk
     if job.owner_id != user.pk and not can_manage_team(user, job.team_id):
         raise Forbidden("Only the job's owner, leaders of its team and admins can cancel it.")
     if job.is_finished:
         raise Invalid(
             f"Job {job.pk} is already {job.get_status_display().lower()}; there is nothing to cancel."
         )
-    # A queued job is cancelled here; a running one (or one a worker claimed a moment ago:
-    # SQLite takes no row lock) is stopped by its worker, which watches for this request.
-    cancelled_here = job.status == Job.Status.QUEUED and Job.objects.filter(
-        pk=pk, status=Job.Status.QUEUED
-    ).update(
+    # A pending or queued job is cancelled here; a running one (or one a worker claimed a moment
+    # ago: SQLite takes no row lock) is stopped by its worker, which watches for this request.
+    waiting = (Job.Status.PENDING, Job.Status.QUEUED)
+    cancelled_here = job.status in waiting and Job.objects.filter(pk=pk, status__in=waiting).update(
         status=Job.Status.CANCELLED,
         finished_at=now,
         cancel_requested_at=now,
@@ -468,7 +616,7 @@ def jobs_reconcile(*, now: datetime | None = None) -> dict[str, int]:
     due = Job.objects.filter(status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now)
     for job in due.select_related("server"):
         with transaction.atomic():
-            done["dispatched"] += _dispatch(job, now)
+            done["dispatched"] += dispatch(job, now)
     stale = now - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS)
     for job in Job.objects.filter(
         status__in=(Job.Status.STARTING, Job.Status.RUNNING), heartbeat_at__lt=stale
@@ -493,26 +641,44 @@ def jobs_reconcile(*, now: datetime | None = None) -> dict[str, int]:
     return done
 
 
+def jobs_by_session(sessions: Mapping[int, Iterable[int]]) -> dict[tuple[int, int], int]:
+    """{(server id, session id): job id} for the jobs running in those sessions on those servers.
+
+    A job runs in a session of its own (start_new_session), so its session id is the pid the
+    worker recorded: readable for any process without privileges, and not the job's to forge.
+    Only running jobs count: a recorded pid of a job that has ended may belong to anyone now.
+    """
+    wanted = {(server, sid) for server, sids in sessions.items() for sid in sids}
+    rows = Job.objects.filter(
+        status__in=(Job.Status.STARTING, Job.Status.RUNNING),
+        server_id__in=list(sessions),
+        pid__in=sorted({sid for _, sid in wanted}),
+    ).values_list("server_id", "pid", "pk")
+    return {(server, pid): pk for server, pid, pk in rows if (server, pid) in wanted}
+
+
 def jobs_usage_record(*, cards: Sequence[GPUInfo]) -> int:
     """Peak GPU memory (summed over the job's cards) and mean utilization of running jobs, from one
     telemetry round; returns the jobs updated. The collector calls it through
     `gpus.services.telemetry_ingested`, inside the round's transaction.
 
-    A process counts for a job only on a card that job booked: PORTAL_JOB_ID is just an
-    environment variable, which any process could set. Utilization is the card's: NVML
-    reports it per card; on a whole-card booking that is the job's own, on a shared card
-    an upper bound."""
-    claimed = {p.job_id for card in cards for p in card.processes if p.job_id}
+    A process counts for a job only on a card that job booked: a job's process that runs on a
+    card it did not book is not its usage (the watchdog deals with it). Utilization is the
+    card's: NVML reports it per card; on a whole-card booking that is the job's own, on a
+    shared card an upper bound."""
+    claimed = {p.job_id for card in cards for p in card.processes or () if p.job_id}
     if not claimed:
         return 0
     changed = []
     for job in Job.objects.filter(pk__in=claimed, status=Job.Status.RUNNING).only(
         "gpu_uuids", "peak_memory_mb", "utilization_sum", "utilization_samples"
     ):
-        own = [c for c in cards if c.uuid in job.gpu_uuids and any(p.job_id == job.pk for p in c.processes)]
+        own = [
+            c for c in cards if c.uuid in job.gpu_uuids and any(p.job_id == job.pk for p in c.processes or ())
+        ]
         if not own:
             continue
-        memory = sum(p.used_memory_mb or 0 for c in own for p in c.processes if p.job_id == job.pk)
+        memory = sum(p.used_memory_mb or 0 for c in own for p in c.processes or () if p.job_id == job.pk)
         job.peak_memory_mb = max(job.peak_memory_mb or 0, memory)
         utils = [c.utilization_pct for c in own if c.utilization_pct is not None]
         if utils:

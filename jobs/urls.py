@@ -7,8 +7,13 @@ urlpatterns = [
     path("jobs/new/", views.job_new, name="job_new"),
     path("jobs/example/", views.job_example, name="job_example"),
     path("jobs/history/", views.job_history, name="job_history"),
+    path("jobs/size-hint/", views.job_size_hint, name="job_size_hint"),
+    path("teams/<slug:slug>/right-sizing/", views.team_rightsizing, name="team_rightsizing"),
+    path("queue/", views.queue, name="queue"),
     path("jobs/<int:pk>/", views.job_detail, name="job_detail"),
     path("jobs/<int:pk>/log/", views.job_log_tail, name="job_log_tail"),
     path("jobs/<int:pk>/log.txt", views.job_log_download, name="job_log_download"),
+    path("jobs/<int:pk>/metrics.csv", views.job_metrics_csv, name="job_metrics_csv"),
+    path("jobs/<int:pk>/usage.json", views.job_usage_json, name="job_usage_json"),
     path("jobs/<int:pk>/cancel/", views.job_cancel_view, name="job_cancel"),
 ]

@@ -1,4 +1,5 @@
-"""Job pages: the form, "My jobs", history, one job with its live log, and cancel.
+"""Job pages: the form, "My jobs", history, one job with its live log, and cancel; the right-sizing
+hint partial and the leaders' right-sizing report (jobs/rightsizing.py).
 
 Every rule is in jobs/services.py; these views only translate its errors into form errors
 or messages. POST → redirect → GET throughout. Who sees a job: jobs.selectors
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
@@ -27,10 +29,13 @@ from gpus.models import GPU, format_mb
 from jobs.filters import JobFilter, JobHistoryFilter, MyJobFilter
 from jobs.forms import JobForm
 from jobs.logs import log_response, parse_offset
+from jobs.metrics import job_card_usage, metrics_csv_response
 from jobs.models import Job
-from jobs.selectors import get_job_for_user, jobs_visible_to
+from jobs.rightsizing import REPORT_PERIODS, oversized_report, report_days, size_hint_for
+from jobs.scheduler import queue_plan
+from jobs.selectors import get_job_for_user, jobs_visible_to, queue_rows
 from jobs.services import ScriptUpload, job_cancel, job_submit
-from portal.access import can_manage_team
+from portal.access import can_manage_team, team_for_user
 from portal.errors import Forbidden, Invalid, ServiceError
 from portal.filters import filter_list
 from portal.http import redirect_back
@@ -51,6 +56,11 @@ def _describe(jobs: list[Job]) -> list[Job]:
 
 
 def _queued_message(job: Job) -> str:
+    if job.status == Job.Status.PENDING:
+        what = (
+            f"array {job.array_id} ({job.array.size} tasks)" if job.array_id else f"job {job.pk} ({job.name})"
+        )
+        return f"Queued {what}: it starts as soon as cards are free; the Queue page shows where it stands."
     if job.not_before <= timezone.now():
         when = f"as soon as the worker on {job.server.name} takes it"
     else:
@@ -73,6 +83,28 @@ def job_new(request: HttpRequest) -> HttpResponse:
     else:
         form = JobForm(user=request.user, initial={"reservation": request.GET.get("reservation")})
     return render(request, "jobs/job_form.html", {"form": form})
+
+
+@require_GET
+@login_required
+def job_size_hint(request: HttpRequest) -> HttpResponse:
+    """The right-sizing hint (htmx) for the job and booking forms, empty when there is none.
+    ?script= names the script (a file name or a path); empty or absent: the user's most frequent one."""
+    hint = size_hint_for(request.user, request.GET.get("script"))
+    return render(request, "jobs/_size_hint.html", {"hint": hint})
+
+
+@require_GET
+@login_required
+def team_rightsizing(request: HttpRequest, slug: str) -> HttpResponse:
+    """Leaders' report: the team's bookings and people whose jobs use little of what they book.
+    Members get 403 and outsiders 404, as on the team page."""
+    team = team_for_user(request.user, slug, manage=True)
+    days = report_days(request.GET.get("days"))
+    report = oversized_report(team, since=timezone.now() - timedelta(days=days))
+    return render(
+        request, "jobs/oversized.html", {"team": team, "days": days, "periods": REPORT_PERIODS, **report}
+    )
 
 
 @require_POST
@@ -117,12 +149,24 @@ def job_history(request: HttpRequest) -> HttpResponse:
 
 def _status_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     _describe([job])
+    entry = None
+    if job.status == Job.Status.PENDING and request.GET.get("part") != "status":
+        # The whole plan, once per page view (not on every poll): where this job stands in it.
+        entry = next((e for e in queue_plan() if e.request.job_id == job.pk), None)
+        if entry is not None:
+            entry.reason_label = Job.Reason(entry.reason).label if entry.reason else "starting now"
     may_cancel = job.is_active and (
         job.owner_id == request.user.pk or can_manage_team(request.user, job.team_id)
     )
     peak = format_mb(job.peak_memory_mb) if job.peak_memory_mb is not None else ""
     env_applied = sorted(job.env_applied.items())
-    return {"job": job, "may_cancel": may_cancel, "peak_memory": peak, "env_applied": env_applied}
+    return {
+        "job": job,
+        "may_cancel": may_cancel,
+        "peak_memory": peak,
+        "env_applied": env_applied,
+        "queue_entry": entry,
+    }
 
 
 @require_GET
@@ -138,6 +182,10 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "command_args": shlex.join(job.args),
         "env_extra": sorted(job.env.items()),
         "job_root": settings.JOB_ROOTS[0] if settings.JOB_ROOTS else "",
+        # Curves appear once a record comes (none for a script without Keras); the cards' use
+        # is shown for any job that ran or may run.
+        "show_charts": job.started_at is not None or job.is_active,
+        "has_metrics": job.metrics.exists(),
     }
     return render(request, "jobs/job_detail.html", context)
 
@@ -160,6 +208,21 @@ def job_log_download(request: HttpRequest, pk: int) -> HttpResponse:
     return log_response(get_job_for_user(request.user, pk), attachment=True)
 
 
+@require_GET
+@login_required
+def job_metrics_csv(request: HttpRequest, pk: int) -> HttpResponse:
+    """The training curves as CSV; the page reads them live from GET /api/v1/jobs/{id}/metrics/."""
+    return metrics_csv_response(get_job_for_user(request.user, pk))
+
+
+@require_GET
+@login_required
+def job_usage_json(request: HttpRequest, pk: int) -> JsonResponse:
+    """The job's cards' utilization and memory over its life, for the chart beside its curves."""
+    job = get_job_for_user(request.user, pk)
+    return JsonResponse(job_card_usage(job) | {"status": job.status}, headers={"Cache-Control": "no-store"})
+
+
 @require_POST
 @login_required
 def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
@@ -180,3 +243,12 @@ def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
                 f"{settings.JOB_KILL_GRACE_SECONDS} s if it is still running.",
             )
     return redirect("job_detail", pk=pk)
+
+
+@require_GET
+@login_required
+def queue(request: HttpRequest) -> HttpResponse:
+    """The pending jobs in priority order, like squeue: factors, reason and estimated start."""
+    rows = queue_rows(request.user, queue_plan())
+    page = Paginator(rows, 100).get_page(request.GET.get("page"))
+    return render(request, "jobs/queue.html", {"page": page, "reasons": dict(Job.Reason.choices)})

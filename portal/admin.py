@@ -1,13 +1,71 @@
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
+from django.contrib.auth.admin import UserAdmin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from rest_framework.authtoken.models import TokenProxy
 
-from portal.models import AuditEntry, Membership, Team
+from portal.models import ApiToken, AuditEntry, Membership, Notification, Profile, Team
+from portal.services import api_token_revoke, signin_unlock
+
+
+class ProfileInline(admin.StackedInline):
+    model = Profile
+    can_delete = False
+    fields = ["unix_account"]
+
+
+User = get_user_model()
+admin.site.unregister(User)
+# DRF's plaintext tokens: emptied by portal 0008, and a token added there would not work.
+admin.site.unregister(TokenProxy)
+
+
+@admin.register(User)
+class PortalUserAdmin(UserAdmin):
+    """Django's user admin, with the Unix account the GPU watchdog maps processes by, and the
+    action that lifts a sign-in lock (django-axes; a locked address: Axes → Access attempts)."""
+
+    inlines = [*UserAdmin.inlines, ProfileInline]
+    actions = [*UserAdmin.actions, "unlock_signin"]
+
+    @admin.action(description="Unlock sign-in (clear failed logins)")
+    def unlock_signin(self, request: HttpRequest, queryset: QuerySet) -> None:
+        cleared = sum(signin_unlock(user=user, by=request.user) for user in queryset)
+        self.message_user(
+            request,
+            f"Sign-in unlocked for {queryset.count()} user(s); {cleared} failed-login record(s) cleared.",
+            messages.SUCCESS,
+        )
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    """Read-only but for revoking: a token's key exists only where it was shown, once."""
+
+    list_display = ["name", "user", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at"]
+    list_filter = [("revoked_at", admin.EmptyFieldListFilter)]
+    search_fields = ["name", "prefix", "user__username"]
+    readonly_fields = [field.name for field in ApiToken._meta.fields]
+    actions = ["revoke"]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    @admin.action(description="Revoke the selected tokens")
+    def revoke(self, request: HttpRequest, queryset: QuerySet) -> None:
+        revoked = sum(api_token_revoke(token=token, by=request.user) for token in queryset)
+        self.message_user(request, f"{revoked} token(s) revoked.", messages.SUCCESS)
 
 
 class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 1
     autocomplete_fields = ["user"]
-    fields = ["user", "role", "max_cards", "max_gb", "max_booking_hours", "gpu_hours_per_week"]
+    fields = ["user", "role", "max_cards", "max_gb", "max_booking_hours", "gpu_hours_per_week", "shares"]
 
 
 @admin.register(Team)
@@ -26,6 +84,22 @@ class AuditEntryAdmin(admin.ModelAdmin):
     list_filter = ["action", "team"]
     search_fields = ["message", "actor__username", "target"]
     readonly_fields = ["at", "actor", "team", "action", "target", "message", "data"]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(Notification)
+class NotificationAdmin(admin.ModelAdmin):
+    """Read-only: what was sent, and what became of its mail (why someone got none)."""
+
+    list_display = ["created_at", "user", "kind", "subject", "read_at", "mail_status", "mailed_at"]
+    list_filter = ["kind", "mail_status"]
+    search_fields = ["subject", "user__username", "key"]
+    readonly_fields = [field.name for field in Notification._meta.fields]
 
     def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
         return False

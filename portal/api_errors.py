@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.http import Http404
+from django.http import Http404, JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -21,6 +21,11 @@ def _first_message(errors: Any) -> str:
     if isinstance(errors, list) and errors:
         return _first_message(errors[0])
     return str(errors)
+
+
+def api_error_response(detail: str, *, code: str, status: int) -> JsonResponse:
+    """The same body from outside DRF's views, e.g. django-axes' lockout (portal.views)."""
+    return JsonResponse({"detail": detail, "code": code}, status=status)
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:

@@ -1,11 +1,15 @@
-"""What every form shares: putting a service's refusal beside the field it names.
+"""What every form shares: putting a service's refusal beside the field it names; and portal's own
+form, the profile's mail preferences.
 
-The forms themselves live with their app (gpus/forms.py, gpus/team_forms.py, jobs/forms.py).
+The other forms live with their app (gpus/forms.py, gpus/team_forms.py, jobs/forms.py).
 """
 
 from __future__ import annotations
 
+from django import forms
+
 from portal.errors import ServiceError
+from portal.models import Notification
 
 
 class ServiceErrorsMixin:
@@ -18,3 +22,15 @@ class ServiceErrorsMixin:
     def add_service_error(self, error: ServiceError) -> None:
         name = self.service_fields.get(error.field or "", error.field)
         self.add_error(name if name in self.fields else None, error.message)  # type: ignore[attr-defined]
+
+
+class MailPreferenceForm(forms.Form):
+    """Which kinds of notification come by mail too (every kind is in the inbox)."""
+
+    kinds = forms.MultipleChoiceField(
+        choices=Notification.Kind.choices,
+        widget=forms.CheckboxSelectMultiple,
+        required=False,
+        label="Mail me about",
+        help_text="Unticked kinds still appear in your inbox.",
+    )

@@ -6,8 +6,13 @@ inside the team's (checked when a leader sets them), and a booking must pass bot
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+from datetime import datetime
+
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 
 class QuotaFields(models.Model):
@@ -19,13 +24,18 @@ class QuotaFields(models.Model):
     max_gb = models.PositiveIntegerField(
         null=True,
         blank=True,
-        help_text="GPU memory held at any one time, in GB (a whole card counts its full memory).",
+        help_text="GPU memory held at any one time, in GiB (a whole card counts its full memory).",
     )
     gpu_hours_per_week = models.PositiveIntegerField(
         null=True,
         blank=True,
         help_text="GPU-hours per calendar week (Monday to Sunday); a shared booking counts its "
         "fraction of the card.",
+    )
+    shares = models.PositiveIntegerField(
+        default=1,
+        help_text="Fair share of the queue: a team's against the other teams', a member's against "
+        "their teammates'. Equal by default.",
     )
 
     class Meta:
@@ -38,6 +48,10 @@ class Team(QuotaFields):
     name = models.CharField(max_length=100, unique=True)
     slug = models.SlugField(max_length=100, unique=True)
     members = models.ManyToManyField(settings.AUTH_USER_MODEL, through="Membership", related_name="teams")
+    auto_release_idle = models.BooleanField(
+        default=False,
+        help_text="Release an idle booking IDLE_RELEASE_MINUTES after its owner was warned. Set by leaders.",
+    )
 
     class Meta:
         ordering = ["name"]
@@ -72,6 +86,27 @@ class Membership(QuotaFields):
         return self.role == self.Role.LEADER
 
 
+class Profile(models.Model):
+    """What the portal knows of a person beyond Django's user: their Unix account on the GPU hosts.
+
+    The GPU watchdog maps a process's OS user to a portal user by this account, else by the
+    portal username (portal.accounts.users_by_unix_name). Admins set it (in the admin)."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, primary_key=True, related_name="profile"
+    )
+    unix_account = models.CharField(
+        max_length=32,
+        unique=True,
+        null=True,
+        blank=True,
+        help_text="Their login name on the GPU hosts, when it is not their portal username.",
+    )
+
+    def __str__(self) -> str:
+        return f"profile of {self.user}"
+
+
 class AuditEntry(models.Model):
     """Who did what, when: every booking action and quota change. Never edited."""
 
@@ -82,6 +117,12 @@ class AuditEntry(models.Model):
         RESERVATION_EXTEND = "reservation.extend", "Extended"
         QUOTA_TEAM = "quota.team", "Team quota changed"
         QUOTA_MEMBER = "quota.member", "Member quota changed"
+        TEAM_AUTO_RELEASE = "team.auto_release", "Auto-release of idle bookings changed"
+        WATCHDOG_STOP = "watchdog.stop", "GPU watchdog stopped a process"
+        API_TOKEN_CREATE = "api_token.create", "API token created"
+        API_TOKEN_REVOKE = "api_token.revoke", "API token revoked"
+        SIGNIN_UNLOCK = "signin.unlock", "Sign-in unlocked"
+        IDENTITY_SYNC = "identity.sync", "Set from the lab's directory"
 
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(
@@ -100,3 +141,143 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M} {self.actor}: {self.message}"
+
+
+class Notification(models.Model):
+    """One message to one person, always in their inbox (/notifications/); a copy goes by mail
+    when they want its kind by mail (MailPreference) and no mail with the same `key` went to
+    them lately. Written by portal.notifications.notification_send; only read_at and the mail
+    fields change afterwards. docs/notifications.md says what is sent to whom."""
+
+    class Kind(models.TextChoices):
+        """Every kind, in one place: the watchdog's findings on a card, then what happened to a
+        booking or a job. A new kind is mailed by default unless listed in MAIL_OFF_BY_DEFAULT."""
+
+        INTRUDER = "intruder", "Intruder: another user's process on a booked card"
+        OVER_MEMORY = "over_memory", "Over memory: a process uses more GPU memory than its booking"
+        ESCAPED = "escaped", "Escaped: a job's process on a card outside its booking"
+        ZOMBIE = "zombie", "Zombie: a process still holds a card after its job or booking ended"
+        UNBOOKED = "unbooked", "Unbooked: a process on a card nobody booked"
+        OWNER_OUTSIDE_JOB = (
+            "owner_outside_job",
+            "Outside a job: a booking's owner runs a process outside a job",
+        )
+        IDLE_BOOKING = "idle_booking", "Idle booking: a booked card is not used"
+        BOOKING_RELEASED = "booking_released", "Booking released: a booking was ended early for you"
+        JOB_STOPPED = "job_stopped", "Job stopped: a job was stopped for you"
+
+    # A process on a card nobody booked harms no one yet: inbox only, unless the person asks.
+    MAIL_OFF_BY_DEFAULT = frozenset({Kind.UNBOOKED})
+
+    class Mail(models.TextChoices):
+        """What became of the mail copy. Set at creation to one of the first four; then
+        QUEUED → SENDING (the task claims it) → SENT or FAILED, or back to QUEUED to retry a
+        temporary SMTP error. A worker lost while SENDING leaves it there (never sent twice)."""
+
+        NOT_WANTED = "not_wanted", "Not wanted (mail preferences)"
+        NO_ADDRESS = "no_address", "No email address"
+        REPEAT = "repeat", "Same key mailed recently"
+        QUEUED = "queued", "Queued"
+        SENDING = "sending", "Sending"
+        SENT = "sent", "Sent"
+        FAILED = "failed", "Failed"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notifications")
+    kind = models.CharField(max_length=32, choices=Kind.choices)
+    subject = models.CharField(max_length=200)
+    body = models.TextField()
+    url = models.CharField(max_length=500, blank=True, help_text="A path into the portal, e.g. /jobs/12/.")
+    key = models.CharField(
+        max_length=100,
+        blank=True,
+        help_text="Chosen by the sender, e.g. 'violation:42': at most one mail per key and person "
+        "every NOTIFY_MAIL_EVERY_MINUTES. Empty: never held back.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    read_at = models.DateTimeField(null=True, blank=True)
+    mail_status = models.CharField(max_length=12, choices=Mail.choices)
+    mailed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(fields=["user", "-created_at"], name="notification_user_created"),
+            # The bell's count on every page: only the unread rows are in it.
+            models.Index(fields=["user"], condition=models.Q(read_at=None), name="notification_unread"),
+            models.Index(fields=["user", "key", "created_at"], name="notification_user_key"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user}: {self.subject}"
+
+
+class MailPreference(models.Model):
+    """Which kinds of notification a person wants by mail too (their inbox gets every kind).
+
+    No row, or a kind missing from `mail`: that kind's default, so a kind added later starts at
+    its default for everyone, not off for whoever once saved the form."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, primary_key=True, related_name="mail_preference"
+    )
+    mail = models.JSONField(default=dict, blank=True, help_text="{kind: true or false}")
+
+    def __str__(self) -> str:
+        return f"mail preferences of {self.user}"
+
+    def wants(self, kind: str) -> bool:
+        return bool(self.mail.get(kind, kind not in Notification.MAIL_OFF_BY_DEFAULT))
+
+
+class ApiToken(models.Model):
+    """A key for the API (`Authorization: Token <key>`), of which only a hash is kept: a database
+    dump hands out no working token. The key is shown once, when made (portal.tokens).
+
+    Active → revoked (revoked_at set, for good) or expired (expires_at passed); neither comes back."""
+
+    class Status(models.TextChoices):
+        ACTIVE = "active", "Active"
+        EXPIRED = "expired", "Expired"
+        REVOKED = "revoked", "Revoked"
+
+    PREFIX_LENGTH = 8
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100, help_text="What it is for, e.g. 'gpu CLI on laptop'.")
+    prefix = models.CharField(
+        max_length=PREFIX_LENGTH,
+        db_index=True,
+        help_text="The key's first characters: shown, and used to find it.",
+    )
+    # SHA-256, not a slow password hash: the key is 160 random bits, so there is nothing to guess
+    # by brute force, and a fast hash costs nothing on every API request.
+    key_hash = models.CharField(max_length=64, unique=True)
+    # A default, not auto_now_add, so the migration keeps the dates of the tokens it hashes.
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="Empty: until revoked.")
+    last_used_at = models.DateTimeField(null=True, blank=True, help_text="To the minute.")
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name = "API token"
+
+    def __str__(self) -> str:
+        return f"“{self.name}” ({self.prefix}…)"
+
+    @staticmethod
+    def new_key() -> str:
+        """160 random bits in hex, like the keys of DRF's authtoken before it, so a key can still
+        be double-clicked whole and pasted anywhere."""
+        return secrets.token_hex(20)
+
+    @staticmethod
+    def hash_key(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    def status(self, now: datetime | None = None) -> ApiToken.Status:
+        if self.revoked_at is not None:
+            return self.Status.REVOKED
+        if self.expires_at is not None and self.expires_at <= (now or timezone.now()):
+            return self.Status.EXPIRED
+        return self.Status.ACTIVE

@@ -33,9 +33,13 @@ class PeriodicThread(threading.Thread):
                 self.step()
             except Exception:
                 log.exception("%s failed; retrying in %ss", self.name, self.interval)
-            self.stopped.wait(self.interval)
+            self.pause()
         self.finish()
         connection.close()  # this thread's own connection; the process may live on
+
+    def pause(self) -> None:
+        """Between steps; a thread that can be woken early waits its own way."""
+        self.stopped.wait(self.interval)
 
     def finish(self) -> None:
         """Called once in the thread after the last step (close a backend, ...)."""

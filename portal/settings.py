@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from portal.env import (
@@ -16,6 +18,12 @@ from portal.env import (
     env_pairs,
     env_str,
     parse_database_url,
+)
+from portal.identity_env import (
+    env_group_names,
+    env_group_teams,
+    ldap_settings_from_env,
+    oidc_settings_from_env,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -53,11 +61,15 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    # Only for portal 0008_api_tokens, which hashes this app's plaintext tokens into portal's
+    # ApiToken and empties its table: the migration needs the app's models and migration history.
+    # Nothing else uses it (portal.tokens authenticates); its admin is unregistered.
     "rest_framework.authtoken",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_htmx",
     "django_filters",
+    "axes",
     "portal",
     "gpus",
     "jobs",
@@ -73,6 +85,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: turns a locked-out sign-in into the 429 answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -90,6 +104,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "portal.context_processors.portal",
+                "portal.oidc.sign_in_options",
             ],
         },
     },
@@ -116,6 +131,87 @@ AUTH_PASSWORD_VALIDATORS = [
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
 LOGOUT_REDIRECT_URL = "login"
+
+# --- Sign-in: local accounts, LDAP / Active Directory, OpenID Connect (docs/identity.md) -----
+# Local accounts always work. LDAP and single sign-on are on when configured; both map directory
+# groups to admins, teams and roles the same way, and give each person their Unix account.
+LDAP_SERVER_URI = env_str("LDAP_SERVER_URI", "").strip()
+OIDC_ISSUER = env_str("OIDC_ISSUER", "").strip().rstrip("/")
+# Directory groups by name (an LDAP group's cn, a value of the OIDC groups claim): those that give
+# a role in a team, "group=team-slug:role,...", and those whose members are admins.
+IDENTITY_GROUP_TEAMS = env_group_teams("IDENTITY_GROUP_TEAMS")
+IDENTITY_ADMIN_GROUPS = env_group_names("IDENTITY_ADMIN_GROUPS")
+# django-auth-ldap's AUTH_LDAP_* and LDAP_UNIX_ACCOUNT_ATTR; mozilla-django-oidc's OIDC_RP_* and
+# the other OIDC_* portal.oidc reads. Built from LDAP_* and OIDC_* by portal.identity_env, which the
+# tests call too; nothing when LDAP_SERVER_URI or OIDC_ISSUER is unset.
+globals().update(ldap_settings_from_env())
+globals().update(oidc_settings_from_env())
+
+# --- Brute-force limits and API tokens (docs/security.md) ----------------------------------
+# django-axes counts failed sign-ins (the login form, the admin's, POST /api/v1/token/) per
+# account and, separately, per client address: LOGIN_FAILURE_LIMIT failures of either within
+# LOGIN_FAILURE_WINDOW_MINUTES lock it. Every try while locked fails, the right password too,
+# and starts the window again; the lock lifts a window after the last try, or when an admin
+# unlocks it.
+LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, min_value=1, max_value=1000)
+LOGIN_FAILURE_WINDOW_MINUTES = env_int("LOGIN_FAILURE_WINDOW_MINUTES", 15, min_value=1, max_value=7 * 24 * 60)
+# Reverse proxies in front of the portal (nginx: 1). 0 trusts no X-Forwarded-For: the client is
+# REMOTE_ADDR. Behind a proxy with 0, every client looks like the proxy and one person's typos
+# lock everyone out; more than there are lets a client pick its own address.
+PROXY_COUNT = env_int("PROXY_COUNT", 0, min_value=0, max_value=5)
+AXES_FAILURE_LIMIT = LOGIN_FAILURE_LIMIT
+AXES_COOLOFF_TIME = timedelta(minutes=LOGIN_FAILURE_WINDOW_MINUTES)
+# ["username", "ip_address"], but without "username" when none was given (single sign-on), or
+# all the OIDC failures of the whole lab would add up to one lock.
+AXES_LOCKOUT_PARAMETERS = "portal.signin.signin_lockout_parameters"
+AXES_CLIENT_IP_CALLABLE = "portal.signin.client_address"
+AXES_LOCKOUT_CALLABLE = "portal.signin.signin_locked_out"
+# AccessAttempt rows are the counters (deleted a window after their last failure);
+# AccessFailureLog keeps each failure for the record (`manage.py axes_reset_failure_logs --age N`).
+AXES_ENABLE_ACCESS_FAILURE_LOG = True
+# Pruned daily past this (portal.tasks.prune_signin_failures).
+LOGIN_FAILURE_LOG_DAYS = env_int("LOGIN_FAILURE_LOG_DAYS", 90, min_value=1)
+# No row per successful sign-in (nothing would prune them; every force_login in tests would write one).
+AXES_DISABLE_ACCESS_LOG = True
+# A success does not clear the counters: it would clear the address's too, so an attacker with an
+# account of their own could sign in between guesses at someone else's.
+AXES_RESET_ON_SUCCESS = False
+
+# API tokens (portal.tokens): only a SHA-256 hash is stored. A token made with no expiry lasts
+# API_TOKEN_DEFAULT_DAYS (0: until revoked); none may last longer than API_TOKEN_MAX_DAYS (0: no limit).
+API_TOKEN_DEFAULT_DAYS = env_int("API_TOKEN_DEFAULT_DAYS", 0, min_value=0, max_value=10 * 365)
+API_TOKEN_MAX_DAYS = env_int("API_TOKEN_MAX_DAYS", 0, min_value=0, max_value=10 * 365)
+if API_TOKEN_MAX_DAYS and not 0 < API_TOKEN_DEFAULT_DAYS <= API_TOKEN_MAX_DAYS:
+    raise ImproperlyConfiguredEnv(
+        f"API_TOKEN_DEFAULT_DAYS={API_TOKEN_DEFAULT_DAYS} must be between 1 and API_TOKEN_MAX_DAYS"
+        f" ({API_TOKEN_MAX_DAYS}) when there is a maximum"
+    )
+
+AUTHENTICATION_BACKENDS = [
+    # First: refuses a locked-out account or address before any backend checks a password.
+    "axes.backends.AxesStandaloneBackend",
+    *(["portal.ldap.LDAPBackend"] if LDAP_SERVER_URI else []),
+    *(["portal.oidc.OIDCBackend"] if OIDC_ISSUER else []),
+    "django.contrib.auth.backends.ModelBackend",
+]
+
+# --- HTTPS behind a TLS proxy (docs/deploy.md, "HTTPS") -----------------------------------
+# HTTPS=true: the portal is reached only over HTTPS, through a TLS proxy (nginx, Caddy) that
+# terminates TLS and sets X-Forwarded-Proto. Everything `manage.py check --deploy` asks for follows
+# from it; each piece can still be set on its own.
+HTTPS = env_bool("HTTPS", False)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", HTTPS)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", HTTPS)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", HTTPS)
+# Browsers remember HSTS for max-age: start low on a new deployment (docs/deploy.md), then a year,
+# which is also what the preload list requires. Subdomains means those of the portal's own host.
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 24 * 3600 if HTTPS else 0, min_value=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", HTTPS)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", HTTPS)
+# Trusted only behind a proxy that always sets it: a client reaching the portal directly could
+# otherwise claim to have come over HTTPS.
+TRUST_PROXY_SSL_HEADER = env_bool("TRUST_PROXY_SSL_HEADER", HTTPS)
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if TRUST_PROXY_SSL_HEADER else None
 
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"
@@ -167,12 +263,34 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # --- GPU inventory and telemetry ----------------------------------------------------
 GPU_BACKEND = env_choice("GPU_BACKEND", "auto", ("auto", "nvml", "simulated"))
 SIMULATED_INVENTORY = env_str("SIMULATED_INVENTORY", "")  # empty: gpus/simulated_inventory.yaml
+# Real local processes shown on simulated cards (manage.py simulate_gpu_process); shared by the
+# command and this machine's simulated host workers.
+SIMULATED_PROCESSES_FILE = Path(
+    env_str("SIMULATED_PROCESSES_FILE", str(VAR_DIR / "simulated-gpu-processes.json"))
+)
 # The server this worker represents; also names its queue, host.<name>.
 WORKER_SERVER = env_str("WORKER_SERVER", socket.gethostname().split(".")[0])
 TELEMETRY_INTERVAL_SECONDS = env_int("TELEMETRY_INTERVAL_SECONDS", 3, min_value=1, max_value=5)
 SERVER_OFFLINE_AFTER_SECONDS = env_int("SERVER_OFFLINE_AFTER_SECONDS", 20, min_value=5, max_value=30)
 TELEMETRY_HISTORY_SECONDS = env_int("TELEMETRY_HISTORY_SECONDS", 15, min_value=1)
 TELEMETRY_RETENTION_HOURS = env_int("TELEMETRY_RETENTION_HOURS", 24, min_value=1)
+# The usage rollups (gpus/usage.py, docs/reports.md): kept far beyond the raw history.
+USAGE_RETENTION_DAYS = env_int("USAGE_RETENTION_DAYS", 730, min_value=1)
+# How long one telemetry round waits for the cards; one that has not answered by then is reported
+# unresponsive. A healthy card answers in milliseconds. The report comes this much later at worst,
+# so the sum with the interval must stay within the offline threshold, or one hung card would
+# take its whole server offline.
+NVML_ROUND_TIMEOUT_SECONDS = env_int("NVML_ROUND_TIMEOUT_SECONDS", 2, min_value=1, max_value=25)
+if TELEMETRY_INTERVAL_SECONDS + NVML_ROUND_TIMEOUT_SECONDS > SERVER_OFFLINE_AFTER_SECONDS:
+    raise ImproperlyConfiguredEnv(
+        f"TELEMETRY_INTERVAL_SECONDS + NVML_ROUND_TIMEOUT_SECONDS"
+        f" ({TELEMETRY_INTERVAL_SECONDS + NVML_ROUND_TIMEOUT_SECONDS}) must be at most"
+        f" SERVER_OFFLINE_AFTER_SECONDS ({SERVER_OFFLINE_AFTER_SECONDS}) or one hung GPU would take"
+        " its server offline"
+    )
+# The longest wait between two attempts to start NVML on a GPU host whose driver does not answer
+# (they back off 1, 2, 4 … seconds up to this).
+NVML_INIT_RETRY_MAX_SECONDS = env_int("NVML_INIT_RETRY_MAX_SECONDS", 60, min_value=1, max_value=3600)
 # Held back from each card for the CUDA context, cuDNN and friends, which sit outside
 # any TensorFlow memory_limit: bookable = total - driver reserved - this headroom.
 GPU_CONTEXT_HEADROOM_MB = env_int("GPU_CONTEXT_HEADROOM_MB", 512, min_value=0)
@@ -185,6 +303,15 @@ BOOKING_MAX_HOURS = env_int("BOOKING_MAX_HOURS", 14 * 24, min_value=1)
 BOOKING_HORIZON_DAYS = env_int("BOOKING_HORIZON_DAYS", 60, min_value=1)
 # A start this far in the past is still accepted (the form was filled in a minute ago).
 BOOKING_PAST_GRACE_MINUTES = env_int("BOOKING_PAST_GRACE_MINUTES", 5, min_value=0)
+# Idle bookings (gpus/idle.py): a card is idle with fresh telemetry, a readable and empty process
+# list and utilization below IDLE_UTIL_PCT (0: no card is ever idle, which turns warnings off).
+# An active booking idle for IDLE_WARN_MINUTES warns its owner; where its team turned
+# auto-release on, it is released IDLE_RELEASE_MINUTES after the warning. The portal's worker
+# checks every IDLE_CHECK_SECONDS.
+IDLE_UTIL_PCT = env_int("IDLE_UTIL_PCT", 5, min_value=0, max_value=100)
+IDLE_WARN_MINUTES = env_int("IDLE_WARN_MINUTES", 30, min_value=1, max_value=7 * 24 * 60)
+IDLE_RELEASE_MINUTES = env_int("IDLE_RELEASE_MINUTES", 30, min_value=1, max_value=7 * 24 * 60)
+IDLE_CHECK_SECONDS = env_int("IDLE_CHECK_SECONDS", 60, min_value=5, max_value=600)
 
 # --- Jobs ---------------------------------------------------------------------------
 # Folders on each GPU host where scripts may live and jobs may work; a job's default
@@ -197,10 +324,49 @@ JOB_INTERPRETERS.setdefault("default", sys.executable)
 # Cancel and time limits: SIGTERM to the job's process group, SIGKILL this much later.
 # At most 100 s: systemd stops a worker after 120 s (TimeoutStopSec).
 JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_value=100)
+# --- The queue (docs/queue.md) ---
+# The scheduler's pass, and at once when a card frees up.
+QUEUE_SCHEDULE_SECONDS = env_int("QUEUE_SCHEDULE_SECONDS", 2, min_value=1, max_value=60)
+# A queued job's time limit when it gives none (its booking lasts that long).
+QUEUE_DEFAULT_TIME_LIMIT_MINUTES = env_int("QUEUE_DEFAULT_TIME_LIMIT_MINUTES", 60, min_value=1)
+# Priority = fair-share factor × this + age factor × QUEUE_AGE_WEIGHT − nice.
+QUEUE_FAIRSHARE_WEIGHT = env_int("QUEUE_FAIRSHARE_WEIGHT", 10_000, min_value=0)
+QUEUE_AGE_WEIGHT = env_int("QUEUE_AGE_WEIGHT", 1_000, min_value=0)
+# The age factor grows from 0 to 1 over this much waiting.
+QUEUE_AGE_MAX_HOURS = env_int("QUEUE_AGE_MAX_HOURS", 7 * 24, min_value=1)
+# How many waiting jobs, highest priority first, hold their estimated start against backfill.
+QUEUE_BACKFILL_DEPTH = env_int("QUEUE_BACKFILL_DEPTH", 50, min_value=0, max_value=10_000)
+# Estimated starts reach this far past the longest pending job (the calendar is read that far).
+QUEUE_ESTIMATE_HORIZON_HOURS = env_int("QUEUE_ESTIMATE_HORIZON_HOURS", 48, min_value=1, max_value=24 * 60)
+# Usage counts for fair share with this half-life.
+FAIRSHARE_HALF_LIFE_DAYS = env_int("FAIRSHARE_HALF_LIFE_DAYS", 7, min_value=1)
+
+# --- The GPU watchdog (docs/watchdog.md) ---
+# Each GPU host reads its cards this often and judges every process on them.
+WATCHDOG_INTERVAL_SECONDS = env_int("WATCHDOG_INTERVAL_SECONDS", 2, min_value=1, max_value=30)
+# A job on a shared card may exceed its booked memory by this much before it is over_memory.
+WATCHDOG_MEMORY_TOLERANCE_MB = env_int("WATCHDOG_MEMORY_TOLERANCE_MB", 256, min_value=0)
+# Default grace before a stop (escaped, over_memory, intruder); zombies get their own.
+WATCHDOG_STOP_AFTER_SECONDS = env_int("WATCHDOG_STOP_AFTER_SECONDS", 60, min_value=0)
+WATCHDOG_ZOMBIE_STOP_AFTER_SECONDS = env_int("WATCHDOG_ZOMBIE_STOP_AFTER_SECONDS", 30, min_value=0)
+# Record and notify, never signal a process.
+WATCHDOG_DRY_RUN = env_bool("WATCHDOG_DRY_RUN", False)
+# Team leaders are told of a person's violations from this many in a week on.
+WATCHDOG_REPEAT_OFFENCES = env_int("WATCHDOG_REPEAT_OFFENCES", 3, min_value=1)
+
 # The OS account jobs run as. Empty: the worker's own, which can read what the worker
 # can (its env file with DATABASE_URL and SECRET_KEY): fine on a one-person machine, not
-# on a shared server. Needs a worker with CAP_SETUID/CAP_SETGID/CAP_KILL (docs/jobs.md).
+# on a shared server. "@owner": each job runs as its owner's Unix account (their profile's, from
+# the directory or set by admins, else their username). Needs a worker with CAP_SETUID,
+# CAP_SETGID, CAP_KILL and CAP_CHOWN, none of which a job keeps (docs/jobs.md, "Who a job runs as").
 JOB_USER = env_str("JOB_USER", "")
+if JOB_USER and JOB_USER != "@owner" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*\$?", JOB_USER):
+    raise ImproperlyConfiguredEnv(
+        f"JOB_USER={JOB_USER!r} is neither an account name (e.g. gpujob) nor @owner (each job as its"
+        " owner's Unix account)"
+    )
+# Accounts below this uid (root, system accounts) never run a job, whatever a profile says.
+JOB_MIN_UID = env_int("JOB_MIN_UID", 1000, min_value=1)
 # Per-job log cap: past it the head and the tail are kept and the middle is dropped.
 JOB_LOG_MAX_MB = env_int("JOB_LOG_MAX_MB", 100, min_value=1)
 JOB_UPLOAD_MAX_KB = env_int("JOB_UPLOAD_MAX_KB", 1024, min_value=1, max_value=64 * 1024)
@@ -218,6 +384,7 @@ if JOB_LOST_AFTER_SECONDS < 3 * JOB_HEARTBEAT_SECONDS:
 
 CELERY_BEAT_SCHEDULE = {
     "prune-telemetry": {"task": "gpus.tasks.prune_telemetry", "schedule": 600.0},
+    "prune-signin-failures": {"task": "portal.tasks.prune_signin_failures", "schedule": 24 * 3600.0},
 }
 
 # --- Demo data and API ---------------------------------------------------------------
@@ -225,7 +392,7 @@ PORTAL_DEMO_PASSWORD = env_str("PORTAL_DEMO_PASSWORD", "gpu-lab-demo")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "portal.tokens.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -242,6 +409,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Like every other endpoint (docs/api.md): the schema maps the lab's API for the lab only.
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
 }
 
 LOGGING = {
@@ -250,5 +419,46 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO").upper()},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    # axes logs every successful sign-in at INFO; failures and locks are WARNING.
+    "loggers": {"django.db.backends": {"level": "INFO"}, "axes": {"level": "WARNING"}},
 }
+
+# --- Notifications and mail (docs/notifications.md) -----------------------------------
+# Every notification is in its person's inbox (/notifications/); a mail is only a copy. With
+# no EMAIL_HOST (`make run`) mails are files in EMAIL_FILE_PATH, var/mail/, to read there.
+EMAIL_HOST = env_str("EMAIL_HOST", "")
+EMAIL_DELIVERY = env_choice("EMAIL_DELIVERY", "smtp" if EMAIL_HOST else "file", ("smtp", "file", "console"))
+if EMAIL_DELIVERY == "smtp" and not EMAIL_HOST:
+    raise ImproperlyConfiguredEnv("EMAIL_DELIVERY=smtp needs EMAIL_HOST, the SMTP server's host name")
+EMAIL_BACKEND = {
+    "smtp": "django.core.mail.backends.smtp.EmailBackend",
+    "file": "django.core.mail.backends.filebased.EmailBackend",
+    "console": "django.core.mail.backends.console.EmailBackend",
+}[EMAIL_DELIVERY]
+EMAIL_FILE_PATH = Path(env_str("EMAIL_FILE_PATH", str(VAR_DIR / "mail")))
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+if EMAIL_USE_TLS and EMAIL_USE_SSL:
+    raise ImproperlyConfiguredEnv(
+        "EMAIL_USE_TLS and EMAIL_USE_SSL are both on: choose STARTTLS (EMAIL_USE_TLS, usually port 587) "
+        "or TLS from the first byte (EMAIL_USE_SSL, usually port 465)"
+    )
+EMAIL_PORT = env_int(
+    "EMAIL_PORT", 465 if EMAIL_USE_SSL else 587 if EMAIL_USE_TLS else 25, min_value=1, max_value=65535
+)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")  # or EMAIL_HOST_PASSWORD_FILE
+# Django waits forever by default; the mail task's time limit must stay above this.
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, min_value=1, max_value=60)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "GPU lab portal <gpu-portal@localhost>")
+EMAIL_SUBJECT_PREFIX = env_str("EMAIL_SUBJECT_PREFIX", "[GPU lab] ")
+# Links in mails are this plus a path; the inbox's links are plain paths.
+PORTAL_URL = env_str("PORTAL_URL", f"http://localhost:{PORT}").rstrip("/")
+if not PORTAL_URL.startswith(("http://", "https://")):
+    raise ImproperlyConfiguredEnv(f"PORTAL_URL={PORTAL_URL!r} must start with http:// or https://")
+if HTTPS and not PORTAL_URL.startswith("https://"):
+    raise ImproperlyConfiguredEnv(
+        f"HTTPS=true but PORTAL_URL={PORTAL_URL!r}: set PORTAL_URL to the https:// address people use"
+    )
+# At most one mail per person and notification key (e.g. one violation) this often; 0: no limit.
+NOTIFY_MAIL_EVERY_MINUTES = env_int("NOTIFY_MAIL_EVERY_MINUTES", 10, min_value=0)

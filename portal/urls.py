@@ -2,16 +2,22 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from portal import views
+from portal import notification_views, views
 
 urlpatterns = [
     path("", include("gpus.urls")),
     path("", include("jobs.urls")),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("oidc/", include("portal.oidc")),  # single sign-on; 404 unless OIDC_ISSUER is set
     path("profile/", views.profile, name="profile"),
-    path("profile/token/", views.regenerate_token, name="regenerate_token"),
+    path("profile/tokens/", views.token_create, name="token_create"),
+    path("profile/tokens/<int:pk>/revoke/", views.token_revoke, name="token_revoke"),
     path("teams/", views.teams, name="teams"),
+    path("notifications/", notification_views.notifications, name="notifications"),
+    path("notifications/bell/", notification_views.notification_bell, name="notification_bell"),
+    path("notifications/read-all/", notification_views.notifications_read_all, name="notifications_read_all"),
+    path("notifications/<int:pk>/read/", notification_views.notification_read, name="notification_read"),
     path("admin/", admin.site.urls),
     path("api/v1/", include("portal.api_urls")),
 ]

@@ -1,38 +1,109 @@
 """Profile and teams pages.
 
-What these pages show is what portal owns: the account, its API token, the teams. Quota use
+What these pages show is what portal owns: the account, its API tokens, the teams. Quota use
 is counted from bookings, so it is gpus' to show: the profile's "Teams and quotas" section is
 gpus' `{% my_quotas %}` tag (gpus/templatetags/quota_tags.py), and the team page with its quota
-forms is gpus/team_views.py. POST → redirect → GET.
+forms is gpus/team_views.py. The profile also holds the mail preferences (portal.notifications);
+the inbox is portal/notification_views.py. POST → redirect → GET.
 """
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Count
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils.html import format_html
 from django.views.decorators.http import require_POST
-from rest_framework.authtoken.models import Token
 
 from portal.access import is_admin, roles_of
-from portal.models import Membership, Team
-from portal.services import api_token_regenerate
+from portal.errors import ServiceError
+from portal.forms import MailPreferenceForm
+from portal.models import ApiToken, Membership, Team
+from portal.notifications import mail_kinds_wanted, mail_preference_set
+from portal.services import api_token_create, api_token_revoke
+from portal.tokens import ApiTokenForm, api_token_expiry
 
 
 @login_required
 def profile(request: HttpRequest) -> HttpResponse:
-    token = Token.objects.filter(user=request.user).first()
-    return render(request, "portal/profile.html", {"token": token})
+    """The account, its API tokens, and (POST) its mail preferences."""
+    if request.method == "POST":
+        mail_form = MailPreferenceForm(request.POST)
+        if mail_form.is_valid():
+            mail_preference_set(user=request.user, kinds=mail_form.cleaned_data["kinds"])
+            messages.success(request, "Mail preferences saved.")
+            return redirect(reverse("profile") + "#mail")
+        return _profile_page(request, mail_form=mail_form)
+    return _profile_page(request)
+
+
+def _profile_page(
+    request: HttpRequest,
+    *,
+    mail_form: MailPreferenceForm | None = None,
+    token_form: ApiTokenForm | None = None,
+) -> HttpResponse:
+    if mail_form is None:
+        mail_form = MailPreferenceForm(initial={"kinds": mail_kinds_wanted(request.user)})
+    context = {
+        "tokens": ApiToken.objects.filter(user=request.user),
+        "token_form": token_form or ApiTokenForm(),
+        "mail_form": mail_form,
+        "mail_every": settings.NOTIFY_MAIL_EVERY_MINUTES,
+    }
+    return render(request, "portal/profile.html", context)
 
 
 @require_POST
 @login_required
-def regenerate_token(request: HttpRequest) -> HttpResponse:
-    api_token_regenerate(user=request.user)
-    messages.success(request, "A new API token was generated; the old one no longer works.")
-    return redirect("profile")
+def token_create(request: HttpRequest) -> HttpResponse:
+    """A new API token. Its key is shown once, in the message after the redirect: the messages
+    cookie carries it to the owner's browser, so it never touches the database."""
+    form = ApiTokenForm(request.POST)
+    if form.is_valid():
+        try:
+            token, key = api_token_create(
+                user=request.user,
+                name=form.cleaned_data["name"],
+                expires_at=api_token_expiry(form.cleaned_data["expires_in_days"]),
+            )
+        except ServiceError as error:
+            form.add_service_error(error)
+        else:
+            messages.success(
+                request,
+                format_html(
+                    "API token {} created. Copy it now: it is not shown again. "
+                    '<code class="api-token-key">{}</code>',
+                    token,
+                    key,
+                ),
+                extra_tags="api-token",
+            )
+            return redirect(reverse("profile") + "#tokens")
+    messages.error(request, "The token was not created: correct the fields marked below.")
+    return _profile_page(request, token_form=form)
+
+
+@require_POST
+@login_required
+def token_revoke(request: HttpRequest, pk: int) -> HttpResponse:
+    token = _get_token_for_user(request.user, pk)
+    if api_token_revoke(token=token, by=request.user):
+        messages.success(request, f"API token {token} revoked: it no longer works.")
+    else:
+        messages.info(request, f"API token {token} was revoked already.")
+    return redirect(reverse("profile") + "#tokens")
+
+
+def _get_token_for_user(user: AbstractBaseUser, pk: int) -> ApiToken:
+    """One of the user's own tokens; anyone else's is a 404 (admins revoke in the admin)."""
+    return get_object_or_404(ApiToken, pk=pk, user=user)
 
 
 @login_required

@@ -74,6 +74,27 @@ def admin_user(db):
     return UserFactory(username="admin", is_staff=True, is_superuser=True)
 
 
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    """Processes a test starts: every one is killed and reaped after it."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+class Clock:
+    """A stand-in for time.monotonic that moves only when a test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def database_url_for_subprocess() -> str:
     """The URL of the database this test runs on (the test database, not the configured one)."""
     return database_url(connection.settings_dict)
@@ -93,7 +114,7 @@ def wait_for(
 
 
 @pytest.fixture
-def start_worker(transactional_db) -> Iterator[Callable[..., subprocess.Popen]]:
+def start_worker(transactional_db, tmp_path) -> Iterator[Callable[..., subprocess.Popen]]:
     """Start real `celery -A portal worker` processes on the test database.
 
     `start("name")` is a GPU host's worker for a simulated server (queue host.name);
@@ -110,6 +131,8 @@ def start_worker(transactional_db) -> Iterator[Callable[..., subprocess.Popen]]:
             "GPU_BACKEND": "simulated",
             "WORKER_SERVER": server or "portal-host",
             "TELEMETRY_INTERVAL_SECONDS": "1",
+            # The test's own: a developer's live declarations (var/) never reach a test's workers.
+            "SIMULATED_PROCESSES_FILE": str(tmp_path / "simulated-gpu-processes.json"),
             **(extra_env or {}),
         }
         log = open(OUTPUT / f"worker-{node}.log", "w")  # noqa: SIM115 - closed with the process

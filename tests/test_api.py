@@ -61,6 +61,7 @@ def test_it_lists_gpus_with_the_documented_fields(api, alice):
         "username": "alice",
         "command": "python train.py",
         "used_memory_mb": 500,
+        "session_id": None,
         "job": "unmanaged",
     }
     assert api.get("/api/v1/gpus/?server=nope").json() == []
@@ -97,3 +98,14 @@ def test_it_publishes_an_openapi_schema_and_docs(api, alice):
     docs = api.get("/api/v1/docs/")
     assert docs.status_code == 200
     assert "cdn" not in docs.content.decode().lower()
+
+
+def test_the_gpu_list_says_who_holds_each_card_now(api, alice, box):
+    from gpus.booking import reservation_create
+
+    reservation_create(user=alice, gpus=[box[1].uuid], memory_mb=4096)
+    api.force_authenticate(alice)
+    rows = {g["uuid"]: g for g in api.get("/api/v1/gpus/").json()}
+    (held,) = rows[box[1].uuid]["booked"]
+    assert held["who"] == "you" and held["memory"] == "4 GiB"
+    assert rows[box[0].uuid]["booked"] == []

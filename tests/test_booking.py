@@ -84,7 +84,7 @@ def test_it_sums_memory_at_every_instant_not_pairwise(alice, bob, box, t0):
     book(bob, box[:1], t0 + 2 * H, hours=4, memory_mb=gb10)  # [2, 6): 20 GB at 2..4
     with pytest.raises(Conflict) as err:
         book(bob, box[:1], t0 + 3 * H, hours=2, memory_mb=gb10)  # would be 30 GB at 3..4
-    assert "10 GB of its" in err.value.message
+    assert "10 GiB of its" in err.value.message
     # Pairwise-fitting but never all three at once: 0..2 and 4..6 hold only one 10 GB booking.
     book(bob, box[:1], t0 - H + timedelta(minutes=59), hours=1, memory_mb=BOOKABLE - gb10)
     book(alice, box[:1], t0 + 6 * H, hours=1, memory_mb=BOOKABLE)
@@ -259,8 +259,8 @@ def test_team_memory_quota_counts_whole_cards_at_full_memory(alice, bob, team, b
     book(bob, box[1:2], t0, memory_mb=16 * 1024)  # 40 GB
     with pytest.raises(QuotaExceeded) as err:
         book(bob, box[2:3], t0, memory_mb=1024)
-    assert "The team quota of Vision Lab allows 40 GB" in err.value.message
-    assert "the team already has 40 GB in that window, so 0 GB more would fit" in err.value.message
+    assert "The team quota of Vision Lab allows 40 GiB" in err.value.message
+    assert "the team already has 40 GiB in that window, so 0 GiB more would fit" in err.value.message
 
 
 def test_weekly_gpu_hours_count_a_fraction_for_shared_bookings(alice, box):

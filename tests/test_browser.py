@@ -54,14 +54,14 @@ def test_it_reserves_a_card_from_the_dashboard_shows_it_on_the_timeline_and_canc
     page.fill("textarea[name=note]", "browser test")
     page.click("form.booking-form button[type=submit]")
     page.wait_for_url("**/reservations/*/")
-    assert "Booked box1 GPU 1 · 8 GB" in page.locator(".message").inner_text()
+    assert "Booked box1 GPU 1 · 8 GiB" in page.locator(".message").inner_text()
     reservation = Reservation.objects.get()
 
     page.click("main table a[href*='/timeline/']")  # the card's server links to its timeline
     page.wait_for_url("**/servers/box1/timeline/**")
     bar = page.locator(f'[data-gpu-uuid="GPU-box1-01"] [data-reservation="{reservation.pk}"]')
     assert bar.is_visible()
-    assert "8 GB" in bar.get_attribute("title")
+    assert "8 GiB" in bar.get_attribute("title")
     OUTPUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUTPUT / "timeline.png"), full_page=True)
 

@@ -87,7 +87,7 @@ def test_the_jobs_api_filters_like_the_history_page(alice, leader, jobs):
 @pytest.mark.parametrize(
     ("params", "param", "message"),
     [
-        ({"status": "exploded"}, "status", "Unknown status; use one of queued, starting, running"),
+        ({"status": "exploded"}, "status", "Unknown status; use one of pending, queued, starting, running"),
         ({"since": "2024-13-01"}, "since", "'2024-13-01' is not a date; write it as YYYY-MM-DD."),
         ({"until": "last week"}, "until", "'last week' is not a date; write it as YYYY-MM-DD."),
         ({"since": "50%"}, "since", "'50%' is not a date"),
@@ -206,7 +206,7 @@ def test_history_offers_the_teams_the_user_leads_and_every_server(client, alice,
     TeamFactory(name="Speech Lab", slug="speech")
     client.force_login(leader)
     form = client.get(reverse("job_history")).context["filter_form"]
-    assert list(form.fields) == ["user", "team", "server", "status", "since", "until"]
+    assert list(form.fields) == ["user", "team", "server", "status", "since", "until", "array"]
     assert list(form.fields["team"].widget.choices) == [("", "any team"), ("vision-lab", "Vision Lab")]
     assert list(form.fields["server"].widget.choices) == [
         ("", "any server"),
@@ -221,7 +221,7 @@ def test_history_offers_the_teams_the_user_leads_and_every_server(client, alice,
     html = client.get(reverse("job_history")).content.decode()
     assert '<option value="vision-lab"' not in html and '<option value="" selected>any team</option>' in html
     form = client.get(reverse("my_jobs")).context["filter_form"]
-    assert list(form.fields) == ["server", "status", "since", "until"]
+    assert list(form.fields) == ["server", "status", "since", "until", "array"]
 
 
 def test_the_pages_keep_the_filter_values_and_render_dates_as_date_inputs(client, leader, jobs):

@@ -11,7 +11,7 @@ import pwd
 import pytest
 
 from gpus.models import GPU, Allocation
-from jobs.environment import LAUNCH_CONFIG_VAR, PORTAL_ENV, BookedCard, job_environment
+from jobs.environment import LAUNCH_CONFIG_VAR, PORTAL_ENV, BookedCard, booked_memory, job_environment
 from jobs.models import Job
 from jobs.services import parse_env
 from portal.errors import Invalid
@@ -74,15 +74,16 @@ def test_it_shows_the_booked_cards_by_uuid_in_booking_order():
 @pytest.mark.parametrize(
     ("card", "mode", "limit", "fraction", "grow"),
     [
-        # A whole card: TF may use what bookings may share (the headroom is already off it).
-        (WHOLE, Mode.LIMIT, 23 * GB, round(23 / 24, 4), False),
-        (WHOLE, Mode.LIMIT_GROW, 23 * GB, round(23 / 24, 4), True),
-        (WHOLE, Mode.GROW, None, round(23 / 24, 4), True),
+        # A whole card: TF may use what bookings may share (the headroom is already off it);
+        # the TF1 session fraction caps the same memory, rounded down: 23/24 of the card.
+        (WHOLE, Mode.LIMIT, 23 * GB, 0.958333, False),
+        (WHOLE, Mode.LIMIT_GROW, 23 * GB, 0.958333, True),
+        (WHOLE, Mode.GROW, None, 0.958333, True),
         (WHOLE, Mode.ALL, None, None, False),
-        # A shared card: the booked 8 GB less the CUDA context's headroom.
-        (SHARED, Mode.LIMIT, 8 * GB - HEADROOM, round(8 / 24, 4), False),
-        (SHARED, Mode.LIMIT_GROW, 8 * GB - HEADROOM, round(8 / 24, 4), True),
-        (SHARED, Mode.GROW, None, round(8 / 24, 4), True),
+        # A shared card: the booked 8 GB less the CUDA context's headroom, 7.5 of 24 GB.
+        (SHARED, Mode.LIMIT, 8 * GB - HEADROOM, 0.3125, False),
+        (SHARED, Mode.LIMIT_GROW, 8 * GB - HEADROOM, 0.3125, True),
+        (SHARED, Mode.GROW, None, 0.3125, True),
     ],
 )
 def test_it_limits_memory_by_mode_on_whole_and_shared_cards(card, mode, limit, fraction, grow):
@@ -92,6 +93,29 @@ def test_it_limits_memory_by_mode_on_whole_and_shared_cards(card, mode, limit, f
     assert built.config["allow_growth"] is grow
     assert built.env["TF_FORCE_GPU_ALLOW_GROWTH"] == ("true" if grow else "false")
     assert json.loads(built.env[LAUNCH_CONFIG_VAR]) == built.config
+
+
+@pytest.mark.parametrize("total_mb", [16 * GB, 24 * GB, 40 * GB, 81559, 143771])
+@pytest.mark.parametrize("booked_mb", [HEADROOM + 1, 1000, 3 * GB, 7777, 10 * GB, 15 * GB])
+@pytest.mark.parametrize("mode", [Mode.LIMIT, Mode.LIMIT_GROW, Mode.GROW])
+def test_it_keeps_the_context_headroom_inside_a_shared_booking_for_tf1_sessions(total_mb, booked_mb, mode):
+    # TF1 sessions take fraction × the card's total, and the CUDA context comes on top of that.
+    card = BookedCard(memory_mb=booked_mb, total_mb=total_mb, bookable_mb=total_mb - GB)
+    limit, fraction = booked_memory(mode, card, headroom_mb=HEADROOM)
+    assert 0 < fraction <= 1
+    assert fraction * total_mb + HEADROOM <= booked_mb
+    # The same cap as memory_limit, less at most a millionth of the card (the rounding down).
+    assert booked_mb - HEADROOM - fraction * total_mb < total_mb / 10**6
+    assert limit == (None if mode == Mode.GROW else booked_mb - HEADROOM)
+
+
+def test_it_caps_a_whole_card_at_its_bookable_memory_and_never_leaves_a_share_uncapped():
+    whole = booked_memory(Mode.LIMIT, WHOLE, headroom_mb=HEADROOM)[1]
+    assert whole * WHOLE.total_mb <= WHOLE.bookable_mb  # the headroom is already off bookable memory
+    # "Grow as needed" may share less than the headroom: a session still gets a cap (1 MiB), never
+    # 0, which TF reads as "no cap".
+    tiny = BookedCard(memory_mb=256, total_mb=24 * GB, bookable_mb=23 * GB)
+    assert booked_memory(Mode.GROW, tiny, headroom_mb=HEADROOM) == (None, 0.00004)
 
 
 def test_it_passes_the_rest_of_the_tensorflow_settings_to_the_launcher():
@@ -185,6 +209,7 @@ def test_it_sets_over_the_jobs_variables_only_what_job_submit_refuses():
         "inter_op_threads": 2,
         "mirrored": True,
         "gpu_uuids": ["GPU-a", "GPU-b"],
+        "array_index": 3,
     }
     kwargs = {"inherited": {}, "venv": "/opt/envs/tf", "account": account}
     names = set(_build(_job(**everything), **kwargs).env)

@@ -32,7 +32,7 @@ def dispatched(monkeypatch) -> list:
 
 @pytest.fixture
 def booking(alice, box):
-    """alice's active 8 GB booking of box1 GPU 0."""
+    """alice's active 8 GiB booking of box1 GPU 0."""
     return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
 
 
@@ -75,7 +75,7 @@ def test_it_offers_only_my_open_bookings_preselected_from_the_booking_page(clien
     assert response.status_code == 200
     html = response.content.decode()
     until = timezone.localtime(booking.end).strftime("%a %H:%M")
-    assert f"#{booking.pk} box1 GPU 0 · 8 GB · until {until}" in html
+    assert f"#{booking.pk} box1 GPU 0 · 8 GiB · until {until}" in html
     assert re.search(rf'<option value="{booking.pk}" selected>', html)
     assert list(response.context["form"].fields["reservation"].queryset) == [booking]  # not bob's
     assert "TF_FORCE_GPU_ALLOW_GROWTH" in html  # the memory mode's help text
@@ -283,13 +283,13 @@ def test_it_shows_what_the_job_runs_and_polls_the_status_while_active(client, al
         peak_memory_mb=1536,
         utilization_sum=150,
         utilization_samples=3,
-        launcher_line="[portal] launcher: job 1 · memory_limit 7680 MB per GPU",
+        launcher_line="[portal] launcher: job 1 · memory_limit 7680 MiB per GPU",
         env_applied={"CUDA_VISIBLE_DEVICES": box[0].uuid},
         log_bytes=2048,
     )
     part = client.get(reverse("job_detail", args=[job.pk]) + "?part=status").content.decode()
     assert "hx-trigger" not in part  # finished: the polling stops
-    for words in ("Succeeded", "3 min 07 s", "1.5 GB", "50.0 %", "memory_limit 7680 MB", "2.0\xa0KB"):
+    for words in ("Succeeded", "3 min 07 s", "1.5 GiB", "50.0 %", "memory_limit 7680 MiB", "2.0\xa0KB"):
         assert words in part, words
     assert f"<code>CUDA_VISIBLE_DEVICES</code></th><td><code>{box[0].uuid}</code>" in part
     assert "Cancel job" not in part
@@ -460,7 +460,7 @@ def test_it_links_a_jobs_process_on_the_dashboard(client, alice, job, box):
     client.force_login(alice)
     html = client.get(reverse("dashboard_servers")).content.decode()
     assert f'<a class="job" href="/jobs/{job.pk}/">job {job.pk}</a>' in html
-    assert 'pid 4343 · 100 MB · <span class="muted">unmanaged</span>' in html
+    assert 'pid 4343 · 100 MiB · <span class="muted">unmanaged</span>' in html
 
 
 def test_it_links_jobs_in_the_nav_and_needs_a_login(client, alice):

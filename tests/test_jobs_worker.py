@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -19,11 +20,11 @@ from gpus.booking import reservation_create
 from gpus.models import GPU, Allocation, GPUProcess, Reservation
 from gpus.services import server_report_ingest
 from gpus.simulated import server_names
-from jobs import paths
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import LAUNCHER, job_run
 from jobs.tasks import run_job
+from portal.models import Profile
 from tests.conftest import OUTPUT, wait_for
 from tests.factories import make_snapshot
 
@@ -212,7 +213,8 @@ def test_it_marks_a_job_lost_when_its_worker_is_killed(api, alice, start_worker)
 
 
 def test_it_merges_the_booking_into_a_legacy_tf1_session_config(api, alice, host):
-    """A TF1-style script asks for 90 % of the card; its 8 GB booking on a 24 GB card wins."""
+    """A TF1-style script asks for 90 % of the card; its 8 GiB booking on a 24 GiB card wins, less
+    the CUDA context's headroom, so the session and its context fit inside the booking."""
     script = EXAMPLE.parent / "tf1_session_example.py"
     booking = _book(alice, host, memory_mb=8192)
     job_id = _submit(api, booking, script.read_bytes(), script.name, intra_op_threads=3)
@@ -220,13 +222,16 @@ def test_it_merges_the_booking_into_a_legacy_tf1_session_config(api, alice, host
     log = _log(job_id)
     assert job.status == Job.Status.SUCCEEDED, log
     received = json.loads(log.split("SESSION_CONFIG ", 1)[1].splitlines()[0])
-    assert received["fraction"] == pytest.approx(8192 / (24 * 1024), abs=1e-4)  # not the script's 0.9
+    headroom = settings.GPU_CONTEXT_HEADROOM_MB
+    assert received["fraction"] == pytest.approx((8192 - headroom) / (24 * 1024), abs=1e-6)  # not 0.9
     assert received["allow_growth"] is False  # "limit to my booking"
     assert received["intra"] == 3 and received["soft"] is True
     assert "merged the booking into a tf.compat.v1.Session config" in log
 
 
-def test_it_records_the_jobs_memory_from_telemetry_and_shows_it_on_its_card(api, alice, start_worker):
+def test_it_records_the_jobs_memory_from_telemetry_and_shows_it_on_its_card(
+    api, alice, start_worker, tmp_path
+):
     """With the simulated inventory a job runs on the CPU; the simulated reporter shows it on its
     booked card (resident memory as "GPU memory"), through the same path as NVML's processes."""
     name = server_names()[0]
@@ -237,13 +242,15 @@ def test_it_records_the_jobs_memory_from_telemetry_and_shows_it_on_its_card(api,
     booking = reservation_create(user=alice, gpus=[card.uuid])
     # The job holds its memory until the test has seen it on its card, however slow the round.
     source = (
-        b"import os, time\n"
+        b"import os, sys, time\n"
         b"held = bytearray(300 * 1024 * 1024)\n"
         b"print('ready', flush=True)\n"
-        b"while not os.path.exists('release'):\n"
+        b"while not os.path.exists(sys.argv[1]):\n"
         b"    time.sleep(0.1)\n"
     )
-    job_id = _submit(api, booking, source)
+    # This test's own file: job folders are named by id, and ids start again in every test database.
+    release = tmp_path / "release"
+    job_id = _submit(api, booking, source, args=str(release))
     _wait_running(job_id)
     process = wait_for(
         lambda: GPUProcess.objects.filter(gpu=card, job_id=job_id, used_memory_mb__gte=300).first(),
@@ -251,7 +258,7 @@ def test_it_records_the_jobs_memory_from_telemetry_and_shows_it_on_its_card(api,
         what="the job and its memory on its card",
     )
     assert process.job_label == f"job {job_id}"
-    (paths.roots()[0] / f"job-{job_id}" / "release").touch()  # the job's working directory
+    release.touch()
     job = _finished(job_id, timeout=30)
     assert job.status == Job.Status.SUCCEEDED
     assert job.peak_memory_mb >= 300 and job.mean_utilization_pct is not None
@@ -277,10 +284,14 @@ def _readable_by_others(path: Path) -> bool:
     return all(p.stat().st_mode & 0o001 for p in path.parents) and bool(path.stat().st_mode & 0o004)
 
 
-def test_it_runs_jobs_as_job_user_who_cannot_read_the_workers_secrets(api, alice, start_worker, tmp_path):
+@pytest.mark.parametrize("job_user", ["nobody", "@owner"])
+def test_it_runs_jobs_as_job_user_who_cannot_read_the_workers_secrets(
+    api, alice, start_worker, tmp_path, job_user
+):
+    """JOB_USER names the account, or is @owner: then alice's job runs as her Unix account."""
     import pwd
 
-    from django.conf import settings
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
 
     launcher = LAUNCHER
     python = Path("/usr/bin/python3")  # the launcher needs no more than the standard library
@@ -293,7 +304,7 @@ def test_it_runs_jobs_as_job_user_who_cannot_read_the_workers_secrets(api, alice
     secret.chmod(0o600)
     name = server_names()[0]
     server_report_ingest(snapshot=make_snapshot(name, gpus=4, simulated=True))
-    start_worker(name, extra_env={"JOB_USER": "nobody", "JOB_INTERPRETERS": f"default={python}"})
+    start_worker(name, extra_env={"JOB_USER": job_user, "JOB_INTERPRETERS": f"default={python}"})
     source = (
         b"import os\n"
         b"print('uid', os.getuid(), 'home', os.environ['HOME'], flush=True)\n"

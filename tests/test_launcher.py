@@ -336,7 +336,7 @@ def test_it_applies_settings_after_an_indirect_import_and_ignores_later_setters(
     assert "no TensorFlow import in the script" in env_line
     assert applied_line.startswith("[portal] launcher: job 12 · TensorFlow 2.21")
     assert "GPUs visible: 0 (CUDA_VISIBLE_DEVICES=)" in applied_line
-    assert "memory_limit 1024 MB per GPU" in applied_line
+    assert "memory_limit 1024 MiB per GPU" in applied_line
     assert "threads intra 3 / inter 2" in applied_line
     assert "MirroredStrategy on (1 replicas)" in applied_line
     assert applied_line.endswith("applied when TensorFlow was imported indirectly")
@@ -371,3 +371,188 @@ def test_it_merges_the_booking_into_tf1_sessions(tmp_path: Path) -> None:
         assert held["result"] == 12.0
     assert result.stderr.count("[portal] merged the booking into a tf.compat.v1.Session config") == 1
     assert "fraction=0.25, allow_growth=True, intra=4, inter=1" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------------------
+# CUDA_VISIBLE_DEVICES stays on the booked cards
+
+BOOKED = "GPU-test-00,GPU-test-01,GPU-test-02"
+# What the script sees of its variables, three ways: os.environ, the process environment as C code reads it
+# (PyTorch and JAX call getenv when CUDA starts), and a child process started without env=.
+SEES = """
+import ctypes, json, os, subprocess
+
+libc = ctypes.CDLL(None)
+libc.getenv.restype = ctypes.c_char_p
+
+
+def seen(name):
+    c_value = libc.getenv(name.encode())
+    child = subprocess.run(["sh", "-c", f'echo "${{{name}-(unset)}}"'], capture_output=True, text=True)
+    return {
+        "environ": os.environ.get(name),
+        "getenv": c_value.decode() if c_value is not None else None,
+        "child": child.stdout.rstrip("\\n"),
+    }
+
+
+print("RESULT " + json.dumps({name: seen(name) for name in NAMES}))
+"""
+
+
+def run_seeing(tmp_path: Path, statements: str, names: tuple[str, ...] = ("CUDA_VISIBLE_DEVICES",)) -> Any:
+    """Run `statements` as the top of a script on a booking of three cards; return what it then sees."""
+    source = textwrap.dedent(statements) + SEES.replace("NAMES", repr(names))
+    write(tmp_path / "job.py", source)
+    result = launch("job.py", cwd=tmp_path, config=BOOKING, cuda=BOOKED)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.split("RESULT ", 1)[1]), result
+
+
+def cuda_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    assert "[portal] CUDA_VISIBLE_DEVICES" not in result.stdout  # the launcher's warnings go to stderr
+    return [line for line in result.stderr.splitlines() if line.startswith("[portal] CUDA_VISIBLE_DEVICES")]
+
+
+def everywhere(value: str) -> dict[str, str]:
+    return {"environ": value, "getenv": value, "child": value}
+
+
+@pytest.mark.parametrize(
+    ("asked", "got", "what"),
+    [
+        ("2", "GPU-test-02", "booked card 2"),  # an old tutorial's host index counts the booked cards
+        ("0,1", "GPU-test-00,GPU-test-01", "booked cards 0, 1"),
+        ("-1", "-1", "no GPU"),
+        ("", "", "no GPU"),
+        ("7", "-1", "no GPU"),  # beyond the booking: dropped, nothing left
+        ("GPU-test-01", "GPU-test-01", "booked card 1"),
+        ("GPU-other-05,1", "GPU-test-01", "booked card 1"),  # somebody else's card: dropped
+    ],
+)
+def test_it_keeps_a_scripts_cuda_visible_devices_on_the_booked_cards(
+    tmp_path: Path, asked: str, got: str, what: str
+) -> None:
+    # Set twice, as a loop or a second helper would: one line in the log all the same.
+    seen, result = run_seeing(
+        tmp_path,
+        f"""
+        import os
+        os.environ["CUDA_VISIBLE_DEVICES"] = {asked!r}
+        os.environ["CUDA_VISIBLE_DEVICES"] = {asked!r}
+        """,
+    )
+
+    assert seen["CUDA_VISIBLE_DEVICES"] == everywhere(got)
+    assert cuda_lines(result) == [
+        f'[portal] CUDA_VISIBLE_DEVICES="{asked}" asked by the script → "{got}" ({what}); '
+        "indices count the 3 booked cards only, other cards are dropped"
+    ]
+
+
+UNSET_LINE = (
+    f'[portal] CUDA_VISIBLE_DEVICES unset by the script → "{BOOKED}" (booked cards 0, 1, 2); '
+    "unset, it would mean every card of the host"
+)
+
+
+@pytest.mark.parametrize(
+    ("statements", "expected", "lines"),
+    [
+        ('os.environ.update(CUDA_VISIBLE_DEVICES="1")', everywhere("GPU-test-01"), 1),
+        ('os.environ |= {"CUDA_VISIBLE_DEVICES": "1"}', everywhere("GPU-test-01"), 1),
+        ('os.environb[b"CUDA_VISIBLE_DEVICES"] = b"1"', everywhere("GPU-test-01"), 1),
+        # Already set (to the booking): nothing to do, as for any variable that is set.
+        ('os.environ.setdefault("CUDA_VISIBLE_DEVICES", "1")', everywhere(BOOKED), 0),
+        # os.putenv leaves os.environ as it was, as it always does; the process environment is mapped.
+        (
+            'os.putenv("CUDA_VISIBLE_DEVICES", "1")',
+            {"environ": BOOKED, "getenv": "GPU-test-01", "child": "GPU-test-01"},
+            1,
+        ),
+    ],
+)
+def test_it_maps_every_way_of_setting_cuda_visible_devices(
+    tmp_path: Path, statements: str, expected: dict[str, str], lines: int
+) -> None:
+    seen, result = run_seeing(tmp_path, f"import os\n{statements}\n")
+
+    assert seen["CUDA_VISIBLE_DEVICES"] == expected
+    assert len(cuda_lines(result)) == lines
+    if lines:
+        assert cuda_lines(result)[0].startswith('[portal] CUDA_VISIBLE_DEVICES="1" asked by the script')
+
+
+@pytest.mark.parametrize(
+    ("statements", "in_environ"),
+    [
+        ('del os.environ["CUDA_VISIBLE_DEVICES"]', BOOKED),
+        ('assert os.environ.pop("CUDA_VISIBLE_DEVICES") == "GPU-test-02"', BOOKED),
+        (
+            'os.environ.pop("CUDA_VISIBLE_DEVICES", None)\nos.environ.pop("CUDA_VISIBLE_DEVICES", None)',
+            BOOKED,
+        ),
+        ("os.environ.clear()", BOOKED),
+        # os.unsetenv leaves os.environ as it was, as it always does; the process environment is mapped.
+        ('os.unsetenv("CUDA_VISIBLE_DEVICES")', "GPU-test-02"),
+    ],
+)
+def test_it_gives_the_booking_back_when_a_script_unsets_cuda_visible_devices(
+    tmp_path: Path, statements: str, in_environ: str
+) -> None:
+    # Unset, CUDA would show every card of the host. The script narrowed it to one card first.
+    seen, result = run_seeing(
+        tmp_path, f'import os\nos.environ["CUDA_VISIBLE_DEVICES"] = "2"\n{statements}\n'
+    )
+
+    assert seen["CUDA_VISIBLE_DEVICES"] == {**everywhere(BOOKED), "environ": in_environ}
+    assert cuda_lines(result)[1:] == [UNSET_LINE]
+
+
+def test_it_leaves_other_variables_alone(tmp_path: Path) -> None:
+    seen, result = run_seeing(
+        tmp_path,
+        """
+        import os
+        os.environ["OTHER_DEVICES"] = "2"
+        os.environ.update(CUDA_DEVICE_ORDER="FASTEST_FIRST")
+        os.environ.setdefault("NEW_ONE", "x")
+        os.putenv("PUT_ONLY", "7")
+        del os.environ["PORTAL_JOB_ID"]
+        os.unsetenv("TF_CPP_MIN_LOG_LEVEL")
+        """,
+        names=(
+            "OTHER_DEVICES",
+            "CUDA_DEVICE_ORDER",
+            "NEW_ONE",
+            "PUT_ONLY",
+            "PORTAL_JOB_ID",
+            "TF_CPP_MIN_LOG_LEVEL",
+            "CUDA_VISIBLE_DEVICES",
+        ),
+    )
+
+    assert seen == {
+        "OTHER_DEVICES": everywhere("2"),
+        "CUDA_DEVICE_ORDER": everywhere("FASTEST_FIRST"),
+        "NEW_ONE": everywhere("x"),
+        "PUT_ONLY": {"environ": None, "getenv": "7", "child": "7"},
+        "PORTAL_JOB_ID": {"environ": None, "getenv": None, "child": "(unset)"},
+        "TF_CPP_MIN_LOG_LEVEL": {"environ": "2", "getenv": None, "child": "(unset)"},
+        "CUDA_VISIBLE_DEVICES": everywhere(BOOKED),
+    }
+    assert cuda_lines(result) == []
+
+
+def test_it_maps_names_and_indices_onto_the_booked_cards_only() -> None:
+    devices = launcher.CudaDevices(["GPU-aa11", "GPU-bb22", "GPU-ab33"])
+    assert devices.resolve(" 2 , 0,2") == "GPU-ab33,GPU-aa11"  # CUDA's spaces; a card once
+    assert devices.resolve("GPU-b") == "GPU-bb22"  # a unique prefix, as CUDA takes it
+    assert devices.resolve("GPU-a,3") == "-1"  # an ambiguous prefix; an index beyond the booking
+    assert devices.resolve("MIG-9c1f,GPU-cc44") == "-1"  # no MIG id names a booked card here
+    assert devices.resolve("  ") == ""
+    assert devices.resolve(None) == "GPU-aa11,GPU-bb22,GPU-ab33"
+    for asked in ("1,2", "0,-1", "-1", "", "GPU-b,GPU-aa", None):
+        got = devices.resolve(asked)
+        assert devices.resolve(got) == got  # os.environ maps, then os.putenv maps what it got
+    assert launcher.CudaDevices([]).resolve("0") == "-1"  # a job without a card gets none

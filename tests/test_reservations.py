@@ -37,7 +37,15 @@ def api(user=None) -> APIClient:
 
 @pytest.mark.parametrize(
     ("text", "mb"),
-    [("16G", 16384), ("16 GB", 16384), ("16GiB", 16384), ("16384M", 16384), ("1.5g", 1536), ("", None)],
+    [
+        ("16G", 16384),
+        ("16 GB", 16384),
+        ("16 GiB", 16384),
+        ("16GiB", 16384),
+        ("16384M", 16384),
+        ("1.5g", 1536),
+        ("", None),
+    ],
 )
 def test_it_parses_memory_sizes(text, mb):
     assert parse_memory_mb(text) == mb
@@ -74,7 +82,7 @@ def test_it_books_from_the_form_and_redirects_to_the_booking(client, alice, box,
     )
     assert reservation.allocations.get().memory_mb == 8192
     page = client.get(response.url).content.decode()
-    assert "Booked box1 GPU 1 · 8 GB" in page
+    assert "Booked box1 GPU 1 · 8 GiB" in page
 
 
 @pytest.mark.parametrize(
@@ -174,10 +182,10 @@ def test_the_dashboard_shows_who_holds_each_card_now(client, alice, bob, charlie
     reservation_create(user=alice, gpus=[box[3].uuid], start=now, end=now + H, memory_mb=4096)
     client.force_login(bob)
     html = client.get(reverse("dashboard")).content.decode()
-    assert "alice · 4 GB · until" in html
+    assert "alice · 4 GiB · until" in html
     assert f'data-reserve="{box[0].uuid}"' in html
     client.force_login(charlie)
-    assert "another user · 4 GB" in client.get(reverse("dashboard_servers")).content.decode()
+    assert "another user · 4 GiB" in client.get(reverse("dashboard_servers")).content.decode()
 
 
 # --- access: owner / teammate / outsider / leader / admin on every reservation URL ------

@@ -85,7 +85,7 @@ def test_it_lets_a_leader_set_a_member_quota_within_the_team_and_logs_it(team, a
     entry = AuditEntry.objects.get()
     assert entry.actor == leader and entry.team == team
     assert entry.action == AuditEntry.Action.QUOTA_MEMBER
-    assert "alice's quota" in entry.message and "GB at once no limit → 40" in entry.message
+    assert "alice's quota" in entry.message and "GiB at once no limit → 40" in entry.message
 
 
 def test_it_refuses_a_member_quota_above_the_teams_and_names_the_field(team, alice, leader):
@@ -94,7 +94,7 @@ def test_it_refuses_a_member_quota_above_the_teams_and_names_the_field(team, ali
     with pytest.raises(Invalid) as err:
         quota_member_set(actor=leader, membership=membership_of(alice, team), max_cards=1, max_gb=81)
     assert err.value.field == "max_gb"
-    assert "allows 80 GB at once; set at most 80" in err.value.message
+    assert "allows 80 GiB at once; set at most 80" in err.value.message
     assert quota_of(alice, team)["max_cards"] is None  # nothing written, not even the valid field
     assert not AuditEntry.objects.exists()
 
@@ -204,7 +204,7 @@ MEMBER_FORM_ERRORS = [
     ({"max_gb": "-1"}, "max_gb", "Enter 0 or more (0 allows none), or leave it empty for no limit."),
     ({"gpu_hours_per_week": "4.5"}, "gpu_hours_per_week", "Enter a whole number of GPU-hours"),
     ({"max_booking_hours": "99999999999"}, "max_booking_hours", "Enter at most 1,000,000"),
-    ({"max_gb": "81"}, "max_gb", "Vision Lab's own quota allows 80 GB at once; set at most 80"),
+    ({"max_gb": "81"}, "max_gb", "Vision Lab's own quota allows 80 GiB at once; set at most 80"),
 ]
 
 
@@ -502,7 +502,7 @@ API_ERRORS = [
     (f"{API_TEAM}members/alice/", {"max_cards": "two"}, "max_cards", "Give a whole number"),
     (f"{API_TEAM}members/alice/", {"max_gb": -1}, "max_gb", "Give 0 or more"),
     (f"{API_TEAM}members/alice/", {"max_booking_hours": 1.5}, "max_booking_hours", "Give a whole number"),
-    (f"{API_TEAM}members/alice/", {"max_gb": 81}, "max_gb", "allows 80 GB at once; set at most 80"),
+    (f"{API_TEAM}members/alice/", {"max_gb": 81}, "max_gb", "allows 80 GiB at once; set at most 80"),
     (f"{API_TEAM}members/alice/", {"max_card": 1}, "max_card", "use one of max_cards"),
     (f"{API_TEAM}members/alice/", {"role": "leader"}, "role", "Not a quota setting"),
     (API_TEAM, {"gpu_hours_per_week": 10**12}, "gpu_hours_per_week", "at most 1000000"),

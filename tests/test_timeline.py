@@ -53,7 +53,7 @@ def test_it_lists_every_card_with_reserve_links(client, alice, box):
     assert html.index('data-gpu-uuid="GPU-box1-00"') < html.index('data-gpu-uuid="GPU-box1-03"')
     assert f"{reverse('reservation_new')}?server=box1&amp;gpu=GPU-box1-02" in html
     assert f"{reverse('reservation_new')}?server=box1" in html
-    assert "23.2 GB bookable" in html
+    assert "23.2 GiB bookable" in html
     assert '<span class="badge online">Online</span>' in html
     assert html.count("free all 7 days") == 4
 
@@ -92,7 +92,7 @@ def test_it_stacks_overlapping_shared_bookings_without_overlap_on_screen(alice, 
         ("you", "own", share, share),
         ("you", "own", 0, round(100 * 4096 / BOOKABLE, 3)),
     ]
-    assert all(b["memory"] in ("8 GB", "4 GB") for b in bars)
+    assert all(b["memory"] in ("8 GiB", "4 GiB") for b in bars)
     for i, a in enumerate(bars):
         for b in bars[i + 1 :]:
             in_time = a["left"] < b["left"] + b["width"] and b["left"] < a["left"] + a["width"]

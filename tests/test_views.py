@@ -87,17 +87,6 @@ def test_it_refuses_a_wrong_password_with_a_message(client, alice):
     assert "Please enter a correct username and password" in response.content.decode()
 
 
-def test_it_regenerates_the_api_token_from_the_profile(client, alice):
-    client.force_login(alice)
-    client.post(reverse("regenerate_token"))
-    first = alice.auth_token.key
-    response = client.post(reverse("regenerate_token"), follow=True)
-    alice.refresh_from_db()
-    assert alice.auth_token.key != first
-    assert alice.auth_token.key in response.content.decode()
-    assert client.get(reverse("regenerate_token")).status_code == 405
-
-
 def test_it_serves_vendored_static_files_locally():
     html_assets = ["vendor/htmx-2.0.11.min.js", "vendor/chart-4.6.1.umd.min.js", "css/portal.css"]
     from django.contrib.staticfiles import finders

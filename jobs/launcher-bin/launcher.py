@@ -8,7 +8,10 @@ without this project on ``sys.path``)::
 so it imports nothing from the project and only the standard library at import time. TensorFlow is imported
 only when the script imports it (found with ``ast``); otherwise a ``sys.meta_path`` hook applies the settings
 if TensorFlow is imported indirectly later. The configuration comes as JSON in ``PORTAL_LAUNCH_CONFIG``
-(see ``DEFAULTS``); a missing or invalid value exits with code 2.
+(see ``DEFAULTS``); a missing or invalid value exits with code 2. Whatever the script then sets
+``CUDA_VISIBLE_DEVICES`` to, it stays on the booked cards the worker put there (see ``CudaDevices``).
+When the script imports Keras, every ``fit()`` also reports its metrics for the job's page, as
+``[portal-metrics] {json}`` lines (see ``MetricsReporter``).
 
 Python puts this file's folder first on ``sys.path``. That folder is not a package (its name is not even
 an identifier) and holds nothing but this file, so no project module can shadow the standard library's or
@@ -20,10 +23,15 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import json
+import math
 import os
 import runpy
 import sys
+import threading
+import time
+from collections.abc import Callable
 from types import ModuleType, TracebackType
 from typing import Any
 
@@ -141,6 +149,141 @@ def _env_summary() -> str:
 
 def _on_off(value: bool) -> str:
     return "on" if value else "off"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The booked cards
+
+CUDA_VAR = "CUDA_VISIBLE_DEVICES"
+_CUDA_KEY = os.fsencode(CUDA_VAR)  # how os.environ and os.environb both hold it (POSIX)
+NO_GPU = "-1"
+
+
+class CudaDevices:
+    """Keeps CUDA_VISIBLE_DEVICES on the booked cards, whatever the script sets it to.
+
+    The worker sets it to the booked cards' UUIDs, in booking order. Old tutorials set it to the host's
+    indices at the top of the script (``os.environ["CUDA_VISIBLE_DEVICES"] = "2"``), which would put the
+    job on somebody else's card. Here an index counts the booked cards, a name must be a booked card's,
+    anything else is dropped, and unsetting the variable (every card of the host) gives the booking back.
+    """
+
+    def __init__(self, booked: list[str]) -> None:
+        self.booked = booked
+        self._reported: set[str | None] = set()
+
+    def resolve(self, asked: str | None) -> str:
+        """The value for what the script asked; None: it unset the variable.
+
+        A value it returns maps to itself: os.environ's assignment maps, then calls os.putenv, which maps
+        again.
+        """
+        if asked is None:
+            return ",".join(self.booked)
+        cards = (self._booked_card(entry.strip()) for entry in asked.split(","))
+        kept = ",".join(dict.fromkeys(card for card in cards if card is not None))
+        # No card left means no GPU, as "-1" and "" say; an empty value stays empty in the script's eyes.
+        return kept or ("" if not asked.strip() else NO_GPU)
+
+    def _booked_card(self, entry: str) -> str | None:
+        if entry in self.booked:
+            return entry
+        try:
+            index = int(entry)
+        except ValueError:
+            # CUDA also takes a unique prefix of a UUID. A MIG device's id does not say its card: dropped.
+            named = [card for card in self.booked if entry and card.startswith(entry)]
+            return named[0] if len(named) == 1 else None
+        return self.booked[index] if 0 <= index < len(self.booked) else None
+
+    def assign(self, asked: str | None) -> str:
+        """resolve(), with a [portal] line in the job's log for each distinct value the script asks for."""
+        got = self.resolve(asked)
+        if asked not in self._reported:
+            self._reported.add(asked)
+            _err(self._describe(asked, got))
+        return got
+
+    def _describe(self, asked: str | None, got: str) -> str:
+        indices = [str(self.booked.index(card)) for card in got.split(",") if card in self.booked]
+        what = f"booked card{'s' if len(indices) > 1 else ''} {', '.join(indices)}" if indices else "no GPU"
+        if asked is None:
+            return (
+                f'{CUDA_VAR} unset by the script → "{got}" ({what}); '
+                "unset, it would mean every card of the host"
+            )
+        count = f"{len(self.booked)} booked card{'s' if len(self.booked) != 1 else ''}"
+        return (
+            f'{CUDA_VAR}="{asked}" asked by the script → "{got}" ({what}); '
+            f"indices count the {count} only, other cards are dropped"
+        )
+
+
+def _names_cuda(name: Any) -> bool:
+    try:
+        return os.fsencode(name) == _CUDA_KEY
+    except TypeError:
+        return False  # the real call reports the wrong type
+
+
+def _guarded_environ(devices: CudaDevices) -> type:
+    class GuardedEnviron(os._Environ):
+        """os.environ (and os.environb, which shares its data) with CUDA_VISIBLE_DEVICES on the booking."""
+
+        def __setitem__(self, key: Any, value: Any) -> None:
+            if self.encodekey(key) == _CUDA_KEY:
+                value = self.decodevalue(os.fsencode(devices.assign(os.fsdecode(self.encodevalue(value)))))
+            super().__setitem__(key, value)
+
+        def __delitem__(self, key: Any) -> None:
+            if self.encodekey(key) != _CUDA_KEY:
+                super().__delitem__(key)
+                return
+            # pop() comes here too. The variable stays: unset, it would mean every card of the host.
+            super().__setitem__(key, self.decodevalue(os.fsencode(devices.assign(None))))
+
+        def clear(self) -> None:
+            # MutableMapping.clear() pops until the mapping is empty, and this one never is.
+            for key in list(self):
+                del self[key]
+
+    return GuardedEnviron
+
+
+def guard_cuda_devices() -> None:
+    """Route every change the script makes to CUDA_VISIBLE_DEVICES through CudaDevices, before it runs.
+
+    os.environ (item assignment, update, setdefault, del, pop, clear) and os.putenv / os.unsetenv: the
+    value is mapped on its way into the process environment, so what frameworks read with getenv() when
+    CUDA starts (PyTorch, JAX) and what child processes inherit is the booking too, not only os.environ.
+    """
+    booked = os.environ.get(CUDA_VAR)
+    if booked is None:  # not started by a worker: no booking to keep
+        return
+    devices = CudaDevices([card.strip() for card in booked.split(",") if card.strip()])
+    real_putenv, real_unsetenv = os.putenv, os.unsetenv
+
+    @functools.wraps(real_putenv)
+    def putenv(name: Any, value: Any) -> None:
+        if _names_cuda(name):
+            asked = os.fsdecode(value)
+            # os.environ calls this with the value it has just mapped: that goes through without a line.
+            value = asked if devices.resolve(asked) == asked else devices.assign(asked)
+        real_putenv(name, value)
+
+    @functools.wraps(real_unsetenv)
+    def unsetenv(name: Any) -> None:
+        if _names_cuda(name):
+            real_putenv(name, devices.assign(None))
+        else:
+            real_unsetenv(name)
+
+    guarded = _guarded_environ(devices)
+    os.environ.__class__ = guarded
+    if os.supports_bytes_environ:
+        os.environb.__class__ = guarded
+    # os._Environ calls these module globals, so they map os.environ's changes as well.
+    os.putenv, os.unsetenv = putenv, unsetenv
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -314,7 +457,7 @@ def apply_tensorflow(tf: ModuleType, config: dict[str, Any]) -> str:
             + (
                 f"(CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "(CUDA_VISIBLE_DEVICES unset)"
             ),
-            f"memory_limit {mb} MB per GPU" if mb is not None else "memory_limit none",
+            f"memory_limit {mb} MiB per GPU" if mb is not None else "memory_limit none",
             f"allow_growth {_on_off(config['allow_growth'])}",
             f"threads {threads}",
             f"soft placement {_on_off(config['soft_placement'])}",
@@ -325,14 +468,15 @@ def apply_tensorflow(tf: ModuleType, config: dict[str, Any]) -> str:
     )
 
 
-class TensorFlowImportHook:
-    """Meta path finder: applies the settings right after an indirect ``import tensorflow`` completes."""
+class ImportHook:
+    """Meta path finder: calls ``then(module)`` right after ``import <name>`` completes, once."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.then = then
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "tensorflow":
+        if fullname != self.name:
             return None
         # Ask the finders after us directly (no importlib.util.find_spec: it would come back here).
         spec = None
@@ -346,25 +490,250 @@ class TensorFlowImportHook:
             return spec
         exec_module = loader.exec_module
 
-        def exec_then_apply(module: ModuleType) -> None:
+        def exec_then(module: ModuleType) -> None:
             exec_module(module)
             # Only now, not in find_spec: availability checks (importlib.util.find_spec) import nothing.
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-            try:
-                summary = apply_tensorflow(module, self.config)
-            except Exception as exc:  # never break the user's import over our settings
-                _err(f"could not apply the booking's TensorFlow settings: {type(exc).__name__}: {exc}")
-                return
-            _say(f"job {_job(self.config)} · {summary} · applied when TensorFlow was imported indirectly")
+            self.then(module)
 
         # Each find_spec builds a fresh loader, so patching this one touches only this import.
-        loader.exec_module = exec_then_apply
+        loader.exec_module = exec_then
         return spec
+
+
+def tensorflow_import_hook(config: dict[str, Any]) -> ImportHook:
+    """Applies the settings right after an indirect ``import tensorflow``."""
+
+    def apply(tf: ModuleType) -> None:
+        try:
+            summary = apply_tensorflow(tf, config)
+        except Exception as exc:  # never break the user's import over our settings
+            _err(f"could not apply the booking's TensorFlow settings: {type(exc).__name__}: {exc}")
+            return
+        _say(f"job {_job(config)} · {summary} · applied when TensorFlow was imported indirectly")
+
+    return ImportHook("tensorflow", apply)
 
 
 def _job(config: dict[str, Any]) -> str:
     return str(config["job_id"]) if config["job_id"] is not None else "?"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Training curves
+
+METRICS_PREFIX = "[portal-metrics]"  # jobs/metrics.py looks for the same
+KERAS_MODULES = ("keras", "tf_keras")  # Keras 3, and Keras 2 where TF_USE_LEGACY_KERAS brings it back
+BATCH_SECONDS = 1.0  # at most one batch record a second ...
+# ... and at most one batch record per 1/BATCH_SPREAD of the training time so far: a 3-day run still has
+# batch records from start to end, about BATCH_SPREAD · (1 + ln(T / 83 min)) of them (25,000).
+BATCH_SPREAD = 5000
+MAX_METRICS = 32  # per record; jobs/metrics.py stores no more
+MAX_NAME = 64
+# PIPE_BUF: one os.write() of at most this much to a pipe is atomic, so a record is never torn apart by
+# output that another thread of the job writes at the same moment.
+MAX_RECORD_BYTES = 4096
+_RESERVED = frozenset({"kind", "epoch", "step", "seq", "at"})  # the record's own keys, never metrics
+
+
+def _number(value: Any) -> float | None:
+    """A metric as a JSON-safe number: NaN and ±inf (a diverged loss) become null; ValueError/TypeError
+    for what is no scalar (a tensor of many values), which is left out."""
+    number = float(value)  # Python and numpy numbers, scalar tensors and Keras variables all convert
+    return number if math.isfinite(number) else None
+
+
+def _learning_rate(model: Any) -> float | None:
+    """The optimizer's current learning rate: a variable, a tensor, or a schedule Keras 2 leaves uncalled."""
+    try:
+        optimizer = model.optimizer
+        value = optimizer.learning_rate
+        if callable(value) and not hasattr(value, "dtype"):
+            value = value(optimizer.iterations)
+        return _number(value)
+    except Exception:  # no optimizer, a custom one, a schedule that wants more: no learning rate
+        return None
+
+
+def _reporting(method: Callable[..., None]) -> Callable[..., None]:
+    """Never raise into the user's training: the first failure turns the records off, with a line."""
+
+    @functools.wraps(method)
+    def call(self: MetricsReporter, *args: Any) -> None:
+        if self.off:
+            return
+        try:
+            method(self, *args)
+        except Exception as exc:
+            self.off = True
+            _err(f"training curves stopped: {type(exc).__name__}: {exc}")
+
+    return call
+
+
+class MetricsReporter:
+    """Writes Keras's training metrics as ``[portal-metrics] {json}`` lines: the job's training curves.
+
+    An epoch record holds the epoch's logs (loss, the compiled metrics, their ``val_*``) and the learning
+    rate; a batch record the running logs of the epoch, at most one a BATCH_SECONDS. ``epoch`` counts
+    from 1, as "Epoch 3/10" in the log; ``step`` counts training batches over every fit() of the
+    process, so the records of a second fit() follow the first's on one axis.
+
+    The worker reads the job's stdout and stderr as one pipe, takes these lines out of the log and stores
+    them (jobs/metrics.py). They go to a duplicate of the job's stdout made before the script ran, one
+    os.write each: a script that redirects sys.stdout or fd 1 still has its curves, and no record waits
+    in a buffer. One instance per process; Keras may call it from a thread of its own (batch ends).
+    """
+
+    def __init__(self, fd: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.fd = fd
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.off = False
+        self.epoch: int | None = None
+        self.steps_done = 0  # batches of the finished epochs, of every fit() so far
+        self.epoch_steps = 0  # batches into the current epoch
+        self.first_batch_at: float | None = None
+        self.last_batch_at: float | None = None
+
+    @_reporting
+    def epoch_begin(self, epoch: int) -> None:
+        with self.lock:
+            self.epoch = int(epoch) + 1
+            self.epoch_steps = 0
+
+    @_reporting
+    def batch_end(self, batch: int, logs: dict[str, Any] | None) -> None:
+        with self.lock:
+            # Keras passes the last batch of the call (steps_per_execution runs several at once); the
+            # calls may come from its thread pool, so not necessarily in order.
+            self.epoch_steps = max(self.epoch_steps, int(batch) + 1)
+            now = self.clock()
+            if self.first_batch_at is None:
+                self.first_batch_at = now
+            gap = max(BATCH_SECONDS, (now - self.first_batch_at) / BATCH_SPREAD)
+            if self.last_batch_at is not None and now - self.last_batch_at < gap:
+                return
+            self.last_batch_at = now
+            self._write("batch", self.steps_done + self.epoch_steps, logs)
+
+    @_reporting
+    def epoch_end(self, epoch: int, logs: dict[str, Any] | None, model: Any) -> None:
+        with self.lock:
+            self.epoch = int(epoch) + 1
+            self.steps_done += self.epoch_steps
+            self.epoch_steps = 0
+            values = dict(logs or {})
+            # A LearningRateScheduler or ReduceLROnPlateau already put the epoch's rate there.
+            if "learning_rate" not in values:
+                values["learning_rate"] = _learning_rate(model)
+            self._write("epoch", self.steps_done, values)
+
+    def _write(self, kind: str, step: int, logs: dict[str, Any] | None) -> None:
+        record: dict[str, Any] = {"kind": kind, "epoch": self.epoch, "step": step}
+        metrics = 0
+        for name, value in (logs or {}).items():
+            if metrics == MAX_METRICS:
+                break
+            if not isinstance(name, str) or name in _RESERVED or not 0 < len(name) <= MAX_NAME:
+                continue
+            try:
+                record[name] = _number(value)
+            except (TypeError, ValueError):
+                continue
+            metrics += 1
+        line = f"{METRICS_PREFIX} {json.dumps(record, separators=(',', ':'), allow_nan=False)}\n".encode()
+        if len(line) <= MAX_RECORD_BYTES:
+            os.write(self.fd, line)
+
+
+def _curves_callback(base: type, reporter: MetricsReporter) -> type:
+    """A subclass of this Keras's Callback that hands every event to the reporter."""
+
+    class PortalTrainingCurves(base):  # type: ignore[misc,valid-type]
+        """Added to each fit() by the portal's launcher: reports the metrics for the job's page."""
+
+        # Thread-safe: Keras may go on dispatching batch ends to its thread pool, as without us.
+        async_safe = True
+
+        def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+            reporter.epoch_begin(epoch)
+
+        def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+            reporter.batch_end(batch, logs)
+
+        def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+            reporter.epoch_end(epoch, logs, self.model)
+
+    return PortalTrainingCurves
+
+
+def _fit_with_curves(fit: Callable[..., Any], callback: type) -> Callable[..., Any]:
+    """``Model.fit`` that appends one ``callback`` to the script's callbacks.
+
+    The script's list itself is never changed (a list reused for a second fit() gets one callback again,
+    not two), and a callbacks argument that is no list (a CallbackList) is left as it is.
+    """
+    signature = inspect.signature(fit)  # follows __wrapped__: Keras's traceback filter wraps fit
+
+    @functools.wraps(fit)
+    def fit_with_curves(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return fit(self, *args, **kwargs)  # a wrong call: Keras says what is wrong, as usual
+        theirs = bound.arguments.get("callbacks")
+        if theirs is None or isinstance(theirs, list | tuple):
+            theirs = list(theirs or ())
+            if not any(isinstance(each, callback) for each in theirs):
+                theirs.append(callback())
+            bound.arguments["callbacks"] = theirs
+        return fit(*bound.args, **bound.kwargs)
+
+    fit_with_curves._portal_wrapped = True  # type: ignore[attr-defined]
+    return fit_with_curves
+
+
+def add_training_curves(keras: ModuleType, reporter: MetricsReporter) -> None:
+    """Wrap the public ``Model.fit`` of a Keras that has just been imported.
+
+    On the public class (Keras 3: ``keras.Model``, over the backend trainer's fit), so that Sequential,
+    functional models and the script's own subclasses inherit it; a subclass that overrides fit()
+    comes through it with its super().fit().
+    """
+    model = getattr(keras, "Model", None)
+    base = _resolve(keras, "callbacks.Callback")
+    fit = getattr(model, "fit", None)
+    if base is None or fit is None or getattr(fit, "_portal_wrapped", False):
+        return
+    if "callbacks" not in inspect.signature(fit).parameters:
+        return
+    model.fit = _fit_with_curves(fit, _curves_callback(base, reporter))  # type: ignore[union-attr]
+
+
+def install_training_curves() -> None:
+    """Report the metrics of every Keras fit(): now for a Keras already imported, else when it is.
+
+    Before TensorFlow is imported: TensorFlow's own import imports Keras.
+    """
+    try:
+        fd = os.dup(1)  # not inherited by the script's subprocesses
+    except OSError:
+        return  # no stdout: nowhere to report to
+    reporter = MetricsReporter(fd)
+
+    def add(keras: ModuleType) -> None:
+        try:
+            add_training_curves(keras, reporter)
+        except Exception as exc:  # never break the user's import over the curves
+            _err(f"no training curves: {type(exc).__name__}: {exc}")
+
+    for name in KERAS_MODULES:
+        if name in sys.modules:
+            add(sys.modules[name])
+        else:
+            sys.meta_path.insert(0, ImportHook(name, add))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -411,6 +780,7 @@ def main(argv: list[str]) -> int:
         _err(str(exc))
         return 2
     os.environ.pop(CONFIG_VAR, None)  # the script's own subprocesses must not think they are launched
+    guard_cuda_devices()
     job = _job(config)
     with open(script, "rb") as fh:
         source = fh.read()
@@ -420,6 +790,7 @@ def main(argv: list[str]) -> int:
     sys.argv = [script, *argv[1:]]
 
     env = _env_summary()
+    install_training_curves()
     if uses_tensorflow(source):
         try:
             import tensorflow as tf
@@ -433,7 +804,7 @@ def main(argv: list[str]) -> int:
     else:
         _say(f"job {job} · no TensorFlow import in the script: settings via environment only ({env})")
         if "tensorflow" not in sys.modules:
-            sys.meta_path.insert(0, TensorFlowImportHook(config))
+            sys.meta_path.insert(0, tensorflow_import_hook(config))
 
     try:
         # The path as given, not made absolute: run_path sets sys.argv[0] to it (so __file__ is relative

@@ -8,6 +8,7 @@ that stop kills it all at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -23,18 +24,28 @@ from portal.services import demo_data_seed
 from portal.supervisor import ChildSpec, ProcessSupervisor
 from portal.workers import worker_argv
 
+log = logging.getLogger(__name__)
+
 
 def _worker_servers() -> tuple[list[str], bool]:
-    """This host when an NVIDIA driver answers, else every server of the simulated inventory."""
+    """This host when NVML is installed, else every server of the simulated inventory.
+
+    A driver that is installed but fails to initialise is still this host's: its worker starts
+    with GPU_BACKEND=nvml, says so loudly and retries (gpus/telemetry.py), rather than showing
+    a simulation in place of a broken real machine."""
     if settings.GPU_BACKEND != "simulated":
-        from gpus.nvml import NvmlBackend
+        from gpus.nvml import NvmlBackend, NvmlNotInstalled
 
         try:
             NvmlBackend(settings.WORKER_SERVER).close()
-            return [settings.WORKER_SERVER], False
-        except BackendUnavailable as exc:
+        except NvmlNotInstalled as exc:
             if settings.GPU_BACKEND == "nvml":
-                raise CommandError(f"GPU_BACKEND=nvml but NVML is unavailable: {exc}") from exc
+                raise CommandError(f"GPU_BACKEND=nvml but NVML is not installed: {exc}") from exc
+        except BackendUnavailable as exc:
+            log.error("NVML is installed but failed to start (%s); the host worker will keep retrying", exc)
+            return [settings.WORKER_SERVER], False
+        else:
+            return [settings.WORKER_SERVER], False
     from gpus.simulated import server_names
 
     return server_names(Path(settings.SIMULATED_INVENTORY) if settings.SIMULATED_INVENTORY else None), True

@@ -1,0 +1,304 @@
+"""Idle bookings: the idle clock, the owner's warning, and the team's optional auto-release.
+
+A card is *idle* when the portal knows it is unused: telemetry fresher than
+SERVER_OFFLINE_AFTER_SECONDS, state ok, a process list that could be read and is empty, and
+utilization below IDLE_UTIL_PCT. Anything unknown (an offline server, a lost or unresponsive card,
+an unreadable process list, no utilization figure) is not idle. A memory share counts the whole
+card: it is idle only when the card has no process at all, anyone's, since the portal cannot tell
+a share's own work from its neighbours' by utilization. So a busy neighbour keeps a share from
+being released; never the reverse.
+
+An active booking is idle when every one of its cards is. Each round (`idle_check`, every
+IDLE_CHECK_SECONDS in the portal's worker) moves its clock:
+
+- idle, no stretch open → a stretch starts (`idle_since`);
+- idle, stretch open → whole minutes since the last count go to `idle_minutes`;
+- not idle, or unknown → the stretch ends; the next idle round starts a new one.
+
+Only time between two rounds that both saw the booking idle is counted, so a checker that was
+down (the worker restarting, the database away) never counts the gap: a stretch whose last count
+is older than a few rounds starts again. After IDLE_WARN_MINUTES of one stretch the owner is told,
+once per stretch; if the booking's team has `auto_release_idle` on, the portal releases it
+IDLE_RELEASE_MINUTES after that warning, through gpus.booking like any release.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import close_old_connections, transaction
+from django.db.models import Exists, OuterRef, Prefetch
+from django.urls import reverse
+from django.utils import timezone
+
+from gpus.booking import PORTAL, reservation_release
+from gpus.inventory import CardState
+from gpus.models import GPU, Allocation, GPUProcess, Reservation
+from portal.access import can_manage_team, only_managers
+from portal.errors import Forbidden, ServiceError
+from portal.models import AuditEntry, Notification, Team
+from portal.notifications import notification_send
+from portal.periodic import PeriodicThread, start_thread
+from portal.timefmt import format_time
+
+log = logging.getLogger(__name__)
+
+MINUTE = timedelta(minutes=1)
+CLOCK_FIELDS = ["idle_since", "idle_minutes", "idle_counted_until", "idle_warned_at"]
+
+
+# --- the rule ----------------------------------------------------------------------------------
+
+
+def card_idle(gpu: GPU, *, has_processes: bool, now: datetime) -> bool:
+    """Known to be unused at `now`; unknown is never idle (see the module docstring)."""
+    fresh_after = now - timedelta(seconds=settings.SERVER_OFFLINE_AFTER_SECONDS)
+    return (
+        gpu.updated_at is not None
+        and gpu.updated_at >= fresh_after
+        and gpu.state == CardState.OK
+        and gpu.processes_known
+        and not has_processes
+        and gpu.utilization_pct is not None
+        and gpu.utilization_pct < settings.IDLE_UTIL_PCT
+    )
+
+
+def booking_idle(reservation: Reservation, now: datetime) -> bool:
+    """Every card idle. Needs `allocations` loaded as `_active_bookings` does (gpu, has_processes)."""
+    allocations = reservation.allocations.all()
+    return bool(allocations) and all(
+        card_idle(a.gpu, has_processes=a.has_processes, now=now) for a in allocations
+    )
+
+
+def release_due_at(reservation: Reservation) -> datetime | None:
+    """When the portal releases this booking if it stays idle; None when it never will."""
+    if not (reservation.team.auto_release_idle and reservation.idle_warned_at):
+        return None
+    return reservation.idle_warned_at + timedelta(minutes=settings.IDLE_RELEASE_MINUTES)
+
+
+def idle_for(reservation: Reservation, now: datetime) -> int:
+    """Whole minutes of the current stretch."""
+    return (now - reservation.idle_since) // MINUTE if reservation.idle_since else 0
+
+
+# --- the round ---------------------------------------------------------------------------------
+
+
+@dataclass
+class IdleRound:
+    """What one round found and did, by reservation id."""
+
+    idle: list[int] = field(default_factory=list)
+    warned: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+
+
+def idle_check(*, now: datetime | None = None) -> IdleRound:
+    """One round over every active booking: move the idle clocks, warn, auto-release.
+
+    A fixed handful of queries for the clocks, whatever the number of bookings: one UPDATE for
+    bookings that stopped being active, two reads (bookings; their cards with a process flag), one
+    bulk UPDATE. Warnings and releases cost their own statements, and are rare.
+
+    A re-run, or a second checker, is harmless: a warning is claimed with a conditional UPDATE
+    (once per stretch), and a release goes through `reservation_release`, which refuses a booking
+    that is no longer active.
+    """
+    now = now or timezone.now()
+    _forget_ended(now)
+    bookings = _active_bookings(now)
+    done = IdleRound()
+    changed = []
+    for reservation in bookings:
+        idle = booking_idle(reservation, now)
+        if idle:
+            done.idle.append(reservation.pk)
+        if _advance(reservation, idle, now):
+            changed.append(reservation)
+    Reservation.objects.bulk_update(changed, CLOCK_FIELDS)
+    for reservation in bookings:
+        if _warning_due(reservation, now) and _warn(reservation, now):
+            done.warned.append(reservation.pk)
+        due = release_due_at(reservation)
+        if due and due <= now and _release(reservation, now):
+            done.released.append(reservation.pk)
+    return done
+
+
+def _forget_ended(now: datetime) -> None:
+    """Close the stretch of bookings that ended, or were released or cancelled, since last round."""
+    active = Reservation.objects.with_status("active", now).values("pk")
+    stale = Reservation.objects.filter(idle_since__isnull=False).exclude(pk__in=active)
+    stale.update(idle_since=None, idle_counted_until=None, idle_warned_at=None)
+
+
+def _active_bookings(now: datetime) -> list[Reservation]:
+    cards = Allocation.objects.select_related("gpu__server").annotate(
+        has_processes=Exists(GPUProcess.objects.filter(gpu_id=OuterRef("gpu_id")))
+    )
+    bookings = Reservation.objects.with_status("active", now).select_related("owner", "team")
+    return list(bookings.prefetch_related(Prefetch("allocations", queryset=cards)).order_by("pk"))
+
+
+def _lapse() -> timedelta:
+    """A stretch counted longer ago than this was not watched since: start it again. The last
+    count trails the last round by under a minute; this allows two missed rounds."""
+    return MINUTE + 3 * timedelta(seconds=settings.IDLE_CHECK_SECONDS)
+
+
+def _advance(reservation: Reservation, idle: bool, now: datetime) -> bool:
+    """Move the booking's clock in memory; True when it changed."""
+    r = reservation
+    if not idle:
+        if r.idle_since is None:
+            return False
+        r.idle_since = r.idle_counted_until = r.idle_warned_at = None
+        return True
+    if r.idle_since is None or r.idle_counted_until is None or now - r.idle_counted_until > _lapse():
+        r.idle_since = r.idle_counted_until = now
+        r.idle_warned_at = None
+        return True
+    minutes = max(0, (now - r.idle_counted_until) // MINUTE)
+    if not minutes:
+        return False
+    r.idle_minutes += minutes
+    r.idle_counted_until += minutes * MINUTE  # the rest of a minute counts next round
+    return True
+
+
+def _warning_due(reservation: Reservation, now: datetime) -> bool:
+    return (
+        reservation.idle_since is not None
+        and reservation.idle_warned_at is None
+        and now - reservation.idle_since >= timedelta(minutes=settings.IDLE_WARN_MINUTES)
+    )
+
+
+def _warn(reservation: Reservation, now: datetime) -> bool:
+    """Claim the stretch's one warning and send it; False when another round already did."""
+    with transaction.atomic():
+        claimed = Reservation.objects.filter(
+            pk=reservation.pk, idle_since=reservation.idle_since, idle_warned_at=None
+        ).update(idle_warned_at=now)
+        if not claimed:
+            return False
+        reservation.idle_warned_at = now
+        notification_send(
+            user=reservation.owner,
+            kind=Notification.Kind.IDLE_BOOKING,
+            subject=f"Booking {reservation.pk} is idle: {reservation.summary}",
+            body=_warning_body(reservation, now),
+            url=f"{reverse('reservation_detail', args=[reservation.pk])}#actions",
+            key=f"idle:{reservation.pk}",
+        )
+    log.info("Reservation %s idle for %s min: owner warned", reservation.pk, idle_for(reservation, now))
+    return True
+
+
+def _warning_body(reservation: Reservation, now: datetime) -> str:
+    r = reservation
+    what = (
+        f"Your booking {r.pk} ({r.summary}, until {format_time(r.end)}) has been idle for "
+        f"{idle_for(r, now)} minutes, since {format_time(r.idle_since)}: no process on its cards "
+        f"and utilization below {settings.IDLE_UTIL_PCT}%."
+    )
+    due = release_due_at(r)
+    if due:
+        next_ = (
+            f"{r.team} releases idle bookings automatically: the portal will release this one at "
+            f"{format_time(due)} unless its cards are used before then."
+        )
+    else:
+        next_ = "Nothing happens automatically: the cards stay yours until the booking ends."
+    return (
+        f"{what}\n\n{next_}\n\n"
+        "If you are done, release it now so that others can use the cards: one click on "
+        '"Release now" on its page. If you still need them, start your work.'
+    )
+
+
+def _release(reservation: Reservation, now: datetime) -> bool:
+    """Release it as the portal and tell the owner; False when it is no longer active."""
+    minutes = idle_for(reservation, now)
+    try:
+        with transaction.atomic():
+            reservation_release(
+                user=PORTAL, reservation=reservation.pk, now=now, reason=f"idle for {minutes} minutes"
+            )
+            notification_send(
+                user=reservation.owner,
+                kind=Notification.Kind.BOOKING_RELEASED,
+                subject=f"Booking {reservation.pk} released: idle for {minutes} minutes",
+                body=(
+                    f"The portal released your booking {reservation.pk} ({reservation.summary}) at "
+                    f"{format_time(now)}: its cards had been idle for {minutes} minutes, since "
+                    f"{format_time(reservation.idle_since)}, and {reservation.team} releases idle "
+                    f"bookings automatically {settings.IDLE_RELEASE_MINUTES} minutes after the "
+                    "warning. The cards are free for others now; book again when you need them."
+                ),
+                url=reverse("reservation_detail", args=[reservation.pk]),
+                key=f"released:{reservation.pk}",
+            )
+    except ServiceError as error:  # released, cancelled or ended since this round's read
+        log.info("Reservation %s not auto-released: %s", reservation.pk, error.message)
+        return False
+    log.info("Reservation %s released: idle for %s min", reservation.pk, minutes)
+    return True
+
+
+# --- the team's setting ------------------------------------------------------------------------
+
+
+@transaction.atomic
+def team_auto_release_set(*, actor: AbstractBaseUser, team: Team, on: bool) -> Team:
+    """Turn the auto-release of the team's idle bookings on or off (its leaders and admins).
+    Audited; nothing is written when nothing changes.
+
+    Turning it on makes bookings already warned get a new warning, which names their release
+    time: nobody is released on a warning that said nothing would happen.
+    """
+    if not can_manage_team(actor, team):
+        raise Forbidden(only_managers(team))
+    other = Team.objects.filter(pk=team.pk).exclude(auto_release_idle=on)
+    team.auto_release_idle = on
+    if not other.exists():
+        return team
+    if on:
+        # The reservations' rows before the team's: the booking services' lock order.
+        Reservation.objects.filter(team=team).exclude(idle_warned_at=None).update(idle_warned_at=None)
+    if not other.update(auto_release_idle=on):  # someone else changed it a moment ago
+        return team
+    AuditEntry.objects.create(
+        actor=actor,
+        team=team,
+        action=AuditEntry.Action.TEAM_AUTO_RELEASE,
+        target=f"team {team.slug}",
+        message=f"{actor} turned {'on' if on else 'off'} the auto-release of idle bookings in {team}",
+        data={"auto_release_idle": [not on, on]},
+    )
+    return team
+
+
+# --- the thread --------------------------------------------------------------------------------
+
+
+class IdleChecker(PeriodicThread):
+    def __init__(self) -> None:
+        super().__init__("idle-booking-checker", settings.IDLE_CHECK_SECONDS)
+
+    def step(self) -> None:
+        close_old_connections()  # a restarted database must not kill the loop
+        idle_check()  # logs each warning and release itself
+
+
+def start_checker() -> None:
+    """In the portal's own worker only (gpus/signals.py): one checker for the whole portal."""
+    log.info("Idle-booking check every %ss", settings.IDLE_CHECK_SECONDS)
+    start_thread(IdleChecker())

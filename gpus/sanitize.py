@@ -1,0 +1,112 @@
+"""Range checks on what a host reports, before the ingest stores it.
+
+A report is data from another machine, and parts of it (a process's command line, its user
+name) come from users' processes. One out-of-range number must never abort the round's
+transaction, which holds every host's telemetry: a value that does not fit its column
+becomes "unknown" (None), a process without a usable pid is dropped, a card without a usable
+UUID is dropped, and a host whose name is no server name is dropped whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import replace
+
+from gpus.inventory import CardState, GPUInfo, HostInfo, ProcessInfo, Snapshot
+
+log = logging.getLogger(__name__)
+
+# The columns' bounds (PostgreSQL integer / smallint; PositiveIntegerField checks >= 0).
+INT_MAX = 2**31 - 1
+SMALLINT_MAX = 2**15 - 1
+BIGINT_MAX = 2**63 - 1
+# Physical bounds, tighter than the columns where a value outside them can only be garbage.
+TEMPERATURE_C = (-50, 150)
+POWER_W = (0.0, 100_000.0)
+UUID_MAX_CHARS = 64
+SERVER_NAME = re.compile(r"^[-a-zA-Z0-9_]{1,63}$")
+
+
+def int_in(value: object, low: int, high: int) -> int | None:
+    """`value` when it is an int (not a bool) within [low, high]; otherwise None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if low <= value <= high else None
+
+
+def float_in(value: object, low: float, high: float) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and low <= value <= high else None
+
+
+def text(value: object, max_chars: int) -> str:
+    if not isinstance(value, str):
+        return ""
+    return "".join(ch if ch.isprintable() else " " for ch in value)[:max_chars]
+
+
+def checked_snapshot(snapshot: Snapshot) -> Snapshot | None:
+    """The snapshot with every value in range, or None when its host cannot be named."""
+    host = snapshot.host
+    if not isinstance(host.name, str) or not SERVER_NAME.match(host.name):
+        log.warning("Dropped a report from a host named %r: not a server name", host.name)
+        return None
+    gpus = tuple(card for g in snapshot.gpus if (card := _checked_card(g)) is not None)
+    return Snapshot(host=_checked_host(host), gpus=gpus)
+
+
+def _checked_host(host: HostInfo) -> HostInfo:
+    return HostInfo(
+        name=host.name,
+        hostname=text(host.hostname, 255),
+        driver_version=text(host.driver_version, 32),
+        cuda_version=text(host.cuda_version, 16),
+        cpu_count=int_in(host.cpu_count, 0, INT_MAX) or 0,
+        ram_mb=int_in(host.ram_mb, 0, BIGINT_MAX) or 0,
+        simulated=host.simulated is True,
+    )
+
+
+def _checked_card(g: GPUInfo) -> GPUInfo | None:
+    index = int_in(g.index, 0, SMALLINT_MAX)
+    if not isinstance(g.uuid, str) or not 0 < len(g.uuid) <= UUID_MAX_CHARS or index is None:
+        log.warning("Dropped a card reported as %r, index %r: no usable UUID or index", g.uuid, g.index)
+        return None
+    total = int_in(g.memory_total_mb, 0, INT_MAX) or 0
+    processes = None
+    if g.processes is not None:
+        processes = tuple(p for p in map(_checked_process, g.processes) if p is not None)
+    return replace(
+        g,
+        index=index,
+        name=text(g.name, 100) or "Unknown GPU",
+        pci_bus_id=text(g.pci_bus_id, 32),
+        memory_total_mb=total,
+        memory_reserved_mb=int_in(g.memory_reserved_mb, 0, total) or 0,
+        memory_used_mb=int_in(g.memory_used_mb, 0, INT_MAX),
+        utilization_pct=int_in(g.utilization_pct, 0, 100),
+        temperature_c=int_in(g.temperature_c, *TEMPERATURE_C),
+        power_w=float_in(g.power_w, *POWER_W),
+        power_limit_w=float_in(g.power_limit_w, *POWER_W),
+        mig_mode=g.mig_mode if g.mig_mode in ("enabled", "disabled") else None,
+        processes=processes,
+        state=g.state if g.state in CardState.ALL else CardState.OK,
+    )
+
+
+def _checked_process(p: ProcessInfo) -> ProcessInfo | None:
+    pid = int_in(p.pid, 1, INT_MAX)
+    if pid is None:
+        return None
+    return ProcessInfo(
+        pid=pid,
+        username=text(p.username, 64) or "?",
+        command=text(p.command, 300),
+        used_memory_mb=int_in(p.used_memory_mb, 0, INT_MAX),
+        session_id=int_in(p.session_id, 1, INT_MAX),
+        job_id=None,  # never taken from a report: the ingest resolves it from the session
+    )

@@ -1,0 +1,39 @@
+"""The Violations page: what the GPU watchdog found (jobs/watchdog_host.py writes the rows).
+
+Admins see every violation; leaders those of their teams' people and bookings; everyone the
+ones they caused and the ones on their own bookings (`Violation.objects.visible_to`)."""
+
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_GET
+
+from gpus.filters import ViolationFilter
+from gpus.models import Violation
+from portal.filters import filter_list
+
+PAGE_SIZE = 50
+
+
+def _visible(request: HttpRequest):  # type: ignore[no-untyped-def]
+    return Violation.objects.visible_to(request.user).select_related(
+        "gpu__server", "user", "reservation__owner"
+    )
+
+
+@require_GET
+@login_required
+def violations(request: HttpRequest) -> HttpResponse:
+    filter_form, rows = filter_list(request, ViolationFilter, _visible(request))
+    page = Paginator(rows.order_by("-first_seen", "-id"), PAGE_SIZE).get_page(request.GET.get("page"))
+    return render(request, "gpus/violations.html", {"filter_form": filter_form, "page": page})
+
+
+@require_GET
+@login_required
+def violation_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    violation = get_object_or_404(_visible(request), pk=pk)  # 404 for what the user may not see
+    return render(request, "gpus/violation_detail.html", {"v": violation})

@@ -1,0 +1,281 @@
+"""The queue's scheduler: a thread of the portal's worker that starts pending jobs when cards free up.
+
+Every QUEUE_SCHEDULE_SECONDS, and at once when a booking is released or cancelled or a job ends
+(portal.wakeups), one pass: gather the facts (pending jobs, the cards of the online servers and
+their bookings, the teams' and members' shares and decayed usage), let `jobs.queue.plan` decide,
+then start what it chose. A job starts by booking its cards for [now, now + its time limit)
+through the booking service, so double-booking protection, quotas and the audit log all hold,
+and is then dispatched like any job. When it ends, its booking is released (`queued_job_ended`).
+
+Safe to run twice at once: each start is a conditional UPDATE on the job (PENDING → QUEUED) in
+the booking's transaction, and the booking service's row locks settle two passes racing for a
+card (the loser gets a Conflict and tries again next pass).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import close_old_connections, transaction
+from django.db.models import Count
+from django.utils import timezone
+
+from gpus.booking import PORTAL, reservation_create, reservation_release
+from gpus.models import GPU, Allocation, Reservation, Server
+from jobs.models import Job
+from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
+from jobs.services import cpu_share, default_threads, dispatch
+from portal.errors import Conflict, Invalid, QuotaExceeded
+from portal.models import Membership, Team
+from portal.periodic import PeriodicThread
+from portal.wakeups import client, wait, wake_on_commit
+
+log = logging.getLogger(__name__)
+
+# The booking of a queued job outlasts its time limit by this much, so the limit (not the
+# booking's end) stops it, and says so.
+START_SLACK = timedelta(minutes=1)
+USAGE_CACHE_SECONDS = 60
+_usage_cache: tuple[datetime, Shares, Usage] | None = None
+
+
+def queue_plan(*, now: datetime | None = None) -> list[Entry]:
+    """The plan as it stands: every pending job in priority order, with its factors, reason and
+    estimated start (the Queue page, GET /api/v1/queue/, and each pass)."""
+    now = now or timezone.now()
+    requests = _pending()
+    if not requests:
+        return []
+    shares, usage = fairshare_state(now)
+    online = list(Server.objects.online().values_list("pk", "draining"))
+    # The calendar as far as the longest pending job reaches, and QUEUE_ESTIMATE_HORIZON_HOURS on:
+    # enough to start any of them safely now, and to estimate starts within the horizon.
+    longest = max(r.minutes for r in requests)
+    horizon = now + timedelta(minutes=longest, hours=settings.QUEUE_ESTIMATE_HORIZON_HOURS)
+    return plan(
+        requests,
+        _calendar(now, [pk for pk, _ in online], horizon),
+        shares=shares,
+        usage=usage,
+        weights=Weights(
+            fairshare=settings.QUEUE_FAIRSHARE_WEIGHT,
+            age=settings.QUEUE_AGE_WEIGHT,
+            age_max=timedelta(hours=settings.QUEUE_AGE_MAX_HOURS),
+        ),
+        depth=settings.QUEUE_BACKFILL_DEPTH,
+        draining={pk for pk, draining in online if draining},
+        array_room=_array_room({r.array_id for r in requests if r.array_id}),
+    )
+
+
+def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
+    """One pass: start what the plan says can start now; record why the others wait."""
+    now = now or timezone.now()
+    done: Counter[str] = Counter()
+    done["released"] = _release_ended(now)
+    entries = queue_plan(now=now)
+    reasons: dict[str, list[int]] = defaultdict(list)
+    for entry in entries:
+        reason = entry.reason
+        if entry.start_now:
+            reason = _start(entry, now)
+            done[reason or "started"] += 1
+        if reason:
+            reasons[reason].append(entry.request.job_id)
+    for reason, ids in reasons.items():
+        Job.objects.filter(pk__in=ids, status=Job.Status.PENDING).exclude(pending_reason=reason).update(
+            pending_reason=reason
+        )
+    done["pending"] = sum(len(ids) for ids in reasons.values())
+    return dict(done)
+
+
+def _release_ended(now: datetime) -> int:
+    """Bookings of queued jobs that ended without their worker releasing them (lost, cancelled
+    before a worker took them): released here."""
+    released = 0
+    for job in Job.objects.filter(
+        queued=True,
+        status__in=Job.FINISHED,
+        reservation__released_at=None,
+        reservation__cancelled_at=None,
+        reservation__end__gt=now,
+    ).select_related("reservation"):
+        with transaction.atomic():
+            queued_job_ended(job, now=now)
+        released += 1
+    return released
+
+
+def _start(entry: Entry, now: datetime) -> str:
+    """Book the plan's cards and dispatch the job; '' when started, else why it still waits."""
+    r = entry.request
+    try:
+        with transaction.atomic():
+            job = Job.objects.select_related("owner", "team").get(pk=r.job_id)
+            if job.status != Job.Status.PENDING:
+                return ""  # cancelled meanwhile, or another pass started it
+            booking = reservation_create(
+                user=job.owner,
+                team=job.team,
+                gpus=entry.start_now,
+                memory_mb=job.memory_mb,
+                start=now,
+                end=now + timedelta(minutes=r.minutes) + START_SLACK,
+                note=f"Queued job {job.pk} ({job.name})",
+                now=now,
+            )
+            _bind(job, booking, now)
+            dispatch(job, now)
+    except QuotaExceeded as refusal:
+        log.info("Job %s waits for its quota: %s", r.job_id, refusal.message)
+        return Job.Reason.QUOTA
+    except (Conflict, Invalid) as refusal:  # a manual booking took a card since the plan read them
+        log.info("Job %s could not start this pass: %s", r.job_id, refusal.message)
+        return Job.Reason.RESOURCES
+    log.info("Started queued job %s on %s", r.job_id, ", ".join(entry.start_now))
+    return ""
+
+
+def _bind(job: Job, booking: Reservation, now: datetime) -> None:
+    """PENDING → QUEUED on its new booking, its threads defaulting to the booking's CPU share."""
+    allocations = list(booking.allocations.select_related("gpu__server").order_by("gpu__index"))
+    server = allocations[0].gpu.server
+    intra, inter = default_threads(cpu_share(server, allocations))
+    claimed = Job.objects.filter(pk=job.pk, status=Job.Status.PENDING).update(
+        status=Job.Status.QUEUED,
+        reservation=booking,
+        server=server,
+        gpu_uuids=[a.gpu_id for a in allocations],
+        not_before=now,
+        pending_reason="",
+        intra_op_threads=job.intra_op_threads or intra,
+        inter_op_threads=job.inter_op_threads or inter,
+    )
+    if not claimed:
+        raise Conflict(f"Job {job.pk} was cancelled or started meanwhile.")
+    job.refresh_from_db()
+
+
+def queued_job_ended(job: Job, *, now: datetime | None = None) -> None:
+    """A queued job's booking ends with it: released at once, and the scheduler woken."""
+    if not job.queued or job.reservation_id is None:
+        return
+    now = now or timezone.now()
+    booking = Reservation.objects.get(pk=job.reservation_id)
+    if booking.status_at(now) == Reservation.Status.ACTIVE:
+        reservation_release(user=PORTAL, reservation=booking, now=now, reason=f"queued job {job.pk} ended")
+    else:
+        wake_on_commit("queue")
+
+
+# --- the facts ---------------------------------------------------------------------------------------
+
+
+def _pending() -> list[Request]:
+    """The pending jobs as the plan takes them (plain rows: a thousand of them every pass)."""
+    default = settings.QUEUE_DEFAULT_TIME_LIMIT_MINUTES
+    rows = Job.objects.filter(status=Job.Status.PENDING).values_list(
+        "pk",
+        "owner_id",
+        "team_id",
+        "gpu_count",
+        "memory_mb",
+        "request_server_id",
+        "time_limit_minutes",
+        "created_at",
+        "nice",
+        "begin_at",
+        "array_id",
+    )
+    return [
+        Request(pk, owner, team, count or 1, memory, server, minutes or default, created, nice, begin, array)
+        for pk, owner, team, count, memory, server, minutes, created, nice, begin, array in rows
+    ]
+
+
+def _calendar(now: datetime, servers: list[int], horizon: datetime) -> Calendar:
+    """The cards of the online servers that take work, and their bookings from now to `horizon`."""
+    cards = [
+        Card(uuid, server, GPU.bookable_mb(total, reserved))
+        for uuid, server, total, reserved in GPU.objects.filter(
+            server_id__in=servers, state="ok"
+        ).values_list("uuid", "server_id", "memory_total_mb", "memory_reserved_mb")
+    ]
+    busy: dict[str, list] = defaultdict(list)
+    for uuid, start, end, memory in Allocation.objects.filter(
+        live=True, end__gt=now, start__lt=horizon, gpu__server_id__in=servers
+    ).values_list("gpu_id", "start", "end", "memory_mb"):
+        busy[uuid].append((max(start, now), end, memory))
+    return Calendar(cards, busy, now, horizon)
+
+
+def _array_room(arrays: set[int]) -> dict[int, int]:
+    """How many more tasks each array may run now."""
+    if not arrays:
+        return {}
+    running = dict(
+        Job.objects.filter(
+            array_id__in=arrays, status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
+        )
+        .values_list("array_id")
+        .annotate(n=Count("pk"))
+    )
+    limits = dict(
+        Job.objects.filter(array_id__in=arrays).values_list("array_id", "array__max_running").distinct()
+    )
+    return {a: (limit - running.get(a, 0)) if limit else 1_000_000 for a, limit in limits.items()}
+
+
+def fairshare_state(now: datetime) -> tuple[Shares, Usage]:
+    """The teams' and members' shares, and their decayed usage (cached for a minute: usage moves
+    slowly, and a pass every two seconds need not re-read weeks of bookings)."""
+    global _usage_cache
+    if _usage_cache is not None and (now - _usage_cache[0]).total_seconds() < USAGE_CACHE_SECONDS:
+        return _usage_cache[1], _usage_cache[2]
+    shares = Shares(
+        team=dict(Team.objects.values_list("pk", "shares")),
+        member={(t, u): s for t, u, s in Membership.objects.values_list("team_id", "user_id", "shares")},
+    )
+    half_life = timedelta(days=settings.FAIRSHARE_HALF_LIFE_DAYS)
+    team: dict[int, float] = defaultdict(float)
+    member: dict[tuple[int, int], float] = defaultdict(float)
+    rows = Allocation.objects.filter(live=True, start__lt=now, end__gt=now - 5 * half_life).values_list(
+        "start", "end", "memory_mb", "gpu__memory_total_mb", "reservation__team_id", "reservation__owner_id"
+    )
+    for start, end, memory, total, team_id, owner_id in rows:
+        fraction = 1.0 if memory is None else min(1.0, memory / max(1, total))
+        hours = decayed_hours(start, end, fraction, now, half_life)
+        team[team_id] += hours
+        member[(team_id, owner_id)] += hours
+    usage = Usage(team=dict(team), member=dict(member))
+    _usage_cache = (now, shares, usage)
+    return shares, usage
+
+
+def forget_usage() -> None:
+    """Tests and the bench change bookings under the cache."""
+    global _usage_cache
+    _usage_cache = None
+
+
+class Scheduler(PeriodicThread):
+    def __init__(self) -> None:
+        super().__init__("queue-scheduler", settings.QUEUE_SCHEDULE_SECONDS)
+        self.client = client(self.interval + 10)
+
+    def step(self) -> None:
+        close_old_connections()  # a restarted database must not kill the loop
+        done = schedule_pass()
+        if done.get("started"):
+            log.info("Queue: %s", done)
+
+    def pause(self) -> None:
+        try:
+            wait(self.client, "queue", self.interval)
+        except Exception:  # Redis away: plain intervals until it is back
+            log.warning("Queue scheduler: no wake-ups from Redis", exc_info=True)
+            super().pause()

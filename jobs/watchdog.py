@@ -1,0 +1,161 @@
+"""The GPU watchdog's rules: which kind each GPU process on a host is, from facts alone.
+
+A pure function, like `jobs.environment.job_environment`: no database, no NVML, no clock.
+The host's watchdog loop gathers the facts once per round (its cards' processes from the
+backend; the bookings active on its cards and its running and recently ended jobs, in one
+query each) and calls `classify`; what to do about each kind is the policy's business.
+
+Every GPU process falls into exactly one kind (the first rule that matches):
+
+| kind                | what it is                                                          |
+|---------------------|---------------------------------------------------------------------|
+| `zombie`            | in the session of a job that has already ended, still on a card    |
+| `escaped`           | a running job's process on a card its booking does not hold        |
+| `over_memory`       | a job on a shared card above its booked MiB + the tolerance        |
+| `ok`                | a running job's process on its booked cards, within its memory     |
+| `owner_outside_job` | not the portal's, on a booked card, run by that booking's owner    |
+| `intruder`          | not the portal's, on a card someone else has booked now            |
+| `unbooked`          | not the portal's, on a card nobody has booked now                  |
+
+Jobs are found by session (see gpus.procinfo): the session id of a job's processes is the pid
+the worker recorded. Memory on a shared card is the job's: the sum of its processes there,
+because a job may run several (data loaders, a second model) and its booking covers them all.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from gpus.inventory import GPUInfo, ProcessInfo
+
+
+class Kind(StrEnum):
+    OK = "ok"
+    ESCAPED = "escaped"
+    OVER_MEMORY = "over_memory"
+    INTRUDER = "intruder"
+    OWNER_OUTSIDE_JOB = "owner_outside_job"
+    UNBOOKED = "unbooked"
+    ZOMBIE = "zombie"
+
+
+@dataclass(frozen=True)
+class BookingFacts:
+    """A booking active now on some of this host's cards."""
+
+    reservation_id: int
+    owner_id: int
+    cards: Mapping[str, int | None]  # card UUID → booked MiB (None: the whole card)
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """A job of this host that is running, or ended recently (its processes should be gone)."""
+
+    job_id: int
+    session_id: int  # the pid the worker recorded: the job's session
+    owner_id: int
+    reservation_id: int
+    running: bool
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gpu_uuid: str
+    process: ProcessInfo
+    kind: Kind
+    memory_mb: int | None  # what the rule measured: the job's sum on a shared card, else the process's
+    job_id: int | None = None
+    user_id: int | None = None  # the portal user behind the process, where known
+    reservation_id: int | None = None  # the booking concerned: the job's, or the one whose card was taken
+    booked_mb: int | None = None  # over_memory and ok on a shared card: the job's booked MiB there
+
+
+def classify(
+    cards: Iterable[GPUInfo],
+    *,
+    bookings: Sequence[BookingFacts],
+    jobs: Sequence[JobFacts],
+    users_by_os_name: Mapping[str, int],
+    tolerance_mb: int,
+) -> list[Verdict]:
+    """One verdict per process on every card whose process list could be read."""
+    by_session = {j.session_id: j for j in jobs}
+    booking_of = {b.reservation_id: b for b in bookings}
+    on_card: dict[str, list[BookingFacts]] = defaultdict(list)
+    for booking in bookings:
+        for uuid in booking.cards:
+            on_card[uuid].append(booking)
+    verdicts = []
+    for card in cards:
+        if card.processes is None:
+            continue  # unknown is not empty, but there is nothing to judge
+        job_memory = _job_memory_on(card, by_session)
+        for process in card.processes:
+            job = by_session.get(process.session_id) if process.session_id else None
+            if job is not None:
+                verdicts.append(_job_verdict(card, process, job, booking_of, job_memory, tolerance_mb))
+            else:
+                verdicts.append(_foreign_verdict(card, process, on_card[card.uuid], users_by_os_name))
+    return verdicts
+
+
+def _job_memory_on(card: GPUInfo, by_session: Mapping[int, JobFacts]) -> dict[int, int]:
+    total: dict[int, int] = defaultdict(int)
+    for process in card.processes or ():
+        job = by_session.get(process.session_id) if process.session_id else None
+        if job is not None:
+            total[job.job_id] += process.used_memory_mb or 0
+    return total
+
+
+def _job_verdict(
+    card: GPUInfo,
+    process: ProcessInfo,
+    job: JobFacts,
+    booking_of: Mapping[int, BookingFacts],
+    job_memory: Mapping[int, int],
+    tolerance_mb: int,
+) -> Verdict:
+    def verdict(kind: Kind, memory_mb: int | None, booked_mb: int | None = None) -> Verdict:
+        return Verdict(
+            card.uuid, process, kind, memory_mb, job.job_id, job.owner_id, job.reservation_id, booked_mb
+        )
+
+    if not job.running:
+        return verdict(Kind.ZOMBIE, process.used_memory_mb)
+    booking = booking_of.get(job.reservation_id)
+    if booking is None or card.uuid not in booking.cards:
+        return verdict(Kind.ESCAPED, process.used_memory_mb)
+    booked = booking.cards[card.uuid]
+    used = job_memory[job.job_id]
+    if booked is not None and used > booked + tolerance_mb:
+        return verdict(Kind.OVER_MEMORY, used, booked)
+    return verdict(Kind.OK, used if booked is not None else process.used_memory_mb, booked)
+
+
+def _foreign_verdict(
+    card: GPUInfo, process: ProcessInfo, here: Sequence[BookingFacts], users_by_os_name: Mapping[str, int]
+) -> Verdict:
+    user_id = users_by_os_name.get(process.username)
+    if not here:
+        return Verdict(card.uuid, process, Kind.UNBOOKED, process.used_memory_mb, user_id=user_id)
+    own = next((b for b in here if user_id is not None and b.owner_id == user_id), None)
+    if own is not None:
+        return Verdict(
+            card.uuid,
+            process,
+            Kind.OWNER_OUTSIDE_JOB,
+            process.used_memory_mb,
+            None,
+            user_id,
+            own.reservation_id,
+        )
+    return Verdict(
+        card.uuid, process, Kind.INTRUDER, process.used_memory_mb, None, user_id, here[0].reservation_id
+    )

@@ -1,0 +1,218 @@
+"""Sign-in settings: IDENTITY_*, LDAP_* and OIDC_* read from the environment (docs/identity.md).
+
+settings.py calls these readers before Django's app registry exists, so this module imports no
+models; keeping people in step with the directory is portal.identity's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from portal.env import ImproperlyConfiguredEnv, env_bool, env_choice, env_int, env_str
+
+# Membership.Role's values (a test holds them equal): importable before the models are.
+MEMBER, LEADER = "member", "leader"
+ROLE_RANK = {MEMBER: 0, LEADER: 1}
+_EXAMPLE = "e.g. vision-lab=vision-lab:member,vision-lab-pi=vision-lab:leader"
+# A group "named" cn or dc is a DN split at its commas: `cn=vision-lab,ou=groups,...`.
+_DN_ATTRIBUTES = {"cn", "ou", "dc", "o", "uid", "c", "l", "st"}
+_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
+
+
+@dataclass(frozen=True)
+class TeamGrant:
+    """What one directory group gives: a role in the team with this slug."""
+
+    slug: str
+    role: str
+
+
+# {group name, casefolded: what it gives}. Group names compare without case, as LDAP's cn and
+# Active Directory's names do.
+GroupTeams = dict[str, tuple[TeamGrant, ...]]
+
+
+# --- Reading the configuration (called by settings.py) --------------------------------------
+
+
+def parse_group_teams(value: str, *, var: str = "IDENTITY_GROUP_TEAMS") -> GroupTeams:
+    """`group=team-slug:role,...` → GroupTeams. The role is `member` (also when left out) or
+    `leader`; a group may give roles in several teams; a group name may hold spaces."""
+    grants: dict[str, list[TeamGrant]] = {}
+    for raw_item in value.split(","):
+        item = raw_item.strip()
+        if not item:
+            continue
+        if item.count("=") != 1:
+            raise ImproperlyConfiguredEnv(
+                f"{var}: {item!r} is not group=team-slug:role ({_EXAMPLE}); name a group by its "
+                "name (an LDAP group's cn), never by its DN"
+            )
+        group, _, grant = (part.strip() for part in item.partition("="))
+        slug, _, role = (part.strip() for part in grant.partition(":"))
+        role = (role or MEMBER).lower()
+        if not group or not _SLUG.fullmatch(slug):
+            raise ImproperlyConfiguredEnv(
+                f"{var}: {item!r} is not group=team-slug:role ({_EXAMPLE}); a team slug is letters, "
+                "digits, '-' and '_'"
+            )
+        if group.casefold() in _DN_ATTRIBUTES:
+            raise ImproperlyConfiguredEnv(
+                f"{var}: {item!r} reads as part of a DN; name a group by its name, its cn, e.g. "
+                "vision-lab=vision-lab:member for cn=vision-lab,ou=groups,dc=lab,dc=example"
+            )
+        if role not in ROLE_RANK:
+            raise ImproperlyConfiguredEnv(f"{var}: {item!r} gives role {role!r}; use member or leader")
+        given = grants.setdefault(group.casefold(), [])
+        if any(g.slug == slug for g in given):
+            raise ImproperlyConfiguredEnv(
+                f"{var}: group {group!r} is given team {slug!r} twice; keep one entry (leader wins)"
+            )
+        given.append(TeamGrant(slug=slug, role=role))
+    return {group: tuple(given) for group, given in grants.items()}
+
+
+def env_group_teams(name: str = "IDENTITY_GROUP_TEAMS") -> GroupTeams:
+    return parse_group_teams(env_str(name, ""), var=name)
+
+
+def env_group_names(name: str) -> frozenset[str]:
+    """A comma-separated list of group names, casefolded."""
+    return frozenset(item.strip().casefold() for item in env_str(name, "").split(",") if item.strip())
+
+
+_LDAP_GROUP_FILTERS = {
+    "groupofnames": "(objectClass=groupOfNames)",
+    "nestedgroupofnames": "(objectClass=groupOfNames)",
+    "groupofuniquenames": "(objectClass=groupOfUniqueNames)",
+    "posixgroup": "(objectClass=posixGroup)",
+    "activedirectory": "(objectClass=group)",
+    "nestedactivedirectory": "(objectClass=group)",
+}
+
+
+def ldap_settings_from_env() -> dict[str, object]:
+    """The AUTH_LDAP_* settings django-auth-ldap reads, and LDAP_UNIX_ACCOUNT_ATTR; nothing
+    without LDAP_SERVER_URI. settings.py and the LDAP tests both build them here."""
+    uri = env_str("LDAP_SERVER_URI", "").strip()
+    if not uri:
+        return {}
+    if not uri.startswith(("ldap://", "ldaps://", "ldapi://")):
+        raise ImproperlyConfiguredEnv(
+            f"LDAP_SERVER_URI={uri!r} must start with ldap://, ldaps:// or ldapi:// "
+            "(e.g. ldaps://ldap.lab.example.org)"
+        )
+    # python-ldap is optional (it builds against system headers): imported only when configured.
+    try:
+        import ldap
+        from django_auth_ldap import config
+    except ImportError as exc:
+        raise ImproperlyConfiguredEnv(
+            f"LDAP_SERVER_URI is set but LDAP sign-in is not installed ({exc}): run "
+            "`apt install libldap2-dev libsasl2-dev`, then `.venv/bin/pip install -r requirements-ldap.txt`"
+        ) from exc
+
+    user_base = env_str("LDAP_USER_SEARCH_BASE", "").strip()
+    if not user_base:
+        raise ImproperlyConfiguredEnv(
+            "LDAP_SERVER_URI is set but LDAP_USER_SEARCH_BASE is empty: set it to the DN people are "
+            "under, e.g. ou=people,dc=lab,dc=example"
+        )
+    user_filter = env_str("LDAP_USER_FILTER", "(uid=%(user)s)").strip()
+    if "%(user)s" not in user_filter or not (user_filter.startswith("(") and user_filter.endswith(")")):
+        raise ImproperlyConfiguredEnv(
+            f"LDAP_USER_FILTER={user_filter!r} must be an LDAP filter holding %(user)s, e.g. "
+            "(uid=%(user)s), or (sAMAccountName=%(user)s) for Active Directory"
+        )
+    start_tls = env_bool("LDAP_START_TLS", False)
+    if start_tls and uri.startswith("ldaps://"):
+        raise ImproperlyConfiguredEnv(
+            "LDAP_START_TLS is on but LDAP_SERVER_URI is ldaps://, already TLS: use one of them"
+        )
+    ca_file = env_str("LDAP_CA_CERT_FILE", "").strip()
+    if ca_file and not Path(ca_file).is_file():
+        raise ImproperlyConfiguredEnv(f"LDAP_CA_CERT_FILE={ca_file!r} is not a readable file")
+    timeout = env_int("LDAP_TIMEOUT_SECONDS", 10, min_value=1, max_value=120)
+    group_type = env_choice("LDAP_GROUP_TYPE", "groupOfNames", tuple(_LDAP_GROUP_FILTERS))
+    group_base = env_str("LDAP_GROUP_SEARCH_BASE", "").strip()
+    group_filter = env_str("LDAP_GROUP_FILTER", _LDAP_GROUP_FILTERS[group_type]).strip()
+    if not group_base and (
+        env_str("IDENTITY_GROUP_TEAMS").strip() or env_str("IDENTITY_ADMIN_GROUPS").strip()
+    ):
+        raise ImproperlyConfiguredEnv(
+            "IDENTITY_GROUP_TEAMS or IDENTITY_ADMIN_GROUPS is set but LDAP_GROUP_SEARCH_BASE is empty, "
+            "so LDAP sign-ins would never read a group: set it, e.g. ou=groups,dc=lab,dc=example"
+        )
+
+    found = {
+        "AUTH_LDAP_SERVER_URI": uri,
+        "AUTH_LDAP_BIND_DN": env_str("LDAP_BIND_DN", "").strip(),
+        "AUTH_LDAP_BIND_PASSWORD": env_str("LDAP_BIND_PASSWORD", ""),
+        "AUTH_LDAP_START_TLS": start_tls,
+        "AUTH_LDAP_USER_SEARCH": config.LDAPSearch(user_base, ldap.SCOPE_SUBTREE, user_filter),
+        # The same attributes in OpenLDAP's inetOrgPerson and in Active Directory.
+        "AUTH_LDAP_USER_ATTR_MAP": {"first_name": "givenName", "last_name": "sn", "email": "mail"},
+        "AUTH_LDAP_ALWAYS_UPDATE_USER": True,
+        # Never cache group names: each sign-in must see the directory as it is now.
+        "AUTH_LDAP_CACHE_TIMEOUT": 0,
+        # Active Directory answers with referrals python-ldap cannot follow anonymously; a dead
+        # server must fail a sign-in in seconds, not hang a web worker.
+        "AUTH_LDAP_CONNECTION_OPTIONS": {
+            ldap.OPT_REFERRALS: 0,
+            ldap.OPT_NETWORK_TIMEOUT: timeout,
+            ldap.OPT_TIMEOUT: timeout,
+        },
+        "AUTH_LDAP_GLOBAL_OPTIONS": {ldap.OPT_X_TLS_CACERTFILE: ca_file} if ca_file else {},
+        "LDAP_UNIX_ACCOUNT_ATTR": env_str("LDAP_UNIX_ACCOUNT_ATTR", "uid").strip(),
+    }
+    if group_base:
+        group_types = {
+            "groupofnames": config.GroupOfNamesType,
+            "nestedgroupofnames": config.NestedGroupOfNamesType,
+            "groupofuniquenames": config.GroupOfUniqueNamesType,
+            "posixgroup": config.PosixGroupType,
+            "activedirectory": config.ActiveDirectoryGroupType,
+            "nestedactivedirectory": config.NestedActiveDirectoryGroupType,
+        }
+        found["AUTH_LDAP_GROUP_SEARCH"] = config.LDAPSearch(group_base, ldap.SCOPE_SUBTREE, group_filter)
+        found["AUTH_LDAP_GROUP_TYPE"] = group_types[group_type](name_attr="cn")
+    return found
+
+
+def oidc_settings_from_env() -> dict[str, object]:
+    """The OIDC_* settings mozilla-django-oidc and portal.oidc read; nothing without OIDC_ISSUER.
+    The provider's endpoints are not here: portal.oidc discovers them from the issuer."""
+    issuer = env_str("OIDC_ISSUER", "").strip().rstrip("/")
+    if not issuer:
+        return {}
+    if not issuer.startswith(("https://", "http://")):
+        raise ImproperlyConfiguredEnv(
+            f"OIDC_ISSUER={issuer!r} must be the provider's https:// address, e.g. "
+            "https://sso.lab.example.org/realms/lab"
+        )
+    client_id = env_str("OIDC_CLIENT_ID", "").strip()
+    client_secret = env_str("OIDC_CLIENT_SECRET", "").strip()
+    if not client_id or not client_secret:
+        raise ImproperlyConfiguredEnv(
+            "OIDC_ISSUER is set: set OIDC_CLIENT_ID and OIDC_CLIENT_SECRET (or OIDC_CLIENT_SECRET_FILE), "
+            "the client registered for the portal at the provider"
+        )
+    scopes = env_str("OIDC_SCOPES", "openid email profile").replace(",", " ").split()
+    if "openid" not in scopes:
+        raise ImproperlyConfiguredEnv(f"OIDC_SCOPES={' '.join(scopes)!r} must include openid")
+    algorithms = ("rs256", "rs384", "rs512", "es256", "es384", "es512", "ps256", "hs256")
+    return {
+        "OIDC_ISSUER": issuer,
+        "OIDC_RP_CLIENT_ID": client_id,
+        "OIDC_RP_CLIENT_SECRET": client_secret,
+        "OIDC_RP_SCOPES": " ".join(scopes),
+        "OIDC_RP_SIGN_ALGO": env_choice("OIDC_SIGN_ALGO", "RS256", algorithms).upper(),
+        "OIDC_USE_PKCE": True,
+        "OIDC_TIMEOUT": env_int("OIDC_TIMEOUT_SECONDS", 10, min_value=1, max_value=120),
+        "OIDC_USERNAME_CLAIM": env_str("OIDC_USERNAME_CLAIM", "preferred_username").strip(),
+        "OIDC_GROUPS_CLAIM": env_str("OIDC_GROUPS_CLAIM", "groups").strip(),
+        "OIDC_UNIX_ACCOUNT_CLAIM": env_str("OIDC_UNIX_ACCOUNT_CLAIM", "").strip(),
+        "OIDC_LAB_NAME": env_str("OIDC_LAB_NAME", "single sign-on").strip(),
+    }

@@ -1,0 +1,253 @@
+"""Notifications: the inbox entry, its mail copy, mail preferences, and the inbox's filters.
+
+`notification_send` is what gpus and jobs call (the GPU watchdog, bookings, jobs): the entry is
+always written; the mail goes after commit through `portal.tasks.mail_notification`, on the
+portal's own queue, and a mail that cannot go is logged, retried, at worst given up: never an
+error for the sender. docs/notifications.md says what is sent to whom.
+"""
+
+from __future__ import annotations
+
+import logging
+import smtplib
+from collections.abc import Iterable
+from datetime import timedelta
+from functools import partial
+
+import django_filters
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.mail import EmailMessage
+from django.db import transaction
+from django.db.models import Q
+from django.urls import reverse
+from django.utils import timezone
+from django_filters.widgets import BooleanWidget
+
+from portal.errors import Invalid
+from portal.filters import unknown_choice
+from portal.models import MailPreference, Notification
+
+log = logging.getLogger(__name__)
+
+Mail = Notification.Mail
+SUBJECT_MAX = Notification._meta.get_field("subject").max_length
+# A message, never a log: the watchdog quotes command lines, which can be any length.
+BODY_MAX = 10_000
+
+
+class MailTemporaryError(Exception):
+    """The SMTP server could not take the mail now (unreachable, timed out, a 4xx answer): the
+    task tries again later."""
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _check_url(url: str) -> str:
+    """A path on this site: the inbox renders it as a link, so nothing else may get in."""
+    if url and (not url.startswith("/") or url.startswith("//")):
+        raise ValueError(f"notification url {url!r} must be a path into the portal, e.g. /jobs/12/")
+    return url
+
+
+@transaction.atomic
+def notification_send(
+    *, user: AbstractBaseUser, kind: str, subject: str, body: str, url: str = "", key: str = ""
+) -> Notification:
+    """Put a notification in `user`'s inbox; mail a copy once this transaction commits when they
+    have an address, want `kind` by mail, and no mail with the same non-empty `key` went to them
+    in the last NOTIFY_MAIL_EVERY_MINUTES (e.g. key="violation:42": one mail per violation).
+
+    Mail trouble never reaches the caller. Two sends racing in separate transactions may both
+    mail: the watchdog sends from one process, so this is not worth a lock on the user's row.
+    """
+    if kind not in Notification.Kind.values:
+        raise ValueError(f"unknown notification kind {kind!r}: add it to Notification.Kind")
+    notification = Notification.objects.create(
+        user=user,
+        kind=kind,
+        subject=_clip(" ".join(subject.split()), SUBJECT_MAX),  # a mail header: one line
+        body=_clip(body, BODY_MAX),
+        url=_check_url(url),
+        key=key,
+        mail_status=_mail_status(user=user, kind=kind, key=key),
+    )
+    if notification.mail_status == Mail.QUEUED:
+        transaction.on_commit(partial(_queue_mail, notification.pk))
+    return notification
+
+
+def _mail_status(*, user: AbstractBaseUser, kind: str, key: str) -> str:
+    if not mail_preference_of(user).wants(kind):
+        return Mail.NOT_WANTED
+    if not user.email:
+        return Mail.NO_ADDRESS
+    if key and _mailed_lately(user=user, key=key):
+        return Mail.REPEAT
+    return Mail.QUEUED
+
+
+def _mailed_lately(*, user: AbstractBaseUser, key: str) -> bool:
+    """A mail with this key went to the user within the limit, or is on its way."""
+    minutes = settings.NOTIFY_MAIL_EVERY_MINUTES
+    if not minutes:
+        return False
+    since = timezone.now() - timedelta(minutes=minutes)
+    went = Q(mail_status=Mail.SENT, mailed_at__gte=since)
+    on_its_way = Q(mail_status__in=[Mail.QUEUED, Mail.SENDING], created_at__gte=since)
+    return Notification.objects.filter(went | on_its_way, user=user, key=key).exists()
+
+
+def _queue_mail(notification_id: int) -> None:
+    from portal.tasks import mail_notification  # the tasks module imports this one
+
+    try:
+        mail_notification.apply_async(args=[notification_id])
+    except Exception:
+        # The broker is away. The inbox has the notification; the mail copy is given up rather
+        # than raised into whoever committed (the watchdog's round, a booking).
+        log.exception("Could not queue the mail of notification %s; it stays in the inbox", notification_id)
+        queued = Notification.objects.filter(pk=notification_id, mail_status=Mail.QUEUED)
+        queued.update(mail_status=Mail.FAILED)
+
+
+def notification_mail(*, notification_id: int, last_try: bool = False) -> str:
+    """Mail a QUEUED notification to its person; returns its mail status afterwards.
+
+    Claimed with a conditional UPDATE (QUEUED → SENDING), so a re-run or a second delivery of the
+    task sends nothing. A temporary SMTP error puts it back to QUEUED and raises
+    MailTemporaryError for the task to retry (FAILED instead on the last try); a permanent one
+    (a 5xx answer: unknown recipient, wrong password) marks it FAILED at once. Both are logged.
+    No transaction: the SMTP conversation holds no database lock.
+    """
+    queued = Notification.objects.filter(pk=notification_id, mail_status=Mail.QUEUED)
+    if not queued.update(mail_status=Mail.SENDING):
+        log.info("Notification %s is not queued for mail (already sent, or gone)", notification_id)
+        return ""
+    notification = Notification.objects.select_related("user").get(pk=notification_id)
+    if not notification.user.email:  # removed since the notification was sent
+        return _mail_status_set(notification_id, Mail.NO_ADDRESS)
+    try:
+        _message(notification).send()
+    except OSError as exc:  # smtplib.SMTPException included
+        if _is_temporary(exc) and not last_try:
+            log.warning("Mail of notification %s not sent yet, to be retried: %s", notification_id, exc)
+            _mail_status_set(notification_id, Mail.QUEUED)
+            raise MailTemporaryError(f"{type(exc).__name__}: {exc}") from exc
+        log.error("Could not mail notification %s to %s: %s", notification_id, notification.user.email, exc)
+        return _mail_status_set(notification_id, Mail.FAILED)
+    return _mail_status_set(notification_id, Mail.SENT, mailed_at=timezone.now())
+
+
+def _mail_status_set(notification_id: int, status: str, **fields: object) -> str:
+    sending = Notification.objects.filter(pk=notification_id, mail_status=Mail.SENDING)
+    sending.update(mail_status=status, **fields)
+    return status
+
+
+def _is_temporary(exc: OSError) -> bool:
+    """No answer (refused, timed out, dropped) and 4xx answers may pass later; 5xx ones will not."""
+    if isinstance(exc, smtplib.SMTPRecipientsRefused):
+        return all(code < 500 for code, _ in exc.recipients.values())
+    if isinstance(exc, smtplib.SMTPResponseException):
+        return exc.smtp_code < 500
+    return True
+
+
+def portal_link(path: str) -> str:
+    """A path on this site as an absolute URL, for mails (PORTAL_URL)."""
+    return settings.PORTAL_URL + path
+
+
+def _message(notification: Notification) -> EmailMessage:
+    parts = [notification.body]
+    if notification.url:
+        parts.append(portal_link(notification.url))
+    parts.append(
+        "-- \n"
+        f"Every notification is in your inbox: {portal_link(reverse('notifications'))}\n"
+        f"Choose which come by mail on your profile: {portal_link(reverse('profile'))}#mail"
+    )
+    return EmailMessage(
+        subject=settings.EMAIL_SUBJECT_PREFIX + notification.subject,
+        body="\n\n".join(parts),
+        to=[notification.user.email],
+    )
+
+
+@transaction.atomic
+def notifications_mark_read(*, user: AbstractBaseUser, ids: Iterable[int] | None = None) -> int:
+    """Mark the user's unread notifications read: those in `ids`, or all of them. Ids of others'
+    notifications are skipped, never an error that would tell they exist. Returns how many changed."""
+    unread = Notification.objects.filter(user=user, read_at=None)
+    if ids is not None:
+        unread = unread.filter(pk__in=list(ids))
+    return unread.update(read_at=timezone.now())
+
+
+def unread_count(user: AbstractBaseUser) -> int:
+    """The bell's number (an index holds just the unread rows)."""
+    return Notification.objects.filter(user=user, read_at=None).count()
+
+
+# --- mail preferences ------------------------------------------------------------------------
+
+
+def mail_preference_of(user: AbstractBaseUser) -> MailPreference:
+    """The user's choices; the defaults (unsaved) for someone who never chose."""
+    return MailPreference.objects.filter(user=user).first() or MailPreference(user=user)
+
+
+def mail_kinds_wanted(user: AbstractBaseUser) -> list[str]:
+    preference = mail_preference_of(user)
+    return [kind for kind in Notification.Kind.values if preference.wants(kind)]
+
+
+@transaction.atomic
+def mail_preference_set(*, user: AbstractBaseUser, kinds: Iterable[str]) -> MailPreference:
+    """Mail the user these kinds and no others. Every kind is recorded, so a default changed
+    later never overrides a choice made here."""
+    wanted = set(kinds)
+    if unknown := wanted - set(Notification.Kind.values):
+        raise Invalid(f"Unknown kinds {', '.join(sorted(unknown))}; choose from the list.", field="kinds")
+    preference, _ = MailPreference.objects.update_or_create(
+        user=user, defaults={"mail": {kind: kind in wanted for kind in Notification.Kind.values}}
+    )
+    return preference
+
+
+# --- the inbox's filters ---------------------------------------------------------------------
+
+
+class UnreadWidget(BooleanWidget):
+    """BooleanWidget's values (1/true, 0/false) with words for the inbox's menu."""
+
+    def __init__(self, attrs: dict | None = None) -> None:
+        super().__init__(attrs)
+        self.choices = [("", "all"), ("true", "unread only"), ("false", "read only")]
+
+
+class NotificationFilter(django_filters.FilterSet):
+    """The inbox: /notifications/ and /api/v1/notifications/ (portal/filters.py says how pages and
+    the API share a FilterSet)."""
+
+    unread = django_filters.BooleanFilter(
+        field_name="read_at",
+        lookup_expr="isnull",
+        widget=UnreadWidget,
+        label="Show",
+        help_text="1 or true: only unread; 0 or false: only read.",
+    )
+    kind = django_filters.ChoiceFilter(
+        choices=Notification.Kind.choices,
+        label="Kind",
+        empty_label="any kind",
+        help_text="What it is about.",
+        error_messages=unknown_choice("kind", Notification.Kind.values),
+    )
+
+    class Meta:
+        model = Notification
+        fields: list[str] = []

@@ -1,0 +1,591 @@
+"""The access matrix: every URL in the URL conf, page and API, as anonymous, owner, teammate,
+outsider, leader and admin, answers as designed.
+
+MATRIX has one entry per URL name (`namespace:name`; unnamed patterns by their route). A URL
+added to the URL conf without an entry fails test_every_url_has_a_decision, and an entry whose
+URL is gone fails test_no_decision_names_a_missing_url. An entry is one line:
+
+    "reservation_cancel": url(BOOKING, get="405", post=Do("login ok 403 404 ok ok", REASON, ENDED)),
+
+Outcomes, one per role in ROLES order (a single word stands for all six):
+  ok       2xx, or a 3xx that is not a login redirect (a POST's redirect after it worked)
+  public   ok for everyone, anonymous included
+  login    302 to the login page with ?next= (pages)
+  adminlogin  302 to the admin's login page with ?next=
+  refused  a 3xx back with an error message; nothing was written (a form-level refusal)
+  401 403 404 405 ...  exactly that status (401: the API without credentials)
+
+A case with an `effect` (did the write happen?) checks it happened exactly when the outcome is
+`ok`: a refused POST writes nothing. The owner's private things carry markers (PRIVATE_FROM)
+that no answer to someone who may not see them may contain. A DRF router route's `.json` variant
+must answer as the route itself.
+
+Objects are made on first use (World), so a case builds only what it touches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import cached_property
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.contrib import admin
+from django.test import Client
+from django.urls import NoReverseMatch, URLPattern, URLResolver, get_resolver, reverse
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gpus.booking import reservation_create
+from gpus.forms import local_input
+from gpus.models import GPU, Reservation, Violation
+from gpus.services import server_report_ingest
+from jobs.models import Job
+from jobs.services import ScriptUpload, job_submit
+from portal.models import ApiToken, Membership, Notification, Team
+from portal.notifications import notification_send
+from portal.services import api_token_create
+from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
+
+pytestmark = pytest.mark.django_db
+
+ROLES = ("anonymous", "owner", "teammate", "outsider", "leader", "admin")
+
+# Markers in the owner's private things; PRIVATE_FROM says who must never see each.
+BOOKING_NOTE = "note-of-alices-booking"
+JOB_NAME = "alices_private_run.py"
+QUEUED_JOB_NAME = "alices_queued_run.py"
+VIOLATION_COMMAND = "alices-violating-command"
+NOTIFICATION_SUBJECT = "alices-private-notification"
+PRIVATE_FROM = {
+    BOOKING_NOTE: {"anonymous", "outsider"},  # teammates see the team's bookings
+    JOB_NAME: {"anonymous", "teammate", "outsider"},  # owner, leaders, admins
+    QUEUED_JOB_NAME: {"anonymous", "outsider"},  # the queue names teammates' jobs (docs/queue.md)
+    VIOLATION_COMMAND: {"anonymous", "teammate", "outsider"},  # caused, own booking, leaders, admins
+    NOTIFICATION_SUBJECT: {"anonymous", "teammate", "outsider", "leader", "admin"},  # hers alone
+}
+
+
+class World:
+    """alice (the owner) in Vision Lab with bob (teammate) and its leader; charlie in another
+    team; an admin. alice's active booking of box1 GPU 0, her job on it, a violation of hers
+    on it and a notification: each made on first use."""
+
+    @cached_property
+    def team(self) -> Team:
+        return TeamFactory(name="Vision Lab", slug="vision-lab")
+
+    @cached_property
+    def alice(self) -> Any:
+        return MembershipFactory(team=self.team, user=UserFactory(username="alice")).user
+
+    def user(self, role: str) -> Any:
+        return getattr(self, role)
+
+    @property
+    def anonymous(self) -> None:
+        return None
+
+    @property
+    def owner(self) -> Any:
+        return self.alice
+
+    @cached_property
+    def teammate(self) -> Any:
+        return MembershipFactory(team=self.team, user=UserFactory(username="bob")).user
+
+    @cached_property
+    def outsider(self) -> Any:
+        return MembershipFactory(user=UserFactory(username="charlie")).user
+
+    @cached_property
+    def leader(self) -> Any:
+        role = Membership.Role.LEADER
+        return MembershipFactory(team=self.team, user=UserFactory(username="leader"), role=role).user
+
+    @cached_property
+    def admin(self) -> Any:
+        return UserFactory(username="admin", is_staff=True, is_superuser=True)
+
+    @cached_property
+    def box(self) -> list[GPU]:
+        server_report_ingest(snapshot=make_snapshot("box1", gpus=2))
+        return list(GPU.objects.filter(server__name="box1").order_by("index"))
+
+    @cached_property
+    def booking(self) -> Reservation:
+        """alice's active 8 GiB booking of box1 GPU 0 (active: the owner can release it)."""
+        return reservation_create(user=self.alice, gpus=[self.box[0].uuid], memory_mb=8192, note=BOOKING_NOTE)
+
+    @cached_property
+    def job(self) -> Job:
+        script = ScriptUpload(name=JOB_NAME, content=b"print('hello')\n")
+        return job_submit(user=self.alice, reservation=self.booking, script=script)
+
+    @cached_property
+    def queued_job(self) -> Job:
+        script = ScriptUpload(name=QUEUED_JOB_NAME, content=b"print('hello')\n")
+        self.box  # noqa: B018 - a server to queue for
+        return job_submit(user=self.alice, gpu_count=1, time_limit_minutes=60, script=script)
+
+    @cached_property
+    def violation(self) -> Violation:
+        now = timezone.now()
+        gpu = self.box[0]
+        return Violation.objects.create(
+            kind=Violation.Kind.OVER_MEMORY, gpu=gpu, server=gpu.server, pid=4242, user=self.alice,
+            job_id=self.job.pk, reservation=self.booking, command=VIOLATION_COMMAND, memory_mb=9000,
+            booked_mb=8192, first_seen=now, last_seen=now,
+        )  # fmt: skip
+
+    @cached_property
+    def notification(self) -> Notification:
+        kind = Notification.Kind.OVER_MEMORY
+        return notification_send(user=self.alice, kind=kind, subject=NOTIFICATION_SUBJECT, body="-", url="/")
+
+    @cached_property
+    def token(self) -> ApiToken:
+        return api_token_create(user=self.alice, name="laptop", expires_at=None)[0]
+
+    def populate(self) -> None:
+        """Everything of alice's, for the pages that list what someone may see."""
+        for name in ("violation", "notification", "queued_job"):  # a violation brings booking and job
+            getattr(self, name)
+
+
+# --- the table ------------------------------------------------------------------------------
+
+Data = dict[str, Any] | Callable[[World], dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class Do:
+    """One method on one URL: the outcome per role, the body to send, and what it writes."""
+
+    outcomes: str
+    data: Data = None
+    effect: Callable[[World], bool] | None = None
+    effect_roles: str | None = None  # the roles whose request writes (default: those with `ok`)
+    query: str = ""
+
+    def expected(self) -> tuple[str, ...]:
+        words = self.outcomes.split()
+        if words == ["public"]:
+            return ("ok",) * len(ROLES)
+        if len(words) == 1:
+            return tuple(words) * len(ROLES)
+        assert len(words) == len(ROLES), f"{self.outcomes!r}: give one outcome per role {ROLES}"
+        return tuple(words)
+
+
+@dataclass(frozen=True)
+class Url:
+    kwargs: Callable[[World], dict[str, Any]] | None
+    methods: dict[str, Do] = field(default_factory=dict)
+
+
+def url(kwargs: Callable[[World], dict[str, Any]] | None = None, **methods: Do | str) -> Url:
+    return Url(kwargs, {m: Do(d) if isinstance(d, str) else d for m, d in methods.items()})
+
+
+# kwargs, from the world's objects
+def BOOKING(w: World) -> dict:
+    return {"pk": w.booking.pk}
+
+
+def JOB(w: World) -> dict:
+    return {"pk": w.job.pk}
+
+
+def VIOLATION(w: World) -> dict:
+    return {"pk": w.violation.pk}
+
+
+def NOTIFICATION(w: World) -> dict:
+    return {"pk": w.notification.pk}
+
+
+def TOKEN(w: World) -> dict:
+    return {"pk": w.token.pk}
+
+
+def GPU_(w: World) -> dict:
+    return {"uuid": w.box[0].uuid}
+
+
+def SERVER(w: World) -> dict:
+    return {"name": w.box[0].server.name}
+
+
+def TEAM(w: World) -> dict:
+    return {"slug": w.team.slug}
+
+
+def MEMBER(w: World) -> dict:
+    return {"slug": w.team.slug, "username": w.alice.username}
+
+
+# bodies
+REASON = {"reason": "needed for the deadline"}
+QUOTA = {"max_cards": 1}
+
+
+def EXTEND(w: World) -> dict:
+    return {"end": local_input(w.booking.end + timedelta(hours=1))}
+
+
+def EXTEND_API(w: World) -> dict:
+    return {"end": (w.booking.end + timedelta(hours=1)).isoformat()}
+
+
+def EXAMPLE(w: World) -> dict:
+    return {"reservation": w.booking.pk}
+
+
+def LOGIN(w: World) -> dict:
+    return {"username": w.alice.username, "password": "password"}
+
+
+# effects: did the write happen? Each is False before the request (run_case checks).
+def _fresh(obj: Any) -> Any:
+    return type(obj).objects.get(pk=obj.pk)
+
+
+def ENDED(w: World) -> bool:
+    booking = _fresh(w.booking)
+    return booking.cancelled_at is not None or booking.released_at is not None
+
+
+def RELEASED(w: World) -> bool:
+    return _fresh(w.booking).released_at is not None
+
+
+def EXTENDED(w: World) -> bool:
+    return _fresh(w.booking).end > w.booking.end
+
+
+def JOB_CANCELLED(w: World) -> bool:
+    return _fresh(w.job).status == Job.Status.CANCELLED
+
+
+def READ(w: World) -> bool:
+    return _fresh(w.notification).read_at is not None
+
+
+def REVOKED(w: World) -> bool:
+    return _fresh(w.token).revoked_at is not None
+
+
+def TEAM_QUOTA_SET(w: World) -> bool:
+    return _fresh(w.team).max_cards == 1
+
+
+def MEMBER_QUOTA_SET(w: World) -> bool:
+    return Membership.objects.get(team=w.team, user=w.alice).max_cards == 1
+
+
+def AUTO_RELEASE_ON(w: World) -> bool:
+    return _fresh(w.team).auto_release_idle
+
+
+def EXAMPLE_RAN(w: World) -> bool:
+    w.booking  # noqa: B018 - the booking exists before the request
+    return Job.objects.filter(name="keras_example.py").exists()
+
+
+ALL = "login ok ok ok ok ok"  # a page for everyone who is logged in
+API_ALL = "401 ok ok ok ok ok"  # an API list for everyone who is logged in
+MANAGERS = "login 403 403 404 ok ok"  # the team's leaders and admins; members 403, outsiders 404
+API_MANAGERS = "401 403 403 404 ok ok"
+NO = "405"  # the method is not allowed (before any login check)
+API_NO = "401 405 405 405 405 405"  # DRF authenticates before it looks at the method
+
+MATRIX: dict[str, Url] = {
+    # --- pages: gpus -----------------------------------------------------------------------
+    "dashboard": url(get=ALL, post=NO),
+    "dashboard_servers": url(get=ALL),
+    "gpu_detail": url(GPU_, get=ALL),
+    "gpu_history": url(GPU_, get=ALL),
+    "server_timeline": url(SERVER, get=ALL),
+    "my_reservations": url(get=ALL, post=NO),
+    "reservation_new": url(get=ALL),
+    "reservation_detail": url(BOOKING, get="login ok ok 404 ok ok"),
+    "reservation_cancel": url(BOOKING, get=NO, post=Do("login ok 403 404 ok ok", REASON, ENDED)),
+    "reservation_release": url(BOOKING, get=NO, post=Do("login ok 403 404 403 403", None, RELEASED)),
+    "reservation_extend": url(BOOKING, get=NO, post=Do("login ok 403 404 403 403", EXTEND, EXTENDED)),
+    "violations": url(get=ALL),
+    "violation_detail": url(VIOLATION, get="login ok 404 404 ok ok"),
+    "reports": url(get=ALL),
+    "reports_csv": url(get=ALL),
+    "team_detail": url(TEAM, get=MANAGERS, post=Do(MANAGERS, {"auto_release_idle": "on"}, AUTO_RELEASE_ON)),
+    "team_quota": url(TEAM, get=NO, post=Do("login 403 403 404 403 ok", QUOTA, TEAM_QUOTA_SET)),
+    "member_quota": url(MEMBER, get=NO, post=Do("login 403 403 404 ok ok", QUOTA, MEMBER_QUOTA_SET)),
+    # --- pages: jobs -----------------------------------------------------------------------
+    "my_jobs": url(get=ALL),
+    "job_new": url(get=ALL),
+    "job_example": url(get=NO, post=Do("login ok refused refused refused refused", EXAMPLE, EXAMPLE_RAN)),
+    "job_history": url(get=ALL),
+    "job_size_hint": url(get=ALL),
+    "team_rightsizing": url(TEAM, get=MANAGERS),
+    "queue": url(get=ALL),
+    "job_detail": url(JOB, get="login ok 404 404 ok ok"),
+    "job_log_tail": url(JOB, get="login ok 404 404 ok ok"),
+    "job_log_download": url(JOB, get="login ok 404 404 ok ok"),
+    "job_metrics_csv": url(JOB, get="login ok 404 404 ok ok"),
+    "job_usage_json": url(JOB, get="login ok 404 404 ok ok"),
+    "job_cancel": url(JOB, get=NO, post=Do("login ok 404 404 ok ok", None, JOB_CANCELLED)),
+    # --- pages: portal ---------------------------------------------------------------------
+    "login": url(get="public"),
+    "oidc_authentication_init": url(get="404"),  # 404 unless OIDC_ISSUER is set, as in tests
+    "oidc_authentication_callback": url(get="404"),
+    "logout": url(get=NO, post="public"),
+    "profile": url(get=ALL),
+    "token_create": url(get=NO, post=Do(ALL, {"name": "laptop"})),
+    "token_revoke": url(TOKEN, get=NO, post=Do("login ok 404 404 404 404", None, REVOKED)),
+    "teams": url(get=ALL),
+    "notifications": url(get=ALL),
+    "notification_bell": url(get="286 ok ok ok ok ok"),  # htmx stops polling on 286
+    "notifications_read_all": url(get=NO, post=Do(ALL, None, READ, effect_roles="owner")),
+    "notification_read": url(NOTIFICATION, get=NO, post=Do("login ok 404 404 404 404", None, READ)),
+    # --- the Django admin: one rule for all of it (test_admin_access samples it), and its login --
+    "admin:*": url(get="adminlogin adminlogin adminlogin adminlogin adminlogin ok"),
+    "admin:login": url(get="public"),
+    # --- API: authentication and the schema ------------------------------------------------
+    "api_token": url(get="405", post=Do("public", LOGIN)),
+    "api_schema": url(get=API_ALL),
+    "api_docs": url(get=API_ALL),
+    "api-root": url(get=API_ALL),
+    # --- API: inventory --------------------------------------------------------------------
+    "server-list": url(get=API_ALL, post=API_NO),
+    "server-detail": url(SERVER, get=API_ALL, delete=API_NO),
+    "gpu-list": url(get=API_ALL, post=API_NO),
+    "gpu-detail": url(GPU_, get=API_ALL, delete=API_NO),
+    # --- API: bookings ---------------------------------------------------------------------
+    "reservation-list": url(get=API_ALL, post="401 400 400 400 400 400"),  # allowed; {} is no booking
+    "reservation-detail": url(
+        BOOKING,
+        get="401 ok ok 404 ok ok",
+        patch=API_NO,
+        delete=Do("401 ok 403 404 ok ok", None, ENDED, query="?reason=needed"),
+    ),
+    "reservation-cancel": url(BOOKING, get=API_NO, post=Do("401 ok 403 404 ok ok", REASON, ENDED)),
+    "reservation-release": url(BOOKING, post=Do("401 ok 403 404 403 403", None, RELEASED)),
+    "reservation-extend": url(BOOKING, post=Do("401 ok 403 404 403 403", EXTEND_API, EXTENDED)),
+    "violation-list": url(get=API_ALL),
+    "violation-detail": url(VIOLATION, get="401 ok 404 404 ok ok", delete=API_NO),
+    "usage-list": url(get=API_ALL),
+    # --- API: jobs -------------------------------------------------------------------------
+    "job-list": url(get=API_ALL, post="401 400 400 400 400 400"),  # allowed; {} is no job
+    "job-size-hint": url(get=API_ALL),
+    "job-detail": url(JOB, get="401 ok 404 404 ok ok", delete=API_NO),
+    "job-cancel": url(JOB, post=Do("401 ok 404 404 ok ok", None, JOB_CANCELLED)),
+    "job-log": url(JOB, get="401 ok 404 404 ok ok"),
+    "job-metrics": url(JOB, get="401 ok 404 404 ok ok"),
+    "queue-list": url(get=API_ALL),
+    # --- API: notifications (your own only, admins included) -------------------------------
+    "notification-list": url(get=API_ALL),
+    "notification-detail": url(NOTIFICATION, get="401 ok 404 404 404 404", delete=API_NO),
+    "notification-read": url(NOTIFICATION, post=Do("401 ok 404 404 404 404", None, READ)),
+    "notification-read-all": url(post=Do(API_ALL, None, READ, effect_roles="owner")),
+    # --- API: teams ------------------------------------------------------------------------
+    "api_teams": url(get=API_ALL),
+    "api_team": url(
+        TEAM, get="401 ok ok 404 ok ok", patch=Do("401 403 403 404 403 ok", QUOTA, TEAM_QUOTA_SET)
+    ),
+    "api_team_members": url(TEAM, get=API_MANAGERS),
+    "api_team_member": url(
+        MEMBER, get="401 ok 403 404 ok ok", patch=Do(API_MANAGERS, QUOTA, MEMBER_QUOTA_SET)
+    ),
+    "api_team_audit": url(TEAM, get=API_MANAGERS),
+}
+PREFIX_RULES = [key[:-1] for key in MATRIX if key.endswith(":*")]
+
+
+# --- the URL conf ---------------------------------------------------------------------------
+
+
+def _walk(patterns: list, namespaces: tuple[str, ...] = (), prefix: str = "") -> Iterator[tuple[str, str]]:
+    for pattern in patterns:
+        if isinstance(pattern, URLResolver):
+            inner = (*namespaces, pattern.namespace) if pattern.namespace else namespaces
+            yield from _walk(pattern.url_patterns, inner, prefix + str(pattern.pattern))
+        elif isinstance(pattern, URLPattern):
+            route = prefix + str(pattern.pattern)
+            yield ":".join((*namespaces, pattern.name or route)), route
+
+
+def url_keys() -> set[str]:
+    """Every pattern by `namespace:name`, unnamed ones by route. DRF's format-suffix variants
+    (`…\\.(?P<format>…)`) share their route's name, so they share its decision."""
+    return {key for key, _route in _walk(get_resolver().url_patterns)}
+
+
+def decision_for(key: str) -> str | None:
+    if key in MATRIX:
+        return key
+    return next((f"{prefix}*" for prefix in PREFIX_RULES if key.startswith(prefix)), None)
+
+
+def test_every_url_has_a_decision():
+    missing = sorted(key for key in url_keys() if decision_for(key) is None)
+    assert not missing, f"URLs with no entry in MATRIX (add one line each): {missing}"
+
+
+def test_no_decision_names_a_missing_url():
+    keys = url_keys()
+    stale = [k for k in MATRIX if not k.endswith(":*") and k not in keys]
+    stale += [f"{p}*" for p in PREFIX_RULES if not any(k.startswith(p) for k in keys)]
+    assert not stale, f"MATRIX entries for URLs that no longer exist: {stale}"
+
+
+# --- running a case -------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_broker(monkeypatch) -> None:
+    """A submitted job is never sent to a worker here."""
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda *args, **kwargs: None)
+
+
+def _is_api(path: str) -> bool:
+    return path.startswith("/api/")
+
+
+# One client of each kind for the whole file: a new one loads the middleware again, and
+# WhiteNoise's scan of the static files would be most of the run.
+_PAGE_CLIENT = Client()
+_API_CLIENT = APIClient()
+
+
+def _client(world: World, role: str, api: bool) -> Client | APIClient:
+    user = world.user(role)
+    client = _API_CLIENT if api else _PAGE_CLIENT
+    client.cookies.clear()
+    if api:
+        client.force_authenticate(user)
+    elif user is not None:
+        client.force_login(user)
+    return client
+
+
+def _request(client: Client | APIClient, method: str, path: str, data: dict | None, api: bool) -> Any:
+    if api:
+        return getattr(client, method)(path, data, format="json")
+    if method in ("get", "post"):
+        return getattr(client, method)(path, data or {})
+    return getattr(client, method)(path)
+
+
+def _login_redirect(response: Any, login_url: str) -> bool:
+    location = response.headers.get("Location", "")
+    return response.status_code == 302 and location.startswith(login_url + "?") and "next=" in location
+
+
+def check(response: Any, expected: str) -> None:
+    status = response.status_code
+    where = f"{status} {response.headers.get('Location', '')}".strip()
+    login, admin_login = reverse(settings.LOGIN_URL), reverse("admin:login")
+    if expected == "ok":
+        assert 200 <= status < 400, f"expected ok, got {where}"
+        assert not _login_redirect(response, login) and not _login_redirect(response, admin_login), where
+    elif expected == "login":
+        assert _login_redirect(response, login), f"expected a login redirect, got {where}"
+    elif expected == "adminlogin":
+        assert _login_redirect(response, admin_login), f"expected the admin's login, got {where}"
+    elif expected == "refused":
+        assert 300 <= status < 400 and not _login_redirect(response, login), f"expected refused, got {where}"
+        errors = [m for m in response.wsgi_request._messages if m.level_tag == "error"]
+        assert errors, "a refusal says why in an error message"
+    else:
+        assert status == int(expected), f"expected {expected}, got {where}"
+
+
+def _body(response: Any) -> str:
+    if getattr(response, "streaming", False):
+        return b"".join(response.streaming_content).decode(errors="replace")
+    return response.content.decode(errors="replace")
+
+
+def assert_no_leak(response: Any, world: World, role: str) -> None:
+    """Nothing of alice's that `role` may not see is in the answer."""
+    body = _body(response)
+    leaked = [m for m, hidden in PRIVATE_FROM.items() if role in hidden and m in body]
+    assert not leaked, f"the answer to {role} shows {leaked}"
+
+
+def run_case(world: World, key: str, entry: Url, method: str, role: str, path: str | None = None) -> None:
+    do = entry.methods[method]
+    expected = do.expected()[ROLES.index(role)]
+    if method == "get" and expected == "ok" and role in ("anonymous", "teammate", "outsider"):
+        world.populate()  # so that lists and shared pages have something to leak
+    if path is None:
+        path = reverse(key, kwargs=entry.kwargs(world) if entry.kwargs else None)
+    api = _is_api(path)
+    data = do.data(world) if callable(do.data) else do.data
+    if do.effect is not None:
+        assert not do.effect(world), "the effect is there before the request"
+    response = _request(_client(world, role, api), method, path + do.query, data, api)
+    check(response, expected)
+    assert_no_leak(response, world, role)
+    wrote = False
+    if do.effect is not None:
+        wrote = role in do.effect_roles.split() if do.effect_roles else expected == "ok"
+        assert do.effect(world) == wrote, "nothing was written" if wrote else "the write happened"
+    if api and not wrote:
+        _check_format_suffix(world, key, entry, method, role, response.status_code)
+
+
+def _check_format_suffix(world: World, key: str, entry: Url, method: str, role: str, status: int) -> None:
+    """A router route's `.json` variant answers as the route itself (tried where nothing was
+    written, so that the second request meets the same state)."""
+    do = entry.methods[method]
+    kwargs = {**(entry.kwargs(world) if entry.kwargs else {}), "format": "json"}
+    try:
+        path = reverse(key, kwargs=kwargs)
+    except NoReverseMatch:
+        return  # not a router route: it has no suffix variant
+    data = do.data(world) if callable(do.data) else do.data
+    # A handler that takes no `format` raises TypeError here: a 500 in production.
+    response = _request(_client(world, role, True), method, path + do.query, data, True)
+    assert response.status_code == status, f"{path}: {response.status_code}, not {status} as without .json"
+
+
+CASES = [
+    pytest.param(key, method, role, id=f"{key}-{method.upper()}-{role}")
+    for key, entry in MATRIX.items()
+    if not key.endswith(":*")
+    for method in entry.methods
+    for role in ROLES
+]
+
+
+@pytest.mark.parametrize(("key", "method", "role"), CASES)
+def test_access(key, method, role):
+    run_case(World(), key, MATRIX[key], method, role)
+
+
+# --- the admin: its rule, on each model's list and each app's page -------------------------
+
+
+def admin_sample() -> list[str]:
+    names = ["admin:index", "admin:password_change", "admin:jsi18n"]
+    names += sorted({f"admin:app_list:{model._meta.app_label}" for model in admin.site._registry})
+    names += sorted(
+        f"admin:{model._meta.app_label}_{model._meta.model_name}_changelist" for model in admin.site._registry
+    )
+    return names
+
+
+def _admin_path(name: str) -> str:
+    if name.startswith("admin:app_list:"):
+        return reverse("admin:app_list", kwargs={"app_label": name.rsplit(":", 1)[1]})
+    return reverse(name)
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("name", admin_sample())
+def test_admin_access(name, role):
+    run_case(World(), "admin:*", MATRIX["admin:*"], "get", role, path=_admin_path(name))

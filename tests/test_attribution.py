@@ -1,0 +1,282 @@
+"""Which job owns a process, without privileges and without trusting the job; hostile reports.
+
+Real processes throughout: a job's environment is the job's to set, so nothing in it may
+decide attribution or break the telemetry round that holds every host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import timedelta
+
+import psutil
+import pytest
+from django.utils import timezone
+
+from gpus.inventory import GPUInfo, ProcessInfo, snapshot_from_json, snapshot_to_json
+from gpus.models import GPU, GPUProcess, Server
+from gpus.procinfo import describe_process, session_of
+from gpus.sanitize import checked_snapshot
+from gpus.services import servers_report_ingest
+from gpus.simulated import SimulatedBackend, load_inventory
+from jobs.models import Job
+from jobs.signals import kill_orphans
+from tests.conftest import wait_for
+from tests.factories import make_snapshot
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def _exec_done(proc: subprocess.Popen, key: str) -> None:
+    # Until it has exec'd, the child still has this process's environment.
+    wait_for(lambda: key in psutil.Process(proc.pid).environ(), timeout=10, what="exec")
+
+
+# --- what a backend reads about a process ----------------------------------------------
+
+
+def test_it_reads_the_session_a_job_runs_in(procs):
+    job = subprocess.Popen(SLEEP, start_new_session=True)
+    procs.append(job)
+    info = describe_process(job.pid, 100)
+    assert info.session_id == job.pid  # the pid the worker records is the job's session
+    assert info.username == psutil.Process().username()
+    assert "time.sleep" in info.command
+    assert info.job_id is None  # resolved at ingest, never read from the process
+
+
+def test_it_describes_a_process_that_exited_between_listing_and_inspection():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    info = describe_process(gone.pid, 512)
+    assert (info.pid, info.username, info.command, info.session_id, info.used_memory_mb) == (
+        gone.pid,
+        "?",
+        "",
+        None,
+        512,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
+def test_it_describes_another_users_process_without_reading_its_environment(procs):
+    # /bin/sleep: this interpreter may live where another user cannot execute it.
+    other = subprocess.Popen(
+        ["sleep", "60"], user=65534, group=65534, extra_groups=[], start_new_session=True
+    )
+    procs.append(other)
+    wait_for(lambda: psutil.Process(other.pid).uids().real == 65534, timeout=10, what="setuid")
+    info = describe_process(other.pid, None)
+    assert info.session_id == other.pid
+    assert info.username in ("nobody", "65534")
+
+
+# --- a hostile job's environment -----------------------------------------------------------
+
+
+def _simulated_server() -> tuple[str, str]:
+    server = load_inventory()[0]
+    backend = SimulatedBackend(server.name, seed=1)
+    return server.name, backend.snapshot().gpus[0].uuid
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("job_id", ["²", "99999999999999999999", "-1", "7; DROP TABLE", "", "\x00"], ids=repr)
+def test_a_hostile_portal_job_id_costs_nothing(procs, job_id):
+    """`PORTAL_JOB_ID=²` passes str.isdigit() and made int() raise; 20 digits overflowed bigint."""
+    server, card = _simulated_server()
+    env = {**os.environ, "PORTAL_SERVER": server, "CUDA_VISIBLE_DEVICES": card}
+    if "\x00" not in job_id:
+        env["PORTAL_JOB_ID"] = job_id
+    proc = subprocess.Popen(SLEEP, env=env, start_new_session=True)
+    procs.append(proc)
+    _exec_done(proc, "PORTAL_SERVER")
+
+    snapshot = SimulatedBackend(server, seed=1).snapshot()
+    servers_report_ingest(snapshots=[snapshot, make_snapshot("box9")])
+
+    row = GPUProcess.objects.get(gpu_id=card, pid=proc.pid)
+    assert row.job_id is None and row.session_id == proc.pid
+    assert set(Server.objects.values_list("name", flat=True)) == {server, "box9"}
+
+
+@pytest.mark.django_db
+def test_a_job_process_is_attributed_by_session_on_the_simulated_host(procs, alice, monkeypatch):
+    """The same path as NVML: the session the worker recorded names the job, whatever the
+    process's environment claims."""
+    from gpus.booking import reservation_create
+    from jobs.services import ScriptUpload, job_submit
+
+    server, card = _simulated_server()
+    servers_report_ingest(snapshots=[SimulatedBackend(server, seed=1).snapshot()])
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: None)
+    booking = reservation_create(user=alice, gpus=[card])
+    job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
+    env = {**os.environ, "PORTAL_SERVER": server, "CUDA_VISIBLE_DEVICES": card, "PORTAL_JOB_ID": "999"}
+    proc = subprocess.Popen(SLEEP, env=env, start_new_session=True)
+    procs.append(proc)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=proc.pid)
+    _exec_done(proc, "PORTAL_SERVER")
+
+    servers_report_ingest(snapshots=[SimulatedBackend(server, seed=1).snapshot()])
+
+    assert GPUProcess.objects.get(gpu_id=card, pid=proc.pid).job_id == job.pk
+
+
+# --- hostile reports ------------------------------------------------------------------------
+
+
+def _hostile_card(card: GPUInfo) -> GPUInfo:
+    return replace(
+        card,
+        memory_used_mb=10**20,
+        utilization_pct=500,
+        temperature_c=-(10**6),
+        power_w=math.nan,
+        power_limit_w=math.inf,
+        memory_reserved_mb=card.memory_total_mb + 1,
+        name="evil\x00card",
+        state="melted",
+        processes=(
+            ProcessInfo(pid=-5, username="x", command="negative pid"),
+            ProcessInfo(pid=10**12, username="x", command="huge pid"),
+            ProcessInfo(
+                pid=77,
+                username="eve\x00" * 40,
+                command="python\x00-c\x1b[31m" + "x" * 1000,
+                used_memory_mb=2**40,
+                session_id=10**15,
+                job_id=10**25,
+            ),
+        ),
+    )
+
+
+@pytest.mark.django_db
+def test_it_range_checks_every_number_it_stores():
+    good = make_snapshot("box1", gpus=2)
+    hostile = replace(good, gpus=(_hostile_card(good.gpus[0]), good.gpus[1]))
+
+    servers_report_ingest(snapshots=[hostile, make_snapshot("box2")])
+
+    card = GPU.objects.get(uuid=good.gpus[0].uuid)
+    assert (card.memory_used_mb, card.utilization_pct, card.temperature_c) == (None, None, None)
+    assert (card.power_w, card.power_limit_w, card.state) == (None, None, "ok")
+    assert card.memory_reserved_mb == 0 and card.name == "evil card"
+    (process,) = GPUProcess.objects.filter(gpu=card)
+    assert (process.pid, process.used_memory_mb, process.session_id, process.job_id) == (77, None, None, None)
+    assert "\x00" not in process.username + process.command and len(process.command) == 300
+    assert Server.objects.filter(name="box2").exists()  # the other host's telemetry stands
+
+
+@pytest.mark.django_db
+def test_it_drops_what_cannot_be_keyed_and_keeps_the_rest():
+    good = make_snapshot("box1", gpus=3)
+    cards = (replace(good.gpus[0], uuid="G" * 65), replace(good.gpus[1], index=-1), good.gpus[2])
+    nameless = replace(make_snapshot("box2"), host=replace(good.host, name="no such/name"))
+
+    servers_report_ingest(snapshots=[replace(good, gpus=cards), nameless])
+
+    assert list(GPU.objects.values_list("uuid", flat=True)) == [good.gpus[2].uuid]
+    assert list(Server.objects.values_list("name", flat=True)) == ["box1"]
+
+
+def test_a_report_survives_its_json_round_trip_with_unknown_processes():
+    snapshot = make_snapshot("box1", gpus=1)
+    unknown = replace(snapshot, gpus=(replace(snapshot.gpus[0], processes=None, state="lost"),))
+    again = snapshot_from_json(snapshot_to_json(unknown))
+    assert again == unknown
+    assert checked_snapshot(again).gpus[0].processes is None
+
+
+# --- orphans, by session ----------------------------------------------------------------------
+
+
+def _orphaned_session() -> tuple[int, int]:
+    """A job's session whose leader died (as the launcher dies with a killed worker), leaving a
+    child in it: (the session id, the child's pid)."""
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen(sys.argv[1:]).pid)", *SLEEP],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    child = int(leader.stdout.readline())
+    leader.wait()
+    leader.stdout.close()
+    return leader.pid, child
+
+
+@pytest.fixture
+def lost_job(alice, box, monkeypatch):
+    """mark(pid, started_ago=, lost_ago=): the job this host's previous worker was running."""
+    from gpus.booking import reservation_create
+    from jobs.services import ScriptUpload, job_submit
+
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: None)
+    booking = reservation_create(user=alice, gpus=[box[0].uuid])
+    job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
+
+    def mark(pid: int, *, started_ago=timedelta(seconds=30), lost_ago=timedelta(0)) -> None:
+        now = timezone.now()
+        Job.objects.filter(pk=job.pk).update(
+            status=Job.Status.LOST,
+            pid=pid,
+            started_at=now - started_ago,
+            finished_at=now - lost_ago,
+            worker=socket.gethostname(),
+        )
+
+    return mark
+
+
+def test_it_kills_what_a_previous_worker_left_in_a_jobs_session(procs, lost_job):
+    sid, child = _orphaned_session()
+    bystander = subprocess.Popen(SLEEP, env={**os.environ, "PORTAL_SERVER": "box1", "PORTAL_JOB_ID": "1"})
+    procs.append(bystander)
+    _exec_done(bystander, "PORTAL_SERVER")
+    lost_job(sid)
+    try:
+        assert session_of(child) == sid
+        assert kill_orphans("box1") == 1
+        wait_for(lambda: _gone(child), timeout=10, what="the orphan's end")
+        assert bystander.poll() is None  # claiming a job in its environment makes nobody an orphan
+    finally:
+        _kill_quietly(child)
+
+
+def test_it_leaves_a_session_whose_leader_began_after_the_job(procs, lost_job):
+    """A recycled pid: a live session leader younger than the job is someone else's."""
+    leader = subprocess.Popen(SLEEP, start_new_session=True)
+    procs.append(leader)
+    lost_job(leader.pid, started_ago=timedelta(hours=2))
+    assert kill_orphans("box1") == 0
+    assert leader.poll() is None
+
+
+def test_it_forgets_jobs_lost_long_ago(lost_job):
+    sid, child = _orphaned_session()
+    lost_job(sid, lost_ago=timedelta(days=2))
+    try:
+        assert kill_orphans("box1") == 0
+        assert not _gone(child)
+    finally:
+        _kill_quietly(child)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _kill_quietly(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)

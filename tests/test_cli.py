@@ -1,0 +1,416 @@
+"""The `gpu` command line (gpu_cli/) against a live test server: real HTTP through httpx to the
+portal's API on the test database. Commands run in-process through click's CliRunner, and
+through the installed .venv/bin/gpu as a real process. No worker: jobs are dispatched nowhere
+(`sent`), and a test plays the worker's part by writing the job's row and log itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from django.db import connection
+from django.utils import timezone
+
+from gpu_cli import config
+from gpu_cli.jobs import job_exit_code
+from gpu_cli.main import cli
+from gpu_cli.params import DURATION, MEMORY
+from gpus.booking import reservation_create
+from gpus.models import Reservation, Violation
+from gpus.services import server_report_ingest
+from gpus.simulated import server_names
+from jobs.logs import log_append
+from jobs.models import Job
+from jobs.services import ScriptUpload, job_submit
+from portal.models import ApiToken
+from portal.services import api_token_create
+from tests.conftest import wait_for
+from tests.factories import make_snapshot
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+GPU_BIN = Path(sys.executable).parent / "gpu"  # the venv's console script, as `pip install` made it
+
+
+@pytest.fixture(autouse=True)
+def _own_config(monkeypatch, tmp_path) -> None:
+    """Every test has its own config folder and no login from the developer's environment."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv(config.URL_ENV, raising=False)
+    monkeypatch.delenv(config.TOKEN_ENV, raising=False)
+    monkeypatch.setattr("gpu_cli.jobs.POLL_SECONDS", 0.05)
+
+
+@pytest.fixture
+def portal(live_server, alice, monkeypatch) -> str:
+    """The CLI logged in as alice through the environment, against the live server."""
+    monkeypatch.setenv(config.URL_ENV, live_server.url)
+    monkeypatch.setenv(config.TOKEN_ENV, api_token_create(user=alice, name="tests", expires_at=None)[1])
+    return live_server.url
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list:
+    """Job ids dispatched to a host's queue: none reach a broker, and no worker runs them."""
+    calls: list = []
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: calls.append((args[0], queue)))
+    return calls
+
+
+@pytest.fixture
+def booking(alice, box) -> Reservation:
+    return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text("print('training')\n")
+    return path
+
+
+def gpu(*args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(cli, list(args), input=input, prog_name="gpu", catch_exceptions=False)
+
+
+def _job(user, booking, name: str = "train.py") -> Job:
+    return job_submit(user=user, reservation=booking, script=ScriptUpload(name=name, content=b"print(1)\n"))
+
+
+def _finish(job_id: int, status: str, exit_code: int | None = None) -> None:
+    Job.objects.filter(pk=job_id).update(status=status, exit_code=exit_code, finished_at=timezone.now())
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- login ----------------------------------------------------------------------------------------
+
+
+def test_it_logs_in_and_stores_the_token_for_its_owner_only(live_server, alice):
+    result = gpu(
+        "login", live_server.url + "/", "--username", "alice", "--password-stdin", input="password\n"
+    )
+    assert result.exit_code == 0, result.output
+    path = config.config_path()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    stored = json.loads(path.read_text())
+    assert stored == {"url": live_server.url, "token": stored["token"], "username": "alice"}
+    # The portal keeps only the hash of the token it handed out, named after this machine.
+    token = ApiToken.objects.get(user=alice)
+    assert token.key_hash == ApiToken.hash_key(stored["token"]) and token.name.startswith("gpu CLI on ")
+    # The stored login is used from now on,
+    assert gpu("jobs").exit_code == 0
+    # until `gpu logout` forgets it.
+    assert gpu("logout").exit_code == 0
+    assert not path.exists()
+    result = gpu("jobs")
+    assert result.exit_code == 3 and "Not logged in" in result.stderr
+
+
+def test_it_asks_for_the_password_without_echoing_it(live_server, alice):
+    alice.set_password("s3cret-word")
+    alice.save()
+    result = gpu("login", live_server.url, input="alice\ns3cret-word\n")
+    assert result.exit_code == 0, result.output
+    assert "Username: alice" in result.output and "s3cret-word" not in result.output
+    stored = json.loads(config.config_path().read_text())["token"]
+    assert ApiToken.objects.get(user=alice).key_hash == ApiToken.hash_key(stored)
+
+
+def test_a_wrong_password_exits_1_with_the_portals_message(live_server, alice):
+    result = gpu("login", live_server.url, "--username", "alice", "--password-stdin", input="wrong\n")
+    assert result.exit_code == 1
+    assert "Unable to log in with provided credentials." in result.stderr
+    assert not config.config_path().exists()
+
+
+# --- cards and bookings ---------------------------------------------------------------------------
+
+
+def test_status_shows_each_servers_cards_and_open_violations(portal, alice, box):
+    Violation.objects.create(
+        kind="intruder", gpu=box[2], server=box[2].server, pid=4242, user=alice, memory_mb=2048,
+        first_seen=timezone.now(), last_seen=timezone.now(),
+    )  # fmt: skip
+    result = gpu("status")
+    assert result.exit_code == 0, result.output
+    assert "box1" in result.output and "NVIDIA Test Card" in result.output
+    assert "1000 MiB / 24.0 GiB" in result.output  # card 0: memory used / total
+    assert "Open violations" in result.output and "box1:2" in result.output and "4242" in result.output
+
+    data = json.loads(gpu("status", "--json").output)
+    assert [s["name"] for s in data["servers"]] == ["box1"]
+    assert sorted(g["index"] for g in data["gpus"]) == [0, 1, 2, 3]
+    assert [v["pid"] for v in data["violations"]] == [4242]
+
+
+def test_it_books_and_releases_cards(portal, alice, box):
+    result = gpu(
+        "book", "--gpus", "2", "--server", "box1", "--mem", "8G", "--time", "2h", "--note", "ablation"
+    )
+    assert result.exit_code == 0, result.output
+    reservation = Reservation.objects.get()
+    assert f"Booked reservation {reservation.pk}" in result.output
+    assert reservation.owner == alice and reservation.note == "ablation"
+    assert sorted(a.memory_mb for a in reservation.allocations.all()) == [8192, 8192]
+    assert abs((reservation.end - reservation.start) - timedelta(hours=2)) < timedelta(minutes=1)
+
+    result = gpu("release", str(reservation.pk), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["status"] == "released"
+
+
+def test_a_refusal_exits_1_with_the_portals_detail_and_writes_nothing(portal, box):
+    result = gpu("book", "--gpus", "1", "--start", "2020-01-01 09:00", "--end", "2020-01-01 10:00")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: The start (") and "is in the past" in result.stderr
+    assert not Reservation.objects.exists()
+
+
+# --- jobs -----------------------------------------------------------------------------------------
+
+
+def test_run_uploads_the_script_into_a_booking(portal, alice, booking, script, sent):
+    result = gpu(
+        "run", str(script), "--reservation", str(booking.pk), "--env", "WANDB_MODE=offline",
+        "--", "--epochs", "3", "a b", "$HOME",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    job = Job.objects.get()
+    assert f"Submitted job {job.pk} (train.py): queued on box1." in result.output
+    assert job.owner == alice and job.reservation == booking and job.status == Job.Status.QUEUED
+    assert job.script_source == "print('training')\n"
+    assert job.args == ["--epochs", "3", "a b", "$HOME"]  # quoted past the portal's shell-like split
+    assert job.env == {"WANDB_MODE": "offline"}
+    assert sent == [(job.pk, "host.box1")]
+
+
+def test_run_prints_the_size_hint_of_the_scripts_recent_runs(portal, alice, booking, box, script, sent):
+    for _ in range(3):  # three finished runs of train.py on alice's 8 GiB booking, peaking at 2 GiB
+        job = _job(alice, booking)
+        _finish(job.pk, "succeeded", 0)
+        Job.objects.filter(pk=job.pk).update(peak_memory_mb=2048)
+    hint = (
+        "Hint: Your last 3 runs of train.py peaked at 2 GiB of 8 GiB booked per card; 3 GiB would do. "
+        "Use --mem 3G."
+    )
+    result = gpu("run", str(script), "--gpus", "1", "--time", "10m")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == hint  # before the job is submitted
+    assert "Submitted job" in result.stdout
+    for quiet in (["--no-hint"], ["--mem", "3G"]):  # asked not to, or already asking that size
+        result = gpu("run", str(script), "--gpus", "1", "--time", "10m", *quiet)
+        assert result.exit_code == 0 and "Hint" not in result.output
+    result = gpu("run", str(script), "--gpus", "1", "--time", "10m", "--json")
+    assert result.exit_code == 0 and "Hint" not in result.output
+    assert json.loads(result.stdout)["name"] == "train.py"
+
+
+def test_run_without_a_booking_queues_the_job_pending(portal, alice, box, script, sent):
+    result = gpu(
+        "run", str(script), "--gpus", "2", "--mem", "8G", "--time", "30m", "--server", "box1", "--nice", "5",
+        "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    submitted = json.loads(result.output)
+    job = Job.objects.get(pk=submitted["id"])
+    assert submitted["status"] == "pending" and job.queued
+    assert (job.gpu_count, job.memory_mb, job.time_limit_minutes, job.nice) == (2, 8192, 30, 5)
+    assert job.request_server.name == "box1"
+
+    queue = json.loads(gpu("queue", "--json").output)
+    assert [(e["job"], e["gpu_count"], e["memory_mb"]) for e in queue] == [(job.pk, 2, 8192)]
+    result = gpu("queue")
+    assert result.exit_code == 0 and "train.py" in result.output and "you" in result.output
+
+
+def test_an_array_is_listed_and_cancelled_whole(portal, alice, box, booking, script, sent):
+    other = _job(alice, booking)
+    result = gpu("run", str(script), "--gpus", "1", "--time", "10m", "--array", "0-3%2")
+    assert result.exit_code == 0, result.output
+    array_id = Job.objects.exclude(pk=other.pk).values_list("array_id", flat=True).first()
+    assert f"Submitted array {array_id} (train.py)" in result.output
+    tasks = json.loads(gpu("history", "--array", str(array_id), "--json").output)
+    assert sorted(t["array_index"] for t in tasks) == [0, 1, 2, 3]
+
+    result = gpu("cancel", "--whole-array", str(tasks[0]["id"]))
+    assert result.exit_code == 0, result.output
+    assert set(Job.objects.filter(array_id=array_id).values_list("status", flat=True)) == {"cancelled"}
+    assert Job.objects.get(pk=other.pk).status == Job.Status.QUEUED
+
+
+def test_jobs_lists_active_jobs_and_history_all(portal, alice, bob, box, booking, sent):
+    done = _job(alice, booking, "old.py")
+    _finish(done.pk, Job.Status.SUCCEEDED, 0)
+    active = _job(alice, booking, "new.py")
+    theirs = _job(bob, reservation_create(user=bob, gpus=[box[1].uuid]), "bobs.py")
+
+    assert [j["id"] for j in json.loads(gpu("jobs", "--json").output)] == [active.pk]
+    result = gpu("jobs")
+    assert "new.py" in result.output and "old.py" not in result.output and "bobs.py" not in result.output
+
+    history = json.loads(gpu("history", "--json").output)
+    assert [j["id"] for j in history] == [active.pk, done.pk]  # alice's, newest first
+    succeeded = json.loads(gpu("history", "--status", "succeeded", "--since", "today", "--json").output)
+    assert [j["id"] for j in succeeded] == [done.pk]
+    assert theirs.pk not in [j["id"] for j in json.loads(gpu("history", "--all", "--json").output)]
+    result = gpu("history", "--limit", "1")
+    assert "new.py" in result.output and "1 of 2 jobs; --limit N shows more." in result.output
+    result = gpu("history", "--status", "nonsense")
+    assert result.exit_code == 1 and "status" in result.stderr
+
+
+def test_logs_prints_the_log(portal, alice, booking, sent):
+    job = _job(alice, booking)
+    log_append(job.pk, "epoch 1 loss 0.50")
+    log_append(job.pk, "epoch 2 loss 0.25")
+    result = gpu("logs", str(job.pk))
+    assert result.exit_code == 0, result.output
+    assert result.output.count("\n") == 2 and result.output.index("epoch 1") < result.output.index("epoch 2")
+
+
+def _play_worker(job_id_of, lines: list[str], status: str, exit_code: int | None) -> threading.Thread:
+    """In a thread, as the job's worker would: write its log, then record its end."""
+
+    def work() -> None:
+        try:
+            job_id = wait_for(job_id_of, timeout=10, what="the job")
+            for line in lines:
+                log_append(job_id, line)
+            _finish(job_id, status, exit_code)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread
+
+
+def test_logs_follow_goes_on_until_the_job_ends(portal, alice, booking, sent):
+    job = _job(alice, booking)
+    log_append(job.pk, "starting")
+    worker = _play_worker(lambda: job.pk, ["epoch 1", "done"], Job.Status.SUCCEEDED, 0)
+    result = gpu("logs", "-f", str(job.pk))
+    worker.join()
+    assert result.exit_code == 0, result.output
+    assert [line.split(" ", 1)[1] for line in result.output.splitlines()] == ["starting", "epoch 1", "done"]
+
+
+def test_run_wait_follows_the_log_and_exits_with_the_jobs_exit_code(portal, alice, booking, script, sent):
+    worker = _play_worker(lambda: Job.objects.values_list("pk", flat=True).first(), ["boom"], "failed", 7)
+    result = gpu("run", str(script), "--reservation", str(booking.pk), "--wait")
+    worker.join()
+    assert result.exit_code == 7
+    assert result.stdout.endswith(" boom\n")  # stdout is the log alone
+    assert "Submitted job" in result.stderr and "failed" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("status", "exit_code", "expected"),
+    [
+        ("succeeded", 0, 0),
+        ("failed", 7, 7),
+        ("failed", -9, 137),  # killed by SIGKILL, as a shell says it
+        ("failed", None, 1),  # it could not start
+        ("timed_out", -15, 124),
+        ("cancelled", -15, 143),
+        ("lost", None, 125),
+    ],
+)
+def test_run_wait_exit_codes(status, exit_code, expected):
+    assert job_exit_code({"status": status, "exit_code": exit_code}) == expected
+
+
+def test_cancel_cancels_each_job_and_reports_the_ones_it_cannot(portal, alice, booking, sent):
+    job = _job(alice, booking)
+    result = gpu("cancel", str(job.pk), "999999")
+    assert result.exit_code == 4
+    assert f"Job {job.pk} is cancelled." in result.stdout
+    assert "job 999999: Not found." in result.stderr
+    assert Job.objects.get(pk=job.pk).status == Job.Status.CANCELLED
+    result = gpu("cancel", str(job.pk))
+    assert result.exit_code == 1 and "already cancelled" in result.stderr
+
+
+# --- usage, reachability --------------------------------------------------------------------------
+
+
+def test_usage_errors_exit_2_before_any_request(script):
+    assert gpu("book", "--mem", "16").exit_code == 2  # no unit
+    assert gpu("book", "--time", "soon").exit_code == 2
+    result = gpu("run", str(script), "--reservation", "3", "--gpus", "2")
+    assert result.exit_code == 2 and "drop --gpus" in result.stderr
+
+
+def test_it_exits_3_when_the_portal_cannot_be_reached_or_refuses_the_token(portal, monkeypatch):
+    monkeypatch.setenv(config.TOKEN_ENV, "not-a-token")
+    result = gpu("jobs")
+    assert result.exit_code == 3 and "refused the token" in result.stderr
+    monkeypatch.setenv(config.URL_ENV, f"http://127.0.0.1:{_closed_port()}")
+    result = gpu("status")
+    assert result.exit_code == 3 and "Cannot reach the portal" in result.stderr
+
+
+def test_it_reads_sizes_and_durations_as_people_write_them():
+    assert [MEMORY.convert(v, None, None) for v in ("16G", "16 GiB", "1.5GB", "512M")] == [
+        16384,
+        16384,
+        1536,
+        512,
+    ]
+    assert [DURATION.convert(v, None, None) for v in ("10m", "2h", "1h30m", "1d", "45")] == [
+        10,
+        120,
+        90,
+        1440,
+        45,
+    ]
+
+
+# --- the installed command ------------------------------------------------------------------------
+
+
+def test_the_installed_gpu_command_talks_to_the_portal(portal, alice, booking, sent):
+    job = _job(alice, booking)
+    done = subprocess.run([GPU_BIN, "jobs", "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert [j["id"] for j in json.loads(done.stdout)] == [job.pk]
+
+    env = {**os.environ, config.URL_ENV: f"http://127.0.0.1:{_closed_port()}"}
+    done = subprocess.run([GPU_BIN, "status"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 3 and "Cannot reach the portal" in done.stderr
+
+
+def test_the_command_line_imports_nothing_of_the_portal():
+    """On a laptop only gpu_cli and its dependencies are installed."""
+    code = "import json, sys, gpu_cli.main; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(done.stdout))
+    assert not loaded & {"django", "rest_framework", "portal", "gpus", "jobs", "celery"}
+
+
+@pytest.mark.worker
+def test_run_wait_runs_the_script_on_a_real_worker(portal, alice, start_worker, tmp_path):
+    host = server_names()[0]
+    server_report_ingest(snapshot=make_snapshot(host, gpus=4, simulated=True))
+    start_worker(host)
+    booking = reservation_create(user=alice, gpus=[f"GPU-{host}-00"])
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nprint('hello from', sys.argv[1:], flush=True)\nsys.exit(3)\n")
+    result = gpu("run", str(script), "--reservation", str(booking.pk), "--wait", "--", "--epochs", "2")
+    assert result.exit_code == 3, result.output
+    assert "hello from ['--epochs', '2']" in result.stdout
+    assert f"Job {Job.objects.get().pk} failed: Exited with code 3." in result.stderr

@@ -1,0 +1,140 @@
+"""A job the worker may not signal (JOB_USER without CAP_KILL): the supervisor says so and keeps
+watching it. The real Supervisor runs in this process on a real subprocess; only `os.killpg`
+answers EPERM, as the kernel does for a group of another user's processes."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+
+import pytest
+from django.utils import timezone
+
+from gpus.booking import reservation_create
+from jobs.logs import log_stream
+from jobs.models import Job
+from jobs.runner import job_run
+from jobs.services import ScriptUpload, job_submit
+
+pytestmark = pytest.mark.django_db
+
+# Waits for the test's go-ahead (a file), then ends by itself; a minute at most, in case the
+# test broke: nothing else could stop it.
+WAITER = """
+import pathlib, time
+release = pathlib.Path({release!r})
+print("ready", flush=True)
+deadline = time.monotonic() + 60
+while not release.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("ending by myself", flush=True)
+"""
+
+# Leaves a process behind in its group and ends at once.
+LEAVER = """
+import subprocess
+child = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print("left", child.pid, flush=True)
+"""
+
+
+@pytest.fixture
+def job_in(alice, box, settings, tmp_path):
+    """Submit `source` on a booking of alice's, ready for job_run in this process."""
+    settings.JOB_ROOTS = [tmp_path]
+    settings.JOB_KILL_GRACE_SECONDS = 2
+    settings.JOB_HEARTBEAT_SECONDS = 1
+    booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+
+    def submit(source: str) -> Job:
+        upload = ScriptUpload(name="job.py", content=source.encode())
+        return job_submit(user=alice, reservation=booking, script=upload)
+
+    return submit
+
+
+@pytest.fixture
+def denied(monkeypatch) -> list[tuple[int, int]]:
+    """os.killpg refuses every signal to a group that exists (EPERM), and says so for one that
+    does not (ESRCH), as for a worker without CAP_KILL. Returns the (group, signal) asked for."""
+    real_killpg = os.killpg
+    calls: list[tuple[int, int]] = []
+
+    def killpg(pgid: int, sig: int) -> None:
+        calls.append((pgid, sig))
+        real_killpg(pgid, 0)  # ProcessLookupError once the group is gone
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    return calls
+
+
+def _log(job_id: int) -> str:
+    return b"".join(log_stream(job_id)).decode()
+
+
+def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
+    job_in, alice, denied, monkeypatch, tmp_path, caplog
+):
+    release = tmp_path / "release"
+    job = job_in(WAITER.format(release=str(release)))
+    # Asked before the first look at the row: the supervisor's first poll finds it.
+    Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
+    refuse, seen = os.killpg, {}
+
+    def killpg(pgid: int, sig: int) -> None:
+        if sig == signal.SIGTERM:
+            seen["term_at"] = timezone.now()
+        elif sig == signal.SIGKILL and "row" not in seen:
+            # The grace period is over and SIGKILL is about to be refused: how the job looks
+            # now, and then it may end by itself.
+            seen["row"] = Job.objects.values("status", "message", "heartbeat_at").get(pk=job.pk)
+            release.touch()
+        refuse(pgid, sig)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    with caplog.at_level(logging.WARNING, logger="jobs.runner"):
+        assert job_run(job.pk) == Job.Status.CANCELLED
+
+    job.refresh_from_db()
+    running = seen["row"]
+    assert running["status"] == Job.Status.RUNNING  # refused: not ended, still running
+    assert running["message"] == (
+        "Cancelled by alice. Could not stop: permission denied; the job is still running."
+    )
+    assert running["heartbeat_at"] > seen["term_at"]  # still supervised: heartbeats went on
+    assert [sig for _, sig in denied] == [signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]  # last: the reap
+    assert {pgid for pgid, _ in denied} == {job.pid}
+    assert job.exit_code == 0  # it ended by itself
+    assert (
+        job.message
+        == "Cancelled by alice. Could not stop: permission denied; it ran until it ended by itself."
+    )
+    log = _log(job.pk)
+    assert log.count("could not send SIGTERM: permission denied") == 1
+    assert log.count("could not send SIGKILL: permission denied") == 1  # once, not on every tick
+    assert log.index("could not send SIGKILL") < log.index("ending by myself")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w.split(" to ")[0] for w in warnings] == [
+        f"Job {job.pk}: may not send SIGTERM",
+        f"Job {job.pk}: may not send SIGKILL",
+    ]
+
+
+def test_it_says_what_a_finished_job_left_running_that_it_may_not_kill(job_in, denied):
+    job = job_in(LEAVER)
+    left = None
+    try:
+        assert job_run(job.pk) == Job.Status.SUCCEEDED  # the supervisor did not crash
+        log = _log(job.pk)
+        left = int(log.split("left ", 1)[1].split()[0])
+        job.refresh_from_db()
+        assert job.exit_code == 0
+        assert job.message == "Could not stop what it left running: permission denied."
+        assert "the job left processes running that the worker may not kill: permission denied" in log
+        assert [sig for _, sig in denied] == [signal.SIGKILL]
+    finally:
+        if left is not None:
+            os.kill(left, signal.SIGKILL)

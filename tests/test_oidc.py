@@ -1,0 +1,233 @@
+"""Single sign-on against a real OpenID Connect provider: oidc-provider-mock, a standards-conforming
+provider (Authlib), served over HTTP on a free port for the session.
+
+Each sign-in runs the whole authorization-code flow: the portal sends the browser to the
+provider's authorize endpoint; the "person" submits its form there (real HTTP); the provider
+sends them back to the portal's callback with a code, which the portal exchanges at the token
+endpoint over HTTP, verifying the signed ID token against the provider's published keys.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from django.contrib.auth import get_user_model
+from django.urls import reverse
+
+from portal.env import ImproperlyConfiguredEnv
+from portal.identity_env import LEADER, MEMBER, oidc_settings_from_env, parse_group_teams
+from portal.models import Membership
+from tests.factories import UserFactory
+from tests.test_ldap import MAPPING, roles, with_backend
+
+with warnings.catch_warnings():
+    # The provider imports authlib modules that authlib itself deprecates: not ours to fix. (authlib
+    # turns its own warnings to "always" when imported, so they are ignored once it is.)
+    from authlib.deprecate import AuthlibDeprecationWarning
+
+    warnings.simplefilter("ignore", AuthlibDeprecationWarning)
+    from oidc_provider_mock import run_server_in_thread
+
+User = get_user_model()
+
+
+@pytest.fixture(scope="session")
+def provider() -> Iterator[str]:
+    """The provider's issuer URL."""
+    with run_server_in_thread(port=0) as server:
+        yield f"http://localhost:{server.server_port}"
+
+
+@pytest.fixture
+def oidc_on(settings, monkeypatch, provider, tmp_path, team) -> Callable[..., None]:
+    """The portal configured for the provider from OIDC_* variables, through settings.py's own
+    reader; the client secret comes from a file. `team` is Vision Lab."""
+    secret = tmp_path / "oidc-client-secret"
+    secret.write_text("portal-client-secret\n")
+
+    def configure(**env: str) -> None:
+        variables = {
+            "OIDC_ISSUER": provider + "/",
+            "OIDC_CLIENT_ID": "gpu-portal",
+            "OIDC_CLIENT_SECRET_FILE": str(secret),
+            "OIDC_UNIX_ACCOUNT_CLAIM": "unix_name",
+            "OIDC_LAB_NAME": "Example Lab",
+            **env,
+        }
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        for name, value in oidc_settings_from_env().items():
+            setattr(settings, name, value)
+        settings.IDENTITY_GROUP_TEAMS = parse_group_teams(MAPPING)
+        settings.IDENTITY_ADMIN_GROUPS = frozenset({"lab-admins"})
+        settings.AUTHENTICATION_BACKENDS = with_backend(settings, "portal.oidc.OIDCBackend")
+
+    configure()
+    return configure
+
+
+def sso_sign_in(client, provider: str, sub: str, claims: dict | None = None):
+    """Sign in through the provider as `sub`, with these claims; the portal's last answer."""
+    if claims is not None:
+        httpx.put(f"{provider}/users/{sub}", json=claims).raise_for_status()
+    start = client.get(reverse("oidc_authentication_init"))
+    assert start.status_code == 302 and start.url.startswith(f"{provider}/oauth2/authorize?")
+    form = httpx.get(start.url)
+    assert form.status_code == 200 and 'name="sub"' in form.text
+    answer = httpx.post(start.url, data={"sub": sub})
+    assert answer.status_code == 302, answer.text
+    back = urlsplit(answer.headers["location"])
+    assert back.path == reverse("oidc_authentication_callback") and "code=" in back.query
+    return client.get(f"{back.path}?{back.query}")
+
+
+def signed_in(client) -> User | None:
+    user_id = client.session.get("_auth_user_id")
+    return User.objects.get(pk=user_id) if user_id else None
+
+
+ALICE = {
+    "preferred_username": "Alice",
+    "email": "alice@lab.example",
+    "given_name": "Alice",
+    "family_name": "Liddell",
+    "groups": ["vision-lab", "nlp-lab-pi", "coffee-club"],
+    "unix_name": "aliddell",
+}
+
+
+def test_single_sign_on_creates_the_person_their_teams_and_unix_account(client, oidc_on, provider):
+    response = sso_sign_in(client, provider, "alice-sub", ALICE)
+
+    assert response.status_code == 302 and response.url == reverse("dashboard")
+    alice = signed_in(client)
+    assert alice.username == "alice"
+    assert (alice.first_name, alice.last_name, alice.email) == ("Alice", "Liddell", "alice@lab.example")
+    assert not alice.has_usable_password()
+    assert not alice.is_staff
+    assert roles(alice) == {"vision-lab": MEMBER, "nlp-lab": LEADER}
+    assert alice.profile.unix_account == "aliddell"
+
+
+def test_later_sign_ins_keep_teams_and_admin_rights_in_step(client, oidc_on, provider):
+    sso_sign_in(
+        client, provider, "bob-sub", {"preferred_username": "bob", "groups": ["vision-lab", "lab-admins"]}
+    )
+    bob = signed_in(client)
+    assert roles(bob) == {"vision-lab": MEMBER}
+    assert bob.is_staff and bob.is_superuser
+
+    client.logout()
+    sso_sign_in(client, provider, "bob-sub", {"preferred_username": "bob", "groups": ["vision-lab-pi"]})
+    assert signed_in(client) == bob
+    bob.refresh_from_db()
+    assert roles(bob) == {"vision-lab": LEADER}
+    assert not bob.is_staff and not bob.is_superuser
+
+    client.logout()
+    sso_sign_in(client, provider, "bob-sub", {"preferred_username": "bob"})  # no groups claim at all
+    assert roles(bob) == {}
+
+
+def test_it_signs_in_to_the_account_with_that_username(client, oidc_on, provider, team):
+    carol = UserFactory(username="carol")
+    Membership.objects.create(user=carol, team=team)
+    sso_sign_in(client, provider, "carol-sub", {"preferred_username": "carol", "groups": []})
+    assert signed_in(client) == carol
+    assert roles(carol) == {}
+
+
+def test_it_never_takes_over_an_account_by_email_alone(client, oidc_on, provider):
+    someone = UserFactory(username="dwright", email="dave@lab.example")
+    sso_sign_in(client, provider, "dave-sub", {"preferred_username": "dave", "email": "dave@lab.example"})
+    dave = signed_in(client)
+    assert dave != someone and dave.username == "dave"
+
+
+def test_it_refuses_a_sign_in_without_a_username_claim(client, oidc_on, provider):
+    response = sso_sign_in(
+        client, provider, "nameless-sub", {"email": "x@lab.example", "groups": ["vision-lab"]}
+    )
+    assert response.status_code == 302 and response.url == reverse("login")
+    assert signed_in(client) is None
+    assert not User.objects.exists()
+    page = client.get(response.url)
+    assert "Sign-in with Example Lab failed" in page.content.decode()
+
+
+def test_the_login_page_shows_the_button_only_when_configured(client, settings, oidc_on):
+    page = client.get(reverse("login")).content.decode()
+    assert "Sign in with Example Lab" in page
+    assert reverse("oidc_authentication_init") in page
+
+    settings.OIDC_ISSUER = ""
+    page = client.get(reverse("login")).content.decode()
+    assert "Sign in with" not in page
+    assert client.get(reverse("oidc_authentication_init")).status_code == 404
+    assert client.get(reverse("oidc_authentication_callback")).status_code == 404
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_provider_that_is_down_stops_neither_local_sign_ins_nor_the_login_page(client, oidc_on):
+    oidc_on(OIDC_ISSUER=f"http://127.0.0.1:{_closed_port()}")
+    UserFactory(username="localadmin")
+    response = client.post(reverse("login"), {"username": "localadmin", "password": "password"})
+    assert response.status_code == 302 and response.url == reverse("dashboard")
+
+    client.logout()
+    response = client.get(reverse("oidc_authentication_init"), follow=True)
+    assert "Sign-in with Example Lab is unavailable right now" in response.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("env", "complaint"),
+    [
+        ({"OIDC_ISSUER": "sso.lab.example"}, "must be the provider's https:// address"),
+        ({"OIDC_CLIENT_ID": ""}, "set OIDC_CLIENT_ID and OIDC_CLIENT_SECRET"),
+        ({"OIDC_SCOPES": "email profile"}, "must include openid"),
+        ({"OIDC_SIGN_ALGO": "none"}, "OIDC_SIGN_ALGO='none' must be one of"),
+    ],
+)
+def test_it_refuses_oidc_settings_that_cannot_work(monkeypatch, env, complaint):
+    for name, value in {
+        "OIDC_ISSUER": "https://sso.lab.example",
+        "OIDC_CLIENT_ID": "gpu-portal",
+        "OIDC_CLIENT_SECRET": "s3cret",
+        **env,
+    }.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ImproperlyConfiguredEnv, match=complaint):
+        oidc_settings_from_env()
+
+
+def test_it_reads_oidc_settings_with_their_defaults(monkeypatch):
+    monkeypatch.setenv("OIDC_ISSUER", "https://sso.lab.example/realms/lab/")
+    monkeypatch.setenv("OIDC_CLIENT_ID", "gpu-portal")
+    monkeypatch.setenv("OIDC_CLIENT_SECRET", "s3cret")
+    found = oidc_settings_from_env()
+    assert found["OIDC_ISSUER"] == "https://sso.lab.example/realms/lab"
+    assert found["OIDC_RP_SCOPES"] == "openid email profile"
+    assert found["OIDC_RP_SIGN_ALGO"] == "RS256"
+    assert (found["OIDC_USERNAME_CLAIM"], found["OIDC_GROUPS_CLAIM"]) == ("preferred_username", "groups")
+    assert found["OIDC_UNIX_ACCOUNT_CLAIM"] == ""
+
+
+def test_a_deactivated_account_is_signed_out_and_cannot_sign_in_again(client, oidc_on, provider):
+    sso_sign_in(client, provider, "erin-sub", {"preferred_username": "erin"})
+    assert client.get(reverse("profile")).status_code == 200
+    User.objects.filter(username="erin").update(is_active=False)
+
+    assert client.get(reverse("profile")).status_code == 302
+    response = sso_sign_in(client, provider, "erin-sub")
+    assert response.url == reverse("login")
+    assert client.get(reverse("profile")).status_code == 302

@@ -1,0 +1,500 @@
+"""The GPU watchdog on a host: every kind under every policy, against real processes.
+
+The rules themselves are tests/test_watchdog_rules.py; here the host's round reads the
+database, records violations, tells people and signals real processes (`sleep`s this test
+starts), with the clock passed in rather than waited for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import timedelta
+
+import psutil
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gpus.booking import reservation_create
+from gpus.inventory import ProcessInfo, Snapshot
+from gpus.models import Violation, WatchdogPolicy
+from gpus.procinfo import describe_process
+from jobs import watchdog_host
+from jobs.models import Job
+from jobs.services import ScriptUpload, job_submit
+from jobs.watchdog_host import HostWatchdog
+from portal.models import AuditEntry, Membership, Notification, Profile
+from tests.conftest import wait_for
+from tests.factories import MembershipFactory, UserFactory, make_snapshot
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
+STUBBORN = [
+    sys.executable,
+    "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)",
+]
+
+
+@pytest.fixture
+def start(procs):
+    def start(argv=SLEEP) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, start_new_session=True)
+        procs.append(proc)
+        wait_for(lambda: "python" in " ".join(psutil.Process(proc.pid).cmdline()), timeout=10, what="exec")
+        return proc
+
+    return start
+
+
+@pytest.fixture
+def watchdog(box) -> HostWatchdog:
+    return HostWatchdog("box1", simulated=False)
+
+
+def policy(kind: str, action: str, grace: int = 0) -> None:
+    WatchdogPolicy.objects.update_or_create(kind=kind, defaults={"action": action, "grace_seconds": grace})
+
+
+def on_card(index: int, *processes: ProcessInfo) -> Snapshot:
+    """box1's report with these processes on card `index` (and none elsewhere)."""
+    snapshot = make_snapshot("box1", gpus=4, processes=0)
+    cards = list(snapshot.gpus)
+    cards[index] = replace(cards[index], processes=processes)
+    return replace(snapshot, gpus=tuple(cards))
+
+
+def real(proc: subprocess.Popen, mb: int = 2048, *, user: str | None = None) -> ProcessInfo:
+    info = describe_process(proc.pid, mb)
+    return replace(info, username=user) if user else info
+
+
+def gone(proc: subprocess.Popen) -> bool:
+    return proc.poll() is not None
+
+
+def one() -> Violation:
+    return Violation.objects.select_related("user", "reservation").get()
+
+
+# --- intruders, and every policy ------------------------------------------------------------------
+
+
+@pytest.fixture
+def alices_card(alice, box):
+    return reservation_create(user=alice, gpus=[box[0].uuid])
+
+
+def test_an_intruder_is_warned_then_stopped_and_the_stop_confirmed(watchdog, alices_card, bob, start):
+    policy("intruder", "stop", grace=60)
+    proc = start()
+    t0 = timezone.now()
+
+    watchdog.round(on_card(0, real(proc, user="bob")), now=t0)
+    violation = one()
+    assert (violation.kind, violation.action, violation.pid, violation.os_user) == (
+        "intruder",
+        "warned",
+        proc.pid,
+        "bob",
+    )
+    assert violation.user == bob and violation.reservation == alices_card and violation.memory_mb == 2048
+    told = set(Notification.objects.filter(kind="intruder").values_list("user__username", flat=True))
+    assert told == {"alice", "bob"}  # the booking's owner and the offender
+    assert not gone(proc)
+
+    watchdog.round(on_card(0, real(proc, user="bob")), now=t0 + timedelta(seconds=30))
+    assert (
+        not gone(proc) and Violation.objects.count() == 1
+    )  # one violation, updated, not a new one each round
+
+    watchdog.round(on_card(0, real(proc, user="bob")), now=t0 + timedelta(seconds=61))
+    wait_for(lambda: gone(proc), timeout=10, what="SIGTERM")
+    assert proc.returncode == -signal.SIGTERM
+
+    watchdog.round(on_card(0), now=t0 + timedelta(seconds=63))  # NVML no longer lists it
+    violation = one()
+    assert (violation.action, violation.ended_at is not None) == ("stopped", True)
+    assert violation.stopped_at == t0 + timedelta(seconds=63)
+    assert AuditEntry.objects.filter(action="watchdog.stop", target=f"violation {violation.pk}").exists()
+    assert Notification.objects.filter(subject__contains="was stopped").count() == 2
+
+
+def test_a_process_that_ignores_sigterm_gets_sigkill_after_the_grace(watchdog, alices_card, start, settings):
+    settings.JOB_KILL_GRACE_SECONDS = 5
+    policy("intruder", "stop")
+    proc = start(STUBBORN)
+    t0 = timezone.now()
+    wait_for(
+        lambda: psutil.Process(proc.pid).status() == psutil.STATUS_SLEEPING, timeout=10, what="its handler"
+    )
+    for seconds in (0, 2):
+        watchdog.round(on_card(0, real(proc, user="bob")), now=t0 + timedelta(seconds=seconds))
+    assert not gone(proc)  # SIGTERM ignored, and the grace has not passed
+    watchdog.round(on_card(0, real(proc, user="bob")), now=t0 + timedelta(seconds=6))
+    wait_for(lambda: gone(proc), timeout=10, what="SIGKILL")
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("action", ["observe", "warn"])
+def test_observe_and_warn_never_stop(watchdog, alices_card, start, action):
+    policy("intruder", action)
+    proc = start()
+    t0 = timezone.now()
+    for seconds in (0, 600, 6000):
+        watchdog.round(on_card(0, real(proc, user="bob")), now=t0 + timedelta(seconds=seconds))
+    assert not gone(proc)
+    violation = one()
+    assert violation.action == ("observed" if action == "observe" else "warned")
+    assert Notification.objects.exists() == (action == "warn")
+
+
+def test_a_dry_run_records_and_notifies_but_never_signals(watchdog, alices_card, start, settings):
+    settings.WATCHDOG_DRY_RUN = True
+    policy("intruder", "stop")
+    proc = start()
+    t0 = timezone.now()
+    for seconds in (0, 1, 100):
+        watchdog.round(on_card(0, real(proc, user="bob")), now=t0 + timedelta(seconds=seconds))
+    assert not gone(proc)
+    assert "Dry run" in one().message
+    assert Notification.objects.filter(subject__contains="dry run").exists()
+
+
+def test_a_stop_the_worker_may_not_send_is_recorded_and_told(watchdog, alices_card, start, monkeypatch):
+    policy("intruder", "stop")
+    proc = start()
+
+    def denied(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(watchdog_host.os, "kill", denied)
+    watchdog.round(on_card(0, real(proc, user="bob")), now=timezone.now())
+    violation = one()
+    assert violation.action == "stop_failed"
+    assert "could not stop: permission denied" in violation.message
+    assert AuditEntry.objects.filter(action="watchdog.stop", message__contains="could not stop").exists()
+    assert Notification.objects.filter(
+        subject__contains="could not be stopped", user__username="alice"
+    ).exists()
+    monkeypatch.undo()  # the fixture's own kill at teardown
+    assert not gone(proc)
+
+
+def test_an_invented_pid_equal_to_a_live_unrelated_process_is_left_alone(box, alices_card, start):
+    """The simulation makes pids up: one may be a real process of someone else on this machine."""
+    policy("intruder", "stop")
+    watchdog = HostWatchdog("box1", simulated=True)
+    bystander = start()
+    invented = ProcessInfo(
+        pid=bystander.pid, username="carol", command="python train.py", used_memory_mb=9000
+    )
+    t0 = timezone.now()
+    for seconds in (0, 120, 240):
+        watchdog.round(on_card(0, invented), now=t0 + timedelta(seconds=seconds))
+    assert not gone(bystander)
+    violation = one()
+    assert violation.kind == "intruder" and "Not signalled" in violation.message
+    assert not Notification.objects.exists()  # shown, never worth a message
+
+
+def test_a_recycled_pid_is_not_signalled(watchdog, alices_card, start):
+    """The process seen is not the one that now has its pid: its session differs."""
+    policy("intruder", "stop")
+    proc = start()
+    seen = replace(real(proc, user="bob"), session_id=proc.pid + 1)
+    watchdog.round(on_card(0, seen), now=timezone.now())
+    assert not gone(proc)
+    assert "Not signalled" in one().message
+
+
+# --- unbooked and the owner's own processes ------------------------------------------------------
+
+
+def test_a_process_on_a_card_nobody_booked_is_unbooked_and_warned_by_default(watchdog, bob, start):
+    proc = start()
+    t0 = timezone.now()
+    for seconds in (0, 3600):
+        watchdog.round(on_card(1, real(proc, user="bob")), now=t0 + timedelta(seconds=seconds))
+    assert (one().kind, one().action) == ("unbooked", "warned")
+    assert list(Notification.objects.values_list("user__username", flat=True)) == ["bob"]
+    assert not gone(proc)
+
+
+def test_the_owners_own_process_is_shown_never_punished(watchdog, alices_card, start):
+    proc = start()
+    watchdog.round(on_card(0, real(proc, user="alice")), now=timezone.now())
+    assert (one().kind, one().action) == ("owner_outside_job", "observed")
+    with pytest.raises(Exception):  # noqa: B017 - the database refuses the policy
+        policy("owner_outside_job", "stop")
+
+
+def test_os_users_map_to_people_by_their_unix_account(watchdog, alices_card, bob, start):
+    Profile.objects.create(user=bob, unix_account="rsmith")
+    proc = start()
+    watchdog.round(on_card(0, real(proc, user="rsmith")), now=timezone.now())
+    assert one().user == bob
+
+
+def test_an_unknown_os_user_is_reported_by_name(watchdog, alices_card, start):
+    proc = start()
+    watchdog.round(on_card(0, real(proc, user="mallory")), now=timezone.now())
+    violation = one()
+    assert (violation.user, violation.os_user) == (None, "mallory")
+
+
+# --- portal jobs: escaped, over memory, zombies ---------------------------------------------------
+
+
+@pytest.fixture
+def job_on(alice, box, monkeypatch):
+    """job_on(card indices, memory_mb, pid): alice's running job on a booking of those cards."""
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: None)
+
+    def make(indices, memory_mb, pid, status=Job.Status.RUNNING) -> Job:
+        booking = reservation_create(user=alice, gpus=[box[i].uuid for i in indices], memory_mb=memory_mb)
+        job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
+        finished = timezone.now() if status not in Job.ACTIVE else None
+        Job.objects.filter(pk=job.pk).update(
+            status=status, pid=pid, started_at=timezone.now(), finished_at=finished
+        )
+        job.refresh_from_db()
+        return job
+
+    return make
+
+
+def test_a_job_over_its_memory_is_stopped_by_its_supervisor(watchdog, job_on, start):
+    policy("over_memory", "stop", grace=10)
+    proc = start()
+    job = job_on([0], 4096, proc.pid)
+    t0 = timezone.now()
+    watchdog.round(on_card(0, real(proc, 4096 + 256)), now=t0)
+    assert not Violation.objects.exists()  # within the tolerance
+    watchdog.round(on_card(0, real(proc, 4096 + 257)), now=t0)
+    violation = one()
+    assert (violation.kind, violation.job_id, violation.memory_mb, violation.booked_mb) == (
+        "over_memory",
+        job.pk,
+        4353,
+        4096,
+    )
+    watchdog.round(on_card(0, real(proc, 5000)), now=t0 + timedelta(seconds=11))
+    job.refresh_from_db()
+    assert job.watchdog_stop.startswith("Stopped by the GPU watchdog: over_memory: job")
+    assert not gone(proc)  # the job's own supervisor stops it (tests/test_jobs_worker.py), not the watchdog
+    assert one().memory_mb == 5000  # the most measured
+
+
+def test_a_job_on_a_card_it_did_not_book_has_escaped(watchdog, job_on, bob, box, start):
+    proc = start()
+    job = job_on([0], None, proc.pid)
+    reservation_create(user=bob, gpus=[box[2].uuid])
+    watchdog.round(on_card(2, real(proc)), now=timezone.now())
+    violation = one()
+    assert (violation.kind, violation.job_id, violation.user.username) == ("escaped", job.pk, "alice")
+    told = set(Notification.objects.values_list("user__username", flat=True))
+    assert told == {"alice", "bob"}  # the job's owner, and the owner of the card it took
+
+
+def test_a_process_left_by_an_ended_job_is_a_zombie_and_stopped(watchdog, job_on, start):
+    proc = start()
+    job_on([0], None, proc.pid, status=Job.Status.SUCCEEDED)
+    policy("zombie", "stop", grace=30)
+    t0 = timezone.now()
+    watchdog.round(on_card(0, real(proc)), now=t0)
+    assert (one().kind, one().action) == ("zombie", "warned")
+    watchdog.round(on_card(0, real(proc)), now=t0 + timedelta(seconds=31))
+    wait_for(lambda: gone(proc), timeout=10, what="the zombie's end")
+
+
+def test_a_session_that_began_after_the_job_ended_is_no_zombie(watchdog, job_on, start):
+    """A recycled session id: the process was created after its namesake job had ended."""
+    proc = start()
+    job = job_on([0], None, proc.pid, status=Job.Status.SUCCEEDED)
+    Job.objects.filter(pk=job.pk).update(finished_at=timezone.now() - timedelta(minutes=10))
+    watchdog.round(on_card(0, real(proc, user="alice")), now=timezone.now())
+    assert one().kind == "owner_outside_job"  # alice's process on alice's card, not her old job's
+
+
+# --- repeat offenders, restarts -------------------------------------------------------------------
+
+
+def test_leaders_hear_of_repeat_offences(watchdog, alices_card, team, leader, start, settings):
+    settings.WATCHDOG_REPEAT_OFFENCES = 2
+    bob = MembershipFactory(team=team, user=UserFactory(username="bob")).user
+    assert bob.memberships.get().role == Membership.Role.MEMBER
+    for _ in range(2):
+        proc = start()
+        watchdog.round(on_card(0, real(proc, user="bob")), now=timezone.now())
+    told = list(Notification.objects.filter(user=leader).values_list("body", flat=True))
+    assert len(told) == 1 and "several violations" in told[0]
+
+
+def test_a_restarted_watchdog_goes_on_with_the_open_violations(box, alices_card, start):
+    proc = start()
+    HostWatchdog("box1", simulated=False).round(on_card(0, real(proc, user="bob")), now=timezone.now())
+    HostWatchdog("box1", simulated=False).round(on_card(0, real(proc, user="bob")), now=timezone.now())
+    assert Violation.objects.count() == 1
+
+
+def test_an_unreadable_process_list_ends_nothing(watchdog, alices_card, start):
+    proc = start()
+    watchdog.round(on_card(0, real(proc, user="bob")), now=timezone.now())
+    unknown = on_card(0)
+    unknown = replace(unknown, gpus=(replace(unknown.gpus[0], processes=None), *unknown.gpus[1:]))
+    watchdog.round(unknown, now=timezone.now())
+    assert one().ended_at is None
+
+
+# --- pages and API: who sees what -----------------------------------------------------------------
+
+
+@pytest.fixture
+def bobs_intrusion(watchdog, alices_card, bob, start):
+    """bob's process on alice's card, as a violation."""
+    proc = start()
+    watchdog.round(on_card(0, real(proc, user="bob")), now=timezone.now())
+    return one()
+
+
+@pytest.mark.parametrize(
+    ("who", "sees"),
+    [("bob", True), ("alice", True), ("dave", False), ("charlie", False), ("leader", True), ("admin", True)],
+)
+def test_violations_are_seen_by_the_offender_the_victim_leaders_and_admins(
+    client, bobs_intrusion, team, charlie, leader, admin_user, who, sees
+):
+    """dave is a plain teammate of both: neither the offender, the victim nor a leader."""
+    dave = MembershipFactory(team=team, user=UserFactory(username="dave")).user
+    users = {"charlie": charlie, "leader": leader, "admin": admin_user, "dave": dave}
+    user = users.get(who) or UserFactory(username=who)  # get_or_create: bob and alice exist
+    client.force_login(user)
+    detail = client.get(reverse("violation_detail", args=[bobs_intrusion.pk]))
+    assert detail.status_code == (200 if sees else 404)
+    listed = client.get(reverse("violations")).content.decode()
+    assert (f'data-violation="{bobs_intrusion.pk}"' in listed) == sees
+    api = APIClient()
+    api.force_authenticate(user)
+    assert api.get(f"/api/v1/violations/{bobs_intrusion.pk}/").status_code == (200 if sees else 404)
+    rows = api.get("/api/v1/violations/").json()["results"]
+    assert [r["id"] for r in rows] == ([bobs_intrusion.pk] if sees else [])
+
+
+def test_anonymous_gets_nothing(client, bobs_intrusion):
+    assert client.get(reverse("violations")).status_code == 302
+    assert APIClient().get("/api/v1/violations/").status_code in (401, 403)
+
+
+def test_the_api_has_the_documented_fields_and_filters(bobs_intrusion, admin_user):
+    api = APIClient()
+    api.force_authenticate(admin_user)
+    (row,) = api.get("/api/v1/violations/?kind=intruder&open=true&server=box1").json()["results"]
+    for field in (
+        "id",
+        "kind",
+        "gpu",
+        "server",
+        "pid",
+        "os_user",
+        "user",
+        "job",
+        "memory_mb",
+        "first_seen",
+        "last_seen",
+        "action",
+        "stopped_at",
+    ):
+        assert field in row, field
+    assert (row["gpu"], row["server"], row["user"], row["action"]) == (
+        bobs_intrusion.gpu_id,
+        "box1",
+        "bob",
+        "warned",
+    )
+    assert api.get("/api/v1/violations/?kind=zombie").json()["results"] == []
+    bad = api.get("/api/v1/violations/?kind=nonsense")
+    assert bad.status_code == 400 and "kind" in bad.json()["errors"]
+
+
+def test_the_dashboard_shows_a_red_badge_on_the_card_and_the_process(client, bobs_intrusion, alice):
+    from gpus.services import server_report_ingest
+
+    server_report_ingest(snapshot=on_card(0, ProcessInfo(bobs_intrusion.pid, "bob", "python", 2048)))
+    client.force_login(alice)
+    html = client.get(reverse("dashboard_servers")).content.decode()
+    assert 'data-violation-kind="intruder"' in html
+    assert "1 violation" in html
+
+
+def test_the_pid_signalled_is_never_our_own(watchdog, alices_card):
+    """Belt and braces: the worker's own process on a card is judged, never killed."""
+    policy("intruder", "stop")
+    me = describe_process(os.getpid(), 100)
+    watchdog.round(
+        on_card(0, replace(me, username="bob", session_id=os.getsid(0) + 10**6)), now=timezone.now()
+    )
+    assert "Not signalled" in one().message
+
+
+# --- every kind under every policy ----------------------------------------------------------------
+
+
+@pytest.fixture
+def scene(alice, bob, box, start, job_on):
+    """scene(kind) → (the snapshot that shows one process of that kind, the process)."""
+
+    def make(kind: str) -> tuple[Snapshot, subprocess.Popen]:
+        proc = start()
+        if kind == "unbooked":
+            return on_card(3, real(proc, user="bob")), proc
+        if kind in ("intruder", "owner_outside_job"):
+            reservation_create(user=alice, gpus=[box[0].uuid])
+            return on_card(0, real(proc, user="bob" if kind == "intruder" else "alice")), proc
+        if kind == "zombie":
+            job_on([0], None, proc.pid, status=Job.Status.SUCCEEDED)
+            return on_card(0, real(proc)), proc
+        job_on([0], 1024, proc.pid)  # escaped (to card 1) or over_memory (on its card 0)
+        return (on_card(1, real(proc)) if kind == "escaped" else on_card(0, real(proc, 4096))), proc
+
+    return make
+
+
+@pytest.mark.parametrize("kind", [k for k in Violation.Kind.values if k != "owner_outside_job"])
+@pytest.mark.parametrize("action", ["observe", "warn", "stop"])
+def test_every_kind_under_every_policy(watchdog, scene, kind, action):
+    policy(kind, action, grace=5)
+    snapshot, proc = scene(kind)
+    t0 = timezone.now()
+    watchdog.round(snapshot, now=t0)
+    violation = one()
+    assert violation.kind == kind
+    assert violation.action == ("observed" if action == "observe" else "warned")
+    assert Notification.objects.filter(kind=kind).exists() == (action != "observe")
+
+    watchdog.round(snapshot, now=t0 + timedelta(seconds=6))  # past the grace
+    stopping_job = kind in ("escaped", "over_memory")
+    if action != "stop":
+        assert not gone(proc) and not Job.objects.exclude(watchdog_stop="").exists()
+    elif stopping_job:
+        assert Job.objects.get(pid=proc.pid).watchdog_stop.startswith(f"Stopped by the GPU watchdog: {kind}")
+    else:
+        wait_for(lambda: gone(proc), timeout=10, what="the stop")
+        watchdog.round(replace(snapshot, gpus=tuple(replace(g, processes=()) for g in snapshot.gpus)), now=t0)
+        assert one().action == "stopped"
+
+
+@pytest.mark.parametrize("action", ["observe", "warn"])
+def test_owner_outside_job_under_observe_and_warn(watchdog, scene, action):
+    """Never stop: the database refuses that policy (test_the_owners_own_process_is_shown_never_punished)."""
+    policy("owner_outside_job", action)
+    snapshot, proc = scene("owner_outside_job")
+    t0 = timezone.now()
+    for seconds in (0, 3600):
+        watchdog.round(snapshot, now=t0 + timedelta(seconds=seconds))
+    assert one().action == ("observed" if action == "observe" else "warned")
+    assert not gone(proc)

@@ -1,0 +1,94 @@
+"""The watchdog's rules as a pure function: every kind, from facts alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gpus.inventory import GPUInfo, ProcessInfo
+from jobs.watchdog import BookingFacts, JobFacts, Kind, classify
+
+A, B, C = "GPU-a", "GPU-b", "GPU-c"
+ALICE, BOB = 1, 2
+TOLERANCE = 256
+
+
+def card(uuid: str, *processes: ProcessInfo) -> GPUInfo:
+    return GPUInfo(uuid=uuid, index=0, name="card", pci_bus_id="", memory_total_mb=24576, processes=processes)
+
+
+def proc(pid: int, *, session: int | None = None, user: str = "alice", mb: int = 1000) -> ProcessInfo:
+    return ProcessInfo(pid=pid, username=user, command="python", used_memory_mb=mb, session_id=session or pid)
+
+
+# alice holds A whole and 8 GiB of B; her job 7 runs in session 100 on that booking.
+BOOKINGS = [BookingFacts(reservation_id=50, owner_id=ALICE, cards={A: None, B: 8192})]
+JOB = JobFacts(job_id=7, session_id=100, owner_id=ALICE, reservation_id=50, running=True)
+USERS = {"alice": ALICE, "bob": BOB}
+
+
+def kinds(*cards: GPUInfo, jobs=(JOB,), bookings=BOOKINGS) -> list[Kind]:
+    verdicts = classify(cards, bookings=bookings, jobs=jobs, users_by_os_name=USERS, tolerance_mb=TOLERANCE)
+    return [v.kind for v in verdicts]
+
+
+def test_a_job_on_its_booked_cards_within_its_memory_is_ok():
+    assert kinds(card(A, proc(100, mb=70_000)), card(B, proc(101, session=100, mb=8192))) == [
+        Kind.OK,
+        Kind.OK,
+    ]
+
+
+def test_a_job_on_a_card_its_booking_does_not_hold_has_escaped():
+    (verdict,) = classify(
+        [card(C, proc(100))], bookings=BOOKINGS, jobs=[JOB], users_by_os_name=USERS, tolerance_mb=TOLERANCE
+    )
+    assert (verdict.kind, verdict.job_id, verdict.user_id) == (Kind.ESCAPED, 7, ALICE)
+
+
+def test_memory_on_a_shared_card_is_the_jobs_sum_against_its_booking_plus_tolerance():
+    within = card(B, proc(100, mb=4000), proc(101, session=100, mb=4192 + TOLERANCE))
+    over = card(B, proc(100, mb=4000), proc(101, session=100, mb=4193 + TOLERANCE))
+    assert kinds(within) == [Kind.OK, Kind.OK]
+    assert kinds(over) == [Kind.OVER_MEMORY, Kind.OVER_MEMORY]
+    (first, _) = classify(
+        [over], bookings=BOOKINGS, jobs=[JOB], users_by_os_name=USERS, tolerance_mb=TOLERANCE
+    )
+    assert first.memory_mb == 8193 + TOLERANCE
+
+
+def test_a_whole_card_has_no_memory_rule():
+    assert kinds(card(A, proc(100, mb=80_000))) == [Kind.OK]
+
+
+@pytest.mark.parametrize(
+    ("user", "expected"),
+    [("bob", Kind.INTRUDER), ("alice", Kind.OWNER_OUTSIDE_JOB), ("mallory", Kind.INTRUDER)],
+)
+def test_a_foreign_process_on_a_booked_card(user, expected):
+    (verdict,) = classify(
+        [card(A, proc(300, user=user))], bookings=BOOKINGS, jobs=[JOB], users_by_os_name=USERS, tolerance_mb=0
+    )
+    assert (verdict.kind, verdict.reservation_id, verdict.job_id) == (expected, 50, None)
+    assert verdict.user_id == USERS.get(user)
+
+
+def test_a_foreign_process_on_a_card_nobody_booked_is_unbooked():
+    assert kinds(card(C, proc(300, user="bob"))) == [Kind.UNBOOKED]
+
+
+def test_a_process_left_in_an_ended_jobs_session_is_a_zombie():
+    ended = replace(JOB, running=False)
+    assert kinds(card(A, proc(101, session=100)), jobs=[ended]) == [Kind.ZOMBIE]
+
+
+def test_an_invented_process_without_a_session_is_never_a_job():
+    """The simulation's made-up processes have no session: they can only be foreign."""
+    assert kinds(card(A, ProcessInfo(pid=100, username="alice", command="x", used_memory_mb=1))) == [
+        Kind.OWNER_OUTSIDE_JOB
+    ]
+
+
+def test_an_unreadable_process_list_yields_no_verdict():
+    assert kinds(replace(card(A), processes=None)) == []
