@@ -107,11 +107,16 @@ def _job_account(job: Job) -> pwd.struct_passwd | None:
     """
     if not settings.JOB_USER:
         return None
+    host = socket.gethostname()
     if settings.JOB_USER == JOB_USER_OWNER:
         name, source = unix_account_name(job.owner), f"{job.owner.username}'s Unix account"
+        if name is None:
+            raise JobSetupError(
+                f"{job.owner.username} has no Unix account of their own ('{job.owner.username}' is"
+                " someone else's): an admin sets theirs on their profile."
+            )
     else:
         name, source = settings.JOB_USER, "JOB_USER"
-    host = socket.gethostname()
     try:
         account = pwd.getpwnam(name)
     except KeyError:

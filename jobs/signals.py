@@ -127,7 +127,7 @@ def _job_uid(job: Job) -> int | None:
         return os.getuid()
     name = unix_account_name(job.owner) if settings.JOB_USER == JOB_USER_OWNER else settings.JOB_USER
     try:
-        return pwd.getpwnam(name).pw_uid
+        return pwd.getpwnam(name).pw_uid if name else None
     except KeyError:
         return None  # no such account here: the job never started as it
 

@@ -13,13 +13,18 @@ from portal.models import Profile
 JOB_USER_OWNER = "@owner"
 
 
-def unix_account_name(user: AbstractBaseUser) -> str:
+def unix_account_name(user: AbstractBaseUser) -> str | None:
     """The person's login name on the GPU hosts: their profile's Unix account (from the directory
-    or set by admins), else their portal username."""
+    or set by admins), else their portal username, unless that name is someone else's Unix
+    account: None then, so that nothing runs as, or is blamed on, the wrong person."""
     try:
-        return user.profile.unix_account or user.get_username()
+        own = user.profile.unix_account
     except Profile.DoesNotExist:
-        return user.get_username()
+        own = None
+    if own:
+        return own
+    username = user.get_username()
+    return None if Profile.objects.filter(unix_account=username).exists() else username
 
 
 def users_by_unix_name(names: Iterable[str]) -> dict[str, int]:

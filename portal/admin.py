@@ -1,3 +1,4 @@
+from django import forms
 from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin
@@ -5,14 +6,42 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from rest_framework.authtoken.models import TokenProxy
 
-from portal.models import ApiToken, AuditEntry, Membership, Notification, Profile, Team
+from portal.identity import unix_account_valid
+from portal.models import ApiToken, AuditEntry, ExternalAccount, Membership, Notification, Profile, Team
 from portal.services import api_token_revoke, signin_unlock
+
+
+class ProfileForm(forms.ModelForm):
+    class Meta:
+        model = Profile
+        fields = ["unix_account"]
+
+    def clean_unix_account(self) -> str | None:
+        # Jobs may run as it (JOB_USER=@owner) and the watchdog names people by it: a name the
+        # hosts cannot have would only ever fail, or match something it should not.
+        name = (self.cleaned_data["unix_account"] or "").strip()
+        if name and not unix_account_valid(name):
+            raise forms.ValidationError(
+                "Unix account: a login name on the GPU hosts, e.g. asmith: letters, digits, '.', '_'"
+                " and '-', starting with a letter or '_', at most 32 characters."
+            )
+        return name or None
 
 
 class ProfileInline(admin.StackedInline):
     model = Profile
+    form = ProfileForm
     can_delete = False
-    fields = ["unix_account"]
+
+
+class ExternalAccountInline(admin.TabularInline):
+    """The directory accounts that sign in as this user. Adding one links an account the sign-in
+    rules will not link on their own (an admin's, say: docs/identity.md); deleting one unlinks."""
+
+    model = ExternalAccount
+    extra = 0
+    fields = ["source", "issuer", "subject", "created_at", "last_login_at"]
+    readonly_fields = ["created_at", "last_login_at"]
 
 
 User = get_user_model()
@@ -26,7 +55,7 @@ class PortalUserAdmin(UserAdmin):
     """Django's user admin, with the Unix account the GPU watchdog maps processes by, and the
     action that lifts a sign-in lock (django-axes; a locked address: Axes → Access attempts)."""
 
-    inlines = [*UserAdmin.inlines, ProfileInline]
+    inlines = [*UserAdmin.inlines, ProfileInline, ExternalAccountInline]
     actions = [*UserAdmin.actions, "unlock_signin"]
 
     @admin.action(description="Unlock sign-in (clear failed logins)")
@@ -43,7 +72,7 @@ class PortalUserAdmin(UserAdmin):
 class ApiTokenAdmin(admin.ModelAdmin):
     """Read-only but for revoking: a token's key exists only where it was shown, once."""
 
-    list_display = ["name", "user", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at"]
+    list_display = ["name", "user", "prefix", "created_at", "last_used_at", "ends_at", "revoked_at"]
     list_filter = [("revoked_at", admin.EmptyFieldListFilter)]
     search_fields = ["name", "prefix", "user__username"]
     readonly_fields = [field.name for field in ApiToken._meta.fields]

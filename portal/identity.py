@@ -1,24 +1,31 @@
 """Sign-in with the lab's accounts: what LDAP / Active Directory and OpenID Connect share.
 
-Both backends (portal.ldap, portal.oidc) hand a signed-in person's group names (an LDAP group's
-cn, the values of the OIDC groups claim) and Unix account to `identity_sync`, which keeps the
-portal in step with the directory: admin rights, memberships and roles of the teams that
-IDENTITY_GROUP_TEAMS names, and Profile.unix_account (docs/identity.md). The configuration is
-read by portal.identity_env.
+Both backends (portal.ldap, portal.oidc) find the portal user of a person the directory
+vouched for through `external_account_link`, by the directory's stable id for them, never by a
+name; then hand their group names (an LDAP group's cn, the values of the OIDC groups claim) and
+Unix account to `identity_sync`, which keeps the portal in step with the directory: admin rights,
+memberships and roles of the teams that IDENTITY_GROUP_TEAMS names, and Profile.unix_account
+(docs/identity.md). The configuration is read by portal.identity_env.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import unicodedata
 from collections.abc import Callable, Iterable
 
 from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth import get_user_model
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
+from django.db.models import Q
+from django.http import HttpRequest
+from django.utils import timezone
 
 from portal.identity_env import MEMBER, ROLE_RANK, GroupTeams
-from portal.models import AuditEntry, Membership, Profile, Team
+from portal.models import AuditEntry, ExternalAccount, Membership, Profile, Team
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +33,136 @@ logger = logging.getLogger(__name__)
 # so they cannot be read as a uid, and at most 32 characters like Linux and Profile.unix_account.
 _UNIX_ACCOUNT = re.compile(r"[A-Za-z_][A-Za-z0-9._-]{0,31}")
 SOURCE_LABELS = {"ldap": "LDAP", "oidc": "single sign-on"}
+# What a directory's username may become here: ASCII only, so that no two names that look or
+# compare alike (PostgreSQL's UPPER maps the dotless "ı" to "I") can reach the same account.
+_USERNAME = re.compile(r"[a-z0-9._-]{1,150}")
 # Writes one audit entry: (message, team=None, **data).
 _Audit = Callable[..., None]
+
+
+def _audit(user: AbstractBaseUser, source: str, message: str, team: object = None, **data: object) -> None:
+    label = SOURCE_LABELS[source]
+    logger.info("%s: %s", label, message)
+    AuditEntry.objects.create(
+        actor=None,
+        team=team,
+        action=AuditEntry.Action.IDENTITY_SYNC,
+        target=f"user {user.get_username()}",
+        message=f"{message} ({label})",
+        data={"by": "portal", "source": source, **data},
+    )
+
+
+# --- Which portal user a directory sign-in is -------------------------------------------------
+
+
+class ExternalAccountRefused(Exception):
+    """A directory sign-in that may not reach a portal account; the message is for the person."""
+
+
+def directory_username(value: object) -> str | None:
+    """The portal username for a directory's username: NFKC-normalised and lower-cased, and
+    None unless it is then only ASCII letters, digits, '.', '_' and '-'."""
+    if not isinstance(value, str):
+        return None
+    name = unicodedata.normalize("NFKC", value).strip().lower()
+    return name if _USERNAME.fullmatch(name) else None
+
+
+@transaction.atomic
+def external_account_link(*, source: str, issuer: str, subject: str, username: object) -> AbstractBaseUser:
+    """The portal user who signs in as `subject` at `issuer` (`source`: "ldap" or "oidc").
+
+    Found by its ExternalAccount when it has one. Otherwise linked by `username`, normalised
+    by `directory_username` and matched exactly: a new user when nobody has that name, else the
+    existing account, if `_link_refusal` finds nothing against it. A link (and a new user) is
+    audited, and leaves the account with no usable local password: the directory is now how
+    they sign in. Raises ExternalAccountRefused, logging why, when the sign-in must fail."""
+    now = timezone.now()
+    account = (
+        ExternalAccount.objects.select_related("user")
+        .filter(source=source, issuer=issuer, subject=subject)
+        .first()
+    )
+    if account is not None:
+        ExternalAccount.objects.filter(pk=account.pk).update(last_login_at=now)
+        return account.user
+
+    label = SOURCE_LABELS[source]
+    name = directory_username(username)
+    if name is None:
+        logger.warning(
+            "%s sign-in refused: the username %r of %r at %s is not a-z, 0-9, '.', '_' and '-' only",
+            label,
+            username,
+            subject,
+            issuer,
+        )
+        if not isinstance(username, str) or not username.strip():
+            raise ExternalAccountRefused(
+                f"Your {label} account gives no username; ask an admin to link your account."
+            )
+        raise ExternalAccountRefused(
+            f"Your {label} username {username!r} cannot be used here: a username may hold only "
+            "a-z, 0-9, '.', '_' and '-'. Ask an admin to link your account."
+        )
+    user_model = get_user_model()
+    user = user_model.objects.select_for_update().filter(username=name).first()
+    if user is None:
+        user = user_model.objects.create_user(name)  # no usable password
+        linked = f"{user} created and linked to {subject} at {issuer}"
+    else:
+        refusal = _link_refusal(user, source, issuer)
+        if refusal:
+            logger.warning(
+                "%s sign-in refused: %r at %s would take over the account %s, which %s; an admin "
+                "can link it by hand (docs/identity.md)",
+                label,
+                subject,
+                issuer,
+                user,
+                refusal,
+            )
+            raise ExternalAccountRefused(
+                f"An account named {name} already exists here; ask an admin to link it."
+            )
+        linked = f"{user} linked to {subject} at {issuer}"
+    ExternalAccount.objects.create(
+        user=user, source=source, issuer=issuer, subject=subject, last_login_at=now
+    )
+    if user.has_usable_password():
+        user.set_unusable_password()
+        user.save(update_fields=["password"])
+        linked += "; its local password no longer works"
+    _audit(user, source, linked, issuer=issuer, subject=subject)
+    return user
+
+
+def _link_refusal(user: AbstractBaseUser, source: str, issuer: str) -> str | None:
+    """Why a directory sign-in may not take over this existing account by its name, or None.
+
+    A name is something a directory's users may choose (an OIDC provider's preferred_username
+    often is), so an account with something to lose is never linked on a name alone."""
+    if user.is_staff or user.is_superuser:
+        return "is an admin"
+    # Linked at the same directory already: its name now belongs to someone else there. Linked
+    # by the other kind of sign-in: one directory's names say nothing of the other's.
+    # The same source at another issuer is a re-configured server (a new URI): allowed.
+    if ExternalAccount.objects.filter(user=user).filter(~Q(source=source) | Q(issuer=issuer)).exists():
+        return "is linked to another directory account"
+    if user.has_usable_password() and not settings.IDENTITY_LINK_LOCAL_ACCOUNTS:
+        return "has a local password (IDENTITY_LINK_LOCAL_ACCOUNTS is off)"
+    return None
+
+
+def signin_refusal_show(request: HttpRequest | None, message: str) -> None:
+    """Say on the login page why a directory sign-in failed; portal.oidc's failure page then
+    leaves out its generic message."""
+    if request is None:
+        return
+    messages.error(request, message, fail_silently=True)
+    request.signin_refused = True  # type: ignore[attr-defined]
+
 
 # --- Keeping a person in step with the directory ---------------------------------------------
 
@@ -61,21 +196,17 @@ def identity_sync(
       not name are never touched;
     - with IDENTITY_ADMIN_GROUPS set, admin rights (is_staff and is_superuser) follow membership
       of one of those groups;
-    - a valid `unix_account` replaces the profile's, and is taken from another profile holding it.
+    - a valid `unix_account` replaces the profile's, unless someone else has it (held on their
+      profile, or their username with no Unix account of their own): then the profile is left
+      as it is, and the conflict is logged and audited for an admin to resolve. A claim or
+      attribute the person can edit must never hand them someone else's Unix account.
 
-    Running it again with the same arguments changes nothing."""
+    Running it again with the same arguments changes nothing (a refused Unix account is audited
+    again, until an admin resolves it)."""
     label = SOURCE_LABELS[source]
 
     def audit(message: str, team: object = None, **data: object) -> None:
-        logger.info("%s: %s", label, message)
-        AuditEntry.objects.create(
-            actor=None,
-            team=team,
-            action=AuditEntry.Action.IDENTITY_SYNC,
-            target=f"user {user.get_username()}",
-            message=f"{message} ({label})",
-            data={"by": "portal", "source": source, **data},
-        )
+        _audit(user, source, message, team, **data)
 
     if groups is not None:
         groups = [str(group) for group in groups]
@@ -163,12 +294,39 @@ def _sync_unix_account(user: AbstractBaseUser, name: str, label: str, audit: _Au
     profile, _ = Profile.objects.select_for_update().get_or_create(user=user)
     if profile.unix_account == name:
         return
-    for other in Profile.objects.select_for_update().filter(unix_account=name).exclude(pk=profile.pk):
-        # The directory knows whose account it is; a hand-set copy on someone else is the mistake.
-        logger.warning("%s gives the Unix account %r to %s: taken from %s", label, name, user, other.user)
-        other.unix_account = None
-        other.save(update_fields=["unix_account"])
-        audit(f"{other.user} lost the Unix account {name}: it is {user}'s", unix_account=None, was=name)
+    holder = (
+        Profile.objects.select_for_update()
+        .select_related("user")
+        .filter(unix_account=name)
+        .exclude(pk=profile.pk)
+        .first()
+    )
+    # The GPU watchdog maps an OS user without a Unix account on anyone's profile to the portal
+    # user of that name (portal.accounts.users_by_unix_name): that name is theirs too.
+    holder_user = (
+        holder.user
+        if holder
+        else get_user_model()
+        .objects.filter(username=name)
+        .exclude(pk=user.pk)
+        .exclude(profile__unix_account__isnull=False)
+        .first()
+    )
+    if holder_user is not None:
+        logger.warning(
+            "%s gives %s the Unix account %r, which is %s's: refused, an admin must resolve it",
+            label,
+            user,
+            name,
+            holder_user,
+        )
+        audit(
+            f"{user} was not given the Unix account {name}: it is {holder_user}'s; an admin must resolve it",
+            unix_account=profile.unix_account,
+            refused=name,
+            held_by=holder_user.get_username(),
+        )
+        return
     old, profile.unix_account = profile.unix_account, name
     profile.save(update_fields=["unix_account"])
     audit(f"{user}'s Unix account is now {name}, was {old or 'none'}", unix_account=name, was=old)

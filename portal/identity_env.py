@@ -6,9 +6,11 @@ models; keeping people in step with the directory is portal.identity's.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from portal.env import ImproperlyConfiguredEnv, env_bool, env_choice, env_int, env_str
 
@@ -19,6 +21,13 @@ _EXAMPLE = "e.g. vision-lab=vision-lab:member,vision-lab-pi=vision-lab:leader"
 # A group "named" cn or dc is a DN split at its commas: `cn=vision-lab,ou=groups,...`.
 _DN_ATTRIBUTES = {"cn", "ou", "dc", "o", "uid", "c", "l", "st"}
 _SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
+_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
+# What mozilla-django-oidc verifies an ID token with: RS* and ES* against the provider's keys
+# (JWKS), HS256 against the client secret. It takes every other algorithm (PS256 too) for an
+# HMAC and verifies with the client secret, so every sign-in would fail.
+_OIDC_ALGORITHMS = ("RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "HS256")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -131,10 +140,23 @@ def ldap_settings_from_env() -> dict[str, object]:
         raise ImproperlyConfiguredEnv(
             "LDAP_START_TLS is on but LDAP_SERVER_URI is ldaps://, already TLS: use one of them"
         )
+    if uri.startswith("ldap://") and not start_tls and not _ldap_on_loopback(uri):
+        # Not refused: the server may be reached over a network the lab trusts.
+        logger.warning(
+            "LDAP_SERVER_URI=%s without LDAP_START_TLS: every LDAP sign-in sends its password in "
+            "clear; use ldaps:// or LDAP_START_TLS=true",
+            uri,
+        )
     ca_file = env_str("LDAP_CA_CERT_FILE", "").strip()
     if ca_file and not Path(ca_file).is_file():
         raise ImproperlyConfiguredEnv(f"LDAP_CA_CERT_FILE={ca_file!r} is not a readable file")
     timeout = env_int("LDAP_TIMEOUT_SECONDS", 10, min_value=1, max_value=120)
+    username_attr = env_str("LDAP_USERNAME_ATTR", "uid").strip()
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", username_attr):
+        raise ImproperlyConfiguredEnv(
+            f"LDAP_USERNAME_ATTR={username_attr!r} must be an attribute name, e.g. uid, or "
+            "sAMAccountName for Active Directory"
+        )
     group_type = env_choice("LDAP_GROUP_TYPE", "groupOfNames", tuple(_LDAP_GROUP_FILTERS))
     group_base = env_str("LDAP_GROUP_SEARCH_BASE", "").strip()
     group_filter = env_str("LDAP_GROUP_FILTER", _LDAP_GROUP_FILTERS[group_type]).strip()
@@ -166,6 +188,9 @@ def ldap_settings_from_env() -> dict[str, object]:
         },
         "AUTH_LDAP_GLOBAL_OPTIONS": {ldap.OPT_X_TLS_CACERTFILE: ca_file} if ca_file else {},
         "LDAP_UNIX_ACCOUNT_ATTR": env_str("LDAP_UNIX_ACCOUNT_ATTR", "uid").strip(),
+        # The portal username is this attribute of the person's entry, lower-cased, not what
+        # they typed: "Alice", "alice" and alice@lab.example are one account.
+        "LDAP_USERNAME_ATTR": username_attr,
     }
     if group_base:
         group_types = {
@@ -192,6 +217,12 @@ def oidc_settings_from_env() -> dict[str, object]:
             f"OIDC_ISSUER={issuer!r} must be the provider's https:// address, e.g. "
             "https://sso.lab.example.org/realms/lab"
         )
+    if issuer.startswith("http://") and urlsplit(issuer).hostname not in _LOOPBACK:
+        raise ImproperlyConfiguredEnv(
+            f"OIDC_ISSUER={issuer!r} must be https://: over http:// anyone on the way could change "
+            "the provider's keys and endpoints and sign in as anyone (http:// is for a provider "
+            "on localhost only)"
+        )
     client_id = env_str("OIDC_CLIENT_ID", "").strip()
     client_secret = env_str("OIDC_CLIENT_SECRET", "").strip()
     if not client_id or not client_secret:
@@ -202,13 +233,20 @@ def oidc_settings_from_env() -> dict[str, object]:
     scopes = env_str("OIDC_SCOPES", "openid email profile").replace(",", " ").split()
     if "openid" not in scopes:
         raise ImproperlyConfiguredEnv(f"OIDC_SCOPES={' '.join(scopes)!r} must include openid")
-    algorithms = ("rs256", "rs384", "rs512", "es256", "es384", "es512", "ps256", "hs256")
+    algorithm = env_str("OIDC_SIGN_ALGO", "RS256").strip().upper()
+    if algorithm not in _OIDC_ALGORITHMS:
+        raise ImproperlyConfiguredEnv(
+            f"OIDC_SIGN_ALGO={algorithm.lower()!r} must be one of: {', '.join(_OIDC_ALGORITHMS)} "
+            "(mozilla-django-oidc checks RS* and ES* with the provider's published keys and HS256 "
+            "with the client secret; with any other, PS256 too, every sign-in would fail). Ask the "
+            "provider to sign the portal's ID tokens with RS256."
+        )
     return {
         "OIDC_ISSUER": issuer,
         "OIDC_RP_CLIENT_ID": client_id,
         "OIDC_RP_CLIENT_SECRET": client_secret,
         "OIDC_RP_SCOPES": " ".join(scopes),
-        "OIDC_RP_SIGN_ALGO": env_choice("OIDC_SIGN_ALGO", "RS256", algorithms).upper(),
+        "OIDC_RP_SIGN_ALGO": algorithm,
         "OIDC_USE_PKCE": True,
         "OIDC_TIMEOUT": env_int("OIDC_TIMEOUT_SECONDS", 10, min_value=1, max_value=120),
         "OIDC_USERNAME_CLAIM": env_str("OIDC_USERNAME_CLAIM", "preferred_username").strip(),
@@ -216,3 +254,9 @@ def oidc_settings_from_env() -> dict[str, object]:
         "OIDC_UNIX_ACCOUNT_CLAIM": env_str("OIDC_UNIX_ACCOUNT_CLAIM", "").strip(),
         "OIDC_LAB_NAME": env_str("OIDC_LAB_NAME", "single sign-on").strip(),
     }
+
+
+def _ldap_on_loopback(uri: str) -> bool:
+    """Every server of an ldap:// URI (it may list several) is this machine."""
+    hosts = [urlsplit(part).hostname for part in uri.split()]
+    return all(host in _LOOPBACK for host in hosts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import models
@@ -275,9 +275,51 @@ class ApiToken(models.Model):
     def hash_key(key: str) -> str:
         return hashlib.sha256(key.encode()).hexdigest()
 
+    @property
+    def ends_at(self) -> datetime | None:
+        """When it stops working: its expiry, or earlier where API_TOKEN_MAX_DAYS says so, which
+        also ends the tokens made before there was a maximum (the ones hashed from before 0008)."""
+        if not settings.API_TOKEN_MAX_DAYS:
+            return self.expires_at
+        latest = self.created_at + timedelta(days=settings.API_TOKEN_MAX_DAYS)
+        return min(self.expires_at, latest) if self.expires_at else latest
+
     def status(self, now: datetime | None = None) -> ApiToken.Status:
         if self.revoked_at is not None:
             return self.Status.REVOKED
-        if self.expires_at is not None and self.expires_at <= (now or timezone.now()):
+        ends_at = self.ends_at
+        if ends_at is not None and ends_at <= (now or timezone.now()):
             return self.Status.EXPIRED
         return self.Status.ACTIVE
+
+
+class ExternalAccount(models.Model):
+    """A person at the lab's directory, bound to the portal user they sign in as.
+
+    Directory sign-ins find their user by (source, issuer, subject), never by a name the person
+    or the provider's users can change: an OIDC provider's `sub`, an LDAP entry's DN. Made by
+    portal.identity.external_account_link on a first sign-in, or by an admin by hand to link an
+    account the rules refuse to link on their own (docs/identity.md)."""
+
+    class Source(models.TextChoices):
+        LDAP = "ldap", "LDAP"
+        OIDC = "oidc", "Single sign-on"
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="external_accounts"
+    )
+    source = models.CharField(max_length=8, choices=Source.choices)
+    issuer = models.CharField(max_length=500, help_text="The OIDC issuer, or the LDAP server URI.")
+    subject = models.CharField(max_length=500, help_text="The OIDC subject (sub), or the LDAP entry's DN.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_login_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["source", "issuer", "subject"], name="external_account_source_issuer_subject"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.get_source_display()} {self.subject} at {self.issuer} → {self.user}"

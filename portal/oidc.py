@@ -5,8 +5,10 @@ The provider's endpoints come from its discovery document, <OIDC_ISSUER>/.well-k
 openid-configuration, read once per process when the first person signs in this way: a provider
 that is down at start-up never stops the portal, nor local and LDAP sign-ins.
 
-People are matched by the username claim (OIDC_USERNAME_CLAIM), as LDAP matches them by the
-name they type; never by e-mail, which a provider may let people set themselves.
+People are found by the provider's subject (`sub`), which never changes and is never reused
+(portal.identity.external_account_link). The username claim (OIDC_USERNAME_CLAIM) only names a
+new user, or an existing account it may link on a first sign-in; e-mail is never used, as a
+provider may let people set it themselves.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import requests
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import get_user_model
-from django.contrib.auth.validators import UnicodeUsernameValidator
-from django.core.exceptions import SuspiciousOperation, ValidationError
+from django.core.exceptions import SuspiciousOperation
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.urls import path
@@ -28,7 +29,12 @@ from mozilla_django_oidc.auth import OIDCAuthenticationBackend
 from mozilla_django_oidc.utils import import_from_settings
 from mozilla_django_oidc.views import OIDCAuthenticationCallbackView, OIDCAuthenticationRequestView
 
-from portal.identity import identity_sync
+from portal.identity import (
+    ExternalAccountRefused,
+    external_account_link,
+    identity_sync,
+    signin_refusal_show,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,35 +145,24 @@ class OIDCBackend(OIDCAuthenticationBackend):
             raise SuspiciousOperation("the userinfo endpoint answered for another subject")
         return {**payload, **userinfo}
 
-    def _username(self, claims: dict) -> str | None:
-        value = claims.get(settings.OIDC_USERNAME_CLAIM)
-        if not isinstance(value, str) or not value.strip():
-            return None
-        # Lower case, as django-auth-ldap makes its usernames: one person, one account.
-        username = value.strip().lower()
+    def get_or_create_user(self, access_token, id_token, payload):  # type: ignore[no-untyped-def]
+        """The user linked to the ID token's subject, else linked or created by the username
+        claim (portal.identity.external_account_link), then updated from the claims. In place of
+        mozilla-django-oidc's match by e-mail, or by a username its provider's users may pick."""
+        claims = self.get_userinfo(access_token, id_token, payload)
+        subject = claims.get("sub")
+        if not isinstance(subject, str) or not subject:
+            raise SuspiciousOperation("the ID token names no subject (sub)")
         try:
-            UnicodeUsernameValidator()(username)
-        except ValidationError:
-            return None
-        return username if len(username) <= 150 else None
-
-    def verify_claims(self, claims):  # type: ignore[no-untyped-def]
-        if self._username(claims) is None:
-            logger.warning(
-                "single sign-on refused: the claim %r (OIDC_USERNAME_CLAIM) of subject %r is missing "
-                "or not a username",
-                settings.OIDC_USERNAME_CLAIM,
-                claims.get("sub"),
+            user = external_account_link(
+                source="oidc",
+                issuer=settings.OIDC_ISSUER,
+                subject=subject,
+                username=claims.get(settings.OIDC_USERNAME_CLAIM),
             )
-            return False
-        return True
-
-    def filter_users_by_claims(self, claims):  # type: ignore[no-untyped-def]
-        return self.UserModel.objects.filter(username__iexact=self._username(claims))
-
-    def create_user(self, claims):  # type: ignore[no-untyped-def]
-        user = self.UserModel.objects.create_user(self._username(claims))  # no usable password
-        logger.info("single sign-on: created the user %s", user)
+        except ExternalAccountRefused as exc:
+            signin_refusal_show(self.request, str(exc))
+            return None
         return self.update_user(user, claims)
 
     def update_user(self, user, claims):  # type: ignore[no-untyped-def]
@@ -243,10 +238,12 @@ class OIDCCallbackView(OIDCAuthenticationCallbackView):
         return super().get(request)
 
     def login_failure(self) -> HttpResponse:
-        messages.error(
-            self.request,
-            f"Sign-in with {settings.OIDC_LAB_NAME} failed. Try again, or ask an admin if it keeps failing.",
-        )
+        if not getattr(self.request, "signin_refused", False):  # else the backend said why
+            messages.error(
+                self.request,
+                f"Sign-in with {settings.OIDC_LAB_NAME} failed. Try again, or ask an admin if it keeps "
+                "failing.",
+            )
         return redirect(settings.LOGIN_URL)
 
 

@@ -97,7 +97,8 @@ def signin_unlock(*, user: AbstractBaseUser, by: AbstractBaseUser) -> int:
     is checked at once. A locked client address is unlocked in the admin's Access attempts.
     Returns how many attempt records were cleared."""
     username = user.get_username()
-    cleared = AxesProxyHandler.reset_attempts(username=username)
+    # Failures are counted against the name in lower case (portal.signin.signin_username).
+    cleared = AxesProxyHandler.reset_attempts(username=username.strip().lower())
     AuditEntry.objects.create(
         actor=by,
         action=AuditEntry.Action.SIGNIN_UNLOCK,

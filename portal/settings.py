@@ -128,6 +128,9 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Messages in a signed cookie only, never in the session table: one of them carries a new API
+# token's key to the page that shows it once (portal.views.token_create).
+MESSAGE_STORAGE = "django.contrib.messages.storage.cookie.CookieStorage"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
 LOGOUT_REDIRECT_URL = "login"
@@ -141,6 +144,11 @@ OIDC_ISSUER = env_str("OIDC_ISSUER", "").strip().rstrip("/")
 # a role in a team, "group=team-slug:role,...", and those whose members are admins.
 IDENTITY_GROUP_TEAMS = env_group_teams("IDENTITY_GROUP_TEAMS")
 IDENTITY_ADMIN_GROUPS = env_group_names("IDENTITY_ADMIN_GROUPS")
+# A directory sign-in finds its user by the directory's id for them (portal.models.ExternalAccount).
+# The first one may link an existing account of the same name only if it has no local password
+# and is no admin; on, this also links accounts with a password (never admins: an admin links
+# those by hand). A directory whose people choose their usernames would otherwise hand them out.
+IDENTITY_LINK_LOCAL_ACCOUNTS = env_bool("IDENTITY_LINK_LOCAL_ACCOUNTS", False)
 # django-auth-ldap's AUTH_LDAP_* and LDAP_UNIX_ACCOUNT_ATTR; mozilla-django-oidc's OIDC_RP_* and
 # the other OIDC_* portal.oidc reads. Built from LDAP_* and OIDC_* by portal.identity_env, which the
 # tests call too; nothing when LDAP_SERVER_URI or OIDC_ISSUER is unset.
@@ -165,6 +173,7 @@ AXES_COOLOFF_TIME = timedelta(minutes=LOGIN_FAILURE_WINDOW_MINUTES)
 # all the OIDC failures of the whole lab would add up to one lock.
 AXES_LOCKOUT_PARAMETERS = "portal.signin.signin_lockout_parameters"
 AXES_CLIENT_IP_CALLABLE = "portal.signin.client_address"
+AXES_USERNAME_CALLABLE = "portal.signin.signin_username"
 AXES_LOCKOUT_CALLABLE = "portal.signin.signin_locked_out"
 # AccessAttempt rows are the counters (deleted a window after their last failure);
 # AccessFailureLog keeps each failure for the record (`manage.py axes_reset_failure_logs --age N`).

@@ -36,6 +36,16 @@ def client_address(request: HttpRequest) -> str | None:
         return remote
 
 
+def signin_username(request: HttpRequest, credentials: dict | None) -> str | None:
+    """The name failures are counted against: as typed, stripped and in lower case. LDAP and
+    Active Directory match names without case, so "Alice" must not be a fresh account to guess at."""
+    if credentials:
+        name = credentials.get("username")
+    else:
+        name = getattr(request, "data", request.POST).get("username")
+    return name.strip().lower() if isinstance(name, str) and name.strip() else None
+
+
 def signin_lockout_parameters(request_or_attempt: HttpRequest | AccessBase, credentials: dict | None) -> list:
     """Count failures per account and per address; per address only when no username was given
     (single sign-on callbacks), or every such failure in the lab would count against one "account"."""

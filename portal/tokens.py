@@ -41,7 +41,7 @@ class TokenAuthentication(authentication.TokenAuthentication):
             )
         if status == ApiToken.Status.EXPIRED:
             raise exceptions.AuthenticationFailed(
-                f"This API token ({token.prefix}…) expired on {token.expires_at:%Y-%m-%d}: "
+                f"This API token ({token.prefix}…) expired on {token.ends_at:%Y-%m-%d}: "
                 "create a new one on your profile page, or run `gpu login` again."
             )
         if not token.user.is_active:

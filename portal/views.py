@@ -18,6 +18,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils.html import format_html
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
 from portal.access import is_admin, roles_of
@@ -29,6 +30,7 @@ from portal.services import api_token_create, api_token_revoke
 from portal.tokens import ApiTokenForm, api_token_expiry
 
 
+@never_cache  # it shows a new API token's key once: never from a cache
 @login_required
 def profile(request: HttpRequest) -> HttpResponse:
     """The account, its API tokens, and (POST) its mail preferences."""

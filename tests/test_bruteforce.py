@@ -79,6 +79,14 @@ def test_the_account_lock_holds_from_every_address(client, alice, bob):
     assert _login(client, "bob", "password", "10.0.0.1").status_code == 302
 
 
+def test_the_account_lock_ignores_case_and_spaces(alice):
+    """Directories match names without case: "Alice" is no fresh account to guess at."""
+    _fail(LIMIT, "alice", "192.0.2.1")
+
+    for name, address in (("Alice", "192.0.2.2"), (" ALICE ", "192.0.2.3")):
+        assert _token(name, "password", address).status_code == 429
+
+
 def test_the_address_lock_holds_for_every_account(client, alice):
     for n in range(LIMIT):
         _fail(1, f"guess{n}", "10.0.0.9")

@@ -10,6 +10,7 @@ import pytest
 from jobs.models import Job
 from jobs.runner import JobSetupError, _job_account
 from jobs.signals import _job_uid
+from portal.admin import ProfileForm
 from portal.models import Profile
 from tests.factories import UserFactory
 
@@ -66,3 +67,27 @@ def test_a_job_never_runs_as_root(job, settings, job_user):
 
     with pytest.raises(JobSetupError, match=r"has uid 0 .* below JOB_MIN_UID"):
         _job_account(job)
+
+
+def test_at_owner_never_falls_back_to_a_username_that_is_someone_elses_unix_account(job, settings):
+    """Jane's Unix account is "nobody": a portal user named "nobody" must not run as her."""
+    settings.JOB_USER = "@owner"
+    Profile.objects.create(user=UserFactory(username="jane"), unix_account="nobody")
+    job = Job(owner=UserFactory(username="nobody"))
+
+    with pytest.raises(JobSetupError, match="nobody has no Unix account of their own"):
+        _job_account(job)
+    assert _job_uid(job) is None
+
+
+@pytest.mark.parametrize(
+    ("typed", "valid", "stored"), [(" asmith ", True, "asmith"), ("", True, None), ("a smith", False, None)]
+)
+def test_admins_set_only_a_name_the_hosts_can_have(db, typed, valid, stored):
+    form = ProfileForm(data={"unix_account": typed})
+
+    assert form.is_valid() == valid
+    if valid:
+        assert form.cleaned_data["unix_account"] == stored
+    else:
+        assert "Unix account: a login name on the GPU hosts" in str(form.errors)

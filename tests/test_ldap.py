@@ -33,7 +33,7 @@ from portal.identity_env import (
     ldap_settings_from_env,
     parse_group_teams,
 )
-from portal.models import AuditEntry, Membership, Profile, Team
+from portal.models import AuditEntry, ExternalAccount, Membership, Profile, Team
 from tests.factories import MembershipFactory, TeamFactory, UserFactory
 
 HERE = Path(__file__).resolve().parent / "ldap"
@@ -189,14 +189,30 @@ def test_running_it_again_changes_and_audits_nothing(mapped, team):
     assert roles(user) == {"vision-lab": MEMBER}
 
 
-def test_the_directorys_unix_account_moves_from_whoever_had_it_by_hand(mapped):
+def test_it_never_takes_a_unix_account_from_whoever_holds_it(mapped, caplog):
     user, other = UserFactory(username="erin"), UserFactory(username="frank")
     Profile.objects.create(user=other, unix_account="erin")
     Profile.objects.create(user=user, unix_account="old-name")
-    identity_sync(user=user, groups=None, unix_account="erin", source="ldap")
-    assert Profile.objects.get(user=user).unix_account == "erin"
-    assert Profile.objects.get(user=other).unix_account is None
-    assert AuditEntry.objects.filter(message__startswith="frank lost the Unix account erin").exists()
+    with caplog.at_level(logging.WARNING, logger="portal.identity"):
+        identity_sync(user=user, groups=None, unix_account="erin", source="ldap")
+    assert Profile.objects.get(user=user).unix_account == "old-name"
+    assert Profile.objects.get(user=other).unix_account == "erin"
+    assert "which is frank's: refused, an admin must resolve it" in caplog.text
+    entry = AuditEntry.objects.get(action=AuditEntry.Action.IDENTITY_SYNC)
+    assert entry.message == (
+        "erin was not given the Unix account erin: it is frank's; an admin must resolve it (LDAP)"
+    )
+
+
+def test_it_never_gives_a_unix_account_named_after_someone_without_one(mapped):
+    user, frank = UserFactory(username="erin"), UserFactory(username="frank")
+    identity_sync(user=user, groups=None, unix_account="frank", source="oidc")
+    assert not Profile.objects.filter(user=user, unix_account="frank").exists()
+
+    # With a Unix account of his own, the OS user "frank" is not the portal's frank.
+    Profile.objects.create(user=frank, unix_account="fbloggs")
+    identity_sync(user=user, groups=None, unix_account="frank", source="oidc")
+    assert Profile.objects.get(user=user).unix_account == "frank"
 
 
 @pytest.mark.parametrize("name", ["Erin Example", "-erin", "1234", "erin;rm", "e" * 33, "ériñ"])
@@ -418,14 +434,14 @@ def test_an_unmapped_group_gives_nothing(ldap_on, sign_in):
 
 def test_people_can_sign_in_by_mail_with_their_unix_account_from_uid(ldap_on, sign_in):
     ldap_on(LDAP_USER_FILTER="(mail=%(user)s)")
-    carol = sign_in("carol@lab.example", "carol-pw")
-    assert carol.username == "carol@lab.example"
+    carol = sign_in("Carol@lab.example", "carol-pw")
+    assert carol.username == "cwong"  # her entry's uid, not what she typed
     assert carol.profile.unix_account == "cwong"
 
 
 def test_a_unix_account_attribute_that_is_no_posix_name_is_ignored(ldap_on, sign_in, caplog):
     ldap_on(LDAP_UNIX_ACCOUNT_ATTR="cn")  # "Carol Wong"
-    Profile.objects.create(user=UserFactory(username="cwong"), unix_account="carolw")
+    Profile.objects.create(user=sign_in("cwong", "carol-pw"), unix_account="carolw")
     with caplog.at_level(logging.WARNING, logger="portal.identity"):
         carol = sign_in("cwong", "carol-pw")
     assert Profile.objects.get(user=carol).unix_account == "carolw"
@@ -444,3 +460,55 @@ def test_a_deactivated_account_is_signed_out_and_cannot_sign_in_again(client, ld
 
     assert client.get(reverse("profile")).status_code == 302
     assert sign_in("alice", "alice-pw") is None
+
+
+def test_the_username_is_the_entrys_lower_cased(ldap_on, directory, sign_in):
+    alice = sign_in("Alice", "alice-pw")
+    assert alice.username == "alice"
+    assert sign_in(" alice", "alice-pw") == alice
+    link = ExternalAccount.objects.get(user=alice)
+    assert (link.source, link.issuer, link.subject) == ("ldap", directory.uri, f"uid=alice,{PEOPLE}")
+    assert User.objects.count() == 1
+
+
+def test_it_never_takes_over_a_local_admin_or_password_account(client, ldap_on, sign_in, settings):
+    bob = UserFactory(username="bob", is_staff=True, is_superuser=True)
+    alice = UserFactory(username="alice")  # a local account with a password
+    settings.IDENTITY_LINK_LOCAL_ACCOUNTS = False
+    assert sign_in("bob", "bob-pw") is None
+    response = client.post(reverse("login"), {"username": "alice", "password": "alice-pw"})
+    assert response.status_code == 200
+    assert "An account named alice already exists here; ask an admin to link it." in response.content.decode()
+    assert not ExternalAccount.objects.exists()
+
+    settings.IDENTITY_LINK_LOCAL_ACCOUNTS = True
+    assert sign_in("bob", "bob-pw") is None  # an admin: never linked on a name
+    assert sign_in("alice", "alice-pw") == alice
+    alice.refresh_from_db()
+    assert not alice.has_usable_password()
+    assert list(ExternalAccount.objects.values_list("user", flat=True)) == [alice.pk]
+    assert bob.has_usable_password()
+
+
+def test_an_admin_links_an_account_by_hand(ldap_on, directory, sign_in):
+    bob = UserFactory(username="bob", is_staff=True, is_superuser=True)
+    ExternalAccount.objects.create(user=bob, source="ldap", issuer=directory.uri, subject=f"uid=bob,{PEOPLE}")
+    assert sign_in("bob", "bob-pw") == bob
+
+
+@pytest.mark.parametrize(
+    ("uri", "warned"),
+    [
+        ("ldap://ldap.lab.example", True),
+        ("ldap://127.0.0.1:3389", False),
+        ("ldaps://ldap.lab.example", False),
+    ],
+)
+def test_it_warns_of_passwords_sent_in_clear(monkeypatch, caplog, uri, warned):
+    pytest.importorskip("django_auth_ldap")
+    monkeypatch.setenv("LDAP_SERVER_URI", uri)
+    monkeypatch.setenv("LDAP_USER_SEARCH_BASE", PEOPLE)
+    monkeypatch.setenv("LDAP_GROUP_SEARCH_BASE", GROUPS)
+    with caplog.at_level(logging.WARNING, logger="portal.identity_env"):
+        ldap_settings_from_env()
+    assert ("sends its password in clear" in caplog.text) is warned

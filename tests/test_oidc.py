@@ -21,7 +21,7 @@ from django.urls import reverse
 
 from portal.env import ImproperlyConfiguredEnv
 from portal.identity_env import LEADER, MEMBER, oidc_settings_from_env, parse_group_teams
-from portal.models import Membership
+from portal.models import AuditEntry, ExternalAccount, Membership
 from tests.factories import UserFactory
 from tests.test_ldap import MAPPING, roles, with_backend
 
@@ -134,12 +134,80 @@ def test_later_sign_ins_keep_teams_and_admin_rights_in_step(client, oidc_on, pro
     assert roles(bob) == {}
 
 
-def test_it_signs_in_to_the_account_with_that_username(client, oidc_on, provider, team):
+def test_it_links_an_account_of_that_name_without_a_password(client, oidc_on, provider, team):
     carol = UserFactory(username="carol")
+    carol.set_unusable_password()
+    carol.save()
     Membership.objects.create(user=carol, team=team)
-    sso_sign_in(client, provider, "carol-sub", {"preferred_username": "carol", "groups": []})
+    sso_sign_in(client, provider, "carol-sub", {"preferred_username": "Carol", "groups": []})
     assert signed_in(client) == carol
     assert roles(carol) == {}
+    link = ExternalAccount.objects.get(user=carol)
+    assert (link.source, link.issuer, link.subject) == ("oidc", provider, "carol-sub")
+    assert AuditEntry.objects.filter(message__startswith=f"carol linked to carol-sub at {provider}").exists()
+
+
+def test_it_never_takes_over_an_admin_by_username(client, oidc_on, provider, caplog):
+    admin = UserFactory(username="admin", is_staff=True, is_superuser=True)
+    admin.set_unusable_password()  # an admin who signs in by SSO: still never linked on a name
+    admin.save()
+    response = sso_sign_in(client, provider, "mallory-sub", {"preferred_username": "ADMIN"})
+    assert response.url == reverse("login")
+    assert signed_in(client) is None
+    assert not ExternalAccount.objects.exists()
+    page = client.get(response.url).content.decode()
+    assert "An account named admin already exists here; ask an admin to link it." in page
+    assert "Sign-in with Example Lab failed" not in page
+    assert "would take over the account admin, which is an admin" in caplog.text
+
+
+def test_it_refuses_a_username_that_only_looks_like_an_accounts(client, oidc_on, provider, caplog):
+    UserFactory(username="admin", is_staff=True, is_superuser=True)
+    # A dotless ı: PostgreSQL's UPPER() makes "ADMIN" of it; NFKC leaves it, and it is not ASCII.
+    response = sso_sign_in(client, provider, "mallory-sub", {"preferred_username": "adm\u0131n"})
+    assert signed_in(client) is None
+    assert list(User.objects.values_list("username", flat=True)) == ["admin"]
+    assert "cannot be used here" in client.get(response.url).content.decode()
+    assert "is not a-z, 0-9, '.', '_' and '-' only" in caplog.text
+
+
+def test_it_links_an_account_with_a_password_only_when_configured(client, settings, oidc_on, provider):
+    carol = UserFactory(username="carol")  # password "password"
+    sso_sign_in(client, provider, "carol-sub", {"preferred_username": "carol"})
+    assert signed_in(client) is None
+    carol.refresh_from_db()
+    assert carol.check_password("password")
+
+    settings.IDENTITY_LINK_LOCAL_ACCOUNTS = True
+    sso_sign_in(client, provider, "carol-sub", {"preferred_username": "carol"})
+    assert signed_in(client) == carol
+    carol.refresh_from_db()
+    assert not carol.has_usable_password()  # the provider is how carol signs in now
+    assert AuditEntry.objects.filter(message__contains="its local password no longer works").exists()
+
+
+def test_linking_local_accounts_never_links_an_admin(client, settings, oidc_on, provider):
+    settings.IDENTITY_LINK_LOCAL_ACCOUNTS = True
+    UserFactory(username="root", is_staff=True)
+    sso_sign_in(client, provider, "mallory-sub", {"preferred_username": "root"})
+    assert signed_in(client) is None
+
+
+def test_it_finds_people_by_subject_when_their_username_changes(client, oidc_on, provider):
+    sso_sign_in(client, provider, "frank-sub", {"preferred_username": "frank"})
+    frank = signed_in(client)
+    client.logout()
+    sso_sign_in(client, provider, "frank-sub", {"preferred_username": "frank.new"})
+    assert signed_in(client) == frank
+    frank.refresh_from_db()
+    assert frank.username == "frank"
+    assert not User.objects.filter(username="frank.new").exists()
+    assert ExternalAccount.objects.get(user=frank).last_login_at is not None
+
+    # Someone else at the provider who now calls themselves frank gets nothing of his.
+    client.logout()
+    sso_sign_in(client, provider, "other-sub", {"preferred_username": "frank"})
+    assert signed_in(client) is None
 
 
 def test_it_never_takes_over_an_account_by_email_alone(client, oidc_on, provider):
@@ -157,7 +225,7 @@ def test_it_refuses_a_sign_in_without_a_username_claim(client, oidc_on, provider
     assert signed_in(client) is None
     assert not User.objects.exists()
     page = client.get(response.url)
-    assert "Sign-in with Example Lab failed" in page.content.decode()
+    assert "Your single sign-on account gives no username" in page.content.decode()
 
 
 def test_the_login_page_shows_the_button_only_when_configured(client, settings, oidc_on):
@@ -196,6 +264,9 @@ def test_a_provider_that_is_down_stops_neither_local_sign_ins_nor_the_login_page
         ({"OIDC_CLIENT_ID": ""}, "set OIDC_CLIENT_ID and OIDC_CLIENT_SECRET"),
         ({"OIDC_SCOPES": "email profile"}, "must include openid"),
         ({"OIDC_SIGN_ALGO": "none"}, "OIDC_SIGN_ALGO='none' must be one of"),
+        ({"OIDC_SIGN_ALGO": "PS256"}, "OIDC_SIGN_ALGO='ps256' must be one of.*every sign-in would fail"),
+        ({"OIDC_SIGN_ALGO": "HS512"}, "OIDC_SIGN_ALGO='hs512' must be one of"),
+        ({"OIDC_ISSUER": "http://sso.lab.example"}, "must be https://: over http:// anyone"),
     ],
 )
 def test_it_refuses_oidc_settings_that_cannot_work(monkeypatch, env, complaint):
@@ -220,6 +291,15 @@ def test_it_reads_oidc_settings_with_their_defaults(monkeypatch):
     assert found["OIDC_RP_SIGN_ALGO"] == "RS256"
     assert (found["OIDC_USERNAME_CLAIM"], found["OIDC_GROUPS_CLAIM"]) == ("preferred_username", "groups")
     assert found["OIDC_UNIX_ACCOUNT_CLAIM"] == ""
+
+
+@pytest.mark.parametrize("algorithm", ["RS512", "es256", "HS256"])
+def test_it_takes_the_algorithms_it_can_verify(monkeypatch, algorithm):
+    monkeypatch.setenv("OIDC_ISSUER", "http://127.0.0.1:8080")  # http:// on this machine: tests
+    monkeypatch.setenv("OIDC_CLIENT_ID", "gpu-portal")
+    monkeypatch.setenv("OIDC_CLIENT_SECRET", "s3cret")
+    monkeypatch.setenv("OIDC_SIGN_ALGO", algorithm)
+    assert oidc_settings_from_env()["OIDC_RP_SIGN_ALGO"] == algorithm.upper()
 
 
 def test_a_deactivated_account_is_signed_out_and_cannot_sign_in_again(client, oidc_on, provider):

@@ -117,6 +117,19 @@ def test_an_expired_token_is_refused_with_its_date(alice):
     assert response["WWW-Authenticate"] == "Token"
 
 
+def test_a_maximum_age_ends_tokens_made_before_it_too(alice, settings):
+    """API_TOKEN_MAX_DAYS also ends a token with no expiry of its own (one hashed by 0008)."""
+    token, key = api_token_create(user=alice, name="old", expires_at=None)
+    ApiToken.objects.filter(pk=token.pk).update(created_at=timezone.now() - timedelta(days=31))
+    assert _api(key).get("/api/v1/gpus/").status_code == 200
+
+    settings.API_TOKEN_DEFAULT_DAYS = settings.API_TOKEN_MAX_DAYS = 30
+
+    response = _api(key).get("/api/v1/gpus/")
+    assert response.status_code == 401
+    assert "expired on" in response.json()["detail"]
+
+
 def test_unknown_keys_and_inactive_users_are_refused(alice):
     assert _api("0" * 40).get("/api/v1/gpus/").status_code == 401
     _, key = api_token_create(user=alice, name="ci", expires_at=None)
