@@ -53,6 +53,14 @@ def _stored() -> dict[str, str]:
     return data if isinstance(data, dict) else {}
 
 
+def stored_login() -> Login | None:
+    """The login `gpu login` stored (not the environment's), if any."""
+    stored = _stored()
+    if not stored.get("url") or not stored.get("token"):
+        return None
+    return Login(url=portal_url(stored["url"]), token=stored["token"])
+
+
 def current() -> Login:
     """The login to use: the environment's, else the stored one; neither is exit code 3."""
     stored = _stored()

@@ -63,8 +63,18 @@ def login(url: str, username: str, password_stdin: bool) -> None:
 
 @cli.command()
 def logout() -> None:
-    """Forget the stored login. The token itself stays valid until you revoke it on your profile
-    page (or it expires)."""
+    """Revoke the stored login's token at the portal and forget the login. Where the portal cannot
+    be reached the login is forgotten all the same: revoke the token on your profile page then."""
+    stored = config.stored_login()
+    if stored is not None:
+        try:
+            with Portal(stored.url, stored.token) as portal:
+                portal.request("DELETE", "token/current/")
+        except click.ClickException as exc:  # unreachable, refused, already revoked
+            click.echo(
+                f"The token was not revoked ({exc.format_message()}); revoke it on your profile page.",
+                err=True,
+            )
     url = config.forget()
     click.echo(f"Logged out of {url}." if url else "Not logged in.")
 

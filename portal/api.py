@@ -31,11 +31,11 @@ from rest_framework.views import APIView
 
 from portal.access import roles_of
 from portal.filters import AuditEntryFilter
-from portal.models import AuditEntry, Notification, Team
+from portal.models import ApiToken, AuditEntry, Notification, Team
 from portal.notifications import NotificationFilter, notifications_mark_read
 from portal.pagination import PagePagination
 from portal.permissions import IsTeamManager, TeamLookupMixin, teams_visible_to
-from portal.services import api_token_create
+from portal.services import api_token_create, api_token_revoke
 from portal.tokens import api_token_expiry, expiry_days_help, expiry_days_max
 
 
@@ -194,3 +194,23 @@ class TokenObtain(APIView):
         )
         body = {"token": key, "name": token.name, "prefix": token.prefix, "expires_at": token.expires_at}
         return Response(TokenSerializer(body).data)
+
+
+class TokenCurrent(APIView):
+    """DELETE /api/v1/token/current/: revoke the token this request is signed with (`gpu logout`).
+    Other tokens are listed and revoked on the profile page."""
+
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(request=None, responses={204: None})
+    def delete(self, request: Request) -> Response:
+        if not isinstance(request.auth, ApiToken):
+            raise ValidationError(
+                {
+                    "non_field_errors": [
+                        "This request is not signed with an API token: revoke tokens on your profile page."
+                    ]
+                }
+            )
+        api_token_revoke(token=request.auth, by=request.user)
+        return Response(status=204)

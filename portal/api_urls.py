@@ -19,6 +19,7 @@ router.register("notifications", portal_api.NotificationViewSet, basename="notif
 
 urlpatterns = [
     path("token/", portal_api.TokenObtain.as_view(), name="api_token"),
+    path("token/current/", portal_api.TokenCurrent.as_view(), name="api_token_current"),
     path("schema/", SpectacularAPIView.as_view(), name="api_schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="api_schema"), name="api_docs"),
     path("", include(router.urls)),

@@ -355,6 +355,7 @@ MATRIX: dict[str, Url] = {
     "admin:login": url(get="public"),
     # --- API: authentication and the schema ------------------------------------------------
     "api_token": url(get="405", post=Do("public", LOGIN)),
+    "api_token_current": url(get=API_NO, delete="401 400 400 400 400 400"),  # a token revokes itself
     "api_schema": url(get=API_ALL),
     "api_docs": url(get=API_ALL),
     "api-root": url(get=API_ALL),

@@ -113,11 +113,27 @@ def test_it_logs_in_and_stores_the_token_for_its_owner_only(live_server, alice):
     assert token.key_hash == ApiToken.hash_key(stored["token"]) and token.name.startswith("gpu CLI on ")
     # The stored login is used from now on,
     assert gpu("jobs").exit_code == 0
-    # until `gpu logout` forgets it.
+    # until `gpu logout` revokes it at the portal and forgets it.
     assert gpu("logout").exit_code == 0
     assert not path.exists()
+    token.refresh_from_db()
+    assert token.revoked_at is not None
     result = gpu("jobs")
     assert result.exit_code == 3 and "Not logged in" in result.stderr
+
+
+def test_logout_forgets_the_login_even_where_the_portal_cannot_be_reached(live_server, alice):
+    assert (
+        gpu("login", live_server.url, "--username", "alice", "--password-stdin", input="password\n").exit_code
+        == 0
+    )
+    stored = json.loads(config.config_path().read_text())
+    config.config_path().write_text(json.dumps({**stored, "url": f"http://127.0.0.1:{_closed_port()}"}))
+
+    result = gpu("logout")
+
+    assert result.exit_code == 0 and "revoke it on your profile page" in result.stderr
+    assert not config.config_path().exists()
 
 
 def test_it_asks_for_the_password_without_echoing_it(live_server, alice):

@@ -221,3 +221,18 @@ def test_the_migration_hashes_existing_plaintext_tokens():
     response = _api(key).get("/api/v1/teams/")
     assert response.status_code == 200
     assert key not in _database_dump()
+
+
+def test_a_token_revokes_itself_and_only_a_token_can(client, alice):
+    _, key = api_token_create(user=alice, name="cli", expires_at=None)
+    url = reverse("api_token_current")
+
+    assert _api(key).delete(url).status_code == 204
+    assert _api(key).get("/api/v1/gpus/").status_code == 401
+    assert AuditEntry.objects.filter(action=AuditEntry.Action.API_TOKEN_REVOKE).count() == 1
+
+    session = APIClient()
+    session.force_login(alice)
+    response = session.delete(url)
+    assert response.status_code == 400
+    assert "not signed with an API token" in response.json()["detail"]
