@@ -13,6 +13,7 @@ from django.db import models
 from django.utils import timezone
 
 from gpus.inventory import CardState
+from portal.access import is_admin
 from portal.models import Membership
 
 
@@ -181,7 +182,7 @@ class TelemetrySample(models.Model):
 class ReservationQuerySet(models.QuerySet):
     def visible_to(self, user) -> ReservationQuerySet:  # type: ignore[no-untyped-def]
         """Own bookings and those of every team the user belongs to; admins (staff) see all."""
-        if user.is_staff:
+        if is_admin(user):
             return self
         return self.filter(models.Q(owner=user) | models.Q(team__memberships__user=user)).distinct()
 
@@ -351,7 +352,7 @@ class ViolationQuerySet(models.QuerySet):
     def visible_to(self, user) -> ViolationQuerySet:  # type: ignore[no-untyped-def]
         """Admins: all. Others: the ones they caused, those on their own bookings, and those of the
         people and bookings of the teams they lead."""
-        if user.is_staff:
+        if is_admin(user):
             return self
         led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
         return self.filter(
@@ -431,10 +432,6 @@ class Violation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} pid {self.pid} on {self.gpu_id}"
-
-    @property
-    def is_open(self) -> bool:
-        return self.ended_at is None
 
 
 class WatchdogPolicy(models.Model):

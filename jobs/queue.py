@@ -32,6 +32,7 @@ from gpus.quotas import peak
 from portal.errors import Invalid
 
 MAX_ARRAY = 10_000
+ARRAY_SPEC_MAX_CHARS = 50  # JobArray.spec's max_length
 _ARRAY = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*(?:%\s*(\d+)\s*)?$|^\s*(\d+)\s*$")
 
 # --- arrays ---------------------------------------------------------------------------------------
@@ -39,6 +40,8 @@ _ARRAY = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*(?:%\s*(\d+)\s*)?$|^\s*(\d+)\s*$")
 
 def parse_array(spec: str) -> tuple[list[int], int | None]:
     """'0-99%8' → (indices 0..99, at most 8 running); '5' → ([5], None)."""
+    if len(spec or "") > ARRAY_SPEC_MAX_CHARS:  # JobArray.spec keeps it as given
+        raise Invalid(f"An array is at most {ARRAY_SPEC_MAX_CHARS} characters, like 0-99%8.", field="array")
     match = _ARRAY.match(spec or "")
     if not match:
         raise Invalid(

@@ -6,7 +6,7 @@ Read-only checks for jobs.services.job_submit; each refusal names its field and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -18,6 +18,9 @@ from portal.models import Membership, Team
 
 MAX_GPUS = 64
 MAX_NICE = 1_000_000
+# The booking of a queued job outlasts its time limit by this much, so the limit (not the
+# booking's end) stops it, and says so (jobs.scheduler).
+START_SLACK = timedelta(minutes=1)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class QueueRequest:
     ) -> QueueRequest:
         if not 1 <= gpu_count <= MAX_GPUS:
             raise Invalid(f"Ask for 1 to {MAX_GPUS} cards; {gpu_count} will not do.", field="gpu_count")
+        membership = _check_membership(user, team)
         chosen = _check_server(server)
         _check_memory(memory_mb, chosen)
         indices, max_running = parse_array(array) if array else (None, None)
@@ -63,13 +67,13 @@ class QueueRequest:
             gpu_count=gpu_count,
             memory_mb=memory_mb,
             server=chosen,
-            minutes=_check_minutes(time_limit_minutes),
+            minutes=_check_minutes(time_limit_minutes, membership),
             indices=indices,
             max_running=max_running,
             array_spec=array.strip(),
             nice=nice or 0,
             begin_at=begin_at,
-            team=_check_team(user, team),
+            team=membership.team,
         )
 
 
@@ -108,26 +112,31 @@ def _check_memory(memory_mb: int | None, server: Server | None) -> None:
         )
 
 
-def _check_minutes(minutes: int | None) -> int:
-    """A queued job's time limit: required (its booking lasts that long), with a default."""
+def _check_minutes(minutes: int | None, membership: Membership) -> int:
+    """A queued job's time limit: required (its booking lasts that long, plus START_SLACK), with a
+    default; the booking must fit the longest one allowed, the member's own limit included."""
     minutes = minutes if minutes is not None else settings.QUEUE_DEFAULT_TIME_LIMIT_MINUTES
-    longest = settings.BOOKING_MAX_HOURS * 60
+    hours = settings.BOOKING_MAX_HOURS
+    if membership.max_booking_hours is not None:
+        hours = min(hours, membership.max_booking_hours)
+    longest = hours * 60 - int(START_SLACK.total_seconds() // 60)
     if not 1 <= minutes <= longest:
         raise Invalid(
-            f"A queued job's time limit is 1 to {longest} minutes (the longest booking); "
-            f"{minutes} will not do.",
+            f"A queued job's time limit is 1 to {longest} minutes here (a booking of at most {hours} h);"
+            f" {minutes} will not do.",
             field="time_limit_minutes",
         )
     return minutes
 
 
-def _check_team(user: AbstractBaseUser, slug: str | None) -> Team:
+def _check_membership(user: AbstractBaseUser, slug: str | None) -> Membership:
     memberships = Membership.objects.filter(user=user).select_related("team")
     if slug:
         membership = memberships.filter(team__slug=slug).first()
         if membership is None:
             raise Invalid(f"You are not a member of team {slug!r}; choose one of your teams.", field="team")
-        return membership.team
+        return membership
+    memberships = list(memberships)
     teams = [m.team for m in memberships]
     if not teams:
         raise Invalid(
@@ -136,4 +145,4 @@ def _check_team(user: AbstractBaseUser, slug: str | None) -> Team:
     if len(teams) > 1:
         names = ", ".join(t.slug for t in teams)
         raise Invalid(f"You are in several teams ({names}); say which one the job is for.", field="team")
-    return teams[0]
+    return memberships[0]

@@ -27,6 +27,7 @@ from gpus.booking import PORTAL, reservation_create, reservation_release
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.models import Job
 from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
+from jobs.queue_requests import START_SLACK
 from jobs.services import cpu_share, default_threads, dispatch
 from portal.errors import Conflict, Invalid, QuotaExceeded
 from portal.models import Membership, Team
@@ -35,9 +36,6 @@ from portal.wakeups import client, wait, wake_on_commit
 
 log = logging.getLogger(__name__)
 
-# The booking of a queued job outlasts its time limit by this much, so the limit (not the
-# booking's end) stops it, and says so.
-START_SLACK = timedelta(minutes=1)
 USAGE_CACHE_SECONDS = 60
 _usage_cache: tuple[datetime, Shares, Usage] | None = None
 

@@ -86,7 +86,9 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke the selected tokens")
     def revoke(self, request: HttpRequest, queryset: QuerySet) -> None:
-        revoked = sum(api_token_revoke(token=token, by=request.user) for token in queryset)
+        revoked = sum(
+            api_token_revoke(token=token, by=request.user) for token in queryset.select_related("user")
+        )
         self.message_user(request, f"{revoked} token(s) revoked.", messages.SUCCESS)
 
 

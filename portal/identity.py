@@ -24,6 +24,7 @@ from django.db.models import Q
 from django.http import HttpRequest
 from django.utils import timezone
 
+from portal.accounts import users_by_unix_name
 from portal.identity_env import MEMBER, ROLE_RANK, GroupTeams
 from portal.models import AuditEntry, ExternalAccount, Membership, Profile, Team
 
@@ -67,6 +68,15 @@ def directory_username(value: object) -> str | None:
         return None
     name = unicodedata.normalize("NFKC", value).strip().lower()
     return name if _USERNAME.fullmatch(name) else None
+
+
+class ActiveUsersOnly:
+    """For the directory backends: each request's user, refused once deactivated (signed out), as
+    Django's own ModelBackend does; django-auth-ldap and mozilla-django-oidc do not."""
+
+    def get_user(self, user_id):  # type: ignore[no-untyped-def]
+        user = super().get_user(user_id)  # type: ignore[misc]
+        return user if user is not None and user.is_active else None
 
 
 @transaction.atomic
@@ -285,7 +295,6 @@ def _sync_admin(
 
 
 def _sync_unix_account(user: AbstractBaseUser, name: str, label: str, audit: _Audit) -> None:
-
     if not unix_account_valid(name):
         logger.warning(
             "%s gives %s the Unix account %r, which is not a POSIX user name: ignored", label, user, name
@@ -294,24 +303,10 @@ def _sync_unix_account(user: AbstractBaseUser, name: str, label: str, audit: _Au
     profile, _ = Profile.objects.select_for_update().get_or_create(user=user)
     if profile.unix_account == name:
         return
-    holder = (
-        Profile.objects.select_for_update()
-        .select_related("user")
-        .filter(unix_account=name)
-        .exclude(pk=profile.pk)
-        .first()
-    )
-    # The GPU watchdog maps an OS user without a Unix account on anyone's profile to the portal
-    # user of that name (portal.accounts.users_by_unix_name): that name is theirs too.
-    holder_user = (
-        holder.user
-        if holder
-        else get_user_model()
-        .objects.filter(username=name)
-        .exclude(pk=user.pk)
-        .exclude(profile__unix_account__isnull=False)
-        .first()
-    )
+    # Whose the name is now, by the GPU watchdog's own rule: a profile's Unix account, else the
+    # username of someone with none of their own. The unique constraint guards the race.
+    holder_id = users_by_unix_name([name]).get(name)
+    holder_user = None if holder_id in (None, user.pk) else get_user_model().objects.get(pk=holder_id)
     if holder_user is not None:
         logger.warning(
             "%s gives %s the Unix account %r, which is %s's: refused, an admin must resolve it",

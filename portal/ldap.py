@@ -16,6 +16,7 @@ from django.conf import settings
 from django_auth_ldap import backend
 
 from portal.identity import (
+    ActiveUsersOnly,
     ExternalAccountRefused,
     external_account_link,
     identity_sync,
@@ -25,7 +26,7 @@ from portal.identity import (
 logger = logging.getLogger(__name__)
 
 
-class LDAPBackend(backend.LDAPBackend):
+class LDAPBackend(ActiveUsersOnly, backend.LDAPBackend):
     _request = None
 
     def authenticate(self, request, username=None, password=None, **kwargs):  # type: ignore[no-untyped-def]
@@ -71,8 +72,3 @@ class LDAPBackend(backend.LDAPBackend):
         values = (ldap_user.attrs or {}).get(settings.LDAP_UNIX_ACCOUNT_ATTR) or []
         identity_sync(user=user, groups=groups, unix_account=values[0] if values else None, source="ldap")
         return user
-
-    def get_user(self, user_id):  # type: ignore[no-untyped-def]
-        # Each request's user: a deactivated one is signed out, as Django's own backend does.
-        user = super().get_user(user_id)
-        return user if user is not None and user.is_active else None

@@ -30,6 +30,7 @@ from mozilla_django_oidc.utils import import_from_settings
 from mozilla_django_oidc.views import OIDCAuthenticationCallbackView, OIDCAuthenticationRequestView
 
 from portal.identity import (
+    ActiveUsersOnly,
     ExternalAccountRefused,
     external_account_link,
     identity_sync,
@@ -87,7 +88,7 @@ def sign_in_options(request: HttpRequest) -> dict[str, str]:
     return {"oidc_lab_name": settings.OIDC_LAB_NAME} if settings.OIDC_ISSUER else {}
 
 
-class OIDCBackend(OIDCAuthenticationBackend):
+class OIDCBackend(ActiveUsersOnly, OIDCAuthenticationBackend):
     get_settings = staticmethod(oidc_setting)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -122,11 +123,6 @@ class OIDCBackend(OIDCAuthenticationBackend):
         if len(keys) != 1:
             raise SuspiciousOperation("the ID token names no key (kid) and the provider has several")
         return jwt.PyJWK(keys[0])
-
-    def get_user(self, user_id):  # type: ignore[no-untyped-def]
-        # Each request's user: a deactivated one is signed out, as Django's own backend does.
-        user = super().get_user(user_id)
-        return user if user is not None and user.is_active else None
 
     def get_userinfo(self, access_token, id_token, payload):  # type: ignore[no-untyped-def]
         """The ID token's claims, with the userinfo endpoint's over them: some providers put

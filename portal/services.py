@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from axes.handlers.proxy import AxesProxyHandler
-from axes.models import AccessFailureLog
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
@@ -71,9 +70,10 @@ def api_token_revoke(*, token: ApiToken, by: AbstractBaseUser) -> bool:
     return True
 
 
-@transaction.atomic
 def api_token_mark_used(*, token: ApiToken, now: datetime) -> None:
-    """Record a use, to the minute: most requests find it recent and write nothing."""
+    """Record a use, to the minute: most requests find it recent and write nothing. No transaction
+    of its own: the one UPDATE is atomic, and a transaction would take SQLite's write lock on
+    every API request (IMMEDIATE mode)."""
     if token.last_used_at is not None and token.last_used_at > now - API_TOKEN_USE_RESOLUTION:
         return
     stale = Q(last_used_at=None) | Q(last_used_at__lte=now - API_TOKEN_USE_RESOLUTION)
@@ -91,14 +91,19 @@ def _audit(actor: AbstractBaseUser, token: ApiToken, action: str, message: str) 
     )
 
 
+def signin_name(username: str) -> str:
+    """A username as failures are counted against it and unlocked (portal.signin): stripped, in
+    lower case, as directories match names."""
+    return username.strip().lower()
+
+
 @transaction.atomic
 def signin_unlock(*, user: AbstractBaseUser, by: AbstractBaseUser) -> int:
     """Clear the failed sign-ins counted against `user`'s account (django-axes), so the next try
     is checked at once. A locked client address is unlocked in the admin's Access attempts.
     Returns how many attempt records were cleared."""
     username = user.get_username()
-    # Failures are counted against the name in lower case (portal.signin.signin_username).
-    cleared = AxesProxyHandler.reset_attempts(username=username.strip().lower())
+    cleared = AxesProxyHandler.reset_attempts(username=signin_name(username))
     AuditEntry.objects.create(
         actor=by,
         action=AuditEntry.Action.SIGNIN_UNLOCK,
@@ -109,13 +114,10 @@ def signin_unlock(*, user: AbstractBaseUser, by: AbstractBaseUser) -> int:
     return cleared
 
 
-@transaction.atomic
 def signin_failures_prune() -> int:
     """Forget failed sign-ins older than LOGIN_FAILURE_LOG_DAYS (django-axes' failure log, kept for
     the record; the locks themselves live in AccessAttempt and expire by themselves)."""
-    cutoff = timezone.now() - timedelta(days=settings.LOGIN_FAILURE_LOG_DAYS)
-    deleted, _ = AccessFailureLog.objects.filter(attempt_time__lt=cutoff).delete()
-    return deleted
+    return AxesProxyHandler.reset_failure_logs(age_days=settings.LOGIN_FAILURE_LOG_DAYS)
 
 
 def demo_data_seed(*, password: str) -> bool:

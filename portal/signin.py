@@ -17,6 +17,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from portal.api_errors import api_error_response
+from portal.services import signin_name
 
 
 def client_address(request: HttpRequest) -> str | None:
@@ -43,7 +44,7 @@ def signin_username(request: HttpRequest, credentials: dict | None) -> str | Non
         name = credentials.get("username")
     else:
         name = getattr(request, "data", request.POST).get("username")
-    return name.strip().lower() if isinstance(name, str) and name.strip() else None
+    return signin_name(name) if isinstance(name, str) and name.strip() else None
 
 
 def signin_lockout_parameters(request_or_attempt: HttpRequest | AccessBase, credentials: dict | None) -> list:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +101,13 @@ def database_url_for_subprocess() -> str:
     return database_url(connection.settings_dict)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on (for a server to start on, or to find closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def wait_for(
     predicate: Callable[[], object], timeout: float = 30, interval: float = 0.2, what: str = ""
 ) -> object:
@@ -111,6 +119,15 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(interval)
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[tuple[int, str]]:
+    """(job id, queue) of each job dispatched to a GPU host: none reach a broker, no worker runs them.
+    For tests of the services that decide what is dispatched; tests/test_jobs_worker.py runs them."""
+    calls: list[tuple[int, str]] = []
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: calls.append((args[0], queue)))
+    return calls
 
 
 @pytest.fixture

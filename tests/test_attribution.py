@@ -108,7 +108,7 @@ def test_a_hostile_portal_job_id_costs_nothing(procs, job_id):
 
 
 @pytest.mark.django_db
-def test_a_job_process_is_attributed_by_session_on_the_simulated_host(procs, alice, monkeypatch):
+def test_a_job_process_is_attributed_by_session_on_the_simulated_host(procs, alice, sent):
     """The same path as NVML: the session the worker recorded names the job, whatever the
     process's environment claims."""
     from gpus.booking import reservation_create
@@ -116,7 +116,6 @@ def test_a_job_process_is_attributed_by_session_on_the_simulated_host(procs, ali
 
     server, card = _simulated_server()
     servers_report_ingest(snapshots=[SimulatedBackend(server, seed=1).snapshot()])
-    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: None)
     booking = reservation_create(user=alice, gpus=[card])
     job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
     env = {**os.environ, "PORTAL_SERVER": server, "CUDA_VISIBLE_DEVICES": card, "PORTAL_JOB_ID": "999"}
@@ -214,12 +213,11 @@ def _orphaned_session() -> tuple[int, int]:
 
 
 @pytest.fixture
-def lost_job(alice, box, monkeypatch):
+def lost_job(alice, box, sent):
     """mark(pid, started_ago=, lost_ago=): the job this host's previous worker was running."""
     from gpus.booking import reservation_create
     from jobs.services import ScriptUpload, job_submit
 
-    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: None)
     booking = reservation_create(user=alice, gpus=[box[0].uuid])
     job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
 

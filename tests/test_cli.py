@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from jobs.models import Job
 from jobs.services import ScriptUpload, job_submit
 from portal.models import ApiToken
 from portal.services import api_token_create
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 from tests.factories import make_snapshot
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -59,14 +58,6 @@ def portal(live_server, alice, monkeypatch) -> str:
 
 
 @pytest.fixture
-def sent(monkeypatch) -> list:
-    """Job ids dispatched to a host's queue: none reach a broker, and no worker runs them."""
-    calls: list = []
-    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: calls.append((args[0], queue)))
-    return calls
-
-
-@pytest.fixture
 def booking(alice, box) -> Reservation:
     return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
 
@@ -88,12 +79,6 @@ def _job(user, booking, name: str = "train.py") -> Job:
 
 def _finish(job_id: int, status: str, exit_code: int | None = None) -> None:
     Job.objects.filter(pk=job_id).update(status=status, exit_code=exit_code, finished_at=timezone.now())
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- login ----------------------------------------------------------------------------------------
@@ -128,7 +113,7 @@ def test_logout_forgets_the_login_even_where_the_portal_cannot_be_reached(live_s
         == 0
     )
     stored = json.loads(config.config_path().read_text())
-    config.config_path().write_text(json.dumps({**stored, "url": f"http://127.0.0.1:{_closed_port()}"}))
+    config.config_path().write_text(json.dumps({**stored, "url": f"http://127.0.0.1:{free_port()}"}))
 
     result = gpu("logout")
 
@@ -375,7 +360,7 @@ def test_it_exits_3_when_the_portal_cannot_be_reached_or_refuses_the_token(porta
     monkeypatch.setenv(config.TOKEN_ENV, "not-a-token")
     result = gpu("jobs")
     assert result.exit_code == 3 and "refused the token" in result.stderr
-    monkeypatch.setenv(config.URL_ENV, f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv(config.URL_ENV, f"http://127.0.0.1:{free_port()}")
     result = gpu("status")
     assert result.exit_code == 3 and "Cannot reach the portal" in result.stderr
 
@@ -405,7 +390,7 @@ def test_the_installed_gpu_command_talks_to_the_portal(portal, alice, booking, s
     assert done.returncode == 0, done.stderr
     assert [j["id"] for j in json.loads(done.stdout)] == [job.pk]
 
-    env = {**os.environ, config.URL_ENV: f"http://127.0.0.1:{_closed_port()}"}
+    env = {**os.environ, config.URL_ENV: f"http://127.0.0.1:{free_port()}"}
     done = subprocess.run([GPU_BIN, "status"], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 3 and "Cannot reach the portal" in done.stderr
 

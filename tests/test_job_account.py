@@ -18,9 +18,9 @@ NOBODY = pwd.getpwnam("nobody")
 
 
 @pytest.fixture
-def job(db) -> Job:
+def job(alice) -> Job:
     """Only the job's owner matters here."""
-    return Job(owner=UserFactory(username="alice"))
+    return Job(owner=alice)
 
 
 def test_without_job_user_a_job_runs_as_the_worker(job, settings):

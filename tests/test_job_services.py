@@ -35,14 +35,6 @@ SCRIPT = b"print('hello')\n"
 
 
 @pytest.fixture
-def sent(monkeypatch) -> list:
-    """Job ids dispatched to a queue (no broker needed here)."""
-    calls: list = []
-    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: calls.append((args[0], queue)))
-    return calls
-
-
-@pytest.fixture
 def booking(alice, box):
     return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
 

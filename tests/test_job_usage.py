@@ -23,8 +23,7 @@ def _round_with(*processes: ProcessInfo, server: str = "box1"):
 
 
 @pytest.fixture
-def running_job(alice, box, monkeypatch) -> Job:
-    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: None)
+def running_job(alice, box, sent) -> Job:
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
     Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4321)

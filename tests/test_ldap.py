@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from portal.identity_env import (
     parse_group_teams,
 )
 from portal.models import AuditEntry, ExternalAccount, Membership, Profile, Team
+from tests.conftest import free_port
 from tests.factories import MembershipFactory, TeamFactory, UserFactory
 
 HERE = Path(__file__).resolve().parent / "ldap"
@@ -265,12 +265,6 @@ class Directory:
         self.modify("\n".join(changes))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def directory(tmp_path_factory) -> Iterator[Directory]:
     """slapd with tests/ldap/directory.ldif, loaded offline with slapadd, for the whole session."""
@@ -288,7 +282,7 @@ def directory(tmp_path_factory) -> Iterator[Directory]:
     subprocess.run(
         [_tool("slapadd"), "-f", config, "-l", HERE / "directory.ldif"], check=True, capture_output=True
     )
-    uri = f"ldap://127.0.0.1:{_free_port()}"
+    uri = f"ldap://127.0.0.1:{free_port()}"
     log = root / "slapd.log"
     with log.open("w") as out:
         proc = subprocess.Popen([_tool("slapd"), "-f", config, "-h", f"{uri}/", "-d", "0"], stderr=out)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from portal.notifications import (
     notifications_mark_read,
 )
 from portal.tasks import MAIL_RETRIES, mail_notification
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -198,16 +197,10 @@ class Collector:
         return "250 Message accepted for delivery"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def smtp_server() -> Iterator[tuple[Collector, int]]:
     handler = Collector()
-    controller = Controller(handler, hostname="127.0.0.1", port=_free_port())
+    controller = Controller(handler, hostname="127.0.0.1", port=free_port())
     controller.start()
     yield handler, controller.port
     controller.stop()
@@ -266,7 +259,7 @@ def test_it_does_not_retry_a_permanent_refusal(alice, smtp):
 
 def test_it_retries_when_no_smtp_server_answers(alice, settings):
     settings.EMAIL_BACKEND = SMTP_BACKEND
-    settings.EMAIL_HOST, settings.EMAIL_PORT, settings.EMAIL_TIMEOUT = "127.0.0.1", _free_port(), 2
+    settings.EMAIL_HOST, settings.EMAIL_PORT, settings.EMAIL_TIMEOUT = "127.0.0.1", free_port(), 2
     notification = _send(alice)
     assert mail_notification.apply(args=[notification.pk]).get() == Mail.FAILED
     assert _status(notification) == Mail.FAILED

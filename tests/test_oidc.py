@@ -9,7 +9,6 @@ endpoint over HTTP, verifying the signed ID token against the provider's publish
 
 from __future__ import annotations
 
-import socket
 import warnings
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
@@ -22,6 +21,7 @@ from django.urls import reverse
 from portal.env import ImproperlyConfiguredEnv
 from portal.identity_env import LEADER, MEMBER, oidc_settings_from_env, parse_group_teams
 from portal.models import AuditEntry, ExternalAccount, Membership
+from tests.conftest import free_port
 from tests.factories import UserFactory
 from tests.test_ldap import MAPPING, roles, with_backend
 
@@ -240,14 +240,8 @@ def test_the_login_page_shows_the_button_only_when_configured(client, settings, 
     assert client.get(reverse("oidc_authentication_callback")).status_code == 404
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_provider_that_is_down_stops_neither_local_sign_ins_nor_the_login_page(client, oidc_on):
-    oidc_on(OIDC_ISSUER=f"http://127.0.0.1:{_closed_port()}")
+    oidc_on(OIDC_ISSUER=f"http://127.0.0.1:{free_port()}")
     UserFactory(username="localadmin")
     response = client.post(reverse("login"), {"username": "localadmin", "password": "password"})
     assert response.status_code == 302 and response.url == reverse("dashboard")

@@ -29,13 +29,6 @@ def _fresh_usage():
     forget_usage()
 
 
-@pytest.fixture
-def sent(monkeypatch) -> list:
-    calls: list = []
-    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda args, queue: calls.append((args[0], queue)))
-    return calls
-
-
 def queue(user, gpus=1, minutes=60, **kwargs) -> Job:
     kwargs.setdefault("script", ScriptUpload(name="train.py", content=b"print('hi')\n"))
     return job_submit(user=user, reservation=None, gpu_count=gpus, time_limit_minutes=minutes, **kwargs)
@@ -266,6 +259,17 @@ def test_two_teams_with_equal_shares_get_near_equal_gpu_hours():
 def test_parse_array():
     assert parse_array("0-3%2") == ([0, 1, 2, 3], 2)
     assert parse_array("5") == ([5], None)
+    with pytest.raises(Invalid, match="at most 50 characters"):
+        parse_array("0-" + "0" * 60 + "9")  # JobArray.spec could not keep it
+
+
+def test_a_time_limit_must_leave_room_for_the_bookings_slack_and_the_members_limit(alice, box, settings):
+    settings.BOOKING_MAX_HOURS = 2
+    with pytest.raises(Invalid, match="1 to 119 minutes"):
+        queue(alice, minutes=120)  # its booking would be 121 minutes: it could never start
+    alice.memberships.update(max_booking_hours=1)
+    with pytest.raises(Invalid, match="1 to 59 minutes"):
+        queue(alice, minutes=60)
 
 
 # --- the API -------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from portal.supervisor import (
     ProcessSupervisor,
     exit_status,
 )
-from tests.conftest import OUTPUT, ROOT, wait_for
+from tests.conftest import OUTPUT, ROOT, free_port, wait_for
 
 # --- the backoff, on an injected clock ----------------------------------------------------
 
@@ -271,12 +270,6 @@ def _multipart(fields: dict, files: dict[str, tuple[str, bytes]]) -> tuple[bytes
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _gone(proc: psutil.Process) -> bool:
     try:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
@@ -301,7 +294,7 @@ def runportal(tmp_path) -> Iterator[tuple[subprocess.Popen, Api, Path]]:
     messages or telemetry can reach it. Its output goes to test-output/runportal.log."""
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text(INVENTORY)
-    port = _free_port()
+    port = free_port()
     OUTPUT.mkdir(exist_ok=True)
     log_path = OUTPUT / "runportal.log"
     # A short folder for the socket: a unix socket path has a ~100-byte limit.

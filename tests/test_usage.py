@@ -309,8 +309,16 @@ def test_the_ingest_feeds_a_started_rollup_and_it_writes_after_the_commit(
     assert 0 < row.gpu_hours_used <= 0.25 * 5 / 60
 
 
-def test_without_a_rollup_the_ingest_writes_no_usage(box):
-    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4)])
+def test_without_a_rollup_the_ingest_writes_no_usage(
+    alice, team, box, base, monkeypatch, django_capture_on_commit_callbacks
+):
+    """Only the portal's worker rolls usage up: the same rounds as above, with no rollup started."""
+    monkeypatch.setattr(usage, "_rollup", None)
+    book(alice, team, box[0], base, base + H)
+    snapshot = make_snapshot("box1", gpus=4, util=25)
+    for seconds in range(0, 301, 10):
+        with django_capture_on_commit_callbacks(execute=True):
+            servers_report_ingest(snapshots=[snapshot], now=base + timedelta(seconds=seconds))
     assert not UsageHour.objects.exists()
 
 
