@@ -106,6 +106,7 @@ def start_worker(server: str, db_url: str, scratch: Path) -> tuple[subprocess.Po
         "GPU_BACKEND": "simulated",
         "WORKER_SERVER": server,
         "JOB_ROOTS": str(scratch / "jobs"),
+        "JOB_FOLDERS": str(scratch / "job-folders"),
     }
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

@@ -102,6 +102,7 @@ class Workers:
             "GPU_BACKEND": "simulated",
             "SIMULATED_PROCESSES_FILE": str(declarations or scratch / "simulated-gpu-processes.json"),
             "JOB_ROOTS": str(scratch / "jobs"),
+            "JOB_FOLDERS": str(scratch / "job-folders"),
             "EMAIL_DELIVERY": "file",
             "EMAIL_FILE_PATH": str(scratch / "mail"),
         }

@@ -3,14 +3,29 @@
 Error bodies are {"detail", "code", "errors": {field: [...]}} (docs/api.md): 4xx is Refused
 (exit 1) with that detail, 404 NotFound (4); no answer, a 5xx or a rejected token is
 Unreachable (3).
+
+While the portal is away a request is sent again, with waits that double from 1 s, for up to
+GPU_RETRY_SECONDS (60; 0: never), saying so on stderr; but only when sending it again cannot do
+twice what was asked:
+
+- any request whose connection was refused or timed out connecting: none of it was sent;
+- a GET, HEAD or OPTIONS answered 503 (the database or Redis is away), or whose connection was
+  dropped before an answer: reading twice changes nothing.
+
+Never a POST, DELETE or PUT that reached the portal: a 503 says the work could not be done, not
+that none of it was (a connection lost while committing leaves it unknown), and the API's answer
+to a repeated DELETE is not the first one's (a token already revoked: 401). Those stop with exit
+code 3 and say to check before trying again.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from time import monotonic, sleep
 from typing import Any
 
 import click
@@ -23,6 +38,16 @@ API_ROOT = "/api/v1/"
 MAX_PAGE_SIZE = 500  # portal/pagination.py's max_page_size
 # A log or a list can take a while to send; a portal that accepts no connection in 10 s is away.
 TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+
+RETRY_ENV = "GPU_RETRY_SECONDS"
+RETRY_SECONDS = 60.0  # how long to keep trying while the portal is away
+FIRST_RETRY_SECONDS = 1.0  # the first wait; each next one is twice as long
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# None of the request left this machine: safe to send again, whatever the method.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+# The connection was dropped before any answer: safe to send again only for a safe method.
+DROPPED = (httpx.RemoteProtocolError, httpx.ReadError)
+MAYBE_DONE = "It may or may not be done: check before you try again."
 
 
 def _user_agent() -> str:
@@ -41,11 +66,12 @@ class Page:
 
 
 class Portal:
-    def __init__(self, url: str, token: str | None = None) -> None:
+    def __init__(self, url: str, token: str | None = None, *, retry_seconds: float | None = None) -> None:
         headers = {"Accept": "application/json", "User-Agent": _user_agent()}
         if token:
             headers["Authorization"] = f"Token {token}"
         self.url = url
+        self.retry_seconds = retry_budget() if retry_seconds is None else retry_seconds
         self.http = httpx.Client(base_url=url + API_ROOT, headers=headers, timeout=TIMEOUT)
 
     def __enter__(self) -> Portal:
@@ -55,12 +81,7 @@ class Portal:
         self.http.close()
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from None
-        _check(response)
-        return response
+        return self._send(method, path, stream=False, **kwargs)
 
     def get(self, path: str, **params: Any) -> Any:
         return _json(self.request("GET", path, params=_present(params)))
@@ -85,18 +106,75 @@ class Portal:
 
     @contextmanager
     def stream(self, path: str, **params: Any) -> Iterator[httpx.Response]:
-        """A GET whose body is read as it arrives (a job's log can be a gigabyte)."""
+        """A GET whose body is read as it arrives (a job's log can be a gigabyte). Only getting
+        the answer is retried: a connection lost in the middle of the body is exit code 3."""
+        response = self._send("GET", path, stream=True, params=_present(params))
         try:
-            with self.http.stream("GET", path, params=_present(params)) as response:
-                if not response.is_success:
-                    response.read()
-                    _check(response)
-                yield response
+            yield response
         except httpx.TransportError as exc:
             raise self._unreachable(exc) from None
+        finally:
+            response.close()
 
-    def _unreachable(self, exc: httpx.TransportError) -> Unreachable:
-        return Unreachable(f"Cannot reach the portal at {self.url}: {exc or type(exc).__name__}.")
+    def _send(self, method: str, path: str, *, stream: bool, **kwargs: Any) -> httpx.Response:
+        """One request, sent again while the portal is away where that is safe (module docstring)."""
+        retry = Retry(self.retry_seconds)
+        while True:
+            try:
+                response = self.http.send(self.http.build_request(method, path, **kwargs), stream=stream)
+                if not response.is_success:
+                    response.read()  # an error's body is small; this also closes a stream
+            except httpx.TransportError as exc:
+                safe, sent = method in SAFE_METHODS, not isinstance(exc, NOT_SENT)
+                resend = not sent or (safe and isinstance(exc, DROPPED))
+                if resend and retry.wait(f"cannot reach the portal at {self.url} ({_reason(exc)})"):
+                    continue
+                raise self._unreachable(exc, maybe_done=sent and not safe) from None
+            away = response.status_code == 503 and method in SAFE_METHODS
+            if away and retry.wait(f"the portal answered 503 ({_unavailable(response)})"):
+                continue
+            _check(response)
+            return response
+
+    def _unreachable(self, exc: httpx.TransportError, *, maybe_done: bool = False) -> Unreachable:
+        check = f" {MAYBE_DONE}" if maybe_done else ""
+        return Unreachable(f"Cannot reach the portal at {self.url}: {_reason(exc)}.{check}")
+
+
+class Retry:
+    """The waits between tries: 1, 2, 4 … seconds, all within the budget from the first failure."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.delay = FIRST_RETRY_SECONDS
+        self.deadline: float | None = None
+
+    def wait(self, why: str) -> bool:
+        """Say why and wait before the next try; False when the budget is spent."""
+        now = monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.budget
+        delay = min(self.delay, self.deadline - now)
+        if delay <= 0:
+            return False
+        click.echo(f"gpu: {why}; retrying in {_seconds(delay)}…", err=True)
+        sleep(delay)
+        self.delay *= 2
+        return True
+
+
+def retry_budget() -> float:
+    """GPU_RETRY_SECONDS, else 60; 0 never retries (a script that would rather fail at once)."""
+    text = os.environ.get(RETRY_ENV, "").strip()
+    if not text:
+        return RETRY_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 3600:
+        raise click.UsageError(f"{RETRY_ENV}={text!r}: give the seconds to keep retrying, 0 to 3600")
+    return seconds
 
 
 def connect() -> Portal:
@@ -138,6 +216,10 @@ def _check(response: httpx.Response) -> None:
         raise Unreachable(f"The portal refused the token ({detail}): run `gpu login URL` again.")
     if status == 404:
         raise NotFound(f"{detail} ({where})")
+    if status == 503:
+        # Only a safe method's 503 is retried; another's work may or may not have been done.
+        check = "" if response.request.method in SAFE_METHODS else f" {MAYBE_DONE}"
+        raise Unreachable(f"The portal is unavailable ({where}: {_unavailable(response)}).{check}")
     if status >= 500:
         raise Unreachable(f"The portal failed ({where}: HTTP {status}); try again, or tell its admins.")
     errors = body.get("errors") if isinstance(body.get("errors"), dict) else {}
@@ -146,3 +228,21 @@ def _check(response: httpx.Response) -> None:
 
 def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
+
+
+def _unavailable(response: httpx.Response) -> str:
+    """What the portal says is away, from its 503 body (portal/outage.py): 'database unavailable'."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    service = body.get("service") if isinstance(body, dict) else None
+    return f"{service} unavailable" if isinstance(service, str) and service else "service unavailable"
+
+
+def _reason(exc: httpx.TransportError) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _seconds(delay: float) -> str:
+    return f"{delay:.0f} s" if delay >= 1 else f"{delay:.2g} s"

@@ -16,17 +16,33 @@ from gpus.booking import reservation_cancel, reservation_create, reservation_ext
 from gpus.filters import GPUFilter, ReservationFilter, UsageFilter, ViolationFilter
 from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server, UsageDay, Violation
 from gpus.reports import UsageScope, usage_queryset, usage_rows
-from gpus.selectors import bookings_now, gpus_with_processes
+from gpus.selectors import (
+    CommandLines,
+    bookings_now,
+    command_lines_for,
+    gpus_with_processes,
+    program_name,
+    violation_command,
+)
 from portal.pagination import PagePagination
 from portal.permissions import ActionPermissionsMixin, IsOwner, IsOwnerOrTeamManager
 
 
 class GPUProcessSerializer(serializers.ModelSerializer):
     job = serializers.CharField(source="job_label", read_only=True)
+    command = serializers.SerializerMethodField(
+        help_text="The whole command line for admins and the process's owner, else the program's name."
+    )
 
     class Meta:
         model = GPUProcess
         fields = ["pid", "username", "command", "used_memory_mb", "session_id", "job"]
+
+    def get_command(self, process: GPUProcess) -> str:
+        commands: CommandLines | None = self.context.get("command_lines")
+        if commands is None:  # no viewer to decide for: the program only
+            return program_name(process.command)
+        return commands.shown(process.command, username=process.username, job_id=process.job_id)
 
 
 class GPUSerializer(serializers.ModelSerializer):
@@ -114,6 +130,7 @@ class GPUViewSet(viewsets.ReadOnlyModelViewSet):
         context = super().get_serializer_context()
         if not getattr(self, "swagger_fake_view", False):
             context["booked"] = bookings_now(self.request.user, timezone.now())  # one query for all cards
+            context["command_lines"] = command_lines_for(self.request.user)
         return context
 
 
@@ -288,6 +305,9 @@ class ViolationSerializer(serializers.ModelSerializer):
     user = serializers.SlugRelatedField(
         slug_field="username", read_only=True, help_text="The portal user behind the process, if known."
     )
+    command = serializers.SerializerMethodField(
+        help_text="Whole for admins and the process's own user; the program's name for everyone else."
+    )
     job = serializers.IntegerField(source="job_id", read_only=True, allow_null=True)
     reservation = serializers.IntegerField(source="reservation_id", read_only=True, allow_null=True)
 
@@ -315,6 +335,10 @@ class ViolationSerializer(serializers.ModelSerializer):
             "message",
         ]
         read_only_fields = fields
+
+    def get_command(self, violation: Violation) -> str:
+        request = self.context.get("request")
+        return violation_command(violation, request.user if request else None)
 
 
 class ViolationViewSet(viewsets.ReadOnlyModelViewSet):

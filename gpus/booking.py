@@ -59,7 +59,8 @@ _UNBOOKABLE = {
 
 class PortalActor:
     """The portal itself acting on a rule, not on anyone's request: the auto-release of an idle
-    booking (gpus/idle.py). Only code passes it, never a view; it is audited with no actor."""
+    booking (gpus/idle.py), a deactivated user's bookings ended (reservations_cancel_for_leaver).
+    Only code passes it, never a view; it is audited with no actor."""
 
     pk = None
 
@@ -583,6 +584,11 @@ def reservation_cancel(
     """Cancel a booking: the owner (their upcoming one; an active one is released), or a
     leader of its team or an admin (upcoming or active), who must give a reason the owner sees."""
     now = now or timezone.now()
+    # Read by hand from a form or a request body: checked here, before anything is written.
+    if not isinstance(reason, str):
+        raise Invalid("Give the reason as text.", field="reason")
+    if "\x00" in reason:
+        raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
     reservation = _locked_reservation(reservation)
     is_owner = reservation.owner_id == user.pk
     if not is_owner and not can_manage_team(user, reservation.team_id):
@@ -597,9 +603,15 @@ def reservation_cancel(
         raise Invalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
     if len(reason) > 500:
         raise Invalid("Keep the reason to 500 characters.", field="reason")
+    return _cancel(user, reservation, now, reason)
+
+
+def _cancel(
+    user: AbstractBaseUser | PortalActor, reservation: Reservation, now: datetime, reason: str
+) -> Reservation:
     _end_now(reservation, now)
     reservation.cancelled_at = now
-    reservation.cancelled_by = user
+    reservation.cancelled_by = None if user is PORTAL else user
     reservation.cancel_reason = reason
     reservation.save(update_fields=["end", "cancelled_at", "cancelled_by", "cancel_reason"])
     wake_on_commit("queue")  # its cards are free: pending jobs may start now
@@ -656,3 +668,36 @@ def reservation_release(
     if status != Reservation.Status.ACTIVE:
         raise Invalid(f"This booking is already {status.label.lower()}; there is nothing to release.")
     return _release(user, reservation, now, reason)
+
+
+@transaction.atomic
+def reservations_cancel_for_leaver(
+    *, user: AbstractBaseUser, reason: str, now: datetime | None = None
+) -> list[tuple[Reservation, Reservation.Status]]:
+    """End every open booking of `user`, whose account was deactivated, as the portal, with
+    `reason` (e.g. "alice's account was deactivated"): an upcoming one is cancelled; an active one
+    is released now, keeping the part already used, as any early release does. A job still running
+    on one sees its booking end; jobs.leavers asks it to stop first, so it ends cancelled with the
+    reason. Each booking is audited with no actor (`by: portal`).
+
+    Returns each booking with its status before (upcoming or active). Re-running it finds
+    nothing open and does nothing. The caller tells whoever must know (jobs.leavers: the leaders).
+    """
+    now = now or timezone.now()
+    reason = reason.strip()[:500]
+    open_ = (
+        Reservation.objects.filter(owner_id=user.pk)
+        .with_status("open", now)
+        .select_for_update(of=("self",))
+        .select_related("owner", "team")
+        .order_by("pk")
+    )
+    ended = []
+    for reservation in open_:
+        status = reservation.status_at(now)
+        if status == Reservation.Status.UPCOMING:
+            _cancel(PORTAL, reservation, now, reason)
+        else:
+            _release(PORTAL, reservation, now, reason)
+        ended.append((reservation, status))
+    return ended

@@ -16,6 +16,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.http import content_disposition_header
 from django.views.decorators.http import require_GET
 
 from gpus.filters import USAGE_GROUPS, UsageFilter
@@ -54,7 +55,7 @@ def reports_csv(request: HttpRequest) -> HttpResponse:
     since, until = filters.form.cleaned_data["since"], filters.form.cleaned_data["until"]
     name = f"usage-{since or 'start'}-{until or timezone.localdate()}-by-{group_by}.csv"
     response = HttpResponse(content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=name)
     writer = csv.writer(response)
     writer.writerow(COLUMNS)
     writer.writerows([row[column] for column in COLUMNS] for row in rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -11,7 +12,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, Violation, format_mb
-from portal.access import display_name, team_ids_of
+from portal.access import display_name, is_admin, team_ids_of
+from portal.accounts import unix_account_name
 from portal.timefmt import short_time
 
 
@@ -19,6 +21,68 @@ def gpus_with_processes() -> QuerySet[GPU]:
     return GPU.objects.select_related("server").prefetch_related(
         Prefetch("processes", queryset=GPUProcess.objects.order_by("-used_memory_mb", "pid"))
     )
+
+
+# --- command lines: whose process it is, and what a viewer sees of it ---------------------------
+
+OwnJobs = Callable[[Any, Iterable[int]], Collection[int]]
+
+
+def _no_jobs(viewer: Any, job_ids: Iterable[int]) -> Collection[int]:
+    return ()
+
+
+# Which of these jobs are the viewer's: the jobs app's to say, since gpus never reads jobs rows.
+# jobs sets it at start (own_jobs_answered_by in JobsConfig.ready); until then a job's processes
+# show their whole command line to admins only.
+_own_jobs: OwnJobs = _no_jobs
+
+
+def own_jobs_answered_by(answer: OwnJobs) -> None:
+    """Called once by the jobs app: `answer(viewer, job_ids)` gives the viewer's jobs among them."""
+    global _own_jobs
+    _own_jobs = answer
+
+
+def program_name(command: str) -> str:
+    """The basename of argv[0]: "python3" for "/usr/bin/python3 train.py --token x"."""
+    words = command.split(maxsplit=1)
+    return words[0].rsplit("/", 1)[-1] if words else ""
+
+
+class CommandLines:
+    """What one viewer sees of processes' command lines, on the pages and in the API alike: all of
+    it for admins and for the process's owner, else the program's name only, since arguments often
+    carry secrets (tokens, passwords, data paths). A process in a portal job is the job owner's;
+    any other is the portal user's whose Unix account runs it (portal.accounts)."""
+
+    def __init__(self, viewer: Any, *, job_ids: Iterable[int]) -> None:
+        self.everything = is_admin(viewer)
+        self.unix_name = None if self.everything else unix_account_name(viewer)
+        self.jobs = frozenset() if self.everything else frozenset(_own_jobs(viewer, job_ids))
+
+    def shown(self, command: str, *, username: str, job_id: int | None) -> str:
+        if self.everything:
+            return command
+        # A job's processes may run as a shared account (JOB_USER): the job says whose they are.
+        own = job_id in self.jobs if job_id else bool(self.unix_name) and username == self.unix_name
+        return command if own else program_name(command)
+
+
+def violation_command(violation: Any, viewer: Any) -> str:
+    """A violation's command line by the same rule: whole for admins and for the person whose
+    process it was, the program's name for the booking's owner, leaders and everyone else."""
+    if is_admin(viewer) or (
+        violation.user_id is not None and violation.user_id == getattr(viewer, "pk", None)
+    ):
+        return violation.command
+    return program_name(violation.command)
+
+
+def command_lines_for(viewer: Any) -> CommandLines:
+    """The rule for every process on the cards now (the API's GPU list and detail)."""
+    job_ids = GPUProcess.objects.exclude(job_id=None).values_list("job_id", flat=True)
+    return CommandLines(viewer, job_ids=job_ids)
 
 
 def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
@@ -45,7 +109,8 @@ def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
 
 
 def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
-    """Every server with its GPUs, processes and current bookings as plain dicts, in five queries.
+    """Every server with its GPUs, processes and current bookings as plain dicts, in a fixed
+    number of queries (the viewer's Unix account and jobs for the command lines among them).
 
     Plain rows rather than model instances: this page is polled every few seconds for
     up to hundreds of cards, and building 2,000 model objects per poll dominated its cost.
@@ -61,9 +126,14 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
         .values_list("gpu_id", "pid", "kind")
     )
     processes: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for row in GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values(
-        "gpu_id", "pid", "username", "used_memory_mb", "job_id"
-    ):
+    rows = list(
+        GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values(
+            "gpu_id", "pid", "username", "command", "used_memory_mb", "job_id"
+        )
+    )
+    commands = CommandLines(viewer, job_ids={row["job_id"] for row in rows if row["job_id"]})
+    for row in rows:
+        row["command"] = commands.shown(row["command"], username=row["username"], job_id=row["job_id"])
         row["violation"] = breaking.get((row["gpu_id"], row["pid"]))
         processes[row["gpu_id"]].append(row)
     gpus: dict[int, list[dict[str, Any]]] = defaultdict(list)

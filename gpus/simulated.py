@@ -5,7 +5,7 @@ module). Telemetry is a mean-reverting random walk per card: busy cards run one 
 fake processes at high utilisation, idle cards sit at 0% with a few hundred MB in use, and
 now and then a job finishes or starts. Every report says ``simulated=True``.
 
-Real processes of this machine show on the cards too: portal jobs (by the card they booked),
+Real processes of this machine show on the cards too: this portal's jobs (by the card they booked),
 and processes declared with ``manage.py simulate_gpu_process`` (a small JSON file), so the
 watchdog can be tried end to end without a GPU.
 
@@ -31,6 +31,7 @@ from typing import Any
 
 import psutil
 import yaml
+from django.conf import settings
 
 from gpus.inventory import GPUInfo, HostInfo, ProcessInfo, Snapshot
 from gpus.procinfo import describe_process
@@ -237,13 +238,16 @@ class _Card:
         return min(IDLE_POWER_W, self.spec.power_limit_w / 4)
 
 
-def local_job_processes(server: str) -> dict[str, list[ProcessInfo]]:
-    """This machine's portal job processes for simulated `server`, by booked card UUID.
+def local_job_processes(server: str, instance: str) -> dict[str, list[ProcessInfo]]:
+    """This portal's job processes on this machine for simulated `server`, by booked card UUID.
 
     The simulation stands in for the driver's knowledge of which card a process uses: it takes
     it from the job's environment (PORTAL_SERVER, CUDA_VISIBLE_DEVICES), which the worker wrote.
-    What the process is, and which job it belongs to, comes from `describe_process` and the
-    session id, exactly as with NVML; a job's own PORTAL_JOB_ID is never read.
+    Only processes that also carry this portal's PORTAL_INSTANCE count: another checkout on this
+    machine runs jobs on the same simulated server names, and they are not this portal's to
+    show, nor its watchdog's to stop. What the process is, and which job it belongs to, comes
+    from `describe_process` and the session id, exactly as with NVML; a job's own
+    PORTAL_JOB_ID is never read.
     """
     found: dict[str, list[ProcessInfo]] = {}
     for proc in psutil.process_iter():
@@ -251,7 +255,7 @@ def local_job_processes(server: str) -> dict[str, list[ProcessInfo]]:
             if os.getsid(proc.pid) != proc.pid:
                 continue  # the job's session leader stands for the job
             env = proc.environ()
-            if env.get("PORTAL_SERVER") != server:
+            if env.get("PORTAL_SERVER") != server or env.get("PORTAL_INSTANCE") != instance:
                 continue
             cards = [u for u in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if u]
             # Spread over its cards, so the job's sum over cards is its real footprint.
@@ -434,8 +438,10 @@ class SimulatedBackend:
         path: Path | None = None,
         seed: int | None = None,
         processes_file: Path | None = None,
+        instance: str | None = None,
     ) -> None:
-        """`processes_file`: the processes declared with `simulate_gpu_process`; None: none."""
+        """`processes_file`: the processes declared with `simulate_gpu_process`; None: none.
+        `instance`: the portal whose jobs show on the cards; None: this one (PORTAL_INSTANCE_ID)."""
         servers = {s.name: s for s in load_inventory(path)}
         if server_name not in servers:
             raise ValueError(
@@ -444,6 +450,7 @@ class SimulatedBackend:
             )
         self.server = server = servers[server_name]
         self._rng = random.Random(seed)
+        self._instance = settings.PORTAL_INSTANCE_ID if instance is None else instance
         self._declarations = _DeclarationsFile(processes_file)
         self.host = HostInfo(
             name=server.name,
@@ -468,7 +475,7 @@ class SimulatedBackend:
     def snapshot(self) -> Snapshot:
         for card in self._cards:
             self._step(card)
-        jobs = local_job_processes(self.server.name)
+        jobs = local_job_processes(self.server.name, self._instance)
         declared = self._declarations.running()
         return Snapshot(
             host=self.host,

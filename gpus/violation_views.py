@@ -13,6 +13,7 @@ from django.views.decorators.http import require_GET
 
 from gpus.filters import ViolationFilter
 from gpus.models import Violation
+from gpus.selectors import violation_command
 from portal.filters import filter_list
 
 PAGE_SIZE = 50
@@ -36,4 +37,5 @@ def violations(request: HttpRequest) -> HttpResponse:
 @login_required
 def violation_detail(request: HttpRequest, pk: int) -> HttpResponse:
     violation = get_object_or_404(_visible(request), pk=pk)  # 404 for what the user may not see
-    return render(request, "gpus/violation_detail.html", {"v": violation})
+    command = violation_command(violation, request.user)
+    return render(request, "gpus/violation_detail.html", {"v": violation, "command": command})

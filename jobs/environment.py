@@ -34,6 +34,7 @@ PORTAL_ENV = frozenset(
         "PORTAL_JOB_ID",
         "PORTAL_RESERVATION_ID",
         "PORTAL_SERVER",
+        "PORTAL_INSTANCE",
         "PORTAL_ARRAY_INDEX",
         LAUNCH_CONFIG_VAR,
     }
@@ -123,6 +124,7 @@ def job_environment(
     interpreter: str,
     venv: str | None = None,
     server: str,
+    instance: str,
     headroom_mb: int,
     account: pwd.struct_passwd | None = None,
 ) -> JobEnvironment:
@@ -131,9 +133,11 @@ def job_environment(
     `inherited` is the worker's environment: only INHERITED_ENV passes. `interpreter` is the
     job's Python (its JOB_INTERPRETERS path) and `venv` the virtual environment it belongs to,
     if the runner found one: the job sees them as if that environment were activated. `server`
-    is WORKER_SERVER, `headroom_mb` GPU_CONTEXT_HEADROOM_MB, `account` JOB_USER's (its HOME,
-    USER and LOGNAME). The job's own variables come next, and the portal's (PORTAL_ENV) last:
-    a job cannot override them (job_submit refuses to store them in the first place).
+    is WORKER_SERVER, `instance` PORTAL_INSTANCE_ID (which portal on this machine started the
+    job: the simulated backend shows no other portal's jobs), `headroom_mb`
+    GPU_CONTEXT_HEADROOM_MB, `account` JOB_USER's (its HOME, USER and LOGNAME). The job's own
+    variables come next, and the portal's (PORTAL_ENV) last: a job cannot override them
+    (job_submit refuses to store them in the first place).
     """
     config = launch_config(job, card, headroom_mb=headroom_mb)
     threads = {
@@ -150,6 +154,7 @@ def job_environment(
         "PORTAL_JOB_ID": str(job.pk),
         "PORTAL_RESERVATION_ID": str(job.reservation_id),
         "PORTAL_SERVER": server,
+        "PORTAL_INSTANCE": instance,
         LAUNCH_CONFIG_VAR: json.dumps(config),
     }
     if job.array_index is not None:

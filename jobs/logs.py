@@ -23,8 +23,11 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Max
 from django.http import StreamingHttpResponse
 from django.utils import timezone
+from django.utils.http import content_disposition_header
 
 from jobs.models import Job, LogChunk
+from jobs.paths import download_name
+from jobs.spool import LogSpool
 from portal.errors import Invalid
 
 CHUNK_BYTES = 1024 * 1024
@@ -45,11 +48,25 @@ def dropped_marker(dropped: int) -> bytes:
     ).encode()
 
 
-class LogWriter:
-    """The worker's side: timestamps each line and stores it in chunks under the cap."""
+def spool_dropped_marker(dropped: int) -> bytes:
+    return (
+        timestamp()
+        + (
+            f"[portal] … {dropped:,} bytes of output were dropped here: the database was away and this"
+            f" host's spool for the job was full (JOB_LOG_MAX_MB={settings.JOB_LOG_MAX_MB}) …\n"
+        ).encode()
+    )
 
-    def __init__(self, job_id: int, cap_bytes: int | None = None) -> None:
+
+class LogWriter:
+    """The worker's side: timestamps each line and stores it in chunks under the cap.
+
+    With a `spool` (jobs/spool.py), what the database cannot take now goes to the host's disk
+    and is stored, in order and once, at the next flush that reaches the database."""
+
+    def __init__(self, job_id: int, cap_bytes: int | None = None, *, spool: LogSpool | None = None) -> None:
         self.job_id = job_id
+        self.spool = spool
         cap = cap_bytes or settings.JOB_LOG_MAX_MB * 1024 * 1024
         self.head_limit = cap // 2
         self.tail_limit = cap - self.head_limit
@@ -114,12 +131,34 @@ class LogWriter:
         self.flush()
 
     def flush(self) -> None:
-        """Store what is pending. On a database error nothing is lost: the state is put
-        back and the same bytes go out with the next flush."""
+        """Store what is pending. On a database error nothing is lost: the bytes go to the
+        spool on disk (without one, back to memory) and out with the next flush, after
+        anything older, and the error is raised for the caller to retry."""
         self.last_flush = time.monotonic()
+        if self.spool is not None and (self.spool.size or self.spool.dropped):
+            if self.pending:  # older bytes wait on disk: these go after them
+                self.spool.append(bytes(self.pending))
+                self.pending.clear()
+            data = self.spool.read()
+            if self.spool.dropped:
+                data += spool_dropped_marker(self.spool.dropped)
+            self._store_once(data)
+            self.spool.clear()
+            return
         if not self.pending:
             return
         data, self.pending = bytes(self.pending), bytearray()
+        try:
+            self._store_once(data)
+        except Exception:
+            if self.spool is None:
+                self.pending[:0] = data
+            else:
+                self.spool.append(data)
+            raise
+
+    def _store_once(self, data: bytes) -> None:
+        """Store `data` after what is stored; on failure the writer's state is as before."""
         saved = (self.seq, self.total, self.dropped, self.tail_bytes, deque(self.tail))
         try:
             try:
@@ -132,7 +171,6 @@ class LogWriter:
                 self._store(data)
         except Exception:
             self.seq, self.total, self.dropped, self.tail_bytes, self.tail = saved
-            self.pending[:0] = data
             raise
 
     def _resync(self) -> None:
@@ -269,7 +307,7 @@ def log_response(job: Job, *, offset: int = 0, attachment: bool = False) -> Stre
     response["X-Job-Status"] = job.status
     response["Cache-Control"] = "no-store"
     if attachment:
-        response["Content-Disposition"] = (
-            f'attachment; filename="job-{job.pk}-{job.name.removesuffix(".py")}.log"'
+        response["Content-Disposition"] = content_disposition_header(
+            as_attachment=True, filename=download_name(job.pk, job.name, ".log")
         )
     return response

@@ -34,10 +34,12 @@ from django.db import DataError, IntegrityError, transaction
 from django.db.models import Max
 from django.http import StreamingHttpResponse
 from django.utils import timezone
+from django.utils.http import content_disposition_header
 
 from gpus.models import GPU, TelemetrySample
 from jobs.logs import LOG_FLUSH_SECONDS
 from jobs.models import Job, JobMetric
+from jobs.paths import download_name
 from portal.errors import Invalid
 
 log = logging.getLogger(__name__)
@@ -278,8 +280,8 @@ def metrics_csv(job_id: int) -> Iterator[str]:
 def metrics_csv_response(job: Job) -> StreamingHttpResponse:
     """The records as a CSV attachment, streamed (the page's download and the API's ?format=csv)."""
     response = StreamingHttpResponse(metrics_csv(job.pk), content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = (
-        f'attachment; filename="job-{job.pk}-{job.name.removesuffix(".py")}-metrics.csv"'
+    response["Content-Disposition"] = content_disposition_header(
+        as_attachment=True, filename=download_name(job.pk, job.name, "-metrics.csv")
     )
     response["Cache-Control"] = "no-store"
     return response

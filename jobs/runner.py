@@ -33,13 +33,16 @@ from django.utils import timezone
 from gpus.models import Allocation, Reservation
 from jobs import paths
 from jobs.environment import BookedCard, job_environment
+from jobs.folders import JobFolderError, job_folder_make
+from jobs.leavers import deactivated, owner_active, user_work_stop
 from jobs.logs import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.scheduler import queued_job_ended
+from jobs.spool import EndRecord, LogSpool, spool_name, spooled_names, stop_flag
 from portal.accounts import JOB_USER_OWNER, unix_account_name
 from portal.errors import Invalid
-from portal.processes import PRIVILEGES_EXIT_CODE, start_job_process
+from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,6 @@ LAUNCHER = Path(__file__).resolve().parent / "launcher-bin" / "launcher.py"
 TICK_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 1.0
 DRAIN_SECONDS = 2.0  # output still read after the job's main process exited
-FINISH_ATTEMPTS = 30  # × 2 s: ride out a database restart
 CANNOT_STOP = "Could not stop: permission denied"
 
 
@@ -91,6 +93,7 @@ def launch_for(job: Job) -> Launch:
         interpreter=interpreter,
         venv=str(home) if (home / "pyvenv.cfg").is_file() else None,
         server=settings.WORKER_SERVER,
+        instance=settings.PORTAL_INSTANCE_ID,
         headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
         account=account,
     )
@@ -112,8 +115,9 @@ def _job_account(job: Job) -> pwd.struct_passwd | None:
         name, source = unix_account_name(job.owner), f"{job.owner.username}'s Unix account"
         if name is None:
             raise JobSetupError(
-                f"{job.owner.username} has no Unix account of their own ('{job.owner.username}' is"
-                " someone else's): an admin sets theirs on their profile."
+                f"{job.owner.username} has no Unix account the portal can vouch for (none on their"
+                f" profile, and '{job.owner.username}' is someone else's or came from a source not"
+                " trusted for Unix accounts): an admin sets or confirms theirs on their profile."
             )
     else:
         name, source = settings.JOB_USER, "JOB_USER"
@@ -129,37 +133,49 @@ def _job_account(job: Job) -> pwd.struct_passwd | None:
             f"{source} {name!r} has uid {account.pw_uid} on {host}, below JOB_MIN_UID"
             f" ({settings.JOB_MIN_UID}): jobs never run as root or a system account."
         )
+    if account.pw_gid == os.getegid():
+        # The worker's group may read its env file and write what the worker shares with it.
+        raise JobSetupError(
+            f"{source} {name!r} has the worker's own group (gid {account.pw_gid}) on {host}: jobs never"
+            " run in it. Give the account a primary group of its own."
+        )
     return account
 
 
 def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path, Path]:
-    """The script and the working directory, checked; an upload is written into the job's folder."""
+    """The script and the working directory. The job's own folder is made fresh where no job
+    can plant anything, with the upload in it (jobs/folders.py); a script path or working
+    directory the job chose is only checked here, by its text and where its links lead, and
+    is opened and entered by the job's own process alone, once it has dropped the worker's
+    privileges (portal.processes): the worker never writes, changes or enters it."""
+    host = socket.gethostname()
     try:
+        cwd = (
+            paths.checked_path(job.workdir, field="workdir", what="working directory")
+            if job.workdir
+            else None
+        )
+        script = (
+            paths.checked_path(job.script_path, field="script_path", what="script path")
+            if job.script_path
+            else None
+        )
         # The job's own folder: its default working directory and where an upload is put
         # (never into a chosen working directory, where it could overwrite the user's file).
-        own = paths.roots()[0] / f"job-{job.pk}"
-        own.mkdir(parents=True, exist_ok=True)
-        cwd = (
-            paths.checked_path(job.workdir, field="workdir", what="working directory") if job.workdir else own
+        folder = job_folder_make(
+            job.pk, upload=None if script else (job.name, job.script_source), account=account
         )
-        if job.script_path:
-            script = paths.checked_path(job.script_path, field="script_path", what="script path")
-        else:
-            script = own / job.name
-            script.write_text(job.script_source)
-        if account is not None:
-            # The job's own folder becomes the job user's once the upload is in it: a worker
-            # that is not root could not write there afterwards.
-            os.chown(own, account.pw_uid, account.pw_gid)
     except Invalid as exc:
         raise JobSetupError(exc.message) from None
-    except OSError as exc:
-        raise JobSetupError(f"Cannot prepare the job's folder on {socket.gethostname()}: {exc}") from None
-    if not script.is_file():
-        raise JobSetupError(f"The script {script} does not exist on {socket.gethostname()}.")
-    if not cwd.is_dir():
-        raise JobSetupError(f"The working directory {cwd} does not exist on {socket.gethostname()}.")
-    return script, cwd
+    except JobFolderError as exc:
+        raise JobSetupError(f"{exc} (on {host})") from None
+    if script is None:
+        script = folder.path / job.name
+    elif not script.is_file():
+        raise JobSetupError(f"The script {script} does not exist on {host}.")
+    if cwd is not None and not cwd.is_dir():
+        raise JobSetupError(f"The working directory {cwd} does not exist on {host}.")
+    return script, cwd or folder.path
 
 
 def _pump(stream, out: queue.Queue[bytes | None]) -> None:  # type: ignore[no-untyped-def]
@@ -178,7 +194,8 @@ class Supervisor:
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.writer = LogWriter(job.pk)
+        self.spool = _spool_for(job)
+        self.writer = LogWriter(job.pk, spool=self.spool)
         self.metrics = MetricsRecorder(job.pk)  # the training curves, taken out of the output
         self.proc: subprocess.Popen[bytes] | None = None
         self.stop_reason: str | None = None  # Job.Status to record once the process is gone
@@ -188,6 +205,9 @@ class Supervisor:
         self.not_stopped = ""  # why the job could not be stopped, for its final message
         self.launcher_seen = False
         self.first_output = bytearray()  # the launcher's line is among the first output
+        # The worker's shutdown, told without the database (prefork: the parent; solo: itself).
+        self.stop_flags = [flag for pid in {os.getpid(), os.getppid()} if (flag := stop_flag(pid))]
+        self.shutting_down = False
 
     # --- the loop --------------------------------------------------------------------
 
@@ -197,8 +217,13 @@ class Supervisor:
             launch = launch_for(job)
         except JobSetupError as exc:
             self.writer.write_line(f"[portal] cannot start: {exc}")
-            self.writer.close()
+            self._guarded(self.writer.close)
             self._finish(Job.Status.FAILED, None, str(exc))
+            return
+        if stopped := self._stopped_before_start():
+            self.writer.write_line(f"[portal] {stopped} The job never started.")
+            self._guarded(self.writer.close)
+            self._finish(Job.Status.CANCELLED, None, stopped)
             return
         self.writer.write_line(
             f"[portal] job {job.pk} on {settings.WORKER_SERVER} ({socket.gethostname()}): "
@@ -228,6 +253,19 @@ class Supervisor:
         )
         job.started_at = now
         self._supervise()
+
+    def _stopped_before_start(self) -> str:
+        """A cancel asked for since the claim (its owner, a leader, or the owner's deactivation):
+        the job is not started at all, rather than started and stopped at once."""
+        row = (
+            Job.objects.filter(pk=self.job.pk)
+            .values("cancel_requested_at", "cancelled_by__username", "message")
+            .get()
+        )
+        if not row["cancel_requested_at"]:
+            return ""
+        who = row["cancelled_by__username"]
+        return f"Cancelled by {who}." if who else row["message"] or "Cancelled."
 
     def _supervise(self) -> None:
         assert self.proc is not None
@@ -278,6 +316,7 @@ class Supervisor:
             now = time.monotonic()
             if now - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = now
+                self._check_shutdown()
                 beat = now - last_beat >= settings.JOB_HEARTBEAT_SECONDS
                 if self._guarded(lambda: self._check_row(beat)) and beat:  # noqa: B023 - called at once
                     last_beat = now
@@ -366,6 +405,13 @@ class Supervisor:
             else:
                 self._stop(Job.Status.TIMED_OUT, "The booking ended; the job was stopped.")
 
+    def _check_shutdown(self) -> None:
+        if self.shutting_down or not any(flag.exists() for flag in self.stop_flags):
+            return
+        self.shutting_down = True  # its end is then spooled at once, never waited for
+        if not self.stop_reason:
+            self._stop(Job.Status.CANCELLED, f"The worker on {socket.gethostname()} shut down.")
+
     def _stop(self, status: str, message: str) -> None:
         self.stop_reason, self.stop_message = status, message
         grace = settings.JOB_KILL_GRACE_SECONDS
@@ -450,38 +496,140 @@ class Supervisor:
                 f"Did not start: its process could not drop the worker's privileges (exit code {code}; "
                 "the log says which step failed)."
             )
+        elif code == WORKDIR_EXIT_CODE and not self.launcher_seen:
+            status = Job.Status.FAILED
+            message = (
+                f"Did not start: its account may not enter its working directory (exit code {code}; "
+                "the log says why)."
+            )
         else:
             status = Job.Status.FAILED
             message = f"Exited with code {code}." if code > 0 else f"Killed by signal {-code}."
         self._finish(status, code, " ".join(filter(None, (message, self.not_stopped))))
 
     def _finish(self, status: str, code: int | None, message: str) -> None:
-        """Record the outcome; a database that is restarting gets FINISH_ATTEMPTS tries.
+        """Record the outcome after the log's last bytes, once. The end goes to this host's
+        spool first (jobs/spool.py): while the database is away it is tried every 2 s for
+        JOB_END_WAIT_SECONDS, and after that left to the host's spool thread (`spool_replay`),
+        which records it once the database is back. Nothing of it is ever lost.
 
         The worker's word is final even over LOST (marked while it was out of touch)."""
-        for attempt in range(FINISH_ATTEMPTS):
+        record = EndRecord(
+            status=status, exit_code=code, message=message[:1000], finished_at=timezone.now().isoformat()
+        )
+        if self.spool is not None:
             try:
-                Job.objects.filter(
-                    pk=self.job.pk, status__in=(Job.Status.STARTING, Job.Status.RUNNING, Job.Status.LOST)
-                ).update(status=status, exit_code=code, finished_at=timezone.now(), message=message[:1000])
+                record.write(self.spool.name)
+            except OSError:
+                log.exception("Job %s: could not spool its end; the database is its only record", self.job.pk)
+        # A worker shutting down does not hold up its host's shutdown for the database.
+        deadline = time.monotonic() + (0 if self.shutting_down else settings.JOB_END_WAIT_SECONDS)
+        while True:
+            try:
+                job_end_store(self.job.pk, self.writer, record)
                 break
             except DatabaseError:
-                if attempt == FINISH_ATTEMPTS - 1:
-                    raise
-                log.warning("Job %s: could not record its end; retrying", self.job.pk)
                 close_old_connections()
+                if time.monotonic() >= deadline and self.spool is not None:
+                    log.error(
+                        "Job %s ended %s while the database was away; this host's spool records it"
+                        " once the database is back",
+                        self.job.pk,
+                        status,
+                    )
+                    self.spool.close()  # unlocked: spool_replay takes it from here
+                    return
+                log.warning("Job %s: could not record its end; retrying in 2 s", self.job.pk)
                 time.sleep(2)
+        if self.spool is not None:
+            EndRecord.remove(self.spool.name)
+            self.spool.close(remove=True)
         log.info("Job %s finished: %s %s", self.job.pk, status, message)
         self._guarded(lambda: queued_job_ended(self.job))
 
 
+def _spool_for(job: Job) -> LogSpool | None:
+    try:
+        return LogSpool(spool_name(job.pk, job.created_at), cap_bytes=settings.JOB_LOG_MAX_MB * 1024 * 1024)
+    except OSError:
+        log.exception("Job %s: no spool on this host (JOB_SPOOL_DIR); its log waits in memory only", job.pk)
+        return None
+
+
+UNFINISHED = (Job.Status.STARTING, Job.Status.RUNNING, Job.Status.LOST)
+
+
+def job_end_store(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
+    """The log's last bytes, then the job's end: recorded once, by a conditional UPDATE on an
+    unfinished status (the supervisor and the replay can never both record it). Raises a
+    DatabaseError while the database is away; returns whether this call recorded the end."""
+    writer.flush()
+    return bool(
+        Job.objects.filter(pk=job_id, status__in=UNFINISHED).update(
+            status=record.status,
+            exit_code=record.exit_code,
+            finished_at=datetime.fromisoformat(record.finished_at),
+            message=record.message,
+        )
+    )
+
+
+def spool_replay() -> int:
+    """This host's spools that no supervisor holds: the log bytes and ends of jobs whose worker
+    could not write them (the database was away longer than JOB_END_WAIT_SECONDS, or the worker
+    died), stored now, in order and once. Run by the host worker's spool thread; returns how
+    many jobs were brought up to date. A database still away stops the round."""
+    done = 0
+    for name in spooled_names():
+        spool = LogSpool.locked_by_nobody(name, cap_bytes=settings.JOB_LOG_MAX_MB * 1024 * 1024)
+        if spool is None:
+            continue  # a supervisor is writing it
+        try:
+            done += _replay_one(name, spool)
+        except DatabaseError:
+            close_old_connections()
+            return done
+        finally:
+            spool.close()
+    return done
+
+
+def _replay_one(name: str, spool: LogSpool) -> int:
+    job_id = int(name.split("-")[1])
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None or spool_name(job_id, job.created_at) != name:
+        log.warning("Spool %s belongs to no job of this database (reset since?): removed", name)
+        EndRecord.remove(name)
+        spool.clear()
+        spool.close(remove=True)
+        return 0
+    writer = LogWriter(job_id, spool=spool)
+    record = EndRecord.read(name)
+    if record is None:  # its supervisor died: the reconciler marks the job lost; its lines stay
+        writer.flush()
+    elif job_end_store(job_id, writer, record):
+        log.info("Job %s: its end (%s) recorded from this host's spool", job_id, record.status)
+        queued_job_ended(job)
+    EndRecord.remove(name)
+    spool.close(remove=True)
+    return 1
+
+
 def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
-    """QUEUED → STARTING, once: a re-delivered message finds 0 rows and does nothing."""
+    """QUEUED → STARTING, once: a re-delivered message finds 0 rows and does nothing.
+
+    Only while its owner's account is active, in the same UPDATE: a deactivated owner's job is
+    cancelled instead, saying why (jobs.leavers.user_work_stop: with the rest of their work, in
+    the audit log and to their leaders), and never runs."""
     now = now or timezone.now()
-    claimed = Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(
+    claimed = Job.objects.filter(owner_active(), pk=job_id, status=Job.Status.QUEUED).update(
         status=Job.Status.STARTING, worker=socket.gethostname()[:200], heartbeat_at=now
     )
     if not claimed:
+        left = Job.objects.select_related("owner").filter(pk=job_id, status=Job.Status.QUEUED).first()
+        if left is not None and not left.owner.is_active:
+            log.warning("Job %s not started: %s", job_id, deactivated(left.owner))
+            user_work_stop(user=left.owner, reason=deactivated(left.owner), now=now)
         return None
     return Job.objects.select_related("reservation", "server").get(pk=job_id)
 

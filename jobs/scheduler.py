@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_create, reservation_release
 from gpus.models import GPU, Allocation, Reservation, Server
+from jobs.leavers import owner_active
 from jobs.models import Job
 from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
 from jobs.queue_requests import START_SLACK
@@ -114,8 +115,8 @@ def _start(entry: Entry, now: datetime) -> str:
     try:
         with transaction.atomic():
             job = Job.objects.select_related("owner", "team").get(pk=r.job_id)
-            if job.status != Job.Status.PENDING:
-                return ""  # cancelled meanwhile, or another pass started it
+            if job.status != Job.Status.PENDING or not job.owner.is_active:
+                return ""  # cancelled meanwhile, another pass started it, or its owner left
             booking = reservation_create(
                 user=job.owner,
                 team=job.team,
@@ -174,9 +175,10 @@ def queued_job_ended(job: Job, *, now: datetime | None = None) -> None:
 
 
 def _pending() -> list[Request]:
-    """The pending jobs as the plan takes them (plain rows: a thousand of them every pass)."""
+    """The pending jobs as the plan takes them (plain rows: a thousand of them every pass). A
+    deactivated owner's are left out: they never start, and jobs.leavers cancels them."""
     default = settings.QUEUE_DEFAULT_TIME_LIMIT_MINUTES
-    rows = Job.objects.filter(status=Job.Status.PENDING).values_list(
+    rows = Job.objects.filter(owner_active(), status=Job.Status.PENDING).values_list(
         "pk",
         "owner_id",
         "team_id",

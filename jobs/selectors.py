@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
@@ -22,6 +22,11 @@ def jobs_visible_to(user: AbstractBaseUser) -> QuerySet[Job]:
         return jobs
     led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
     return jobs.filter(Q(owner=user) | Q(team_id__in=led))
+
+
+def jobs_owned_by(viewer: AbstractBaseUser, job_ids: Iterable[int]) -> Collection[int]:
+    """The viewer's own jobs among `job_ids` (gpus asks, to show a job's processes in full)."""
+    return set(Job.objects.filter(owner_id=viewer.pk, pk__in=list(job_ids)).values_list("pk", flat=True))
 
 
 def get_job_for_user(user: AbstractBaseUser, pk: int) -> Job:

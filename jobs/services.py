@@ -25,6 +25,7 @@ from gpus.inventory import GPUInfo
 from gpus.models import Allocation, Reservation, Server, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
+from jobs.leavers import leavers_stop, owner_active
 from jobs.logs import log_append
 from jobs.models import Job, JobArray
 from jobs.queue_requests import QueueRequest
@@ -149,7 +150,9 @@ def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
         if not isinstance(value, str | int | float) or isinstance(value, bool):
             raise Invalid(f"Environment: the value of {name} must be text.", field="env")
         value = str(value)
-        if "\x00" in value or len(value) > MAX_ENV_VALUE:
+        if "\x00" in value:
+            raise Invalid(f"Environment: the value of {name} holds a NUL character; remove it.", field="env")
+        if len(value) > MAX_ENV_VALUE:
             raise Invalid(f"Environment: {name} is longer than {MAX_ENV_VALUE} characters.", field="env")
         checked[name] = value
     return checked
@@ -388,7 +391,10 @@ def _check_script(script: ScriptUpload | None, script_path: str) -> tuple[str, s
     if bool(script) == bool(script_path and script_path.strip()):
         raise Invalid("Upload a .py script or give the path of one on the server, not both.", field="script")
     if script:
-        return script.name.rsplit("/", 1)[-1], "", _check_upload(script)
+        # Its own name, without folders a client sent: the worker writes it in the job's folder.
+        name = script.name.rsplit("/", 1)[-1]
+        paths.checked_file_name(name, field="script", what="script's file name")
+        return name, "", _check_upload(script)
     path = paths.checked_path(script_path, field="script_path", what="script path")
     if path.suffix != ".py":
         raise Invalid(
@@ -538,10 +544,11 @@ def _save_alone_on_booking(job: Job) -> None:
 
 def dispatch(job: Job, now: datetime) -> bool:
     """Send the job id to its host's queue once this transaction commits; once per job
-    (a conditional UPDATE, so two reconcilers racing send it once)."""
+    (a conditional UPDATE, so two reconcilers racing send it once), and never for a job whose
+    owner's account was deactivated (jobs.leavers cancels it, saying why)."""
     from jobs.tasks import run_job  # the tasks module imports this one
 
-    if not Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None).update(
+    if not Job.objects.filter(owner_active(), pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None).update(
         dispatched_at=now
     ):
         return False
@@ -606,21 +613,23 @@ def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
     return job
 
 
-def jobs_reconcile(*, now: datetime | None = None) -> dict[str, int]:
-    """The periodic pass (beat): start due jobs, mark lost ones, drop jobs whose booking is gone.
+def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> dict[str, int]:
+    """The periodic pass (beat): stop deactivated users' work, start due jobs (of active owners
+    only), mark lost ones, drop jobs whose booking is gone.
 
     Safe to run twice or on two hosts at once: every change is a conditional UPDATE.
     """
     now = now or timezone.now()
-    done = {"dispatched": 0, "lost": 0, "expired": 0}
-    due = Job.objects.filter(status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now)
+    done = {"leavers": leavers_stop(now=now), "dispatched": 0, "lost": 0, "expired": 0}
+    due = Job.objects.filter(
+        owner_active(), status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
+    )
     for job in due.select_related("server"):
         with transaction.atomic():
             done["dispatched"] += dispatch(job, now)
     stale = now - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS)
-    for job in Job.objects.filter(
-        status__in=(Job.Status.STARTING, Job.Status.RUNNING), heartbeat_at__lt=stale
-    ):
+    unheard = Job.objects.filter(status__in=(Job.Status.STARTING, Job.Status.RUNNING), heartbeat_at__lt=stale)
+    for job in unheard if mark_lost else ():
         message = (
             f"Lost: no heartbeat from worker {job.worker or '?'} since {format_time(job.heartbeat_at)}; "
             "the worker or its host died. The booking's cards are free for a new job."

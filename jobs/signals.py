@@ -8,6 +8,10 @@ the worker's shutdown stops it).
 
 A GPU host's worker that is told to stop asks its running jobs to stop first.
 
+A user whose account goes from active to inactive on save (the admin's form, a directory sync,
+`manage.py shell`) has their work stopped at once (jobs.leavers.user_work_stop); a deactivation
+that bypassed save() is caught by the reconciler's next pass (jobs.leavers.leavers_stop).
+
 Each telemetry round (gpus' collector) also reports the processes on every card: the jobs'
 peak memory and utilization are recorded from it here, since jobs builds on gpus and not
 the reverse.
@@ -25,13 +29,15 @@ import logging
 import os
 import pwd
 import socket
+import time
 from datetime import datetime, timedelta
 
 import psutil
 from celery.signals import worker_ready, worker_shutting_down
 from django.conf import settings
-from django.db import close_old_connections, transaction
+from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.db.models import Q
+from django.db.models.signals import post_save, pre_save
 from django.dispatch import receiver
 from django.utils import timezone
 
@@ -40,9 +46,13 @@ from gpus.procinfo import session_of
 from gpus.services import job_sessions_resolve, telemetry_ingested
 from gpus.telemetry import snapshot_read
 from gpus.usage import JobOutcome, job_outcomes_resolve
+from jobs.leavers import deactivated, user_work_stop
 from jobs.models import Job
+from jobs.pickup import HostPickup
+from jobs.runner import spool_replay
 from jobs.scheduler import Scheduler
 from jobs.services import jobs_by_session, jobs_reconcile, jobs_usage_record
+from jobs.spool import stop_flag
 from jobs.watchdog_host import HostWatchdog
 from portal.accounts import JOB_USER_OWNER, unix_account_name
 from portal.periodic import PeriodicThread, start_thread
@@ -56,12 +66,40 @@ CLOCK_SLACK_SECONDS = 5  # the job's recorded start trails its process's creatio
 class JobReconciler(PeriodicThread):
     def __init__(self) -> None:
         super().__init__("job-reconciler", settings.JOB_RECONCILE_SECONDS)
+        self.failing = False
+        self.back_at: float | None = None  # when the database answered again after an outage
 
     def step(self) -> None:
         close_old_connections()  # a restarted database must not kill the loop
-        done = jobs_reconcile()
+        try:
+            done = jobs_reconcile(mark_lost=self._may_mark_lost())
+        except DatabaseError:
+            self.failing = True
+            raise
+        if self.failing:
+            self.failing, self.back_at = False, time.monotonic()
         if any(done.values()):
             log.info("Jobs reconciled: %s", done)
+
+    def _may_mark_lost(self) -> bool:
+        """A heartbeat missed while the database itself was away is no sign of a dead worker:
+        after an outage, workers get JOB_LOST_AFTER_SECONDS to write theirs (and their jobs'
+        ends, from their spools) before any job is called lost."""
+        if self.failing:
+            return False
+        return self.back_at is None or time.monotonic() - self.back_at >= settings.JOB_LOST_AFTER_SECONDS
+
+
+class SpoolReplay(PeriodicThread):
+    """A GPU host's: what its supervisors could not write while the database was away."""
+
+    def __init__(self) -> None:
+        super().__init__("job-spool", settings.JOB_RECONCILE_SECONDS)
+
+    def step(self) -> None:
+        close_old_connections()
+        if done := spool_replay():
+            log.info("Spooled job output and ends written: %d job(s)", done)
 
 
 _host_worker = False  # set when this worker consumes its GPU host's queue
@@ -79,6 +117,9 @@ def _on_worker_ready(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
     if f"host.{settings.WORKER_SERVER}" in queues:
         _host_worker = True
         kill_orphans(settings.WORKER_SERVER)
+        start_thread(SpoolReplay())
+        # The pool's size (solo: 1): jobs beyond it wait in Redis, and are no lost messages.
+        start_thread(HostPickup(settings.WORKER_SERVER, getattr(sender.pool, "limit", None) or 1))
         snapshot_read.connect(_watch_cards, dispatch_uid="jobs_watchdog")
         log.info("GPU watchdog every %ss%s", settings.WATCHDOG_INTERVAL_SECONDS, _dry_run())
 
@@ -172,15 +213,32 @@ def _dry_run() -> str:
 
 @worker_shutting_down.connect
 def _stop_running_jobs(**kwargs) -> None:  # type: ignore[no-untyped-def]
-    """Only in a GPU host's worker: the portal's own worker runs no jobs."""
+    """Only in a GPU host's worker: the portal's own worker runs no jobs.
+
+    Its supervisors learn it from a flag on this host's disk (jobs.spool.stop_flag), which
+    needs no database; the row says it too when the database answers. A fresh connection:
+    the one this process had may have died with a database restart."""
     if not _host_worker:
         return
-    stopping = Job.objects.filter(
-        status__in=(Job.Status.STARTING, Job.Status.RUNNING),
-        server__name=settings.WORKER_SERVER,
-        worker=socket.gethostname()[:200],
-        cancel_requested_at=None,
-    ).update(cancel_requested_at=timezone.now(), message=f"The worker on {socket.gethostname()} shut down.")
+    flag = stop_flag(os.getpid())
+    if flag is not None:
+        try:
+            flag.touch()
+        except OSError:
+            log.exception("Could not write the stop flag %s", flag)
+    connection.close()
+    try:
+        stopping = Job.objects.filter(
+            status__in=(Job.Status.STARTING, Job.Status.RUNNING),
+            server__name=settings.WORKER_SERVER,
+            worker=socket.gethostname()[:200],
+            cancel_requested_at=None,
+        ).update(
+            cancel_requested_at=timezone.now(), message=f"The worker on {socket.gethostname()} shut down."
+        )
+    except DatabaseError:
+        log.warning("Worker shutting down while the database is away: its jobs stop by the flag alone")
+        return
     if stopping:
         log.warning("Worker shutting down: stopping %d running job(s)", stopping)
 
@@ -213,3 +271,27 @@ def _job_outcomes(sender: object, *, since: datetime, until: datetime, **kwargs:
         )
         if cards  # a job cancelled before it held a card used none
     ]
+
+
+@receiver(pre_save, sender=settings.AUTH_USER_MODEL, dispatch_uid="jobs_user_was_active")
+def _note_was_active(sender, instance, raw=False, update_fields=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """Whether the stored user was active, for `_stop_leavers_work` (one read, and none for the
+    saves that cannot change it, such as last_login's at every sign-in)."""
+    if raw or instance.pk is None or (update_fields is not None and "is_active" not in update_fields):
+        return
+    stored = sender._default_manager.filter(pk=instance.pk).values_list("is_active", flat=True).first()
+    instance._jobs_was_active = bool(stored)
+
+
+@receiver(post_save, sender=settings.AUTH_USER_MODEL, dispatch_uid="jobs_user_deactivated")
+def _stop_leavers_work(sender, instance, raw=False, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """Active → inactive: stop their work now, in the saving transaction (undone with it). A
+    failure never undoes the deactivation itself: it is logged (its own savepoint rolled back)
+    and the reconciler's next pass stops the work instead."""
+    was_active = instance.__dict__.pop("_jobs_was_active", False)
+    if raw or not was_active or instance.is_active:
+        return
+    try:
+        user_work_stop(user=instance, reason=deactivated(instance))
+    except Exception:
+        log.exception("Could not stop the work of deactivated user %s now; the reconciler will", instance)

@@ -181,7 +181,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "cards": [(uuid, gpus.get(uuid)) for uuid in job.gpu_uuids],
         "command_args": shlex.join(job.args),
         "env_extra": sorted(job.env.items()),
-        "job_root": settings.JOB_ROOTS[0] if settings.JOB_ROOTS else "",
+        "job_root": settings.JOB_FOLDERS,
         # Curves appear once a record comes (none for a script without Keras); the cards' use
         # is shown for any job that ran or may run.
         "show_charts": job.started_at is not None or job.is_active,

@@ -21,6 +21,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from gpus.models import Allocation, Violation, format_mb
+from gpus.selectors import program_name
 from portal.models import Membership
 from portal.notifications import notification_send
 from portal.timefmt import format_time
@@ -112,7 +113,9 @@ def _body(violation: Violation, event: str, role: str, next_step: str) -> str:
     lines = [
         f"The GPU watchdog saw that {WHY[violation.kind]}:",
         f"  card: {_card(violation)} ({violation.gpu_id})",
-        f"  process: pid {violation.pid} of {who}: {violation.command or '?'}",
+        # Arguments may hold secrets: only the process's own user reads them (gpus.selectors).
+        f"  process: pid {violation.pid} of {who}: "
+        f"{(violation.command if role == 'offender' else program_name(violation.command)) or '?'}",
         f"  memory: {memory}"
         + (f" (booked {format_mb(violation.booked_mb)})" if violation.booked_mb else ""),
     ]

@@ -6,7 +6,8 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from rest_framework.authtoken.models import TokenProxy
 
-from portal.identity import unix_account_valid
+from portal.errors import Invalid
+from portal.identity import unix_account_claim_confirm, unix_account_valid
 from portal.models import ApiToken, AuditEntry, ExternalAccount, Membership, Notification, Profile, Team
 from portal.services import api_token_revoke, signin_unlock
 
@@ -27,11 +28,23 @@ class ProfileForm(forms.ModelForm):
             )
         return name or None
 
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        # Given by hand what their directory claims: the claim is settled.
+        if cleaned.get("unix_account") and cleaned["unix_account"] == self.instance.unix_account_claim:
+            self.instance.unix_account_claim = None
+        return cleaned
+
 
 class ProfileInline(admin.StackedInline):
+    """The Unix account, and the one their directory claims from a source not trusted for it: an
+    admin confirms that with the action "Confirm claimed Unix account" (docs/identity.md)."""
+
     model = Profile
     form = ProfileForm
     can_delete = False
+    fields = ["unix_account", "unix_account_claim"]
+    readonly_fields = ["unix_account_claim"]
 
 
 class ExternalAccountInline(admin.TabularInline):
@@ -52,11 +65,32 @@ admin.site.unregister(TokenProxy)
 
 @admin.register(User)
 class PortalUserAdmin(UserAdmin):
-    """Django's user admin, with the Unix account the GPU watchdog maps processes by, and the
-    action that lifts a sign-in lock (django-axes; a locked address: Axes → Access attempts)."""
+    """Django's user admin, with the Unix account the GPU watchdog maps processes by (and the
+    action that confirms one a directory claims), and the action that lifts a sign-in lock
+    (django-axes; a locked address: Axes → Access attempts)."""
 
     inlines = [*UserAdmin.inlines, ProfileInline, ExternalAccountInline]
-    actions = [*UserAdmin.actions, "unlock_signin"]
+    actions = [*UserAdmin.actions, "unlock_signin", "confirm_unix_account_claim"]
+    list_display = [*UserAdmin.list_display, "unix_account_claim"]
+    list_filter = [*UserAdmin.list_filter, ("profile__unix_account_claim", admin.EmptyFieldListFilter)]
+    list_select_related = ["profile"]
+
+    @admin.display(description="Claimed Unix account (to confirm)")
+    def unix_account_claim(self, user) -> str | None:  # type: ignore[no-untyped-def]
+        profile = getattr(user, "profile", None)
+        return profile.unix_account_claim if profile else None
+
+    @admin.action(description="Confirm claimed Unix account")
+    def confirm_unix_account_claim(self, request: HttpRequest, queryset: QuerySet) -> None:
+        for user in queryset:
+            try:
+                name = unix_account_claim_confirm(user=user, by=request.user)
+            except Invalid as exc:
+                self.message_user(request, exc.message, messages.WARNING)
+            else:
+                self.message_user(
+                    request, f"Confirmed: {user}'s Unix account is now {name}.", messages.SUCCESS
+                )
 
     @admin.action(description="Unlock sign-in (clear failed logins)")
     def unlock_signin(self, request: HttpRequest, queryset: QuerySet) -> None:

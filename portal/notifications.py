@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import smtplib
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
 
 import django_filters
@@ -100,17 +100,39 @@ def _mailed_lately(*, user: AbstractBaseUser, key: str) -> bool:
     return Notification.objects.filter(went | on_its_way, user=user, key=key).exists()
 
 
-def _queue_mail(notification_id: int) -> None:
+def _queue_mail(notification_id: int, at: datetime | None = None) -> None:
     from portal.tasks import mail_notification  # the tasks module imports this one
 
     try:
         mail_notification.apply_async(args=[notification_id])
     except Exception:
-        # The broker is away. The inbox has the notification; the mail copy is given up rather
-        # than raised into whoever committed (the watchdog's round, a booking).
-        log.exception("Could not queue the mail of notification %s; it stays in the inbox", notification_id)
-        queued = Notification.objects.filter(pk=notification_id, mail_status=Mail.QUEUED)
-        queued.update(mail_status=Mail.FAILED)
+        # The broker is away. Never raised into whoever committed (the watchdog's round, a
+        # booking): the mail stays QUEUED with no message out, and mail_stranded_requeue sends it
+        # once Redis is back.
+        log.warning("Could not queue the mail of notification %s; sent once Redis is back", notification_id)
+        return
+    Notification.objects.filter(pk=notification_id, mail_status=Mail.QUEUED).update(
+        mail_queued_at=at or timezone.now()
+    )
+
+
+def mail_stranded_requeue(*, now: datetime | None = None) -> int:
+    """Send again the messages of QUEUED mails that have had none out for MAIL_REQUEUE_MINUTES:
+    lost with Redis (killed, restarted empty) or never sent (Redis was away). Run by beat every
+    minute. A message is a nudge: the claim (QUEUED → SENDING) lets only one of two copies mail,
+    and SENDING ones are never sent again (a worker lost mid-send may have sent it)."""
+    now = now or timezone.now()
+    since = now - timedelta(minutes=settings.MAIL_REQUEUE_MINUTES)
+    stranded = Notification.objects.filter(
+        Q(mail_queued_at__lt=since) | Q(mail_queued_at=None, created_at__lt=now - timedelta(seconds=30)),
+        mail_status=Mail.QUEUED,
+    )
+    ids = list(stranded.order_by("pk").values_list("pk", flat=True)[:1000])
+    for notification_id in ids:
+        _queue_mail(notification_id, now)
+    if ids:
+        log.warning("Mail of %d notification(s) had no message out (Redis restarted?): sent again", len(ids))
+    return len(ids)
 
 
 def notification_mail(*, notification_id: int, last_try: bool = False) -> str:
@@ -134,7 +156,9 @@ def notification_mail(*, notification_id: int, last_try: bool = False) -> str:
     except OSError as exc:  # smtplib.SMTPException included
         if _is_temporary(exc) and not last_try:
             log.warning("Mail of notification %s not sent yet, to be retried: %s", notification_id, exc)
-            _mail_status_set(notification_id, Mail.QUEUED)
+            _mail_status_set(
+                notification_id, Mail.QUEUED, mail_queued_at=timezone.now()
+            )  # the retry's message
             raise MailTemporaryError(f"{type(exc).__name__}: {exc}") from exc
         log.error("Could not mail notification %s to %s: %s", notification_id, notification.user.email, exc)
         return _mail_status_set(notification_id, Mail.FAILED)

@@ -46,6 +46,8 @@ ORPHANED_EXIT_CODE = 1  # the parent died before the child could ask to follow i
 # but not executed, as in a shell). The runner tells it from the script's own 126 by the
 # launcher's line, which such a child never printed.
 PRIVILEGES_EXIT_CODE = 126
+# The job's account could not enter its working directory; told apart the same way.
+WORKDIR_EXIT_CODE = 125
 
 # dlopen(NULL): the symbols already loaded, libc's prctl and capset among them on Linux (glibc
 # or musl). None elsewhere: no parent-death signal there, and no capabilities to drop.
@@ -85,15 +87,28 @@ def die_with_parent(sig: signal.Signals, *, parent: int | None = None) -> Callab
     return preexec
 
 
-def job_preexec(sig: signal.Signals = signal.SIGKILL) -> Callable[[], None]:
-    """A `preexec_fn` for a job: `die_with_parent(sig)`, then no capabilities and no_new_privs.
+def job_preexec(sig: signal.Signals = signal.SIGKILL, *, cwd: Path | str | None = None) -> Callable[[], None]:
+    """A `preexec_fn` for a job: `die_with_parent(sig)`, then no capabilities and no_new_privs,
+    then into `cwd`.
+
+    The working directory is entered last, as the job's own account with nothing of the
+    worker's left: it is a path the job's owner chose (or the job's own folder), and a symlink
+    planted there must lead only where that account may go anyway. (Popen's own `cwd=` is
+    entered before the switch to the job's account, with the worker's privileges.)
 
     Everything the child passes to libc is built here, in the parent; the child only makes
     the calls. On a system other than Linux there are no capabilities to drop.
     """
     follow = die_with_parent(sig)
+    enter = _enter(os.fsencode(cwd)) if cwd is not None else None
     if not sys.platform.startswith("linux"):
-        return follow
+
+        def elsewhere() -> None:
+            follow()
+            if enter is not None:
+                enter()
+
+        return elsewhere
     # prctl is variadic and reads unsigned longs: pass them as such, never as C ints.
     clear_ambient = tuple(map(ctypes.c_ulong, (PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)))
     no_new_privs = tuple(map(ctypes.c_ulong, (PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)))
@@ -112,8 +127,25 @@ def job_preexec(sig: signal.Signals = signal.SIGKILL) -> Callable[[], None]:
             _refuse(b"dropping the capabilities")
         if _prctl(*no_new_privs) != 0:
             _refuse(b"setting no_new_privs")
+        if enter is not None:
+            enter()
 
     return preexec
+
+
+def _enter(path: bytes) -> Callable[[], None]:
+    def enter() -> None:
+        try:
+            os.chdir(path)
+        except OSError as exc:
+            os.write(
+                2,
+                b"[portal] cannot start the job: its account may not enter its working directory %s"
+                b" (errno %d: %s).\n" % (path, exc.errno or 0, os.strerror(exc.errno or 0).encode()),
+            )
+            os._exit(WORKDIR_EXIT_CODE)
+
+    return enter
 
 
 def _refuse(step: bytes) -> NoReturn:
@@ -136,14 +168,15 @@ def start_job_process(
 ) -> subprocess.Popen[bytes]:
     """Start a job's process: in a session of its own, stdout and stderr on one pipe, as `user`
     and `group` (JOB_USER's, then with no supplementary groups; None: the worker's own), always
-    with no capabilities and no_new_privs (`job_preexec`), SIGKILLed when the worker dies.
+    with no capabilities and no_new_privs (`job_preexec`), SIGKILLed when the worker dies, in
+    `cwd`, entered as that account once the privileges are gone.
 
     No Django here: the privilege test starts jobs through this very function from a bare
     Python parent.
     """
     return subprocess.Popen(
         argv,
-        cwd=cwd,
+        cwd="/",  # entered with the worker's privileges: nowhere a job could have prepared
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -152,7 +185,7 @@ def start_job_process(
         close_fds=True,
         # SIGKILL if the worker dies (SIGKILL, the OOM killer): a lost job must not hold its
         # cards behind the portal's back.
-        preexec_fn=job_preexec(signal.SIGKILL),
+        preexec_fn=job_preexec(signal.SIGKILL, cwd=cwd),
         user=user,
         group=group,
         # The worker's own groups (gpuportal: its env file) never pass to the job.

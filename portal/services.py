@@ -16,6 +16,7 @@ from django.utils import timezone
 from portal.access import is_admin
 from portal.errors import Forbidden, Invalid
 from portal.models import ApiToken, AuditEntry, Membership, Team
+from portal.names import signin_name
 
 User = get_user_model()
 
@@ -89,12 +90,6 @@ def _audit(actor: AbstractBaseUser, token: ApiToken, action: str, message: str) 
         message=message,
         data={"user": token.user.get_username(), "name": token.name, "prefix": token.prefix},
     )
-
-
-def signin_name(username: str) -> str:
-    """A username as failures are counted against it and unlocked (portal.signin): stripped, in
-    lower case, as directories match names."""
-    return username.strip().lower()
 
 
 @transaction.atomic

@@ -75,9 +75,18 @@ INSTALLED_APPS = [
     "jobs",
 ]
 
+# While the database or Redis is away, requests answer 503 with this Retry-After, never a 500
+# (portal/outage.py; docs/api.md).
+OUTAGE_RETRY_AFTER_SECONDS = env_int("OUTAGE_RETRY_AFTER_SECONDS", 10, min_value=1, max_value=3600)
+
 MIDDLEWARE = [
+    # Its process_exception answers a view's outage; portal.urls' handler500 a middleware's.
+    "portal.outage.OutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    # Before anything reads the session or the database: a NUL in the path, a query parameter,
+    # a cookie or a header is a 400 naming it (PostgreSQL text cannot hold one).
+    "portal.middleware.RefuseNulMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -149,6 +158,12 @@ IDENTITY_ADMIN_GROUPS = env_group_names("IDENTITY_ADMIN_GROUPS")
 # and is no admin; on, this also links accounts with a password (never admins: an admin links
 # those by hand). A directory whose people choose their usernames would otherwise hand them out.
 IDENTITY_LINK_LOCAL_ACCOUNTS = env_bool("IDENTITY_LINK_LOCAL_ACCOUNTS", False)
+# Whether a directory's word is taken for a person's Unix account (LDAP_UNIX_ACCOUNT_ATTR,
+# OIDC_UNIX_ACCOUNT_CLAIM, or the username it gave a new account): jobs run as it. An LDAP entry's
+# attributes are the directory admins'; most OIDC providers let people edit their claims. Where
+# not trusted, the value waits on the profile for an admin to confirm (portal.accounts).
+LDAP_UNIX_ACCOUNT_TRUSTED = env_bool("LDAP_UNIX_ACCOUNT_TRUSTED", True)
+OIDC_UNIX_ACCOUNT_TRUSTED = env_bool("OIDC_UNIX_ACCOUNT_TRUSTED", False)
 # django-auth-ldap's AUTH_LDAP_* and LDAP_UNIX_ACCOUNT_ATTR; mozilla-django-oidc's OIDC_RP_* and
 # the other OIDC_* portal.oidc reads. Built from LDAP_* and OIDC_* by portal.identity_env, which the
 # tests call too; nothing when LDAP_SERVER_URI or OIDC_ISSUER is unset.
@@ -279,6 +294,23 @@ SIMULATED_PROCESSES_FILE = Path(
 )
 # The server this worker represents; also names its queue, host.<name>.
 WORKER_SERVER = env_str("WORKER_SERVER", socket.gethostname().split(".")[0])
+
+
+def _instance_id(database: dict) -> str:
+    import hashlib
+
+    if database["ENGINE"].endswith("sqlite3"):
+        where = str(Path(database["NAME"]).resolve())
+    else:
+        where = "{ENGINE}://{HOST}:{PORT}/{NAME}".format_map({"HOST": "", "PORT": "", **database})
+    return hashlib.sha256(where.encode()).hexdigest()[:16]
+
+
+# Which portal this is, among several on one machine (two checkouts use the same simulated server
+# names): every job carries it (PORTAL_INSTANCE), and the simulated backend shows, and so lets the
+# watchdog stop, only processes that carry it. One database is one portal: by default a digest of
+# where the database lives (never its password), so checkouts sharing a database agree.
+PORTAL_INSTANCE_ID = env_str("PORTAL_INSTANCE_ID", "").strip() or _instance_id(DATABASES["default"])
 TELEMETRY_INTERVAL_SECONDS = env_int("TELEMETRY_INTERVAL_SECONDS", 3, min_value=1, max_value=5)
 SERVER_OFFLINE_AFTER_SECONDS = env_int("SERVER_OFFLINE_AFTER_SECONDS", 20, min_value=5, max_value=30)
 TELEMETRY_HISTORY_SECONDS = env_int("TELEMETRY_HISTORY_SECONDS", 15, min_value=1)
@@ -323,9 +355,17 @@ IDLE_RELEASE_MINUTES = env_int("IDLE_RELEASE_MINUTES", 30, min_value=1, max_valu
 IDLE_CHECK_SECONDS = env_int("IDLE_CHECK_SECONDS", 60, min_value=5, max_value=600)
 
 # --- Jobs ---------------------------------------------------------------------------
-# Folders on each GPU host where scripts may live and jobs may work; a job's default
-# working directory is a fresh folder <first root>/job-<id>.
+# Folders on each GPU host where scripts may live and jobs may work (people and jobs write there).
 JOB_ROOTS = [Path(p).resolve() for p in env_list("JOB_ROOTS", [str(VAR_DIR / "jobs")])]
+# Where each job's own folder, its default working directory, is made fresh: job-<id>. A tree
+# only the worker writes (jobs/folders.py checks it), never one of the JOB_ROOTS that jobs can
+# write: a job could plant a symlink at the next job's name there.
+JOB_FOLDERS = Path(env_str("JOB_FOLDERS", str(VAR_DIR / "job-folders"))).resolve()
+if any(root == JOB_FOLDERS or root in JOB_FOLDERS.parents for root in JOB_ROOTS):
+    raise ImproperlyConfiguredEnv(
+        f"JOB_FOLDERS={str(JOB_FOLDERS)!r} is inside the job roots (JOB_ROOTS), where jobs may write:"
+        " give it a folder of its own that only the worker can write, e.g. /var/lib/gpu-portal/job-folders"
+    )
 # Named Python environments jobs may run in: "name=/path/to/python,..."; "default" is
 # the worker's own interpreter unless given.
 JOB_INTERPRETERS = env_pairs("JOB_INTERPRETERS", {"default": sys.executable})
@@ -378,6 +418,12 @@ if JOB_USER and JOB_USER != "@owner" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_
 JOB_MIN_UID = env_int("JOB_MIN_UID", 1000, min_value=1)
 # Per-job log cap: past it the head and the tail are kept and the middle is dropped.
 JOB_LOG_MAX_MB = env_int("JOB_LOG_MAX_MB", 100, min_value=1)
+# Where a GPU host keeps what the database could not take yet (log bytes, a job's end), to write
+# it once the database is back (jobs/spool.py). The worker's alone: made with mode 0700.
+JOB_SPOOL_DIR = Path(env_str("JOB_SPOOL_DIR", str(VAR_DIR / "spool"))).resolve()
+# How long a job's supervisor keeps trying to record its end itself (its worker slot held);
+# after that the host's spool thread records it when the database is back.
+JOB_END_WAIT_SECONDS = env_int("JOB_END_WAIT_SECONDS", 120, min_value=0, max_value=3600)
 JOB_UPLOAD_MAX_KB = env_int("JOB_UPLOAD_MAX_KB", 1024, min_value=1, max_value=64 * 1024)
 # A running job's worker writes a heartbeat this often; past JOB_LOST_AFTER_SECONDS
 # without one the reconciler (a thread of the portal's worker, every JOB_RECONCILE_SECONDS)
@@ -394,7 +440,11 @@ if JOB_LOST_AFTER_SECONDS < 3 * JOB_HEARTBEAT_SECONDS:
 CELERY_BEAT_SCHEDULE = {
     "prune-telemetry": {"task": "gpus.tasks.prune_telemetry", "schedule": 600.0},
     "prune-signin-failures": {"task": "portal.tasks.prune_signin_failures", "schedule": 24 * 3600.0},
+    # A lost tick of beat is sent again next period; this one finds mails whose message was lost.
+    "requeue-stranded-mail": {"task": "portal.tasks.requeue_stranded_mail", "schedule": 60.0},
 }
+# A QUEUED mail with no message out for this long is sent again (its message was lost with Redis).
+MAIL_REQUEUE_MINUTES = env_int("MAIL_REQUEUE_MINUTES", 10, min_value=1, max_value=24 * 60)
 
 # --- Demo data and API ---------------------------------------------------------------
 PORTAL_DEMO_PASSWORD = env_str("PORTAL_DEMO_PASSWORD", "gpu-lab-demo")

@@ -17,7 +17,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from portal.api_errors import api_error_response
-from portal.services import signin_name
+from portal.names import signin_name
 
 
 def client_address(request: HttpRequest) -> str | None:
@@ -38,8 +38,7 @@ def client_address(request: HttpRequest) -> str | None:
 
 
 def signin_username(request: HttpRequest, credentials: dict | None) -> str | None:
-    """The name failures are counted against: as typed, stripped and in lower case. LDAP and
-    Active Directory match names without case, so "Alice" must not be a fresh account to guess at."""
+    """The name failures are counted against: as typed, by `signin_name`."""
     if credentials:
         name = credentials.get("username")
     else:

@@ -1,11 +1,12 @@
 """Keep `make run`'s processes running: restart a child that dies, with a growing delay.
 
-`runportal` starts the web server and the Celery workers as children of one process. When
-one dies (the OOM killer, a crash, `kill -9`) only that one is started again, after 1 s,
-2 s, 4 s ... up to MAX_DELAY_SECONDS; the delay starts over at 1 s once the child has stayed
-up for HEALTHY_AFTER_SECONDS. Everything stops only when `ProcessSupervisor.stop()` is called
-(runportal does on Ctrl-C or SIGTERM); a second Ctrl-C or SIGTERM during that graceful stop
-kills every child at once.
+`runportal` starts the web server and the Celery workers as children of one process, and
+`python -m portal.embedded_redis` its redis-server (portal/embedded_redis.py). When one dies
+(the OOM killer, a crash, `kill -9`) only that one is started again, after 1 s, 2 s, 4 s ...
+up to MAX_DELAY_SECONDS; the delay starts over at 1 s once the child has stayed up for
+HEALTHY_AFTER_SECONDS. Everything stops only when `ProcessSupervisor.stop()` is called
+(runportal does on Ctrl-C or SIGTERM, embedded_redis once its command has ended); a second
+Ctrl-C or SIGTERM during runportal's graceful stop kills every child at once.
 
 Each child runs in its own process group, and a dead child's group is killed before it is
 started again: a Celery worker's embedded beat has no parent-death signal and outlives a
@@ -41,6 +42,7 @@ class ChildSpec:
     name: str  # in log lines: "worker host.box1", "web server"
     argv: Sequence[str]
     env: Mapping[str, str] | None = None  # None: the supervisor's own environment
+    stdout: int | None = None  # e.g. subprocess.DEVNULL; None: the supervisor's own
 
 
 @dataclass
@@ -189,6 +191,7 @@ class ProcessSupervisor:
                 list(child.spec.argv),
                 env=None if child.spec.env is None else dict(child.spec.env),
                 stdin=subprocess.DEVNULL,
+                stdout=child.spec.stdout,
                 # Its own group: leftovers can be killed with it, and Ctrl-C reaches only
                 # the supervisor, which then stops the children in order.
                 process_group=0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from portal.notifications import MailTemporaryError, notification_mail
+from portal.notifications import MailTemporaryError, mail_stranded_requeue, notification_mail
 from portal.services import signin_failures_prune
 
 # 30 s, 1, 2, 4 min: a relay restarting or a greylisting server (4xx for a few minutes) is
@@ -29,3 +29,10 @@ def mail_notification(self, notification_id: int) -> str:  # type: ignore[no-unt
 def prune_signin_failures() -> int:
     """Drop failed sign-in records older than LOGIN_FAILURE_LOG_DAYS. Re-running it deletes nothing more."""
     return signin_failures_prune()
+
+
+@shared_task(ignore_result=True, soft_time_limit=120, time_limit=180)
+def requeue_stranded_mail() -> int:
+    """Send again the mails whose message was lost (beat, every minute). Re-running it sends none
+    that already have a message out."""
+    return mail_stranded_requeue()

@@ -21,3 +21,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("portal.api_urls")),
 ]
+
+# An outage inside a middleware (the session, the user, axes) reaches only this: 503, not 500.
+handler500 = "portal.outage.server_error"

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -19,6 +20,21 @@ from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_sn
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "test-output"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _job_folders() -> Iterator[Path]:
+    """This test session's own JOB_FOLDERS and JOB_SPOOL_DIR, for the tests and the workers they
+    start: job ids start again with each test database, and no run should find another's."""
+    from django.conf import settings
+
+    path = Path(settings.VAR_DIR) / f"test-job-folders-{os.getpid()}"
+    spool = Path(settings.VAR_DIR) / f"test-spool-{os.getpid()}"
+    os.environ["JOB_FOLDERS"], os.environ["JOB_SPOOL_DIR"] = str(path), str(spool)
+    settings.JOB_FOLDERS, settings.JOB_SPOOL_DIR = path, spool
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(spool, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -18,16 +18,18 @@ from datetime import timedelta
 
 import psutil
 import pytest
+from django.conf import settings as django_settings
 from django.utils import timezone
 
 from gpus.inventory import GPUInfo, ProcessInfo, snapshot_from_json, snapshot_to_json
-from gpus.models import GPU, GPUProcess, Server
+from gpus.models import GPU, GPUProcess, Server, Violation, WatchdogPolicy
 from gpus.procinfo import describe_process, session_of
 from gpus.sanitize import checked_snapshot
 from gpus.services import servers_report_ingest
 from gpus.simulated import SimulatedBackend, load_inventory
 from jobs.models import Job
 from jobs.signals import kill_orphans
+from jobs.watchdog_host import HostWatchdog
 from tests.conftest import wait_for
 from tests.factories import make_snapshot
 
@@ -45,6 +47,8 @@ def _exec_done(proc: subprocess.Popen, key: str) -> None:
 def test_it_reads_the_session_a_job_runs_in(procs):
     job = subprocess.Popen(SLEEP, start_new_session=True)
     procs.append(job)
+    # Until it has exec'd, the child's command line is still this process's.
+    wait_for(lambda: "time.sleep" in " ".join(psutil.Process(job.pid).cmdline()), timeout=10, what="exec")
     info = describe_process(job.pid, 100)
     assert info.session_id == job.pid  # the pid the worker records is the job's session
     assert info.username == psutil.Process().username()
@@ -87,12 +91,24 @@ def _simulated_server() -> tuple[str, str]:
     return server.name, backend.snapshot().gpus[0].uuid
 
 
+def _job_env(server: str, card: str, **extra: str) -> dict[str, str]:
+    """What this portal's worker gives a job on `card` of simulated `server` (jobs.environment)."""
+    instance = django_settings.PORTAL_INSTANCE_ID
+    return {
+        **os.environ,
+        "PORTAL_SERVER": server,
+        "PORTAL_INSTANCE": instance,
+        "CUDA_VISIBLE_DEVICES": card,
+        **extra,
+    }
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize("job_id", ["²", "99999999999999999999", "-1", "7; DROP TABLE", "", "\x00"], ids=repr)
 def test_a_hostile_portal_job_id_costs_nothing(procs, job_id):
     """`PORTAL_JOB_ID=²` passes str.isdigit() and made int() raise; 20 digits overflowed bigint."""
     server, card = _simulated_server()
-    env = {**os.environ, "PORTAL_SERVER": server, "CUDA_VISIBLE_DEVICES": card}
+    env = _job_env(server, card)
     if "\x00" not in job_id:
         env["PORTAL_JOB_ID"] = job_id
     proc = subprocess.Popen(SLEEP, env=env, start_new_session=True)
@@ -118,8 +134,7 @@ def test_a_job_process_is_attributed_by_session_on_the_simulated_host(procs, ali
     servers_report_ingest(snapshots=[SimulatedBackend(server, seed=1).snapshot()])
     booking = reservation_create(user=alice, gpus=[card])
     job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
-    env = {**os.environ, "PORTAL_SERVER": server, "CUDA_VISIBLE_DEVICES": card, "PORTAL_JOB_ID": "999"}
-    proc = subprocess.Popen(SLEEP, env=env, start_new_session=True)
+    proc = subprocess.Popen(SLEEP, env=_job_env(server, card, PORTAL_JOB_ID="999"), start_new_session=True)
     procs.append(proc)
     Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=proc.pid)
     _exec_done(proc, "PORTAL_SERVER")
@@ -127,6 +142,39 @@ def test_a_job_process_is_attributed_by_session_on_the_simulated_host(procs, ali
     servers_report_ingest(snapshots=[SimulatedBackend(server, seed=1).snapshot()])
 
     assert GPUProcess.objects.get(gpu_id=card, pid=proc.pid).job_id == job.pk
+
+
+@pytest.mark.django_db
+def test_another_portals_jobs_on_this_machine_are_neither_shown_nor_stopped(procs):
+    """Another checkout on this machine runs jobs on the same simulated server names. They carry
+    its PORTAL_INSTANCE (or none, from before there was one): not this portal's to show, nor its
+    watchdog's to stop, even under a policy that stops every process on an unbooked card."""
+    server, card = _simulated_server()
+    started = {
+        name: subprocess.Popen(SLEEP, env=env, start_new_session=True)
+        for name, env in {
+            "ours": _job_env(server, card),
+            "theirs": _job_env(server, card, PORTAL_INSTANCE="another-checkout"),
+            "older": {
+                key: value for key, value in _job_env(server, card).items() if key != "PORTAL_INSTANCE"
+            },
+        }.items()
+    }
+    procs.extend(started.values())
+    for proc in started.values():
+        _exec_done(proc, "PORTAL_SERVER")
+    pids = {proc.pid: name for name, proc in started.items()}
+
+    snapshot = SimulatedBackend(server, seed=1).snapshot()
+    shown = [pids[p.pid] for gpu in snapshot.gpus for p in gpu.processes or () if p.pid in pids]
+    assert shown == ["ours"]
+
+    servers_report_ingest(snapshots=[snapshot])
+    WatchdogPolicy.objects.create(kind="unbooked", action="stop", grace_seconds=0)
+    HostWatchdog(server, simulated=True).round(snapshot, now=timezone.now())
+    wait_for(lambda: started["ours"].poll() is not None, timeout=10, what="the stop of this portal's job")
+    assert started["theirs"].poll() is None and started["older"].poll() is None
+    assert {v.pid for v in Violation.objects.filter(gpu_id=card)} & set(pids) == {started["ours"].pid}
 
 
 # --- hostile reports ------------------------------------------------------------------------

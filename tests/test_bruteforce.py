@@ -87,6 +87,30 @@ def test_the_account_lock_ignores_case_and_spaces(alice):
         assert _token(name, "password", address).status_code == 429
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "\uff41\uff4c\uff49\uff43\uff45",  # ａｌｉｃｅ, full width
+        "\uff21\uff2c\uff29\uff23\uff25",  # ＡＬＩＣＥ
+        "al\u0130ce",  # alİce: lower() makes "i" + a combining dot of the İ
+        "\u00aalice",  # ªlice: NFKC's "a"
+    ],
+)
+def test_the_account_lock_holds_for_width_and_compatibility_variants(alice, name):
+    """LDAP takes each of these for alice (tests/test_ldap.py): none is a fresh account to guess at."""
+    _fail(LIMIT, "alice", "192.0.2.1")
+    assert _token(name, "password", "192.0.2.2").status_code == 429
+
+
+def test_failures_under_variants_of_a_name_add_up(alice):
+    for n, name in enumerate(
+        ["\uff41\uff4c\uff49\uff43\uff45", "AL\u0130CE", "\u00aalice", "Alice", "alice"] * 2
+    ):
+        _fail(1, name, f"192.0.2.{n}")
+    assert _token("alice", "password", "192.0.2.99").status_code == 429
+    assert set(AccessAttempt.objects.values_list("username", flat=True)) == {"alice"}
+
+
 def test_the_address_lock_holds_for_every_account(client, alice):
     for n in range(LIMIT):
         _fail(1, f"guess{n}", "10.0.0.9")

@@ -1,7 +1,9 @@
 """The `gpu` command line (gpu_cli/) against a live test server: real HTTP through httpx to the
 portal's API on the test database. Commands run in-process through click's CliRunner, and
 through the installed .venv/bin/gpu as a real process. No worker: jobs are dispatched nowhere
-(`sent`), and a test plays the worker's part by writing the job's row and log itself."""
+(`sent`), and a test plays the worker's part by writing the job's row and log itself. The tests of
+retries while the portal is away talk to a scripted stand-in (FakePortal) or a closed port, on a
+clock that only the waits move; GPU_RETRY_SECONDS=0 everywhere else."""
 
 from __future__ import annotations
 
@@ -11,15 +13,18 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner, Result
 from django.db import connection
 from django.utils import timezone
 
-from gpu_cli import config
+from gpu_cli import api, config
 from gpu_cli.jobs import job_exit_code
 from gpu_cli.main import cli
 from gpu_cli.params import DURATION, MEMORY
@@ -32,8 +37,9 @@ from jobs.models import Job
 from jobs.services import ScriptUpload, job_submit
 from portal.models import ApiToken
 from portal.services import api_token_create
-from tests.conftest import free_port, wait_for
+from tests.conftest import Clock, free_port, wait_for
 from tests.factories import make_snapshot
+from tests.test_outage import DatabaseDown
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -47,6 +53,7 @@ def _own_config(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv(config.URL_ENV, raising=False)
     monkeypatch.delenv(config.TOKEN_ENV, raising=False)
     monkeypatch.setattr("gpu_cli.jobs.POLL_SECONDS", 0.05)
+    monkeypatch.setenv(api.RETRY_ENV, "0")  # no retries but in the tests of them
 
 
 @pytest.fixture
@@ -381,6 +388,185 @@ def test_it_reads_sizes_and_durations_as_people_write_them():
     ]
 
 
+# --- while the portal is away ---------------------------------------------------------------------
+
+PORTAL_503 = {
+    "detail": "The portal cannot reach the database just now; try again in 10 s.",
+    "code": "service_unavailable",
+    "service": "database",
+}
+EMPTY_PAGE = {"count": 0, "next": None, "previous": None, "results": []}
+
+
+class FakePortal:
+    """A tiny HTTP server on 127.0.0.1 answering each request with the next of `answers` (the last
+    one again once they run out): (status, JSON body), "drop" (close the connection without an
+    answer) or "hang" (no answer until the test ends). It records (method, path) of each request."""
+
+    def __init__(self, answers: list, port: int = 0) -> None:
+        self.answers, self.requests, self.released = list(answers), [], threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def answer(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fake.requests.append((self.command, self.path.split("?")[0]))
+                answer = fake.answers.pop(0) if len(fake.answers) > 1 else fake.answers[0]
+                if answer == "hang":
+                    fake.released.wait(30)
+                if answer in ("hang", "drop"):
+                    self.close_connection = True
+                    return
+                status, body = answer
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if status == 503:
+                    self.send_header("Retry-After", "10")
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_DELETE = answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_portal(monkeypatch) -> Iterator[Callable[..., FakePortal]]:
+    """`fake_portal(answers)`: a FakePortal the CLI is logged in to."""
+    started: list[FakePortal] = []
+
+    def start(answers: list, port: int = 0) -> FakePortal:
+        started.append(FakePortal(answers, port))
+        monkeypatch.setenv(config.URL_ENV, started[-1].url)
+        monkeypatch.setenv(config.TOKEN_ENV, "a-token")
+        return started[-1]
+
+    yield start
+    for fake in started:
+        fake.close()
+
+
+@pytest.fixture
+def waits(monkeypatch) -> list[float]:
+    """The CLI's waits between tries, taken at once on a clock that only they move; a minute's
+    budget (GPU_RETRY_SECONDS' default)."""
+    clock, waited = Clock(), []
+
+    def sleep(seconds: float) -> None:
+        waited.append(seconds)
+        clock.now += seconds
+
+    monkeypatch.setattr("gpu_cli.api.monotonic", clock)
+    monkeypatch.setattr("gpu_cli.api.sleep", sleep)
+    monkeypatch.delenv(api.RETRY_ENV)
+    return waited
+
+
+def retries(result: Result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if "retrying in" in line]
+
+
+def test_it_asks_again_while_the_portal_answers_503(fake_portal, waits):
+    fake = fake_portal([(503, PORTAL_503), "drop", (200, EMPTY_PAGE)])
+
+    result = gpu("queue", "--json")
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == []
+    assert fake.requests == [("GET", "/api/v1/queue/")] * 3
+    assert waits == [1, 2]
+    assert retries(result)[0] == "gpu: the portal answered 503 (database unavailable); retrying in 1 s…"
+    assert retries(result)[1].startswith(f"gpu: cannot reach the portal at {fake.url} (")
+    assert retries(result)[1].endswith("); retrying in 2 s…")
+
+
+def test_it_keeps_trying_for_at_most_a_minute(fake_portal, waits):
+    fake = fake_portal([(503, PORTAL_503)])
+
+    result = gpu("queue")
+
+    assert result.exit_code == 3
+    assert waits == [1, 2, 4, 8, 16, 29] and sum(waits) == 60
+    assert len(retries(result)) == 6 and len(fake.requests) == 7
+    assert "The portal is unavailable (GET /api/v1/queue/: database unavailable)." in result.stderr
+
+
+def test_it_keeps_trying_a_refused_connection_for_at_most_a_minute(monkeypatch, waits):
+    monkeypatch.setenv(config.URL_ENV, f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv(config.TOKEN_ENV, "a-token")
+
+    result = gpu("status")
+
+    assert result.exit_code == 3 and "Cannot reach the portal" in result.stderr
+    assert waits == [1, 2, 4, 8, 16, 29]
+    assert all("Connection refused" in line for line in retries(result)), result.stderr
+
+
+def test_it_sends_a_post_again_only_when_its_connection_was_refused(fake_portal, monkeypatch):
+    """Refused: nothing was sent, so nothing can happen twice. The portal comes up during the wait."""
+    port = free_port()
+    monkeypatch.setenv(config.URL_ENV, f"http://127.0.0.1:{port}")
+    monkeypatch.setenv(config.TOKEN_ENV, "a-token")
+    monkeypatch.delenv(api.RETRY_ENV)
+    started: list[FakePortal] = []
+    monkeypatch.setattr(
+        "gpu_cli.api.sleep", lambda seconds: started.append(fake_portal([(200, {"id": 7})], port=port))
+    )
+
+    result = gpu("release", "7", "--json")
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"id": 7}
+    assert started[0].requests == [("POST", "/api/v1/reservations/7/release/")]
+    assert len(retries(result)) == 1
+
+
+@pytest.mark.parametrize("answer", [(503, PORTAL_503), "drop", "hang"], ids=["503", "dropped", "timed out"])
+def test_it_never_sends_a_post_again_that_may_have_been_done(fake_portal, waits, monkeypatch, answer):
+    monkeypatch.setattr("gpu_cli.api.TIMEOUT", httpx.Timeout(1.0))
+    fake = fake_portal([answer])
+
+    result = gpu("release", "7")
+
+    assert result.exit_code == 3
+    assert fake.requests == [("POST", "/api/v1/reservations/7/release/")]
+    assert waits == [] and retries(result) == []
+    assert "It may or may not be done: check before you try again." in result.stderr
+
+
+def test_it_waits_out_a_database_outage_of_the_portal(portal, alice, tmp_path, waits, monkeypatch):
+    """The real portal: 503 while its database is away (portal/outage.py), then the answer."""
+    outage = DatabaseDown(tmp_path)
+    try:
+        monkeypatch.setattr("gpu_cli.api.sleep", lambda seconds: outage.end())
+        result = gpu("queue", "--json")
+    finally:
+        outage.end()
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == []
+    assert retries(result) == ["gpu: the portal answered 503 (database unavailable); retrying in 1 s…"]
+
+
+def test_gpu_retry_seconds_must_be_a_number_of_seconds(portal, monkeypatch):
+    monkeypatch.setenv(api.RETRY_ENV, "a minute")
+    result = gpu("queue")
+    assert result.exit_code == 2 and "GPU_RETRY_SECONDS='a minute'" in result.stderr
+
+
 # --- the installed command ------------------------------------------------------------------------
 
 
@@ -393,6 +579,13 @@ def test_the_installed_gpu_command_talks_to_the_portal(portal, alice, booking, s
     env = {**os.environ, config.URL_ENV: f"http://127.0.0.1:{free_port()}"}
     done = subprocess.run([GPU_BIN, "status"], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 3 and "Cannot reach the portal" in done.stderr
+    # GPU_RETRY_SECONDS bounds how long it keeps trying: a second, so one wait of a second.
+    env[api.RETRY_ENV] = "1"
+    done = subprocess.run([GPU_BIN, "status"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 3 and "Cannot reach the portal" in done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "retrying in" in line]
+    assert line.startswith(f"gpu: cannot reach the portal at {env[config.URL_ENV]} (")
+    assert line.endswith("Connection refused); retrying in 1 s…")
 
 
 def test_the_command_line_imports_nothing_of_the_portal():

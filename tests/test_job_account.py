@@ -75,7 +75,7 @@ def test_at_owner_never_falls_back_to_a_username_that_is_someone_elses_unix_acco
     Profile.objects.create(user=UserFactory(username="jane"), unix_account="nobody")
     job = Job(owner=UserFactory(username="nobody"))
 
-    with pytest.raises(JobSetupError, match="nobody has no Unix account of their own"):
+    with pytest.raises(JobSetupError, match="nobody has no Unix account the portal can vouch for"):
         _job_account(job)
     assert _job_uid(job) is None
 

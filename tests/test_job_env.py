@@ -56,6 +56,7 @@ def _build(job: Job, card: BookedCard = SHARED, **kwargs):
         "inherited": WORKER_ENV,
         "interpreter": PYTHON,
         "server": "box1",
+        "instance": "portal-a",
         "headroom_mb": HEADROOM,
         **kwargs,
     }
@@ -68,6 +69,8 @@ def test_it_shows_the_booked_cards_by_uuid_in_booking_order():
     assert built.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert (built.env["PORTAL_JOB_ID"], built.env["PORTAL_RESERVATION_ID"]) == ("7", "3")
     assert built.env["PORTAL_SERVER"] == "box1"
+    # Which portal on this machine started it: the simulated backend shows no other portal's jobs.
+    assert built.env["PORTAL_INSTANCE"] == "portal-a"
     assert built.env["PYTHONUNBUFFERED"] == "1"
 
 
@@ -145,6 +148,7 @@ def test_it_lets_the_users_variables_in_but_never_over_the_portals():
         "TF_NUM_INTRAOP_THREADS": "64",
         "PORTAL_JOB_ID": "1",
         "PORTAL_SERVER": "elsewhere",
+        "PORTAL_INSTANCE": "another-portal",
         LAUNCH_CONFIG_VAR: "{}",
         "WANDB_MODE": "offline",
         "TF_CPP_MIN_LOG_LEVEL": "3",
@@ -153,7 +157,7 @@ def test_it_lets_the_users_variables_in_but_never_over_the_portals():
     env = built.env
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-box1-00" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "false" and env["TF_NUM_INTRAOP_THREADS"] == "4"
-    assert (env["PORTAL_JOB_ID"], env["PORTAL_SERVER"]) == ("7", "box1")
+    assert (env["PORTAL_JOB_ID"], env["PORTAL_SERVER"], env["PORTAL_INSTANCE"]) == ("7", "box1", "portal-a")
     assert json.loads(env[LAUNCH_CONFIG_VAR]) == built.config
     assert env["WANDB_MODE"] == "offline"
     assert env["TF_CPP_MIN_LOG_LEVEL"] == "3"  # the one portal default a user may change
@@ -238,10 +242,11 @@ def test_it_reads_nothing_but_its_arguments(monkeypatch, settings):
     monkeypatch.setenv("LANG", "xx_XX.UTF-8")
     monkeypatch.setenv("SECRET_KEY", "from-os-environ")
     settings.WORKER_SERVER = "from-settings"
+    settings.PORTAL_INSTANCE_ID = "from-settings"
     settings.GPU_CONTEXT_HEADROOM_MB = 4096
-    built = _build(_job(), inherited={"PATH": "/bin"}, server="box9", headroom_mb=256)
+    built = _build(_job(), inherited={"PATH": "/bin"}, server="box9", instance="portal-b", headroom_mb=256)
     assert set(built.env) - set(built.applied) == {"PATH", LAUNCH_CONFIG_VAR}
-    assert built.env["PORTAL_SERVER"] == "box9"
+    assert (built.env["PORTAL_SERVER"], built.env["PORTAL_INSTANCE"]) == ("box9", "portal-b")
     assert built.config["memory_limit_mb"] == 8 * GB - 256
 
 

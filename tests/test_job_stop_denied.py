@@ -13,6 +13,7 @@ import pytest
 from django.utils import timezone
 
 from gpus.booking import reservation_create
+from jobs import runner
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
@@ -80,8 +81,15 @@ def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
 ):
     release = tmp_path / "release"
     job = job_in(WAITER.format(release=str(release)))
-    # Asked before the first look at the row: the supervisor's first poll finds it.
-    Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
+    # Asked right after the start (one asked before is never started): the first poll finds it.
+    real_start = runner.start_job_process
+
+    def start_then_cancel(*args, **kwargs):  # type: ignore[no-untyped-def]
+        proc = real_start(*args, **kwargs)
+        Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
+        return proc
+
+    monkeypatch.setattr(runner, "start_job_process", start_then_cancel)
     refuse, seen = os.killpg, {}
 
     def killpg(pgid: int, sig: int) -> None:

@@ -297,8 +297,8 @@ def test_it_runs_jobs_as_job_user_who_cannot_read_the_workers_secrets(
     python = Path("/usr/bin/python3")  # the launcher needs no more than the standard library
     if os.geteuid() != 0 or not python.exists() or not _readable_by_others(launcher):
         pytest.skip("needs root, /usr/bin/python3 and a checkout other users can read")
-    if not all(p.stat().st_mode & 0o001 for p in [settings.JOB_ROOTS[0], *settings.JOB_ROOTS[0].parents]):
-        pytest.skip("the job root is not searchable by other users")
+    if not all(p.stat().st_mode & 0o001 for p in settings.JOB_FOLDERS.parents):
+        pytest.skip("the folder of the jobs' folders is not searchable by other users")
     secret = tmp_path / "env"
     secret.write_text("SECRET_KEY=do-not-leak")
     secret.chmod(0o600)

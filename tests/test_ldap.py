@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 from django.contrib.auth import authenticate, get_user_model
 from django.urls import reverse
+from rest_framework.test import APIClient
 
+from portal.accounts import unix_account_name, users_by_unix_name
 from portal.env import ImproperlyConfiguredEnv
 from portal.identity import identity_sync
 from portal.identity_env import (
@@ -204,7 +206,8 @@ def test_it_never_takes_a_unix_account_from_whoever_holds_it(mapped, caplog):
     )
 
 
-def test_it_never_gives_a_unix_account_named_after_someone_without_one(mapped):
+def test_it_never_gives_a_unix_account_named_after_someone_without_one(mapped, settings):
+    settings.OIDC_UNIX_ACCOUNT_TRUSTED = True
     user, frank = UserFactory(username="erin"), UserFactory(username="frank")
     identity_sync(user=user, groups=None, unix_account="frank", source="oidc")
     assert not Profile.objects.filter(user=user, unix_account="frank").exists()
@@ -442,6 +445,26 @@ def test_a_unix_account_attribute_that_is_no_posix_name_is_ignored(ldap_on, sign
     assert "the Unix account 'Carol Wong', which is not a POSIX user name" in caplog.text
 
 
+def test_a_unix_account_attribute_not_trusted_only_awaits_an_admin(ldap_on, sign_in, settings):
+    settings.LDAP_UNIX_ACCOUNT_TRUSTED = False  # people may edit it in this directory
+    alice = sign_in("alice", "alice-pw")
+    assert unix_account_name(alice) is None
+    assert users_by_unix_name(["alice"]) == {}
+    profile = Profile.objects.get(user=alice)
+    assert (profile.unix_account, profile.unix_account_claim) == (None, "alice")
+    assert AuditEntry.objects.filter(
+        message="alice claims the Unix account alice, awaiting an admin to confirm it (LDAP)"
+    ).exists()
+
+
+def test_the_directorys_username_stands_in_for_a_missing_unix_account(ldap_on, sign_in):
+    ldap_on(LDAP_UNIX_ACCOUNT_ATTR="employeeNumber")  # in no entry
+    alice = sign_in("alice", "alice-pw")
+    assert not Profile.objects.filter(user=alice).exists()
+    assert unix_account_name(alice) == "alice"
+    assert users_by_unix_name(["alice"]) == {"alice": alice.pk}
+
+
 def test_posix_groups_map_to_teams_too(ldap_on, sign_in):
     ldap_on(LDAP_GROUP_TYPE="posixGroup", LDAP_GROUP_SEARCH_BASE="ou=posixgroups,dc=lab,dc=example")
     assert roles(sign_in("alice", "alice-pw")) == {"vision-lab": MEMBER}
@@ -488,6 +511,36 @@ def test_an_admin_links_an_account_by_hand(ldap_on, directory, sign_in):
     bob = UserFactory(username="bob", is_staff=True, is_superuser=True)
     ExternalAccount.objects.create(user=bob, source="ldap", issuer=directory.uri, subject=f"uid=bob,{PEOPLE}")
     assert sign_in("bob", "bob-pw") == bob
+
+
+# Names OpenLDAP's own matching (caseIgnoreMatch) takes for uid=alice.
+VARIANTS = [
+    "\uff41\uff4c\uff49\uff43\uff45",  # ａｌｉｃｅ, full width
+    "\uff21\uff2c\uff29\uff23\uff25",  # ＡＬＩＣＥ
+    "al\u0130ce",  # alİce: a capital I with a dot, which lower() makes "i" + a combining dot
+    "\u00aalice",  # ªlice: the feminine ordinal, NFKC's "a"
+    "\u24d0lice",  # ⓐlice: a circled a
+]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_directory_takes_width_and_compatibility_variants_of_a_name(ldap_on, sign_in, name):
+    assert sign_in(name, "alice-pw").username == "alice"
+
+
+def test_the_sign_in_lock_counts_every_variant_the_directory_matches_as_one(ldap_on, settings):
+    """Ten tries at alice's password in all: spread over names the directory takes for hers,
+    they still lock her account, from every address and under every one of those names."""
+
+    def token(name: str, password: str, n: int) -> int:
+        address = f"192.0.2.{n}"
+        body = {"username": name, "password": password}
+        return APIClient().post(reverse("api_token"), body, format="json", REMOTE_ADDR=address).status_code
+
+    for n in range(settings.AXES_FAILURE_LIMIT):
+        assert token(VARIANTS[n % len(VARIANTS)], "wrong", n) in (400, 429)
+    assert token("alice", "alice-pw", 100) == 429
+    assert token(VARIANTS[0], "alice-pw", 101) == 429
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from portal.models import Notification
 from portal.notifications import (
     mail_kinds_wanted,
     mail_preference_set,
+    mail_stranded_requeue,
     notification_send,
     notifications_mark_read,
 )
@@ -148,8 +149,28 @@ def test_it_never_raises_when_the_broker_is_away(alice, monkeypatch, django_capt
     monkeypatch.setattr("portal.tasks.mail_notification.apply_async", broker_away)
     with django_capture_on_commit_callbacks(execute=True):
         notification = _send(alice)
-    assert _status(notification) == Mail.FAILED
+    assert _status(notification) == Mail.QUEUED  # kept for mail_stranded_requeue
     assert Notification.objects.filter(user=alice).count() == 1
+
+
+def test_a_mail_whose_message_was_lost_is_sent_again_once(
+    alice, monkeypatch, django_capture_on_commit_callbacks
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    sent: list[int] = []
+    monkeypatch.setattr("portal.tasks.mail_notification.apply_async", lambda args: sent.append(args[0]))
+    with django_capture_on_commit_callbacks(execute=True):
+        notification = _send(alice)
+    assert sent == [notification.pk]  # then Redis restarted empty: the message is gone
+    assert mail_stranded_requeue() == 0  # it has had a message out for less than MAIL_REQUEUE_MINUTES
+    later = timezone.now() + timedelta(minutes=11)
+    assert mail_stranded_requeue(now=later) == 1 and sent == [notification.pk] * 2
+    assert mail_stranded_requeue(now=later) == 0  # one message out at a time
+    Notification.objects.filter(pk=notification.pk).update(mail_status=Mail.SENDING)
+    assert mail_stranded_requeue(now=later + timedelta(hours=1)) == 0  # maybe sent: never twice
 
 
 def test_it_refuses_unknown_kinds_and_links_out_of_the_portal(alice):

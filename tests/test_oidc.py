@@ -18,6 +18,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.urls import reverse
 
+from portal.accounts import unix_account_name, users_by_unix_name
 from portal.env import ImproperlyConfiguredEnv
 from portal.identity_env import LEADER, MEMBER, oidc_settings_from_env, parse_group_teams
 from portal.models import AuditEntry, ExternalAccount, Membership
@@ -101,7 +102,8 @@ ALICE = {
 }
 
 
-def test_single_sign_on_creates_the_person_their_teams_and_unix_account(client, oidc_on, provider):
+def test_single_sign_on_creates_the_person_their_teams_and_unix_account(client, oidc_on, provider, settings):
+    settings.OIDC_UNIX_ACCOUNT_TRUSTED = True  # the claim is one only the provider's admins set
     response = sso_sign_in(client, provider, "alice-sub", ALICE)
 
     assert response.status_code == 302 and response.url == reverse("dashboard")
@@ -112,6 +114,36 @@ def test_single_sign_on_creates_the_person_their_teams_and_unix_account(client, 
     assert not alice.is_staff
     assert roles(alice) == {"vision-lab": MEMBER, "nlp-lab": LEADER}
     assert alice.profile.unix_account == "aliddell"
+
+
+def test_an_editable_unix_account_claim_only_awaits_an_admin(client, oidc_on, provider):
+    """Most providers let people edit their claims (OIDC_UNIX_ACCOUNT_TRUSTED is off by default):
+    mallory claims bob's host account before bob ever signs in, and gets nothing of his."""
+    sso_sign_in(client, provider, "mallory-sub", {"preferred_username": "mallory", "unix_name": "bob"})
+    mallory = signed_in(client)
+    assert unix_account_name(mallory) is None
+    assert users_by_unix_name(["bob", "mallory"]) == {}
+    assert (mallory.profile.unix_account, mallory.profile.unix_account_claim) == (None, "bob")
+    assert AuditEntry.objects.filter(
+        message="mallory claims the Unix account bob, awaiting an admin to confirm it (single sign-on)"
+    ).exists()
+
+
+def test_a_username_picked_at_the_provider_is_no_unix_account(client, oidc_on, provider, settings):
+    """Without a Unix account claim the username stood in for one: mallory, calling herself bob
+    at the provider, would run her jobs as the host's bob."""
+    oidc_on(OIDC_UNIX_ACCOUNT_CLAIM="")
+    sso_sign_in(client, provider, "mallory-sub", {"preferred_username": "bob"})
+    portal_bob = signed_in(client)
+    assert portal_bob.username == "bob"
+    assert unix_account_name(portal_bob) is None
+    assert users_by_unix_name(["bob"]) == {}
+    assert portal_bob.profile.unix_account_claim == "bob"
+
+    # Where the provider's usernames are the lab's, assigned by its admins, it stands in again.
+    settings.OIDC_UNIX_ACCOUNT_TRUSTED = True
+    assert unix_account_name(portal_bob) == "bob"
+    assert users_by_unix_name(["bob"]) == {"bob": portal_bob.pk}
 
 
 def test_later_sign_ins_keep_teams_and_admin_rights_in_step(client, oidc_on, provider):

@@ -162,6 +162,7 @@ def test_the_array_index_reaches_the_job(alice, box, sent):
         interpreter="/usr/bin/python3",
         venv=None,
         server="box1",
+        instance="portal-a",
         headroom_mb=512,
     )
     assert built.env["PORTAL_ARRAY_INDEX"] == "4"

@@ -270,6 +270,12 @@ def _multipart(fields: dict, files: dict[str, tuple[str, bytes]]) -> tuple[bytes
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
+def _jobs_on_cards(api: Api, server: str) -> list[str]:
+    cards = api.get(f"/api/v1/gpus/?server={server}")
+    cards = cards["results"] if isinstance(cards, dict) else cards
+    return [process["job"] for card in cards for process in card["processes"]]
+
+
 def _gone(proc: psutil.Process) -> bool:
     try:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
@@ -371,6 +377,9 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     booking = api.post("/api/v1/reservations/", {"count": 1, "server": "rp1"})["id"]
     job_id = api.post("/api/v1/jobs/", {"reservation": booking}, {"script": ("sleeper.py", SLEEPER)})["id"]
     wait_for(lambda: "ready" in api.log(job_id), timeout=60, what="the job's first line")
+    # Its card shows it as the job's: the worker gave it this portal's PORTAL_INSTANCE, and the
+    # simulated backend shows only processes that carry it (gpus/simulated.py).
+    wait_for(lambda: f"job {job_id}" in _jobs_on_cards(api, "rp1"), timeout=30, what="the job on its card")
 
     worker, web = _child(proc, queue="host.rp1"), _child(proc, web=True)
     old = worker.children(recursive=True)  # its pool process and, below that, the job

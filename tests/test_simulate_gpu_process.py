@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
@@ -225,6 +226,7 @@ def test_a_reused_pid_is_not_the_declared_process(path, start):
 
 def test_a_job_process_declared_on_its_card_is_listed_once_with_the_declared_memory(cards, path, start):
     env = {**os.environ, "PORTAL_SERVER": SERVER, "CUDA_VISIBLE_DEVICES": cards[3].uuid}
+    env["PORTAL_INSTANCE"] = settings.PORTAL_INSTANCE_ID
     job = start(env=env, start_new_session=True)
     # Until it has exec'd, the child still has this process's environment.
     wait_for(lambda: "PORTAL_SERVER" in psutil.Process(job.pid).environ(), timeout=10, what="exec")

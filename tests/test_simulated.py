@@ -1,8 +1,11 @@
-"""SimulatedBackend and its YAML inventory; no Django needed."""
+"""SimulatedBackend and its YAML inventory; no database needed."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from gpus.simulated import (
     load_inventory,
     server_names,
 )
+from tests.conftest import ROOT
 
 VALID = {
     "users": ["alice", "bob"],
@@ -176,3 +180,39 @@ def test_it_rejects_a_file_that_is_not_yaml(tmp_path: Path) -> None:
 def test_it_ships_the_inventory_beside_the_module() -> None:
     assert DEFAULT_INVENTORY.name == "simulated_inventory.yaml"
     assert DEFAULT_INVENTORY.is_file()
+
+
+# --- which portal's jobs show: PORTAL_INSTANCE_ID -----------------------------------------------
+
+
+def _instance_id(**env: str) -> str:
+    """PORTAL_INSTANCE_ID as a portal started with `env` (and nothing else of ours) reads it."""
+    ours = ("DATABASE_URL", "PORTAL_VAR_DIR", "PORTAL_INSTANCE_ID")
+    clean = {name: value for name, value in os.environ.items() if name not in ours}
+    read = "from portal import settings; print(settings.PORTAL_INSTANCE_ID)"
+    done = subprocess.run(
+        [sys.executable, "-c", read],
+        env={**clean, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def test_one_database_is_one_portal(tmp_path: Path) -> None:
+    """Two checkouts with their own databases are two portals, whose jobs the simulated backend
+    tells apart; two sharing one database are one portal."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    own_a, own_b = _instance_id(PORTAL_VAR_DIR=a), _instance_id(PORTAL_VAR_DIR=b)
+    assert own_a != own_b and own_a == _instance_id(PORTAL_VAR_DIR=a)  # stable across restarts
+    shared = f"sqlite:///{tmp_path / 'shared.sqlite3'}"
+    assert _instance_id(PORTAL_VAR_DIR=a, DATABASE_URL=shared) == _instance_id(
+        PORTAL_VAR_DIR=b, DATABASE_URL=shared
+    )
+    # Where the database is, not who logs in: a new password is the same portal.
+    lab = _instance_id(PORTAL_VAR_DIR=a, DATABASE_URL="postgres://portal:old@db.lab:5432/portal")
+    assert lab == _instance_id(PORTAL_VAR_DIR=b, DATABASE_URL="postgres://portal:new@db.lab:5432/portal")
+    assert lab != _instance_id(PORTAL_VAR_DIR=a, DATABASE_URL="postgres://portal:old@db.lab:5432/staging")
+    assert _instance_id(PORTAL_VAR_DIR=a, PORTAL_INSTANCE_ID="lab-portal") == "lab-portal"

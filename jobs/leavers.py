@@ -1,0 +1,243 @@
+"""A deactivated user's work: nothing of theirs starts, and what they had is stopped, saying why.
+
+A leaver's account on the GPU hosts outlives their portal account (JOB_USER=@owner runs jobs as
+it), so deactivation must reach their queue and their bookings, not only their sign-in.
+
+- `owner_active()` is the one rule every start checks: the scheduler's pending set and its start,
+  `dispatch`, the reconciler's due jobs and the worker's claim (jobs/runner.py), inside the
+  conditional UPDATE where it writes, so a job can never slip between a check and its start.
+- `user_work_stop` is what deactivation does: pending and queued jobs cancelled, running ones
+  asked to stop through the cancel path (their worker stops them and records them cancelled),
+  upcoming bookings cancelled and active ones released (gpus.booking.reservations_cancel_for_leaver),
+  all with the reason in the job's message and log, the audit log and a notification to the
+  leaders of the teams concerned.
+
+It happens at once when a user's is_active goes from True to False on save (jobs/signals.py: the
+admin's form, a directory sync, `manage.py shell`), and on the reconciler's next pass otherwise
+(`leavers_stop`, from jobs_reconcile): a deactivation written without save() (QuerySet.update,
+SQL) or a handler that failed is caught there. The row is the record; the signal makes it sooner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from urllib.parse import urlencode
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models import Q
+from django.urls import reverse
+from django.utils import timezone
+
+from gpus.booking import reservations_cancel_for_leaver
+from gpus.models import Reservation
+from jobs.logs import log_append
+from jobs.models import Job
+from portal.models import AuditEntry, Membership, Notification
+from portal.notifications import notification_send
+from portal.wakeups import wake_on_commit
+
+log = logging.getLogger(__name__)
+
+User = get_user_model()
+
+AUDIT_JOBS_STOPPED = AuditEntry.Action.JOB_CANCEL
+WAITING = (Job.Status.PENDING, Job.Status.QUEUED)
+RUNNING = (Job.Status.STARTING, Job.Status.RUNNING)
+IDS_SHOWN = 10
+
+
+def owner_active() -> Q:
+    """Jobs whose owner's account is active.
+
+    A subquery on the owner's id, not a join (`owner__is_active`): Django turns an UPDATE with a
+    join into `id IN (SELECT ...)`, and PostgreSQL would then not re-check the job's status on a
+    row another worker changed meanwhile. This way every condition of a claim stays in the
+    UPDATE's own WHERE."""
+    return Q(owner__in=User.objects.filter(is_active=True).values("pk"))
+
+
+def deactivated(user: AbstractBaseUser) -> str:
+    """The reason, as the job's log, the audit log and the leaders read it."""
+    return f"{user.get_username()}'s account was deactivated"
+
+
+@dataclass
+class WorkStopped:
+    """What `user_work_stop` did: (job id, team id) pairs, and (booking, its status before)."""
+
+    cancelled: list[tuple[int, int]] = field(default_factory=list)  # pending or queued: cancelled here
+    stopping: list[tuple[int, int]] = field(default_factory=list)  # running: asked to stop
+    bookings: list[tuple[Reservation, Reservation.Status]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.cancelled or self.stopping or self.bookings)
+
+
+@transaction.atomic
+def user_work_stop(*, user: AbstractBaseUser, reason: str, now: datetime | None = None) -> WorkStopped:
+    """Stop all of `user`'s work, as the portal, because of `reason` (see `deactivated`).
+
+    - pending and queued jobs: cancelled now ("Cancelled: <reason>."), with a line in their log;
+    - starting and running jobs: asked to stop, as a cancel does; their worker sends SIGTERM (SIGKILL
+      after JOB_KILL_GRACE_SECONDS), writes the reason in their log, and records them cancelled;
+    - bookings: upcoming ones cancelled, active ones released now, each audited by the booking
+      service (after the jobs, so a job on a booking ends cancelled, not timed out);
+    - one audit entry per team for its jobs, and a notification to that team's leaders.
+
+    Re-running it finds nothing left and writes nothing. Mail and wake-ups go after commit.
+    """
+    now = now or timezone.now()
+    message = f"Cancelled: {reason}."[:1000]
+    mine = Job.objects.filter(owner_id=user.pk).select_for_update(of=("self",)).order_by("pk")
+    # Locked: a worker's claim of one of these waits for this transaction, then finds it
+    # cancelled (on SQLite, BEGIN IMMEDIATE already serialises every writer).
+    stopped = WorkStopped(cancelled=list(mine.filter(status__in=WAITING).values_list("pk", "team_id")))
+    if stopped.cancelled:
+        Job.objects.filter(owner_id=user.pk, status__in=WAITING).update(
+            status=Job.Status.CANCELLED,
+            finished_at=now,
+            cancel_requested_at=now,
+            cancelled_by=None,
+            pending_reason="",
+            message=message,
+        )
+        for pk, _ in stopped.cancelled:  # no worker has them: the log is free to write
+            log_append(pk, f"[portal] {message} The job never started.", now=now)
+        wake_on_commit("queue")
+    # A running job's log is its worker's: the worker writes the reason there as it stops it.
+    stopped.stopping = list(
+        mine.filter(status__in=RUNNING, cancel_requested_at=None).values_list("pk", "team_id")
+    )
+    if stopped.stopping:
+        Job.objects.filter(owner_id=user.pk, status__in=RUNNING, cancel_requested_at=None).update(
+            cancel_requested_at=now, cancelled_by=None, message=message
+        )
+    stopped.bookings = reservations_cancel_for_leaver(user=user, reason=reason, now=now)
+    if stopped:
+        _audit_jobs(user, reason, stopped)
+        _tell_leaders(user, reason, stopped)
+        log.warning(
+            "Stopped the work of %s (%s): %d job(s) cancelled, %d asked to stop, %d booking(s) ended",
+            user.get_username(),
+            reason,
+            len(stopped.cancelled),
+            len(stopped.stopping),
+            len(stopped.bookings),
+        )
+    return stopped
+
+
+def leavers_stop(*, now: datetime | None = None) -> int:
+    """The reconciler's part: stop the work of every inactive user who still has some (a
+    deactivation that bypassed save(), or whose handler failed). Returns how many users.
+
+    One user's failure is logged and the others go on; the next pass tries again."""
+    now = now or timezone.now()
+    busy = Job.objects.filter(Q(status__in=WAITING) | Q(status__in=RUNNING, cancel_requested_at=None)).values(
+        "owner_id"
+    )
+    booked = Reservation.objects.with_status("open", now).values("owner_id")
+    stopped = 0
+    for user in User.objects.filter(Q(pk__in=busy) | Q(pk__in=booked), is_active=False):
+        try:
+            stopped += bool(user_work_stop(user=user, reason=deactivated(user), now=now))
+        except Exception:
+            log.exception("Could not stop the work of deactivated user %s; the next pass tries again", user)
+    return stopped
+
+
+# --- telling -----------------------------------------------------------------------------------
+
+
+def _jobs(ids: Sequence[int]) -> str:
+    """ "job 12", or "3 jobs (12, 13, 14)": an array's thousand tasks in one short line."""
+    if len(ids) == 1:
+        return f"job {ids[0]}"
+    shown = ", ".join(str(pk) for pk in ids[:IDS_SHOWN])
+    more = f" and {len(ids) - IDS_SHOWN} more" if len(ids) > IDS_SHOWN else ""
+    return f"{len(ids)} jobs ({shown}{more})"
+
+
+def _by_team(pairs: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+    teams: dict[int, list[int]] = defaultdict(list)
+    for pk, team_id in pairs:
+        teams[team_id].append(pk)
+    return teams
+
+
+def _audit_jobs(user: AbstractBaseUser, reason: str, stopped: WorkStopped) -> None:
+    """One entry per team (the bookings have theirs from the booking service)."""
+    cancelled, stopping = _by_team(stopped.cancelled), _by_team(stopped.stopping)
+    for team_id in sorted(cancelled.keys() | stopping.keys()):
+        done = []
+        if cancelled[team_id]:
+            done.append(f"cancelled {_jobs(cancelled[team_id])}")
+        if stopping[team_id]:
+            done.append(f"asked {_jobs(stopping[team_id])} to stop")
+        AuditEntry.objects.create(
+            actor=None,
+            team_id=team_id,
+            action=AUDIT_JOBS_STOPPED,
+            target=f"user {user.get_username()}",
+            message=f"The portal {' and '.join(done)} of {user.get_username()}: {reason}",
+            data={
+                "by": "portal",
+                "reason": reason,
+                "cancelled": cancelled[team_id],
+                "stopping": stopping[team_id],
+            },
+        )
+
+
+def _team_lines(team_id: int, stopped: WorkStopped) -> list[str]:
+    lines = []
+    if cancelled := [pk for pk, team in stopped.cancelled if team == team_id]:
+        lines.append(f"- cancelled {_jobs(cancelled)} that had not started;")
+    if stopping := [pk for pk, team in stopped.stopping if team == team_id]:
+        lines.append(f"- stopping {_jobs(stopping)} that were running (each log says why);")
+    for booking, status in stopped.bookings:
+        if booking.team_id == team_id:
+            done = "cancelled" if status == Reservation.Status.UPCOMING else "released early"
+            lines.append(f"- {done} booking {booking.pk} ({status.label.lower()}: {booking.summary});")
+    return lines
+
+
+def _tell_leaders(user: AbstractBaseUser, reason: str, stopped: WorkStopped) -> None:
+    """Each active leader of a team concerned (not the leaver): one notification, their teams' part."""
+    teams = {team for _, team in stopped.cancelled + stopped.stopping} | {
+        b.team_id for b, _ in stopped.bookings
+    }
+    leads: dict[int, list[Membership]] = defaultdict(list)
+    for membership in (
+        Membership.objects.filter(team_id__in=teams, role=Membership.Role.LEADER, user__is_active=True)
+        .exclude(user_id=user.pk)
+        .select_related("user", "team")
+        .order_by("team__name")
+    ):
+        leads[membership.user_id].append(membership)
+    name = user.get_username()
+    kind = (
+        Notification.Kind.JOB_STOPPED
+        if stopped.cancelled or stopped.stopping
+        else Notification.Kind.BOOKING_RELEASED
+    )
+    for memberships in leads.values():
+        parts = [f"{m.team}:\n" + "\n".join(_team_lines(m.team_id, stopped)) for m in memberships]
+        notification_send(
+            user=memberships[0].user,
+            kind=kind,
+            subject=f"{name}'s work was stopped: {reason}",
+            body=(
+                f"The portal stopped {name}'s work: {reason}.\n\n"
+                + "\n\n".join(parts)
+                + "\n\nNothing of theirs starts while the account is inactive; the audit log has the details."
+            ),
+            url=f"{reverse('job_history')}?{urlencode({'user': name})}",
+            key=f"leaver:{user.pk}",
+        )

@@ -1,0 +1,129 @@
+"""What the database cannot take waits on the host's disk and goes in later, in order and once
+(jobs/spool.py). The outage here is the database refusing writes inside this process; the fault
+suite (tests/test_faults.py) stops a real PostgreSQL under a real worker."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import OperationalError
+
+from gpus.booking import reservation_create
+from jobs import runner
+from jobs.logs import LogWriter, log_stream
+from jobs.models import Job
+from jobs.runner import job_run, spool_replay
+from jobs.services import ScriptUpload, job_submit
+from jobs.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
+
+pytestmark = pytest.mark.django_db
+
+TWENTY = "import time\nfor i in range(20):\n    print(f'line {i:02d}', flush=True)\n"
+
+
+class Outage:
+    """The database refuses the log's writes and the job's end while `down` is set."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.down = False
+        real_store, real_end = LogWriter._store, runner.job_end_store
+
+        def store(writer, data):  # type: ignore[no-untyped-def]
+            if self.down:
+                raise OperationalError("server closed the connection unexpectedly")
+            return real_store(writer, data)
+
+        def end(job_id, writer, record):  # type: ignore[no-untyped-def]
+            if self.down:
+                writer.flush()  # what is pending goes to the spool, and this raises
+                raise OperationalError("server closed the connection unexpectedly")
+            return real_end(job_id, writer, record)
+
+        monkeypatch.setattr(LogWriter, "_store", store)
+        monkeypatch.setattr(runner, "job_end_store", end)
+
+
+@pytest.fixture
+def outage(monkeypatch) -> Outage:
+    return Outage(monkeypatch)
+
+
+@pytest.fixture
+def job(alice, box) -> Job:
+    booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+    return job_submit(
+        user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=TWENTY.encode())
+    )
+
+
+def _log(job_id: int) -> str:
+    return b"".join(log_stream(job_id)).decode()
+
+
+def test_a_log_the_database_cannot_take_waits_on_disk_and_goes_in_once(job, outage):
+    spool = LogSpool(spool_name(job.pk, job.created_at), cap_bytes=1 << 20)
+    writer = LogWriter(job.pk, spool=spool)
+    writer.feed(b"one\n")
+    writer.flush()
+    outage.down = True
+    for text in (b"two\n", b"three\n"):
+        writer.feed(text)
+        with pytest.raises(OperationalError):
+            writer.flush()
+    assert b"two\n" in spool.read() and b"three\n" in spool.read() and not writer.pending
+    outage.down = False
+    writer.feed(b"four\n")
+    writer.flush()
+    lines = [line.split(" ", 1)[1] for line in _log(job.pk).splitlines()]
+    assert lines == ["one", "two", "three", "four"]
+    assert spool.size == 0
+    spool.close(remove=True)
+    assert not spooled_names()
+
+
+def test_a_full_spool_says_how_much_it_dropped(job, outage):
+    spool = LogSpool(spool_name(job.pk, job.created_at), cap_bytes=100)
+    writer = LogWriter(job.pk, spool=spool)
+    outage.down = True
+    writer.feed(b"x" * 60 + b"\n" + b"y" * 60 + b"\n")
+    with pytest.raises(OperationalError):
+        writer.flush()
+    assert spool.size == 100 and spool.dropped > 0
+    outage.down = False
+    writer.flush()
+    log = _log(job.pk)
+    assert "x" * 60 in log and "bytes of output were dropped here" in log
+    spool.close(remove=True)
+
+
+@pytest.mark.django_db(transaction=True)  # the runner closes a connection after an error, as in a worker
+def test_a_job_ending_while_the_database_is_away_keeps_every_line_and_its_end_once(
+    job, outage, settings, monkeypatch
+):
+    settings.JOB_END_WAIT_SECONDS = 0  # the supervisor gives up at once: the replay records it
+    real_feed = LogWriter.feed
+
+    def feed(writer, data):  # type: ignore[no-untyped-def]
+        if b"line 10" in data:
+            outage.down = True  # half the lines are stored; the database goes away
+        real_feed(writer, data)
+
+    monkeypatch.setattr(LogWriter, "feed", feed)
+    job_run(job.pk)
+    name = spool_name(job.pk, job.created_at)
+    assert EndRecord.read(name).status == Job.Status.SUCCEEDED
+    assert Job.objects.get(pk=job.pk).status == Job.Status.RUNNING  # not recorded yet
+    assert spool_replay() == 0  # still away: nothing written, nothing lost
+    outage.down = False
+    assert spool_replay() == 1
+    job.refresh_from_db()
+    assert job.status == Job.Status.SUCCEEDED and job.exit_code == 0 and job.finished_at
+    printed = [line for line in _log(job.pk).splitlines() if " line " in line]
+    assert [line.split(" ", 1)[1] for line in printed] == [f"line {i:02d}" for i in range(20)]
+    assert spool_replay() == 0 and not spooled_names()
+
+
+def test_a_spool_of_another_database_is_never_replayed(job):
+    stale = spool_dir() / f"job-{job.pk}-123.log"  # same id, another creation time: another database
+    stale.write_bytes(b"2020-01-01T00:00:00.000Z not this job's\n")
+    assert spool_replay() == 0
+    assert not stale.exists() and "not this job's" not in _log(job.pk)
