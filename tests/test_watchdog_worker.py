@@ -59,7 +59,12 @@ def test_an_intruder_on_a_booked_card_is_flagged_told_and_stopped(cards, alice):
             what="the flag",
         )
         assert violation.gpu_id == cards[0].uuid and violation.memory_mb == 2048
-        assert Notification.objects.filter(user=alice, kind="intruder").exists()
+        # Recorded first, then told: the row may show a moment before the notification.
+        wait_for(
+            lambda: Notification.objects.filter(user=alice, kind="intruder").exists(),
+            timeout=10,
+            what="alice to be told",
+        )
         assert intruder.wait(timeout=30) < 0  # stopped after its 1 s grace
         wait_for(
             lambda: Violation.objects.get(pk=violation.pk).action == "stopped",
