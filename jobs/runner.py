@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
@@ -45,6 +46,7 @@ from portal.errors import Invalid
 from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # In a folder of its own that is no package: Python puts the launcher's folder first on the
 # job's sys.path, and nothing else in it may shadow a module of the user's or the standard library.
@@ -74,8 +76,11 @@ def launch_for(job: Job) -> Launch:
     The steps with side effects are here (the job's folder, the upload, chown); the environment
     itself comes from the pure `job_environment`."""
     # Every card of a booking holds the same memory_mb; the first card's size stands for all.
-    first = Allocation.objects.select_related("gpu").get(
-        reservation_id=job.reservation_id, gpu_id=job.gpu_uuids[0]
+    first = _patiently(
+        job.pk,
+        lambda: Allocation.objects.select_related("gpu").get(
+            reservation_id=job.reservation_id, gpu_id=job.gpu_uuids[0]
+        ),
     )
     interpreter = settings.JOB_INTERPRETERS.get(job.interpreter)
     if not interpreter or not os.access(interpreter, os.X_OK):
@@ -195,7 +200,12 @@ class Supervisor:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.spool = _spool_for(job)
-        self.writer = LogWriter(job.pk, spool=self.spool)
+        try:
+            self.writer = LogWriter(job.pk, spool=self.spool)
+        except Exception:
+            if self.spool is not None:
+                self.spool.close()  # and its lock: the next try takes it again
+            raise
         self.metrics = MetricsRecorder(job.pk)  # the training curves, taken out of the output
         self.proc: subprocess.Popen[bytes] | None = None
         self.stop_reason: str | None = None  # Job.Status to record once the process is gone
@@ -208,6 +218,8 @@ class Supervisor:
         # The worker's shutdown, told without the database (prefork: the parent; solo: itself).
         self.stop_flags = [flag for pid in {os.getpid(), os.getppid()} if (flag := stop_flag(pid))]
         self.shutting_down = False
+        self.running_recorded = False
+        self.env_applied: dict[str, str] = {}
 
     # --- the loop --------------------------------------------------------------------
 
@@ -220,7 +232,7 @@ class Supervisor:
             self._guarded(self.writer.close)
             self._finish(Job.Status.FAILED, None, str(exc))
             return
-        if stopped := self._stopped_before_start():
+        if stopped := _patiently(job.pk, self._stopped_before_start):
             self.writer.write_line(f"[portal] {stopped} The job never started.")
             self._guarded(self.writer.close)
             self._finish(Job.Status.CANCELLED, None, stopped)
@@ -243,16 +255,22 @@ class Supervisor:
             self.writer.close()
             self._finish(Job.Status.FAILED, None, f"Could not start {launch.argv[0]}: {exc}")
             return
-        now = timezone.now()
-        Job.objects.filter(pk=job.pk, status=Job.Status.STARTING).update(
+        job.started_at = timezone.now()
+        self.env_applied = launch.env_applied
+        # Its process runs now, whatever the database says: watched from here on, and the row
+        # told it runs as soon as the database answers (tried again on every poll until then).
+        self.running_recorded = self._guarded(self._record_running)
+        self._supervise()
+
+    def _record_running(self) -> None:
+        assert self.proc is not None and self.job.started_at is not None
+        Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(
             status=Job.Status.RUNNING,
             pid=self.proc.pid,
-            started_at=now,
-            heartbeat_at=now,
-            env_applied=launch.env_applied,
+            started_at=self.job.started_at,
+            heartbeat_at=timezone.now(),
+            env_applied=self.env_applied,
         )
-        job.started_at = now
-        self._supervise()
 
     def _stopped_before_start(self) -> str:
         """A cancel asked for since the claim (its owner, a leader, or the owner's deactivation):
@@ -317,6 +335,8 @@ class Supervisor:
             if now - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = now
                 self._check_shutdown()
+                if not self.running_recorded:
+                    self.running_recorded = self._guarded(self._record_running)
                 beat = now - last_beat >= settings.JOB_HEARTBEAT_SECONDS
                 if self._guarded(lambda: self._check_row(beat)) and beat:  # noqa: B023 - called at once
                     last_beat = now
@@ -631,7 +651,23 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
             log.warning("Job %s not started: %s", job_id, deactivated(left.owner))
             user_work_stop(user=left.owner, reason=deactivated(left.owner), now=now)
         return None
-    return Job.objects.select_related("reservation", "server").get(pk=job_id)
+    return _patiently(job_id, lambda: Job.objects.select_related("reservation", "server").get(pk=job_id))
+
+
+def _patiently(job_id: int, step: Callable[[], T]) -> T:
+    """A database step between the claim and the job's start: retried every 2 s while the
+    database is away (a restart), for up to JOB_END_WAIT_SECONDS; raised after that (the job is
+    then marked lost by the reconciler, its message saying the worker could not go on)."""
+    deadline = time.monotonic() + settings.JOB_END_WAIT_SECONDS
+    while True:
+        try:
+            return step()
+        except DatabaseError:
+            close_old_connections()
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("Job %s: the database is away before the job's start; retrying in 2 s", job_id)
+            time.sleep(2)
 
 
 def job_run(job_id: int) -> str | None:
@@ -647,5 +683,5 @@ def job_run(job_id: int) -> str | None:
             message="Cancelled: the booking is not active (ended or cancelled before the job started).",
         )
         return Job.Status.CANCELLED
-    Supervisor(job).run()
+    _patiently(job_id, lambda: Supervisor(job)).run()
     return Job.objects.values_list("status", flat=True).get(pk=job_id)

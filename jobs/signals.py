@@ -55,6 +55,7 @@ from jobs.services import jobs_by_session, jobs_reconcile, jobs_usage_record
 from jobs.spool import stop_flag
 from jobs.watchdog_host import HostWatchdog
 from portal.accounts import JOB_USER_OWNER, unix_account_name
+from portal.outage import outage_of
 from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
@@ -196,15 +197,27 @@ def _orphan_of(proc: psutil.Process, started: dict[int, tuple[datetime, int]]) -
 
 
 _watchdog: HostWatchdog | None = None
+_watchdog_database_away = False
 
 
 def _watch_cards(sender: object, *, snapshot: Snapshot, **kwargs: object) -> None:
     """On a GPU host's worker, in its reporter's thread: each snapshot of its cards, judged."""
-    global _watchdog
+    global _watchdog, _watchdog_database_away
     close_old_connections()  # a restarted database must not kill the loop
-    if _watchdog is None:
-        _watchdog = HostWatchdog(snapshot.host.name, simulated=snapshot.host.simulated)
-    _watchdog.round(snapshot)
+    try:
+        if _watchdog is None:
+            _watchdog = HostWatchdog(snapshot.host.name, simulated=snapshot.host.simulated)
+        _watchdog.round(snapshot)
+    except DatabaseError as exc:
+        if outage_of(exc) is None:
+            raise
+        if not _watchdog_database_away:  # one line an outage, not a traceback every round
+            log.warning("GPU watchdog: the database is away (%s); its rounds wait for it", exc)
+        _watchdog_database_away = True
+        return
+    if _watchdog_database_away:
+        log.warning("GPU watchdog: the database answers again")
+    _watchdog_database_away = False
 
 
 def _dry_run() -> str:

@@ -13,6 +13,8 @@ import threading
 from celery.signals import worker_shutdown
 from django.db import connection
 
+from portal.outage import WHAT, outage_of
+
 log = logging.getLogger(__name__)
 
 
@@ -28,11 +30,25 @@ class PeriodicThread(threading.Thread):
         raise NotImplementedError
 
     def run(self) -> None:
+        away: str | None = None  # the service found away in the last step, said once per outage
         while not self.stopped.is_set():
             try:
                 self.step()
-            except Exception:
-                log.exception("%s failed; retrying in %ss", self.name, self.interval)
+                if away:
+                    log.warning("%s: %s answers again", self.name, WHAT[away])
+                away = None
+            except Exception as exc:
+                if (service := outage_of(exc)) is None:
+                    log.exception("%s failed; retrying in %ss", self.name, self.interval)
+                elif service != away:  # an outage is one line, not a traceback every interval
+                    log.warning(
+                        "%s: %s is away (%s); retrying every %ss",
+                        self.name,
+                        WHAT[service],
+                        exc,
+                        self.interval,
+                    )
+                away = service or away
             self.pause()
         self.finish()
         connection.close()  # this thread's own connection; the process may live on

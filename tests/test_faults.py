@@ -1,0 +1,357 @@
+"""Nothing lost when the database or the broker goes away: the fault suite.
+
+Each test runs the real portal (a gunicorn web server, the portal's Celery worker and a GPU host's)
+on a PostgreSQL cluster and a redis-server of its own (tests/fault_servers.py), takes one of them
+away in the middle of the work, and checks afterwards: no 500, no lost log line, no job left open
+without a reason, no process left. Only those throwaway servers are ever stopped; the shared
+PostgreSQL and Redis of the rest of the suite are never touched.
+
+Where this machine cannot run them (no PostgreSQL server binaries, no redis-server, root without a
+`postgres` account) they skip, saying why; on CI (CI=true) they fail instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import psutil
+import pytest
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from gpus.booking import Held, blockers
+from gpus.models import Allocation, Reservation
+from jobs.models import Job
+from portal.env import parse_database_url
+from tests.conftest import wait_for
+from tests.fault_servers import (
+    FINISHED,
+    HOLD,
+    QUICK,
+    SERVER,
+    TAG_VAR,
+    Api,
+    Portal,
+    ThrowawayPostgres,
+    ThrowawayRedis,
+    leftovers,
+    lines_script,
+    unavailable,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.worker]
+
+ALIAS = "faults"  # the test process's own connection to the throwaway database, for the checks
+
+LINES = lines_script(20, every=0.2)  # ~4 s
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tag() -> str:
+    """Marks this test's processes (FAULTS_RUN) and its jobs, for the no-process-left check."""
+    return uuid.uuid4().hex
+
+
+@pytest.fixture
+def _servers_available() -> None:
+    if why := unavailable():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the fault suite, but {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture
+def postgres(_servers_available, tag) -> Iterator[ThrowawayPostgres]:
+    server = ThrowawayPostgres(tag=tag)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def broker(_servers_available, tag) -> Iterator[ThrowawayRedis]:
+    server = ThrowawayRedis(tag=tag)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def portal(postgres, broker, tmp_path, tag) -> Iterator[Portal]:
+    """The portal's processes on a migrated throwaway database with the demo users; the test
+    starts the ones it needs. All are stopped and reaped after it, whatever happened."""
+    url = postgres.create_database("portal")
+    Portal.prepare(url, tmp_path)
+    processes = Portal(database_url=url, redis_url=broker.url, scratch=tmp_path, tag=tag)
+    try:
+        yield processes
+    finally:
+        processes.stop()
+
+
+@pytest.fixture
+def rows(postgres, django_db_blocker) -> Iterator[str]:
+    """The alias of a connection of this process to the throwaway database, for the checks after
+    the faults (the ORM with `.using(rows)`); closed before each use, as the server may have
+    restarted since."""
+    settings = parse_database_url(postgres.url("portal"))
+    connections.settings[ALIAS] = connections.configure_settings(
+        {DEFAULT_DB_ALIAS: dict(settings), ALIAS: settings}
+    )[ALIAS]
+    try:
+        with django_db_blocker.unblock():
+            yield ALIAS
+    finally:
+        connections[ALIAS].close()
+        del connections[ALIAS]
+        del connections.settings[ALIAS]
+
+
+def _printed(log: str) -> list[str]:
+    """The job's own lines, without their timestamps and without the portal's."""
+    lines = (line.split(" ", 1)[1] if " " in line else "" for line in log.splitlines())
+    return [line for line in lines if line and not line.startswith("[portal]")]
+
+
+def _assert_no_500(answers: list[tuple[str, str, int, str | None]]) -> None:
+    """Every answer is below 500, or a 503 with Retry-After; none is a 401 (a token that could not
+    be checked is an outage, not a wrong token)."""
+    bad = [a for a in answers if (a[2] >= 500 and a[2] != 503) or a[2] == 401]
+    assert not bad, f"{len(bad)} bad answers, e.g. {bad[:5]}"
+    no_retry = [a for a in answers if a[2] == 503 and not a[3]]
+    assert not no_retry, f"503 without Retry-After, e.g. {no_retry[:5]}"
+
+
+def _job_running(tag: str, job_id: int) -> bool:
+    for proc in leftovers(tag):
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("PORTAL_JOB_ID") == str(job_id):
+                return True
+    return False
+
+
+def _finishes_once(portal: Portal, job_id: int) -> None:
+    """Its worker recorded its end once (jobs.runner logs each end it records)."""
+    ends = re.findall(rf"Job {job_id} finished: ", portal.output("worker-host"))
+    assert len(ends) == 1, f"job {job_id}'s end was recorded {len(ends)} times"
+
+
+def _assert_nothing_left(portal: Portal, tag: str, *servers: ThrowawayPostgres | ThrowawayRedis) -> None:
+    """Stop everything this test started; then no process of it may be left, jobs included."""
+    portal.stop()
+    for server in servers:
+        server.stop()
+    left = leftovers(tag, portal.scratch, *(server.folder for server in servers))
+    assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
+
+
+# --- the database stopped while a job ends ------------------------------------------------------
+
+
+def test_database_stopped_while_a_job_ends(portal, postgres, broker, tag):
+    api = portal.start(host_pool="solo")
+    job_id = api.run(LINES, tag=tag, reservation=api.book_now())
+    wait_for(lambda: "line 05" in api.log(job_id), timeout=60, what="the job's fifth line")
+
+    postgres.stop("fast")
+    down_at = time.monotonic()
+    during = api.call("GET", f"/api/v1/jobs/{job_id}/")
+    assert during.status_code == 503, during.text
+    # The job (it prints for ~4 s) ends while the database is away.
+    wait_for(lambda: not _job_running(tag, job_id), timeout=10, what="the job to end during the outage")
+    time.sleep(max(0.0, 10 - (time.monotonic() - down_at)))
+    postgres.start()
+
+    wait_for(lambda: api.finished(job_id), timeout=60, what="the job's end to be recorded")
+    job = api.job(job_id)
+    assert (job["status"], job["exit_code"], job["message"]) == ("succeeded", 0, "")
+    log = api.log(job_id)
+    assert _printed(log) == [f"line {n:02d}" for n in range(1, 21)], log
+    assert "[portal] Lost" not in log, log
+    _finishes_once(portal, job_id)
+    _assert_no_500(api.answers)
+    api.close()
+    _assert_nothing_left(portal, tag, postgres, broker)
+
+
+# --- Redis SIGKILLed with messages waiting ------------------------------------------------------
+
+
+def test_redis_killed_with_messages_waiting(portal, postgres, broker, tag, tmp_path):
+    api = portal.start(host_pool="solo")  # one job at a time: the other two wait in Redis
+    flag = tmp_path / "free-the-slot"
+    running = api.run(HOLD, tag=tag, reservation=api.book_now(), args=str(flag))
+    wait_for(lambda: "started" in api.log(running), timeout=60, what="the first job to run")
+    waiting = [api.run(QUICK, tag=tag, reservation=api.book_now()) for _ in range(2)]
+    wait_for(lambda: broker.queued(f"host.{SERVER}") == 2, timeout=10, what="two messages in Redis")
+    assert [api.job(j)["status"] for j in waiting] == ["queued", "queued"]
+
+    broker.kill()  # as the OOM killer would
+    broker.start()  # empty: the two messages are gone
+    assert broker.queued(f"host.{SERVER}") == 0
+    flag.touch()
+    freed_at = time.monotonic()
+
+    for job_id in [running, *waiting]:
+        left = 60 - (time.monotonic() - freed_at)
+        wait_for(lambda j=job_id: api.finished(j), timeout=max(left, 1), what=f"job {job_id} to run and end")
+    for job_id in [running, *waiting]:
+        job = api.job(job_id)
+        assert (job["status"], job["exit_code"]) == ("succeeded", 0), job
+        assert _printed(api.log(job_id)).count("done") == 1  # it ran once
+        _finishes_once(portal, job_id)
+    _assert_no_500(api.answers)
+    api.close()
+    _assert_nothing_left(portal, tag, postgres, broker)
+
+
+# --- the database restarted under concurrent bookings and submits --------------------------------
+
+CLIENTS = 20
+USERS = ("alice", "bob", "leader")
+SUBMITS_PER_CLIENT = 2
+
+
+def _open_jobs(portal: Portal, rows: str) -> list[tuple]:
+    """Jobs that have not ended, other than those pending for a reason the queue gives."""
+    portal.check_alive()
+    connections[rows].close()
+    open_ = Job.objects.using(rows).filter(status__in=Job.ACTIVE)
+    open_ = open_.exclude(status=Job.Status.PENDING, pending_reason__gt="")
+    return list(open_.values_list("pk", "status", "pending_reason", "dispatched_at", "worker", "message"))
+
+
+class Storm:
+    """CLIENTS threads, each with its own token, booking cards in the future, submitting jobs to
+    the queue and reading lists, until `stop` is set; every answer and transport error is kept."""
+
+    def __init__(self, base: str, tag: str) -> None:
+        self.apis = [Api(base, USERS[n % len(USERS)]) for n in range(CLIENTS)]
+        self.tag = tag
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.bookings: list[int] = []
+        self.jobs: list[int] = []
+        self.hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+        self.threads = [
+            threading.Thread(target=self._client, args=(api, n)) for n, api in enumerate(self.apis)
+        ]
+
+    def __enter__(self) -> Storm:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+        for api in self.apis:
+            api.close()
+
+    def wait_for_more(self, *, bookings: int, jobs: int) -> None:
+        """Until this many more bookings and jobs were answered 201."""
+        more_bookings, more_jobs = len(self.bookings) + bookings, len(self.jobs) + jobs
+        wait_for(
+            lambda: len(self.bookings) >= more_bookings and len(self.jobs) >= more_jobs,
+            timeout=30,
+            what=f"{bookings} more bookings and {jobs} more jobs",
+        )
+
+    @property
+    def answers(self) -> list[tuple[str, str, int, str | None]]:
+        return [answer for api in self.apis for answer in api.answers]
+
+    def _client(self, api: Api, n: int) -> None:
+        chance = random.Random(n)
+        submits = 0
+        while not self.stop.is_set():
+            try:
+                roll = chance.random()
+                if roll < 0.05 and submits < SUBMITS_PER_CLIENT:
+                    submits += 1
+                    response = api.submit(QUICK, env={TAG_VAR: self.tag}, gpu_count=1, time_limit_minutes=5)
+                    if response.status_code == 201:
+                        self.jobs.append(response.json()["id"])
+                elif roll < 0.5:
+                    # Hour-long bookings from two hours on, clear of the queued jobs' "now".
+                    start = self.hour + timedelta(hours=chance.randrange(2, 50))
+                    end = start + timedelta(hours=1)
+                    response = api.book(count=1, server=SERVER, start=start.isoformat(), end=end.isoformat())
+                    if response.status_code == 201:
+                        self.bookings.append(response.json()["id"])
+                else:
+                    api.call("GET", chance.choice(("/api/v1/jobs/?mine=1", "/api/v1/reservations/?mine=1")))
+            except Exception as exc:  # a timeout, a reset connection, an answer that is no JSON
+                self.errors.append(f"client {n}: {exc!r}")
+            self.stop.wait(chance.uniform(0.05, 0.2))
+
+
+def test_database_restarted_under_concurrent_bookings_and_submits(portal, postgres, broker, tag, rows):
+    api = portal.start(host_pool="prefork")
+    with Storm(portal.base, tag) as storm:
+        storm.wait_for_more(bookings=10, jobs=3)
+        postgres.restart("fast")
+        storm.wait_for_more(bookings=10, jobs=1)  # the portal is back
+        postgres.stop("immediate")  # as in a crash: recovery on the next start
+        time.sleep(5)
+        postgres.start()
+        storm.wait_for_more(bookings=10, jobs=0)
+    assert not storm.errors, storm.errors[:5]
+    _assert_no_500(storm.answers)
+    statuses = Counter(answer[2] for answer in storm.answers)
+    assert statuses[503], f"no request met the outage: {statuses}"
+    assert storm.bookings and storm.jobs, statuses
+
+    # Every job answered 201 runs to its end; none is left open.
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: not _open_jobs(portal, rows), timeout=60, what="every job to end")
+    assert not _open_jobs(portal, rows), "open without a reason, 60 s after the outage"
+    connections[rows].close()
+    jobs = {job.pk: job for job in Job.objects.using(rows).all()}
+    assert set(storm.jobs) <= set(jobs), f"lost jobs: {set(storm.jobs) - set(jobs)}"
+    for job in jobs.values():
+        if job.status in FINISHED:
+            assert job.status == Job.Status.SUCCEEDED or job.message, f"job {job.pk} {job.status}, no reason"
+        else:
+            assert job.status == Job.Status.PENDING and job.pending_reason, f"job {job.pk} open, no reason"
+    print("jobs:", Counter((job.status, job.pending_reason) for job in jobs.values()), "answers:", statuses)
+    admin = Api(portal.base, "admin")  # sees everyone's jobs
+    for job_id in storm.jobs:
+        if jobs[job_id].status == Job.Status.SUCCEEDED:
+            assert _printed(admin.log(job_id)).count("done") == 1, f"job {job_id}'s log"
+
+    # Every booking answered 201 is there, holding its card; no card is booked twice.
+    booked = Reservation.objects.using(rows).filter(pk__in=storm.bookings)
+    assert len(set(storm.bookings)) == len(storm.bookings), "one booking id answered twice"
+    assert set(booked.values_list("pk", flat=True)) == set(storm.bookings)
+    assert not booked.filter(allocations=None).exists()
+    live: dict[str, list[Allocation]] = defaultdict(list)
+    for allocation in Allocation.objects.using(rows).filter(live=True).select_related("gpu"):
+        live[allocation.gpu_id].append(allocation)
+    for allocations in live.values():
+        for one in allocations:
+            others = [Held(o.start, o.end, o.memory_mb) for o in allocations if o.pk != one.pk]
+            double = blockers(one.gpu, others, one.start, one.end, one.memory_mb)
+            assert not double, f"{one} overlaps {double}"
+
+    _assert_no_500(api.answers + admin.answers)
+    api.close()
+    admin.close()
+    connections[rows].close()
+    _assert_nothing_left(portal, tag, postgres, broker)
