@@ -12,6 +12,7 @@ import logging
 
 from celery.signals import worker_ready, worker_shutdown
 from django.conf import settings
+from django.db import connection
 
 from gpus import idle, telemetry, usage
 
@@ -34,7 +35,9 @@ def _start_threads(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
 
 @worker_shutdown.connect
 def _flush_usage(**kwargs) -> None:  # type: ignore[no-untyped-def]
-    """Only where a rollup runs (the collector's worker): the last minute's figures, not lost."""
+    """Only where a rollup runs (the collector's worker): the last minute's figures, not lost.
+    On a fresh connection: the one this thread had may have died with a database restart."""
+    connection.close()
     try:
         usage.usage_flush()
     except Exception:

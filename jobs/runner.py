@@ -664,10 +664,15 @@ def _patiently(job_id: int, step: Callable[[], T]) -> T:
             return step()
         except DatabaseError:
             close_old_connections()
-            if time.monotonic() >= deadline:
-                raise
+            if time.monotonic() >= deadline or _worker_stopping():
+                raise  # a worker shutting down waits for no database
             log.warning("Job %s: the database is away before the job's start; retrying in 2 s", job_id)
             time.sleep(2)
+
+
+def _worker_stopping() -> bool:
+    """This worker is shutting down (its flag, jobs.spool.stop_flag: prefork's parent, or solo's self)."""
+    return any(flag is not None and flag.exists() for flag in map(stop_flag, {os.getpid(), os.getppid()}))
 
 
 def job_run(job_id: int) -> str | None:

@@ -90,10 +90,12 @@ def leftovers(tag: str, *folders: Path) -> list[psutil.Process]:
     return found
 
 
-def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
-    """Signal a child and reap it; SIGKILL when it takes longer than `timeout`."""
+def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float = 20) -> bool:
+    """Signal a child and reap it; SIGKILL when it takes longer than `timeout`. Returns whether
+    it ended by itself in time."""
     if proc is None:
-        return
+        return True
+    in_time = True
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)
@@ -101,7 +103,9 @@ def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: flo
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
+            in_time = False
     proc.wait()
+    return in_time
 
 
 class ThrowawayPostgres:
@@ -439,13 +443,18 @@ class Portal:
         except httpx.TransportError:
             return False
 
-    def stop(self) -> None:
-        """SIGTERM to all (a worker's warm shutdown stops its jobs), then reap each."""
+    def stop(self) -> list[str]:
+        """SIGTERM to all, as systemd or Ctrl-C would (a worker's warm shutdown stops its jobs),
+        then reap each; returns the roles that were still running 30 s later (then SIGKILLed)."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        for proc in self.procs.values():
-            _stop(proc, timeout=30)
+        deadline = time.monotonic() + 30
+        return [
+            role
+            for role, proc in self.procs.items()
+            if not _stop(proc, timeout=max(0.1, deadline - time.monotonic()))
+        ]
 
 
 class Api:

@@ -152,8 +152,9 @@ def _finishes_once(portal: Portal, job_id: int) -> None:
 
 
 def _assert_nothing_left(portal: Portal, tag: str, *servers: ThrowawayPostgres | ThrowawayRedis) -> None:
-    """Stop everything this test started; then no process of it may be left, jobs included."""
-    portal.stop()
+    """Stop everything this test started, after its faults, by SIGTERM as systemd or Ctrl-C
+    would: all of it within 30 s, and then no process of it may be left, jobs included."""
+    assert portal.stop() == [], "still running 30 s after SIGTERM"
     for server in servers:
         server.stop()
     left = leftovers(tag, portal.scratch, *(server.folder for server in servers))
