@@ -41,6 +41,11 @@ class Server(models.Model):
     ram_mb = models.PositiveBigIntegerField(default=0)
     last_seen = models.DateTimeField(null=True, blank=True)
     last_history_at = models.DateTimeField(null=True, blank=True)
+    # The queue plans no more jobs onto a host than its worker runs at once (its pool's size).
+    job_slots = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="How many jobs this host's worker runs at once, as it last said."
+    )
+    job_slots_at = models.DateTimeField(null=True, blank=True, help_text="When the worker last said so.")
 
     objects = ServerQuerySet.as_manager()
 
@@ -143,6 +148,9 @@ class GPUProcess(models.Model):
     command = models.CharField(max_length=300, blank=True)
     used_memory_mb = models.PositiveIntegerField(null=True, blank=True, help_text="MiB, as NVML counts.")
     session_id = models.PositiveIntegerField(null=True, blank=True, help_text="os.getsid() of the process.")
+    started = models.FloatField(
+        null=True, blank=True, help_text="The start (psutil create_time): with the pid, its identity."
+    )
     # The portal job this process belongs to, resolved from its session at ingest: a plain
     # number, not a foreign key, because jobs build on gpus and not the reverse; telemetry rows
     # are replaced every round, so they must never block a job's deletion either.
@@ -391,6 +399,9 @@ class Violation(models.Model):
     gpu = models.ForeignKey(GPU, on_delete=models.CASCADE, related_name="violations")
     server = models.ForeignKey(Server, on_delete=models.CASCADE, related_name="violations")
     pid = models.PositiveIntegerField()
+    # With the pid, the process for good (portal.pids): a later process that reuses the pid is
+    # another violation, never this one's continuation, and is never signalled for it.
+    process_started = models.FloatField(null=True, blank=True, help_text="Its start (psutil create_time).")
     session_id = models.PositiveIntegerField(null=True, blank=True)
     os_user = models.CharField(max_length=64, blank=True, help_text="The process's OS user.")
     command = models.CharField(max_length=300, blank=True)

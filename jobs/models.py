@@ -125,6 +125,9 @@ class Job(models.Model):
     )
     worker = models.CharField(max_length=200, blank=True, help_text="The worker host that ran it.")
     pid = models.PositiveIntegerField(null=True, blank=True)
+    # The job's session leader's start (psutil create_time): pid and start time together name
+    # the job's session for good, so a recycled pid is never taken for it (portal.pids).
+    pid_started = models.FloatField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     message = models.CharField(max_length=1000, blank=True, help_text="Why it failed, was lost or stopped.")
     # Set by the GPU watchdog (jobs/watchdog_host.py) to stop a running job that broke its booking:
