@@ -106,6 +106,15 @@ def database_url(settings_dict: dict) -> str:
     return f"postgres://{auth}@{host}:{settings_dict['PORT'] or 5432}/{settings_dict['NAME']}"
 
 
+POSTGRES_DEFAULT_OPTIONS = {
+    "connect_timeout": "5",
+    "keepalives": "1",
+    "keepalives_idle": "30",
+    "keepalives_interval": "10",
+    "keepalives_count": "3",
+}
+
+
 def parse_database_url(url: str, *, var: str = "DATABASE_URL") -> dict:
     """`postgres://user:pass@host:port/name` or `sqlite:///abs/path` → a DATABASES entry."""
     parts = urlsplit(url)
@@ -134,6 +143,11 @@ def parse_database_url(url: str, *, var: str = "DATABASE_URL") -> dict:
         if not name:
             raise ImproperlyConfiguredEnv(f"{var}={url!r} names no database: add /dbname")
         options = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+        # A host that is down or unreachable must fail a connection in seconds, not hang a
+        # worker, a request or a runner's retry loop on the kernel's TCP timeout (minutes):
+        # every caller retries on its own schedule. Keepalives find a dead peer on an idle
+        # pooled connection the same way. The URL's own values win (?connect_timeout=30).
+        options = {**POSTGRES_DEFAULT_OPTIONS, **options}
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": name,

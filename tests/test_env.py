@@ -1,6 +1,11 @@
+import socket
+import time
+
+import psycopg
 import pytest
 
 from portal.env import (
+    POSTGRES_DEFAULT_OPTIONS,
     ImproperlyConfiguredEnv,
     env_bool,
     env_choice,
@@ -60,7 +65,9 @@ def test_it_parses_database_urls():
         "127.0.0.1",
         "5432",
     )
-    assert pg["OPTIONS"] == {"sslmode": "disable"}
+    assert pg["OPTIONS"] == {**POSTGRES_DEFAULT_OPTIONS, "sslmode": "disable"}
+    assert pg["OPTIONS"]["connect_timeout"] == "5"  # a dead host fails in seconds
+    assert parse_database_url("postgres://h/db?connect_timeout=30")["OPTIONS"]["connect_timeout"] == "30"
     lite = parse_database_url("sqlite:////srv/portal/db.sqlite3")
     assert lite["NAME"] == "/srv/portal/db.sqlite3"
     assert lite["OPTIONS"]["transaction_mode"] == "IMMEDIATE"
@@ -82,3 +89,23 @@ def test_it_refuses_a_bad_setting_at_start_up():
     )
     assert result.returncode != 0
     assert "GPU_BACKEND='cuda' must be one of" in result.stderr
+
+
+def test_a_database_host_that_never_answers_fails_the_connection_in_seconds():
+    """A listener that takes the TCP connection and then says nothing (a hung PostgreSQL, a
+    half-open firewall) fails the connect after connect_timeout, not the kernel's minutes."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the backlog; nobody ever answers
+        port = silent.getsockname()[1]
+        entry = parse_database_url(f"postgres://postgres@127.0.0.1:{port}/test?connect_timeout=1")
+        began = time.monotonic()
+        with pytest.raises(psycopg.OperationalError):
+            psycopg.connect(
+                host=entry["HOST"],
+                port=entry["PORT"],
+                dbname=entry["NAME"],
+                user=entry["USER"],
+                **entry["OPTIONS"],
+            )
+        assert time.monotonic() - began < 5
