@@ -81,6 +81,14 @@ def box(db) -> list:
 
 
 @pytest.fixture
+def booking(alice, box):
+    """alice's active 8 GiB booking of box1 GPU 0 (a module may define its own instead)."""
+    from gpus.booking import reservation_create
+
+    return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+
+
+@pytest.fixture
 def t0():
     """The start of the next hour-long slot: a minute-aligned time an hour from now."""
     return timezone.now().replace(second=0, microsecond=0) + timedelta(hours=1)

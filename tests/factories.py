@@ -77,3 +77,21 @@ def make_snapshot(
         simulated=simulated,
     )
     return Snapshot(host=host, gpus=cards)
+
+
+def job_form_data(booking, **overrides: object) -> dict:
+    """The job form's fields as a browser posts them, for `booking`, with `overrides`."""
+    data: dict = {
+        "reservation": str(booking.pk),
+        "script_path": "",
+        "args": "",
+        "workdir": "",
+        "interpreter": "default",
+        "env": "",
+        "time_limit_minutes": "",
+        "memory_mode": "",
+        "intra_op_threads": "",
+        "inter_op_threads": "",
+        "soft_placement": "on",
+    }
+    return data | overrides

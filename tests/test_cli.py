@@ -65,11 +65,6 @@ def portal(live_server, alice, monkeypatch) -> str:
 
 
 @pytest.fixture
-def booking(alice, box) -> Reservation:
-    return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
-
-
-@pytest.fixture
 def script(tmp_path) -> Path:
     path = tmp_path / "train.py"
     path.write_text("print('training')\n")

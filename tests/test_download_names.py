@@ -11,13 +11,13 @@ from django.urls import reverse
 from django.utils.http import content_disposition_header
 from rest_framework.test import APIClient
 
-from gpus.booking import reservation_create
 from jobs.logs import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.paths import roots
 from jobs.services import ScriptUpload, job_submit
 from portal.errors import Invalid
+from tests.factories import job_form_data
 
 pytestmark = pytest.mark.django_db
 
@@ -27,32 +27,10 @@ CONTROLS = ['";\r\nx', "\r", "\n", "\x00", "\t", "\x1b", "\x7f", "\x85"]
 
 
 @pytest.fixture
-def booking(alice, box):
-    return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
-
-
-@pytest.fixture
 def api(alice) -> APIClient:
     client = APIClient()
     client.force_login(alice)  # a session: the pages' downloads too
     return client
-
-
-def form_data(booking, **overrides: str) -> dict[str, str]:
-    data = {
-        "reservation": str(booking.pk),
-        "script_path": "",
-        "args": "",
-        "workdir": "",
-        "interpreter": "default",
-        "env": "",
-        "time_limit_minutes": "",
-        "memory_mode": "",
-        "intra_op_threads": "",
-        "inter_op_threads": "",
-        "soft_placement": "on",
-    }
-    return data | overrides
 
 
 def multipart(fields: dict[str, str], file_name: str) -> dict[str, object]:
@@ -92,7 +70,7 @@ PATHS = [
 def test_the_form_refuses_a_path_with_a_control_character_beside_its_field(
     client, alice, booking, sent, field, path, words, control
 ):
-    data = form_data(booking, script_path=f"{roots()[0]}/train.py")
+    data = job_form_data(booking, script_path=f"{roots()[0]}/train.py")
     data[field] = f"{roots()[0]}/{path.format(control)}"
     client.force_login(alice)
     response = client.post(reverse("job_new"), data)
@@ -124,7 +102,7 @@ def test_the_form_refuses_an_upload_named_with_a_control_character(
     client, alice, booking, sent, names_as_sent, control
 ):
     client.force_login(alice)
-    response = client.post(reverse("job_new"), **multipart(form_data(booking), f"invoice{control}.py"))
+    response = client.post(reverse("job_new"), **multipart(job_form_data(booking), f"invoice{control}.py"))
     assert response.status_code == 200
     (error,) = response.context["form"].errors["script"]
     assert error.startswith("The script's file name holds a control character")

@@ -17,7 +17,7 @@ from jobs.logs import LogWriter
 from jobs.models import Job
 from jobs.services import ScriptUpload, job_submit
 from portal.timefmt import format_duration
-from tests.factories import make_snapshot
+from tests.factories import job_form_data, make_snapshot
 
 SCRIPT = b"print('hello from the job')\n"
 
@@ -31,34 +31,10 @@ def dispatched(monkeypatch) -> list:
 
 
 @pytest.fixture
-def booking(alice, box):
-    """alice's active 8 GiB booking of box1 GPU 0."""
-    return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
-
-
-@pytest.fixture
 def job(alice, booking) -> Job:
     return job_submit(
         user=alice, reservation=booking, script=ScriptUpload(name="train.py", content=SCRIPT), args="--lr 0.1"
     )
-
-
-def form_data(booking, **overrides) -> dict:
-    data = {
-        "reservation": booking.pk,
-        "script_path": "",
-        "args": "",
-        "workdir": "",
-        "interpreter": "default",
-        "env": "",
-        "time_limit_minutes": "",
-        "memory_mode": "",
-        "intra_op_threads": "",
-        "inter_op_threads": "",
-        "soft_placement": "on",
-    }
-    data.update(overrides)
-    return data
 
 
 def field_errors(response, field: str) -> list[str]:
@@ -86,7 +62,7 @@ def test_it_submits_an_uploaded_script_and_redirects_to_the_job_page(
 ):
     client.force_login(alice)
     upload = SimpleUploadedFile("train.py", SCRIPT)
-    data = form_data(booking, script=upload, args="--epochs 2 --name 'run a'", env="WANDB_MODE=offline")
+    data = job_form_data(booking, script=upload, args="--epochs 2 --name 'run a'", env="WANDB_MODE=offline")
     with django_capture_on_commit_callbacks(execute=True):
         response = client.post(reverse("job_new"), data)
     job = Job.objects.get()
@@ -120,7 +96,7 @@ def test_it_shows_service_errors_beside_the_field_and_writes_nothing(
     client, alice, booking, overrides, field, words
 ):
     client.force_login(alice)
-    data = form_data(booking, script=SimpleUploadedFile("train.py", SCRIPT))
+    data = job_form_data(booking, script=SimpleUploadedFile("train.py", SCRIPT))
     data.update(overrides)
     data = {k: v for k, v in data.items() if v is not None}
     response = client.post(reverse("job_new"), data)
@@ -137,7 +113,7 @@ def test_it_refuses_a_too_large_upload_beside_the_script_field(client, alice, bo
     settings.JOB_UPLOAD_MAX_KB = 1
     client.force_login(alice)
     upload = SimpleUploadedFile("big.py", b"x = 1\n" * 1000)
-    response = client.post(reverse("job_new"), form_data(booking, script=upload))
+    response = client.post(reverse("job_new"), job_form_data(booking, script=upload))
     assert response.status_code == 200
     assert any("the limit is 1 KB" in e for e in field_errors(response, "script"))
     assert not Job.objects.exists()
@@ -146,7 +122,7 @@ def test_it_refuses_a_too_large_upload_beside_the_script_field(client, alice, bo
 def test_it_refuses_someone_elses_booking_in_the_form(client, bob, booking):
     client.force_login(bob)
     upload = SimpleUploadedFile("train.py", SCRIPT)
-    response = client.post(reverse("job_new"), form_data(booking, script=upload))
+    response = client.post(reverse("job_new"), job_form_data(booking, script=upload))
     assert response.status_code == 200
     assert "not one of your active or upcoming bookings" in field_errors(response, "reservation")[0]
     assert not Job.objects.exists()
@@ -155,7 +131,7 @@ def test_it_refuses_someone_elses_booking_in_the_form(client, bob, booking):
 def test_it_shows_a_second_job_on_the_same_booking_as_a_form_error(client, alice, booking, job):
     client.force_login(alice)
     upload = SimpleUploadedFile("again.py", SCRIPT)
-    response = client.post(reverse("job_new"), form_data(booking, script=upload))
+    response = client.post(reverse("job_new"), job_form_data(booking, script=upload))
     assert response.status_code == 200
     errors = response.context["form"].non_field_errors()
     assert f"Job {job.pk} (train.py) is still queued" in errors[0]
