@@ -8,6 +8,8 @@ from pathlib import Path
 from django.conf import settings
 
 from gpus.inventory import Backend
+from gpus.nvml import NvmlBackend, NvmlNotInstalled
+from gpus.simulated import SimulatedBackend
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +24,6 @@ def get_backend(kind: str | None = None, server_name: str | None = None) -> Back
     kind = kind or settings.GPU_BACKEND
     server_name = server_name or settings.WORKER_SERVER
     if kind in ("nvml", "auto"):
-        from gpus.nvml import NvmlBackend, NvmlNotInstalled
-
         try:
             return NvmlBackend(server_name, round_timeout=settings.NVML_ROUND_TIMEOUT_SECONDS)
         except NvmlNotInstalled as exc:
@@ -32,7 +32,5 @@ def get_backend(kind: str | None = None, server_name: str | None = None) -> Back
             log.warning(
                 "No NVIDIA driver on this host (%s); GPU_BACKEND=auto uses the SIMULATED inventory.", exc
             )
-    from gpus.simulated import SimulatedBackend
-
     path = Path(settings.SIMULATED_INVENTORY) if settings.SIMULATED_INVENTORY else None
     return SimulatedBackend(server_name, path, processes_file=Path(settings.SIMULATED_PROCESSES_FILE))

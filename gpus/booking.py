@@ -9,26 +9,25 @@ SQLite every transaction is BEGIN IMMEDIATE (portal/env.py), which serialises al
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from gpus.conflicts import Blocked, blockers, explain_conflicts, gpu_label, held_on
+from gpus.conflicts import Held as Held  # older callers import it from here (tests/test_faults.py)
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
 from gpus.quotas import Use, has_limits, peak, quota_refusal
-from portal.access import can_manage_team, display_name, team_ids_of
+from portal.access import can_manage
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, Team
 from portal.timefmt import format_time
-from portal.wakeups import wake_on_commit
+from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
 PICK_ATTEMPTS = 3
 # Who may act on a booking; the API's permission classes answer with the same words.
@@ -69,137 +68,6 @@ class PortalActor:
 
 
 PORTAL = PortalActor()
-
-
-def gpu_label(gpu: GPU) -> str:
-    return f"{gpu.server.name} GPU {gpu.index} ({gpu.uuid})"
-
-
-@dataclass(frozen=True)
-class Held:
-    """A live allocation already on a card; the owner fields only when asked for (messages)."""
-
-    start: datetime
-    end: datetime
-    memory_mb: int | None
-    owner_id: int | None = None
-    owner_name: str = ""
-    team_id: int | None = None
-
-
-def held_on(
-    uuids: Sequence[str],
-    start: datetime,
-    end: datetime,
-    *,
-    exclude: int | None = None,
-    owners: bool = False,
-) -> dict[str, list[Held]]:
-    """Live allocations on these cards overlapping [start, end), by card UUID, oldest first, in one
-    query on the indexed allocation table; the owners are joined in only for messages."""
-    rows = Allocation.objects.filter(live=True, gpu_id__in=uuids, end__gt=start, start__lt=end)
-    if exclude is not None:
-        rows = rows.exclude(reservation_id=exclude)
-    fields = ["start", "end", "memory_mb"]
-    if owners:
-        fields += ["reservation__owner_id", "reservation__owner__username", "reservation__team_id"]
-    held: dict[str, list[Held]] = defaultdict(list)
-    for gpu_id, *values in rows.order_by("start").values_list("gpu_id", *fields):
-        held[gpu_id].append(Held(*values))
-    return held
-
-
-def blockers(
-    gpu: GPU, held: Sequence[Held], start: datetime, end: datetime, memory_mb: int | None
-) -> list[Held]:
-    """The bookings that stop `memory_mb` (None: the whole card) fitting on `gpu` in [start, end).
-
-    A whole card needs the card empty. Memory quotas may overlap while their sum at every
-    instant stays within the card's bookable memory: a sweep, not a pairwise test, because
-    three bookings can each fit pairwise and still overflow together.
-    """
-    overlapping = [h for h in held if h.start < end and h.end > start]
-    if not overlapping or memory_mb is None:
-        return overlapping
-    wholes = [h for h in overlapping if h.memory_mb is None]
-    if wholes:
-        return wholes
-    in_use = peak(((h.start, h.end, h.memory_mb or 0) for h in overlapping), start, end)
-    return overlapping if in_use + memory_mb > gpu.memory_bookable_mb else []
-
-
-def earliest_fit(
-    gpu: GPU, start: datetime, end: datetime, memory_mb: int | None, *, exclude: int | None = None
-) -> datetime | None:
-    """The first start ≥ `start` at which a booking of the same length fits, within the horizon.
-
-    Only a start or the end of an existing booking can be the first fitting instant.
-    """
-    length = end - start
-    horizon = start + timedelta(days=settings.BOOKING_HORIZON_DAYS)
-    held = held_on([gpu.uuid], start, horizon + length, exclude=exclude).get(gpu.uuid, [])
-    for candidate in sorted({start, *(h.end for h in held if h.end > start)}):
-        if candidate > horizon:
-            break
-        if not blockers(gpu, held, candidate, candidate + length, memory_mb):
-            return candidate
-    return None
-
-
-class _Blocked(Exception):
-    """A card is not free. Raised inside the locked transaction, which rolls back; the
-    message (owner names, the earliest slot: two more reads) is built after, unlocked."""
-
-    def __init__(self, gpu: GPU, start: datetime, end: datetime, memory_mb: int | None, exclude: int | None):
-        super().__init__(gpu.uuid)
-        self.gpu, self.start, self.end, self.memory_mb, self.exclude = gpu, start, end, memory_mb, exclude
-
-
-def _conflict_message(viewer: AbstractBaseUser, blocked: _Blocked) -> str:
-    gpu, start, end, memory_mb, exclude = (
-        blocked.gpu,
-        blocked.start,
-        blocked.end,
-        blocked.memory_mb,
-        blocked.exclude,
-    )
-    held = held_on([gpu.uuid], start, end, exclude=exclude, owners=True).get(gpu.uuid, [])
-    found = blockers(gpu, held, start, end, memory_mb)
-    window = f"from {format_time(start)} to {format_time(end)}"
-    if not found:
-        return f"{gpu_label(gpu)} was taken {window} a moment ago and is free again now; try again."
-    viewer_teams = team_ids_of(viewer)
-    who = "; ".join(
-        f"{display_name(viewer, viewer_teams, h.owner_id, h.owner_name, h.team_id)} holds "
-        f"{'the whole card' if h.memory_mb is None else format_mb(h.memory_mb)} "
-        f"from {format_time(h.start)} to {format_time(h.end)}"
-        for h in found[:3]
-    )
-    if len(found) > 3:
-        who += f"; and {len(found) - 3} more"
-    want = (
-        "the whole card"
-        if memory_mb is None
-        else f"{format_mb(memory_mb)} of its {format_mb(gpu.memory_bookable_mb)} bookable"
-    )
-    fit = earliest_fit(gpu, start, end, memory_mb, exclude=exclude)
-    when = (
-        f"The earliest a booking of the same length fits is {format_time(fit)}."
-        if fit
-        else f"No slot of that length is free within the next {settings.BOOKING_HORIZON_DAYS} days."
-    )
-    return f"{gpu_label(gpu)} is not free for {want} {window}: {who}. {when}"
-
-
-def _explain_conflicts(service: Callable[..., Reservation]) -> Callable[..., Reservation]:
-    @functools.wraps(service)
-    def wrapper(*, user: AbstractBaseUser, **kwargs: Any) -> Reservation:
-        try:
-            return service(user=user, **kwargs)
-        except _Blocked as blocked:
-            raise Conflict(_conflict_message(user, blocked), field="gpus") from None
-
-    return wrapper
 
 
 # --- checks shared by create and extend ---------------------------------------------
@@ -329,7 +197,7 @@ def _check_free(
     held = held_on([g.uuid for g in gpus], start, end, exclude=exclude)
     for gpu in gpus:
         if blockers(gpu, held.get(gpu.uuid, []), start, end, memory_mb):
-            raise _Blocked(gpu, start, end, memory_mb, exclude)
+            raise Blocked(gpu, start, end, memory_mb, exclude)
 
 
 def _check_quota(
@@ -353,33 +221,7 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
     Load of a card = share of its bookable memory booked in the window, then its current
     utilisation and used memory. Unlocked reads: the caller locks the pick and re-checks.
     """
-    candidates = GPU.objects.select_related("server").filter(server__draining=False, state=CardState.OK)
-    if server:
-        draining = Server.objects.filter(name=server).values_list("draining", flat=True).first()
-        if draining is None:
-            raise Invalid(f"There is no server {server!r}; leave it empty for any server.", field="server")
-        if draining:
-            raise Invalid(
-                f"Server {server} is draining: it takes no new bookings. "
-                "Pick another server, or leave it empty for any online server.",
-                field="server",
-            )
-        candidates = candidates.filter(server__name=server)
-    else:
-        candidates = candidates.filter(server__in=Server.objects.online())
-    gpus = list(candidates)
-    if not gpus and not server:
-        if Server.objects.online().exists():
-            raise Conflict(
-                "Every online GPU server is draining (taking no new bookings), so the portal has no "
-                "cards to pick from. Try again later, or ask an admin which server to use.",
-                field="server",
-            )
-        raise Conflict(
-            "No GPU server is online now, so the portal has no cards to pick from. Pick cards on the "
-            "dashboard or name a server to book ahead, or try again once a server reports.",
-            field="server",
-        )
+    gpus = _candidates(server)
     if memory_mb is not None and gpus and memory_mb > max(g.memory_bookable_mb for g in gpus):
         largest = max(g.memory_bookable_mb for g in gpus)
         raise Invalid(
@@ -387,21 +229,7 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
             f"ask for at most {largest}M, or whole cards.",
             field="memory_mb",
         )
-    held = held_on([g.uuid for g in gpus], start, end)
-    fitting: dict[str, list[tuple[tuple[float, int, int], str]]] = defaultdict(list)
-    for gpu in gpus:
-        mine = held.get(gpu.uuid, [])
-        if (memory_mb is not None and memory_mb > gpu.memory_bookable_mb) or blockers(
-            gpu, mine, start, end, memory_mb
-        ):
-            continue
-        booked = peak(((h.start, h.end, h.memory_mb or 0) for h in mine), start, end)
-        load = (
-            booked / gpu.memory_bookable_mb if gpu.memory_bookable_mb else 1.0,
-            gpu.utilization_pct or 0,
-            gpu.memory_used_mb or 0,
-        )
-        fitting[gpu.server.name].append((load, gpu.uuid))
+    fitting = _fitting_by_server(gpus, memory_mb, start, end)
     options = []
     for name, cards in fitting.items():
         if len(cards) >= count:
@@ -423,6 +251,59 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
     )
 
 
+def _candidates(server: str | None) -> list[GPU]:
+    """The bookable cards of `server`, or of every online server; refused when there are none to
+    pick from (no such server, draining, nothing online)."""
+    candidates = GPU.objects.select_related("server").filter(server__draining=False, state=CardState.OK)
+    if server:
+        draining = Server.objects.filter(name=server).values_list("draining", flat=True).first()
+        if draining is None:
+            raise Invalid(f"There is no server {server!r}; leave it empty for any server.", field="server")
+        if draining:
+            raise Invalid(
+                f"Server {server} is draining: it takes no new bookings. "
+                "Pick another server, or leave it empty for any online server.",
+                field="server",
+            )
+        return list(candidates.filter(server__name=server))
+    gpus = list(candidates.filter(server__in=Server.objects.online()))
+    if not gpus:
+        if Server.objects.online().exists():
+            raise Conflict(
+                "Every online GPU server is draining (taking no new bookings), so the portal has no "
+                "cards to pick from. Try again later, or ask an admin which server to use.",
+                field="server",
+            )
+        raise Conflict(
+            "No GPU server is online now, so the portal has no cards to pick from. Pick cards on the "
+            "dashboard or name a server to book ahead, or try again once a server reports.",
+            field="server",
+        )
+    return gpus
+
+
+def _fitting_by_server(
+    gpus: Sequence[GPU], memory_mb: int | None, start: datetime, end: datetime
+) -> dict[str, list[tuple[tuple[float, int, int], str]]]:
+    """The cards where the booking fits, by server name, each with its load and UUID."""
+    held = held_on([g.uuid for g in gpus], start, end)
+    fitting: dict[str, list[tuple[tuple[float, int, int], str]]] = defaultdict(list)
+    for gpu in gpus:
+        mine = held.get(gpu.uuid, [])
+        if (memory_mb is not None and memory_mb > gpu.memory_bookable_mb) or blockers(
+            gpu, mine, start, end, memory_mb
+        ):
+            continue
+        booked = peak(((h.start, h.end, h.memory_mb or 0) for h in mine), start, end)
+        load = (
+            GPU.card_share(booked, gpu.memory_bookable_mb),
+            gpu.utilization_pct or 0,
+            gpu.memory_used_mb or 0,
+        )
+        fitting[gpu.server.name].append((load, gpu.uuid))
+    return fitting
+
+
 def _pick_and_lock(
     count: int, server: str | None, memory_mb: int | None, start: datetime, end: datetime
 ) -> list[GPU]:
@@ -438,7 +319,7 @@ def _pick_and_lock(
                 cards = _locked_gpus(_pick(count, server, memory_mb, start, end), memory_mb)
                 _check_free(cards, start, end, memory_mb)
                 return cards
-        except _Blocked:
+        except Blocked:
             if attempt == PICK_ATTEMPTS:
                 raise
     raise AssertionError("unreachable")
@@ -470,7 +351,7 @@ def describe(gpus: Sequence[GPU], memory_mb: int | None) -> str:
 # --- services -----------------------------------------------------------------------
 
 
-@_explain_conflicts
+@explain_conflicts
 @transaction.atomic
 def reservation_create(
     *,
@@ -528,7 +409,7 @@ def _locked_reservation(reservation: Reservation | int) -> Reservation:
     return Reservation.objects.select_for_update(of=("self",)).select_related("owner", "team").get(pk=pk)
 
 
-@_explain_conflicts
+@explain_conflicts
 @transaction.atomic
 def reservation_extend(
     *, user: AbstractBaseUser, reservation: Reservation | int, end: datetime, now: datetime | None = None
@@ -590,9 +471,9 @@ def reservation_cancel(
     if "\x00" in reason:
         raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
     reservation = _locked_reservation(reservation)
-    is_owner = reservation.owner_id == user.pk
-    if not is_owner and not can_manage_team(user, reservation.team_id):
+    if not can_manage(user, reservation):
         raise Forbidden(ONLY_OWNER_OR_MANAGER_CANCELS)
+    is_owner = reservation.owner_id == user.pk
     status = reservation.status_at(now)
     if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
         raise Invalid(f"This booking is already {status.label.lower()}; there is nothing to cancel.")
@@ -614,7 +495,7 @@ def _cancel(
     reservation.cancelled_by = None if user is PORTAL else user
     reservation.cancel_reason = reason
     reservation.save(update_fields=["end", "cancelled_at", "cancelled_by", "cancel_reason"])
-    wake_on_commit("queue")  # its cards are free: pending jobs may start now
+    wake_on_commit(QUEUE_SCHEDULER)  # its cards are free: pending jobs may start now
     because = f": {reason}" if reason else ""
     _audit(
         user,
@@ -632,7 +513,7 @@ def _release(
     _end_now(reservation, now)
     reservation.released_at = now
     reservation.save(update_fields=["end", "released_at"])
-    wake_on_commit("queue")  # its cards are free: pending jobs may start now
+    wake_on_commit(QUEUE_SCHEDULER)  # its cards are free: pending jobs may start now
     because = f": {reason}" if reason else ""
     _audit(
         user,

@@ -14,9 +14,9 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from gpus.models import GPU, Reservation, Server, UsageFigures, Violation
-from portal.access import is_admin
+from portal.access import is_admin, teams_led_by, teams_visible_to
 from portal.filters import DayFilter, MineFilter, unknown_choice
-from portal.models import Membership, Team
+from portal.models import Team
 
 # The derived statuses (Reservation.Status), and "open" for upcoming or active; the rules are
 # ReservationQuerySet.with_status, the model's, so a list and a booking's page always agree.
@@ -31,12 +31,8 @@ def server_choices() -> list[tuple[str, str]]:
 
 def _team_choices(user: AbstractBaseUser | None) -> list[tuple[str, str]]:
     """The teams whose bookings the user sees (Reservation.objects.visible_to): their own; admins all."""
-    teams = Team.objects.order_by("name")
-    if user is None:
-        teams = teams.none()
-    elif not is_admin(user):
-        teams = teams.filter(memberships__user=user)
-    return [("", "any team"), *((t.slug, t.name) for t in teams)]
+    teams = Team.objects.none() if user is None else teams_visible_to(user)
+    return [("", "any team"), *((t.slug, t.name) for t in teams.order_by("name"))]
 
 
 class GPUFilter(django_filters.FilterSet):
@@ -170,7 +166,7 @@ def _usage_user_choices(user: AbstractBaseUser | None) -> list[tuple[str, str]]:
     if user is None:
         people = people.none()
     elif not is_admin(user):
-        led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
+        led = teams_led_by(user)
         people = people.filter(Q(pk=user.pk) | Q(memberships__team_id__in=led)).distinct()
     return [("", "anyone"), *((name, name) for name in people.values_list("username", flat=True))]
 

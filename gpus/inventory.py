@@ -23,6 +23,10 @@ class ProcessInfo:
     # recorded, so the session names the job without privileges, and the job cannot forge it.
     # None for a process that is gone, and for the simulation's invented processes.
     session_id: int | None = None
+    # psutil's create_time: with the pid, the process for good (portal.pids). None where it could
+    # not be read (gone, another PID namespace, the simulation's invented processes): such a
+    # process is shown and judged, never signalled.
+    started: float | None = None
     # The portal job, resolved from session_id at ingest (gpus.services); never read from the
     # process itself, whose environment is the job's to set.
     job_id: int | None = None

@@ -13,8 +13,7 @@ from django.db import models
 from django.utils import timezone
 
 from gpus.inventory import CardState
-from portal.access import is_admin
-from portal.models import Membership
+from portal.access import is_admin, teams_led_by
 
 
 class ServerQuerySet(models.QuerySet):
@@ -123,6 +122,16 @@ class GPU(models.Model):
         A static method so the dashboard and timeline selectors, which read plain rows,
         use the same formula as the model."""
         return max(0, total_mb - reserved_mb - settings.GPU_CONTEXT_HEADROOM_MB)
+
+    @staticmethod
+    def card_share(memory_mb: float | None, bookable_mb: int) -> float:
+        """A booking's share of a card: 1 for the whole card, else its memory over the card's
+        bookable memory (what can be booked), at most 1. The timeline's bars and the booking
+        picker's card load read it. Quota and usage GPU-hours still divide by the card's total
+        (gpus.quotas.Use.of), which their figures and tests pin."""
+        if memory_mb is None or bookable_mb <= 0:
+            return 1.0
+        return min(1.0, memory_mb / bookable_mb)
 
     @property
     def bookable(self) -> bool:
@@ -305,6 +314,20 @@ class Reservation(models.Model):
         return self.status in (self.Status.UPCOMING, self.Status.ACTIVE)
 
 
+class AllocationQuerySet(models.QuerySet):
+    """The one home of "which allocations hold a card when": every conflict, quota, timeline,
+    usage and scheduler query reads its windows through these."""
+
+    def live_between(self, start: datetime, end: datetime) -> AllocationQuerySet:
+        """Live allocations overlapping [start, end): half-open, so one ending at 10:00 and a
+        window starting at 10:00 do not meet."""
+        return self.filter(live=True, start__lt=end, end__gt=start)
+
+    def live_at(self, moment: datetime) -> AllocationQuerySet:
+        """Live allocations holding their card at `moment` (start <= moment < end)."""
+        return self.filter(live=True, start__lte=moment, end__gt=moment)
+
+
 class Allocation(models.Model):
     """One card of a reservation: the whole card (memory_mb NULL) or a memory quota on it.
 
@@ -318,6 +341,8 @@ class Allocation(models.Model):
     start = models.DateTimeField()
     end = models.DateTimeField()
     live = models.BooleanField(default=True, help_text="False once the reservation is cancelled.")
+
+    objects = AllocationQuerySet.as_manager()
 
     class Meta:
         ordering = ["gpu_id"]
@@ -362,7 +387,7 @@ class ViolationQuerySet(models.QuerySet):
         people and bookings of the teams they lead."""
         if is_admin(user):
             return self
-        led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
+        led = teams_led_by(user)
         return self.filter(
             models.Q(user=user)
             | models.Q(reservation__owner=user)

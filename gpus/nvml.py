@@ -31,7 +31,7 @@ import psutil
 import pynvml
 
 from gpus.inventory import BackendUnavailable, CardState, GPUInfo, HostInfo, ProcessInfo, Snapshot
-from gpus.procinfo import describe_process
+from gpus.procinfo import describe_processes
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,32 @@ def _compute_processes(handle: Any) -> list[Any]:
         return pynvml.nvmlDeviceGetComputeRunningProcesses(handle)  # calls the _v3 symbol
     except _MISSING_SYMBOL:
         return pynvml.nvmlDeviceGetComputeRunningProcesses_v2(handle)
+
+
+def _graphics_processes(handle: Any) -> list[Any]:
+    """Graphics contexts hold card memory too (an X server, an OpenGL or Vulkan renderer, a
+    notebook's plotting window): a booking binds them like compute processes. A device that
+    cannot run graphics (a MIG instance, a compute-only board) answers NotSupported: it has none,
+    and its compute list alone decides whether the card's list is known."""
+    try:
+        try:
+            return pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)  # calls the _v3 symbol
+        except _MISSING_SYMBOL:
+            return pynvml.nvmlDeviceGetGraphicsRunningProcesses_v2(handle)
+    except pynvml.NVMLError_NotSupported:
+        return []
+
+
+def _device_processes(compute: list[Any], graphics: list[Any]) -> list[tuple[int, int | None]]:
+    """One device's (pid, MiB), one entry per pid: a process with both a compute and a graphics
+    context is listed by both calls with the same figure (its memory on the device), so the
+    larger of the two is taken, never their sum."""
+    memory: dict[int, int | None] = {}
+    for entry in (*compute, *graphics):
+        used = _mib(entry.usedGpuMemory)
+        known = memory.get(entry.pid)
+        memory[entry.pid] = used if known is None else max(known, used or 0)
+    return list(memory.items())
 
 
 def _watts(milliwatts: int | None) -> float | None:
@@ -303,23 +329,26 @@ class NvmlBackend:
         )
 
     def _processes(self, where: str, handle: Any, mig_mode: str | None) -> tuple[ProcessInfo, ...] | None:
-        """The card's compute processes; None when a list could not be read: unknown, not idle.
+        """The card's compute and graphics processes; None when a list could not be read:
+        unknown, not idle.
 
         NotSupported is unknown too: GeForce cards and Windows' WDDM driver keep no per-process
         accounting. With MIG enabled the card itself answers NoPermission to unprivileged callers,
-        so each MIG instance is asked instead.
+        so each MIG instance is asked instead. Entries with pid <= 1 are dropped
+        (gpus.procinfo.is_process_pid): NVML answers pid 0 when struct versions disagree.
         """
         devices = self._query(where, _mig_devices, handle) if mig_mode == "enabled" else [handle]
         if devices is None:
             return None
-        listed = []
+        listed: list[tuple[int, int | None]] = []
         for device in devices:
-            processes = self._query(where, _compute_processes, device)
-            if processes is None:
+            compute = self._query(where, _compute_processes, device)
+            graphics = self._query(where, _graphics_processes, device)
+            if compute is None or graphics is None:
                 return None
-            listed.extend(processes)
+            listed.extend(_device_processes(compute, graphics))
         # usedGpuMemory is None where NVML cannot tell (WDDM, some containers).
-        return tuple(describe_process(p.pid, _mib(p.usedGpuMemory)) for p in listed)
+        return describe_processes(listed)
 
     def _query(self, where: str, fn: Callable[..., T], *args: Any) -> T | None:
         """One NVML query for one metric; None when the card or driver cannot answer it.

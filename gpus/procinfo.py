@@ -14,8 +14,10 @@ detail that could not be read, never the telemetry round.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterable
 
 import psutil
 
@@ -28,12 +30,23 @@ USERNAME_MAX_CHARS = 64
 UNKNOWN_USER = "?"
 
 
+def is_process_pid(pid: int) -> bool:
+    """False for the pids no GPU process can have: NVML answers pid 0 (and shuffles pids) when its
+    process-struct version disagrees with the driver's, and 0 and 1 are "the caller's own group"
+    and init to the system calls. Such an entry is dropped where processes are read."""
+    return pid > 1
+
+
 def session_of(pid: int) -> int | None:
     """The process's session id; None when it is gone or its session leader is in another PID namespace.
 
     getsid() answers 0 for a session whose leader this namespace cannot see (a container started
     inside someone else's session): no job of ours leads such a session, so it attributes to none.
+    Never asked for pid <= 1: getsid(0) is the *caller's* session, which would make pid 0 look
+    like a process of the worker's own session.
     """
+    if not is_process_pid(pid):
+        return None
     try:
         return os.getsid(pid) or None
     except (ProcessLookupError, PermissionError, OverflowError, ValueError):
@@ -42,21 +55,49 @@ def session_of(pid: int) -> int | None:
 
 def describe_process(pid: int, used_memory_mb: int | None) -> ProcessInfo:
     """A GPU process as the backends report it; "?" and "" for what cannot be read."""
-    username, command = UNKNOWN_USER, ""
-    try:
-        proc = psutil.Process(pid)
-    except (psutil.Error, OverflowError, ValueError):
-        proc = None  # gone since NVML listed it, or a PID this namespace does not have
+    username, command, started = UNKNOWN_USER, "", None
+    proc = None
+    if is_process_pid(pid):
+        # Gone since NVML listed it, or a PID this namespace does not have: None.
+        with contextlib.suppress(psutil.Error, OverflowError, ValueError):
+            proc = psutil.Process(pid)
     if proc is not None:
         username = _guarded(proc, lambda p: p.username(), UNKNOWN_USER)
         command = _guarded(proc, lambda p: " ".join(p.cmdline()) or p.name(), "")
+        started = _started(proc)
     return ProcessInfo(
         pid=pid,
         username=_printable(username)[:USERNAME_MAX_CHARS] or UNKNOWN_USER,
         command=_printable(command)[:COMMAND_MAX_CHARS],
         used_memory_mb=used_memory_mb,
         session_id=session_of(pid),
+        started=started,
     )
+
+
+def describe_processes(listed: Iterable[tuple[int, int | None]]) -> tuple[ProcessInfo, ...]:
+    """(pid, MiB) pairs as the backends list them, described; pid <= 1 dropped (see
+    `is_process_pid`), and a pid listed twice (on two MIG instances of one card) is one process
+    holding the sum of what each entry says. The caller merges a device's own double entries
+    (compute and graphics) first: those are one process's one figure, listed twice."""
+    memory: dict[int, int | None] = {}
+    for pid, used_mb in listed:
+        if not is_process_pid(pid):
+            log.debug("Dropped GPU process entry with pid %s", pid)
+            continue
+        if pid in memory and memory[pid] is not None and used_mb is not None:
+            memory[pid] = memory[pid] + used_mb  # type: ignore[operator]
+        elif pid not in memory or used_mb is not None:
+            memory[pid] = used_mb
+    return tuple(describe_process(pid, used_mb) for pid, used_mb in memory.items())
+
+
+def _started(proc: psutil.Process) -> float | None:
+    """create_time: what tells this process from a later one with its pid (portal.pids)."""
+    try:
+        return proc.create_time()
+    except (psutil.Error, OSError, OverflowError, ValueError):
+        return None
 
 
 def _guarded(proc: psutil.Process, read, default: str) -> str:  # type: ignore[no-untyped-def]

@@ -18,11 +18,11 @@ from typing import NamedTuple
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet, Sum, Value
+from django.db.models import DurationField, ExpressionWrapper, F, Q, Sum, Value
 from django.db.models.functions import Greatest, Least
 from django.utils import timezone
 
-from gpus.models import Allocation
+from gpus.models import Allocation, AllocationQuerySet
 from portal.access import can_manage_team, is_admin
 from portal.errors import Forbidden, Invalid
 from portal.models import AuditEntry, Membership, QuotaFields, Team
@@ -40,6 +40,8 @@ class Use:
 
     @classmethod
     def of(cls, start: datetime, end: datetime, memory_mb: int | None, card_total_mb: int) -> Use:
+        # Over the card's total, not GPU.card_share's bookable memory: the quota and usage figures
+        # (and their tests) count it so; switching changes visible numbers (issue 20).
         if memory_mb is None:
             return cls(start, end, 1, card_total_mb, 1.0)
         return cls(start, end, 0, memory_mb, memory_mb / card_total_mb if card_total_mb else 0.0)
@@ -89,8 +91,8 @@ def gpu_hours(uses: Iterable[Use], start: datetime, end: datetime) -> float:
     return total
 
 
-def _allocations(team: Team, owner_id: int | None, exclude_reservation: int | None) -> QuerySet:
-    rows = Allocation.objects.filter(live=True, reservation__team=team)
+def _allocations(team: Team, owner_id: int | None, exclude_reservation: int | None) -> AllocationQuerySet:
+    rows = Allocation.objects.filter(reservation__team=team)
     if owner_id is not None:
         rows = rows.filter(reservation__owner_id=owner_id)
     if exclude_reservation is not None:
@@ -107,7 +109,7 @@ def uses_between(
     exclude_reservation: int | None = None,
 ) -> list[Use]:
     """Live allocations of a team (or of one member in it) overlapping [start, end)."""
-    rows = _allocations(team, owner_id, exclude_reservation).filter(start__lt=end, end__gt=start)
+    rows = _allocations(team, owner_id, exclude_reservation).live_between(start, end)
     return [
         Use.of(s, e, memory_mb, total)
         for s, e, memory_mb, total in rows.values_list("start", "end", "memory_mb", "gpu__memory_total_mb")
@@ -130,7 +132,7 @@ def gpu_hours_between(
     overlap = ExpressionWrapper(
         Least(F("end"), Value(end)) - Greatest(F("start"), Value(start)), output_field=DurationField()
     )
-    rows = _allocations(team, owner_id, exclude_reservation).filter(start__lt=end, end__gt=start)
+    rows = _allocations(team, owner_id, exclude_reservation).live_between(start, end)
     groups = rows.values("memory_mb", "gpu__memory_total_mb").annotate(held=Sum(overlap)).order_by()
     total = 0.0
     for group in groups:
@@ -235,11 +237,11 @@ def _this_week(now: datetime) -> tuple[datetime, datetime]:
     return week_start(now), weeks_touching(now, now + timedelta(seconds=1))[-1][1]
 
 
-def _uses_this_week(rows: QuerySet, key: str, now: datetime) -> dict[int, MemberUse]:
-    """Allocations overlapping this week, grouped by `key` (a user or team id): use now and this week."""
+def _uses_this_week(rows: AllocationQuerySet, key: str, now: datetime) -> dict[int, MemberUse]:
+    """Live allocations overlapping this week, grouped by `key` (a user or team id): use now and this week."""
     week, following = _this_week(now)
     grouped: dict[int, list[Use]] = {}
-    for group, s, e, memory_mb, total in rows.filter(start__lt=following, end__gt=week).values_list(
+    for group, s, e, memory_mb, total in rows.live_between(week, following).values_list(
         key, "start", "end", "memory_mb", "gpu__memory_total_mb"
     ):
         grouped.setdefault(group, []).append(Use.of(s, e, memory_mb, total))
@@ -256,7 +258,7 @@ def _uses_this_week(rows: QuerySet, key: str, now: datetime) -> dict[int, Member
 
 def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
     """Per member (user id): cards and GB held now and GPU-hours booked or used this week."""
-    rows = Allocation.objects.filter(live=True, reservation__team=team)
+    rows = Allocation.objects.filter(reservation__team=team)
     return _uses_this_week(rows, "reservation__owner_id", now or timezone.now())
 
 
@@ -271,7 +273,7 @@ def member_quotas(user: AbstractBaseUser, now: datetime | None = None) -> list[M
 
     Two queries however many teams and teammates: the memberships, and the user's allocations.
     """
-    rows = Allocation.objects.filter(live=True, reservation__owner=user)
+    rows = Allocation.objects.filter(reservation__owner=user)
     use = _uses_this_week(rows, "reservation__team_id", now or timezone.now())
     admin = is_admin(user)
     return [

@@ -99,7 +99,7 @@ def _checked_card(g: GPUInfo) -> GPUInfo | None:
 
 
 def _checked_process(p: ProcessInfo) -> ProcessInfo | None:
-    pid = int_in(p.pid, 1, INT_MAX)
+    pid = int_in(p.pid, 2, INT_MAX)  # 0 and 1 are no process a job or a user runs (portal.pids)
     if pid is None:
         return None
     return ProcessInfo(
@@ -108,5 +108,6 @@ def _checked_process(p: ProcessInfo) -> ProcessInfo | None:
         command=text(p.command, 300),
         used_memory_mb=int_in(p.used_memory_mb, 0, INT_MAX),
         session_id=int_in(p.session_id, 1, INT_MAX),
+        started=float_in(p.started, 0, 2**40),  # with the pid, the process's identity
         job_id=None,  # never taken from a report: the ingest resolves it from the session
     )

@@ -89,7 +89,7 @@ def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
     """Who holds each card at `now`, by card UUID, named as the privacy rule allows."""
     viewer_teams = team_ids_of(viewer)
     held: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    rows = Allocation.objects.filter(live=True, start__lte=now, end__gt=now).order_by("gpu_id", "start")
+    rows = Allocation.objects.live_at(now).order_by("gpu_id", "start")
     for gpu_id, memory_mb, end, owner_id, owner_name, team_id in rows.values_list(
         "gpu_id",
         "memory_mb",
@@ -116,9 +116,30 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     up to hundreds of cards, and building 2,000 model objects per poll dominated its cost.
     """
     now = timezone.now()
-    detail_url = reverse("gpu_detail", args=["UUID"])
-    booked = bookings_now(viewer, now)
-    # The watchdog's open findings: a red badge on the card and on the process.
+    gpus = _dashboard_gpus(processes=_dashboard_processes(viewer), booked=bookings_now(viewer, now))
+    servers = []
+    for server in Server.objects.order_by("name").values(
+        "id",
+        "name",
+        "hostname",
+        "draining",
+        "simulated",
+        "driver_version",
+        "cuda_version",
+        "cpu_count",
+        "ram_mb",
+        "last_seen",
+    ):
+        server["status"] = Server.status_for(server["last_seen"], server["draining"], now)
+        server["ram_gb"] = round(server["ram_mb"] / 1024)
+        server["gpus"] = gpus.get(server["id"], ())
+        servers.append(server)
+    return servers
+
+
+def _dashboard_processes(viewer: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each card's processes, biggest first, with their command lines as the viewer may see them
+    and the watchdog's open finding on each (a red badge)."""
     breaking: dict[tuple[str, int], str] = dict(
         ((gpu, pid), kind)
         for gpu, pid, kind in Violation.objects.filter(ended_at=None)
@@ -136,6 +157,14 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
         row["command"] = commands.shown(row["command"], username=row["username"], job_id=row["job_id"])
         row["violation"] = breaking.get((row["gpu_id"], row["pid"]))
         processes[row["gpu_id"]].append(row)
+    return processes
+
+
+def _dashboard_gpus(
+    *, processes: dict[str, list[dict[str, Any]]], booked: dict[str, list[dict[str, Any]]]
+) -> dict[int, list[dict[str, Any]]]:
+    """Each server's cards (by server id, in index order) with their figures, processes and bookings."""
+    detail_url = reverse("gpu_detail", args=["UUID"])
     gpus: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for gpu in GPU.objects.order_by("server_id", "index").values(
         "uuid",
@@ -164,24 +193,7 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
         gpu["url"] = detail_url.replace("UUID", gpu["uuid"])
         gpu["booked"] = booked.get(gpu["uuid"], ())
         gpus[gpu["server_id"]].append(gpu)
-    servers = []
-    for server in Server.objects.order_by("name").values(
-        "id",
-        "name",
-        "hostname",
-        "draining",
-        "simulated",
-        "driver_version",
-        "cuda_version",
-        "cpu_count",
-        "ram_mb",
-        "last_seen",
-    ):
-        server["status"] = Server.status_for(server["last_seen"], server["draining"], now)
-        server["ram_gb"] = round(server["ram_mb"] / 1024)
-        server["gpus"] = gpus.get(server["id"], ())
-        servers.append(server)
-    return servers
+    return gpus
 
 
 def gpu_history(gpu: GPU, *, minutes: int = 60) -> QuerySet[TelemetrySample]:

@@ -285,9 +285,11 @@ def _processes_replace(server_ids: list[int], cards: list[tuple[int, GPUInfo]]) 
     GPUProcess.objects.filter(gpu__server_id__in=server_ids).delete()
     _bulk_insert(
         GPUProcess,
-        ["gpu", "pid", "username", "command", "used_memory_mb", "session_id", "job_id"],
+        # `started` with the pid is the process's identity (portal.pids): what a later look at
+        # the row may compare with before it acts on that pid.
+        ["gpu", "pid", "username", "command", "used_memory_mb", "session_id", "started", "job_id"],
         [
-            (g.uuid, p.pid, p.username, p.command, p.used_memory_mb, p.session_id, p.job_id)
+            (g.uuid, p.pid, p.username, p.command, p.used_memory_mb, p.session_id, p.started, p.job_id)
             for _, g in cards
             for p in g.processes or ()
         ],

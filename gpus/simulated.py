@@ -34,7 +34,7 @@ import yaml
 from django.conf import settings
 
 from gpus.inventory import GPUInfo, HostInfo, ProcessInfo, Snapshot
-from gpus.procinfo import describe_process
+from gpus.procinfo import describe_process, is_process_pid
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +252,8 @@ def local_job_processes(server: str, instance: str) -> dict[str, list[ProcessInf
     found: dict[str, list[ProcessInfo]] = {}
     for proc in psutil.process_iter():
         try:
-            if os.getsid(proc.pid) != proc.pid:
-                continue  # the job's session leader stands for the job
+            if not is_process_pid(proc.pid) or os.getsid(proc.pid) != proc.pid:
+                continue  # the job's session leader stands for the job; never pid 0 or init
             env = proc.environ()
             if env.get("PORTAL_SERVER") != server or env.get("PORTAL_INSTANCE") != instance:
                 continue
@@ -493,7 +493,12 @@ class SimulatedBackend:
         A declared process holds the memory it was declared with, even a job's process: an
         over-memory job is what such a declaration is for. It leaves the utilization alone.
         """
-        mine = [describe_process(d.pid, d.memory_mb) for d in declared if d.gpu == report.uuid]
+        # pid <= 1 is never a GPU process (gpus.procinfo.is_process_pid), declared or not.
+        mine = [
+            describe_process(d.pid, d.memory_mb)
+            for d in declared
+            if d.gpu == report.uuid and is_process_pid(d.pid)
+        ]
         shown = {p.pid for p in mine}
         job_processes = [p for p in jobs.get(report.uuid, ()) if p.pid not in shown]
         local = tuple(job_processes + mine)

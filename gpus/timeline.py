@@ -1,28 +1,24 @@
 """Per-server timeline: the next 7 days, one row per card, bookings as bars.
 
 The selector returns plain rows (positions already in percent of the window), so the
-template only places boxes; it reads three queries however many cards and bookings.
+template only places boxes; it reads three queries however many cards and bookings. The page
+is gpus/timeline_views.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, time, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
-from django.contrib import messages
-from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_GET
 
 from gpus.models import GPU, Allocation, Server, format_mb
 from portal.access import display_name, is_admin, team_ids_of
 from portal.timefmt import format_time
 
 DAYS = 7
-MAX_PAGE_DAYS = 10 * 365
 # Shared bars whose edges meet within this (a fraction of the row) count as touching, not overlapping.
 EPSILON = 1e-9
 
@@ -82,11 +78,55 @@ def server_timeline_rows(
     Three queries: the viewer's teams, the cards, the allocations.
     """
     end = window_end(start, days)
-    span = _seconds(start, end)
-    viewer_teams = team_ids_of(viewer)
-    admin = is_admin(viewer)
-    reserve_url = reverse("reservation_new")
+    window = (start, end, _seconds(start, end))
+    sight = _Sight.of(viewer)
+    rows = _card_rows(server)
+    for allocation in _allocations(server, start, end):
+        row = rows[allocation.gpu_id]
+        row["bars"].append(_bar(allocation, sight, window, row["bookable_mb"]))
+    for row in rows.values():
+        _lay_out(row["bars"])
+    return list(rows.values())
 
+
+class _Allocation(NamedTuple):
+    gpu_id: str
+    reservation_id: int
+    memory_mb: int | None
+    start: datetime
+    end: datetime
+    owner_id: int
+    owner_name: str
+    team_id: int
+    note: str
+
+
+@dataclass(frozen=True)
+class _Sight:
+    """What the viewer may know of others' bookings (the privacy rule)."""
+
+    viewer: Any
+    teams: set[int]
+    admin: bool
+
+    @classmethod
+    def of(cls, viewer: Any) -> _Sight:
+        return cls(viewer, team_ids_of(viewer), is_admin(viewer))
+
+    def kind(self, a: _Allocation) -> str:
+        return "own" if a.owner_id == self.viewer.pk else "team" if a.team_id in self.teams else "other"
+
+    def who(self, a: _Allocation) -> str:
+        return display_name(self.viewer, self.teams, a.owner_id, a.owner_name, a.team_id)
+
+    def may_open(self, kind: str) -> bool:
+        """The booking's page, and so its note: "alice's thesis" would name her."""
+        return kind != "other" or self.admin
+
+
+def _card_rows(server: Server) -> dict[str, dict[str, Any]]:
+    """The server's cards by UUID, each a row with no bars yet."""
+    reserve_url = reverse("reservation_new")
     rows: dict[str, dict[str, Any]] = {}
     for uuid, index, name, total, reserved in (
         GPU.objects.filter(server=server)
@@ -103,9 +143,13 @@ def server_timeline_rows(
             "reserve_url": f"{reserve_url}?server={server.name}&gpu={uuid}",
             "bars": [],
         }
+    return rows
 
-    allocations = (
-        Allocation.objects.filter(live=True, gpu__server=server, end__gt=start, start__lt=end)
+
+def _allocations(server: Server, start: datetime, end: datetime) -> list[_Allocation]:
+    rows = (
+        Allocation.objects.live_between(start, end)
+        .filter(gpu__server=server)
         .order_by("start", "reservation_id")
         .values_list(
             "gpu_id",
@@ -119,51 +163,50 @@ def server_timeline_rows(
             "reservation__note",
         )
     )
-    for gpu_id, pk, memory_mb, a_start, a_end, owner_id, owner_name, team_id, note in allocations:
-        row = rows[gpu_id]
-        who = display_name(viewer, viewer_teams, owner_id, owner_name, team_id)
-        kind = "own" if owner_id == viewer.pk else "team" if team_id in viewer_teams else "other"
-        if kind == "other" and not admin:
-            note = ""  # the note is the booking's, as its page is: "alice's thesis" would name her
-        memory = "whole card" if memory_mb is None else format_mb(memory_mb)
-        shown_start, shown_end = max(a_start, start), min(a_end, end)
-        if memory_mb is None or not row["bookable_mb"]:
-            height = 1.0
-        else:
-            height = min(1.0, memory_mb / row["bookable_mb"])
-        times = f"{format_time(a_start)} – {format_time(a_end)}"
-        title = f"{who} · {memory} · {times}" + (f" · {note}" if note else "")
-        row["bars"].append(
-            {
-                "reservation_id": pk,
-                "who": who,
-                "kind": kind,
-                "whole": memory_mb is None,
-                "memory_mb": memory_mb,
-                "memory": memory,
-                "start": format_time(a_start),
-                "end": format_time(a_end),
-                "note": note,
-                "title": title,
-                "url": reverse("reservation_detail", args=[pk]) if kind != "other" or admin else None,
-                "clipped_start": a_start < start,
-                "clipped_end": a_end > end,
-                "left": _pct(shown_start, start, span),
-                "width": _pct(shown_end, shown_start, span),
-                "_start": a_start,
-                "_end": a_end,
-                "_height": height,
-                "_top": 0.0,
-            }
-        )
+    return [_Allocation(*row) for row in rows]
 
-    for row in rows.values():
-        _stack([b for b in row["bars"] if not b["whole"]])
-        for bar in row["bars"]:
-            bar["top"] = round(100 * bar.pop("_top"), 3)
-            bar["height"] = round(100 * bar.pop("_height"), 3)
-            del bar["_start"], bar["_end"]
-    return list(rows.values())
+
+def _bar(
+    a: _Allocation, sight: _Sight, window: tuple[datetime, datetime, float], bookable_mb: int
+) -> dict[str, Any]:
+    """One booking's bar: who and what as the viewer may see them, placed in the window (the
+    `_` keys are for _lay_out)."""
+    start, end, span = window
+    who, kind = sight.who(a), sight.kind(a)
+    note = a.note if sight.may_open(kind) else ""
+    memory = "whole card" if a.memory_mb is None else format_mb(a.memory_mb)
+    shown_start, shown_end = max(a.start, start), min(a.end, end)
+    times = f"{format_time(a.start)} – {format_time(a.end)}"
+    return {
+        "reservation_id": a.reservation_id,
+        "who": who,
+        "kind": kind,
+        "whole": a.memory_mb is None,
+        "memory_mb": a.memory_mb,
+        "memory": memory,
+        "start": format_time(a.start),
+        "end": format_time(a.end),
+        "note": note,
+        "title": f"{who} · {memory} · {times}" + (f" · {note}" if note else ""),
+        "url": reverse("reservation_detail", args=[a.reservation_id]) if sight.may_open(kind) else None,
+        "clipped_start": a.start < start,
+        "clipped_end": a.end > end,
+        "left": _pct(shown_start, start, span),
+        "width": _pct(shown_end, shown_start, span),
+        "_start": a.start,
+        "_end": a.end,
+        "_height": GPU.card_share(a.memory_mb, bookable_mb),
+        "_top": 0.0,
+    }
+
+
+def _lay_out(bars: list[dict[str, Any]]) -> None:
+    """Stack a row's shared bars, then turn offsets and heights into percent of the row."""
+    _stack([b for b in bars if not b["whole"]])
+    for bar in bars:
+        bar["top"] = round(100 * bar.pop("_top"), 3)
+        bar["height"] = round(100 * bar.pop("_height"), 3)
+        del bar["_start"], bar["_end"]
 
 
 def timeline_axis(start: datetime, now: datetime, days: int = DAYS) -> dict[str, Any]:
@@ -195,43 +238,3 @@ def timeline_axis(start: datetime, now: datetime, days: int = DAYS) -> dict[str,
         "time_zone": timezone.get_current_timezone_name(),
         "label": f"{format_time(start)} – {format_time(end)}",
     }
-
-
-def _window_start(request: HttpRequest, now: datetime) -> datetime:
-    """`?start=YYYY-MM-DD` (local midnight), else now floored to the hour."""
-    text = request.GET.get("start", "")
-    if text:
-        try:
-            day = datetime.strptime(text, "%Y-%m-%d").date()
-        except ValueError:
-            messages.error(
-                request, f"Could not read the start date {text!r}; use YYYY-MM-DD. Showing from now."
-            )
-        else:
-            # Bounded so paging can never step past the calendar's end.
-            if abs((day - timezone.localdate(now)).days) <= MAX_PAGE_DAYS:
-                return timezone.make_aware(datetime.combine(day, time.min))
-            messages.error(
-                request, f"Pick a start within {MAX_PAGE_DAYS // 365} years of today. Showing from now."
-            )
-    return timezone.localtime(now).replace(minute=0, second=0, microsecond=0)
-
-
-@require_GET
-@login_required
-def server_timeline(request: HttpRequest, name: str) -> HttpResponse:
-    server = get_object_or_404(Server, name=name)
-    now = timezone.now()
-    start = _window_start(request, now)
-    day = timezone.localtime(start).date()
-    page = reverse("server_timeline", args=[server.name])
-    context = {
-        "server": server,
-        "rows": server_timeline_rows(server, request.user, start=start),
-        "axis": timeline_axis(start, now),
-        "prev_url": f"{page}?start={day - timedelta(days=DAYS):%Y-%m-%d}",
-        "next_url": f"{page}?start={day + timedelta(days=DAYS):%Y-%m-%d}",
-        "this_url": page if "start" in request.GET else None,
-        "reserve_url": f"{reverse('reservation_new')}?server={server.name}",
-    }
-    return render(request, "gpus/timeline.html", context)

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from gpus import report_views, team_views, timeline, views
+from gpus import report_views, team_views, timeline_views, views
 from gpus import reservation_views as rv
 from gpus import violation_views as vv
 
@@ -9,7 +9,7 @@ urlpatterns = [
     path("dashboard/servers/", views.dashboard_servers, name="dashboard_servers"),
     path("gpus/<str:uuid>/", views.gpu_detail, name="gpu_detail"),
     path("gpus/<str:uuid>/history.json", views.gpu_history_json, name="gpu_history"),
-    path("servers/<slug:name>/timeline/", timeline.server_timeline, name="server_timeline"),
+    path("servers/<slug:name>/timeline/", timeline_views.server_timeline, name="server_timeline"),
     path("reservations/", rv.my_reservations, name="my_reservations"),
     path("reservations/new/", rv.reservation_new, name="reservation_new"),
     path("reservations/<int:pk>/", rv.reservation_detail, name="reservation_detail"),

@@ -330,7 +330,7 @@ def _overlap_hours(start: datetime, end: datetime, since: datetime, until: datet
 
 def _shares_between(since: datetime, until: datetime) -> list[_Share]:
     """Live allocations overlapping [since, until): one query."""
-    rows = Allocation.objects.filter(live=True, start__lt=until, end__gt=since).values_list(
+    rows = Allocation.objects.live_between(since, until).values_list(
         "gpu_id",
         "gpu__server_id",
         "reservation__owner_id",

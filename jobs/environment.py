@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpus.models import Allocation
+from gpus.models import GPU, Allocation
 from jobs.models import Job
 
 LAUNCH_CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"  # read (and removed) by jobs/launcher-bin/launcher.py
@@ -75,21 +75,52 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 TF_LOG_LEVEL = "1"  # the user's variables may change it; nothing else of the portal's
 
 
+class JobSetupError(Exception):
+    """The job cannot start here (missing script, interpreter or folder; a card it cannot be
+    given): it FAILS, no retry."""
+
+
+class MigCardRefused(JobSetupError):
+    """A booked card is in MIG mode: the job cannot be given it (see `mig_refusal`)."""
+
+
 @dataclass(frozen=True)
 class BookedCard:
     """One card of the booking, as the environment needs it. Every card of a booking holds the
-    same `memory_mb`, so one card's facts stand for all."""
+    same `memory_mb`, so one card's facts stand for all; MIG mode is each card's own, so
+    `mig_uuids` lists every card of the booking that has it on."""
 
     memory_mb: int | None  # the booked share; None: the whole card
     total_mb: int
     bookable_mb: int  # what bookings may share: total - driver reserved - context headroom
+    mig_uuids: tuple[str, ...] = ()  # the booking's cards in MIG mode, as last reported
 
     @classmethod
     def of(cls, allocation: Allocation) -> BookedCard:
         gpu = allocation.gpu
+        mig: tuple[str, ...] = (gpu.pk,) if gpu.mig_mode == "enabled" else ()
+        if allocation.reservation_id is not None:
+            cards = GPU.objects.filter(allocations__reservation_id=allocation.reservation_id)
+            mig = tuple(cards.filter(mig_mode="enabled").order_by("pk").values_list("pk", flat=True))
         return cls(
-            memory_mb=allocation.memory_mb, total_mb=gpu.memory_total_mb, bookable_mb=gpu.memory_bookable_mb
+            memory_mb=allocation.memory_mb,
+            total_mb=gpu.memory_total_mb,
+            bookable_mb=gpu.memory_bookable_mb,
+            mig_uuids=mig,
         )
+
+
+def mig_refusal(mig_uuids: tuple[str, ...]) -> str:
+    """Why a job is not started on a MIG card. On a card in MIG mode CUDA runs only on MIG
+    instances, named in CUDA_VISIBLE_DEVICES by their own MIG-... UUIDs; the inventory knows
+    the cards' UUIDs, not their instances', and the card's own UUID would not keep the job to
+    one instance of it (nor to the memory booked)."""
+    cards = ", ".join(mig_uuids)
+    return (
+        f"MIG mode is enabled on {cards}: the portal does not book MIG instances, and CUDA needs an "
+        "instance's MIG-... UUID there, not the card's. Book a card without MIG, or ask an admin to "
+        "turn MIG off on it (nvidia-smi -i <index> -mig 0)."
+    )
 
 
 @dataclass(frozen=True)
@@ -138,7 +169,11 @@ def job_environment(
     GPU_CONTEXT_HEADROOM_MB, `account` JOB_USER's (its HOME, USER and LOGNAME). The job's own
     variables come next, and the portal's (PORTAL_ENV) last: a job cannot override them
     (job_submit refuses to store them in the first place).
+
+    Raises MigCardRefused for a booking with a card in MIG mode (`mig_refusal`).
     """
+    if card.mig_uuids:
+        raise MigCardRefused(mig_refusal(card.mig_uuids))
     config = launch_config(job, card, headroom_mb=headroom_mb)
     threads = {
         "TF_NUM_INTRAOP_THREADS": job.intra_op_threads,

@@ -33,6 +33,8 @@ class ReservationChoiceField(forms.ModelChoiceField):
 class JobForm(ServiceErrorsMixin, forms.Form):
     """One Python script on one of the user's own open bookings, with the TensorFlow settings."""
 
+    service_fields = {"memory_mb": "memory"}  # the service's field → this form's, for its refusals
+
     reservation = ReservationChoiceField(
         queryset=Reservation.objects.none(),
         required=False,

@@ -12,6 +12,12 @@ it), so deactivation must reach their queue and their bookings, not only their s
   all with the reason in the job's message and log, the audit log and a notification to the
   leaders of the teams concerned.
 
+A member who leaves a team (their Membership deleted: a directory sync, a leader, the admin) has
+their queued jobs of that team that have not started cancelled the same way
+(`team_leaver_jobs_cancel`, from the post_delete receiver `membership_deleted` that jobs/apps.py
+connects, and `team_leavers_stop` on the reconciler's pass): the booking service would refuse
+every start of theirs in that team.
+
 It happens at once when a user's is_active goes from True to False on save (jobs/signals.py: the
 admin's form, a directory sync, `manage.py shell`), and on the reconciler's next pass otherwise
 (`leavers_stop`, from jobs_reconcile): a deactivation written without save() (QuerySet.update,
@@ -30,7 +36,7 @@ from urllib.parse import urlencode
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
@@ -38,7 +44,7 @@ from gpus.booking import reservations_cancel_for_leaver
 from gpus.models import Reservation
 from jobs.logs import log_append
 from jobs.models import Job
-from portal.models import AuditEntry, Membership, Notification
+from portal.models import AuditEntry, Membership, Notification, Team
 from portal.notifications import notification_send
 from portal.wakeups import wake_on_commit
 
@@ -97,19 +103,7 @@ def user_work_stop(*, user: AbstractBaseUser, reason: str, now: datetime | None 
     mine = Job.objects.filter(owner_id=user.pk).select_for_update(of=("self",)).order_by("pk")
     # Locked: a worker's claim of one of these waits for this transaction, then finds it
     # cancelled (on SQLite, BEGIN IMMEDIATE already serialises every writer).
-    stopped = WorkStopped(cancelled=list(mine.filter(status__in=WAITING).values_list("pk", "team_id")))
-    if stopped.cancelled:
-        Job.objects.filter(owner_id=user.pk, status__in=WAITING).update(
-            status=Job.Status.CANCELLED,
-            finished_at=now,
-            cancel_requested_at=now,
-            cancelled_by=None,
-            pending_reason="",
-            message=message,
-        )
-        for pk, _ in stopped.cancelled:  # no worker has them: the log is free to write
-            log_append(pk, f"[portal] {message} The job never started.", now=now)
-        wake_on_commit("queue")
+    stopped = WorkStopped(cancelled=_cancel_waiting(mine.filter(status__in=WAITING), message, now))
     # A running job's log is its worker's: the worker writes the reason there as it stops it.
     stopped.stopping = list(
         mine.filter(status__in=RUNNING, cancel_requested_at=None).values_list("pk", "team_id")
@@ -131,6 +125,104 @@ def user_work_stop(*, user: AbstractBaseUser, reason: str, now: datetime | None 
             len(stopped.bookings),
         )
     return stopped
+
+
+def _cancel_waiting(jobs: QuerySet[Job], message: str, now: datetime) -> list[tuple[int, int]]:
+    """Cancel these locked, not yet started jobs with `message`, a line in each log; their
+    (job id, team id) pairs. The claim is a conditional UPDATE, so one a worker took meanwhile
+    is left to the caller's running-job path."""
+    found = list(jobs.values_list("pk", "team_id"))
+    if not found:
+        return []
+    Job.objects.filter(pk__in=[pk for pk, _ in found], status__in=WAITING).update(
+        status=Job.Status.CANCELLED,
+        finished_at=now,
+        cancel_requested_at=now,
+        cancelled_by=None,
+        pending_reason="",
+        message=message,
+    )
+    for pk, _ in found:  # no worker has them: the log is free to write
+        log_append(pk, f"[portal] {message} The job never started.", now=now)
+    wake_on_commit("queue")
+    return found
+
+
+def left_team(user: AbstractBaseUser, team: Team) -> str:
+    """The reason, as the job's log, the audit log and the leaders read it."""
+    return f"{user.get_username()} left team {team.name}"
+
+
+@transaction.atomic
+def team_leaver_jobs_cancel(
+    *, user: AbstractBaseUser, team: Team, reason: str, now: datetime | None = None
+) -> WorkStopped:
+    """Cancel `user`'s queued jobs of `team` that have not started, because they left the team
+    (`reason`, see `left_team`): the booking service would refuse each start (Forbidden) in every
+    pass. Said in each job's message and log, one audit entry, and a notification to the team's
+    leaders and to the user. The booking of a queued job already booked is released by the
+    scheduler's next pass (its job has ended). Jobs on the user's own bookings are left alone:
+    those bookings are theirs, not the queue's. Re-running it finds nothing and writes nothing."""
+    now = now or timezone.now()
+    message = f"Cancelled: {reason}."[:1000]
+    waiting = (
+        Job.objects.filter(owner_id=user.pk, team_id=team.pk, queued=True, status__in=WAITING)
+        .select_for_update(of=("self",))
+        .order_by("pk")
+    )
+    stopped = WorkStopped(cancelled=_cancel_waiting(waiting, message, now))
+    if stopped:
+        _audit_jobs(user, reason, stopped)
+        key = f"team-leaver:{team.pk}:{user.pk}"
+        after = "They are no longer a member; the audit log has the details."
+        _tell_leaders(user, reason, stopped, after=after, key=key)
+        notification_send(
+            user=user,
+            kind=Notification.Kind.JOB_STOPPED,
+            subject=f"Your queued jobs in {team.name} were cancelled",
+            body=f"The portal cancelled {_jobs([pk for pk, _ in stopped.cancelled])}: {reason}.",
+            url=reverse("job_history"),
+            key=key,
+        )
+        log.warning(
+            "Cancelled %d queued job(s) of %s: %s", len(stopped.cancelled), user.get_username(), reason
+        )
+    return stopped
+
+
+def membership_deleted(sender: type[Membership], instance: Membership, **kwargs: object) -> None:
+    """post_delete of a Membership (a directory sync, a leader removing a member, the admin):
+    the member's queued jobs of that team go at once. A failure here never stops the removal;
+    the reconciler's next pass (`team_leavers_stop`) tries again."""
+    try:
+        with transaction.atomic():  # a savepoint: the removal's own transaction goes on
+            team_leaver_jobs_cancel(
+                user=instance.user, team=instance.team, reason=left_team(instance.user, instance.team)
+            )
+    except Exception:
+        log.exception("Could not cancel the queued jobs of %s in team %s", instance.user_id, instance.team_id)
+
+
+def team_leavers_stop(*, now: datetime | None = None) -> int:
+    """The reconciler's part for members who left a team: queued jobs not yet started whose owner
+    is no member of their team now (a removal written without delete(), or a failed handler) are
+    cancelled. Returns how many (user, team) pairs; one failure never stops the others."""
+    now = now or timezone.now()
+    member = Membership.objects.filter(user_id=OuterRef("owner_id"), team_id=OuterRef("team_id"))
+    orphans = (
+        Job.objects.filter(queued=True, status__in=WAITING)
+        .exclude(Exists(member))
+        .values_list("owner_id", "team_id")
+        .distinct()
+    )
+    done = 0
+    for owner_id, team_id in list(orphans):
+        try:
+            user, team = User.objects.get(pk=owner_id), Team.objects.get(pk=team_id)
+            done += bool(team_leaver_jobs_cancel(user=user, team=team, reason=left_team(user, team), now=now))
+        except Exception:
+            log.exception("Could not cancel the queued jobs of user %s in team %s", owner_id, team_id)
+    return done
 
 
 def leavers_stop(*, now: datetime | None = None) -> int:
@@ -208,7 +300,14 @@ def _team_lines(team_id: int, stopped: WorkStopped) -> list[str]:
     return lines
 
 
-def _tell_leaders(user: AbstractBaseUser, reason: str, stopped: WorkStopped) -> None:
+def _tell_leaders(
+    user: AbstractBaseUser,
+    reason: str,
+    stopped: WorkStopped,
+    *,
+    after: str = "Nothing of theirs starts while the account is inactive; the audit log has the details.",
+    key: str = "",
+) -> None:
     """Each active leader of a team concerned (not the leaver): one notification, their teams' part."""
     teams = {team for _, team in stopped.cancelled + stopped.stopping} | {
         b.team_id for b, _ in stopped.bookings
@@ -233,11 +332,7 @@ def _tell_leaders(user: AbstractBaseUser, reason: str, stopped: WorkStopped) -> 
             user=memberships[0].user,
             kind=kind,
             subject=f"{name}'s work was stopped: {reason}",
-            body=(
-                f"The portal stopped {name}'s work: {reason}.\n\n"
-                + "\n\n".join(parts)
-                + "\n\nNothing of theirs starts while the account is inactive; the audit log has the details."
-            ),
+            body=(f"The portal stopped {name}'s work: {reason}.\n\n" + "\n\n".join(parts) + f"\n\n{after}"),
             url=f"{reverse('job_history')}?{urlencode({'user': name})}",
-            key=f"leaver:{user.pk}",
+            key=key or f"leaver:{user.pk}",
         )

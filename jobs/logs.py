@@ -34,6 +34,7 @@ CHUNK_BYTES = 1024 * 1024
 LOG_FLUSH_SECONDS = 0.5
 READ_BATCH = 4  # chunks per query while streaming: ≤ 4 MB in memory at a time
 MAX_PENDING_BYTES = 16 * CHUNK_BYTES  # held in the worker while the database cannot take it
+SPOOL_RETRY_SECONDS = 2.0  # a spool waiting for the database is tried this often, output or not
 
 
 def timestamp(at: float | None = None) -> bytes:
@@ -92,7 +93,7 @@ class LogWriter:
             if len(self.partial) == len(data):
                 self.partial_since = time.monotonic()
             if len(self.partial) >= self.chunk_bytes:
-                self._take_partial()
+                self._take_partial()  # a progress bar (\r) without end: taken, and capped, as lines are
             return
         stamp = timestamp()
         *lines, rest = bytes(self.partial).split(b"\n")
@@ -100,9 +101,12 @@ class LogWriter:
             self.pending += stamp + line + b"\n"
         self.partial = bytearray(rest)
         self.partial_since = time.monotonic()
+        self._cap_pending()
+
+    def _cap_pending(self) -> None:
+        """The database has been away for a while: keep the newest output, count the rest as
+        dropped (the reader shows the gap), and never grow without bound."""
         if len(self.pending) > MAX_PENDING_BYTES:
-            # The database has been away for a while: keep the newest output, count the rest
-            # as dropped (the reader shows the gap), and never grow without bound.
             excess = len(self.pending) - MAX_PENDING_BYTES
             del self.pending[:excess]
             self.total += excess
@@ -111,6 +115,7 @@ class LogWriter:
     def _take_partial(self) -> None:
         self.pending += timestamp() + bytes(self.partial) + b"\n"
         self.partial.clear()
+        self._cap_pending()
 
     def write_line(self, text: str) -> None:
         """A line of the portal's own (what it applied, why it stopped the job)."""
@@ -120,8 +125,12 @@ class LogWriter:
         now = time.monotonic()
         if self.partial and now - self.partial_since >= LOG_FLUSH_SECONDS:
             self._take_partial()  # e.g. a progress bar without newlines: show it anyway
-        if len(self.pending) >= self.chunk_bytes or (
-            self.pending and now - self.last_flush >= LOG_FLUSH_SECONDS
+        spooled = self.spool is not None and (self.spool.size or self.spool.dropped)
+        if (
+            len(self.pending) >= self.chunk_bytes
+            or (self.pending and now - self.last_flush >= LOG_FLUSH_SECONDS)
+            # What waits on disk goes in once the database is back, though the job prints nothing more.
+            or (spooled and now - self.last_flush >= SPOOL_RETRY_SECONDS)
         ):
             self.flush()
 
@@ -147,15 +156,15 @@ class LogWriter:
             return
         if not self.pending:
             return
-        data, self.pending = bytes(self.pending), bytearray()
+        data = bytes(self.pending)
         try:
             self._store_once(data)
         except Exception:
-            if self.spool is None:
-                self.pending[:0] = data
-            else:
+            if self.spool is not None:
                 self.spool.append(data)
-            raise
+                self.pending.clear()
+            raise  # without a spool it stays pending, in place: nothing copied back on every try
+        self.pending.clear()
 
     def _store_once(self, data: bytes) -> None:
         """Store `data` after what is stored; on failure the writer's state is as before."""

@@ -11,6 +11,11 @@ in a row is sent again: `dispatched_at` moves on by a conditional UPDATE (one se
 job never has more than one message outstanding, and a job that legitimately waits behind a
 busy host gets none. Should the first message turn up after all, the claim (a conditional
 UPDATE on QUEUED) lets only one of the two run it.
+
+Each round also writes the worker's pool size on its server (`Server.job_slots`, with
+`job_slots_at`), so the queue's planner starts no more jobs on the host than it can run at once.
+Busy slots are counted per server: one worker serves one server (the systemd unit and `make run`
+start one per server; its node name is the server's), so per server is per worker.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from django.conf import settings
 from django.db import close_old_connections, transaction
 from django.utils import timezone
 
+from gpus.models import Server
 from jobs.leavers import owner_active
 from jobs.models import Job
 from jobs.services import dispatch
 from portal.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
+
+MAX_SLOTS = 32767  # Server.job_slots is a PositiveSmallIntegerField
 
 
 def stranded_jobs(server: str, *, slots: int, now: datetime) -> list[Job]:
@@ -65,6 +73,13 @@ def redispatch(job: Job, now: datetime) -> bool:
         return dispatch(job, now)
 
 
+def slots_report(server: str, *, slots: int, now: datetime) -> None:
+    """Tell the queue how many jobs this host's worker runs at once: the scheduler plans no more
+    starts here than that, less what the host holds (jobs.scheduler._free_slots). Written every
+    round, so a stopped worker's word goes stale and the planner stops trusting it."""
+    Server.objects.filter(name=server).update(job_slots=min(slots, MAX_SLOTS), job_slots_at=now)
+
+
 class HostPickup(PeriodicThread):
     """In a GPU host's worker: its queued jobs whose message was lost are sent again."""
 
@@ -76,6 +91,7 @@ class HostPickup(PeriodicThread):
     def step(self) -> None:
         close_old_connections()
         now = timezone.now()
+        slots_report(self.server, slots=self.slots, now=now)
         stranded = stranded_jobs(self.server, slots=self.slots, now=now)
         sent = [job.pk for job in stranded if job.pk in self.seen and redispatch(job, now)]
         if sent:

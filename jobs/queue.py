@@ -15,7 +15,8 @@ QUEUE_AGE_MAX_HOURS of waiting.
 QUEUE_BACKFILL_DEPTH that do not get a *shadow booking* at their earliest estimated start, which
 the jobs after them must not overlap. So a lower-priority job starts now only where it cannot
 delay any of those (conservative backfill), and a wide job waiting for a whole server keeps its
-place while short jobs run in front of it.
+place while short jobs run in front of it. No more jobs start on a server than its worker has
+free slots, where the worker said how many it runs at once (`Calendar.slots`).
 """
 
 from __future__ import annotations
@@ -176,8 +177,13 @@ class Calendar:
         busy: dict[str, list[Busy]],
         now: datetime,
         horizon: datetime | None = None,
+        *,
+        slots: dict[int, int] | None = None,
     ) -> None:
         self.now = now
+        # Free job slots of the servers whose worker's pool size is known: no more jobs start
+        # there now than it can run at once (the rest would wait in Celery on running bookings).
+        self.slots = dict(slots or {})
         # Bookings are known up to here (the caller read no further): no estimate goes past it.
         self.horizon = horizon
         self.cards = {c.uuid: c for c in cards}
@@ -245,7 +251,10 @@ class Calendar:
         return self.shared_now[uuid] + memory_mb <= self.cards[uuid].bookable_mb
 
     def room_now(self, server: int, memory_mb: int | None) -> int:
-        """How many of the server's cards could take the request from now: an upper bound."""
+        """How many of the server's cards could take the request from now: an upper bound (0 when
+        its worker has no free slot)."""
+        if self.slots.get(server, 1) <= 0:
+            return 0
         return sum(1 for c in self.by_server[server] if self.could_fit_now(c.uuid, memory_mb))
 
     def earliest(
@@ -325,6 +334,9 @@ def plan(
         if cards:
             entry.start_now = cards
             calendar.add(cards, now, now + timedelta(minutes=r.minutes), r.memory_mb)
+            server = calendar.cards[cards[0]].server_id
+            if server in calendar.slots:
+                calendar.slots[server] -= 1
             if r.array_id is not None:
                 room[r.array_id] = room.get(r.array_id, 1) - 1
             continue

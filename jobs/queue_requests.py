@@ -5,13 +5,16 @@ Read-only checks for jobs.services.job_submit; each refusal names its field and 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 
 from gpus.models import GPU, Server, format_mb
+from jobs.models import Job
 from jobs.queue import parse_array
 from portal.errors import Invalid
 from portal.models import Membership, Team
@@ -36,6 +39,20 @@ class QueueRequest:
     begin_at: datetime | None
     team: Team
 
+    def job_fields(self) -> dict[str, Any]:
+        """The Job fields of a queued job that asks for this."""
+        return {
+            "team": self.team,
+            "time_limit_minutes": self.minutes,
+            "queued": True,
+            "status": Job.Status.PENDING,
+            "gpu_count": self.gpu_count,
+            "memory_mb": self.memory_mb,
+            "request_server": self.server,
+            "nice": self.nice,
+            "begin_at": self.begin_at,
+        }
+
     @classmethod
     def check(
         cls,
@@ -56,6 +73,8 @@ class QueueRequest:
         membership = _check_membership(user, team)
         chosen = _check_server(server)
         _check_memory(memory_mb, chosen)
+        _check_some_server_fits(gpu_count, memory_mb, chosen)
+        _check_limits(membership, gpu_count, memory_mb, chosen)
         indices, max_running = parse_array(array) if array else (None, None)
         if not 0 <= (nice or 0) <= MAX_NICE:
             raise Invalid(
@@ -110,6 +129,71 @@ def _check_memory(memory_mb: int | None, server: Server | None) -> None:
             f"(at most {format_mb(largest)}); ask for less, or whole cards.",
             field="memory_mb",
         )
+
+
+def _check_some_server_fits(gpu_count: int, memory_mb: int | None, server: Server | None) -> None:
+    """A job's cards are all on one server: a request no server has enough cards for (of enough
+    memory, for a share) would wait for ever as "resources". Every card a server has counts, a
+    lost one too (it may come back); with no card known yet (nothing has reported), nothing is
+    refused here."""
+    cards = GPU.objects.all() if server is None else GPU.objects.filter(server=server)
+    fitting: Counter[str] = Counter()
+    known = False
+    for name, total, reserved in cards.values_list("server__name", "memory_total_mb", "memory_reserved_mb"):
+        known = True
+        if memory_mb is None or GPU.bookable_mb(total, reserved) >= memory_mb:
+            fitting[name] += 1
+    if not known:
+        return
+    name, most = max(fitting.items(), key=lambda item: (item[1], item[0]), default=("", 0))
+    if gpu_count <= most:
+        return
+    what = f"{gpu_count} cards" + (f" with {format_mb(memory_mb)} each" if memory_mb is not None else "")
+    if server is not None:
+        where, fix = f"{server.name} has {most}", "or leave the server empty for any"
+    elif memory_mb is None:
+        where, fix = f"the largest server, {name}, has {most}", "or split the work into smaller jobs"
+    else:
+        where = f"the most any server has is {most}, on {name}" if most else "no server has one"
+        fix = "or less memory per card (memory_mb)"
+    raise Invalid(
+        f"gpu_count: {what} asked for, but {where}. Ask for at most {max(most, 1)}, {fix}.", field="gpu_count"
+    )
+
+
+def _check_limits(
+    membership: Membership, gpu_count: int, memory_mb: int | None, server: Server | None
+) -> None:
+    """A request above the member's or the team's own limit on what is held at once could never be
+    booked: it would wait as "quota" for ever, and hold its place in the queue."""
+    whole_mb = _smallest_card_mb(server) if memory_mb is None else 0
+    need_mb = gpu_count * (memory_mb if memory_mb is not None else whole_mb)
+    team = membership.team
+    for limits, whose, fix in (
+        (membership, f"your limit in team {team.slug}", "ask a leader of the team to raise it"),
+        (team, f"team {team.slug}'s limit", "ask an admin to raise it"),
+    ):
+        if memory_mb is None and limits.max_cards is not None and gpu_count > limits.max_cards:
+            raise Invalid(
+                f"gpu_count: {gpu_count} whole cards asked for, but {whose} is {limits.max_cards} whole "
+                f"card(s) at once (max_cards). Ask for at most {limits.max_cards}, or a share of each "
+                f"card (memory_mb), or {fix}.",
+                field="gpu_count",
+            )
+        if limits.max_gb is not None and need_mb > limits.max_gb * 1024:
+            field = "gpu_count" if memory_mb is None else "memory_mb"
+            raise Invalid(
+                f"{field}: {gpu_count} card(s) of {format_mb(need_mb // gpu_count)} each is "
+                f"{format_mb(need_mb)} of GPU memory, but {whose} is {limits.max_gb} GiB at once (max_gb). "
+                f"Ask for fewer cards or less memory per card, or {fix}.",
+                field=field,
+            )
+
+
+def _smallest_card_mb(server: Server | None) -> int:
+    """What a whole card counts against a memory limit, at the least: the smallest card's memory."""
+    cards = GPU.objects.all() if server is None else GPU.objects.filter(server=server)
+    return min(cards.values_list("memory_total_mb", flat=True), default=0)
 
 
 def _check_minutes(minutes: int | None, membership: Membership) -> int:

@@ -4,14 +4,15 @@ The worker never imports TensorFlow (GPU memory taken by a long-lived worker is 
 given back): every job is a subprocess in its own session, started through
 jobs/launcher-bin/launcher.py with the job's interpreter, without any of the worker's
 privileges (portal.processes.start_job_process). Cancel and time limits send SIGTERM to the
-job's process group and SIGKILL after JOB_KILL_GRACE_SECONDS. A worker that may not signal
-its job (JOB_USER without CAP_KILL) says so on the job and in its log, and keeps watching it
-until it ends by itself.
+job's session (every process of it, by identity: jobs/supervision.py) and SIGKILL after
+JOB_KILL_GRACE_SECONDS. A worker that may not signal its job (JOB_USER without CAP_KILL) says so
+on the job and in its log, and keeps watching it until it ends by itself. While the database is
+away the supervisor keeps the job's last known deadline and enforces it alone; its end waits in
+this host's spool (jobs/spool.py, jobs/replay.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pwd
@@ -19,7 +20,6 @@ import queue
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,16 +33,19 @@ from django.utils import timezone
 
 from gpus.models import Allocation, Reservation
 from jobs import paths
-from jobs.environment import BookedCard, job_environment
+from jobs.environment import BookedCard, JobSetupError, job_environment
 from jobs.folders import JobFolderError, job_folder_make
 from jobs.leavers import deactivated, owner_active, user_work_stop
 from jobs.logs import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
+from jobs.replay import job_end_store
 from jobs.scheduler import queued_job_ended
-from jobs.spool import EndRecord, LogSpool, spool_name, spooled_names, stop_flag
+from jobs.spool import EndRecord, LogSpool, spool_name, stop_flag, worker_stopping
+from jobs.supervision import JobOutput, JobSession
 from portal.accounts import JOB_USER_OWNER, unix_account_name
 from portal.errors import Invalid
+from portal.outage import WHAT, outage_of
 from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
 
 log = logging.getLogger(__name__)
@@ -53,12 +56,8 @@ T = TypeVar("T")
 LAUNCHER = Path(__file__).resolve().parent / "launcher-bin" / "launcher.py"
 TICK_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 1.0
-DRAIN_SECONDS = 2.0  # output still read after the job's main process exited
+END_RETRY_SECONDS = 2.0
 CANNOT_STOP = "Could not stop: permission denied"
-
-
-class JobSetupError(Exception):
-    """The job cannot start here (missing script, interpreter or folder): it FAILS, no retry."""
 
 
 @dataclass
@@ -183,17 +182,6 @@ def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path,
     return script, cwd or folder.path
 
 
-def _pump(stream, out: queue.Queue[bytes | None]) -> None:  # type: ignore[no-untyped-def]
-    """Reader thread: the job's single stdout+stderr pipe, as it comes, then None at EOF."""
-    fd = stream.fileno()
-    while True:
-        data = os.read(fd, 65536)
-        if not data:
-            break
-        out.put(data)
-    out.put(None)
-
-
 class Supervisor:
     """Run one claimed job to its end, recording everything on the Job row."""
 
@@ -208,7 +196,11 @@ class Supervisor:
             raise
         self.metrics = MetricsRecorder(job.pk)  # the training curves, taken out of the output
         self.proc: subprocess.Popen[bytes] | None = None
+        self.session: JobSession | None = None
+        self.booking_end: datetime = job.reservation.end  # the last deadline the database gave
+        self.db_away: str | None = None  # the outage a database step last met, said once
         self.stop_reason: str | None = None  # Job.Status to record once the process is gone
+        self.final_status: str | None = None  # the end as the worker saw it, stored or spooled
         self.stop_message = ""
         self.term_sent_at: float | None = None
         self.killed = False
@@ -255,6 +247,7 @@ class Supervisor:
             self.writer.close()
             self._finish(Job.Status.FAILED, None, f"Could not start {launch.argv[0]}: {exc}")
             return
+        self.session = JobSession(self.proc)  # its identity, taken before anything can reap it
         job.started_at = timezone.now()
         self.env_applied = launch.env_applied
         # Its process runs now, whatever the database says: watched from here on, and the row
@@ -263,10 +256,12 @@ class Supervisor:
         self._supervise()
 
     def _record_running(self) -> None:
-        assert self.proc is not None and self.job.started_at is not None
+        assert self.session is not None and self.job.started_at is not None
         Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(
             status=Job.Status.RUNNING,
-            pid=self.proc.pid,
+            # pid and start together name the job's session for good (the orphan sweep's proof).
+            pid=self.session.leader.pid,
+            pid_started=self.session.leader.started,
             started_at=self.job.started_at,
             heartbeat_at=timezone.now(),
             env_applied=self.env_applied,
@@ -286,18 +281,19 @@ class Supervisor:
         return f"Cancelled by {who}." if who else row["message"] or "Cancelled."
 
     def _supervise(self) -> None:
-        assert self.proc is not None
-        chunks: queue.Queue[bytes | None] = queue.Queue()
-        reader = threading.Thread(target=_pump, args=(self.proc.stdout, chunks), daemon=True)
-        reader.start()
+        assert self.proc is not None and self.session is not None
+        output = JobOutput(self.proc.stdout, tick=TICK_SECONDS)
         try:
-            self._loop(chunks)
-            code = self.proc.wait()
+            self._loop(output.chunks)
         except Exception:
             log.exception("Job %s: the supervisor failed", self.job.pk)
-            code = self._kill_now()  # never leave a job running unwatched
-        self._reap_group()
-        self._drain(chunks)
+            self._kill_now()  # never leave a job running unwatched
+        # The main process has exited but is not reaped: its pid still names the session, so the
+        # sweep cannot reach a process that took the pid since. Reaped only after it.
+        self.session.wait_exit()
+        self._end_session()
+        code = self.session.reap()
+        self._drain(output)
         self._guarded(self.writer.close)
         self._record(code)
 
@@ -308,11 +304,11 @@ class Supervisor:
         eof = False
         exited_at: float | None = None
         while True:
-            if exited_at is None and self.proc.poll() is not None:
+            if exited_at is None and self.session is not None and self.session.exited():
                 exited_at = time.monotonic()
-            if exited_at is not None and (eof or time.monotonic() - exited_at > DRAIN_SECONDS):
+            if exited_at is not None and (eof or time.monotonic() - exited_at > settings.JOB_DRAIN_SECONDS):
                 # Done; a child that kept the output pipe open (a server started in the
-                # background) does not keep the job alive: _reap_group ends it.
+                # background) does not keep the job alive: _end_session ends it.
                 return
             deadline = time.monotonic() + TICK_SECONDS
             while not eof:
@@ -338,15 +334,27 @@ class Supervisor:
                 if not self.running_recorded:
                     self.running_recorded = self._guarded(self._record_running)
                 beat = now - last_beat >= settings.JOB_HEARTBEAT_SECONDS
-                if self._guarded(lambda: self._check_row(beat)) and beat:  # noqa: B023 - called at once
-                    last_beat = now
+                if self._guarded(lambda: self._check_row(beat), reads=True):  # noqa: B023 - called at once
+                    last_beat = now if beat else last_beat
+                else:
+                    self._check_deadline_alone()
             self._escalate()
 
-    def _drain(self, chunks: queue.Queue[bytes | None]) -> None:
-        """Whatever the job wrote just before the end."""
-        with contextlib.suppress(queue.Empty):
-            while (data := chunks.get(timeout=0.2)) is not None:
-                self._take_output(data)
+    def _drain(self, output: JobOutput) -> None:
+        """Whatever the job wrote just before the end, for JOB_DRAIN_SECONDS at most, heartbeat
+        kept: a process that left the job's session (setsid) and holds the pipe must not hold the
+        supervisor (and its pool process) for ever. Past that the pipe is closed, saying so."""
+
+        def beat() -> None:
+            self._guarded(lambda: Job.objects.filter(pk=self.job.pk).update(heartbeat_at=timezone.now()))
+
+        if not output.drain(
+            settings.JOB_DRAIN_SECONDS, self._take_output, beat, settings.JOB_HEARTBEAT_SECONDS
+        ):
+            self.writer.write_line(
+                f"[portal] output still came {settings.JOB_DRAIN_SECONDS} s after the job ended, from a"
+                " process that left its session: no longer read."
+            )
         if late := self.metrics.release(everything=True):
             self.writer.feed(late)
         self._guarded(self.metrics.flush)
@@ -358,17 +366,26 @@ class Supervisor:
         if note := self.metrics.full_note():
             self.writer.write_line(note)
 
-    def _guarded(self, step: Callable[[], object]) -> bool:
+    def _guarded(self, step: Callable[[], object], *, reads: bool = False) -> bool:
         """Run a database step; a failure (database restarting) is logged and tried again
         on the next tick. The log keeps what it could not write yet; a heartbeat missed for
         longer than JOB_LOST_AFTER_SECONDS makes the reconciler mark the job lost, which
-        this loop then sees and honours."""
+        this loop then sees and honours. An outage is one line (and one when it is over), not a
+        traceback every tick; any other database error keeps its traceback. Only a step that
+        always `reads` the database proves it back (a flush with nothing pending reaches none)."""
         try:
             step()
-        except DatabaseError:
-            log.warning("Job %s: database step failed; retrying", self.job.pk, exc_info=True)
+        except DatabaseError as exc:
             close_old_connections()
+            if (service := outage_of(exc)) is None:
+                log.warning("Job %s: database step failed; retrying", self.job.pk, exc_info=True)
+            elif service != self.db_away:
+                log.warning("Job %s: %s is away (%s); its steps wait for it", self.job.pk, WHAT[service], exc)
+            self.db_away = service or self.db_away
             return False
+        if self.db_away and reads:
+            log.warning("Job %s: %s answers again", self.job.pk, WHAT[self.db_away])
+            self.db_away = None
         return True
 
     def _note_launcher_line(self, data: bytes) -> None:
@@ -403,8 +420,10 @@ class Supervisor:
         )
         if self.stop_reason:
             return
-        # The row is the record: the time limit counts from the start it shows.
+        # The row is the record: the time limit counts from the start it shows; both are kept
+        # to be enforced without the database while it is away (_check_deadline_alone).
         self.job.started_at = row["started_at"] or self.job.started_at
+        self.booking_end = row["reservation__end"]
         if row["status"] == Job.Status.LOST:
             # Declared dead while this worker could not reach the database: its booking may
             # already hold a new job, so this one must not go on.
@@ -418,12 +437,28 @@ class Supervisor:
             )
         elif row["reservation__cancelled_at"] and now >= row["reservation__end"]:
             self._stop(Job.Status.TIMED_OUT, "The booking was cancelled; the job was stopped.")
-        elif now >= self.job.deadline(row["reservation__end"]):
-            limit = self.job.time_limit_minutes
-            if limit and now >= self.job.started_at + timedelta(minutes=limit):
-                self._stop(Job.Status.TIMED_OUT, f"Time limit of {limit} min reached.")
-            else:
-                self._stop(Job.Status.TIMED_OUT, "The booking ended; the job was stopped.")
+        elif why := self._past_deadline(now):
+            self._stop(Job.Status.TIMED_OUT, why)
+
+    def _past_deadline(self, now: datetime) -> str:
+        """Why the job must stop now (its time limit, its booking's end), from the last start and
+        booking end the database gave; "" while it may run on."""
+        if now < self.job.deadline(self.booking_end):
+            return ""
+        limit = self.job.time_limit_minutes
+        if limit and self.job.started_at and now >= self.job.started_at + timedelta(minutes=limit):
+            return f"Time limit of {limit} min reached."
+        return "The booking ended; the job was stopped."
+
+    def _check_deadline_alone(self) -> None:
+        """The database is away: the last deadline it gave still holds, enforced here alone. The
+        job's end is recorded once the database answers (this host's spool keeps it till then)."""
+        if not self.stop_reason and (why := self._past_deadline(timezone.now())):
+            self.writer.write_line(
+                "[portal] the database is away: the job is stopped by the last deadline it gave;"
+                " its end is recorded when the database answers."
+            )
+            self._stop(Job.Status.TIMED_OUT, why)
 
     def _check_shutdown(self) -> None:
         if self.shutting_down or not any(flag.exists() for flag in self.stop_flags):
@@ -464,24 +499,19 @@ class Supervisor:
                 self.writer.write_line("[portal] could not send SIGKILL: permission denied.")
 
     def _signal(self, sig: signal.Signals) -> bool:
-        """Signal the job's process group; False when the worker may not. A group already gone
-        counts as signalled."""
-        assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, sig)  # the session leader's pid is the group id
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        """Signal every process of the job's session, each by its identity (jobs/supervision.py);
+        False when the worker may not. Nothing left to signal counts as signalled."""
+        assert self.session is not None
+        allowed = self.session.signal(sig)
+        if not allowed:
             log.warning(
-                "Job %s: may not send %s to its process group %s (permission denied: CAP_KILL?)",
+                "Job %s: may not send %s to its processes (permission denied: CAP_KILL?)",
                 self.job.pk,
                 sig.name,
-                self.proc.pid,
             )
-            return False
-        return True
+        return allowed
 
-    def _kill_now(self) -> int:
+    def _kill_now(self) -> None:
         """The supervisor itself failed: stop the job at once rather than leave it unwatched."""
         log.error("Job %s: supervisor failed; killing the job", self.job.pk)
         killed = self._signal(signal.SIGKILL)
@@ -494,12 +524,12 @@ class Supervisor:
             if killed
             else "The worker's supervisor failed."
         )
-        assert self.proc is not None
-        return self.proc.wait()
 
-    def _reap_group(self) -> None:
-        """The main process is gone; anything it left in its group goes with it."""
-        if not self._signal(signal.SIGKILL):
+    def _end_session(self) -> None:
+        """The main process is gone; whatever it left in its session goes with it, whatever
+        process groups it made there."""
+        assert self.session is not None
+        if not self.session.end():
             self.writer.write_line(
                 "[portal] the job left processes running that the worker may not kill: permission denied."
             )
@@ -534,6 +564,7 @@ class Supervisor:
         which records it once the database is back. Nothing of it is ever lost.
 
         The worker's word is final even over LOST (marked while it was out of touch)."""
+        self.final_status = status
         record = EndRecord(
             status=status, exit_code=code, message=message[:1000], finished_at=timezone.now().isoformat()
         )
@@ -542,30 +573,59 @@ class Supervisor:
                 record.write(self.spool.name)
             except OSError:
                 log.exception("Job %s: could not spool its end; the database is its only record", self.job.pk)
-        # A worker shutting down does not hold up its host's shutdown for the database.
-        deadline = time.monotonic() + (0 if self.shutting_down else settings.JOB_END_WAIT_SECONDS)
-        while True:
-            try:
-                job_end_store(self.job.pk, self.writer, record)
-                break
-            except DatabaseError:
-                close_old_connections()
-                if time.monotonic() >= deadline and self.spool is not None:
-                    log.error(
-                        "Job %s ended %s while the database was away; this host's spool records it"
-                        " once the database is back",
-                        self.job.pk,
-                        status,
-                    )
-                    self.spool.close()  # unlocked: spool_replay takes it from here
-                    return
-                log.warning("Job %s: could not record its end; retrying in 2 s", self.job.pk)
-                time.sleep(2)
+        if not self._store_end(record):
+            return
         if self.spool is not None:
             EndRecord.remove(self.spool.name)
             self.spool.close(remove=True)
-        log.info("Job %s finished: %s %s", self.job.pk, status, message)
         self._guarded(lambda: queued_job_ended(self.job))
+
+    def _store_end(self, record: EndRecord) -> bool:
+        """Try the end every END_RETRY_SECONDS until it is stored (True), or until the worker
+        shuts down (it waits for no database) or JOB_END_WAIT_SECONDS pass (False): the spool then
+        records it once the database is back; without a spool it is given up, the reconciler marks
+        the job lost and the worker's log says how it ended."""
+        deadline = time.monotonic() + settings.JOB_END_WAIT_SECONDS
+        while True:
+            try:
+                recorded = job_end_store(self.job.pk, self.writer, record)
+            except DatabaseError:
+                close_old_connections()
+                if self._stopping() or time.monotonic() >= deadline:
+                    break
+                log.warning(
+                    "Job %s: could not record its end; retrying in %s s", self.job.pk, END_RETRY_SECONDS
+                )
+                retry_at = time.monotonic() + END_RETRY_SECONDS
+                while time.monotonic() < retry_at and not self._stopping():
+                    time.sleep(TICK_SECONDS)
+                continue
+            if recorded:  # once: the replay (or the reconciler's LOST line) never logs it again
+                log.info("Job %s finished: %s %s", self.job.pk, record.status, record.message)
+            else:
+                log.info("Job %s: its end (%s) was recorded already", self.job.pk, record.status)
+            return True
+        if self.spool is not None:
+            log.error(
+                "Job %s ended %s while the database was away; this host's spool records it once the"
+                " database is back",
+                self.job.pk,
+                record.status,
+            )
+            self.spool.close()  # unlocked: spool_replay takes it from here
+        else:
+            log.error(
+                "Job %s ended %s (%s) while the database was away, and this host has no spool to keep it:"
+                " its end is not recorded; the reconciler marks it lost",
+                self.job.pk,
+                record.status,
+                record.message,
+            )
+        return False
+
+    def _stopping(self) -> bool:
+        self.shutting_down = self.shutting_down or worker_stopping()
+        return self.shutting_down
 
 
 def _spool_for(job: Job) -> LogSpool | None:
@@ -574,65 +634,6 @@ def _spool_for(job: Job) -> LogSpool | None:
     except OSError:
         log.exception("Job %s: no spool on this host (JOB_SPOOL_DIR); its log waits in memory only", job.pk)
         return None
-
-
-UNFINISHED = (Job.Status.STARTING, Job.Status.RUNNING, Job.Status.LOST)
-
-
-def job_end_store(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
-    """The log's last bytes, then the job's end: recorded once, by a conditional UPDATE on an
-    unfinished status (the supervisor and the replay can never both record it). Raises a
-    DatabaseError while the database is away; returns whether this call recorded the end."""
-    writer.flush()
-    return bool(
-        Job.objects.filter(pk=job_id, status__in=UNFINISHED).update(
-            status=record.status,
-            exit_code=record.exit_code,
-            finished_at=datetime.fromisoformat(record.finished_at),
-            message=record.message,
-        )
-    )
-
-
-def spool_replay() -> int:
-    """This host's spools that no supervisor holds: the log bytes and ends of jobs whose worker
-    could not write them (the database was away longer than JOB_END_WAIT_SECONDS, or the worker
-    died), stored now, in order and once. Run by the host worker's spool thread; returns how
-    many jobs were brought up to date. A database still away stops the round."""
-    done = 0
-    for name in spooled_names():
-        spool = LogSpool.locked_by_nobody(name, cap_bytes=settings.JOB_LOG_MAX_MB * 1024 * 1024)
-        if spool is None:
-            continue  # a supervisor is writing it
-        try:
-            done += _replay_one(name, spool)
-        except DatabaseError:
-            close_old_connections()
-            return done
-        finally:
-            spool.close()
-    return done
-
-
-def _replay_one(name: str, spool: LogSpool) -> int:
-    job_id = int(name.split("-")[1])
-    job = Job.objects.filter(pk=job_id).first()
-    if job is None or spool_name(job_id, job.created_at) != name:
-        log.warning("Spool %s belongs to no job of this database (reset since?): removed", name)
-        EndRecord.remove(name)
-        spool.clear()
-        spool.close(remove=True)
-        return 0
-    writer = LogWriter(job_id, spool=spool)
-    record = EndRecord.read(name)
-    if record is None:  # its supervisor died: the reconciler marks the job lost; its lines stay
-        writer.flush()
-    elif job_end_store(job_id, writer, record):
-        log.info("Job %s: its end (%s) recorded from this host's spool", job_id, record.status)
-        queued_job_ended(job)
-    EndRecord.remove(name)
-    spool.close(remove=True)
-    return 1
 
 
 def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
@@ -664,15 +665,10 @@ def _patiently(job_id: int, step: Callable[[], T]) -> T:
             return step()
         except DatabaseError:
             close_old_connections()
-            if time.monotonic() >= deadline or _worker_stopping():
+            if time.monotonic() >= deadline or worker_stopping():
                 raise  # a worker shutting down waits for no database
             log.warning("Job %s: the database is away before the job's start; retrying in 2 s", job_id)
             time.sleep(2)
-
-
-def _worker_stopping() -> bool:
-    """This worker is shutting down (its flag, jobs.spool.stop_flag: prefork's parent, or solo's self)."""
-    return any(flag is not None and flag.exists() for flag in map(stop_flag, {os.getpid(), os.getppid()}))
 
 
 def job_run(job_id: int) -> str | None:
@@ -688,5 +684,10 @@ def job_run(job_id: int) -> str | None:
             message="Cancelled: the booking is not active (ended or cancelled before the job started).",
         )
         return Job.Status.CANCELLED
-    _patiently(job_id, lambda: Supervisor(job)).run()
-    return Job.objects.values_list("status", flat=True).get(pk=job_id)
+    supervisor = _patiently(job_id, lambda: Supervisor(job))
+    supervisor.run()
+    try:
+        return Job.objects.values_list("status", flat=True).get(pk=job_id)
+    except DatabaseError:  # away: the end waits in the spool, as the worker's log said
+        close_old_connections()
+        return supervisor.final_status

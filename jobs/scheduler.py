@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
+from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import close_old_connections, transaction
-from django.db.models import Count
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_create, reservation_release
@@ -30,7 +32,7 @@ from jobs.models import Job
 from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
 from jobs.queue_requests import START_SLACK
 from jobs.services import cpu_share, default_threads, dispatch
-from portal.errors import Conflict, Invalid, QuotaExceeded
+from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
 from portal.periodic import PeriodicThread
 from portal.wakeups import client, wait, wake_on_commit
@@ -38,14 +40,31 @@ from portal.wakeups import client, wait, wake_on_commit
 log = logging.getLogger(__name__)
 
 USAGE_CACHE_SECONDS = 60
+# Re-plans in one pass after refused starts: each drops at least one job; a few are plenty, and a
+# pass must stay cheap with a thousand pending jobs.
+QUEUE_REPLANS = 5
+# The booking service's refusals as a job's pending reason. Forbidden: its owner may not book for
+# its team (they left it; jobs.leavers cancels such jobs), so no start of it can succeed now.
+REFUSAL_REASONS: dict[type[ServiceError], str] = {
+    QuotaExceeded: Job.Reason.QUOTA,
+    Forbidden: Job.Reason.QUOTA,
+    Conflict: Job.Reason.RESOURCES,  # a manual booking took a card since the plan read them
+    Invalid: Job.Reason.RESOURCES,
+}
+# A worker's pool size older than this many reconcile intervals is not trusted (the worker died
+# or was reconfigured): the planner then ignores the host's slots, as before it knew them.
+SLOTS_STALE_INTERVALS = 4
+REFUSED = "Waiting: "  # a refused job's message starts so: the booking service's words follow
+_failed_before: set[int] = set()  # jobs whose unexpected failure was logged with its traceback
 _usage_cache: tuple[datetime, Shares, Usage] | None = None
 
 
-def queue_plan(*, now: datetime | None = None) -> list[Entry]:
+def queue_plan(*, now: datetime | None = None, leave_out: Collection[int] = ()) -> list[Entry]:
     """The plan as it stands: every pending job in priority order, with its factors, reason and
-    estimated start (the Queue page, GET /api/v1/queue/, and each pass)."""
+    estimated start (the Queue page, GET /api/v1/queue/, and each pass). `leave_out`: jobs the
+    booking service refused this pass, planned without, so they hold no cards from the others."""
     now = now or timezone.now()
-    requests = _pending()
+    requests = [r for r in _pending() if r.job_id not in leave_out]
     if not requests:
         return []
     shares, usage = fairshare_state(now)
@@ -56,7 +75,7 @@ def queue_plan(*, now: datetime | None = None) -> list[Entry]:
     horizon = now + timedelta(minutes=longest, hours=settings.QUEUE_ESTIMATE_HORIZON_HOURS)
     return plan(
         requests,
-        _calendar(now, [pk for pk, _ in online], horizon),
+        _calendar(now, [pk for pk, _ in online], horizon, slots=_free_slots(now, [pk for pk, _ in online])),
         shares=shares,
         usage=usage,
         weights=Weights(
@@ -71,25 +90,61 @@ def queue_plan(*, now: datetime | None = None) -> list[Entry]:
 
 
 def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
-    """One pass: start what the plan says can start now; record why the others wait."""
+    """One pass: start what the plan says can start now; record why the others wait.
+
+    A start the booking service refuses (a quota, a member who left the team, a card taken since
+    the plan read it) is taken out and the rest planned again in the same pass, so a job that is
+    refused every time never holds cards a job behind it could use now. Each round refuses at
+    least one more job, and at most QUEUE_REPLANS rounds run."""
     now = now or timezone.now()
     done: Counter[str] = Counter()
     done["released"] = _release_ended(now)
-    entries = queue_plan(now=now)
+    refused: dict[int, Refusal] = {}
+    for _round in range(1 + QUEUE_REPLANS):
+        entries = queue_plan(now=now, leave_out=refused.keys())
+        newly = False
+        for entry in entries:
+            if not entry.start_now:
+                continue
+            refusal = _start(entry, now)
+            done[refusal.reason if refusal else "started"] += 1
+            if refusal:
+                refused[entry.request.job_id] = refusal
+                newly = True
+        if not newly:
+            break
+    _record_reasons(entries, refused)
+    done["pending"] = sum(1 for e in entries if not e.start_now) + len(refused)
+    return dict(done)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the booking service refused a start: the job's pending reason, and its words."""
+
+    reason: str
+    message: str = ""
+
+
+def _record_reasons(entries: list[Entry], refused: dict[int, Refusal]) -> None:
+    """Each waiting job's reason; a refused one also keeps the booking service's words as its
+    message, so its owner reads why (cleared when it starts: `_bind`)."""
     reasons: dict[str, list[int]] = defaultdict(list)
     for entry in entries:
-        reason = entry.reason
-        if entry.start_now:
-            reason = _start(entry, now)
-            done[reason or "started"] += 1
-        if reason:
-            reasons[reason].append(entry.request.job_id)
+        if not entry.start_now and entry.reason:
+            reasons[entry.reason].append(entry.request.job_id)
     for reason, ids in reasons.items():
         Job.objects.filter(pk__in=ids, status=Job.Status.PENDING).exclude(pending_reason=reason).update(
             pending_reason=reason
         )
-    done["pending"] = sum(len(ids) for ids in reasons.values())
-    return dict(done)
+    waiting = [pk for ids in reasons.values() for pk in ids]  # no longer refused: old words go
+    Job.objects.filter(pk__in=waiting, status=Job.Status.PENDING, message__startswith=REFUSED).update(
+        message=""
+    )
+    for pk, refusal in refused.items():
+        Job.objects.filter(pk=pk, status=Job.Status.PENDING).update(
+            pending_reason=refusal.reason, message=refusal.message[:1000]
+        )
 
 
 def _release_ended(now: datetime) -> int:
@@ -109,14 +164,15 @@ def _release_ended(now: datetime) -> int:
     return released
 
 
-def _start(entry: Entry, now: datetime) -> str:
-    """Book the plan's cards and dispatch the job; '' when started, else why it still waits."""
+def _start(entry: Entry, now: datetime) -> Refusal | None:
+    """Book the plan's cards and dispatch the job; None when started (or nothing to do), else why
+    it still waits. Every refusal is this job's alone: the pass goes on with the others."""
     r = entry.request
     try:
         with transaction.atomic():
             job = Job.objects.select_related("owner", "team").get(pk=r.job_id)
             if job.status != Job.Status.PENDING or not job.owner.is_active:
-                return ""  # cancelled meanwhile, another pass started it, or its owner left
+                return None  # cancelled meanwhile, another pass started it, or its owner left
             booking = reservation_create(
                 user=job.owner,
                 team=job.team,
@@ -129,14 +185,18 @@ def _start(entry: Entry, now: datetime) -> str:
             )
             _bind(job, booking, now)
             dispatch(job, now)
-    except QuotaExceeded as refusal:
-        log.info("Job %s waits for its quota: %s", r.job_id, refusal.message)
-        return Job.Reason.QUOTA
-    except (Conflict, Invalid) as refusal:  # a manual booking took a card since the plan read them
-        log.info("Job %s could not start this pass: %s", r.job_id, refusal.message)
-        return Job.Reason.RESOURCES
+    except ServiceError as refusal:
+        reason = REFUSAL_REASONS.get(type(refusal), Job.Reason.RESOURCES)
+        log.info("Job %s could not start this pass (%s): %s", r.job_id, reason, refusal.message)
+        return Refusal(reason, f"{REFUSED}{refusal.message}")
+    except Exception:
+        # A bug or a fault this job meets: skip it, never the pass. Its traceback once, not every pass.
+        if r.job_id not in _failed_before:
+            _failed_before.add(r.job_id)
+            log.exception("Job %s could not start; the others go on, and it is tried again", r.job_id)
+        return Refusal(Job.Reason.RESOURCES)
     log.info("Started queued job %s on %s", r.job_id, ", ".join(entry.start_now))
-    return ""
+    return None
 
 
 def _bind(job: Job, booking: Reservation, now: datetime) -> None:
@@ -151,6 +211,7 @@ def _bind(job: Job, booking: Reservation, now: datetime) -> None:
         gpu_uuids=[a.gpu_id for a in allocations],
         not_before=now,
         pending_reason="",
+        message="",  # a refusal's words from an earlier pass
         intra_op_threads=job.intra_op_threads or intra,
         inter_op_threads=job.inter_op_threads or inter,
     )
@@ -197,7 +258,33 @@ def _pending() -> list[Request]:
     ]
 
 
-def _calendar(now: datetime, servers: list[int], horizon: datetime) -> Calendar:
+def _free_slots(now: datetime, servers: list[int]) -> dict[int, int]:
+    """Free job slots of each server whose worker said lately how many jobs it runs at once
+    (jobs.pickup writes Server.job_slots): its pool size less the jobs it holds or has been sent.
+    A server missing here has unknown slots, and the plan does not limit it."""
+    fresh = now - timedelta(seconds=SLOTS_STALE_INTERVALS * settings.JOB_RECONCILE_SECONDS)
+    known = dict(
+        Server.objects.filter(pk__in=servers, job_slots__isnull=False, job_slots_at__gte=fresh).values_list(
+            "pk", "job_slots"
+        )
+    )
+    if not known:
+        return {}
+    held = dict(
+        Job.objects.filter(
+            Q(status__in=(Job.Status.STARTING, Job.Status.RUNNING))
+            | Q(status=Job.Status.QUEUED, dispatched_at__isnull=False),
+            server_id__in=list(known),
+        )
+        .values_list("server_id")
+        .annotate(n=Count("pk"))
+    )
+    return {pk: max(0, slots - held.get(pk, 0)) for pk, slots in known.items()}
+
+
+def _calendar(
+    now: datetime, servers: list[int], horizon: datetime, *, slots: dict[int, int] | None = None
+) -> Calendar:
     """The cards of the online servers that take work, and their bookings from now to `horizon`."""
     cards = [
         Card(uuid, server, GPU.bookable_mb(total, reserved))
@@ -210,7 +297,7 @@ def _calendar(now: datetime, servers: list[int], horizon: datetime) -> Calendar:
         live=True, end__gt=now, start__lt=horizon, gpu__server_id__in=servers
     ).values_list("gpu_id", "start", "end", "memory_mb"):
         busy[uuid].append((max(start, now), end, memory))
-    return Calendar(cards, busy, now, horizon)
+    return Calendar(cards, busy, now, horizon, slots=slots)
 
 
 def _array_room(arrays: set[int]) -> dict[int, int]:

@@ -13,8 +13,10 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
+from celery import current_app
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
@@ -25,12 +27,13 @@ from gpus.inventory import GPUInfo
 from gpus.models import Allocation, Reservation, Server, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
-from jobs.leavers import leavers_stop, owner_active
+from jobs.leavers import leavers_stop, owner_active, team_leavers_stop
 from jobs.logs import log_append
 from jobs.models import Job, JobArray
 from jobs.queue_requests import QueueRequest
 from portal.access import can_manage_team
 from portal.errors import Conflict, Forbidden, Invalid
+from portal.outage import outage_of
 from portal.timefmt import format_time
 from portal.wakeups import wake_on_commit
 
@@ -193,41 +196,64 @@ def job_submit(
     scheduler starts it when cards are free (jobs/scheduler.py). An `array` ("0-99%8") queues
     one job per index; the first is returned.
 
-    Raises a ServiceError (field and fix in the message) and writes nothing on bad input:
-    every step before the save only reads.
+    One path of named steps for both kinds: where it runs, what it runs, how TensorFlow is set
+    up, then the save. Raises a ServiceError (field and fix in the message) and writes nothing on
+    bad input: every step before the save only reads.
     """
     now = now or timezone.now()
-    common = {
-        "script": script,
-        "script_path": script_path,
-        "args": args,
-        "workdir": workdir,
-        "interpreter": interpreter,
-        "env": env,
-        "memory_mode": memory_mode,
+    if reservation is None and gpu_count is not None:
+        request = QueueRequest.check(
+            user=user,
+            gpu_count=gpu_count,
+            memory_mb=memory_mb,
+            server=server,
+            time_limit_minutes=time_limit_minutes,
+            array=array,
+            nice=nice,
+            begin_at=begin_at,
+            team=team,
+            now=now,
+        )
+        place = _Place(request.job_fields(), request.gpu_count, request.memory_mb, None, request)
+    else:
+        place = _place_on_booking(user, reservation, gpu_count, array, time_limit_minutes, now)
+    fields = {
+        "owner": user,
+        "created_at": now,
+        **place.fields,
+        **_check_program(script, script_path, args, workdir, interpreter, env),
+        **_check_tensorflow(place, memory_mode, mirrored, (intra_op_threads, inter_op_threads)),
         "soft_placement": soft_placement,
         "log_placement": log_placement,
-        "mirrored": mirrored,
     }
-    if reservation is None and gpu_count is not None:
-        return _enqueue(
-            user=user,
-            request=QueueRequest.check(
-                user=user,
-                gpu_count=gpu_count,
-                memory_mb=memory_mb,
-                server=server,
-                time_limit_minutes=time_limit_minutes,
-                array=array,
-                nice=nice,
-                begin_at=begin_at,
-                team=team,
-                now=now,
-            ),
-            threads=(intra_op_threads, inter_op_threads),
-            now=now,
-            **common,
-        )
+    if place.request is not None:
+        return _save_queued(user, place.request, fields, now)
+    job = Job(**fields)
+    _save_alone_on_booking(job)
+    if job.not_before <= now:
+        dispatch(job, now)
+    return job
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a job runs: on a booking's cards, known now, or in the queue, for cards found later."""
+
+    fields: dict[str, Any]  # the Job fields that say where
+    cards: int
+    shared_mb: int | None  # memory per card; None: whole cards
+    cpu_share: int | None  # None: known when the scheduler books its cards
+    request: QueueRequest | None = None  # a queued job's checked request
+
+
+def _place_on_booking(
+    user: AbstractBaseUser,
+    reservation: Reservation | int | None,
+    gpu_count: int | None,
+    array: str,
+    time_limit_minutes: int | None,
+    now: datetime,
+) -> _Place:
     if gpu_count is not None or array:
         raise Invalid(
             "A job runs either on a booking or in the queue: give a booking, or cards (gpu_count) "
@@ -235,73 +261,30 @@ def job_submit(
             field="gpu_count" if gpu_count is not None else "array",
         )
     booking, allocations = _check_booking(user, reservation, now)
-    server, shared_mb = allocations[0].gpu.server, allocations[0].memory_mb  # None: whole cards
-    name, path_text, source = _check_script(script, script_path)
-    argv = parse_args(args)
-    workdir_text = _check_workdir(workdir)
-    interpreter = _check_interpreter(interpreter)
-    extra_env = parse_env(env)
     _check_time_limit(time_limit_minutes, booking, now)
-    mode = _check_memory_mode(memory_mode, shared_mb)
-    _check_mirrored(mirrored, allocations)
-    intra, inter = _check_threads(intra_op_threads, inter_op_threads, cpu_share(server, allocations))
-    job = Job(
-        owner=user,
-        reservation=booking,
-        team=booking.team,
-        server=server,
-        gpu_uuids=[a.gpu_id for a in allocations],
-        name=name[:200],
-        script_path=path_text,
-        script_source=source,
-        args=argv,
-        workdir=workdir_text,
-        interpreter=interpreter,
-        env=extra_env,
-        time_limit_minutes=time_limit_minutes,
-        memory_mode=mode,
-        intra_op_threads=intra,
-        inter_op_threads=inter,
-        soft_placement=soft_placement,
-        log_placement=log_placement,
-        mirrored=mirrored,
-        created_at=now,
-        not_before=booking.start,
-    )
-    _save_alone_on_booking(job)
-    if booking.start <= now:
-        dispatch(job, now)
-    return job
+    server = allocations[0].gpu.server
+    fields = {
+        "reservation": booking,
+        "team": booking.team,
+        "server": server,
+        "gpu_uuids": [a.gpu_id for a in allocations],
+        "time_limit_minutes": time_limit_minutes,
+        "not_before": booking.start,
+    }
+    return _Place(fields, len(allocations), allocations[0].memory_mb, cpu_share(server, allocations))
 
 
-def _enqueue(
-    *,
-    user: AbstractBaseUser,
-    request: QueueRequest,
-    threads: tuple[int | None, int | None],
-    now: datetime,
+def _check_program(
     script: ScriptUpload | None,
     script_path: str,
     args: str | Sequence[str] | None,
     workdir: str,
     interpreter: str,
     env: str | Mapping[str, Any] | None,
-    memory_mode: str | None,
-    soft_placement: bool,
-    log_placement: bool,
-    mirrored: bool,
-) -> Job:
-    """A queued job, or an array of them, PENDING until the scheduler books its cards."""
+) -> dict[str, Any]:
+    """What the job runs: its script, arguments, folder, Python and extra environment."""
     name, path_text, source = _check_script(script, script_path)
-    mode = _check_memory_mode(memory_mode, request.memory_mb)
-    if mirrored and request.gpu_count < 2:
-        raise Invalid(
-            "MirroredStrategy needs two or more cards; ask for more, or untick it.", field="mirrored"
-        )
-    intra, inter = _check_thread_counts(*threads)  # None: the booking's CPU share, known at its start
-    fields = {
-        "owner": user,
-        "team": request.team,
+    return {
         "name": name[:200],
         "script_path": path_text,
         "script_source": source,
@@ -309,22 +292,26 @@ def _enqueue(
         "workdir": _check_workdir(workdir),
         "interpreter": _check_interpreter(interpreter),
         "env": parse_env(env),
-        "time_limit_minutes": request.minutes,
+    }
+
+
+def _check_tensorflow(
+    place: _Place, memory_mode: str | None, mirrored: bool, threads: tuple[int | None, int | None]
+) -> dict[str, Any]:
+    """TensorFlow's memory mode, MirroredStrategy and thread counts for where the job runs."""
+    mode = _check_memory_mode(memory_mode, place.shared_mb)
+    _check_mirrored(mirrored, place.cards, queued=place.request is not None)
+    intra, inter = _check_threads(*threads, place.cpu_share)
+    return {
         "memory_mode": mode,
+        "mirrored": mirrored,
         "intra_op_threads": intra,
         "inter_op_threads": inter,
-        "soft_placement": soft_placement,
-        "log_placement": log_placement,
-        "mirrored": mirrored,
-        "queued": True,
-        "status": Job.Status.PENDING,
-        "gpu_count": request.gpu_count,
-        "memory_mb": request.memory_mb,
-        "request_server": request.server,
-        "nice": request.nice,
-        "begin_at": request.begin_at,
-        "created_at": now,
     }
+
+
+def _save_queued(user: AbstractBaseUser, request: QueueRequest, fields: dict[str, Any], now: datetime) -> Job:
+    """A queued job, or an array of them, PENDING until the scheduler books its cards."""
     if request.indices is None:
         job = Job.objects.create(**fields)
     else:
@@ -335,14 +322,7 @@ def _enqueue(
             max_running=request.max_running,
             created_at=now,
         )
-        tasks = Job.objects.bulk_create(
-            Job(
-                **fields,
-                array=array,
-                array_index=index,
-            )
-            for index in request.indices
-        )
+        tasks = Job.objects.bulk_create(Job(**fields, array=array, array_index=i) for i in request.indices)
         job = tasks[0] if tasks[0].pk else Job.objects.filter(array=array).order_by("pk").first()
     wake_on_commit("queue")
     return job
@@ -484,15 +464,18 @@ def _check_memory_mode(memory_mode: str | None, shared_mb: int | None) -> str:
     return mode
 
 
-def _check_mirrored(mirrored: bool, allocations: Sequence[Allocation]) -> None:
-    if mirrored and len(allocations) < 2:
-        raise Invalid("MirroredStrategy needs a booking of two or more cards; untick it.", field="mirrored")
+def _check_mirrored(mirrored: bool, cards: int, *, queued: bool) -> None:
+    if mirrored and cards < 2:
+        fix = "two or more cards; ask for more, or" if queued else "a booking of two or more cards;"
+        raise Invalid(f"MirroredStrategy needs {fix} untick it.", field="mirrored")
 
 
-def _check_threads(intra: int | None, inter: int | None, share: int) -> tuple[int, int]:
+def _check_threads(intra: int | None, inter: int | None, share: int | None) -> tuple[int | None, int | None]:
     """(intra-op, inter-op) threads: each as asked, 1 to MAX_THREADS, or the default for the
-    booking's CPU `share`."""
+    booking's CPU `share` (None for a queued job: its default waits for its booking's share)."""
     intra, inter = _check_thread_counts(intra, inter)
+    if share is None:
+        return intra, inter
     intra_default, inter_default = default_threads(share)
     return intra or intra_default, inter or inter_default
 
@@ -546,25 +529,38 @@ def dispatch(job: Job, now: datetime) -> bool:
     """Send the job id to its host's queue once this transaction commits; once per job
     (a conditional UPDATE, so two reconcilers racing send it once), and never for a job whose
     owner's account was deactivated (jobs.leavers cancels it, saying why)."""
-    from jobs.tasks import run_job  # the tasks module imports this one
-
     if not Job.objects.filter(owner_active(), pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None).update(
         dispatched_at=now
     ):
         return False
     job.dispatched_at = now
     queue = job.server.queue
-
-    def send() -> None:
-        try:
-            run_job.apply_async(args=[job.pk], queue=queue)
-        except Exception:
-            # The broker is away: the job stays queued and the reconciler sends it again.
-            log.exception("Could not send job %s to %s; the reconciler will retry", job.pk, queue)
-            Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(dispatched_at=None)
-
-    transaction.on_commit(send)
+    transaction.on_commit(partial(_send, job.pk, queue))
     return True
+
+
+# The task by name (jobs/apps.py registers it in every process): importing jobs.tasks here would
+# close a circle, jobs.tasks → jobs.runner → jobs.scheduler → here.
+RUN_JOB = "jobs.tasks.run_job"
+_send_failing = False  # set by a send that failed, cleared by the next that works: one line an outage
+_SEND_FAILED = "Could not send job %s to %s (%r); the reconciler retries, quietly till a send works"
+
+
+def _send(job_id: int, queue: str) -> None:
+    """The message after commit. The broker away: the job stays queued, undispatched, and the
+    reconciler sends it again; said once for the outage, not with a traceback every job every tick."""
+    global _send_failing
+    try:
+        current_app.tasks[RUN_JOB].apply_async(args=[job_id], queue=queue)
+    except Exception as exc:
+        if not _send_failing:  # a known outage: one line; anything else: its traceback, this once
+            _send_failing = True
+            log.warning(_SEND_FAILED, job_id, queue, exc, exc_info=outage_of(exc) is None)
+        Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(dispatched_at=None)
+        return
+    if _send_failing:
+        _send_failing = False
+        log.warning("Jobs are sent to their hosts again (job %s to %s)", job_id, queue)
 
 
 @transaction.atomic
@@ -620,7 +616,8 @@ def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> di
     Safe to run twice or on two hosts at once: every change is a conditional UPDATE.
     """
     now = now or timezone.now()
-    done = {"leavers": leavers_stop(now=now), "dispatched": 0, "lost": 0, "expired": 0}
+    done = {"leavers": leavers_stop(now=now), "team_leavers": team_leavers_stop(now=now)}
+    done |= {"dispatched": 0, "lost": 0, "expired": 0}
     due = Job.objects.filter(
         owner_active(), status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import signal
 import socket
 import time
 from datetime import datetime, timedelta
@@ -39,6 +40,7 @@ from django.db import DatabaseError, close_old_connections, connection, transact
 from django.db.models import Q
 from django.db.models.signals import post_save, pre_save
 from django.dispatch import receiver
+from django.urls import reverse
 from django.utils import timezone
 
 from gpus.inventory import GPUInfo, Snapshot
@@ -47,28 +49,34 @@ from gpus.services import job_sessions_resolve, telemetry_ingested
 from gpus.telemetry import snapshot_read
 from gpus.usage import JobOutcome, job_outcomes_resolve
 from jobs.leavers import deactivated, user_work_stop
+from jobs.logs import log_append
 from jobs.models import Job
 from jobs.pickup import HostPickup
-from jobs.runner import spool_replay
+from jobs.replay import spool_replay
 from jobs.scheduler import Scheduler
 from jobs.services import jobs_by_session, jobs_reconcile, jobs_usage_record
 from jobs.spool import stop_flag
 from jobs.watchdog_host import HostWatchdog
 from portal.accounts import JOB_USER_OWNER, unix_account_name
+from portal.models import AuditEntry, Notification
+from portal.notifications import notification_send
 from portal.outage import outage_of
 from portal.periodic import PeriodicThread, start_thread
+from portal.pids import ProcessId, Sent, send, session_members
 
 log = logging.getLogger(__name__)
 
 ORPHAN_LOOKBACK = timedelta(days=1)  # lost jobs older than this have long been killed
-CLOCK_SLACK_SECONDS = 5  # the job's recorded start trails its process's creation by a moment
+CLOCK_SLACK_SECONDS = 5  # boot_time() is derived from the clock, which may have been adjusted since
 
 
 class JobReconciler(PeriodicThread):
     def __init__(self) -> None:
         super().__init__("job-reconciler", settings.JOB_RECONCILE_SECONDS)
         self.failing = False
-        self.back_at: float | None = None  # when the database answered again after an outage
+        # When the database answered again after an outage, or this thread started: a portal
+        # (re)started in the middle of one cannot tell, and workers get the same grace either way.
+        self.back_at = time.monotonic()
 
     def step(self) -> None:
         close_old_connections()  # a restarted database must not kill the loop
@@ -88,7 +96,7 @@ class JobReconciler(PeriodicThread):
         ends, from their spools) before any job is called lost."""
         if self.failing:
             return False
-        return self.back_at is None or time.monotonic() - self.back_at >= settings.JOB_LOST_AFTER_SECONDS
+        return time.monotonic() - self.back_at >= settings.JOB_LOST_AFTER_SECONDS
 
 
 class SpoolReplay(PeriodicThread):
@@ -129,11 +137,13 @@ def kill_orphans(server: str) -> int:
     """Job processes of this server left from a previous worker (its pool process was killed
     and only the launcher died with it): no supervisor watches them now, so they go.
 
-    Found by session, as the telemetry attributes them (gpus.procinfo): a process of the jobs'
-    account whose session id is the recorded pid of a job this host was running, and which
-    started after that job. No other user's environment is read, and nothing the job controls
-    decides what is killed. Called when the host's worker starts, before it takes a job, so no
-    job of this host is supervised yet.
+    Found by the job's session, named by its leader's pid *and* start (Job.pid, Job.pid_started;
+    portal.pids.session_members), and of the job's account: a leaderless session whose id merely
+    equals a recycled job pid is never taken for the job's. A session recorded before this boot
+    cannot have survived it. A job recorded without its session's start (by an older worker) is
+    not proof enough: its candidates are named in the worker's log and left alone. Each process
+    ended is said in the job's log, the audit log and a notification to its owner. Called when
+    the host's worker starts, before it takes a job, so no job of this host is supervised yet.
     """
     jobs = Job.objects.filter(
         Q(status__in=(Job.Status.STARTING, Job.Status.RUNNING))
@@ -143,24 +153,42 @@ def kill_orphans(server: str) -> int:
         pid__isnull=False,
         started_at__isnull=False,
     ).select_related("owner__profile")
-    started = {job.pid: (job.started_at, uid) for job in jobs if (uid := _job_uid(job)) is not None}
-    if not started:
-        return 0
     killed = 0
-    for proc in psutil.process_iter(["pid", "uids", "create_time"]):
-        if _orphan_of(proc, started) is None:
+    for job in jobs:
+        if (uid := _job_uid(job)) is None:
             continue
         try:
-            log.warning(
-                "Killing process %s left by a previous worker (job session %s)",
-                proc.pid,
-                session_of(proc.pid),
-            )
-            proc.kill()
-            killed += 1
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+            killed += _end_orphans_of(job, uid)
+        except Exception:  # one job's leftovers never stop the sweep of the others
+            log.exception("Could not end what job %s left running", job.pk)
     return killed
+
+
+def _end_orphans_of(job: Job, uid: int) -> int:
+    if job.pid_started is None:
+        _warn_unproved(job, uid, "it has no recorded session start (an older worker ran it)")
+        return 0
+    if job.pid_started < psutil.boot_time() - CLOCK_SLACK_SECONDS:
+        return 0  # started before this boot: nothing of that session is left
+    ended = []
+    # The last moment the supervisor held the leader (alive, or exited and not yet reaped), so
+    # the session id was surely the job's: what was made by then and still lives proves it.
+    held_at = (job.heartbeat_at or job.started_at).timestamp()
+    members = session_members(ProcessId(job.pid, job.pid_started), held_at=held_at)
+    if not members:
+        _warn_unproved(job, uid, "none of them was there while its worker still watched it")
+    for member in members:
+        try:
+            if psutil.Process(member.pid).uids().real != uid:
+                continue
+        except psutil.Error:
+            continue
+        if send(member, signal.SIGKILL) is Sent.SENT:
+            log.warning("Killed process %s left by a previous worker (job %s's session)", member.pid, job.pk)
+            ended.append(member.pid)
+    if ended:
+        _record_orphans_ended(job, ended)
+    return len(ended)
 
 
 def _job_uid(job: Job) -> int | None:
@@ -174,26 +202,47 @@ def _job_uid(job: Job) -> int | None:
         return None  # no such account here: the job never started as it
 
 
-def _orphan_of(proc: psutil.Process, started: dict[int, tuple[datetime, int]]) -> int | None:
-    """The session (a job's recorded pid) `proc` was left in, or None when it is no job's."""
-    sid = session_of(proc.pid)
-    job_start, uid = started.get(sid, (None, None)) if sid is not None else (None, None)
-    if job_start is None or proc.info["uids"] is None or proc.info["uids"].real != uid:
-        return None
-    # A recycled pid heads a session that began after the job did: its leader, if alive, was
-    # created later, and so was everything in it.
-    if proc.info["create_time"] < job_start.timestamp() - CLOCK_SLACK_SECONDS:
-        return None
-    leader = proc if proc.pid == sid else None
-    try:
-        leader = leader or psutil.Process(sid)
-        if leader.create_time() > job_start.timestamp() + CLOCK_SLACK_SECONDS:
-            return None
-    except psutil.NoSuchProcess:
-        pass  # the launcher died with the old worker: the usual orphan
-    except psutil.Error:
-        return None
-    return sid
+def _warn_unproved(job: Job, uid: int, why: str) -> None:
+    """Processes in a session with the job's id that cannot be proved to be the job's are left
+    alone, and named in the worker's log for an operator to check."""
+    if candidates := [p.pid for p in psutil.process_iter(["uids"]) if _in_session(p, job.pid, uid)]:
+        log.warning(
+            "Job %s: process(es) %s in session %s are left alone, as they cannot be proved to be its"
+            " (%s); check them by hand",
+            job.pk,
+            candidates,
+            job.pid,
+            why,
+        )
+
+
+def _in_session(proc: psutil.Process, sid: int, uid: int) -> bool:
+    return session_of(proc.pid) == sid and proc.info["uids"] is not None and proc.info["uids"].real == uid
+
+
+def _record_orphans_ended(job: Job, pids: list[int]) -> None:
+    """Nothing is killed silently: the job's log, the audit log and its owner are told."""
+    why = (
+        f"Killed process(es) {', '.join(map(str, pids))} that job {job.pk} left running on"
+        f" {socket.gethostname()} when its worker died: nothing watched them any more."
+    )
+    log_append(job.pk, f"[portal] {why}")
+    AuditEntry.objects.create(
+        actor=None,
+        team_id=job.team_id,
+        action=AuditEntry.Action.JOB_CANCEL,
+        target=f"job {job.pk}",
+        message=why,
+        data={"job": job.pk, "pids": pids, "host": socket.gethostname()},
+    )
+    notification_send(
+        user=job.owner,
+        kind=Notification.Kind.JOB_STOPPED,
+        subject=f"Job {job.pk}: what it left running was stopped",
+        body=why,
+        url=reverse("job_detail", args=[job.pk]),
+        key=f"orphans:{job.pk}",
+    )
 
 
 _watchdog: HostWatchdog | None = None

@@ -15,7 +15,10 @@ restart, a failover) while jobs print and end. The worker never drops what it co
 a spool must never be replayed into another database's job of the same id. The folder is the
 worker's alone (mode 0700, made here, never a job's: JOB_FOLDERS' rule, jobs/folders.py), and
 every file is opened O_NOFOLLOW. The supervisor holds an exclusive lock on its spool while its
-job runs, so the replay never touches a live job's files.
+job runs, so the replay never touches a live job's files. A lock is only as good as the file
+it is on: one taken on a spool that was unlinked meanwhile (the replay finished it) is let go and
+taken again on the file that now has the name; and a process forked from the holder (a prefork
+pool child) closes its copies at once, or it would keep the lock after the holder let it go.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import fcntl
 import json
 import logging
 import os
+import weakref
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -77,29 +81,47 @@ class EndRecord:
         (spool_dir() / f"{name}.end").unlink(missing_ok=True)
 
 
-class LogSpool:
-    """One job's log bytes that wait for the database, on disk, in order."""
+# Every open spool of this process: a forked child closes them (`_close_in_child`).
+_open_spools: weakref.WeakSet[LogSpool] = weakref.WeakSet()
 
-    def __init__(self, name: str, *, cap_bytes: int, lock: bool = True) -> None:
+
+class LogSpool:
+    """One job's log bytes that wait for the database, on disk, in order, under an exclusive lock."""
+
+    def __init__(self, name: str, *, cap_bytes: int, wait: bool = True) -> None:
+        """Blocks until the lock is free; with `wait=False` raises BlockingIOError instead."""
         self.name = name
         self.cap_bytes = cap_bytes
         self.path = spool_dir() / f"{name}.log"
-        self.fd = os.open(self.path, _OPEN_FLAGS, 0o600)
-        if lock:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        self.fd = self._open_locked(wait)
+        _open_spools.add(self)
         self.size = os.fstat(self.fd).st_size
         self.dropped = 0  # bytes refused since the spool was last emptied (full)
+
+    def _open_locked(self, wait: bool) -> int:
+        """Open and lock the file that has the spool's name when the lock is got: while this
+        waited, the holder may have finished the spool and unlinked it (and a new one may have
+        been made), and a lock on an unlinked file guards nothing."""
+        while True:
+            fd = os.open(self.path, _OPEN_FLAGS, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass  # unlinked while this waited: open the name again
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
 
     @classmethod
     def locked_by_nobody(cls, name: str, *, cap_bytes: int) -> LogSpool | None:
         """For the replay: the spool if no supervisor holds it, else None."""
-        spool = cls(name, cap_bytes=cap_bytes, lock=False)
         try:
-            fcntl.flock(spool.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return cls(name, cap_bytes=cap_bytes, wait=False)
         except BlockingIOError:
-            spool.close()
             return None
-        return spool
 
     def append(self, data: bytes) -> None:
         room = self.cap_bytes - self.size
@@ -128,6 +150,23 @@ class LogSpool:
                 os.unlink(self.path)
         os.close(self.fd)  # the lock goes with it
         self.fd = -1
+        _open_spools.discard(self)
+
+    def forget(self) -> None:
+        """In a forked child: close this copy of the descriptor. The lock stays the parent's."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+def _close_in_child() -> None:
+    for spool in list(_open_spools):
+        spool.forget()
+    _open_spools.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def spooled_names() -> list[str]:
@@ -147,3 +186,8 @@ def stop_flag(pid: int) -> Path | None:
     except psutil.Error:
         return None
     return spool_dir() / f"worker-{pid}-{int(started * 1000)}.stopping"
+
+
+def worker_stopping() -> bool:
+    """This worker is shutting down (its flag: prefork's parent's, or solo's own)."""
+    return any(flag is not None and flag.exists() for flag in map(stop_flag, {os.getpid(), os.getppid()}))

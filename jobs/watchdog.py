@@ -10,23 +10,39 @@ Every GPU process falls into exactly one kind (the first rule that matches):
 | kind                | what it is                                                          |
 |---------------------|---------------------------------------------------------------------|
 | `zombie`            | in the session of a job that has already ended, still on a card    |
-| `escaped`           | a running job's process on a card its booking does not hold        |
-| `over_memory`       | a job on a shared card above its booked MiB + the tolerance        |
+| `escaped`           | a running job's process on a card its booking does not hold (a     |
+|                     | booking that ended or was released moments ago still holds it for  |
+|                     | its own jobs: see `BookingFacts.ended`)                             |
+| `over_memory`       | a job on a shared card above its booked MiB + the tolerance; or     |
+|                     | the booking owner's processes outside jobs, when all the owner's    |
+|                     | processes on a shared card together exceed what the owner booked   |
 | `ok`                | a running job's process on its booked cards, within its memory     |
-| `owner_outside_job` | not the portal's, on a booked card, run by that booking's owner    |
+| `owner_outside_job` | not the portal's, on a booked card, run by that booking's owner,   |
+|                     | within what the owner booked there                                  |
 | `intruder`          | not the portal's, on a card someone else has booked now            |
 | `unbooked`          | not the portal's, on a card nobody has booked now                  |
 
 Jobs are found by session (see gpus.procinfo): the session id of a job's processes is the pid
 the worker recorded. Memory on a shared card is the job's: the sum of its processes there,
 because a job may run several (data loaders, a second model) and its booking covers them all.
+Every CUDA context a job opens on a card (one per process, ~300-500 MiB) is in that sum, and
+stays inside the booking: the card's bookable memory leaves headroom for one context per card,
+not one per process, so an allowance per extra context would promise neighbours memory that is
+not there. The launcher's cap keeps one context's headroom (jobs.environment.booked_memory); a
+job that opens more processes on a shared card must fit them in what it booked.
+
+The booking owner's own processes outside their jobs (a notebook, or a job's child that called
+setsid and so left the job's session) are the owner's business only while the owner stays within
+the booking: on a shared card the watchdog adds up *all* the owner's processes there (inside and
+outside jobs) against the owner's booked MiB there. Within it they are `owner_outside_job`, never
+stopped; above it the ones outside jobs are `over_memory`, which the policy may stop.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 
@@ -50,6 +66,10 @@ class BookingFacts:
     reservation_id: int
     owner_id: int
     cards: Mapping[str, int | None]  # card UUID → booked MiB (None: the whole card)
+    # Ended or released within the last JOB_KILL_GRACE_SECONDS + one watchdog round: its jobs are
+    # being stopped by their supervisors and may still be on its cards for those seconds, which
+    # is no escape. It covers its own jobs only; for anyone else the card is free.
+    ended: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,8 @@ def classify(
     booking_of = {b.reservation_id: b for b in bookings}
     on_card: dict[str, list[BookingFacts]] = defaultdict(list)
     for booking in bookings:
+        if booking.ended:
+            continue  # holds the card for its own jobs' last seconds, not against anyone else
         for uuid in booking.cards:
             on_card[uuid].append(booking)
     verdicts = []
@@ -96,12 +118,14 @@ def classify(
         if card.processes is None:
             continue  # unknown is not empty, but there is nothing to judge
         job_memory = _job_memory_on(card, by_session)
+        here = []
         for process in card.processes:
             job = by_session.get(process.session_id) if process.session_id else None
             if job is not None:
-                verdicts.append(_job_verdict(card, process, job, booking_of, job_memory, tolerance_mb))
+                here.append(_job_verdict(card, process, job, booking_of, job_memory, tolerance_mb))
             else:
-                verdicts.append(_foreign_verdict(card, process, on_card[card.uuid], users_by_os_name))
+                here.append(_foreign_verdict(card, process, on_card[card.uuid], users_by_os_name))
+        verdicts.extend(_owners_within_booking(here, on_card[card.uuid], tolerance_mb))
     return verdicts
 
 
@@ -159,3 +183,32 @@ def _foreign_verdict(
     return Verdict(
         card.uuid, process, Kind.INTRUDER, process.used_memory_mb, None, user_id, here[0].reservation_id
     )
+
+
+def _owners_within_booking(
+    verdicts: list[Verdict], here: Sequence[BookingFacts], tolerance_mb: int
+) -> list[Verdict]:
+    """One card's verdicts, with each booking owner's processes outside jobs held to what the owner
+    booked on this shared card: all the owner's processes there (their jobs' and the rest) are
+    summed, and above the booked MiB + tolerance the ones outside jobs are `over_memory`."""
+    result = list(verdicts)
+    owners = {v.user_id for v in verdicts if v.kind is Kind.OWNER_OUTSIDE_JOB}
+    for owner in owners:
+        booked_by_owner = [b for b in here if b.owner_id == owner]
+        shares = [b.cards[verdicts[0].gpu_uuid] for b in booked_by_owner]
+        if not shares or None in shares:
+            continue  # the owner holds the whole card: no memory rule
+        booked = sum(s for s in shares if s is not None)
+        theirs = {b.reservation_id for b in booked_by_owner}
+        used = sum(
+            v.process.used_memory_mb or 0
+            for v in verdicts
+            if v.user_id == owner
+            and (v.kind is Kind.OWNER_OUTSIDE_JOB or (v.job_id is not None and v.reservation_id in theirs))
+        )
+        if used <= booked + tolerance_mb:
+            continue
+        for i, v in enumerate(result):
+            if v.kind is Kind.OWNER_OUTSIDE_JOB and v.user_id == owner:
+                result[i] = replace(v, kind=Kind.OVER_MEMORY, memory_mb=used, booked_mb=booked)
+    return result

@@ -15,34 +15,40 @@ SIGTERM to its process group and SIGKILL after JOB_KILL_GRACE_SECONDS, and recor
 failed with the rule and the measurement), any other process by SIGTERM, then SIGKILL after the
 same grace. The violation is `stopped` once NVML no longer lists the process.
 
-Only real processes are ever signalled: the pid must still head the session the backend saw
-(`gpus.procinfo.session_of`), so a recycled pid and the simulation's invented processes (which
-have no session) are left alone. WATCHDOG_DRY_RUN records and notifies but never signals.
+Only the process that was seen is ever signalled: by pid *and* start time through a pidfd
+(`portal.pids.send`), and only while the pid is still in the session the backend saw. A pid
+reused by a later process (even in the same login session), a process whose start could not be
+read, the simulation's invented processes (no session), pid <= 1, the worker itself and its own
+process group are never signalled. WATCHDOG_DRY_RUN records and notifies but never signals.
+
+The in-memory state (`Tracked`) changes only after the database write that records the decision
+has committed: a write that fails (the database away, a deadlock) is tried again next round, so a
+stop is never lost between "decided" and "recorded". A restarted worker rebuilds that state from
+the open violations' rows, stops already begun and dry runs already announced included.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-import psutil
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from gpus.inventory import Snapshot
+from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Allocation, Server, Violation, WatchdogPolicy, format_mb
-from gpus.procinfo import session_of
+from gpus.procinfo import is_process_pid, session_of
 from jobs.models import Job
 from jobs.watchdog import BookingFacts, JobFacts, Kind, Verdict, classify
 from jobs.watchdog_notify import tell_about
 from portal.accounts import users_by_unix_name
 from portal.models import AuditEntry
+from portal.pids import ProcessId, Sent, send
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,22 @@ USERS_CACHE_SECONDS = 30
 CLOCK_SLACK_SECONDS = 2
 
 Policy = WatchdogPolicy.Action
+
+# How a violation's message begins once its stop has begun: what a restarted worker reads back
+# (`_load_open`), so it neither announces a dry run again nor starts a stop over.
+DRY_RUN_NOTE = "Dry run (WATCHDOG_DRY_RUN): it would have been stopped now."
+JOB_ASKED_NOTE = "Its job was asked to stop (SIGTERM, then SIGKILL after the grace period)."
+SENT_NOTE = "Sent "  # + the signal's name
+NOT_SIGNALLED_NOTE = "Not signalled: "
+NEEDS_CAP_KILL = "the worker needs CAP_KILL or root"
+
+Key = tuple[str, int, float | None, str]  # card, pid, start, kind: one process of one kind
+
+
+def key_of(gpu: str, pid: int, started: float | None, kind: str) -> Key:
+    # Two reads of one process's create_time agree; rounding keeps a value that went through the
+    # database (a float column) equal to a fresh read.
+    return (gpu, pid, None if started is None else round(started, 2), str(kind))
 
 
 @dataclass
@@ -73,7 +95,7 @@ class HostWatchdog:
     def __init__(self, server: str, *, simulated: bool) -> None:
         self.server_name = server
         self.simulated = simulated
-        self.tracked: dict[tuple[str, int, str], Tracked] = {}
+        self.tracked: dict[Key, Tracked] = {}
         self.loaded = False
         self.server_id: int | None = None
         self._policies: tuple[datetime, dict[str, tuple[str, int]]] | None = None
@@ -93,11 +115,12 @@ class HostWatchdog:
             self._load_open(server)
         verdicts = self._judge(snapshot, server, now)
         policies = self.policies(now)
-        seen: set[tuple[str, int, str]] = set()
+        seen: set[Key] = set()
         for verdict in verdicts:
             if verdict.kind is Kind.OK:
                 continue
-            key = (verdict.gpu_uuid, verdict.process.pid, verdict.kind)  # a StrEnum: equal to its str
+            process = verdict.process
+            key = key_of(verdict.gpu_uuid, process.pid, process.started, verdict.kind)
             seen.add(key)
             self._watch(key, verdict, policies[verdict.kind], server, now)
         readable = {g.uuid for g in snapshot.gpus if g.processes is not None}
@@ -111,7 +134,7 @@ class HostWatchdog:
         return verdicts
 
     def _judge(self, snapshot: Snapshot, server: int, now: datetime) -> list[Verdict]:
-        sessions = {p.session_id: p.pid for g in snapshot.gpus for p in g.processes or () if p.session_id}
+        sessions = {p.session_id: p for g in snapshot.gpus for p in g.processes or () if p.session_id}
         # An ended job's recorded pid may head someone else's session by now: that session is
         # the job's only if one of its processes is older than the job's end.
         jobs = [j for j in _jobs_of(server, now) if j.running or _predates_end(j, sessions)]
@@ -125,29 +148,44 @@ class HostWatchdog:
         )
 
     def _load_open(self, server: int) -> None:
-        """A restarted worker picks up the violations it was watching, rather than starting anew."""
+        """A restarted worker picks up the violations it was watching, rather than starting anew:
+        where each one's stop stands is read back from its row (action, message, action_at), so a
+        dry run is not announced twice and a stop begun is carried on, not begun again."""
         rows = Violation.objects.filter(server_id=server, ended_at=None).values_list(
-            "pk", "gpu_id", "pid", "kind", "first_seen", "memory_mb", "session_id", "action"
+            "pk",
+            "gpu_id",
+            "pid",
+            "process_started",
+            "kind",
+            "first_seen",
+            "memory_mb",
+            "session_id",
+            "action",
+            "message",
+            "action_at",
         )
-        for pk, gpu, pid, kind, first_seen, memory, session, action in rows:
-            finished = action in (Violation.Action.STOPPED, Violation.Action.STOP_FAILED)
-            self.tracked[(gpu, pid, kind)] = Tracked(pk, kind, first_seen, memory, session, finished=finished)
+        for pk, gpu, pid, started, kind, first_seen, memory, session, action, message, at in rows:
+            tracked = Tracked(pk, kind, first_seen, memory, session)
+            _rebuild(tracked, action, message, at)
+            self.tracked[key_of(gpu, pid, started, kind)] = tracked
         self.loaded = True
 
     # --- one violation ----------------------------------------------------------------------
 
-    def _watch(
-        self, key: tuple[str, int, str], verdict: Verdict, policy: tuple[str, int], server: int, now: datetime
-    ) -> None:
+    def _watch(self, key: Key, verdict: Verdict, policy: tuple[str, int], server: int, now: datetime) -> None:
         action, grace = policy
         tracked = self.tracked.get(key)
         if tracked is None:
-            tracked = self.tracked[key] = self._record(verdict, server, now)
-            if action != Policy.OBSERVE:
-                self._warn(tracked, verdict, _next_step(action, grace, now))
+            # Recorded and told together, and remembered only once both have committed: a failed
+            # write leaves nothing half-done, and the next round records it afresh.
+            with transaction.atomic():
+                tracked = self._record(verdict, server, now)
+                if action != Policy.OBSERVE:
+                    self._warn(tracked, verdict, _next_step(action, grace, now, verdict.process))
+            self.tracked[key] = tracked
         elif (verdict.memory_mb or 0) > (tracked.memory_mb or 0):
-            tracked.memory_mb = verdict.memory_mb
             Violation.objects.filter(pk=tracked.violation_id).update(memory_mb=verdict.memory_mb)
+            tracked.memory_mb = verdict.memory_mb
         if tracked.finished or action != Policy.STOP:
             return
         if tracked.stop_started is None and now - tracked.first_seen >= timedelta(seconds=grace):
@@ -162,6 +200,7 @@ class HostWatchdog:
             gpu_id=verdict.gpu_uuid,
             server_id=server,
             pid=process.pid,
+            process_started=process.started,
             session_id=process.session_id,
             os_user=process.username,
             command=process.command,
@@ -200,85 +239,96 @@ class HostWatchdog:
     # --- stopping -------------------------------------------------------------------------------
 
     def _stop(self, tracked: Tracked, verdict: Verdict, now: datetime) -> None:
-        tracked.stop_started = now
+        """Begin the stop; `tracked` says it began only once the database says so."""
         if settings.WATCHDOG_DRY_RUN:
-            tracked.finished = True
-            self._note(tracked, "Dry run (WATCHDOG_DRY_RUN): it would have been stopped now.", now)
-            if not self._silent(verdict):
-                tell_about(_violation(tracked), event="dry_run")
+            with transaction.atomic():
+                self._note(tracked, DRY_RUN_NOTE, now)
+                if not self._silent(verdict):
+                    tell_about(_violation(tracked), event="dry_run")
+            tracked.stop_started, tracked.finished = now, True
             return
         if verdict.job_id is not None and verdict.kind in (Kind.ESCAPED, Kind.OVER_MEMORY):
             # A running job is stopped whole, by its own supervisor: the job ends failed with the
             # rule and the measurement, and its log says why.
             message = f"Stopped by the GPU watchdog: {_measured(verdict)}"
-            asked = Job.objects.filter(
-                pk=verdict.job_id, status__in=(Job.Status.STARTING, Job.Status.RUNNING), watchdog_stop=""
-            ).update(watchdog_stop=message[:500])
-            self._note(
-                tracked, "Its job was asked to stop (SIGTERM, then SIGKILL after the grace period).", now
-            )
+            with transaction.atomic():
+                asked = Job.objects.filter(
+                    pk=verdict.job_id, status__in=(Job.Status.STARTING, Job.Status.RUNNING), watchdog_stop=""
+                ).update(watchdog_stop=message[:500])
+                self._note(tracked, JOB_ASKED_NOTE, now)
+            tracked.stop_started = now
             if not asked:
                 log.info("Job %s already stopping or ended", verdict.job_id)
             return
-        self._signal(tracked, verdict, signal.SIGTERM, now)
+        if self._signal(tracked, verdict, signal.SIGTERM, now):
+            tracked.stop_started = now
 
     def _escalate(self, tracked: Tracked, verdict: Verdict, now: datetime) -> None:
         waited = (now - tracked.stop_started).total_seconds()
         grace = settings.JOB_KILL_GRACE_SECONDS
         direct = verdict.job_id is None or verdict.kind == Kind.ZOMBIE  # no supervisor stops it
         if direct and not tracked.killed and waited >= grace:
-            tracked.killed = True
-            self._signal(tracked, verdict, signal.SIGKILL, now)
+            if self._signal(tracked, verdict, signal.SIGKILL, now):
+                tracked.killed = True
             return
         if waited >= grace + STOP_CONFIRM_SECONDS:
             self._fail(tracked, f"Still on the card {waited:.0f} s after the stop began.", now)
 
-    def _signal(self, tracked: Tracked, verdict: Verdict, sig: signal.Signals, now: datetime) -> None:
-        pid = verdict.process.pid
-        if verdict.process.session_id is None or session_of(pid) != verdict.process.session_id:
-            # Invented by the simulation, or the pid is no longer the process that was seen.
-            tracked.finished = True
-            self._note(
-                tracked, "Not signalled: no such process on this host (or no longer the same one).", now
-            )
-            return
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return  # gone already: the next round records the stop
-        except PermissionError:
-            self._fail(tracked, "could not stop: permission denied (the worker needs CAP_KILL or root)", now)
-            return
-        self._note(tracked, f"Sent {sig.name} to pid {pid}.", now)
+    def _signal(self, tracked: Tracked, verdict: Verdict, sig: signal.Signals, now: datetime) -> bool:
+        """Send `sig` to the process that was seen, and only to it; True when it was sent or the
+        process is gone already (the next round records the stop)."""
+        process = verdict.process
+        why_not = _unprovable(process)
+        if why_not is None and process.started is not None:  # _unprovable checked the start
+            outcome = send(ProcessId(process.pid, process.started), sig)
+            if outcome is Sent.SENT:
+                self._note(tracked, f"{SENT_NOTE}{sig.name} to pid {process.pid}.", now)
+                return True
+            if outcome is Sent.GONE:
+                return True
+            if outcome is Sent.DENIED:
+                self._fail(
+                    tracked, "could not stop: permission denied (the worker needs CAP_KILL or root)", now
+                )
+                return False
+            why_not = "pid <= 1, or the worker's own process or process group."
+        self._note(tracked, f"{NOT_SIGNALLED_NOTE}{why_not}", now)
+        tracked.finished = True
+        return False
 
     def _fail(self, tracked: Tracked, why: str, now: datetime) -> None:
+        with transaction.atomic():
+            Violation.objects.filter(pk=tracked.violation_id).update(
+                action=Violation.Action.STOP_FAILED, action_at=now, message=why[:500]
+            )
+            violation = _violation(tracked)
+            _audit(violation, f"The GPU watchdog could not stop pid {violation.pid}: {why}")
+            tell_about(violation, event="stop_failed")
         tracked.finished = True
-        Violation.objects.filter(pk=tracked.violation_id).update(
-            action=Violation.Action.STOP_FAILED, action_at=now, message=why[:500]
-        )
-        violation = _violation(tracked)
-        _audit(violation, f"The GPU watchdog could not stop pid {violation.pid}: {why}")
-        tell_about(violation, event="stop_failed")
 
     def _note(self, tracked: Tracked, message: str, now: datetime) -> None:
         Violation.objects.filter(pk=tracked.violation_id).update(message=message[:500], action_at=now)
 
     # --- the end of a violation ------------------------------------------------------------------
 
-    def _end_gone(self, keys: Iterable[tuple[str, int, str]], now: datetime) -> None:
-        """The process is no longer on the card: the stop worked, or it ended by itself."""
+    def _end_gone(self, keys: Iterable[Key], now: datetime) -> None:
+        """The process is no longer on the card: the stop worked, or it ended by itself.
+
+        Forgotten only once the end is recorded (with its audit entry and notifications, in one
+        transaction): a write that fails is tried again next round, never lost."""
         for key in keys:
-            tracked = self.tracked.pop(key)
-            if tracked.stop_started is not None and not tracked.finished:
-                with transaction.atomic():
+            tracked = self.tracked[key]
+            with transaction.atomic():
+                if tracked.stop_started is not None and not tracked.finished:
                     Violation.objects.filter(pk=tracked.violation_id).update(
                         action=Violation.Action.STOPPED, action_at=now, stopped_at=now, ended_at=now
                     )
                     violation = _violation(tracked)
                     _audit(violation, f"The GPU watchdog stopped pid {violation.pid}: {_summary(violation)}")
-                tell_about(violation, event="stopped")
-            else:
-                Violation.objects.filter(pk=tracked.violation_id).update(ended_at=now)
+                    tell_about(violation, event="stopped")
+                else:
+                    Violation.objects.filter(pk=tracked.violation_id).update(ended_at=now)
+            del self.tracked[key]
 
     def users(self, names: set[str], now: datetime) -> dict[str, int]:
         """The portal users behind these OS users; asked again only for a new name, or every
@@ -299,15 +349,21 @@ class HostWatchdog:
 
 
 def _bookings_now(server: int, now: datetime) -> list[BookingFacts]:
+    """The bookings active now on this host's cards, and those that ended (or were released) in
+    the last JOB_KILL_GRACE_SECONDS + one round: their jobs' supervisors are stopping them, which
+    takes up to that long, and a job on its card meanwhile has not escaped."""
+    window = timedelta(seconds=settings.JOB_KILL_GRACE_SECONDS + settings.WATCHDOG_INTERVAL_SECONDS)
     cards: dict[int, dict[str, int | None]] = {}
     owners: dict[int, int] = {}
-    rows = Allocation.objects.filter(live=True, start__lte=now, end__gt=now, gpu__server_id=server)
-    for reservation, owner, gpu, memory in rows.values_list(
-        "reservation_id", "reservation__owner_id", "gpu_id", "memory_mb"
+    ended: dict[int, bool] = {}
+    rows = Allocation.objects.filter(live=True, start__lte=now, end__gt=now - window, gpu__server_id=server)
+    for reservation, owner, gpu, memory, end in rows.values_list(
+        "reservation_id", "reservation__owner_id", "gpu_id", "memory_mb", "end"
     ):
         cards.setdefault(reservation, {})[gpu] = memory
         owners[reservation] = owner
-    return [BookingFacts(pk, owners[pk], held) for pk, held in cards.items()]
+        ended[reservation] = end <= now
+    return [BookingFacts(pk, owners[pk], held, ended=ended[pk]) for pk, held in cards.items()]
 
 
 def _jobs_of(server: int, now: datetime) -> list[JobFacts]:
@@ -322,16 +378,38 @@ def _jobs_of(server: int, now: datetime) -> list[JobFacts]:
     ]
 
 
-def _predates_end(job: JobFacts, sessions: dict[int, int]) -> bool:
+def _predates_end(job: JobFacts, sessions: dict[int, ProcessInfo]) -> bool:
     """True when a process seen in the ended job's session was created before the job ended."""
-    pid = sessions.get(job.session_id)
-    if pid is None or job.finished_at is None:
-        return False
-    try:
-        created = psutil.Process(pid).create_time()
-    except psutil.Error:
-        return False
-    return created <= job.finished_at.timestamp() + CLOCK_SLACK_SECONDS
+    process = sessions.get(job.session_id)
+    if process is None or process.started is None or job.finished_at is None:
+        return False  # a start that cannot be read proves nothing: no zombie
+    return process.started <= job.finished_at.timestamp() + CLOCK_SLACK_SECONDS
+
+
+def _unprovable(process: ProcessInfo) -> str | None:
+    """Why the process on the card cannot be proven to be the one the pid names now; None when it
+    can: its pid and start time (checked again through the pidfd by portal.pids.send) and its
+    session, which a later command of the same login shell would share, so it is not enough."""
+    if not is_process_pid(process.pid):
+        return f"pid {process.pid} is no process of its own (NVML answers 0 when its versions disagree)."
+    if process.session_id is None:
+        return "no such process on this host (invented by the simulation, or gone)."
+    if process.started is None:
+        return "its start time could not be read, so it cannot be proven to be the process seen."
+    if session_of(process.pid) != process.session_id:
+        return "the pid is no longer the process that was seen (another session)."
+    return None
+
+
+def _rebuild(tracked: Tracked, action: str, message: str, at: datetime | None) -> None:
+    """Where a violation's stop stood when the worker restarted, from its row."""
+    if action in (Violation.Action.STOPPED, Violation.Action.STOP_FAILED):
+        tracked.finished = True
+    elif message.startswith(DRY_RUN_NOTE) or message.startswith(NOT_SIGNALLED_NOTE):
+        tracked.stop_started, tracked.finished = at, True
+    elif message.startswith(JOB_ASKED_NOTE) or message.startswith(SENT_NOTE):
+        tracked.stop_started = at
+        tracked.killed = message.startswith(f"{SENT_NOTE}SIGKILL")
 
 
 # --- what is written and said ------------------------------------------------------------------
@@ -343,11 +421,13 @@ def _violation(tracked: Tracked) -> Violation:
     )
 
 
-def _next_step(action: str, grace: int, now: datetime) -> str:
+def _next_step(action: str, grace: int, now: datetime, process: ProcessInfo) -> str:
     if action != Policy.STOP:
         return "The policy for this kind is to warn: nothing will be stopped."
     if settings.WATCHDOG_DRY_RUN:
         return "The watchdog runs dry (WATCHDOG_DRY_RUN): it will not stop it."
+    if process.session_id is not None and process.started is None:
+        return "It will not be stopped: its start time could not be read, so it cannot be proven to be it."
     at = timezone.localtime(now + timedelta(seconds=grace))
     return f"Unless it ends first, it will be stopped at {at:%H:%M:%S} (the policy: stop after {grace} s)."
 
@@ -355,8 +435,9 @@ def _next_step(action: str, grace: int, now: datetime) -> str:
 def _measured(verdict: Verdict) -> str:
     card = verdict.gpu_uuid
     if verdict.kind == Kind.OVER_MEMORY:
+        whose = f"job {verdict.job_id}" if verdict.job_id is not None else "the owner's processes"
         return (
-            f"over_memory: job {verdict.job_id} used {format_mb(verdict.memory_mb or 0)} on {card}, "
+            f"over_memory: {whose} used {format_mb(verdict.memory_mb or 0)} on {card}, "
             f"above its booked {format_mb(verdict.booked_mb or 0)} + "
             f"{settings.WATCHDOG_MEMORY_TOLERANCE_MB} MiB tolerance."
         )

@@ -36,7 +36,10 @@ EVENTS = {
 }
 WHY = {
     Violation.Kind.ESCAPED: "a job's process runs on a card its booking does not hold",
-    Violation.Kind.OVER_MEMORY: "a job uses more memory on a shared card than it booked",
+    Violation.Kind.OVER_MEMORY: (
+        "a job, or a booking owner's processes outside their jobs, use more memory on a shared card"
+        " than was booked"
+    ),
     Violation.Kind.INTRUDER: "a process the portal did not start runs on a booked card",
     Violation.Kind.OWNER_OUTSIDE_JOB: "the booking's owner runs a process outside a portal job",
     Violation.Kind.UNBOOKED: "a process the portal did not start runs on a card nobody booked",
@@ -142,7 +145,10 @@ def _advice(violation: Violation, role: str) -> str:
         return "You lead a team of the person concerned, who has had several violations this week."
     return {
         Violation.Kind.ESCAPED: "Keep to your booked cards: use the CUDA_VISIBLE_DEVICES the portal sets.",
-        Violation.Kind.OVER_MEMORY: "Book more memory or limit your job to its booking (memory mode).",
+        Violation.Kind.OVER_MEMORY: (
+            "Book more memory, limit your job to its booking (memory mode), or end what you run on"
+            " the card outside your jobs: all your processes there count against your booking."
+        ),
         Violation.Kind.INTRUDER: "Book the card on the portal and run your work as a job on it.",
         Violation.Kind.UNBOOKED: "Book the card on the portal before you use it.",
         Violation.Kind.ZOMBIE: "Stop the processes your job left behind.",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
 from django.http import Http404
 from django.shortcuts import get_object_or_404
 
@@ -23,6 +26,25 @@ def leads_team(user: AbstractBaseUser, team: Team | int) -> bool:
 def can_manage_team(user: AbstractBaseUser, team: Team | int) -> bool:
     """Leaders of the team and admins: edit member quotas, cancel the team's bookings."""
     return is_admin(user) or leads_team(user, team)
+
+
+def can_manage(user: AbstractBaseUser, obj: Any) -> bool:
+    """The owner of a team's object (a booking, a job: anything with `owner_id` and `team_id`),
+    leaders of its team and admins: cancel it, stop it."""
+    return obj.owner_id == user.pk or can_manage_team(user, obj.team_id)
+
+
+def teams_led_by(user: AbstractBaseUser | None) -> QuerySet[Team]:
+    """The teams the user leads (none for no user), as a query: `team_id__in=teams_led_by(user)`
+    is one subquery."""
+    return Team.objects.filter(memberships__user=user, memberships__role=Membership.Role.LEADER)
+
+
+def teams_visible_to(user: AbstractBaseUser) -> QuerySet[Team]:
+    """The teams a user may see: their own; admins see every team. Outsiders never learn the rest exist."""
+    if is_admin(user):
+        return Team.objects.all()
+    return Team.objects.filter(pk__in=Membership.objects.filter(user=user).values("team_id"))
 
 
 def team_ids_of(user: AbstractBaseUser) -> set[int]:

@@ -29,12 +29,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.access import roles_of
+from portal.access import roles_of, teams_visible_to
 from portal.filters import AuditEntryFilter
 from portal.models import ApiToken, AuditEntry, Notification, Team
 from portal.notifications import NotificationFilter, notifications_mark_read
 from portal.pagination import PagePagination
-from portal.permissions import IsTeamManager, TeamLookupMixin, teams_visible_to
+from portal.permissions import IsTeamManager, TeamLookupMixin
 from portal.services import api_token_create, api_token_revoke
 from portal.tokens import api_token_expiry, expiry_days_help, expiry_days_max
 

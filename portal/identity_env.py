@@ -10,6 +10,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from portal.env import ImproperlyConfiguredEnv, env_bool, env_choice, env_int, env_str
@@ -104,69 +105,22 @@ _LDAP_GROUP_FILTERS = {
 
 def ldap_settings_from_env() -> dict[str, object]:
     """The AUTH_LDAP_* settings django-auth-ldap reads, and LDAP_UNIX_ACCOUNT_ATTR; nothing
-    without LDAP_SERVER_URI. settings.py and the LDAP tests both build them here."""
-    uri = env_str("LDAP_SERVER_URI", "").strip()
+    without LDAP_SERVER_URI. settings.py and the LDAP tests both build them here.
+
+    Each step reads and checks its variables, in this order, so a wrong setup is told its first
+    mistake."""
+    uri = _ldap_uri()
     if not uri:
         return {}
-    if not uri.startswith(("ldap://", "ldaps://", "ldapi://")):
-        raise ImproperlyConfiguredEnv(
-            f"LDAP_SERVER_URI={uri!r} must start with ldap://, ldaps:// or ldapi:// "
-            "(e.g. ldaps://ldap.lab.example.org)"
-        )
-    # python-ldap is optional (it builds against system headers): imported only when configured.
-    try:
-        import ldap
-        from django_auth_ldap import config
-    except ImportError as exc:
-        raise ImproperlyConfiguredEnv(
-            f"LDAP_SERVER_URI is set but LDAP sign-in is not installed ({exc}): run "
-            "`apt install libldap2-dev libsasl2-dev`, then `.venv/bin/pip install -r requirements-ldap.txt`"
-        ) from exc
-
-    user_base = env_str("LDAP_USER_SEARCH_BASE", "").strip()
-    if not user_base:
-        raise ImproperlyConfiguredEnv(
-            "LDAP_SERVER_URI is set but LDAP_USER_SEARCH_BASE is empty: set it to the DN people are "
-            "under, e.g. ou=people,dc=lab,dc=example"
-        )
-    user_filter = env_str("LDAP_USER_FILTER", "(uid=%(user)s)").strip()
-    if "%(user)s" not in user_filter or not (user_filter.startswith("(") and user_filter.endswith(")")):
-        raise ImproperlyConfiguredEnv(
-            f"LDAP_USER_FILTER={user_filter!r} must be an LDAP filter holding %(user)s, e.g. "
-            "(uid=%(user)s), or (sAMAccountName=%(user)s) for Active Directory"
-        )
-    start_tls = env_bool("LDAP_START_TLS", False)
-    if start_tls and uri.startswith("ldaps://"):
-        raise ImproperlyConfiguredEnv(
-            "LDAP_START_TLS is on but LDAP_SERVER_URI is ldaps://, already TLS: use one of them"
-        )
-    if uri.startswith("ldap://") and not start_tls and not _ldap_on_loopback(uri):
-        # Not refused: the server may be reached over a network the lab trusts.
-        logger.warning(
-            "LDAP_SERVER_URI=%s without LDAP_START_TLS: every LDAP sign-in sends its password in "
-            "clear; use ldaps:// or LDAP_START_TLS=true",
-            uri,
-        )
+    ldap, config = _ldap_modules()
+    user_base, user_filter = _ldap_user_search()
+    start_tls = _ldap_start_tls(uri)
     ca_file = env_str("LDAP_CA_CERT_FILE", "").strip()
     if ca_file and not Path(ca_file).is_file():
         raise ImproperlyConfiguredEnv(f"LDAP_CA_CERT_FILE={ca_file!r} is not a readable file")
     timeout = env_int("LDAP_TIMEOUT_SECONDS", 10, min_value=1, max_value=120)
-    username_attr = env_str("LDAP_USERNAME_ATTR", "uid").strip()
-    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", username_attr):
-        raise ImproperlyConfiguredEnv(
-            f"LDAP_USERNAME_ATTR={username_attr!r} must be an attribute name, e.g. uid, or "
-            "sAMAccountName for Active Directory"
-        )
-    group_type = env_choice("LDAP_GROUP_TYPE", "groupOfNames", tuple(_LDAP_GROUP_FILTERS))
-    group_base = env_str("LDAP_GROUP_SEARCH_BASE", "").strip()
-    group_filter = env_str("LDAP_GROUP_FILTER", _LDAP_GROUP_FILTERS[group_type]).strip()
-    if not group_base and (
-        env_str("IDENTITY_GROUP_TEAMS").strip() or env_str("IDENTITY_ADMIN_GROUPS").strip()
-    ):
-        raise ImproperlyConfiguredEnv(
-            "IDENTITY_GROUP_TEAMS or IDENTITY_ADMIN_GROUPS is set but LDAP_GROUP_SEARCH_BASE is empty, "
-            "so LDAP sign-ins would never read a group: set it, e.g. ou=groups,dc=lab,dc=example"
-        )
+    username_attr = _ldap_username_attr()
+    group_type, group_base, group_filter = _ldap_group_search()
 
     found = {
         "AUTH_LDAP_SERVER_URI": uri,
@@ -193,17 +147,93 @@ def ldap_settings_from_env() -> dict[str, object]:
         "LDAP_USERNAME_ATTR": username_attr,
     }
     if group_base:
-        group_types = {
-            "groupofnames": config.GroupOfNamesType,
-            "nestedgroupofnames": config.NestedGroupOfNamesType,
-            "groupofuniquenames": config.GroupOfUniqueNamesType,
-            "posixgroup": config.PosixGroupType,
-            "activedirectory": config.ActiveDirectoryGroupType,
-            "nestedactivedirectory": config.NestedActiveDirectoryGroupType,
-        }
-        found["AUTH_LDAP_GROUP_SEARCH"] = config.LDAPSearch(group_base, ldap.SCOPE_SUBTREE, group_filter)
-        found["AUTH_LDAP_GROUP_TYPE"] = group_types[group_type](name_attr="cn")
+        found.update(_ldap_group_settings(ldap, config, group_type, group_base, group_filter))
     return found
+
+
+def _ldap_uri() -> str:
+    """LDAP_SERVER_URI, checked; empty: no LDAP."""
+    uri = env_str("LDAP_SERVER_URI", "").strip()
+    if uri and not uri.startswith(("ldap://", "ldaps://", "ldapi://")):
+        raise ImproperlyConfiguredEnv(
+            f"LDAP_SERVER_URI={uri!r} must start with ldap://, ldaps:// or ldapi:// "
+            "(e.g. ldaps://ldap.lab.example.org)"
+        )
+    return uri
+
+
+def _ldap_modules() -> tuple[Any, Any]:
+    """python-ldap and django_auth_ldap.config."""
+    # python-ldap is optional (it builds against system headers): imported only when configured.
+    try:
+        import ldap
+        from django_auth_ldap import config
+    except ImportError as exc:
+        raise ImproperlyConfiguredEnv(
+            f"LDAP_SERVER_URI is set but LDAP sign-in is not installed ({exc}): run "
+            "`apt install libldap2-dev libsasl2-dev`, then `.venv/bin/pip install -r requirements-ldap.txt`"
+        ) from exc
+    return ldap, config
+
+
+def _ldap_user_search() -> tuple[str, str]:
+    """LDAP_USER_SEARCH_BASE and LDAP_USER_FILTER, checked."""
+    user_base = env_str("LDAP_USER_SEARCH_BASE", "").strip()
+    if not user_base:
+        raise ImproperlyConfiguredEnv(
+            "LDAP_SERVER_URI is set but LDAP_USER_SEARCH_BASE is empty: set it to the DN people are "
+            "under, e.g. ou=people,dc=lab,dc=example"
+        )
+    user_filter = env_str("LDAP_USER_FILTER", "(uid=%(user)s)").strip()
+    if "%(user)s" not in user_filter or not (user_filter.startswith("(") and user_filter.endswith(")")):
+        raise ImproperlyConfiguredEnv(
+            f"LDAP_USER_FILTER={user_filter!r} must be an LDAP filter holding %(user)s, e.g. "
+            "(uid=%(user)s), or (sAMAccountName=%(user)s) for Active Directory"
+        )
+    return user_base, user_filter
+
+
+def _ldap_start_tls(uri: str) -> bool:
+    """LDAP_START_TLS, checked against the URI; a warning for passwords sent in clear."""
+    start_tls = env_bool("LDAP_START_TLS", False)
+    if start_tls and uri.startswith("ldaps://"):
+        raise ImproperlyConfiguredEnv(
+            "LDAP_START_TLS is on but LDAP_SERVER_URI is ldaps://, already TLS: use one of them"
+        )
+    if uri.startswith("ldap://") and not start_tls and not _ldap_on_loopback(uri):
+        # Not refused: the server may be reached over a network the lab trusts.
+        logger.warning(
+            "LDAP_SERVER_URI=%s without LDAP_START_TLS: every LDAP sign-in sends its password in "
+            "clear; use ldaps:// or LDAP_START_TLS=true",
+            uri,
+        )
+    return start_tls
+
+
+def _ldap_username_attr() -> str:
+    username_attr = env_str("LDAP_USERNAME_ATTR", "uid").strip()
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", username_attr):
+        raise ImproperlyConfiguredEnv(
+            f"LDAP_USERNAME_ATTR={username_attr!r} must be an attribute name, e.g. uid, or "
+            "sAMAccountName for Active Directory"
+        )
+    return username_attr
+
+
+def _ldap_group_search() -> tuple[str, str, str]:
+    """LDAP_GROUP_TYPE, LDAP_GROUP_SEARCH_BASE (empty: groups are never read) and
+    LDAP_GROUP_FILTER, checked against what the IDENTITY_* group settings need."""
+    group_type = env_choice("LDAP_GROUP_TYPE", "groupOfNames", tuple(_LDAP_GROUP_FILTERS))
+    group_base = env_str("LDAP_GROUP_SEARCH_BASE", "").strip()
+    group_filter = env_str("LDAP_GROUP_FILTER", _LDAP_GROUP_FILTERS[group_type]).strip()
+    if not group_base and (
+        env_str("IDENTITY_GROUP_TEAMS").strip() or env_str("IDENTITY_ADMIN_GROUPS").strip()
+    ):
+        raise ImproperlyConfiguredEnv(
+            "IDENTITY_GROUP_TEAMS or IDENTITY_ADMIN_GROUPS is set but LDAP_GROUP_SEARCH_BASE is empty, "
+            "so LDAP sign-ins would never read a group: set it, e.g. ou=groups,dc=lab,dc=example"
+        )
+    return group_type, group_base, group_filter
 
 
 def oidc_settings_from_env() -> dict[str, object]:
@@ -253,6 +283,23 @@ def oidc_settings_from_env() -> dict[str, object]:
         "OIDC_GROUPS_CLAIM": env_str("OIDC_GROUPS_CLAIM", "groups").strip(),
         "OIDC_UNIX_ACCOUNT_CLAIM": env_str("OIDC_UNIX_ACCOUNT_CLAIM", "").strip(),
         "OIDC_LAB_NAME": env_str("OIDC_LAB_NAME", "single sign-on").strip(),
+    }
+
+
+def _ldap_group_settings(
+    ldap: Any, config: Any, group_type: str, group_base: str, group_filter: str
+) -> dict[str, object]:
+    group_types = {
+        "groupofnames": config.GroupOfNamesType,
+        "nestedgroupofnames": config.NestedGroupOfNamesType,
+        "groupofuniquenames": config.GroupOfUniqueNamesType,
+        "posixgroup": config.PosixGroupType,
+        "activedirectory": config.ActiveDirectoryGroupType,
+        "nestedactivedirectory": config.NestedActiveDirectoryGroupType,
+    }
+    return {
+        "AUTH_LDAP_GROUP_SEARCH": config.LDAPSearch(group_base, ldap.SCOPE_SUBTREE, group_filter),
+        "AUTH_LDAP_GROUP_TYPE": group_types[group_type](name_attr="cn"),
     }
 
 

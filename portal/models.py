@@ -209,7 +209,7 @@ class Notification(models.Model):
     mail_status = models.CharField(max_length=12, choices=Mail.choices)
     mailed_at = models.DateTimeField(null=True, blank=True)
     # When its last Celery message went out: a QUEUED mail with none for MAIL_REQUEUE_MINUTES lost
-    # its message (Redis restarted) and is sent again (portal.notifications.mail_stranded_requeue).
+    # its message (Redis restarted) and is sent again (portal.mail.mail_stranded_requeue).
     mail_queued_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

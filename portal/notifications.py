@@ -1,44 +1,34 @@
 """Notifications: the inbox entry, its mail copy, mail preferences, and the inbox's filters.
 
 `notification_send` is what gpus and jobs call (the GPU watchdog, bookings, jobs): the entry is
-always written; the mail goes after commit through `portal.tasks.mail_notification`, on the
-portal's own queue, and a mail that cannot go is logged, retried, at worst given up: never an
-error for the sender. docs/notifications.md says what is sent to whom.
+always written; the mail goes after commit through `portal.mail` (the task
+`portal.tasks.mail_notification`, on the portal's own queue), and a mail that cannot go is logged,
+retried, at worst given up: never an error for the sender. docs/notifications.md says what is sent to whom.
 """
 
 from __future__ import annotations
 
-import logging
-import smtplib
 from collections.abc import Iterable
-from datetime import datetime, timedelta
+from datetime import timedelta
 from functools import partial
 
 import django_filters
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.mail import EmailMessage
 from django.db import transaction
 from django.db.models import Q
-from django.urls import reverse
 from django.utils import timezone
 from django_filters.widgets import BooleanWidget
 
 from portal.errors import Invalid
 from portal.filters import unknown_choice
+from portal.mail import mail_queue
 from portal.models import MailPreference, Notification
-
-log = logging.getLogger(__name__)
 
 Mail = Notification.Mail
 SUBJECT_MAX = Notification._meta.get_field("subject").max_length
 # A message, never a log: the watchdog quotes command lines, which can be any length.
 BODY_MAX = 10_000
-
-
-class MailTemporaryError(Exception):
-    """The SMTP server could not take the mail now (unreachable, timed out, a 4xx answer): the
-    task tries again later."""
 
 
 def _clip(text: str, limit: int) -> str:
@@ -75,7 +65,7 @@ def notification_send(
         mail_status=_mail_status(user=user, kind=kind, key=key),
     )
     if notification.mail_status == Mail.QUEUED:
-        transaction.on_commit(partial(_queue_mail, notification.pk))
+        transaction.on_commit(partial(mail_queue, notification.pk))
     return notification
 
 
@@ -98,107 +88,6 @@ def _mailed_lately(*, user: AbstractBaseUser, key: str) -> bool:
     went = Q(mail_status=Mail.SENT, mailed_at__gte=since)
     on_its_way = Q(mail_status__in=[Mail.QUEUED, Mail.SENDING], created_at__gte=since)
     return Notification.objects.filter(went | on_its_way, user=user, key=key).exists()
-
-
-def _queue_mail(notification_id: int, at: datetime | None = None) -> None:
-    from portal.tasks import mail_notification  # the tasks module imports this one
-
-    try:
-        mail_notification.apply_async(args=[notification_id])
-    except Exception:
-        # The broker is away. Never raised into whoever committed (the watchdog's round, a
-        # booking): the mail stays QUEUED with no message out, and mail_stranded_requeue sends it
-        # once Redis is back.
-        log.warning("Could not queue the mail of notification %s; sent once Redis is back", notification_id)
-        return
-    Notification.objects.filter(pk=notification_id, mail_status=Mail.QUEUED).update(
-        mail_queued_at=at or timezone.now()
-    )
-
-
-def mail_stranded_requeue(*, now: datetime | None = None) -> int:
-    """Send again the messages of QUEUED mails that have had none out for MAIL_REQUEUE_MINUTES:
-    lost with Redis (killed, restarted empty) or never sent (Redis was away). Run by beat every
-    minute. A message is a nudge: the claim (QUEUED → SENDING) lets only one of two copies mail,
-    and SENDING ones are never sent again (a worker lost mid-send may have sent it)."""
-    now = now or timezone.now()
-    since = now - timedelta(minutes=settings.MAIL_REQUEUE_MINUTES)
-    stranded = Notification.objects.filter(
-        Q(mail_queued_at__lt=since) | Q(mail_queued_at=None, created_at__lt=now - timedelta(seconds=30)),
-        mail_status=Mail.QUEUED,
-    )
-    ids = list(stranded.order_by("pk").values_list("pk", flat=True)[:1000])
-    for notification_id in ids:
-        _queue_mail(notification_id, now)
-    if ids:
-        log.warning("Mail of %d notification(s) had no message out (Redis restarted?): sent again", len(ids))
-    return len(ids)
-
-
-def notification_mail(*, notification_id: int, last_try: bool = False) -> str:
-    """Mail a QUEUED notification to its person; returns its mail status afterwards.
-
-    Claimed with a conditional UPDATE (QUEUED → SENDING), so a re-run or a second delivery of the
-    task sends nothing. A temporary SMTP error puts it back to QUEUED and raises
-    MailTemporaryError for the task to retry (FAILED instead on the last try); a permanent one
-    (a 5xx answer: unknown recipient, wrong password) marks it FAILED at once. Both are logged.
-    No transaction: the SMTP conversation holds no database lock.
-    """
-    queued = Notification.objects.filter(pk=notification_id, mail_status=Mail.QUEUED)
-    if not queued.update(mail_status=Mail.SENDING):
-        log.info("Notification %s is not queued for mail (already sent, or gone)", notification_id)
-        return ""
-    notification = Notification.objects.select_related("user").get(pk=notification_id)
-    if not notification.user.email:  # removed since the notification was sent
-        return _mail_status_set(notification_id, Mail.NO_ADDRESS)
-    try:
-        _message(notification).send()
-    except OSError as exc:  # smtplib.SMTPException included
-        if _is_temporary(exc) and not last_try:
-            log.warning("Mail of notification %s not sent yet, to be retried: %s", notification_id, exc)
-            _mail_status_set(
-                notification_id, Mail.QUEUED, mail_queued_at=timezone.now()
-            )  # the retry's message
-            raise MailTemporaryError(f"{type(exc).__name__}: {exc}") from exc
-        log.error("Could not mail notification %s to %s: %s", notification_id, notification.user.email, exc)
-        return _mail_status_set(notification_id, Mail.FAILED)
-    return _mail_status_set(notification_id, Mail.SENT, mailed_at=timezone.now())
-
-
-def _mail_status_set(notification_id: int, status: str, **fields: object) -> str:
-    sending = Notification.objects.filter(pk=notification_id, mail_status=Mail.SENDING)
-    sending.update(mail_status=status, **fields)
-    return status
-
-
-def _is_temporary(exc: OSError) -> bool:
-    """No answer (refused, timed out, dropped) and 4xx answers may pass later; 5xx ones will not."""
-    if isinstance(exc, smtplib.SMTPRecipientsRefused):
-        return all(code < 500 for code, _ in exc.recipients.values())
-    if isinstance(exc, smtplib.SMTPResponseException):
-        return exc.smtp_code < 500
-    return True
-
-
-def portal_link(path: str) -> str:
-    """A path on this site as an absolute URL, for mails (PORTAL_URL)."""
-    return settings.PORTAL_URL + path
-
-
-def _message(notification: Notification) -> EmailMessage:
-    parts = [notification.body]
-    if notification.url:
-        parts.append(portal_link(notification.url))
-    parts.append(
-        "-- \n"
-        f"Every notification is in your inbox: {portal_link(reverse('notifications'))}\n"
-        f"Choose which come by mail on your profile: {portal_link(reverse('profile'))}#mail"
-    )
-    return EmailMessage(
-        subject=settings.EMAIL_SUBJECT_PREFIX + notification.subject,
-        body="\n\n".join(parts),
-        to=[notification.user.email],
-    )
 
 
 @transaction.atomic

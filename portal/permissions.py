@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import QuerySet
 from rest_framework.generics import get_object_or_404
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
-from portal.access import can_manage_team, is_admin, only_managers, team_ids_of
+from portal.access import can_manage, can_manage_team, is_admin, only_managers, teams_visible_to
 from portal.models import Team
 
 
@@ -35,7 +33,7 @@ class IsOwnerOrTeamManager(BasePermission):
     message = "Only the owner, leaders of its team and admins can do this."
 
     def has_object_permission(self, request: Request, view: Any, obj: Any) -> bool:
-        return obj.owner_id == request.user.pk or can_manage_team(request.user, obj.team_id)
+        return can_manage(request.user, obj)
 
 
 class ActionPermissionsMixin:
@@ -50,11 +48,6 @@ class ActionPermissionsMixin:
 
 
 # --- teams ---------------------------------------------------------------------------------
-
-
-def teams_visible_to(user: AbstractBaseUser) -> QuerySet[Team]:
-    """The teams a user may see: their own; admins see every team. Outsiders never learn the rest exist."""
-    return Team.objects.all() if is_admin(user) else Team.objects.filter(pk__in=team_ids_of(user))
 
 
 def _team_of(obj: Team | Any) -> Team:

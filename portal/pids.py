@@ -125,7 +125,7 @@ def _send_by_pid(target: ProcessId, sig: signal.Signals) -> Sent:
     return Sent.SENT
 
 
-def session_members(leader: ProcessId) -> list[ProcessId]:
+def session_members(leader: ProcessId, *, held_at: float | None = None) -> list[ProcessId]:
     """Every live process in the session `leader` started (its session id is the leader's pid),
     leader included if alive, whatever process groups they made inside it.
 
@@ -138,8 +138,16 @@ def session_members(leader: ProcessId) -> list[ProcessId]:
     lives its id cannot be another session's; a live process with the leader's pid and another
     start time proves the whole session is gone. A caller that may have reaped the leader itself
     should ask before it does (`os.waitid(..., WNOWAIT)`): until then the pid stays the
-    leader's."""
+    leader's.
+
+    With the leader gone, its id could in principle have come round to a later session whose
+    own leader is gone too. `held_at`, a moment the caller knows the pid was still the leader's
+    (the job's last heartbeat: its supervisor held the leader, unreaped), settles it: a member
+    created by then is of the leader's session, and while it lives the id cannot have been
+    reused, so the whole session is the leader's. With no such member, nothing is proved and
+    nothing is returned."""
     members: list[ProcessId] = []
+    leader_alive = False
     for proc in psutil.process_iter(["pid", "create_time", "status"]):
         pid, created = proc.info["pid"], proc.info["create_time"]
         if pid <= 1 or created is None or proc.info["status"] == psutil.STATUS_ZOMBIE:
@@ -151,9 +159,14 @@ def session_members(leader: ProcessId) -> list[ProcessId]:
                 continue
         except (ProcessLookupError, PermissionError):
             continue
-        if pid == leader.pid and not same_start(created, leader.started):
-            return []  # the leader's pid, reused by a later session leader: ours is gone
+        if pid == leader.pid:
+            if not same_start(created, leader.started):
+                return []  # the leader's pid, reused by a later session leader: ours is gone
+            leader_alive = True
         members.append(ProcessId(pid, created))
+    early = held_at is not None and any(m.started <= held_at - START_SLACK_SECONDS for m in members)
+    if not (leader_alive or held_at is None or early):
+        return []  # nothing alive from while the id was surely the leader's
     return members
 
 

@@ -424,6 +424,9 @@ JOB_SPOOL_DIR = Path(env_str("JOB_SPOOL_DIR", str(VAR_DIR / "spool"))).resolve()
 # How long a job's supervisor keeps trying to record its end itself (its worker slot held);
 # after that the host's spool thread records it when the database is back.
 JOB_END_WAIT_SECONDS = env_int("JOB_END_WAIT_SECONDS", 120, min_value=0, max_value=3600)
+# After a job's main process exits, its output is read this much longer (what it printed last);
+# a process that left its session and keeps the pipe open is then no longer read.
+JOB_DRAIN_SECONDS = env_int("JOB_DRAIN_SECONDS", 2, min_value=1, max_value=60)
 JOB_UPLOAD_MAX_KB = env_int("JOB_UPLOAD_MAX_KB", 1024, min_value=1, max_value=64 * 1024)
 # A running job's worker writes a heartbeat this often; past JOB_LOST_AFTER_SECONDS
 # without one the reconciler (a thread of the portal's worker, every JOB_RECONCILE_SECONDS)

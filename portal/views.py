@@ -1,9 +1,9 @@
 """Profile and teams pages.
 
 What these pages show is what portal owns: the account, its API tokens, the teams. Quota use
-is counted from bookings, so it is gpus' to show: the profile's "Teams and quotas" section is
-gpus' `{% my_quotas %}` tag (gpus/templatetags/quota_tags.py), and the team page with its quota
-forms is gpus/team_views.py. The profile also holds the mail preferences (portal.notifications);
+is counted from bookings, so it is gpus' to show: gpus fills the profile's "Teams and quotas"
+slot (portal/slots.py, gpus/slots.py), and the team page with its quota forms is
+gpus/team_views.py. The profile also holds the mail preferences (portal.notifications);
 the inbox is portal/notification_views.py. POST → redirect → GET.
 """
 
@@ -21,10 +21,10 @@ from django.utils.html import format_html
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
-from portal.access import is_admin, roles_of
+from portal.access import is_admin, roles_of, teams_visible_to
 from portal.errors import ServiceError
 from portal.forms import MailPreferenceForm
-from portal.models import ApiToken, Membership, Team
+from portal.models import ApiToken, Membership
 from portal.notifications import mail_kinds_wanted, mail_preference_set
 from portal.services import api_token_create, api_token_revoke
 from portal.tokens import ApiTokenForm, api_token_expiry
@@ -112,7 +112,7 @@ def _get_token_for_user(user: AbstractBaseUser, pk: int) -> ApiToken:
 def teams(request: HttpRequest) -> HttpResponse:
     admin = is_admin(request.user)
     roles = roles_of(request.user)
-    visible = Team.objects.all() if admin else Team.objects.filter(pk__in=roles)
+    visible = teams_visible_to(request.user)
     rows = [
         (team, roles.get(team.pk), admin or roles.get(team.pk) == Membership.Role.LEADER)
         for team in visible.annotate(member_count=Count("memberships")).order_by("name")

@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 
 KEY = "portal:wake:{}"
 
+# The wake-up channels, by what they wake. The jobs scheduler waits on this one; whoever frees
+# cards or queues a job wakes it (gpus' booking release and cancel, jobs' submit and ends).
+QUEUE_SCHEDULER = "queue"
+
 
 def client(timeout: float) -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=timeout, socket_connect_timeout=5)

@@ -37,6 +37,7 @@ Process = tuple[int, int | None]  # pid, used memory in bytes (None: NVML cannot
 @dataclass
 class FakeMigInstance:
     processes: list[Process] = field(default_factory=list)
+    graphics: list[Process] = field(default_factory=list)
     fail: dict[str, int] = field(default_factory=dict)
 
 
@@ -53,6 +54,7 @@ class FakeCard:
     mig_instances: dict[int, FakeMigInstance] = field(default_factory=dict)  # by slot
     max_mig_devices: int = 7
     processes: list[Process] = field(default_factory=list)
+    graphics: list[Process] = field(default_factory=list)  # nvmlDeviceGetGraphicsRunningProcesses
     fail: dict[str, int] = field(default_factory=dict)
     block: dict[str, threading.Event] = field(default_factory=dict)
     lost: bool = False
@@ -274,7 +276,7 @@ class FakeNvmlLib:
         device, code = self._device(symbol, handle)
         if code != SUCCESS:
             return code
-        listed = device.processes  # type: ignore[union-attr]
+        listed = device.graphics if "Graphics" in symbol else device.processes  # type: ignore[union-attr]
         out = _out(count)
         if infos is None or out.value < len(listed):  # pynvml asks for the size first
             out.value = len(listed)
@@ -289,6 +291,12 @@ class FakeNvmlLib:
 
     def _nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any, count: Any, infos: Any) -> int:
         return self._processes("nvmlDeviceGetComputeRunningProcesses_v2", handle, count, infos)
+
+    def _nvmlDeviceGetGraphicsRunningProcesses_v3(self, handle: Any, count: Any, infos: Any) -> int:
+        return self._processes("nvmlDeviceGetGraphicsRunningProcesses_v3", handle, count, infos)
+
+    def _nvmlDeviceGetGraphicsRunningProcesses_v2(self, handle: Any, count: Any, infos: Any) -> int:
+        return self._processes("nvmlDeviceGetGraphicsRunningProcesses_v2", handle, count, infos)
 
 
 def install(monkeypatch: pytest.MonkeyPatch, lib: Any) -> Any:

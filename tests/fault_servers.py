@@ -108,20 +108,73 @@ def _stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: flo
     return in_time
 
 
-class ThrowawayPostgres:
+class _Throwaway:
+    """A server process of the test's own, as the test's child, on a free port of 127.0.0.1:
+    `start()` starts it (again, on the same port) and returns once it answers. A subclass says
+    how it starts (`_argv`, `_popen_kwargs`), how it dies with the test (`death_signal`) and what
+    "it answers" means (`_answers`)."""
+
+    what = "the server"
+    death_signal = signal.SIGKILL
+
+    def __init__(self, *, tag: str, name: str) -> None:
+        self.tag = tag
+        self.port = free_port()
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{name}-faults-"))
+        OUTPUT.mkdir(exist_ok=True)
+        self.log_path = OUTPUT / f"faults-{name}.log"
+        self.log_path.write_text("")
+        self.proc: subprocess.Popen | None = None
+
+    def _argv(self) -> list:
+        raise NotImplementedError
+
+    def _popen_kwargs(self) -> dict:
+        raise NotImplementedError
+
+    def _answers(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> float:
+        """Start it; returns how long it took to answer, in seconds."""
+        assert not self.running, "already running"
+        began = time.monotonic()
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                [str(a) for a in self._argv()],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent(self.death_signal),
+                **self._popen_kwargs(),
+            )
+        wait_for(self._ready, timeout=START_TIMEOUT, interval=0.05, what=f"{self.what} ({self.log_path})")
+        return time.monotonic() - began
+
+    def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"{self.what} exited with {self.proc.returncode}; see {self.log_path}")
+        return self._answers()
+
+
+class ThrowawayPostgres(_Throwaway):
     """A PostgreSQL cluster of its own on a free port of 127.0.0.1, as the server's own child.
 
     `start()` returns once it accepts connections; `stop(mode)` is pg_ctl's -m (smart, fast,
     immediate: the signal pg_ctl sends, sent straight to the postmaster) and returns once it is
     gone; `close()` stops it and deletes the cluster."""
 
+    what = "PostgreSQL"
+    death_signal = signal.SIGQUIT  # an immediate shutdown, in which the postmaster takes its backends along
+
     def __init__(self, *, tag: str, name: str = "postgres") -> None:
         if why := _postgres_unavailable():
             raise RuntimeError(f"cannot run a throwaway PostgreSQL: {why}")
+        super().__init__(tag=tag, name=name)
         self.bin = postgres_bin()
-        self.tag = tag
-        self.port = free_port()
-        self.folder = Path(tempfile.mkdtemp(prefix="pg-faults-"))
         self.data = self.folder / "data"
         account = pwd.getpwnam(PG_ACCOUNT) if os.geteuid() == 0 else None
         self.as_user = (
@@ -129,10 +182,6 @@ class ThrowawayPostgres:
         )
         if account:
             os.chown(self.folder, account.pw_uid, account.pw_gid)
-        OUTPUT.mkdir(exist_ok=True)
-        self.log_path = OUTPUT / f"faults-{name}.log"
-        self.log_path.write_text("")
-        self.proc: subprocess.Popen | None = None
         self._run(
             [
                 self.bin / "initdb",
@@ -161,37 +210,17 @@ class ThrowawayPostgres:
     def _popen_kwargs(self) -> dict:
         return {"cwd": self.folder, "env": {**os.environ, TAG_VAR: self.tag}, **self.as_user}
 
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def url(self, database: str = "postgres") -> str:
         return f"postgres://postgres@127.0.0.1:{self.port}/{database}"
 
-    def start(self) -> float:
-        """Start the server; returns how long it took to accept connections, in seconds."""
-        assert not self.running, "already running"
-        began = time.monotonic()
+    def _argv(self) -> list:
         argv = [self.bin / "postgres", "-D", self.data, "-p", self.port, "-k", self.folder]
         # fsync and full pages only matter when the machine crashes; never synchronous_commit=off,
         # which loses commits already answered when the server itself is killed.
         argv += ["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "full_page_writes=off"]
-        argv += ["-c", "max_connections=200"]
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(
-                [str(a) for a in argv],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # SIGQUIT: an immediate shutdown, in which the postmaster takes its backends along.
-                preexec_fn=die_with_parent(signal.SIGQUIT),
-                **self._popen_kwargs(),
-            )
-        wait_for(self._accepts, timeout=START_TIMEOUT, interval=0.05, what=f"PostgreSQL ({self.log_path})")
-        return time.monotonic() - began
+        return [*argv, "-c", "max_connections=200"]
 
-    def _accepts(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"PostgreSQL exited with {self.proc.returncode}; see {self.log_path}")
+    def _answers(self) -> bool:
         try:
             psycopg.connect(self.url(), connect_timeout=2).close()
         except psycopg.OperationalError:
@@ -219,48 +248,27 @@ class ThrowawayPostgres:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-class ThrowawayRedis:
+class ThrowawayRedis(_Throwaway):
     """A `redis-server` of its own on a free port of 127.0.0.1 that saves nothing: started again
     after `kill()`, it is empty, as after the OOM killer."""
 
+    what = "redis-server"
+
     def __init__(self, *, tag: str, name: str = "redis") -> None:
-        self.tag = tag
-        self.port = free_port()
-        self.folder = Path(tempfile.mkdtemp(prefix="redis-faults-"))
-        OUTPUT.mkdir(exist_ok=True)
-        self.log_path = OUTPUT / f"faults-{name}.log"
-        self.log_path.write_text("")
-        self.proc: subprocess.Popen | None = None
+        super().__init__(tag=tag, name=name)
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    def _argv(self) -> list:
+        argv = ["redis-server", "--port", self.port, "--bind", "127.0.0.1", "--save", ""]
+        return [*argv, "--appendonly", "no", "--dir", self.folder]
 
-    def start(self) -> float:
-        """Start it (again, on the same port); returns how long it took to answer PING."""
-        assert not self.running, "already running"
-        began = time.monotonic()
-        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        argv += ["--appendonly", "no", "--dir", str(self.folder)]
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                cwd=self.folder,
-                env={**os.environ, TAG_VAR: self.tag},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent(signal.SIGKILL),
-            )
-        wait_for(self._answers, timeout=START_TIMEOUT, interval=0.05, what=f"redis-server ({self.log_path})")
-        return time.monotonic() - began
+    def _popen_kwargs(self) -> dict:
+        return {"cwd": self.folder, "env": {**os.environ, TAG_VAR: self.tag}}
 
     def _answers(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.log_path}")
         try:
             with redis.Redis.from_url(self.url, socket_connect_timeout=1) as client:
                 return bool(client.ping())
@@ -327,6 +335,7 @@ INTERVALS = {
     "QUEUE_SCHEDULE_SECONDS": "1",
     "JOB_KILL_GRACE_SECONDS": "2",
     "OUTAGE_RETRY_AFTER_SECONDS": "1",
+    "JOB_DRAIN_SECONDS": "1",
 }
 
 

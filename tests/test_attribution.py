@@ -243,17 +243,33 @@ def test_a_report_survives_its_json_round_trip_with_unknown_processes():
     assert checked_snapshot(again).gpus[0].processes is None
 
 
+def test_a_reported_process_keeps_its_start_and_pids_0_and_1_are_dropped():
+    snapshot = make_snapshot("box1", gpus=1)
+    seen = (
+        ProcessInfo(pid=0, username="root", command="?"),
+        ProcessInfo(pid=1, username="root", command="init"),
+        ProcessInfo(pid=4242, username="alice", command="python train.py", session_id=4242, started=1.8e9),
+    )
+    report = replace(snapshot, gpus=(replace(snapshot.gpus[0], processes=seen),))
+    kept = checked_snapshot(snapshot_from_json(snapshot_to_json(report))).gpus[0].processes
+    assert [(p.pid, p.started) for p in kept] == [(4242, 1.8e9)]
+
+
 # --- orphans, by session ----------------------------------------------------------------------
+
+LEADER_STARTED: dict[int, float] = {}  # pid → start of each session leader _orphaned_session made
 
 
 def _orphaned_session() -> tuple[int, int]:
     """A job's session whose leader died (as the launcher dies with a killed worker), leaving a
-    child in it: (the session id, the child's pid)."""
+    child in it: (the session id, the child's pid). The leader's start is in LEADER_STARTED, as
+    the worker records it (Job.pid_started)."""
     leader = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen(sys.argv[1:]).pid)", *SLEEP],
         stdout=subprocess.PIPE,
         start_new_session=True,
     )
+    LEADER_STARTED[leader.pid] = psutil.Process(leader.pid).create_time()  # before it can end
     child = int(leader.stdout.readline())
     leader.wait()
     leader.stdout.close()
@@ -274,7 +290,11 @@ def lost_job(alice, box, sent):
         Job.objects.filter(pk=job.pk).update(
             status=Job.Status.LOST,
             pid=pid,
+            # The job's own leader started with the job: a live process with its pid and a later
+            # start is another session's (a recycled pid).
+            pid_started=LEADER_STARTED.get(pid, (now - started_ago).timestamp()),
             started_at=now - started_ago,
+            heartbeat_at=now - lost_ago,  # its supervisor held the session until it was lost
             finished_at=now - lost_ago,
             worker=socket.gethostname(),
         )

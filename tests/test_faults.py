@@ -71,24 +71,24 @@ def _servers_available() -> None:
         pytest.skip(why)
 
 
-@pytest.fixture
-def postgres(_servers_available, tag) -> Iterator[ThrowawayPostgres]:
-    server = ThrowawayPostgres(tag=tag)
+def _throwaway(kind: type[ThrowawayPostgres | ThrowawayRedis], tag: str) -> Iterator:
+    """A throwaway server, started; closed (stopped, its folder deleted) after the test."""
+    server = kind(tag=tag)
     try:
         server.start()
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def postgres(_servers_available, tag) -> Iterator[ThrowawayPostgres]:
+    yield from _throwaway(ThrowawayPostgres, tag)
 
 
 @pytest.fixture
 def broker(_servers_available, tag) -> Iterator[ThrowawayRedis]:
-    server = ThrowawayRedis(tag=tag)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.close()
+    yield from _throwaway(ThrowawayRedis, tag)
 
 
 @pytest.fixture
@@ -146,7 +146,8 @@ def _job_running(tag: str, job_id: int) -> bool:
 
 
 def _finishes_once(portal: Portal, job_id: int) -> None:
-    """Its worker recorded its end once (jobs.runner logs each end it records)."""
+    """Its end was recorded once, by its supervisor or by the spool's replay: each logs "Job N
+    finished:" only when its conditional UPDATE recorded the end (jobs.runner, jobs.replay)."""
     ends = re.findall(rf"Job {job_id} finished: ", portal.output("worker-host"))
     assert len(ends) == 1, f"job {job_id}'s end was recorded {len(ends)} times"
 
@@ -188,6 +189,23 @@ def test_database_stopped_while_a_job_ends(portal, postgres, broker, tag):
     _assert_no_500(api.answers)
     api.close()
     _assert_nothing_left(portal, tag, postgres, broker)
+
+
+# --- the worker stopped while the database is away ----------------------------------------------
+
+
+def test_sigterm_during_a_database_outage_ends_everything_in_time(portal, postgres, broker, tag):
+    """systemctl stop in the middle of an outage: the worker stops its job by the flag alone, waits
+    for no database, and its end waits in the host's spool."""
+    api = portal.start(host_pool="solo")
+    never = portal.scratch / "never"  # its flag never comes: it runs until stopped
+    job_id = api.run(HOLD, tag=tag, reservation=api.book_now(), args=str(never))
+    wait_for(lambda: "started" in api.log(job_id), timeout=60, what="the job to run")
+    postgres.stop("fast")
+    api.close()
+    _assert_nothing_left(portal, tag, postgres, broker)
+    ends = list((portal.scratch / "spool").glob(f"job-{job_id}-*.end"))
+    assert len(ends) == 1 and '"status": "cancelled"' in ends[0].read_text(), portal.output("worker-host")
 
 
 # --- Redis SIGKILLed with messages waiting ------------------------------------------------------

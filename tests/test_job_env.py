@@ -1,6 +1,7 @@
 """The job's environment, from its booking: `job_environment` alone, without a database or a worker.
 
-No test here asks for the database: pytest-django would fail any query the function made.
+No test here asks for the database (pytest-django would fail any query the function made), but
+the one of `BookedCard.of` against a saved booking, which the runner builds before the call.
 """
 
 from __future__ import annotations
@@ -10,10 +11,19 @@ import pwd
 
 import pytest
 
+from gpus.booking import reservation_create
 from gpus.models import GPU, Allocation
-from jobs.environment import LAUNCH_CONFIG_VAR, PORTAL_ENV, BookedCard, booked_memory, job_environment
+from jobs.environment import (
+    LAUNCH_CONFIG_VAR,
+    PORTAL_ENV,
+    BookedCard,
+    MigCardRefused,
+    booked_memory,
+    job_environment,
+)
 from jobs.models import Job
-from jobs.services import parse_env
+from jobs.runner import JobSetupError, launch_for
+from jobs.services import ScriptUpload, job_submit, parse_env
 from portal.errors import Invalid
 
 Mode = Job.MemoryMode
@@ -255,3 +265,38 @@ def test_it_takes_a_cards_facts_from_its_allocation(settings):
     gpu = GPU(uuid="GPU-box1-00", memory_total_mb=24 * GB, memory_reserved_mb=512)
     assert BookedCard.of(Allocation(gpu=gpu, memory_mb=None)) == BookedCard(None, 24 * GB, 23 * GB)
     assert BookedCard.of(Allocation(gpu=gpu, memory_mb=4096)) == BookedCard(4096, 24 * GB, 23 * GB)
+
+
+# --- MIG cards (issue 19) --------------------------------------------------------------------------
+
+
+def test_a_job_is_never_given_a_mig_cards_parent_uuid():
+    """CUDA on a MIG card needs an instance's MIG-... UUID, which the inventory does not know."""
+    mig = BookedCard(memory_mb=None, total_mb=80 * GB, bookable_mb=79 * GB, mig_uuids=("GPU-box1-01",))
+    with pytest.raises(MigCardRefused, match="MIG mode is enabled on GPU-box1-01"):
+        _build(_job(gpu_uuids=["GPU-box1-00", "GPU-box1-01"]), mig)
+
+
+def test_a_cards_mig_mode_comes_from_its_allocation():
+    gpu = GPU(uuid="GPU-box1-00", memory_total_mb=24 * GB, memory_reserved_mb=512, mig_mode="enabled")
+    assert BookedCard.of(Allocation(gpu=gpu, memory_mb=None)).mig_uuids == ("GPU-box1-00",)
+    gpu.mig_mode = "disabled"
+    assert BookedCard.of(Allocation(gpu=gpu, memory_mb=None)).mig_uuids == ()
+
+
+@pytest.mark.django_db
+def test_every_mig_card_of_the_booking_is_found(box, alice):
+    booking = reservation_create(user=alice, gpus=[box[0].uuid, box[2].uuid])
+    GPU.objects.filter(pk=box[2].uuid).update(mig_mode="enabled")
+    first = booking.allocations.select_related("gpu").get(gpu_id=box[0].uuid)
+    assert BookedCard.of(first).mig_uuids == (box[2].uuid,)
+
+
+@pytest.mark.django_db
+def test_the_runner_fails_a_job_on_a_mig_card_saying_why(box, alice, settings, tmp_path):
+    """The refusal is a setup error: the job FAILS with the reason, never a worker traceback."""
+    booking = reservation_create(user=alice, gpus=[box[0].uuid])
+    job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
+    GPU.objects.filter(pk=box[0].uuid).update(mig_mode="enabled")
+    with pytest.raises(JobSetupError, match=f"MIG mode is enabled on {box[0].uuid}"):
+        launch_for(job)

@@ -66,3 +66,12 @@ def test_a_job_whose_message_was_lost_runs_once_its_host_is_free(alice, start_wo
     )
     log = b"".join(log_stream(job.pk)).decode()
     assert log.count("ran\n") == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_round_tells_the_queue_how_many_jobs_the_worker_runs_at_once(box):
+    from gpus.models import Server
+
+    HostPickup("box1", slots=3).step()
+    server = Server.objects.get(name="box1")
+    assert server.job_slots == 3 and server.job_slots_at is not None

@@ -35,11 +35,6 @@ SCRIPT = b"print('hello')\n"
 
 
 @pytest.fixture
-def booking(alice, box):
-    return reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
-
-
-@pytest.fixture
 def api(alice) -> APIClient:
     client = APIClient()
     client.force_authenticate(alice)

@@ -4,16 +4,26 @@ suite (tests/test_faults.py) stops a real PostgreSQL under a real worker."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
 import pytest
 from django.db import OperationalError
 
 from gpus.booking import reservation_create
-from jobs import runner
+from jobs import logs, runner
 from jobs.logs import LogWriter, log_stream
 from jobs.models import Job
-from jobs.runner import job_run, spool_replay
+from jobs.replay import spool_replay
+from jobs.runner import job_run
 from jobs.services import ScriptUpload, job_submit
 from jobs.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -127,3 +137,98 @@ def test_a_spool_of_another_database_is_never_replayed(job):
     stale.write_bytes(b"2020-01-01T00:00:00.000Z not this job's\n")
     assert spool_replay() == 0
     assert not stale.exists() and "not this job's" not in _log(job.pk)
+
+
+def test_a_progress_bar_without_newlines_is_capped_while_the_database_is_away(job, outage, monkeypatch):
+    monkeypatch.setattr(logs, "MAX_PENDING_BYTES", 64 * 1024)
+    writer = LogWriter(job.pk, cap_bytes=64 * 1024)  # no spool: everything waits in memory
+    outage.down = True
+    for step in range(20_000):  # ~1 MB of "\r" updates, never a newline
+        writer.feed(f"\r{step:>6} / 20000 [{'#' * 40}]".encode())
+        with contextlib.suppress(OperationalError):
+            writer.maybe_flush()
+    assert len(writer.pending) + len(writer.partial) <= 64 * 1024 + writer.chunk_bytes
+    assert writer.dropped > 800_000
+    outage.down = False
+    writer.close()
+    log = _log(job.pk)
+    assert "19999 / 20000" in log and len(log) < 200 * 1024
+
+
+def test_a_spool_the_database_could_not_take_goes_in_though_the_job_prints_no_more(job, outage, monkeypatch):
+    spool = LogSpool(spool_name(job.pk, job.created_at), cap_bytes=1 << 20)
+    writer = LogWriter(job.pk, spool=spool)
+    outage.down = True
+    writer.feed(b"the last line\n")
+    with pytest.raises(OperationalError):
+        writer.flush()
+    outage.down = False
+    writer.maybe_flush()  # within its 2 s: not yet
+    assert spool.size
+    writer.last_flush -= logs.SPOOL_RETRY_SECONDS  # 2 s on, with nothing printed since
+    writer.maybe_flush()
+    assert spool.size == 0 and "the last line" in _log(job.pk)
+    spool.close(remove=True)
+
+
+def test_a_spool_unlinked_while_its_lock_was_awaited_is_opened_again(job):
+    name = spool_name(job.pk, job.created_at)
+    holder = LogSpool(name, cap_bytes=1 << 20)
+    got: list[LogSpool] = []
+    waiter = threading.Thread(target=lambda: got.append(LogSpool(name, cap_bytes=1 << 20)))
+    waiter.start()
+    wait_for(lambda: _waits_for_lock(holder.path), timeout=10, what="the second open to wait for the lock")
+    holder.close(remove=True)  # finished: unlinked, then unlocked, as the replay does
+    waiter.join(timeout=10)
+    spool = got[0]
+    assert os.fstat(spool.fd).st_ino == os.stat(spool.path).st_ino  # the file that has the name
+    spool.close(remove=True)
+
+
+def _waits_for_lock(path: Path) -> bool:
+    """Whether some process waits for a flock on `path` (/proc/locks lists waiters with '->')."""
+    inode = os.stat(path).st_ino
+    return any("->" in line and f":{inode} " in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_a_forked_child_does_not_keep_a_spools_lock(job):
+    name = spool_name(job.pk, job.created_at)
+    spool = LogSpool(name, cap_bytes=1 << 20)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # as a prefork pool child: it must hold no copy of the lock
+        os.write(write, b"1" if spool.fd == -1 else b"0")
+        time.sleep(10)  # alive while the parent checks the lock
+        os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+        spool.close()
+        again = LogSpool.locked_by_nobody(name, cap_bytes=1 << 20)  # None if the child held it
+        assert again is not None
+        again.close(remove=True)
+    finally:
+        os.close(read)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+def test_one_broken_spool_does_not_stop_the_others(job, alice, box, caplog):
+    booking = reservation_create(user=alice, gpus=[box[1].uuid], memory_mb=8192)
+    other = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="u.py", content=b"print(1)"))
+    Job.objects.filter(pk=other.pk).update(status=Job.Status.RUNNING)
+    (spool_dir() / f"{spool_name(job.pk, job.created_at)}.end").write_text("{not json")  # first in line
+    name = spool_name(other.pk, other.created_at)
+    spool = LogSpool(name, cap_bytes=1 << 20)
+    spool.append(b"2026-01-01T00:00:00.000Z its last line\n")
+    spool.close()
+    end = EndRecord(status="succeeded", exit_code=0, message="", finished_at="2026-01-01T00:00:01+00:00")
+    end.write(name)
+    with caplog.at_level(logging.ERROR, logger="jobs.replay"):
+        assert spool_replay() == 1
+        assert spool_replay() == 0  # the broken one again: said once, not every round
+    other.refresh_from_db()
+    assert other.status == Job.Status.SUCCEEDED and "its last line" in _log(other.pk)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"Spool {spool_name(job.pk, job.created_at)} could not be replayed"
+    ]

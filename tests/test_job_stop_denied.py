@@ -1,10 +1,9 @@
 """A job the worker may not signal (JOB_USER without CAP_KILL): the supervisor says so and keeps
-watching it. The real Supervisor runs in this process on a real subprocess; only `os.killpg`
-answers EPERM, as the kernel does for a group of another user's processes."""
+watching it. The real Supervisor runs in this process on a real subprocess; only
+`portal.pids.send` answers "denied", as the kernel's EPERM does for another user's process."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
 from jobs.services import ScriptUpload, job_submit
+from portal import pids
 
 pytestmark = pytest.mark.django_db
 
@@ -58,17 +58,15 @@ def job_in(alice, box, settings, tmp_path):
 
 @pytest.fixture
 def denied(monkeypatch) -> list[tuple[int, int]]:
-    """os.killpg refuses every signal to a group that exists (EPERM), and says so for one that
-    does not (ESRCH), as for a worker without CAP_KILL. Returns the (group, signal) asked for."""
-    real_killpg = os.killpg
+    """Every signal to a live process is refused, as for a worker without CAP_KILL (and one to a
+    process that is gone says so). Returns the (pid, signal) asked for."""
     calls: list[tuple[int, int]] = []
 
-    def killpg(pgid: int, sig: int) -> None:
-        calls.append((pgid, sig))
-        real_killpg(pgid, 0)  # ProcessLookupError once the group is gone
-        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+    def send(target: pids.ProcessId, sig: signal.Signals) -> pids.Sent:
+        calls.append((target.pid, sig))
+        return pids.Sent.DENIED if target.is_alive() else pids.Sent.GONE
 
-    monkeypatch.setattr(os, "killpg", killpg)
+    monkeypatch.setattr(pids, "send", send)
     return calls
 
 
@@ -90,9 +88,9 @@ def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
         return proc
 
     monkeypatch.setattr(runner, "start_job_process", start_then_cancel)
-    refuse, seen = os.killpg, {}
+    refuse, seen = pids.send, {}
 
-    def killpg(pgid: int, sig: int) -> None:
+    def send(target: pids.ProcessId, sig: signal.Signals) -> pids.Sent:
         if sig == signal.SIGTERM:
             seen["term_at"] = timezone.now()
         elif sig == signal.SIGKILL and "row" not in seen:
@@ -100,9 +98,9 @@ def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
             # now, and then it may end by itself.
             seen["row"] = Job.objects.values("status", "message", "heartbeat_at").get(pk=job.pk)
             release.touch()
-        refuse(pgid, sig)
+        return refuse(target, sig)
 
-    monkeypatch.setattr(os, "killpg", killpg)
+    monkeypatch.setattr(pids, "send", send)
     with caplog.at_level(logging.WARNING, logger="jobs.runner"):
         assert job_run(job.pk) == Job.Status.CANCELLED
 
@@ -113,8 +111,9 @@ def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
         "Cancelled by alice. Could not stop: permission denied; the job is still running."
     )
     assert running["heartbeat_at"] > seen["term_at"]  # still supervised: heartbeats went on
-    assert [sig for _, sig in denied] == [signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]  # last: the reap
-    assert {pgid for pgid, _ in denied} == {job.pid}
+    # Its one process, by identity; the final sweep finds nothing left (the leader exited).
+    assert [sig for _, sig in denied] == [signal.SIGTERM, signal.SIGKILL]
+    assert {pid for pid, _ in denied} == {job.pid}
     assert job.exit_code == 0  # it ended by itself
     assert (
         job.message

@@ -16,15 +16,14 @@ from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from portal.mail import MAIL_RETRIES, mail_notification, mail_stranded_requeue
 from portal.models import Notification
 from portal.notifications import (
     mail_kinds_wanted,
     mail_preference_set,
-    mail_stranded_requeue,
     notification_send,
     notifications_mark_read,
 )
-from portal.tasks import MAIL_RETRIES, mail_notification
 from tests.conftest import free_port, wait_for
 from tests.factories import UserFactory
 
@@ -39,7 +38,7 @@ SMTP_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
 def queued(monkeypatch) -> list[int]:
     """Notification ids handed to the mail task (no broker needed here)."""
     ids: list[int] = []
-    monkeypatch.setattr("portal.tasks.mail_notification.apply_async", lambda args: ids.append(args[0]))
+    monkeypatch.setattr("portal.mail.mail_notification.apply_async", lambda args: ids.append(args[0]))
     return ids
 
 
@@ -146,7 +145,7 @@ def test_it_never_raises_when_the_broker_is_away(alice, monkeypatch, django_capt
     def broker_away(args: list) -> None:
         raise ConnectionRefusedError("redis is down")
 
-    monkeypatch.setattr("portal.tasks.mail_notification.apply_async", broker_away)
+    monkeypatch.setattr("portal.mail.mail_notification.apply_async", broker_away)
     with django_capture_on_commit_callbacks(execute=True):
         notification = _send(alice)
     assert _status(notification) == Mail.QUEUED  # kept for mail_stranded_requeue
@@ -161,7 +160,7 @@ def test_a_mail_whose_message_was_lost_is_sent_again_once(
     from django.utils import timezone
 
     sent: list[int] = []
-    monkeypatch.setattr("portal.tasks.mail_notification.apply_async", lambda args: sent.append(args[0]))
+    monkeypatch.setattr("portal.mail.mail_notification.apply_async", lambda args: sent.append(args[0]))
     with django_capture_on_commit_callbacks(execute=True):
         notification = _send(alice)
     assert sent == [notification.pk]  # then Redis restarted empty: the message is gone

@@ -303,13 +303,60 @@ def test_a_process_that_exited_before_inspection_leaves_the_round_intact(lib: Fa
 
 
 def test_another_users_process_leaves_the_round_intact(lib: FakeNvmlLib) -> None:
-    lib.cards[1].processes = [(1, 1 * GIB)]  # init: root's, or a user of its own in a container
+    me = os.getuid()
+    theirs = next(
+        (p.pid for p in psutil.process_iter(["uids"]) if p.pid > 1 and p.info["uids"].real != me), None
+    )
+    if theirs is None:
+        pytest.skip("no other user's process on this machine")
+    lib.cards[1].processes = [(theirs, 1 * GIB)]
 
     first, second = NvmlBackend("node1").snapshot().gpus
 
     (process,) = second.processes
-    assert (process.pid, process.used_memory_mb, process.job_id) == (1, 1024, None)
+    assert (process.pid, process.used_memory_mb, process.job_id) == (theirs, 1024, None)
     assert [p.pid for p in first.processes] == [os.getpid()]
+
+
+@pytest.mark.parametrize("pid", [0, 1])
+def test_pid_0_and_1_from_nvml_are_dropped(lib: FakeNvmlLib, pid: int) -> None:
+    """NVML answers pid 0 when its struct versions disagree; getsid(0) is our own session, and
+    kill(0) our own process group: such an entry never reaches the watchdog."""
+    lib.cards[0].processes = [(pid, 1 * GIB), (os.getpid(), 2 * GIB)]
+    lib.cards[1].graphics = [(pid, 1 * GIB)]
+
+    first, second = NvmlBackend("node1").snapshot().gpus
+
+    assert [p.pid for p in first.processes] == [os.getpid()]
+    assert second.processes == ()
+
+
+def test_graphics_processes_are_listed_once_beside_compute_ones(
+    lib: FakeNvmlLib, procs: list[subprocess.Popen]
+) -> None:
+    renderer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs.append(renderer)
+    lib.cards[0].graphics = [(renderer.pid, 1 * GIB), (os.getpid(), 9 * GIB)]  # ours: C+G, one figure
+
+    first, _ = NvmlBackend("node1").snapshot().gpus
+
+    assert sorted((p.pid, p.used_memory_mb) for p in first.processes) == sorted(
+        [(os.getpid(), 9216), (renderer.pid, 1024)]
+    )
+    assert lib.called("nvmlDeviceGetGraphicsRunningProcesses_v3")
+
+
+def test_a_card_that_runs_no_graphics_still_lists_its_compute_processes(lib: FakeNvmlLib) -> None:
+    lib.cards[0].fail["nvmlDeviceGetGraphicsRunningProcesses_v3"] = NOT_SUPPORTED
+
+    first, _ = NvmlBackend("node1").snapshot().gpus
+
+    assert [p.pid for p in first.processes] == [os.getpid()]
+
+
+def test_processes_carry_their_start_time(lib: FakeNvmlLib) -> None:
+    (process,) = NvmlBackend("node1").snapshot().gpus[0].processes
+    assert process.started == psutil.Process().create_time()
 
 
 def test_a_process_hidden_from_this_user_leaves_the_round_intact(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db.models import Q
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create, reservation_release
@@ -55,3 +56,39 @@ def test_a_queued_job_starts_when_a_card_frees_up_runs_and_gives_it_back(cards, 
         what="release",
     )
     assert "index 7" in b"".join(log_stream(job_id)).decode()
+
+
+def test_a_host_gets_no_more_jobs_at_once_than_its_worker_runs(cards, alice):
+    """The host's worker (solo pool: one at a time) says so; an array of four small jobs then runs
+    one after another, none of them waiting in Celery on a running booking."""
+    from gpus.models import Server
+
+    name = cards[0].server.name
+    wait_for(lambda: Server.objects.get(name=name).job_slots == 1, timeout=30, what="the worker's slots")
+    api = APIClient()
+    api.force_authenticate(alice)
+    response = api.post(
+        "/api/v1/jobs/",
+        {
+            "script": SimpleUploadedFile("nap.py", b"import time\ntime.sleep(1)\n"),
+            "gpu_count": 1,
+            "memory_mb": 1024,
+            "time_limit_minutes": 5,
+            "array": "0-3",
+        },
+        format="multipart",
+    )
+    array_id = response.json()["array_id"]
+    tasks = Job.objects.filter(array_id=array_id)
+    held = Q(status__in=(Job.Status.STARTING, Job.Status.RUNNING)) | Q(
+        status=Job.Status.QUEUED, dispatched_at__isnull=False
+    )
+    most = 0
+
+    def all_done() -> bool:
+        nonlocal most
+        most = max(most, tasks.filter(held).count())
+        return tasks.filter(status=Job.Status.SUCCEEDED).count() == 4
+
+    wait_for(all_done, timeout=90, interval=0.05, what="the four tasks, one after another")
+    assert most == 1

@@ -224,6 +224,22 @@ def test_a_reused_pid_is_not_the_declared_process(path, start):
     assert real(snapshot(path).gpus[0]) == []
 
 
+def test_pid_1_declared_in_the_file_is_never_shown(path):
+    """pid <= 1 is no GPU process: to kill(2) and getsid(2) it is init or the caller's own group."""
+    card = snapshot(path).gpus[0].uuid
+    entry = {"gpu": card, "pid": 1, "started": psutil.Process(1).create_time(), "memory_mb": 4096}
+    path.write_text(json.dumps({"processes": [entry]}))
+
+    assert [p.pid for p in snapshot(path).gpus[0].processes if p.pid <= 1] == []
+
+
+def test_a_declared_process_carries_its_start_time(cards, path, start):
+    proc = start()
+    declare(cards[0], proc.pid, 100)
+    (info,) = real(snapshot(path).gpus[0])
+    assert info.started == psutil.Process(proc.pid).create_time()
+
+
 def test_a_job_process_declared_on_its_card_is_listed_once_with_the_declared_memory(cards, path, start):
     env = {**os.environ, "PORTAL_SERVER": SERVER, "CUDA_VISIBLE_DEVICES": cards[3].uuid}
     env["PORTAL_INSTANCE"] = settings.PORTAL_INSTANCE_ID

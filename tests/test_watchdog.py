@@ -25,7 +25,6 @@ from gpus.booking import reservation_create
 from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Violation, WatchdogPolicy
 from gpus.procinfo import describe_process
-from jobs import watchdog_host
 from jobs.models import Job
 from jobs.services import ScriptUpload, job_submit
 from jobs.watchdog_host import HostWatchdog
@@ -170,10 +169,10 @@ def test_a_stop_the_worker_may_not_send_is_recorded_and_told(watchdog, alices_ca
     policy("intruder", "stop")
     proc = start()
 
-    def denied(pid: int, sig: int) -> None:
+    def denied(fd: int, sig: int) -> None:
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(watchdog_host.os, "kill", denied)
+    monkeypatch.setattr(signal, "pidfd_send_signal", denied)
     watchdog.round(on_card(0, real(proc, user="bob")), now=timezone.now())
     violation = one()
     assert violation.action == "stop_failed"

@@ -92,3 +92,64 @@ def test_an_invented_process_without_a_session_is_never_a_job():
 
 def test_an_unreadable_process_list_yields_no_verdict():
     assert kinds(replace(card(A), processes=None)) == []
+
+
+# --- the owner's own processes on a shared card (issue 19) ---------------------------------------
+
+
+def verdicts_on(*cards: GPUInfo, jobs=(JOB,), bookings=BOOKINGS):
+    return classify(cards, bookings=bookings, jobs=jobs, users_by_os_name=USERS, tolerance_mb=TOLERANCE)
+
+
+def test_the_owners_notebook_within_the_booking_is_owner_outside_job():
+    (verdict,) = verdicts_on(card(B, proc(300, mb=8192 + TOLERANCE)))
+    assert verdict.kind == Kind.OWNER_OUTSIDE_JOB
+
+
+def test_the_owners_notebook_above_the_shared_booking_is_over_memory():
+    (verdict,) = verdicts_on(card(B, proc(300, mb=8193 + TOLERANCE)))
+    assert (verdict.kind, verdict.memory_mb, verdict.booked_mb) == (Kind.OVER_MEMORY, 8193 + TOLERANCE, 8192)
+    assert (verdict.user_id, verdict.reservation_id, verdict.job_id) == (ALICE, 50, None)
+
+
+def test_the_owners_processes_inside_and_outside_jobs_are_summed_against_the_booking():
+    """Her job (5000) is within the booking alone; with her notebook (4000) she holds 9000 of 8192."""
+    job, notebook = verdicts_on(card(B, proc(100, mb=5000), proc(300, mb=4000)))
+    assert job.kind == Kind.OK
+    assert (notebook.kind, notebook.memory_mb, notebook.booked_mb) == (Kind.OVER_MEMORY, 9000, 8192)
+
+
+def test_a_jobs_child_that_left_its_session_still_counts_against_the_owners_booking():
+    """setsid under JOB_USER=@owner: a session of its own, run by the owner's Unix account."""
+    job, child = verdicts_on(card(B, proc(100, mb=6000), proc(400, session=400, mb=3000)))
+    assert (job.kind, child.kind) == (Kind.OK, Kind.OVER_MEMORY)
+
+
+def test_the_owner_of_a_whole_card_has_no_memory_rule():
+    (verdict,) = verdicts_on(card(A, proc(300, mb=80_000)))
+    assert verdict.kind == Kind.OWNER_OUTSIDE_JOB
+
+
+# --- a booking that has just ended (issue 19) -----------------------------------------------------
+
+
+def test_a_job_on_its_card_of_a_booking_that_just_ended_has_not_escaped():
+    ended = [replace(BOOKINGS[0], ended=True)]
+    assert kinds(card(A, proc(100)), bookings=ended) == [Kind.OK]
+
+
+def test_a_booking_that_just_ended_protects_nobody_else():
+    """For anyone but its own jobs the card is free again: another's process there is unbooked."""
+    ended = [replace(BOOKINGS[0], ended=True)]
+    assert kinds(card(A, proc(300, user="bob")), bookings=ended) == [Kind.UNBOOKED]
+
+
+def test_a_job_whose_booking_is_gone_for_good_has_escaped():
+    assert kinds(card(A, proc(100)), bookings=[]) == [Kind.ESCAPED]
+
+
+def test_every_cuda_context_a_job_opens_counts_against_its_booking():
+    """No allowance per extra context: the card's bookable memory leaves headroom for one
+    context, so each further process's context (~300-500 MiB) comes out of the job's booking."""
+    three = card(B, proc(100, mb=3000), proc(101, session=100, mb=3000), proc(102, session=100, mb=3000))
+    assert kinds(three) == [Kind.OVER_MEMORY] * 3

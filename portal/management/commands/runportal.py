@@ -1,54 +1,35 @@
 """`make run`: the web server plus one Celery worker per GPU host this machine stands for.
 
 With real NVML that is this host; with the simulated inventory it is every simulated
-server, so the whole portal can be tried on a laptop. A child that dies is restarted
+server, so the whole portal can be tried on a laptop (gpus/hosts.py answers, through
+portal/hosts.py). A child that dies is restarted
 (portal/supervisor.py); Ctrl-C or SIGTERM stops everything started, and a second one during
 that stop kills it all at once.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from gpus.inventory import BackendUnavailable
 from portal.env import env_int, env_str
+from portal.hosts import HostDiscoveryError, worker_hosts
 from portal.services import demo_data_seed
 from portal.supervisor import ChildSpec, ProcessSupervisor
 from portal.workers import worker_argv
 
-log = logging.getLogger(__name__)
-
 
 def _worker_servers() -> tuple[list[str], bool]:
-    """This host when NVML is installed, else every server of the simulated inventory.
-
-    A driver that is installed but fails to initialise is still this host's: its worker starts
-    with GPU_BACKEND=nvml, says so loudly and retries (gpus/telemetry.py), rather than showing
-    a simulation in place of a broken real machine."""
-    if settings.GPU_BACKEND != "simulated":
-        from gpus.nvml import NvmlBackend, NvmlNotInstalled
-
-        try:
-            NvmlBackend(settings.WORKER_SERVER).close()
-        except NvmlNotInstalled as exc:
-            if settings.GPU_BACKEND == "nvml":
-                raise CommandError(f"GPU_BACKEND=nvml but NVML is not installed: {exc}") from exc
-        except BackendUnavailable as exc:
-            log.error("NVML is installed but failed to start (%s); the host worker will keep retrying", exc)
-            return [settings.WORKER_SERVER], False
-        else:
-            return [settings.WORKER_SERVER], False
-    from gpus.simulated import server_names
-
-    return server_names(Path(settings.SIMULATED_INVENTORY) if settings.SIMULATED_INVENTORY else None), True
+    """The GPU hosts this machine stands for, as the gpus app answers (portal/hosts.py)."""
+    try:
+        return worker_hosts()
+    except HostDiscoveryError as exc:
+        raise CommandError(str(exc)) from exc
 
 
 def _web_argv(bind: str) -> list[str]:

@@ -1,0 +1,249 @@
+"""The supervisor ends a job's whole session, by identity, and keeps its job bounded while the
+database is away. The real Supervisor runs in this process (job_run) on real subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import psycopg
+import pytest
+from django.db import OperationalError
+from django.utils import timezone
+
+from gpus.booking import reservation_create
+from gpus.models import Allocation, Reservation
+from jobs import runner
+from jobs.logs import log_stream
+from jobs.models import Job
+from jobs.runner import Supervisor, job_run
+from jobs.services import ScriptUpload, job_submit
+from jobs.spool import EndRecord, spool_name, stop_flag
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the runner closes connections after errors
+
+# A child in a process group of its own (setpgid), still in the job's session, writes its pid
+# to a file and sleeps; the main process then waits to be stopped, or ends at once.
+GROUPED_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen(["sleep", "120"], process_group=0)
+open({pidfile!r}, "w").write(str(child.pid))
+print("ready", flush=True)
+if {wait}:
+    time.sleep(120)
+"""
+
+# A child that left the session (setsid) and keeps printing on the job's pipe; the main process ends.
+CHATTY_ESCAPEE = """
+import subprocess, sys
+child = subprocess.Popen(
+    [sys.executable, "-c", "import sys\\nwhile True: sys.stdout.write('x' * 100 + '\\\\n')"],
+    start_new_session=True,
+)
+open({pidfile!r}, "w").write(str(child.pid))
+print("ready", flush=True)
+"""
+
+SLEEPER = "import time\nprint('ready', flush=True)\ntime.sleep(120)\n"
+
+
+@pytest.fixture
+def job_in(alice, box, settings):
+    settings.JOB_KILL_GRACE_SECONDS = 1
+    settings.JOB_HEARTBEAT_SECONDS = 1
+    settings.JOB_DRAIN_SECONDS = 1
+    booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+
+    def submit(source: str, **fields: object) -> Job:
+        upload = ScriptUpload(name="job.py", content=source.encode())
+        return job_submit(user=alice, reservation=booking, script=upload, **fields)
+
+    return submit
+
+
+def _away() -> OperationalError:
+    """What Django raises when the server is gone: an outage (portal.outage.outage_of)."""
+    error = OperationalError("server closed the connection unexpectedly")
+    error.__cause__ = psycopg.OperationalError("server closed the connection unexpectedly")
+    return error
+
+
+def _log(job_id: int) -> str:
+    return b"".join(log_stream(job_id)).decode()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _run_in_thread(job_id: int) -> tuple[threading.Thread, list[str | None]]:
+    outcome: list[str | None] = []
+    thread = threading.Thread(target=lambda: outcome.append(job_run(job_id)), daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.fixture
+def leftover():
+    """pids a test saw; killed after it whatever happened (the old code would leave them)."""
+    seen: list[int] = []
+    yield seen
+    for pid in seen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _child(pidfile: Path, leftover: list[int]) -> int:
+    pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), timeout=30, what="the child's pid"))
+    leftover.append(pid)
+    return pid
+
+
+def test_it_ends_a_child_in_its_own_process_group_when_the_job_ends(job_in, tmp_path, leftover):
+    pidfile = tmp_path / "child"
+    job = job_in(GROUPED_CHILD.format(pidfile=str(pidfile), wait=False))
+    assert job_run(job.pk) == Job.Status.SUCCEEDED
+    child = _child(pidfile, leftover)
+    assert not _alive(child)
+
+
+def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
+    job_in, alice, tmp_path, leftover, monkeypatch
+):
+    def never(*args: object) -> None:
+        raise AssertionError("a bare killpg: it names whoever has the pid now")
+
+    monkeypatch.setattr(os, "killpg", never)
+    pidfile = tmp_path / "child"
+    job = job_in(GROUPED_CHILD.format(pidfile=str(pidfile), wait=True))
+    thread, outcome = _run_in_thread(job.pk)
+    child = _child(pidfile, leftover)
+    wait_for(lambda: "ready" in _log(job.pk), timeout=30, what="the job to run")
+    Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
+    thread.join(timeout=30)
+    assert outcome == [Job.Status.CANCELLED]
+    assert not _alive(child)
+
+
+def test_it_records_the_sessions_start_with_its_pid(job_in, monkeypatch):
+    job = job_in("print('hello')\n")
+    real_session, seen = runner.JobSession, []
+
+    def remember(proc):  # type: ignore[no-untyped-def]
+        seen.append((proc.pid, psutil.Process(proc.pid).create_time()))
+        return real_session(proc)
+
+    monkeypatch.setattr(runner, "JobSession", remember)
+    assert job_run(job.pk) == Job.Status.SUCCEEDED
+    job.refresh_from_db()
+    assert [(job.pid, job.pid_started)] == seen
+
+
+def test_a_chatty_process_that_left_the_session_does_not_hold_the_supervisor(job_in, tmp_path, leftover):
+    pidfile = tmp_path / "child"
+    job = job_in(CHATTY_ESCAPEE.format(pidfile=str(pidfile)))
+    thread, outcome = _run_in_thread(job.pk)
+    _child(pidfile, leftover)
+    thread.join(timeout=30)
+    assert outcome == [Job.Status.SUCCEEDED], "the supervisor is still draining the escapee's output"
+    assert "from a process that left its session: no longer read" in _log(job.pk)
+
+
+def test_it_enforces_the_booking_end_while_the_database_is_away(job_in, monkeypatch):
+    job = job_in(SLEEPER)
+    end = timezone.now() + timedelta(seconds=4)
+    Reservation.objects.filter(pk=job.reservation_id).update(end=end, booked_end=end)
+    Allocation.objects.filter(reservation_id=job.reservation_id).update(end=end)
+
+    def away(self, beat):  # type: ignore[no-untyped-def]
+        raise _away()
+
+    monkeypatch.setattr(Supervisor, "_check_row", away)  # the row cannot be read, ever
+    thread, outcome = _run_in_thread(job.pk)
+    thread.join(timeout=30)
+    assert outcome == [Job.Status.TIMED_OUT]
+    job.refresh_from_db()
+    assert job.finished_at >= end and "booking ended" in job.message
+    log = _log(job.pk)
+    assert "the database is away: the job is stopped by the last deadline it gave" in log
+    assert log.index("the database is away") < log.index("Sending SIGTERM")
+
+
+def test_a_database_outage_is_one_line_in_the_workers_log_not_a_traceback_a_tick(job_in, caplog):
+    supervisor = Supervisor(job_in(SLEEPER))
+
+    def away() -> None:
+        raise _away()
+
+    with caplog.at_level(logging.WARNING, logger="jobs.runner"):
+        assert [supervisor._guarded(away, reads=True) for _ in range(5)] == [False] * 5
+        assert supervisor._guarded(lambda: None)  # reaches no database (a flush with nothing pending)
+        assert supervisor._guarded(lambda: None, reads=True)  # the row was read: it is back
+        assert not supervisor._guarded(away)
+    supervisor.spool.close()
+    lines = [(r.getMessage(), r.exc_info) for r in caplog.records]
+    assert [text.split(": ", 1)[1] for text, _ in lines] == [
+        "the database is away (server closed the connection unexpectedly); its steps wait for it",
+        "the database answers again",
+        "the database is away (server closed the connection unexpectedly); its steps wait for it",
+    ]
+    assert all(exc_info is None for _, exc_info in lines)
+
+
+@pytest.fixture
+def end_refused(monkeypatch) -> list[int]:
+    """The job's end cannot be stored: the database is away for good. Counts the tries."""
+    tries: list[int] = []
+
+    def refused(job_id, writer, record):  # type: ignore[no-untyped-def]
+        tries.append(job_id)
+        raise _away()
+
+    monkeypatch.setattr(runner, "job_end_store", refused)
+    return tries
+
+
+def test_a_shutdown_during_the_end_retries_stops_them(job_in, settings, end_refused, monkeypatch):
+    settings.JOB_END_WAIT_SECONDS = 3600
+    flag = stop_flag(os.getpid())
+    real = runner.job_end_store
+
+    def refused_then_shutdown(job_id, writer, record):  # type: ignore[no-untyped-def]
+        flag.touch()  # the worker's shutdown arrives while the end is retried
+        return real(job_id, writer, record)
+
+    monkeypatch.setattr(runner, "job_end_store", refused_then_shutdown)
+    job = job_in("print('hello')\n")
+    try:
+        thread, _ = _run_in_thread(job.pk)
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "the end is still retried after the shutdown"
+    finally:
+        flag.unlink(missing_ok=True)
+    assert len(end_refused) == 1
+    # The spool has it, for the replay.
+    assert EndRecord.read(spool_name(job.pk, job.created_at)).status == Job.Status.SUCCEEDED
+
+
+def test_without_a_spool_the_end_is_given_up_after_its_wait(
+    job_in, settings, end_refused, monkeypatch, caplog
+):
+    settings.JOB_END_WAIT_SECONDS = 1
+    monkeypatch.setattr(runner, "_spool_for", lambda job: None)
+    job = job_in("print('hello')\n")
+    with caplog.at_level(logging.ERROR, logger="jobs.runner"):
+        thread, _ = _run_in_thread(job.pk)
+        thread.join(timeout=20)
+    assert not thread.is_alive(), "the end is retried for ever"
+    assert 1 <= len(end_refused) <= 3
+    assert f"Job {job.pk} ended succeeded" in caplog.text and "no spool" in caplog.text
