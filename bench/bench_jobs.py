@@ -63,9 +63,9 @@ from bench.common import (
     setup_django_test_db,
     stop,
     tail,
-    wait_until,
 )
 from portal.workers import worker_argv
+from tests.waiting import WaitTimedOut, wait_for
 
 MB = 1024 * 1024
 JOBS, BARE_RUNS, WARMUP = 20, 20, 2
@@ -123,7 +123,7 @@ def start_worker(server: str, db_url: str, scratch: Path) -> tuple[subprocess.Po
         return " ready." in log_path.read_text(errors="replace")
 
     try:
-        wait_until(ready, 90, "the Celery worker to be ready")
+        wait_for(ready, 90, what="the Celery worker to be ready")
     except BaseException:
         stop(proc)
         raise
@@ -134,7 +134,7 @@ def run_first_job(user, booking, worker_log: Path) -> tuple[float, float]:  # ty
     """One job: (submit → first line, submit → started_at), in seconds."""
     from jobs.logs import log_stream
     from jobs.models import Job
-    from jobs.services import ScriptUpload, job_submit
+    from jobs.submit import ScriptUpload, job_submit
 
     t0 = time.time()
     job = job_submit(user=user, reservation=booking, script=ScriptUpload("first.py", FIRST_SOURCE))
@@ -144,8 +144,8 @@ def run_first_job(user, booking, worker_log: Path) -> tuple[float, float]:  # ty
         return Job.objects.filter(pk=job.pk, status__in=finished).exists()
 
     try:
-        wait_until(done, 60, f"job {job.pk} to finish", interval=POLL_S)
-    except RuntimeError as exc:
+        wait_for(done, 60, what=f"job {job.pk} to finish", interval=POLL_S)
+    except WaitTimedOut as exc:
         raise RuntimeError(f"{exc}; the worker's log ends:\n{tail(worker_log)}") from None
     job.refresh_from_db()
     log = b"".join(log_stream(job.pk))
@@ -169,7 +169,7 @@ def run_live_job(user, booking) -> list[float]:  # type: ignore[no-untyped-def]
     for 12 lines a quarter-second apart, polling every 20 ms as a tailing client would."""
     from jobs.logs import log_stream
     from jobs.models import Job
-    from jobs.services import ScriptUpload, job_submit
+    from jobs.submit import ScriptUpload, job_submit
 
     job = job_submit(user=user, reservation=booking, script=ScriptUpload("live.py", LIVE_SOURCE))
     seen: dict[int, float] = {}
@@ -182,7 +182,7 @@ def run_live_job(user, booking) -> list[float]:  # type: ignore[no-untyped-def]
                 seen[int(number)] = now
                 delays.append(now - float(printed))
         time.sleep(POLL_S)
-    wait_until(lambda: Job.objects.get(pk=job.pk).is_finished, 30, f"job {job.pk} to finish")
+    wait_for(lambda: Job.objects.get(pk=job.pk).is_finished, 30, what=f"job {job.pk} to finish")
     return delays
 
 
@@ -462,7 +462,7 @@ def bench_log_download(user, booking, db_url: str, scratch: Path) -> None:  # ty
             except OSError:
                 return False
 
-        wait_until(answers, 60, "gunicorn to answer")
+        wait_for(answers, 60, what="gunicorn to answer")
         # Warm-up: the log view's code path, on the last MiB only.
         status, body = get(port, f"/api/v1/jobs/{job_id}/log/?offset={LOG_BYTES - MB}", token)
         if status != 200 or len(body) != MB:

@@ -76,8 +76,8 @@ from bench.common import (
     setup_django_test_db,
     stop,
     tail,
-    wait_until,
 )
+from tests.waiting import WaitTimedOut, wait_for
 
 if TYPE_CHECKING:
     from gpus.models import Reservation
@@ -202,7 +202,7 @@ def make_pending(rng: random.Random, users: list[Any], team_of: dict[int, Any], 
     through `job_submit` itself."""
     from gpus.models import Server
     from jobs.models import Job
-    from jobs.services import ScriptUpload, job_submit
+    from jobs.submit import ScriptUpload, job_submit
 
     servers = list(Server.objects.all())
     jobs = []
@@ -538,7 +538,7 @@ def bench_array(user: Any, scratch: Path) -> None:
             except OSError:
                 return False
 
-        wait_until(answers, 60, "gunicorn to answer")
+        wait_for(answers, 60, what="gunicorn to answer")
         body, content_type = multipart(
             {"gpu_count": "1", "time_limit_minutes": "60", "array": ARRAY_SPEC},
             {"script": ("task.py", TASK_SOURCE)},
@@ -614,15 +614,15 @@ class Trials:
 
     def _wait(self, predicate: Callable[[], object], what: str, interval: float = POLL_S) -> None:
         try:
-            wait_until(predicate, 30, what, interval=interval)
-        except RuntimeError as exc:
+            wait_for(predicate, 30, what=what, interval=interval)
+        except WaitTimedOut as exc:
             raise RuntimeError(f"{exc}\n{self.workers.tail()}") from None
 
     def run(self, phase: float, rng: random.Random) -> tuple[float, float, float]:
         """(release called → RUNNING seen, → the row's started_at, the release call itself), in s."""
         from gpus.booking import reservation_release
         from jobs.models import Job
-        from jobs.services import ScriptUpload, job_submit
+        from jobs.submit import ScriptUpload, job_submit
 
         job = job_submit(
             user=self.owner,
@@ -693,13 +693,13 @@ def bench_end_to_end(scratch: Path) -> None:
     workers = Workers(server, scratch)
     try:
         workers.wait_ready()
-        wait_until(
+        wait_for(
             lambda: (
                 Server.objects.online().filter(name=server).exists()
                 and GPU.objects.filter(server__name=server, state="ok").exists()
             ),
             60,
-            f"the collector to record {server} and its cards",
+            what=f"the collector to record {server} and its cards",
         )
         trials = Trials(server, workers)
         rng = random.Random(SEED + 7)

@@ -66,8 +66,8 @@ from bench.common import (
     Workers,
     report,
     setup_django_test_db,
-    wait_until,
 )
+from tests.waiting import WaitTimedOut, wait_for
 
 # The figures are defined at the default intervals: a caller's own never reach the workers.
 CLEARED_ENV = (
@@ -333,8 +333,8 @@ class Trials:
 
     def _wait(self, predicate, what: str, timeout: float = TRIAL_TIMEOUT_S):  # type: ignore[no-untyped-def]
         try:
-            return wait_until(predicate, timeout, what, interval=POLL_S)
-        except RuntimeError as exc:
+            return wait_for(predicate, timeout, what=what, interval=POLL_S)
+        except WaitTimedOut as exc:
             raise RuntimeError(f"{exc}\n{self.workers.tail()}") from None
 
     def _gone(self, proc: subprocess.Popen) -> None:
@@ -397,7 +397,7 @@ def setup_booking(server: str) -> str:
     from gpus.models import GPU
     from portal.models import Membership, Team
 
-    wait_until(lambda: GPU.objects.filter(server__name=server).exists(), 60, f"{server}'s cards")
+    wait_for(lambda: GPU.objects.filter(server__name=server).exists(), 60, what=f"{server}'s cards")
     card = GPU.objects.filter(server__name=server).order_by("index").values_list("uuid", flat=True).first()
     alice, _ = get_user_model().objects.get_or_create(username="alice")
     if not Membership.objects.filter(user=alice).exists():

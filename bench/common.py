@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
 from portal.workers import worker_argv  # noqa: E402 - after the path and settings above
+from tests.waiting import wait_for  # noqa: E402
 
 
 def setup_django_test_db() -> Callable[[], None]:
@@ -78,17 +79,6 @@ def tail(path: Path, lines: int = 30) -> str:
     return ""
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
 class Workers:
     """The portal's worker (collector, scheduler, reconciler) and one simulated host's, started
     on the bench's database and Redis, for the end-to-end figures."""
@@ -131,7 +121,7 @@ class Workers:
                     raise RuntimeError(f"the {role} worker exited with {proc.returncode}:\n{self.tail()}")
             return all(" ready." in path.read_text(errors="replace") for path in self.logs.values())
 
-        wait_until(ready, 90, "the Celery workers to be ready")
+        wait_for(ready, 90, what="the Celery workers to be ready")
 
     def tail(self) -> str:
         return "\n".join(f"--- {role} worker:\n{tail(path)}" for role, path in self.logs.items())

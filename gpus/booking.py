@@ -18,8 +18,9 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
-from gpus.conflicts import Blocked, blockers, explain_conflicts, gpu_label, held_on
-from gpus.conflicts import Held as Held  # older callers import it from here (tests/test_faults.py)
+from gpus.conflicts import Blocked, check_free, explain_conflicts, fitting_cards, gpu_label, held_on
+from gpus.conflicts import Held as Held  # older callers import these from here (tests/test_faults.py)
+from gpus.conflicts import blockers as blockers
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
 from gpus.quotas import Use, has_limits, peak, quota_refusal
@@ -193,11 +194,10 @@ def _check_free(
     memory_mb: int | None,
     *,
     exclude: int | None = None,
+    queue_start: bool = False,
 ) -> None:
-    held = held_on([g.uuid for g in gpus], start, end, exclude=exclude)
-    for gpu in gpus:
-        if blockers(gpu, held.get(gpu.uuid, []), start, end, memory_mb):
-            raise Blocked(gpu, start, end, memory_mb, exclude)
+    held = held_on([g.uuid for g in gpus], start, end, exclude=exclude)  # under the cards' row locks
+    check_free(gpus, held, start, end, memory_mb, exclude=exclude, queue_start=queue_start)
 
 
 def _check_quota(
@@ -285,15 +285,10 @@ def _candidates(server: str | None) -> list[GPU]:
 def _fitting_by_server(
     gpus: Sequence[GPU], memory_mb: int | None, start: datetime, end: datetime
 ) -> dict[str, list[tuple[tuple[float, int, int], str]]]:
-    """The cards where the booking fits, by server name, each with its load and UUID."""
-    held = held_on([g.uuid for g in gpus], start, end)
+    """The cards where the booking fits, beside the bookings and the queue's holds, by server
+    name, each with its load and UUID."""
     fitting: dict[str, list[tuple[tuple[float, int, int], str]]] = defaultdict(list)
-    for gpu in gpus:
-        mine = held.get(gpu.uuid, [])
-        if (memory_mb is not None and memory_mb > gpu.memory_bookable_mb) or blockers(
-            gpu, mine, start, end, memory_mb
-        ):
-            continue
+    for gpu, mine in fitting_cards(gpus, start, end, memory_mb):
         booked = peak(((h.start, h.end, h.memory_mb or 0) for h in mine), start, end)
         load = (
             GPU.card_share(booked, gpu.memory_bookable_mb),
@@ -365,10 +360,13 @@ def reservation_create(
     note: str = "",
     team: Team | str | None = None,
     now: datetime | None = None,
+    queue_start: bool = False,
 ) -> Reservation:
     """Book `gpus` (UUIDs) or `count` cards the portal picks (on `server`, or anywhere).
 
     `memory_mb` None books whole cards; otherwise that much memory on each card.
+    `queue_start`: the queue's scheduler booking for a job it starts in plan order, which the
+    queue's holds for waiting jobs do not bind (every other booking must leave them free).
     Raises a ServiceError subclass, naming the field and the fix, and writes nothing.
     """
     now = now or timezone.now()
@@ -379,7 +377,7 @@ def reservation_create(
     _check_window(start, end, membership, now)
     if gpus:
         cards = _locked_gpus(gpus, memory_mb)
-        _check_free(cards, start, end, memory_mb)
+        _check_free(cards, start, end, memory_mb, queue_start=queue_start)
     else:
         cards = _pick_and_lock(count or 0, server, memory_mb, start, end)
     _check_quota(membership, cards, memory_mb, start, end)

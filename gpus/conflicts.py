@@ -1,15 +1,18 @@
-"""What already holds a card, and why a booking does not fit: the live allocations on cards
-(held_on), the sweep that finds what blocks a booking (blockers), the earliest slot that fits,
-and the refusal message, built after the locked transaction has rolled back (Blocked,
-explain_conflicts). The booking services (gpus/booking.py) check with these; the idle checker
-and the tests read them too.
+"""What already holds a card, and why a booking does not fit: the one rule of "does a request fit
+this card" (fits_at_once, fits_on_card), the live allocations on cards (held_on), the queue's holds
+for its waiting jobs (queue_holds_on), the checks a booking passes (check_free, fitting_cards),
+what blocks it (blockers), the earliest slot that fits, and the refusal message, built after the
+locked transaction has rolled back (Blocked, explain_conflicts). The booking services
+(gpus/booking.py) and the queue's plan (jobs.queue.Calendar) decide with the same two functions,
+so the plan never starts a job the booking service then refuses; the idle checker and the tests
+read them too.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -40,6 +43,96 @@ class Held:
     team_id: int | None = None
 
 
+@dataclass(frozen=True)
+class QueueHold:
+    """A card the queue's plan keeps for a waiting job from its estimated start (its backfill
+    shadow): user bookings must leave it free, or the job is pushed back again and again."""
+
+    gpu_uuid: str
+    start: datetime
+    end: datetime
+    memory_mb: int | None
+    job_id: int
+
+
+QueueHolds = Callable[[Sequence[str], datetime, datetime], list[QueueHold]]
+
+
+def _no_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> list[QueueHold]:
+    return []
+
+
+# jobs sets it at start (queue_holds_answered_by in JobsConfig.ready); until then, and wherever the
+# jobs side cannot say (its store is away), no card is held for the queue.
+_queue_holds: QueueHolds = _no_holds
+
+
+def queue_holds_answered_by(answer: QueueHolds) -> None:
+    """Called once by the jobs app: `answer(gpu_uuids, start, end)` gives the queue's holds on
+    those cards that overlap [start, end)."""
+    global _queue_holds
+    _queue_holds = answer
+
+
+def queue_holds_on(uuids: Sequence[str], start: datetime, end: datetime) -> dict[str, list[QueueHold]]:
+    """The queue's holds on these cards overlapping [start, end), by card UUID, earliest first."""
+    found: dict[str, list[QueueHold]] = defaultdict(list)
+    for hold in sorted(_queue_holds(list(uuids), start, end), key=lambda h: (h.start, h.job_id)):
+        if hold.gpu_uuid in uuids and hold.start < end and hold.end > start:
+            found[hold.gpu_uuid].append(hold)
+    return found
+
+
+def queue_hold_message(gpu: GPU, hold: QueueHold, start: datetime) -> str:
+    """Why a user booking may not take a card the queue keeps for a waiting job, and what to do."""
+    before = (
+        f"end your booking by {format_time(hold.start)}"
+        if start < hold.start
+        else f"start it at {format_time(hold.end)} or later"
+    )
+    return (
+        f"{gpu_label(gpu)} is held for queued job {hold.job_id} from {format_time(hold.start)} to "
+        f"{format_time(hold.end)}: the queue starts that job there then, and a booking in that window "
+        f"would push it back. Pick another card, or {before}."
+    )
+
+
+Span = tuple[datetime, datetime, "int | None"]  # a hold on a card: [start, end), MiB (None: whole)
+
+
+def fits_at_once(bookable_mb: int, memory_mb: int | None, held_mb: Iterable[int | None]) -> bool:
+    """The rule at one instant: does `memory_mb` (None: the whole card) fit beside what is held
+    then (each hold's MiB, None for a whole card) on a card with `bookable_mb` to share?
+
+    A whole card needs the card empty; a whole-card hold leaves no room; memory shares fit while
+    their sum stays within the bookable memory (total − driver-reserved − the context headroom,
+    GPU.bookable_mb), never the card's total."""
+    held = list(held_mb)
+    if memory_mb is None:
+        return not held
+    if memory_mb > bookable_mb or any(mb is None for mb in held):
+        return False
+    return sum(mb or 0 for mb in held) + memory_mb <= bookable_mb
+
+
+def fits_on_card(
+    bookable_mb: int, memory_mb: int | None, holds: Iterable[Span], start: datetime, end: datetime
+) -> bool:
+    """The rule over a window: does `memory_mb` fit on the card for all of [start, end), given the
+    holds on it? Windows are half-open (a hold ending at 10:00 and a window starting at 10:00 do
+    not meet). Shares are summed at their peak instant: a sweep, not a pairwise test, because
+    three shares can each fit pairwise and still overflow together."""
+    overlapping = [(s, e, mb) for s, e, mb in holds if s < end and e > start]
+    if memory_mb is None or any(mb is None for _, _, mb in overlapping):
+        return fits_at_once(bookable_mb, memory_mb, [mb for _, _, mb in overlapping])
+    in_use = peak(((s, e, mb or 0) for s, e, mb in overlapping), start, end)
+    return fits_at_once(bookable_mb, memory_mb, [round(in_use)] if in_use else [])
+
+
+def spans(held: Iterable[Held | QueueHold]) -> list[Span]:
+    return [(h.start, h.end, h.memory_mb) for h in held]
+
+
 def held_on(
     uuids: Sequence[str],
     start: datetime,
@@ -65,20 +158,52 @@ def held_on(
 def blockers(
     gpu: GPU, held: Sequence[Held], start: datetime, end: datetime, memory_mb: int | None
 ) -> list[Held]:
-    """The bookings that stop `memory_mb` (None: the whole card) fitting on `gpu` in [start, end).
-
-    A whole card needs the card empty. Memory quotas may overlap while their sum at every
-    instant stays within the card's bookable memory: a sweep, not a pairwise test, because
-    three bookings can each fit pairwise and still overflow together.
-    """
+    """The bookings that stop `memory_mb` (None: the whole card) fitting on `gpu` in [start, end),
+    for the refusal message: empty when it fits (`fits_on_card` decides). Against a whole-card
+    hold, only those are named; else every overlapping one."""
+    if fits_on_card(gpu.memory_bookable_mb, memory_mb, spans(held), start, end):
+        return []
     overlapping = [h for h in held if h.start < end and h.end > start]
-    if not overlapping or memory_mb is None:
-        return overlapping
     wholes = [h for h in overlapping if h.memory_mb is None]
-    if wholes:
-        return wholes
-    in_use = peak(((h.start, h.end, h.memory_mb or 0) for h in overlapping), start, end)
-    return overlapping if in_use + memory_mb > gpu.memory_bookable_mb else []
+    return wholes if memory_mb is not None and wholes else overlapping
+
+
+def check_free(
+    gpus: Sequence[GPU],
+    held: dict[str, list[Held]],
+    start: datetime,
+    end: datetime,
+    memory_mb: int | None,
+    *,
+    exclude: int | None = None,
+    queue_start: bool = False,
+) -> None:
+    """Every card free for the request (`fits_on_card`), first among the bookings `held` on them
+    (else Blocked), then beside the queue's holds for its waiting jobs (else a Conflict that names
+    the hold), which bind every booking but the scheduler's own starts (`queue_start`)."""
+    holds = {} if queue_start else queue_holds_on([g.uuid for g in gpus], start, end)
+    for gpu in gpus:
+        mine = spans(held.get(gpu.uuid, []))
+        if not fits_on_card(gpu.memory_bookable_mb, memory_mb, mine, start, end):
+            raise Blocked(gpu, start, end, memory_mb, exclude)
+        queued = holds.get(gpu.uuid, [])
+        if queued and not fits_on_card(gpu.memory_bookable_mb, memory_mb, mine + spans(queued), start, end):
+            raise Conflict(queue_hold_message(gpu, queued[0], start), field="gpus")
+
+
+def fitting_cards(
+    gpus: Sequence[GPU], start: datetime, end: datetime, memory_mb: int | None
+) -> Iterator[tuple[GPU, list[Held]]]:
+    """The cards where a user's booking fits, beside the bookings and the queue's holds, each with
+    the bookings on it in the window (the picker weighs its load by them)."""
+    uuids = [g.uuid for g in gpus]
+    held = held_on(uuids, start, end)
+    holds = queue_holds_on(uuids, start, end)
+    for gpu in gpus:
+        mine = held.get(gpu.uuid, [])
+        around = spans(mine) + spans(holds.get(gpu.uuid, []))
+        if fits_on_card(gpu.memory_bookable_mb, memory_mb, around, start, end):
+            yield gpu, mine
 
 
 def earliest_fit(
@@ -94,7 +219,7 @@ def earliest_fit(
     for candidate in sorted({start, *(h.end for h in held if h.end > start)}):
         if candidate > horizon:
             break
-        if not blockers(gpu, held, candidate, candidate + length, memory_mb):
+        if fits_on_card(gpu.memory_bookable_mb, memory_mb, spans(held), candidate, candidate + length):
             return candidate
     return None
 

@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from gpus.inventory import CardState
 from portal.access import is_admin, teams_led_by
+from portal.models import WatchdogKind
 
 
 class ServerQuerySet(models.QuerySet):
@@ -406,13 +407,7 @@ class Violation(models.Model):
     number, as on GPUProcess: jobs build on gpus, not the reverse.
     """
 
-    class Kind(models.TextChoices):
-        ESCAPED = "escaped", "Escaped: a job's process on a card its booking does not hold"
-        OVER_MEMORY = "over_memory", "Over memory: a job above its booked memory on a shared card"
-        INTRUDER = "intruder", "Intruder: a process the portal did not start, on someone else's booking"
-        OWNER_OUTSIDE_JOB = "owner_outside_job", "Owner outside a job: the booking's owner, not in a job"
-        UNBOOKED = "unbooked", "Unbooked: a process the portal did not start, on a card nobody booked"
-        ZOMBIE = "zombie", "Zombie: a process of a job that has ended, still holding memory"
+    Kind = WatchdogKind  # the one list of the watchdog's kinds, declared in portal
 
     class Action(models.TextChoices):
         OBSERVED = "observed", "Observed"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -11,10 +11,23 @@ from django.db.models import Prefetch, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
+from gpus.hooks import own_jobs
 from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, Violation, format_mb
 from portal.access import display_name, is_admin, team_ids_of
 from portal.accounts import unix_account_name
 from portal.timefmt import short_time
+
+# A card's live figures: what each telemetry round writes (gpus.services, with `updated_at`) and
+# what the dashboard reads, in this order.
+GPU_LIVE_FIELDS = (
+    "memory_used_mb",
+    "utilization_pct",
+    "temperature_c",
+    "power_w",
+    "power_limit_w",
+    "state",
+    "processes_known",
+)
 
 
 def gpus_with_processes() -> QuerySet[GPU]:
@@ -24,24 +37,6 @@ def gpus_with_processes() -> QuerySet[GPU]:
 
 
 # --- command lines: whose process it is, and what a viewer sees of it ---------------------------
-
-OwnJobs = Callable[[Any, Iterable[int]], Collection[int]]
-
-
-def _no_jobs(viewer: Any, job_ids: Iterable[int]) -> Collection[int]:
-    return ()
-
-
-# Which of these jobs are the viewer's: the jobs app's to say, since gpus never reads jobs rows.
-# jobs sets it at start (own_jobs_answered_by in JobsConfig.ready); until then a job's processes
-# show their whole command line to admins only.
-_own_jobs: OwnJobs = _no_jobs
-
-
-def own_jobs_answered_by(answer: OwnJobs) -> None:
-    """Called once by the jobs app: `answer(viewer, job_ids)` gives the viewer's jobs among them."""
-    global _own_jobs
-    _own_jobs = answer
 
 
 def program_name(command: str) -> str:
@@ -59,7 +54,7 @@ class CommandLines:
     def __init__(self, viewer: Any, *, job_ids: Iterable[int]) -> None:
         self.everything = is_admin(viewer)
         self.unix_name = None if self.everything else unix_account_name(viewer)
-        self.jobs = frozenset() if self.everything else frozenset(_own_jobs(viewer, job_ids))
+        self.jobs = frozenset() if self.everything else frozenset(own_jobs(viewer, job_ids))
 
     def shown(self, command: str, *, username: str, job_id: int | None) -> str:
         if self.everything:
@@ -174,13 +169,7 @@ def _dashboard_gpus(
         "mig_mode",
         "memory_total_mb",
         "memory_reserved_mb",
-        "memory_used_mb",
-        "utilization_pct",
-        "temperature_c",
-        "power_w",
-        "power_limit_w",
-        "state",
-        "processes_known",
+        *GPU_LIVE_FIELDS,
     ):
         total = gpu["memory_total_mb"] or 0
         bookable = GPU.bookable_mb(total, gpu["memory_reserved_mb"])

@@ -13,20 +13,17 @@ from django.db import connection, transaction
 from django.dispatch import Signal
 from django.utils import timezone
 
+from gpus.hooks import job_sessions
 from gpus.inventory import CardState, GPUInfo, Snapshot
 from gpus.models import GPU, GPUProcess, Server, TelemetrySample
 from gpus.sanitize import checked_snapshot
+from gpus.selectors import GPU_LIVE_FIELDS
 from gpus.usage import usage_observe
 
 # Sent once per telemetry round, inside its transaction, with `cards`: every reported card
 # (GPUInfo, its processes carrying the job ids resolved from their sessions). A signal because
 # the jobs app builds on gpus, not the reverse: jobs listens and writes its own rows.
 telemetry_ingested = Signal()
-# Sent once per round before the processes are stored, with `sessions`: {server id: {session
-# id, ...}} of the reported processes. A receiver answers {(server id, session id): job id} for
-# the portal jobs whose recorded pid (a job's session leader) is one of them: jobs knows its
-# jobs, gpus only asks.
-job_sessions_resolve = Signal()
 
 _GPU_STATIC_FIELDS = [
     "server",  # values_list("server") reads the id
@@ -37,16 +34,7 @@ _GPU_STATIC_FIELDS = [
     "memory_reserved_mb",
     "mig_mode",
 ]
-_GPU_LIVE_FIELDS = [
-    "memory_used_mb",
-    "utilization_pct",
-    "temperature_c",
-    "power_w",
-    "power_limit_w",
-    "state",
-    "processes_known",
-    "updated_at",
-]
+_GPU_LIVE_FIELDS = [*GPU_LIVE_FIELDS, "updated_at"]  # the values below are written in this order
 _SERVER_LIVE_FIELDS = [
     "hostname",
     "simulated",
@@ -238,9 +226,7 @@ def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo
         sessions[server_id].update(p.session_id for p in g.processes or () if p.session_id)
     if not any(sessions.values()):
         return cards
-    jobs: dict[tuple[int, int], int] = {}
-    for _receiver, answer in job_sessions_resolve.send(sender=GPUProcess, sessions=dict(sessions)):
-        jobs.update(answer or {})
+    jobs = job_sessions(dict(sessions))  # jobs knows its jobs, gpus only asks (gpus.hooks)
     if not jobs:
         return cards
     return [

@@ -16,8 +16,9 @@ Where the figures come from:
   utilization, and split between the bookings holding the card by their fraction of it; the
   fraction nobody holds goes to the row without a user. A gap longer than
   SERVER_OFFLINE_AFTER_SECONDS is not counted: nobody saw the card meanwhile.
-- jobs by outcome: the jobs app answers `job_outcomes_resolve` with the jobs that finished in
-  the hours being written (gpus asks, jobs answers: jobs builds on gpus).
+- jobs by outcome: the jobs app answers `gpus.hooks.job_outcomes` with the jobs that finished in
+  the hours being written (gpus asks, jobs answers: jobs builds on gpus). A question, not an
+  event: a job's final status is a conditional UPDATE in several places, and its row is the record.
 
 The collector's process holds the hours still moving (the current one, and the previous one for
 LATE after it ends) in memory: no query per round. Every FLUSH_EVERY, and at the turn of the hour,
@@ -41,9 +42,9 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import Max, QuerySet, Sum
-from django.dispatch import Signal
 from django.utils import timezone
 
+from gpus.hooks import job_outcomes
 from gpus.idle import card_idle
 from gpus.inventory import CardState, GPUInfo
 from gpus.models import GPU, Allocation, UsageDay, UsageFigures, UsageHour, UsageTeamHour
@@ -58,20 +59,6 @@ FLUSH_EVERY = timedelta(minutes=1)  # also how stale the cached bookings may be
 LATE = timedelta(minutes=5)
 # After a restart, the hours missed get their bookings and jobs this far back at most.
 GAP_FILL = timedelta(days=7)
-
-# Sent at each write with `since` and `until`: receivers answer the JobOutcomes of the jobs that
-# finished in [since, until). A question, not an event: a job's final status is a conditional
-# UPDATE in several places and processes, which sends no signal; its row is the record.
-job_outcomes_resolve = Signal()
-
-
-class JobOutcome(NamedTuple):
-    finished_at: datetime
-    gpu: str  # the job's first card: a job counts once, however many cards it ran on
-    user_id: int
-    team_id: int | None
-    status: str  # "succeeded" and "failed" have columns of their own; any other counts as other
-
 
 Key = tuple[datetime, str, int | None]  # (hour, card UUID, user id or None)
 
@@ -287,7 +274,7 @@ class UsageRollup:
         servers = {s.gpu: s.server_id for s in shares} | {
             gpu: c.server_id for (_, gpu, _), c in self._cells.items()
         }
-        for outcome in _job_outcomes(hours[0], now):
+        for outcome in job_outcomes(hours[0], now):
             hour = hour_of(outcome.finished_at)
             if hour not in held:
                 continue
@@ -352,13 +339,6 @@ def _server_of(gpu: str, known: dict[str, int]) -> int | None:
     if server_id is not None:
         known[gpu] = server_id
     return server_id
-
-
-def _job_outcomes(since: datetime, until: datetime) -> list[JobOutcome]:
-    outcomes: list[JobOutcome] = []
-    for _receiver, answer in job_outcomes_resolve.send(sender=UsageHour, since=since, until=until):
-        outcomes.extend(answer or ())
-    return outcomes
 
 
 # --- the summed tables ---------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 curves (JSON or CSV); and size-hint/, from the caller's own runs (jobs/rightsizing.py).
 
 Visible to the owner, leaders of the job's team and admins; everyone else gets 404 (the queryset
-is jobs_visible_to, and DRF's get_object looks the job up in it). Every rule is in jobs.services,
-shared with the web form; filters are jobs.filters.JobFilter, shared with the pages.
+is jobs_visible_to, and DRF's get_object looks the job up in it). Every rule is in jobs.submit and
+jobs.services, shared with the web form; filters are jobs.filters.JobFilter, shared with the pages.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from jobs.models import Job
 from jobs.rightsizing import size_hint_for
 from jobs.scheduler import queue_plan
 from jobs.selectors import jobs_visible_to, queue_rows
-from jobs.services import ScriptUpload, job_cancel, job_submit
+from jobs.services import job_cancel
+from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Invalid
 from portal.pagination import PagePagination
 from portal.permissions import ActionPermissionsMixin, IsOwnerOrTeamManager
@@ -149,7 +150,7 @@ class CSVRenderer(PlainTextRenderer):
 
 
 class JobCreateSerializer(serializers.Serializer):
-    """Types only; jobs.services.job_submit checks every rule."""
+    """Types only; jobs.submit.job_submit checks every rule."""
 
     reservation = serializers.IntegerField(
         required=False, allow_null=True, help_text="The booking to run on; leave it out to queue the job."

@@ -11,17 +11,16 @@ from django.contrib.auth.models import AbstractBaseUser
 
 from gpus.filters import server_choices
 from jobs.models import Job
-from portal.access import is_admin
+from portal.access import is_admin, teams_led_by
 from portal.filters import DayFilter, MineFilter, unknown_choice
-from portal.models import Membership, Team
+from portal.models import Team
 
 
 def _team_choices(user: AbstractBaseUser | None) -> list[tuple[str, str]]:
     """The teams whose jobs the user sees in History: those they lead (admins: all)."""
     teams = Team.objects.order_by("name")
     if user is None or not is_admin(user):
-        led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
-        teams = teams.filter(pk__in=led)
+        teams = teams.filter(pk__in=teams_led_by(user))
     return [("", "any team"), *((t.slug, t.name) for t in teams)]
 
 

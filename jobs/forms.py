@@ -1,4 +1,4 @@
-"""Job forms. They normalise types only; every rule lives in jobs/services.py (job_submit)."""
+"""Job forms. They normalise types only; every rule lives in jobs/submit.py (job_submit)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gpus.filters import server_choices
 from gpus.forms import parse_memory_mb
 from gpus.models import Reservation
 from jobs.models import Job
-from jobs.services import ScriptUpload
+from jobs.submit import ScriptUpload
 from portal.forms import ServiceErrorsMixin
 from portal.timefmt import short_time
 

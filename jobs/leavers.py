@@ -46,7 +46,7 @@ from jobs.logs import log_append
 from jobs.models import Job
 from portal.models import AuditEntry, Membership, Notification, Team
 from portal.notifications import notification_send
-from portal.wakeups import wake_on_commit
+from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _cancel_waiting(jobs: QuerySet[Job], message: str, now: datetime) -> list[tu
     )
     for pk, _ in found:  # no worker has them: the log is free to write
         log_append(pk, f"[portal] {message} The job never started.", now=now)
-    wake_on_commit("queue")
+    wake_on_commit(QUEUE_SCHEDULER)
     return found
 
 

@@ -16,7 +16,9 @@ QUEUE_BACKFILL_DEPTH that do not get a *shadow booking* at their earliest estima
 the jobs after them must not overlap. So a lower-priority job starts now only where it cannot
 delay any of those (conservative backfill), and a wide job waiting for a whole server keeps its
 place while short jobs run in front of it. No more jobs start on a server than its worker has
-free slots, where the worker said how many it runs at once (`Calendar.slots`).
+free slots, where the worker said how many it runs at once (`Calendar.slots`). Whether a job fits
+a card is the booking service's own rule (gpus.conflicts.fits_on_card), over the window the
+scheduler will book (`Request.booked`: the time limit and START_SLACK).
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from gpus.quotas import peak
+from gpus.conflicts import fits_at_once, fits_on_card
 from portal.errors import Invalid
 
 MAX_ARRAY = 10_000
+# The booking of a queued job outlasts its time limit by this much, so the limit (not the
+# booking's end) stops it, and says so (jobs.scheduler). The plan checks that whole window.
+START_SLACK = timedelta(minutes=1)
 ARRAY_SPEC_MAX_CHARS = 50  # JobArray.spec's max_length
 _ARRAY = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*(?:%\s*(\d+)\s*)?$|^\s*(\d+)\s*$")
 
@@ -139,6 +144,12 @@ class Request:
     begin_at: datetime | None = None
     array_id: int | None = None
 
+    @property
+    def booked(self) -> timedelta:
+        """How long its booking lasts once it starts: the time limit and START_SLACK. The plan
+        checks this window, the one the scheduler asks the booking service for."""
+        return timedelta(minutes=self.minutes) + START_SLACK
+
 
 @dataclass(frozen=True)
 class Weights:
@@ -158,6 +169,7 @@ class Entry:
     start_now: list[str] = field(default_factory=list)  # the cards to book now; empty: it waits
     estimated_start: datetime | None = None
     reason: str = ""
+    held: list[str] = field(default_factory=list)  # its shadow's cards, from estimated_start
 
 
 Busy = tuple[datetime, datetime, int | None]  # a booking on a card: [start, end), MiB (None: whole)
@@ -222,19 +234,14 @@ class Calendar:
     def fits(
         self, uuid: str, start: datetime, end: datetime, memory_mb: int | None, *, shadows: bool = True
     ) -> bool:
-        card = self.cards[uuid]
-        if memory_mb is not None and memory_mb > card.bookable_mb:
-            return False
+        """The booking service's rule (gpus.conflicts.fits_on_card) over the bookings, and the
+        shadows unless told not to, that overlap [start, end)."""
         if start <= self.now < end and not self.could_fit_now(uuid, memory_mb):
             return False
         overlapping = _overlapping(self.busy[uuid], start, end)
         if shadows and self.shadows:
             overlapping += _overlapping(self.shadows[uuid], start, end)
-        if not overlapping:
-            return True
-        if memory_mb is None or any(b[2] is None for b in overlapping):
-            return False
-        return peak(((s, e, mb or 0) for s, e, mb in overlapping), start, end) + memory_mb <= card.bookable_mb
+        return fits_on_card(self.cards[uuid].bookable_mb, memory_mb, overlapping, start, end)
 
     def free_cards(
         self, server: int, start: datetime, end: datetime, memory_mb: int | None, *, shadows: bool = True
@@ -243,12 +250,12 @@ class Calendar:
         return [c.uuid for c in cards if self.fits(c.uuid, start, end, memory_mb, shadows=shadows)]
 
     def could_fit_now(self, uuid: str, memory_mb: int | None) -> bool:
-        """False when what the card holds right now already rules the request out."""
-        if uuid in self.taken_now:
-            return False
-        if memory_mb is None:
-            return not self.shared_now[uuid]
-        return self.shared_now[uuid] + memory_mb <= self.cards[uuid].bookable_mb
+        """False when what the card holds right now already rules the request out: the same rule
+        (gpus.conflicts.fits_at_once) over the whole-card hold or the sum of the shares now."""
+        held_now: list[int | None] = [None] if uuid in self.taken_now else []
+        if self.shared_now[uuid]:
+            held_now.append(self.shared_now[uuid])
+        return fits_at_once(self.cards[uuid].bookable_mb, memory_mb, held_now)
 
     def room_now(self, server: int, memory_mb: int | None) -> int:
         """How many of the server's cards could take the request from now: an upper bound (0 when
@@ -258,13 +265,12 @@ class Calendar:
         return sum(1 for c in self.by_server[server] if self.could_fit_now(c.uuid, memory_mb))
 
     def earliest(
-        self, server: int, count: int, minutes: int, memory_mb: int | None, not_before: datetime
+        self, server: int, count: int, length: timedelta, memory_mb: int | None, not_before: datetime
     ) -> datetime | None:
-        """The first time ≥ not_before at which `count` cards of `server` are free for `minutes`:
+        """The first time ≥ not_before at which `count` cards of `server` are free for `length`:
         only the end of a booking or a shadow can free a card, so those are the times worth trying."""
         if len(self.by_server[server]) < count:
             return None
-        length = timedelta(minutes=minutes)
         times = {not_before}
         for card in self.by_server[server]:
             times.update(b[1] for b in self.busy[card.uuid] if b[1] > not_before)
@@ -333,7 +339,7 @@ def plan(
         cards = [] if _dominated(shape, refused[r.server_id]) else _fit_now(calendar, r, draining)
         if cards:
             entry.start_now = cards
-            calendar.add(cards, now, now + timedelta(minutes=r.minutes), r.memory_mb)
+            calendar.add(cards, now, now + r.booked, r.memory_mb)
             server = calendar.cards[cards[0]].server_id
             if server in calendar.slots:
                 calendar.slots[server] -= 1
@@ -350,9 +356,10 @@ def plan(
             entry.estimated_start = at
             if at is not None and server is not None:
                 # The shadow: the jobs after this one must leave room for it at its estimate.
-                end = at + timedelta(minutes=r.minutes)
+                end = at + r.booked
                 held = calendar.free_cards(server, at, end, r.memory_mb)[: r.gpu_count]
                 calendar.add(held, at, end, r.memory_mb, shadow=True)
+                entry.held = held
                 shadows += 1
     return entries
 
@@ -383,7 +390,7 @@ def _servers(calendar: Calendar, r: Request, draining: set[int]) -> list[int]:
 
 def _fit_now(calendar: Calendar, r: Request, draining: set[int], *, shadows: bool = True) -> list[str]:
     """`gpu_count` cards of the first server where they are free for the job from now, or []."""
-    end = calendar.now + timedelta(minutes=r.minutes)
+    end = calendar.now + r.booked
     for server in _servers(calendar, r, draining):
         if calendar.room_now(server, r.memory_mb) < r.gpu_count:
             continue  # most of a full cluster: no need to look at any booking
@@ -401,7 +408,7 @@ def _estimate(
     for server in _servers(calendar, r, draining):
         key = (server, calendar.version[server], r.gpu_count, r.memory_mb, r.minutes)
         if key not in cache:
-            cache[key] = calendar.earliest(server, r.gpu_count, r.minutes, r.memory_mb, calendar.now)
+            cache[key] = calendar.earliest(server, r.gpu_count, r.booked, r.memory_mb, calendar.now)
         at = cache[key]
         if at is not None and (best is None or at < best[0]):
             best = (at, server)

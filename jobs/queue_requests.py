@@ -1,13 +1,13 @@
 """What a queued job asks for, checked: cards, memory, server, time limit, array, nice, start.
 
-Read-only checks for jobs.services.job_submit; each refusal names its field and the fix.
+Read-only checks for jobs.submit.job_submit; each refusal names its field and the fix.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
@@ -15,15 +15,12 @@ from django.contrib.auth.models import AbstractBaseUser
 
 from gpus.models import GPU, Server, format_mb
 from jobs.models import Job
-from jobs.queue import parse_array
+from jobs.queue import START_SLACK, parse_array
 from portal.errors import Invalid
 from portal.models import Membership, Team
 
 MAX_GPUS = 64
 MAX_NICE = 1_000_000
-# The booking of a queued job outlasts its time limit by this much, so the limit (not the
-# booking's end) stops it, and says so (jobs.scheduler).
-START_SLACK = timedelta(minutes=1)
 
 
 @dataclass(frozen=True)

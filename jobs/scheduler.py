@@ -3,9 +3,11 @@
 Every QUEUE_SCHEDULE_SECONDS, and at once when a booking is released or cancelled or a job ends
 (portal.wakeups), one pass: gather the facts (pending jobs, the cards of the online servers and
 their bookings, the teams' and members' shares and decayed usage), let `jobs.queue.plan` decide,
-then start what it chose. A job starts by booking its cards for [now, now + its time limit)
+then start what it chose. A job starts by booking its cards for [now, now + its time limit + START_SLACK)
 through the booking service, so double-booking protection, quotas and the audit log all hold,
 and is then dispatched like any job. When it ends, its booking is released (`queued_job_ended`).
+Each pass keeps the plan's shadows for the booking service (`queue_holds`, registered in
+JobsConfig.ready), so user bookings leave a waiting wide job's cards free from its estimated start.
 
 Safe to run twice at once: each start is a conditional UPDATE on the job (PENDING → QUEUED) in
 the booking's transaction, and the booking service's row locks settle two passes racing for a
@@ -14,32 +16,38 @@ card (the loser gets a Conflict and tries again next pass).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+import redis
 from django.conf import settings
 from django.db import close_old_connections, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_create, reservation_release
+from gpus.conflicts import QueueHold
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
 from jobs.models import Job
 from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
-from jobs.queue_requests import START_SLACK
 from jobs.services import cpu_share, default_threads, dispatch
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
 from portal.periodic import PeriodicThread
-from portal.wakeups import client, wait, wake_on_commit
+from portal.wakeups import QUEUE_SCHEDULER, client, wait, wake_on_commit
 
 log = logging.getLogger(__name__)
 
 USAGE_CACHE_SECONDS = 60
+# The plan's holds for waiting jobs, kept for the booking service (queue_holds) for a few passes.
+HOLDS_KEY = "portal:queue:holds"
+HOLDS_PASSES = 5
+HOLDS_MIN_TTL_SECONDS = 30
 # Re-plans in one pass after refused starts: each drops at least one job; a few are plenty, and a
 # pass must stay cheap with a thousand pending jobs.
 QUEUE_REPLANS = 5
@@ -57,6 +65,7 @@ SLOTS_STALE_INTERVALS = 4
 REFUSED = "Waiting: "  # a refused job's message starts so: the booking service's words follow
 _failed_before: set[int] = set()  # jobs whose unexpected failure was logged with its traceback
 _usage_cache: tuple[datetime, Shares, Usage] | None = None
+_holds_unstored = False  # the last pass could not store its holds (Redis away): said once
 
 
 def queue_plan(*, now: datetime | None = None, leave_out: Collection[int] = ()) -> list[Entry]:
@@ -114,6 +123,7 @@ def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
         if not newly:
             break
     _record_reasons(entries, refused)
+    _store_holds(entries)
     done["pending"] = sum(1 for e in entries if not e.start_now) + len(refused)
     return dict(done)
 
@@ -179,9 +189,10 @@ def _start(entry: Entry, now: datetime) -> Refusal | None:
                 gpus=entry.start_now,
                 memory_mb=job.memory_mb,
                 start=now,
-                end=now + timedelta(minutes=r.minutes) + START_SLACK,
+                end=now + r.booked,  # the window the plan checked
                 note=f"Queued job {job.pk} ({job.name})",
                 now=now,
+                queue_start=True,  # in plan order: the holds it keeps bind others, not its own starts
             )
             _bind(job, booking, now)
             dispatch(job, now)
@@ -229,7 +240,76 @@ def queued_job_ended(job: Job, *, now: datetime | None = None) -> None:
     if booking.status_at(now) == Reservation.Status.ACTIVE:
         reservation_release(user=PORTAL, reservation=booking, now=now, reason=f"queued job {job.pk} ended")
     else:
-        wake_on_commit("queue")
+        wake_on_commit(QUEUE_SCHEDULER)
+
+
+# --- the holds: the plan's shadows, which user bookings must leave free ---------------------------
+
+
+def _holds_ttl() -> int:
+    """A few passes: a scheduler that stopped stops holding cards soon after."""
+    return max(HOLDS_MIN_TTL_SECONDS, HOLDS_PASSES * settings.QUEUE_SCHEDULE_SECONDS)
+
+
+def _store_holds(entries: list[Entry]) -> None:
+    """Keep this pass's shadows where the booking service reads them (`queue_holds`): each waiting
+    job's cards from its estimated start for its time limit (and the start's slack, as its booking
+    will last). Redis away: bookings go unguarded until it is back, never wrong."""
+    holds = []
+    for e in entries:
+        if not e.held or e.estimated_start is None:
+            continue
+        end = e.estimated_start + e.request.booked
+        created = e.request.submitted_at.isoformat()
+        holds += [
+            [
+                uuid,
+                e.estimated_start.isoformat(),
+                end.isoformat(),
+                e.request.memory_mb,
+                e.request.job_id,
+                created,
+            ]
+            for uuid in e.held
+        ]
+    global _holds_unstored
+    try:
+        client(5).set(HOLDS_KEY, json.dumps(holds), ex=_holds_ttl())
+    except redis.RedisError:
+        if not _holds_unstored:  # once per outage, not every pass
+            log.warning("Queue: could not store the holds for waiting jobs; bookings may take their cards")
+        _holds_unstored = True
+        return
+    if _holds_unstored:
+        log.info("Queue: the holds for waiting jobs are stored again")
+    _holds_unstored = False
+
+
+def queue_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> list[QueueHold]:
+    """The booking service's question (gpus.conflicts.queue_holds_answered_by): the last pass's
+    holds on these cards overlapping [start, end), of jobs that still wait. A hold whose job started,
+    was cancelled or is gone binds no one, whatever the store still says."""
+    try:
+        raw = client(2).get(HOLDS_KEY)
+    except redis.RedisError:
+        log.warning(
+            "Queue: could not read the holds for waiting jobs; this booking is not checked against them"
+        )
+        return []
+    wanted = set(gpu_uuids)
+    found = []
+    for uuid, at, until, memory_mb, job_id, created in json.loads(raw or "[]"):
+        hold = QueueHold(uuid, datetime.fromisoformat(at), datetime.fromisoformat(until), memory_mb, job_id)
+        if uuid in wanted and hold.start < end and hold.end > start:
+            found.append((hold, datetime.fromisoformat(created)))
+    if not found:
+        return []
+    waiting = set(
+        Job.objects.filter(pk__in={h.job_id for h, _ in found}, status=Job.Status.PENDING).values_list(
+            "pk", "created_at"
+        )
+    )
+    return [hold for hold, created in found if (hold.job_id, created) in waiting]
 
 
 # --- the facts ---------------------------------------------------------------------------------------
@@ -293,9 +373,11 @@ def _calendar(
         ).values_list("uuid", "server_id", "memory_total_mb", "memory_reserved_mb")
     ]
     busy: dict[str, list] = defaultdict(list)
-    for uuid, start, end, memory in Allocation.objects.filter(
-        live=True, end__gt=now, start__lt=horizon, gpu__server_id__in=servers
-    ).values_list("gpu_id", "start", "end", "memory_mb"):
+    for uuid, start, end, memory in (
+        Allocation.objects.live_between(now, horizon)
+        .filter(gpu__server_id__in=servers)
+        .values_list("gpu_id", "start", "end", "memory_mb")
+    ):
         busy[uuid].append((max(start, now), end, memory))
     return Calendar(cards, busy, now, horizon, slots=slots)
 
@@ -330,7 +412,7 @@ def fairshare_state(now: datetime) -> tuple[Shares, Usage]:
     half_life = timedelta(days=settings.FAIRSHARE_HALF_LIFE_DAYS)
     team: dict[int, float] = defaultdict(float)
     member: dict[tuple[int, int], float] = defaultdict(float)
-    rows = Allocation.objects.filter(live=True, start__lt=now, end__gt=now - 5 * half_life).values_list(
+    rows = Allocation.objects.live_between(now - 5 * half_life, now).values_list(
         "start", "end", "memory_mb", "gpu__memory_total_mb", "reservation__team_id", "reservation__owner_id"
     )
     for start, end, memory, total, team_id, owner_id in rows:
@@ -362,7 +444,7 @@ class Scheduler(PeriodicThread):
 
     def pause(self) -> None:
         try:
-            wait(self.client, "queue", self.interval)
+            wait(self.client, QUEUE_SCHEDULER, self.interval)
         except Exception:  # Redis away: plain intervals until it is back
             log.warning("Queue scheduler: no wake-ups from Redis", exc_info=True)
             super().pause()

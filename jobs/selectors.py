@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Q, QuerySet
 from django.http import Http404
 
+from gpus.hooks import JobOutcome
 from jobs.models import Job
 from jobs.queue import Entry
-from portal.access import display_name, is_admin, team_ids_of
-from portal.models import Membership
+from portal.access import display_name, is_admin, team_ids_of, teams_led_by
 
 
 def jobs_visible_to(user: AbstractBaseUser) -> QuerySet[Job]:
@@ -20,13 +21,26 @@ def jobs_visible_to(user: AbstractBaseUser) -> QuerySet[Job]:
     jobs = Job.objects.select_related("owner", "team", "server")
     if is_admin(user):
         return jobs
-    led = Membership.objects.filter(user=user, role=Membership.Role.LEADER).values("team_id")
-    return jobs.filter(Q(owner=user) | Q(team_id__in=led))
+    return jobs.filter(Q(owner=user) | Q(team_id__in=teams_led_by(user)))
 
 
 def jobs_owned_by(viewer: AbstractBaseUser, job_ids: Iterable[int]) -> Collection[int]:
     """The viewer's own jobs among `job_ids` (gpus asks, to show a job's processes in full)."""
     return set(Job.objects.filter(owner_id=viewer.pk, pk__in=list(job_ids)).values_list("pk", flat=True))
+
+
+def jobs_finished_between(since: datetime, until: datetime) -> list[JobOutcome]:
+    """The jobs whose final status was written in [since, until) (gpus' usage rollup asks, through
+    gpus.hooks.job_outcomes): read from the rows, since every final status is a conditional
+    UPDATE (runner, reconciler, cancel) that sends no signal."""
+    rows = Job.objects.filter(finished_at__gte=since, finished_at__lt=until, status__in=Job.FINISHED)
+    return [
+        JobOutcome(at, cards[0], owner, team, status)
+        for at, cards, owner, team, status in rows.values_list(
+            "finished_at", "gpu_uuids", "owner", "team", "status"
+        )
+        if cards  # a job cancelled before it held a card used none
+    ]
 
 
 def get_job_for_user(user: AbstractBaseUser, pk: int) -> Job:

@@ -1,528 +1,47 @@
-"""Job services: submit, cancel, and the reconciler. The web form and the API both call these.
+"""Job services: cancel, dispatch, the reconciler and usage. Submission is jobs/submit.py.
 
-Every rule is checked before anything is written; a refusal is a ServiceError naming
-the field and the fix. Dispatch happens after commit (`transaction.on_commit`), so a
-worker never sees an id whose row is not there yet.
+A refusal is a ServiceError naming the field and the fix. Dispatch happens after commit
+(`transaction.on_commit`), so a worker never sees an id whose row is not there yet.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import shlex
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any
 
 from celery import current_app
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from gpus.inventory import GPUInfo
-from gpus.models import Allocation, Reservation, Server, format_mb
-from jobs import paths
-from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
+from gpus.models import GPU, Allocation, Server
 from jobs.leavers import leavers_stop, owner_active, team_leavers_stop
 from jobs.logs import log_append
-from jobs.models import Job, JobArray
-from jobs.queue_requests import QueueRequest
-from portal.access import can_manage_team
-from portal.errors import Conflict, Forbidden, Invalid
+from jobs.models import Job
+from portal.access import can_manage
+from portal.errors import Forbidden, Invalid
 from portal.outage import outage_of
 from portal.timefmt import format_time
-from portal.wakeups import wake_on_commit
 
 log = logging.getLogger(__name__)
-
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-MAX_ENV_VARS = 50
-MAX_ENV_VALUE = 4096
-MAX_ARGS = 200
-MAX_THREADS = 256
-# Unquoted shell syntax: jobs never run through a shell, so these would reach the script
-# as literal words, which is never what someone typing them meant.
-_SHELL_OPERATORS = set("|&;<>()")
-
-
-@dataclass(frozen=True)
-class ScriptUpload:
-    name: str
-    content: bytes
-    size: int | None = None  # the uploaded size, when only the first bytes were kept
-
-    @classmethod
-    def from_file(cls, upload: Any) -> ScriptUpload:
-        """A form's or the API's uploaded file. jobs.uploads.CappedUploadHandler already kept
-        at most one byte past the limit, and its size says how large the upload really was."""
-        return cls(name=upload.name, content=upload.read(), size=upload.size)
-
-
-# --- validation helpers ---------------------------------------------------------------
-
-
-def parse_args(args: str | Sequence[str] | None) -> list[str]:
-    """A command-line string (shlex) or a list of strings → the argv list after the script."""
-    if args is None:
-        return []
-    if isinstance(args, str):
-        try:
-            parsed = shlex.split(args)
-        except ValueError as exc:
-            raise Invalid(f"Arguments: {exc}; close every quote you open.", field="args") from None
-        syntax = _shell_syntax(args)
-        if syntax:
-            raise Invalid(
-                f"Arguments: {syntax!r} is shell syntax, but jobs never run through a shell "
-                "(no pipes, redirects, ';', '&&', $VARIABLES or `commands`). Put it in single quotes, "
-                f"e.g. '{syntax}', to pass it to your script literally.",
-                field="args",
-            )
-    else:
-        if not all(isinstance(a, str) for a in args):
-            raise Invalid("Arguments must be a list of strings.", field="args")
-        parsed = list(args)
-    if len(parsed) > MAX_ARGS:
-        raise Invalid(f"{len(parsed)} arguments; keep it to {MAX_ARGS}.", field="args")
-    if any("\x00" in a or len(a) > 4096 for a in parsed):
-        raise Invalid("An argument is longer than 4096 characters or holds a NUL byte.", field="args")
-    return parsed
-
-
-def _shell_syntax(text: str) -> str:
-    """The first character a shell would treat as syntax: unquoted |&;<>() or a $ or `
-    outside single quotes (a shell expands those even in double quotes); '' if none."""
-    quote = ""
-    escaped = False
-    for char in text:
-        if escaped:
-            escaped = False
-        elif quote == "'":
-            quote = "" if char == "'" else quote
-        elif char == "\\":
-            escaped = True
-        elif char in "$`":
-            return char
-        elif quote == '"':
-            quote = "" if char == '"' else quote
-        elif char in "'\"":
-            quote = char
-        elif char in _SHELL_OPERATORS:
-            return char
-    return ""
-
-
-def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
-    """`NAME=value` lines (the form) or a mapping (the API) → checked extra variables."""
-    if not env:
-        return {}
-    if isinstance(env, str):
-        pairs: dict[str, str] = {}
-        for number, line in enumerate(env.splitlines(), 1):
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            name, sep, value = line.partition("=")
-            if not sep:
-                raise Invalid(f"Environment line {number}: write NAME=value.", field="env")
-            pairs[name.strip()] = value
-        env = pairs
-    if not isinstance(env, Mapping):
-        raise Invalid(
-            'Environment: give an object of names to values, e.g. {"WANDB_MODE": "offline"}.', field="env"
-        )
-    if len(env) > MAX_ENV_VARS:
-        raise Invalid(f"{len(env)} environment variables; keep it to {MAX_ENV_VARS}.", field="env")
-    checked: dict[str, str] = {}
-    for name, value in env.items():
-        if not isinstance(name, str) or not ENV_NAME.match(name):
-            raise Invalid(
-                f"Environment: {name!r} is not a variable name; use letters, digits and '_', "
-                "not starting with a digit.",
-                field="env",
-            )
-        if name in RESERVED_ENV or name.startswith(RESERVED_PREFIXES):
-            raise Invalid(
-                f"Environment: {name} is set by the portal from your booking and cannot be overridden; "
-                "remove it (choose cards by booking them, memory and threads in the TensorFlow settings).",
-                field="env",
-            )
-        if not isinstance(value, str | int | float) or isinstance(value, bool):
-            raise Invalid(f"Environment: the value of {name} must be text.", field="env")
-        value = str(value)
-        if "\x00" in value:
-            raise Invalid(f"Environment: the value of {name} holds a NUL character; remove it.", field="env")
-        if len(value) > MAX_ENV_VALUE:
-            raise Invalid(f"Environment: {name} is longer than {MAX_ENV_VALUE} characters.", field="env")
-        checked[name] = value
-    return checked
-
-
-# --- services -------------------------------------------------------------------------
-
-
-@transaction.atomic
-def job_submit(
-    *,
-    user: AbstractBaseUser,
-    reservation: Reservation | int | None = None,
-    script: ScriptUpload | None = None,
-    script_path: str = "",
-    args: str | Sequence[str] | None = None,
-    workdir: str = "",
-    interpreter: str = "default",
-    env: str | Mapping[str, Any] | None = None,
-    time_limit_minutes: int | None = None,
-    memory_mode: str | None = None,
-    intra_op_threads: int | None = None,
-    inter_op_threads: int | None = None,
-    soft_placement: bool = True,
-    log_placement: bool = False,
-    mirrored: bool = False,
-    gpu_count: int | None = None,
-    memory_mb: int | None = None,
-    server: str | None = None,
-    array: str = "",
-    nice: int = 0,
-    begin_at: datetime | None = None,
-    team: str | None = None,
-    now: datetime | None = None,
-) -> Job:
-    """Run a job on a booking's server and cards (it starts when the booking does), or, without a
-    booking, queue it for `gpu_count` cards (`memory_mb` each, or whole) for its time limit: the
-    scheduler starts it when cards are free (jobs/scheduler.py). An `array` ("0-99%8") queues
-    one job per index; the first is returned.
-
-    One path of named steps for both kinds: where it runs, what it runs, how TensorFlow is set
-    up, then the save. Raises a ServiceError (field and fix in the message) and writes nothing on
-    bad input: every step before the save only reads.
-    """
-    now = now or timezone.now()
-    if reservation is None and gpu_count is not None:
-        request = QueueRequest.check(
-            user=user,
-            gpu_count=gpu_count,
-            memory_mb=memory_mb,
-            server=server,
-            time_limit_minutes=time_limit_minutes,
-            array=array,
-            nice=nice,
-            begin_at=begin_at,
-            team=team,
-            now=now,
-        )
-        place = _Place(request.job_fields(), request.gpu_count, request.memory_mb, None, request)
-    else:
-        place = _place_on_booking(user, reservation, gpu_count, array, time_limit_minutes, now)
-    fields = {
-        "owner": user,
-        "created_at": now,
-        **place.fields,
-        **_check_program(script, script_path, args, workdir, interpreter, env),
-        **_check_tensorflow(place, memory_mode, mirrored, (intra_op_threads, inter_op_threads)),
-        "soft_placement": soft_placement,
-        "log_placement": log_placement,
-    }
-    if place.request is not None:
-        return _save_queued(user, place.request, fields, now)
-    job = Job(**fields)
-    _save_alone_on_booking(job)
-    if job.not_before <= now:
-        dispatch(job, now)
-    return job
-
-
-@dataclass(frozen=True)
-class _Place:
-    """Where a job runs: on a booking's cards, known now, or in the queue, for cards found later."""
-
-    fields: dict[str, Any]  # the Job fields that say where
-    cards: int
-    shared_mb: int | None  # memory per card; None: whole cards
-    cpu_share: int | None  # None: known when the scheduler books its cards
-    request: QueueRequest | None = None  # a queued job's checked request
-
-
-def _place_on_booking(
-    user: AbstractBaseUser,
-    reservation: Reservation | int | None,
-    gpu_count: int | None,
-    array: str,
-    time_limit_minutes: int | None,
-    now: datetime,
-) -> _Place:
-    if gpu_count is not None or array:
-        raise Invalid(
-            "A job runs either on a booking or in the queue: give a booking, or cards (gpu_count) "
-            "without one.",
-            field="gpu_count" if gpu_count is not None else "array",
-        )
-    booking, allocations = _check_booking(user, reservation, now)
-    _check_time_limit(time_limit_minutes, booking, now)
-    server = allocations[0].gpu.server
-    fields = {
-        "reservation": booking,
-        "team": booking.team,
-        "server": server,
-        "gpu_uuids": [a.gpu_id for a in allocations],
-        "time_limit_minutes": time_limit_minutes,
-        "not_before": booking.start,
-    }
-    return _Place(fields, len(allocations), allocations[0].memory_mb, cpu_share(server, allocations))
-
-
-def _check_program(
-    script: ScriptUpload | None,
-    script_path: str,
-    args: str | Sequence[str] | None,
-    workdir: str,
-    interpreter: str,
-    env: str | Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    """What the job runs: its script, arguments, folder, Python and extra environment."""
-    name, path_text, source = _check_script(script, script_path)
-    return {
-        "name": name[:200],
-        "script_path": path_text,
-        "script_source": source,
-        "args": parse_args(args),
-        "workdir": _check_workdir(workdir),
-        "interpreter": _check_interpreter(interpreter),
-        "env": parse_env(env),
-    }
-
-
-def _check_tensorflow(
-    place: _Place, memory_mode: str | None, mirrored: bool, threads: tuple[int | None, int | None]
-) -> dict[str, Any]:
-    """TensorFlow's memory mode, MirroredStrategy and thread counts for where the job runs."""
-    mode = _check_memory_mode(memory_mode, place.shared_mb)
-    _check_mirrored(mirrored, place.cards, queued=place.request is not None)
-    intra, inter = _check_threads(*threads, place.cpu_share)
-    return {
-        "memory_mode": mode,
-        "mirrored": mirrored,
-        "intra_op_threads": intra,
-        "inter_op_threads": inter,
-    }
-
-
-def _save_queued(user: AbstractBaseUser, request: QueueRequest, fields: dict[str, Any], now: datetime) -> Job:
-    """A queued job, or an array of them, PENDING until the scheduler books its cards."""
-    if request.indices is None:
-        job = Job.objects.create(**fields)
-    else:
-        array = JobArray.objects.create(
-            owner=user,
-            spec=request.array_spec,
-            size=len(request.indices),
-            max_running=request.max_running,
-            created_at=now,
-        )
-        tasks = Job.objects.bulk_create(Job(**fields, array=array, array_index=i) for i in request.indices)
-        job = tasks[0] if tasks[0].pk else Job.objects.filter(array=array).order_by("pk").first()
-    wake_on_commit("queue")
-    return job
-
-
-# --- job_submit's steps: each checks one part of the request and writes nothing ------------
-
-
-def _check_booking(
-    user: AbstractBaseUser, reservation: Reservation | int | None, now: datetime
-) -> tuple[Reservation, list[Allocation]]:
-    """The user's own active or upcoming booking, and its cards in index order, on a server
-    that takes new jobs."""
-    if reservation is None:
-        raise Invalid(
-            "Choose the booking the job runs on, or ask for cards (gpu_count) to queue it.",
-            field="reservation",
-        )
-    pk = reservation if isinstance(reservation, int) else reservation.pk
-    booking = Reservation.objects.visible_to(user).select_related("team").filter(pk=pk).first()
-    if booking is None:
-        raise Invalid(
-            f"There is no booking {pk} of yours; choose one from your reservations.", field="reservation"
-        )
-    if booking.owner_id != user.pk:
-        raise Forbidden("Jobs run on your own bookings only; this one is someone else's.")
-    status = booking.status_at(now)
-    if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
-        raise Invalid(
-            f"Booking {booking.pk} is {status.label.lower()}; run jobs on an active or upcoming booking.",
-            field="reservation",
-        )
-    allocations = list(booking.allocations.select_related("gpu__server").order_by("gpu__index"))
-    if not allocations:
-        raise Invalid(f"Booking {booking.pk} holds no cards.", field="reservation")
-    server = allocations[0].gpu.server
-    if server.draining:
-        raise Invalid(
-            f"{server.name} is draining: no new jobs go there. Book another server.", field="reservation"
-        )
-    return booking, allocations
-
-
-def _check_script(script: ScriptUpload | None, script_path: str) -> tuple[str, str, str]:
-    """(name, path, source): an upload's name and source, or a .py path under the job roots."""
-    if bool(script) == bool(script_path and script_path.strip()):
-        raise Invalid("Upload a .py script or give the path of one on the server, not both.", field="script")
-    if script:
-        # Its own name, without folders a client sent: the worker writes it in the job's folder.
-        name = script.name.rsplit("/", 1)[-1]
-        paths.checked_file_name(name, field="script", what="script's file name")
-        return name, "", _check_upload(script)
-    path = paths.checked_path(script_path, field="script_path", what="script path")
-    if path.suffix != ".py":
-        raise Invalid(
-            f"{path.name!r} is not a Python script; give the path of a .py file.", field="script_path"
-        )
-    return path.name, str(path), ""
-
-
-def _check_upload(upload: ScriptUpload) -> str:
-    """The uploaded script's source: a .py name, within JOB_UPLOAD_MAX_KB, UTF-8 text."""
-    limit = settings.JOB_UPLOAD_MAX_KB * 1024
-    if not upload.name.endswith(".py"):
-        raise Invalid(f"{upload.name!r} is not a Python script; upload a .py file.", field="script")
-    size = max(upload.size or 0, len(upload.content))
-    if size > limit:
-        raise Invalid(
-            f"The script is {size / 1024:,.0f} KB; the limit is {settings.JOB_UPLOAD_MAX_KB} KB. "
-            "Put large code under a job folder and give its path instead.",
-            field="script",
-        )
-    try:
-        source = upload.content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise Invalid("The script is not UTF-8 text; upload a .py source file.", field="script") from None
-    if "\x00" in source:
-        raise Invalid("The script holds NUL bytes; upload a .py source file.", field="script")
-    return source
-
-
-def _check_workdir(workdir: str) -> str:
-    """A folder under the job roots, or '' for the job's own folder."""
-    if not workdir.strip():
-        return ""
-    return str(paths.checked_path(workdir, field="workdir", what="working directory"))
-
-
-def _check_interpreter(name: str) -> str:
-    """One of JOB_INTERPRETERS' names; empty means "default"."""
-    name = (name or "default").strip()
-    if name not in settings.JOB_INTERPRETERS:
-        raise Invalid(
-            f"Unknown Python environment {name!r}; choose one of {', '.join(settings.JOB_INTERPRETERS)}.",
-            field="interpreter",
-        )
-    return name
-
-
-def _check_time_limit(minutes: int | None, booking: Reservation, now: datetime) -> None:
-    """None (until the booking ends), or at least a minute and no longer than the booking has left
-    from the job's start."""
-    if minutes is None:
-        return
-    if minutes < 1:
-        raise Invalid(
-            "The time limit must be at least 1 minute; leave it empty to run until the booking ends.",
-            field="time_limit_minutes",
-        )
-    longest = int((booking.end - max(now, booking.start)).total_seconds() // 60)
-    if minutes > longest:
-        raise Invalid(
-            f"The booking ends at {format_time(booking.end)}: the time limit can be at most "
-            f"{longest} minutes. Extend the booking first for a longer run.",
-            field="time_limit_minutes",
-        )
-
-
-def _check_memory_mode(memory_mode: str | None, shared_mb: int | None) -> str:
-    """The TF memory mode, defaulting by booking: "limit" on a shared card, "all" on whole cards.
-    "all" needs whole cards; a limit needs more memory than the CUDA context's headroom."""
-    mode = memory_mode or (Job.MemoryMode.LIMIT if shared_mb else Job.MemoryMode.ALL)
-    if mode not in Job.MemoryMode.values:
-        raise Invalid(f"Memory mode must be one of {', '.join(Job.MemoryMode.values)}.", field="memory_mode")
-    if mode == Job.MemoryMode.ALL and shared_mb:
-        raise Invalid(
-            "'TF default: take all' is for whole-card bookings; this booking shares the card "
-            f"({format_mb(shared_mb)}). Choose 'limit to my booking' or 'grow as needed'.",
-            field="memory_mode",
-        )
-    limited = mode in (Job.MemoryMode.LIMIT, Job.MemoryMode.LIMIT_GROW)
-    if limited and shared_mb and shared_mb <= settings.GPU_CONTEXT_HEADROOM_MB:
-        raise Invalid(
-            f"{format_mb(shared_mb)} leaves nothing for TensorFlow after the "
-            f"{settings.GPU_CONTEXT_HEADROOM_MB} MiB CUDA context headroom; book more memory or choose "
-            "'grow as needed'.",
-            field="memory_mode",
-        )
-    return mode
-
-
-def _check_mirrored(mirrored: bool, cards: int, *, queued: bool) -> None:
-    if mirrored and cards < 2:
-        fix = "two or more cards; ask for more, or" if queued else "a booking of two or more cards;"
-        raise Invalid(f"MirroredStrategy needs {fix} untick it.", field="mirrored")
-
-
-def _check_threads(intra: int | None, inter: int | None, share: int | None) -> tuple[int | None, int | None]:
-    """(intra-op, inter-op) threads: each as asked, 1 to MAX_THREADS, or the default for the
-    booking's CPU `share` (None for a queued job: its default waits for its booking's share)."""
-    intra, inter = _check_thread_counts(intra, inter)
-    if share is None:
-        return intra, inter
-    intra_default, inter_default = default_threads(share)
-    return intra or intra_default, inter or inter_default
-
-
-def _check_thread_counts(intra: int | None, inter: int | None) -> tuple[int | None, int | None]:
-    """Each thread count as asked, 1 to MAX_THREADS, or None for the default."""
-    for value, field in ((intra, "intra_op_threads"), (inter, "inter_op_threads")):
-        if value is not None and not 1 <= value <= MAX_THREADS:
-            raise Invalid(
-                f"Threads must be between 1 and {MAX_THREADS}; leave empty for the default.", field=field
-            )
-    return intra, inter
 
 
 def cpu_share(server: Server, allocations: Sequence[Allocation]) -> int:
     """This booking's share of the host's CPUs: its fraction of the server's cards (memory
     quotas count their fraction of the card)."""
     cards = server.gpus.count() or 1
-    fraction = sum(
-        1.0 if a.memory_mb is None else min(1.0, a.memory_mb / max(1, a.gpu.memory_bookable_mb))
-        for a in allocations
-    )
+    fraction = sum(GPU.card_share(a.memory_mb, a.gpu.memory_bookable_mb) for a in allocations)
     return max(1, int(server.cpu_count * fraction / cards)) if server.cpu_count else 1
 
 
 def default_threads(share: int) -> tuple[int, int]:
     """Intra-op threads = the CPU share; inter-op a couple, for independent ops."""
     return share, (2 if share >= 4 else 1)
-
-
-def _save_alone_on_booking(job: Job) -> None:
-    """Save the job unless another is active on its booking: one job runs on a booking at a time
-    (a database constraint settles two submits racing past the check)."""
-    running = Job.objects.filter(reservation=job.reservation, status__in=Job.ACTIVE).first()
-    if running:
-        raise Conflict(
-            f"Job {running.pk} ({running.name}) is still {running.get_status_display().lower()} on booking "
-            f"{job.reservation.pk}; one job runs on a booking at a time. Wait for it or cancel it.",
-        )
-    try:
-        with transaction.atomic():
-            job.save()
-    except IntegrityError:  # a concurrent submit on the same booking won the race
-        raise Conflict(
-            f"Another job was just submitted on booking {job.reservation.pk}; one job runs on a booking "
-            "at a time."
-        ) from None
 
 
 def dispatch(job: Job, now: datetime) -> bool:
@@ -587,7 +106,7 @@ def job_cancel(
 
 def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
     pk = job.pk
-    if job.owner_id != user.pk and not can_manage_team(user, job.team_id):
+    if not can_manage(user, job):
         raise Forbidden("Only the job's owner, leaders of its team and admins can cancel it.")
     if job.is_finished:
         raise Invalid(

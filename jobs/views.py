@@ -1,8 +1,8 @@
 """Job pages: the form, "My jobs", history, one job with its live log, and cancel; the right-sizing
 hint partial and the leaders' right-sizing report (jobs/rightsizing.py).
 
-Every rule is in jobs/services.py; these views only translate its errors into form errors
-or messages. POST → redirect → GET throughout. Who sees a job: jobs.selectors
+Every rule is in jobs/submit.py and jobs/services.py; these views only translate their errors into
+form errors or messages. POST → redirect → GET throughout. Who sees a job: jobs.selectors
 (owner, leaders of its team, admins; 404 for everyone else).
 """
 
@@ -34,8 +34,9 @@ from jobs.models import Job
 from jobs.rightsizing import REPORT_PERIODS, oversized_report, report_days, size_hint_for
 from jobs.scheduler import queue_plan
 from jobs.selectors import get_job_for_user, jobs_visible_to, queue_rows
-from jobs.services import ScriptUpload, job_cancel, job_submit
-from portal.access import can_manage_team, team_for_user
+from jobs.services import job_cancel
+from jobs.submit import ScriptUpload, job_submit
+from portal.access import can_manage, team_for_user
 from portal.errors import Forbidden, Invalid, ServiceError
 from portal.filters import filter_list
 from portal.http import redirect_back
@@ -155,9 +156,7 @@ def _status_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         entry = next((e for e in queue_plan() if e.request.job_id == job.pk), None)
         if entry is not None:
             entry.reason_label = Job.Reason(entry.reason).label if entry.reason else "starting now"
-    may_cancel = job.is_active and (
-        job.owner_id == request.user.pk or can_manage_team(request.user, job.team_id)
-    )
+    may_cancel = job.is_active and can_manage(request.user, job)
     peak = format_mb(job.peak_memory_mb) if job.peak_memory_mb is not None else ""
     env_applied = sorted(job.env_applied.items())
     return {

@@ -47,16 +47,19 @@ from datetime import datetime
 from enum import StrEnum
 
 from gpus.inventory import GPUInfo, ProcessInfo
+from gpus.models import Violation
 
 
 class Kind(StrEnum):
+    """A verdict: OK, or one of the watchdog's kinds (gpus' Violation.Kind, the one list)."""
+
     OK = "ok"
-    ESCAPED = "escaped"
-    OVER_MEMORY = "over_memory"
-    INTRUDER = "intruder"
-    OWNER_OUTSIDE_JOB = "owner_outside_job"
-    UNBOOKED = "unbooked"
-    ZOMBIE = "zombie"
+    ESCAPED = Violation.Kind.ESCAPED.value
+    OVER_MEMORY = Violation.Kind.OVER_MEMORY.value
+    INTRUDER = Violation.Kind.INTRUDER.value
+    OWNER_OUTSIDE_JOB = Violation.Kind.OWNER_OUTSIDE_JOB.value
+    UNBOOKED = Violation.Kind.UNBOOKED.value
+    ZOMBIE = Violation.Kind.ZOMBIE.value
 
 
 @dataclass(frozen=True)

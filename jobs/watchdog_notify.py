@@ -83,7 +83,7 @@ def _people(violation: Violation, event: str) -> list[tuple[object, str]]:
 def _card_owners_now(violation: Violation) -> list[object]:
     """Owners of the bookings active on the card now, other than the job's own booking."""
     now = timezone.now()
-    allocations = Allocation.objects.filter(gpu_id=violation.gpu_id, live=True, start__lte=now, end__gt=now)
+    allocations = Allocation.objects.live_at(now).filter(gpu_id=violation.gpu_id)
     if violation.job_id is not None and violation.reservation_id is not None:
         allocations = allocations.exclude(reservation_id=violation.reservation_id)
     owners = allocations.values_list("reservation__owner_id", flat=True)

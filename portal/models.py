@@ -154,6 +154,19 @@ class AuditEntry(models.Model):
         return f"{self.at:%Y-%m-%d %H:%M} {self.actor}: {self.message}"
 
 
+class WatchdogKind(models.TextChoices):
+    """What the GPU watchdog finds on a card, one label each (docs/watchdog.md). The one list:
+    gpus' Violation.Kind is this, jobs.watchdog's verdicts and Notification.Kind take their values
+    and labels from it. Here, in the lowest app, because notifications name them too."""
+
+    ESCAPED = "escaped", "Escaped: a job's process on a card its booking does not hold"
+    OVER_MEMORY = "over_memory", "Over memory: a job above its booked memory on a shared card"
+    INTRUDER = "intruder", "Intruder: a process the portal did not start, on someone else's booking"
+    OWNER_OUTSIDE_JOB = "owner_outside_job", "Owner outside a job: the booking's owner, not in a job"
+    UNBOOKED = "unbooked", "Unbooked: a process the portal did not start, on a card nobody booked"
+    ZOMBIE = "zombie", "Zombie: a process of a job that has ended, still holding memory"
+
+
 class Notification(models.Model):
     """One message to one person, always in their inbox (/notifications/); a copy goes by mail
     when they want its kind by mail (MailPreference) and no mail with the same `key` went to
@@ -161,18 +174,16 @@ class Notification(models.Model):
     fields change afterwards. docs/notifications.md says what is sent to whom."""
 
     class Kind(models.TextChoices):
-        """Every kind, in one place: the watchdog's findings on a card, then what happened to a
-        booking or a job. A new kind is mailed by default unless listed in MAIL_OFF_BY_DEFAULT."""
+        """Every kind, in one place: the watchdog's findings on a card (WatchdogKind's, with its
+        labels), then what happened to a booking or a job. A new kind is mailed by default unless
+        listed in MAIL_OFF_BY_DEFAULT."""
 
-        INTRUDER = "intruder", "Intruder: another user's process on a booked card"
-        OVER_MEMORY = "over_memory", "Over memory: a process uses more GPU memory than its booking"
-        ESCAPED = "escaped", "Escaped: a job's process on a card outside its booking"
-        ZOMBIE = "zombie", "Zombie: a process still holds a card after its job or booking ended"
-        UNBOOKED = "unbooked", "Unbooked: a process on a card nobody booked"
-        OWNER_OUTSIDE_JOB = (
-            "owner_outside_job",
-            "Outside a job: a booking's owner runs a process outside a job",
-        )
+        INTRUDER = WatchdogKind.INTRUDER.value, WatchdogKind.INTRUDER.label
+        OVER_MEMORY = WatchdogKind.OVER_MEMORY.value, WatchdogKind.OVER_MEMORY.label
+        ESCAPED = WatchdogKind.ESCAPED.value, WatchdogKind.ESCAPED.label
+        ZOMBIE = WatchdogKind.ZOMBIE.value, WatchdogKind.ZOMBIE.label
+        UNBOOKED = WatchdogKind.UNBOOKED.value, WatchdogKind.UNBOOKED.label
+        OWNER_OUTSIDE_JOB = WatchdogKind.OWNER_OUTSIDE_JOB.value, WatchdogKind.OWNER_OUTSIDE_JOB.label
         IDLE_BOOKING = "idle_booking", "Idle booking: a booked card is not used"
         BOOKING_RELEASED = "booking_released", "Booking released: a booking was ended early for you"
         JOB_STOPPED = "job_stopped", "Job stopped: a job was stopped for you"

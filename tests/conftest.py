@@ -4,7 +4,6 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -130,19 +129,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_for(
-    predicate: Callable[[], object], timeout: float = 30, interval: float = 0.2, what: str = ""
-) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
 
 
 @pytest.fixture

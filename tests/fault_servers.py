@@ -38,7 +38,8 @@ from psycopg import sql
 from jobs.models import Job
 from portal.processes import die_with_parent
 from portal.workers import worker_argv
-from tests.conftest import OUTPUT, ROOT, free_port, wait_for
+from tests.conftest import OUTPUT, ROOT, free_port
+from tests.waiting import wait_for
 
 PG_VERSIONS = Path("/usr/lib/postgresql")  # Debian's and Ubuntu's <version>/bin
 PG_ACCOUNT = "postgres"

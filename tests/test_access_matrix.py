@@ -44,7 +44,7 @@ from gpus.forms import local_input
 from gpus.models import GPU, Reservation, Violation
 from gpus.services import server_report_ingest
 from jobs.models import Job
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from portal.models import ApiToken, Membership, Notification, Team
 from portal.notifications import notification_send
 from portal.services import api_token_create

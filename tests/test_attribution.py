@@ -27,11 +27,11 @@ from gpus.procinfo import describe_process, session_of
 from gpus.sanitize import checked_snapshot
 from gpus.services import servers_report_ingest
 from gpus.simulated import SimulatedBackend, load_inventory
+from jobs.host_worker import kill_orphans
 from jobs.models import Job
-from jobs.signals import kill_orphans
 from jobs.watchdog_host import HostWatchdog
-from tests.conftest import wait_for
 from tests.factories import make_snapshot
+from tests.waiting import wait_for
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -128,7 +128,7 @@ def test_a_job_process_is_attributed_by_session_on_the_simulated_host(procs, ali
     """The same path as NVML: the session the worker recorded names the job, whatever the
     process's environment claims."""
     from gpus.booking import reservation_create
-    from jobs.services import ScriptUpload, job_submit
+    from jobs.submit import ScriptUpload, job_submit
 
     server, card = _simulated_server()
     servers_report_ingest(snapshots=[SimulatedBackend(server, seed=1).snapshot()])
@@ -280,7 +280,7 @@ def _orphaned_session() -> tuple[int, int]:
 def lost_job(alice, box, sent):
     """mark(pid, started_ago=, lost_ago=): the job this host's previous worker was running."""
     from gpus.booking import reservation_create
-    from jobs.services import ScriptUpload, job_submit
+    from jobs.submit import ScriptUpload, job_submit
 
     booking = reservation_create(user=alice, gpus=[box[0].uuid])
     job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))

@@ -34,12 +34,13 @@ from gpus.services import server_report_ingest
 from gpus.simulated import server_names
 from jobs.logs import log_append
 from jobs.models import Job
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from portal.models import ApiToken
 from portal.services import api_token_create
-from tests.conftest import Clock, free_port, wait_for
+from tests.conftest import Clock, free_port
 from tests.factories import make_snapshot
 from tests.test_outage import DatabaseDown
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

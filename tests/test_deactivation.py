@@ -23,7 +23,8 @@ from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import Supervisor, job_claim, job_run
 from jobs.scheduler import forget_usage, queue_plan, schedule_pass
-from jobs.services import ScriptUpload, dispatch, job_submit, jobs_reconcile
+from jobs.services import dispatch, jobs_reconcile
+from jobs.submit import ScriptUpload, job_submit
 from portal.models import AuditEntry, Notification
 
 User = get_user_model()

@@ -15,7 +15,7 @@ from jobs.logs import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.paths import roots
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Invalid
 from tests.factories import job_form_data
 

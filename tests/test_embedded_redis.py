@@ -18,7 +18,8 @@ import psutil
 import pytest
 import redis
 
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT
+from tests.waiting import wait_for
 
 # The command: says it is up, and, asked to stop, uses its Redis once more before it ends.
 COMMAND = """

@@ -31,7 +31,6 @@ from gpus.booking import Held, blockers
 from gpus.models import Allocation, Reservation
 from jobs.models import Job
 from portal.env import parse_database_url
-from tests.conftest import wait_for
 from tests.fault_servers import (
     FINISHED,
     HOLD,
@@ -46,6 +45,7 @@ from tests.fault_servers import (
     lines_script,
     unavailable,
 )
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.worker]
 

@@ -17,7 +17,7 @@ from gpus.models import Reservation
 from gpus.quotas import quota_member_set
 from gpus.services import server_report_ingest
 from jobs.models import Job
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from portal.filters import DayFilter
 from portal.models import AuditEntry, Membership
 from tests.factories import MembershipFactory, TeamFactory, make_snapshot

@@ -7,9 +7,9 @@ import pwd
 
 import pytest
 
+from jobs.host_worker import _job_uid
 from jobs.models import Job
 from jobs.runner import JobSetupError, _job_account
-from jobs.signals import _job_uid
 from portal.admin import ProfileForm
 from portal.models import Profile
 from tests.factories import UserFactory

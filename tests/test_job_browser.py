@@ -11,7 +11,7 @@ from gpus.models import GPU
 from gpus.simulated import server_names
 from jobs.models import Job
 from tests.browser import log_in, page  # noqa: F401 - the fixture
-from tests.conftest import wait_for
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"

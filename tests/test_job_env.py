@@ -23,7 +23,7 @@ from jobs.environment import (
 )
 from jobs.models import Job
 from jobs.runner import JobSetupError, launch_for
-from jobs.services import ScriptUpload, job_submit, parse_env
+from jobs.submit import ScriptUpload, job_submit, parse_env
 from portal.errors import Invalid
 
 Mode = Job.MemoryMode

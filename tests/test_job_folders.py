@@ -25,7 +25,7 @@ from jobs.folders import JobFolderError, job_folder_make
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from portal.processes import WORKDIR_EXIT_CODE
 
 pytestmark = pytest.mark.django_db

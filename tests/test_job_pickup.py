@@ -15,9 +15,9 @@ from gpus.simulated import server_names
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.pickup import HostPickup, stranded_jobs
-from jobs.services import ScriptUpload, job_submit
-from tests.conftest import wait_for
+from jobs.submit import ScriptUpload, job_submit
 from tests.factories import make_snapshot
+from tests.waiting import wait_for
 
 
 def _submit(alice, uuid: str, source: bytes = b"print('ran')\n") -> Job:

@@ -17,15 +17,14 @@ from gpus.models import GPUProcess, Reservation
 from gpus.services import server_report_ingest
 from jobs.logs import LogWriter, log_append, log_end, log_stream
 from jobs.models import Job, LogChunk
-from jobs.services import (
+from jobs.services import job_cancel, jobs_reconcile
+from jobs.submit import (
     ScriptUpload,
     _check_memory_mode,
     _check_script,
     _check_threads,
     _check_time_limit,
-    job_cancel,
     job_submit,
-    jobs_reconcile,
     parse_args,
 )
 from portal.errors import Conflict, Forbidden, Invalid

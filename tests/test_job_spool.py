@@ -21,9 +21,9 @@ from jobs.logs import LogWriter, log_stream
 from jobs.models import Job
 from jobs.replay import spool_replay
 from jobs.runner import job_run
-from jobs.services import ScriptUpload, job_submit
 from jobs.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
-from tests.conftest import wait_for
+from jobs.submit import ScriptUpload, job_submit
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db
 

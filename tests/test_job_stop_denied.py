@@ -16,7 +16,7 @@ from jobs import runner
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from portal import pids
 
 pytestmark = pytest.mark.django_db

@@ -12,7 +12,7 @@ from gpus.models import GPUProcess, Server
 from gpus.services import server_report_ingest
 from jobs import signals
 from jobs.models import Job
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from tests.factories import make_snapshot
 
 

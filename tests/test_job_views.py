@@ -15,7 +15,7 @@ from gpus.models import GPUProcess
 from gpus.services import server_report_ingest
 from jobs.logs import LogWriter
 from jobs.models import Job
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from portal.timefmt import format_duration
 from tests.factories import job_form_data, make_snapshot
 

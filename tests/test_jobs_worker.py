@@ -25,8 +25,9 @@ from jobs.models import Job
 from jobs.runner import LAUNCHER, job_run
 from jobs.tasks import run_job
 from portal.models import Profile
-from tests.conftest import OUTPUT, wait_for
+from tests.conftest import OUTPUT
 from tests.factories import make_snapshot
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 EXAMPLE = Path(__file__).resolve().parent.parent / "jobs" / "examples" / "keras_example.py"

@@ -13,8 +13,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 RANK = {"portal": 0, "gpus": 1, "jobs": 2}
 MAY_NOT_IMPORT = {"portal": {"gpus", "jobs"}, "gpus": {"jobs"}}
@@ -279,11 +277,12 @@ def test_the_template_check_sees_includes_extends_and_tag_libraries():
 # --- (c) migrations: a lower app's never depends on a higher app's ------------------------------
 
 
-def migration_dependencies(path: Path) -> list[tuple[str, str]]:
-    """The (app, migration) pairs in a migration's `dependencies` (swappable ones left out)."""
+def migration_dependencies(path: Path, name: str = "dependencies") -> list[tuple[str, str]]:
+    """The (app, migration) pairs in a migration's `dependencies` (swappable ones left out), or in
+    its `replaces` (a squashed migration's)."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "dependencies" for t in node.targets
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
         ):
             return [
                 (item.elts[0].value, item.elts[1].value)
@@ -293,31 +292,39 @@ def migration_dependencies(path: Path) -> list[tuple[str, str]]:
     return []
 
 
-def upward_migration_dependencies() -> list[str]:
+def replaced_migrations() -> set[tuple[str, str]]:
+    """The migrations a squashed one replaces: kept one release for databases that applied some
+    of them, then deleted (docs/development.md, "Migrations")."""
+    return {
+        replaced
+        for app in RANK
+        for path in (ROOT / app / "migrations").glob("0*.py")
+        for replaced in migration_dependencies(path, "replaces")
+    }
+
+
+def upward_migration_dependencies(*, replaced_too: bool = False) -> list[str]:
+    replaced = set() if replaced_too else replaced_migrations()
     wrong = []
     for app in RANK:
         for path in sorted((ROOT / app / "migrations").glob("0*.py")):
+            if (app, path.stem) in replaced:
+                continue
             for other, migration in migration_dependencies(path):
                 if RANK.get(other, -1) > RANK[app]:
                     wrong.append(f"{app}/migrations/{path.name} depends on {other}.{migration}")
     return wrong
 
 
-# gpus 0003 once gave GPUProcess a foreign key to jobs.Job (no database constraint), which gpus
-# 0004 replaced by a plain job id; its dependency on jobs 0001 (which depends on gpus 0002) stays
-# in the history that every database has applied. The safe way out is a squash of gpus
-# 0003-0004 with `replaces` and without the jobs dependency, and the originals deleted one
-# release later (docs/development.md, "Migrations"): never an edit of applied migrations.
-KNOWN_UPWARD_MIGRATIONS = ["gpus/migrations/0003_gpuprocess_job.py depends on jobs.0001_initial"]
-
-
-def test_no_new_migration_depends_on_a_higher_app():
-    assert [m for m in upward_migration_dependencies() if m not in KNOWN_UPWARD_MIGRATIONS] == []
-
-
-@pytest.mark.xfail(
-    reason="gpus 0003 depends on jobs 0001 (an applied migration): fixed by a squash, not an edit",
-    strict=True,
-)
 def test_no_migration_of_a_lower_app_depends_on_a_higher_app():
+    """Replaced migrations aside: gpus 0003 once depended on jobs 0001 (which depends on gpus
+    0002); the squash of gpus 0003-0004 that replaces it does not, and is what a new database runs."""
     assert upward_migration_dependencies() == []
+
+
+def test_only_a_replaced_migration_depends_on_a_higher_app():
+    """The old exception stays in the history until the originals are deleted, and no other."""
+    assert upward_migration_dependencies(replaced_too=True) == [
+        "gpus/migrations/0003_gpuprocess_job.py depends on jobs.0001_initial"
+    ]
+    assert replaced_migrations() == {("gpus", "0003_gpuprocess_job"), ("gpus", "0004_gpuprocess_job_id")}

@@ -24,11 +24,12 @@ from jobs import metrics
 from jobs.logs import LOG_FLUSH_SECONDS, log_stream
 from jobs.metrics import MAX_METRICS, PREFIX, MetricsRecorder, parse_record
 from jobs.models import Job, JobMetric
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from tests.browser import log_in, page  # noqa: F401 - the fixture
-from tests.conftest import OUTPUT, Clock, wait_for
+from tests.conftest import OUTPUT, Clock
 from tests.factories import make_snapshot
 from tests.test_launcher import BOOKING, EXAMPLES, launch, launcher, write
+from tests.waiting import wait_for
 
 # --------------------------------------------------------------------------------------------------------
 # The launcher's callback, in the job's own interpreter

@@ -24,8 +24,9 @@ from portal.notifications import (
     notification_send,
     notifications_mark_read,
 )
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port
 from tests.factories import UserFactory
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db
 

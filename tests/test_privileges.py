@@ -23,7 +23,7 @@ from gpus.booking import reservation_create
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from portal import processes
 from portal.processes import PRIVILEGES_EXIT_CODE, start_job_process
 

@@ -10,7 +10,7 @@ import pytest
 from django.urls import reverse
 from rest_framework.test import APIClient
 
-from gpus import selectors
+from gpus import hooks
 from gpus.models import GPUProcess
 from gpus.selectors import program_name
 from jobs.models import Job
@@ -91,8 +91,8 @@ def test_a_job_process_is_the_jobs_owners_whatever_account_runs_it(bob, box, pro
 
 def test_the_jobs_app_answers_whose_jobs_they_are(alice, bob, team):
     job = Job.objects.create(owner=alice, team=team, name="train.py")
-    assert set(selectors._own_jobs(alice, [job.pk])) == {job.pk}
-    assert not set(selectors._own_jobs(bob, [job.pk]))
+    assert set(hooks.own_jobs(alice, [job.pk])) == {job.pk}
+    assert not set(hooks.own_jobs(bob, [job.pk]))
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ import sys
 import psutil
 
 from portal.processes import ORPHANED_EXIT_CODE, die_with_parent
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT
+from tests.waiting import wait_for
 
 # The parent in between: it starts `sleep` as the supervisor or the job runner would, says the
 # sleeper's pid, and waits to be killed.

@@ -13,7 +13,8 @@ from gpus.models import Reservation, Server
 from jobs.models import Job
 from jobs.queue import Calendar, Card, Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
 from jobs.scheduler import forget_usage, queue_plan, queued_job_ended, schedule_pass
-from jobs.services import ScriptUpload, job_cancel, job_submit
+from jobs.services import job_cancel
+from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Invalid
 from portal.models import Membership
 from tests.factories import MembershipFactory, TeamFactory, UserFactory

@@ -11,15 +11,16 @@ import pytest
 from celery import current_app
 from django.utils import timezone
 
-from gpus.booking import reservation_create
+from gpus.booking import reservation_create, reservation_release
 from gpus.models import Server
 from gpus.services import server_report_ingest
 from jobs.leavers import left_team
 from jobs.models import Job
 from jobs.pickup import slots_report
 from jobs.scheduler import forget_usage, queue_plan, schedule_pass
-from jobs.services import RUN_JOB, ScriptUpload, dispatch, job_submit, jobs_reconcile
-from portal.errors import Invalid
+from jobs.services import RUN_JOB, dispatch, jobs_reconcile
+from jobs.submit import ScriptUpload, job_submit
+from portal.errors import Conflict, Invalid
 from portal.models import AuditEntry, Membership, Notification
 from tests.factories import MembershipFactory, TeamFactory, make_snapshot
 
@@ -255,23 +256,125 @@ def test_a_broker_outage_is_one_log_line_not_a_traceback_per_job(
 # --- manual bookings and the backfill shadow ------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: manual bookings do not see the queue's shadows; the fix belongs in gpus/booking.py",
-)
 def test_a_manual_booking_cannot_take_the_cards_a_wide_job_waits_for(alice, bob, charlie, box, sent):
     """Two cards are booked for an hour, so a 4-card job's shadow holds all four from then. A manual
-    booking of the two free cards across that start pushes the wide job back."""
+    booking of the two free cards across that start would push the wide job back: it is refused,
+    naming the card, the job and the hold, and one that ends by then is fine."""
     now = timezone.now()
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
     wide = queue(alice, gpus=4, minutes=120)
     schedule_pass(now=now)
     assert fresh(wide).pending_reason == "resources"
 
-    reservation_create(user=charlie, gpus=[box[2].uuid, box[3].uuid], start=now, end=now + 3 * H)
+    with pytest.raises(Conflict) as refused:
+        reservation_create(user=charlie, gpus=[box[2].uuid, box[3].uuid], start=now, end=now + 3 * H)
+    assert refused.value.field == "gpus"
+    assert box[2].uuid in refused.value.message and f"queued job {wide.pk}" in refused.value.message
+    assert "end your booking by" in refused.value.message and "another card" in refused.value.message
 
+    reservation_create(user=charlie, gpus=[box[2].uuid, box[3].uuid], start=now, end=now + H)
     (entry,) = queue_plan(now=now)
-    assert entry.estimated_start == now + H  # fails: it is now + 3 h, and could move again
+    assert entry.estimated_start == now + H
+
+
+def test_the_portal_picks_around_a_wide_jobs_hold(alice, bob, charlie, box, sent):
+    """Asking for N cards anywhere never picks a card the queue holds: there are none to pick."""
+    now = timezone.now()
+    reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
+    queue(alice, gpus=4, minutes=120)
+    schedule_pass(now=now)
+
+    with pytest.raises(Conflict) as refused:
+        reservation_create(user=charlie, count=1, server="box1", start=now, end=now + 3 * H)
+    assert refused.value.field == "count"
+    assert reservation_create(user=charlie, count=2, server="box1", start=now, end=now + H)
+
+
+def test_the_schedulers_own_booking_for_the_held_job_still_succeeds(alice, bob, box, sent):
+    """The hold binds user bookings, not the start it was kept for: when the cards free up, the
+    next pass books them for the job."""
+    now = timezone.now()
+    blocker = reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
+    wide = queue(alice, gpus=4, minutes=120)
+    schedule_pass(now=now)
+    assert fresh(wide).status == Job.Status.PENDING
+
+    reservation_release(user=bob, reservation=blocker, now=now + timedelta(minutes=1))
+    schedule_pass(now=now + timedelta(minutes=1))
+
+    wide = fresh(wide)
+    assert wide.status == Job.Status.QUEUED and len(wide.gpu_uuids) == 4
+
+
+def test_a_hold_binds_no_one_once_its_job_is_cancelled(alice, bob, charlie, box, sent):
+    now = timezone.now()
+    reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
+    wide = queue(alice, gpus=4, minutes=120)
+    schedule_pass(now=now)
+    Job.objects.filter(pk=wide.pk).update(status=Job.Status.CANCELLED)
+
+    assert reservation_create(user=charlie, gpus=[box[2].uuid, box[3].uuid], start=now, end=now + 3 * H)
+
+
+def test_with_redis_away_the_queue_loses_its_holds_never_a_booking(
+    alice, bob, charlie, box, sent, monkeypatch, caplog
+):
+    import redis
+
+    from jobs import scheduler
+
+    def away(timeout):
+        raise redis.ConnectionError("Redis is away")
+
+    now = timezone.now()
+    reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
+    wide = queue(alice, gpus=4, minutes=120)
+    monkeypatch.setattr(scheduler, "client", away)
+    monkeypatch.setattr(scheduler, "_holds_unstored", False)
+
+    schedule_pass(now=now)
+    schedule_pass(now=now)
+
+    assert fresh(wide).pending_reason == "resources"
+    assert caplog.text.count("could not store the holds") == 1  # once per outage
+    assert reservation_create(user=charlie, gpus=[box[2].uuid], start=now, end=now + 3 * H)
+
+
+def test_the_booking_form_shows_a_hold_beside_the_cards(client, alice, bob, charlie, box, sent):
+    from django.urls import reverse
+
+    from gpus.forms import local_input
+
+    now = timezone.now()
+    reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
+    wide = queue(alice, gpus=4, minutes=120)
+    schedule_pass(now=now)
+
+    client.force_login(charlie)
+    response = client.post(
+        reverse("reservation_new"),
+        {"gpus": [box[2].uuid], "start": "", "end": local_input(now + 3 * H), "note": ""},
+    )
+    assert response.status_code == 200
+    errors = " ".join(response.context["form"].errors["gpus"])
+    assert f"queued job {wide.pk}" in errors and "Pick another card" in errors
+
+
+def test_the_api_answers_a_hold_with_409_on_the_cards_field(alice, bob, charlie, box, sent):
+    from rest_framework.test import APIClient
+
+    now = timezone.now()
+    reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
+    wide = queue(alice, gpus=4, minutes=120)
+    schedule_pass(now=now)
+
+    api = APIClient()
+    api.force_authenticate(charlie)
+    body = {"gpus": [box[3].uuid], "end": (now + 3 * H).isoformat()}
+    response = api.post("/api/v1/reservations/", body, format="json")
+
+    assert response.status_code == 409
+    assert f"queued job {wide.pk}" in " ".join(response.json()["errors"]["gpus"])
 
 
 def test_the_form_shows_a_refusal_beside_the_field_it_names(client, alice, box):

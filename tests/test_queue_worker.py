@@ -12,7 +12,7 @@ from gpus.models import GPU, Reservation
 from gpus.simulated import server_names
 from jobs.logs import log_stream
 from jobs.models import Job
-from tests.conftest import wait_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -18,8 +18,9 @@ from gpus.inventory import BackendUnavailable, Snapshot, snapshot_from_json
 from gpus.nvml import NvmlBackend, NvmlNotInstalled
 from gpus.simulated import SimulatedBackend
 from gpus.telemetry import REPORTS_KEY, TelemetryReporter, redis_client, take_reports
-from tests.conftest import Clock, wait_for
+from tests.conftest import Clock
 from tests.fake_nvml import FakeNvmlLib, finish_reads, install, uninstall
+from tests.waiting import wait_for
 
 UNKNOWN = pynvml.NVML_ERROR_UNKNOWN
 SIMULATED = "sim-rtx-4x24"  # a server of gpus/simulated_inventory.yaml

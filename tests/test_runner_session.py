@@ -23,9 +23,9 @@ from jobs import runner
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import Supervisor, job_run
-from jobs.services import ScriptUpload, job_submit
 from jobs.spool import EndRecord, spool_name, stop_flag
-from tests.conftest import wait_for
+from jobs.submit import ScriptUpload, job_submit
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the runner closes connections after errors
 

@@ -32,7 +32,8 @@ from portal.supervisor import (
     ProcessSupervisor,
     exit_status,
 )
-from tests.conftest import OUTPUT, ROOT, free_port, wait_for
+from tests.conftest import OUTPUT, ROOT, free_port
+from tests.waiting import wait_for
 
 # --- the backoff, on an injected clock ----------------------------------------------------
 

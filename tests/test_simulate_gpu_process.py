@@ -27,7 +27,7 @@ from gpus.inventory import GPUInfo, ProcessInfo, Snapshot
 from gpus.models import GPU, GPUProcess
 from gpus.services import servers_report_ingest
 from gpus.simulated import SimulatedBackend, declared_processes, simulated_process_declare
-from tests.conftest import wait_for
+from tests.waiting import wait_for
 
 SERVER = "sim-rtx-4x24"
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]

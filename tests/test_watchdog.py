@@ -26,11 +26,11 @@ from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Violation, WatchdogPolicy
 from gpus.procinfo import describe_process
 from jobs.models import Job
-from jobs.services import ScriptUpload, job_submit
+from jobs.submit import ScriptUpload, job_submit
 from jobs.watchdog_host import HostWatchdog
 from portal.models import AuditEntry, Membership, Notification, Profile
-from tests.conftest import wait_for
 from tests.factories import MembershipFactory, UserFactory, make_snapshot
+from tests.waiting import wait_for
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 STUBBORN = [

@@ -29,8 +29,8 @@ from jobs.models import Job
 from jobs.watchdog_host import HostWatchdog
 from portal.models import AuditEntry, Notification
 from portal.pids import Sent
-from tests.conftest import wait_for
 from tests.test_watchdog import alices_card, gone, job_on, on_card, one, policy, real, start, watchdog
+from tests.waiting import wait_for
 
 __all__ = ["alices_card", "job_on", "start", "watchdog"]  # fixtures shared with tests/test_watchdog.py
 

@@ -19,7 +19,7 @@ from gpus.simulated import server_names
 from jobs.logs import log_stream
 from jobs.models import Job
 from portal.models import Notification
-from tests.conftest import wait_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.worker
 

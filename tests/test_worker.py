@@ -9,7 +9,7 @@ from rest_framework.test import APIClient
 from gpus.models import GPU, Server
 from gpus.simulated import server_names
 from portal.celery import app
-from tests.conftest import wait_for
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 

@@ -12,13 +12,13 @@ from django.conf import settings
 from django.db import OperationalError
 
 from gpus.booking import reservation_create
-from jobs import signals
+from jobs import host_worker, signals
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
-from jobs.services import ScriptUpload, job_submit
 from jobs.spool import stop_flag
-from tests.conftest import wait_for
+from jobs.submit import ScriptUpload, job_submit
+from tests.waiting import wait_for
 
 SLEEPER = b"import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n"
 
@@ -51,7 +51,7 @@ def test_a_shutdown_stops_a_running_job_without_the_database(alice, box, flag, s
 def test_the_shutdown_handler_writes_its_flag_and_survives_a_database_outage(monkeypatch, flag, caplog):
     monkeypatch.setattr(signals, "_host_worker", True)
     closed = []
-    monkeypatch.setattr(signals.connection, "close", lambda: closed.append(True))
+    monkeypatch.setattr(host_worker.connection, "close", lambda: closed.append(True))
 
     def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise OperationalError("could not connect to server: Connection refused")

@@ -1,0 +1,65 @@
+"""The jobs app's periodic threads started from jobs/signals.py that are not beside their rules:
+the portal worker's job reconciler and a GPU host's spool replay (portal/periodic.py runs them;
+the worker's shutdown stops them). The queue's scheduler (jobs/scheduler.py) and a host's
+pickup (jobs/pickup.py) live beside what they run.
+
+The reconciler is a thread like the collector rather than a beat task, so it costs no broker
+message and no log lines every few seconds, and it runs exactly while the portal's worker does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections
+
+from jobs.replay import spool_replay
+from jobs.services import jobs_reconcile
+from portal.periodic import PeriodicThread
+
+log = logging.getLogger(__name__)
+
+
+class JobReconciler(PeriodicThread):
+    """The portal's worker's: jobs.services.jobs_reconcile every JOB_RECONCILE_SECONDS."""
+
+    def __init__(self) -> None:
+        super().__init__("job-reconciler", settings.JOB_RECONCILE_SECONDS)
+        self.failing = False
+        # When the database answered again after an outage, or this thread started: a portal
+        # (re)started in the middle of one cannot tell, and workers get the same grace either way.
+        self.back_at = time.monotonic()
+
+    def step(self) -> None:
+        close_old_connections()  # a restarted database must not kill the loop
+        try:
+            done = jobs_reconcile(mark_lost=self._may_mark_lost())
+        except DatabaseError:
+            self.failing = True
+            raise
+        if self.failing:
+            self.failing, self.back_at = False, time.monotonic()
+        if any(done.values()):
+            log.info("Jobs reconciled: %s", done)
+
+    def _may_mark_lost(self) -> bool:
+        """A heartbeat missed while the database itself was away is no sign of a dead worker:
+        after an outage, workers get JOB_LOST_AFTER_SECONDS to write theirs (and their jobs'
+        ends, from their spools) before any job is called lost."""
+        if self.failing:
+            return False
+        return time.monotonic() - self.back_at >= settings.JOB_LOST_AFTER_SECONDS
+
+
+class SpoolReplay(PeriodicThread):
+    """A GPU host's: what its supervisors could not write while the database was away."""
+
+    def __init__(self) -> None:
+        super().__init__("job-spool", settings.JOB_RECONCILE_SECONDS)
+
+    def step(self) -> None:
+        close_old_connections()
+        if done := spool_replay():
+            log.info("Spooled job output and ends written: %d job(s)", done)
