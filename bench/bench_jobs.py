@@ -262,7 +262,7 @@ def timed_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 
 def bench_launcher() -> None:
-    from jobs.runner import LAUNCHER  # the file the worker runs (after django.setup(): it imports models)
+    from jobs.launch import LAUNCHER  # the file the worker runs (after django.setup(): it imports models)
 
     if not EXAMPLE.is_file():
         print(f"Launcher overhead: {EXAMPLE.relative_to(ROOT)} is missing; skipped")

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from gpu_cli import render
+from gpu_cli import live, render
 from gpu_cli.api import MAX_PAGE_SIZE, Portal, connect
 from gpu_cli.errors import INTERRUPTED, NotFound, Refused
 from gpu_cli.params import DAY, DURATION, ENV_PAIR, MEMORY, WHEN
@@ -70,7 +70,10 @@ def copy_log(portal: Portal, job_id: int, *, follow: bool) -> None:
 
 def _follow(portal: Portal, job_id: int) -> None:
     try:
-        copy_log(portal, job_id, follow=True)
+        try:
+            live.follow_log(portal, job_id, sys.stdout.buffer)
+        except NotFound:  # a portal from before the stream (or no such job: copy_log says which)
+            copy_log(portal, job_id, follow=True)
     except KeyboardInterrupt:
         click.echo(f"\nStopped following; job {job_id} goes on (`gpu cancel {job_id}` stops it).", err=True)
         raise click.exceptions.Exit(INTERRUPTED) from None

@@ -81,6 +81,17 @@ class ViolationAdmin(admin.ModelAdmin):
     def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
         return False
 
+    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        # An open violation is the watchdog's working record (a stop may be under way): it can be
+        # deleted once it has ended, never before.
+        if obj is not None and obj.ended_at is None:
+            return False
+        return super().has_delete_permission(request, obj)
+
+    def delete_queryset(self, request, queryset) -> None:  # type: ignore[no-untyped-def]
+        # The bulk action asks has_delete_permission per object first; this keeps it so if it ever stops.
+        super().delete_queryset(request, queryset.exclude(ended_at=None))
+
 
 @admin.register(WatchdogPolicy)
 class WatchdogPolicyAdmin(admin.ModelAdmin):

@@ -126,13 +126,23 @@ class GPU(models.Model):
 
     @staticmethod
     def card_share(memory_mb: float | None, bookable_mb: int) -> float:
-        """A booking's share of a card: 1 for the whole card, else its memory over the card's
-        bookable memory (what can be booked), at most 1. The timeline's bars and the booking
-        picker's card load read it. Quota and usage GPU-hours still divide by the card's total
-        (gpus.quotas.Use.of), which their figures and tests pin."""
+        """How full a booking makes a card, for booking (the room rule): 1 for the whole card, else
+        its memory over the card's bookable memory, at most 1. The timeline's bars, the booking
+        picker's card load and a job's CPU share read it. What a booking *costs* is `charged_share`."""
         if memory_mb is None or bookable_mb <= 0:
             return 1.0
         return min(1.0, memory_mb / bookable_mb)
+
+    @staticmethod
+    def charged_share(memory_mb: float | None, total_mb: int) -> float:
+        """What a booking costs of a card (the charge rule): 1 for the whole card, else its memory
+        over the card's total memory, at most 1: 12 GB of a 24 GB card is half a GPU-hour an hour.
+        Quotas, the usage reports, the queue's fair share and its submit checks all charge by it.
+        Over the total, not the bookable memory, so a card's price does not move with the driver's
+        reserve or the portal's headroom (and the charges already reported keep their meaning)."""
+        if memory_mb is None:
+            return 1.0
+        return min(1.0, memory_mb / total_mb) if total_mb > 0 else 0.0
 
     @property
     def bookable(self) -> bool:

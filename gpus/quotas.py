@@ -22,7 +22,7 @@ from django.db.models import DurationField, ExpressionWrapper, F, Q, Sum, Value
 from django.db.models.functions import Greatest, Least
 from django.utils import timezone
 
-from gpus.models import Allocation, AllocationQuerySet
+from gpus.models import GPU, Allocation, AllocationQuerySet
 from portal.access import can_manage_team, is_admin
 from portal.errors import Forbidden, Invalid
 from portal.models import AuditEntry, Membership, QuotaFields, Team
@@ -40,11 +40,10 @@ class Use:
 
     @classmethod
     def of(cls, start: datetime, end: datetime, memory_mb: int | None, card_total_mb: int) -> Use:
-        # Over the card's total, not GPU.card_share's bookable memory: the quota and usage figures
-        # (and their tests) count it so; switching changes visible numbers (issue 20).
+        # What a booking costs is GPU.charged_share (over the card's total), the one charge rule.
         if memory_mb is None:
             return cls(start, end, 1, card_total_mb, 1.0)
-        return cls(start, end, 0, memory_mb, memory_mb / card_total_mb if card_total_mb else 0.0)
+        return cls(start, end, 0, memory_mb, GPU.charged_share(memory_mb, card_total_mb))
 
 
 def peak(intervals: Iterable[tuple[datetime, datetime, float]], start: datetime, end: datetime) -> float:

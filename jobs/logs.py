@@ -1,8 +1,9 @@
 """Job logs: written in chunks to the database by the worker, read back in constant memory.
 
 Why the database: a worker may run on another host with no shared filesystem, and the
-log must outlive that host. The worker flushes every LOG_FLUSH_SECONDS (so the browser,
-polling once a second, sees a line within about 1.5 s) or whenever 1 MB is pending.
+log must outlive that host. The worker flushes every LOG_FLUSH_SECONDS or whenever 1 MB is
+pending; live watchers do not wait for that: each line is also published on Redis as it is
+taken (jobs/log_live.py, read by the event stream in jobs/log_stream.py, docs/live.md).
 
 Offsets are byte positions in the job's whole output (timestamps included). The cap
 (JOB_LOG_MAX_MB) keeps the first half as `head` chunks and the newest half as tail
@@ -21,14 +22,15 @@ from datetime import UTC, datetime
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Max
-from django.http import StreamingHttpResponse
 from django.utils import timezone
 from django.utils.http import content_disposition_header
 
+from jobs import log_live
 from jobs.models import Job, LogChunk
 from jobs.paths import download_name
 from jobs.spool import LogSpool
 from portal.errors import Invalid
+from portal.streaming import SyncStreamingHttpResponse
 
 CHUNK_BYTES = 1024 * 1024
 LOG_FLUSH_SECONDS = 0.5
@@ -63,7 +65,12 @@ class LogWriter:
     """The worker's side: timestamps each line and stores it in chunks under the cap.
 
     With a `spool` (jobs/spool.py), what the database cannot take now goes to the host's disk
-    and is stored, in order and once, at the next flush that reaches the database."""
+    and is stored, in order and once, at the next flush that reaches the database.
+
+    Output is also published as it is taken (jobs/log_live.py), at the offsets it will be stored
+    at, but only while those are known (`in_sync`: the last write reached the database and the
+    spool is empty); each write that reaches the database is announced too, so a live stream
+    reads from the database what was not published."""
 
     def __init__(self, job_id: int, cap_bytes: int | None = None, *, spool: LogSpool | None = None) -> None:
         self.job_id = job_id
@@ -85,6 +92,13 @@ class LogWriter:
         self.partial = bytearray()  # a line still waiting for its newline
         self.partial_since = 0.0
         self.last_flush = time.monotonic()
+        self.in_sync = not (spool is not None and (spool.size or spool.dropped))
+
+    def _add(self, data: bytes) -> None:
+        """Output taken: pending for the next flush, and out to live watchers now."""
+        if self.in_sync:
+            log_live.publish(self.job_id, log_live.LIVE, self.total + len(self.pending), data)
+        self.pending += data
 
     def feed(self, data: bytes) -> None:
         """Add raw output; complete lines get their timestamp now (the time they arrived)."""
@@ -97,8 +111,7 @@ class LogWriter:
             return
         stamp = timestamp()
         *lines, rest = bytes(self.partial).split(b"\n")
-        for line in lines:
-            self.pending += stamp + line + b"\n"
+        self._add(b"".join(stamp + line + b"\n" for line in lines))
         self.partial = bytearray(rest)
         self.partial_since = time.monotonic()
         self._cap_pending()
@@ -113,18 +126,26 @@ class LogWriter:
             self.dropped += excess
 
     def _take_partial(self) -> None:
-        self.pending += timestamp() + bytes(self.partial) + b"\n"
+        self._add(timestamp() + bytes(self.partial) + b"\n")
         self.partial.clear()
         self._cap_pending()
 
     def write_line(self, text: str) -> None:
         """A line of the portal's own (what it applied, why it stopped the job)."""
-        self.pending += timestamp() + text.rstrip("\n").encode() + b"\n"
+        self._add(timestamp() + text.rstrip("\n").encode() + b"\n")
+
+    # After a failed flush the next waits: 2 s, doubling up to 30 s, back to none once one
+    # succeeds (or the caller knows the database answers again and clears `backoff`). Each try
+    # rebuilds every pending row: not every 2 s per job against a database that is away.
+    FLUSH_BACKOFF_MAX_SECONDS = 30.0
+    backoff = 0.0
 
     def maybe_flush(self) -> None:
         now = time.monotonic()
         if self.partial and now - self.partial_since >= LOG_FLUSH_SECONDS:
             self._take_partial()  # e.g. a progress bar without newlines: show it anyway
+        if now - self.last_flush < self.backoff:
+            return
         spooled = self.spool is not None and (self.spool.size or self.spool.dropped)
         if (
             len(self.pending) >= self.chunk_bytes
@@ -135,15 +156,29 @@ class LogWriter:
             self.flush()
 
     def close(self) -> None:
-        if self.partial:
-            self._take_partial()
-        self.flush()
+        try:
+            if self.partial:
+                self._take_partial()
+            self.flush()
+        finally:
+            # Watchers read the job's status now rather than at their next keep-alive.
+            log_live.publish(self.job_id, log_live.CLOSED, self.total)
 
     def flush(self) -> None:
         """Store what is pending. On a database error nothing is lost: the bytes go to the
         spool on disk (without one, back to memory) and out with the next flush, after
         anything older, and the error is raised for the caller to retry."""
         self.last_flush = time.monotonic()
+        try:
+            self._flush()
+        except Exception:
+            self.in_sync = False  # offsets of what comes next are known again after a write
+            self.backoff = min(self.FLUSH_BACKOFF_MAX_SECONDS, 2 * self.backoff or SPOOL_RETRY_SECONDS)
+            raise
+        self.in_sync = True
+        self.backoff = 0.0
+
+    def _flush(self) -> None:
         if self.spool is not None and (self.spool.size or self.spool.dropped):
             if self.pending:  # older bytes wait on disk: these go after them
                 self.spool.append(bytes(self.pending))
@@ -181,6 +216,7 @@ class LogWriter:
         except Exception:
             self.seq, self.total, self.dropped, self.tail_bytes, self.tail = saved
             raise
+        log_live.publish(self.job_id, log_live.STORED, self.total)
 
     def _resync(self) -> None:
         self.seq = LogChunk.objects.filter(job_id=self.job_id).aggregate(seq=Max("seq"))["seq"] or 0
@@ -235,6 +271,9 @@ def log_append(job_id: int, text: str, *, now: datetime | None = None) -> None:
             job_id=job_id, seq=seq, start=job["log_bytes"], size=len(data), head=False, data=data
         )
         Job.objects.filter(pk=job_id).update(log_bytes=F("log_bytes") + len(data))
+        end = job["log_bytes"] + len(data)
+        # Written from outside the worker, about a job that ended: watchers read its status.
+        transaction.on_commit(lambda: log_live.publish(job_id, log_live.CLOSED, end))
 
 
 def parse_offset(raw: str | None) -> int:
@@ -285,6 +324,14 @@ def log_stream(job_id: int, offset: int = 0, *, until: int | None = None) -> Ite
 
     Reads READ_BATCH chunks per query by sequence number, so memory stays flat however
     large the log; a marker line stands where the cap dropped bytes."""
+    for piece, _, _ in log_pieces(job_id, offset, until=until):
+        yield piece
+
+
+def log_pieces(job_id: int, offset: int = 0, *, until: int | None = None) -> Iterator[tuple[bytes, int, int]]:
+    """log_stream's pieces, each with the range [start, end) of the log it stands for: a marker's
+    range is the bytes the cap dropped (and not its length), so a reader that resumes at its end
+    skips the gap once."""
     last_seq, position = 0, offset
     below = until if until is not None else 2**62
     while True:
@@ -297,19 +344,20 @@ def log_stream(job_id: int, offset: int = 0, *, until: int | None = None) -> Ite
             if end <= position:
                 continue
             if start > position:  # the cap dropped [position, start)
-                yield dropped_marker(start - position)
+                yield dropped_marker(start - position), position, start
                 position = start
             piece = data[position - start :] if position > start else data
             if until is not None and end > until:
                 piece = piece[: until - max(start, position)]
-            yield bytes(piece)
+                end = until
+            yield bytes(piece), max(start, position), end
             position = end
 
 
-def log_response(job: Job, *, offset: int = 0, attachment: bool = False) -> StreamingHttpResponse:
+def log_response(job: Job, *, offset: int = 0, attachment: bool = False) -> SyncStreamingHttpResponse:
     """The log as text/plain, streamed; headers tell a tailing client where to go on."""
     end = log_end(job.pk)
-    response = StreamingHttpResponse(
+    response = SyncStreamingHttpResponse(
         log_stream(job.pk, offset, until=end), content_type="text/plain; charset=utf-8"
     )
     response["X-Log-Next-Offset"] = str(max(end, offset))

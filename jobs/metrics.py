@@ -1,6 +1,6 @@
 """Training curves: the records a job's Keras fit() reports, stored, read back, and the cards' use.
 
-The launcher (jobs/launcher-bin/launcher.py, `MetricsReporter`) prints each record on the job's
+The launcher (jobs/launcher-bin/_portal_launch_curves.py, `MetricsReporter`) prints each record on the job's
 output as one line, `[portal-metrics] {"kind": "epoch", "epoch": 3, "step": 120, "loss": 0.31, ...}`.
 The worker reads that output as one pipe; `MetricsRecorder` takes the records out of it before the
 log sees it and stores them as JobMetric rows, flushed at the log's cadence.
@@ -41,6 +41,7 @@ from jobs.logs import LOG_FLUSH_SECONDS
 from jobs.models import Job, JobMetric
 from jobs.paths import download_name
 from portal.errors import Invalid
+from portal.streaming import SyncStreamingHttpResponse
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,8 @@ def metrics_csv(job_id: int) -> Iterator[str]:
 
 def metrics_csv_response(job: Job) -> StreamingHttpResponse:
     """The records as a CSV attachment, streamed (the page's download and the API's ?format=csv)."""
-    response = StreamingHttpResponse(metrics_csv(job.pk), content_type="text/csv; charset=utf-8")
+    # Piece by piece under ASGI too (portal.streaming): Django's own would read it whole first.
+    response = SyncStreamingHttpResponse(metrics_csv(job.pk), content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = content_disposition_header(
         as_attachment=True, filename=download_name(job.pk, job.name, "-metrics.csv")
     )

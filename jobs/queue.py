@@ -16,7 +16,9 @@ QUEUE_BACKFILL_DEPTH that do not get a *shadow booking* at their earliest estima
 the jobs after them must not overlap. So a lower-priority job starts now only where it cannot
 delay any of those (conservative backfill), and a wide job waiting for a whole server keeps its
 place while short jobs run in front of it. No more jobs start on a server than its worker has
-free slots, where the worker said how many it runs at once (`Calendar.slots`). Whether a job fits
+free slots, where the worker said how many it runs at once (`Calendar.slots`); none on a server
+whose worker said so once but has since gone silent (`Calendar.silent`): such a server gets no
+estimate either, and a job that would fit there now says why it waits (`Entry.note`). Whether a job fits
 a card is the booking service's own rule (gpus.conflicts.fits_on_card), over the window the
 scheduler will book (`Request.booked`: the time limit and START_SLACK).
 """
@@ -27,7 +29,7 @@ import math
 import re
 from bisect import insort
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -170,6 +172,7 @@ class Entry:
     estimated_start: datetime | None = None
     reason: str = ""
     held: list[str] = field(default_factory=list)  # its shadow's cards, from estimated_start
+    note: str = ""  # why it waits, in words, beyond its reason (a silent worker where it would fit)
 
 
 Busy = tuple[datetime, datetime, int | None]  # a booking on a card: [start, end), MiB (None: whole)
@@ -191,11 +194,17 @@ class Calendar:
         horizon: datetime | None = None,
         *,
         slots: dict[int, int] | None = None,
+        silent: dict[int, str] | None = None,
     ) -> None:
         self.now = now
         # Free job slots of the servers whose worker's pool size is known: no more jobs start
         # there now than it can run at once (the rest would wait in Celery on running bookings).
         self.slots = dict(slots or {})
+        # Servers whose worker reported its slots once but not lately, with the words that say so:
+        # nothing starts there (no slots), and no estimate counts on them until the worker is back.
+        self.silent = dict(silent or {})
+        for server in self.silent:
+            self.slots[server] = 0
         # Bookings are known up to here (the caller read no further): no estimate goes past it.
         self.horizon = horizon
         self.cards = {c.uuid: c for c in cards}
@@ -309,11 +318,14 @@ def plan(
     depth: int,
     draining: set[int],
     array_room: dict[int, int],
+    not_now: Collection[int] = (),
 ) -> list[Entry]:
     """Every pending job in priority order, with what to do about it now (see the module's text).
 
-    `array_room`: how many more tasks each array may run now. Mutates `calendar` (the starts and
-    the shadows), so the caller can book exactly what the plan chose."""
+    `array_room`: how many more tasks each array may run now. `not_now`: jobs that wait this pass
+    whatever the calendar says, but keep their place: their shadows bind the jobs after them.
+    Mutates `calendar` (the starts and the shadows), so the caller can book exactly what the plan
+    chose."""
     now = calendar.now
     entries = sorted(
         (_entry(r, now, shares, usage, weights) for r in requests),
@@ -322,6 +334,7 @@ def plan(
     refused: dict[int | None, list[tuple]] = defaultdict(list)  # shapes that did not fit now, by server
     blocked_by_shadows: dict[tuple, bool] = {}
     estimates: dict[tuple, datetime | None] = {}
+    silences: dict[tuple, str] = {}
     shadows = 0
     room = dict(array_room)
     for entry in entries:
@@ -335,22 +348,30 @@ def plan(
         if r.array_id is not None and room.get(r.array_id, 1) <= 0:
             entry.reason = "array_limit"
             continue
-        shape = (r.gpu_count, r.memory_mb, r.server_id, r.minutes)
-        cards = [] if _dominated(shape, refused[r.server_id]) else _fit_now(calendar, r, draining)
-        if cards:
-            entry.start_now = cards
-            calendar.add(cards, now, now + r.booked, r.memory_mb)
-            server = calendar.cards[cards[0]].server_id
-            if server in calendar.slots:
-                calendar.slots[server] -= 1
-            if r.array_id is not None:
-                room[r.array_id] = room.get(r.array_id, 1) - 1
-            continue
-        refused[r.server_id].append(shape)
-        if shape not in blocked_by_shadows:
-            # It would fit now but for the room held for jobs before it: it waits for priority.
-            blocked_by_shadows[shape] = bool(_fit_now(calendar, r, draining, shadows=False))
-        entry.reason = "priority" if blocked_by_shadows[shape] else "resources"
+        if r.job_id in not_now:
+            # Its start was refused this pass (a card taken since the plan read them): it starts on a
+            # later pass, and keeps its place (its shadow) meanwhile. Not a refused shape: the
+            # cards it would have fitted are not known to be full.
+            entry.reason = "resources"
+        else:
+            shape = (r.gpu_count, r.memory_mb, r.server_id, r.minutes)
+            cards = [] if _dominated(shape, refused[r.server_id]) else _fit_now(calendar, r, draining)
+            if cards:
+                entry.start_now = cards
+                calendar.add(cards, now, now + r.booked, r.memory_mb)
+                server = calendar.cards[cards[0]].server_id
+                if server in calendar.slots:
+                    calendar.slots[server] -= 1
+                if r.array_id is not None:
+                    room[r.array_id] = room.get(r.array_id, 1) - 1
+                continue
+            refused[r.server_id].append(shape)
+            if shape not in blocked_by_shadows:
+                # It would fit now but for the room held for jobs before it: it waits for priority.
+                blocked_by_shadows[shape] = bool(_fit_now(calendar, r, draining, shadows=False))
+            entry.reason = "priority" if blocked_by_shadows[shape] else "resources"
+            if calendar.silent:
+                entry.note = _silence(calendar, r, draining, silences)
         if shadows < depth:
             at, server = _estimate(calendar, r, draining, estimates)
             entry.estimated_start = at
@@ -400,12 +421,30 @@ def _fit_now(calendar: Calendar, r: Request, draining: set[int], *, shadows: boo
     return []
 
 
+def _silence(calendar: Calendar, r: Request, draining: set[int], cache: dict[tuple, str]) -> str:
+    """The words of the silent servers where the job would fit now but for their worker, or ""."""
+    servers = [s for s in _servers(calendar, r, draining) if s in calendar.silent]
+    key = (r.gpu_count, r.memory_mb, r.minutes, *((s, calendar.version[s]) for s in servers))
+    if key not in cache:
+        end = calendar.now + r.booked
+        cache[key] = "; ".join(
+            sorted(
+                calendar.silent[s]
+                for s in servers
+                if len(calendar.free_cards(s, calendar.now, end, r.memory_mb)) >= r.gpu_count
+            )
+        )
+    return cache[key]
+
+
 def _estimate(
     calendar: Calendar, r: Request, draining: set[int], cache: dict[tuple, datetime | None]
 ) -> tuple[datetime | None, int | None]:
     """The earliest start over the servers the job may use, and where (shadows included)."""
     best: tuple[datetime, int] | None = None
     for server in _servers(calendar, r, draining):
+        if server in calendar.silent:
+            continue  # when its worker comes back is anyone's guess
         key = (server, calendar.version[server], r.gpu_count, r.memory_mb, r.minutes)
         if key not in cache:
             cache[key] = calendar.earliest(server, r.gpu_count, r.booked, r.memory_mb, calendar.now)

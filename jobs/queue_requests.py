@@ -5,21 +5,23 @@ Read-only checks for jobs.submit.job_submit; each refusal names its field and th
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 
 from gpus.models import GPU, Server, format_mb
+from gpus.quotas import Use, gpu_hours
 from jobs.models import Job
 from jobs.queue import START_SLACK, parse_array
 from portal.errors import Invalid
 from portal.models import Membership, Team
 
 MAX_GPUS = 64
+WEEK = timedelta(days=7)
 MAX_NICE = 1_000_000
 
 
@@ -72,6 +74,8 @@ class QueueRequest:
         _check_memory(memory_mb, chosen)
         _check_some_server_fits(gpu_count, memory_mb, chosen)
         _check_limits(membership, gpu_count, memory_mb, chosen)
+        minutes = _check_minutes(time_limit_minutes, membership)
+        _check_weekly_hours(membership, gpu_count, memory_mb, chosen, minutes)
         indices, max_running = parse_array(array) if array else (None, None)
         if not 0 <= (nice or 0) <= MAX_NICE:
             raise Invalid(
@@ -83,7 +87,7 @@ class QueueRequest:
             gpu_count=gpu_count,
             memory_mb=memory_mb,
             server=chosen,
-            minutes=_check_minutes(time_limit_minutes, membership),
+            minutes=minutes,
             indices=indices,
             max_running=max_running,
             array_spec=array.strip(),
@@ -185,6 +189,68 @@ def _check_limits(
                 f"Ask for fewer cards or less memory per card, or {fix}.",
                 field=field,
             )
+
+
+def _check_weekly_hours(
+    membership: Membership, gpu_count: int, memory_mb: int | None, server: Server | None, minutes: int
+) -> None:
+    """A job needing more GPU-hours than a weekly limit could ever allow would wait as "quota" for
+    ever. The booking service (gpus.quotas) counts each week's part of a booking against the limit,
+    a share at its fraction of the card's total memory: a booking across Monday 00:00 can hold at
+    most twice the limit, half in each week. So refuse above 2 × the limit (1 × a week's worth for a
+    booking longer than two weeks), counted with the quotas' own rule at the most favourable cards
+    the job could get (the largest that fit, on one server). Weeks are taken as 7 days (a DST week
+    differs by an hour)."""
+    team = membership.team
+    limits = [
+        (membership.gpu_hours_per_week, f"your limit in team {team.slug}", "ask a leader of the team"),
+        (team.gpu_hours_per_week, f"team {team.slug}'s limit", "ask an admin"),
+    ]
+    if all(limit is None for limit, _, _ in limits):
+        return
+    booked = timedelta(minutes=minutes) + START_SLACK
+    need = _least_gpu_hours(gpu_count, memory_mb, server, booked)
+    if need is None:
+        return  # a share, and no card known yet to count it against
+    slack = int(START_SLACK.total_seconds() // 60)
+    # The least of the booking that some week must hold: half, across Monday 00:00; a booking
+    # longer than two weeks (BOOKING_MAX_HOURS above 336) fills a whole week whatever its start.
+    in_one_week = min(0.5, WEEK / booked)
+    for limit, whose, fix in limits:
+        if limit is None or need * in_one_week <= limit + 1e-6:  # gpus.quotas' own tolerance
+            continue
+        longest = int(2 * limit * (minutes + slack) / need + 1e-6) - slack
+        shorter = f"a time limit of at most {longest} minutes" if longest >= 1 else "a shorter time limit"
+        raise Invalid(
+            f"time_limit_minutes: {gpu_count} card(s) for {minutes} minutes (and the booking's {slack} "
+            f"minute of slack) need {need:.1f} GPU-hours, but {whose} is {limit} GPU-hours a week "
+            f"(gpu_hours_per_week), and one booking can never hold more than twice that, half in each "
+            f"of two weeks. Ask for fewer cards or {shorter}, or {fix} to raise it.",
+            field="time_limit_minutes",
+        )
+
+
+def _least_gpu_hours(
+    gpu_count: int, memory_mb: int | None, server: Server | None, booked: timedelta
+) -> float | None:
+    """The fewest GPU-hours a booking of the job could count against a quota (gpus.quotas' Use and
+    gpu_hours: a whole card at 1, a share at its fraction of the card's total memory), on the server
+    whose largest fitting cards count least. None for a share while no card is known."""
+    start = datetime(2000, 1, 3, tzinfo=UTC)  # any instant: only the booking's length counts here
+    end = start + booked
+    if memory_mb is None:
+        return gpu_hours([Use.of(start, end, None, 0)] * gpu_count, start, end)
+    cards = GPU.objects.all() if server is None else GPU.objects.filter(server=server)
+    totals: dict[int, list[int]] = defaultdict(list)
+    for server_id, total, reserved in cards.values_list("server_id", "memory_total_mb", "memory_reserved_mb"):
+        if GPU.bookable_mb(total, reserved) >= memory_mb:
+            totals[server_id].append(total)
+    needs = [
+        gpu_hours([Use.of(start, end, memory_mb, t) for t in sorted(found)[-gpu_count:]], start, end)
+        for found in totals.values()
+        if len(found) >= gpu_count
+    ]
+    return min(needs, default=None)
 
 
 def _smallest_card_mb(server: Server | None) -> int:

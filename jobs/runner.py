@@ -7,179 +7,55 @@ privileges (portal.processes.start_job_process). Cancel and time limits send SIG
 job's session (every process of it, by identity: jobs/supervision.py) and SIGKILL after
 JOB_KILL_GRACE_SECONDS. A worker that may not signal its job (JOB_USER without CAP_KILL) says so
 on the job and in its log, and keeps watching it until it ends by itself. While the database is
-away the supervisor keeps the job's last known deadline and enforces it alone; its end waits in
-this host's spool (jobs/spool.py, jobs/replay.py).
+away, or hangs, the supervisor keeps the job's last known deadline and enforces it alone: the
+database steps run in a thread of their own and the deadline, the worker's shutdown and the
+SIGKILL escalation in another that never waits on them; the job's end waits in this host's spool
+(jobs/spool.py, jobs/replay.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pwd
 import queue
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import TypeVar
 
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, close_old_connections, connections
 from django.utils import timezone
 
-from gpus.models import Allocation, Reservation
-from jobs import paths
-from jobs.environment import BookedCard, JobSetupError, job_environment
-from jobs.folders import JobFolderError, job_folder_make
+from gpus.models import Reservation
+from jobs.environment import JobSetupError
+from jobs.launch import launch_for, patiently
 from jobs.leavers import deactivated, owner_active, user_work_stop
 from jobs.logs import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.replay import job_end_store
 from jobs.scheduler import queued_job_ended
-from jobs.spool import EndRecord, LogSpool, spool_name, stop_flag, worker_stopping
-from jobs.supervision import JobOutput, JobSession
-from portal.accounts import JOB_USER_OWNER, unix_account_name
-from portal.errors import Invalid
+from jobs.spool import EndRecord, job_spool, stop_flag, worker_stopping
+from jobs.supervision import JobOutput, JobSession, Signalled
 from portal.outage import WHAT, outage_of
 from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# In a folder of its own that is no package: Python puts the launcher's folder first on the
-# job's sys.path, and nothing else in it may shadow a module of the user's or the standard library.
-LAUNCHER = Path(__file__).resolve().parent / "launcher-bin" / "launcher.py"
 TICK_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 1.0
+# The row unread for this long (the database away, or a query that hangs): the last deadline it
+# gave is enforced without it.
+STALE_ROW_SECONDS = 3 * CANCEL_POLL_SECONDS
 END_RETRY_SECONDS = 2.0
 CANNOT_STOP = "Could not stop: permission denied"
-
-
-@dataclass
-class Launch:
-    argv: list[str]
-    env: dict[str, str]
-    cwd: Path
-    env_applied: dict[str, str]  # the portal's own variables, shown on the job's page
-    account: pwd.struct_passwd | None  # the job runs as it (JOB_USER; None: as the worker)
-
-
-def launch_for(job: Job) -> Launch:
-    """Everything the subprocess gets: argv, cwd and the environment built from the booking.
-
-    The steps with side effects are here (the job's folder, the upload, chown); the environment
-    itself comes from the pure `job_environment`."""
-    # Every card of a booking holds the same memory_mb; the first card's size stands for all.
-    first = _patiently(
-        job.pk,
-        lambda: Allocation.objects.select_related("gpu").get(
-            reservation_id=job.reservation_id, gpu_id=job.gpu_uuids[0]
-        ),
-    )
-    interpreter = settings.JOB_INTERPRETERS.get(job.interpreter)
-    if not interpreter or not os.access(interpreter, os.X_OK):
-        raise JobSetupError(
-            f"Python environment {job.interpreter!r} ({interpreter or 'not configured'}) is not "
-            f"executable on {socket.gethostname()}; check JOB_INTERPRETERS on this host."
-        )
-    account = _job_account(job)
-    script, cwd = _prepare_folders(job, account)
-    home = Path(interpreter).parent.parent  # a venv's root holds pyvenv.cfg, beside its bin/
-    built = job_environment(
-        job,
-        BookedCard.of(first),
-        inherited=os.environ,
-        interpreter=interpreter,
-        venv=str(home) if (home / "pyvenv.cfg").is_file() else None,
-        server=settings.WORKER_SERVER,
-        instance=settings.PORTAL_INSTANCE_ID,
-        headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
-        account=account,
-    )
-    argv = [interpreter, "-u", str(LAUNCHER), str(script), *job.args]
-    return Launch(argv=argv, env=built.env, cwd=cwd, env_applied=built.applied, account=account)
-
-
-def _job_account(job: Job) -> pwd.struct_passwd | None:
-    """The account the job runs as, in its HOME (None: as the worker's own user).
-
-    JOB_USER names one account for every job, or is "@owner": each job runs as its owner's Unix
-    account (portal.accounts.unix_account_name), so its files are theirs and the GPU watchdog
-    sees their name on the card. Never root or a system account (below JOB_MIN_UID).
-    """
-    if not settings.JOB_USER:
-        return None
-    host = socket.gethostname()
-    if settings.JOB_USER == JOB_USER_OWNER:
-        name, source = unix_account_name(job.owner), f"{job.owner.username}'s Unix account"
-        if name is None:
-            raise JobSetupError(
-                f"{job.owner.username} has no Unix account the portal can vouch for (none on their"
-                f" profile, and '{job.owner.username}' is someone else's or came from a source not"
-                " trusted for Unix accounts): an admin sets or confirms theirs on their profile."
-            )
-    else:
-        name, source = settings.JOB_USER, "JOB_USER"
-    try:
-        account = pwd.getpwnam(name)
-    except KeyError:
-        raise JobSetupError(
-            f"{source} {name!r} is no account on {host}: an admin sets the Unix account on the"
-            " person's profile, or creates the account on the host."
-        ) from None
-    if account.pw_uid < settings.JOB_MIN_UID:
-        raise JobSetupError(
-            f"{source} {name!r} has uid {account.pw_uid} on {host}, below JOB_MIN_UID"
-            f" ({settings.JOB_MIN_UID}): jobs never run as root or a system account."
-        )
-    if account.pw_gid == os.getegid():
-        # The worker's group may read its env file and write what the worker shares with it.
-        raise JobSetupError(
-            f"{source} {name!r} has the worker's own group (gid {account.pw_gid}) on {host}: jobs never"
-            " run in it. Give the account a primary group of its own."
-        )
-    return account
-
-
-def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path, Path]:
-    """The script and the working directory. The job's own folder is made fresh where no job
-    can plant anything, with the upload in it (jobs/folders.py); a script path or working
-    directory the job chose is only checked here, by its text and where its links lead, and
-    is opened and entered by the job's own process alone, once it has dropped the worker's
-    privileges (portal.processes): the worker never writes, changes or enters it."""
-    host = socket.gethostname()
-    try:
-        cwd = (
-            paths.checked_path(job.workdir, field="workdir", what="working directory")
-            if job.workdir
-            else None
-        )
-        script = (
-            paths.checked_path(job.script_path, field="script_path", what="script path")
-            if job.script_path
-            else None
-        )
-        # The job's own folder: its default working directory and where an upload is put
-        # (never into a chosen working directory, where it could overwrite the user's file).
-        folder = job_folder_make(
-            job.pk, upload=None if script else (job.name, job.script_source), account=account
-        )
-    except Invalid as exc:
-        raise JobSetupError(exc.message) from None
-    except JobFolderError as exc:
-        raise JobSetupError(f"{exc} (on {host})") from None
-    if script is None:
-        script = folder.path / job.name
-    elif not script.is_file():
-        raise JobSetupError(f"The script {script} does not exist on {host}.")
-    if cwd is not None and not cwd.is_dir():
-        raise JobSetupError(f"The working directory {cwd} does not exist on {host}.")
-    return script, cwd or folder.path
 
 
 class Supervisor:
@@ -187,7 +63,7 @@ class Supervisor:
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.spool = _spool_for(job)
+        self.spool = job_spool(job.pk, job.created_at)
         try:
             self.writer = LogWriter(job.pk, spool=self.spool)
         except Exception:
@@ -212,6 +88,17 @@ class Supervisor:
         self.shutting_down = False
         self.running_recorded = False
         self.env_applied: dict[str, str] = {}
+        # Stop decisions come from three threads (the loop, the database steps, the enforcer):
+        # one at a time. What they say for the job's log waits in `notes` for the loop, the
+        # writer's one user. Once `closed` (the leader has exited) no thread decides anything,
+        # and no heartbeat is taken: every one is from before the leader is reaped.
+        self.lock = threading.RLock()
+        self.notes: deque[str] = deque()
+        self.closed = False
+        self.row_read_at = time.monotonic()
+        self.db_later: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self.db_failed = False
+        self.unlisted_said = False
 
     # --- the loop --------------------------------------------------------------------
 
@@ -224,7 +111,7 @@ class Supervisor:
             self._guarded(self.writer.close)
             self._finish(Job.Status.FAILED, None, str(exc))
             return
-        if stopped := _patiently(job.pk, self._stopped_before_start):
+        if stopped := patiently(job.pk, self._stopped_before_start):
             self.writer.write_line(f"[portal] {stopped} The job never started.")
             self._guarded(self.writer.close)
             self._finish(Job.Status.CANCELLED, None, stopped)
@@ -257,13 +144,17 @@ class Supervisor:
 
     def _record_running(self) -> None:
         assert self.session is not None and self.job.started_at is not None
+        with self.lock:
+            if self.closed:
+                return  # its end records it; no heartbeat from after the leader's exit
+            now = timezone.now()
         Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(
             status=Job.Status.RUNNING,
             # pid and start together name the job's session for good (the orphan sweep's proof).
             pid=self.session.leader.pid,
             pid_started=self.session.leader.started,
             started_at=self.job.started_at,
-            heartbeat_at=timezone.now(),
+            heartbeat_at=now,
             env_applied=self.env_applied,
         )
 
@@ -283,71 +174,154 @@ class Supervisor:
     def _supervise(self) -> None:
         assert self.proc is not None and self.session is not None
         output = JobOutput(self.proc.stdout, tick=TICK_SECONDS)
+        self.row_read_at = time.monotonic()
+        enforcer = self._helper(self._enforce, "enforcer")
+        self._helper(self._db_steps, "db")
         try:
-            self._loop(output.chunks)
+            self._loop(output)
         except Exception:
             log.exception("Job %s: the supervisor failed", self.job.pk)
             self._kill_now()  # never leave a job running unwatched
         # The main process has exited but is not reaped: its pid still names the session, so the
-        # sweep cannot reach a process that took the pid since. Reaped only after it.
+        # sweep cannot reach a process that took the pid since. Reaped only after it and after the
+        # last output, so that every heartbeat is from while the leader was unreaped (the proof
+        # kill_orphans takes Job.heartbeat_at for).
         self.session.wait_exit()
+        with self.lock:
+            self.closed = True
+        self.db_later.put(None)  # a database step that hangs is left to itself: it decides nothing now
+        enforcer.join(timeout=5)
         self._end_session()
-        code = self.session.reap()
         self._drain(output)
+        code = self.session.reap()
+        self._write_notes()
         self._guarded(self.writer.close)
         self._record(code)
 
-    def _loop(self, chunks: queue.Queue[bytes | None]) -> None:
-        """Until the job has exited and its output is drained: log, heartbeat, cancel, limits."""
-        assert self.proc is not None
-        last_poll = last_beat = time.monotonic()
-        eof = False
+    def _helper(self, target: Callable[[], None], what: str) -> threading.Thread:
+        """A thread of this supervisor's with a database connection of its own (closed at its
+        end), so that a query that hangs there holds up no other thread's. Only inside a
+        caller's open transaction (a test's) is the caller's connection shared: the rows it
+        wrote are seen through it alone."""
+        conn = connections[DEFAULT_DB_ALIAS]
+        shared = conn.in_atomic_block
+        if shared:
+            conn.inc_thread_sharing()
+
+        def run() -> None:
+            if shared:
+                connections[DEFAULT_DB_ALIAS] = conn
+            try:
+                target()
+            finally:
+                if shared:
+                    conn.dec_thread_sharing()
+                else:
+                    connections.close_all()  # this thread's own
+
+        thread = threading.Thread(target=run, name=f"job-{self.job.pk}-{what}", daemon=True)
+        thread.start()
+        return thread
+
+    def _loop(self, output: JobOutput) -> None:
+        """Until the job has exited and its output is drained: its output to the log and the
+        metrics. Cancel, limits and the shutdown are decided by the other threads (`_db_steps`,
+        `_enforce`); their lines for the log are written here."""
+        assert self.session is not None
         exited_at: float | None = None
         while True:
-            if exited_at is None and self.session is not None and self.session.exited():
+            if self.db_failed:
+                raise RuntimeError("the supervisor's database steps failed")
+            if exited_at is None and self.session.exited():
                 exited_at = time.monotonic()
-            if exited_at is not None and (eof or time.monotonic() - exited_at > settings.JOB_DRAIN_SECONDS):
+            if exited_at is not None and (
+                output.eof or time.monotonic() - exited_at > settings.JOB_DRAIN_SECONDS
+            ):
                 # Done; a child that kept the output pipe open (a server started in the
                 # background) does not keep the job alive: _end_session ends it.
                 return
             deadline = time.monotonic() + TICK_SECONDS
-            while not eof:
+            while not output.eof:
                 try:
-                    data = chunks.get(timeout=max(0.0, deadline - time.monotonic()))
+                    data = output.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
                 if data is None:
-                    eof = True
                     break
                 self._note_launcher_line(data)
                 self._take_output(data)
-            if eof:
+            if output.eof:
                 time.sleep(max(0.0, deadline - time.monotonic()))  # output closed; waiting for the exit
+            self._write_notes()
             if late := self.metrics.release():  # held back in case it became a record; it did not
                 self.writer.feed(late)
             self._guarded(self.writer.maybe_flush)
             self._guarded(self.metrics.maybe_flush)
-            now = time.monotonic()
-            if now - last_poll >= CANCEL_POLL_SECONDS:
-                last_poll = now
-                self._check_shutdown()
-                if not self.running_recorded:
-                    self.running_recorded = self._guarded(self._record_running)
-                beat = now - last_beat >= settings.JOB_HEARTBEAT_SECONDS
-                if self._guarded(lambda: self._check_row(beat), reads=True):  # noqa: B023 - called at once
-                    last_beat = now if beat else last_beat
-                else:
-                    self._check_deadline_alone()
-            self._escalate()
+
+    def _say(self, line: str) -> None:
+        """A line for the job's log from any thread; the loop writes it (`_write_notes`)."""
+        self.notes.append(line)
+
+    def _write_notes(self) -> None:
+        while self.notes:
+            self.writer.write_line(self.notes.popleft())
+
+    def _db_steps(self) -> None:
+        """The database's part, in a thread of its own: a query that hangs holds up no deadline
+        (`_enforce`). Until the supervisor closes: the running mark until it is stored, the steps
+        handed to it (`db_later`), and every CANCEL_POLL_SECONDS the row (heartbeat, cancel,
+        booking end), whose decisions are taken when it answers."""
+        last_beat = time.monotonic()
+        next_poll = last_beat + CANCEL_POLL_SECONDS
+        try:
+            while not self.closed:
+                try:
+                    step = self.db_later.get(timeout=max(0.0, next_poll - time.monotonic()))
+                except queue.Empty:
+                    now = time.monotonic()
+                    next_poll = now + CANCEL_POLL_SECONDS
+                    if not self.running_recorded:
+                        self.running_recorded = self._guarded(self._record_running)
+                    beat = now - last_beat >= settings.JOB_HEARTBEAT_SECONDS
+                    if self._guarded(lambda: self._check_row(beat), reads=True):  # noqa: B023 - called at once
+                        self.row_read_at = time.monotonic()
+                        last_beat = now if beat else last_beat
+                    continue
+                if step is None:
+                    return
+                self._guarded(step)
+        except Exception:
+            if not self.closed:  # the loop sees it and kills the job rather than leave it unwatched
+                log.exception("Job %s: the supervisor's database steps failed", self.job.pk)
+                self.db_failed = True
+
+    def _enforce(self) -> None:
+        """Every tick, whatever the database does: the worker's shutdown, the last deadline the
+        database gave (once its row has gone unread for STALE_ROW_SECONDS), SIGKILL after the
+        grace period. Nothing here waits for the database."""
+        while not self.closed:
+            try:
+                with self.lock:
+                    if self.closed:
+                        return
+                    self._check_shutdown()
+                    if time.monotonic() - self.row_read_at > STALE_ROW_SECONDS:
+                        self._check_deadline_alone()
+                    self._escalate()
+            except Exception:
+                log.exception("Job %s: the supervisor's enforcer failed; trying again", self.job.pk)
+            time.sleep(TICK_SECONDS)
 
     def _drain(self, output: JobOutput) -> None:
         """Whatever the job wrote just before the end, for JOB_DRAIN_SECONDS at most, heartbeat
-        kept: a process that left the job's session (setsid) and holds the pipe must not hold the
-        supervisor (and its pool process) for ever. Past that the pipe is closed, saying so."""
+        kept (the leader is not reaped yet): a process that left the job's session (setsid) and
+        holds the pipe must not hold the supervisor (and its pool process) for ever. Past that
+        the pipe is closed, saying so. Nothing to wait for once the loop saw the output's end."""
 
         def beat() -> None:
             self._guarded(lambda: Job.objects.filter(pk=self.job.pk).update(heartbeat_at=timezone.now()))
 
+        self._write_notes()
         if not output.drain(
             settings.JOB_DRAIN_SECONDS, self._take_output, beat, settings.JOB_HEARTBEAT_SECONDS
         ):
@@ -386,6 +360,7 @@ class Supervisor:
         if self.db_away and reads:
             log.warning("Job %s: %s answers again", self.job.pk, WHAT[self.db_away])
             self.db_away = None
+            self.writer.backoff = 0.0  # its log waits for no backoff now (LogWriter.flush)
         return True
 
     def _note_launcher_line(self, data: bytes) -> None:
@@ -396,12 +371,15 @@ class Supervisor:
             if line.startswith(b"[portal] launcher:"):
                 self.launcher_seen = True
                 text = line.decode(errors="replace")[:1000]
-                self._guarded(lambda: Job.objects.filter(pk=self.job.pk).update(launcher_line=text))  # noqa: B023
+                self.db_later.put(lambda: Job.objects.filter(pk=self.job.pk).update(launcher_line=text))  # noqa: B023
                 return
 
     def _check_row(self, beat: bool) -> None:
         """Heartbeat, and pick up a cancel request or a moved booking end (release, cancel)."""
-        now = timezone.now()
+        with self.lock:
+            if self.closed:
+                return
+            now = timezone.now()  # while the leader is unreaped: a heartbeat kill_orphans may trust
         if beat:
             Job.objects.filter(pk=self.job.pk).update(heartbeat_at=now)
         row = (
@@ -418,8 +396,12 @@ class Supervisor:
             )
             .get()
         )
-        if self.stop_reason:
-            return
+        with self.lock:
+            if not (self.stop_reason or self.closed):
+                self._apply_row(row, now)
+
+    def _apply_row(self, row: dict, now: datetime) -> None:
+        """What the row says, taken under the lock (it may arrive while the enforcer acts)."""
         # The row is the record: the time limit counts from the start it shows; both are kept
         # to be enforced without the database while it is away (_check_deadline_alone).
         self.job.started_at = row["started_at"] or self.job.started_at
@@ -451,10 +433,11 @@ class Supervisor:
         return "The booking ended; the job was stopped."
 
     def _check_deadline_alone(self) -> None:
-        """The database is away: the last deadline it gave still holds, enforced here alone. The
-        job's end is recorded once the database answers (this host's spool keeps it till then)."""
+        """The database is away or hangs: the last deadline it gave still holds, enforced here
+        alone. The job's end is recorded once the database answers (this host's spool keeps it
+        till then)."""
         if not self.stop_reason and (why := self._past_deadline(timezone.now())):
-            self.writer.write_line(
+            self._say(
                 "[portal] the database is away: the job is stopped by the last deadline it gave;"
                 " its end is recorded when the database answers."
             )
@@ -470,7 +453,7 @@ class Supervisor:
     def _stop(self, status: str, message: str) -> None:
         self.stop_reason, self.stop_message = status, message
         grace = settings.JOB_KILL_GRACE_SECONDS
-        self.writer.write_line(f"[portal] {message} Sending SIGTERM; SIGKILL in {grace} s if still running.")
+        self._say(f"[portal] {message} Sending SIGTERM; SIGKILL in {grace} s if still running.")
         self.term_sent_at = time.monotonic()
         if not self._signal(signal.SIGTERM):
             self._stop_denied()
@@ -480,12 +463,12 @@ class Supervisor:
         running unwatched; instead it runs on, watched as before (heartbeat, log, its end
         recorded when it comes), and its row says so while it does."""
         self.not_stopped = f"{CANNOT_STOP}; it ran until it ended by itself."
-        self.writer.write_line(
+        self._say(
             "[portal] could not send SIGTERM: permission denied. The job runs on; "
             "the portal keeps watching it and records its end."
         )
         note = f"{self.stop_message} {CANNOT_STOP}; the job is still running."[:1000]
-        self._guarded(
+        self.db_later.put(
             lambda: Job.objects.filter(pk=self.job.pk, status=Job.Status.RUNNING).update(message=note)
         )
 
@@ -493,47 +476,88 @@ class Supervisor:
         if self.term_sent_at is None or self.killed:
             return
         if time.monotonic() - self.term_sent_at >= settings.JOB_KILL_GRACE_SECONDS:
-            self.writer.write_line("[portal] still running after the grace period: SIGKILL.")
+            self._say("[portal] still running after the grace period: SIGKILL.")
             self.killed = True  # one attempt: a denied SIGKILL is said once, not on every tick
             if not self._signal(signal.SIGKILL):
-                self.writer.write_line("[portal] could not send SIGKILL: permission denied.")
+                self._say("[portal] could not send SIGKILL: permission denied.")
 
     def _signal(self, sig: signal.Signals) -> bool:
         """Signal every process of the job's session, each by its identity (jobs/supervision.py);
-        False when the worker may not. Nothing left to signal counts as signalled."""
+        False when the worker may not. Nothing left to signal counts as signalled; a signal that
+        reached nothing while the job runs, or processes that cannot be seen, are said."""
         assert self.session is not None
-        allowed = self.session.signal(sig)
-        if not allowed:
+        done = self.session.signal(sig)
+        self._say_unseen(done, sig.name)
+        if done.denied:
             log.warning(
                 "Job %s: may not send %s to its processes (permission denied: CAP_KILL?)",
                 self.job.pk,
                 sig.name,
             )
-        return allowed
+        elif not done.sent and not self.session.exited():
+            self._say(f"[portal] {sig.name} reached no process of the job: it was not signalled.")
+            log.error("Job %s: %s reached no process of it, though it runs", self.job.pk, sig.name)
+        return not done.denied
+
+    def _say_unseen(self, done: Signalled, what: str) -> None:
+        if not done.unlisted or self.unlisted_said:
+            return
+        self.unlisted_said = True
+        self._say(
+            "[portal] this worker cannot see the job's processes (/proc mounted with hidepid?): "
+            f"{what} went to its main process and its process group only; what it started in"
+            " other groups may run on."
+        )
+        log.error(
+            "Job %s: cannot list its processes (/proc hidepid?); %s went to its main process and group only",
+            self.job.pk,
+            what,
+        )
 
     def _kill_now(self) -> None:
         """The supervisor itself failed: stop the job at once rather than leave it unwatched."""
         log.error("Job %s: supervisor failed; killing the job", self.job.pk)
-        killed = self._signal(signal.SIGKILL)
-        if not killed:  # nothing else is left to do: wait for its end, so that it is recorded
-            log.error("Job %s: may not kill it either; waiting for it to end by itself", self.job.pk)
-            self.not_stopped = self.not_stopped or f"{CANNOT_STOP}; it ran until it ended by itself."
-        self.stop_reason = self.stop_reason or Job.Status.FAILED
-        self.stop_message = self.stop_message or (
-            "The worker's supervisor failed; the job was killed."
-            if killed
-            else "The worker's supervisor failed."
-        )
+        with self.lock:
+            try:
+                killed = self._signal(signal.SIGKILL)
+            except Exception:  # its end is still waited for, reaped and recorded
+                log.exception("Job %s: could not kill it; waiting for it to end by itself", self.job.pk)
+                killed = False
+            if not killed:  # nothing else is left to do: wait for its end, so that it is recorded
+                log.error("Job %s: may not kill it either; waiting for it to end by itself", self.job.pk)
+                self.not_stopped = self.not_stopped or f"{CANNOT_STOP}; it ran until it ended by itself."
+            self.stop_reason = self.stop_reason or Job.Status.FAILED
+            self.stop_message = self.stop_message or (
+                "The worker's supervisor failed; the job was killed."
+                if killed
+                else "The worker's supervisor failed."
+            )
 
     def _end_session(self) -> None:
         """The main process is gone; whatever it left in its session goes with it, whatever
-        process groups it made there."""
+        process groups it made there. A failure here still lets the leader be reaped and the end
+        recorded."""
         assert self.session is not None
-        if not self.session.end():
-            self.writer.write_line(
+        try:
+            done = self.session.end()
+        except Exception:
+            log.exception("Job %s: the end sweep failed; what the job left may run on", self.job.pk)
+            self._say("[portal] the worker could not end what the job left running (see the worker's log).")
+            self.not_stopped = self.not_stopped or "What it left running may not have been stopped."
+            return
+        self._say_unseen(done, "the end sweep (SIGKILL)")
+        if done.denied:
+            self._say(
                 "[portal] the job left processes running that the worker may not kill: permission denied."
             )
             self.not_stopped = self.not_stopped or "Could not stop what it left running: permission denied."
+        elif done.left:
+            self._say(
+                f"[portal] {done.left} process(es) of the job's session were still there after the end"
+                " sweep gave up; they may run on."
+            )
+            log.error("Job %s: %s process(es) of its session survived the end sweep", self.job.pk, done.left)
+            self.not_stopped = self.not_stopped or "Some of what it left running could not be stopped."
 
     def _record(self, code: int) -> None:
         if self.stop_reason:
@@ -628,14 +652,6 @@ class Supervisor:
         return self.shutting_down
 
 
-def _spool_for(job: Job) -> LogSpool | None:
-    try:
-        return LogSpool(spool_name(job.pk, job.created_at), cap_bytes=settings.JOB_LOG_MAX_MB * 1024 * 1024)
-    except OSError:
-        log.exception("Job %s: no spool on this host (JOB_SPOOL_DIR); its log waits in memory only", job.pk)
-        return None
-
-
 def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
     """QUEUED → STARTING, once: a re-delivered message finds 0 rows and does nothing.
 
@@ -652,23 +668,7 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
             log.warning("Job %s not started: %s", job_id, deactivated(left.owner))
             user_work_stop(user=left.owner, reason=deactivated(left.owner), now=now)
         return None
-    return _patiently(job_id, lambda: Job.objects.select_related("reservation", "server").get(pk=job_id))
-
-
-def _patiently(job_id: int, step: Callable[[], T]) -> T:
-    """A database step between the claim and the job's start: retried every 2 s while the
-    database is away (a restart), for up to JOB_END_WAIT_SECONDS; raised after that (the job is
-    then marked lost by the reconciler, its message saying the worker could not go on)."""
-    deadline = time.monotonic() + settings.JOB_END_WAIT_SECONDS
-    while True:
-        try:
-            return step()
-        except DatabaseError:
-            close_old_connections()
-            if time.monotonic() >= deadline or worker_stopping():
-                raise  # a worker shutting down waits for no database
-            log.warning("Job %s: the database is away before the job's start; retrying in 2 s", job_id)
-            time.sleep(2)
+    return patiently(job_id, lambda: Job.objects.select_related("reservation", "server").get(pk=job_id))
 
 
 def job_run(job_id: int) -> str | None:
@@ -684,7 +684,7 @@ def job_run(job_id: int) -> str | None:
             message="Cancelled: the booking is not active (ended or cancelled before the job started).",
         )
         return Job.Status.CANCELLED
-    supervisor = _patiently(job_id, lambda: Supervisor(job))
+    supervisor = patiently(job_id, lambda: Supervisor(job))
     supervisor.run()
     try:
         return Job.objects.values_list("status", flat=True).get(pk=job_id)

@@ -59,8 +59,9 @@ REFUSAL_REASONS: dict[type[ServiceError], str] = {
     Conflict: Job.Reason.RESOURCES,  # a manual booking took a card since the plan read them
     Invalid: Job.Reason.RESOURCES,
 }
-# A worker's pool size older than this many reconcile intervals is not trusted (the worker died
-# or was reconfigured): the planner then ignores the host's slots, as before it knew them.
+# A worker's pool size older than this many reconcile intervals means its worker has gone silent
+# (stopped, or cut off from the database while Redis works): nothing starts on that host until it
+# reports again. A host whose worker never reported is planned by its cards alone.
 SLOTS_STALE_INTERVALS = 4
 REFUSED = "Waiting: "  # a refused job's message starts so: the booking service's words follow
 _failed_before: set[int] = set()  # jobs whose unexpected failure was logged with its traceback
@@ -68,10 +69,14 @@ _usage_cache: tuple[datetime, Shares, Usage] | None = None
 _holds_unstored = False  # the last pass could not store its holds (Redis away): said once
 
 
-def queue_plan(*, now: datetime | None = None, leave_out: Collection[int] = ()) -> list[Entry]:
+def queue_plan(
+    *, now: datetime | None = None, leave_out: Collection[int] = (), not_now: Collection[int] = ()
+) -> list[Entry]:
     """The plan as it stands: every pending job in priority order, with its factors, reason and
     estimated start (the Queue page, GET /api/v1/queue/, and each pass). `leave_out`: jobs the
-    booking service refused this pass, planned without, so they hold no cards from the others."""
+    booking service refused this pass, planned without, so they hold no cards from the others.
+    `not_now`: jobs refused for a card taken since the plan read them: they wait this pass but
+    keep their place (their shadows)."""
     now = now or timezone.now()
     requests = [r for r in _pending() if r.job_id not in leave_out]
     if not requests:
@@ -82,9 +87,11 @@ def queue_plan(*, now: datetime | None = None, leave_out: Collection[int] = ()) 
     # enough to start any of them safely now, and to estimate starts within the horizon.
     longest = max(r.minutes for r in requests)
     horizon = now + timedelta(minutes=longest, hours=settings.QUEUE_ESTIMATE_HORIZON_HOURS)
+    servers = [pk for pk, _ in online]
+    slots, silent = _free_slots(now, servers)
     return plan(
         requests,
-        _calendar(now, [pk for pk, _ in online], horizon, slots=_free_slots(now, [pk for pk, _ in online])),
+        _calendar(now, servers, horizon, slots=slots, silent=silent),
         shares=shares,
         usage=usage,
         weights=Weights(
@@ -95,22 +102,29 @@ def queue_plan(*, now: datetime | None = None, leave_out: Collection[int] = ()) 
         depth=settings.QUEUE_BACKFILL_DEPTH,
         draining={pk for pk, draining in online if draining},
         array_room=_array_room({r.array_id for r in requests if r.array_id}),
+        not_now=not_now,
     )
 
 
 def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
     """One pass: start what the plan says can start now; record why the others wait.
 
-    A start the booking service refuses (a quota, a member who left the team, a card taken since
-    the plan read it) is taken out and the rest planned again in the same pass, so a job that is
-    refused every time never holds cards a job behind it could use now. Each round refuses at
-    least one more job, and at most QUEUE_REPLANS rounds run."""
+    A start the booking service refuses (a quota, a member who left the team) is taken out and the
+    rest planned again in the same pass, so a job that is refused every time never holds cards a
+    job behind it could use now. One refused for a card taken since the plan read it (Conflict)
+    stays in the re-plan as waiting, with its shadow, so the jobs behind it cannot take its cards
+    for the rest of the pass. Each round refuses at least one more job, and at most QUEUE_REPLANS
+    rounds run."""
     now = now or timezone.now()
     done: Counter[str] = Counter()
     done["released"] = _release_ended(now)
     refused: dict[int, Refusal] = {}
     for _round in range(1 + QUEUE_REPLANS):
-        entries = queue_plan(now=now, leave_out=refused.keys())
+        entries = queue_plan(
+            now=now,
+            leave_out=[pk for pk, r in refused.items() if not r.keeps_place],
+            not_now=[pk for pk, r in refused.items() if r.keeps_place],
+        )
         newly = False
         for entry in entries:
             if not entry.start_now:
@@ -124,7 +138,8 @@ def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
             break
     _record_reasons(entries, refused)
     _store_holds(entries)
-    done["pending"] = sum(1 for e in entries if not e.start_now) + len(refused)
+    planned = {e.request.job_id for e in entries}
+    done["pending"] = sum(1 for e in entries if not e.start_now) + len(refused.keys() - planned)
     return dict(done)
 
 
@@ -134,23 +149,33 @@ class Refusal:
 
     reason: str
     message: str = ""
+    keeps_place: bool = False  # a card taken since the plan read them: it keeps its shadow this pass
 
 
 def _record_reasons(entries: list[Entry], refused: dict[int, Refusal]) -> None:
     """Each waiting job's reason; a refused one also keeps the booking service's words as its
-    message, so its owner reads why (cleared when it starts: `_bind`)."""
+    message, so its owner reads why, and one held up by a silent worker says so (cleared when
+    neither holds any more, or when it starts: `_bind`)."""
     reasons: dict[str, list[int]] = defaultdict(list)
+    notes: dict[str, list[int]] = defaultdict(list)
     for entry in entries:
         if not entry.start_now and entry.reason:
             reasons[entry.reason].append(entry.request.job_id)
+            if entry.note and entry.request.job_id not in refused:
+                notes[f"{REFUSED}{entry.note}"].append(entry.request.job_id)
     for reason, ids in reasons.items():
         Job.objects.filter(pk__in=ids, status=Job.Status.PENDING).exclude(pending_reason=reason).update(
             pending_reason=reason
         )
-    waiting = [pk for ids in reasons.values() for pk in ids]  # no longer refused: old words go
+    noted = {pk for ids in notes.values() for pk in ids}
+    waiting = [pk for ids in reasons.values() for pk in ids if pk not in noted]  # old words go
     Job.objects.filter(pk__in=waiting, status=Job.Status.PENDING, message__startswith=REFUSED).update(
         message=""
     )
+    for note, ids in notes.items():
+        Job.objects.filter(pk__in=ids, status=Job.Status.PENDING).exclude(message=note).update(
+            message=note[:1000]
+        )
     for pk, refusal in refused.items():
         Job.objects.filter(pk=pk, status=Job.Status.PENDING).update(
             pending_reason=refusal.reason, message=refusal.message[:1000]
@@ -199,7 +224,7 @@ def _start(entry: Entry, now: datetime) -> Refusal | None:
     except ServiceError as refusal:
         reason = REFUSAL_REASONS.get(type(refusal), Job.Reason.RESOURCES)
         log.info("Job %s could not start this pass (%s): %s", r.job_id, reason, refusal.message)
-        return Refusal(reason, f"{REFUSED}{refusal.message}")
+        return Refusal(reason, f"{REFUSED}{refusal.message}", keeps_place=isinstance(refusal, Conflict))
     except Exception:
         # A bug or a fault this job meets: skip it, never the pass. Its traceback once, not every pass.
         if r.job_id not in _failed_before:
@@ -338,18 +363,26 @@ def _pending() -> list[Request]:
     ]
 
 
-def _free_slots(now: datetime, servers: list[int]) -> dict[int, int]:
+def _free_slots(now: datetime, servers: list[int]) -> tuple[dict[int, int], dict[int, str]]:
     """Free job slots of each server whose worker said lately how many jobs it runs at once
     (jobs.pickup writes Server.job_slots): its pool size less the jobs it holds or has been sent.
-    A server missing here has unknown slots, and the plan does not limit it."""
+    And the servers whose worker said so once but not lately, with words that say since when: the
+    plan starts nothing there. A server in neither never reported, and the plan does not limit it."""
     fresh = now - timedelta(seconds=SLOTS_STALE_INTERVALS * settings.JOB_RECONCILE_SECONDS)
-    known = dict(
-        Server.objects.filter(pk__in=servers, job_slots__isnull=False, job_slots_at__gte=fresh).values_list(
-            "pk", "job_slots"
-        )
-    )
+    known: dict[int, int] = {}
+    silent: dict[int, str] = {}
+    for pk, name, slots, at in Server.objects.filter(
+        pk__in=servers, job_slots__isnull=False, job_slots_at__isnull=False
+    ).values_list("pk", "name", "job_slots", "job_slots_at"):
+        if at >= fresh:
+            known[pk] = slots
+        else:
+            silent[pk] = (
+                f"{name}'s worker has not reported for {int((now - at).total_seconds())} s, so no job "
+                f"starts there until it does"
+            )
     if not known:
-        return {}
+        return {}, silent
     held = dict(
         Job.objects.filter(
             Q(status__in=(Job.Status.STARTING, Job.Status.RUNNING))
@@ -359,11 +392,16 @@ def _free_slots(now: datetime, servers: list[int]) -> dict[int, int]:
         .values_list("server_id")
         .annotate(n=Count("pk"))
     )
-    return {pk: max(0, slots - held.get(pk, 0)) for pk, slots in known.items()}
+    return {pk: max(0, slots - held.get(pk, 0)) for pk, slots in known.items()}, silent
 
 
 def _calendar(
-    now: datetime, servers: list[int], horizon: datetime, *, slots: dict[int, int] | None = None
+    now: datetime,
+    servers: list[int],
+    horizon: datetime,
+    *,
+    slots: dict[int, int] | None = None,
+    silent: dict[int, str] | None = None,
 ) -> Calendar:
     """The cards of the online servers that take work, and their bookings from now to `horizon`."""
     cards = [
@@ -379,7 +417,7 @@ def _calendar(
         .values_list("gpu_id", "start", "end", "memory_mb")
     ):
         busy[uuid].append((max(start, now), end, memory))
-    return Calendar(cards, busy, now, horizon, slots=slots)
+    return Calendar(cards, busy, now, horizon, slots=slots, silent=silent)
 
 
 def _array_room(arrays: set[int]) -> dict[int, int]:
@@ -416,7 +454,7 @@ def fairshare_state(now: datetime) -> tuple[Shares, Usage]:
         "start", "end", "memory_mb", "gpu__memory_total_mb", "reservation__team_id", "reservation__owner_id"
     )
     for start, end, memory, total, team_id, owner_id in rows:
-        fraction = 1.0 if memory is None else min(1.0, memory / max(1, total))
+        fraction = GPU.charged_share(memory, total)
         hours = decayed_hours(start, end, fraction, now, half_life)
         team[team_id] += hours
         member[(team_id, owner_id)] += hours

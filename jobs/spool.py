@@ -191,3 +191,12 @@ def stop_flag(pid: int) -> Path | None:
 def worker_stopping() -> bool:
     """This worker is shutting down (its flag: prefork's parent's, or solo's own)."""
     return any(flag is not None and flag.exists() for flag in map(stop_flag, {os.getpid(), os.getppid()}))
+
+
+def job_spool(job_id: int, created_at: datetime) -> LogSpool | None:
+    """The job's spool on this host, capped like its log; None (logged) when this host has none."""
+    try:
+        return LogSpool(spool_name(job_id, created_at), cap_bytes=settings.JOB_LOG_MAX_MB * 1024 * 1024)
+    except OSError:
+        log.exception("Job %s: no spool on this host (JOB_SPOOL_DIR); its log waits in memory only", job_id)
+        return None

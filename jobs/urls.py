@@ -1,8 +1,10 @@
 from django.urls import path
 
-from jobs import views
+from jobs import log_stream, views
 
 urlpatterns = [
+    # The jobs API is portal/api_urls.py's router; this one answers async, so it sits beside it.
+    path("api/v1/jobs/<int:pk>/log/stream/", log_stream.JobLogStream.as_view(), name="job_log_stream"),
     path("jobs/", views.my_jobs, name="my_jobs"),
     path("jobs/new/", views.job_new, name="job_new"),
     path("jobs/example/", views.job_example, name="job_example"),

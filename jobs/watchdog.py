@@ -69,7 +69,8 @@ class BookingFacts:
     reservation_id: int
     owner_id: int
     cards: Mapping[str, int | None]  # card UUID → booked MiB (None: the whole card)
-    # Ended or released within the last JOB_KILL_GRACE_SECONDS + one watchdog round: its jobs are
+    # Ended or released within jobs.watchdog_host.ended_booking_grace() (the supervisor's cancel
+    # poll + JOB_KILL_GRACE_SECONDS + NVML's lag after SIGKILL + one watchdog round): its jobs are
     # being stopped by their supervisors and may still be on its cards for those seconds, which
     # is no escape. It covers its own jobs only; for anyone else the card is free.
     ended: bool = False

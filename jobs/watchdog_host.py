@@ -21,6 +21,12 @@ reused by a later process (even in the same login session), a process whose star
 read, the simulation's invented processes (no session), pid <= 1, the worker itself and its own
 process group are never signalled. WATCHDOG_DRY_RUN records and notifies but never signals.
 
+A violation outlives a short dip: one that the process leaves for less than HOLD_ROUNDS rounds
+(over its budget, within it for a round, over again) stays the same violation, with its first
+sighting, its grace and no new message; a new process (another pid or start) is always a new one.
+Messages are per event: the processes of one job (or one person outside jobs) of one kind on one
+card are one violation row each, but one message a round, and one offence.
+
 The in-memory state (`Tracked`) changes only after the database write that records the decision
 has committed: a write that fails (the database away, a deadlock) is tried again next round, so a
 stop is never lost between "decided" and "recorded". A restarted worker rebuilds that state from
@@ -31,12 +37,12 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -44,6 +50,7 @@ from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Allocation, Server, Violation, WatchdogPolicy, format_mb
 from gpus.procinfo import is_process_pid, session_of
 from jobs.models import Job
+from jobs.runner import CANCEL_POLL_SECONDS
 from jobs.watchdog import BookingFacts, JobFacts, Kind, Verdict, classify
 from jobs.watchdog_notify import tell_about
 from portal.accounts import users_by_unix_name
@@ -57,6 +64,10 @@ STOP_CONFIRM_SECONDS = 10  # after SIGKILL, how long NVML may still list the pro
 POLICY_CACHE_SECONDS = 10
 USERS_CACHE_SECONDS = 30
 CLOCK_SLACK_SECONDS = 2
+# A violation whose process is within its budget again (or its verdict otherwise harmless) stays
+# open this many rounds: a dip under the limit neither ends it (and its grace) nor, on the next
+# crossing, opens a new one with a new message.
+HOLD_ROUNDS = 3
 
 Policy = WatchdogPolicy.Action
 
@@ -69,12 +80,37 @@ NOT_SIGNALLED_NOTE = "Not signalled: "
 NEEDS_CAP_KILL = "the worker needs CAP_KILL or root"
 
 Key = tuple[str, int, float | None, str]  # card, pid, start, kind: one process of one kind
+Event = tuple[str, str, tuple[str, object]]  # card, kind, the job (or the person) behind it
+# Verdicts that harm nobody: a process that turns one of these is within its budget again.
+HARMLESS = (Kind.OK, Kind.OWNER_OUTSIDE_JOB)
 
 
 def key_of(gpu: str, pid: int, started: float | None, kind: str) -> Key:
     # Two reads of one process's create_time agree; rounding keeps a value that went through the
     # database (a float column) equal to a fresh read.
     return (gpu, pid, None if started is None else round(started, 2), str(kind))
+
+
+def event_of(gpu: str, kind: str, job_id: int | None, user_id: int | None, os_user: str) -> Event:
+    """What one message and one offence are about: a job's processes (or a person's outside jobs)
+    of one kind on one card."""
+    who: tuple[str, object] = (
+        ("job", job_id)
+        if job_id is not None
+        else ("user", user_id)
+        if user_id is not None
+        else ("os", os_user)
+    )
+    return (gpu, str(kind), who)
+
+
+def _event(verdict: Verdict) -> Event:
+    p = verdict.process
+    return event_of(verdict.gpu_uuid, verdict.kind, verdict.job_id, verdict.user_id, p.username)
+
+
+def _process_of(key: Key) -> tuple[str, int, float | None]:
+    return key[:3]
 
 
 @dataclass
@@ -86,6 +122,8 @@ class Tracked:
     first_seen: datetime
     memory_mb: int | None
     session_id: int | None
+    event: Event
+    last_bad: datetime  # last seen as this kind: a hold (HOLD_ROUNDS) counts from here
     stop_started: datetime | None = None  # the stop was asked for (job) or SIGTERM was sent
     killed: bool = False  # SIGKILL sent (direct stops only)
     finished: bool = False  # stopped, failed or dry-run: nothing more to do but watch
@@ -100,11 +138,16 @@ class HostWatchdog:
         self.server_id: int | None = None
         self._policies: tuple[datetime, dict[str, tuple[str, int]]] | None = None
         self._users: tuple[datetime, dict[str, int], frozenset[str]] | None = None
+        self._told: set[tuple[Event, str]] = set()  # this round's messages: one per event
+        self._failing: set[Key] = set()  # items whose error was logged: once, not every round
 
     # --- the round ------------------------------------------------------------------------
 
     def round(self, snapshot: Snapshot, now: datetime | None = None) -> list[Verdict]:
-        """Judge one snapshot of this host's cards and act; returns every verdict."""
+        """Judge one snapshot of this host's cards and act; returns every verdict.
+
+        Each violation is its own step: an error in one (its row deleted, say) is logged once and
+        never stops the others. Only the database going away ends the round, to be retried."""
         now = now or timezone.now()
         if self.server_id is None:
             self.server_id = Server.objects.filter(name=self.server_name).values_list("pk", flat=True).first()
@@ -115,26 +158,101 @@ class HostWatchdog:
             self._load_open(server)
         verdicts = self._judge(snapshot, server, now)
         policies = self.policies(now)
+        self._told = set()
+        readable = {g.uuid for g in snapshot.gpus if g.processes is not None}
+        held, ending = self._held_and_ending(verdicts, readable, now)
+        held_processes = {_process_of(k) for k in held}
+        # Ends first: a process that follows another of the same job (or person) on the card is a
+        # new event once the first has ended, and is counted and told as one.
+        self._end_gone(ending, now)
+        pids: dict[Event, list[int]] = {}
+        for verdict in verdicts:
+            if verdict.kind not in HARMLESS:
+                pids.setdefault(_event(verdict), []).append(verdict.process.pid)
         seen: set[Key] = set()
         for verdict in verdicts:
+            process = verdict.process
             if verdict.kind is Kind.OK:
                 continue
-            process = verdict.process
             key = key_of(verdict.gpu_uuid, process.pid, process.started, verdict.kind)
+            if verdict.kind in HARMLESS and _process_of(key) in held_processes:
+                continue  # within its budget for now, but its violation is held open: no new one
             seen.add(key)
-            self._watch(key, verdict, policies[verdict.kind], server, now)
-        readable = {g.uuid for g in snapshot.gpus if g.processes is not None}
-        self._end_gone([k for k in self.tracked if k not in seen and k[0] in readable], now)
+            event_pids = pids.get(_event(verdict), [process.pid])
+            self._step(key, self._watch, key, verdict, policies[verdict.kind], server, now, event_pids)
+        for key, verdict in held.items():
+            self._step(key, self._hold, key, verdict, now)
         if seen:
-            # Every open violation on a readable card was seen this round (the others just ended):
-            # one UPDATE by index, whatever their number.
-            Violation.objects.filter(server_id=server, ended_at=None, gpu_id__in=readable).update(
-                last_seen=now
-            )
+            # Every open violation on a readable card was seen this round (the others just ended,
+            # or are held through a dip: their last_seen stays): one UPDATE by index.
+            held_ids = [self.tracked[k].violation_id for k in held if k in self.tracked]
+            Violation.objects.filter(server_id=server, ended_at=None, gpu_id__in=readable).exclude(
+                pk__in=held_ids
+            ).update(last_seen=now)
         return verdicts
 
+    def _held_and_ending(
+        self, verdicts: list[Verdict], readable: set[str], now: datetime
+    ) -> tuple[dict[Key, Verdict], list[Key]]:
+        """The tracked violations not seen as their kind this round, on readable cards: those held
+        open through a dip (their process still listed, harmless for now: within HOLD_ROUNDS
+        rounds, or its stop under way), with the process's verdict now; and those that end (the
+        process gone, harmless for longer than the hold, or now another kind of violation)."""
+        now_kind: dict[tuple[str, int, float | None], Verdict] = {}
+        for v in verdicts:
+            now_kind[_process_of(key_of(v.gpu_uuid, v.process.pid, v.process.started, v.kind))] = v
+        hold = timedelta(seconds=HOLD_ROUNDS * settings.WATCHDOG_INTERVAL_SECONDS)
+        held: dict[Key, Verdict] = {}
+        ending: list[Key] = []
+        for key, tracked in self.tracked.items():
+            if key[0] not in readable:
+                continue  # unknown is not empty
+            verdict = now_kind.get(_process_of(key))
+            if verdict is not None and verdict.kind == tracked.kind:
+                continue  # seen as itself
+            harmless = verdict is not None and verdict.kind in HARMLESS
+            stopping = tracked.stop_started is not None and not tracked.finished
+            if (
+                harmless
+                and tracked.kind != Kind.OWNER_OUTSIDE_JOB
+                and (stopping or now - tracked.last_bad < hold)
+            ):
+                held[key] = verdict
+            else:
+                ending.append(key)
+        return held, ending
+
+    def _hold(self, key: Key, verdict: Verdict, now: datetime) -> None:
+        """A violation held through a dip: a stop under way goes on (SIGKILL, or its failure)."""
+        tracked = self.tracked[key]
+        if tracked.stop_started is not None and not tracked.finished:
+            self._escalate(tracked, replace(verdict, kind=Kind(tracked.kind)), now)
+
+    def _step(self, key: Key, step: Callable[..., None], *args: object) -> None:
+        """Run one violation's step; its error is its own (logged once), never the round's."""
+        try:
+            step(*args)
+        except (OperationalError, InterfaceError):
+            raise  # the database away: the round is tried again whole, and the caller says so once
+        except Violation.DoesNotExist:
+            log.warning("GPU watchdog: violation of %s was deleted; no longer watched", key)
+            self.tracked.pop(key, None)
+            self._failing.discard(key)
+        except Exception:
+            if key not in self._failing:
+                log.exception("GPU watchdog: %s failed; the other violations go on", key)
+            self._failing.add(key)
+        else:
+            self._failing.discard(key)
+
     def _judge(self, snapshot: Snapshot, server: int, now: datetime) -> list[Verdict]:
-        sessions = {p.session_id: p for g in snapshot.gpus for p in g.processes or () if p.session_id}
+        sessions: dict[int, float] = {}  # session → its oldest process start seen on the cards
+        for process in (p for g in snapshot.gpus for p in g.processes or ()):
+            if process.session_id and process.started is not None:
+                oldest = sessions.get(process.session_id)
+                sessions[process.session_id] = (
+                    process.started if oldest is None else min(oldest, process.started)
+                )
         # An ended job's recorded pid may head someone else's session by now: that session is
         # the job's only if one of its processes is older than the job's end.
         jobs = [j for j in _jobs_of(server, now) if j.running or _predates_end(j, sessions)]
@@ -163,16 +281,31 @@ class HostWatchdog:
             "action",
             "message",
             "action_at",
+            "job_id",
+            "user_id",
+            "os_user",
+            "last_seen",
         )
-        for pk, gpu, pid, started, kind, first_seen, memory, session, action, message, at in rows:
-            tracked = Tracked(pk, kind, first_seen, memory, session)
+        for row in rows:
+            pk, gpu, pid, started, kind, first_seen, memory, session, action, message, at = row[:11]
+            job, user, os_user, last_seen = row[11:]
+            event = event_of(gpu, kind, job, user, os_user)
+            tracked = Tracked(pk, kind, first_seen, memory, session, event, last_seen)
             _rebuild(tracked, action, message, at)
             self.tracked[key_of(gpu, pid, started, kind)] = tracked
         self.loaded = True
 
     # --- one violation ----------------------------------------------------------------------
 
-    def _watch(self, key: Key, verdict: Verdict, policy: tuple[str, int], server: int, now: datetime) -> None:
+    def _watch(
+        self,
+        key: Key,
+        verdict: Verdict,
+        policy: tuple[str, int],
+        server: int,
+        now: datetime,
+        pids: Sequence[int],
+    ) -> None:
         action, grace = policy
         tracked = self.tracked.get(key)
         if tracked is None:
@@ -181,15 +314,28 @@ class HostWatchdog:
             with transaction.atomic():
                 tracked = self._record(verdict, server, now)
                 if action != Policy.OBSERVE:
-                    self._warn(tracked, verdict, _next_step(action, grace, now, verdict.process))
+                    self._warn(tracked, verdict, _next_step(action, grace, now, verdict.process), pids)
             self.tracked[key] = tracked
-        elif (verdict.memory_mb or 0) > (tracked.memory_mb or 0):
+        else:
+            tracked.last_bad = now
+            self._grow(tracked, verdict)
+        self._go_on(tracked, verdict, action, grace, now, pids)
+
+    def _grow(self, tracked: Tracked, verdict: Verdict) -> None:
+        """The most memory measured is the one kept."""
+        if (verdict.memory_mb or 0) > (tracked.memory_mb or 0):
             Violation.objects.filter(pk=tracked.violation_id).update(memory_mb=verdict.memory_mb)
             tracked.memory_mb = verdict.memory_mb
+
+    def _go_on(
+        self, tracked: Tracked, verdict: Verdict, action: str, grace: int, now: datetime, pids: Sequence[int]
+    ) -> None:
+        """The stop, once the grace has passed since the violation was first seen (a dip under the
+        limit restarts nothing: see HOLD_ROUNDS)."""
         if tracked.finished or action != Policy.STOP:
             return
         if tracked.stop_started is None and now - tracked.first_seen >= timedelta(seconds=grace):
-            self._stop(tracked, verdict, now)
+            self._stop(tracked, verdict, now, pids)
         elif tracked.stop_started is not None:
             self._escalate(tracked, verdict, now)
 
@@ -222,15 +368,27 @@ class HostWatchdog:
             verdict.gpu_uuid,
             row.pk,
         )
-        return Tracked(row.pk, verdict.kind.value, now, verdict.memory_mb, process.session_id)
+        return Tracked(
+            row.pk, verdict.kind.value, now, verdict.memory_mb, process.session_id, _event(verdict), now
+        )
 
-    def _warn(self, tracked: Tracked, verdict: Verdict, next_step: str) -> None:
+    def _warn(self, tracked: Tracked, verdict: Verdict, next_step: str, pids: Sequence[int]) -> None:
         Violation.objects.filter(pk=tracked.violation_id).update(
             action=Violation.Action.WARNED, action_at=tracked.first_seen
         )
         if self._silent(verdict):
             return
-        tell_about(_violation(tracked), event="seen", next_step=next_step)
+        if any(t.event == tracked.event for t in self.tracked.values()):
+            return  # another process of an event already told about: the same event, no new message
+        self._tell(tracked, "seen", pids, next_step)
+
+    def _tell(self, tracked: Tracked, event: str, pids: Sequence[int] = (), next_step: str = "") -> None:
+        """Tell about `tracked`'s event, once a round for all the processes of one job (or person)
+        of one kind on one card: they are one event, and `pids` lists them."""
+        if (tracked.event, event) in self._told:
+            return
+        tell_about(_violation(tracked), event=event, next_step=next_step, pids=pids)
+        self._told.add((tracked.event, event))
 
     def _silent(self, verdict: Verdict) -> bool:
         # The simulation invents processes with made-up pids: shown, never worth a message.
@@ -238,13 +396,13 @@ class HostWatchdog:
 
     # --- stopping -------------------------------------------------------------------------------
 
-    def _stop(self, tracked: Tracked, verdict: Verdict, now: datetime) -> None:
+    def _stop(self, tracked: Tracked, verdict: Verdict, now: datetime, pids: Sequence[int]) -> None:
         """Begin the stop; `tracked` says it began only once the database says so."""
         if settings.WATCHDOG_DRY_RUN:
             with transaction.atomic():
                 self._note(tracked, DRY_RUN_NOTE, now)
                 if not self._silent(verdict):
-                    tell_about(_violation(tracked), event="dry_run")
+                    self._tell(tracked, "dry_run", pids)
             tracked.stop_started, tracked.finished = now, True
             return
         if verdict.job_id is not None and verdict.kind in (Kind.ESCAPED, Kind.OVER_MEMORY):
@@ -303,7 +461,7 @@ class HostWatchdog:
             )
             violation = _violation(tracked)
             _audit(violation, f"The GPU watchdog could not stop pid {violation.pid}: {why}")
-            tell_about(violation, event="stop_failed")
+            self._tell(tracked, "stop_failed", [violation.pid])
         tracked.finished = True
 
     def _note(self, tracked: Tracked, message: str, now: datetime) -> None:
@@ -311,24 +469,31 @@ class HostWatchdog:
 
     # --- the end of a violation ------------------------------------------------------------------
 
-    def _end_gone(self, keys: Iterable[Key], now: datetime) -> None:
-        """The process is no longer on the card: the stop worked, or it ended by itself.
+    def _end_gone(self, keys: Sequence[Key], now: datetime) -> None:
+        """The process is no longer on the card (the stop worked, or it ended by itself), or it has
+        been harmless longer than the hold, or it turned another kind of violation.
 
         Forgotten only once the end is recorded (with its audit entry and notifications, in one
         transaction): a write that fails is tried again next round, never lost."""
+        stopped: dict[Event, list[int]] = {}
         for key in keys:
-            tracked = self.tracked[key]
-            with transaction.atomic():
-                if tracked.stop_started is not None and not tracked.finished:
-                    Violation.objects.filter(pk=tracked.violation_id).update(
-                        action=Violation.Action.STOPPED, action_at=now, stopped_at=now, ended_at=now
-                    )
-                    violation = _violation(tracked)
-                    _audit(violation, f"The GPU watchdog stopped pid {violation.pid}: {_summary(violation)}")
-                    tell_about(violation, event="stopped")
-                else:
-                    Violation.objects.filter(pk=tracked.violation_id).update(ended_at=now)
-            del self.tracked[key]
+            stopped.setdefault(self.tracked[key].event, []).append(key[1])
+        for key in keys:
+            self._step(key, self._end, key, stopped[self.tracked[key].event], now)
+
+    def _end(self, key: Key, pids: Sequence[int], now: datetime) -> None:
+        tracked = self.tracked[key]
+        with transaction.atomic():
+            if tracked.stop_started is not None and not tracked.finished:
+                Violation.objects.filter(pk=tracked.violation_id).update(
+                    action=Violation.Action.STOPPED, action_at=now, stopped_at=now, ended_at=now
+                )
+                violation = _violation(tracked)
+                _audit(violation, f"The GPU watchdog stopped pid {violation.pid}: {_summary(violation)}")
+                self._tell(tracked, "stopped", pids)
+            else:
+                Violation.objects.filter(pk=tracked.violation_id).update(ended_at=now)
+        del self.tracked[key]
 
     def users(self, names: set[str], now: datetime) -> dict[str, int]:
         """The portal users behind these OS users; asked again only for a new name, or every
@@ -348,11 +513,24 @@ class HostWatchdog:
 # --- facts, one query each ----------------------------------------------------------------------
 
 
+def ended_booking_grace() -> timedelta:
+    """How long an ended (or released) booking still holds its cards for its own jobs: the
+    supervisor notices the end at its next cancel poll (CANCEL_POLL_SECONDS), sends SIGTERM and
+    SIGKILL after JOB_KILL_GRACE_SECONDS, NVML may list the killed process for STOP_CONFIRM_SECONDS
+    more, and the watchdog sees the card once a round."""
+    return timedelta(
+        seconds=CANCEL_POLL_SECONDS
+        + settings.JOB_KILL_GRACE_SECONDS
+        + STOP_CONFIRM_SECONDS
+        + settings.WATCHDOG_INTERVAL_SECONDS
+    )
+
+
 def _bookings_now(server: int, now: datetime) -> list[BookingFacts]:
-    """The bookings active now on this host's cards, and those that ended (or were released) in
-    the last JOB_KILL_GRACE_SECONDS + one round: their jobs' supervisors are stopping them, which
-    takes up to that long, and a job on its card meanwhile has not escaped."""
-    window = timedelta(seconds=settings.JOB_KILL_GRACE_SECONDS + settings.WATCHDOG_INTERVAL_SECONDS)
+    """The bookings active now on this host's cards, and those that ended (or were released)
+    within `ended_booking_grace()`: their jobs' supervisors are stopping them, which takes up to
+    that long, and a job on its card meanwhile has not escaped."""
+    window = ended_booking_grace()
     cards: dict[int, dict[str, int | None]] = {}
     owners: dict[int, int] = {}
     ended: dict[int, bool] = {}
@@ -378,12 +556,13 @@ def _jobs_of(server: int, now: datetime) -> list[JobFacts]:
     ]
 
 
-def _predates_end(job: JobFacts, sessions: dict[int, ProcessInfo]) -> bool:
-    """True when a process seen in the ended job's session was created before the job ended."""
-    process = sessions.get(job.session_id)
-    if process is None or process.started is None or job.finished_at is None:
-        return False  # a start that cannot be read proves nothing: no zombie
-    return process.started <= job.finished_at.timestamp() + CLOCK_SLACK_SECONDS
+def _predates_end(job: JobFacts, sessions: dict[int, float]) -> bool:
+    """True when any process seen in the ended job's session (its oldest) was created before the
+    job ended; a younger one beside it changes nothing."""
+    oldest = sessions.get(job.session_id)
+    if oldest is None or job.finished_at is None:
+        return False  # no start that could be read proves nothing: no zombie
+    return oldest <= job.finished_at.timestamp() + CLOCK_SLACK_SECONDS
 
 
 def _unprovable(process: ProcessInfo) -> str | None:

@@ -3,8 +3,10 @@
 - the offender: the portal user behind the process (the job's owner, or the OS user's account);
 - the owners of the other bookings active on that card now: their card was taken, or shared
   memory was overrun (not for `unbooked`, which harms no booking yet);
-- the offender's team leaders, when the offender has had WATCHDOG_REPEAT_OFFENCES violations or
-  more in the past week.
+- the offender's team leaders, when the offender has had WATCHDOG_REPEAT_OFFENCES offences or
+  more in the past week. An offence is an event, not a process: the violations of one job (or of
+  one person outside jobs) of one kind on one card that overlap in time are one offence, so a job
+  of three processes over its memory is one, not three (`offences`).
 
 Every message is in the inbox; mail follows each person's preferences, at most one per person and
 violation every NOTIFY_MAIL_EVERY_MINUTES (the key `violation:<id>`; a stop or a failed stop has a
@@ -13,10 +15,13 @@ key of its own, so it is never held back by the first warning).
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Sequence
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.db.models import Exists, OuterRef, Q, Value
+from django.db.models.functions import Coalesce
 from django.urls import reverse
 from django.utils import timezone
 
@@ -47,9 +52,10 @@ WHY = {
 }
 
 
-def tell_about(violation: Violation, *, event: str, next_step: str = "") -> int:
+def tell_about(violation: Violation, *, event: str, next_step: str = "", pids: Sequence[int] = ()) -> int:
     """Notify everyone concerned by `violation` of `event`, saying what happens next; returns how
-    many were told."""
+    many were told. `pids`: every process of the same event (one job, or one person outside jobs,
+    of one kind on one card), told about in this one message."""
     url = reverse("violation_detail", args=[violation.pk])
     key = f"violation:{violation.pk}" if event == "seen" else f"violation:{violation.pk}:{event}"
     subject = f"{_card(violation)}: {violation.get_kind_display().split(':')[0]} {EVENTS[event]}"
@@ -59,7 +65,7 @@ def tell_about(violation: Violation, *, event: str, next_step: str = "") -> int:
             user=user,
             kind=violation.kind,
             subject=subject,
-            body=_body(violation, event, role, next_step),
+            body=_body(violation, event, role, next_step, pids),
             url=url,
             key=key,
         )
@@ -92,12 +98,35 @@ def _card_owners_now(violation: Violation) -> list[object]:
 
 def _repeat_offender(violation: Violation) -> bool:
     since = timezone.now() - timedelta(days=7)
-    count = (
-        Violation.objects.filter(user_id=violation.user_id, first_seen__gte=since)
+    return offences(violation.user_id, since=since) >= settings.WATCHDOG_REPEAT_OFFENCES
+
+
+def offences(user_id: int | None, *, since: datetime) -> int:
+    """The user's offences first seen since `since`: one per event, not per process. A violation
+    that began while another of the same card, kind and job (or, outside jobs, the same person)
+    was open is part of that one's event, and not counted again."""
+    job = Coalesce("job_id", Value(0))
+    earlier = (
+        Violation.objects.annotate(job_key=job)
+        .filter(
+            user_id=OuterRef("user_id"),
+            gpu_id=OuterRef("gpu_id"),
+            kind=OuterRef("kind"),
+            job_key=OuterRef("job_key"),
+        )
+        .filter(
+            Q(first_seen__lt=OuterRef("first_seen"))
+            | Q(first_seen=OuterRef("first_seen"), pk__lt=OuterRef("pk"))
+        )
+        .filter(Q(ended_at=None) | Q(ended_at__gt=OuterRef("first_seen")))
+    )
+    return (
+        Violation.objects.filter(user_id=user_id, first_seen__gte=since)
         .exclude(kind=Violation.Kind.OWNER_OUTSIDE_JOB)
+        .annotate(job_key=job)
+        .exclude(Exists(earlier))
         .count()
     )
-    return count >= settings.WATCHDOG_REPEAT_OFFENCES
 
 
 def _leaders_of(user: object) -> list[object]:
@@ -110,7 +139,7 @@ def _card(violation: Violation) -> str:
     return f"{violation.gpu.server.name} GPU {violation.gpu.index}"
 
 
-def _body(violation: Violation, event: str, role: str, next_step: str) -> str:
+def _body(violation: Violation, event: str, role: str, next_step: str, pids: Sequence[int]) -> str:
     who = violation.user.username if violation.user else f"OS user {violation.os_user or '?'}"
     memory = format_mb(violation.memory_mb) if violation.memory_mb is not None else "unknown memory"
     lines = [
@@ -122,6 +151,9 @@ def _body(violation: Violation, event: str, role: str, next_step: str) -> str:
         f"  memory: {memory}"
         + (f" (booked {format_mb(violation.booked_mb)})" if violation.booked_mb else ""),
     ]
+    others = sorted(set(pids) - {violation.pid})
+    if others:
+        lines.append(f"  and {len(others)} more of the same: pid {', '.join(map(str, others))}")
     if violation.job_id:
         lines.append(f"  job: {violation.job_id}")
     if violation.reservation is not None:

@@ -112,6 +112,9 @@ POSTGRES_DEFAULT_OPTIONS = {
     "keepalives_idle": "30",
     "keepalives_interval": "10",
     "keepalives_count": "3",
+    # Data unacknowledged for 30 s (a peer that vanished mid-query: a frozen VM, a blackholed
+    # route) fails the connection instead of the kernel's ~15 minutes of retransmits.
+    "tcp_user_timeout": "30000",
 }
 
 

@@ -21,12 +21,14 @@ different one for a later process with the same pid.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import signal
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 import psutil
 
@@ -97,9 +99,12 @@ def send(target: ProcessId, sig: signal.Signals) -> Sent:
     except ProcessLookupError:
         return Sent.GONE
     except OSError as exc:
+        # No pidfds here (ENOSYS, EPERM, EINVAL), or none to be had now (EMFILE, ENFILE, ENOMEM
+        # on a host under pressure): check, then kill. A signal not sent would leave the job
+        # running unwatched, which is worse than the narrow race of a bare pid.
         if exc.errno not in (errno.ENOSYS, errno.EPERM, errno.EINVAL):
-            raise
-        return _send_by_pid(target, sig)  # no pidfds here: check, then kill
+            log.warning("No pidfd for pid %s (%s): checking, then signalling by pid", target.pid, exc)
+        return _send_by_pid(target, sig)
     try:
         if not target.is_alive():
             return Sent.GONE  # the pidfd names whoever has the pid now, and that is another
@@ -125,7 +130,9 @@ def _send_by_pid(target: ProcessId, sig: signal.Signals) -> Sent:
     return Sent.SENT
 
 
-def session_members(leader: ProcessId, *, held_at: float | None = None) -> list[ProcessId]:
+def session_members(
+    leader: ProcessId, *, held_at: float | None = None, held: bool = False
+) -> list[ProcessId]:
     """Every live process in the session `leader` started (its session id is the leader's pid),
     leader included if alive, whatever process groups they made inside it.
 
@@ -145,19 +152,26 @@ def session_members(leader: ProcessId, *, held_at: float | None = None) -> list[
     (the job's last heartbeat: its supervisor held the leader, unreaped), settles it: a member
     created by then is of the leader's session, and while it lives the id cannot have been
     reused, so the whole session is the leader's. With no such member, nothing is proved and
-    nothing is returned."""
+    nothing is returned.
+
+    `held`: the caller is the leader's parent and has not reaped it, so its pid, and the session
+    id, can be no one else's: every process of that session id is of this session, whatever the
+    start times say (the leader's own start may be unreadable: /proc mounted hidepid=2)."""
     members: list[ProcessId] = []
     leader_alive = False
     for proc in psutil.process_iter(["pid", "create_time", "status"]):
         pid, created = proc.info["pid"], proc.info["create_time"]
         if pid <= 1 or created is None or proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        if created < leader.started - START_SLACK_SECONDS:
+        if not held and created < leader.started - START_SLACK_SECONDS:
             continue  # older than the session: another session with a recycled id
         try:
             if os.getsid(pid) != leader.pid:
                 continue
         except (ProcessLookupError, PermissionError):
+            continue
+        if held:
+            members.append(ProcessId(pid, created))
             continue
         if pid == leader.pid:
             if not same_start(created, leader.started):
@@ -168,6 +182,73 @@ def session_members(leader: ProcessId, *, held_at: float | None = None) -> list[
     if not (leader_alive or held_at is None or early):
         return []  # nothing alive from while the id was surely the leader's
     return members
+
+
+def groups_of(members: list[ProcessId]) -> set[int]:
+    """The process groups of `members`, each read from a member whose identity is checked right
+    after: a group with a live member of a session is of that session (a process joins groups of
+    its own session only), so signalling it reaches that session alone. A group seen through no
+    live member (its leader and members gone) is left out: its id may have come round again."""
+    groups: set[int] = set()
+    for member in members:
+        try:
+            pgid = os.getpgid(member.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+        if pgid > 1 and pgid != os.getpgrp() and member.is_alive():
+            groups.add(pgid)
+    return groups
+
+
+def session_groups(sid: int, *, probes: int = 3) -> set[int]:
+    """The process groups that have a live member in session `sid` now, for a caller that holds
+    the session's leader unreaped (so `sid` is that session's alone). Read by syscalls alone
+    (getsid, getpgid: no /proc file per process), over every listed pid and, `probes` times,
+    over the pids just handed out and next to be (around /proc/sys/kernel/ns_last_pid): a
+    process that lives for a fork and no longer is seldom in a listing, but often there. A pgid
+    counts only if its process is of `sid` both before and after it is read."""
+    candidates: list[int] = []
+    for _ in range(probes):
+        try:
+            last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
+        except (OSError, ValueError):
+            break
+        candidates += range(max(2, last - 8), last + 32)
+    with contextlib.suppress(OSError):
+        candidates += [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    groups: set[int] = set()
+    own = os.getpgrp()
+    for pid in candidates:
+        if pid <= 1:
+            continue
+        try:
+            if os.getsid(pid) != sid:
+                continue
+            pgid = os.getpgid(pid)
+            if os.getsid(pid) != sid:
+                continue
+        except OSError:
+            continue
+        if pgid > 1 and pgid != own:
+            groups.add(pgid)
+    return groups
+
+
+def send_group(pgid: int, sig: signal.Signals) -> Sent:
+    """`sig` to process group `pgid` at once (the kernel's group signal is atomic against fork).
+    Only for a group the caller has proved: its unreaped child's, or one of `groups_of`."""
+    if pgid <= 1 or pgid == os.getpgrp():
+        log.error(
+            "Refused to send %s to process group %s: pid <= 1, or this process's own group", sig.name, pgid
+        )
+        return Sent.REFUSED
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return Sent.GONE
+    except PermissionError:
+        return Sent.DENIED
+    return Sent.SENT
 
 
 def send_session(leader: ProcessId, sig: signal.Signals) -> tuple[int, int]:

@@ -524,3 +524,12 @@ if HTTPS and not PORTAL_URL.startswith("https://"):
     )
 # At most one mail per person and notification key (e.g. one violation) this often; 0: no limit.
 NOTIFY_MAIL_EVERY_MINUTES = env_int("NOTIFY_MAIL_EVERY_MINUTES", 10, min_value=0)
+
+# Live logs (jobs/log_stream.py, docs/live.md): a comment line this often keeps proxies from
+# closing a quiet stream, and is when a stream reads its job's status if nothing told it the end.
+LOG_STREAM_KEEPALIVE_SECONDS = env_int("LOG_STREAM_KEEPALIVE_SECONDS", 15, min_value=1, max_value=300)
+# Under ASGI (portal/asgi.py sets PORTAL_ASGI) every request's sync code runs in a thread of its
+# own, so a persistent connection is never reused and piles up until PostgreSQL refuses more:
+# the web server connects per request. The workers keep theirs (docs/design.md, "ASGI").
+if env_bool("PORTAL_ASGI", False):
+    DATABASES["default"]["CONN_MAX_AGE"] = 0

@@ -8,8 +8,8 @@ import pwd
 import pytest
 
 from jobs.host_worker import _job_uid
+from jobs.launch import JobSetupError, _job_account
 from jobs.models import Job
-from jobs.runner import JobSetupError, _job_account
 from portal.admin import ProfileForm
 from portal.models import Profile
 from tests.factories import UserFactory

@@ -122,7 +122,8 @@ def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
     log = _log(job.pk)
     assert log.count("could not send SIGTERM: permission denied") == 1
     assert log.count("could not send SIGKILL: permission denied") == 1  # once, not on every tick
-    assert log.index("could not send SIGKILL") < log.index("ending by myself")
+    # No order against the job's own last line: the job is released inside the refused send, so
+    # it may print before the supervisor's loop writes the refusal (queued by its enforcer).
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert [w.split(" to ")[0] for w in warnings] == [
         f"Job {job.pk}: may not send SIGTERM",

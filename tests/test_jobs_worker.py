@@ -20,9 +20,10 @@ from gpus.booking import reservation_create
 from gpus.models import GPU, Allocation, GPUProcess, Reservation
 from gpus.services import server_report_ingest
 from gpus.simulated import server_names
+from jobs.launch import LAUNCHER
 from jobs.logs import log_stream
 from jobs.models import Job
-from jobs.runner import LAUNCHER, job_run
+from jobs.runner import job_run
 from jobs.tasks import run_job
 from portal.models import Profile
 from tests.conftest import OUTPUT

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from jobs.runner import LAUNCHER
+from jobs.launch import LAUNCHER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def _load_launcher() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     writes = sys.dont_write_bytecode
-    sys.dont_write_bytecode = True  # no __pycache__ beside it: its folder holds the launcher alone
+    sys.dont_write_bytecode = True  # no __pycache__ beside it: its folder holds the launcher's files alone
     try:
         spec.loader.exec_module(module)
     finally:
@@ -124,12 +124,97 @@ def test_it_runs_a_script_without_tensorflow_like_python(tmp_path: Path) -> None
 def test_it_lives_alone_in_a_folder_that_is_no_package() -> None:
     folder = LAUNCHER.parent
     assert not folder.name.isidentifier()  # no `import` can name it
-    assert [p.name for p in folder.iterdir() if p.name != "__pycache__"] == ["launcher.py"]
-    tree = ast.parse(LAUNCHER.read_bytes())
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    # The job's interpreter may be any venv: the standard library only, TensorFlow when the script uses it.
-    assert {name.split(".")[0] for name in imported} - {"tensorflow"} <= sys.stdlib_module_names
+    files = sorted(p.name for p in folder.iterdir() if p.name != "__pycache__")
+    assert files == sorted(["launcher.py", *(f"{name}.py" for name in launcher.SIBLINGS)])
+    assert all(name.startswith("_portal_launch_") for name in launcher.SIBLINGS)
+    own = set(launcher.SIBLINGS)
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_bytes())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        # The job's interpreter may be any venv: the standard library only, TensorFlow when the script
+        # uses it, and the launcher's own modules.
+        assert {name.split(".")[0] for name in imported} - {"tensorflow"} - own <= sys.stdlib_module_names
+        # The job's account reads them all as it reads the launcher.
+        assert (path.stat().st_mode, path.stat().st_uid, path.stat().st_gid) == (
+            LAUNCHER.stat().st_mode,
+            LAUNCHER.stat().st_uid,
+            LAUNCHER.stat().st_gid,
+        )
+    # Loading the launcher leaves none of its modules in sys.modules.
+    assert not own & set(sys.modules)
+
+
+def test_it_neither_shadows_nor_is_shadowed_by_user_modules_named_like_its_own(tmp_path: Path) -> None:
+    """The script is named like one of the launcher's modules, a module and a package beside it like the
+    others: the script imports its own, as with `python script.py`, and the launcher still runs on its
+    own (it applied the booking, and keeps CUDA_VISIBLE_DEVICES on the booked cards)."""
+    project = tmp_path / "project"
+    (project / "_portal_launch_curves").mkdir(parents=True)
+    write(project / "_portal_launch_config.py", "WHO = 'user config'\n")
+    write(project / "_portal_launch_curves" / "__init__.py", "WHO = 'user curves'\n")
+    write(
+        project / "_portal_launch_tf.py",
+        """
+        import json, os, sys
+        import _portal_launch_config, _portal_launch_curves
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+        print("RESULT " + json.dumps({
+            "main": __name__,
+            "path0": sys.path[0],
+            "own": [m.WHO for m in (_portal_launch_config, _portal_launch_curves)],
+            "files": [m.__file__ for m in (_portal_launch_config, _portal_launch_curves)],
+            "loaded": sorted(name for name in sys.modules if name.startswith("_portal_launch")),
+            "cuda": os.environ["CUDA_VISIBLE_DEVICES"],
+        }))
+        """,
+    )
+    script = "project/_portal_launch_tf.py"
+
+    direct = subprocess.run(
+        [sys.executable, "-u", script],
+        cwd=tmp_path,
+        env=_job_env(BOOKED),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    launched = launch(script, cwd=tmp_path, config=BOOKING, cuda=BOOKED)
+
+    assert direct.returncode == 0, direct.stderr
+    assert launched.returncode == 0, launched.stderr
+    seen = json.loads(launched.stdout.split("RESULT ", 1)[1])
+    assert seen == {**json.loads(direct.stdout.split("RESULT ", 1)[1]), "cuda": "GPU-test-01"}
+    assert seen["own"] == ["user config", "user curves"]
+    assert seen["files"] == [
+        str(project.resolve() / "_portal_launch_config.py"),
+        str(project.resolve() / "_portal_launch_curves" / "__init__.py"),
+    ]
+    assert seen["loaded"] == ["_portal_launch_config", "_portal_launch_curves"]  # the script's, only
+    assert portal_lines(launched.stdout) == [
+        "[portal] launcher: job 12 · no TensorFlow import in the script: settings via environment only "
+        f"(CUDA_VISIBLE_DEVICES={BOOKED}, TF_FORCE_GPU_ALLOW_GROWTH unset)"
+    ]
+    assert cuda_lines(launched)[0].startswith('[portal] CUDA_VISIBLE_DEVICES="1" asked by the script')
+
+
+def test_it_finds_its_own_modules_when_its_folder_is_not_on_sys_path(tmp_path: Path) -> None:
+    """PYTHONSAFEPATH (as -P) keeps the launcher's folder off sys.path: it loads its modules by path."""
+    write(tmp_path / "job.py", "import sys\nprint('RESULT', sys.argv)\n")
+    env = {**_job_env(), "PYTHONSAFEPATH": "1", launcher.CONFIG_VAR: json.dumps(BOOKING)}
+
+    result = subprocess.run(
+        [sys.executable, "-u", str(LAUNCHER), "job.py", "x"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert "RESULT ['job.py', 'x']" in result.stdout.splitlines()
+    assert len(portal_lines(result.stdout)) == 1
 
 
 @pytest.mark.parametrize("folder", ["project", "link"])

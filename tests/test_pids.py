@@ -90,3 +90,34 @@ def test_a_later_session_on_the_same_pid_is_not_the_old_one(spawn):
     current = pids.identify(proc.pid)
     old = ProcessId(proc.pid, current.started - 3600)  # an earlier session with that id
     assert pids.session_members(old) == []
+
+
+def test_a_pidfd_that_cannot_be_had_now_falls_back_to_check_then_kill(spawn, monkeypatch):
+    import errno
+
+    def no_fds(pid: int) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    proc = spawn(SLEEP, start_new_session=True)
+    target = pids.identify(proc.pid)
+    monkeypatch.setattr(os, "pidfd_open", no_fds)
+    assert pids.send(target, signal.SIGTERM) is Sent.SENT
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_a_held_sessions_members_and_groups_are_found_without_the_leaders_start(spawn):
+    leader = spawn(SPLITTER, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    child_pid = int(leader.stdout.readline())
+    unknown = ProcessId(leader.pid, -1.0)  # its start unreadable (hidepid): held unreaped, it needs none
+    assert pids.session_members(unknown) == []
+    assert {m.pid for m in pids.session_members(unknown, held=True)} == {leader.pid, child_pid}
+    members = pids.session_members(unknown, held=True)
+    assert pids.groups_of(members) == pids.session_groups(leader.pid) == {leader.pid, child_pid}
+
+
+def test_a_group_is_never_this_processs_own(spawn):
+    assert pids.send_group(os.getpgrp(), signal.SIGTERM) is Sent.REFUSED
+    assert pids.send_group(1, signal.SIGTERM) is Sent.REFUSED
+    proc = spawn(SLEEP, start_new_session=True)
+    assert pids.send_group(proc.pid, signal.SIGTERM) is Sent.SENT
+    assert proc.wait(timeout=10) == -signal.SIGTERM

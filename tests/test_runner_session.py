@@ -120,10 +120,14 @@ def test_it_ends_a_child_in_its_own_process_group_when_the_job_ends(job_in, tmp_
 def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
     job_in, alice, tmp_path, leftover, monkeypatch
 ):
-    def never(*args: object) -> None:
-        raise AssertionError("a bare killpg: it names whoever has the pid now")
+    groups: list[int] = []
+    real_killpg = os.killpg
 
-    monkeypatch.setattr(os, "killpg", never)
+    def proved(pgid: int, sig: int) -> None:  # the sweep's: the unreaped leader's group, or a member's
+        groups.append(pgid)
+        real_killpg(pgid, sig)
+
+    monkeypatch.setattr(os, "killpg", proved)
     pidfile = tmp_path / "child"
     job = job_in(GROUPED_CHILD.format(pidfile=str(pidfile), wait=True))
     thread, outcome = _run_in_thread(job.pk)
@@ -133,6 +137,10 @@ def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
     thread.join(timeout=30)
     assert outcome == [Job.Status.CANCELLED]
     assert not _alive(child)
+    job.refresh_from_db()
+    # SIGTERM went to each process by identity; only the end sweep signals groups: the job's own
+    # (its leader unreaped) and the child's (seen through the live child).
+    assert groups and set(groups) <= {job.pid, child}
 
 
 def test_it_records_the_sessions_start_with_its_pid(job_in, monkeypatch):
@@ -239,7 +247,7 @@ def test_without_a_spool_the_end_is_given_up_after_its_wait(
     job_in, settings, end_refused, monkeypatch, caplog
 ):
     settings.JOB_END_WAIT_SECONDS = 1
-    monkeypatch.setattr(runner, "_spool_for", lambda job: None)
+    monkeypatch.setattr(runner, "job_spool", lambda job_id, created_at: None)
     job = job_in("print('hello')\n")
     with caplog.at_level(logging.ERROR, logger="jobs.runner"):
         thread, _ = _run_in_thread(job.pk)

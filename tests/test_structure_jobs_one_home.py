@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from gpus import selectors, services
+from gpus.models import GPU
+from gpus.quotas import Use, gpu_hours
 from tests import conftest
 from tests.conftest import ROOT
 from tests.waiting import WaitTimedOut, wait_for
@@ -37,3 +40,13 @@ def test_the_tests_and_the_bench_wait_with_the_same_helper_and_the_bench_needs_n
 
 def test_the_ingest_writes_the_live_figures_the_dashboard_reads():
     assert [*selectors.GPU_LIVE_FIELDS, "updated_at"] == services._GPU_LIVE_FIELDS
+
+
+def test_what_a_booking_costs_is_one_rule_and_how_full_it_makes_a_card_another():
+    """Charged over the card's total (quotas, reports, fair share); room over its bookable memory."""
+    start = datetime(2026, 1, 5, tzinfo=UTC)
+    use = Use.of(start, start + timedelta(hours=8), 12 * 1024, 24 * 1024)
+    assert use.card_fraction == GPU.charged_share(12 * 1024, 24 * 1024) == 0.5
+    assert gpu_hours([use], start, start + timedelta(hours=8)) == 4.0
+    assert GPU.charged_share(None, 24 * 1024) == GPU.card_share(None, 20 * 1024) == 1.0
+    assert GPU.card_share(12 * 1024, 24 * 1024 - 512) > GPU.charged_share(12 * 1024, 24 * 1024)

@@ -19,8 +19,8 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.urls import reverse
 
+from jobs.launch import JobSetupError, _job_account
 from jobs.models import Job
-from jobs.runner import JobSetupError, _job_account
 from portal.accounts import unix_account_name, users_by_unix_name
 from portal.errors import Invalid
 from portal.identity import identity_sync, unix_account_claim_confirm

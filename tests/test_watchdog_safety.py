@@ -26,7 +26,7 @@ from gpus.procinfo import describe_process, session_of
 from gpus.services import _processes_replace
 from jobs import watchdog_host
 from jobs.models import Job
-from jobs.watchdog_host import HostWatchdog
+from jobs.watchdog_host import HostWatchdog, ended_booking_grace
 from portal.models import AuditEntry, Notification
 from portal.pids import Sent
 from tests.test_watchdog import alices_card, gone, job_on, on_card, one, policy, real, start, watchdog
@@ -199,10 +199,12 @@ def test_a_job_on_its_card_just_after_its_booking_ended_has_not_escaped(watchdog
     end = timezone.now() + timedelta(seconds=1)
     job.reservation.allocations.update(end=end)  # released: the end moves to the release time
 
-    watchdog.round(on_card(0, real(proc)), now=end + timedelta(seconds=11))
+    # The cancel poll (1 s) + SIGTERM..SIGKILL (10 s) + NVML listing it after (10 s) + a round (2 s).
+    assert ended_booking_grace() == timedelta(seconds=23)
+    watchdog.round(on_card(0, real(proc)), now=end + timedelta(seconds=22))
     assert not Violation.objects.exists()  # its supervisor is still stopping it
 
-    watchdog.round(on_card(0, real(proc)), now=end + timedelta(seconds=13))
+    watchdog.round(on_card(0, real(proc)), now=end + timedelta(seconds=24))
     assert one().kind == "escaped"
 
 

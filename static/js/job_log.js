@@ -1,4 +1,11 @@
-// The live log viewer of a job page: <pre id="job-log" data-log-url=… data-offset="0">.
+// The live log viewer of a job page: <pre id="job-log" data-log-url=… data-stream-url=…
+// data-offset="0">.
+//
+// With EventSource and a data-stream-url, one event stream (docs/live.md) brings each line as
+// the job prints it: an event's data is whole lines, its id the byte offset after them, and the
+// browser itself reconnects with Last-Event-ID. At `end` (or if the stream cannot be had: no
+// EventSource, an answer that is not a stream, errors without a single event) it goes on with
+// the polling below, saying so; the end's one fetch also brings the final status.
 //
 // Polls `logUrl?offset=N` once a second while the job is active (X-Job-Status queued,
 // starting or running), appends the new bytes as text (never as HTML: the log is
@@ -11,6 +18,7 @@
   var ACTIVE = { queued: true, starting: true, running: true };
   var POLL_MS = 1000;
   var RETRY_MS = 3000;
+  var STREAM_TRIES = 3; // errors in a row without an event before the page polls instead
   var LABELS = {
     queued: "queued: waiting for the worker",
     starting: "starting",
@@ -29,6 +37,7 @@
     // Offsets are bytes; a multi-byte character may straddle two responses, so decode as a stream.
     var decoder = new TextDecoder("utf-8");
     var finalSeen = false;
+    var pollingWhy = ""; // why the page polls rather than streams, said beside the status
 
     function say(text) {
       if (statusText) statusText.textContent = text;
@@ -74,7 +83,7 @@
           if (status === "gone") {
             say("stopped: this job is not visible to you any more; reload the page");
           } else if (ACTIVE[status]) {
-            say("live: " + (LABELS[status] || status));
+            say("live: " + (LABELS[status] || status) + pollingWhy);
             window.setTimeout(tick, POLL_MS);
           } else if (!finalSeen) {
             finalSeen = true; // one last fetch for lines flushed just before the end
@@ -90,7 +99,61 @@
         });
     }
 
-    tick();
+    function stream(streamUrl) {
+      var source = new EventSource(streamUrl + "?offset=" + offset);
+      var encoder = new TextEncoder();
+      var errors = 0;
+      var ended = false;
+
+      function fallBack(why) {
+        source.close();
+        pollingWhy = " · polling once a second: " + why;
+        say("polling once a second: " + why);
+        tick();
+      }
+
+      source.onopen = function () {
+        say("live");
+      };
+      source.onmessage = function (event) {
+        errors = 0;
+        var next = parseInt(event.lastEventId, 10);
+        if (isNaN(next)) return;
+        // SSE takes each line's newline off; the last one is back if the offsets count it.
+        var text = event.data;
+        if (encoder.encode(text).length !== next - offset) text += "\n";
+        append(text);
+        offset = next;
+        pre.setAttribute("data-offset", String(offset));
+        say("live");
+      };
+      source.addEventListener("end", function () {
+        ended = true;
+        source.close();
+        finalSeen = true; // the job has ended: one fetch brings its status and any last byte
+        say("finishing");
+        tick();
+      });
+      source.onerror = function () {
+        if (ended) return;
+        errors += 1;
+        if (source.readyState === EventSource.CLOSED) {
+          fallBack("the live stream was refused (this portal may not serve it)");
+        } else if (errors >= STREAM_TRIES) {
+          fallBack("the live stream keeps failing");
+        } else {
+          say("reconnecting…"); // EventSource tries again by itself, from the last event's id
+        }
+      };
+    }
+
+    var streamUrl = pre.getAttribute("data-stream-url");
+    if (streamUrl && window.EventSource && window.TextEncoder) {
+      stream(streamUrl);
+    } else {
+      pollingWhy = streamUrl ? " · polling once a second: this browser has no EventSource" : "";
+      tick();
+    }
   }
 
   function init() {

@@ -33,19 +33,21 @@ def _worker_servers() -> tuple[list[str], bool]:
 
 
 def _web_argv(bind: str) -> list[str]:
-    # No control socket: nothing here uses it, and the default ~/.gunicorn/gunicorn.ctl would be
-    # fought over by two portals on one machine (a test's and `make run`).
+    """gunicorn with uvicorn's worker: ASGI, so a live log stream waits on Redis in the event loop
+    instead of holding a thread (docs/design.md, "One ASGI server"); sync views run in threads.
+    No control socket: nothing here uses it, and the default ~/.gunicorn/gunicorn.ctl would be
+    fought over by two portals on one machine (a test's and `make run`)."""
     return [
         sys.executable,
         "-m",
         "gunicorn",
-        "portal.wsgi",
+        "portal.asgi",
+        "-k",
+        "portal.asgi_worker.Worker",
         "-b",
         bind,
         "--workers",
         "2",
-        "--threads",
-        "4",
         "--access-logfile",
         "-",
         "--no-control-socket",

@@ -1,0 +1,86 @@
+"""`gpu logs -f` over the portal's event stream (GET /api/v1/jobs/<id>/log/stream/, docs/live.md).
+
+Each event carries whole log lines and, as its id, the byte offset just after them. A dropped
+connection is taken up again from the last id, so nothing is printed twice or left out; the
+portal reads what was missed from its database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from time import monotonic, sleep
+from typing import BinaryIO
+
+import httpx
+
+from gpu_cli.api import DROPPED, Portal, retry_budget
+from gpu_cli.errors import Unreachable
+
+RECONNECT_SECONDS = 1.0  # after a stream that ended without its end, or broke without news
+
+
+@dataclass
+class Event:
+    data: list[str] = field(default_factory=list)
+    id: str | None = None
+    event: str = "message"
+
+
+def iter_events(lines: Iterable[str]) -> Iterator[Event]:
+    """Server-sent events from the body's lines (the WHATWG rules the portal's stream uses:
+    `field: value`, comments start with `:`, a blank line ends an event)."""
+    current = Event()
+    for line in lines:
+        if not line:
+            if current.data or current.id is not None or current.event != "message":
+                yield current
+            current = Event()
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            current.data.append(value)
+        elif name == "id":
+            current.id = value
+        elif name == "event":
+            current.event = value
+
+
+def event_bytes(event: Event, before: int) -> bytes:
+    """The log's bytes an event stands for: its lines, each with the newline SSE takes off;
+    the last one only when the offsets say the text had it."""
+    text = "\n".join(event.data).encode()
+    if event.id is not None and int(event.id) - before == len(text):
+        return text
+    return text + b"\n"
+
+
+def follow_log(portal: Portal, job_id: int, out: BinaryIO) -> None:
+    """Copy the job's log to `out` until the job has ended and its last byte is out."""
+    offset = 0
+    budget = retry_budget()
+    heard = monotonic()  # when the stream last moved on
+    while True:
+        before = offset
+        with portal.stream(f"jobs/{job_id}/log/stream/", offset=offset) as response:
+            try:
+                for event in iter_events(response.iter_lines()):
+                    if event.event == "end":
+                        return
+                    if event.id is None or not event.id.isdigit():
+                        continue
+                    out.write(event_bytes(event, offset))
+                    out.flush()
+                    offset, heard = int(event.id), monotonic()
+            except (*DROPPED, httpx.ReadTimeout):
+                pass  # taken up again from `offset`, the last id
+        if monotonic() - heard > budget:
+            raise Unreachable(
+                f"The log stream of job {job_id} at {portal.url} keeps breaking off:"
+                f" nothing new for {budget:.0f} s."
+            )
+        if offset == before:
+            sleep(RECONNECT_SECONDS)  # no news on that connection: not at once again

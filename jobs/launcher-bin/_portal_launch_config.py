@@ -1,0 +1,253 @@
+"""The launcher's configuration and its guard on CUDA_VISIBLE_DEVICES; part of launcher.py, which loads it.
+
+Standard library only, as launcher.py: the job's interpreter may be any venv. launcher.py's docstring says
+why this file is loaded by path and named as no user module or library is.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import os
+import sys
+from typing import Any
+
+CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"
+PREFIX = "[portal]"
+TF_ROOTS = frozenset({"tensorflow", "keras"})
+
+DEFAULTS: dict[str, Any] = {
+    "job_id": None,
+    "memory_limit_mb": None,
+    "allow_growth": True,
+    "memory_fraction": None,
+    "intra_op_threads": None,
+    "inter_op_threads": None,
+    "soft_placement": True,
+    "log_placement": False,
+    "mirrored": False,
+}
+_BOOL_KEYS = ("allow_growth", "soft_placement", "log_placement", "mirrored")
+
+
+class LaunchError(Exception):
+    """A problem with how the launcher was called: reported on stderr, exit code 2."""
+
+
+def _err(message: str) -> None:
+    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+def _say(message: str) -> None:
+    print(f"{PREFIX} launcher: {message}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+def load_config(raw: str | None) -> dict[str, Any]:
+    """Parse and check PORTAL_LAUNCH_CONFIG; missing keys take DEFAULTS."""
+    if raw is None or not raw.strip():
+        raise LaunchError(f"{CONFIG_VAR} is not set: the worker passes the booking's settings in it as JSON")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise LaunchError(f"{CONFIG_VAR} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise LaunchError(f"{CONFIG_VAR} must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(DEFAULTS))
+    if unknown:
+        _err(f"{CONFIG_VAR}: ignoring unknown keys {', '.join(unknown)}")
+    config = {**DEFAULTS, **{k: v for k, v in data.items() if k in DEFAULTS}}
+
+    def bad(key: str, wanted: str) -> LaunchError:
+        return LaunchError(f"{CONFIG_VAR}: {key} must be {wanted}, got {config[key]!r}")
+
+    # bool is an int subclass: reject it explicitly where a number is meant.
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if config["job_id"] is not None and not is_int(config["job_id"]):
+        raise bad("job_id", "an integer")
+    for key in _BOOL_KEYS:
+        if not isinstance(config[key], bool):
+            raise bad(key, "true or false")
+    mb = config["memory_limit_mb"]
+    if mb is not None and not (is_int(mb) and mb > 0):
+        raise bad("memory_limit_mb", "a positive integer or null")
+    fraction = config["memory_fraction"]
+    if fraction is not None:
+        if not (isinstance(fraction, int | float) and not isinstance(fraction, bool) and 0 < fraction <= 1):
+            raise bad("memory_fraction", "a number in (0, 1] or null")
+        config["memory_fraction"] = float(fraction)
+    for key in ("intra_op_threads", "inter_op_threads"):
+        if config[key] is not None and not (is_int(config[key]) and config[key] >= 0):
+            raise bad(key, "a non-negative integer or null")
+    return config
+
+
+def uses_tensorflow(source: bytes) -> bool:
+    """True when the script imports tensorflow or keras anywhere (functions included)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False  # runpy reports the SyntaxError itself, with the normal traceback
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        else:
+            continue
+        if any(module.split(".")[0] in TF_ROOTS for module in modules):
+            return True
+    return False
+
+
+def _env_summary() -> str:
+    parts = []
+    for name in ("CUDA_VISIBLE_DEVICES", "TF_FORCE_GPU_ALLOW_GROWTH"):
+        value = os.environ.get(name)
+        parts.append(f"{name}={value}" if value is not None else f"{name} unset")
+    return ", ".join(parts)
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The booked cards
+
+CUDA_VAR = "CUDA_VISIBLE_DEVICES"
+_CUDA_KEY = os.fsencode(CUDA_VAR)  # how os.environ and os.environb both hold it (POSIX)
+NO_GPU = "-1"
+
+
+class CudaDevices:
+    """Keeps CUDA_VISIBLE_DEVICES on the booked cards, whatever the script sets it to.
+
+    The worker sets it to the booked cards' UUIDs, in booking order. Old tutorials set it to the host's
+    indices at the top of the script (``os.environ["CUDA_VISIBLE_DEVICES"] = "2"``), which would put the
+    job on somebody else's card. Here an index counts the booked cards, a name must be a booked card's,
+    anything else is dropped, and unsetting the variable (every card of the host) gives the booking back.
+    """
+
+    def __init__(self, booked: list[str]) -> None:
+        self.booked = booked
+        self._reported: set[str | None] = set()
+
+    def resolve(self, asked: str | None) -> str:
+        """The value for what the script asked; None: it unset the variable.
+
+        A value it returns maps to itself: os.environ's assignment maps, then calls os.putenv, which maps
+        again.
+        """
+        if asked is None:
+            return ",".join(self.booked)
+        cards = (self._booked_card(entry.strip()) for entry in asked.split(","))
+        kept = ",".join(dict.fromkeys(card for card in cards if card is not None))
+        # No card left means no GPU, as "-1" and "" say; an empty value stays empty in the script's eyes.
+        return kept or ("" if not asked.strip() else NO_GPU)
+
+    def _booked_card(self, entry: str) -> str | None:
+        if entry in self.booked:
+            return entry
+        try:
+            index = int(entry)
+        except ValueError:
+            # CUDA also takes a unique prefix of a UUID. A MIG device's id does not say its card: dropped.
+            named = [card for card in self.booked if entry and card.startswith(entry)]
+            return named[0] if len(named) == 1 else None
+        return self.booked[index] if 0 <= index < len(self.booked) else None
+
+    def assign(self, asked: str | None) -> str:
+        """resolve(), with a [portal] line in the job's log for each distinct value the script asks for."""
+        got = self.resolve(asked)
+        if asked not in self._reported:
+            self._reported.add(asked)
+            _err(self._describe(asked, got))
+        return got
+
+    def _describe(self, asked: str | None, got: str) -> str:
+        indices = [str(self.booked.index(card)) for card in got.split(",") if card in self.booked]
+        what = f"booked card{'s' if len(indices) > 1 else ''} {', '.join(indices)}" if indices else "no GPU"
+        if asked is None:
+            return (
+                f'{CUDA_VAR} unset by the script → "{got}" ({what}); '
+                "unset, it would mean every card of the host"
+            )
+        count = f"{len(self.booked)} booked card{'s' if len(self.booked) != 1 else ''}"
+        return (
+            f'{CUDA_VAR}="{asked}" asked by the script → "{got}" ({what}); '
+            f"indices count the {count} only, other cards are dropped"
+        )
+
+
+def _names_cuda(name: Any) -> bool:
+    try:
+        return os.fsencode(name) == _CUDA_KEY
+    except TypeError:
+        return False  # the real call reports the wrong type
+
+
+def _guarded_environ(devices: CudaDevices) -> type:
+    class GuardedEnviron(os._Environ):
+        """os.environ (and os.environb, which shares its data) with CUDA_VISIBLE_DEVICES on the booking."""
+
+        def __setitem__(self, key: Any, value: Any) -> None:
+            if self.encodekey(key) == _CUDA_KEY:
+                value = self.decodevalue(os.fsencode(devices.assign(os.fsdecode(self.encodevalue(value)))))
+            super().__setitem__(key, value)
+
+        def __delitem__(self, key: Any) -> None:
+            if self.encodekey(key) != _CUDA_KEY:
+                super().__delitem__(key)
+                return
+            # pop() comes here too. The variable stays: unset, it would mean every card of the host.
+            super().__setitem__(key, self.decodevalue(os.fsencode(devices.assign(None))))
+
+        def clear(self) -> None:
+            # MutableMapping.clear() pops until the mapping is empty, and this one never is.
+            for key in list(self):
+                del self[key]
+
+    return GuardedEnviron
+
+
+def guard_cuda_devices() -> None:
+    """Route every change the script makes to CUDA_VISIBLE_DEVICES through CudaDevices, before it runs.
+
+    os.environ (item assignment, update, setdefault, del, pop, clear) and os.putenv / os.unsetenv: the
+    value is mapped on its way into the process environment, so what frameworks read with getenv() when
+    CUDA starts (PyTorch, JAX) and what child processes inherit is the booking too, not only os.environ.
+    """
+    booked = os.environ.get(CUDA_VAR)
+    if booked is None:  # not started by a worker: no booking to keep
+        return
+    devices = CudaDevices([card.strip() for card in booked.split(",") if card.strip()])
+    real_putenv, real_unsetenv = os.putenv, os.unsetenv
+
+    @functools.wraps(real_putenv)
+    def putenv(name: Any, value: Any) -> None:
+        if _names_cuda(name):
+            asked = os.fsdecode(value)
+            # os.environ calls this with the value it has just mapped: that goes through without a line.
+            value = asked if devices.resolve(asked) == asked else devices.assign(asked)
+        real_putenv(name, value)
+
+    @functools.wraps(real_unsetenv)
+    def unsetenv(name: Any) -> None:
+        if _names_cuda(name):
+            real_putenv(name, devices.assign(None))
+        else:
+            real_unsetenv(name)
+
+    guarded = _guarded_environ(devices)
+    os.environ.__class__ = guarded
+    if os.supports_bytes_environ:
+        os.environb.__class__ = guarded
+    # os._Environ calls these module globals, so they map os.environ's changes as well.
+    os.putenv, os.unsetenv = putenv, unsetenv

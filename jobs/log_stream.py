@@ -1,0 +1,333 @@
+"""GET /api/v1/jobs/<id>/log/stream/: a job's log as server-sent events, live (docs/live.md).
+
+Each event is whole lines of the log: one `data:` line per log line (its raw text, without the
+newline), and `id:` the byte offset just after them. A client that reconnects with that id in
+`Last-Event-ID` (or `?offset=`) gets exactly the bytes after it. `event: end` follows the last
+bytes once the job has ended. A comment line every LOG_STREAM_KEEPALIVE_SECONDS keeps proxies
+from closing a quiet stream.
+
+The database is the record, Redis the nudge (jobs/log_live.py). The stream subscribes first,
+then reads what is stored from its offset, then relays what is published, skipping by offset
+what it already sent; a gap (output published before it subscribed, or never published: the
+writer's database was away) is read from the database at the next "stored up to" message.
+Database reads happen only then, when the writer closes, and once per keep-alive (the job's
+status: a job that ends without its worker, e.g. cancelled while queued, publishes nothing),
+each in a thread and with its connection closed after it: a stream may last for days.
+
+Only this stream is async; the view that answers it is DRF's like the rest (jobs/api.py), so the
+access rules are the log's. It needs an ASGI server: under WSGI Django would read it to its end
+before sending anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis
+import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
+from django.db import DatabaseError, connection
+from django.http import StreamingHttpResponse
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.exceptions import NotFound
+from rest_framework.generics import GenericAPIView
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.request import Request
+
+from jobs import log_live
+from jobs.logs import log_end, log_pieces, parse_offset
+from jobs.models import Job
+from jobs.selectors import jobs_visible_to
+
+log = logging.getLogger(__name__)
+
+READ_BYTES = 4 * 1024 * 1024  # at most this much read from the database per thread hop
+AHEAD_BYTES = 8 * 1024 * 1024  # live output held while a gap before it is read
+CLOSE_CHECKS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # after the writer closed: when to read the status
+RETRY_MS = 2000
+# A line about a job's end may be written just after its status (the reconciler's "lost"): a
+# stream that sees the end goes on listening this long after it before it says `end`.
+END_SETTLE_SECONDS = 1.0  # EventSource's reconnection delay, e.g. while Redis is away
+_LINE_BREAK = re.compile("\r\n|\r|\n")
+
+
+class EventStreamRenderer(BaseRenderer):
+    """Lets DRF accept `Accept: text/event-stream` (EventSource sends it); only error bodies come
+    through here, as plain text: the stream itself is a StreamingHttpResponse."""
+
+    media_type = "text/event-stream"
+    format = "sse"
+    charset = "utf-8"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):  # type: ignore[no-untyped-def]
+        if isinstance(data, dict):
+            return str(data.get("detail", data)).encode()
+        return str(data).encode()
+
+
+class JobLogStream(GenericAPIView):
+    """The job's log as server-sent events, live until the job ends (docs/live.md). Visible as
+    GET …/log/ is: to the owner, leaders of the job's team and admins; 404 for everyone else."""
+
+    permission_classes = [IsAuthenticated]
+    renderer_classes = [EventStreamRenderer, JSONRenderer]
+    pagination_class = None
+    filter_backends = []
+
+    def get_queryset(self):  # type: ignore[no-untyped-def]
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
+            return Job.objects.none()
+        return jobs_visible_to(self.request.user)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("offset", int, required=False, description="Bytes after this offset."),
+            OpenApiParameter(
+                "Last-Event-ID", str, OpenApiParameter.HEADER, required=False, description="Wins over offset."
+            ),
+        ],
+        responses={(200, "text/event-stream"): OpenApiTypes.STR},
+    )
+    def get(self, request: Request, pk: int) -> StreamingHttpResponse:
+        job = self.get_object()
+        if not isinstance(request._request, ASGIRequest):
+            # WSGI would read the stream to the job's end before sending a byte: say where to go.
+            raise NotFound(
+                "The live log needs the portal served over ASGI (portal.asgi, as `make run` and"
+                f" deploy/ do); read /api/v1/jobs/{job.pk}/log/?offset= instead."
+            )
+        offset = resume_offset(request.headers.get("Last-Event-ID"), request.query_params.get("offset"))
+        return log_event_response(job, offset=offset)
+
+
+def resume_offset(last_event_id: str | None, offset: str | None) -> int:
+    """Where to start: after Last-Event-ID (what EventSource sends on a reconnect), else ?offset=."""
+    return parse_offset(last_event_id if last_event_id not in (None, "") else offset)
+
+
+def log_event_response(job: Job, *, offset: int) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(events(job.pk, offset), content_type="text/event-stream; charset=utf-8")
+    response["Cache-Control"] = "no-store"
+    response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
+    return response
+
+
+def event(text: bytes, end: int) -> bytes:
+    """One event: the lines of `text`, one `data:` line each, and the offset after them. SSE has no
+    way to carry a carriage return inside a line: it ends a `data:` line as a newline does."""
+    body = text.decode("utf-8", "replace")
+    if body.endswith("\n"):
+        body = body[:-1]
+    lines = "".join(f"data: {line}\n" for line in _LINE_BREAK.split(body))
+    return f"{lines}id: {end}\n\n".encode()
+
+
+END = b"event: end\ndata: \n\n"
+KEEPALIVE = b": keep-alive\n\n"
+
+
+@dataclass
+class Cursor:
+    """What this stream has sent (`sent`, the last id) and received (`have`); the bytes between
+    them wait for their line's end. `ahead` holds live output past a gap, by offset."""
+
+    sent: int
+    have: int = -1
+    held: bytearray = field(default_factory=bytearray)
+    ahead: list[tuple[int, bytes]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.have = self.sent
+
+    def take(self, piece: bytes, start: int, end: int) -> bytes:
+        """The log's [start, end), or a marker standing for it (the cap dropped those bytes);
+        returns the events now complete (whole lines)."""
+        if end <= self.have:
+            return b""
+        if len(piece) != end - start:  # a marker: the reader resumes after what it stands for
+            out = self.flush()
+            self.sent = self.have = end
+            return out + event(piece, end)
+        if start < self.have:  # a repeat in part
+            piece = piece[self.have - start :]
+        self.held += piece
+        self.have = end
+        cut = self.held.rfind(b"\n") + 1
+        if not cut and len(self.held) < READ_BYTES:
+            return b""
+        cut = cut or len(self.held)
+        out = event(bytes(self.held[:cut]), self.sent + cut)
+        del self.held[:cut]
+        self.sent += cut
+        return out
+
+    def flush(self) -> bytes:
+        """Whatever is held, though its line has not ended (the log's end, a marker next)."""
+        if not self.held:
+            return b""
+        out = event(bytes(self.held), self.have)
+        self.held.clear()
+        self.sent = self.have
+        return out
+
+    def live(self, start: int, data: bytes) -> bytes:
+        end = start + len(data)
+        if end <= self.have:
+            return b""
+        if start > self.have:
+            if sum(len(d) for _, d in self.ahead) < AHEAD_BYTES:
+                self.ahead.append((start, data))
+            return b""  # the database has the gap, or will: read at the next "stored"
+        return self.take(data[self.have - start :], self.have, end)
+
+    def drain_ahead(self) -> bytes:
+        out, rest = b"", []
+        for start, data in sorted(self.ahead):
+            if start <= self.have:
+                out += self.live(start, data)
+            else:
+                rest.append((start, data))
+        self.ahead = rest
+        return out
+
+
+def _close_db() -> None:
+    """In the thread that holds it (`connection` is looked up where it is called, not here)."""
+    connection.close()
+
+
+def _read(job_id: int, start: int, until: int) -> tuple[list[tuple[bytes, int, int]], bool]:
+    """Stored pieces in [start, until), at most READ_BYTES of them; and whether more remain."""
+    try:
+        pieces, size = [], 0
+        for piece, begin, end in log_pieces(job_id, start, until=until):
+            pieces.append((piece, begin, end))
+            size += len(piece)
+            if size >= READ_BYTES and end < until:
+                return pieces, True
+        return pieces, False
+    finally:
+        connection.close()
+
+
+def _state(job_id: int) -> tuple[float, int]:
+    """(how long ago the job ended, or -1 while it has not; where its stored log ends). The status
+    is read first: a log written before the status (the worker's) is then all there."""
+    try:
+        row = Job.objects.filter(pk=job_id).values("status", "finished_at").first()
+        end = log_end(job_id)
+    finally:
+        connection.close()
+    if row is None or row["status"] not in Job.FINISHED:
+        return (-1.0 if row is not None else END_SETTLE_SECONDS), end
+    if row["finished_at"] is None:
+        return END_SETTLE_SECONDS, end
+    return max(0.0, (timezone.now() - row["finished_at"]).total_seconds()), end
+
+
+async def _catch_up(cursor: Cursor, job_id: int, until: int) -> AsyncIterator[bytes]:
+    """The stored bytes from what the stream has up to `until`, then what waited ahead of them."""
+    more = cursor.have < until
+    while more:
+        pieces, more = await sync_to_async(_read)(job_id, cursor.have, until)
+        if not pieces:
+            break
+        yield b"".join(cursor.take(*piece) for piece in pieces)
+    if cursor.ahead:
+        yield cursor.drain_ahead()
+
+
+async def events(job_id: int, offset: int) -> AsyncIterator[bytes]:
+    """The stream (module docstring). Ends after `event: end`, or when Redis is away: the client
+    reconnects after RETRY_MS with its Last-Event-ID, and reads on from the database."""
+    # The view's connection, held by this request's thread: closed, since the stream may last long.
+    await sync_to_async(_close_db)()
+    cursor = Cursor(offset)
+    client = aioredis.Redis.from_url(settings.REDIS_URL)
+    pubsub = client.pubsub()
+    yield f"retry: {RETRY_MS}\n\n".encode()
+    try:
+        try:
+            await pubsub.subscribe(log_live.channel(job_id))
+        except redis.RedisError as exc:
+            log.warning("Live log of job %s without Redis (%s): stored bytes only", job_id, exc)
+            ended_for, end = await sync_to_async(_state)(job_id)
+            async for out in _catch_up(cursor, job_id, end):
+                yield out
+            yield cursor.flush() + (END if ended_for >= END_SETTLE_SECONDS else b"")
+            return
+        try:
+            async for out in _follow(cursor, job_id, pubsub):
+                yield out
+        except DatabaseError as exc:  # the database restarting: the client reconnects, and reads on
+            log.warning("Live log of job %s lost the database (%s): the client reconnects", job_id, exc)
+            yield cursor.flush()
+    finally:
+        try:
+            await pubsub.aclose()
+            await client.aclose()
+        except redis.RedisError:
+            pass
+
+
+async def _follow(cursor: Cursor, job_id: int, pubsub: aioredis.client.PubSub) -> AsyncIterator[bytes]:
+    loop = asyncio.get_running_loop()
+    keepalive = settings.LOG_STREAM_KEEPALIVE_SECONDS
+    next_keepalive = loop.time() + keepalive
+    checks: list[float] = []  # when to read the status again (the writer closed; the job just ended)
+    message = None
+    while True:
+        if message is None or message[0] == log_live.CLOSED:  # first, quiet, or closed: read the row
+            ended_for, end = await sync_to_async(_state)(job_id)  # after subscribing: nothing falls between
+            async for out in _catch_up(cursor, job_id, end):
+                yield out
+            if ended_for >= END_SETTLE_SECONDS:
+                yield cursor.flush() + END
+                return
+            now = loop.time()
+            if ended_for >= 0:  # a line about the end may follow it (the reconciler's "lost")
+                checks = [now + END_SETTLE_SECONDS - ended_for]
+            elif message is not None:  # the writer closed: its status comes just after
+                checks = [now + delay for delay in CLOSE_CHECKS]
+        message = None
+        while message is None:
+            now = loop.time()
+            if now >= next_keepalive:
+                next_keepalive = now + keepalive
+                yield KEEPALIVE  # and read the row: a job that ended without a word ends here
+                break
+            if checks and now >= checks[0]:
+                checks.pop(0)
+                break
+            wake = min([next_keepalive, *checks])
+            try:
+                raw = await pubsub.get_message(ignore_subscribe_messages=True, timeout=max(0.0, wake - now))
+            except redis.RedisError as exc:
+                log.warning("Live log of job %s lost Redis (%s): the client reconnects", job_id, exc)
+                yield cursor.flush()
+                return
+            if raw is None:
+                continue
+            try:
+                message = log_live.decode(raw["data"])
+            except ValueError:
+                continue
+            kind, at, data = message
+            if kind == log_live.LIVE:
+                if out := cursor.live(at, data):
+                    yield out
+                message = None
+            elif kind == log_live.STORED:
+                if at > cursor.have:
+                    async for out in _catch_up(cursor, job_id, at):
+                        yield out
+                message = None

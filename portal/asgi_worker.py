@@ -1,0 +1,23 @@
+"""gunicorn's worker class for the portal (`-k portal.asgi_worker.Worker`): uvicorn's, stopping soon.
+
+uvicorn waits for every open connection to close before a worker stops, and a live log stream
+(docs/live.md) stays open while its job runs: a stop or restart would wait for gunicorn's whole
+graceful timeout (30 s), and under `make run` end in SIGKILL. After STOP_SECONDS what is still
+open is cancelled; a browser or `gpu logs -f` reconnects with its Last-Event-ID and misses
+nothing. Requests for pages finish well within it.
+"""
+
+from __future__ import annotations
+
+from uvicorn_worker import UvicornWorker
+
+STOP_SECONDS = 5
+
+
+class Worker(UvicornWorker):
+    # Django has no lifespan handler; "off" spares each start a log line saying so.
+    CONFIG_KWARGS = {
+        **UvicornWorker.CONFIG_KWARGS,
+        "timeout_graceful_shutdown": STOP_SECONDS,
+        "lifespan": "off",
+    }

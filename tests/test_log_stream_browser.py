@@ -1,0 +1,91 @@
+"""The job page's live log: one event stream under ASGI, polling (and saying so) without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from jobs.logs import LogWriter
+from jobs.models import Job
+from tests.asgi_server import asgi_server
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, log_in, page  # noqa: F401 - the fixture
+from tests.test_log_stream import job  # noqa: F401 - the fixture: a running job of alice's
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture(autouse=True)
+def _setup(settings, monkeypatch) -> None:
+    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda *args, **kwargs: None)
+    settings.PORTAL_INSTANCE_ID = f"test-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@pytest.fixture
+def asgi_page() -> Iterator[object]:
+    if not shutil.which(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium) — browser tests skipped")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    from playwright.sync_api import sync_playwright
+
+    with asgi_server() as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        context = browser.new_context(base_url=url)
+        tab = context.new_page()
+        tab.set_default_timeout(15_000)
+        yield tab
+        context.close()
+        browser.close()
+
+
+def test_the_job_page_shows_each_line_as_printed_over_one_stream(asgi_page, job, alice):  # noqa: F811
+    from playwright.sync_api import expect
+
+    writer = LogWriter(job.pk)
+    writer.feed(b"epoch 0\n")
+    writer.flush()
+    log_in(asgi_page, "alice")
+    polls: list[str] = []
+    asgi_page.on("request", lambda request: polls.append(request.url) if "/log/?" in request.url else None)
+    asgi_page.goto(f"/jobs/{job.pk}/")
+    log = asgi_page.locator("#job-log")
+    expect(log).to_contain_text("epoch 0")
+    expect(asgi_page.locator("#job-log-status")).to_have_text("live")
+    delays = []
+    for n in range(1, 21):
+        printed = time.perf_counter()
+        writer.feed(f"epoch {n}\n".encode())
+        asgi_page.wait_for_function(
+            f"document.getElementById('job-log').textContent.includes('epoch {n}\\n')"
+        )
+        delays.append(time.perf_counter() - printed)
+    median, worst = statistics.median(delays) * 1000, max(delays) * 1000
+    print(f"print -> on screen: median {median:.1f} ms, max {worst:.1f} ms")
+    assert max(delays) < 1.0
+    assert polls == []  # nothing but the stream while the job runs
+    writer.close()
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.SUCCEEDED)
+    expect(log).to_have_attribute("data-done", "1")
+    expect(asgi_page.locator("#job-log-status")).to_contain_text("finished: succeeded")
+    text = log.text_content()
+    assert all(text.count(f"Z epoch {n}\n") == 1 for n in range(21))  # every line once
+
+
+def test_without_the_stream_the_page_polls_and_says_so(page, job, alice):  # noqa: F811 - the fixtures
+    """Django's live server is WSGI: the stream answers 404, and the page polls as before."""
+    from playwright.sync_api import expect
+
+    writer = LogWriter(job.pk)
+    writer.feed(b"epoch 0\n")
+    writer.flush()
+    log_in(page, "alice")
+    page.goto(f"/jobs/{job.pk}/")
+    expect(page.locator("#job-log")).to_contain_text("epoch 0")
+    expect(page.locator("#job-log-status")).to_contain_text("polling once a second")
+    writer.feed(b"epoch 1\n")
+    writer.flush()
+    expect(page.locator("#job-log")).to_contain_text("epoch 1")
