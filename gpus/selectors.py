@@ -28,6 +28,16 @@ GPU_LIVE_FIELDS = (
     "state",
     "processes_known",
 )
+# A server's live facts: what each round writes (gpus.services) and the dashboard reads.
+SERVER_LIVE_FIELDS = (
+    "hostname",
+    "simulated",
+    "driver_version",
+    "cuda_version",
+    "cpu_count",
+    "ram_mb",
+    "last_seen",
+)
 
 
 def gpus_with_processes() -> QuerySet[GPU]:
@@ -113,18 +123,7 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     now = timezone.now()
     gpus = _dashboard_gpus(processes=_dashboard_processes(viewer), booked=bookings_now(viewer, now))
     servers = []
-    for server in Server.objects.order_by("name").values(
-        "id",
-        "name",
-        "hostname",
-        "draining",
-        "simulated",
-        "driver_version",
-        "cuda_version",
-        "cpu_count",
-        "ram_mb",
-        "last_seen",
-    ):
+    for server in Server.objects.order_by("name").values("id", "name", "draining", *SERVER_LIVE_FIELDS):
         server["status"] = Server.status_for(server["last_seen"], server["draining"], now)
         server["ram_gb"] = round(server["ram_mb"] / 1024)
         server["gpus"] = gpus.get(server["id"], ())

@@ -17,7 +17,7 @@ from gpus.hooks import job_sessions
 from gpus.inventory import CardState, GPUInfo, Snapshot
 from gpus.models import GPU, GPUProcess, Server, TelemetrySample
 from gpus.sanitize import checked_snapshot
-from gpus.selectors import GPU_LIVE_FIELDS
+from gpus.selectors import GPU_LIVE_FIELDS, SERVER_LIVE_FIELDS
 from gpus.usage import usage_observe
 
 # Sent once per telemetry round, inside its transaction, with `cards`: every reported card
@@ -35,15 +35,7 @@ _GPU_STATIC_FIELDS = [
     "mig_mode",
 ]
 _GPU_LIVE_FIELDS = [*GPU_LIVE_FIELDS, "updated_at"]  # the values below are written in this order
-_SERVER_LIVE_FIELDS = [
-    "hostname",
-    "simulated",
-    "driver_version",
-    "cuda_version",
-    "cpu_count",
-    "ram_mb",
-    "last_seen",
-]
+_SERVER_LIVE_FIELDS = list(SERVER_LIVE_FIELDS)  # the values below are written in this order
 
 
 def _bulk_update(model: type, fields: list[str], key: str, rows: list[tuple]) -> None:

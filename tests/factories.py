@@ -95,3 +95,17 @@ def job_form_data(booking, **overrides: object) -> dict:
         "soft_placement": "on",
     }
     return data | overrides
+
+
+def queue_job(user, gpus: int = 1, minutes: int = 60, **kwargs):  # type: ignore[no-untyped-def]
+    """A job submitted to the queue (no booking): `gpus` cards for `minutes`."""
+    from jobs.submit import ScriptUpload, job_submit
+
+    kwargs.setdefault("script", ScriptUpload(name="train.py", content=b"print('hi')\n"))
+    return job_submit(user=user, reservation=None, gpu_count=gpus, time_limit_minutes=minutes, **kwargs)
+
+
+def fresh(obj):  # type: ignore[no-untyped-def]
+    """`obj` as its row stands now."""
+    obj.refresh_from_db()
+    return obj

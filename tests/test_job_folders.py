@@ -22,11 +22,11 @@ from django.conf import settings as django_settings
 
 from gpus.booking import reservation_create
 from jobs.folders import JobFolderError, job_folder_make
-from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
 from jobs.submit import ScriptUpload, job_submit
 from portal.processes import WORKDIR_EXIT_CODE
+from tests.job_helpers import job_log
 
 pytestmark = pytest.mark.django_db
 
@@ -73,10 +73,6 @@ def as_nobody(settings, tmp_path):
     shutil.rmtree(root, ignore_errors=True)  # removes the links, never what they point to
 
 
-def _log(job_id: int) -> str:
-    return b"".join(log_stream(job_id)).decode()
-
-
 def _untouched(victim: Path) -> None:
     st = victim.stat()
     assert (st.st_uid, st.st_gid) == (0, 0), "the worker handed the link's target to the job's account"
@@ -95,8 +91,8 @@ def test_it_never_follows_a_link_a_job_planted_at_the_next_jobs_folder(alice, bo
     # The planter's arguments: the id of the job after it (known once it exists), its targets.
     args = [str(planter.pk + 1), str(victim), str(django_settings.JOB_FOLDERS)]
     Job.objects.filter(pk=planter.pk).update(args=args)
-    assert job_run(planter.pk) == Job.Status.SUCCEEDED, _log(planter.pk)
-    log = _log(planter.pk)
+    assert job_run(planter.pk) == Job.Status.SUCCEEDED, job_log(planter.pk)
+    log = job_log(planter.pk)
     assert f"uid {nobody.pw_uid} " in log
     assert "JOB_FOLDERS: permission denied" in log and "planted in JOB_FOLDERS" not in log
     assert (root / f"job-{planter.pk + 1}").is_symlink()
@@ -109,9 +105,9 @@ def test_it_never_follows_a_link_a_job_planted_at_the_next_jobs_folder(alice, bo
         script=ScriptUpload(name="train.py", content=b"import os\nprint('cwd', os.getcwd())\n"),
     )
     assert upload.pk == planter.pk + 1
-    assert job_run(upload.pk) == Job.Status.SUCCEEDED, _log(upload.pk)
+    assert job_run(upload.pk) == Job.Status.SUCCEEDED, job_log(upload.pk)
     own = Path(django_settings.JOB_FOLDERS) / f"job-{upload.pk}"
-    assert f"cwd {own}\n" in _log(upload.pk)
+    assert f"cwd {own}\n" in job_log(upload.pk)
     assert not own.is_symlink() and own.stat().st_uid == nobody.pw_uid
     assert stat.S_IMODE(own.stat().st_mode) == 0o700
     _untouched(victim)
@@ -120,8 +116,8 @@ def test_it_never_follows_a_link_a_job_planted_at_the_next_jobs_folder(alice, bo
     os.chown(root / "train.py", nobody.pw_uid, nobody.pw_gid)
     by_path = job_submit(user=alice, reservation=booking, script_path=str(root / "train.py"))
     assert by_path.pk == planter.pk + 2
-    assert job_run(by_path.pk) == Job.Status.SUCCEEDED, _log(by_path.pk)
-    assert f"cwd {Path(django_settings.JOB_FOLDERS) / f'job-{by_path.pk}'}\n" in _log(by_path.pk)
+    assert job_run(by_path.pk) == Job.Status.SUCCEEDED, job_log(by_path.pk)
+    assert f"cwd {Path(django_settings.JOB_FOLDERS) / f'job-{by_path.pk}'}\n" in job_log(by_path.pk)
     _untouched(victim)
 
 
@@ -142,7 +138,7 @@ def test_it_enters_a_chosen_working_directory_as_the_jobs_account_only(alice, bo
     job.refresh_from_db()
     assert job.exit_code == WORKDIR_EXIT_CODE
     assert job.message.startswith("Did not start: its account may not enter its working directory")
-    log = _log(job.pk)
+    log = job_log(job.pk)
     assert f"its account may not enter its working directory {private} (errno 13" in log
     assert "the job ran" not in log
 

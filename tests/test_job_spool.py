@@ -17,12 +17,13 @@ from django.db import OperationalError
 
 from gpus.booking import reservation_create
 from jobs import logs, runner
-from jobs.logs import LogWriter, log_stream
+from jobs.logs import LogWriter
 from jobs.models import Job
 from jobs.replay import spool_replay
 from jobs.runner import job_run
 from jobs.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
 from jobs.submit import ScriptUpload, job_submit
+from tests.job_helpers import job_log
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db
@@ -65,10 +66,6 @@ def job(alice, box) -> Job:
     )
 
 
-def _log(job_id: int) -> str:
-    return b"".join(log_stream(job_id)).decode()
-
-
 def test_a_log_the_database_cannot_take_waits_on_disk_and_goes_in_once(job, outage):
     spool = LogSpool(spool_name(job.pk, job.created_at), cap_bytes=1 << 20)
     writer = LogWriter(job.pk, spool=spool)
@@ -83,7 +80,7 @@ def test_a_log_the_database_cannot_take_waits_on_disk_and_goes_in_once(job, outa
     outage.down = False
     writer.feed(b"four\n")
     writer.flush()
-    lines = [line.split(" ", 1)[1] for line in _log(job.pk).splitlines()]
+    lines = [line.split(" ", 1)[1] for line in job_log(job.pk).splitlines()]
     assert lines == ["one", "two", "three", "four"]
     assert spool.size == 0
     spool.close(remove=True)
@@ -100,7 +97,7 @@ def test_a_full_spool_says_how_much_it_dropped(job, outage):
     assert spool.size == 100 and spool.dropped > 0
     outage.down = False
     writer.flush()
-    log = _log(job.pk)
+    log = job_log(job.pk)
     assert "x" * 60 in log and "bytes of output were dropped here" in log
     spool.close(remove=True)
 
@@ -127,7 +124,7 @@ def test_a_job_ending_while_the_database_is_away_keeps_every_line_and_its_end_on
     assert spool_replay() == 1
     job.refresh_from_db()
     assert job.status == Job.Status.SUCCEEDED and job.exit_code == 0 and job.finished_at
-    printed = [line for line in _log(job.pk).splitlines() if " line " in line]
+    printed = [line for line in job_log(job.pk).splitlines() if " line " in line]
     assert [line.split(" ", 1)[1] for line in printed] == [f"line {i:02d}" for i in range(20)]
     assert spool_replay() == 0 and not spooled_names()
 
@@ -136,7 +133,7 @@ def test_a_spool_of_another_database_is_never_replayed(job):
     stale = spool_dir() / f"job-{job.pk}-123.log"  # same id, another creation time: another database
     stale.write_bytes(b"2020-01-01T00:00:00.000Z not this job's\n")
     assert spool_replay() == 0
-    assert not stale.exists() and "not this job's" not in _log(job.pk)
+    assert not stale.exists() and "not this job's" not in job_log(job.pk)
 
 
 def test_a_progress_bar_without_newlines_is_capped_while_the_database_is_away(job, outage, monkeypatch):
@@ -151,7 +148,7 @@ def test_a_progress_bar_without_newlines_is_capped_while_the_database_is_away(jo
     assert writer.dropped > 800_000
     outage.down = False
     writer.close()
-    log = _log(job.pk)
+    log = job_log(job.pk)
     assert "19999 / 20000" in log and len(log) < 200 * 1024
 
 
@@ -167,7 +164,7 @@ def test_a_spool_the_database_could_not_take_goes_in_though_the_job_prints_no_mo
     assert spool.size
     writer.last_flush -= logs.SPOOL_RETRY_SECONDS  # 2 s on, with nothing printed since
     writer.maybe_flush()
-    assert spool.size == 0 and "the last line" in _log(job.pk)
+    assert spool.size == 0 and "the last line" in job_log(job.pk)
     spool.close(remove=True)
 
 
@@ -228,7 +225,7 @@ def test_one_broken_spool_does_not_stop_the_others(job, alice, box, caplog):
         assert spool_replay() == 1
         assert spool_replay() == 0  # the broken one again: said once, not every round
     other.refresh_from_db()
-    assert other.status == Job.Status.SUCCEEDED and "its last line" in _log(other.pk)
+    assert other.status == Job.Status.SUCCEEDED and "its last line" in job_log(other.pk)
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         f"Spool {spool_name(job.pk, job.created_at)} could not be replayed"
     ]

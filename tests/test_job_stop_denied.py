@@ -13,11 +13,11 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from jobs import runner
-from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
 from jobs.submit import ScriptUpload, job_submit
 from portal import pids
+from tests.job_helpers import job_log
 
 pytestmark = pytest.mark.django_db
 
@@ -70,10 +70,6 @@ def denied(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
-def _log(job_id: int) -> str:
-    return b"".join(log_stream(job_id)).decode()
-
-
 def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
     job_in, alice, denied, monkeypatch, tmp_path, caplog
 ):
@@ -119,7 +115,7 @@ def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
         job.message
         == "Cancelled by alice. Could not stop: permission denied; it ran until it ended by itself."
     )
-    log = _log(job.pk)
+    log = job_log(job.pk)
     assert log.count("could not send SIGTERM: permission denied") == 1
     assert log.count("could not send SIGKILL: permission denied") == 1  # once, not on every tick
     # No order against the job's own last line: the job is released inside the refused send, so
@@ -136,7 +132,7 @@ def test_it_says_what_a_finished_job_left_running_that_it_may_not_kill(job_in, d
     left = None
     try:
         assert job_run(job.pk) == Job.Status.SUCCEEDED  # the supervisor did not crash
-        log = _log(job.pk)
+        log = job_log(job.pk)
         left = int(log.split("left ", 1)[1].split()[0])
         job.refresh_from_db()
         assert job.exit_code == 0

@@ -21,13 +21,13 @@ from gpus.models import GPU, Allocation, GPUProcess, Reservation
 from gpus.services import server_report_ingest
 from gpus.simulated import server_names
 from jobs.launch import LAUNCHER
-from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import job_run
 from jobs.tasks import run_job
 from portal.models import Profile
 from tests.conftest import OUTPUT
 from tests.factories import make_snapshot
+from tests.job_helpers import job_log
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
@@ -64,10 +64,6 @@ def _submit(api: APIClient, booking, source: bytes, name: str = "job.py", **data
     return response.json()["id"]
 
 
-def _log(job_id: int) -> str:
-    return b"".join(log_stream(job_id)).decode()
-
-
 def _finished(job_id: int, timeout: float = 120) -> Job:
     wait_for(
         lambda: Job.objects.get(pk=job_id).status in FINAL, timeout=timeout, what=f"job {job_id} to finish"
@@ -79,7 +75,7 @@ def test_it_runs_the_example_keras_job_on_the_booked_cards(api, alice, host):
     booking = reservation_create(user=alice, gpus=[f"GPU-{host}-01", f"GPU-{host}-02"])
     job_id = _submit(api, booking, EXAMPLE.read_bytes(), "keras_example.py", args="--epochs 2")
     job = _finished(job_id)
-    log = _log(job_id)
+    log = job_log(job_id)
     assert job.status == Job.Status.SUCCEEDED, log
     assert job.exit_code == 0 and job.started_at and job.finished_at
     assert f"CUDA_VISIBLE_DEVICES=GPU-{host}-01,GPU-{host}-02" in log  # what the subprocess saw
@@ -97,7 +93,7 @@ def test_it_records_a_failing_script_with_its_exit_code_and_traceback(api, alice
     source = b"import sys\nprint('about to fail', flush=True)\nraise ValueError('bad hyperparameter')\n"
     job = _finished(_submit(api, _book(alice, host), source))
     assert job.status == Job.Status.FAILED and job.exit_code == 1
-    log = _log(job.pk)
+    log = job_log(job.pk)
     assert "about to fail" in log and "Traceback" in log and "ValueError: bad hyperparameter" in log
     assert log.index("about to fail") < log.index("Traceback")  # stdout and stderr in order
 
@@ -121,7 +117,7 @@ def _gone(pid: int) -> bool:
 
 
 def _wait_running(job_id: int) -> Job:
-    wait_for(lambda: "ready" in _log(job_id), timeout=60, what="the script's first line")
+    wait_for(lambda: "ready" in job_log(job_id), timeout=60, what="the script's first line")
     return Job.objects.get(pk=job_id)
 
 
@@ -134,7 +130,7 @@ def test_it_cancels_a_running_job_sigterm_then_sigkill(api, alice, host):
     job = _finished(job_id, timeout=30)
     assert job.status == Job.Status.CANCELLED and "alice" in job.message
     assert 2 <= time.monotonic() - requested < 10  # the 2 s grace, then SIGKILL
-    log = _log(job_id)
+    log = job_log(job_id)
     assert "got SIGTERM" in log and "SIGKILL" in log
     assert _gone(job.pid)
 
@@ -149,7 +145,7 @@ def test_it_stops_a_job_at_its_time_limit(api, alice, host):
     assert job.status == Job.Status.TIMED_OUT and "Time limit of 1 min" in job.message
     # Not before the minute, then the 2 s grace for a script that ignores SIGTERM.
     assert 62 <= job.duration.total_seconds() < 70
-    assert "[portal] Time limit of 1 min reached" in _log(job_id)
+    assert "[portal] Time limit of 1 min reached" in job_log(job_id)
 
 
 def test_it_stops_a_job_when_its_booking_ends(api, alice, host):
@@ -179,7 +175,7 @@ def test_it_never_starts_a_second_run_for_a_redelivered_message(api, alice, host
         timeout=30,
         what=f"the worker to drop the duplicate (see {worker_log})",
     )
-    assert _log(job_id).count("run of job") == 1
+    assert job_log(job_id).count("run of job") == 1
     assert Job.objects.get(pk=job_id).log_bytes == job.log_bytes
 
 
@@ -221,7 +217,7 @@ def test_it_merges_the_booking_into_a_legacy_tf1_session_config(api, alice, host
     booking = _book(alice, host, memory_mb=8192)
     job_id = _submit(api, booking, script.read_bytes(), script.name, intra_op_threads=3)
     job = _finished(job_id)
-    log = _log(job_id)
+    log = job_log(job_id)
     assert job.status == Job.Status.SUCCEEDED, log
     received = json.loads(log.split("SESSION_CONFIG ", 1)[1].splitlines()[0])
     headroom = settings.GPU_CONTEXT_HEADROOM_MB
@@ -277,7 +273,7 @@ def test_it_ends_a_job_whose_background_child_keeps_its_output_open(api, alice, 
     job_id = _submit(api, _book(alice, host), source)
     job = _finished(job_id, timeout=30)
     assert job.status == Job.Status.SUCCEEDED and job.duration.total_seconds() < 10
-    child = int(_log(job_id).split("child ", 1)[1].split()[0])
+    child = int(job_log(job_id).split("child ", 1)[1].split()[0])
     wait_for(lambda: _gone(child), timeout=5, what="the background child to be killed")
 
 
@@ -317,7 +313,7 @@ def test_it_runs_jobs_as_job_user_who_cannot_read_the_workers_secrets(
         b"open('output.txt', 'w').write('the job folder is mine')\n"
     )
     job = _finished(_submit(api, _book(alice, name), source))
-    log = _log(job.pk)
+    log = job_log(job.pk)
     assert job.status == Job.Status.SUCCEEDED, log
     assert f"uid {pwd.getpwnam('nobody').pw_uid} " in log
     assert "secret: permission denied" in log and "do-not-leak" not in log

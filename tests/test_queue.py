@@ -12,27 +12,19 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation, Server
 from jobs.models import Job
 from jobs.queue import Calendar, Card, Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
-from jobs.scheduler import forget_usage, queue_plan, queued_job_ended, schedule_pass
+from jobs.scheduler import queue_plan, queued_job_ended, schedule_pass
 from jobs.services import job_cancel
-from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Invalid
 from portal.models import Membership
-from tests.factories import MembershipFactory, TeamFactory, UserFactory
+from tests.factories import MembershipFactory, TeamFactory, UserFactory, queue_job
 
 H = timedelta(hours=1)
 M = timedelta(minutes=1)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_usage():
-    forget_usage()
-    yield
-    forget_usage()
-
-
-def queue(user, gpus=1, minutes=60, **kwargs) -> Job:
-    kwargs.setdefault("script", ScriptUpload(name="train.py", content=b"print('hi')\n"))
-    return job_submit(user=user, reservation=None, gpu_count=gpus, time_limit_minutes=minutes, **kwargs)
+def _fresh_usage(fresh_usage) -> None:
+    """Every test here plans with a fresh fair-share cache."""
 
 
 def reason(job: Job) -> str:
@@ -46,7 +38,7 @@ def reason(job: Job) -> str:
 def test_a_queued_job_waits_pending_then_starts_on_a_booking_of_its_own(
     alice, box, sent, django_capture_on_commit_callbacks
 ):
-    job = queue(alice, gpus=2, minutes=30)
+    job = queue_job(alice, gpus=2, minutes=30)
     assert (job.status, job.reservation, job.server, job.queued) == ("pending", None, None, True)
 
     with django_capture_on_commit_callbacks(execute=True):
@@ -63,7 +55,7 @@ def test_a_queued_job_waits_pending_then_starts_on_a_booking_of_its_own(
 
 
 def test_its_booking_is_released_when_it_ends(alice, box, sent):
-    job = queue(alice)
+    job = queue_job(alice)
     schedule_pass()
     job.refresh_from_db()
     Job.objects.filter(pk=job.pk).update(status=Job.Status.SUCCEEDED, finished_at=timezone.now())
@@ -73,7 +65,7 @@ def test_its_booking_is_released_when_it_ends(alice, box, sent):
 
 
 def test_a_lost_queued_job_has_its_booking_released_by_the_next_pass(alice, box, sent):
-    job = queue(alice)
+    job = queue_job(alice)
     schedule_pass()
     Job.objects.filter(pk=job.pk).update(status=Job.Status.LOST, finished_at=timezone.now())
     assert schedule_pass()["released"] == 1
@@ -96,7 +88,7 @@ def test_a_lost_queued_job_has_its_booking_released_by_the_next_pass(alice, box,
 )
 def test_bad_requests_name_the_field_and_write_nothing(alice, box, kwargs, field, words):
     with pytest.raises(Invalid, match=words) as refused:
-        queue(alice, **kwargs)
+        queue_job(alice, **kwargs)
     assert refused.value.field == field
     assert not Job.objects.exists()
 
@@ -104,9 +96,9 @@ def test_bad_requests_name_the_field_and_write_nothing(alice, box, kwargs, field
 def test_a_member_of_several_teams_says_which(alice, box):
     MembershipFactory(user=alice, team=TeamFactory(slug="other"))
     with pytest.raises(Invalid, match="several teams") as refused:
-        queue(alice)
+        queue_job(alice)
     assert refused.value.field == "team"
-    assert queue(alice, team="other").team.slug == "other"
+    assert queue_job(alice, team="other").team.slug == "other"
 
 
 # --- reasons --------------------------------------------------------------------------------------
@@ -114,7 +106,7 @@ def test_a_member_of_several_teams_says_which(alice, box):
 
 def test_it_waits_for_resources_when_the_cards_are_booked(alice, bob, box, sent):
     reservation_create(user=bob, gpus=[g.uuid for g in box], end=timezone.now() + 2 * H)
-    job = queue(alice)
+    job = queue_job(alice)
     schedule_pass()
     assert reason(job) == "resources"
     (entry,) = queue_plan()
@@ -122,23 +114,23 @@ def test_it_waits_for_resources_when_the_cards_are_booked(alice, bob, box, sent)
 
 
 def test_it_waits_for_its_begin_time_and_for_a_draining_server(alice, box, sent):
-    later = queue(alice, begin_at=timezone.now() + H)
+    later = queue_job(alice, begin_at=timezone.now() + H)
     Server.objects.filter(name="box1").update(draining=True)
-    there = queue(alice, server="box1")
+    there = queue_job(alice, server="box1")
     schedule_pass()
     assert (reason(later), reason(there)) == ("begin_time", "draining")
 
 
 def test_it_waits_for_its_quota(alice, box, sent, team):
     Membership.objects.filter(user=alice).update(max_cards=1)
-    first, second = queue(alice), queue(alice)
+    first, second = queue_job(alice), queue_job(alice)
     schedule_pass()
     first.refresh_from_db()
     assert first.status == Job.Status.QUEUED and reason(second) == "quota"
 
 
 def test_an_array_runs_at_most_its_limit_at_once_and_is_cancelled_whole(alice, box, sent):
-    first = queue(alice, array="0-9%2")
+    first = queue_job(alice, array="0-9%2")
     tasks = Job.objects.filter(array=first.array).order_by("array_index")
     assert [t.array_index for t in tasks] == list(range(10)) and first.array.max_running == 2
     schedule_pass()
@@ -152,7 +144,7 @@ def test_an_array_runs_at_most_its_limit_at_once_and_is_cancelled_whole(alice, b
 def test_the_array_index_reaches_the_job(alice, box, sent):
     from jobs.environment import BookedCard, job_environment
 
-    queue(alice, array="3-4")
+    queue_job(alice, array="3-4")
     schedule_pass()
     task = Job.objects.get(array_index=4)
     card = task.reservation.allocations.select_related("gpu").first()
@@ -177,9 +169,9 @@ def test_short_jobs_backfill_in_front_of_a_wide_job_without_delaying_it(alice, b
     in the gap and starts; a 2-hour one would hold a card past the wide job's start, so it waits."""
     now = timezone.now()
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
-    wide = queue(alice, gpus=4, minutes=120)
-    short = queue(bob, gpus=1, minutes=30)
-    long = queue(bob, gpus=1, minutes=120)
+    wide = queue_job(alice, gpus=4, minutes=120)
+    short = queue_job(bob, gpus=1, minutes=30)
+    long = queue_job(bob, gpus=1, minutes=120)
     Job.objects.filter(pk=wide.pk).update(created_at=now - H)  # older: higher priority
 
     schedule_pass(now=now)
@@ -202,8 +194,8 @@ def test_a_team_that_used_a_lot_recently_sorts_below_one_that_did_not(box, sent)
     past = reservation_create(user=heavy, gpus=[g.uuid for g in box], start=now, end=now + 4 * H)
     Reservation.objects.filter(pk=past.pk).update(start=now - 2 * 24 * H, end=now - 24 * H)
     past.allocations.update(start=now - 2 * 24 * H, end=now - 24 * H)
-    heavy_job = queue(heavy)
-    light_job = queue(light)
+    heavy_job = queue_job(heavy)
+    light_job = queue_job(light)
     Job.objects.filter(pk=heavy_job.pk).update(created_at=now - H)  # older, yet second
 
     order = [e.request.job_id for e in queue_plan(now=now)]
@@ -268,10 +260,10 @@ def test_parse_array():
 def test_a_time_limit_must_leave_room_for_the_bookings_slack_and_the_members_limit(alice, box, settings):
     settings.BOOKING_MAX_HOURS = 2
     with pytest.raises(Invalid, match="1 to 119 minutes"):
-        queue(alice, minutes=120)  # its booking would be 121 minutes: it could never start
+        queue_job(alice, minutes=120)  # its booking would be 121 minutes: it could never start
     alice.memberships.update(max_booking_hours=1)
     with pytest.raises(Invalid, match="1 to 59 minutes"):
-        queue(alice, minutes=60)
+        queue_job(alice, minutes=60)
 
 
 # --- the API -------------------------------------------------------------------------------------
@@ -308,7 +300,7 @@ def test_the_api_queues_a_job_and_shows_the_queue(api, alice, bob, box, sent):
 
 
 def test_the_queue_hides_outsiders_names(api, charlie, box, sent):
-    queue(charlie)
+    queue_job(charlie)
     (row,) = api.get("/api/v1/queue/").json()["results"]
     assert (row["owner"], row["name"], row["team"]) == ("another user", "", "")
 
@@ -345,7 +337,7 @@ def test_the_queue_page_and_a_pending_jobs_page_say_why_it_waits(client, alice, 
     from django.urls import reverse
 
     reservation_create(user=bob, gpus=[g.uuid for g in box], end=timezone.now() + H)
-    job = queue(alice, gpus=4)
+    job = queue_job(alice, gpus=4)
     schedule_pass()
     client.force_login(alice)
     page = client.get(reverse("queue")).content.decode()

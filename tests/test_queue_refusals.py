@@ -17,31 +17,18 @@ from gpus.services import server_report_ingest
 from jobs.leavers import left_team
 from jobs.models import Job
 from jobs.pickup import slots_report
-from jobs.scheduler import forget_usage, queue_plan, schedule_pass
+from jobs.scheduler import queue_plan, schedule_pass
 from jobs.services import RUN_JOB, dispatch, jobs_reconcile
-from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Conflict, Invalid
 from portal.models import AuditEntry, Membership, Notification
-from tests.factories import MembershipFactory, TeamFactory, make_snapshot
+from tests.factories import MembershipFactory, TeamFactory, fresh, make_snapshot, queue_job
 
 H = timedelta(hours=1)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_usage():
-    forget_usage()
-    yield
-    forget_usage()
-
-
-def queue(user, gpus=1, minutes=60, **kwargs) -> Job:
-    kwargs.setdefault("script", ScriptUpload(name="train.py", content=b"print('hi')\n"))
-    return job_submit(user=user, reservation=None, gpu_count=gpus, time_limit_minutes=minutes, **kwargs)
-
-
-def fresh(job: Job) -> Job:
-    job.refresh_from_db()
-    return job
+def _fresh_usage(fresh_usage) -> None:
+    """Every test here plans with a fresh fair-share cache."""
 
 
 # --- 1. one job never stops the pass --------------------------------------------------------------
@@ -49,9 +36,9 @@ def fresh(job: Job) -> Job:
 
 def test_it_starts_the_others_when_one_owner_may_no_longer_book_for_the_jobs_team(alice, bob, box, sent):
     """Written before leaving a team cancelled queued jobs: the booking service says Forbidden."""
-    stray = queue(alice)
+    stray = queue_job(alice)
     Job.objects.filter(pk=stray.pk).update(team=TeamFactory(slug="elsewhere"), created_at=timezone.now() - H)
-    other = queue(bob)
+    other = queue_job(bob)
 
     done = schedule_pass()
 
@@ -66,9 +53,9 @@ def test_an_unexpected_error_skips_only_that_job_and_is_logged_once(
 ):
     from jobs import scheduler
 
-    broken = queue(alice)
+    broken = queue_job(alice)
     Job.objects.filter(pk=broken.pk).update(created_at=timezone.now() - H)
-    other = queue(bob)
+    other = queue_job(bob)
     real = scheduler.reservation_create
 
     def flaky(**kwargs):
@@ -93,8 +80,8 @@ def test_an_unexpected_error_skips_only_that_job_and_is_logged_once(
 def test_leaving_a_team_cancels_the_members_queued_jobs_of_it_saying_why(alice, leader, team, box, sent):
     other_team = TeamFactory(slug="other")
     MembershipFactory(user=alice, team=other_team)
-    mine = queue(alice, team=team.slug)
-    kept = queue(alice, team="other")
+    mine = queue_job(alice, team=team.slug)
+    kept = queue_job(alice, team="other")
 
     Membership.objects.get(user=alice, team=team).delete()  # e.g. a directory sync
 
@@ -117,7 +104,7 @@ def test_leaving_a_team_cancels_the_members_queued_jobs_of_it_saying_why(alice, 
 
 
 def test_the_reconciler_cancels_queued_jobs_of_a_member_removed_without_a_signal(alice, team, box, sent):
-    job = queue(alice)
+    job = queue_job(alice)
     Membership.objects.filter(user=alice, team=team)._raw_delete("default")  # no post_delete
 
     assert jobs_reconcile()["team_leavers"] == 1
@@ -130,7 +117,7 @@ def test_the_reconciler_cancels_queued_jobs_of_a_member_removed_without_a_signal
 
 def test_a_host_with_known_slots_gets_no_more_starts_than_it_has_free(alice, box, sent):
     server = Server.objects.get(name="box1")
-    array = queue(alice, memory_mb=1024, array="0-9")
+    array = queue_job(alice, memory_mb=1024, array="0-9")
     slots_report("box1", slots=3, now=timezone.now())  # its worker runs 3 at a time (jobs.pickup)
     server.refresh_from_db()
     assert server.job_slots == 3 and server.job_slots_at is not None
@@ -146,7 +133,7 @@ def test_a_host_with_known_slots_gets_no_more_starts_than_it_has_free(alice, box
 def test_a_host_whose_worker_went_silent_gets_no_starts_and_its_jobs_say_why(alice, box, sent, settings):
     """Its worker reported once, then stopped (gone, or cut off from the database while Redis
     works): booking its cards would start jobs nobody claims."""
-    array = queue(alice, memory_mb=1024, array="0-9")
+    array = queue_job(alice, memory_mb=1024, array="0-9")
     now = timezone.now()
     silent_for = 10 * settings.JOB_RECONCILE_SECONDS
     Server.objects.filter(name="box1").update(job_slots=3, job_slots_at=now - timedelta(seconds=silent_for))
@@ -165,7 +152,7 @@ def test_a_host_whose_worker_went_silent_gets_no_starts_and_its_jobs_say_why(ali
 
 
 def test_a_host_whose_worker_never_reported_is_planned_by_its_cards_alone(alice, box, sent):
-    queue(alice, memory_mb=1024, array="0-9")
+    queue_job(alice, memory_mb=1024, array="0-9")
     assert Server.objects.get(name="box1").job_slots is None
     assert schedule_pass()["started"] == 10
 
@@ -177,9 +164,9 @@ def test_a_job_refused_every_pass_does_not_keep_the_cards_from_a_job_behind_it(a
     """bob's 4-card job is first in line but over his weekly GPU-hours: alice's 1-card job starts
     in the same pass, on a server that would otherwise sit idle."""
     Membership.objects.filter(user=bob).update(gpu_hours_per_week=1)
-    wide = queue(bob, gpus=4, minutes=29)  # 2 GPU-hours with its slack: within 2 weeks' limit, not 1
+    wide = queue_job(bob, gpus=4, minutes=29)  # 2 GPU-hours with its slack: within 2 weeks' limit, not 1
     Job.objects.filter(pk=wide.pk).update(created_at=timezone.now() - H)
-    small = queue(alice)
+    small = queue_job(alice)
 
     done = schedule_pass()
 
@@ -200,20 +187,20 @@ def test_a_job_refused_every_pass_does_not_keep_the_cards_from_a_job_behind_it(a
 def test_more_cards_than_the_largest_server_has_are_refused_at_submit(alice, box):
     server_report_ingest(snapshot=make_snapshot("box2", gpus=2))
     with pytest.raises(Invalid) as refused:
-        queue(alice, gpus=5)
+        queue_job(alice, gpus=5)
     assert refused.value.field == "gpu_count"
     assert refused.value.message.startswith(
         "gpu_count: 5 cards asked for, but the largest server, box1, has 4."
     )
     with pytest.raises(Invalid, match="box2 has 2"):
-        queue(alice, gpus=3, server="box2")
+        queue_job(alice, gpus=3, server="box2")
     assert not Job.objects.exists()
 
 
 def test_more_cards_of_a_size_than_any_server_has_are_refused_at_submit(alice, box):
     server_report_ingest(snapshot=make_snapshot("big", gpus=2, memory_gb=80))
     with pytest.raises(Invalid, match="the most any server has is 2, on big") as refused:
-        queue(alice, gpus=3, memory_mb=40 * 1024)
+        queue_job(alice, gpus=3, memory_mb=40 * 1024)
     assert refused.value.field == "gpu_count" and not Job.objects.exists()
 
 
@@ -239,7 +226,7 @@ def test_a_request_above_a_member_or_team_limit_is_refused_at_submit(
     )
     holder.update(**limits)
     with pytest.raises(Invalid, match=words) as refused:
-        queue(alice, **kwargs)
+        queue_job(alice, **kwargs)
     assert refused.value.field == field and not Job.objects.exists()
 
 
@@ -256,7 +243,7 @@ def test_a_broker_outage_is_one_log_line_not_a_traceback_per_job(
         raise kombu.exceptions.OperationalError("Error 111 connecting to redis: Connection refused.")
 
     monkeypatch.setattr(task, "apply_async", away)
-    jobs = [queue(alice, memory_mb=1024) for _ in range(3)]
+    jobs = [queue_job(alice, memory_mb=1024) for _ in range(3)]
     with caplog.at_level(logging.WARNING, logger="jobs.services"):
         with django_capture_on_commit_callbacks(execute=True):
             schedule_pass()
@@ -282,7 +269,7 @@ def test_a_manual_booking_cannot_take_the_cards_a_wide_job_waits_for(alice, bob,
     naming the card, the job and the hold, and one that ends by then is fine."""
     now = timezone.now()
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
-    wide = queue(alice, gpus=4, minutes=120)
+    wide = queue_job(alice, gpus=4, minutes=120)
     schedule_pass(now=now)
     assert fresh(wide).pending_reason == "resources"
 
@@ -301,7 +288,7 @@ def test_the_portal_picks_around_a_wide_jobs_hold(alice, bob, charlie, box, sent
     """Asking for N cards anywhere never picks a card the queue holds: there are none to pick."""
     now = timezone.now()
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
-    queue(alice, gpus=4, minutes=120)
+    queue_job(alice, gpus=4, minutes=120)
     schedule_pass(now=now)
 
     with pytest.raises(Conflict) as refused:
@@ -315,7 +302,7 @@ def test_the_schedulers_own_booking_for_the_held_job_still_succeeds(alice, bob, 
     next pass books them for the job."""
     now = timezone.now()
     blocker = reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
-    wide = queue(alice, gpus=4, minutes=120)
+    wide = queue_job(alice, gpus=4, minutes=120)
     schedule_pass(now=now)
     assert fresh(wide).status == Job.Status.PENDING
 
@@ -329,7 +316,7 @@ def test_the_schedulers_own_booking_for_the_held_job_still_succeeds(alice, bob, 
 def test_a_hold_binds_no_one_once_its_job_is_cancelled(alice, bob, charlie, box, sent):
     now = timezone.now()
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
-    wide = queue(alice, gpus=4, minutes=120)
+    wide = queue_job(alice, gpus=4, minutes=120)
     schedule_pass(now=now)
     Job.objects.filter(pk=wide.pk).update(status=Job.Status.CANCELLED)
 
@@ -348,7 +335,7 @@ def test_with_redis_away_the_queue_loses_its_holds_never_a_booking(
 
     now = timezone.now()
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
-    wide = queue(alice, gpus=4, minutes=120)
+    wide = queue_job(alice, gpus=4, minutes=120)
     monkeypatch.setattr(scheduler, "client", away)
     monkeypatch.setattr(scheduler, "_holds_unstored", False)
 
@@ -367,7 +354,7 @@ def test_the_booking_form_shows_a_hold_beside_the_cards(client, alice, bob, char
 
     now = timezone.now()
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
-    wide = queue(alice, gpus=4, minutes=120)
+    wide = queue_job(alice, gpus=4, minutes=120)
     schedule_pass(now=now)
 
     client.force_login(charlie)
@@ -385,7 +372,7 @@ def test_the_api_answers_a_hold_with_409_on_the_cards_field(alice, bob, charlie,
 
     now = timezone.now()
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
-    wide = queue(alice, gpus=4, minutes=120)
+    wide = queue_job(alice, gpus=4, minutes=120)
     schedule_pass(now=now)
 
     api = APIClient()

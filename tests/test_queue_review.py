@@ -14,11 +14,10 @@ from gpus.quotas import week_start
 from gpus.services import server_report_ingest
 from jobs.models import Job
 from jobs.pickup import slots_report
-from jobs.scheduler import forget_usage, queue_holds, schedule_pass
+from jobs.scheduler import queue_holds, schedule_pass
 from portal.errors import Conflict, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, Team
-from tests.factories import make_snapshot
-from tests.test_queue_refusals import fresh, queue
+from tests.factories import fresh, make_snapshot, queue_job
 
 pytestmark = pytest.mark.django_db
 
@@ -27,10 +26,8 @@ M = timedelta(minutes=1)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_usage():
-    forget_usage()
-    yield
-    forget_usage()
+def _fresh_usage(fresh_usage) -> None:
+    """Every test here plans with a fresh fair-share cache."""
 
 
 # --- L3: weekly GPU-hours at submit ---------------------------------------------------------------
@@ -41,7 +38,7 @@ def test_a_job_needing_more_gpu_hours_than_the_weekly_limit_is_refused_at_submit
     would wait as "quota" for ever. Refused, naming the field, the limit and the fix; nothing written."""
     Membership.objects.filter(user=alice).update(gpu_hours_per_week=8)
     with pytest.raises(Invalid) as refused:
-        queue(alice, gpus=4, minutes=600)
+        queue_job(alice, gpus=4, minutes=600)
     message = refused.value.message
     assert refused.value.field == "time_limit_minutes"
     assert (
@@ -54,14 +51,14 @@ def test_a_job_needing_more_gpu_hours_than_the_weekly_limit_is_refused_at_submit
 def test_the_teams_weekly_limit_is_checked_too(alice, team, box, sent):
     Team.objects.filter(pk=team.pk).update(gpu_hours_per_week=8)
     with pytest.raises(Invalid, match=f"team {team.slug}'s limit is 8 GPU-hours a week") as refused:
-        queue(alice, gpus=4, minutes=600)
+        queue_job(alice, gpus=4, minutes=600)
     assert "ask an admin" in refused.value.message and not Job.objects.exists()
 
 
 def test_an_array_is_refused_whole_when_each_task_needs_too_much(alice, box, sent):
     Membership.objects.filter(user=alice).update(gpu_hours_per_week=1)
     with pytest.raises(Invalid, match="gpu_hours_per_week"):
-        queue(alice, gpus=2, minutes=120, array="0-3")
+        queue_job(alice, gpus=2, minutes=120, array="0-3")
     assert not Job.objects.exists()
 
 
@@ -70,9 +67,9 @@ def test_up_to_twice_the_weekly_limit_is_accepted_because_a_booking_across_monda
     The booking service takes such a booking across Monday 00:00 (1 in each week), never one more
     minute: submit and booking agree."""
     Membership.objects.filter(user=alice).update(gpu_hours_per_week=1)
-    accepted = queue(alice, gpus=4, minutes=29)
+    accepted = queue_job(alice, gpus=4, minutes=29)
     with pytest.raises(Invalid, match="at most 29 minutes"):
-        queue(alice, gpus=4, minutes=30)
+        queue_job(alice, gpus=4, minutes=30)
     Job.objects.filter(pk=accepted.pk).delete()  # its start is not the point here
 
     monday = week_start(timezone.now() + timedelta(days=7))
@@ -87,9 +84,9 @@ def test_a_share_counts_its_fraction_of_the_card_as_the_quotas_do(alice, box, se
     minutes and the slack are 16 GPU-hours, exactly twice a limit of 8."""
     Membership.objects.filter(user=alice).update(gpu_hours_per_week=8)
     half = box[0].memory_total_mb // 2
-    assert queue(alice, gpus=4, memory_mb=half, minutes=479)
+    assert queue_job(alice, gpus=4, memory_mb=half, minutes=479)
     with pytest.raises(Invalid, match="at most 479 minutes") as refused:
-        queue(alice, gpus=4, memory_mb=half, minutes=480)
+        queue_job(alice, gpus=4, memory_mb=half, minutes=480)
     assert refused.value.field == "time_limit_minutes"
 
 
@@ -99,9 +96,9 @@ def test_a_share_is_counted_at_the_largest_cards_it_could_get(alice, box, sent):
     server_report_ingest(snapshot=make_snapshot("big", gpus=4, memory_gb=80))
     Membership.objects.filter(user=alice).update(gpu_hours_per_week=8)
     half = box[0].memory_total_mb // 2
-    assert queue(alice, gpus=4, memory_mb=half, minutes=600)
+    assert queue_job(alice, gpus=4, memory_mb=half, minutes=600)
     with pytest.raises(Invalid, match="gpu_hours_per_week"):
-        queue(alice, gpus=4, memory_mb=half, minutes=600, server="box1")
+        queue_job(alice, gpus=4, memory_mb=half, minutes=600, server="box1")
 
 
 def test_a_booking_longer_than_two_weeks_needs_only_a_weeks_worth(alice, box, sent, settings):
@@ -109,16 +106,16 @@ def test_a_booking_longer_than_two_weeks_needs_only_a_weeks_worth(alice, box, se
     GPU-hours) in any week, wherever it starts: fine against 200 a week, though 2 x 200 < 480."""
     settings.BOOKING_MAX_HOURS = 30 * 24
     Membership.objects.filter(user=alice).update(gpu_hours_per_week=200)
-    assert queue(alice, minutes=20 * 24 * 60)
+    assert queue_job(alice, minutes=20 * 24 * 60)
     start = timezone.now() + H
     assert reservation_create(user=alice, gpus=[box[1].uuid], start=start, end=start + timedelta(days=20))
     Membership.objects.filter(user=alice).update(gpu_hours_per_week=160)
     with pytest.raises(Invalid, match="gpu_hours_per_week"):
-        queue(alice, minutes=20 * 24 * 60)
+        queue_job(alice, minutes=20 * 24 * 60)
 
 
 def test_without_a_weekly_limit_nothing_changes(alice, box, sent):
-    assert queue(alice, gpus=4, minutes=600).status == Job.Status.PENDING
+    assert queue_job(alice, gpus=4, minutes=600).status == Job.Status.PENDING
     assert GPU.objects.count() == 4
 
 
@@ -132,7 +129,7 @@ def test_a_silent_hosts_jobs_go_to_a_host_whose_worker_reports(alice, box, sent,
         job_slots=4, job_slots_at=now - timedelta(seconds=10 * settings.JOB_RECONCILE_SECONDS)
     )
     slots_report("box2", slots=2, now=now)
-    array = queue(alice, memory_mb=1024, array="0-3")
+    array = queue_job(alice, memory_mb=1024, array="0-3")
 
     assert schedule_pass(now=now)["started"] == 2
     tasks = Job.objects.filter(array=array.array)
@@ -157,11 +154,11 @@ def test_a_wide_job_refused_for_a_taken_card_keeps_its_shadow_for_the_rest_of_th
     from jobs import scheduler
 
     now = timezone.now()
-    wide = queue(alice, gpus=4, minutes=120)
+    wide = queue_job(alice, gpus=4, minutes=120)
     Job.objects.filter(pk=wide.pk).update(created_at=now - 2 * H)  # first in line
-    long = queue(bob, minutes=120)
+    long = queue_job(bob, minutes=120)
     Job.objects.filter(pk=long.pk).update(created_at=now - H)
-    short = queue(bob, minutes=30)
+    short = queue_job(bob, minutes=30)
     real = scheduler._start
 
     def raced(entry, at):
@@ -187,9 +184,9 @@ def test_a_conflict_is_still_this_jobs_alone(alice, bob, box, sent, monkeypatch)
     """A job whose every start meets a Conflict waits; the others start as before."""
     from jobs import scheduler
 
-    stuck = queue(alice)
+    stuck = queue_job(alice)
     Job.objects.filter(pk=stuck.pk).update(created_at=timezone.now() - H)
-    other = queue(bob)
+    other = queue_job(bob)
     real = scheduler.reservation_create
 
     def refuse(**kwargs):

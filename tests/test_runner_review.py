@@ -14,17 +14,16 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import psutil
 import pytest
 from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.models import Allocation, Reservation
 from jobs import supervision
-from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import Supervisor, job_run
 from jobs.submit import ScriptUpload, job_submit
+from tests.job_helpers import alive, job_log
 from tests.test_runner_session import CHATTY_ESCAPEE
 from tests.waiting import wait_for
 
@@ -125,17 +124,6 @@ def leftover():
             os.kill(pid, signal.SIGKILL)
 
 
-def _log(job_id: int) -> str:
-    return b"".join(log_stream(job_id)).decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _run_in_thread(job_id: int) -> tuple[threading.Thread, list[str | None]]:
     outcome: list[str | None] = []
 
@@ -183,7 +171,7 @@ def test_the_end_sweep_says_what_it_could_not_end(job_in, tmp_path, monkeypatch,
     assert job_run(job.pk) == Job.Status.SUCCEEDED
     _child(pidfile, leftover)
     job.refresh_from_db()
-    assert "1 process(es) of the job's session were still there after the end sweep" in _log(job.pk)
+    assert "1 process(es) of the job's session were still there after the end sweep" in job_log(job.pk)
     assert job.message == "Some of what it left running could not be stopped."
     assert "survived the end sweep" in caplog.text
 
@@ -207,7 +195,7 @@ def test_a_pidfd_open_error_other_than_enosys_still_stops_the_job(
     thread.join(timeout=30)
     monkeypatch.undo()
     assert outcome == [Job.Status.CANCELLED]
-    assert not _alive(child)
+    assert not alive(child)
 
 
 def test_a_leader_whose_start_cannot_be_read_is_still_cancelled_and_it_is_said(
@@ -225,7 +213,7 @@ def test_a_leader_whose_start_cannot_be_read_is_still_cancelled_and_it_is_said(
     took = time.monotonic() - asked
     assert outcome == [Job.Status.CANCELLED]
     assert took < 8, f"cancelled, with a 1 s kill grace, yet it ran {took:.0f} s more"
-    assert _log(job.pk).count("this worker cannot see the job's processes") == 1
+    assert job_log(job.pk).count("this worker cannot see the job's processes") == 1
     assert "cannot list its processes" in caplog.text
 
 
@@ -252,7 +240,7 @@ def test_the_booking_end_holds_while_the_database_hangs(job_in, monkeypatch):
         "15 s after a booking end 3 s away, the job still runs: the deadline waits for the database"
     )
     assert outcome == [Job.Status.TIMED_OUT]
-    log = _log(job.pk)
+    log = job_log(job.pk)
     assert "the database is away: the job is stopped by the last deadline it gave" in log
     assert "still running after the grace period: SIGKILL" in log  # it ignored SIGTERM
 
@@ -286,7 +274,7 @@ def test_a_plain_job_ends_without_waiting_for_the_drain_nor_a_false_line(job_in,
     began = time.monotonic()
     assert job_run(job.pk) == Job.Status.SUCCEEDED
     took = time.monotonic() - began
-    assert "left its session" not in _log(job.pk)
+    assert "left its session" not in job_log(job.pk)
     assert took < 4, f"a job printing one line took {took:.1f} s to end"
 
 
@@ -320,17 +308,17 @@ def test_a_sigterm_ignoring_leader_and_child_are_killed_on_cancel(job_in, alice,
     job = job_in(IGNORES_TERM.format(pidfile=str(pidfile)))
     thread, outcome = _run_in_thread(job.pk)
     child = _child(pidfile, leftover)
-    wait_for(lambda: "ready" in _log(job.pk), timeout=30, what="the job to run")
+    wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job to run")
     Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
     thread.join(timeout=30)
-    assert outcome == [Job.Status.CANCELLED] and not _alive(child)
+    assert outcome == [Job.Status.CANCELLED] and not alive(child)
 
 
 def test_a_double_forked_daemon_without_setsid_is_ended(job_in, tmp_path, leftover):
     pidfile = tmp_path / "child"
     job = job_in(DOUBLE_FORK.format(pidfile=str(pidfile)))
     assert job_run(job.pk) == Job.Status.SUCCEEDED
-    assert not _alive(_child(pidfile, leftover))
+    assert not alive(_child(pidfile, leftover))
 
 
 def test_a_log_flush_that_fails_backs_off_and_recovers_at_once(job_in, monkeypatch):

@@ -20,11 +20,11 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.models import Allocation, Reservation
 from jobs import runner
-from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import Supervisor, job_run
 from jobs.spool import EndRecord, spool_name, stop_flag
 from jobs.submit import ScriptUpload, job_submit
+from tests.job_helpers import alive, job_log
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the runner closes connections after errors
@@ -75,17 +75,6 @@ def _away() -> OperationalError:
     return error
 
 
-def _log(job_id: int) -> str:
-    return b"".join(log_stream(job_id)).decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _run_in_thread(job_id: int) -> tuple[threading.Thread, list[str | None]]:
     outcome: list[str | None] = []
     thread = threading.Thread(target=lambda: outcome.append(job_run(job_id)), daemon=True)
@@ -114,7 +103,7 @@ def test_it_ends_a_child_in_its_own_process_group_when_the_job_ends(job_in, tmp_
     job = job_in(GROUPED_CHILD.format(pidfile=str(pidfile), wait=False))
     assert job_run(job.pk) == Job.Status.SUCCEEDED
     child = _child(pidfile, leftover)
-    assert not _alive(child)
+    assert not alive(child)
 
 
 def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
@@ -132,11 +121,11 @@ def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
     job = job_in(GROUPED_CHILD.format(pidfile=str(pidfile), wait=True))
     thread, outcome = _run_in_thread(job.pk)
     child = _child(pidfile, leftover)
-    wait_for(lambda: "ready" in _log(job.pk), timeout=30, what="the job to run")
+    wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job to run")
     Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
     thread.join(timeout=30)
     assert outcome == [Job.Status.CANCELLED]
-    assert not _alive(child)
+    assert not alive(child)
     job.refresh_from_db()
     # SIGTERM went to each process by identity; only the end sweep signals groups: the job's own
     # (its leader unreaped) and the child's (seen through the live child).
@@ -164,7 +153,7 @@ def test_a_chatty_process_that_left_the_session_does_not_hold_the_supervisor(job
     _child(pidfile, leftover)
     thread.join(timeout=30)
     assert outcome == [Job.Status.SUCCEEDED], "the supervisor is still draining the escapee's output"
-    assert "from a process that left its session: no longer read" in _log(job.pk)
+    assert "from a process that left its session: no longer read" in job_log(job.pk)
 
 
 def test_it_enforces_the_booking_end_while_the_database_is_away(job_in, monkeypatch):
@@ -182,7 +171,7 @@ def test_it_enforces_the_booking_end_while_the_database_is_away(job_in, monkeypa
     assert outcome == [Job.Status.TIMED_OUT]
     job.refresh_from_db()
     assert job.finished_at >= end and "booking ended" in job.message
-    log = _log(job.pk)
+    log = job_log(job.pk)
     assert "the database is away: the job is stopped by the last deadline it gave" in log
     assert log.index("the database is away") < log.index("Sending SIGTERM")
 
