@@ -25,6 +25,7 @@ from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
 from gpus.quotas import Use, has_limits, peak, quota_refusal
 from portal.access import can_manage
+from portal.changes import BOOKINGS, change_publish
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, Team
 from portal.timefmt import format_time
@@ -323,6 +324,8 @@ def _pick_and_lock(
 def _audit(
     actor: AbstractBaseUser | PortalActor, reservation: Reservation, action: str, message: str, **data: object
 ) -> None:
+    """Every change of a booking comes through here: it is audited, and open pages are told."""
+    change_publish(BOOKINGS)  # once committed: the dashboard shows the booking
     if actor is PORTAL:
         data["by"] = "portal"  # no actor, yet not a deleted user's entry
     AuditEntry.objects.create(

@@ -19,6 +19,7 @@ from gpus.models import GPU, GPUProcess, Server, TelemetrySample
 from gpus.sanitize import checked_snapshot
 from gpus.selectors import GPU_LIVE_FIELDS, SERVER_LIVE_FIELDS
 from gpus.usage import usage_observe
+from portal.changes import TELEMETRY, change_publish
 
 # Sent once per telemetry round, inside its transaction, with `cards`: every reported card
 # (GPUInfo, its processes carrying the job ids resolved from their sessions). A signal because
@@ -120,6 +121,7 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
     telemetry_ingested.send(sender=GPUProcess, cards=[g for _, g in cards])
     _history_record(latest, known, now, stored)
     usage_observe(cards=cards, now=now)  # the usage rollup (gpus/usage.py): memory, a write a minute
+    change_publish(TELEMETRY)  # once committed: open dashboards read the round
 
 
 class _Known(NamedTuple):

@@ -11,24 +11,21 @@ pub/sub channel per job, three kinds of message, each a header line and, for `li
 - ``C <end>\\n``: no more output from this writer (the job is ending): a watcher reads the status.
 
 Publishing never fails the job: Redis away costs the watchers their speed, not a byte, since a
-stream reads what it missed from the database. After a failure nothing is tried for
-RETRY_AFTER_SECONDS, so a dead Redis adds no timeouts to every line.
+stream reads what it missed from the database. After a failure nothing is tried for a few
+seconds (portal.changes.Publisher), so a dead Redis adds no timeouts to every line.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 
-import redis
 from django.conf import settings
+
+from portal.changes import Publisher
 
 log = logging.getLogger(__name__)
 
 LIVE, STORED, CLOSED = b"L", b"S", b"C"
-RETRY_AFTER_SECONDS = 5.0
-TIMEOUT_SECONDS = 0.5
 
 
 def channel(job_id: int) -> str:
@@ -49,37 +46,8 @@ def decode(message: bytes) -> tuple[bytes, int, bytes]:
     return kind, int(offset), data
 
 
-class Publisher:
-    """One Redis connection per process (a prefork pool's child makes its own after the fork)."""
-
-    def __init__(self) -> None:
-        self._client: redis.Redis | None = None
-        self._pid = 0
-        self._quiet_until = 0.0
-
-    def publish(self, job_id: int, kind: bytes, offset: int, data: bytes = b"") -> None:
-        now = time.monotonic()
-        if now < self._quiet_until:
-            return
-        try:
-            if self._client is None or self._pid != os.getpid():
-                self._client = redis.Redis.from_url(
-                    settings.REDIS_URL, socket_timeout=TIMEOUT_SECONDS, socket_connect_timeout=TIMEOUT_SECONDS
-                )
-                self._pid = os.getpid()
-            self._client.publish(channel(job_id), encode(kind, offset, data))
-        except redis.RedisError as exc:
-            if not self._quiet_until:
-                log.warning("Live log unpublished (%s): watchers read it from the database", exc)
-            self._quiet_until = now + RETRY_AFTER_SECONDS
-            return
-        if self._quiet_until:
-            log.info("Live log published again")
-        self._quiet_until = 0.0
-
-
-publisher = Publisher()
+publisher = Publisher("Live log", "watchers read it from the database")
 
 
 def publish(job_id: int, kind: bytes, offset: int, data: bytes = b"") -> None:
-    publisher.publish(job_id, kind, offset, data)
+    publisher.publish(channel(job_id), encode(kind, offset, data))

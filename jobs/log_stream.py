@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -279,10 +280,17 @@ async def events(job_id: int, offset: int) -> AsyncIterator[bytes]:
             pass
 
 
+def _jittered(seconds: float) -> float:
+    # Each keep-alive also reads the job's row: streams opened together (a web server restart
+    # reconnects every tab at once) would otherwise read it together every period, a burst of
+    # connections that bench_streams saw in the delivery tail. ±20 % spreads them out.
+    return seconds * random.uniform(0.8, 1.2)
+
+
 async def _follow(cursor: Cursor, job_id: int, pubsub: aioredis.client.PubSub) -> AsyncIterator[bytes]:
     loop = asyncio.get_running_loop()
     keepalive = settings.LOG_STREAM_KEEPALIVE_SECONDS
-    next_keepalive = loop.time() + keepalive
+    next_keepalive = loop.time() + _jittered(keepalive)
     checks: list[float] = []  # when to read the status again (the writer closed; the job just ended)
     message = None
     while True:
@@ -302,7 +310,7 @@ async def _follow(cursor: Cursor, job_id: int, pubsub: aioredis.client.PubSub) -
         while message is None:
             now = loop.time()
             if now >= next_keepalive:
-                next_keepalive = now + keepalive
+                next_keepalive = now + _jittered(keepalive)
                 yield KEEPALIVE  # and read the row: a job that ended without a word ends here
                 break
             if checks and now >= checks[0]:

@@ -43,6 +43,7 @@ from jobs.replay import job_end_store
 from jobs.scheduler import queued_job_ended
 from jobs.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.supervision import JobOutput, JobSession, Signalled
+from portal.changes import JOBS, change_publish
 from portal.outage import WHAT, outage_of
 from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
 
@@ -148,7 +149,7 @@ class Supervisor:
             if self.closed:
                 return  # its end records it; no heartbeat from after the leader's exit
             now = timezone.now()
-        Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(
+        if Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(
             status=Job.Status.RUNNING,
             # pid and start together name the job's session for good (the orphan sweep's proof).
             pid=self.session.leader.pid,
@@ -156,7 +157,8 @@ class Supervisor:
             started_at=self.job.started_at,
             heartbeat_at=now,
             env_applied=self.env_applied,
-        )
+        ):
+            change_publish(JOBS)  # the pages that show jobs read the new state
 
     def _stopped_before_start(self) -> str:
         """A cancel asked for since the claim (its owner, a leader, or the owner's deactivation):
@@ -602,6 +604,7 @@ class Supervisor:
         if self.spool is not None:
             EndRecord.remove(self.spool.name)
             self.spool.close(remove=True)
+        change_publish(JOBS)
         self._guarded(lambda: queued_job_ended(self.job))
 
     def _store_end(self, record: EndRecord) -> bool:

@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 USAGE_CACHE_SECONDS = 60
 # The plan's holds for waiting jobs, kept for the booking service (queue_holds) for a few passes.
-HOLDS_KEY = "portal:queue:holds"
 HOLDS_PASSES = 5
 HOLDS_MIN_TTL_SECONDS = 30
 # Re-plans in one pass after refused starts: each drops at least one job; a few are plenty, and a
@@ -67,6 +66,11 @@ REFUSED = "Waiting: "  # a refused job's message starts so: the booking service'
 _failed_before: set[int] = set()  # jobs whose unexpected failure was logged with its traceback
 _usage_cache: tuple[datetime, Shares, Usage] | None = None
 _holds_unstored = False  # the last pass could not store its holds (Redis away): said once
+
+
+def _holds_key() -> str:
+    """One portal's holds: two portals may share a Redis, and their card uuids and job ids collide."""
+    return f"portal:{settings.PORTAL_INSTANCE_ID}:queue:holds"
 
 
 def queue_plan(
@@ -299,7 +303,7 @@ def _store_holds(entries: list[Entry]) -> None:
         ]
     global _holds_unstored
     try:
-        client(5).set(HOLDS_KEY, json.dumps(holds), ex=_holds_ttl())
+        client(5).set(_holds_key(), json.dumps(holds), ex=_holds_ttl())
     except redis.RedisError:
         if not _holds_unstored:  # once per outage, not every pass
             log.warning("Queue: could not store the holds for waiting jobs; bookings may take their cards")
@@ -315,7 +319,7 @@ def queue_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> lis
     holds on these cards overlapping [start, end), of jobs that still wait. A hold whose job started,
     was cancelled or is gone binds no one, whatever the store still says."""
     try:
-        raw = client(2).get(HOLDS_KEY)
+        raw = client(2).get(_holds_key())
     except redis.RedisError:
         log.warning(
             "Queue: could not read the holds for waiting jobs; this booking is not checked against them"

@@ -20,6 +20,7 @@ from django.db.models import Q
 from django.utils import timezone
 from django_filters.widgets import BooleanWidget
 
+from portal.changes import user_change_publish
 from portal.errors import Invalid
 from portal.filters import unknown_choice
 from portal.mail import mail_queue
@@ -66,6 +67,7 @@ def notification_send(
     )
     if notification.mail_status == Mail.QUEUED:
         transaction.on_commit(partial(mail_queue, notification.pk))
+    user_change_publish(user.pk)  # once committed: the user's open pages update their bell
     return notification
 
 
@@ -97,7 +99,10 @@ def notifications_mark_read(*, user: AbstractBaseUser, ids: Iterable[int] | None
     unread = Notification.objects.filter(user=user, read_at=None)
     if ids is not None:
         unread = unread.filter(pk__in=list(ids))
-    return unread.update(read_at=timezone.now())
+    marked = unread.update(read_at=timezone.now())
+    if marked:
+        user_change_publish(user.pk)  # the bell in the user's other tabs
+    return marked
 
 
 def unread_count(user: AbstractBaseUser) -> int:

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from portal import notification_views, views
+from portal import event_views, notification_views, views
 
 urlpatterns = [
     path("", include("gpus.urls")),
@@ -14,6 +14,7 @@ urlpatterns = [
     path("profile/tokens/", views.token_create, name="token_create"),
     path("profile/tokens/<int:pk>/revoke/", views.token_revoke, name="token_revoke"),
     path("teams/", views.teams, name="teams"),
+    path("events/", event_views.events, name="events"),
     path("notifications/", notification_views.notifications, name="notifications"),
     path("notifications/bell/", notification_views.notification_bell, name="notification_bell"),
     path("notifications/read-all/", notification_views.notifications_read_all, name="notifications_read_all"),

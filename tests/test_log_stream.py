@@ -25,6 +25,7 @@ from jobs.log_stream import Cursor, event
 from jobs.logs import LogWriter, log_append, log_end, log_stream
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
+from portal.changes import Publisher
 from portal.services import api_token_create
 from tests.asgi_server import asgi_server
 from tests.conftest import free_port
@@ -294,7 +295,7 @@ def test_without_redis_the_writer_goes_on_and_the_stream_sends_what_is_stored(
     server, job, alice, settings, monkeypatch
 ):
     settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
-    monkeypatch.setattr(log_live, "publisher", log_live.Publisher())
+    monkeypatch.setattr(log_live, "publisher", Publisher("Live log", "watchers read it from the database"))
     writer = LogWriter(job.pk)
     writer.feed(b"epoch 1\n")  # the publish fails: logged once, then not tried for a while
     started = time.monotonic()

@@ -66,7 +66,7 @@ def test_it_puts_the_notification_in_the_inbox_and_queues_its_mail_after_commit(
     with django_capture_on_commit_callbacks(execute=True) as callbacks:
         notification = _send(alice)
         assert queued == []  # not before the commit: the worker must find the row
-    assert len(callbacks) == 1
+    assert len(callbacks) == 2  # the mail, and the nudge to the user's bell (portal/changes.py)
     assert queued == [notification.pk]
     assert notification.user == alice and notification.read_at is None
     assert notification.mail_status == Mail.QUEUED
@@ -352,7 +352,7 @@ def test_it_marks_one_and_all_read_from_the_inbox(client, alice):
 def test_it_shows_the_unread_count_on_the_bell(client, alice):
     client.force_login(alice)
     page = client.get(reverse("dashboard")).content.decode()
-    assert 'id="bell"' in page and 'hx-trigger="every 10s"' in page and "data-unread" not in page
+    assert 'id="bell"' in page and 'hx-trigger="every 10s [' in page and "data-unread" not in page
     _send(alice)
     _send(alice)
     bell = client.get(reverse("notification_bell")).content.decode()

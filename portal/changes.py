@@ -1,0 +1,89 @@
+"""A change feed for the pages that show live state: a tiny message on Redis pub/sub when
+something they show has changed (docs/live.md, "The dashboard and the bell").
+
+The database stays the record; a message only tells a page to read it now rather than at its
+next poll. Two channels per portal (two portals may share a Redis):
+
+- `changes`: {"topic": "telemetry" | "bookings" | "jobs", "server": id or null}, for everyone;
+- `user:<id>`: {"topic": "notifications"}, for that user's pages only.
+
+Messages go out once the transaction commits (a page that reads on the message must see the
+change). Publishing never fails the caller: Redis away costs the pages their speed (they poll
+again), and after a failure nothing is tried for RETRY_AFTER_SECONDS; the outage is logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from functools import partial
+
+import redis
+from django.conf import settings
+from django.db import transaction
+
+log = logging.getLogger(__name__)
+
+TELEMETRY, BOOKINGS, JOBS, NOTIFICATIONS = "telemetry", "bookings", "jobs", "notifications"
+TOPICS = (TELEMETRY, BOOKINGS, JOBS, NOTIFICATIONS)
+RETRY_AFTER_SECONDS = 5.0
+TIMEOUT_SECONDS = 0.5
+
+
+def channel() -> str:
+    return f"portal:{settings.PORTAL_INSTANCE_ID}:changes"
+
+
+def user_channel(user_id: int) -> str:
+    return f"portal:{settings.PORTAL_INSTANCE_ID}:user:{user_id}"
+
+
+class Publisher:
+    """Redis pub/sub that never fails its caller (this module's changes, and a job's live log:
+    jobs.log_live). One connection per process (a prefork pool's child makes its own after the
+    fork); after a failure nothing is tried for RETRY_AFTER_SECONDS, and the outage is said once.
+    `what` and `meanwhile` word that line: what went unpublished, and what its readers do instead."""
+
+    def __init__(self, what: str = "Changes", meanwhile: str = "pages see them at their next poll") -> None:
+        self.what, self.meanwhile = what, meanwhile
+        self._client: redis.Redis | None = None
+        self._pid = 0
+        self._quiet_until = 0.0
+
+    def publish(self, channel: str, payload: bytes | str) -> None:
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return
+        try:
+            if self._client is None or self._pid != os.getpid():
+                self._client = redis.Redis.from_url(
+                    settings.REDIS_URL, socket_timeout=TIMEOUT_SECONDS, socket_connect_timeout=TIMEOUT_SECONDS
+                )
+                self._pid = os.getpid()
+            self._client.publish(channel, payload)
+        except redis.RedisError as exc:
+            if not self._quiet_until:
+                log.warning("%s unpublished (%s): %s", self.what, exc, self.meanwhile)
+            self._quiet_until = now + RETRY_AFTER_SECONDS
+            return
+        if self._quiet_until:
+            log.info("%s published again", self.what)
+        self._quiet_until = 0.0
+
+
+publisher = Publisher()
+
+
+def change_publish(topic: str, *, server: int | None = None) -> None:
+    """Tell every open page that `topic` changed (on `server`, when one), once this commits."""
+    if topic not in (TELEMETRY, BOOKINGS, JOBS):
+        raise ValueError(f"unknown change topic {topic!r}")
+    message = {"topic": topic, "server": server}
+    transaction.on_commit(lambda: publisher.publish(channel(), json.dumps(message)))
+
+
+def user_change_publish(user_id: int, topic: str = NOTIFICATIONS) -> None:
+    """Tell `user_id`'s open pages (and nobody else's) that their `topic` changed, once this commits."""
+    transaction.on_commit(partial(publisher.publish, user_channel(user_id), json.dumps({"topic": topic})))

@@ -1,0 +1,148 @@
+"""The dashboard and the bell, pushed (docs/live.md): values change in place while focus stays,
+with no polling while the change feed is open."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gpus.models import Reservation
+from gpus.services import server_report_ingest
+from portal.notifications import notification_send
+from tests.asgi_server import asgi_server
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, log_in, page  # noqa: F401 - the fixture
+from tests.factories import make_snapshot
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+UTIL = '[data-gpu-uuid="GPU-box1-02"] [data-field="utilization"]'
+STILL_FOCUSED = "document.activeElement === window.__focused && window.__focused.isConnected"
+
+
+@pytest.fixture(autouse=True)
+def _setup(settings) -> None:
+    settings.PORTAL_INSTANCE_ID = f"test-{os.getpid()}-{time.monotonic_ns()}"  # a channel of its own
+
+
+@pytest.fixture
+def asgi_page() -> Iterator[object]:
+    if not shutil.which(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium) — browser tests skipped")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    from playwright.sync_api import sync_playwright
+
+    with asgi_server() as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        context = browser.new_context(base_url=url, viewport={"width": 1400, "height": 900})
+        tab = context.new_page()
+        tab.set_default_timeout(15_000)
+        yield tab
+        context.close()
+        browser.close()
+
+
+def _ingest(util: int) -> None:
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=4, util=util, simulated=True))
+
+
+def _open_dashboard(tab) -> None:  # type: ignore[no-untyped-def]
+    from playwright.sync_api import expect
+
+    log_in(tab, "alice")  # lands on the dashboard
+    expect(tab.locator("[data-live-status]")).to_contain_text("updated in place")  # the stream is up
+
+
+def _wait_for_util(tab, util: int, timeout: int = 5_000) -> None:  # type: ignore[no-untyped-def]
+    tab.wait_for_function(f"document.querySelector('{UTIL}').innerText === '{util}%'", timeout=timeout)
+
+
+def _tab_to(tab, selector: str, presses: int = 80) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(presses):
+        tab.keyboard.press("Tab")
+        if tab.evaluate("(s) => document.activeElement.matches(s)", selector):
+            return
+    raise AssertionError(f"Tab never reached {selector}")
+
+
+def test_it_shows_a_new_telemetry_round_without_a_reload(asgi_page, alice):
+    _ingest(10)
+    _open_dashboard(asgi_page)
+    assert asgi_page.inner_text(UTIL) == "10%"
+    asgi_page.evaluate("window.__notReloaded = true")
+    _ingest(87)
+    _wait_for_util(asgi_page, 87)
+    assert asgi_page.evaluate("window.__notReloaded") is True
+
+
+def test_it_keeps_focus_on_reserve_while_updates_arrive_and_books_by_keyboard(asgi_page, alice):
+    _ingest(10)
+    _open_dashboard(asgi_page)
+    link = '[data-reserve="GPU-box1-01"]'
+    _tab_to(asgi_page, link)
+    asgi_page.evaluate("window.__focused = document.activeElement")
+    for util in (21, 32, 43, 54):
+        _ingest(util)
+        _wait_for_util(asgi_page, util)
+        assert asgi_page.evaluate(STILL_FOCUSED)  # the same link, never replaced
+    asgi_page.keyboard.press("Enter")
+    asgi_page.wait_for_url("**/reservations/new/**")
+    assert asgi_page.locator('input[name=gpus][value="GPU-box1-01"]').is_checked()
+    _tab_to(asgi_page, "input[name=memory]")
+    asgi_page.keyboard.type("8G")
+    _tab_to(asgi_page, "textarea[name=note]")
+    asgi_page.keyboard.type("booked by keyboard")
+    _tab_to(asgi_page, "form.booking-form button[type=submit]")
+    asgi_page.keyboard.press("Enter")
+    asgi_page.wait_for_url("**/reservations/*/")
+    reservation = Reservation.objects.get()
+    assert reservation.owner == alice and reservation.note == "booked by keyboard"
+    assert list(reservation.allocations.values_list("gpu_id", "memory_mb")) == [("GPU-box1-01", 8192)]
+
+
+def test_an_idle_dashboard_asks_nothing_while_its_stream_is_open(asgi_page, alice, monkeypatch):
+    from playwright.sync_api import expect
+
+    _ingest(10)
+    _open_dashboard(asgi_page)
+    requests: list[str] = []
+    asgi_page.on("request", lambda request: requests.append(request.url))
+    asgi_page.wait_for_timeout(10_000)  # three dashboard polls and a bell's, before the push
+    assert requests == []
+    print(f"idle dashboard: {len(requests) * 6} requests/min")
+    monkeypatch.setattr("portal.notifications.mail_queue", lambda pk: None)
+    notification_send(user=alice, kind="intruder", subject="Process outside your booking", body="x")
+    expect(asgi_page.locator("#bell [data-unread]")).to_have_text("1")  # the bell, pushed
+    assert [url for url in requests if not url.endswith("/notifications/bell/")] == []
+
+
+def test_without_the_stream_it_polls_says_so_and_still_keeps_focus(page, alice):  # noqa: F811 - the fixture
+    """Django's live server is WSGI: /events/ answers 404, and the page polls as before."""
+    from playwright.sync_api import expect
+
+    _ingest(10)
+    log_in(page, "alice")
+    expect(page.locator("[data-live-status]")).to_contain_text("push stream is unavailable")
+    _tab_to(page, '[data-reserve="GPU-box1-01"]')
+    page.evaluate("window.__focused = document.activeElement")
+    _ingest(66)
+    _wait_for_util(page, 66, timeout=10_000)  # the next poll, patched in place
+    assert page.evaluate(STILL_FOCUSED)
+
+
+def test_a_new_server_waits_until_focus_leaves_the_list(asgi_page, alice):
+    from playwright.sync_api import expect
+
+    _ingest(10)
+    _open_dashboard(asgi_page)
+    _tab_to(asgi_page, '[data-reserve="GPU-box1-01"]')
+    asgi_page.evaluate("window.__focused = document.activeElement")
+    server_report_ingest(snapshot=make_snapshot("box2", gpus=1, simulated=True))
+    asgi_page.wait_for_function("document.getElementById('servers').liveWaiting === true")  # read, held back
+    assert asgi_page.evaluate(STILL_FOCUSED)
+    assert asgi_page.locator('[data-server="box2"]').count() == 0
+    asgi_page.evaluate("document.activeElement.blur()")
+    expect(asgi_page.locator('[data-server="box2"]')).to_be_visible()
