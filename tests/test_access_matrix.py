@@ -348,6 +348,9 @@ MATRIX: dict[str, Url] = {
     "teams": url(get=ALL),
     "notifications": url(get=ALL),
     "notification_bell": url(get="286 ok ok ok ok ok"),  # htmx stops polling on 286
+    # ASGI only: under WSGI (this test client) a signed-in caller gets 404 and pages poll; what
+    # it relays over ASGI (only the viewer's own notifications) is tests/test_changes.py's.
+    "events": url(get="login 404 404 404 404 404"),
     "notifications_read_all": url(get=NO, post=Do(ALL, None, READ, effect_roles="owner")),
     "notification_read": url(NOTIFICATION, get=NO, post=Do("login ok 404 404 404 404", None, READ)),
     # --- the Django admin: one rule for all of it (test_admin_access samples it), and its login --
