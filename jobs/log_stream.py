@@ -48,6 +48,7 @@ from jobs import log_live
 from jobs.logs import log_end, log_pieces, parse_offset
 from jobs.models import Job
 from jobs.selectors import jobs_visible_to
+from portal.changes import subscription_close
 
 log = logging.getLogger(__name__)
 
@@ -273,11 +274,7 @@ async def events(job_id: int, offset: int) -> AsyncIterator[bytes]:
             log.warning("Live log of job %s lost the database (%s): the client reconnects", job_id, exc)
             yield cursor.flush()
     finally:
-        try:
-            await pubsub.aclose()
-            await client.aclose()
-        except redis.RedisError:
-            pass
+        await subscription_close(pubsub, client)
 
 
 def _jittered(seconds: float) -> float:

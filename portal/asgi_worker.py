@@ -12,6 +12,11 @@ from __future__ import annotations
 from uvicorn_worker import UvicornWorker
 
 STOP_SECONDS = 5
+# An idle keep-alive connection is closed by the server only after its clients would have dropped
+# it: httpx (the `gpu` CLI) and many proxies give up on one after 5 to 60 s, and a server that
+# closes first races the next request sent on it ("connection reset by peer", seen under load in
+# the fault suite with uvicorn's default of 5 s, the same as httpx's).
+KEEP_ALIVE_SECONDS = 65
 
 
 class Worker(UvicornWorker):
@@ -19,5 +24,6 @@ class Worker(UvicornWorker):
     CONFIG_KWARGS = {
         **UvicornWorker.CONFIG_KWARGS,
         "timeout_graceful_shutdown": STOP_SECONDS,
+        "timeout_keep_alive": KEEP_ALIVE_SECONDS,
         "lifespan": "off",
     }

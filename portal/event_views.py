@@ -88,8 +88,4 @@ async def relay(user_id: int) -> AsyncIterator[bytes]:
     except redis.RedisError as exc:
         log.warning("Change feed lost Redis (%s): pages poll until it is back", exc)
     finally:
-        try:
-            await pubsub.aclose()
-            await client.aclose()
-        except redis.RedisError:
-            pass
+        await changes.subscription_close(pubsub, client)

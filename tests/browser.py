@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -14,6 +15,23 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 
 @pytest.fixture
 def page(live_server) -> Iterator[object]:
+    """A Chromium tab on the portal as Django's live server (WSGI) serves it."""
+    with chromium_tab(live_server.url) as tab:
+        yield tab
+
+
+@pytest.fixture
+def asgi_page() -> Iterator[object]:
+    """A Chromium tab on the portal served over ASGI (tests/asgi_server.py), as `make run` serves
+    it: the live streams work there."""
+    from tests.asgi_server import asgi_server
+
+    with asgi_server() as url, chromium_tab(url) as tab:
+        yield tab
+
+
+@contextmanager
+def chromium_tab(base_url: str) -> Iterator[object]:
     if not shutil.which(CHROMIUM):
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
@@ -25,10 +43,10 @@ def page(live_server) -> Iterator[object]:
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(base_url=live_server.url, viewport={"width": 1400, "height": 900})
-        page = context.new_page()
-        page.set_default_timeout(15_000)
-        yield page
+        context = browser.new_context(base_url=base_url, viewport={"width": 1400, "height": 900})
+        tab = context.new_page()
+        tab.set_default_timeout(15_000)
+        yield tab
         context.close()
         browser.close()
 

@@ -4,17 +4,14 @@ with no polling while the change feed is open."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from gpus.models import Reservation
 from gpus.services import server_report_ingest
 from portal.notifications import notification_send
-from tests.asgi_server import asgi_server
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, log_in, page  # noqa: F401 - the fixture
+from tests.browser import asgi_page, log_in, page  # noqa: F401 - the fixtures
 from tests.factories import make_snapshot
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -26,23 +23,6 @@ STILL_FOCUSED = "document.activeElement === window.__focused && window.__focused
 @pytest.fixture(autouse=True)
 def _setup(settings) -> None:
     settings.PORTAL_INSTANCE_ID = f"test-{os.getpid()}-{time.monotonic_ns()}"  # a channel of its own
-
-
-@pytest.fixture
-def asgi_page() -> Iterator[object]:
-    if not shutil.which(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium) — browser tests skipped")
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    from playwright.sync_api import sync_playwright
-
-    with asgi_server() as url, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(base_url=url, viewport={"width": 1400, "height": 900})
-        tab = context.new_page()
-        tab.set_default_timeout(15_000)
-        yield tab
-        context.close()
-        browser.close()
 
 
 def _ingest(util: int) -> None:
@@ -68,7 +48,7 @@ def _tab_to(tab, selector: str, presses: int = 80) -> None:  # type: ignore[no-u
     raise AssertionError(f"Tab never reached {selector}")
 
 
-def test_it_shows_a_new_telemetry_round_without_a_reload(asgi_page, alice):
+def test_it_shows_a_new_telemetry_round_without_a_reload(asgi_page, alice):  # noqa: F811
     _ingest(10)
     _open_dashboard(asgi_page)
     assert asgi_page.inner_text(UTIL) == "10%"
@@ -78,7 +58,7 @@ def test_it_shows_a_new_telemetry_round_without_a_reload(asgi_page, alice):
     assert asgi_page.evaluate("window.__notReloaded") is True
 
 
-def test_it_keeps_focus_on_reserve_while_updates_arrive_and_books_by_keyboard(asgi_page, alice):
+def test_it_keeps_focus_on_reserve_while_updates_arrive_and_books_by_keyboard(asgi_page, alice):  # noqa: F811
     _ingest(10)
     _open_dashboard(asgi_page)
     link = '[data-reserve="GPU-box1-01"]'
@@ -103,7 +83,7 @@ def test_it_keeps_focus_on_reserve_while_updates_arrive_and_books_by_keyboard(as
     assert list(reservation.allocations.values_list("gpu_id", "memory_mb")) == [("GPU-box1-01", 8192)]
 
 
-def test_an_idle_dashboard_asks_nothing_while_its_stream_is_open(asgi_page, alice, monkeypatch):
+def test_an_idle_dashboard_asks_nothing_while_its_stream_is_open(asgi_page, alice, monkeypatch):  # noqa: F811
     from playwright.sync_api import expect
 
     _ingest(10)
@@ -119,7 +99,7 @@ def test_an_idle_dashboard_asks_nothing_while_its_stream_is_open(asgi_page, alic
     assert [url for url in requests if not url.endswith("/notifications/bell/")] == []
 
 
-def test_without_the_stream_it_polls_says_so_and_still_keeps_focus(page, alice):  # noqa: F811 - the fixture
+def test_without_the_stream_it_polls_says_so_and_still_keeps_focus(page, alice):  # noqa: F811
     """Django's live server is WSGI: /events/ answers 404, and the page polls as before."""
     from playwright.sync_api import expect
 
@@ -133,7 +113,7 @@ def test_without_the_stream_it_polls_says_so_and_still_keeps_focus(page, alice):
     assert page.evaluate(STILL_FOCUSED)
 
 
-def test_a_new_server_waits_until_focus_leaves_the_list(asgi_page, alice):
+def test_a_new_server_waits_until_focus_leaves_the_list(asgi_page, alice):  # noqa: F811
     from playwright.sync_api import expect
 
     _ingest(10)

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from jobs.logs import LogWriter
 from jobs.models import Job
-from tests.asgi_server import asgi_server
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, log_in, page  # noqa: F401 - the fixture
+from tests.browser import asgi_page, log_in, page  # noqa: F401 - the fixtures
 from tests.test_log_stream import job  # noqa: F401 - the fixture: a running job of alice's
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -23,23 +20,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 def _setup(settings, monkeypatch) -> None:
     monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda *args, **kwargs: None)
     settings.PORTAL_INSTANCE_ID = f"test-{os.getpid()}-{time.monotonic_ns()}"
-
-
-@pytest.fixture
-def asgi_page() -> Iterator[object]:
-    if not shutil.which(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium) — browser tests skipped")
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    from playwright.sync_api import sync_playwright
-
-    with asgi_server() as url, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(base_url=url)
-        tab = context.new_page()
-        tab.set_default_timeout(15_000)
-        yield tab
-        context.close()
-        browser.close()
 
 
 def test_the_job_page_shows_each_line_as_printed_over_one_stream(asgi_page, job, alice):  # noqa: F811
