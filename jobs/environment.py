@@ -20,6 +20,12 @@ from gpus.models import GPU, Allocation
 from jobs.models import Job
 
 LAUNCH_CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"  # read (and removed) by jobs/launcher-bin/launcher.py
+# JAX's memory settings (jaxlib's generate_pjrt_gpu_plugin_options). Every jaxlib reads the older name
+# of the fraction; newer ones prefer XLA_CLIENT_MEM_FRACTION and refuse a process that sets both (a
+# ValueError, and JAX falls back to the CPU), so the portal sets the older one and keeps the newer out.
+JAX_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+JAX_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_MEM_FRACTION_NEW = "XLA_CLIENT_MEM_FRACTION"
 # The portal's own variables: `job_environment` sets them over the job's own, and job_submit
 # refuses them (tests/test_job_env.py checks the function sets no other of its own).
 PORTAL_ENV = frozenset(
@@ -37,11 +43,14 @@ PORTAL_ENV = frozenset(
         "PORTAL_INSTANCE",
         "PORTAL_ARRAY_INDEX",
         LAUNCH_CONFIG_VAR,
+        JAX_PREALLOCATE,
+        JAX_MEM_FRACTION,
     }
 )
 # Refused at submit as well, though the portal leaves them unset: they would reach past the
-# booking (other cards through the container runtime or MPS, other hosts through TF_CONFIG).
-RESERVED_ENV = PORTAL_ENV | {"NVIDIA_VISIBLE_DEVICES", "TF_CONFIG"}
+# booking (other cards through the container runtime or MPS, other hosts through TF_CONFIG, the
+# whole card through JAX's newer fraction, which also breaks JAX beside the portal's).
+RESERVED_ENV = PORTAL_ENV | {"NVIDIA_VISIBLE_DEVICES", "TF_CONFIG", JAX_MEM_FRACTION_NEW}
 RESERVED_PREFIXES = ("PORTAL_", "CUDA_MPS_")
 # Inherited from the worker's environment; everything else (DATABASE_URL, SECRET_KEY,
 # REDIS_URL, TF_CONFIG, ...) stays out of the user's job. Not VIRTUAL_ENV or CONDA_PREFIX:
@@ -131,11 +140,12 @@ class JobEnvironment:
 
 
 def booked_memory(mode: str, card: BookedCard, *, headroom_mb: int) -> tuple[int | None, float | None]:
-    """TF memory_limit per card (limit modes) and the TF1 session fraction (all but "take all").
+    """TF memory_limit per card (limit modes) and the fraction of the card (all but "take all"),
+    which caps TF1 sessions, JAX and PyTorch.
 
     Both cap the same memory: the booking less the CUDA context's headroom, because the context
-    and cuDNN sit outside TF's allocator (a cap of the whole booking plus the context would exceed
-    it). A whole card's bookable memory already leaves the headroom; a share does not.
+    and cuDNN sit outside every framework's allocator (a cap of the whole booking plus the context
+    would exceed it). A whole card's bookable memory already leaves the headroom; a share does not.
     """
     if mode == Job.MemoryMode.ALL:
         return None, None
@@ -145,6 +155,30 @@ def booked_memory(mode: str, card: BookedCard, *, headroom_mb: int) -> tuple[int
     # keeps 1 MiB, more than a millionth of any card.
     fraction = math.floor(usable * 10**6 / (card.total_mb or 1)) / 10**6
     return (None if mode == Job.MemoryMode.GROW else usable), fraction
+
+
+def framework_memory_env(card: BookedCard, *, headroom_mb: int, mode: str) -> dict[str, str]:
+    """The memory caps that frameworks read from the environment, for any process on a booking
+    (a job now; `gpu exec` and sessions can set the same).
+
+    The cap is `booked_memory`'s fraction of the card: the booking less the CUDA context's
+    headroom (a whole card: its bookable memory). "Take all" (whole cards only) caps nothing, so
+    every framework keeps its own default on a card that is the booking's alone.
+
+    - JAX: no preallocation, and the fraction as the BFC allocator's limit, which holds while it
+      grows (JAX's default is 75 % of the card at the first operation, on any card).
+    - TensorFlow: none here; the launcher applies `tf.config` (see `launch_config`).
+    - PyTorch: none. `per_process_memory_fraction` in PYTORCH_CUDA_ALLOC_CONF is known only to the
+      newest PyTorch (pytorch/pytorch#161035), and every older one stops at the first CUDA
+      allocation on a key it does not know ("Unrecognized CachingAllocator option"), so the
+      launcher calls `torch.cuda.set_per_process_memory_fraction` instead. The job's own
+      PYTORCH_CUDA_ALLOC_CONF (expandable_segments, ...) reaches it untouched.
+    """
+    fraction = booked_memory(mode, card, headroom_mb=headroom_mb)[1]
+    if fraction is None:
+        return {}
+    # Six places, as booked_memory rounds it: "0.3125", not "0.312500".
+    return {JAX_PREALLOCATE: "false", JAX_MEM_FRACTION: f"{fraction:.6f}".rstrip("0").rstrip(".")}
 
 
 def job_environment(
@@ -191,6 +225,7 @@ def job_environment(
         "PORTAL_SERVER": server,
         "PORTAL_INSTANCE": instance,
         LAUNCH_CONFIG_VAR: json.dumps(config),
+        **framework_memory_env(card, headroom_mb=headroom_mb, mode=job.memory_mode),
     }
     if job.array_index is not None:
         portal["PORTAL_ARRAY_INDEX"] = str(job.array_index)  # this task's index in its array
@@ -201,6 +236,8 @@ def job_environment(
     defaults = {"TF_CPP_MIN_LOG_LEVEL": TF_LOG_LEVEL, **activation(interpreter, venv, env.get("PATH"))}
     env.update(defaults)
     env.update(job.env)
+    if JAX_MEM_FRACTION in portal:
+        env.pop(JAX_MEM_FRACTION_NEW, None)  # refused at submit; beside the portal's, JAX would fail
     env.update(portal)
     shown = [name for name in [*portal, *defaults] if name not in ("PATH", LAUNCH_CONFIG_VAR)]
     applied = {name: env[name] for name in sorted(shown)}
@@ -208,7 +245,8 @@ def job_environment(
 
 
 def launch_config(job: Job, card: BookedCard, *, headroom_mb: int) -> dict[str, Any]:
-    """The booking's TensorFlow settings, for the launcher (PORTAL_LAUNCH_CONFIG)."""
+    """The booking's settings that the launcher applies in the job's process (PORTAL_LAUNCH_CONFIG):
+    TensorFlow's, and the fraction of each card for TF1 sessions and PyTorch."""
     memory_limit, fraction = booked_memory(job.memory_mode, card, headroom_mb=headroom_mb)
     return {
         "job_id": job.pk,

@@ -31,7 +31,7 @@ class ReservationChoiceField(forms.ModelChoiceField):
 
 
 class JobForm(ServiceErrorsMixin, forms.Form):
-    """One Python script on one of the user's own open bookings, with the TensorFlow settings."""
+    """One Python script on one of the user's own open bookings, with its memory and TensorFlow settings."""
 
     service_fields = {"memory_mb": "memory"}  # the service's field → this form's, for its refusals
 
@@ -117,7 +117,8 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         help_text="Limit: TensorFlow may use the booked memory minus the CUDA context headroom "
         "(a logical GPU with memory_limit); Grow: allocate as needed (TF_FORCE_GPU_ALLOW_GROWTH) instead "
         "of all at once; Take all: TF's default, whole-card bookings only. Default: limit on shared cards, "
-        "take all on whole cards.",
+        "take all on whole cards. Limit and Grow also cap JAX and PyTorch at the same share; Take all "
+        "caps no framework (docs/jobs.md).",
     )
     intra_op_threads = forms.IntegerField(
         required=False,

@@ -87,7 +87,8 @@ class Job(models.Model):
     interpreter = models.CharField(max_length=64, default="default")
     env = models.JSONField(default=dict, help_text="Extra environment variables given by the user.")
     time_limit_minutes = models.PositiveIntegerField(null=True, blank=True)
-    # TensorFlow settings, applied by jobs/launcher-bin/launcher.py.
+    # Memory settings (every framework: jobs/environment.framework_memory_env) and TensorFlow's,
+    # applied by jobs/launcher-bin/launcher.py.
     memory_mode = models.CharField(max_length=16, choices=MemoryMode.choices, default=MemoryMode.LIMIT)
     intra_op_threads = models.PositiveSmallIntegerField(null=True, blank=True)
     inter_op_threads = models.PositiveSmallIntegerField(null=True, blank=True)

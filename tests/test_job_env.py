@@ -19,6 +19,7 @@ from jobs.environment import (
     BookedCard,
     MigCardRefused,
     booked_memory,
+    framework_memory_env,
     job_environment,
 )
 from jobs.models import Job
@@ -120,6 +121,9 @@ def test_it_keeps_the_context_headroom_inside_a_shared_booking_for_tf1_sessions(
     # The same cap as memory_limit, less at most a millionth of the card (the rounding down).
     assert booked_mb - HEADROOM - fraction * total_mb < total_mb / 10**6
     assert limit == (None if mode == Mode.GROW else booked_mb - HEADROOM)
+    # JAX gets the very same fraction, as text it parses (PyTorch gets it from the launch config).
+    jax = framework_memory_env(card, headroom_mb=HEADROOM, mode=mode)
+    assert float(jax["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == fraction
 
 
 def test_it_caps_a_whole_card_at_its_bookable_memory_and_never_leaves_a_share_uncapped():
@@ -129,6 +133,69 @@ def test_it_caps_a_whole_card_at_its_bookable_memory_and_never_leaves_a_share_un
     # 0, which TF reads as "no cap".
     tiny = BookedCard(memory_mb=256, total_mb=24 * GB, bookable_mb=23 * GB)
     assert booked_memory(Mode.GROW, tiny, headroom_mb=HEADROOM) == (None, 0.00004)
+
+
+@pytest.mark.parametrize(
+    ("card", "mode", "expected"),
+    [
+        (
+            SHARED,
+            Mode.LIMIT,
+            {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3125"},
+        ),
+        (
+            SHARED,
+            Mode.GROW,
+            {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3125"},
+        ),
+        (
+            WHOLE,
+            Mode.LIMIT_GROW,
+            {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.958333"},
+        ),
+        # "Take all" (whole cards only): the card is the booking's, every framework keeps its default.
+        (WHOLE, Mode.ALL, {}),
+    ],
+)
+def test_it_caps_jax_from_the_environment_by_the_booked_share(card, mode, expected):
+    assert framework_memory_env(card, headroom_mb=HEADROOM, mode=mode) == expected
+    built = _build(_job(memory_mode=mode), card)
+    assert {name: built.env[name] for name in expected} == expected
+    assert {name: built.applied[name] for name in expected} == expected  # the job's page shows them
+    assert set(built.env) & {"XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION"} == set(
+        expected
+    )
+    # PyTorch's cap is the launcher's (see framework_memory_env): the same fraction, in the launch config.
+    assert built.config["memory_fraction"] == (
+        float(expected["XLA_PYTHON_CLIENT_MEM_FRACTION"]) if expected else None
+    )
+
+
+def test_it_keeps_jaxs_newer_fraction_variable_out_beside_the_portals():
+    """jaxlib refuses a process that sets XLA_CLIENT_MEM_FRACTION beside XLA_PYTHON_CLIENT_MEM_FRACTION
+    (and it would take the whole card): job_submit refuses it, and a row written some other way loses it."""
+    env = _build(_job(env={"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_ALLOCATOR": "bfc"})).env
+    assert "XLA_CLIENT_MEM_FRACTION" not in env
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3125"
+    assert env["XLA_PYTHON_CLIENT_ALLOCATOR"] == "bfc"  # the job's own choice of allocator stays
+    for name in (
+        "XLA_CLIENT_MEM_FRACTION",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION",
+        "XLA_PYTHON_CLIENT_PREALLOCATE",
+    ):
+        with pytest.raises(Invalid, match="set by the portal"):
+            parse_env({name: "0.9"})
+
+
+def test_it_leaves_the_jobs_own_pytorch_allocator_settings_as_they_are():
+    """PyTorch's cap is no PYTORCH_CUDA_ALLOC_CONF key (releases before 2025 refuse an unknown one at their
+    first CUDA allocation), so the job's own settings reach it untouched, and the job may set them."""
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"}
+    built = _build(_job(env=mine))
+    assert built.env["PYTORCH_CUDA_ALLOC_CONF"] == mine["PYTORCH_CUDA_ALLOC_CONF"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in _build(_job()).env
+    assert parse_env(mine) == mine
+    assert not any("per_process_memory_fraction" in value for value in built.env.values())
 
 
 def test_it_passes_the_rest_of_the_tensorflow_settings_to_the_launcher():

@@ -79,6 +79,15 @@ def portal_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("[portal] launcher:")]
 
 
+def env_only_line(cuda: str) -> str:
+    """The launcher's line for a script that imports no GPU framework, run by `launch`."""
+    return (
+        "[portal] launcher: job 12 · no TensorFlow, PyTorch or JAX import in the script: settings via "
+        f"environment only (CUDA_VISIBLE_DEVICES={cuda}, TF_FORCE_GPU_ALLOW_GROWTH unset, "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION unset, XLA_PYTHON_CLIENT_PREALLOCATE unset)"
+    )
+
+
 def test_it_runs_a_script_without_tensorflow_like_python(tmp_path: Path) -> None:
     # A user module named like one of the project's: nothing of the portal's may shadow it.
     write(tmp_path / "models.py", "WHO = 'user'\n")
@@ -103,10 +112,7 @@ def test_it_runs_a_script_without_tensorflow_like_python(tmp_path: Path) -> None
     result = launch("train.py", "--lr", "0.1", cwd=tmp_path, config=BOOKING)
 
     assert result.returncode == 0, result.stderr
-    assert portal_lines(result.stdout) == [
-        "[portal] launcher: job 12 · no TensorFlow import in the script: settings via environment only "
-        "(CUDA_VISIBLE_DEVICES=GPU-test-00, TF_FORCE_GPU_ALLOW_GROWTH unset)"
-    ]
+    assert portal_lines(result.stdout) == [env_only_line("GPU-test-00")]
     assert result.stdout.startswith("[portal] launcher:")
     seen = json.loads(result.stdout.split("RESULT ", 1)[1])
     assert seen == {
@@ -191,10 +197,7 @@ def test_it_neither_shadows_nor_is_shadowed_by_user_modules_named_like_its_own(t
         str(project.resolve() / "_portal_launch_curves" / "__init__.py"),
     ]
     assert seen["loaded"] == ["_portal_launch_config", "_portal_launch_curves"]  # the script's, only
-    assert portal_lines(launched.stdout) == [
-        "[portal] launcher: job 12 · no TensorFlow import in the script: settings via environment only "
-        f"(CUDA_VISIBLE_DEVICES={BOOKED}, TF_FORCE_GPU_ALLOW_GROWTH unset)"
-    ]
+    assert portal_lines(launched.stdout) == [env_only_line(BOOKED)]
     assert cuda_lines(launched)[0].startswith('[portal] CUDA_VISIBLE_DEVICES="1" asked by the script')
 
 
@@ -360,12 +363,36 @@ def test_it_rejects_a_missing_script(tmp_path: Path) -> None:
     assert "script not found: nope.py" in result.stderr
 
 
-def test_it_finds_tensorflow_imports_anywhere_in_the_script() -> None:
-    assert launcher.uses_tensorflow(b"def f():\n    import tensorflow as tf\n")
-    assert launcher.uses_tensorflow(b"from keras.layers import Dense\n")
-    assert launcher.uses_tensorflow(b"import os, tensorflow.compat.v1 as tf\n")
-    assert not launcher.uses_tensorflow(b"import tensorflow_helpers\nfrom .keras import x\n# import keras\n")
-    assert not launcher.uses_tensorflow(b"def broken(:\n")
+def test_it_finds_framework_imports_anywhere_in_the_script() -> None:
+    used = launcher.frameworks_used
+    tf, torch, jax = launcher.TENSORFLOW, launcher.TORCH, launcher.JAX
+    assert used(b"def f():\n    import tensorflow as tf\n", None) == {tf}
+    assert used(b"import os, tensorflow.compat.v1 as tf\n", None) == {tf}
+    assert used(b"from tf_keras import layers\n", "jax") == {tf}  # Keras 2 runs on TensorFlow only
+    assert used(b"import torch.nn as nn\nfrom flax import linen\n", None) == {torch, jax}
+    assert not used(
+        b"import tensorflow_helpers, torchvision_like\nfrom .keras import x\n# import jax\n", None
+    )
+    assert not used(b"def broken(:\n", None)
+
+
+@pytest.mark.parametrize(
+    ("backend", "source", "expected"),
+    [
+        (None, "import keras", {"tensorflow"}),  # Keras 3's default backend
+        ("tensorflow", "from keras.layers import Dense", {"tensorflow"}),
+        ("jax", "import keras", {"jax"}),
+        ("torch", "import keras", {"torch"}),
+        ("numpy", "import keras", set()),  # holds no GPU
+        ("nonsense", "import keras", set()),  # Keras itself says what is wrong
+        # The script chooses its backend itself, as Keras's own examples do: that wins.
+        ("torch", 'import os\nos.environ["KERAS_BACKEND"] = "jax"\nimport keras', {"jax"}),
+        (None, 'import os\nos.environ.setdefault("KERAS_BACKEND", "torch")\nimport keras', {"torch"}),
+        ("jax", 'import os\nos.environ["KERAS_BACKEND"] = "jax"', set()),  # no Keras: nothing
+    ],
+)
+def test_it_counts_keras_as_its_backend(backend: str | None, source: str, expected: set[str]) -> None:
+    assert launcher.frameworks_used(source.encode(), backend) == expected
 
 
 def test_it_runs_the_keras_example_with_the_booking(tmp_path: Path) -> None:
@@ -418,7 +445,7 @@ def test_it_applies_settings_after_an_indirect_import_and_ignores_later_setters(
 
     assert result.returncode == 0, result.stderr
     env_line, applied_line = portal_lines(result.stdout)
-    assert "no TensorFlow import in the script" in env_line
+    assert "no TensorFlow, PyTorch or JAX import in the script" in env_line
     assert applied_line.startswith("[portal] launcher: job 12 · TensorFlow 2.21")
     assert "GPUs visible: 0 (CUDA_VISIBLE_DEVICES=)" in applied_line
     assert "memory_limit 1024 MiB per GPU" in applied_line

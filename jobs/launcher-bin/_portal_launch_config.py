@@ -1,4 +1,5 @@
-"""The launcher's configuration and its guard on CUDA_VISIBLE_DEVICES; part of launcher.py, which loads it.
+"""The launcher's configuration, which frameworks a script uses, the import hook, and the guard on
+CUDA_VISIBLE_DEVICES; part of launcher.py, which loads it.
 
 Standard library only, as launcher.py: the job's interpreter may be any venv. launcher.py's docstring says
 why this file is loaded by path and named as no user module or library is.
@@ -11,17 +12,28 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"
 PREFIX = "[portal]"
-TF_ROOTS = frozenset({"tensorflow", "keras"})
+
+TENSORFLOW, TORCH, JAX = "tensorflow", "torch", "jax"
+# What importing a package means for the caps. Keras 2 (tf_keras) runs on TensorFlow only; Keras 3
+# (keras) on its backend, see frameworks_used.
+FRAMEWORK_ROOTS = {"tensorflow": TENSORFLOW, "tf_keras": TENSORFLOW, "torch": TORCH, "jax": JAX, "flax": JAX}
+# Keras 3's backends that hold the GPU ("numpy" and "openvino" hold none); TensorFlow is its default.
+KERAS_BACKENDS = {"tensorflow": TENSORFLOW, "torch": TORCH, "jax": JAX}
+KERAS_BACKEND_VAR = "KERAS_BACKEND"
+# What JAX reads (jobs/environment.py sets them): it is capped from the environment alone.
+JAX_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")
 
 DEFAULTS: dict[str, Any] = {
     "job_id": None,
     "memory_limit_mb": None,
     "allow_growth": True,
-    "memory_fraction": None,
+    "memory_fraction": None,  # of each card's total memory: TF1 sessions and PyTorch
     "intra_op_threads": None,
     "inter_op_threads": None,
     "soft_placement": True,
@@ -88,30 +100,129 @@ def load_config(raw: str | None) -> dict[str, Any]:
     return config
 
 
-def uses_tensorflow(source: bytes) -> bool:
-    """True when the script imports tensorflow or keras anywhere (functions included)."""
+def frameworks_used(source: bytes, keras_backend: str | None) -> frozenset[str]:
+    """The GPU frameworks the script imports anywhere (functions included), as TENSORFLOW, TORCH, JAX.
+
+    ``import keras`` counts as its backend's: ``keras_backend`` (KERAS_BACKEND, else keras.json: see
+    configured_keras_backend), unless the script sets KERAS_BACKEND to a literal itself (as Keras's own
+    examples do, before they import it); TensorFlow when neither says, as Keras 3 defaults to it. A
+    backend that holds no GPU (numpy, openvino) or that Keras does not know adds nothing.
+    """
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return False  # runpy reports the SyntaxError itself, with the normal traceback
+        return frozenset()  # runpy reports the SyntaxError itself, with the normal traceback
+    used: set[str] = set()
+    keras = False
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             modules = [node.module]
         else:
+            keras_backend = _set_keras_backend(node) or keras_backend
             continue
-        if any(module.split(".")[0] in TF_ROOTS for module in modules):
-            return True
-    return False
+        for module in modules:
+            root = module.split(".")[0]
+            keras = keras or root == "keras"
+            if root in FRAMEWORK_ROOTS:
+                used.add(FRAMEWORK_ROOTS[root])
+    if keras and (keras_backend or TENSORFLOW) in KERAS_BACKENDS:
+        used.add(KERAS_BACKENDS[keras_backend or TENSORFLOW])
+    return frozenset(used)
+
+
+def _set_keras_backend(node: ast.AST) -> str | None:
+    """The backend a script sets as a literal: ``os.environ["KERAS_BACKEND"] = "jax"``, or
+    ``os.environ.setdefault("KERAS_BACKEND", "jax")``."""
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+        for target in node.targets:
+            if isinstance(target, ast.Subscript) and _is_constant(target.slice, KERAS_BACKEND_VAR):
+                return node.value.value if isinstance(node.value.value, str) else None
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "setdefault"
+        and len(node.args) == 2
+        and _is_constant(node.args[0], KERAS_BACKEND_VAR)
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[1].value
+    return None
+
+
+def _is_constant(node: ast.AST, value: str) -> bool:
+    return isinstance(node, ast.Constant) and node.value == value
+
+
+def configured_keras_backend() -> str | None:
+    """Keras 3's backend as it would choose it: KERAS_BACKEND, else ``backend`` in its keras.json."""
+    if os.environ.get(KERAS_BACKEND_VAR):
+        return os.environ[KERAS_BACKEND_VAR]
+    # Where Keras 3 looks (keras/src/backend/config.py): KERAS_HOME, else ~/.keras (/tmp/.keras when
+    # the home folder is not writable).
+    home = os.path.expanduser("~")
+    base = home if os.access(home, os.W_OK) else "/tmp"
+    folder = os.environ.get("KERAS_HOME") or os.path.join(base, ".keras")
+    try:
+        with open(os.path.join(folder, "keras.json"), encoding="utf-8") as fh:
+            backend = json.load(fh).get("backend")
+    except (OSError, ValueError, AttributeError):
+        return None  # none, unreadable, or no object: Keras falls back to its default as well
+    return backend if isinstance(backend, str) else None
 
 
 def _env_summary() -> str:
     parts = []
-    for name in ("CUDA_VISIBLE_DEVICES", "TF_FORCE_GPU_ALLOW_GROWTH"):
+    for name in ("CUDA_VISIBLE_DEVICES", "TF_FORCE_GPU_ALLOW_GROWTH", *JAX_VARS):
         value = os.environ.get(name)
         parts.append(f"{name}={value}" if value is not None else f"{name} unset")
     return ", ".join(parts)
+
+
+def jax_summary() -> str:
+    """What JAX gets: the environment the worker set, read when JAX starts its GPU backend."""
+    caps = [f"{name}={os.environ[name]}" for name in JAX_VARS if name in os.environ]
+    return f"JAX: {', '.join(caps)}" if caps else "JAX: no memory cap (its default: 75 % of each card)"
+
+
+def _job(config: dict[str, Any]) -> str:
+    return str(config["job_id"]) if config["job_id"] is not None else "?"
+
+
+class ImportHook:
+    """Meta path finder: calls ``then(module)`` right after ``import <name>`` completes, once."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        # Ask the finders after us directly (no importlib.util.find_spec: it would come back here).
+        spec = None
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1 :] if self in sys.meta_path else []:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then(module: ModuleType) -> None:
+            exec_module(module)
+            # Only now, not in find_spec: availability checks (importlib.util.find_spec) import nothing.
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            self.then(module)
+
+        # Each find_spec builds a fresh loader, so patching this one touches only this import.
+        loader.exec_module = exec_then
+        return spec
 
 
 def _on_off(value: bool) -> str:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from _portal_launch_config import _err
-from _portal_launch_tf import ImportHook, _resolve
+from _portal_launch_config import ImportHook, _err
+from _portal_launch_tf import _resolve
 
 METRICS_PREFIX = "[portal-metrics]"  # jobs/metrics.py looks for the same
 KERAS_MODULES = ("keras", "tf_keras")  # Keras 3, and Keras 2 where TF_USE_LEGACY_KERAS brings it back

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from _portal_launch_config import _err, _on_off, _say
+from _portal_launch_config import ImportHook, _err, _job, _on_off, _say
 
 # Setters the script may still call after we configured the runtime, and where tf exposes them.
 _MEMORY_SETTERS = (
@@ -205,40 +203,6 @@ def apply_tensorflow(tf: ModuleType, config: dict[str, Any]) -> str:
     )
 
 
-class ImportHook:
-    """Meta path finder: calls ``then(module)`` right after ``import <name>`` completes, once."""
-
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        # Ask the finders after us directly (no importlib.util.find_spec: it would come back here).
-        spec = None
-        for finder in sys.meta_path[sys.meta_path.index(self) + 1 :] if self in sys.meta_path else []:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then(module: ModuleType) -> None:
-            exec_module(module)
-            # Only now, not in find_spec: availability checks (importlib.util.find_spec) import nothing.
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            self.then(module)
-
-        # Each find_spec builds a fresh loader, so patching this one touches only this import.
-        loader.exec_module = exec_then
-        return spec
-
-
 def tensorflow_import_hook(config: dict[str, Any]) -> ImportHook:
     """Applies the settings right after an indirect ``import tensorflow``."""
 
@@ -251,7 +215,3 @@ def tensorflow_import_hook(config: dict[str, Any]) -> ImportHook:
         _say(f"job {_job(config)} · {summary} · applied when TensorFlow was imported indirectly")
 
     return ImportHook("tensorflow", apply)
-
-
-def _job(config: dict[str, Any]) -> str:
-    return str(config["job_id"]) if config["job_id"] is not None else "?"

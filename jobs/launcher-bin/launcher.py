@@ -1,22 +1,31 @@
-"""Job launcher: applies a booking's TensorFlow settings, then runs the user's script as ``__main__``.
+"""Job launcher: applies a booking's framework settings, then runs the user's script as ``__main__``.
 
 The worker runs this file directly with the job's own interpreter (which may be another venv or conda env
 without this project on ``sys.path``)::
 
     <interpreter> -u /abs/path/jobs/launcher-bin/launcher.py <script.py> [args...]
 
-so it imports nothing from the project and only the standard library at import time. TensorFlow is imported
-only when the script imports it (found with ``ast``); otherwise a ``sys.meta_path`` hook applies the settings
-if TensorFlow is imported indirectly later. The configuration comes as JSON in ``PORTAL_LAUNCH_CONFIG``
-(see ``DEFAULTS``); a missing or invalid value exits with code 2. Whatever the script then sets
-``CUDA_VISIBLE_DEVICES`` to, it stays on the booked cards the worker put there (see ``CudaDevices``).
-When the script imports Keras, every ``fit()`` also reports its metrics for the job's page, as
-``[portal-metrics] {json}`` lines (see ``MetricsReporter``).
+so it imports nothing from the project and only the standard library at import time. The configuration
+comes as JSON in ``PORTAL_LAUNCH_CONFIG`` (see ``DEFAULTS``); a missing or invalid value exits with code 2.
+Which frameworks the script uses comes from its imports (found with ``ast``) and, for Keras 3, its backend
+(``frameworks_used``). Each is capped at the booking:
+
+- TensorFlow (also Keras on its TensorFlow backend, and Keras 2): imported before the script runs when the
+  script imports it, and configured with ``tf.config.*``; otherwise a ``sys.meta_path`` hook applies the
+  settings if TensorFlow is imported indirectly later. Nothing imports TensorFlow for a Keras on another
+  backend.
+- PyTorch: a ``sys.meta_path`` hook, whoever imports torch, queues the cap to run when CUDA starts.
+- JAX: by the environment alone (XLA_PYTHON_CLIENT_*, set by the worker); nothing runs in the process.
+
+Whatever the script then sets ``CUDA_VISIBLE_DEVICES`` to, it stays on the booked cards the worker put there
+(see ``CudaDevices``). When the script imports Keras, every ``fit()`` also reports its metrics for the job's
+page, as ``[portal-metrics] {json}`` lines (see ``MetricsReporter``).
 
 The launcher is this file and its own modules beside it (``SIBLINGS``): ``_portal_launch_config`` (the
-configuration and the CUDA_VISIBLE_DEVICES guard), ``_portal_launch_tf`` (the TensorFlow settings and the
-import hook) and ``_portal_launch_curves`` (the training curves). They too use the standard library only,
-and the job's account reads them as it reads this file.
+configuration, which frameworks a script uses, the import hook and the CUDA_VISIBLE_DEVICES guard),
+``_portal_launch_tf`` (the TensorFlow settings), ``_portal_launch_torch`` (the PyTorch cap) and
+``_portal_launch_curves`` (the training curves). They too use the standard library only, and the job's
+account reads them as it reads this file.
 
 Python puts this file's folder first on ``sys.path``. That folder is not a package (its name is not even
 an identifier) and holds nothing but the launcher's files, whose names no user module or library has, so
@@ -37,7 +46,8 @@ import sys
 from types import TracebackType
 from typing import Any
 
-SIBLINGS = ("_portal_launch_config", "_portal_launch_tf", "_portal_launch_curves")  # in import order
+# In import order.
+SIBLINGS = ("_portal_launch_config", "_portal_launch_tf", "_portal_launch_torch", "_portal_launch_curves")
 
 
 def _load_siblings() -> None:
@@ -62,17 +72,25 @@ from _portal_launch_config import (  # noqa: E402
     CONFIG_VAR,
     CUDA_VAR,
     DEFAULTS,
+    FRAMEWORK_ROOTS,
+    JAX,
+    KERAS_BACKENDS,
     NO_GPU,
     PREFIX,
-    TF_ROOTS,
+    TENSORFLOW,
+    TORCH,
     CudaDevices,
+    ImportHook,
     LaunchError,
     _env_summary,
     _err,
+    _job,
     _say,
+    configured_keras_backend,
+    frameworks_used,
     guard_cuda_devices,
+    jax_summary,
     load_config,
-    uses_tensorflow,
 )
 from _portal_launch_curves import (  # noqa: E402
     BATCH_SECONDS,
@@ -86,7 +104,8 @@ from _portal_launch_curves import (  # noqa: E402
     add_training_curves,
     install_training_curves,
 )
-from _portal_launch_tf import ImportHook, _job, apply_tensorflow, tensorflow_import_hook  # noqa: E402
+from _portal_launch_tf import apply_tensorflow, tensorflow_import_hook  # noqa: E402
+from _portal_launch_torch import apply_torch, torch_import_hook  # noqa: E402
 
 # Out of sys.modules again: a module of the user's named like one of them is the user's (see the docstring).
 for _name in SIBLINGS:
@@ -100,6 +119,9 @@ __all__ = [
     "CONFIG_VAR",
     "CUDA_VAR",
     "DEFAULTS",
+    "FRAMEWORK_ROOTS",
+    "JAX",
+    "KERAS_BACKENDS",
     "KERAS_MODULES",
     "MAX_METRICS",
     "MAX_NAME",
@@ -108,20 +130,25 @@ __all__ = [
     "NO_GPU",
     "PREFIX",
     "SIBLINGS",
-    "TF_ROOTS",
+    "TENSORFLOW",
+    "TORCH",
     "CudaDevices",
     "ImportHook",
     "LaunchError",
     "MetricsReporter",
     "add_training_curves",
     "apply_tensorflow",
+    "apply_torch",
+    "configured_keras_backend",
+    "frameworks_used",
     "guard_cuda_devices",
     "install_training_curves",
+    "jax_summary",
     "load_config",
     "main",
     "prepare",
     "tensorflow_import_hook",
-    "uses_tensorflow",
+    "torch_import_hook",
 ]
 
 
@@ -162,6 +189,36 @@ def _put_script_first_on_path(script: str) -> None:
         sys.path.insert(0, folder)
 
 
+def _apply(config: dict[str, Any], used: frozenset[str]) -> str:
+    """Apply the booking for the frameworks the script uses, and hook the rest; the launcher line's text."""
+    parts = []
+    if TENSORFLOW in used:
+        try:
+            import tensorflow as tf
+        except ImportError:
+            parts.append(
+                f"TensorFlow is not installed in this interpreter ({sys.executable}): "
+                f"settings via environment only ({_env_summary()})"
+            )
+        else:
+            parts.append(apply_tensorflow(tf, config))
+    elif "tensorflow" not in sys.modules:
+        sys.meta_path.insert(0, tensorflow_import_hook(config))
+    # Imported directly or not, torch gets its cap from its import: nothing to import for it here.
+    sys.meta_path.insert(0, torch_import_hook(config))
+    if TORCH in used:
+        fraction = config["memory_fraction"]
+        cap = f"memory fraction {fraction:g} per GPU" if fraction is not None else "no memory cap"
+        parts.append(f"PyTorch: {cap}, set when torch is imported")
+    if JAX in used:
+        parts.append(jax_summary())
+    if not used:
+        return "no TensorFlow, PyTorch or JAX import in the script: " + (
+            f"settings via environment only ({_env_summary()})"
+        )
+    return " · ".join(parts)
+
+
 def main(argv: list[str]) -> int:
     try:
         config, script = prepare(argv)
@@ -178,22 +235,9 @@ def main(argv: list[str]) -> int:
     _put_script_first_on_path(script)
     sys.argv = [script, *argv[1:]]
 
-    env = _env_summary()
+    used = frameworks_used(source, configured_keras_backend())
     install_training_curves()
-    if uses_tensorflow(source):
-        try:
-            import tensorflow as tf
-        except ImportError:
-            _say(
-                f"job {job} · TensorFlow is not installed in this interpreter ({sys.executable}): "
-                f"settings via environment only ({env})"
-            )
-        else:
-            _say(f"job {job} · {apply_tensorflow(tf, config)}")
-    else:
-        _say(f"job {job} · no TensorFlow import in the script: settings via environment only ({env})")
-        if "tensorflow" not in sys.modules:
-            sys.meta_path.insert(0, tensorflow_import_hook(config))
+    _say(f"job {job} · {_apply(config, used)}")
 
     try:
         # The path as given, not made absolute: run_path sets sys.argv[0] to it (so __file__ is relative
