@@ -121,7 +121,8 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
     telemetry_ingested.send(sender=GPUProcess, cards=[g for _, g in cards])
     _history_record(latest, known, now, stored)
     usage_observe(cards=cards, now=now)  # the usage rollup (gpus/usage.py): memory, a write a minute
-    change_publish(TELEMETRY)  # once committed: open dashboards read the round
+    for server in known.values():  # once committed: open pages read the round (those of its server)
+        change_publish(TELEMETRY, server=server.pk)
 
 
 class _Known(NamedTuple):

@@ -34,6 +34,8 @@ def dashboard_servers(request: HttpRequest) -> HttpResponse:
 @login_required
 def gpu_detail(request: HttpRequest, uuid: str) -> HttpResponse:
     gpu = get_object_or_404(GPU.objects.select_related("server"), uuid=uuid)
+    if request.GET.get("part") == "facts":  # read again after a telemetry round (static/js/live.js)
+        return render(request, "gpus/_gpu_facts.html", {"gpu": gpu})
     return render(request, "gpus/gpu_detail.html", {"gpu": gpu})
 
 

@@ -42,6 +42,7 @@ from django.utils import timezone
 
 from gpus.booking import reservations_cancel_for_leaver
 from gpus.models import Reservation
+from jobs.log_live import job_changed
 from jobs.logs import log_append
 from jobs.models import Job
 from portal.models import AuditEntry, Membership, Notification, Team
@@ -112,6 +113,7 @@ def user_work_stop(*, user: AbstractBaseUser, reason: str, now: datetime | None 
         Job.objects.filter(owner_id=user.pk, status__in=RUNNING, cancel_requested_at=None).update(
             cancel_requested_at=now, cancelled_by=None, message=message
         )
+    job_changed([pk for pk, _ in stopped.cancelled + stopped.stopping])
     stopped.bookings = reservations_cancel_for_leaver(user=user, reason=reason, now=now)
     if stopped:
         _audit_jobs(user, reason, stopped)

@@ -25,11 +25,11 @@ import asyncio
 import logging
 import random
 import re
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis
-import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
@@ -48,7 +48,7 @@ from jobs import log_live
 from jobs.logs import log_end, log_pieces, parse_offset
 from jobs.models import Job
 from jobs.selectors import jobs_visible_to
-from portal.changes import subscription_close
+from portal.subscriptions import Lost, Subscription, hub
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ RETRY_MS = 2000
 # A line about a job's end may be written just after its status (the reconciler's "lost"): a
 # stream that sees the end goes on listening this long after it before it says `end`.
 END_SETTLE_SECONDS = 1.0  # EventSource's reconnection delay, e.g. while Redis is away
+STATE_SHARE_SECONDS = 0.5  # one read of a job's status serves its streams that ask this soon after
 _LINE_BREAK = re.compile("\r\n|\r|\n")
 
 
@@ -236,6 +237,34 @@ def _state(job_id: int) -> tuple[float, int]:
     return max(0.0, (timezone.now() - row["finished_at"]).total_seconds()), end
 
 
+_StateReads = dict[int, "tuple[float, asyncio.Future[tuple[float, int]]]"]
+_shared_states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _StateReads]
+_shared_states = weakref.WeakKeyDictionary()
+
+
+async def job_state(job_id: int, *, since: float) -> tuple[float, int]:
+    """`_state`, from a read that started at or after `since` (the loop's time): one read serves
+    every stream of the job in this process that needs one from that moment on, e.g. all 500
+    watchers told by one message that the job changed (`Message.at` is the same for each). A
+    read that started earlier might predate the change, or the caller's subscription."""
+    loop = asyncio.get_running_loop()
+    reads = _shared_states.setdefault(loop, {})
+    found = reads.get(job_id)
+    if found is not None and found[0] >= since:
+        return await asyncio.shield(found[1])
+    started, read = loop.time(), asyncio.ensure_future(sync_to_async(_state)(job_id))
+    reads[job_id] = (started, read)
+
+    # Kept a while after it is done: callers just behind (needing one from `started` on) share it.
+    read.add_done_callback(lambda _: loop.call_later(STATE_SHARE_SECONDS, _forget, reads, job_id, read))
+    return await asyncio.shield(read)
+
+
+def _forget(reads: _StateReads, job_id: int, read: asyncio.Future[tuple[float, int]]) -> None:
+    if job_id in reads and reads[job_id][1] is read:
+        del reads[job_id]
+
+
 async def _catch_up(cursor: Cursor, job_id: int, until: int) -> AsyncIterator[bytes]:
     """The stored bytes from what the stream has up to `until`, then what waited ahead of them."""
     more = cursor.have < until
@@ -248,33 +277,31 @@ async def _catch_up(cursor: Cursor, job_id: int, until: int) -> AsyncIterator[by
         yield cursor.drain_ahead()
 
 
-async def events(job_id: int, offset: int) -> AsyncIterator[bytes]:
+async def events(job_id: int, offset: int, *, page: bool = False) -> AsyncIterator[bytes]:
     """The stream (module docstring). Ends after `event: end`, or when Redis is away: the client
-    reconnects after RETRY_MS with its Last-Event-ID, and reads on from the database."""
+    reconnects after RETRY_MS with its Last-Event-ID, and reads on from the database. `page`: the
+    job page's stream (jobs/page_events.py) also says when the job's row or its training curves
+    changed (`event: job`, `event: metrics`)."""
     # The view's connection, held by this request's thread: closed, since the stream may last long.
     await sync_to_async(_close_db)()
     cursor = Cursor(offset)
-    client = aioredis.Redis.from_url(settings.REDIS_URL)
-    pubsub = client.pubsub()
     yield f"retry: {RETRY_MS}\n\n".encode()
     try:
+        subscription = await hub().listen([log_live.channel(job_id)])
+    except redis.RedisError as exc:
+        log.warning("Live log of job %s without Redis (%s): stored bytes only", job_id, exc)
+        ended_for, end = await sync_to_async(_state)(job_id)
+        async for out in _catch_up(cursor, job_id, end):
+            yield out
+        yield cursor.flush() + (END if ended_for >= END_SETTLE_SECONDS else b"")
+        return
+    async with subscription:
         try:
-            await pubsub.subscribe(log_live.channel(job_id))
-        except redis.RedisError as exc:
-            log.warning("Live log of job %s without Redis (%s): stored bytes only", job_id, exc)
-            ended_for, end = await sync_to_async(_state)(job_id)
-            async for out in _catch_up(cursor, job_id, end):
-                yield out
-            yield cursor.flush() + (END if ended_for >= END_SETTLE_SECONDS else b"")
-            return
-        try:
-            async for out in _follow(cursor, job_id, pubsub):
+            async for out in _follow(cursor, job_id, subscription, page=page):
                 yield out
         except DatabaseError as exc:  # the database restarting: the client reconnects, and reads on
             log.warning("Live log of job %s lost the database (%s): the client reconnects", job_id, exc)
             yield cursor.flush()
-    finally:
-        await subscription_close(pubsub, client)
 
 
 def _jittered(seconds: float) -> float:
@@ -284,55 +311,67 @@ def _jittered(seconds: float) -> float:
     return seconds * random.uniform(0.8, 1.2)
 
 
-async def _follow(cursor: Cursor, job_id: int, pubsub: aioredis.client.PubSub) -> AsyncIterator[bytes]:
+JOB_CHANGED = b"event: job\ndata: \n\n"
+
+
+def metrics_event(seq: int) -> bytes:
+    return f'event: metrics\ndata: {{"seq": {seq}}}\n\n'.encode()
+
+
+async def _follow(cursor: Cursor, job_id: int, sub: Subscription, *, page: bool) -> AsyncIterator[bytes]:
     loop = asyncio.get_running_loop()
     keepalive = settings.LOG_STREAM_KEEPALIVE_SECONDS
     next_keepalive = loop.time() + _jittered(keepalive)
     checks: list[float] = []  # when to read the status again (the writer closed; the job just ended)
-    message = None
-    while True:
-        if message is None or message[0] == log_live.CLOSED:  # first, quiet, or closed: read the row
-            ended_for, end = await sync_to_async(_state)(job_id)  # after subscribing: nothing falls between
-            async for out in _catch_up(cursor, job_id, end):
-                yield out
-            if ended_for >= END_SETTLE_SECONDS:
-                yield cursor.flush() + END
-                return
-            now = loop.time()
-            if ended_for >= 0:  # a line about the end may follow it (the reconciler's "lost")
-                checks = [now + END_SETTLE_SECONDS - ended_for]
-            elif message is not None:  # the writer closed: its status comes just after
-                checks = [now + delay for delay in CLOSE_CHECKS]
-        message = None
-        while message is None:
+    # The status read must be from this time on: first after subscribing (nothing falls between).
+    since: float | None = sub.since
+    while since is not None:
+        ended_for, end = await job_state(job_id, since=since)
+        async for out in _catch_up(cursor, job_id, end):
+            yield out
+        if ended_for >= END_SETTLE_SECONDS:
+            yield cursor.flush() + (JOB_CHANGED if page else b"") + END  # the page reads the final status
+            return
+        if ended_for >= 0:  # a line about the end may follow it (the reconciler's "lost")
+            checks = [loop.time() + END_SETTLE_SECONDS - ended_for]
+        since = None
+        while since is None:
             now = loop.time()
             if now >= next_keepalive:
                 next_keepalive = now + _jittered(keepalive)
                 yield KEEPALIVE  # and read the row: a job that ended without a word ends here
+                since = now - STATE_SHARE_SECONDS
                 break
             if checks and now >= checks[0]:
-                checks.pop(0)
+                since = checks.pop(0)
                 break
             wake = min([next_keepalive, *checks])
             try:
-                raw = await pubsub.get_message(ignore_subscribe_messages=True, timeout=max(0.0, wake - now))
-            except redis.RedisError as exc:
-                log.warning("Live log of job %s lost Redis (%s): the client reconnects", job_id, exc)
+                received = await sub.get(timeout=wake - now)
+            except Lost as exc:
+                log.info("Live log of job %s lost messages (%s): the client reconnects", job_id, exc)
                 yield cursor.flush()
                 return
-            if raw is None:
+            if received is None:
                 continue
             try:
-                message = log_live.decode(raw["data"])
+                kind, at, data = log_live.decode(received.data)
             except ValueError:
                 continue
-            kind, at, data = message
             if kind == log_live.LIVE:
                 if out := cursor.live(at, data):
                     yield out
-                message = None
             elif kind == log_live.STORED:
                 if at > cursor.have:
                     async for out in _catch_up(cursor, job_id, at):
                         yield out
-                message = None
+            elif kind == log_live.METRICS:
+                if page:
+                    yield metrics_event(at)
+            elif kind == log_live.CLOSED:  # the writer closed: the job's status comes just after
+                since = received.at
+                checks = sorted({*checks, *(received.at + delay for delay in CLOSE_CHECKS)})
+            elif kind == log_live.JOB:  # the page reads the job's status; this stream, whether it ended
+                if page:
+                    yield JOB_CHANGED
+                since = received.at

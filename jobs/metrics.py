@@ -37,6 +37,7 @@ from django.utils import timezone
 from django.utils.http import content_disposition_header
 
 from gpus.models import GPU, TelemetrySample
+from jobs import log_live
 from jobs.logs import LOG_FLUSH_SECONDS
 from jobs.models import Job, JobMetric
 from jobs.paths import download_name
@@ -216,6 +217,8 @@ class MetricsRecorder:
                 JobMetric.objects.bulk_create(self.pending, batch_size=500)
         except (DataError, IntegrityError):
             log.exception("Job %s: the database refused %d training records", self.job_id, len(self.pending))
+        else:
+            log_live.publish(self.job_id, log_live.METRICS, self.pending[-1].seq)  # for the job page
         self.pending = []
 
 

@@ -14,6 +14,7 @@ from datetime import datetime
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
 
+from jobs.log_live import job_changed
 from jobs.logs import LogWriter
 from jobs.models import Job
 from jobs.scheduler import queued_job_ended
@@ -33,14 +34,16 @@ def job_end_store(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
     unfinished status (the supervisor and the replay can never both record it). Raises a
     DatabaseError while the database is away; returns whether this call recorded the end."""
     writer.flush()
-    return bool(
-        Job.objects.filter(pk=job_id, status__in=UNFINISHED).update(
-            status=record.status,
-            exit_code=record.exit_code,
-            finished_at=datetime.fromisoformat(record.finished_at),
-            message=record.message,
-        )
+    recorded = Job.objects.filter(pk=job_id, status__in=UNFINISHED).update(
+        status=record.status,
+        exit_code=record.exit_code,
+        finished_at=datetime.fromisoformat(record.finished_at),
+        message=record.message,
     )
+    if recorded:
+        server = Job.objects.filter(pk=job_id).values_list("server_id", flat=True).first()
+        job_changed([job_id], server=server)
+    return bool(recorded)
 
 
 def spool_replay() -> int:

@@ -36,6 +36,7 @@ from gpus.models import Reservation
 from jobs.environment import JobSetupError
 from jobs.launch import launch_for, patiently
 from jobs.leavers import deactivated, owner_active, user_work_stop
+from jobs.log_live import job_changed
 from jobs.logs import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
@@ -43,7 +44,6 @@ from jobs.replay import job_end_store
 from jobs.scheduler import queued_job_ended
 from jobs.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.supervision import JobOutput, JobSession, Signalled
-from portal.changes import JOBS, change_publish
 from portal.outage import WHAT, outage_of
 from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
 
@@ -158,7 +158,7 @@ class Supervisor:
             heartbeat_at=now,
             env_applied=self.env_applied,
         ):
-            change_publish(JOBS)  # the pages that show jobs read the new state
+            job_changed([self.job.pk], server=self.job.server_id)
 
     def _stopped_before_start(self) -> str:
         """A cancel asked for since the claim (its owner, a leader, or the owner's deactivation):
@@ -604,7 +604,6 @@ class Supervisor:
         if self.spool is not None:
             EndRecord.remove(self.spool.name)
             self.spool.close(remove=True)
-        change_publish(JOBS)
         self._guarded(lambda: queued_job_ended(self.job))
 
     def _store_end(self, record: EndRecord) -> bool:
@@ -665,7 +664,9 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
     claimed = Job.objects.filter(owner_active(), pk=job_id, status=Job.Status.QUEUED).update(
         status=Job.Status.STARTING, worker=socket.gethostname()[:200], heartbeat_at=now
     )
-    if not claimed:
+    if claimed:
+        job_changed([job_id])
+    else:
         left = Job.objects.select_related("owner").filter(pk=job_id, status=Job.Status.QUEUED).first()
         if left is not None and not left.owner.is_active:
             log.warning("Job %s not started: %s", job_id, deactivated(left.owner))
@@ -686,6 +687,7 @@ def job_run(job_id: int) -> str | None:
             finished_at=timezone.now(),
             message="Cancelled: the booking is not active (ended or cancelled before the job started).",
         )
+        job_changed([job_id], server=job.server_id)
         return Job.Status.CANCELLED
     supervisor = patiently(job_id, lambda: Supervisor(job))
     supervisor.run()

@@ -26,13 +26,14 @@ from datetime import datetime, timedelta
 import redis
 from django.conf import settings
 from django.db import close_old_connections, transaction
-from django.db.models import Count, Q
+from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_create, reservation_release
 from gpus.conflicts import QueueHold
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
+from jobs.log_live import job_changed
 from jobs.models import Job
 from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
 from jobs.services import cpu_share, default_threads, dispatch
@@ -167,23 +168,28 @@ def _record_reasons(entries: list[Entry], refused: dict[int, Refusal]) -> None:
             reasons[entry.reason].append(entry.request.job_id)
             if entry.note and entry.request.job_id not in refused:
                 notes[f"{REFUSED}{entry.note}"].append(entry.request.job_id)
+    pending = Job.objects.filter(status=Job.Status.PENDING)
+    changed: set[int] = set()  # read first, so that only these jobs' pages are told
+
+    def update(jobs: QuerySet[Job], **values: str) -> None:
+        if ids := set(jobs.values_list("pk", flat=True)):
+            Job.objects.filter(pk__in=ids, status=Job.Status.PENDING).update(**values)
+            changed.update(ids)
+
     for reason, ids in reasons.items():
-        Job.objects.filter(pk__in=ids, status=Job.Status.PENDING).exclude(pending_reason=reason).update(
-            pending_reason=reason
-        )
+        update(pending.filter(pk__in=ids).exclude(pending_reason=reason), pending_reason=reason)
     noted = {pk for ids in notes.values() for pk in ids}
     waiting = [pk for ids in reasons.values() for pk in ids if pk not in noted]  # old words go
-    Job.objects.filter(pk__in=waiting, status=Job.Status.PENDING, message__startswith=REFUSED).update(
-        message=""
-    )
+    update(pending.filter(pk__in=waiting, message__startswith=REFUSED), message="")
     for note, ids in notes.items():
-        Job.objects.filter(pk__in=ids, status=Job.Status.PENDING).exclude(message=note).update(
-            message=note[:1000]
-        )
+        update(pending.filter(pk__in=ids).exclude(message=note), message=note[:1000])
     for pk, refusal in refused.items():
-        Job.objects.filter(pk=pk, status=Job.Status.PENDING).update(
-            pending_reason=refusal.reason, message=refusal.message[:1000]
+        update(
+            pending.filter(pk=pk).exclude(pending_reason=refusal.reason, message=refusal.message[:1000]),
+            pending_reason=refusal.reason,
+            message=refusal.message[:1000],
         )
+    job_changed(changed)
 
 
 def _release_ended(now: datetime) -> int:
@@ -257,6 +263,7 @@ def _bind(job: Job, booking: Reservation, now: datetime) -> None:
     )
     if not claimed:
         raise Conflict(f"Job {job.pk} was cancelled or started meanwhile.")
+    job_changed([job.pk], server=server.pk)
     job.refresh_from_db()
 
 

@@ -21,6 +21,7 @@ from django.utils import timezone
 from gpus.inventory import GPUInfo
 from gpus.models import GPU, Allocation, Server
 from jobs.leavers import leavers_stop, owner_active, team_leavers_stop
+from jobs.log_live import job_changed
 from jobs.logs import log_append
 from jobs.models import Job
 from portal.access import can_manage
@@ -124,6 +125,7 @@ def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
     )
     if not cancelled_here:
         Job.objects.filter(pk=pk, cancel_requested_at=None).update(cancel_requested_at=now, cancelled_by=user)
+    job_changed([pk], server=job.server_id)
     job.refresh_from_db()
     return job
 
@@ -154,6 +156,7 @@ def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> di
             status=Job.Status.LOST, finished_at=now, message=message
         ):
             log_append(job.pk, f"[portal] {message}\n", now=now)
+            job_changed([job.pk], server=job.server_id)
             done["lost"] += 1
     over = Q(reservation__end__lte=now) | Q(reservation__cancelled_at__isnull=False)
     for job in Job.objects.filter(over, status=Job.Status.QUEUED):
@@ -162,6 +165,7 @@ def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> di
             finished_at=now,
             message="Cancelled: the booking ended or was cancelled before a worker started the job.",
         ):
+            job_changed([job.pk], server=job.server_id)
             done["expired"] += 1
     return done
 

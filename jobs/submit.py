@@ -27,6 +27,7 @@ from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
 from jobs.models import Job, JobArray
 from jobs.queue_requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
+from portal.changes import JOBS, change_publish
 from portal.errors import Conflict, Forbidden, Invalid
 from portal.timefmt import format_time
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
@@ -139,7 +140,7 @@ def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
         if name in RESERVED_ENV or name.startswith(RESERVED_PREFIXES):
             raise Invalid(
                 f"Environment: {name} is set by the portal from your booking and cannot be overridden; "
-                "remove it (choose cards by booking them, memory and threads in the TensorFlow settings).",
+                "remove it (choose cards by booking them, memory and threads in the job's own settings).",
                 field="env",
             )
         if not isinstance(value, str | int | float) or isinstance(value, bool):
@@ -317,6 +318,7 @@ def _save_queued(user: AbstractBaseUser, request: QueueRequest, fields: dict[str
         tasks = Job.objects.bulk_create(Job(**fields, array=array, array_index=i) for i in request.indices)
         job = tasks[0] if tasks[0].pk else Job.objects.filter(array=array).order_by("pk").first()
     wake_on_commit(QUEUE_SCHEDULER)
+    change_publish(JOBS)  # the queue's open pages show it
     return job
 
 

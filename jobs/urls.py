@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs import log_stream, views
+from jobs import log_stream, page_events, views
 
 urlpatterns = [
     # The jobs API is portal/api_urls.py's router; this one answers async, so it sits beside it.
@@ -13,6 +13,7 @@ urlpatterns = [
     path("teams/<slug:slug>/right-sizing/", views.team_rightsizing, name="team_rightsizing"),
     path("queue/", views.queue, name="queue"),
     path("jobs/<int:pk>/", views.job_detail, name="job_detail"),
+    path("jobs/<int:pk>/events/", page_events.job_events, name="job_events"),
     path("jobs/<int:pk>/log/", views.job_log_tail, name="job_log_tail"),
     path("jobs/<int:pk>/log.txt", views.job_log_download, name="job_log_download"),
     path("jobs/<int:pk>/metrics.csv", views.job_metrics_csv, name="job_metrics_csv"),

@@ -250,4 +250,6 @@ def queue(request: HttpRequest) -> HttpResponse:
     """The pending jobs in priority order, like squeue: factors, reason and estimated start."""
     rows = queue_rows(request.user, queue_plan())
     page = Paginator(rows, 100).get_page(request.GET.get("page"))
+    if request.GET.get("part") == "table":  # read again when jobs or bookings change (static/js/live.js)
+        return render(request, "jobs/_queue_table.html", {"page": page})
     return render(request, "jobs/queue.html", {"page": page, "reasons": dict(Job.Reason.choices)})

@@ -21,7 +21,6 @@ import time
 from functools import partial
 
 import redis
-import redis.asyncio as aioredis
 from django.conf import settings
 from django.db import transaction
 
@@ -88,12 +87,3 @@ def change_publish(topic: str, *, server: int | None = None) -> None:
 def user_change_publish(user_id: int, topic: str = NOTIFICATIONS) -> None:
     """Tell `user_id`'s open pages (and nobody else's) that their `topic` changed, once this commits."""
     transaction.on_commit(partial(publisher.publish, user_channel(user_id), json.dumps({"topic": topic})))
-
-
-async def subscription_close(pubsub: aioredis.client.PubSub, client: aioredis.Redis) -> None:
-    """A stream's Redis subscription and connection, closed; Redis already gone is no error."""
-    try:
-        await pubsub.aclose()
-        await client.aclose()
-    except redis.RedisError:
-        pass

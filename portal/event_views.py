@@ -17,7 +17,6 @@ import logging
 from collections.abc import AsyncIterator
 
 import redis
-import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
@@ -27,6 +26,7 @@ from django.http import Http404, HttpRequest, StreamingHttpResponse
 from django.views.decorators.http import require_GET
 
 from portal import changes
+from portal.subscriptions import Lost, hub
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,16 @@ def event(raw: bytes | str) -> bytes:
 
 async def relay(user_id: int) -> AsyncIterator[bytes]:
     """Ends when Redis is away: the page reconnects after RETRY_MS and polls meanwhile."""
-    client = aioredis.Redis.from_url(settings.REDIS_URL)
-    pubsub = client.pubsub()
-    loop = asyncio.get_running_loop()
     keepalive = settings.LOG_STREAM_KEEPALIVE_SECONDS
     yield f"retry: {RETRY_MS}\n\n".encode()
     try:
-        await pubsub.subscribe(changes.channel(), changes.user_channel(user_id))
+        subscription = await hub().listen([changes.channel(), changes.user_channel(user_id)])
+    except redis.RedisError as exc:
+        log.warning("Change feed without Redis (%s): pages poll until it is back", exc)
+        return
+    async with subscription:
         yield READY
+        loop = asyncio.get_running_loop()
         next_keepalive = loop.time() + keepalive
         while True:
             wait = next_keepalive - loop.time()
@@ -82,10 +84,10 @@ async def relay(user_id: int) -> AsyncIterator[bytes]:
                 next_keepalive = loop.time() + keepalive
                 yield KEEPALIVE
                 continue
-            raw = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-            if raw is not None and (out := event(raw["data"])):
+            try:
+                raw = await subscription.get(timeout=wait)
+            except Lost as exc:
+                log.info("Change feed lost messages (%s): the page reconnects and reads everything", exc)
+                return
+            if raw is not None and (out := event(raw.data)):
                 yield out
-    except redis.RedisError as exc:
-        log.warning("Change feed lost Redis (%s): pages poll until it is back", exc)
-    finally:
-        await changes.subscription_close(pubsub, client)

@@ -333,6 +333,8 @@ MATRIX: dict[str, Url] = {
     "queue": url(get=ALL),
     "job_detail": url(JOB, get="login ok 404 404 ok ok"),
     "job_log_tail": url(JOB, get="login ok 404 404 ok ok"),
+    # ASGI only (this client is WSGI): who may open it under ASGI is tests/test_job_page_push.py's
+    "job_events": url(JOB, get="login 404 404 404 404 404"),
     "job_log_download": url(JOB, get="login ok 404 404 ok ok"),
     "job_metrics_csv": url(JOB, get="login ok 404 404 ok ok"),
     "job_usage_json": url(JOB, get="login ok 404 404 ok ok"),

@@ -237,7 +237,7 @@ def test_it_only_cancels_by_post(client, alice, job):
     assert client.get(reverse("job_cancel", args=[job.pk])).status_code == 405
 
 
-def test_it_shows_what_the_job_runs_and_polls_the_status_while_active(client, alice, job, box):
+def test_it_shows_what_the_job_runs_and_reads_the_status_while_active(client, alice, job, box):
     client.force_login(alice)
     html = client.get(reverse("job_detail", args=[job.pk])).content.decode()
     assert "uploaded: train.py" in html and "<details" in html and "hello from the job" in html
@@ -246,8 +246,10 @@ def test_it_shows_what_the_job_runs_and_polls_the_status_while_active(client, al
     assert "GPU 0" in html and box[0].uuid in html
     assert f'data-log-url="{reverse("job_log_tail", args=[job.pk])}"' in html and 'id="job-log"' in html
     assert "js/job_log.js" in html and reverse("job_log_download", args=[job.pk]) in html
+    assert f'data-events-url="{reverse("job_events", args=[job.pk])}"' in html  # the page's one stream
     part = client.get(reverse("job_detail", args=[job.pk]) + "?part=status").content.decode()
-    assert part.lstrip().startswith('<section id="job-status"') and 'hx-trigger="every 2s"' in part
+    assert part.lstrip().startswith('<section id="job-status"') and 'data-live="job telemetry"' in part
+    assert 'hx-trigger="every 2s [!window.portalLive || portalLive.polls]"' in part  # when not pushed
     assert "<html" not in part
 
     now = timezone.now()

@@ -1,4 +1,6 @@
-// Utilization and memory of one GPU over the last hour, refreshed every 15 s.
+// Utilization and memory of one GPU over the last hour: read again after each telemetry round of
+// its server that the page's stream brings (static/js/live.js), at most every MIN_GAP_MS; every
+// 15 s while the page has no stream up.
 (function () {
   const canvas = document.getElementById("gpu-chart");
   if (!canvas || !window.Chart) return;
@@ -26,6 +28,33 @@
     chart.options.scales.mb.max = body.memory_total_mb;
     chart.update();
   }
-  refresh();
-  setInterval(refresh, 15000);
+  const MIN_GAP_MS = 5000;
+  const live = window.portalLive;
+  let last = 0;
+  let queued = false;
+  function soon() {
+    if (queued) return;
+    queued = true;
+    setTimeout(() => {
+      queued = false;
+      last = Date.now();
+      refresh().catch(() => {}); // the next round tries again
+    }, Math.max(0, last + MIN_GAP_MS - Date.now()));
+  }
+  if (live) {
+    live.on("telemetry", (event) => {
+      let server = null;
+      try {
+        server = JSON.parse(event.data).server;
+      } catch (err) {
+        /* any server */
+      }
+      if (server == null || String(server) === canvas.dataset.server) soon();
+    });
+    live.on("ready", soon);
+  }
+  soon();
+  setInterval(() => {
+    if (!live || live.polls) soon();
+  }, 15000);
 })();

@@ -1,7 +1,8 @@
 // The charts of a job page: its training curves and its cards' use, live while it runs.
 //
-// Training curves: <section id="job-curves" data-metrics-url=… hidden>. Polls
-// `metricsUrl?since=N` (GET /api/v1/jobs/{id}/metrics/) every 2 s while X-Job-Status is active,
+// Training curves: <section id="job-curves" data-metrics-url=… hidden>. Reads
+// `metricsUrl?since=N` (GET /api/v1/jobs/{id}/metrics/) when the page's stream says records were
+// stored (`metrics`; every 2 s while the page has no stream up) while X-Job-Status is active,
 // adds the new records and shows the section once the first one came: a script without Keras
 // reports none, and its page shows no curves. After the job ends, one last fetch, then it stops.
 // Epoch records are points: losses on the left axis, other metrics (accuracy, …) on the right, the
@@ -9,7 +10,8 @@
 // the training step (batches over every fit() of the job), so the epoch and batch records line up.
 //
 // GPU use: <section id="job-usage" data-usage-url=…>, the job's cards' utilization and memory
-// since it started, refreshed every 15 s (the telemetry's history interval) while it runs.
+// since it started, read again after a telemetry round of its server (at most every 15 s, the
+// history's step; every 15 s while the page has no stream up) while it runs.
 (function () {
   "use strict";
 
@@ -19,6 +21,25 @@
   var RETRY_MS = 5000;
   var PAGE = 10000; // the API's records per answer: a full page means more are waiting
   var COLORS = ["#2563eb", "#16a34a", "#dc2626", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
+
+  // The page's stream (static/js/live.js), where it has one: charts read again when it says so.
+  var pushed = window.portalLive && window.portalLive.streams ? window.portalLive : null;
+
+  // later(fn, ms): run fn at the next wake() while the page's stream pushes, or after ms while
+  // it does not (no stream, given up, reconnecting); once either way.
+  function waiter() {
+    var pending = null;
+    function wake() {
+      var fn = pending;
+      pending = null;
+      if (fn) fn();
+    }
+    function later(fn, ms) {
+      pending = fn;
+      if (!pushed || pushed.polls) window.setTimeout(wake, ms);
+    }
+    return { later: later, wake: wake };
+  }
 
   function say(id, text) {
     var element = document.getElementById(id);
@@ -33,6 +54,9 @@
   }
 
   function curves(section) {
+    var next = waiter();
+    var later = next.later;
+    var wake = next.wake;
     var url = section.getAttribute("data-metrics-url");
     var colorOf = {};
     var datasets = {}; // "epoch:loss", "batch:loss", … → its Chart.js dataset
@@ -131,7 +155,7 @@
           } else if (answer.records.length === PAGE) {
             window.setTimeout(tick, 0);
           } else if (live) {
-            window.setTimeout(tick, CURVES_MS);
+            later(tick, CURVES_MS);
           } else if (!finalSeen) {
             finalSeen = true; // one last fetch for records stored just before the end
             window.setTimeout(tick, CURVES_MS);
@@ -145,6 +169,11 @@
         });
     }
 
+    if (pushed) {
+      // Records stored (`metrics`), the job's end, a reconnect (what came meanwhile): read now.
+      ["metrics", "end", "ready"].forEach(function (type) { pushed.on(type, wake); });
+      pushed.onFallback(wake);
+    }
     tick();
   }
 
@@ -152,6 +181,10 @@
 
   function usage(section) {
     var url = section.getAttribute("data-usage-url");
+    var next = waiter();
+    var later = next.later;
+    var wake = next.wake;
+    var last = 0;
     var chart = new Chart(document.getElementById("job-usage-chart"), {
       type: "line",
       data: { datasets: [] },
@@ -210,7 +243,8 @@
         })
         .then(function (body) {
           show(body);
-          if (ACTIVE[body.status]) window.setTimeout(refresh, USAGE_MS);
+          last = Date.now();
+          if (ACTIVE[body.status]) later(refresh, USAGE_MS);
           else section.setAttribute("data-done", "1");
         })
         .catch(function (error) {
@@ -219,6 +253,18 @@
         });
     }
 
+    if (pushed) {
+      // A telemetry round of the job's server; not more than once per USAGE_MS (the history's step).
+      var server = section.getAttribute("data-server");
+      var soon = function () { window.setTimeout(wake, Math.max(0, last + USAGE_MS - Date.now())); };
+      pushed.on("telemetry", function (event) {
+        var said = null;
+        try { said = JSON.parse(event.data).server; } catch (err) { /* any server */ }
+        if (said == null || !server || String(said) === server) soon();
+      });
+      pushed.on("ready", soon);
+      pushed.onFallback(wake);
+    }
     refresh();
   }
 

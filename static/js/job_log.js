@@ -1,11 +1,11 @@
-// The live log viewer of a job page: <pre id="job-log" data-log-url=… data-stream-url=…
+// The live log viewer of a job page: <pre id="job-log" data-log-url=… data-page-stream
 // data-offset="0">.
 //
-// With EventSource and a data-stream-url, one event stream (docs/live.md) brings each line as
-// the job prints it: an event's data is whole lines, its id the byte offset after them, and the
-// browser itself reconnects with Last-Event-ID. At `end` (or if the stream cannot be had: no
-// EventSource, an answer that is not a stream, errors without a single event) it goes on with
-// the polling below, saying so; the end's one fetch also brings the final status.
+// The page's one event stream (static/js/live.js; GET /jobs/<id>/events/, docs/live.md) brings
+// each line as the job prints it: an event's data is whole lines, its id the byte offset after
+// them, and a reconnect resumes after the last one. At `end` one fetch of the log's endpoint
+// brings the final status and any last byte; when the page gives the stream up (refused, or
+// failing) the polling below takes over from the same offset, saying so.
 //
 // Polls `logUrl?offset=N` once a second while the job is active (X-Job-Status queued,
 // starting or running), appends the new bytes as text (never as HTML: the log is
@@ -18,7 +18,6 @@
   var ACTIVE = { queued: true, starting: true, running: true };
   var POLL_MS = 1000;
   var RETRY_MS = 3000;
-  var STREAM_TRIES = 3; // errors in a row without an event before the page polls instead
   var LABELS = {
     queued: "queued: waiting for the worker",
     starting: "starting",
@@ -99,26 +98,13 @@
         });
     }
 
-    function stream(streamUrl) {
-      var source = new EventSource(streamUrl + "?offset=" + offset);
+    // The page's one stream (static/js/live.js) carries the log: unnamed events, ids the offsets.
+    function follow(live) {
       var encoder = new TextEncoder();
-      var errors = 0;
       var ended = false;
-
-      function fallBack(why) {
-        source.close();
-        pollingWhy = " · polling once a second: " + why;
-        say("polling once a second: " + why);
-        tick();
-      }
-
-      source.onopen = function () {
-        say("live");
-      };
-      source.onmessage = function (event) {
-        errors = 0;
+      live.on("message", function (event) {
         var next = parseInt(event.lastEventId, 10);
-        if (isNaN(next)) return;
+        if (ended || isNaN(next) || next <= offset) return; // a repeat after a reconnect: had it
         // SSE takes each line's newline off; the last one is back if the offsets count it.
         var text = event.data;
         if (encoder.encode(text).length !== next - offset) text += "\n";
@@ -126,32 +112,31 @@
         offset = next;
         pre.setAttribute("data-offset", String(offset));
         say("live");
-      };
-      source.addEventListener("end", function () {
+      });
+      live.on("ready", function () {
+        if (!ended) say("live");
+      });
+      live.on("end", function () {
+        if (ended) return; // said again after a reconnect
         ended = true;
-        source.close();
         finalSeen = true; // the job has ended: one fetch brings its status and any last byte
         say("finishing");
         tick();
       });
-      source.onerror = function () {
+      live.onFallback(function (why) {
         if (ended) return;
-        errors += 1;
-        if (source.readyState === EventSource.CLOSED) {
-          fallBack("the live stream was refused (this portal may not serve it)");
-        } else if (errors >= STREAM_TRIES) {
-          fallBack("the live stream keeps failing");
-        } else {
-          say("reconnecting…"); // EventSource tries again by itself, from the last event's id
-        }
-      };
+        ended = true;
+        pollingWhy = " · polling once a second: " + why;
+        say("polling once a second: " + why);
+        tick();
+      });
     }
 
-    var streamUrl = pre.getAttribute("data-stream-url");
-    if (streamUrl && window.EventSource && window.TextEncoder) {
-      stream(streamUrl);
+    var live = window.portalLive;
+    if (pre.hasAttribute("data-page-stream") && live && live.streams && window.TextEncoder) {
+      follow(live);
     } else {
-      pollingWhy = streamUrl ? " · polling once a second: this browser has no EventSource" : "";
+      pollingWhy = live && !live.streams ? " · polling once a second: this browser has no EventSource" : "";
       tick();
     }
   }

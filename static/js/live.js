@@ -1,22 +1,56 @@
 /* Live parts of a page, pushed (docs/live.md, "The dashboard and the bell").
  *
- * One EventSource per page on the change feed (GET /events/). An element marked
- * data-live="<topics>" data-live-url="<partial>" is read again when one of its topics comes,
- * at most once a second per page, and the fresh partial is patched into it in place: texts,
- * attributes and bar widths change, elements stay, so the one holding focus keeps it. Where
- * the structure changed (a server or card came or went) the part is replaced only when focus
- * is not inside it; else it waits until focus leaves.
+ * One EventSource per page (body's data-events-url): the change feed (GET /events/), or on a
+ * job page the job's stream (GET /jobs/<id>/events/), which also carries the log. An element
+ * marked data-live="<topics>" data-live-url="<partial>" is read again when one of its topics
+ * comes (only for its server's, where it says data-live-server="<id>" and the message names a
+ * server), at most once a second per page, and the fresh partial is patched into it in place:
+ * texts, attributes and bar widths change, elements stay, so the one holding focus keeps it.
+ * Where the structure changed (a server or card came or went) the part is replaced only when
+ * focus is not inside it; else it waits until focus leaves.
+ *
+ * Other scripts take events through window.portalLive: on(type, fn) for any event of the
+ * stream, onFallback(fn) for when the page gives the stream up. A tab hidden for HIDDEN_MS lets
+ * its stream go (a browser opens six connections to a host over HTTP/1.1, and background tabs
+ * would hold them all); shown again, it reconnects from the last event's id and reads its live
+ * parts once.
  *
  * While the stream is not up (no EventSource, refused: e.g. served over WSGI, or failing), the
- * elements' own htmx polling runs (its trigger's filter reads portalLive.up), its answers are
+ * elements' own htmx polling runs (its trigger's filter reads portalLive.polls), its answers are
  * patched in the same way, and an element marked data-live-status says so.
  */
 (function () {
   "use strict";
-  const TOPICS = ["telemetry", "bookings", "jobs", "notifications"];
+  const TOPICS = ["telemetry", "bookings", "jobs", "notifications", "job"];
   const MIN_GAP_MS = 1000;
   const MAX_FAILURES = 3;
-  const live = (window.portalLive = { up: false });
+  const HIDDEN_MS = 10000;
+  const listeners = {}; // event type → functions, attached to every stream this page opens
+  const fallbacks = [];
+  let stream = null;
+  let gaveUp = "";
+  let failures = 0; // errors since the last `ready`
+  let missed = false;
+  let lastId = "";
+  let hiddenTimer = null;
+  const live = (window.portalLive = {
+    up: false,
+    // Whether this page has a stream at all (else every part polls from the start).
+    streams: !!(window.EventSource && document.body && document.body.dataset.eventsUrl),
+    // Whether the parts poll: the stream is given up, or reconnecting after an error; not while
+    // it first connects, nor while a hidden tab rests.
+    get polls() {
+      return !this.streams || !!gaveUp || (stream !== null && !this.up && failures > 0);
+    },
+    on(type, fn) {
+      (listeners[type] = listeners[type] || []).push(fn);
+      if (stream) stream.addEventListener(type, fn);
+    },
+    onFallback(fn) {
+      fallbacks.push(fn);
+      if (gaveUp) fn(gaveUp);
+    },
+  });
 
   function focusIn(nodes) {
     const active = document.activeElement;
@@ -57,7 +91,17 @@
     const template = document.createElement("template");
     template.innerHTML = html.trim();
     const fresh = template.content.firstElementChild;
-    if (!fresh || patch(el, fresh) === false || el.liveWaiting) return;
+    if (!fresh) return;
+    // htmx reads a part's polling when it first sees it: a part that starts or stops polling
+    // (a job that ended) is replaced and shown to htmx, where focus allows.
+    const polling = (n) => `${n.getAttribute("hx-get")} ${n.getAttribute("hx-trigger")}`;
+    if (polling(el) !== polling(fresh) && !focusIn([el])) {
+      const node = document.importNode(fresh, true);
+      el.replaceWith(node);
+      if (window.htmx) window.htmx.process(node);
+      return;
+    }
+    if (patch(el, fresh) === false || el.liveWaiting) return;
     el.liveWaiting = true; // the rest, once focus leaves
     el.addEventListener("focusout", () => {
       el.liveWaiting = false;
@@ -103,8 +147,18 @@
     });
   }
 
-  function partsFor(topic) {
-    return Array.from(document.querySelectorAll(`[data-live~="${topic}"]`));
+  function partsFor(topic, server) {
+    return Array.from(document.querySelectorAll(`[data-live~="${topic}"]`)).filter(
+      (el) => server == null || !el.dataset.liveServer || el.dataset.liveServer === String(server),
+    );
+  }
+
+  function serverOf(event) {
+    try {
+      return JSON.parse(event.data).server;
+    } catch (err) {
+      return null;
+    }
   }
 
   const url = document.body.dataset.eventsUrl;
@@ -113,26 +167,60 @@
     say("poll");
     return;
   }
-  const stream = new EventSource(url);
-  let failures = 0;
-  let missed = false;
-  stream.addEventListener("ready", () => {
-    failures = 0;
-    live.up = true;
-    say("push");
-    if (missed) schedule(TOPICS.flatMap(partsFor)); // what came while it was down
-    missed = false;
-  });
-  stream.onerror = () => {
+  function giveUp(why) {
+    stream.close();
+    stream = null;
     live.up = false;
-    missed = true;
-    failures += 1;
-    if (stream.readyState === EventSource.CLOSED || failures >= MAX_FAILURES) {
-      stream.close();
-      say("poll");
-    }
-  };
-  for (const topic of TOPICS) {
-    stream.addEventListener(topic, () => schedule(partsFor(topic)));
+    gaveUp = why;
+    say("poll");
+    fallbacks.forEach((fn) => fn(why));
   }
+
+  function open() {
+    // A new EventSource sends no Last-Event-ID: the offset goes in the URL instead.
+    const at = lastId ? `${url}${url.includes("?") ? "&" : "?"}offset=${encodeURIComponent(lastId)}` : url;
+    stream = new EventSource(at);
+    stream.addEventListener("ready", () => {
+      failures = 0;
+      live.up = true;
+      say("push");
+      if (missed) schedule(TOPICS.flatMap((topic) => partsFor(topic))); // what came while it was down
+      missed = false;
+    });
+    stream.addEventListener("message", (e) => {
+      if (e.lastEventId) lastId = e.lastEventId;
+    });
+    stream.onerror = () => {
+      live.up = false;
+      missed = true;
+      failures += 1;
+      if (stream.readyState === EventSource.CLOSED) giveUp("the live stream was refused (this portal may not serve it)");
+      else if (failures >= MAX_FAILURES) giveUp("the live stream keeps failing");
+    };
+    for (const topic of TOPICS) {
+      stream.addEventListener(topic, (e) => schedule(partsFor(topic, serverOf(e))));
+    }
+    for (const [type, fns] of Object.entries(listeners)) fns.forEach((fn) => stream.addEventListener(type, fn));
+  }
+
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden) {
+      if (stream && !hiddenTimer) {
+        hiddenTimer = setTimeout(() => {
+          hiddenTimer = null;
+          if (!stream) return;
+          stream.close(); // not given up: it opens again once the tab is shown
+          stream = null;
+          live.up = false;
+          missed = true;
+        }, HIDDEN_MS);
+      }
+    } else {
+      clearTimeout(hiddenTimer);
+      hiddenTimer = null;
+      if (!stream && !gaveUp) open();
+    }
+  });
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", open);
+  else open();
 })();
