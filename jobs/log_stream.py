@@ -203,38 +203,55 @@ class Cursor:
         return out
 
 
-def _close_db() -> None:
-    """In the thread that holds it (`connection` is looked up where it is called, not here)."""
-    connection.close()
-
-
-def _read(job_id: int, start: int, until: int) -> tuple[list[tuple[bytes, int, int]], bool]:
+def _pieces(job_id: int, start: int, until: int) -> tuple[list[tuple[bytes, int, int]], bool]:
     """Stored pieces in [start, until), at most READ_BYTES of them; and whether more remain."""
-    try:
-        pieces, size = [], 0
-        for piece, begin, end in log_pieces(job_id, start, until=until):
-            pieces.append((piece, begin, end))
-            size += len(piece)
-            if size >= READ_BYTES and end < until:
-                return pieces, True
-        return pieces, False
-    finally:
-        connection.close()
+    pieces, size = [], 0
+    for piece, begin, end in log_pieces(job_id, start, until=until):
+        pieces.append((piece, begin, end))
+        size += len(piece)
+        if size >= READ_BYTES and end < until:
+            return pieces, True
+    return pieces, False
 
 
-def _state(job_id: int) -> tuple[float, int]:
+def _state_row(job_id: int) -> tuple[float, int]:
     """(how long ago the job ended, or -1 while it has not; where its stored log ends). The status
     is read first: a log written before the status (the worker's) is then all there."""
-    try:
-        row = Job.objects.filter(pk=job_id).values("status", "finished_at").first()
-        end = log_end(job_id)
-    finally:
-        connection.close()
+    row = Job.objects.filter(pk=job_id).values("status", "finished_at").first()
+    end = log_end(job_id)
     if row is None or row["status"] not in Job.FINISHED:
         return (-1.0 if row is not None else END_SETTLE_SECONDS), end
     if row["finished_at"] is None:
         return END_SETTLE_SECONDS, end
     return max(0.0, (timezone.now() - row["finished_at"]).total_seconds()), end
+
+
+# Each read runs in a thread and closes its connection after it: a stream may last for days.
+
+
+def _read(job_id: int, start: int, until: int) -> tuple[list[tuple[bytes, int, int]], bool]:
+    try:
+        return _pieces(job_id, start, until)
+    finally:
+        connection.close()
+
+
+def _state(job_id: int) -> tuple[float, int]:
+    try:
+        return _state_row(job_id)
+    finally:
+        connection.close()
+
+
+def _opening(job_id: int, start: int) -> tuple[tuple[float, int], list[tuple[bytes, int, int]], bool]:
+    """A stream's first read: the job's state and the stored bytes from `start` (`_pieces`), on the
+    connection its request's view opened, then closed. One connection per stream opened, not three:
+    500 streams opening at once made the API wait behind their connects (docs/benchmarks.md)."""
+    try:
+        state = _state_row(job_id)
+        return (state, *_pieces(job_id, start, state[1]))
+    finally:
+        connection.close()
 
 
 _StateReads = dict[int, "tuple[float, asyncio.Future[tuple[float, int]]]"]
@@ -282,8 +299,8 @@ async def events(job_id: int, offset: int, *, page: bool = False) -> AsyncIterat
     reconnects after RETRY_MS with its Last-Event-ID, and reads on from the database. `page`: the
     job page's stream (jobs/page_events.py) also says when the job's row or its training curves
     changed (`event: job`, `event: metrics`)."""
-    # The view's connection, held by this request's thread: closed, since the stream may last long.
-    await sync_to_async(_close_db)()
+    # The view's connection, held by this request's thread, serves the first read (`_opening`),
+    # which then closes it.
     cursor = Cursor(offset)
     yield f"retry: {RETRY_MS}\n\n".encode()
     try:
@@ -325,9 +342,16 @@ async def _follow(cursor: Cursor, job_id: int, sub: Subscription, *, page: bool)
     checks: list[float] = []  # when to read the status again (the writer closed; the job just ended)
     # The status read must be from this time on: first after subscribing (nothing falls between).
     since: float | None = sub.since
+    opening = True
     while since is not None:
-        ended_for, end = await job_state(job_id, since=since)
-        async for out in _catch_up(cursor, job_id, end):
+        if opening:
+            (ended_for, end), pieces, _ = await sync_to_async(_opening)(job_id, cursor.have)
+            if out := b"".join(cursor.take(*piece) for piece in pieces):
+                yield out
+            opening = False
+        else:
+            ended_for, end = await job_state(job_id, since=since)
+        async for out in _catch_up(cursor, job_id, end):  # the rest, where the first read held more
             yield out
         if ended_for >= END_SETTLE_SECONDS:
             yield cursor.flush() + (JOB_CHANGED if page else b"") + END  # the page reads the final status

@@ -1,10 +1,11 @@
-"""Small reads the job tests share: a job's whole log, whether a process still runs."""
+"""Small helpers the job tests share: a job's whole log, whether a process still runs, its page open."""
 
 from __future__ import annotations
 
 import psutil
 
-from jobs.logs import log_stream
+from jobs.logs import LogWriter, log_stream
+from tests.browser import log_in
 
 
 def job_log(job_id: int) -> str:
@@ -18,3 +19,16 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def job_page_open(tab, job_id: int, username: str = "alice") -> LogWriter:  # type: ignore[no-untyped-def]
+    """The job's page in a signed-in browser tab, its log holding "epoch 0"; the writer, to print more."""
+    from playwright.sync_api import expect
+
+    writer = LogWriter(job_id)
+    writer.feed(b"epoch 0\n")
+    writer.flush()
+    log_in(tab, username)
+    tab.goto(f"/jobs/{job_id}/")
+    expect(tab.locator("#job-log")).to_contain_text("epoch 0")
+    return writer

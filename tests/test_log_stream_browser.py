@@ -11,6 +11,7 @@ import pytest
 from jobs.logs import LogWriter
 from jobs.models import Job
 from tests.browser import asgi_page, log_in, page  # noqa: F401 - the fixtures
+from tests.job_helpers import job_page_open
 from tests.test_log_stream import job  # noqa: F401 - the fixture: a running job of alice's
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -59,12 +60,7 @@ def test_without_the_stream_the_page_polls_and_says_so(page, job, alice):  # noq
     """Django's live server is WSGI: the stream answers 404, and the page polls as before."""
     from playwright.sync_api import expect
 
-    writer = LogWriter(job.pk)
-    writer.feed(b"epoch 0\n")
-    writer.flush()
-    log_in(page, "alice")
-    page.goto(f"/jobs/{job.pk}/")
-    expect(page.locator("#job-log")).to_contain_text("epoch 0")
+    writer = job_page_open(page, job.pk)
     expect(page.locator("#job-log-status")).to_contain_text("polling once a second")
     writer.feed(b"epoch 1\n")
     writer.flush()

@@ -12,11 +12,11 @@ from django.utils import timezone
 from gpus.services import server_report_ingest
 from jobs import log_live
 from jobs.log_live import job_changed
-from jobs.logs import LogWriter
 from jobs.models import Job, JobMetric
 from jobs.submit import ScriptUpload, job_submit
 from tests.browser import asgi_page, log_in  # noqa: F401 - the fixtures
 from tests.factories import make_snapshot, queue_job
+from tests.job_helpers import job_page_open
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -44,11 +44,7 @@ def _not_the_stream(requests: list[str]) -> list[str]:
 def test_an_idle_job_page_asks_nothing_and_gets_its_status_and_curves_pushed(asgi_page, running, alice):  # noqa: F811
     from playwright.sync_api import expect
 
-    writer = LogWriter(running.pk)
-    writer.feed(b"epoch 0\n")
-    writer.flush()
-    log_in(asgi_page, "alice")
-    asgi_page.goto(f"/jobs/{running.pk}/")
+    writer = job_page_open(asgi_page, running.pk)
     expect(asgi_page.locator("#job-log-status")).to_have_text("live")
     expect(asgi_page.locator("#job-usage-status")).not_to_have_text("loading…")
     requests: list[str] = []

@@ -225,6 +225,26 @@ class ImportHook:
         return spec
 
 
+Applier = Callable[[ModuleType, dict[str, Any]], str]  # a framework's settings applied; says which
+
+
+def settings_hook(
+    module: str, framework: str, apply: Applier, config: dict[str, Any], when: str
+) -> ImportHook:
+    """An ImportHook that applies a framework's settings right after ``import <module>``
+    (`apply` returns what it applied) and says so; it never breaks the user's import over them."""
+
+    def then(imported: ModuleType) -> None:
+        try:
+            summary = apply(imported, config)
+        except Exception as exc:
+            _err(f"could not apply the booking's {framework} settings: {type(exc).__name__}: {exc}")
+            return
+        _say(f"job {_job(config)} · {summary} · {when}")
+
+    return ImportHook(module, then)
+
+
 def _on_off(value: bool) -> str:
     return "on" if value else "off"
 

@@ -10,7 +10,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-from _portal_launch_config import ImportHook, _err, _job, _on_off, _say
+from _portal_launch_config import ImportHook, _err, _on_off, settings_hook
 
 # Setters the script may still call after we configured the runtime, and where tf exposes them.
 _MEMORY_SETTERS = (
@@ -205,13 +205,5 @@ def apply_tensorflow(tf: ModuleType, config: dict[str, Any]) -> str:
 
 def tensorflow_import_hook(config: dict[str, Any]) -> ImportHook:
     """Applies the settings right after an indirect ``import tensorflow``."""
-
-    def apply(tf: ModuleType) -> None:
-        try:
-            summary = apply_tensorflow(tf, config)
-        except Exception as exc:  # never break the user's import over our settings
-            _err(f"could not apply the booking's TensorFlow settings: {type(exc).__name__}: {exc}")
-            return
-        _say(f"job {_job(config)} · {summary} · applied when TensorFlow was imported indirectly")
-
-    return ImportHook("tensorflow", apply)
+    when = "applied when TensorFlow was imported indirectly"
+    return settings_hook("tensorflow", "TensorFlow", apply_tensorflow, config, when)

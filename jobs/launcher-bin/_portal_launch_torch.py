@@ -16,7 +16,7 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from _portal_launch_config import ImportHook, _err, _job, _say
+from _portal_launch_config import ImportHook, _err, settings_hook
 
 SETTER = "set_per_process_memory_fraction"
 
@@ -78,13 +78,4 @@ def apply_torch(torch: ModuleType, config: dict[str, Any]) -> str:
 
 def torch_import_hook(config: dict[str, Any]) -> ImportHook:
     """Applies the cap right after ``import torch``, by the script or by anything it imports."""
-
-    def apply(torch: ModuleType) -> None:
-        try:
-            summary = apply_torch(torch, config)
-        except Exception as exc:  # never break the user's import over our settings
-            _err(f"could not apply the booking's PyTorch settings: {type(exc).__name__}: {exc}")
-            return
-        _say(f"job {_job(config)} · {summary} · applied when PyTorch was imported")
-
-    return ImportHook("torch", apply)
+    return settings_hook("torch", "PyTorch", apply_torch, config, "applied when PyTorch was imported")
