@@ -152,6 +152,10 @@ class Hub:
                         wait.cancel()
                 raise
             waits = [self._pending[c] for c in sub.channels if c in self._pending]
+            if waits and self._reader is not None and self._reader.done():  # nobody would confirm
+                self.leave(sub)
+                self._break("the reader had stopped")
+                raise redis.ConnectionError("the live streams' Redis reader had stopped; try again")
         try:
             async with asyncio.timeout(CONFIRM_SECONDS):
                 for wait in waits:
@@ -233,6 +237,10 @@ class Hub:
         except (redis.RedisError, OSError) as exc:
             if self._pubsub is pubsub:
                 self._break(f"Redis connection lost: {exc}")
+        except Exception as exc:  # a reader that died silently would leave every stream waiting
+            log.exception("The live streams' Redis reader failed")
+            if self._pubsub is pubsub:
+                self._break(f"the reader failed: {type(exc).__name__}: {exc}")
 
     def _break(self, why: str) -> None:
         """Every stream is told it lost messages, and the next `listen` connects anew."""

@@ -30,5 +30,5 @@ def job_page_open(tab, job_id: int, username: str = "alice") -> LogWriter:  # ty
     writer.flush()
     log_in(tab, username)
     tab.goto(f"/jobs/{job_id}/")
-    expect(tab.locator("#job-log")).to_contain_text("epoch 0")
+    expect(tab.locator("#job-log")).to_contain_text("epoch 0", timeout=15_000)  # a fresh server
     return writer
