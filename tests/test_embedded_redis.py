@@ -56,8 +56,11 @@ class Run:
 
     def redis_server(self) -> psutil.Process | None:
         for child in psutil.Process(self.parent.pid).children():
-            if "redis-server" in child.name() and child.status() != psutil.STATUS_ZOMBIE:
-                return child
+            try:
+                if "redis-server" in child.name() and child.status() != psutil.STATUS_ZOMBIE:
+                    return child
+            except psutil.NoSuchProcess:  # the killed one, reaped between the listing and the look
+                continue
         return None
 
     def command(self) -> psutil.Process:

@@ -287,7 +287,10 @@ def _gone(proc: psutil.Process) -> bool:
 def _child(runportal: subprocess.Popen, *, queue: str = "", web: bool = False) -> psutil.Process:
     """runportal's child consuming `queue` (`-Q queue`), or its web server."""
     for child in psutil.Process(runportal.pid).children():
-        argv = child.cmdline()
+        try:
+            argv = child.cmdline()
+        except psutil.NoSuchProcess:  # one that ended between the listing and the look
+            continue
         if web and "gunicorn" in argv:
             return child
         if queue and "-Q" in argv and argv[argv.index("-Q") + 1] == queue:
