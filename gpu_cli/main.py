@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from gpu_cli import cards, config, jobs
+from gpu_cli import cards, config, interactive, jobs
 from gpu_cli.api import Portal
 from gpu_cli.errors import Refused
 
@@ -28,6 +28,7 @@ def cli() -> None:
       3  cannot reach the portal, or not logged in
       4  not found (or not yours to see)
       gpu run --wait: the job's own (docs/cli.md)
+      gpu exec, gpu shell: the command's own (128 + N when a signal N ended it)
     """
 
 
@@ -89,5 +90,7 @@ for command in (
     jobs.history,
     jobs.logs,
     jobs.cancel,
+    interactive.exec_,
+    interactive.shell,
 ):
     cli.add_command(command)

@@ -30,13 +30,19 @@ from portal.permissions import ActionPermissionsMixin, IsOwner, IsOwnerOrTeamMan
 
 class GPUProcessSerializer(serializers.ModelSerializer):
     job = serializers.CharField(source="job_label", read_only=True)
+    interactive_session = serializers.IntegerField(
+        source="interactive_id",
+        read_only=True,
+        allow_null=True,
+        help_text="Its gpu exec or JupyterLab session.",
+    )
     command = serializers.SerializerMethodField(
         help_text="The whole command line for admins and the process's owner, else the program's name."
     )
 
     class Meta:
         model = GPUProcess
-        fields = ["pid", "username", "command", "used_memory_mb", "session_id", "job"]
+        fields = ["pid", "username", "command", "used_memory_mb", "session_id", "job", "interactive_session"]
 
     def get_command(self, process: GPUProcess) -> str:
         commands: CommandLines | None = self.context.get("command_lines")
@@ -387,6 +393,7 @@ class UsageRowSerializer(serializers.Serializer):
     jobs_succeeded = serializers.IntegerField()
     jobs_failed = serializers.IntegerField()
     jobs_other = serializers.IntegerField(help_text="Cancelled, timed out or lost.")
+    sessions = serializers.IntegerField(help_text="Interactive sessions that ended, on their first card.")
     utilization_pct = serializers.FloatField(
         allow_null=True, help_text="Used over booked (on unbooked time: over the free card time)."
     )

@@ -513,7 +513,10 @@ def _release(
 ) -> Reservation:
     _end_now(reservation, now)
     reservation.released_at = now
-    reservation.save(update_fields=["end", "released_at"])
+    # Who and why, for the jobs and sessions it ends (they say so) as well as the audit log.
+    reservation.released_by = None if user is PORTAL else user
+    reservation.release_reason = reason[:500]
+    reservation.save(update_fields=["end", "released_at", "released_by", "release_reason"])
     wake_on_commit(QUEUE_SCHEDULER)  # its cards are free: pending jobs may start now
     because = f": {reason}" if reason else ""
     _audit(

@@ -12,6 +12,12 @@ registered one, so gpus works alone (its tests, a portal without the jobs app):
   gpus.selectors.CommandLines); no answer: none, so a job's processes show their whole command
   line to admins only.
 
+- `interactive_sessions(sessions)`: the same for the interactive sessions (`gpu exec`, a
+  JupyterLab's kernels), for the dashboard's "session N"; no answer: none.
+
+- `work_on_booking(reservation_id)`: what runs on a booking now (its jobs, its sessions), which a
+  release or a cancel would stop: the booking pages ask before they do; no answer: nothing.
+
 Registering again replaces the answer.
 """
 
@@ -27,7 +33,10 @@ class JobOutcome(NamedTuple):
     gpu: str  # the job's first card: a job counts once, however many cards it ran on
     user_id: int
     team_id: int | None
-    status: str  # "succeeded" and "failed" have columns of their own; any other counts as other
+    status: str  # "succeeded" and "failed" have columns of their own; SESSION_ENDED too; other: other
+
+
+SESSION_ENDED = "session"  # an interactive session's outcome (gpu exec, JupyterLab): counted apart
 
 
 # {server id: {session id, ...}} → {(server id, session id): job id} for the running jobs whose
@@ -52,6 +61,7 @@ def _no_jobs(viewer: Any, job_ids: Iterable[int]) -> Collection[int]:
 
 
 _job_sessions: JobSessions = _no_sessions
+_interactive_sessions: JobSessions = _no_sessions
 _job_outcomes: JobOutcomes = _no_outcomes
 _own_jobs: OwnJobs = _no_jobs
 
@@ -60,6 +70,45 @@ def job_sessions_answered_by(answer: JobSessions) -> None:
     """Called once by the jobs app (JobsConfig.ready)."""
     global _job_sessions
     _job_sessions = answer
+
+
+def interactive_sessions_answered_by(answer: JobSessions) -> None:
+    """Called once by the jobs app (JobsConfig.ready)."""
+    global _interactive_sessions
+    _interactive_sessions = answer
+
+
+def interactive_sessions(sessions: Mapping[int, set[int]]) -> dict[tuple[int, int], int]:
+    """{(server id, session id): interactive session id} for the sessions' processes."""
+    return dict(_interactive_sessions(sessions))
+
+
+class Work(NamedTuple):
+    """Something a release or cancel of its booking would stop: "job 12 (train.py), running"."""
+
+    label: str
+    url: str
+
+
+BookingWork = Callable[[int], Sequence[Work]]
+
+
+def _no_work(reservation_id: int) -> Sequence[Work]:
+    return ()
+
+
+_work_on_booking: BookingWork = _no_work
+
+
+def work_on_booking_answered_by(answer: BookingWork) -> None:
+    """Called once by the jobs app (JobsConfig.ready)."""
+    global _work_on_booking
+    _work_on_booking = answer
+
+
+def work_on_booking(reservation_id: int) -> list[Work]:
+    """What runs on the booking now, that ending it would stop."""
+    return list(_work_on_booking(reservation_id))
 
 
 def job_outcomes_answered_by(answer: JobOutcomes) -> None:

@@ -30,6 +30,9 @@ class ProcessInfo:
     # The portal job, resolved from session_id at ingest (gpus.services); never read from the
     # process itself, whose environment is the job's to set.
     job_id: int | None = None
+    # The interactive session (`gpu exec`, a JupyterLab kernel) whose session the process is in,
+    # resolved at ingest as job_id is (jobs.interactive.sessions_by_session).
+    interactive_id: int | None = None
 
 
 class CardState:

@@ -177,6 +177,9 @@ class GPUProcess(models.Model):
     job_id = models.PositiveBigIntegerField(
         null=True, blank=True, help_text="The portal job whose session the process is in."
     )
+    interactive_id = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="The interactive session (gpu exec, JupyterLab) it belongs to."
+    )
 
     class Meta:
         ordering = ["gpu", "-used_memory_mb", "pid"]
@@ -186,7 +189,9 @@ class GPUProcess(models.Model):
 
     @property
     def job_label(self) -> str:
-        return f"job {self.job_id}" if self.job_id else "unmanaged"
+        if self.job_id:
+            return f"job {self.job_id}"
+        return f"session {self.interactive_id}" if self.interactive_id else "unmanaged"
 
 
 class TelemetrySample(models.Model):
@@ -259,6 +264,15 @@ class Reservation(models.Model):
     note = models.CharField(max_length=500, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     released_at = models.DateTimeField(null=True, blank=True)
+    released_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="Its owner; empty where the portal released it on a rule (release_reason says which).",
+    )
+    release_reason = models.CharField(max_length=500, blank=True)
     cancelled_at = models.DateTimeField(null=True, blank=True)
     cancelled_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
@@ -559,6 +573,9 @@ class UsageFigures(models.Model):
     jobs_succeeded = models.PositiveIntegerField(default=0)
     jobs_failed = models.PositiveIntegerField(default=0)
     jobs_other = models.PositiveIntegerField(default=0, help_text="Cancelled, timed out or lost.")
+    sessions = models.PositiveIntegerField(
+        default=0, help_text="Interactive sessions (gpu exec, gpu shell, JupyterLab) that ended."
+    )
 
     SUMMED = (
         "gpu_hours_booked",
@@ -569,6 +586,7 @@ class UsageFigures(models.Model):
         "jobs_succeeded",
         "jobs_failed",
         "jobs_other",
+        "sessions",
     )
 
     class Meta:

@@ -29,7 +29,7 @@ TOP_USERS = 8  # the stacked chart's own colours; everyone else is "others"
 IDLE_BOOKINGS_SHOWN = 10
 FLOATS = ("gpu_hours_booked", "gpu_hours_used", "gpu_hours_unbooked", "idle_hours", "memory_gb_hours_booked")
 JOBS = ("jobs_succeeded", "jobs_failed", "jobs_other")
-COLUMNS = ("key", "label", *FLOATS, "peak_memory_mb", "jobs", *JOBS, "utilization_pct")
+COLUMNS = ("key", "label", *FLOATS, "peak_memory_mb", "jobs", *JOBS, "sessions", "utilization_pct")
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,7 @@ def _row(key: Any, label: str, figures: dict[str, Any]) -> dict[str, Any]:
     row["peak_memory_mb"] = figures.get("peak_memory_mb")
     row.update({name: figures.get(name, 0) for name in JOBS})
     row["jobs"] = sum(row[name] for name in JOBS)
+    row["sessions"] = figures.get("sessions", 0)
     row["utilization_pct"] = UsageFigures.utilization_pct(
         row["gpu_hours_used"], row["gpu_hours_booked"], row["gpu_hours_unbooked"]
     )

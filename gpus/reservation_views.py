@@ -18,6 +18,7 @@ from django.views.decorators.http import require_GET, require_POST
 from gpus import booking
 from gpus.filters import MyReservationFilter
 from gpus.forms import CancelForm, ExtendForm, ReservationForm, local_input
+from gpus.hooks import work_on_booking
 from gpus.models import Reservation
 from gpus.quotas import member_quotas
 from portal.access import can_manage_team
@@ -113,9 +114,23 @@ def _act(request: HttpRequest, pk: int, action, success: str) -> HttpResponse:  
     return redirect_back(request, "reservation_detail", pk)
 
 
+def _confirm_stopping(request: HttpRequest, pk: int, action: str) -> HttpResponse | None:
+    """A release or cancel that would stop jobs or sessions asks first, naming them; None: go on
+    (nothing runs, or the person confirmed)."""
+    if request.POST.get("confirm") == "1":
+        return None
+    reservation = _get_reservation_for_user(request.user, pk)
+    if reservation.status != Reservation.Status.ACTIVE or not (work := work_on_booking(reservation.pk)):
+        return None
+    context = {"r": reservation, "work": work, "action": action, "post": request.POST}
+    return render(request, "gpus/reservation_confirm.html", context)
+
+
 @require_POST
 @login_required
 def reservation_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    if asked := _confirm_stopping(request, pk, "cancel"):
+        return asked
     reason = request.POST.get("reason", "")
     return _act(
         request,
@@ -128,6 +143,8 @@ def reservation_cancel(request: HttpRequest, pk: int) -> HttpResponse:
 @require_POST
 @login_required
 def reservation_release(request: HttpRequest, pk: int) -> HttpResponse:
+    if asked := _confirm_stopping(request, pk, "release"):
+        return asked
     return _act(
         request,
         pk,

@@ -13,7 +13,7 @@ from django.db import connection, transaction
 from django.dispatch import Signal
 from django.utils import timezone
 
-from gpus.hooks import job_sessions
+from gpus.hooks import interactive_sessions, job_sessions
 from gpus.inventory import CardState, GPUInfo, Snapshot
 from gpus.models import GPU, GPUProcess, Server, TelemetrySample
 from gpus.sanitize import checked_snapshot
@@ -222,7 +222,8 @@ def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo
     if not any(sessions.values()):
         return cards
     jobs = job_sessions(dict(sessions))  # jobs knows its jobs, gpus only asks (gpus.hooks)
-    if not jobs:
+    interactive = interactive_sessions(dict(sessions))
+    if not jobs and not interactive:
         return cards
     return [
         (
@@ -231,7 +232,14 @@ def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo
             if g.processes is None
             else replace(
                 g,
-                processes=tuple(replace(p, job_id=jobs.get((server_id, p.session_id))) for p in g.processes),
+                processes=tuple(
+                    replace(
+                        p,
+                        job_id=jobs.get((server_id, p.session_id)),
+                        interactive_id=interactive.get((server_id, p.session_id)),
+                    )
+                    for p in g.processes
+                ),
             ),
         )
         for server_id, g in cards
@@ -268,9 +276,29 @@ def _processes_replace(server_ids: list[int], cards: list[tuple[int, GPUInfo]]) 
         GPUProcess,
         # `started` with the pid is the process's identity (portal.pids): what a later look at
         # the row may compare with before it acts on that pid.
-        ["gpu", "pid", "username", "command", "used_memory_mb", "session_id", "started", "job_id"],
         [
-            (g.uuid, p.pid, p.username, p.command, p.used_memory_mb, p.session_id, p.started, p.job_id)
+            "gpu",
+            "pid",
+            "username",
+            "command",
+            "used_memory_mb",
+            "session_id",
+            "started",
+            "job_id",
+            "interactive_id",
+        ],
+        [
+            (
+                g.uuid,
+                p.pid,
+                p.username,
+                p.command,
+                p.used_memory_mb,
+                p.session_id,
+                p.started,
+                p.job_id,
+                p.interactive_id,
+            )
             for _, g in cards
             for p in g.processes or ()
         ],

@@ -44,7 +44,7 @@ from django.db import transaction
 from django.db.models import Max, QuerySet, Sum
 from django.utils import timezone
 
-from gpus.hooks import job_outcomes
+from gpus.hooks import SESSION_ENDED, job_outcomes
 from gpus.idle import card_idle
 from gpus.inventory import CardState, GPUInfo
 from gpus.models import GPU, Allocation, UsageDay, UsageFigures, UsageHour, UsageTeamHour
@@ -138,7 +138,9 @@ class _Rows(dict[Key, UsageHour]):
 
 
 def _count_job(row: UsageHour, status: str) -> None:
-    if status == "succeeded":
+    if status == SESSION_ENDED:
+        row.sessions += 1
+    elif status == "succeeded":
         row.jobs_succeeded += 1
     elif status == "failed":
         row.jobs_failed += 1

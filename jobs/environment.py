@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpus.models import GPU, Allocation
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 
 LAUNCH_CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"  # read (and removed) by jobs/launcher-bin/launcher.py
 # JAX's memory settings (jaxlib's generate_pjrt_gpu_plugin_options). Every jaxlib reads the older name
@@ -242,6 +242,42 @@ def job_environment(
     shown = [name for name in [*portal, *defaults] if name not in ("PATH", LAUNCH_CONFIG_VAR)]
     applied = {name: env[name] for name in sorted(shown)}
     return JobEnvironment(env=env, applied=applied, config=config)
+
+
+def session_environment(
+    session: InteractiveSession, card: BookedCard, *, server: str, instance: str, headroom_mb: int
+) -> dict[str, str]:
+    """The portal's variables for `gpu exec` and `gpu shell` on a booking: the cards and the memory
+    caps a job on it gets, set over the caller's own environment by the `gpu` command.
+
+    The TF mode is "limit and grow" on a shared card (the booking's share as TF's limit, taken as
+    needed, as a notebook wants) and "grow" on whole cards: an interactive process that took every
+    card's memory at its first operation would starve the next one the user starts on them.
+    Threads are the user's business in their own shell, so none are set.
+
+    Raises MigCardRefused for a booking with a card in MIG mode, as for a job.
+    """
+    if card.mig_uuids:
+        raise MigCardRefused(mig_refusal(card.mig_uuids))
+    mode = Job.MemoryMode.LIMIT_GROW if card.memory_mb is not None else Job.MemoryMode.GROW
+    memory_limit, fraction = booked_memory(mode, card, headroom_mb=headroom_mb)
+    config = {
+        "session_id": session.pk,
+        "memory_limit_mb": memory_limit,
+        "allow_growth": True,
+        "memory_fraction": fraction,
+    }
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(session.gpu_uuids),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        "PORTAL_SESSION_ID": str(session.pk),
+        "PORTAL_RESERVATION_ID": str(session.reservation_id),
+        "PORTAL_SERVER": server,
+        "PORTAL_INSTANCE": instance,
+        LAUNCH_CONFIG_VAR: json.dumps(config),
+        **framework_memory_env(card, headroom_mb=headroom_mb, mode=mode),
+    }
 
 
 def launch_config(job: Job, card: BookedCard, *, headroom_mb: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from django import forms
 from django.contrib.auth.models import AbstractBaseUser
 
 from gpus.filters import server_choices
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from portal.access import is_admin, teams_led_by
 from portal.filters import DayFilter, MineFilter, unknown_choice
 from portal.models import Team
@@ -46,7 +46,11 @@ class JobFilter(django_filters.FilterSet):
     )
     mine = MineFilter(field_name="owner", label="Mine")
     array = django_filters.NumberFilter(
-        field_name="array_id", label="Array", help_text="An array's id: its tasks."
+        field_name="array_id",
+        label="Array",
+        help_text="An array's id: its tasks.",
+        min_value=1,
+        max_value=2**63 - 1,
     )
 
     class Meta:
@@ -78,3 +82,29 @@ class MyJobFilter(JobHistoryFilter):
 
     user = None  # type: ignore[assignment]
     team = None  # type: ignore[assignment]
+
+
+class SessionFilter(django_filters.FilterSet):
+    """Interactive sessions (jobs.interactive): by booking, status, kind, server; `mine`."""
+
+    reservation = django_filters.NumberFilter(
+        field_name="reservation_id", label="Booking", min_value=1, max_value=2**63 - 1
+    )
+    status = django_filters.ChoiceFilter(
+        choices=InteractiveSession.Status.choices,
+        label="Status",
+        empty_label="any status",
+        error_messages=unknown_choice("status", InteractiveSession.Status.values),
+    )
+    kind = django_filters.ChoiceFilter(
+        choices=InteractiveSession.Kind.choices,
+        label="Kind",
+        empty_label="any kind",
+        error_messages=unknown_choice("kind", InteractiveSession.Kind.values),
+    )
+    server = django_filters.CharFilter(field_name="server__name", label="Server")
+    mine = MineFilter(field_name="owner", label="Mine")
+
+    class Meta:
+        model = InteractiveSession
+        fields: list[str] = []

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, close_old_connections
 
 from gpus.models import Allocation
@@ -82,7 +83,11 @@ def launch_for(job: Job) -> Launch:
 
 
 def _job_account(job: Job) -> pwd.struct_passwd | None:
-    """The account the job runs as, in its HOME (None: as the worker's own user).
+    return account_of(job.owner)
+
+
+def account_of(owner: AbstractBaseUser) -> pwd.struct_passwd | None:
+    """The account the owner's jobs and labs run as, in its HOME (None: as the worker's own user).
 
     JOB_USER names one account for every job, or is "@owner": each job runs as its owner's Unix
     account (portal.accounts.unix_account_name), so its files are theirs and the GPU watchdog
@@ -92,11 +97,11 @@ def _job_account(job: Job) -> pwd.struct_passwd | None:
         return None
     host = socket.gethostname()
     if settings.JOB_USER == JOB_USER_OWNER:
-        name, source = unix_account_name(job.owner), f"{job.owner.username}'s Unix account"
+        name, source = unix_account_name(owner), f"{owner.username}'s Unix account"
         if name is None:
             raise JobSetupError(
-                f"{job.owner.username} has no Unix account the portal can vouch for (none on their"
-                f" profile, and '{job.owner.username}' is someone else's or came from a source not"
+                f"{owner.username} has no Unix account the portal can vouch for (none on their"
+                f" profile, and '{owner.username}' is someone else's or came from a source not"
                 " trusted for Unix accounts): an admin sets or confirms theirs on their profile."
             )
     else:

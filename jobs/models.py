@@ -22,6 +22,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from portal.access import is_admin, teams_led_by
+
 
 class JobArray(models.Model):
     """Many jobs from one script, each with its PORTAL_ARRAY_INDEX ("0-99%8": 100 tasks, at most 8
@@ -170,6 +172,11 @@ class Job(models.Model):
         return self.status in self.ACTIVE
 
     @property
+    def team_id(self) -> int:
+        """The booking's team: its leaders may end the session (portal.access.can_manage)."""
+        return self.reservation.team_id
+
+    @property
     def is_finished(self) -> bool:
         return self.status in self.FINISHED
 
@@ -244,3 +251,107 @@ class JobMetric(models.Model):
 
     def __str__(self) -> str:
         return f"metrics {self.seq} of job {self.job_id}"
+
+
+class InteractiveSessionQuerySet(models.QuerySet):
+    def visible_to(self, user) -> InteractiveSessionQuerySet:  # type: ignore[no-untyped-def]
+        """The owner's, those on bookings of the teams the user leads, and all for admins: as jobs."""
+        if is_admin(user):
+            return self
+        return self.filter(models.Q(owner=user) | models.Q(reservation__team__in=teams_led_by(user)))
+
+
+class InteractiveSession(models.Model):
+    """Interactive work on a booking, beside its jobs: `gpu exec` and `gpu shell` in a terminal on
+    the booking's host (JupyterLab sessions join them as a third kind).
+
+    The row is the record, as a job's is. The `gpu` command on the host creates it (STARTING),
+    starts the command in a session of its own and records that session's leader (`pid`, with its
+    start time), which is how the host's watchdog knows the command's GPU processes as the
+    booking's: by session id, and only those run by the booking's owner (a pid the owner names is
+    the owner's claim, so it can never cover anyone else's process). The command beats every
+    SESSION_BEAT_SECONDS; the beat answers the booking's end as it stands, and whether the session
+    was ended from the portal.
+
+    Status transitions:
+        STARTING → RUNNING (the command runs; its pid is recorded; a lab: its server answers)
+        STARTING/RUNNING → ENDED (the command ended, or no beat for SESSION_LOST_AFTER_SECONDS)
+        STARTING → FAILED (the command could not start)
+
+    A JupyterLab session (jobs.lab) is started by the host's worker instead, which beats for it and
+    records its kernels' sessions; the portal proxies to it (jobs.lab_proxy) with its token.
+    """
+
+    class Kind(models.TextChoices):
+        EXEC = "exec", "gpu exec"
+        SHELL = "shell", "gpu shell"
+        JUPYTERLAB = "jupyterlab", "JupyterLab"
+
+    class Status(models.TextChoices):
+        STARTING = "starting", "Starting"
+        RUNNING = "running", "Running"
+        ENDED = "ended", "Ended"
+        FAILED = "failed", "Failed"
+
+    ACTIVE = (Status.STARTING, Status.RUNNING)
+    # Started on the host by `gpu` in a terminal; a JupyterLab by the host's worker (jobs.lab).
+    TERMINAL_KINDS = (Kind.EXEC, Kind.SHELL)
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="interactive_sessions"
+    )
+    reservation = models.ForeignKey(
+        "gpus.Reservation", on_delete=models.CASCADE, related_name="interactive_sessions"
+    )
+    server = models.ForeignKey("gpus.Server", on_delete=models.PROTECT, related_name="interactive_sessions")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.STARTING)
+    command = models.JSONField(default=list, help_text="The argv as given.")
+    gpu_uuids = models.JSONField(default=list)
+    pid = models.PositiveIntegerField(null=True, blank=True, help_text="The command's session leader.")
+    pid_started = models.FloatField(null=True, blank=True, help_text="Its start (epoch seconds).")
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    beat_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    message = models.CharField(max_length=500, blank=True)
+    end_requested_at = models.DateTimeField(null=True, blank=True, help_text="Ended from the portal.")
+    end_requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    # JupyterLab (jobs.lab): the host's worker runs the server; the portal proxies to it.
+    worker = models.CharField(max_length=255, blank=True, help_text="The worker that runs it (JupyterLab).")
+    address = models.CharField(max_length=255, blank=True, help_text="host:port of the Jupyter server.")
+    token = models.CharField(max_length=128, blank=True, help_text="The Jupyter server's; never shown.")
+    kernels = models.JSONField(
+        default=list, blank=True, help_text="[pid, start] of each kernel's session, as last seen."
+    )
+    warned_at = models.DateTimeField(null=True, blank=True, help_text="Told that the booking ends soon.")
+
+    objects = InteractiveSessionQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+        indexes = [
+            models.Index(fields=["server", "status"], name="session_server_status"),
+            models.Index(fields=["owner", "created_at"], name="session_owner_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.get_kind_display()} session {self.pk}"
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in self.ACTIVE
+
+    @property
+    def team_id(self) -> int:
+        """The booking's team: its leaders may end the session (portal.access.can_manage)."""
+        return self.reservation.team_id
+
+    @property
+    def duration(self) -> timedelta | None:
+        if not self.started_at:
+            return None
+        return (self.finished_at or timezone.now()) - self.started_at

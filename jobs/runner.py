@@ -46,6 +46,7 @@ from jobs.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.supervision import JobOutput, JobSession, Signalled
 from portal.outage import WHAT, outage_of
 from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
+from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -395,6 +396,9 @@ class Supervisor:
                 "message",
                 "reservation__end",
                 "reservation__cancelled_at",
+                "reservation__released_at",
+                "reservation__released_by__username",
+                "reservation__release_reason",
             )
             .get()
         )
@@ -421,6 +425,8 @@ class Supervisor:
             )
         elif row["reservation__cancelled_at"] and now >= row["reservation__end"]:
             self._stop(Job.Status.TIMED_OUT, "The booking was cancelled; the job was stopped.")
+        elif row["reservation__released_at"] and now >= row["reservation__end"]:
+            self._stop(Job.Status.CANCELLED, released_message(row))
         elif why := self._past_deadline(now):
             self._stop(Job.Status.TIMED_OUT, why)
 
@@ -696,3 +702,11 @@ def job_run(job_id: int) -> str | None:
     except DatabaseError:  # away: the end waits in the spool, as the worker's log said
         close_old_connections()
         return supervisor.final_status
+
+
+def released_message(row: dict) -> str:
+    """A job stopped because its booking was released early: by whom and why; not a time-out."""
+    who = row.get("reservation__released_by__username") or "the portal"
+    why = row.get("reservation__release_reason") or ""
+    at = format_time(row["reservation__released_at"])
+    return f"Cancelled: {who} released the booking at {at}{f' ({why})' if why else ''}."

@@ -10,8 +10,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Q, QuerySet
 from django.http import Http404
 
-from gpus.hooks import JobOutcome
-from jobs.models import Job
+from gpus.hooks import SESSION_ENDED, JobOutcome
+from jobs.models import InteractiveSession, Job
 from jobs.queue import Entry
 from portal.access import display_name, is_admin, team_ids_of, teams_led_by
 
@@ -34,12 +34,19 @@ def jobs_finished_between(since: datetime, until: datetime) -> list[JobOutcome]:
     gpus.hooks.job_outcomes): read from the rows, since every final status is a conditional
     UPDATE (runner, reconciler, cancel) that sends no signal."""
     rows = Job.objects.filter(finished_at__gte=since, finished_at__lt=until, status__in=Job.FINISHED)
-    return [
+    jobs = [
         JobOutcome(at, cards[0], owner, team, status)
         for at, cards, owner, team, status in rows.values_list(
             "finished_at", "gpu_uuids", "owner", "team", "status"
         )
         if cards  # a job cancelled before it held a card used none
+    ]
+    # Interactive sessions count as jobs do, in a column of their own (gpus.hooks.SESSION_ENDED).
+    ended = InteractiveSession.objects.filter(
+        finished_at__gte=since, finished_at__lt=until, status=InteractiveSession.Status.ENDED
+    ).values_list("finished_at", "gpu_uuids", "owner", "reservation__team")
+    return jobs + [
+        JobOutcome(at, cards[0], owner, team, SESSION_ENDED) for at, cards, owner, team in ended if cards
     ]
 
 

@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from gpus.inventory import GPUInfo
 from gpus.models import GPU, Allocation, Server
+from jobs.interactive import sessions_reconcile
 from jobs.leavers import leavers_stop, owner_active, team_leavers_stop
 from jobs.log_live import job_changed
 from jobs.logs import log_append
@@ -138,7 +139,7 @@ def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> di
     """
     now = now or timezone.now()
     done = {"leavers": leavers_stop(now=now), "team_leavers": team_leavers_stop(now=now)}
-    done |= {"dispatched": 0, "lost": 0, "expired": 0}
+    done |= {"dispatched": 0, "lost": 0, "expired": 0, "sessions_lost": sessions_reconcile(now=now)}
     due = Job.objects.filter(
         owner_active(), status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
     )

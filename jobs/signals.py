@@ -30,6 +30,7 @@ from gpus.inventory import GPUInfo, Snapshot
 from gpus.services import telemetry_ingested
 from gpus.telemetry import snapshot_read
 from jobs.host_worker import kill_orphans, running_jobs_stop
+from jobs.lab import lab_orphans_end
 from jobs.leavers import deactivated, user_work_stop
 from jobs.pickup import HostPickup
 from jobs.scheduler import Scheduler
@@ -56,6 +57,7 @@ def _on_worker_ready(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
     if f"host.{settings.WORKER_SERVER}" in queues:
         _host_worker = True
         kill_orphans(settings.WORKER_SERVER)
+        lab_orphans_end(settings.WORKER_SERVER)
         start_thread(SpoolReplay())
         # The pool's size (solo: 1): jobs beyond it wait in Redis, and are no lost messages.
         start_thread(HostPickup(settings.WORKER_SERVER, getattr(sender.pool, "limit", None) or 1))

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs import log_stream, page_events, views
+from jobs import log_stream, page_events, session_views, views
 
 urlpatterns = [
     # The jobs API is portal/api_urls.py's router; this one answers async, so it sits beside it.
@@ -19,4 +19,8 @@ urlpatterns = [
     path("jobs/<int:pk>/metrics.csv", views.job_metrics_csv, name="job_metrics_csv"),
     path("jobs/<int:pk>/usage.json", views.job_usage_json, name="job_usage_json"),
     path("jobs/<int:pk>/cancel/", views.job_cancel_view, name="job_cancel"),
+    # /sessions/<pk>/lab/… is the lab itself, which the portal's proxy serves (jobs.lab_proxy).
+    path("sessions/new/", session_views.session_new, name="session_new"),
+    path("sessions/<int:pk>/", session_views.session_detail, name="session_detail"),
+    path("sessions/<int:pk>/end/", session_views.session_end, name="session_end"),
 ]

@@ -30,7 +30,7 @@ from jobs.filters import JobFilter, JobHistoryFilter, MyJobFilter
 from jobs.forms import JobForm
 from jobs.logs import log_response, parse_offset
 from jobs.metrics import job_card_usage, metrics_csv_response
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from jobs.rightsizing import REPORT_PERIODS, oversized_report, report_days, size_hint_for
 from jobs.scheduler import queue_plan
 from jobs.selectors import get_job_for_user, jobs_visible_to, queue_rows
@@ -137,7 +137,12 @@ def _job_list(request: HttpRequest, jobs: QuerySet[Job], filterset_class: type[J
 @login_required
 def my_jobs(request: HttpRequest) -> HttpResponse:
     own = Job.objects.filter(owner=request.user).select_related("owner", "server")
-    return render(request, "jobs/my_jobs.html", _job_list(request, own, MyJobFilter))
+    context = _job_list(request, own, MyJobFilter)
+    # Your interactive sessions beside your jobs: the running ones and the last few.
+    context["sessions"] = list(
+        InteractiveSession.objects.filter(owner=request.user).select_related("server")[:10]
+    )
+    return render(request, "jobs/my_jobs.html", context)
 
 
 @require_GET

@@ -89,6 +89,19 @@ class JobFacts:
 
 
 @dataclass(frozen=True)
+class SessionFacts:
+    """A running `gpu exec` or `gpu shell` of this host (jobs.interactive): its command runs in a
+    session of its own, whose leader's pid `gpu` recorded. Its processes are the booking's, as a
+    job's are, but only those run by the booking's owner: the pid is the owner's word, so it can
+    never cover anyone else's process."""
+
+    session_pk: int
+    session_id: int  # the pid `gpu` recorded: the command's session
+    owner_id: int
+    reservation_id: int
+
+
+@dataclass(frozen=True)
 class Verdict:
     gpu_uuid: str
     process: ProcessInfo
@@ -98,6 +111,7 @@ class Verdict:
     user_id: int | None = None  # the portal user behind the process, where known
     reservation_id: int | None = None  # the booking concerned: the job's, or the one whose card was taken
     booked_mb: int | None = None  # over_memory and ok on a shared card: the job's booked MiB there
+    session_pk: int | None = None  # a `gpu exec`/`gpu shell` session's process (SessionFacts)
 
 
 def classify(
@@ -107,9 +121,13 @@ def classify(
     jobs: Sequence[JobFacts],
     users_by_os_name: Mapping[str, int],
     tolerance_mb: int,
+    sessions: Sequence[SessionFacts] = (),
 ) -> list[Verdict]:
     """One verdict per process on every card whose process list could be read."""
     by_session = {j.session_id: j for j in jobs}
+    interactive: dict[int, list[SessionFacts]] = defaultdict(list)
+    for facts in sessions:  # a pid is its owner's word: two owners may name one, each for themselves
+        interactive[facts.session_id].append(facts)
     booking_of = {b.reservation_id: b for b in bookings}
     on_card: dict[str, list[BookingFacts]] = defaultdict(list)
     for booking in bookings:
@@ -127,8 +145,17 @@ def classify(
             job = by_session.get(process.session_id) if process.session_id else None
             if job is not None:
                 here.append(_job_verdict(card, process, job, booking_of, job_memory, tolerance_mb))
-            else:
-                here.append(_foreign_verdict(card, process, on_card[card.uuid], users_by_os_name))
+                continue
+            claims = interactive.get(process.session_id, []) if process.session_id else []
+            booked = next(
+                (
+                    v
+                    for s in claims
+                    if (v := _session_verdict(card, process, s, booking_of, users_by_os_name))
+                ),
+                None,
+            )
+            here.append(booked or _foreign_verdict(card, process, on_card[card.uuid], users_by_os_name))
         verdicts.extend(_owners_within_booking(here, on_card[card.uuid], tolerance_mb))
     return verdicts
 
@@ -167,6 +194,34 @@ def _job_verdict(
     return verdict(Kind.OK, used if booked is not None else process.used_memory_mb, booked)
 
 
+def _session_verdict(
+    card: GPUInfo,
+    process: ProcessInfo,
+    session: SessionFacts | None,
+    booking_of: Mapping[int, BookingFacts],
+    users_by_os_name: Mapping[str, int],
+) -> Verdict | None:
+    """`ok` for a session's process of its owner's on one of its booking's cards (within the grace
+    after the booking's end too: `gpu` is stopping it); None, judged as any other process, for the
+    rest. Its memory is held to the booking with the owner's others (`_owners_within_booking`)."""
+    if session is None or users_by_os_name.get(process.username) != session.owner_id:
+        return None
+    booking = booking_of.get(session.reservation_id)
+    if booking is None or card.uuid not in booking.cards:
+        return None
+    return Verdict(
+        card.uuid,
+        process,
+        Kind.OK,
+        process.used_memory_mb,
+        None,
+        session.owner_id,
+        session.reservation_id,
+        booking.cards[card.uuid],
+        session_pk=session.session_pk,
+    )
+
+
 def _foreign_verdict(
     card: GPUInfo, process: ProcessInfo, here: Sequence[BookingFacts], users_by_os_name: Mapping[str, int]
 ) -> Verdict:
@@ -196,7 +251,7 @@ def _owners_within_booking(
     booked on this shared card: all the owner's processes there (their jobs' and the rest) are
     summed, and above the booked MiB + tolerance the ones outside jobs are `over_memory`."""
     result = list(verdicts)
-    owners = {v.user_id for v in verdicts if v.kind is Kind.OWNER_OUTSIDE_JOB}
+    owners = {v.user_id for v in verdicts if _outside_jobs(v)}
     for owner in owners:
         booked_by_owner = [b for b in here if b.owner_id == owner]
         shares = [b.cards[verdicts[0].gpu_uuid] for b in booked_by_owner]
@@ -208,11 +263,18 @@ def _owners_within_booking(
             v.process.used_memory_mb or 0
             for v in verdicts
             if v.user_id == owner
-            and (v.kind is Kind.OWNER_OUTSIDE_JOB or (v.job_id is not None and v.reservation_id in theirs))
+            and (_outside_jobs(v) or (v.job_id is not None and v.reservation_id in theirs))
         )
         if used <= booked + tolerance_mb:
             continue
         for i, v in enumerate(result):
-            if v.kind is Kind.OWNER_OUTSIDE_JOB and v.user_id == owner:
+            if _outside_jobs(v) and v.user_id == owner:
                 result[i] = replace(v, kind=Kind.OVER_MEMORY, memory_mb=used, booked_mb=booked)
     return result
+
+
+def _outside_jobs(verdict: Verdict) -> bool:
+    """The owner's processes on their booking that no job runs: their own, and their sessions'."""
+    return verdict.kind is Kind.OWNER_OUTSIDE_JOB or (
+        verdict.kind is Kind.OK and verdict.session_pk is not None
+    )

@@ -49,9 +49,9 @@ from django.utils import timezone
 from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Allocation, Server, Violation, WatchdogPolicy, format_mb
 from gpus.procinfo import is_process_pid, session_of
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from jobs.runner import CANCEL_POLL_SECONDS
-from jobs.watchdog import BookingFacts, JobFacts, Kind, Verdict, classify
+from jobs.watchdog import BookingFacts, JobFacts, Kind, SessionFacts, Verdict, classify
 from jobs.watchdog_notify import tell_about
 from portal.accounts import users_by_unix_name
 from portal.models import AuditEntry
@@ -156,7 +156,9 @@ class HostWatchdog:
         server = self.server_id
         if not self.loaded:
             self._load_open(server)
-        verdicts = self._judge(snapshot, server, now)
+        # The simulation's invented processes (made-up pids, no session) are scenery: shown on the
+        # dashboard, marked simulated, never a violation: a demo is quiet until someone causes one.
+        verdicts = [v for v in self._judge(snapshot, server, now) if not self._invented(v)]
         policies = self.policies(now)
         self._told = set()
         readable = {g.uuid for g in snapshot.gpus if g.processes is not None}
@@ -263,6 +265,7 @@ class HostWatchdog:
             jobs=jobs,
             users_by_os_name=self.users(names, now),
             tolerance_mb=settings.WATCHDOG_MEMORY_TOLERANCE_MB,
+            sessions=_sessions_of(server, sessions),
         )
 
     def _load_open(self, server: int) -> None:
@@ -391,7 +394,11 @@ class HostWatchdog:
         self._told.add((tracked.event, event))
 
     def _silent(self, verdict: Verdict) -> bool:
-        # The simulation invents processes with made-up pids: shown, never worth a message.
+        # A process of no session on a simulated host (a violation recorded before invented
+        # processes were left out, rebuilt at a restart): never worth a message.
+        return self._invented(verdict)
+
+    def _invented(self, verdict: Verdict) -> bool:
         return self.simulated and verdict.process.session_id is None
 
     # --- stopping -------------------------------------------------------------------------------
@@ -554,6 +561,25 @@ def _jobs_of(server: int, now: datetime) -> list[JobFacts]:
         JobFacts(pk, pid, owner, reservation, status in (Job.Status.STARTING, Job.Status.RUNNING), finished)
         for pk, pid, owner, reservation, status, finished in rows
     ]
+
+
+def _sessions_of(server: int, sessions: dict[int, float]) -> list[SessionFacts]:
+    """The running `gpu exec`/`gpu shell` sessions of this host. A recorded pid that heads a
+    session whose processes are older than the command's start is not the command's (the pid was
+    taken by another session leader since): it stays out, and its processes are judged as any."""
+    rows = InteractiveSession.objects.filter(
+        server_id=server, status=InteractiveSession.Status.RUNNING, pid__isnull=False
+    ).values_list("pk", "pid", "owner_id", "reservation_id", "pid_started", "kernels")
+    facts = []
+    for pk, pid, owner, reservation, started, kernels in rows:
+        # A lab's kernels lead sessions of their own (jobs.lab records them): each is the lab's.
+        for leader, leader_started in [(pid, started), *((int(k), s) for k, s in kernels)]:
+            if (
+                leader_started is None
+                or sessions.get(leader, leader_started) >= leader_started - CLOCK_SLACK_SECONDS
+            ):
+                facts.append(SessionFacts(pk, leader, owner, reservation))
+    return facts
 
 
 def _predates_end(job: JobFacts, sessions: dict[int, float]) -> bool:

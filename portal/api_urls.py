@@ -5,6 +5,7 @@ from rest_framework.routers import DefaultRouter
 from gpus import team_api
 from gpus.api import GPUViewSet, ReservationViewSet, ServerViewSet, UsageViewSet, ViolationViewSet
 from jobs.api import JobViewSet, QueueViewSet
+from jobs.session_api import SessionViewSet
 from portal import api as portal_api
 
 router = DefaultRouter()
@@ -15,6 +16,7 @@ router.register("violations", ViolationViewSet, basename="violation")
 router.register("usage", UsageViewSet, basename="usage")
 router.register("jobs", JobViewSet, basename="job")
 router.register("queue", QueueViewSet, basename="queue")
+router.register("sessions", SessionViewSet, basename="session")
 router.register("notifications", portal_api.NotificationViewSet, basename="notification")
 
 urlpatterns = [

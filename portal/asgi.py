@@ -3,6 +3,8 @@
 The same settings module as portal/wsgi.py; PORTAL_ASGI tells it that this process serves
 requests from threads of their own, so it connects to the database per request (settings.py).
 Views stay sync and run in threads; only the live streams (jobs/log_stream.py) are async.
+In front of Django sits the JupyterLab proxy (jobs.lab_proxy): /sessions/<id>/lab/… over HTTP and
+websockets is checked and forwarded there, never reaching a view; everything else is Django's.
 """
 
 import os
@@ -11,4 +13,8 @@ from django.core.asgi import get_asgi_application
 
 os.environ["PORTAL_ASGI"] = "true"  # read when the settings load, in get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-application = get_asgi_application()
+django_application = get_asgi_application()
+
+from jobs.lab_proxy import lab_proxy  # noqa: E402 - imports models: only once Django is set up
+
+application = lab_proxy(django_application)

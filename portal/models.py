@@ -134,6 +134,7 @@ class AuditEntry(models.Model):
         SIGNIN_UNLOCK = "signin.unlock", "Sign-in unlocked"
         IDENTITY_SYNC = "identity.sync", "Set from the lab's directory"
         JOB_CANCEL = "job.cancel", "Jobs cancelled"
+        SESSION_STOP = "session.stop", "Interactive session stopped"
 
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(
@@ -187,6 +188,7 @@ class Notification(models.Model):
         IDLE_BOOKING = "idle_booking", "Idle booking: a booked card is not used"
         BOOKING_RELEASED = "booking_released", "Booking released: a booking was ended early for you"
         JOB_STOPPED = "job_stopped", "Job stopped: a job was stopped for you"
+        SESSION_ENDING = "session_ending", "Session ending: a booking under your gpu exec ends soon"
 
     # A process on a card nobody booked harms no one yet: inbox only, unless the person asks.
     MAIL_OFF_BY_DEFAULT = frozenset({Kind.UNBOOKED})

@@ -440,6 +440,25 @@ if JOB_LOST_AFTER_SECONDS < 3 * JOB_HEARTBEAT_SECONDS:
         f" ({3 * JOB_HEARTBEAT_SECONDS}) or healthy jobs would be marked lost"
     )
 
+# `gpu exec` and `gpu shell` (jobs.interactive): the command on the host beats this often; a
+# session with no beat for SESSION_LOST_AFTER_SECONDS is ended (its `gpu` was killed, or its
+# host is gone), and its processes are no longer the booking's to the watchdog. The warning
+# that the booking ends comes SESSION_WARN_MINUTES before its end, in the terminal and the inbox.
+SESSION_BEAT_SECONDS = env_int("SESSION_BEAT_SECONDS", 30, min_value=1, max_value=600)
+SESSION_LOST_AFTER_SECONDS = env_int("SESSION_LOST_AFTER_SECONDS", 120, min_value=3, max_value=3600)
+SESSION_WARN_MINUTES = env_int("SESSION_WARN_MINUTES", 10, min_value=0, max_value=24 * 60)
+# JupyterLab sessions (jobs.lab): ended after this long with no kernel activity; their server
+# listens on this address of the GPU host (the portal's proxy must reach it: the host's own
+# address where the portal runs elsewhere) and must answer within SESSION_START_SECONDS.
+SESSION_IDLE_MINUTES = env_int("SESSION_IDLE_MINUTES", 60, min_value=1, max_value=7 * 24 * 60)
+SESSION_BIND_ADDRESS = env_str("SESSION_BIND_ADDRESS", "127.0.0.1")
+SESSION_START_SECONDS = env_int("SESSION_START_SECONDS", 60, min_value=5, max_value=600)
+if SESSION_LOST_AFTER_SECONDS < 3 * SESSION_BEAT_SECONDS:
+    raise ImproperlyConfiguredEnv(
+        f"SESSION_LOST_AFTER_SECONDS={SESSION_LOST_AFTER_SECONDS} must be at least 3 × "
+        f"SESSION_BEAT_SECONDS ({3 * SESSION_BEAT_SECONDS}) or live sessions would be ended"
+    )
+
 CELERY_BEAT_SCHEDULE = {
     "prune-telemetry": {"task": "gpus.tasks.prune_telemetry", "schedule": 600.0},
     "prune-signin-failures": {"task": "portal.tasks.prune_signin_failures", "schedule": 24 * 3600.0},
@@ -473,6 +492,11 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     # Like every other endpoint (docs/api.md): the schema maps the lab's API for the lab only.
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    # Interactive sessions' kind and status beside jobs' and violations': named apart.
+    "ENUM_NAME_OVERRIDES": {
+        "SessionKindEnum": "jobs.models.InteractiveSession.Kind",
+        "SessionStatusEnum": "jobs.models.InteractiveSession.Status",
+    },
 }
 
 LOGGING = {
@@ -482,7 +506,12 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO").upper()},
     # axes logs every successful sign-in at INFO; failures and locks are WARNING.
-    "loggers": {"django.db.backends": {"level": "INFO"}, "axes": {"level": "WARNING"}},
+    # httpx says every request at INFO: the labs' proxy and the lab supervisor make many.
+    "loggers": {
+        "django.db.backends": {"level": "INFO"},
+        "axes": {"level": "WARNING"},
+        "httpx": {"level": "WARNING"},
+    },
 }
 
 # --- Notifications and mail (docs/notifications.md) -----------------------------------

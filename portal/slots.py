@@ -23,6 +23,9 @@ PROFILE_QUOTAS = "profile_quotas"
 # gpus' booking pages, beside each open booking `r` of its owner (with `next`, the page to come
 # back to); jobs fills it with its Run buttons.
 RESERVATION_ACTIONS = "reservation_actions"
+# gpus' booking page, for whoever sees the booking `r`: jobs fills it with the booking's
+# interactive sessions (gpu exec, gpu shell), shown to those who may see them.
+RESERVATION_SESSIONS = "reservation_sessions"
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ from gpus.booking import reservation_create
 from gpus.forms import local_input
 from gpus.models import GPU, Reservation, Violation
 from gpus.services import server_report_ingest
-from jobs.models import Job
+from jobs.interactive import session_start
+from jobs.models import InteractiveSession, Job
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import ApiToken, Membership, Notification, Team
 from portal.notifications import notification_send
@@ -60,12 +61,14 @@ JOB_NAME = "alices_private_run.py"
 QUEUED_JOB_NAME = "alices_queued_run.py"
 VIOLATION_COMMAND = "alices-violating-command"
 NOTIFICATION_SUBJECT = "alices-private-notification"
+SESSION_COMMAND = "alices_private_session.py"
 PRIVATE_FROM = {
     BOOKING_NOTE: {"anonymous", "outsider"},  # teammates see the team's bookings
     JOB_NAME: {"anonymous", "teammate", "outsider"},  # owner, leaders, admins
     QUEUED_JOB_NAME: {"anonymous", "outsider"},  # the queue names teammates' jobs (docs/queue.md)
     VIOLATION_COMMAND: {"anonymous", "teammate", "outsider"},  # caused, own booking, leaders, admins
     NOTIFICATION_SUBJECT: {"anonymous", "teammate", "outsider", "leader", "admin"},  # hers alone
+    SESSION_COMMAND: {"anonymous", "teammate", "outsider"},  # owner, leaders, admins (as jobs)
 }
 
 
@@ -147,12 +150,20 @@ class World:
         return notification_send(user=self.alice, kind=kind, subject=NOTIFICATION_SUBJECT, body="-", url="/")
 
     @cached_property
+    def session(self) -> InteractiveSession:
+        """alice's `gpu exec` on her booking, starting (its command not recorded yet)."""
+        command = ["python", SESSION_COMMAND]
+        return session_start(
+            user=self.alice, reservation=self.booking.pk, kind="exec", host="box1", command=command
+        )[0]
+
+    @cached_property
     def token(self) -> ApiToken:
         return api_token_create(user=self.alice, name="laptop", expires_at=None)[0]
 
     def populate(self) -> None:
         """Everything of alice's, for the pages that list what someone may see."""
-        for name in ("violation", "notification", "queued_job"):  # a violation brings booking and job
+        for name in ("violation", "notification", "queued_job", "session"):  # a violation: booking, job
             getattr(self, name)
 
 
@@ -202,6 +213,30 @@ def JOB(w: World) -> dict:
 
 def VIOLATION(w: World) -> dict:
     return {"pk": w.violation.pk}
+
+
+def SESSION(w: World) -> dict:
+    return {"pk": w.session.pk}
+
+
+def OPEN_LAB(w: World) -> dict:
+    return {"reservation": w.booking.pk}
+
+
+def LAB_OPENED(w: World) -> bool:
+    return InteractiveSession.objects.filter(kind=InteractiveSession.Kind.JUPYTERLAB).exists()
+
+
+def SESSION_RUNNING(w: World) -> bool:
+    return _fresh(w.session).status == InteractiveSession.Status.RUNNING
+
+
+def SESSION_FINISHED(w: World) -> bool:
+    return _fresh(w.session).status == InteractiveSession.Status.FAILED  # never ran: failed
+
+
+def SESSION_END_ASKED(w: World) -> bool:
+    return _fresh(w.session).end_requested_at is not None
 
 
 def NOTIFICATION(w: World) -> dict:
@@ -339,6 +374,9 @@ MATRIX: dict[str, Url] = {
     "job_metrics_csv": url(JOB, get="login ok 404 404 ok ok"),
     "job_usage_json": url(JOB, get="login ok 404 404 ok ok"),
     "job_cancel": url(JOB, get=NO, post=Do("login ok 404 404 ok ok", None, JOB_CANCELLED)),
+    "session_new": url(get=NO, post=Do("login ok refused refused refused refused", OPEN_LAB, LAB_OPENED)),
+    "session_detail": url(SESSION, get="login ok 404 404 ok ok"),
+    "session_end": url(SESSION, get=NO, post=Do("login ok 404 404 ok ok", None, SESSION_END_ASKED)),
     # --- pages: portal ---------------------------------------------------------------------
     "login": url(get="public"),
     "oidc_authentication_init": url(get="404"),  # 404 unless OIDC_ISSUER is set, as in tests
@@ -394,6 +432,16 @@ MATRIX: dict[str, Url] = {
     "job-log": url(JOB, get="401 ok 404 404 ok ok"),
     "job-metrics": url(JOB, get="401 ok 404 404 ok ok"),
     "queue-list": url(get=API_ALL),
+    # --- API: interactive sessions (driven by their owner; seen and ended as jobs are) ------
+    "session-list": url(get=API_ALL, post="401 400 400 400 400 400"),  # allowed; {} is no session
+    "session-detail": url(
+        SESSION,
+        get="401 ok 404 404 ok ok",
+        patch=Do("401 ok 404 404 403 403", {"pid": 4242}, SESSION_RUNNING),
+        delete=Do("401 ok 404 404 ok ok", None, SESSION_END_ASKED),
+    ),
+    "session-beat": url(SESSION, get=API_NO, post="401 ok 404 404 403 403"),
+    "session-finish": url(SESSION, post=Do("401 ok 404 404 403 403", {"exit_code": None}, SESSION_FINISHED)),
     # --- API: notifications (your own only, admins included) -------------------------------
     "notification-list": url(get=API_ALL),
     "notification-detail": url(NOTIFICATION, get="401 ok 404 404 404 404", delete=API_NO),

@@ -25,7 +25,7 @@ from gpus.models import GPU, Allocation, Reservation, UsageDay, UsageHour, Usage
 from gpus.reports import COLUMNS
 from gpus.services import servers_report_ingest
 from gpus.usage import UsageRollup, hour_of, usage_prune
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from portal.models import Team
 from tests.factories import MembershipFactory, UserFactory, make_snapshot
 
@@ -290,6 +290,19 @@ def test_it_counts_finished_jobs_by_outcome_once_on_their_first_card(alice, team
     Job.objects.filter(pk=lost.pk).update(status=Job.Status.SUCCEEDED, finished_at=base + 45 * MIN)
     rollup.flush(base + 50 * MIN)
     assert counts(box[0]) == (2, 0, 1)
+
+
+def test_ended_interactive_sessions_count_in_a_column_of_their_own(alice, team, box, base, rollup):
+    booking = book(alice, team, box[0], base, base + H)
+    common = {"owner": alice, "reservation": booking, "server": box[0].server, "gpu_uuids": [box[0].uuid]}
+    InteractiveSession.objects.create(
+        **common, kind="jupyterlab", status="ended", finished_at=base + 10 * MIN
+    )
+    InteractiveSession.objects.create(**common, kind="exec", status="ended", finished_at=base + 20 * MIN)
+    InteractiveSession.objects.create(**common, kind="exec", status="failed", finished_at=base + 20 * MIN)
+    rollup.flush(base + 50 * MIN)
+    row = UsageHour.objects.get(gpu=box[0], user=alice)
+    assert (row.sessions, row.jobs_succeeded + row.jobs_failed + row.jobs_other) == (2, 0)
 
 
 # --- the collector's hook ------------------------------------------------------------------------

@@ -186,7 +186,8 @@ def test_a_stop_the_worker_may_not_send_is_recorded_and_told(watchdog, alices_ca
 
 
 def test_an_invented_pid_equal_to_a_live_unrelated_process_is_left_alone(box, alices_card, start):
-    """The simulation makes pids up: one may be a real process of someone else on this machine."""
+    """The simulation makes pids up: one may be a real process of someone else on this machine.
+    Invented processes are scenery: never signalled, never a violation (a quiet demo, issue 23)."""
     policy("intruder", "stop")
     watchdog = HostWatchdog("box1", simulated=True)
     bystander = start()
@@ -197,9 +198,7 @@ def test_an_invented_pid_equal_to_a_live_unrelated_process_is_left_alone(box, al
     for seconds in (0, 120, 240):
         watchdog.round(on_card(0, invented), now=t0 + timedelta(seconds=seconds))
     assert not gone(bystander)
-    violation = one()
-    assert violation.kind == "intruder" and "Not signalled" in violation.message
-    assert not Notification.objects.exists()  # shown, never worth a message
+    assert not Violation.objects.exists() and not Notification.objects.exists()
 
 
 def test_a_recycled_pid_is_not_signalled(watchdog, alices_card, start):

@@ -31,6 +31,7 @@ JAX_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")
 
 DEFAULTS: dict[str, Any] = {
     "job_id": None,
+    "session_id": None,  # `gpu exec` and JupyterLab sessions (jobs.interactive): no job, a session
     "memory_limit_mb": None,
     "allow_growth": True,
     "memory_fraction": None,  # of each card's total memory: TF1 sessions and PyTorch
@@ -81,8 +82,9 @@ def load_config(raw: str | None) -> dict[str, Any]:
     def is_int(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    if config["job_id"] is not None and not is_int(config["job_id"]):
-        raise bad("job_id", "an integer")
+    for key in ("job_id", "session_id"):
+        if config[key] is not None and not is_int(config[key]):
+            raise bad(key, "an integer")
     for key in _BOOL_KEYS:
         if not isinstance(config[key], bool):
             raise bad(key, "true or false")
@@ -188,7 +190,10 @@ def jax_summary() -> str:
 
 
 def _job(config: dict[str, Any]) -> str:
-    return str(config["job_id"]) if config["job_id"] is not None else "?"
+    """What runs, for the launcher's lines: "job 12", "session 4", or "job ?" (no id given)."""
+    if config["job_id"] is None and config["session_id"] is not None:
+        return f"session {config['session_id']}"
+    return f"job {config['job_id'] if config['job_id'] is not None else '?'}"
 
 
 class ImportHook:
@@ -240,7 +245,7 @@ def settings_hook(
         except Exception as exc:
             _err(f"could not apply the booking's {framework} settings: {type(exc).__name__}: {exc}")
             return
-        _say(f"job {_job(config)} · {summary} · {when}")
+        _say(f"{_job(config)} · {summary} · {when}")
 
     return ImportHook(module, then)
 

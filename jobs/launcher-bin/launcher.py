@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
 
     used = frameworks_used(source, configured_keras_backend())
     install_training_curves()
-    _say(f"job {job} · {_apply(config, used)}")
+    _say(f"{job} · {_apply(config, used)}")
 
     try:
         # The path as given, not made absolute: run_path sets sys.argv[0] to it (so __file__ is relative
