@@ -119,9 +119,9 @@ def main() -> None:
         from gpus.booking import reservation_create
         from gpus.services import server_report_ingest
         from jobs.models import InteractiveSession
-        from tests.asgi_server import asgi_server
+        from tests.asgi_server import asgi_server, serve
         from tests.factories import MembershipFactory, UserFactory, make_snapshot
-        from tests.test_lab_proxy import TOKEN, FakeJupyter, serve
+        from tests.test_lab_proxy import TOKEN, FakeJupyter
 
         server_report_ingest(snapshot=make_snapshot("box1", gpus=1))
         owner = MembershipFactory(user=UserFactory(username="alice")).user

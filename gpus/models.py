@@ -30,15 +30,15 @@ class Server(models.Model):
         DRAINING = "draining", "Draining"
 
     name = models.SlugField(
-        max_length=63, unique=True, help_text="Also names the worker's queue, host.<name>."
+        max_length=63, unique=True, help_text="Also names its worker's queue: host.NAME (WORKER_SERVER)."
     )
     hostname = models.CharField(max_length=255, blank=True)
     draining = models.BooleanField(default=False, help_text="No new bookings or jobs; running work goes on.")
     simulated = models.BooleanField(default=False)
     driver_version = models.CharField(max_length=32, blank=True)
-    cuda_version = models.CharField(max_length=16, blank=True)
-    cpu_count = models.PositiveIntegerField(default=0)
-    ram_mb = models.PositiveBigIntegerField(default=0)
+    cuda_version = models.CharField("CUDA version", max_length=16, blank=True)
+    cpu_count = models.PositiveIntegerField("CPU count", default=0)
+    ram_mb = models.PositiveBigIntegerField("RAM (MiB)", default=0)
     last_seen = models.DateTimeField(null=True, blank=True)
     last_history_at = models.DateTimeField(null=True, blank=True)
     # The queue plans no more jobs onto a host than its worker runs at once (its pool's size).
@@ -84,10 +84,10 @@ class GPU(models.Model):
     server = models.ForeignKey(Server, on_delete=models.CASCADE, related_name="gpus")
     index = models.PositiveSmallIntegerField()
     name = models.CharField(max_length=100)
-    pci_bus_id = models.CharField(max_length=32, blank=True)
-    memory_total_mb = models.PositiveIntegerField()
-    memory_reserved_mb = models.PositiveIntegerField(default=0)
-    mig_mode = models.CharField(max_length=16, blank=True)
+    pci_bus_id = models.CharField("PCI bus ID", max_length=32, blank=True)
+    memory_total_mb = models.PositiveIntegerField("memory total (MiB)")
+    memory_reserved_mb = models.PositiveIntegerField("memory reserved (MiB)", default=0)
+    mig_mode = models.CharField("MIG mode", max_length=16, blank=True)
     # Latest telemetry; NULL means the driver does not report it ("n/a").
     memory_used_mb = models.PositiveIntegerField(null=True, blank=True)
     utilization_pct = models.PositiveSmallIntegerField(null=True, blank=True)
@@ -183,6 +183,8 @@ class GPUProcess(models.Model):
 
     class Meta:
         ordering = ["gpu", "-used_memory_mb", "pid"]
+        verbose_name = "GPU process"
+        verbose_name_plural = "GPU processes"
 
     def __str__(self) -> str:
         return f"pid {self.pid} on {self.gpu_id}"

@@ -172,11 +172,6 @@ class Job(models.Model):
         return self.status in self.ACTIVE
 
     @property
-    def team_id(self) -> int:
-        """The booking's team: its leaders may end the session (portal.access.can_manage)."""
-        return self.reservation.team_id
-
-    @property
     def is_finished(self) -> bool:
         return self.status in self.FINISHED
 

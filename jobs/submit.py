@@ -28,7 +28,7 @@ from jobs.models import Job, JobArray
 from jobs.queue_requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
 from portal.changes import JOBS, change_publish
-from portal.errors import Conflict, Forbidden, Invalid
+from portal.errors import Conflict, Errors, Forbidden, Invalid
 from portal.timefmt import format_time
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
@@ -194,6 +194,58 @@ def job_submit(
     bad input: every step before the save only reads.
     """
     now = now or timezone.now()
+    errors = Errors()  # every bad field at once: where it runs, what it runs, TensorFlow's settings
+    place = errors.check(
+        _place,
+        user,
+        reservation,
+        gpu_count,
+        memory_mb,
+        server,
+        time_limit_minutes,
+        array,
+        nice,
+        begin_at,
+        team,
+        now,
+    )
+    program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
+    threads = (intra_op_threads, inter_op_threads)
+    tensorflow = errors.check(_check_tensorflow, place, memory_mode, mirrored, threads) if place else None
+    errors.raise_any()
+    assert place is not None and program is not None and tensorflow is not None
+    fields = {
+        "owner": user,
+        "created_at": now,
+        **place.fields,
+        **program,
+        **tensorflow,
+        "soft_placement": soft_placement,
+        "log_placement": log_placement,
+    }
+    if place.request is not None:
+        return _save_queued(user, place.request, fields, now)
+    job = Job(**fields)
+    _save_alone_on_booking(job)
+    if job.not_before <= now:
+        dispatch(job, now)
+    return job
+
+
+def _place(
+    user: AbstractBaseUser,
+    reservation: Reservation | int | None,
+    gpu_count: int | None,
+    memory_mb: int | None,
+    server: str | None,
+    time_limit_minutes: int | None,
+    array: str,
+    nice: int,
+    begin_at: datetime | None,
+    team: str | None,
+    now: datetime,
+) -> _Place:
+    """Where the job runs: on the booking, or in the queue for the cards it asks for."""
     if reservation is None and gpu_count is not None:
         request = QueueRequest.check(
             user=user,
@@ -207,25 +259,8 @@ def job_submit(
             team=team,
             now=now,
         )
-        place = _Place(request.job_fields(), request.gpu_count, request.memory_mb, None, request)
-    else:
-        place = _place_on_booking(user, reservation, gpu_count, array, time_limit_minutes, now)
-    fields = {
-        "owner": user,
-        "created_at": now,
-        **place.fields,
-        **_check_program(script, script_path, args, workdir, interpreter, env),
-        **_check_tensorflow(place, memory_mode, mirrored, (intra_op_threads, inter_op_threads)),
-        "soft_placement": soft_placement,
-        "log_placement": log_placement,
-    }
-    if place.request is not None:
-        return _save_queued(user, place.request, fields, now)
-    job = Job(**fields)
-    _save_alone_on_booking(job)
-    if job.not_before <= now:
-        dispatch(job, now)
-    return job
+        return _Place(request.job_fields(), request.gpu_count, request.memory_mb, None, request)
+    return _place_on_booking(user, reservation, gpu_count, array, time_limit_minutes, now)
 
 
 @dataclass(frozen=True)
@@ -275,26 +310,31 @@ def _check_program(
     interpreter: str,
     env: str | Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """What the job runs: its script, arguments, folder, Python and extra environment."""
-    name, path_text, source = _check_script(script, script_path)
-    return {
-        "name": name[:200],
-        "script_path": path_text,
-        "script_source": source,
-        "args": parse_args(args),
-        "workdir": _check_workdir(workdir),
-        "interpreter": _check_interpreter(interpreter),
-        "env": parse_env(env),
+    """What the job runs: its script, arguments, folder, Python and extra environment; every bad
+    one of them at once."""
+    errors = Errors()
+    script_fields = errors.check(_check_script, script, script_path)
+    checked = {
+        "args": errors.check(parse_args, args),
+        "workdir": errors.check(_check_workdir, workdir),
+        "interpreter": errors.check(_check_interpreter, interpreter),
+        "env": errors.check(parse_env, env),
     }
+    errors.raise_any()
+    name, path_text, source = script_fields
+    return {"name": name[:200], "script_path": path_text, "script_source": source, **checked}
 
 
 def _check_tensorflow(
     place: _Place, memory_mode: str | None, mirrored: bool, threads: tuple[int | None, int | None]
 ) -> dict[str, Any]:
     """TensorFlow's memory mode, MirroredStrategy and thread counts for where the job runs."""
-    mode = _check_memory_mode(memory_mode, place.shared_mb)
-    _check_mirrored(mirrored, place.cards, queued=place.request is not None)
-    intra, inter = _check_threads(*threads, place.cpu_share)
+    errors = Errors()
+    mode = errors.check(_check_memory_mode, memory_mode, place.shared_mb)
+    errors.check(_check_mirrored, mirrored, place.cards, queued=place.request is not None)
+    counted = errors.check(_check_threads, *threads, place.cpu_share)
+    errors.raise_any()
+    intra, inter = counted
     return {
         "memory_mode": mode,
         "mirrored": mirrored,
@@ -362,8 +402,11 @@ def _check_booking(
 
 def _check_script(script: ScriptUpload | None, script_path: str) -> tuple[str, str, str]:
     """(name, path, source): an upload's name and source, or a .py path under the job roots."""
-    if bool(script) == bool(script_path and script_path.strip()):
+    given = bool(script_path and script_path.strip())
+    if script and given:
         raise Invalid("Upload a .py script or give the path of one on the server, not both.", field="script")
+    if not script and not given:
+        raise Invalid("Upload a .py script, or give the path of one on the server.", field="script")
     if script:
         # Its own name, without folders a client sent: the worker writes it in the job's folder.
         name = script.name.rsplit("/", 1)[-1]

@@ -34,8 +34,8 @@ def api_error_response(detail: str, *, code: str, status: int, **more: Any) -> J
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, ServiceError):
         body: dict[str, Any] = {"detail": exc.message, "code": exc.code}
-        if exc.field:
-            body["errors"] = {exc.field: [exc.message]}
+        if exc.errors:
+            body["errors"] = {field or "non_field_errors": list(msgs) for field, msgs in exc.errors.items()}
         return Response(body, status=exc.status)
     if isinstance(exc, exceptions.ValidationError):
         errors = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}

@@ -1,7 +1,9 @@
 """Errors raised by services: the message names the field and the fix; nothing was written.
 
 Forms put `message` beside `field`; the API answers `status` with
-{"detail": message, "code": code, "errors": {field: [message]}} (portal/api_errors.py).
+{"detail": message, "code": code, "errors": {field: [message]}} (portal/api_errors.py). A service
+that checks several independent fields reports them all at once (`Errors`): `errors` then holds
+every field's messages, and `message`/`field` are the first.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ class ServiceError(Exception):
     status = 400
     code = "invalid"
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, field: str | None = None, errors: dict[str, list[str]] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        self.errors = errors or ({field: [message]} if field else {})
 
 
 class Invalid(ServiceError):
@@ -40,3 +45,26 @@ class Forbidden(ServiceError):
 
     status = 403
     code = "permission_denied"
+
+
+class Errors:
+    """Every bad field of a request at once: each independent check runs through `check`, which
+    keeps an Invalid's message under its field and answers None; `raise_any` then raises one
+    Invalid with them all. Anything but Invalid (Forbidden, a quota) is raised at once."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, list[str]] = {}
+
+    def check(self, step, *args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return step(*args, **kwargs)
+        except Invalid as error:
+            for field, messages in error.errors.items() or {"": [error.message]}.items():
+                self.found.setdefault(field, []).extend(messages)
+            return None
+
+    def raise_any(self) -> None:
+        if not self.found:
+            return
+        field, messages = next(iter(self.found.items()))
+        raise Invalid(messages[0], field=field or None, errors=self.found)

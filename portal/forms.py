@@ -20,8 +20,11 @@ class ServiceErrorsMixin:
     service_fields: dict[str, str] = {}
 
     def add_service_error(self, error: ServiceError) -> None:
-        name = self.service_fields.get(error.field or "", error.field)
-        self.add_error(name if name in self.fields else None, error.message)  # type: ignore[attr-defined]
+        """Each message beside its field (every one a service reported at once: portal.errors.Errors)."""
+        for field, messages in (error.errors or {error.field or "": [error.message]}).items():
+            name = self.service_fields.get(field or "", field)
+            for message in messages:
+                self.add_error(name if name in self.fields else None, message)  # type: ignore[attr-defined]
 
 
 class MailPreferenceForm(forms.Form):

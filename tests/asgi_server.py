@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 
@@ -15,10 +16,10 @@ from tests.conftest import free_port
 
 
 @contextmanager
-def asgi_server() -> Iterator[str]:
-    """The server's base URL while the block runs."""
+def serve(app: Any) -> Iterator[int]:
+    """Any ASGI app under uvicorn in a thread; its port while the block runs."""
     port = free_port()
-    config = uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     web = uvicorn.Server(config)
     thread = threading.Thread(target=web.run, daemon=True)
     thread.start()
@@ -27,7 +28,14 @@ def asgi_server() -> Iterator[str]:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield port
     finally:
         web.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def asgi_server() -> Iterator[str]:
+    """The portal's base URL while the block runs."""
+    with serve(application) as port:
+        yield f"http://127.0.0.1:{port}"

@@ -108,8 +108,12 @@ def test_it_keeps_quoted_shell_characters_as_literal_arguments():
 def test_it_takes_an_uploads_own_name_or_a_paths_and_wants_exactly_one():
     upload = ScriptUpload(name="runs/2024/train.py", content=SCRIPT)
     assert _check_script(upload, "") == ("train.py", "", "print('hello')\n")
-    for script, path in ((None, ""), (None, "   "), (upload, "train.py")):
-        with pytest.raises(Invalid, match="not both") as error:
+    for script, path, words in (
+        (None, "", "Upload a .py script, or"),
+        (None, "   ", "Upload a .py script, or"),
+        (upload, "train.py", "not both"),
+    ):
+        with pytest.raises(Invalid, match=words) as error:
             _check_script(script, path)
         assert error.value.field == "script"
 
@@ -395,3 +399,34 @@ def test_it_continues_the_log_after_a_line_the_reconciler_appended(alice, bookin
     assert all(a + size == b for (a, size), (b, _) in pairwise(starts))
     job.refresh_from_db()
     assert job.log_bytes == sum(size for _, size in starts)
+
+
+def test_it_reports_every_bad_field_at_once(alice, booking):
+    """Nine bad fields are not nine rounds (issue 23): each check runs and all are reported."""
+    with pytest.raises(Invalid) as error:
+        job_submit(
+            user=alice,
+            reservation=booking,
+            script=None,
+            interpreter="no-such-python",
+            env="1BAD=x",
+            memory_mode="bogus",
+            intra_op_threads=0,
+        )
+    assert {"script", "interpreter", "env", "memory_mode"} <= set(error.value.errors)
+    assert not Job.objects.exists()
+
+
+def test_the_api_and_the_form_show_every_bad_field_at_once(client, alice, booking):
+    from rest_framework.test import APIClient
+
+    api = APIClient()
+    api.force_authenticate(alice)
+    body = {"reservation": booking.pk, "interpreter": "no-such-python", "env": {"1BAD": "x"}}
+    answer = api.post("/api/v1/jobs/", body, format="json")
+    assert answer.status_code == 400
+    assert {"script", "interpreter", "env"} <= set(answer.json()["errors"])
+    client.force_login(alice)
+    page = client.post("/jobs/new/", {"reservation": booking.pk, "interpreter": "default", "env": "1BAD=x"})
+    form = page.context["form"]
+    assert {"script", "env"} <= set(form.errors), form.errors

@@ -89,7 +89,7 @@ def test_it_submits_an_uploaded_script_and_redirects_to_the_job_page(
         ({"time_limit_minutes": "0"}, "time_limit_minutes", "at least 1 minute"),
         ({"intra_op_threads": "1000"}, "intra_op_threads", "between 1 and 256"),
         ({"mirrored": "on"}, "mirrored", "two or more cards"),
-        ({"script": None}, "script", "Upload a .py script or give the path"),
+        ({"script": None}, "script", "Upload a .py script, or give the path"),
     ],
 )
 def test_it_shows_service_errors_beside_the_field_and_writes_nothing(
@@ -445,3 +445,13 @@ def test_it_links_jobs_in_the_nav_and_needs_a_login(client, alice):
     assert client.get(reverse("my_jobs")).status_code == 302
     client.force_login(alice)
     assert f'href="{reverse("my_jobs")}"' in client.get(reverse("my_jobs")).content.decode()
+
+
+def test_the_job_page_puts_the_log_first(client, alice, booking, sent):
+    """The log right under the status, above what runs and the charts (issue 23)."""
+    job = job_submit(
+        user=alice, reservation=booking, script=ScriptUpload(name="train.py", content=b"print(1)\n")
+    )
+    client.force_login(alice)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert page.index('id="job-status"') < page.index("<h2>Log</h2>") < page.index("<h2>What runs</h2>")

@@ -27,9 +27,11 @@ CELL = (
 
 
 @pytest.fixture
-def labs(settings, monkeypatch):
-    """The lab's message runs its supervisor here instead of on a worker."""
+def labs(settings, monkeypatch, tmp_path):
+    """The lab's message runs its supervisor here instead of on a worker; its files in a folder
+    of its own."""
     settings.PORTAL_INSTANCE_ID = f"test-{os.getpid()}-{time.monotonic_ns()}"
+    settings.JOB_ROOTS = [tmp_path]
     settings.JOB_KILL_GRACE_SECONDS = 2
     threads: list[threading.Thread] = []
 
@@ -58,13 +60,21 @@ def test_a_cell_in_a_lab_opened_through_the_portal_sees_the_booked_card(asgi_pag
     tab.wait_for_url("**/sessions/*/lab/**", timeout=90_000)  # the session page follows once it runs
     session = InteractiveSession.objects.get()
     assert session.token not in tab.content()
+    tab.goto(f"/sessions/{session.pk}/lab/lab?reset")  # a fresh workspace: no tabs from another run
     tab.locator('.jp-LauncherCard[data-category="Notebook"]').first.click(timeout=60_000)
     editor = tab.locator(".jp-Notebook .jp-Cell .cm-content").first
     expect(editor).to_be_visible(timeout=30_000)
     wait_for(lambda: session_kernels(session), 30, what="the notebook's kernel")
-    editor.click()
-    tab.keyboard.insert_text(CELL)
-    tab.keyboard.press("Shift+Enter")
+    # Typed once the cell's editor has focus, and seen there, before it runs: a lab that is still
+    # settling (its first kernel, a notification) may swallow keys sent too early.
+    for _ in range(3):
+        editor.click()
+        editor.fill(CELL)
+        if "CARDS" in editor.inner_text():
+            break
+        tab.wait_for_timeout(500)
+    expect(editor).to_contain_text("CARDS")
+    editor.press("Shift+Enter")
     output = tab.locator(".jp-OutputArea-output").filter(has_text="CARDS").first
     expect(output).to_contain_text(f"CARDS {box[1].uuid} JAX", timeout=60_000)
     expect(output).to_contain_text("PREALLOCATE false")

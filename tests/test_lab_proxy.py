@@ -13,22 +13,20 @@ import asyncio
 import hashlib
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from django.test import Client
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from jobs.lab_proxy import Scrubber, Verdict, check, close_code
 from jobs.models import InteractiveSession
-from tests.asgi_server import asgi_server
+from tests.asgi_server import asgi_server, serve
 from tests.conftest import free_port
 from tests.waiting import wait_for
 
@@ -120,25 +118,6 @@ async def _answer(send, status: int, body: bytes, content_type: str, extra: list
     headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()), *extra]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-@contextmanager
-def serve(app: Any) -> Iterator[int]:
-    """An ASGI app under uvicorn in a thread; its port while the block runs."""
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
