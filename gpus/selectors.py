@@ -143,7 +143,7 @@ def _dashboard_processes(viewer: Any) -> dict[str, list[dict[str, Any]]]:
     processes: dict[str, list[dict[str, Any]]] = defaultdict(list)
     rows = list(
         GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values(
-            "gpu_id", "pid", "username", "command", "used_memory_mb", "job_id", "interactive_id"
+            "gpu_id", "pid", "username", "command", "used_memory_mb", "job_id", "interactive_id", "session_id"
         )
     )
     commands = CommandLines(viewer, job_ids={row["job_id"] for row in rows if row["job_id"]})

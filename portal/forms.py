@@ -10,6 +10,7 @@ from django import forms
 
 from portal.errors import ServiceError
 from portal.models import Notification
+from portal.time_zones import zone_choices
 
 
 class ServiceErrorsMixin:
@@ -25,6 +26,15 @@ class ServiceErrorsMixin:
             name = self.service_fields.get(field or "", field)
             for message in messages:
                 self.add_error(name if name in self.fields else None, message)  # type: ignore[attr-defined]
+
+
+class TimeZoneForm(ServiceErrorsMixin, forms.Form):
+    time_zone = forms.ChoiceField(
+        choices=zone_choices,
+        required=False,
+        label="Show and read times in",
+        help_text="Empty: your browser's.",
+    )
 
 
 class MailPreferenceForm(forms.Form):

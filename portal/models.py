@@ -105,6 +105,11 @@ class Profile(models.Model):
         blank=True,
         help_text="Their login name on the GPU hosts, when it is not their portal username.",
     )
+    time_zone = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="Where every time is shown and typed for them (an IANA name); empty: their browser's.",
+    )
     unix_account_claim = models.CharField(
         max_length=32,
         null=True,

@@ -1,13 +1,29 @@
 """How the portal writes times and durations: one place, so every page, message and log agrees.
 
-Times are shown in the portal's TIME_ZONE (Django's current time zone).
+Times are shown in Django's current time zone: the person's own (portal.middleware.TimeZoneMiddleware:
+their profile's, else their browser's), else the portal's TIME_ZONE.
 """
 
 from __future__ import annotations
 
+import zoneinfo
 from datetime import datetime, timedelta
 
 from django.utils import timezone
+
+TIME_ZONE_MAX = 64
+
+
+def valid_time_zone(name: str) -> str | None:
+    """The IANA zone `name` names, or None for anything else (a typo, a path, a huge string)."""
+    name = (name or "").strip()
+    if not name or len(name) > TIME_ZONE_MAX or name.startswith(("/", ".")) or ".." in name:
+        return None
+    try:
+        zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+        return None
+    return name
 
 
 def format_time(at: datetime) -> str:

@@ -11,6 +11,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("oidc/", include("portal.oidc")),  # single sign-on; 404 unless OIDC_ISSUER is set
     path("profile/", views.profile, name="profile"),
+    path("profile/time-zone/", views.profile_time_zone, name="profile_time_zone"),
     path("profile/tokens/", views.token_create, name="token_create"),
     path("profile/tokens/<int:pk>/revoke/", views.token_revoke, name="token_revoke"),
     path("teams/", views.teams, name="teams"),

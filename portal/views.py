@@ -23,10 +23,11 @@ from django.views.decorators.http import require_POST
 
 from portal.access import is_admin, roles_of, teams_visible_to
 from portal.errors import ServiceError
-from portal.forms import MailPreferenceForm
-from portal.models import ApiToken, Membership
+from portal.forms import MailPreferenceForm, TimeZoneForm
+from portal.models import ApiToken, Membership, Profile
 from portal.notifications import mail_kinds_wanted, mail_preference_set
 from portal.services import api_token_create, api_token_revoke
+from portal.time_zones import profile_time_zone_set
 from portal.tokens import ApiTokenForm, api_token_expiry
 
 
@@ -49,16 +50,37 @@ def _profile_page(
     *,
     mail_form: MailPreferenceForm | None = None,
     token_form: ApiTokenForm | None = None,
+    zone_form: TimeZoneForm | None = None,
 ) -> HttpResponse:
     if mail_form is None:
         mail_form = MailPreferenceForm(initial={"kinds": mail_kinds_wanted(request.user)})
+    profile = Profile.objects.filter(user=request.user).first()
     context = {
+        "zone_form": zone_form or TimeZoneForm(initial={"time_zone": profile.time_zone if profile else ""}),
         "tokens": ApiToken.objects.filter(user=request.user),
         "token_form": token_form or ApiTokenForm(),
         "mail_form": mail_form,
         "mail_every": settings.NOTIFY_MAIL_EVERY_MINUTES,
     }
     return render(request, "portal/profile.html", context)
+
+
+@require_POST
+@login_required
+def profile_time_zone(request: HttpRequest) -> HttpResponse:
+    """Where the person's times are shown and read; refused beside the field, nothing written."""
+    form = TimeZoneForm(request.POST)
+    if form.is_valid():
+        try:
+            zone = profile_time_zone_set(
+                user=request.user, time_zone=form.cleaned_data["time_zone"], request=request
+            )
+        except ServiceError as error:
+            form.add_service_error(error)
+        else:
+            messages.success(request, f"Times are now shown in {zone or 'your browser’s time zone'}.")
+            return redirect(reverse("profile") + "#time-zone")
+    return _profile_page(request, zone_form=form)
 
 
 @require_POST

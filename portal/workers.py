@@ -7,11 +7,19 @@ import sys
 
 
 def worker_argv(
-    queues: str, node: str, *, pool: str = "prefork", concurrency: int = 1, beat_schedule: str | None = None
+    queues: str,
+    node: str,
+    *,
+    pool: str = "prefork",
+    concurrency: int = 1,
+    beat_schedule: str | None = None,
+    quiet: bool = False,
 ) -> list[str]:
-    """`node` is Celery's node name (`name@host`); `beat_schedule` also runs the one beat."""
-    argv = [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", queues, "-n", node]
-    argv += ["--pool", pool, "--without-gossip", "--without-mingle", "-l", "INFO"]
+    """`node` is Celery's node name (`name@host`); `beat_schedule` also runs the one beat.
+    `quiet` (make run): no banner and warnings only, so a terminal shows what needs a look."""
+    argv = [sys.executable, "-m", "celery", "-A", "portal", *(["--quiet"] if quiet else []), "worker"]
+    argv += ["-Q", queues, "-n", node, "--pool", pool, "--without-gossip", "--without-mingle"]
+    argv += ["-l", "WARNING" if quiet else "INFO"]
     if pool == "prefork":
         argv += ["--concurrency", str(concurrency)]
     if beat_schedule:

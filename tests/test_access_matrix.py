@@ -384,6 +384,7 @@ MATRIX: dict[str, Url] = {
     "logout": url(get=NO, post="public"),
     "profile": url(get=ALL),
     "token_create": url(get=NO, post=Do(ALL, {"name": "laptop"})),
+    "profile_time_zone": url(get=NO, post=Do(ALL, {"time_zone": "Asia/Tokyo"})),  # one's own
     "token_revoke": url(TOKEN, get=NO, post=Do("login ok 404 404 404 404", None, REVOKED)),
     "teams": url(get=ALL),
     "notifications": url(get=ALL),

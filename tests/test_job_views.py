@@ -455,3 +455,11 @@ def test_the_job_page_puts_the_log_first(client, alice, booking, sent):
     client.force_login(alice)
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert page.index('id="job-status"') < page.index("<h2>Log</h2>") < page.index("<h2>What runs</h2>")
+
+
+def test_an_invented_process_of_the_simulation_is_marked_so(client, alice):
+    """Scenery, not a finding (issue 23): the simulated inventory's made-up processes say so."""
+    server_report_ingest(snapshot=make_snapshot("sim1", gpus=1, simulated=True))
+    client.force_login(alice)
+    html = client.get(reverse("dashboard_servers")).content.decode()
+    assert '<span class="badge simulated" title="Invented by the simulated inventory' in html

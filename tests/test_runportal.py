@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -402,10 +401,10 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     # Served all along by the same web server: the old runportal stopped every child when one died.
     assert _child(proc, web=True).pid == web.pid
 
-    # The restarted worker is up (a second "ready" from its node), then reports telemetry again.
-    ready = re.compile(r"\brp1@\S+ ready\.")
-    wait_for(lambda: len(ready.findall(output())) >= 2, timeout=60, what="the restarted worker")
+    # The restarted worker reports telemetry again (its start-up says nothing: make run is quiet,
+    # no Celery banner, unless LOG_LEVEL=debug).
     restarted_at = datetime.now(UTC)
+    assert " ready." not in output()
     wait_for(
         lambda: datetime.fromisoformat(api.get("/api/v1/servers/rp1/")["last_seen"]) > restarted_at,
         timeout=30,

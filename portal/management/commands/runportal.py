@@ -32,6 +32,11 @@ def _worker_servers() -> tuple[list[str], bool]:
         raise CommandError(str(exc)) from exc
 
 
+def _chatty() -> bool:
+    """LOG_LEVEL=debug: Celery's banners and every request in the terminal, as they come."""
+    return env_str("LOG_LEVEL", "INFO").upper() == "DEBUG"
+
+
 def _web_argv(bind: str) -> list[str]:
     """gunicorn with uvicorn's worker: ASGI, so a live log stream waits on Redis in the event loop
     instead of holding a thread (docs/design.md, "One ASGI server"); sync views run in threads.
@@ -48,8 +53,8 @@ def _web_argv(bind: str) -> list[str]:
         bind,
         "--workers",
         "2",
-        "--access-logfile",
-        "-",
+        # Every page polls or streams: an access line each would drown the terminal.
+        *(["--access-logfile", "-"] if _chatty() else ["--log-level", "warning"]),
         "--no-control-socket",
     ]
 
@@ -65,11 +70,13 @@ class Command(BaseCommand):
         # The portal's own worker (collector, job reconciler, the portal's one beat) apart from
         # the GPU hosts' workers, whose pool slots are held by jobs for as long as they run.
         beat = str(settings.VAR_DIR / "celerybeat-schedule")
-        children = [ChildSpec("worker portal", worker_argv("portal", "portal@%h", beat_schedule=beat))]
+        quiet = not _chatty()
+        portal_worker = worker_argv("portal", "portal@%h", beat_schedule=beat, quiet=quiet)
+        children = [ChildSpec("worker portal", portal_worker)]
         concurrency = env_int("WORKER_CONCURRENCY", 4, min_value=1)
         for name in servers:
             env = {**os.environ, "WORKER_SERVER": name, "GPU_BACKEND": "simulated" if simulated else "nvml"}
-            argv = worker_argv(f"host.{name}", f"{name}@%h", concurrency=concurrency)
+            argv = worker_argv(f"host.{name}", f"{name}@%h", concurrency=concurrency, quiet=quiet)
             children.append(ChildSpec(f"worker host.{name}", argv, env))
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
         children.append(ChildSpec("web server", _web_argv(f"{bind}:{settings.PORT}")))

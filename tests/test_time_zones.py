@@ -1,0 +1,57 @@
+"""Each person's time zone (portal/time_zones.py, issue 23): their profile's, else their
+browser's, else the portal's; every time shown and typed is in it, and the page names it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from django.utils import timezone
+
+from gpus.models import Reservation
+from portal.models import Profile
+
+pytestmark = pytest.mark.django_db
+
+
+def test_times_are_in_the_browsers_zone_and_the_footer_names_it(client, alice, booking):
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    page = client.get(f"/reservations/{booking.pk}/").content.decode()
+    local = timezone.localtime(booking.start, timezone=__import__("zoneinfo").ZoneInfo("Asia/Tokyo"))
+    assert local.strftime("%Y-%m-%d %H:%M") in page and "JST" in page
+    assert "All times in Asia/Tokyo (your browser's)." in page
+
+
+def test_the_profiles_zone_wins_and_a_bad_one_is_refused_by_name(client, alice):
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    answer = client.post("/profile/time-zone/", {"time_zone": "America/New_York"})
+    assert answer.status_code == 302 and Profile.objects.get(user=alice).time_zone == "America/New_York"
+    assert "All times in America/New_York (yours)." in client.get("/jobs/").content.decode()
+    refused = client.post("/profile/time-zone/", {"time_zone": "Mars/Olympus_Mons"})
+    assert refused.status_code == 200 and "time_zone" in refused.context["zone_form"].errors
+    assert Profile.objects.get(user=alice).time_zone == "America/New_York"
+
+
+def test_a_bad_browser_cookie_falls_back_to_the_portals_zone(client, alice, settings):
+    client.cookies["browser_tz"] = "../../etc/passwd"
+    client.force_login(alice)
+    assert f"All times in {settings.TIME_ZONE}." in client.get("/jobs/").content.decode()
+
+
+def test_a_time_typed_in_the_booking_form_is_read_in_the_persons_zone(client, alice, box):
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    tomorrow = timezone.now().astimezone(__import__("zoneinfo").ZoneInfo("Asia/Tokyo")).date().toordinal() + 1
+    day = datetime.fromordinal(tomorrow).strftime("%Y-%m-%d")
+    data = {
+        "server": "box1",
+        "gpus": [box[0].uuid],
+        "start": f"{day}T10:00",
+        "end": f"{day}T11:00",
+        "memory": "",
+    }
+    client.post("/reservations/new/", data)
+    booking = Reservation.objects.get()
+    assert booking.start == datetime.fromisoformat(f"{day}T01:00").replace(tzinfo=UTC)
