@@ -398,3 +398,15 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
         f"{membership.user}'s quota in",
     )
     return membership
+
+
+def over_limits(holder: Team | Membership, use: MemberUse) -> list[str]:
+    """What the holder already uses above its (new) limits: "2 cards at once (limit 1)". A limit
+    set below use takes nothing away; it refuses new bookings until use is under it."""
+    used = {"max_cards": use.cards_now, "max_gb": use.gb_now, "gpu_hours_per_week": use.gpu_hours_week}
+    over = []
+    for field in QUOTA_FIELDS:
+        limit = getattr(holder, field)
+        if limit is not None and used[field] > limit:
+            over.append(f"{used[field]:g} {QUOTA_LABELS[field]} (limit {limit:g})")
+    return over

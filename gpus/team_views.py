@@ -26,7 +26,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from gpus.idle import team_auto_release_set
 from gpus.models import Reservation
-from gpus.quotas import quota_member_set, quota_team_set, team_use, team_use_total
+from gpus.quotas import NO_USE, over_limits, quota_member_set, quota_team_set, team_use, team_use_total
 from gpus.team_forms import AutoReleaseForm, MemberQuotaForm, QuotaForm, TeamQuotaForm
 from portal.access import is_admin, team_for_user
 from portal.errors import ServiceError
@@ -127,6 +127,16 @@ def _save(
     return True
 
 
+def _flag_over(request: HttpRequest, who: str, over: list[str]) -> None:
+    """A limit saved below what is in use: said, not silent (issue 23)."""
+    if over:
+        messages.warning(
+            request,
+            f"{who} {'; '.join(over)}: nothing held is taken away, but new bookings are refused "
+            "until the use is under the limit.",
+        )
+
+
 @require_POST
 @login_required
 def team_quota(request: HttpRequest, slug: str) -> HttpResponse:
@@ -136,6 +146,8 @@ def team_quota(request: HttpRequest, slug: str) -> HttpResponse:
     form = TeamQuotaForm.for_team(team, request.POST)
     save = partial(quota_team_set, actor=request.user, team=team)
     if _save(request, form, team, save, f"The quota of {team}"):
+        team.refresh_from_db()
+        _flag_over(request, f"{team} already uses", over_limits(team, team_use_total(team_use(team))))
         return redirect("team_detail", slug=team.slug)
     return _team_page(request, team, team_form=form)
 
@@ -150,5 +162,8 @@ def member_quota(request: HttpRequest, slug: str, username: str) -> HttpResponse
     form = MemberQuotaForm.for_membership(membership, request.POST)
     save = partial(quota_member_set, actor=request.user, membership=membership)
     if _save(request, form, membership, save, f"{membership.user}'s quota in {team}"):
+        membership.refresh_from_db()
+        use = team_use(team).get(membership.user_id, NO_USE)
+        _flag_over(request, f"{membership.user} already uses", over_limits(membership, use))
         return redirect(f"{reverse('team_detail', args=[team.slug])}#member-{membership.pk}")
     return _team_page(request, team, member_forms={membership.pk: form})

@@ -77,8 +77,8 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         required=False,
         max_length=1000,
         label="…or a script on the server",
-        help_text="A .py file under the job folders (JOB_ROOTS); a relative path starts at the first one. "
-        "'..' and symlinks leading out are refused.",
+        help_text="A .py file under the lab's job folders (your admin knows where they are); a relative "
+        "path starts at the first one. '..' and symlinks leading out are refused.",
     )
     args = forms.CharField(
         required=False,
@@ -95,8 +95,8 @@ class JobForm(ServiceErrorsMixin, forms.Form):
     )
     interpreter = forms.ChoiceField(
         label="Python environment",
-        help_text="The Python that runs the script (JOB_INTERPRETERS); it needs TensorFlow if the script "
-        "imports it.",
+        help_text="The Python that runs the script, as your admins set them up; it needs TensorFlow if "
+        "the script imports it.",
     )
     env = forms.CharField(
         required=False,
@@ -109,7 +109,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         required=False,
         label="Time limit (minutes)",
         help_text="Stop the job (SIGTERM, then SIGKILL) after this long. Empty: it may run until the "
-        "booking ends, when it is stopped anyway; a queued job gets QUEUE_DEFAULT_TIME_LIMIT_MINUTES.",
+        "booking ends, when it is stopped anyway; a queued job gets the queue's default.",
     )
     memory_mode = forms.ChoiceField(
         required=False,

@@ -295,7 +295,7 @@ class LabSupervisor:
             self.last_kernel_activity = max(self.last_kernel_activity, latest)
         idle = time.time() - self.last_kernel_activity
         if idle >= idle_limit_seconds():
-            return f"no kernel activity for {settings.SESSION_IDLE_MINUTES} min (SESSION_IDLE_MINUTES)"
+            return f"no kernel activity for {settings.SESSION_IDLE_MINUTES} min: an idle lab ends then"
         return None
 
     # --- stop ----------------------------------------------------------------------------------

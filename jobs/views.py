@@ -40,7 +40,7 @@ from portal.access import can_manage, team_for_user
 from portal.errors import Forbidden, Invalid, ServiceError
 from portal.filters import filter_list
 from portal.http import redirect_back
-from portal.timefmt import format_duration, format_time
+from portal.timefmt import format_duration, format_time, short_time
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "keras_example.py"
 PAGE_SIZE = 25
@@ -57,16 +57,19 @@ def _describe(jobs: list[Job]) -> list[Job]:
 
 
 def _queued_message(job: Job) -> str:
+    """Said once, above a page that then changes live: an event with its time, never a state that
+    goes stale ("is queued" above a job that has since finished)."""
+    at = short_time(job.created_at)
     if job.status == Job.Status.PENDING:
         what = (
             f"array {job.array_id} ({job.array.size} tasks)" if job.array_id else f"job {job.pk} ({job.name})"
         )
-        return f"Queued {what}: it starts as soon as cards are free; the Queue page shows where it stands."
+        return f"Submitted {what} at {at} to the queue: it starts when cards are free (the Queue page)."
     if job.not_before <= timezone.now():
-        when = f"as soon as the worker on {job.server.name} takes it"
+        when = "as soon as its worker takes it"
     else:
         when = f"when the booking starts ({format_time(job.not_before)})"
-    return f"Job {job.pk} ({job.name}) is queued on {job.server.name}; it starts {when}."
+    return f"Submitted job {job.pk} ({job.name}) at {at} to {job.server.name}, to start {when}."
 
 
 @login_required

@@ -4,3 +4,11 @@ from django.apps import AppConfig
 class PortalConfig(AppConfig):
     name = "portal"
     verbose_name = "Accounts and teams"
+
+    def ready(self) -> None:
+        from django.contrib.auth.signals import user_logged_in
+
+        from portal.time_zones import remember_on_sign_in
+
+        # The person's time zone into their session at sign-in (portal/time_zones.py).
+        user_logged_in.connect(remember_on_sign_in, dispatch_uid="portal_time_zone")

@@ -4,7 +4,8 @@ Their profile's zone if they chose one; else their browser's, which a line of sc
 page keeps in the `browser_tz` cookie (`Intl.DateTimeFormat().resolvedOptions().timeZone`); else
 the portal's TIME_ZONE. TimeZoneMiddleware makes it Django's current time zone for the request,
 so templates' |date, forms' date-time fields and portal.timefmt all follow it, and the footer
-names it. The profile's choice is kept in the session, so a request reads no extra row.
+names it. The profile's choice is put in the session at sign-in and when it changes, so a
+request reads no extra row.
 Background work (mails, the worker's lines) keeps the portal's TIME_ZONE, and says so.
 """
 
@@ -15,6 +16,7 @@ from functools import cache
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
@@ -27,19 +29,29 @@ BROWSER_COOKIE = "browser_tz"
 
 
 def zone_of(request: HttpRequest) -> tuple[str, str]:
-    """(zone, where it came from: "profile", "browser" or "portal")."""
-    user = getattr(request, "user", None)
-    if user is not None and user.is_authenticated and hasattr(request, "session"):
-        chosen = request.session.get(SESSION_KEY)
-        if chosen is None:
-            chosen = Profile.objects.filter(user=user).values_list("time_zone", flat=True).first() or ""
-            request.session[SESSION_KEY] = chosen
-        if chosen and valid_time_zone(chosen):
-            return chosen, "profile"
+    """(zone, where it came from: "profile", "browser" or "portal"). Reads nothing but the session
+    (which the sign-in reads anyway: no extra query) and the cookie; the database away, or a
+    session that cannot be read, is the browser's or the portal's zone, never an error."""
+    chosen = ""
+    if settings.SESSION_COOKIE_NAME in request.COOKIES and hasattr(request, "session"):
+        try:
+            chosen = request.session.get(SESSION_KEY) or ""
+        except DatabaseError:
+            chosen = ""
+    if chosen and valid_time_zone(chosen):
+        return chosen, "profile"
     browser = valid_time_zone(request.COOKIES.get(BROWSER_COOKIE, ""))
     if browser:
         return browser, "browser"
     return settings.TIME_ZONE, "portal"
+
+
+def remember_on_sign_in(sender, request, user, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """user_logged_in: the profile's zone into the new session, read there from then on."""
+    if request is None or not hasattr(request, "session"):
+        return
+    chosen = Profile.objects.filter(user_id=user.pk).values_list("time_zone", flat=True).first()
+    request.session[SESSION_KEY] = chosen or ""
 
 
 class TimeZoneMiddleware:

@@ -25,3 +25,9 @@ def test_a_page_that_is_not_yours_says_whom_to_ask(client, bob, team):
 def test_the_500_page_needs_no_database_or_request():
     page = render_to_string("500.html")
     assert "Something went wrong" in page and 'href="/"' in page
+
+
+def test_reports_on_a_fresh_install_say_what_will_appear(client, alice):
+    client.force_login(alice)
+    page = client.get("/reports/").content.decode()
+    assert 'id="report-empty"' in page and 'class="job-charts report-charts" hidden' in page

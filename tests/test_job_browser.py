@@ -36,7 +36,7 @@ def test_it_runs_the_example_and_shows_its_log_live(page, alice, start_worker): 
     page.wait_for_url("**/jobs/*/")
     job = Job.objects.get()
     assert job.name == "keras_example.py" and job.owner == alice
-    assert "is queued on" in page.locator(".message").inner_text()
+    assert "Submitted job" in page.locator(".message").inner_text()
     page.evaluate("window.__notReloaded = true")
 
     log = page.locator("#job-log")

@@ -75,7 +75,9 @@ def test_it_submits_an_uploaded_script_and_redirects_to_the_job_page(
     assert job.memory_mode == Job.MemoryMode.LIMIT  # the service's default on a shared card
     assert job.soft_placement is True and job.mirrored is False
     page = client.get(response.url).content.decode()
-    assert f"Job {job.pk} (train.py) is queued on box1; it starts as soon as the worker" in page
+    assert (
+        f"Submitted job {job.pk} (train.py) at " in page and "to box1, to start as soon as its worker" in page
+    )
     assert "--epochs 2 --name &#x27;run a&#x27;" in page  # shlex.join, escaped
 
 

@@ -551,3 +551,18 @@ def test_the_service_itself_refuses_limits_beyond_the_column(team, admin_user):
     assert err.value.field == "max_gb"
     team.refresh_from_db()
     assert team.max_gb is None
+
+
+def test_a_quota_saved_below_what_is_in_use_says_so(client, team, alice, leader, box):
+    """Nothing is taken away, but the leader learns it at once (issue 23)."""
+    from gpus.booking import reservation_create
+
+    reservation_create(user=alice, gpus=[box[0].uuid, box[1].uuid])
+    client.force_login(leader)
+    answer = client.post(
+        f"/teams/{team.slug}/members/alice/quota/",
+        {"max_cards": "1", "max_gb": "", "gpu_hours_per_week": "", "max_booking_hours": ""},
+        follow=True,
+    )
+    page = answer.content.decode()
+    assert "alice already uses 2 cards at once (limit 1)" in page and "new bookings are refused" in page

@@ -55,3 +55,9 @@ def test_a_time_typed_in_the_booking_form_is_read_in_the_persons_zone(client, al
     client.post("/reservations/new/", data)
     booking = Reservation.objects.get()
     assert booking.start == datetime.fromisoformat(f"{day}T01:00").replace(tzinfo=UTC)
+
+
+def test_a_sign_in_brings_the_profiles_zone_along(client, alice):
+    Profile.objects.update_or_create(user=alice, defaults={"time_zone": "Europe/Berlin"})
+    client.force_login(alice)
+    assert "All times in Europe/Berlin (yours)." in client.get("/jobs/").content.decode()

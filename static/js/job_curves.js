@@ -231,8 +231,11 @@
       });
       if (memoryMax) chart.options.scales.mb.max = memoryMax;
       chart.update();
+      // No empty axes: the chart shows once it has a sample (issue 23); the line says why not yet.
+      var box = section.querySelector(".chart-box");
+      if (box) box.hidden = !samples;
       if (!start) say("job-usage-status", "the job has not started yet");
-      else say("job-usage-status", (ACTIVE[body.status] ? "live · " : "") + (samples ? samples + " samples" : "no telemetry samples for its time"));
+      else say("job-usage-status", (ACTIVE[body.status] ? "live · " : "") + (samples ? samples + " samples" : "no telemetry samples yet: the chart appears with the first"));
     }
 
     function refresh() {
