@@ -586,3 +586,10 @@ def reservations_cancel_for_leaver(
             _release(PORTAL, reservation, now, reason)
         ended.append((reservation, status))
     return ended
+
+
+def released_words(released_at: datetime, by: str | None, reason: str = "") -> str:
+    """Why what ran on a booking stopped when it was released early (a job, a lab): "alice
+    released the booking at Mon 2026-11-23 14:00 UTC (idle for 2 h)". No user: the portal did."""
+    because = f" ({reason})" if reason else ""
+    return f"{by or 'the portal'} released the booking at {format_time(released_at)}{because}"

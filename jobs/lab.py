@@ -45,6 +45,7 @@ from django.db import DatabaseError, close_old_connections
 from django.db.models import Q
 from django.utils import timezone
 
+from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.environment import INHERITED_ENV, BookedCard, JobSetupError, activation, session_environment
 from jobs.interactive import LOST, lab_path, session_stopped_tell, session_warn_ending
@@ -269,8 +270,8 @@ class LabSupervisor:
             return f"the session was marked {row.get_status_display().lower()}"
         if booking.status_at(now) != Reservation.Status.ACTIVE:
             if booking.released_at:
-                who = booking.released_by.username if booking.released_by else "the portal"
-                return f"{who} released the booking at {format_time(booking.released_at)}"
+                by = booking.released_by.username if booking.released_by else None
+                return released_words(booking.released_at, by, booking.release_reason)
             return f"the booking ended at {format_time(self.ends_at)}"
         if row.warned_at is None and now >= self.ends_at - timedelta(minutes=settings.SESSION_WARN_MINUTES):
             session_warn_ending(row, self.ends_at, now)

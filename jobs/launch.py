@@ -13,17 +13,21 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, close_old_connections
+from django.utils import timezone
 
 from gpus.models import Allocation
 from jobs import paths
 from jobs.environment import BookedCard, JobSetupError, job_environment
 from jobs.folders import JobFolderError, job_folder_make
+from jobs.leavers import deactivated, owner_active, user_work_stop
+from jobs.log_live import job_changed
 from jobs.models import Job
 from jobs.spool import worker_stopping
 from portal.accounts import JOB_USER_OWNER, unix_account_name
@@ -177,3 +181,24 @@ def patiently(job_id: int, step: Callable[[], T]) -> T:
                 raise  # a worker shutting down waits for no database
             log.warning("Job %s: the database is away before the job's start; retrying in 2 s", job_id)
             time.sleep(2)
+
+
+def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
+    """QUEUED → STARTING, once: a re-delivered message finds 0 rows and does nothing.
+
+    Only while its owner's account is active, in the same UPDATE: a deactivated owner's job is
+    cancelled instead, saying why (jobs.leavers.user_work_stop: with the rest of their work, in
+    the audit log and to their leaders), and never runs."""
+    now = now or timezone.now()
+    claimed = Job.objects.filter(owner_active(), pk=job_id, status=Job.Status.QUEUED).update(
+        status=Job.Status.STARTING, worker=socket.gethostname()[:200], heartbeat_at=now
+    )
+    if claimed:
+        job_changed([job_id])
+    else:
+        left = Job.objects.select_related("owner").filter(pk=job_id, status=Job.Status.QUEUED).first()
+        if left is not None and not left.owner.is_active:
+            log.warning("Job %s not started: %s", job_id, deactivated(left.owner))
+            user_work_stop(user=left.owner, reason=deactivated(left.owner), now=now)
+        return None
+    return patiently(job_id, lambda: Job.objects.select_related("reservation", "server").get(pk=job_id))

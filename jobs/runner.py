@@ -32,10 +32,10 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, close_old_connections, connections
 from django.utils import timezone
 
+from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.environment import JobSetupError
-from jobs.launch import launch_for, patiently
-from jobs.leavers import deactivated, owner_active, user_work_stop
+from jobs.launch import job_claim, launch_for, patiently
 from jobs.log_live import job_changed
 from jobs.logs import LogWriter
 from jobs.metrics import MetricsRecorder
@@ -46,7 +46,6 @@ from jobs.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.supervision import JobOutput, JobSession, Signalled
 from portal.outage import WHAT, outage_of
 from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
-from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -426,7 +425,11 @@ class Supervisor:
         elif row["reservation__cancelled_at"] and now >= row["reservation__end"]:
             self._stop(Job.Status.TIMED_OUT, "The booking was cancelled; the job was stopped.")
         elif row["reservation__released_at"] and now >= row["reservation__end"]:
-            self._stop(Job.Status.CANCELLED, released_message(row))
+            by, reason = row["reservation__released_by__username"], row["reservation__release_reason"]
+            self._stop(
+                Job.Status.CANCELLED,
+                f"Cancelled: {released_words(row['reservation__released_at'], by, reason)}.",
+            )
         elif why := self._past_deadline(now):
             self._stop(Job.Status.TIMED_OUT, why)
 
@@ -660,27 +663,6 @@ class Supervisor:
         return self.shutting_down
 
 
-def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
-    """QUEUED → STARTING, once: a re-delivered message finds 0 rows and does nothing.
-
-    Only while its owner's account is active, in the same UPDATE: a deactivated owner's job is
-    cancelled instead, saying why (jobs.leavers.user_work_stop: with the rest of their work, in
-    the audit log and to their leaders), and never runs."""
-    now = now or timezone.now()
-    claimed = Job.objects.filter(owner_active(), pk=job_id, status=Job.Status.QUEUED).update(
-        status=Job.Status.STARTING, worker=socket.gethostname()[:200], heartbeat_at=now
-    )
-    if claimed:
-        job_changed([job_id])
-    else:
-        left = Job.objects.select_related("owner").filter(pk=job_id, status=Job.Status.QUEUED).first()
-        if left is not None and not left.owner.is_active:
-            log.warning("Job %s not started: %s", job_id, deactivated(left.owner))
-            user_work_stop(user=left.owner, reason=deactivated(left.owner), now=now)
-        return None
-    return patiently(job_id, lambda: Job.objects.select_related("reservation", "server").get(pk=job_id))
-
-
 def job_run(job_id: int) -> str | None:
     """Claim and run a job to its end; returns its final status (None: not ours to run)."""
     job = job_claim(job_id)
@@ -702,11 +684,3 @@ def job_run(job_id: int) -> str | None:
     except DatabaseError:  # away: the end waits in the spool, as the worker's log said
         close_old_connections()
         return supervisor.final_status
-
-
-def released_message(row: dict) -> str:
-    """A job stopped because its booking was released early: by whom and why; not a time-out."""
-    who = row.get("reservation__released_by__username") or "the portal"
-    why = row.get("reservation__release_reason") or ""
-    at = format_time(row["reservation__released_at"])
-    return f"Cancelled: {who} released the booking at {at}{f' ({why})' if why else ''}."

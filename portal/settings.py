@@ -275,7 +275,7 @@ CELERY_RESULT_BACKEND = None
 # acks_late stays off: a message acked late and held past Redis' visibility_timeout
 # (1 h) is redelivered, so a job longer than that would run twice. Acked at start, a
 # job can never be redelivered once running; a prefetched message restored while it
-# waits only finds its row already claimed (jobs.runner.job_claim).
+# waits only finds its row already claimed (jobs.launch.job_claim).
 CELERY_TASK_ACKS_LATE = False
 # Redis' default, made explicit: what the paragraph above reasons about.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}

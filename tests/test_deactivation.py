@@ -18,10 +18,11 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import Reservation
+from jobs.launch import job_claim
 from jobs.leavers import user_work_stop
 from jobs.logs import log_stream
 from jobs.models import Job
-from jobs.runner import Supervisor, job_claim, job_run
+from jobs.runner import Supervisor, job_run
 from jobs.scheduler import forget_usage, queue_plan, schedule_pass
 from jobs.services import dispatch, jobs_reconcile
 from jobs.submit import ScriptUpload, job_submit
