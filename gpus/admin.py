@@ -1,6 +1,15 @@
 from django.contrib import admin
 
-from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server, Violation, WatchdogPolicy
+from gpus.models import (
+    GPU,
+    Allocation,
+    CalendarFeed,
+    GPUProcess,
+    Reservation,
+    Server,
+    Violation,
+    WatchdogPolicy,
+)
 
 
 class GPUInline(admin.TabularInline):
@@ -98,3 +107,21 @@ class WatchdogPolicyAdmin(admin.ModelAdmin):
     """What the watchdog does about each kind; a kind without a row keeps its default (settings)."""
 
     list_display = ["kind", "action", "grace_seconds"]
+
+
+@admin.register(CalendarFeed)
+class CalendarFeedAdmin(admin.ModelAdmin):
+    """Who has which calendar feed; deleting one ends its address (its owner can make a new one).
+    The secret is the address itself, so it is not shown here."""
+
+    list_display = ["owner", "scope", "team", "server", "created_at", "last_fetched_at"]
+    list_filter = ["scope"]
+    search_fields = ["owner__username", "team__slug", "server__name"]
+    exclude = ["secret"]
+    readonly_fields = [f.name for f in CalendarFeed._meta.fields if f.name != "secret"]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False

@@ -7,9 +7,13 @@ class GpusConfig(AppConfig):
 
     def ready(self) -> None:
         from gpus import signals  # noqa: F401 - connects the worker signals
+        from gpus.calendar_views import PROFILE_CALENDAR, profile_calendar
         from gpus.hosts import worker_servers
         from gpus.slots import slots_fill
         from portal.hosts import host_discovery_register
+        from portal.slots import slot_fill
 
         host_discovery_register(worker_servers)  # what `make run` starts host workers for
         slots_fill()  # the quotas on portal's profile
+        # The profile's "Calendar": the viewer's own booking feed (gpus/calendar_views.py).
+        slot_fill(PROFILE_CALENDAR, "gpus/_calendar.html", profile_calendar)

@@ -23,10 +23,10 @@ from gpus.conflicts import Held as Held  # older callers import these from here 
 from gpus.conflicts import blockers as blockers
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
-from gpus.quotas import Use, has_limits, peak, quota_refusal
+from gpus.quotas import Use, has_limits, peak, quota_exceeded, quota_refusal, refusals_told
 from portal.access import can_manage
 from portal.changes import BOOKINGS, change_publish
-from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
+from portal.errors import Conflict, Errors, Forbidden, Invalid
 from portal.models import AuditEntry, Membership, Team
 from portal.timefmt import format_time
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
@@ -100,47 +100,93 @@ def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membe
 
 
 def _check_request(gpus: Sequence[str] | None, count: int | None, memory_mb: int | None, note: str) -> None:
-    """What a booking request must say, before anything is read or locked."""
+    """What a booking request must say, before anything is read or locked: every problem at once."""
+    found = _Found()
     if memory_mb is not None and memory_mb <= 0:
-        raise Invalid("Memory must be more than 0; leave it empty to book whole cards.", field="memory_mb")
+        found.add("memory_mb", "Memory must be more than 0; leave it empty to book whole cards.")
     if len(note) > 500:
-        raise Invalid(f"The note is {len(note)} characters; keep it to 500.", field="note")
+        found.add("note", f"The note is {len(note)} characters; keep it to 500.")
     if gpus and count:
-        raise Invalid("Give either GPUs to book or a count of cards to pick, not both.", field="gpus")
-    if not gpus and not count:
-        raise Invalid("Pick at least one GPU, or give a count of cards for the portal to pick.", field="gpus")
+        found.add("gpus", "Give either GPUs to book or a count of cards to pick, not both.")
+    elif not gpus and not count:
+        found.add("gpus", "Pick at least one GPU, or give a count of cards for the portal to pick.")
     if gpus and len(set(gpus)) != len(gpus):
-        raise Invalid("A GPU is listed twice; list each card once.", field="gpus")
+        found.add("gpus", "A GPU is listed twice; list each card once.")
     if count is not None and count < 1:
-        raise Invalid("The count must be at least 1.", field="count")
+        found.add("count", "The count must be at least 1.")
+    found.raise_any()
+
+
+class _Found(dict[str, list[str]]):
+    """A request's problems by field, raised together (a form shows each beside its field)."""
+
+    def add(self, field: str, message: str) -> None:
+        self.setdefault(field, []).append(message)
+
+    def raise_any(self) -> None:
+        if self:
+            field, messages = next(iter(self.items()))
+            raise Invalid(messages[0], field=field, errors=dict(self))
+
+
+def _check_window_limits(start: datetime, end: datetime, now: datetime, *, new_start: bool = True) -> None:
+    """The portal's own limits on a booking's window (not a member's quota), every one at once."""
+    found = _Found()
+    if end <= start:
+        found.add("end", f"The end ({format_time(end)}) must be after the start ({format_time(start)}).")
+    if new_start and start < now - timedelta(minutes=settings.BOOKING_PAST_GRACE_MINUTES):
+        found.add("start", f"The start ({format_time(start)}) is in the past; start now or later.")
+    horizon = now + timedelta(days=settings.BOOKING_HORIZON_DAYS)
+    if end > horizon:
+        found.add(
+            "end",
+            f"Bookings can reach at most {settings.BOOKING_HORIZON_DAYS} days ahead "
+            f"(until {format_time(horizon)}); pick an earlier end.",
+        )
+    hours = (end - start).total_seconds() / 3600
+    if hours > settings.BOOKING_MAX_HOURS:
+        found.add(
+            "end",
+            f"A booking can last at most {settings.BOOKING_MAX_HOURS} h; this one is {hours:.1f} h. "
+            "Pick an earlier end.",
+        )
+    found.raise_any()
+
+
+def request_problems(
+    *,
+    gpus: Sequence[str] | None,
+    count: int | None,
+    memory_mb: int | None,
+    note: str,
+    start: datetime | None,
+    end: datetime | None,
+    now: datetime | None = None,
+) -> dict[str, list[str]]:
+    """What `reservation_create` would refuse before it reads a card or a quota, by field: the
+    booking form shows these with its own parsing errors, so one submit names every problem."""
+    now = now or timezone.now()
+    start = start or now
+    end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
+    errors = Errors()
+    errors.check(_check_request, gpus, count, memory_mb, note)
+    errors.check(_check_window_limits, start, end, now)
+    return errors.found
 
 
 def _check_window(
     start: datetime, end: datetime, membership: Membership, now: datetime, *, new_start: bool = True
 ) -> None:
-    if end <= start:
-        raise Invalid(
-            f"The end ({format_time(end)}) must be after the start ({format_time(start)}).", field="end"
-        )
-    if new_start and start < now - timedelta(minutes=settings.BOOKING_PAST_GRACE_MINUTES):
-        raise Invalid(f"The start ({format_time(start)}) is in the past; start now or later.", field="start")
-    horizon = now + timedelta(days=settings.BOOKING_HORIZON_DAYS)
-    if end > horizon:
-        raise Invalid(
-            f"Bookings can reach at most {settings.BOOKING_HORIZON_DAYS} days ahead "
-            f"(until {format_time(horizon)}); pick an earlier end.",
-            field="end",
-        )
+    _check_window_limits(start, end, now, new_start=new_start)
+    _check_booking_limit(start, end, membership)
+
+
+def _check_booking_limit(start: datetime, end: datetime, membership: Membership) -> None:
     hours = (end - start).total_seconds() / 3600
-    if hours > settings.BOOKING_MAX_HOURS:
-        raise Invalid(
-            f"A booking can last at most {settings.BOOKING_MAX_HOURS} h; this one is {hours:.1f} h. "
-            "Pick an earlier end.",
-            field="end",
-        )
     limit = membership.max_booking_hours
     if limit is not None and hours > limit:
-        raise QuotaExceeded(
+        raise quota_exceeded(
+            membership,
             f"Your quota in {membership.team} allows bookings of at most {limit} h; "
             f"this one is {hours:.1f} h. "
             f"End it by {format_time(start + timedelta(hours=limit))} or ask a leader of {membership.team}.",
@@ -213,7 +259,7 @@ def _check_quota(
     new = [Use.of(start, end, memory_mb, g.memory_total_mb) for g in gpus]
     refusal = quota_refusal(membership, new, start, end, exclude_reservation=exclude)
     if refusal:
-        raise QuotaExceeded(refusal)
+        raise quota_exceeded(membership, refusal)
 
 
 def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime, end: datetime) -> list[str]:
@@ -349,6 +395,7 @@ def describe(gpus: Sequence[GPU], memory_mb: int | None) -> str:
 # --- services -----------------------------------------------------------------------
 
 
+@refusals_told  # outside the transaction: the team's channels hear of it after the rollback
 @explain_conflicts
 @transaction.atomic
 def reservation_create(
@@ -375,9 +422,12 @@ def reservation_create(
     now = now or timezone.now()
     start = start or now
     end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
-    _check_request(gpus, count, memory_mb, note)
+    errors = Errors()  # every problem of the request at once, before anything is locked
+    errors.check(_check_request, gpus, count, memory_mb, note)
+    errors.check(_check_window_limits, start, end, now)
+    errors.raise_any()
     membership = _locked_membership(user, team)
-    _check_window(start, end, membership, now)
+    _check_booking_limit(start, end, membership)
     if gpus:
         cards = _locked_gpus(gpus, memory_mb)
         _check_free(cards, start, end, memory_mb, queue_start=queue_start)
@@ -410,6 +460,7 @@ def _locked_reservation(reservation: Reservation | int) -> Reservation:
     return Reservation.objects.select_for_update(of=("self",)).select_related("owner", "team").get(pk=pk)
 
 
+@refusals_told
 @explain_conflicts
 @transaction.atomic
 def reservation_extend(

@@ -11,6 +11,7 @@ from django import forms
 from django.conf import settings
 from django.utils import timezone
 
+from gpus.booking import request_problems
 from gpus.models import GPU, Server, format_mb
 from portal.forms import ServiceErrorsMixin
 
@@ -117,6 +118,27 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
 
     def clean_memory(self) -> int | None:
         return parse_memory_mb(self.cleaned_data["memory"])
+
+    def clean(self) -> dict[str, Any]:
+        """The booking service's own checks of what parsed, beside the parsing errors: one submit
+        names every problem (a field that did not parse is not judged again)."""
+        data = super().clean() or {}
+        problems = request_problems(
+            gpus=data.get("gpus") or None,
+            count=data.get("count"),
+            memory_mb=data.get("memory"),
+            note=data.get("note") or "",
+            start=data.get("start"),
+            end=data.get("end"),
+        )
+        window_unread = "start" in self.errors or "end" in self.errors  # then not judged: half a window
+        for field, messages in problems.items():
+            name = self.service_fields.get(field, field)
+            if name in self.errors or (window_unread and name in ("start", "end")):
+                continue  # its own parsing error says it better
+            for message in messages:
+                self.add_error(name if name in self.fields else None, message)
+        return data
 
     def service_kwargs(self) -> dict[str, Any]:
         data = self.cleaned_data

@@ -39,6 +39,7 @@ from gpus.booking import PORTAL, reservation_release
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, GPUProcess, Reservation
 from portal.access import can_manage_team, only_managers
+from portal.channels import team_channels_notify
 from portal.errors import Forbidden, ServiceError
 from portal.models import AuditEntry, Notification, Team
 from portal.notifications import notification_send
@@ -198,6 +199,7 @@ def _warn(reservation: Reservation, now: datetime) -> bool:
             url=f"{reverse('reservation_detail', args=[reservation.pk])}#actions",
             key=f"idle:{reservation.pk}",
         )
+        _tell_team(reservation, "is idle", _team_words(reservation, now), f"idle:{reservation.pk}")
     log.info("Reservation %s idle for %s min: owner warned", reservation.pk, idle_for(reservation, now))
     return True
 
@@ -224,6 +226,28 @@ def _warning_body(reservation: Reservation, now: datetime) -> str:
     )
 
 
+def _team_words(reservation: Reservation, now: datetime) -> str:
+    r = reservation
+    due = release_due_at(r)
+    return (
+        f"{r.owner}'s booking {r.pk} ({r.summary}, until {format_time(r.end)}) has been idle for "
+        f"{idle_for(r, now)} minutes, since {format_time(r.idle_since)}. "
+        + (f"It is released at {format_time(due)} unless used." if due else "Its owner was told.")
+    )
+
+
+def _tell_team(reservation: Reservation, what: str, body: str, key: str) -> None:
+    """The team's chat and webhook channels (portal.channels), after this round's commit."""
+    team_channels_notify(
+        team=reservation.team_id,
+        kind=Notification.Kind.IDLE_BOOKING,
+        subject=f"Booking {reservation.pk} of {reservation.owner} {what}",
+        body=body,
+        url=reverse("reservation_detail", args=[reservation.pk]),
+        key=key,
+    )
+
+
 def _release(reservation: Reservation, now: datetime) -> bool:
     """Release it as the portal and tell the owner; False when it is no longer active."""
     minutes = idle_for(reservation, now)
@@ -245,6 +269,13 @@ def _release(reservation: Reservation, now: datetime) -> bool:
                 ),
                 url=reverse("reservation_detail", args=[reservation.pk]),
                 key=f"released:{reservation.pk}",
+            )
+            _tell_team(
+                reservation,
+                f"released: idle for {minutes} minutes",
+                f"The portal released {reservation.owner}'s booking {reservation.pk} "
+                f"({reservation.summary}) at {format_time(now)}: idle for {minutes} minutes.",
+                f"released:{reservation.pk}",
             )
     except ServiceError as error:  # released, cancelled or ended since this round's read
         log.info("Reservation %s not auto-released: %s", reservation.pk, error.message)

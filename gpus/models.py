@@ -46,6 +46,9 @@ class Server(models.Model):
         null=True, blank=True, help_text="How many jobs this host's worker runs at once, as it last said."
     )
     job_slots_at = models.DateTimeField(null=True, blank=True, help_text="When the worker last said so.")
+    # How long its last rounds took, for /metrics (read at scrape time, so every web worker agrees).
+    telemetry_round_seconds = models.FloatField(null=True, blank=True)
+    watchdog_round_seconds = models.FloatField(null=True, blank=True)
 
     objects = ServerQuerySet.as_manager()
 
@@ -546,154 +549,66 @@ class WatchdogPolicy(models.Model):
         return policies
 
 
-# --- usage accounting (written by gpus/usage.py only; docs/reports.md) -------------------------
+class CalendarFeed(models.Model):
+    """A secret iCalendar address of bookings (gpus/calendars.py; docs "Calendars"): one per owner
+    and scope. The scope is the owner's own bookings, a team's (its leaders) or a server's
+    (admins); the right is checked again at every fetch, so a leader who stops leading, an admin
+    who stops being one or a deactivated account gets 404 from then on.
 
+    The secret is a capability: whoever holds the URL reads the feed, with no sign-in, as calendar
+    apps must. It is stored as it is (not hashed) so the owner can be shown it again, as Google
+    Calendar shows its "secret address"; a new secret replaces it on this row, ending the old URL.
+    `etag` and `changed_at` record the last content served: the feed's Last-Modified is when its
+    content last changed, as seen by a fetch (a booking records no time for an extension).
+    """
 
-class UsageFigures(models.Model):
-    """What every usage rollup row counts. A GPU-hour is one card for one hour; a memory share
-    counts its fraction of the card (memory / card total), as the quotas do (gpus/quotas.py)."""
+    class Scope(models.TextChoices):
+        USER = "user", "Own bookings"
+        TEAM = "team", "A team's bookings"
+        SERVER = "server", "A server's bookings"
 
-    gpu_hours_booked = models.FloatField(default=0, help_text="GPU-hours held by bookings.")
-    gpu_hours_used = models.FloatField(
-        default=0, help_text="Utilization-weighted GPU-hours: a card at 50 % for an hour is 0.5."
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="calendar_feeds"
     )
-    gpu_hours_unbooked = models.FloatField(
-        default=0, help_text="GPU-hours nobody had booked, while the card reported (rows without a user)."
-    )
-    idle_hours = models.FloatField(
-        default=0,
-        help_text="GPU-hours booked while the card was idle (no process, utilization below IDLE_UTIL_PCT).",
-    )
-    memory_gb_hours_booked = models.FloatField(
-        default=0, help_text="GiB booked × hours (a whole card: all of it)."
-    )
-    peak_memory_mb = models.PositiveIntegerField(
-        null=True,
-        blank=True,
-        help_text="The most memory used on the card meanwhile, MiB (the card's, on a share too).",
-    )
-    jobs_succeeded = models.PositiveIntegerField(default=0)
-    jobs_failed = models.PositiveIntegerField(default=0)
-    jobs_other = models.PositiveIntegerField(default=0, help_text="Cancelled, timed out or lost.")
-    sessions = models.PositiveIntegerField(
-        default=0, help_text="Interactive sessions (gpu exec, gpu shell, JupyterLab) that ended."
-    )
-
-    SUMMED = (
-        "gpu_hours_booked",
-        "gpu_hours_used",
-        "gpu_hours_unbooked",
-        "idle_hours",
-        "memory_gb_hours_booked",
-        "jobs_succeeded",
-        "jobs_failed",
-        "jobs_other",
-        "sessions",
-    )
+    scope = models.CharField(max_length=8, choices=Scope.choices)
+    team = models.ForeignKey("portal.Team", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    server = models.ForeignKey(Server, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    secret = models.CharField(max_length=64, unique=True, help_text="URL-safe random token; the feed's URL.")
+    created_at = models.DateTimeField(default=timezone.now, help_text="When the current secret was made.")
+    last_fetched_at = models.DateTimeField(null=True, blank=True)
+    etag = models.CharField(max_length=64, blank=True, help_text="A hash of the content last served.")
+    changed_at = models.DateTimeField(null=True, blank=True, help_text="When a fetch first saw that content.")
 
     class Meta:
-        abstract = True
-
-    @staticmethod
-    def utilization_pct(used: float, booked: float, unbooked: float = 0.0) -> float | None:
-        """Used ÷ the card time the rows cover: of a booker's rows, their booked GPU-hours; of the
-        unbooked rows, the free card time; of both, the cards'. None when they cover nothing."""
-        covered = booked + unbooked
-        return round(100 * used / covered, 1) if covered > 0 else None
-
-
-# The heatmap groups by this in SQL: 168 groups, rather than a moment per hour to load and convert.
-HOUR_OF_WEEK_HELP = (
-    "The hour's place in its week in TIME_ZONE when written: Monday 0 h is 0, Sunday 23 h is 167."
-)
-
-
-class UsageHour(UsageFigures):
-    """One card's hour for one booker; `user` empty: the card's time nobody had booked, and what it
-    did meanwhile. The record the other usage tables are summed from."""
-
-    start = models.DateTimeField(help_text="The hour's first moment (whole UTC hours).")
-    hour_of_week = models.PositiveSmallIntegerField(help_text=HOUR_OF_WEEK_HELP)
-    gpu = models.ForeignKey(GPU, on_delete=models.CASCADE, related_name="+")
-    server = models.ForeignKey(Server, on_delete=models.CASCADE, related_name="+")
-    team = models.ForeignKey(
-        "portal.Team", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    user = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
-    )
-
-    class Meta:
-        ordering = ["start", "gpu_id"]
+        ordering = ["owner_id", "scope", "id"]
         constraints = [
-            # Two partial constraints: NULLs are distinct in a unique index, so one over (start, gpu,
-            # user) would let a card's hour hold two unbooked rows.
+            models.CheckConstraint(
+                condition=(
+                    models.Q(scope="user", team__isnull=True, server__isnull=True)
+                    | models.Q(scope="team", team__isnull=False, server__isnull=True)
+                    | models.Q(scope="server", team__isnull=True, server__isnull=False)
+                ),
+                name="calendarfeed_scope_matches",
+            ),
+            # One feed per owner and scope; partial, as NULLs are distinct in a unique index.
             models.UniqueConstraint(
-                fields=["start", "gpu", "user"],
-                condition=models.Q(user__isnull=False),
-                name="usagehour_one_per_booker",
+                fields=["owner"], condition=models.Q(scope="user"), name="calendarfeed_one_own"
             ),
             models.UniqueConstraint(
-                fields=["start", "gpu"], condition=models.Q(user__isnull=True), name="usagehour_one_unbooked"
+                fields=["owner", "team"], condition=models.Q(scope="team"), name="calendarfeed_one_per_team"
+            ),
+            models.UniqueConstraint(
+                fields=["owner", "server"],
+                condition=models.Q(scope="server"),
+                name="calendarfeed_one_per_server",
             ),
         ]
-        indexes = [
-            # The partial unique indexes serve no query that does not name the user: the writes and
-            # the period reads need their own.
-            models.Index(fields=["start"], name="usagehour_start"),
-            models.Index(fields=["user", "start"], name="usagehour_user_start"),
-            models.Index(fields=["team", "start"], name="usagehour_team_start"),
-            models.Index(fields=["server", "start"], name="usagehour_server_start"),
-        ]
 
     def __str__(self) -> str:
-        return f"{self.gpu_id} at {self.start:%Y-%m-%d %H:00} for {self.user_id or 'nobody'}"
+        what = self.team_id or self.server_id or "own"
+        return f"calendar of {self.owner_id} ({self.scope} {what})"
 
 
-class UsageDay(UsageFigures):
-    """A day (in TIME_ZONE) of one booker on one server, summed from UsageHour: what the reports
-    read, so a year is ~60k rows rather than millions."""
-
-    start = models.DateTimeField(help_text="The day's first moment in TIME_ZONE.")
-    # The same day as a date: the reports group by it, and a date loads far cheaper than a moment.
-    day = models.DateField(help_text="The day in TIME_ZONE.")
-    server = models.ForeignKey(Server, on_delete=models.CASCADE, related_name="+")
-    team = models.ForeignKey(
-        "portal.Team", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    user = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
-    )
-
-    class Meta:
-        ordering = ["start", "server_id"]
-        indexes = [
-            models.Index(fields=["start"], name="usageday_start"),
-            models.Index(fields=["user", "start"], name="usageday_user_start"),
-            models.Index(fields=["team", "start"], name="usageday_team_start"),
-            models.Index(fields=["server", "start"], name="usageday_server_start"),
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.server_id} on {self.start:%Y-%m-%d} for {self.user_id or 'nobody'}"
-
-
-class UsageTeamHour(UsageFigures):
-    """An hour of one team (empty: the time nobody booked) over every card, summed from UsageHour:
-    the hour-of-the-week heatmap of a whole team or of the lab, in ~50k rows a year."""
-
-    start = models.DateTimeField(help_text="The hour's first moment (whole UTC hours).")
-    hour_of_week = models.PositiveSmallIntegerField(help_text=HOUR_OF_WEEK_HELP)
-    team = models.ForeignKey(
-        "portal.Team", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-
-    class Meta:
-        ordering = ["start", "team_id"]
-        indexes = [
-            models.Index(fields=["start"], name="usageteamhour_start"),
-            models.Index(fields=["team", "start"], name="usageteamhour_team_start"),
-        ]
-
-    def __str__(self) -> str:
-        return f"team {self.team_id or 'nobody'} at {self.start:%Y-%m-%d %H:00}"
+# The usage rollups live apart for this module's length (gpus/usage_models.py); imported here so
+# that Django registers them with the app and callers import every model from gpus.models.
+from gpus.usage_models import UsageDay, UsageFigures, UsageHour, UsageTeamHour  # noqa: E402, F401

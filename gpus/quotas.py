@@ -11,21 +11,29 @@ for GPU-hours, the fraction of the card it books (GB / card total). Weeks run Mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, time, timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import DurationField, ExpressionWrapper, F, Q, Sum, Value
 from django.db.models.functions import Greatest, Least
+from django.urls import reverse
 from django.utils import timezone
 
 from gpus.models import GPU, Allocation, AllocationQuerySet
 from portal.access import can_manage_team, is_admin
-from portal.errors import Forbidden, Invalid
-from portal.models import AuditEntry, Membership, QuotaFields, Team
+from portal.channels import team_channels_notify
+from portal.errors import Forbidden, Invalid, QuotaExceeded
+from portal.models import AuditEntry, Membership, NotificationChannel, QuotaFields, Team
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -186,7 +194,7 @@ def _refusal(
                 per_hour = sum(u.card_fraction for u in new) or 1.0
                 return (
                     f"{label} allows {limits.gpu_hours_per_week} GPU-hours in the week of "
-                    f"{week:%a %Y-%m-%d}; {holder} {used:.1f} booked or used, so "
+                    f"{week:%a %Y-%m-%d}; {holder} {used:.1f} booked, so "
                     f"{room:.1f} more would fit (about {room / per_hour:.1f} h with these cards) and "
                     f"this booking needs {need:.1f}."
                 )
@@ -256,7 +264,7 @@ def _uses_this_week(rows: AllocationQuerySet, key: str, now: datetime) -> dict[i
 
 
 def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
-    """Per member (user id): cards and GB held now and GPU-hours booked or used this week."""
+    """Per member (user id): cards and GB held now, and GPU-hours booked this week (the weekly quota)."""
     rows = Allocation.objects.filter(reservation__team=team)
     return _uses_this_week(rows, "reservation__owner_id", now or timezone.now())
 
@@ -410,3 +418,50 @@ def over_limits(holder: Team | Membership, use: MemberUse) -> list[str]:
         if limit is not None and used[field] > limit:
             over.append(f"{used[field]:g} {QUOTA_LABELS[field]} (limit {limit:g})")
     return over
+
+
+# --- telling the team of a refusal -------------------------------------------------------------
+
+
+def quota_exceeded(membership: Membership, message: str, *, field: str | None = None) -> QuotaExceeded:
+    """The refusal a booking service raises, marked with whose quota refused it, so that
+    `refusals_told` can tell the team once the refused request's transaction is rolled back."""
+    refusal = QuotaExceeded(message, field=field)
+    refusal.refused = (membership.user_id, membership.team_id)  # type: ignore[attr-defined]
+    return refusal
+
+
+def refusals_told(service: Callable[..., T]) -> Callable[..., T]:
+    """A booking service whose quota refusals are told to the team's chat and webhook channels
+    (portal.channels), after its transaction: outside it, so the message is never rolled back
+    with the refused booking. At most one per person and team every NOTIFY_MAIL_EVERY_MINUTES
+    (the key), so one person retrying does not flood the channel. Not for the queue's scheduler
+    (`queue_start`): its job waits for the quota, which is no refusal, and tries every pass."""
+
+    @functools.wraps(service)
+    def wrapper(**kwargs: Any) -> T:
+        try:
+            return service(**kwargs)
+        except QuotaExceeded as refusal:
+            refused = getattr(refusal, "refused", None)
+            if refused is not None and not kwargs.get("queue_start"):
+                _refusal_tell(*refused, refusal.message)
+            raise
+
+    return wrapper
+
+
+def _refusal_tell(user_id: int, team_id: int, message: str) -> None:
+    try:
+        team = Team.objects.get(pk=team_id)
+        user = get_user_model().objects.get(pk=user_id)
+        team_channels_notify(
+            team=team,
+            kind=NotificationChannel.QUOTA_REFUSED,
+            subject=f"A booking of {user} was refused by a quota of {team}",
+            body=f"{user} asked for a booking for {team}, refused: {message}",
+            url=reverse("team_detail", args=[team.slug]),
+            key=f"quota_refused:{user_id}:{team_id}",
+        )
+    except Exception:  # the refusal itself must reach the person whatever becomes of this
+        log.exception("Could not tell team %s's channels of a quota refusal", team_id)

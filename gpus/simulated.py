@@ -1,9 +1,10 @@
 """A SIMULATED GPU backend for hosts without an NVIDIA driver (development, demos, CI).
 
 Servers come from a YAML inventory (by default ``simulated_inventory.yaml`` beside this
-module). Telemetry is a mean-reverting random walk per card: busy cards run one or two
-fake processes at high utilisation, idle cards sit at 0% with a few hundred MB in use, and
-now and then a job finishes or starts. Every report says ``simulated=True``.
+module). Telemetry is a mean-reverting random walk per card: idle cards sit at 0% with a few
+hundred MB in use; at most MAX_INVENTED_PER_SERVER card of a server runs an invented process
+(scenery: a fresh demo must look lived-in, not crowded), never on a card with a booking now or
+soon, and now and then it finishes or another starts. Every report says ``simulated=True``.
 
 Real processes of this machine show on the cards too: this portal's jobs (by the card they booked),
 and processes declared with ``manage.py simulate_gpu_process`` (a small JSON file), so the
@@ -24,16 +25,20 @@ import random
 import re
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 import yaml
 from django.conf import settings
+from django.db import DatabaseError, close_old_connections
+from django.utils import timezone
 
 from gpus.inventory import GPUInfo, HostInfo, ProcessInfo, Snapshot
+from gpus.models import Allocation
 from gpus.procinfo import describe_process, is_process_pid
 
 log = logging.getLogger(__name__)
@@ -44,8 +49,14 @@ MAX_GPUS_PER_SERVER = 64
 IDLE_TEMPERATURE_C = 35.0
 FULL_TEMPERATURE_C = 80.0
 IDLE_POWER_W = 60.0
-JOB_START_CHANCE = 0.03  # per snapshot, on an idle card
+JOB_START_CHANCE = 0.05  # per snapshot, on a server with no invented process
 JOB_FINISH_CHANCE = 0.02  # per snapshot, on a busy card
+# Invented processes at once on one server (one process each): with the shipped inventory's
+# two servers, a fresh demo shows two at most, so the visitor's own work stands out.
+MAX_INVENTED_PER_SERVER = 1
+# A card booked from now until this far ahead gets no invented process, and loses the one it
+# has: the card a visitor just booked is clean at the next snapshot, and stays so.
+BOOKED_LOOKAHEAD_SECONDS = 15 * 60
 
 COMMANDS = (
     "python train.py --config configs/resnet50.yaml",
@@ -268,6 +279,15 @@ def local_job_processes(server: str, instance: str) -> dict[str, list[ProcessInf
     return found
 
 
+def booked_cards(server: str, now: datetime | None = None) -> frozenset[str]:
+    """UUIDs of `server`'s cards with a live allocation (whole or a share) between `now` and
+    BOOKED_LOOKAHEAD_SECONDS later: where the simulation invents no process. One query."""
+    now = now or timezone.now()
+    ahead = now + timedelta(seconds=BOOKED_LOOKAHEAD_SECONDS)
+    rows = Allocation.objects.live_between(now, ahead).filter(gpu__server__name=server)
+    return frozenset(rows.values_list("gpu_id", flat=True))
+
+
 # --- processes declared with `manage.py simulate_gpu_process` -----------------------------
 
 # A live process whose start differs from the declared one by more than this is another process
@@ -439,9 +459,12 @@ class SimulatedBackend:
         seed: int | None = None,
         processes_file: Path | None = None,
         instance: str | None = None,
+        booked: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """`processes_file`: the processes declared with `simulate_gpu_process`; None: none.
-        `instance`: the portal whose jobs show on the cards; None: this one (PORTAL_INSTANCE_ID)."""
+        `instance`: the portal whose jobs show on the cards; None: this one (PORTAL_INSTANCE_ID).
+        `booked`: the UUIDs of the cards booked now or soon, asked every snapshot; None: this
+        portal's bookings (`booked_cards`)."""
         servers = {s.name: s for s in load_inventory(path)}
         if server_name not in servers:
             raise ValueError(
@@ -452,6 +475,9 @@ class SimulatedBackend:
         self._rng = random.Random(seed)
         self._instance = settings.PORTAL_INSTANCE_ID if instance is None else instance
         self._declarations = _DeclarationsFile(processes_file)
+        self._booked = booked or (lambda: booked_cards(server_name))
+        self._last_booked: frozenset[str] = frozenset()
+        self._bookings_away = False
         self.host = HostInfo(
             name=server.name,
             hostname=server.hostname,
@@ -464,15 +490,27 @@ class SimulatedBackend:
         specs = [spec for spec in server.gpus for _ in range(spec.count)]
         self._cards = [self._card(server.name, i, spec, len(specs)) for i, spec in enumerate(specs)]
         for card in self._cards:
-            if self._rng.random() < 0.6:
-                self._start_job(card)
-                card.utilization, card.memory_mb = card.target_utilization, card.target_memory_mb
-            else:
-                card.memory_mb = card.idle_memory_mb
+            card.memory_mb = card.idle_memory_mb
             card.temperature = self._target_temperature(card)
             card.power_w = self._power(card)
+        self._fresh = True  # the first snapshot sets the scene (opening a backend reads nothing)
 
     def snapshot(self) -> Snapshot:
+        booked = self._booked_now()
+        if self._fresh:
+            self._fresh = False
+            # A lived-in start: one invented process already running, most of the time.
+            if self._rng.random() < 0.7 and (card := self._pick_idle(booked)):
+                self._start_job(card)
+                card.utilization, card.memory_mb = card.target_utilization, card.target_memory_mb
+                card.temperature = self._target_temperature(card)
+        for card in self._cards:
+            if card.processes and card.uuid in booked:
+                card.processes = []  # booked meanwhile: the scenery makes way at once
+        if self._invented() < MAX_INVENTED_PER_SERVER and self._rng.random() < JOB_START_CHANCE:
+            card = self._pick_idle(booked)
+            if card is not None:
+                self._start_job(card)
         for card in self._cards:
             self._step(card)
         jobs = local_job_processes(self.server.name, self._instance)
@@ -518,6 +556,29 @@ class SimulatedBackend:
     def close(self) -> None:
         pass  # nothing held
 
+    def _booked_now(self) -> frozenset[str]:
+        """The cards booked now or soon. A database away costs the round nothing: nobody can
+        book meanwhile, so the cards known booked stay as they were (none, at a first read)."""
+        try:
+            booked = frozenset(self._booked())
+        except DatabaseError as exc:
+            close_old_connections()  # a broken connection is opened afresh at the next read
+            if not self._bookings_away:  # one line an outage, not one a snapshot
+                log.warning("Simulation: cannot read the bookings (%s); it keeps the last known", exc)
+            self._bookings_away = True
+            return self._last_booked
+        self._bookings_away = False
+        self._last_booked = booked
+        return booked
+
+    def _invented(self) -> int:
+        return sum(len(card.processes) for card in self._cards)
+
+    def _pick_idle(self, booked: Collection[str]) -> _Card | None:
+        """An idle card nobody has booked now or soon, at random; None when there is none."""
+        free = [c for c in self._cards if not c.processes and c.uuid not in booked]
+        return self._rng.choice(free) if free else None
+
     @staticmethod
     def _card(server: str, index: int, spec: SimulatedGPUSpec, count: int) -> _Card:
         card_uuid = uuid.uuid5(uuid.NAMESPACE_URL, f"{server}/{index}")
@@ -537,15 +598,13 @@ class SimulatedBackend:
 
     def _start_job(self, card: _Card) -> None:
         rng = self._rng
-        shares = (1.0,) if rng.random() < 0.7 else (0.6, 0.4)
         card.processes = [
             _FakeProcess(
                 pid=rng.randint(2_000, 4_000_000),
                 username=rng.choice(self.server.users),
                 command=rng.choice(COMMANDS),
-                memory_share=share,
+                memory_share=1.0,
             )
-            for share in shares
         ]
         card.target_utilization = rng.uniform(55, 99)
         card.target_memory_mb = card.usable_mb * rng.uniform(0.35, 0.95)
@@ -554,8 +613,6 @@ class SimulatedBackend:
         rng = self._rng
         if card.processes and rng.random() < JOB_FINISH_CHANCE:
             card.processes = []
-        elif not card.processes and rng.random() < JOB_START_CHANCE:
-            self._start_job(card)
         if card.processes:
             card.utilization = _revert(
                 card.utilization, card.target_utilization, 0.3, rng.gauss(0, 6), 0, 100

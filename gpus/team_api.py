@@ -94,7 +94,14 @@ class MemberQuotaInputSerializer(QuotaInputSerializer):
 class QuotaUseSerializer(serializers.Serializer):
     cards_now = serializers.IntegerField()
     gb_now = serializers.FloatField()
-    gpu_hours_week = serializers.FloatField(help_text="Booked or used this week (Monday to Sunday).")
+    # Booked, never used: the figure the weekly quota counts. "Used" GPU-hours (utilization-
+    # weighted) are /api/v1/usage/'s gpu_hours_used; the same two words mean the same on every page.
+    gpu_hours_booked_week = serializers.FloatField(
+        source="gpu_hours_week",
+        help_text="GPU-hours booked in this calendar week (Monday to Sunday), including what is booked "
+        "for later this week: what gpu_hours_per_week limits. Used hours: /api/v1/usage/ gpu_hours_used.",
+    )
+    gpu_hours_week = serializers.FloatField(help_text="Deprecated: the same as gpu_hours_booked_week.")
 
 
 NO_USE = {"cards_now": 0, "gb_now": 0.0, "gpu_hours_week": 0.0}
@@ -134,7 +141,7 @@ class MemberSerializer(serializers.ModelSerializer):
     @extend_schema_field(QuotaUseSerializer)
     def get_use(self, membership: Membership) -> dict[str, Any]:
         use = self.context["use"].get(membership.user_id)
-        return QuotaUseSerializer(use).data if use else dict(NO_USE)
+        return QuotaUseSerializer(use or NO_USE).data
 
 
 class MayChangeTeam(BasePermission):

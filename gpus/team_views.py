@@ -24,11 +24,12 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_http_methods, require_POST
 
+from gpus.calendar_views import calendar_panel
 from gpus.idle import team_auto_release_set
 from gpus.models import Reservation
 from gpus.quotas import NO_USE, over_limits, quota_member_set, quota_team_set, team_use, team_use_total
 from gpus.team_forms import AutoReleaseForm, MemberQuotaForm, QuotaForm, TeamQuotaForm
-from portal.access import is_admin, team_for_user
+from portal.access import is_admin, leads_team, team_for_user
 from portal.errors import ServiceError
 from portal.filters import AuditEntryFilter, filter_list
 from portal.models import AuditEntry, Membership, Team
@@ -58,6 +59,8 @@ def _team_page(
         "team_form": (team_form or TeamQuotaForm.for_team(team)) if is_admin(request.user) else None,
         "members": members,
         "auto_release_form": AutoReleaseForm.for_team(team),
+        # Its leaders' feed of the team's bookings (admins who do not lead it have servers' feeds).
+        "calendar": calendar_panel(request, team=team) if leads_team(request.user, team) else None,
         **_team_bookings(team, now),
         **_team_audit(request, team),
     }

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from gpus import report_views, team_views, timeline_views, views
+from gpus import calendar_views, report_views, team_views, timeline_views, views
 from gpus import reservation_views as rv
 from gpus import violation_views as vv
 
@@ -20,6 +20,9 @@ urlpatterns = [
     path("violations/<int:pk>/", vv.violation_detail, name="violation_detail"),
     path("reports/", report_views.reports, name="reports"),
     path("reports/usage.csv", report_views.reports_csv, name="reports_csv"),
+    # A secret iCalendar address for calendar apps: no sign-in (gpus/calendars.py).
+    path("calendar/<slug:secret>.ics", calendar_views.calendar_feed, name="calendar_feed"),
+    path("calendar/new-link/", calendar_views.calendar_renew, name="calendar_renew"),
     path("teams/<slug:slug>/", team_views.team_detail, name="team_detail"),
     path("teams/<slug:slug>/quota/", team_views.team_quota, name="team_quota"),
     path("teams/<slug:slug>/members/<str:username>/quota/", team_views.member_quota, name="member_quota"),

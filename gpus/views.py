@@ -7,9 +7,11 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.views.decorators.http import require_GET
 
+from gpus.calendar_views import calendar_panel
 from gpus.models import GPU
 from gpus.selectors import dashboard_servers as select_dashboard_servers
 from gpus.selectors import gpu_history
+from portal.access import is_admin
 
 
 def _servers_html(request: HttpRequest) -> str:
@@ -36,7 +38,9 @@ def gpu_detail(request: HttpRequest, uuid: str) -> HttpResponse:
     gpu = get_object_or_404(GPU.objects.select_related("server"), uuid=uuid)
     if request.GET.get("part") == "facts":  # read again after a telemetry round (static/js/live.js)
         return render(request, "gpus/_gpu_facts.html", {"gpu": gpu})
-    return render(request, "gpus/gpu_detail.html", {"gpu": gpu})
+    # Admins' feed of every booking of the card's server (gpus/calendars.py).
+    calendar = calendar_panel(request, server=gpu.server) if is_admin(request.user) else None
+    return render(request, "gpus/gpu_detail.html", {"gpu": gpu, "calendar": calendar})
 
 
 @require_GET

@@ -26,6 +26,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from gpus.procinfo import session_of
+from jobs.dcgm import mapping_start
 from jobs.logs import log_append
 from jobs.models import Job
 from jobs.spool import stop_flag
@@ -68,6 +69,7 @@ def kill_orphans(server: str) -> int:
             killed += _end_orphans_of(job, uid)
         except Exception:  # one job's leftovers never stop the sweep of the others
             log.exception("Could not end what job %s left running", job.pk)
+    mapping_start(server)  # nor DCGM's job mapping of them (jobs/dcgm.py)
     return killed
 
 

@@ -47,6 +47,7 @@ from django.utils import timezone
 
 from gpus.booking import released_words
 from gpus.models import Reservation
+from jobs.dcgm import session_name, work_ended, work_started
 from jobs.environment import INHERITED_ENV, BookedCard, JobSetupError, activation, session_environment
 from jobs.interactive import LOST, lab_path, session_stopped_tell, session_warn_ending
 from jobs.launch import LAUNCHER, account_of
@@ -105,6 +106,7 @@ class LabSupervisor:
         except (JobSetupError, OSError) as exc:
             return self._finish(Session.FAILED, f"JupyterLab could not start: {exc}", None)
         self.proc = JobSession(popen)
+        work_started(session_name(self.pk), self.session.gpu_uuids)  # DCGM's hpc_job (jobs/dcgm.py)
         InteractiveSession.objects.filter(pk=self.pk).update(
             pid=self.proc.leader.pid, pid_started=self.proc.leader.started
         )
@@ -319,10 +321,12 @@ class LabSupervisor:
         return self._finish(Session.ENDED if self.ran else Session.FAILED, why, code)
 
     def _finish(self, status: str, why: str, code: int | None) -> str:
+        work_ended(session_name(self.pk))
         message = f"{why[:1].upper()}{why[1:]}."[:500]
         updated = InteractiveSession.objects.filter(pk=self.pk, status__in=InteractiveSession.ACTIVE).update(
             status=status, finished_at=timezone.now(), exit_code=code, message=message, kernels=[]
         )
+        work_ended(session_name(self.pk))  # again: a refresh may have read the row before
         if updated and status == Session.ENDED and why != "JupyterLab exited by itself":
             session = InteractiveSession.objects.select_related("reservation", "owner", "server").get(
                 pk=self.pk

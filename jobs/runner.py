@@ -34,6 +34,7 @@ from django.utils import timezone
 
 from gpus.booking import released_words
 from gpus.models import Reservation
+from jobs.dcgm import job_name, work_ended, work_started
 from jobs.environment import JobSetupError
 from jobs.launch import job_claim, launch_for, patiently
 from jobs.log_live import job_changed
@@ -136,6 +137,7 @@ class Supervisor:
             self._finish(Job.Status.FAILED, None, f"Could not start {launch.argv[0]}: {exc}")
             return
         self.session = JobSession(self.proc)  # its identity, taken before anything can reap it
+        work_started(job_name(job.pk), job.gpu_uuids)  # DCGM's hpc_job label (jobs/dcgm.py)
         job.started_at = timezone.now()
         self.env_applied = launch.env_applied
         # Its process runs now, whatever the database says: watched from here on, and the row
@@ -600,6 +602,7 @@ class Supervisor:
 
         The worker's word is final even over LOST (marked while it was out of touch)."""
         self.final_status = status
+        work_ended(job_name(self.job.pk))
         record = EndRecord(
             status=status, exit_code=code, message=message[:1000], finished_at=timezone.now().isoformat()
         )
@@ -608,7 +611,9 @@ class Supervisor:
                 record.write(self.spool.name)
             except OSError:
                 log.exception("Job %s: could not spool its end; the database is its only record", self.job.pk)
-        if not self._store_end(record):
+        stored = self._store_end(record)
+        work_ended(job_name(self.job.pk))  # again: a refresh may have read the row before its end
+        if not stored:
             return
         if self.spool is not None:
             EndRecord.remove(self.spool.name)

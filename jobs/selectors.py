@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Q, QuerySet
 from django.http import Http404
+from django.utils import timezone
 
 from gpus.hooks import SESSION_ENDED, JobOutcome
+from gpus.models import GPU, Allocation
 from jobs.models import InteractiveSession, Job
 from jobs.queue import Entry
 from portal.access import display_name, is_admin, team_ids_of, teams_led_by
@@ -104,3 +107,70 @@ def queue_rows(viewer: AbstractBaseUser, entries: Sequence[Entry]) -> list[dict[
             }
         )
     return rows
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a job that is not running yet will run, as far as anyone knows now.
+
+    `booked`: its booking names the cards (a job on a booking, or a queued job the scheduler
+    booked); otherwise they are the queue's plan (`planned`: its estimate, which may change).
+    With no cards, `waits` says why in words: the job page's one line "not placed yet"."""
+
+    server: str = ""
+    cards: tuple[tuple[int, str], ...] = ()  # (index, model), in index order
+    memory_mb: int | None = None  # per card; None: whole cards
+    start: datetime | None = None
+    booked: bool = False
+    waits: str = ""  # a clause: "not enough free cards now"
+    note: str = ""  # the queue's words beyond its reason (a silent worker where it would fit)
+
+    @property
+    def planned(self) -> bool:
+        return bool(self.cards) and not self.booked
+
+    @property
+    def models(self) -> str:
+        """The cards' models, each once: a mixed server's cards may differ."""
+        return ", ".join(dict.fromkeys(model for _, model in self.cards))
+
+
+NOT_YET_RUNNING = (Job.Status.PENDING, Job.Status.QUEUED, Job.Status.STARTING)
+
+
+def job_placement(job: Job, entry: Entry | None) -> Placement | None:
+    """Where `job` will run (None once it runs or has ended): its booking's cards, else the
+    queue's plan for it (`entry`, from jobs.scheduler.queue_plan; None: the plan was not read,
+    and the stored reason stands in)."""
+    if job.status not in NOT_YET_RUNNING:
+        return None
+    if job.gpu_uuids:
+        allocations = Allocation.objects.filter(reservation_id=job.reservation_id, gpu_id__in=job.gpu_uuids)
+        # One share for every card of a booking; None (whole cards) when any card is whole.
+        shares = list(allocations.values_list("memory_mb", flat=True))
+        memory = None if None in shares else max(shares, default=None)
+        return _placement(job.gpu_uuids, memory, job.not_before, booked=True)
+    planned = (entry.start_now or entry.held) if entry is not None else []
+    if entry is not None and planned:
+        start = timezone.now() if entry.start_now else entry.estimated_start  # held: estimated
+        return _placement(planned, job.memory_mb, start, booked=False)
+    server = job.request_server.name if job.request_server_id else ""
+    reason = entry.reason if entry is not None else job.pending_reason
+    label = str(Job.Reason(reason).label) if reason in Job.Reason.values else ""
+    waits = label[:1].lower() + label[1:] if label else "it waits for the scheduler's next pass"
+    return Placement(
+        server=server,
+        memory_mb=job.memory_mb,
+        start=entry.estimated_start if entry is not None else None,
+        waits=waits,
+        note=entry.note if entry is not None else "",
+    )
+
+
+def _placement(
+    uuids: Sequence[str], memory_mb: int | None, start: datetime | None, *, booked: bool
+) -> Placement:
+    gpus = GPU.objects.filter(uuid__in=list(uuids)).select_related("server").order_by("server__name", "index")
+    cards = tuple((g.index, g.name) for g in gpus)
+    server = ", ".join(dict.fromkeys(g.server.name for g in gpus))
+    return Placement(server=server, cards=cards, memory_mb=memory_mb, start=start, booked=booked)

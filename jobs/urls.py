@@ -1,8 +1,10 @@
 from django.urls import path
 
-from jobs import log_stream, page_events, session_views, views
+from jobs import log_stream, page_events, prometheus_views, session_views, views
 
 urlpatterns = [
+    # Prometheus' scrape, at the root where it looks by default (404 unless METRICS_TOKEN is set).
+    path("metrics", prometheus_views.metrics, name="prometheus_metrics"),
     # The jobs API is portal/api_urls.py's router; this one answers async, so it sits beside it.
     path("api/v1/jobs/<int:pk>/log/stream/", log_stream.JobLogStream.as_view(), name="job_log_stream"),
     path("jobs/", views.my_jobs, name="my_jobs"),

@@ -33,7 +33,7 @@ from jobs.metrics import job_card_usage, metrics_csv_response
 from jobs.models import InteractiveSession, Job
 from jobs.rightsizing import REPORT_PERIODS, oversized_report, report_days, size_hint_for
 from jobs.scheduler import queue_plan
-from jobs.selectors import get_job_for_user, jobs_visible_to, queue_rows
+from jobs.selectors import get_job_for_user, job_placement, jobs_visible_to, queue_rows
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
 from portal.access import can_manage, team_for_user
@@ -173,6 +173,7 @@ def _status_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         "peak_memory": peak,
         "env_applied": env_applied,
         "queue_entry": entry,
+        "placement": job_placement(job, entry),
     }
 
 

@@ -40,15 +40,17 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from time import monotonic
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Allocation, Server, Violation, WatchdogPolicy, format_mb
 from gpus.procinfo import is_process_pid, session_of
+from jobs.dcgm import mapping_refresh
 from jobs.models import InteractiveSession, Job
 from jobs.runner import CANCEL_POLL_SECONDS
 from jobs.watchdog import BookingFacts, JobFacts, Kind, SessionFacts, Verdict, classify
@@ -148,6 +150,8 @@ class HostWatchdog:
 
         Each violation is its own step: an error in one (its row deleted, say) is logged once and
         never stops the others. Only the database going away ends the round, to be retried."""
+        began = monotonic()
+        mapping_refresh(self.server_name)  # DCGM's hpc_job files, from the database (jobs/dcgm.py)
         now = now or timezone.now()
         if self.server_id is None:
             self.server_id = Server.objects.filter(name=self.server_name).values_list("pk", flat=True).first()
@@ -191,7 +195,16 @@ class HostWatchdog:
             Violation.objects.filter(server_id=server, ended_at=None, gpu_id__in=readable).exclude(
                 pk__in=held_ids
             ).update(last_seen=now)
+        self._took(monotonic() - began)
         return verdicts
+
+    def _took(self, seconds: float) -> None:
+        """How long the round took, for /metrics (jobs/prometheus.py): one UPDATE, never the
+        round's failure."""
+        try:
+            Server.objects.filter(pk=self.server_id).update(watchdog_round_seconds=seconds)
+        except DatabaseError as exc:
+            log.debug("GPU watchdog: could not record its round time: %s", exc)
 
     def _held_and_ending(
         self, verdicts: list[Verdict], readable: set[str], now: datetime

@@ -8,7 +8,8 @@
   one person outside jobs) of one kind on one card that overlap in time are one offence, so a job
   of three processes over its memory is one, not three (`offences`).
 
-Every message is in the inbox; mail follows each person's preferences, at most one per person and
+The teams concerned are told too, in their chat and webhook channels (portal.channels), with the
+same key. Every message is in the inbox; mail follows each person's preferences, at most one per person and
 violation every NOTIFY_MAIL_EVERY_MINUTES (the key `violation:<id>`; a stop or a failed stop has a
 key of its own, so it is never held back by the first warning).
 """
@@ -27,6 +28,8 @@ from django.utils import timezone
 
 from gpus.models import Allocation, Violation, format_mb
 from gpus.selectors import program_name
+from jobs.models import Job
+from portal.channels import team_channels_notify
 from portal.models import Membership
 from portal.notifications import notification_send
 from portal.timefmt import format_time
@@ -70,7 +73,26 @@ def tell_about(violation: Violation, *, event: str, next_step: str = "", pids: S
             key=key,
         )
         told += 1
+    _tell_teams(violation, event, subject, url, key, next_step, pids)
     return told
+
+
+def _tell_teams(
+    violation: Violation, event: str, subject: str, url: str, key: str, next_step: str, pids: Sequence[int]
+) -> None:
+    """The chat and webhook channels of the teams concerned (portal.channels): the team the
+    offender worked for (their job's, else each of theirs) and the team of the booking on the card.
+    They get what a teammate may read: the program's name, never its arguments."""
+    teams = set()
+    if violation.job_id is not None:
+        teams.update(Job.objects.filter(pk=violation.job_id).values_list("team_id", flat=True))
+    elif violation.user_id is not None:
+        teams.update(Membership.objects.filter(user_id=violation.user_id).values_list("team_id", flat=True))
+    if violation.reservation is not None:
+        teams.add(violation.reservation.team_id)
+    body = _body(violation, event, "team", next_step, pids)
+    for team_id in sorted(teams):
+        team_channels_notify(team=team_id, kind=violation.kind, subject=subject, body=body, url=url, key=key)
 
 
 def _people(violation: Violation, event: str) -> list[tuple[object, str]]:
@@ -175,6 +197,8 @@ def _advice(violation: Violation, role: str) -> str:
         return "It is on your booking: the portal deals with it as above; you need do nothing."
     if role == "leader":
         return "You lead a team of the person concerned, who has had several violations this week."
+    if role == "team":
+        return "Sent to this team's channel: its leaders see every violation on the portal's Violations page."
     return {
         Violation.Kind.ESCAPED: "Keep to your booked cards: use the CUDA_VISIBLE_DEVICES the portal sets.",
         Violation.Kind.OVER_MEMORY: (

@@ -8,7 +8,17 @@ from rest_framework.authtoken.models import TokenProxy
 
 from portal.errors import Invalid
 from portal.identity import unix_account_claim_confirm, unix_account_valid
-from portal.models import ApiToken, AuditEntry, ExternalAccount, Membership, Notification, Profile, Team
+from portal.models import (
+    ApiToken,
+    AuditEntry,
+    ChannelDelivery,
+    ExternalAccount,
+    Membership,
+    Notification,
+    NotificationChannel,
+    Profile,
+    Team,
+)
 from portal.services import api_token_revoke, signin_unlock
 
 
@@ -165,6 +175,39 @@ class NotificationAdmin(admin.ModelAdmin):
     list_filter = ["kind", "mail_status"]
     search_fields = ["subject", "user__username", "key"]
     readonly_fields = [field.name for field in Notification._meta.fields]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(NotificationChannel)
+class NotificationChannelAdmin(admin.ModelAdmin):
+    """Seen and deleted here, never changed: the URL is a secret (stored encrypted, shown masked);
+    its owner adds a channel on their profile or the team's page (portal.channels)."""
+
+    list_display = ["__str__", "user", "team", "url_masked", "last_sent_at", "last_error"]
+    list_filter = ["team"]
+    search_fields = ["label", "user__username", "team__slug"]
+    exclude = ["url_encrypted"]
+    readonly_fields = [f.name for f in NotificationChannel._meta.fields if f.name != "url_encrypted"]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(ChannelDelivery)
+class ChannelDeliveryAdmin(admin.ModelAdmin):
+    """What went to which channel, and what became of it: read-only (the row is the record)."""
+
+    list_display = ["created_at", "channel", "kind", "subject", "status", "attempts", "sent_at"]
+    list_filter = ["status", "kind"]
+    readonly_fields = [f.name for f in ChannelDelivery._meta.fields]
 
     def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
         return False

@@ -2,11 +2,12 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from gpus import team_api
+from gpus import calendar_api, team_api
 from gpus.api import GPUViewSet, ReservationViewSet, ServerViewSet, UsageViewSet, ViolationViewSet
 from jobs.api import JobViewSet, QueueViewSet
 from jobs.session_api import SessionViewSet
 from portal import api as portal_api
+from portal import channel_api
 
 router = DefaultRouter()
 router.register("servers", ServerViewSet, basename="server")
@@ -18,6 +19,9 @@ router.register("jobs", JobViewSet, basename="job")
 router.register("queue", QueueViewSet, basename="queue")
 router.register("sessions", SessionViewSet, basename="session")
 router.register("notifications", portal_api.NotificationViewSet, basename="notification")
+router.register(
+    "notification-channels", channel_api.NotificationChannelViewSet, basename="notification-channel"
+)
 
 urlpatterns = [
     path("token/", portal_api.TokenObtain.as_view(), name="api_token"),
@@ -27,4 +31,5 @@ urlpatterns = [
     path("", include(router.urls)),
     *portal_api.team_urlpatterns,
     *team_api.team_urlpatterns,
+    *calendar_api.me_urlpatterns,  # me/, me/calendar/: who is asking, their calendar feeds
 ]

@@ -355,3 +355,105 @@ class ExternalAccount(models.Model):
 
     def __str__(self) -> str:
         return f"{self.get_source_display()} {self.subject} at {self.issuer} → {self.user}"
+
+
+class NotificationChannel(models.Model):
+    """A chat room or webhook that gets a copy of notifications, through apprise (portal.channels):
+    a person's own (their events) or a team's (the team's events: violations, idle bookings, quota
+    refusals), never both (a database check). The URL holds its service's secret: it is stored
+    encrypted (url_encrypted, Fernet) beside a masked form (url_masked) that lists show, so a list
+    never decrypts and nothing shows or logs the URL in clear. docs/notifications.md."""
+
+    # Only team channels get it: a refused booking is told to its person in the answer itself.
+    QUOTA_REFUSED = "quota_refused"
+    QUOTA_REFUSED_LABEL = "Quota refusal: a booking was refused by a quota of the team"
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="notification_channels",
+    )
+    team = models.ForeignKey(
+        Team, null=True, blank=True, on_delete=models.CASCADE, related_name="notification_channels"
+    )
+    label = models.CharField(max_length=100, blank=True, help_text="What it is, e.g. '#gpu-alerts on Slack'.")
+    url_encrypted = models.TextField(help_text="The apprise URL, a Fernet token (portal.channels).")
+    url_masked = models.CharField(max_length=1000, help_text="The URL with its secrets masked, for lists.")
+    events = models.JSONField(default=list, blank=True, help_text="Event kinds sent; empty: all the owner's.")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_sent_at = models.DateTimeField(null=True, blank=True)
+    # What the service answered last time it failed (its secrets masked); empty after a success.
+    last_error = models.CharField(max_length=500, blank=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(user__isnull=False, team__isnull=True)
+                | models.Q(user__isnull=True, team__isnull=False),
+                name="notification_channel_one_owner",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.label or self.url_masked
+
+    def wants(self, kind: str) -> bool:
+        return not self.events or kind in self.events
+
+
+class ChannelDelivery(models.Model):
+    """One message to one channel (a notification's copy, or a team event). The row is the record:
+    the Celery message (portal.tasks.channel_deliver) only carries its id.
+
+    QUEUED → SENDING (claimed by a conditional UPDATE) → SENT or FAILED, or back to QUEUED to retry
+    a failure with backoff up to CHANNEL_RETRIES. A worker lost while SENDING leaves it there (never
+    sent twice); a QUEUED one whose message was lost is sent again by beat
+    (portal.channels.channel_stranded_requeue)."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        SENDING = "sending", "Sending"
+        SENT = "sent", "Sent"
+        FAILED = "failed", "Failed"
+
+    channel = models.ForeignKey(NotificationChannel, on_delete=models.CASCADE, related_name="deliveries")
+    notification = models.ForeignKey(
+        Notification, null=True, blank=True, on_delete=models.CASCADE, related_name="channel_deliveries"
+    )
+    kind = models.CharField(max_length=32)
+    subject = models.CharField(max_length=200)
+    body = models.TextField()
+    url = models.CharField(max_length=500, blank=True)
+    key = models.CharField(max_length=100, blank=True)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.QUEUED)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    queued_at = models.DateTimeField(
+        null=True, blank=True, help_text="When its last Celery message went out."
+    )
+    sent_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.CharField(max_length=500, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "channel deliveries"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["channel", "notification"],
+                condition=models.Q(notification__isnull=False),
+                name="channel_delivery_once_per_notification",
+            )
+        ]
+        indexes = [
+            models.Index(fields=["channel", "key", "created_at"], name="channel_delivery_key"),
+            models.Index(fields=["status", "queued_at"], name="channel_delivery_status"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.channel}: {self.subject} ({self.status})"

@@ -2,7 +2,8 @@
 
 `notification_send` is what gpus and jobs call (the GPU watchdog, bookings, jobs): the entry is
 always written; the mail goes after commit through `portal.mail` (the task
-`portal.tasks.mail_notification`, on the portal's own queue), and a mail that cannot go is logged,
+`portal.tasks.mail_notification`, on the portal's own queue; copies to the person's chat and
+webhook channels go the same way through portal.channels), and a mail that cannot go is logged,
 retried, at worst given up: never an error for the sender. docs/notifications.md says what is sent to whom.
 """
 
@@ -21,6 +22,7 @@ from django.utils import timezone
 from django_filters.widgets import BooleanWidget
 
 from portal.changes import user_change_publish
+from portal.channels import notification_channels_queue
 from portal.errors import Invalid
 from portal.filters import unknown_choice
 from portal.mail import mail_queue
@@ -67,6 +69,7 @@ def notification_send(
     )
     if notification.mail_status == Mail.QUEUED:
         transaction.on_commit(partial(mail_queue, notification.pk))
+    notification_channels_queue(notification)  # the person's chat and webhook channels, after commit
     user_change_publish(user.pk)  # once committed: the user's open pages update their bell
     return notification
 

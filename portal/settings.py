@@ -405,6 +405,24 @@ WATCHDOG_DRY_RUN = env_bool("WATCHDOG_DRY_RUN", False)
 # Team leaders are told of a person's violations from this many in a week on.
 WATCHDOG_REPEAT_OFFENCES = env_int("WATCHDOG_REPEAT_OFFENCES", 3, min_value=1)
 
+# --- Prometheus and DCGM (docs/integrations.md) ---
+# GET /metrics answers Prometheus with this bearer token (or METRICS_TOKEN_FILE); empty: no
+# /metrics at all (404), so a portal that nobody scrapes shows nothing about its cards.
+METRICS_TOKEN = env_str("METRICS_TOKEN", "").strip()
+if 0 < len(METRICS_TOKEN) < 16:
+    raise ImproperlyConfiguredEnv(
+        f"METRICS_TOKEN has {len(METRICS_TOKEN)} characters: use at least 16, e.g. the output of"
+        ' python -c "import secrets; print(secrets.token_urlsafe(32))"'
+    )
+# On a GPU host: the folder DCGM exporter reads with --hpc-job-mapping-dir (one file per GPU index
+# naming the portal jobs and sessions on it, jobs/dcgm.py). Empty: no mapping written.
+DCGM_HPC_JOB_MAPPING_DIR = env_str("DCGM_HPC_JOB_MAPPING_DIR", "").strip()
+if DCGM_HPC_JOB_MAPPING_DIR and not Path(DCGM_HPC_JOB_MAPPING_DIR).is_absolute():
+    raise ImproperlyConfiguredEnv(
+        f"DCGM_HPC_JOB_MAPPING_DIR={DCGM_HPC_JOB_MAPPING_DIR!r} must be an absolute path, the same folder"
+        " DCGM exporter reads with --hpc-job-mapping-dir (e.g. /run/dcgm-job-map)"
+    )
+
 # The OS account jobs run as. Empty: the worker's own, which can read what the worker
 # can (its env file with DATABASE_URL and SECRET_KEY): fine on a one-person machine, not
 # on a shared server. "@owner": each job runs as its owner's Unix account (their profile's, from
@@ -555,6 +573,34 @@ if HTTPS and not PORTAL_URL.startswith("https://"):
     )
 # At most one mail per person and notification key (e.g. one violation) this often; 0: no limit.
 NOTIFY_MAIL_EVERY_MINUTES = env_int("NOTIFY_MAIL_EVERY_MINUTES", 10, min_value=0)
+
+# --- Chat and webhook channels (portal/channels.py, docs/notifications.md) ---------------
+# Channel URLs hold their service's secret: encrypted with the first of these Fernet keys, read
+# with any (rotation: put the new key first, run portal.channels.channel_keys_rotate, drop the old).
+# Unset: a key derived from SECRET_KEY, so changing SECRET_KEY makes stored channels unreadable.
+CHANNEL_ENCRYPTION_KEYS = env_list("CHANNEL_ENCRYPTION_KEYS", [])  # or CHANNEL_ENCRYPTION_KEYS_FILE
+# The apprise schemes people may add; json/form post from the portal's host to any address.
+CHANNEL_SCHEMES = env_list(
+    "CHANNEL_SCHEMES",
+    [
+        *("slack", "mmost", "mmosts", "matrix", "matrixs", "msteams", "ntfy", "ntfys", "discord"),
+        *("rocket", "rockets", "json", "jsons", "form", "forms"),
+    ],
+)
+# A failed send is tried again this many times (30 s, 1, 2, 4 min ...), then marked failed.
+CHANNEL_RETRIES = env_int("CHANNEL_RETRIES", 4, min_value=0, max_value=10)
+# Connect and read timeout of each send (and of "Send a test", which the page waits for).
+CHANNEL_TIMEOUT_SECONDS = env_int("CHANNEL_TIMEOUT_SECONDS", 10, min_value=1, max_value=60)
+CELERY_BEAT_SCHEDULE["requeue-stranded-channel-deliveries"] = {
+    "task": "portal.tasks.requeue_stranded_channel_deliveries",
+    "schedule": 60.0,
+}
+
+# --- Calendar feeds (gpus/calendars.py, docs/integrations.md "Calendars") ---------------
+# A feed holds bookings that ended up to this many days ago and everything ahead, at most
+# CALENDAR_MAX_EVENTS of them (the oldest past ones go first); its links use PORTAL_URL.
+CALENDAR_PAST_DAYS = env_int("CALENDAR_PAST_DAYS", 60, min_value=0, max_value=3660)
+CALENDAR_MAX_EVENTS = env_int("CALENDAR_MAX_EVENTS", 1000, min_value=1, max_value=20000)
 
 # Live logs (jobs/log_stream.py, docs/live.md): a comment line this often keeps proxies from
 # closing a quiet stream, and is when a stream reads its job's status if nothing told it the end.

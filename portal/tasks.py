@@ -1,18 +1,27 @@
 """Celery tasks of the portal's own queue: thin wrappers that take ids and call a service.
 
 The mail tasks sit in portal/mail.py beside the queueing that sends them (so portal.mail and
-portal.notifications need not import each other); they are imported here for autodiscovery and
-keep their names here.
+portal.notifications need not import each other), and the chat and webhook ones in
+portal/channels.py for the same reason; they are imported here for autodiscovery and keep their
+names here.
 """
 
 from __future__ import annotations
 
 from celery import shared_task
 
+from portal.channels import channel_deliver, requeue_stranded_channel_deliveries
 from portal.mail import MAIL_RETRIES, mail_notification, requeue_stranded_mail
 from portal.services import signin_failures_prune
 
-__all__ = ["MAIL_RETRIES", "mail_notification", "prune_signin_failures", "requeue_stranded_mail"]
+__all__ = [
+    "MAIL_RETRIES",
+    "channel_deliver",
+    "mail_notification",
+    "prune_signin_failures",
+    "requeue_stranded_channel_deliveries",
+    "requeue_stranded_mail",
+]
 
 
 @shared_task(ignore_result=True, soft_time_limit=120, time_limit=180)

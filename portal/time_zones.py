@@ -25,6 +25,9 @@ from portal.models import Profile
 from portal.timefmt import valid_time_zone
 
 SESSION_KEY = "time_zone"
+OFFER_KEY = "time_zone_offer"  # set at a sign-in without a chosen zone; gone once answered
+# Answered in this browser (any choice, "my browser's" too, or "not now"): not offered again here.
+ANSWERED_COOKIE = "tz_offer_answered"
 BROWSER_COOKIE = "browser_tz"
 
 
@@ -52,6 +55,33 @@ def remember_on_sign_in(sender, request, user, **kwargs) -> None:  # type: ignor
         return
     chosen = Profile.objects.filter(user_id=user.pk).values_list("time_zone", flat=True).first()
     request.session[SESSION_KEY] = chosen or ""
+    # Nobody chose yet: every page of this session offers the browser's zone (or a choice) until
+    # they answer (base.html; `offer_of`).
+    request.session[OFFER_KEY] = not chosen
+
+
+def offer_of(request: HttpRequest, zone: str, source: str) -> str | None:
+    """Their browser's zone, to offer after a sign-in, while they have chosen none and it is not the
+    portal's own (then there is nothing to decide); else None. Reads only the session and cookies,
+    like `zone_of`."""
+    if source != "browser" or zone == settings.TIME_ZONE or ANSWERED_COOKIE in request.COOKIES:
+        return None
+    if settings.SESSION_COOKIE_NAME not in request.COOKIES:
+        return None
+    try:
+        offered = bool(getattr(request, "session", {}).get(OFFER_KEY))
+    except DatabaseError:
+        return None
+    return zone if offered else None
+
+
+def time_zone_offer_answered(request: HttpRequest, response: HttpResponse | None = None) -> None:
+    """Any answer (a choice, or "not now") ends the offer: for this session, and with `response`
+    for this browser too."""
+    if hasattr(request, "session"):
+        request.session.pop(OFFER_KEY, None)
+    if response is not None:
+        response.set_cookie(ANSWERED_COOKIE, "1", max_age=365 * 24 * 3600, samesite="Lax")
 
 
 class TimeZoneMiddleware:
@@ -63,6 +93,7 @@ class TimeZoneMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         zone, source = zone_of(request)
         request.time_zone, request.time_zone_source = zone, source  # type: ignore[attr-defined]
+        request.time_zone_offer = offer_of(request, zone, source)  # type: ignore[attr-defined]
         with timezone.override(zone):
             return self.get_response(request)
 
@@ -88,4 +119,5 @@ def profile_time_zone_set(
     Profile.objects.update_or_create(user=user, defaults={"time_zone": time_zone})
     if request is not None and hasattr(request, "session"):
         request.session[SESSION_KEY] = time_zone
+        time_zone_offer_answered(request)
     return time_zone

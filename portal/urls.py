@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from portal import event_views, notification_views, views
+from portal import channel_views, event_views, notification_views, views
 
 urlpatterns = [
     path("", include("gpus.urls")),
@@ -14,7 +14,11 @@ urlpatterns = [
     path("profile/time-zone/", views.profile_time_zone, name="profile_time_zone"),
     path("profile/tokens/", views.token_create, name="token_create"),
     path("profile/tokens/<int:pk>/revoke/", views.token_revoke, name="token_revoke"),
+    path("profile/channels/", channel_views.profile_channels, name="profile_channels"),
+    path("profile/channels/<int:pk>/test/", channel_views.channel_test_send, name="channel_test"),
+    path("profile/channels/<int:pk>/delete/", channel_views.channel_remove, name="channel_delete"),
     path("teams/", views.teams, name="teams"),
+    path("teams/<slug:slug>/channels/", channel_views.team_channels, name="team_channels"),
     path("events/", event_views.events, name="events"),
     path("notifications/", notification_views.notifications, name="notifications"),
     path("notifications/bell/", notification_views.notification_bell, name="notification_bell"),

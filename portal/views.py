@@ -24,10 +24,11 @@ from django.views.decorators.http import require_POST
 from portal.access import is_admin, roles_of, teams_visible_to
 from portal.errors import ServiceError
 from portal.forms import MailPreferenceForm, TimeZoneForm
+from portal.http import redirect_back
 from portal.models import ApiToken, Membership, Profile
 from portal.notifications import mail_kinds_wanted, mail_preference_set
 from portal.services import api_token_create, api_token_revoke
-from portal.time_zones import profile_time_zone_set
+from portal.time_zones import profile_time_zone_set, time_zone_offer_answered
 from portal.tokens import ApiTokenForm, api_token_expiry
 
 
@@ -69,6 +70,10 @@ def _profile_page(
 @login_required
 def profile_time_zone(request: HttpRequest) -> HttpResponse:
     """Where the person's times are shown and read; refused beside the field, nothing written."""
+    if "later" in request.POST:  # the offer after sign-in (base.html): not now, nothing saved
+        response = redirect_back(request, "dashboard")
+        time_zone_offer_answered(request, response)
+        return response
     form = TimeZoneForm(request.POST)
     if form.is_valid():
         try:
@@ -79,7 +84,13 @@ def profile_time_zone(request: HttpRequest) -> HttpResponse:
             form.add_service_error(error)
         else:
             messages.success(request, f"Times are now shown in {zone or 'your browser’s time zone'}.")
-            return redirect(reverse("profile") + "#time-zone")
+            response = (
+                redirect_back(request, "profile")
+                if request.POST.get("next")
+                else redirect(reverse("profile") + "#time-zone")
+            )
+            time_zone_offer_answered(request, response)
+            return response
     return _profile_page(request, zone_form=form)
 
 

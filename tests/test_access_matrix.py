@@ -40,13 +40,15 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
+from gpus.calendars import calendar_feed_get
 from gpus.forms import local_input
-from gpus.models import GPU, Reservation, Violation
+from gpus.models import GPU, CalendarFeed, Reservation, Violation
 from gpus.services import server_report_ingest
 from jobs.interactive import session_start
 from jobs.models import InteractiveSession, Job
 from jobs.submit import ScriptUpload, job_submit
-from portal.models import ApiToken, Membership, Notification, Team
+from portal.channels import channel_create
+from portal.models import ApiToken, Membership, Notification, NotificationChannel, Team
 from portal.notifications import notification_send
 from portal.services import api_token_create
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
@@ -62,6 +64,7 @@ QUEUED_JOB_NAME = "alices_queued_run.py"
 VIOLATION_COMMAND = "alices-violating-command"
 NOTIFICATION_SUBJECT = "alices-private-notification"
 SESSION_COMMAND = "alices_private_session.py"
+CHANNEL_SECRET = "alicesChannelHookKey42"
 PRIVATE_FROM = {
     BOOKING_NOTE: {"anonymous", "outsider"},  # teammates see the team's bookings
     JOB_NAME: {"anonymous", "teammate", "outsider"},  # owner, leaders, admins
@@ -69,6 +72,7 @@ PRIVATE_FROM = {
     VIOLATION_COMMAND: {"anonymous", "teammate", "outsider"},  # caused, own booking, leaders, admins
     NOTIFICATION_SUBJECT: {"anonymous", "teammate", "outsider", "leader", "admin"},  # hers alone
     SESSION_COMMAND: {"anonymous", "teammate", "outsider"},  # owner, leaders, admins (as jobs)
+    CHANNEL_SECRET: set(ROLES),  # a channel URL's key: stored encrypted, shown masked to everyone
 }
 
 
@@ -161,9 +165,15 @@ class World:
     def token(self) -> ApiToken:
         return api_token_create(user=self.alice, name="laptop", expires_at=None)[0]
 
+    @cached_property
+    def channel(self) -> NotificationChannel:
+        """alice's own webhook; nothing listens there, so a test send fails at once."""
+        return channel_create(by=self.alice, url=f"json://127.0.0.1:9/hooks/{CHANNEL_SECRET}")
+
     def populate(self) -> None:
         """Everything of alice's, for the pages that list what someone may see."""
-        for name in ("violation", "notification", "queued_job", "session"):  # a violation: booking, job
+        names = ("violation", "notification", "queued_job", "session", "channel")  # a violation: booking, job
+        for name in names:
             getattr(self, name)
 
 
@@ -247,6 +257,10 @@ def TOKEN(w: World) -> dict:
     return {"pk": w.token.pk}
 
 
+def CHANNEL(w: World) -> dict:
+    return {"pk": w.channel.pk}
+
+
 def GPU_(w: World) -> dict:
     return {"uuid": w.box[0].uuid}
 
@@ -265,6 +279,7 @@ def MEMBER(w: World) -> dict:
 
 # bodies
 REASON = {"reason": "needed for the deadline"}
+NEW_CHANNEL = {"url": "json://127.0.0.1:9/hooks/new"}
 QUOTA = {"max_cards": 1}
 
 
@@ -314,6 +329,14 @@ def REVOKED(w: World) -> bool:
     return _fresh(w.token).revoked_at is not None
 
 
+def CHANNEL_GONE(w: World) -> bool:
+    return not NotificationChannel.objects.filter(pk=w.channel.pk).exists()
+
+
+def TEAM_CHANNEL_ADDED(w: World) -> bool:
+    return NotificationChannel.objects.filter(team=w.team).exists()
+
+
 def TEAM_QUOTA_SET(w: World) -> bool:
     return _fresh(w.team).max_cards == 1
 
@@ -324,6 +347,16 @@ def MEMBER_QUOTA_SET(w: World) -> bool:
 
 def AUTO_RELEASE_ON(w: World) -> bool:
     return _fresh(w.team).auto_release_idle
+
+
+def OUTSIDERS_FEED(w: World) -> dict:
+    """charlie's calendar: a feed answers whoever holds its secret, anonymous included, so the
+    case uses one that holds nothing of alice's (who may have which feed: tests/test_calendar.py)."""
+    return {"secret": calendar_feed_get(user=w.outsider).secret}
+
+
+def OWN_FEED(w: World) -> bool:
+    return CalendarFeed.objects.filter(owner=w.alice, scope=CalendarFeed.Scope.USER).exists()
 
 
 def EXAMPLE_RAN(w: World) -> bool:
@@ -358,6 +391,9 @@ MATRIX: dict[str, Url] = {
     "team_detail": url(TEAM, get=MANAGERS, post=Do(MANAGERS, {"auto_release_idle": "on"}, AUTO_RELEASE_ON)),
     "team_quota": url(TEAM, get=NO, post=Do("login 403 403 404 403 ok", QUOTA, TEAM_QUOTA_SET)),
     "member_quota": url(MEMBER, get=NO, post=Do("login 403 403 404 ok ok", QUOTA, MEMBER_QUOTA_SET)),
+    # A calendar feed: no sign-in, its secret is the key; a new link renews one's own (by default).
+    "calendar_feed": url(OUTSIDERS_FEED, get="public", post=NO),
+    "calendar_renew": url(get=NO, post=Do(ALL, None, OWN_FEED, effect_roles="owner")),
     # --- pages: jobs -----------------------------------------------------------------------
     "my_jobs": url(get=ALL),
     "job_new": url(get=ALL),
@@ -377,6 +413,9 @@ MATRIX: dict[str, Url] = {
     "session_new": url(get=NO, post=Do("login ok refused refused refused refused", OPEN_LAB, LAB_OPENED)),
     "session_detail": url(SESSION, get="login ok 404 404 ok ok"),
     "session_end": url(SESSION, get=NO, post=Do("login ok 404 404 ok ok", None, SESSION_END_ASKED)),
+    # 404 while METRICS_TOKEN is unset, as here; a bearer token, never a session, opens it
+    # (tests/test_prometheus_metrics.py: 401 without it, 200 with it, 405 for other methods).
+    "prometheus_metrics": url(get="404", post="404"),
     # --- pages: portal ---------------------------------------------------------------------
     "login": url(get="public"),
     "oidc_authentication_init": url(get="404"),  # 404 unless OIDC_ISSUER is set, as in tests
@@ -387,6 +426,11 @@ MATRIX: dict[str, Url] = {
     "profile_time_zone": url(get=NO, post=Do(ALL, {"time_zone": "Asia/Tokyo"})),  # one's own
     "token_revoke": url(TOKEN, get=NO, post=Do("login ok 404 404 404 404", None, REVOKED)),
     "teams": url(get=ALL),
+    # chat and webhook channels: one's own (admins: all); a team's, its leaders' and admins'
+    "profile_channels": url(get=ALL, post=Do(ALL, NEW_CHANNEL)),
+    "channel_test": url(CHANNEL, get=NO, post="login ok 404 404 404 ok"),
+    "channel_delete": url(CHANNEL, get=NO, post=Do("login ok 404 404 404 ok", None, CHANNEL_GONE)),
+    "team_channels": url(TEAM, get=MANAGERS, post=Do(MANAGERS, NEW_CHANNEL, TEAM_CHANNEL_ADDED)),
     "notifications": url(get=ALL),
     "notification_bell": url(get="286 ok ok ok ok ok"),  # htmx stops polling on 286
     # ASGI only: under WSGI (this test client) a signed-in caller gets 404 and pages poll; what
@@ -448,6 +492,14 @@ MATRIX: dict[str, Url] = {
     "notification-detail": url(NOTIFICATION, get="401 ok 404 404 404 404", delete=API_NO),
     "notification-read": url(NOTIFICATION, post=Do("401 ok 404 404 404 404", None, READ)),
     "notification-read-all": url(post=Do(API_ALL, None, READ, effect_roles="owner")),
+    "notification-channel-list": url(get=API_ALL, post=Do(API_ALL, NEW_CHANNEL)),
+    "notification-channel-detail": url(
+        CHANNEL,
+        get="401 ok 404 404 404 ok",
+        patch=Do("401 ok 404 404 404 ok", {"label": "renamed"}),
+        delete=Do("401 ok 404 404 404 ok", None, CHANNEL_GONE),
+    ),
+    "notification-channel-test": url(CHANNEL, get=API_NO, post="401 ok 404 404 404 ok"),
     # --- API: teams ------------------------------------------------------------------------
     "api_teams": url(get=API_ALL),
     "api_team": url(
@@ -458,6 +510,9 @@ MATRIX: dict[str, Url] = {
         MEMBER, get="401 ok 403 404 ok ok", patch=Do(API_MANAGERS, QUOTA, MEMBER_QUOTA_SET)
     ),
     "api_team_audit": url(TEAM, get=API_MANAGERS),
+    # --- API: who is asking, and their calendar feeds (each person's own) --------------------
+    "api_me": url(get=API_ALL, post=API_NO),
+    "api_me_calendar": url(get=API_NO, post=Do(API_ALL, None, OWN_FEED, effect_roles="owner")),
 }
 PREFIX_RULES = [key[:-1] for key in MATRIX if key.endswith(":*")]
 

@@ -23,9 +23,6 @@ def _setup(settings, monkeypatch) -> None:
     settings.PORTAL_INSTANCE_ID = f"test-{os.getpid()}-{time.monotonic_ns()}"
 
 
-# The same unexplained miss as tests/test_page_push_browser.py's first test: the first job page of a
-# fresh in-thread server showed no log within its wait (make test, 2026-11-28). Once more, until found.
-@pytest.mark.flaky(reruns=1)
 def test_the_job_page_shows_each_line_as_printed_over_one_stream(asgi_page, job, alice):  # noqa: F811
     from playwright.sync_api import expect
 
@@ -57,6 +54,32 @@ def test_the_job_page_shows_each_line_as_printed_over_one_stream(asgi_page, job,
     expect(asgi_page.locator("#job-log-status")).to_contain_text("finished: succeeded")
     text = log.text_content()
     assert all(text.count(f"Z epoch {n}\n") == 1 for n in range(21))  # every line once
+
+
+def test_a_log_viewer_that_arrives_after_the_first_events_still_shows_them(asgi_page, job, alice):  # noqa: F811
+    """The page's scripts are deferred, and each runs once it has arrived: live.js used to open the
+    stream as it ran, and a job_log.js still on its way (a fresh server's first page) missed the
+    stream's first events for good (`ready` and the opening lines). It now opens at DOMContentLoaded,
+    after every deferred script ran. Here job_log.js comes half a second late; the events come in
+    milliseconds."""
+    from playwright.sync_api import expect
+
+    writer = LogWriter(job.pk)
+    writer.feed(b"epoch 0\n")
+    writer.flush()
+    log_in(asgi_page, "alice")
+
+    def late(route) -> None:
+        time.sleep(0.5)
+        route.continue_()
+
+    asgi_page.route("**/js/job_log.js*", late)
+    asgi_page.goto(f"/jobs/{job.pk}/")
+    expect(asgi_page.locator("#job-log")).to_contain_text("epoch 0")
+    expect(asgi_page.locator("#job-log-status")).to_have_text("live")
+    writer.feed(b"epoch 1\n")
+    expect(asgi_page.locator("#job-log")).to_contain_text("epoch 1")
+    writer.close()
 
 
 def test_without_the_stream_the_page_polls_and_says_so(page, job, alice):  # noqa: F811 - the fixtures

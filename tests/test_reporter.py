@@ -219,6 +219,7 @@ def test_it_reads_for_the_watchdog_often_and_publishes_at_the_telemetry_interval
         telemetry.snapshot_read.disconnect(watch)
 
 
+@pytest.mark.django_db  # the simulation reads the bookings: no invented process on a booked card
 def test_a_host_without_a_driver_reports_the_simulation(
     monkeypatch: pytest.MonkeyPatch, reporter: TelemetryReporter, settings
 ) -> None:  # type: ignore[no-untyped-def]

@@ -116,6 +116,53 @@ def test_it_shows_each_form_error_beside_its_field_and_writes_nothing(
     assert not Reservation.objects.exists() and not AuditEntry.objects.exists()
 
 
+def test_one_submit_names_every_problem_each_beside_its_field(client, alice, box, t0):
+    """Five bad fields, five messages, on the first submit: the form's parsing and the booking
+    service's own checks together (gpus.booking.request_problems); nothing is written."""
+    client.force_login(alice)
+    data = form_data(
+        t0,
+        gpus=[box[0].uuid],
+        count="2",
+        memory="12",
+        start=local_input(t0 - 5 * H),
+        end=local_input(t0 - 6 * H),
+        note="x" * 501,
+    )
+    response = client.post(reverse("reservation_new"), data)
+    errors = response.context["form"].errors
+    assert "Add a unit" in " ".join(errors["memory"])
+    assert "not both" in " ".join(errors["gpus"])
+    assert "in the past" in " ".join(errors["start"])
+    assert "must be after the start" in " ".join(errors["end"])
+    assert "at most 500 characters" in " ".join(errors["note"])
+    assert not Reservation.objects.exists() and not AuditEntry.objects.exists()
+
+
+def test_a_window_that_did_not_parse_is_not_judged_by_halves(client, alice, box, t0):
+    client.force_login(alice)
+    response = client.post(reverse("reservation_new"), form_data(t0, start="soon", gpus=[box[0].uuid]))
+    errors = response.context["form"].errors
+    assert list(errors) == ["start"], errors  # not also "the end must be after the start (now)"
+
+
+def test_the_api_names_every_problem_at_once(alice, box, t0):
+    response = api(alice).post(
+        "/api/v1/reservations/",
+        {
+            "gpus": [box[0].uuid],
+            "count": 2,
+            "start": (t0 - 5 * H).isoformat(),
+            "end": (t0 - 6 * H).isoformat(),
+        },
+        format="json",
+    )
+    assert response.status_code == 400, response.json()
+    body = response.json()
+    assert not Reservation.objects.exists()
+    assert {"gpus", "start", "end"} <= set(body["errors"]), body
+
+
 def test_it_shows_a_conflict_on_the_form(client, bob, booking, box, t0):
     client.force_login(bob)
     response = client.post(reverse("reservation_new"), form_data(t0, gpus=[box[0].uuid]))

@@ -73,7 +73,7 @@ def declare(card: GPU, pid: int, memory_mb: int) -> str:
 
 
 def snapshot(path: Path) -> Snapshot:
-    return SimulatedBackend(SERVER, seed=1, processes_file=path).snapshot()
+    return SimulatedBackend(SERVER, seed=1, processes_file=path, booked=frozenset).snapshot()
 
 
 def real(gpu: GPUInfo) -> list[ProcessInfo]:

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from django.db import OperationalError
 
+from gpus import simulated
 from gpus.simulated import (
     DEFAULT_INVENTORY,
+    MAX_INVENTED_PER_SERVER,
     InventoryError,
     SimulatedBackend,
     load_inventory,
@@ -36,6 +39,12 @@ VALID = {
         }
     ],
 }
+
+
+@pytest.fixture(autouse=True)
+def _nothing_booked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bookings come from the database (tests/test_demo_quiet.py): here, none."""
+    monkeypatch.setattr(simulated, "booked_cards", lambda server: frozenset())
 
 
 def write(tmp_path: Path, data: object) -> Path:
@@ -216,3 +225,34 @@ def test_one_database_is_one_portal(tmp_path: Path) -> None:
     assert lab == _instance_id(PORTAL_VAR_DIR=b, DATABASE_URL="postgres://portal:new@db.lab:5432/portal")
     assert lab != _instance_id(PORTAL_VAR_DIR=a, DATABASE_URL="postgres://portal:old@db.lab:5432/staging")
     assert _instance_id(PORTAL_VAR_DIR=a, PORTAL_INSTANCE_ID="lab-portal") == "lab-portal"
+
+
+# --- the bookings: where nothing is invented ---------------------------------------------------
+
+
+def test_it_invents_one_process_a_server_at_most_and_never_on_a_booked_card() -> None:
+    booked: set[str] = set()
+    backend = SimulatedBackend("sim-h100-8x80", seed=5, booked=lambda: booked)
+    places = set()
+    for i in range(300):
+        if i == 100:  # every card but the last, booked
+            booked = {g.uuid for g in backend.snapshot().gpus[:-1]}
+        snapshot = backend.snapshot()
+        busy = [g.uuid for g in snapshot.gpus if g.processes]
+        assert len(busy) <= MAX_INVENTED_PER_SERVER
+        assert not set(busy) & booked
+        places |= set(busy)
+
+    assert len(places) > 1  # it moves around, off the booked cards once they are booked
+
+
+def test_a_database_away_costs_the_simulation_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    def away() -> set[str]:
+        raise OperationalError("database is locked")
+
+    backend = SimulatedBackend("sim-rtx-4x24", seed=1, booked=away)
+    snapshots = [backend.snapshot() for _ in range(5)]
+
+    assert all(len(s.gpus) == 4 for s in snapshots)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "cannot read the bookings" in caplog.records[0].message

@@ -61,3 +61,60 @@ def test_a_sign_in_brings_the_profiles_zone_along(client, alice):
     Profile.objects.update_or_create(user=alice, defaults={"time_zone": "Europe/Berlin"})
     client.force_login(alice)
     assert "All times in Europe/Berlin (yours)." in client.get("/jobs/").content.decode()
+
+
+# --- the offer after a sign-in (base.html, portal/_time_zone_offer.html) -----------------------
+
+
+def _offer(page: str) -> bool:
+    return 'id="time-zone-offer"' in page
+
+
+def test_a_first_sign_in_offers_the_browsers_zone_and_using_it_saves_it(client, alice):
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    page = client.get("/jobs/").content.decode()
+    assert _offer(page) and "Use Asia/Tokyo" in page and "Use the portal's (UTC)" in page
+    answer = client.post("/profile/time-zone/", {"time_zone": "Asia/Tokyo", "next": "/jobs/"})
+    assert answer.status_code == 302 and answer["Location"] == "/jobs/"
+    assert Profile.objects.get(user=alice).time_zone == "Asia/Tokyo"
+    page = client.get("/jobs/").content.decode()
+    assert not _offer(page) and "All times in Asia/Tokyo (yours)." in page
+
+
+def test_keeping_the_portals_zone_is_an_answer_too(client, alice, settings):
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    client.post("/profile/time-zone/", {"time_zone": settings.TIME_ZONE, "next": "/jobs/"})
+    assert Profile.objects.get(user=alice).time_zone == settings.TIME_ZONE
+    client.logout()
+    client.force_login(alice)  # a later sign-in: they chose, nothing is offered
+    page = client.get("/jobs/").content.decode()
+    assert not _offer(page) and f"All times in {settings.TIME_ZONE} (yours)." in page
+
+
+def test_not_now_saves_nothing_and_is_not_asked_again_in_this_browser(client, alice):
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    answer = client.post("/profile/time-zone/", {"later": "1", "next": "/reservations/"})
+    assert answer.status_code == 302 and answer["Location"] == "/reservations/"
+    assert not Profile.objects.filter(user=alice).exclude(time_zone="").exists()
+    page = client.get("/jobs/").content.decode()
+    assert not _offer(page) and "All times in Asia/Tokyo (your browser's)." in page
+    client.logout()
+    client.force_login(alice)
+    assert not _offer(client.get("/jobs/").content.decode())  # the answer is kept in this browser
+
+
+def test_nothing_is_offered_where_there_is_nothing_to_decide(client, alice, settings):
+    client.force_login(alice)  # no browser zone known: the portal's, named in the footer
+    assert not _offer(client.get("/jobs/").content.decode())
+    client.cookies["browser_tz"] = settings.TIME_ZONE  # the browser's is the portal's
+    assert not _offer(client.get("/jobs/").content.decode())
+
+
+def test_an_offer_names_no_outside_address_in_its_next(client, alice):
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    answer = client.post("/profile/time-zone/", {"later": "1", "next": "https://evil.example/"})
+    assert answer["Location"] == "/"

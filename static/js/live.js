@@ -33,6 +33,7 @@
   let missed = false;
   let lastId = "";
   let hiddenTimer = null;
+  let started = false; // the stream is opened once the page's scripts have run (the end)
   const live = (window.portalLive = {
     up: false,
     // Whether this page has a stream at all (else every part polls from the start).
@@ -218,9 +219,21 @@
     } else {
       clearTimeout(hiddenTimer);
       hiddenTimer = null;
-      if (!stream && !gaveUp) open();
+      if (started && !stream && !gaveUp) open();
     }
   });
-  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", open);
-  else open();
+  // Not before the page's other scripts have said what they listen to: they are deferred too, and
+  // a deferred script runs only once it has arrived, so one still on its way (job_log.js on a slow
+  // first load) would miss the first events (`ready`, the log's opening lines: gone for good, as
+  // its offset then starts past them). DOMContentLoaded comes after every deferred script ran.
+  function start() {
+    if (started) return;
+    started = true;
+    open();
+  }
+  if (document.readyState === "complete") start();
+  else {
+    document.addEventListener("DOMContentLoaded", start);
+    window.addEventListener("load", start); // added after DOMContentLoaded (not done here): still opens
+  }
 })();

@@ -1,0 +1,137 @@
+"""Who is asking, and their calendar feeds: /api/v1/me/… (gpus/calendars.py has the rules).
+
+  GET   me/            anyone signed in: who they are, their teams and roles, and the addresses
+                       of their calendar feeds: their own (`calendar_url`), each team they lead
+                       (`team_calendar_urls`), and for admins each server (`server_calendar_urls`).
+                       Feeds are made on first ask.
+  POST  me/calendar/   a new secret for one feed: {} their own, {"team": slug} a team they lead,
+                       {"server": name} a server (admins). The old address answers 404 at once.
+                       403 naming the field when not theirs to have; 400 naming it when unknown.
+
+It lives in gpus, beside the feeds, because a feed reads bookings; portal/api_urls.py routes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.urls import URLPattern, path
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from gpus.calendars import (
+    calendar_feed_get,
+    calendar_feed_renew,
+    calendar_feed_url,
+    calendar_scope_from,
+    server_feeds_for_admin,
+)
+from portal.access import is_admin
+from portal.models import Membership, Profile, Team
+
+
+class MeTeamSerializer(serializers.Serializer):
+    slug = serializers.CharField()
+    name = serializers.CharField()
+    role = serializers.CharField(help_text="member or leader")
+
+
+class MeSerializer(serializers.Serializer):
+    username = serializers.CharField()
+    name = serializers.CharField(help_text="First and last name; empty if the portal has none.")
+    email = serializers.CharField()
+    is_admin = serializers.BooleanField()
+    time_zone = serializers.CharField(help_text="Their profile's time zone, else the portal's.")
+    teams = MeTeamSerializer(many=True)
+    calendar_url = serializers.URLField(help_text="Their own bookings as a secret iCalendar address.")
+    team_calendar_urls = serializers.DictField(
+        child=serializers.URLField(), help_text="Each team they lead (by slug): its bookings."
+    )
+    server_calendar_urls = serializers.DictField(
+        child=serializers.URLField(), help_text="Admins: each server (by name): every booking of it. Else {}."
+    )
+
+
+class CalendarRenewInputSerializer(serializers.Serializer):
+    team = serializers.CharField(required=False, help_text="A team you lead, by slug.")
+    server = serializers.CharField(required=False, help_text="A server, by name (admins).")
+
+    # Unknown keys are refused, so a typo ("teams") is an error rather than renewing the wrong feed.
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise ValidationError({unknown[0]: ["Unknown field: give team, server or neither."]})
+        return attrs
+
+
+class CalendarRenewSerializer(serializers.Serializer):
+    scope = serializers.ChoiceField(choices=["user", "team", "server"])
+    team = serializers.CharField(allow_null=True)
+    server = serializers.CharField(allow_null=True)
+    calendar_url = serializers.URLField(help_text="The new address; the old one answers 404.")
+
+
+def _time_zone(user: Any) -> str:
+    chosen = Profile.objects.filter(user_id=user.pk).values_list("time_zone", flat=True).first()
+    return chosen or settings.TIME_ZONE
+
+
+def _team_feed_url(user: Any, team: Team) -> str:
+    return calendar_feed_url(calendar_feed_get(user=user, team=team))
+
+
+class Me(APIView):
+    """Who you are, your teams, and your calendar addresses (made on first ask)."""
+
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(responses=MeSerializer)
+    def get(self, request: Request) -> Response:
+        user = request.user
+        memberships = list(Membership.objects.filter(user=user).select_related("team").order_by("team__name"))
+        led = [m.team for m in memberships if m.role == Membership.Role.LEADER]
+        servers = server_feeds_for_admin(user) if is_admin(user) else {}
+        body = {
+            "username": user.username,
+            "name": user.get_full_name(),
+            "email": user.email,
+            "is_admin": is_admin(user),
+            "time_zone": _time_zone(user),
+            "teams": [{"slug": m.team.slug, "name": m.team.name, "role": m.role} for m in memberships],
+            "calendar_url": calendar_feed_url(calendar_feed_get(user=user)),
+            "team_calendar_urls": {t.slug: _team_feed_url(user, t) for t in led},
+            "server_calendar_urls": {name: calendar_feed_url(feed) for name, feed in servers.items()},
+        }
+        return Response(MeSerializer(body).data)
+
+
+class CalendarRenew(APIView):
+    """A new secret for one of your calendar feeds; the old address answers 404 from now on."""
+
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(request=CalendarRenewInputSerializer, responses=CalendarRenewSerializer)
+    def post(self, request: Request) -> Response:
+        given = CalendarRenewInputSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        team, server = calendar_scope_from(request.user, given.validated_data)
+        feed = calendar_feed_renew(user=request.user, team=team, server=server)
+        body = {
+            "scope": feed.scope,
+            "team": team.slug if team else None,
+            "server": server.name if server else None,
+            "calendar_url": calendar_feed_url(feed),
+        }
+        return Response(CalendarRenewSerializer(body).data)
+
+
+me_urlpatterns: list[URLPattern] = [
+    path("me/", Me.as_view(), name="api_me"),
+    path("me/calendar/", CalendarRenew.as_view(), name="api_me_calendar"),
+]
