@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from uvicorn_worker import UvicornWorker
 
+from portal.log_filters import redact_access_logs
+
 STOP_SECONDS = 5
 # An idle keep-alive connection is closed by the server only after its clients would have dropped
 # it: httpx (the `gpu` CLI) and many proxies give up on one after 5 to 60 s, and a server that
@@ -20,6 +22,10 @@ KEEP_ALIVE_SECONDS = 65
 
 
 class Worker(UvicornWorker):
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)  # sets up uvicorn's loggers with gunicorn's handlers
+        redact_access_logs()  # the access log names no calendar secret (portal/log_filters.py)
+
     # Django has no lifespan handler; "off" spares each start a log line saying so.
     CONFIG_KWARGS = {
         **UvicornWorker.CONFIG_KWARGS,

@@ -125,7 +125,11 @@ def _get_channel_for_user(user: AbstractBaseUser, pk: int) -> NotificationChanne
 def channel_test_send(request: HttpRequest, pk: int) -> HttpResponse:
     """Send a test now; the page says what the service answered."""
     channel = _get_channel_for_user(request.user, pk)
-    ok, reason = channel_test(channel=channel, by=request.user)
+    try:
+        ok, reason = channel_test(channel=channel, by=request.user)
+    except ServiceError as error:  # tested too soon after the last test
+        messages.error(request, error.message)
+        return redirect(_back(channel))
     if ok:
         messages.success(request, f"Test sent to {channel}: check that it arrived.")
     else:

@@ -35,7 +35,8 @@ from django.shortcuts import get_object_or_404
 from django.utils import timezone
 
 from portal.access import can_manage_team, is_admin, only_managers, teams_led_by
-from portal.errors import Errors, Forbidden, Invalid
+from portal.channel_hosts import GENERIC, destination_problem, without_redirects
+from portal.errors import Errors, Forbidden, Invalid, TooSoon
 from portal.mail import portal_link
 from portal.models import ChannelDelivery, Notification, NotificationChannel, Team, WatchdogKind
 
@@ -130,7 +131,9 @@ def channel_keys_rotate() -> tuple[int, int]:
 
 # --- checking a channel -----------------------------------------------------------------------
 
-GENERIC = {"json", "jsons", "form", "forms", "xml", "xmls"}
+URL_MAX = 1000
+MASKED_PATHS = {"ntfy", "ntfys"}  # besides the generic webhooks: a path that is the secret
+MASKED_MAX = NotificationChannel._meta.get_field("url_masked").max_length
 _PART = re.compile(r"[A-Za-z0-9_\-.~%+=]{4,}")
 
 
@@ -140,11 +143,12 @@ def url_mask(plugin: apprise.NotifyBase) -> str:
     way, since such a path often is the hook's key."""
     masked = plugin.url(privacy=True).partition("?")[0]
     scheme, _, rest = masked.partition("://")
-    if scheme not in GENERIC:
-        return masked
+    if scheme not in GENERIC | MASKED_PATHS:
+        return masked[:MASKED_MAX]
     host, slash, path = rest.partition("/")
-    segments = [s if len(s) <= 8 else f"{s[0]}...{s[-1]}" for s in path.split("/")]
-    return f"{scheme}://{host}{slash}{'/'.join(segments)}"
+    # A webhook's path, and an ntfy topic (whoever knows it reads and posts), are their secrets.
+    segments = [s if len(s) < 4 or "..." in s else f"{s[0]}...{s[-1]}" for s in path.split("/")]
+    return f"{scheme}://{host}{slash}{'/'.join(segments)}"[:MASKED_MAX]
 
 
 def redact(text: str, url: str, masked: str) -> str:
@@ -171,6 +175,8 @@ def _check_url(url: str) -> apprise.NotifyBase:
     url = url.strip()
     if not url:
         raise Invalid(f"Give the channel's apprise URL, e.g. {EXAMPLES}.", field="url")
+    if len(url) > URL_MAX:
+        raise Invalid(f"The URL has {len(url)} characters; a channel's may have {URL_MAX}.", field="url")
     plugin = apprise.Apprise.instantiate(url)
     written = url.partition("://")[0].lower() if "://" in url else ""
     scheme = plugin.url(privacy=True).partition("://")[0] if plugin is not None else written
@@ -187,6 +193,8 @@ def _check_url(url: str) -> apprise.NotifyBase:
             f"apprise's documentation says for the service, e.g. {EXAMPLES}.",
             field="url",
         )
+    if problem := destination_problem(plugin, scheme):
+        raise Invalid(problem, field="url")
     return plugin
 
 
@@ -280,11 +288,16 @@ def channel_delete(*, channel: NotificationChannel) -> None:
 
 def channel_test(*, channel: NotificationChannel, by: AbstractBaseUser) -> tuple[bool, str]:
     """Send a test message now and wait for the answer (at most CHANNEL_TIMEOUT_SECONDS): True,
-    or False with why, its secrets masked. Recorded on the channel like any send."""
+    or False with why, its secrets masked. Recorded on the channel like any send. One test per
+    channel every CHANNEL_TEST_EVERY_SECONDS (TooSoon): each holds a web worker while it waits."""
+    now, every = timezone.now(), settings.CHANNEL_TEST_EVERY_SECONDS
+    free = Q(last_tested_at=None) | Q(last_tested_at__lte=now - timedelta(seconds=every))
+    if not NotificationChannel.objects.filter(free, pk=channel.pk).update(last_tested_at=now):
+        raise TooSoon(f"This channel was tested less than {every} s ago; wait a little, then test it again.")
     owner = f"team {channel.team}" if channel.team_id else "you"
     subject = "Test from the GPU lab portal"
     body = f"{by} sent this test to check this channel works. It gets notifications for {owner}."
-    ok, reason = _send(channel, subject, body, "")
+    ok, reason, _ = _send(channel, subject, body, "")
     _record(channel, ok, reason)
     return ok, reason
 
@@ -385,7 +398,18 @@ def channel_stranded_requeue(*, now: datetime | None = None) -> int:
         channel_queue(delivery_id, now)
     if ids:
         log.warning("%d channel deliveries had no message out (Redis restarted?): sent again", len(ids))
+    # Claimed (queued_at is then the claim's time) and never finished: its worker was killed, or the
+    # database went away before the outcome was written. Never sent twice: failed, saying so.
+    lost = ChannelDelivery.objects.filter(
+        status=Status.SENDING, queued_at__lt=now - timedelta(seconds=SENDING_LOST_SECONDS)
+    ).update(status=Status.FAILED, last_error=SENDING_LOST)
+    if lost:
+        log.warning("%d channel deliveries were left sending by a lost worker: marked failed", lost)
     return len(ids)
+
+
+SENDING_LOST_SECONDS = 600  # well past the task's time limit (180 s)
+SENDING_LOST = "The worker stopped while sending it: it may or may not have arrived; not sent again."
 
 
 # --- sending ----------------------------------------------------------------------------------
@@ -431,16 +455,17 @@ def channel_delivery_send(*, delivery_id: int, last_try: bool = False) -> str:
     conditional UPDATE; a failure goes back to QUEUED and raises ChannelTemporaryError (FAILED on
     the last try, or at once when the URL cannot be decrypted). No transaction while sending."""
     queued = ChannelDelivery.objects.filter(pk=delivery_id, status=Status.QUEUED)
-    if not queued.update(status=Status.SENDING, attempts=F("attempts") + 1):
+    # queued_at becomes the claim's time: a row left SENDING long after it was lost (stranded_requeue).
+    if not queued.update(status=Status.SENDING, attempts=F("attempts") + 1, queued_at=timezone.now()):
         log.info("Channel delivery %s is not queued (already sent, or gone)", delivery_id)
         return ""
     delivery = ChannelDelivery.objects.select_related("channel").get(pk=delivery_id)
     channel = delivery.channel
-    ok, reason = _send(channel, delivery.subject, delivery.body, delivery.url)
+    ok, reason, final = _send(channel, delivery.subject, delivery.body, delivery.url)
     _record(channel, ok, reason)
     if ok:
         return _status_set(delivery_id, Status.SENT, sent_at=timezone.now(), last_error="")
-    if reason != UNREADABLE and not last_try:
+    if not final and not last_try:
         log.warning(
             "Channel delivery %s (channel %s) not sent, to be retried: %s", delivery_id, channel.pk, reason
         )
@@ -462,14 +487,18 @@ def _record(channel: NotificationChannel, ok: bool, reason: str) -> None:
         NotificationChannel.objects.filter(pk=channel.pk).update(last_error=reason[:ERROR_MAX])
 
 
-def _send(channel: NotificationChannel, subject: str, body: str, path: str) -> tuple[bool, str]:
-    """One try through apprise: (True, "") or (False, why), the URL's secrets masked in `why`."""
+def _send(channel: NotificationChannel, subject: str, body: str, path: str) -> tuple[bool, str, bool]:
+    """One try through apprise: (True, "", _) or (False, why, final), the URL's secrets masked in
+    `why`; `final`: trying again cannot help (the URL unreadable, or a destination refused)."""
     url = url_decrypt(channel.url_encrypted)
     if url is None:
-        return False, UNREADABLE
+        return False, UNREADABLE, True
     plugin = apprise.Apprise.instantiate(url)
     if plugin is None:  # a scheme apprise no longer knows (it was upgraded)
-        return False, f"apprise no longer understands this URL ({channel.url_masked}): add it again."
+        return False, f"apprise no longer understands this URL ({channel.url_masked}): add it again.", True
+    if problem := destination_problem(plugin, plugin.url(privacy=True).partition("://")[0]):
+        return False, problem, True  # checked again: the name may resolve elsewhere by now
+    without_redirects(plugin)
     plugin.socket_connect_timeout = plugin.socket_read_timeout = settings.CHANNEL_TIMEOUT_SECONDS
     notifier = apprise.Apprise()
     notifier.add(plugin)
@@ -483,6 +512,6 @@ def _send(channel: NotificationChannel, subject: str, body: str, path: str) -> t
         said = [entry.message for entry in result.logs() if entry.level in ("WARNING", "ERROR", "CRITICAL")]
         result.close()
     if ok:
-        return True, ""
+        return True, "", False
     reason = " ".join(said) or "The service did not accept the message."
-    return False, redact(reason, url, channel.url_masked)[:ERROR_MAX]
+    return False, redact(reason, url, channel.url_masked)[:ERROR_MAX], False

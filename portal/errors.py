@@ -40,6 +40,13 @@ class QuotaExceeded(ServiceError):
     code = "quota_exceeded"
 
 
+class TooSoon(ServiceError):
+    """Asked again before it may be (a channel's test): 429."""
+
+    status = 429
+    code = "too_soon"
+
+
 class Forbidden(ServiceError):
     """Not this user's to do: 403."""
 

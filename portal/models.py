@@ -387,6 +387,9 @@ class NotificationChannel(models.Model):
     )
     created_at = models.DateTimeField(auto_now_add=True)
     last_sent_at = models.DateTimeField(null=True, blank=True)
+    # "Send a test" claims it by a conditional UPDATE: one test per CHANNEL_TEST_EVERY_SECONDS, since
+    # each holds a web worker until the service answers (portal.channels.channel_test).
+    last_tested_at = models.DateTimeField(null=True, blank=True)
     # What the service answered last time it failed (its secrets masked); empty after a success.
     last_error = models.CharField(max_length=500, blank=True)
 

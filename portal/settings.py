@@ -523,7 +523,11 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # No log line quotes a calendar feed's secret address (portal/log_filters.py).
+    "filters": {"redact_secrets": {"()": "portal.log_filters.RedactSecretPaths"}},
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["redact_secrets"]}
+    },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO").upper()},
     # axes logs every successful sign-in at INFO; failures and locks are WARNING.
     # httpx says every request at INFO: the labs' proxy and the lab supervisor make many.
@@ -591,6 +595,12 @@ CHANNEL_SCHEMES = env_list(
 CHANNEL_RETRIES = env_int("CHANNEL_RETRIES", 4, min_value=0, max_value=10)
 # Connect and read timeout of each send (and of "Send a test", which the page waits for).
 CHANNEL_TIMEOUT_SECONDS = env_int("CHANNEL_TIMEOUT_SECONDS", 10, min_value=1, max_value=60)
+# Hosts a self-hosted channel (json://, Mattermost, ntfy, Matrix, Rocket.Chat) may send to though
+# they are inside the portal's network (names, addresses or networks such as 10.0.5.0/24): by
+# default only public addresses, so a member's URL cannot reach what only the portal's host can.
+CHANNEL_ALLOWED_HOSTS = env_list("CHANNEL_ALLOWED_HOSTS", [])
+# "Send a test" waits for the service in a web worker: one test per channel this often.
+CHANNEL_TEST_EVERY_SECONDS = env_int("CHANNEL_TEST_EVERY_SECONDS", 30, min_value=0, max_value=3600)
 CELERY_BEAT_SCHEDULE["requeue-stranded-channel-deliveries"] = {
     "task": "portal.tasks.requeue_stranded_channel_deliveries",
     "schedule": 60.0,

@@ -167,7 +167,8 @@ class World:
 
     @cached_property
     def channel(self) -> NotificationChannel:
-        """alice's own webhook; nothing listens there, so a test send fails at once."""
+        """alice's own webhook; nothing listens there, so a test send fails at once. Loopback is
+        inside the portal's network: allowed here (`_channels_to_loopback`)."""
         return channel_create(by=self.alice, url=f"json://127.0.0.1:9/hooks/{CHANNEL_SECRET}")
 
     def populate(self) -> None:
@@ -555,6 +556,14 @@ def test_no_decision_names_a_missing_url():
 
 
 # --- running a case -------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _channels_to_loopback(settings) -> None:
+    """The channels' webhook is 127.0.0.1:9 (nothing listens: a test send fails at once), inside
+    the portal's network; and a route's .json twin tests the same channel right after it."""
+    settings.CHANNEL_ALLOWED_HOSTS = ["127.0.0.1"]
+    settings.CHANNEL_TEST_EVERY_SECONDS = 0
 
 
 @pytest.fixture(autouse=True)

@@ -427,3 +427,42 @@ def test_the_copy_button_copies_the_address_and_a_new_link_asks_first(page, alic
     page.click("#calendar .calendar-renew button")
     page.wait_for_selector(".message")
     assert page.input_value("#calendar input[readonly]") != address
+
+
+# --- the secret stays out of logs and the admin -------------------------------------------------
+
+
+def test_a_feed_that_fails_logs_no_secret(alice, bookings, monkeypatch, caplog):
+    """Django's "Internal Server Error: <path>" goes through the console handler's filter
+    (portal/log_filters.py), as does the web server's access log."""
+    import logging
+
+    from portal.log_filters import RedactSecretPaths, redact_access_logs
+
+    feed = calendar_feed_get(user=alice)
+
+    def broken(**kwargs):
+        raise RuntimeError("database away")
+
+    monkeypatch.setattr("gpus.calendar_views.calendar_feed_serve", broken)
+    client = Client(raise_request_exception=False)
+    caplog.handler.addFilter(RedactSecretPaths())  # as the console handler has it (settings.LOGGING)
+    with caplog.at_level(logging.ERROR, logger="django.request"):
+        assert client.get(feed_path(feed)).status_code == 500
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "/calendar/" in logged and feed.secret not in logged and feed.secret[:4] in logged
+    redact_access_logs()
+    access = logging.LogRecord(
+        "uvicorn.access", logging.INFO, "", 0, '%s - "%s %s"', ("1.2.3.4", "GET", feed_path(feed)), None
+    )
+    assert all(f.filter(access) for f in logging.getLogger("uvicorn.access").filters)
+    assert feed.secret not in access.getMessage()
+
+
+def test_the_admin_cannot_spell_a_secret_out_by_filtering(alice, admin_user, bookings):
+    feed = calendar_feed_get(user=alice)
+    client = Client()
+    client.force_login(admin_user)
+    listing = client.get("/admin/gpus/calendarfeed/", {"secret__startswith": feed.secret[:1]})
+    assert listing.status_code in (302, 400) or "alice" not in listing.content.decode()
+    assert feed.secret not in client.get(f"/admin/gpus/calendarfeed/{feed.pk}/change/").content.decode()

@@ -32,10 +32,11 @@ from portal.channels import (
     channel_deliveries_prune,
     channel_keys_rotate,
     channel_stranded_requeue,
+    channel_test,
     team_channels_notify,
     url_decrypt,
 )
-from portal.errors import Forbidden, Invalid, QuotaExceeded
+from portal.errors import Forbidden, Invalid, QuotaExceeded, TooSoon
 from portal.models import ChannelDelivery, Notification, NotificationChannel
 from portal.notifications import notification_send
 from tests.conftest import OUTPUT, free_port
@@ -92,6 +93,9 @@ def _fast(settings) -> None:
     settings.CHANNEL_TIMEOUT_SECONDS = 2
     settings.CHANNEL_RETRIES = 2
     settings.PORTAL_URL = "https://gpus.lab.example"
+    # The receiver listens on loopback: inside the portal's network, allowed only by name here.
+    settings.CHANNEL_ALLOWED_HOSTS = ["127.0.0.1"]
+    settings.CHANNEL_TEST_EVERY_SECONDS = 0
 
 
 @pytest.fixture
@@ -454,7 +458,7 @@ def test_the_profile_section_posts_with_its_csrf_token(alice, hook):
 @pytest.mark.django_db(transaction=True)
 def test_a_real_worker_posts_to_the_webhook_and_logs_no_secret(start_worker, hook, alice):
     channel_create(by=alice, url=hook.url)
-    start_worker(None, extra_env={"LOG_LEVEL": "DEBUG"})
+    start_worker(None, extra_env={"LOG_LEVEL": "DEBUG", "CHANNEL_ALLOWED_HOSTS": "127.0.0.1"})
     notification_send(user=alice, kind=Kind.INTRUDER, subject="From the worker", body="b", url="/jobs/")
     wait_for(lambda: hook.posts, timeout=60, what="the portal's worker to post to the webhook")
     assert hook.posts[0]["json"]["title"] == "From the worker"
@@ -463,3 +467,122 @@ def test_a_real_worker_posts_to_the_webhook_and_logs_no_secret(start_worker, hoo
     )
     log = (OUTPUT / "worker-portal.log").read_text()
     assert "channel_deliver" in log and SECRET not in log  # the message carries only the row's id
+
+
+# --- where a channel may send (portal/channel_hosts.py) ----------------------------------------
+
+
+class _Redirecting(BaseHTTPRequestHandler):
+    """Answers every request with a redirect to the `hook` receiver (a public host sending inward)."""
+
+    target = ""
+
+    def do_POST(self) -> None:
+        self.send_response(307)
+        self.send_header("Location", self.target)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "json://127.0.0.1:9/hook",
+        "jsons://localhost/admin",
+        "form://10.1.2.3/x",
+        "json://169.254.169.254/latest/meta-data",
+        "json://[::1]:8080/x",
+        "mmosts://192.168.1.5/hookkey",
+        "ntfy://172.16.0.9/topic",
+    ],
+)
+def test_a_member_cannot_aim_a_channel_inside_the_portals_network(alice, settings, url):
+    settings.CHANNEL_ALLOWED_HOSTS = []
+    with pytest.raises(Invalid) as refused:
+        channel_create(by=alice, url=url)
+    assert refused.value.field == "url" and "CHANNEL_ALLOWED_HOSTS" in refused.value.message
+    assert not NotificationChannel.objects.exists()
+
+
+def test_the_admin_may_allow_an_in_house_network(alice, settings):
+    settings.CHANNEL_ALLOWED_HOSTS = ["10.1.0.0/16"]
+    assert channel_create(by=alice, url="mmosts://10.1.2.3/hookkey").pk
+    with pytest.raises(Invalid):
+        channel_create(by=alice, url="mmosts://10.2.0.1/hookkey")
+
+
+def test_a_webhook_is_posted_never_another_method(alice):
+    with pytest.raises(Invalid, match="POST") as refused:
+        channel_create(by=alice, url="json://127.0.0.1:9/admin?method=DELETE")
+    assert refused.value.field == "url"
+
+
+def test_a_destination_refused_later_fails_at_once_without_a_retry(
+    alice, hook, settings, queued, django_capture_on_commit_callbacks
+):
+    channel_create(by=alice, url=hook.url)
+    settings.CHANNEL_ALLOWED_HOSTS = []  # the admin narrowed it since
+    with django_capture_on_commit_callbacks(execute=True):
+        notification_send(user=alice, kind=Kind.JOB_STOPPED, subject="Job 1 stopped", body="b")
+    assert deliver(queued) == [Status.FAILED]
+    assert hook.posts == []
+    assert "inside the portal's own network" in ChannelDelivery.objects.get().last_error
+
+
+def test_it_does_not_follow_a_redirect(alice, hook, settings):
+    _Redirecting.target = f"http://127.0.0.1:{hook.server_address[1]}/hooks/{SECRET}"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Redirecting)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        channel = channel_create(by=alice, url=f"json://127.0.0.1:{server.server_address[1]}/in")
+        ok, _ = channel_test(channel=channel, by=alice)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not ok and hook.posts == []
+
+
+def test_a_channel_is_tested_at_most_once_in_a_while(alice, hook, settings):
+    settings.CHANNEL_TEST_EVERY_SECONDS = 30
+    channel = channel_create(by=alice, url=hook.url)
+    assert channel_test(channel=channel, by=alice)[0]
+    with pytest.raises(TooSoon, match="less than 30 s ago"):
+        channel_test(channel=channel, by=alice)
+    assert len(hook.posts) == 1
+    answer = APIClient()
+    answer.force_authenticate(alice)
+    assert answer.post(f"/api/v1/notification-channels/{channel.pk}/test/").status_code == 429
+
+
+def test_a_delivery_left_sending_by_a_lost_worker_ends_failed_and_is_pruned(alice, hook):
+    channel = channel_create(by=alice, url=hook.url)
+    long_ago = timezone.now() - timedelta(hours=1)
+    stuck = ChannelDelivery.objects.create(
+        channel=channel,
+        kind=Kind.JOB_STOPPED,
+        subject="s",
+        body="b",
+        status=Status.SENDING,
+        queued_at=long_ago,
+    )
+    channel_stranded_requeue()
+    stuck.refresh_from_db()
+    assert stuck.status == Status.FAILED and "may or may not have arrived" in stuck.last_error
+    assert hook.posts == []  # never sent twice
+
+
+def test_a_long_url_is_refused_by_name(alice):
+    with pytest.raises(Invalid, match="1000") as refused:
+        channel_create(by=alice, url="json://hooks.example.org/" + "a/" * 600)
+    assert refused.value.field == "url"
+
+
+def test_an_ntfy_topic_and_short_webhook_keys_are_masked(alice, settings):
+    settings.CHANNEL_ALLOWED_HOSTS = ["hooks.example.org", "ntfy.example.org"]
+    topic = channel_create(by=alice, url="ntfys://ntfy.example.org/my-private-topic-x9")
+    short = channel_create(by=alice, url="json://hooks.example.org/s3cr3t12")
+    assert "my-private-topic-x9" not in topic.url_masked and "s3cr3t12" not in short.url_masked
