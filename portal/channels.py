@@ -37,7 +37,7 @@ from django.utils import timezone
 from portal.access import can_manage_team, is_admin, only_managers, teams_led_by
 from portal.channel_hosts import GENERIC, destination_problem, without_redirects
 from portal.errors import Errors, Forbidden, Invalid, TooSoon
-from portal.mail import portal_link
+from portal.mail import nudge, portal_link
 from portal.models import ChannelDelivery, Notification, NotificationChannel, Team, WatchdogKind
 
 log = logging.getLogger(__name__)
@@ -367,14 +367,10 @@ def _queue_on_commit(deliveries: list[ChannelDelivery]) -> None:
 
 def channel_queue(delivery_id: int, at: datetime | None = None) -> None:
     """Hand a QUEUED delivery to the task; a broker away is left to channel_stranded_requeue."""
-    try:
-        channel_deliver.apply_async(args=[delivery_id])
-    except Exception:
-        log.warning("Could not queue channel delivery %s; sent once Redis is back", delivery_id)
-        return
-    ChannelDelivery.objects.filter(pk=delivery_id, status=Status.QUEUED).update(
-        queued_at=at or timezone.now()
-    )
+    if nudge(channel_deliver, delivery_id, f"channel delivery {delivery_id}"):
+        ChannelDelivery.objects.filter(pk=delivery_id, status=Status.QUEUED).update(
+            queued_at=at or timezone.now()
+        )
 
 
 def channel_deliveries_prune(*, now: datetime | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import smtplib
 from datetime import datetime, timedelta
+from typing import Any
 
 from celery import shared_task
 from django.conf import settings
@@ -66,19 +67,24 @@ def requeue_stranded_mail() -> int:
     return mail_stranded_requeue()
 
 
+def nudge(task: Any, row_id: int, what: str) -> bool:
+    """Send `task` the id of a QUEUED row (the row is the record, the message a nudge); False when
+    the broker is away. Never raised into whoever committed (the watchdog's round, a booking): the
+    row stays QUEUED with no message out, and its stranded requeue sends it once Redis is back."""
+    try:
+        task.apply_async(args=[row_id])
+    except Exception:
+        log.warning("Could not queue %s; sent once Redis is back", what)
+        return False
+    return True
+
+
 def mail_queue(notification_id: int, at: datetime | None = None) -> None:
     """Hand a QUEUED mail to the task (notification_send calls this after commit)."""
-    try:
-        mail_notification.apply_async(args=[notification_id])
-    except Exception:
-        # The broker is away. Never raised into whoever committed (the watchdog's round, a
-        # booking): the mail stays QUEUED with no message out, and mail_stranded_requeue sends it
-        # once Redis is back.
-        log.warning("Could not queue the mail of notification %s; sent once Redis is back", notification_id)
-        return
-    Notification.objects.filter(pk=notification_id, mail_status=Mail.QUEUED).update(
-        mail_queued_at=at or timezone.now()
-    )
+    if nudge(mail_notification, notification_id, f"the mail of notification {notification_id}"):
+        Notification.objects.filter(pk=notification_id, mail_status=Mail.QUEUED).update(
+            mail_queued_at=at or timezone.now()
+        )
 
 
 def mail_stranded_requeue(*, now: datetime | None = None) -> int:
