@@ -1,0 +1,128 @@
+"""What the lab's other tools cost the portal (docs/integrations.md): a Prometheus scrape of
+`/metrics` on 64 servers × 8 cards with a booking on most of them, and a calendar app reading a
+feed of 1,000 bookings (its first read, and the 304 of every read after it while nothing changed).
+
+Both are served by the WSGI app alone, as gunicorn calls it, and timed with their queries counted:
+the scrape's must not grow with the cards, the feed's not with its bookings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+from bench.common import median_ms, report, setup_django_test_db
+
+SERVERS, GPUS, USERS, TEAMS = 64, 8, 50, 5
+FEED_BOOKINGS = 1000
+TOKEN = "bench-metrics-token-0123456789"
+
+
+def _lab():  # type: ignore[no-untyped-def]
+    from gpus.models import GPU
+    from gpus.services import servers_report_ingest
+    from portal.models import Membership, Team
+    from tests.factories import UserFactory, make_snapshot
+
+    teams = [Team.objects.create(name=f"Team {t}", slug=f"team-{t}") for t in range(TEAMS)]
+    users = [UserFactory(username=f"user{u:02d}") for u in range(USERS)]
+    Membership.objects.bulk_create(
+        Membership(team=teams[u % TEAMS], user=user, role="leader" if u < TEAMS else "member")
+        for u, user in enumerate(users)
+    )
+    servers_report_ingest(snapshots=[make_snapshot(f"bench{s:02d}", gpus=GPUS) for s in range(SERVERS)])
+    return users, list(GPU.objects.order_by("server__name", "index").values_list("uuid", flat=True))
+
+
+def _book(owner, uuid: str, start, end, memory_mb: int | None = None) -> None:  # type: ignore[no-untyped-def]
+    """A booking row and its allocation, straight in (the service's checks are not what is timed)."""
+    from gpus.models import Allocation, Reservation
+
+    reservation = Reservation.objects.create(
+        owner=owner, team_id=owner.memberships.get().team_id, start=start, end=end, booked_end=end
+    )
+    Allocation.objects.create(reservation=reservation, gpu_id=uuid, memory_mb=memory_mb, start=start, end=end)
+
+
+def _serve(handler, factory, path: str, expect: str, **headers: str) -> bytes:  # type: ignore[no-untyped-def]
+    environ = factory.get(path, **{f"HTTP_{k.upper()}": v for k, v in headers.items()}).environ
+    statuses: list[str] = []
+    body = b"".join(handler(environ, lambda status, _headers: statuses.append(status)))
+    assert statuses[0].startswith(expect), (path, statuses)
+    return body
+
+
+def main() -> None:
+    teardown = setup_django_test_db()
+    try:
+        from django.conf import settings
+        from django.core.handlers.wsgi import WSGIHandler
+        from django.test import RequestFactory
+        from django.utils import timezone
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from gpus.calendars import calendar_feed_get
+
+        settings.METRICS_TOKEN = TOKEN
+        settings.ALLOWED_HOSTS = ["*"]
+        now = timezone.now()
+        users, cards = _lab()
+        for n, uuid in enumerate(cards):  # 7 cards in 10 booked now, every fifth of those a share
+            if n % 10 < 7:
+                _book(users[n % USERS], uuid, now - timedelta(hours=2), now + timedelta(hours=6),
+                      8192 if n % 5 == 1 else None)  # fmt: skip
+        owner = users[-1]  # a heavy booker: a booking every 3 h over 60 days back and 65 ahead
+        for n in range(FEED_BOOKINGS):
+            start = now - timedelta(days=60) + timedelta(hours=3 * n)
+            _book(owner, cards[-1], start, start + timedelta(hours=2))
+        handler, factory = WSGIHandler(), RequestFactory()
+
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        with _counted() as scrape_queries:
+            text = _serve(handler, factory, "/metrics", "200", **auth).decode()
+        series = sum(len(family.samples) for family in text_string_to_metric_families(text))
+        scrape_ms = median_ms(lambda: _serve(handler, factory, "/metrics", "200", **auth), repeat=15)
+        print(f"  /metrics: {len(cards)} cards, {series} series, {len(text) / 1024:.0f} KiB")
+        report("/metrics scrape, median", scrape_ms, "ms", "< 500", scrape_ms < 500)
+        report("/metrics queries", len(scrape_queries), "", "<= 12", len(scrape_queries) <= 12)
+
+        path = f"/calendar/{calendar_feed_get(user=owner).secret}.ics"
+        with _counted() as feed_queries:
+            ics = _serve(handler, factory, path, "200")
+        events = ics.count(b"BEGIN:VEVENT")
+        feed_ms = median_ms(lambda: _serve(handler, factory, path, "200"), repeat=7, warmup=1)
+        etag = _etag(handler, factory, path)
+        again_ms = median_ms(lambda: _serve(handler, factory, path, "304", if_none_match=etag), repeat=7)
+        print(f"  calendar feed: {events} events, {len(ics) / 1024:.0f} KiB")
+        report(f"calendar feed of {events} bookings, median", feed_ms, "ms", "< 1500", feed_ms < 1500)
+        report("calendar feed re-read (304), median", again_ms, "ms", "< 1500", again_ms < 1500)
+        report("calendar feed queries", len(feed_queries), "", "<= 8", len(feed_queries) <= 8)
+    finally:
+        teardown()
+
+
+@contextmanager
+def _counted() -> Iterator[list[str]]:
+    """The queries run meanwhile (a request resets Django's own query log as it starts)."""
+    from django.db import connection
+
+    queries: list[str] = []
+
+    def count(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
+        queries.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(count):
+        yield queries
+
+
+def _etag(handler, factory, path: str) -> str:  # type: ignore[no-untyped-def]
+    environ = factory.get(path).environ
+    headers: list = []
+    b"".join(handler(environ, lambda status, response_headers: headers.extend(response_headers)))
+    return dict(headers)["ETag"]
+
+
+if __name__ == "__main__":
+    main()
