@@ -3,16 +3,26 @@ usage (/api/v1/usage/, read-only)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.fields import SkipField
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from gpus import booking
-from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
+from gpus.booking import (
+    request_problems,
+    reservation_cancel,
+    reservation_create,
+    reservation_extend,
+    reservation_release,
+)
 from gpus.filters import GPUFilter, ReservationFilter, UsageFilter, ViolationFilter
 from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server, UsageDay, Violation
 from gpus.reports import UsageScope, usage_queryset, usage_rows
@@ -259,7 +269,8 @@ class ReservationViewSet(
     @extend_schema(request=ReservationCreateSerializer, responses={201: ReservationSerializer})
     def create(self, request: Request, format: str | None = None) -> Response:
         data = ReservationCreateSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
+        if not data.is_valid():
+            raise ValidationError(_every_problem(data, request.data))
         reservation = reservation_create(user=request.user, **data.validated_data)
         return Response(self._show(reservation.pk), status=status.HTTP_201_CREATED)
 
@@ -423,3 +434,25 @@ class UsageViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
 
     def _group_by(self) -> str:
         return self.request.query_params.get("group_by") or "user"
+
+
+def _every_problem(data: ReservationCreateSerializer, raw: Any) -> dict[str, Any]:
+    """A request's parsing errors and the booking rules' problems with what did parse (as the
+    booking form shows them): one 400 names every bad field."""
+    parsed: dict[str, Any] = {}
+    for name, field in data.fields.items():
+        if name not in data.errors:
+            try:
+                parsed[name] = field.run_validation(field.get_value(raw))
+            except (ValidationError, SkipField):  # not given, or not parsed: the rules take their default
+                continue
+    problems = request_problems(
+        gpus=parsed.get("gpus") or None,
+        count=parsed.get("count"),
+        memory_mb=parsed.get("memory_mb"),
+        note=parsed.get("note") or "",
+        start=parsed.get("start"),
+        end=parsed.get("end"),
+        unread=set(data.errors),
+    )
+    return {**problems, **data.errors}

@@ -10,7 +10,7 @@ SQLite every transaction is BEGIN IMMEDIATE (portal/env.py), which serialises al
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -108,7 +108,7 @@ def _check_request(gpus: Sequence[str] | None, count: int | None, memory_mb: int
         found.add("note", f"The note is {len(note)} characters; keep it to 500.")
     if gpus and count:
         found.add("gpus", "Give either GPUs to book or a count of cards to pick, not both.")
-    elif not gpus and not count:
+    elif not gpus and count is None:
         found.add("gpus", "Pick at least one GPU, or give a count of cards for the portal to pick.")
     if gpus and len(set(gpus)) != len(gpus):
         found.add("gpus", "A GPU is listed twice; list each card once.")
@@ -161,17 +161,22 @@ def request_problems(
     note: str,
     start: datetime | None,
     end: datetime | None,
+    unread: Collection[str] = (),
     now: datetime | None = None,
 ) -> dict[str, list[str]]:
     """What `reservation_create` would refuse before it reads a card or a quota, by field: the
-    booking form shows these with its own parsing errors, so one submit names every problem."""
+    booking form and the API show these beside their own parsing errors, so one request names
+    every problem. `unread`: the fields that did not parse (None here), judged by nothing else:
+    an unread start stood in as "now", so the end is not judged against it; an unread count was
+    given all the same, so "give cards or a count" would be wrong."""
     now = now or timezone.now()
     start = start or now
     end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
     errors = Errors()
     errors.check(_check_request, gpus, count, memory_mb, note)
     errors.check(_check_window_limits, start, end, now)
-    return errors.found
+    skip = {*unread, *(["end"] if "start" in unread else []), *(["gpus"] if "count" in unread else [])}
+    return {field: messages for field, messages in errors.found.items() if field not in skip}
 
 
 def _check_window(

@@ -130,12 +130,10 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
             note=data.get("note") or "",
             start=data.get("start"),
             end=data.get("end"),
+            unread={"memory_mb" if name == "memory" else name for name in self.errors},
         )
-        window_unread = "start" in self.errors or "end" in self.errors  # then not judged: half a window
         for field, messages in problems.items():
             name = self.service_fields.get(field, field)
-            if name in self.errors or (window_unread and name in ("start", "end")):
-                continue  # its own parsing error says it better
             for message in messages:
                 self.add_error(name if name in self.fields else None, message)
         return data

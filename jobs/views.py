@@ -159,8 +159,9 @@ def job_history(request: HttpRequest) -> HttpResponse:
 def _status_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     _describe([job])
     entry = None
-    if job.status == Job.Status.PENDING and request.GET.get("part") != "status":
-        # The whole plan, once per page view (not on every poll): where this job stands in it.
+    if job.status == Job.Status.PENDING:
+        # Where this job stands in the whole plan: on the page and on each refresh of its status
+        # part (pushed when the row changes), so its "Runs on" line never falls back to less.
         entry = next((e for e in queue_plan() if e.request.job_id == job.pk), None)
         if entry is not None:
             entry.reason_label = Job.Reason(entry.reason).label if entry.reason else "starting now"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import zoneinfo
 from functools import cache
+from typing import NamedTuple
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -25,22 +26,38 @@ from portal.models import Profile
 from portal.timefmt import valid_time_zone
 
 SESSION_KEY = "time_zone"
+SESSION_USER = "_auth_user_id"  # django.contrib.auth's: who is signed in, without reading the user
 OFFER_KEY = "time_zone_offer"  # set at a sign-in without a chosen zone; gone once answered
 # Answered in this browser (any choice, "my browser's" too, or "not now"): not offered again here.
 ANSWERED_COOKIE = "tz_offer_answered"
+YEAR = 365 * 24 * 3600
 BROWSER_COOKIE = "browser_tz"
 
 
-def zone_of(request: HttpRequest) -> tuple[str, str]:
-    """(zone, where it came from: "profile", "browser" or "portal"). Reads nothing but the session
-    (which the sign-in reads anyway: no extra query) and the cookie; the database away, or a
-    session that cannot be read, is the browser's or the portal's zone, never an error."""
-    chosen = ""
-    if settings.SESSION_COOKIE_NAME in request.COOKIES and hasattr(request, "session"):
-        try:
-            chosen = request.session.get(SESSION_KEY) or ""
-        except DatabaseError:
-            chosen = ""
+class _SessionFacts(NamedTuple):
+    chosen: str  # the profile's zone, put there at sign-in ("" for none)
+    offered: bool  # a sign-in without a chosen zone: offer the browser's
+    user_id: str
+
+
+def _session_facts(request: HttpRequest) -> _SessionFacts | None:
+    """What the session says, read once per request (the sign-in reads it anyway: no extra query);
+    None without a session, or when it cannot be read (the database away): never an error."""
+    if settings.SESSION_COOKIE_NAME not in request.COOKIES or not hasattr(request, "session"):
+        return None
+    try:
+        session = request.session
+        return _SessionFacts(
+            session.get(SESSION_KEY) or "", bool(session.get(OFFER_KEY)), str(session.get(SESSION_USER) or "")
+        )
+    except DatabaseError:
+        return None
+
+
+def zone_of(request: HttpRequest, facts: _SessionFacts | None = None) -> tuple[str, str]:
+    """(zone, where it came from: "profile", "browser" or "portal"), from the session's `facts`
+    and the browser's cookie."""
+    chosen = facts.chosen if facts is not None else ""
     if chosen and valid_time_zone(chosen):
         return chosen, "profile"
     browser = valid_time_zone(request.COOKIES.get(BROWSER_COOKIE, ""))
@@ -60,28 +77,43 @@ def remember_on_sign_in(sender, request, user, **kwargs) -> None:  # type: ignor
     request.session[OFFER_KEY] = not chosen
 
 
-def offer_of(request: HttpRequest, zone: str, source: str) -> str | None:
-    """Their browser's zone, to offer after a sign-in, while they have chosen none and it is not the
-    portal's own (then there is nothing to decide); else None. Reads only the session and cookies,
-    like `zone_of`."""
-    if source != "browser" or zone == settings.TIME_ZONE or ANSWERED_COOKIE in request.COOKIES:
+def offer_of(request: HttpRequest, zone: str, source: str, facts: _SessionFacts | None) -> str | None:
+    """Their browser's zone, to offer after a sign-in, while they have chosen none, have not
+    answered in this browser, and it is not the portal's own (then there is nothing to decide);
+    else None."""
+    if facts is None or not facts.offered or source != "browser" or same_zone(zone, settings.TIME_ZONE):
         return None
-    if settings.SESSION_COOKIE_NAME not in request.COOKIES:
+    if zone not in zone_names():  # only a zone the profile's form offers too
         return None
-    try:
-        offered = bool(getattr(request, "session", {}).get(OFFER_KEY))
-    except DatabaseError:
-        return None
-    return zone if offered else None
+    answered = request.get_signed_cookie(ANSWERED_COOKIE, default="", salt=ANSWERED_COOKIE)
+    return None if answered and answered == facts.user_id else zone
+
+
+# The names of UTC: a browser saying Etc/UTC to a portal in UTC has nothing to decide.
+UTC_NAMES = frozenset(
+    {"UTC", "Etc/UTC", "Etc/UCT", "UCT", "Etc/Universal", "Universal", "Etc/Zulu", "Zulu", "GMT", "Etc/GMT"}
+    | {"Etc/GMT0", "GMT0", "Etc/GMT+0", "Etc/GMT-0", "GMT+0", "GMT-0", "Etc/Greenwich", "Greenwich"}
+)
+
+
+def same_zone(one: str, other: str) -> bool:
+    return one == other or (one in UTC_NAMES and other in UTC_NAMES)
 
 
 def time_zone_offer_answered(request: HttpRequest, response: HttpResponse | None = None) -> None:
     """Any answer (a choice, or "not now") ends the offer: for this session, and with `response`
-    for this browser too."""
+    for this person in this browser (a signed cookie naming them: someone else signing in on a
+    shared computer is still asked)."""
     if hasattr(request, "session"):
         request.session.pop(OFFER_KEY, None)
-    if response is not None:
-        response.set_cookie(ANSWERED_COOKIE, "1", max_age=365 * 24 * 3600, samesite="Lax")
+    if response is not None and request.user.is_authenticated:
+        response.set_signed_cookie(
+            ANSWERED_COOKIE,
+            str(request.user.pk),
+            salt=ANSWERED_COOKIE,
+            max_age=365 * 24 * 3600,
+            samesite="Lax",
+        )
 
 
 class TimeZoneMiddleware:
@@ -91,18 +123,22 @@ class TimeZoneMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        zone, source = zone_of(request)
+        facts = _session_facts(request)
+        zone, source = zone_of(request, facts)
         request.time_zone, request.time_zone_source = zone, source  # type: ignore[attr-defined]
-        request.time_zone_offer = offer_of(request, zone, source)  # type: ignore[attr-defined]
+        request.time_zone_offer = offer_of(request, zone, source, facts)  # type: ignore[attr-defined]
         with timezone.override(zone):
             return self.get_response(request)
 
 
 @cache
+def zone_names() -> frozenset[str]:
+    return frozenset(zoneinfo.available_timezones())
+
+
+@cache
 def zone_choices() -> list[tuple[str, str]]:
-    return [("", "My browser's")] + [
-        (name, name.replace("_", " ")) for name in sorted(zoneinfo.available_timezones())
-    ]
+    return [("", "My browser's")] + [(name, name.replace("_", " ")) for name in sorted(zone_names())]
 
 
 def profile_time_zone_set(

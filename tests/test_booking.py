@@ -109,7 +109,7 @@ def test_it_fills_a_card_exactly_to_its_bookable_memory(alice, bob, box, t0):
         ({"start_h": 1, "end_h": 2, "gpus": ["GPU-box1-00", "GPU-box1-00"]}, "gpus", "listed twice"),
         ({"start_h": 1, "end_h": 2, "gpus": []}, "gpus", "Pick at least one GPU"),
         ({"start_h": 1, "end_h": 2, "count": 1}, "gpus", "not both"),
-        ({"start_h": 1, "end_h": 2, "gpus": [], "count": 0}, "gpus", "Pick at least one GPU"),
+        ({"start_h": 1, "end_h": 2, "gpus": [], "count": 0}, "count", "at least 1"),
         ({"start_h": 1, "end_h": 2, "note": "x" * 501}, "note", "keep it to 500"),
     ],
 )

@@ -52,6 +52,7 @@ def test_a_pending_job_shows_the_cards_the_queue_plans_for_it(client, alice, bob
     assert line.startswith("box1 · GPU 0, GPU 1 (") and "whole cards" in line
     assert re.search(r"the queue's plan, from about \w{3} \d{4}-\d\d-\d\d \d\d:\d\d", line)
     assert "an estimate: it books the cards when it starts the job" in line
+    assert runs_on(client, job, poll=True) == line  # its refresh keeps the plan's cards and time
 
 
 def test_a_pending_job_the_queue_cannot_place_says_so_in_one_line(client, alice, box, sent):
@@ -63,7 +64,7 @@ def test_a_pending_job_the_queue_cannot_place_says_so_in_one_line(client, alice,
     assert runs_on(client, job) == (
         "The queue has not placed it yet: the chosen server is draining; it asked for box1."
     )
-    # The live part, read again without the plan, says the same from the stored reason.
+    # The live part, read again, says the same.
     assert runs_on(client, job, poll=True) == runs_on(client, job)
 
 

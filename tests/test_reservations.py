@@ -440,3 +440,35 @@ def test_access_to_extend_in_the_page_and_cancel_in_the_api(
     assert (booking.end == t0 + 3 * H) is extended
     cancel = api(user).post(f"/api/v1/reservations/{booking.pk}/cancel/", {"reason": "maintenance"})
     assert cancel.status_code == api_status
+
+
+def test_a_count_that_did_not_parse_is_not_called_missing(client, alice, box, t0):
+    client.force_login(alice)
+    errors = client.post(reverse("reservation_new"), form_data(t0, count="0")).context["form"].errors
+    assert list(errors) == ["count"], errors  # not also "pick a GPU or give a count" beside the cards
+
+
+def test_an_end_that_did_not_parse_hides_no_start_in_the_past(client, alice, box, t0):
+    client.force_login(alice)
+    data = form_data(t0, gpus=[box[0].uuid], start=local_input(t0 - 5 * H), end="garbage")
+    errors = client.post(reverse("reservation_new"), data).context["form"].errors
+    assert "in the past" in " ".join(errors["start"]) and "valid date/time" in " ".join(errors["end"])
+
+
+def test_the_api_names_rule_problems_beside_a_field_that_did_not_parse(alice, box, t0):
+    response = api(alice).post(
+        "/api/v1/reservations/",
+        {
+            "gpus": [box[0].uuid],
+            "count": 2,
+            "memory_mb": -1,
+            "start": (t0 - 5 * H).isoformat(),
+            "end": "garbage",
+        },
+        format="json",
+    )
+    assert response.status_code == 400
+    errors = response.json()["errors"]
+    assert {"gpus", "start", "end", "memory_mb"} <= set(errors), errors
+    assert "not both" in " ".join(errors["gpus"]) and "in the past" in " ".join(errors["start"])
+    assert not Reservation.objects.exists()

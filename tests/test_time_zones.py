@@ -101,8 +101,7 @@ def test_not_now_saves_nothing_and_is_not_asked_again_in_this_browser(client, al
     assert not Profile.objects.filter(user=alice).exclude(time_zone="").exists()
     page = client.get("/jobs/").content.decode()
     assert not _offer(page) and "All times in Asia/Tokyo (your browser's)." in page
-    client.logout()
-    client.force_login(alice)
+    _sign_in_again(client, alice)
     assert not _offer(client.get("/jobs/").content.decode())  # the answer is kept in this browser
 
 
@@ -118,3 +117,40 @@ def test_an_offer_names_no_outside_address_in_its_next(client, alice):
     client.force_login(alice)
     answer = client.post("/profile/time-zone/", {"later": "1", "next": "https://evil.example/"})
     assert answer["Location"] == "/"
+
+
+def test_an_answer_in_a_shared_browser_is_that_persons_only(client, alice, bob):
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    client.post("/profile/time-zone/", {"later": "1"})
+    _sign_in_again(client, bob)  # the lab's shared computer: bob has not answered
+    assert _offer(client.get("/jobs/").content.decode())
+    _sign_in_again(client, alice)
+    assert not _offer(client.get("/jobs/").content.decode())
+
+
+def _sign_in_again(client, user) -> None:  # type: ignore[no-untyped-def]
+    """Sign out and in as `user` in the same browser: its cookies stay (the test client's logout
+    would drop them all)."""
+    kept = {name: morsel.value for name, morsel in client.cookies.items() if name != "sessionid"}
+    client.logout()
+    client.force_login(user)
+    for name, value in kept.items():
+        client.cookies[name] = value
+
+
+def test_a_name_of_the_portals_own_zone_or_one_the_form_lacks_is_not_offered(client, alice, settings):
+    settings.TIME_ZONE = "UTC"
+    client.force_login(alice)
+    client.cookies["browser_tz"] = "Etc/UTC"  # UTC by another name: nothing to decide
+    assert not _offer(client.get("/jobs/").content.decode())
+    client.cookies["browser_tz"] = "posix/Asia/Tokyo"  # a real file, but no choice of the form
+    assert not _offer(client.get("/jobs/").content.decode())
+
+
+def test_an_offer_on_a_page_answering_a_post_sends_no_next(client, alice):
+    """A refused profile form is the answer to a POST: going "back" there would be a 405."""
+    client.cookies["browser_tz"] = "Asia/Tokyo"
+    client.force_login(alice)
+    page = client.post("/profile/time-zone/", {"time_zone": "Mars/Olympus_Mons"}).content.decode()
+    assert _offer(page) and 'name="next"' not in page.split('id="time-zone-offer"')[1].split("</section>")[0]
