@@ -12,27 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
-from bench.common import median_ms, report, setup_django_test_db
+from bench.common import lab, median_ms, report, setup_django_test_db
 
 SERVERS, GPUS, USERS, TEAMS = 64, 8, 50, 5
 FEED_BOOKINGS = 1000
 TOKEN = "bench-metrics-token-0123456789"
-
-
-def _lab():  # type: ignore[no-untyped-def]
-    from gpus.models import GPU
-    from gpus.services import servers_report_ingest
-    from portal.models import Membership, Team
-    from tests.factories import UserFactory, make_snapshot
-
-    teams = [Team.objects.create(name=f"Team {t}", slug=f"team-{t}") for t in range(TEAMS)]
-    users = [UserFactory(username=f"user{u:02d}") for u in range(USERS)]
-    Membership.objects.bulk_create(
-        Membership(team=teams[u % TEAMS], user=user, role="leader" if u < TEAMS else "member")
-        for u, user in enumerate(users)
-    )
-    servers_report_ingest(snapshots=[make_snapshot(f"bench{s:02d}", gpus=GPUS) for s in range(SERVERS)])
-    return users, list(GPU.objects.order_by("server__name", "index").values_list("uuid", flat=True))
 
 
 def _book(owner, uuid: str, start, end, memory_mb: int | None = None) -> None:  # type: ignore[no-untyped-def]
@@ -67,7 +51,8 @@ def main() -> None:
         settings.METRICS_TOKEN = TOKEN
         settings.ALLOWED_HOSTS = ["*"]
         now = timezone.now()
-        users, cards = _lab()
+        users, lab_cards = lab(servers=SERVERS, gpus=GPUS, users=USERS, teams=TEAMS)
+        cards = [uuid for uuid, _ in lab_cards]
         for n, uuid in enumerate(cards):  # 7 cards in 10 booked now, every fifth of those a share
             if n % 10 < 7:
                 _book(users[n % USERS], uuid, now - timedelta(hours=2), now + timedelta(hours=6),

@@ -12,28 +12,10 @@ import os
 import time
 from datetime import timedelta
 
-from bench.common import median_ms, report, setup_django_test_db
+from bench.common import lab, median_ms, report, setup_django_test_db
 
 SERVERS, GPUS, USERS, TEAMS, REQUESTS = 64, 8, 50, 5, 20
 DAYS = int(os.environ.get("USAGE_BENCH_DAYS", "365"))
-
-
-def _lab():  # type: ignore[no-untyped-def]
-    """50 users in 5 teams (the first of each leads it), 64 reporting servers × 8 cards."""
-    from gpus.models import GPU
-    from gpus.services import servers_report_ingest
-    from portal.models import Membership, Team
-    from tests.factories import UserFactory, make_snapshot
-
-    teams = [Team.objects.create(name=f"Team {t}", slug=f"team-{t}") for t in range(TEAMS)]
-    users = [UserFactory(username=f"user{u:02d}") for u in range(USERS)]
-    Membership.objects.bulk_create(
-        Membership(team=teams[u % TEAMS], user=user, role="leader" if u < TEAMS else "member")
-        for u, user in enumerate(users)
-    )
-    servers_report_ingest(snapshots=[make_snapshot(f"bench{s:02d}", gpus=GPUS) for s in range(SERVERS)])
-    gpus = list(GPU.objects.order_by("server__name", "index").values_list("uuid", "server_id"))
-    return users, gpus
 
 
 def _booker(card: int, day: int) -> int | None:
@@ -52,7 +34,7 @@ def _seed_year(users, gpus, now) -> int:  # type: ignore[no-untyped-def]
     from gpus.usage import HOUR, hour_of, hour_of_week, usage_sums_rebuild
 
     fields = ["start", "hour_of_week", "gpu", "server", "team", "user", *UsageFigures.SUMMED[:5]]
-    fields += ["peak_memory_mb", "jobs_succeeded", "jobs_failed", "jobs_other"]
+    fields += ["peak_memory_mb", "jobs_succeeded", "jobs_failed", "jobs_other", "sessions"]
     teams = {u.pk: u.memberships.get().team_id for u in users}
     first = hour_of(now) - DAYS * 24 * HOUR
     written = 0
@@ -66,12 +48,12 @@ def _seed_year(users, gpus, now) -> int:  # type: ignore[no-untyped-def]
             for card, (uuid, server) in enumerate(gpus):
                 who = _booker(card, day)
                 if who is None:
-                    rows.append((*at, uuid, server, None, None, 0.0, 0.02, 1.0, 0.0, 0.0, 500, 0, 0, 0))
+                    rows.append((*at, uuid, server, None, None, 0.0, 0.02, 1.0, 0.0, 0.0, 500, 0, 0, 0, 0))
                     continue
                 user = users[who].pk
                 used = 0.0 if (card + day) % 5 == 0 else busy  # one booking in five sits idle
                 idle = 1.0 if used == 0.0 else 0.0
-                jobs = (1, int(card % 3 == 0), 0) if hour == 17 else (0, 0, 0)
+                jobs = (1, int(card % 3 == 0), 0, 0) if hour == 17 else (0, 0, 0, 0)  # and no sessions
                 rows.append((*at, uuid, server, teams[user], user, 1.0, used, 0.0, idle, 80.0, 60_000, *jobs))
         with transaction.atomic():  # one commit a day: SQLite's autocommit would sync every row
             _bulk_insert(UsageHour, fields, rows)
@@ -116,7 +98,7 @@ def main() -> None:
         from tests.factories import make_snapshot
 
         now = timezone.now()
-        users, gpus = _lab()
+        users, gpus = lab(servers=SERVERS, gpus=GPUS, users=USERS, teams=TEAMS)
         began = time.perf_counter()
         rows = _seed_year(users, gpus, now)
         seeded_s = time.perf_counter() - began

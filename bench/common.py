@@ -129,3 +129,21 @@ class Workers:
     def close(self) -> None:
         for proc in self.procs.values():
             stop(proc)
+
+
+def lab(*, servers: int, gpus: int, users: int, teams: int):  # type: ignore[no-untyped-def]
+    """A lab: `users` in `teams` (the first of each leads it), `servers` reporting × `gpus` cards.
+    Returns the users and the cards as (uuid, server id), in server and index order."""
+    from gpus.models import GPU
+    from gpus.services import servers_report_ingest
+    from portal.models import Membership, Team
+    from tests.factories import UserFactory, make_snapshot
+
+    made = [Team.objects.create(name=f"Team {t}", slug=f"team-{t}") for t in range(teams)]
+    people = [UserFactory(username=f"user{u:02d}") for u in range(users)]
+    Membership.objects.bulk_create(
+        Membership(team=made[u % teams], user=user, role="leader" if u < teams else "member")
+        for u, user in enumerate(people)
+    )
+    servers_report_ingest(snapshots=[make_snapshot(f"bench{s:02d}", gpus=gpus) for s in range(servers)])
+    return people, list(GPU.objects.order_by("server__name", "index").values_list("uuid", "server_id"))

@@ -101,7 +101,7 @@ def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membe
 
 def _check_request(gpus: Sequence[str] | None, count: int | None, memory_mb: int | None, note: str) -> None:
     """What a booking request must say, before anything is read or locked: every problem at once."""
-    found = _Found()
+    found = Errors()
     if memory_mb is not None and memory_mb <= 0:
         found.add("memory_mb", "Memory must be more than 0; leave it empty to book whole cards.")
     if len(note) > 500:
@@ -117,21 +117,9 @@ def _check_request(gpus: Sequence[str] | None, count: int | None, memory_mb: int
     found.raise_any()
 
 
-class _Found(dict[str, list[str]]):
-    """A request's problems by field, raised together (a form shows each beside its field)."""
-
-    def add(self, field: str, message: str) -> None:
-        self.setdefault(field, []).append(message)
-
-    def raise_any(self) -> None:
-        if self:
-            field, messages = next(iter(self.items()))
-            raise Invalid(messages[0], field=field, errors=dict(self))
-
-
 def _check_window_limits(start: datetime, end: datetime, now: datetime, *, new_start: bool = True) -> None:
     """The portal's own limits on a booking's window (not a member's quota), every one at once."""
-    found = _Found()
+    found = Errors()
     if end <= start:
         found.add("end", f"The end ({format_time(end)}) must be after the start ({format_time(start)}).")
     if new_start and start < now - timedelta(minutes=settings.BOOKING_PAST_GRACE_MINUTES):

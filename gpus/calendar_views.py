@@ -6,7 +6,6 @@ gpus/calendars.py.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,8 +38,6 @@ from gpus.models import CalendarFeed, Server
 from portal.errors import ServiceError
 from portal.models import Team
 
-log = logging.getLogger(__name__)
-
 # The profile's slot that gpus fills with the viewer's own feed (templates/portal/profile.html).
 PROFILE_CALENDAR = "profile_calendar"
 
@@ -49,10 +46,11 @@ PROFILE_CALENDAR = "profile_calendar"
 def calendar_feed(request: HttpRequest, secret: str) -> HttpResponse:
     """The feed, or 404 for an unknown, replaced or no longer permitted secret (never 403)."""
     if request.method not in ("GET", "HEAD"):
-        return _quiet(HttpResponseNotAllowed(["GET", "HEAD"]), secret)
+        return HttpResponseNotAllowed(["GET", "HEAD"])
     feed = calendar_feed_for_secret(secret)
     if feed is None:
-        return _quiet(HttpResponseNotFound("No such calendar.", content_type="text/plain"), secret)
+        # Django logs it with the path, the secret cut short there (portal/log_filters.py).
+        return HttpResponseNotFound("No such calendar.", content_type="text/plain")
     served = calendar_feed_serve(feed=feed)
     if _not_modified(request, served.etag, int(served.changed_at.timestamp())):
         response = HttpResponseNotModified()
@@ -64,14 +62,6 @@ def calendar_feed(request: HttpRequest, secret: str) -> HttpResponse:
     # Private: the address is a secret. no-cache: revalidate (ETag) on every fetch.
     response["Cache-Control"] = "private, no-cache"
     response["X-Robots-Tag"] = "noindex, nofollow"
-    return response
-
-
-def _quiet(response: HttpResponse, secret: str) -> HttpResponse:
-    """Log a refusal with the secret cut short: Django's own line would name the whole path, and
-    a secret that is refused now may work again (a leader who leads again)."""
-    log.warning("%s: /calendar/%s….ics", response.reason_phrase, secret[:4])
-    response._has_been_logged = True  # type: ignore[attr-defined] - django.utils.log.log_response's flag
     return response
 
 

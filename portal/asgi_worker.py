@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from uvicorn_worker import UvicornWorker
 
-from portal.log_filters import redact_access_logs
+from portal.log_filters import redact_request_logs
 
 STOP_SECONDS = 5
 # An idle keep-alive connection is closed by the server only after its clients would have dropped
@@ -24,7 +24,7 @@ KEEP_ALIVE_SECONDS = 65
 class Worker(UvicornWorker):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)  # sets up uvicorn's loggers with gunicorn's handlers
-        redact_access_logs()  # the access log names no calendar secret (portal/log_filters.py)
+        redact_request_logs()  # the access log names no calendar secret (portal/log_filters.py)
 
     # Django has no lifespan handler; "off" spares each start a log line saying so.
     CONFIG_KWARGS = {

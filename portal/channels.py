@@ -37,7 +37,7 @@ from django.utils import timezone
 from portal.access import can_manage_team, is_admin, only_managers, teams_led_by
 from portal.channel_hosts import GENERIC, destination_problem, without_redirects
 from portal.errors import Errors, Forbidden, Invalid, TooSoon
-from portal.mail import nudge, portal_link
+from portal.mail import nudge, portal_link, stranded
 from portal.models import ChannelDelivery, Notification, NotificationChannel, Team, WatchdogKind
 
 log = logging.getLogger(__name__)
@@ -384,12 +384,7 @@ def channel_stranded_requeue(*, now: datetime | None = None) -> int:
     """Send again the QUEUED deliveries with no message out for MAIL_REQUEUE_MINUTES (beat, every
     minute), as portal.mail.mail_stranded_requeue does for mails; SENDING ones never."""
     now = now or timezone.now()
-    since = now - timedelta(minutes=settings.MAIL_REQUEUE_MINUTES)
-    stranded = ChannelDelivery.objects.filter(
-        Q(queued_at__lt=since) | Q(queued_at=None, created_at__lt=now - timedelta(seconds=30)),
-        status=Status.QUEUED,
-    )
-    ids = list(stranded.order_by("pk").values_list("pk", flat=True)[:1000])
+    ids = stranded(ChannelDelivery.objects.filter(status=Status.QUEUED), "queued_at", now)
     for delivery_id in ids:
         channel_queue(delivery_id, now)
     if ids:

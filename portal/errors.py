@@ -70,6 +70,10 @@ class Errors:
                 self.found.setdefault(field, []).extend(messages)
             return None
 
+    def add(self, field: str, message: str) -> None:
+        """A problem found without a step of its own (a check of several fields at once)."""
+        self.found.setdefault(field, []).append(message)
+
     def raise_any(self) -> None:
         if not self.found:
             return

@@ -3,8 +3,10 @@
 quoted it whole would hand the feed to whoever reads the log. The secret is cut to its first four
 characters, enough to tell two apart.
 
-Attached to the portal's console handler (Django's own lines: "Not Found: …", "Internal Server
-Error: …") and to the web server's access loggers (portal.asgi_worker).
+Attached where the lines are made, so that every handler gets them cut (the console, an admin's
+error mail, a test's capture): Django's request loggers ("Not Found: …", "Internal Server Error:
+…", at start-up: portal.apps) and the web server's access loggers (portal.asgi_worker, once it has
+set them up); and, for any other line, the console handler (settings.LOGGING).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ class RedactSecretPaths(logging.Filter):
         return True
 
 
-def redact_access_logs() -> None:
-    """The access loggers of gunicorn and uvicorn (which the worker sets up itself)."""
-    for name in ("uvicorn.access", "gunicorn.access", "django.server"):
+def redact_request_logs() -> None:
+    """The loggers that name request paths: Django's, gunicorn's and uvicorn's access logs."""
+    for name in ("django.request", "django.server", "uvicorn.access", "gunicorn.access"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactSecretPaths) for f in logger.filters):
             logger.addFilter(RedactSecretPaths())

@@ -18,7 +18,7 @@ from typing import Any
 from celery import shared_task
 from django.conf import settings
 from django.core.mail import EmailMessage
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
@@ -87,18 +87,24 @@ def mail_queue(notification_id: int, at: datetime | None = None) -> None:
         )
 
 
+def stranded(queued: QuerySet, stamp: str, now: datetime) -> list[int]:
+    """The ids of `queued` rows with no message out for MAIL_REQUEUE_MINUTES (`stamp`: when their
+    last went) or none ever (30 s after they were made), the oldest 1,000: a mail's, a channel
+    delivery's."""
+    since = now - timedelta(minutes=settings.MAIL_REQUEUE_MINUTES)
+    lost = queued.filter(
+        Q(**{f"{stamp}__lt": since}) | Q(**{stamp: None}, created_at__lt=now - timedelta(seconds=30))
+    )
+    return list(lost.order_by("pk").values_list("pk", flat=True)[:1000])
+
+
 def mail_stranded_requeue(*, now: datetime | None = None) -> int:
     """Send again the messages of QUEUED mails that have had none out for MAIL_REQUEUE_MINUTES:
     lost with Redis (killed, restarted empty) or never sent (Redis was away). Run by beat every
     minute. A message is a nudge: the claim (QUEUED → SENDING) lets only one of two copies mail,
     and SENDING ones are never sent again (a worker lost mid-send may have sent it)."""
     now = now or timezone.now()
-    since = now - timedelta(minutes=settings.MAIL_REQUEUE_MINUTES)
-    stranded = Notification.objects.filter(
-        Q(mail_queued_at__lt=since) | Q(mail_queued_at=None, created_at__lt=now - timedelta(seconds=30)),
-        mail_status=Mail.QUEUED,
-    )
-    ids = list(stranded.order_by("pk").values_list("pk", flat=True)[:1000])
+    ids = stranded(Notification.objects.filter(mail_status=Mail.QUEUED), "mail_queued_at", now)
     for notification_id in ids:
         mail_queue(notification_id, now)
     if ids:

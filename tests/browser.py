@@ -9,6 +9,11 @@ from contextlib import contextmanager
 
 import pytest
 
+from gpus.booking import reservation_create
+from gpus.services import server_report_ingest
+from jobs.submit import ScriptUpload, job_submit
+from tests.factories import make_snapshot
+
 CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
@@ -31,7 +36,9 @@ def asgi_page() -> Iterator[object]:
 
 
 @contextmanager
-def chromium_tab(base_url: str) -> Iterator[object]:
+def chromium_tab(base_url: str, **context: object) -> Iterator[object]:
+    """A tab of Debian's chromium on `base_url`; `context`: Playwright's context options (a
+    phone's viewport, is_mobile), a desktop window by default."""
     if not shutil.which(CHROMIUM):
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
@@ -43,11 +50,12 @@ def chromium_tab(base_url: str) -> Iterator[object]:
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(base_url=base_url, viewport={"width": 1400, "height": 900})
-        tab = context.new_page()
+        options = {"viewport": {"width": 1400, "height": 900}, **context}
+        opened = browser.new_context(base_url=base_url, **options)
+        tab = opened.new_page()
         tab.set_default_timeout(15_000)
         yield tab
-        context.close()
+        opened.close()
         browser.close()
 
 
@@ -57,3 +65,31 @@ def log_in(page, username: str, password: str = "password") -> None:
     page.fill("input[name=password]", password)
     page.click("button[type=submit]")
     page.wait_for_url("**/")
+
+
+# The main pages every person sees: the phone-width and accessibility tests read each.
+MAIN_PAGES = [
+    "/",
+    "/reservations/",
+    "/reservations/new/",
+    "/jobs/",
+    "/jobs/new/",
+    "/jobs/history/",
+    "/queue/",
+    "/violations/",
+    "/reports/",
+    "/teams/",
+    "/notifications/",
+    "/profile/",
+]
+
+
+def main_pages_of(user) -> list[str]:  # type: ignore[no-untyped-def]
+    """MAIN_PAGES, and a job's and a booking's page of `user`'s on a simulated box1 (the caller
+    keeps the job from being dispatched)."""
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=4, simulated=True))
+    booking = reservation_create(user=user, gpus=["GPU-box1-00"], memory_mb=8192)
+    job = job_submit(
+        user=user, reservation=booking, script=ScriptUpload(name="train.py", content=b"print(1)\n")
+    )
+    return [*MAIN_PAGES, f"/jobs/{job.pk}/", f"/reservations/{booking.pk}/"]
