@@ -3,14 +3,16 @@
 What is measured
     A real `celery -A portal worker` for a simulated GPU host (prefork, --concurrency 2) runs on
     the bench's test database and the configured Redis; the portal (portal.asgi, its lab proxy
-    included) runs under uvicorn in this process. A user with an active booking asks for a lab
+    included) runs under uvicorn in this process, as `make run` has it: the portal on localhost,
+    the labs' own origin (LAB_ORIGIN) on 127.0.0.1. A user with an active booking asks for a lab
     (`session_start(kind="jupyterlab")`, what the *Open JupyterLab* button and
     `POST /api/v1/sessions/` call; it dispatches when it commits). t0 is just before the call.
       - running: the row says RUNNING (the worker started JupyterLab and it answered);
-      - lab page: GET /sessions/<id>/lab/lab through the portal's proxy, signed in with the
-        portal's session cookie only, answers 200 (what the browser loads);
+      - lab page: GET /sessions/<id>/lab/lab on the portal, signed in with the portal's session
+        cookie only, followed through the hand-off (tests/lab_client.py) to the lab page on
+        LAB_ORIGIN, answers 200 (what the browser loads);
       - first cell: a kernel started through the proxy (POST …/api/kernels) has run `1 + 1` over
-        its websocket channel, through the proxy, and answered `2`.
+        its websocket channel, through the proxy, with the lab's own cookie, and answered `2`.
     6 labs one after the other (the first is a warm-up, not counted), each ended before the next.
     Goals: lab page median ≤ 5 s; first cell median ≤ 8 s (a 2-core machine, no GPU).
 
@@ -35,11 +37,10 @@ from tests.waiting import wait_for
 RUNS = 6
 
 
-def one_lab(user, booking, base: str, cookie: dict[str, str]) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
-    import httpx
-
+def one_lab(user, booking, portal: str, labs: str) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
     from jobs.interactive import session_end_request, session_start
     from jobs.models import InteractiveSession
+    from tests.lab_client import browser, grant_cookie, open_lab
 
     t0 = time.perf_counter()
     session, _ = session_start(user=user, reservation=booking.pk, kind="jupyterlab")
@@ -49,12 +50,15 @@ def one_lab(user, booking, base: str, cookie: dict[str, str]) -> tuple[float, fl
         what="the lab to run",
     )
     running = time.perf_counter() - t0
-    lab = f"{base}/sessions/{session.pk}/lab/"
-    with httpx.Client(cookies=cookie, timeout=30) as client:
-        wait_for(lambda: client.get(lab + "lab").status_code == 200, 30, what="the lab page")
+    lab = f"{labs}/sessions/{session.pk}/lab/"
+    with browser(portal, user, timeout=30) as client:
+        wait_for(
+            lambda: open_lab(client, portal, session.pk, "lab").status_code == 200, 30, what="the lab page"
+        )
         page = time.perf_counter() - t0
-        kernel = client.post(lab + "api/kernels").json()["id"]
-        assert run_cell(base, lab, kernel, cookie, "1 + 1") == "2"
+        kernel = client.post(lab + "api/kernels", headers={"Origin": labs}).json()["id"]
+        cookie = {"lab_grant": grant_cookie(client, session.pk)}
+        assert run_cell(labs, lab, kernel, cookie, "1 + 1") == "2"
         cell = time.perf_counter() - t0
     session_end_request(session=session, by=user)
     wait_for(
@@ -96,17 +100,15 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-lab-"))
     worker = None
     try:
-        from django.conf import settings
         from django.contrib.auth import get_user_model
         from django.db import connection
-        from django.test import Client
 
         from bench.bench_jobs import start_worker
         from gpus.booking import reservation_create
         from gpus.services import server_report_ingest
         from gpus.simulated import server_names
         from portal.models import Membership, Team
-        from tests.asgi_server import asgi_server
+        from tests.asgi_server import asgi_servers
         from tests.factories import make_snapshot
 
         print(f"JupyterLab sessions ({connection.vendor})")
@@ -117,11 +119,8 @@ def main() -> int:
         Membership.objects.create(team=team, user=user, role=Membership.Role.MEMBER)
         booking = reservation_create(user=user, gpus=[f"GPU-{server}-00"], memory_mb=8192)
         worker, _ = start_worker(server, database_url_for_subprocess(), scratch)
-        browser = Client()
-        browser.force_login(user)
-        cookie = {settings.SESSION_COOKIE_NAME: browser.cookies[settings.SESSION_COOKIE_NAME].value}
-        with asgi_server() as base:
-            figures = [one_lab(user, booking, base, cookie) for _ in range(RUNS)][1:]
+        with asgi_servers() as (portal, labs):
+            figures = [one_lab(user, booking, portal, labs) for _ in range(RUNS)][1:]
         running, page, cell = (sorted(f[i] for f in figures) for i in range(3))
         print(f"  {len(figures)} labs after a warm-up; seconds from the request")
         print(f"  running   median {statistics.median(running):5.2f}  max {running[-1]:5.2f}")

@@ -1,16 +1,20 @@
 """What the JupyterLab proxy (jobs/lab_proxy.py) adds: latency per websocket message and per small
-HTTP request, and large-download throughput, through the portal vs straight to the server.
+HTTP request, and large-download throughput, through the portal vs straight to the server; and
+what opening a lab costs: the hand-off from the portal to the labs' origin (four redirects, a
+ticket issued and redeemed) before the first page.
 
-The "Jupyter server" is the tests' FakeJupyter (tests/test_lab_proxy.py): an echo under uvicorn.
+The "Jupyter server" is the tests' FakeJupyter (tests/lab_fakes.py): an echo under uvicorn.
 portal.asgi runs under another uvicorn; both in threads of this process, as the tests run them,
 on a throw-away copy of the configured database (bench.common). One process means one GIL: the
 client, the proxy and the server share it, so the figures are an upper bound on the added cost.
 
 Websocket: WS_MESSAGES small text frames, one after another, each sent and its echo received.
 HTTP: HTTP_REQUESTS GETs of a small JSON answer on one keep-alive connection; through the portal
-each one checks the sign-in and the session in the database again (that is the design). Then a
-page load: PAGE_FILES GETs at once over a browser's six connections (requests that come while a
-check of the same cookie and lab is under way share it).
+each one checks the lab's cookie, its portal session and the lab in the database again (that is
+the design). Then a page load: PAGE_FILES GETs at once over a browser's six connections (requests
+that come while a check of the same cookie and lab is under way share it). Through the portal
+means on the labs' origin (LAB_ORIGIN, http://127.0.0.1:PORT) with the lab's own cookie, as a
+browser has it after the hand-off; HAND_OFFS fresh browsers time the hand-off itself.
 Run: `.venv/bin/python -m bench.bench_lab_proxy`.
 """
 
@@ -29,6 +33,7 @@ from bench.common import report, setup_django_test_db
 WS_MESSAGES, HTTP_REQUESTS, WARMUP = 2000, 500, 50
 PAGE_FILES, PAGE_CONNECTIONS, PAGE_LOADS = 60, 6, 20  # a browser's six connections to one site
 DOWNLOAD_MIB = 64
+HAND_OFFS = 50
 
 
 def pct(samples: list[float], p: float) -> float:
@@ -113,24 +118,23 @@ def line(name: str, direct: list[float], proxied: list[float]) -> None:
 def main() -> None:
     teardown = setup_django_test_db()
     try:
+        from django.conf import settings
         from django.db import connection
-        from django.test import Client
+        from django.utils import timezone
 
         from gpus.booking import reservation_create
         from gpus.services import server_report_ingest
         from jobs.models import InteractiveSession
-        from tests.asgi_server import asgi_server, serve
+        from tests.asgi_server import asgi_servers, serve
         from tests.factories import MembershipFactory, UserFactory, make_snapshot
-        from tests.test_lab_proxy import TOKEN, FakeJupyter
+        from tests.lab_client import browser, grant_cookie, open_lab
+        from tests.lab_fakes import TOKEN, FakeJupyter
 
+        settings.LAB_RELAY_BEAT_SECONDS = 600  # a fake lab: no supervisor beats for it
         server_report_ingest(snapshot=make_snapshot("box1", gpus=1))
         owner = MembershipFactory(user=UserFactory(username="alice")).user
         booking = reservation_create(user=owner, gpus=[make_snapshot("box1", gpus=1).gpus[0].uuid])
-        browser = Client()
-        browser.force_login(owner)
-        cookie = {"Cookie": f"sessionid={browser.cookies['sessionid'].value}"}
-
-        with serve(FakeJupyter()) as port, asgi_server() as portal:
+        with serve(FakeJupyter()) as port, asgi_servers() as (portal, labs):
             lab = InteractiveSession.objects.create(
                 owner=owner,
                 reservation=booking,
@@ -140,38 +144,51 @@ def main() -> None:
                 address=f"127.0.0.1:{port}",
                 token=TOKEN,
                 command=["jupyter", "lab"],
+                beat_at=timezone.now(),
             )
             direct = f"http://127.0.0.1:{port}"
             base = f"/sessions/{lab.pk}/lab"
+            hand_offs = []
+            for _ in range(HAND_OFFS):
+                with browser(portal, owner) as http:
+                    start = time.perf_counter()
+                    assert open_lab(http, portal, lab.pk, "api/echo").status_code == 200
+                    hand_offs.append((time.perf_counter() - start) * 1000)
+                    cookie = {"Cookie": f"lab_grant={grant_cookie(http, lab.pk)}"}
             print(
                 f"JupyterLab proxy ({connection.vendor}; client, proxy and server in one process:"
                 f" {threading.active_count()} threads)"
             )
             ws_path = f"{base}/api/kernels/k1/channels"
             ws_direct = websocket_round_trips(direct.replace("http", "ws") + ws_path, {}, None)
-            ws_proxied = websocket_round_trips(portal.replace("http", "ws") + ws_path, cookie, portal)
+            ws_proxied = websocket_round_trips(labs.replace("http", "ws") + ws_path, cookie, labs)
             line(
                 f"websocket round trip, {WS_MESSAGES} small text frames one after another",
                 ws_direct,
                 ws_proxied,
             )
             http_direct = http_round_trips(direct, f"{base}/api/echo", {})
-            http_proxied = http_round_trips(portal, f"{base}/api/echo", cookie)
+            http_proxied = http_round_trips(labs, f"{base}/api/echo", cookie)
             line(
                 f"HTTP GET, small answer, {HTTP_REQUESTS} on one keep-alive connection",
                 http_direct,
                 http_proxied,
             )
             page_direct = page_load_ms(direct, f"{base}/api/echo", {})
-            page_proxied = page_load_ms(portal, f"{base}/api/echo", cookie)
+            page_proxied = page_load_ms(labs, f"{base}/api/echo", cookie)
             line(
                 f"{PAGE_FILES} GETs at once on {PAGE_CONNECTIONS} connections (a page load)",
                 page_direct,
                 page_proxied,
             )
             big = f"{base}/big?mb={DOWNLOAD_MIB}"
-            fast, slow = download_mib_s(direct, big, {}), download_mib_s(portal, big, cookie)
+            fast, slow = download_mib_s(direct, big, {}), download_mib_s(labs, big, cookie)
             print(f"  download of {DOWNLOAD_MIB} MiB: direct {fast:.0f} MiB/s, through the portal {slow:.0f}")
+            print(
+                f"  opening the lab from the portal, {HAND_OFFS} fresh browsers (portal path, labs' origin,"
+                f" ticket, redeemed, first answer): p50 {pct(hand_offs, 50):.1f} ms,"
+                f" p95 {pct(hand_offs, 95):.1f} ms"
+            )
             added = pct(ws_proxied, 50) - pct(ws_direct, 50)
             report("websocket message, added p50", added, "ms", "<= 1 ms", added <= 1)
     finally:

@@ -26,9 +26,16 @@ When it is written:
   the middle of a job leaves no file behind for longer than one refresh.
 
 Each change is made under an flock on DIR/.portal.lock (the worker's pool processes and its
-reporter thread all write here) and each file is replaced whole (a temporary file and os.replace),
+reporter thread all write here) and each file is replaced whole (a temporary file and a rename),
 so DCGM never reads half a file. Nothing here ever fails a job, a lab or a watchdog round: an error
 is logged and the next refresh puts the folder right.
+
+The worker writes here as root, and the files are world-readable: DIR and every folder above it
+must be root's or the worker's and writable by nobody else (jobs.folders.worker_folder_open,
+checked at the worker's start and at every change), and every file in DIR, the lock too, is
+opened O_NOFOLLOW through a descriptor of DIR and used only if it is a regular file of the
+worker's. A link or someone else's file at an index is never read (its text never lands in a
+mapping) and is replaced by a rename, which never follows it.
 """
 
 from __future__ import annotations
@@ -36,10 +43,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import tempfile
+import stat
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -48,6 +55,7 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from gpus.models import GPU
+from jobs.folders import FolderError, own_file_open, own_file_read, own_file_replace, worker_folder_open
 from jobs.models import InteractiveSession, Job
 
 log = logging.getLogger(__name__)
@@ -74,6 +82,12 @@ def mapping_dir() -> Path | None:
     return Path(settings.DCGM_HPC_JOB_MAPPING_DIR) if settings.DCGM_HPC_JOB_MAPPING_DIR else None
 
 
+def mapping_check() -> None:
+    """For the host worker's start: the folder is safe to write (made if missing), or FolderError."""
+    if (folder := mapping_dir()) is not None:
+        os.close(_folder_open(folder))
+
+
 # --- the hooks -----------------------------------------------------------------------------------
 
 
@@ -84,9 +98,9 @@ def work_started(name: str, gpu_uuids: Iterable[str]) -> None:
         return
     try:
         indices = set(GPU.objects.filter(uuid__in=list(gpu_uuids)).values_list("index", flat=True))
-        with _locked(folder):
+        with _locked(folder) as dir_fd:
             for index in indices:
-                _write(folder, index, _read(folder / str(index)) | {name})
+                _write(dir_fd, index, _read(dir_fd, str(index)) | {name})
     except (DatabaseError, OSError) as exc:
         log.warning("DCGM job mapping: could not add %s (%s); the next refresh will", name, exc)
 
@@ -97,11 +111,11 @@ def work_ended(name: str) -> None:
     if folder is None:
         return
     try:
-        with _locked(folder):
-            for index, path in _index_files(folder).items():
-                names = _read(path)
+        with _locked(folder) as dir_fd:
+            for index, file_name in _index_files(dir_fd).items():
+                names = _read(dir_fd, file_name)
                 if name in names:
-                    _write(folder, index, names - {name})
+                    _write(dir_fd, index, names - {name})
     except OSError as exc:
         log.warning("DCGM job mapping: could not remove %s (%s); the next refresh will", name, exc)
 
@@ -146,13 +160,13 @@ def mapping_rebuild(server: str) -> dict[int, set[str]]:
     folder = mapping_dir()
     if folder is None:
         return {}
-    with _locked(folder):
+    with _locked(folder) as dir_fd:
         wanted = mapping_from_database(server)
-        for index, path in _index_files(folder).items():
+        for index, name in _index_files(dir_fd).items():
             if index not in wanted:
-                path.unlink(missing_ok=True)
+                os.unlink(name, dir_fd=dir_fd)  # the name itself: a link is never followed
         for index, names in wanted.items():
-            _write(folder, index, names)
+            _write(dir_fd, index, names)
     return wanted
 
 
@@ -183,31 +197,47 @@ def mapping_from_database(server: str) -> dict[int, set[str]]:
 # --- the files -----------------------------------------------------------------------------------
 
 
+def _folder_open(folder: Path) -> int:
+    return worker_folder_open(folder, "DCGM_HPC_JOB_MAPPING_DIR", mode=0o755)
+
+
 @contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_NAME, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _locked(folder: Path) -> Iterator[int]:
+    """A descriptor of the folder, checked, with its lock held."""
+    dir_fd = _folder_open(folder)
+    try:
+        lock = own_file_open(dir_fd, LOCK_NAME, os.O_RDWR | os.O_CREAT)
         try:
-            yield
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield dir_fd
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            os.close(lock)  # the lock goes with it
+    finally:
+        os.close(dir_fd)
 
 
-def _index_files(folder: Path) -> dict[int, Path]:
-    """The files DCGM exporter would read: regular files named by an integer."""
+def _index_files(dir_fd: int) -> dict[int, str]:
+    """The names DCGM exporter would read: those of an integer, whatever they are (a link there
+    is not ours either, and goes like a stale file)."""
     found = {}
-    for path in folder.iterdir():
-        if path.name.isdigit() and path.is_file():
-            found[int(path.name)] = path
+    for name in os.listdir(dir_fd):
+        if name.isdigit() and not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            found[int(name)] = name
     return found
 
 
-def _read(path: Path) -> set[str]:
+def _read(dir_fd: int, name: str) -> set[str]:
+    """The names in the worker's own file `name`; none for a file that is not its own (a link,
+    someone else's: said in the log, never read, and replaced at the next write)."""
     try:
-        return {line.strip() for line in path.read_text().splitlines() if line.strip()}
-    except FileNotFoundError:
+        data = own_file_read(dir_fd, name)
+    except FolderError as exc:
+        log.warning(
+            "DCGM job mapping: %s (in %s); never read, and replaced at its next write", exc, mapping_dir()
+        )
         return set()
+    text = (data or b"").decode(errors="replace")
+    return {line.strip() for line in text.splitlines() if line.strip()}
 
 
 def _sort_key(name: str) -> tuple[str, int]:
@@ -215,25 +245,17 @@ def _sort_key(name: str) -> tuple[str, int]:
     return (kind, int(number)) if number.isdigit() else (name, 0)
 
 
-def _write(folder: Path, index: int, names: set[str]) -> None:
-    """The index's file holding `names` (none: no file), replaced whole; untouched if it already
-    says so, so DCGM's reads and the file's mtime only change with the work on the card."""
-    path = folder / str(index)
+def _write(dir_fd: int, index: int, names: set[str]) -> None:
+    """The index's file holding `names` (none: no file), replaced whole; untouched if the
+    worker's own file already says so, so DCGM's reads and the file's mtime only change with the
+    work on the card."""
+    name = str(index)
     if not names:
-        path.unlink(missing_ok=True)
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)  # the name itself: a link is never followed
         return
-    text = "".join(f"{name}\n" for name in sorted(names, key=_sort_key))
-    try:
-        if path.read_text() == text:
+    text = "".join(f"{n}\n" for n in sorted(names, key=_sort_key)).encode()
+    with suppress(FolderError):
+        if own_file_read(dir_fd, name) == text:
             return
-    except FileNotFoundError:
-        pass
-    fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{index}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.chmod(temporary, 0o644)  # DCGM exporter often runs as another account
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    own_file_replace(dir_fd, name, text, mode=0o644)  # DCGM exporter often runs as another account

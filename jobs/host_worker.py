@@ -1,6 +1,7 @@
-"""A GPU host's worker and its jobs: what a previous worker left running, when it starts
-(`kill_orphans`), and its running jobs, when it stops (`running_jobs_stop`). jobs/signals.py
-calls both from the worker's signals.
+"""A GPU host's worker and its jobs: whether its folders are safe, before it starts
+(`host_worker_check`), what a previous worker left running, when it starts (`kill_orphans`), and
+its running jobs, when it stops (`running_jobs_stop`). jobs/signals.py calls them from the
+worker's signals.
 
 On SIGTERM (systemctl stop) Celery's warm shutdown waits for running tasks. Each job's
 supervisor sees the stop flag within a second and stops its job the usual way (SIGTERM,
@@ -26,10 +27,11 @@ from django.urls import reverse
 from django.utils import timezone
 
 from gpus.procinfo import session_of
-from jobs.dcgm import mapping_start
+from jobs.dcgm import mapping_check, mapping_start
+from jobs.folders import FolderError, job_folders_check
 from jobs.logs import log_append
 from jobs.models import Job
-from jobs.spool import stop_flag
+from jobs.spool import spool_dir, stop_flag, stop_flag_raise
 from portal.accounts import JOB_USER_OWNER, unix_account_name
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
@@ -39,6 +41,24 @@ log = logging.getLogger(__name__)
 
 ORPHAN_LOOKBACK = timedelta(days=1)  # lost jobs older than this have long been killed
 CLOCK_SLACK_SECONDS = 5  # boot_time() is derived from the clock, which may have been adjusted since
+
+
+def host_worker_check() -> None:
+    """Before a GPU host's worker takes anything: the folders it writes into as root (JOB_FOLDERS,
+    JOB_SPOOL_DIR, DCGM_HPC_JOB_MAPPING_DIR) and every folder above them are root's or the
+    worker's and writable by nobody else, and the account jobs run as can pass through to
+    JOB_FOLDERS (jobs/folders.py). Otherwise the worker refuses to start, and says which folder,
+    which setting and the fix: a job's account that can write one of them could make the worker
+    write where it points, and one that cannot reach JOB_FOLDERS fails every job.
+
+    SystemExit, not an exception: Celery logs and swallows what a signal's receiver raises."""
+    try:
+        job_folders_check(job_user=settings.JOB_USER)
+        spool_dir()
+        mapping_check()
+    except FolderError as exc:
+        log.critical("The worker of %s does not start: %s", settings.WORKER_SERVER, exc)
+        raise SystemExit(f"The worker of {settings.WORKER_SERVER} does not start: {exc}") from None
 
 
 def kill_orphans(server: str) -> int:
@@ -163,7 +183,7 @@ def running_jobs_stop() -> int:
     flag = stop_flag(os.getpid())
     if flag is not None:
         try:
-            flag.touch()
+            stop_flag_raise(flag)
         except OSError:
             log.exception("Could not write the stop flag %s", flag)
     connection.close()

@@ -420,6 +420,40 @@ def session_stopped_tell(session: InteractiveSession, why: str, *, reported: boo
 
 
 @transaction.atomic
+def lab_start_refused_tell(session: InteractiveSession, why: str) -> None:
+    """A lab that did not start because its server could not be proved to be the one its worker
+    started (jobs.lab_listener.listener_proof), or because its launcher refused the listening
+    socket handed to it: said in the owner's inbox and the audit log. Its token was sent nowhere;
+    someone else on the host may have tried to stand in for it, which an admin wants to know."""
+    what = f"{session.get_kind_display()} session {session.pk}"
+    AuditEntry.objects.create(
+        actor=None,
+        action=AuditEntry.Action.SESSION_STOP,
+        team=session.reservation.team,
+        target=f"session {session.pk}",
+        message=f"Refused to start {what} of {session.owner}: {why}",
+        data={
+            "reservation": session.reservation_id,
+            "server": session.server_id,
+            "pid": session.pid,
+            "refused": "listener not proved",
+        },
+    )
+    notification_send(
+        user=session.owner,
+        kind=Notification.Kind.JOB_STOPPED,
+        subject=f"Your {session.get_kind_display()} on {session.server.name} did not start",
+        body=(
+            f"Your {what} on {session.server.name}, on booking {session.reservation_id}, did not "
+            f"start: {why}. Its token was sent nowhere. Start it again from the booking; if this "
+            "happens again, tell an admin: another account on that host may be trying to stand in "
+            "for labs."
+        ),
+        url=f"/reservations/{session.reservation_id}/",
+    )
+
+
+@transaction.atomic
 def session_end_request(*, session: InteractiveSession, by: AbstractBaseUser) -> InteractiveSession:
     """Ended from the portal (DELETE, the End button): `gpu` sees it at its next beat and stops the
     command; a lab's supervisor within a second."""

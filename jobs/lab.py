@@ -3,16 +3,28 @@ kind "jupyterlab"; the portal's proxy is jobs.lab_proxy).
 
 `session_start` (jobs.interactive) writes the row (STARTING, with a random token) and sends its id
 to the booking's host queue once committed; `lab_run` there claims it (a conditional UPDATE on
-`worker`, so a message delivered twice starts one lab) and starts `python -m jupyterlab` as a job
-is started (portal.processes.start_job_process: a session of its own, JOB_USER's account, no
-privileges, SIGKILLed with the worker) in the booking's environment (the cards by UUID, every
-framework's memory caps: jobs.environment.session_environment). The token reaches the server
-through its environment (JUPYTER_TOKEN), never its command line, which every user can read; the
-browser never sees it (the proxy adds it). The server listens on SESSION_BIND_ADDRESS under the
-base URL /sessions/<id>/lab/, the path the portal serves it at.
+`worker`, so a message delivered twice starts one lab) and starts JupyterLab as a job is started
+(portal.processes.start_job_process: a session of its own, JOB_USER's account, no privileges,
+SIGKILLed with the worker) in the booking's environment (the cards by UUID, every framework's
+memory caps: jobs.environment.session_environment). The token reaches the server through its
+environment (JUPYTER_TOKEN), never its command line, which every user can read; the browser never
+sees it (the proxy adds it). The server serves the base URL /sessions/<id>/lab/, the path the
+portal serves it at.
 
-Once the server answers, the row is RUNNING with its address. Then, every TICK_SECONDS, this
-supervisor (the Celery task, holding a pool slot as a job does) reads the row and ends the lab:
+A GPU host is shared with people who have shells, and any of them can listen on a free port. So
+the lab's address is never a port picked and published first: the worker binds and listens on
+SESSION_BIND_ADDRESS (the kernel picks the port) before the lab's process exists, hands it that
+socket alone (an inherited fd, PORTAL_LAB_LISTEN_FD) and closes its own copy; the lab's launcher
+(jobs/jupyter/lab_launcher.py) has Jupyter serve on it and never binds a port itself. Nothing
+else can listen at that address while the socket lives. Readiness is asked without the token
+(Jupyter's `GET <base>api`); then `listener_proof` checks that the socket listening at the
+address is the one the worker made and that the lab's own process holds it. Only then does the
+row turn RUNNING with the address, and the token goes only over connections checked the same way.
+A lab whose listener is not proved (or whose launcher refused the socket) ends FAILED saying why,
+told to its owner and the audit log (jobs.interactive.lab_start_refused_tell).
+
+Once RUNNING, every TICK_SECONDS this supervisor (the Celery task, holding a pool slot as a job
+does) reads the row and ends the lab:
 - when someone ends the session (DELETE, the End button);
 - when the booking ends (its owner warned SESSION_WARN_MINUTES before, in the inbox);
 - after SESSION_IDLE_MINUTES without kernel activity (no kernel busy, none active since);
@@ -28,6 +40,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import http.client
+import json
 import logging
 import os
 import signal
@@ -38,18 +52,19 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO
 
-import httpx
 import psutil
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
 from django.db.models import Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.dcgm import session_name, work_ended, work_started
 from jobs.environment import INHERITED_ENV, BookedCard, JobSetupError, activation, session_environment
-from jobs.interactive import LOST, lab_path, session_stopped_tell, session_warn_ending
+from jobs.interactive import LOST, lab_path, lab_start_refused_tell, session_stopped_tell, session_warn_ending
+from jobs.lab_listener import Listener, listen, listener_proof, listening_at
 from jobs.launch import LAUNCHER, account_of
 from jobs.models import InteractiveSession
 from jobs.spool import worker_stopping
@@ -67,6 +82,10 @@ READY_POLL_SECONDS = 0.2
 OUTPUT_LINES = 40  # the server's last lines, kept for the message of a lab that failed to start
 Session = InteractiveSession.Status
 KERNELS = Path(__file__).resolve().parent / "jupyter"  # kernels/python3: the portal's kernel spec
+LAB_LAUNCHER = KERNELS / "lab_launcher.py"  # run by the job's interpreter: standard library only
+LISTEN_FD_ENV = "PORTAL_LAB_LISTEN_FD"  # the launcher's LISTEN_FD_ENV
+LISTENER_REFUSED_EXIT_CODE = 3  # the launcher's REFUSED_EXIT_CODE: no listening socket was passed
+HTTP_TIMEOUT_SECONDS = 2.0
 
 
 def idle_limit_seconds() -> float:
@@ -78,7 +97,7 @@ def lab_run(session_id: int) -> str | None:
     worker = socket.gethostname()[:200]
     claimed = InteractiveSession.objects.filter(
         pk=session_id, kind=InteractiveSession.Kind.JUPYTERLAB, status=Session.STARTING, worker=""
-    ).update(worker=worker, beat_at=timezone.now())
+    ).update(worker=worker, beat_at=Now())
     if not claimed:
         log.info("Session %s is not waiting for a worker: nothing to do", session_id)
         return None
@@ -99,6 +118,10 @@ class LabSupervisor:
         self.database_away = False
         self.ran = False  # it answered once: RUNNING
         self.uid = os.getuid()  # the account the lab runs as (set at its start)
+        self.gid = os.getgid()
+        self.listener: Listener | None = None  # the socket the worker made for it (set at its start)
+        self.refused = False  # its listener was not proved: its owner and the audit log are told
+        self.reader: threading.Thread | None = None
 
     def run(self) -> str:
         try:
@@ -110,15 +133,16 @@ class LabSupervisor:
         InteractiveSession.objects.filter(pk=self.pk).update(
             pid=self.proc.leader.pid, pid_started=self.proc.leader.started
         )
-        threading.Thread(target=self._read, args=(popen.stdout,), daemon=True).start()
-        why = self._wait_ready()
+        self.reader = threading.Thread(target=self._read, args=(popen.stdout,), daemon=True)
+        self.reader.start()
+        why = self._wait_ready() or self._prove()
         if why is None:
             self.ran = True
             InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(
                 status=Session.RUNNING,
                 address=self.address,
                 started_at=timezone.now(),
-                beat_at=timezone.now(),
+                beat_at=Now(),
             )
             why = self._supervise()
         return self._stop(why)
@@ -139,6 +163,7 @@ class LabSupervisor:
             )
         account = account_of(session.owner)
         self.uid = account.pw_uid if account is not None else os.getuid()
+        self.gid = account.pw_gid if account is not None else os.getgid()
         interpreter = settings.JOB_INTERPRETERS["default"]
         env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
         if account is not None:
@@ -157,19 +182,14 @@ class LabSupervisor:
         # The portal's Python kernel spec first: it applies the TF and PyTorch caps in each kernel.
         env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(KERNELS), os.environ.get("JUPYTER_PATH")]))
         env["PORTAL_LAUNCHER"] = str(LAUNCHER)
-        port = _free_port(settings.SESSION_BIND_ADDRESS)
-        self.address = f"{settings.SESSION_BIND_ADDRESS}:{port}"
         root = Path(account.pw_dir if account is not None else settings.JOB_ROOTS[0])
         if account is None:
             root.mkdir(parents=True, exist_ok=True)  # the worker's own folder for its own user's labs
         argv = [
             interpreter,
-            "-m",
-            "jupyterlab",
+            str(LAB_LAUNCHER),  # Jupyter on the socket below: no port on this command line
             "--no-browser",
             f"--ServerApp.ip={settings.SESSION_BIND_ADDRESS}",
-            f"--ServerApp.port={port}",
-            "--ServerApp.port_retries=0",
             f"--ServerApp.base_url={lab_path(session.pk)}",
             f"--ServerApp.root_dir={root}",
             "--ServerApp.allow_remote_access=True",  # the portal's proxy may run on another host
@@ -180,13 +200,20 @@ class LabSupervisor:
             # A worker run as root with no JOB_USER (a container, CI): the lab is as privileged as
             # its jobs are there. JOB_USER never names root (JOB_MIN_UID).
             argv.append("--allow-root")
-        return start_job_process(
-            argv,
-            env=env,
-            cwd=root,
-            user=account.pw_uid if account is not None else None,
-            group=account.pw_gid if account is not None else None,
-        )
+        sock, self.listener = listen(settings.SESSION_BIND_ADDRESS)
+        self.address = self.listener.address
+        env[LISTEN_FD_ENV] = str(sock.fileno())
+        try:
+            return start_job_process(
+                argv,
+                env=env,
+                cwd=root,
+                user=account.pw_uid if account is not None else None,
+                group=account.pw_gid if account is not None else None,
+                pass_fds=[sock.fileno()],
+            )
+        finally:
+            sock.close()  # the lab's copy is the only one left: its listener dies with it
 
     def _read(self, stream: IO[bytes]) -> None:
         """The server's output, drained (a full pipe would block it); its last lines kept."""
@@ -194,30 +221,72 @@ class LabSupervisor:
             self.output.append(line.decode(errors="replace").rstrip())
 
     def _wait_ready(self) -> str | None:
-        """None once the server answers; else why it will never (exited, ended, too slow)."""
+        """None once a server answers at the lab's address (asked without the token: nothing
+        there is proved yet); else why it will never (exited, ended, too slow)."""
         assert self.proc is not None
         deadline = time.monotonic() + settings.SESSION_START_SECONDS
         while time.monotonic() < deadline:
             if self.proc.exited():
+                if self.reader is not None:
+                    self.reader.join(timeout=HTTP_TIMEOUT_SECONDS)  # its last words, to the end
+                if _exit_status(self.proc.leader.pid) == LISTENER_REFUSED_EXIT_CODE:
+                    self.refused = True
+                    return (
+                        f"JupyterLab refused the listening socket the worker passed it: {self._last_lines()}"
+                    )
                 return f"JupyterLab exited while starting: {self._last_lines()}"
-            if self._api("status") is not None:
+            if self._api("", token=False) is not None:
                 return None
             if reason := self._check_row():
                 return reason
             time.sleep(READY_POLL_SECONDS)
         return f"JupyterLab did not answer within {settings.SESSION_START_SECONDS} s: {self._last_lines()}"
 
+    def _prove(self) -> str | None:
+        """None when the server that answered is the lab this worker started; else why not."""
+        assert self.proc is not None and self.listener is not None
+        why = listener_proof(self.proc, self.listener, uid=self.uid, gid=self.gid)
+        if why is not None:
+            self.refused = True
+            log.error("Session %s: %s", self.pk, why)
+        return why
+
     def _last_lines(self) -> str:
         lines = [line for line in self.output if line.strip()][-5:]
         return " | ".join(lines)[-400:] or "no output"
 
-    def _api(self, path: str) -> object | None:
-        url = f"http://{self.address}{lab_path(self.pk)}api/{path}"
+    def _api(self, path: str, *, token: bool = True) -> object | None:
+        """GET <base>api/<path> on the lab's server: its JSON answer, or None.
+
+        With `token`, the lab's token goes only over a connection to the proved listener: the
+        connection is made first and the listener checked after (`listening_at`). The socket the
+        worker made still listening there now was listening there when the connection was made
+        (it listened from before the lab started, and a closed socket never comes back), so the
+        connection is the lab's: a server that exits and leaves its port to someone else between
+        two polls never gets the token."""
+        assert self.listener is not None
+        listener = self.listener
+        connection = http.client.HTTPConnection(listener.host, listener.port, timeout=HTTP_TIMEOUT_SECONDS)
+        headers = {}
         try:
-            response = httpx.get(url, headers={"Authorization": f"token {self.session.token}"}, timeout=2)
-        except httpx.HTTPError:
+            connection.connect()
+            if token:
+                if listening_at(listener) != {listener.inode}:
+                    return None
+                headers["Authorization"] = f"token {self.session.token}"
+            connection.request("GET", f"{lab_path(self.pk)}api/{path}".rstrip("/"), headers=headers)
+            response = connection.getresponse()
+            body = response.read(1 << 20)
+        except (OSError, http.client.HTTPException):
             return None
-        return response.json() if response.status_code == 200 else None
+        finally:
+            connection.close()
+        if response.status != 200:
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None
 
     # --- supervise -----------------------------------------------------------------------------
 
@@ -244,7 +313,8 @@ class LabSupervisor:
         now = timezone.now()
         try:
             close_old_connections()
-            InteractiveSession.objects.filter(pk=self.pk).update(beat_at=now)
+            # The database's clock: the relay compares the beat with it (lab_handoff.lab_for_owner).
+            InteractiveSession.objects.filter(pk=self.pk).update(beat_at=Now())
             row = InteractiveSession.objects.select_related(
                 "reservation__released_by", "server", "owner"
             ).get(pk=self.pk)
@@ -307,6 +377,10 @@ class LabSupervisor:
         """End the server and its kernels (SIGTERM: Jupyter shuts its kernels down; SIGKILL to what
         is left after the grace period), reap it and record why."""
         assert self.proc is not None
+        # The portal's relay sends the token to the row's address: it stops before the server
+        # closes its listener, after which anyone on the host could listen at that address.
+        with contextlib.suppress(DatabaseError):
+            InteractiveSession.objects.filter(pk=self.pk).update(address="")
         exited_by_itself = self.proc.exited()
         if not exited_by_itself:
             self.proc.signal(signal.SIGTERM)
@@ -327,6 +401,11 @@ class LabSupervisor:
             status=status, finished_at=timezone.now(), exit_code=code, message=message, kernels=[]
         )
         work_ended(session_name(self.pk))  # again: a refresh may have read the row before
+        if updated and self.refused:
+            lab_start_refused_tell(
+                InteractiveSession.objects.select_related("reservation", "owner", "server").get(pk=self.pk),
+                why,
+            )
         if updated and status == Session.ENDED and why != "JupyterLab exited by itself":
             session = InteractiveSession.objects.select_related("reservation", "owner", "server").get(
                 pk=self.pk
@@ -335,6 +414,16 @@ class LabSupervisor:
                 session_stopped_tell(session, why)
         log.info("Session %s: %s (%s)", self.pk, status, why)
         return status
+
+
+def _exit_status(pid: int) -> int | None:
+    """The exit code of the worker's exited child `pid`, leaving it unreaped; None: killed, or
+    not exited."""
+    with contextlib.suppress(ChildProcessError):
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if found is not None and found.si_code == os.CLD_EXITED:
+            return found.si_status
+    return None
 
 
 def _ended_by_owner(session: InteractiveSession) -> bool:
@@ -387,12 +476,6 @@ def _parsed(value: object) -> float | None:
         return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return probe.getsockname()[1]
 
 
 def lab_orphans_end(server: str) -> int:

@@ -113,7 +113,7 @@ def user_work_stop(*, user: AbstractBaseUser, reason: str, now: datetime | None 
         Job.objects.filter(owner_id=user.pk, status__in=RUNNING, cancel_requested_at=None).update(
             cancel_requested_at=now, cancelled_by=None, message=message
         )
-    job_changed([pk for pk, _ in stopped.cancelled + stopped.stopping])
+    job_changed([pk for pk, _ in stopped.stopping])  # the cancelled ones: `_cancel_waiting`
     stopped.bookings = reservations_cancel_for_leaver(user=user, reason=reason, now=now)
     if stopped:
         _audit_jobs(user, reason, stopped)
@@ -130,9 +130,10 @@ def user_work_stop(*, user: AbstractBaseUser, reason: str, now: datetime | None 
 
 
 def _cancel_waiting(jobs: QuerySet[Job], message: str, now: datetime) -> list[tuple[int, int]]:
-    """Cancel these locked, not yet started jobs with `message`, a line in each log; their
-    (job id, team id) pairs. The claim is a conditional UPDATE, so one a worker took meanwhile
-    is left to the caller's running-job path."""
+    """Cancel these locked, not yet started jobs with `message`, a line in each log, and their
+    change published (the pages showing them update); their (job id, team id) pairs. The claim
+    is a conditional UPDATE, so one a worker took meanwhile is left to the caller's running-job
+    path."""
     found = list(jobs.values_list("pk", "team_id"))
     if not found:
         return []
@@ -146,6 +147,7 @@ def _cancel_waiting(jobs: QuerySet[Job], message: str, now: datetime) -> list[tu
     )
     for pk, _ in found:  # no worker has them: the log is free to write
         log_append(pk, f"[portal] {message} The job never started.", now=now)
+    job_changed([pk for pk, _ in found])
     wake_on_commit(QUEUE_SCHEDULER)
     return found
 

@@ -350,3 +350,45 @@ class InteractiveSession(models.Model):
         if not self.started_at:
             return None
         return (self.finished_at or timezone.now()) - self.started_at
+
+
+class LabGrant(models.Model):
+    """A browser's way into one JupyterLab on the labs' own origin (jobs.lab_handoff, which says
+    the whole hand-off; docs/sessions.md, "Two origins").
+
+    The portal issues it as a ticket for one lab, one user, the portal session that asked and the
+    state cookie of the browser that asked; the labs' origin redeems it once, within
+    LAB_TICKET_SECONDS, and it becomes the grant behind that browser's cookie for that lab. Only
+    SHA-256 digests of the ticket, the state and the cookie are kept. `portal_session_key` is the
+    portal session's own key (django_session's primary key, so no secret that table does not
+    already hold): each lab request checks that this session still exists and still names `user`.
+
+    Status transitions:
+        issued (used_at empty) → redeemed (used_at and cookie_digest set): once, by a conditional
+            UPDATE, and only before expires_at
+        issued, past expires_at → deleted; any, once its lab is no longer running → deleted
+            (both when the next ticket is issued)
+    """
+
+    session = models.ForeignKey(InteractiveSession, on_delete=models.CASCADE, related_name="lab_grants")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    portal_session_key = models.CharField(max_length=40)
+    ticket_digest = models.CharField(max_length=64, unique=True)
+    state_digest = models.CharField(max_length=64)
+    expires_at = models.DateTimeField(help_text="The ticket's end; a grant lasts as its portal session.")
+    used_at = models.DateTimeField(null=True, blank=True)
+    cookie_digest = models.CharField(max_length=64, null=True, blank=True, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [models.Index(fields=["expires_at"], name="labgrant_expires")]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(used_at__isnull=True, cookie_digest__isnull=True)
+                | models.Q(used_at__isnull=False, cookie_digest__isnull=False),
+                name="labgrant_redeemed_with_cookie",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"lab grant {self.pk} for session {self.session_id}"

@@ -34,7 +34,10 @@ from portal.permissions import ActionPermissionsMixin, IsOwner, IsOwnerOrTeamMan
 class SessionSerializer(serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
     server = serializers.CharField(source="server.name", read_only=True)
-    url = serializers.SerializerMethodField(help_text="JupyterLab: where the portal serves it.")
+    url = serializers.SerializerMethodField(
+        help_text="JupyterLab: the address a browser opens to reach it (a portal path that signs the owner"
+        " in on the labs' own origin, LAB_ORIGIN, and goes on there)."
+    )
 
     def get_url(self, session: InteractiveSession) -> str:
         return lab_path(session.pk) if session.kind == InteractiveSession.Kind.JUPYTERLAB else ""

@@ -1,18 +1,23 @@
 """The pages of interactive sessions (jobs.interactive): "Open JupyterLab" on a booking, the
-session's page (starting… then on to the lab, which the portal's proxy serves: jobs.lab_proxy),
-and its End button. Visible as jobs are (owner, the booking's team's leaders, admins: 404 for the
-rest); only the owner opens a lab."""
+session's page (starting… then on to the lab, which is served from LAB_ORIGIN: jobs.lab_proxy),
+the ticket that carries the owner's sign-in there (jobs.lab_handoff), and its End button.
+Visible as jobs are (owner, the booking's team's leaders, admins: 404 for the rest); only the
+owner opens a lab."""
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
+from django.utils.http import urlencode
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
 from jobs.interactive import active_lab, lab_path, session_end_request, session_start
+from jobs.lab_handoff import lab_auth_path, lab_for_owner, lab_next, lab_ticket_issue
 from jobs.models import InteractiveSession
 from portal.access import can_manage
 from portal.errors import Forbidden, ServiceError
@@ -71,6 +76,27 @@ def session_detail(request: HttpRequest, pk: int) -> HttpResponse:
     if request.GET.get("part") == "status":
         return render(request, "jobs/_session_status.html", context)
     return render(request, "jobs/session_detail.html", context)
+
+
+@require_GET
+@never_cache
+@login_required
+def lab_ticket(request: HttpRequest, pk: int) -> HttpResponse:
+    """Step 3 of the hand-off (jobs.lab_handoff): a ticket into the signed-in owner's running lab,
+    for the browser whose state the labs' origin sent here, and on to LAB_ORIGIN to redeem it.
+    Anyone else, or a lab not running: 404. Without a state (a link made by hand): the lab's portal
+    path, which starts the hand-off from the beginning."""
+    if lab_for_owner(request.user.pk, pk) is None:
+        raise Http404("No such lab of yours, or it is not running.")
+    state = request.GET.get("state", "")
+    if not state:
+        return redirect(lab_path(pk))
+    key = request.session.session_key or ""
+    ticket = lab_ticket_issue(user=request.user, pk=pk, portal_session_key=key, state=state)
+    if ticket is None:  # a state not made by the labs' origin, or the lab ended meanwhile
+        raise Http404("No such lab of yours, or it is not running.")
+    query = urlencode({"ticket": ticket, "next": lab_next(pk, request.GET.get("next"))})
+    return redirect(f"{settings.LAB_ORIGIN}{lab_auth_path(pk)}?{query}")
 
 
 @require_POST

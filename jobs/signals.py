@@ -1,5 +1,8 @@
 """The jobs app's signal receivers only; what they do lives in named modules.
 
+- worker_init: a GPU host's worker refuses to start where a folder it writes into as root is
+  not safe from the jobs' accounts, or its jobs' account cannot reach JOB_FOLDERS
+  (jobs.host_worker.host_worker_check).
 - worker_ready: the portal's own worker (the one consuming the default queue, where the telemetry
   collector runs) starts the job reconciler and the queue's scheduler (jobs/threads.py,
   jobs/scheduler.py); a GPU host's worker ends what a previous worker left running
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import logging
 
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import worker_init, worker_ready, worker_shutting_down
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, transaction
 from django.db.models.signals import post_save, pre_save
@@ -29,7 +32,7 @@ from django.dispatch import receiver
 from gpus.inventory import GPUInfo, Snapshot
 from gpus.services import telemetry_ingested
 from gpus.telemetry import snapshot_read
-from jobs.host_worker import kill_orphans, running_jobs_stop
+from jobs.host_worker import host_worker_check, kill_orphans, running_jobs_stop
 from jobs.lab import lab_orphans_end
 from jobs.leavers import deactivated, user_work_stop
 from jobs.pickup import HostPickup
@@ -43,6 +46,13 @@ from portal.periodic import start_thread
 log = logging.getLogger(__name__)
 
 _host_worker = False  # set when this worker consumes its GPU host's queue
+
+
+@worker_init.connect
+def _on_worker_init(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """Before the pool starts or a message is taken: the queues are known by then."""
+    if f"host.{settings.WORKER_SERVER}" in sender.app.amqp.queues.consume_from:
+        host_worker_check()
 
 
 @worker_ready.connect

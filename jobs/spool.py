@@ -13,8 +13,12 @@ restart, a failover) while jobs print and end. The worker never drops what it co
 
 `token` is the job's creation time in microseconds: job ids start again with a new database, and
 a spool must never be replayed into another database's job of the same id. The folder is the
-worker's alone (mode 0700, made here, never a job's: JOB_FOLDERS' rule, jobs/folders.py), and
-every file is opened O_NOFOLLOW. The supervisor holds an exclusive lock on its spool while its
+worker's alone (mode 0700, made here, never a job's): it and every folder above it must be root's
+or the worker's and writable by nobody else, JOB_FOLDERS' rule (jobs.folders.worker_folder_open),
+which the host worker checks as it starts. Every file is opened O_NOFOLLOW through a descriptor
+of the folder and used only if it is a regular file of the worker's (jobs.folders.own_file_open):
+an end record or a log someone else planted, or a symlink, is refused and said in the log, never
+stored as a job's end or its lines. The supervisor holds an exclusive lock on its spool while its
 job runs, so the replay never touches a live job's files. A lock is only as good as the file
 it is on: one taken on a spool that was unlinked meanwhile (the replay finished it) is let go and
 taken again on the file that now has the name; and a process forked from the holder (a prefork
@@ -28,7 +32,9 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import weakref
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -36,15 +42,27 @@ from pathlib import Path
 import psutil
 from django.conf import settings
 
+from jobs.folders import own_file_open, own_file_read, own_file_replace, worker_folder_open
+
 log = logging.getLogger(__name__)
 
-_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_APPEND
+
+
+@contextlib.contextmanager
+def _folder() -> Iterator[int]:
+    """A descriptor of JOB_SPOOL_DIR, checked (and made, mode 0700) each time."""
+    fd = worker_folder_open(Path(settings.JOB_SPOOL_DIR), "JOB_SPOOL_DIR", mode=0o700)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def spool_dir() -> Path:
-    path = Path(settings.JOB_SPOOL_DIR)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+    """JOB_SPOOL_DIR, checked and made on first use (FolderError, an OSError, if it is unsafe)."""
+    with _folder():
+        return Path(settings.JOB_SPOOL_DIR)
 
 
 def spool_name(job_id: int, created_at: datetime) -> str:
@@ -60,25 +78,20 @@ class EndRecord:
 
     def write(self, name: str) -> None:
         """Atomically: a replay reads the whole record or none."""
-        folder = spool_dir()
-        temporary = folder / f".{name}.end.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as file:
-            json.dump(asdict(self), file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, folder / f"{name}.end")
+        with _folder() as dir_fd:
+            own_file_replace(dir_fd, f"{name}.end", json.dumps(asdict(self)).encode(), mode=0o600, sync=True)
 
     @classmethod
     def read(cls, name: str) -> EndRecord | None:
-        try:
-            return cls(**json.loads((spool_dir() / f"{name}.end").read_text()))
-        except FileNotFoundError:
-            return None
+        """None when there is none; FolderError (an OSError) for one the worker did not write."""
+        with _folder() as dir_fd:
+            data = own_file_read(dir_fd, f"{name}.end")
+        return None if data is None else cls(**json.loads(data))
 
     @staticmethod
     def remove(name: str) -> None:
-        (spool_dir() / f"{name}.end").unlink(missing_ok=True)
+        with _folder() as dir_fd, contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{name}.end", dir_fd=dir_fd)  # the name itself: a link is never followed
 
 
 # Every open spool of this process: a forked child closes them (`_close_in_child`).
@@ -92,7 +105,7 @@ class LogSpool:
         """Blocks until the lock is free; with `wait=False` raises BlockingIOError instead."""
         self.name = name
         self.cap_bytes = cap_bytes
-        self.path = spool_dir() / f"{name}.log"
+        self.path = Path(settings.JOB_SPOOL_DIR) / f"{name}.log"
         self.fd = self._open_locked(wait)
         _open_spools.add(self)
         self.size = os.fstat(self.fd).st_size
@@ -101,19 +114,22 @@ class LogSpool:
     def _open_locked(self, wait: bool) -> int:
         """Open and lock the file that has the spool's name when the lock is got: while this
         waited, the holder may have finished the spool and unlinked it (and a new one may have
-        been made), and a lock on an unlinked file guards nothing."""
-        while True:
-            fd = os.open(self.path, _OPEN_FLAGS, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass  # unlinked while this waited: open the name again
-            except BaseException:
+        been made), and a lock on an unlinked file guards nothing. Only a file of the worker's:
+        lines someone else planted never reach a job's log (FolderError)."""
+        with _folder() as dir_fd:
+            while True:
+                fd = own_file_open(dir_fd, f"{self.name}.log", _OPEN_FLAGS)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    named = os.stat(f"{self.name}.log", dir_fd=dir_fd, follow_symlinks=False)
+                    if os.fstat(fd).st_ino == named.st_ino:
+                        return fd
+                except FileNotFoundError:
+                    pass  # unlinked while this waited: open the name again
+                except BaseException:
+                    os.close(fd)
+                    raise
                 os.close(fd)
-                raise
-            os.close(fd)
 
     @classmethod
     def locked_by_nobody(cls, name: str, *, cap_bytes: int) -> LogSpool | None:
@@ -171,8 +187,9 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 def spooled_names() -> list[str]:
     """The spools and end records on this host, by name, oldest job first."""
-    names = {p.name.rsplit(".", 1)[0] for p in spool_dir().glob("job-*-*.log")}
-    names |= {p.name.rsplit(".", 1)[0] for p in spool_dir().glob("job-*-*.end")}
+    folder = spool_dir()
+    names = {p.name.rsplit(".", 1)[0] for p in folder.glob("job-*-*.log")}
+    names |= {p.name.rsplit(".", 1)[0] for p in folder.glob("job-*-*.end")}
     return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
@@ -185,12 +202,29 @@ def stop_flag(pid: int) -> Path | None:
         started = psutil.Process(pid).create_time()
     except psutil.Error:
         return None
-    return spool_dir() / f"worker-{pid}-{int(started * 1000)}.stopping"
+    return Path(settings.JOB_SPOOL_DIR) / f"worker-{pid}-{int(started * 1000)}.stopping"
+
+
+def stop_flag_raise(flag: Path) -> None:
+    """Make the flag (`stop_flag`) through the checked folder, never through a planted link."""
+    with _folder() as dir_fd:
+        os.close(own_file_open(dir_fd, flag.name, os.O_WRONLY | os.O_CREAT))
 
 
 def worker_stopping() -> bool:
     """This worker is shutting down (its flag: prefork's parent's, or solo's own)."""
-    return any(flag is not None and flag.exists() for flag in map(stop_flag, {os.getpid(), os.getppid()}))
+    return any(_raised(flag) for flag in map(stop_flag, {os.getpid(), os.getppid()}))
+
+
+def _raised(flag: Path | None) -> bool:
+    """A flag counts only as the worker made it: its own regular file, not a link or a plant."""
+    if flag is None:
+        return False
+    try:
+        st = os.stat(flag, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def job_spool(job_id: int, created_at: datetime) -> LogSpool | None:

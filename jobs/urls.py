@@ -21,8 +21,10 @@ urlpatterns = [
     path("jobs/<int:pk>/metrics.csv", views.job_metrics_csv, name="job_metrics_csv"),
     path("jobs/<int:pk>/usage.json", views.job_usage_json, name="job_usage_json"),
     path("jobs/<int:pk>/cancel/", views.job_cancel_view, name="job_cancel"),
-    # /sessions/<pk>/lab/… is the lab itself, which the portal's proxy serves (jobs.lab_proxy).
+    # /sessions/<pk>/lab/… on the portal sends the owner to the lab on LAB_ORIGIN (jobs.lab_proxy);
+    # lab-ticket/ is where the labs' origin comes back for a ticket (jobs.lab_handoff).
     path("sessions/new/", session_views.session_new, name="session_new"),
     path("sessions/<int:pk>/", session_views.session_detail, name="session_detail"),
+    path("sessions/<int:pk>/lab-ticket/", session_views.lab_ticket, name="lab_ticket"),
     path("sessions/<int:pk>/end/", session_views.session_end, name="session_end"),
 ]

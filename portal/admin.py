@@ -90,7 +90,12 @@ class PortalUserAdmin(UserAdmin):
         profile = getattr(user, "profile", None)
         return profile.unix_account_claim if profile else None
 
-    @admin.action(description="Confirm claimed Unix account")
+    def has_unix_account_permission(self, request: HttpRequest) -> bool:
+        """What giving a Unix account by hand takes (the profile inline on the change form): jobs
+        run as that account (JOB_USER=@owner) and the watchdog blames processes on it."""
+        return self.has_change_permission(request) and request.user.has_perm("portal.change_profile")
+
+    @admin.action(description="Confirm claimed Unix account", permissions=["unix_account"])
     def confirm_unix_account_claim(self, request: HttpRequest, queryset: QuerySet) -> None:
         for user in queryset:
             try:
@@ -102,7 +107,7 @@ class PortalUserAdmin(UserAdmin):
                     request, f"Confirmed: {user}'s Unix account is now {name}.", messages.SUCCESS
                 )
 
-    @admin.action(description="Unlock sign-in (clear failed logins)")
+    @admin.action(description="Unlock sign-in (clear failed logins)", permissions=["change"])
     def unlock_signin(self, request: HttpRequest, queryset: QuerySet) -> None:
         cleared = sum(signin_unlock(user=user, by=request.user) for user in queryset)
         self.message_user(
@@ -128,7 +133,11 @@ class ApiTokenAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
         return False
 
-    @admin.action(description="Revoke the selected tokens")
+    def has_revoke_permission(self, request: HttpRequest) -> bool:
+        """The model's change permission, which the admin's form never uses (it is read-only)."""
+        return request.user.has_perm("portal.change_apitoken")
+
+    @admin.action(description="Revoke the selected tokens", permissions=["revoke"])
     def revoke(self, request: HttpRequest, queryset: QuerySet) -> None:
         revoked = sum(
             api_token_revoke(token=token, by=request.user) for token in queryset.select_related("user")

@@ -1,5 +1,6 @@
+from csp.decorators import csp_update
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import DefaultRouter
 
 from gpus import calendar_api, team_api
@@ -27,7 +28,15 @@ urlpatterns = [
     path("token/", portal_api.TokenObtain.as_view(), name="api_token"),
     path("token/current/", portal_api.TokenCurrent.as_view(), name="api_token_current"),
     path("schema/", SpectacularAPIView.as_view(), name="api_schema"),
-    path("docs/", SpectacularSwaggerView.as_view(url_name="api_schema"), name="api_docs"),
+    # The split view serves its start-up script as a file of its own: the pages run no inline
+    # script. Swagger UI adds <style> elements as it draws, so that page alone allows inline style.
+    path(
+        "docs/",
+        csp_update({"style-src": ["'unsafe-inline'"]})(
+            SpectacularSwaggerSplitView.as_view(url_name="api_schema")
+        ),
+        name="api_docs",
+    ),
     path("", include(router.urls)),
     *portal_api.team_urlpatterns,
     *team_api.team_urlpatterns,

@@ -3,8 +3,10 @@
 The same settings module as portal/wsgi.py; PORTAL_ASGI tells it that this process serves
 requests from threads of their own, so it connects to the database per request (settings.py).
 Views stay sync and run in threads; only the live streams (jobs/log_stream.py) are async.
-In front of Django sits the JupyterLab proxy (jobs.lab_proxy): /sessions/<id>/lab/… over HTTP and
-websockets is checked and forwarded there, never reaching a view; everything else is Django's.
+In front of Django sits the JupyterLab proxy (jobs.lab_proxy), which routes by host name: on
+LAB_ORIGIN's it serves the labs (HTTP and websockets, checked and forwarded) and nothing else, never
+reaching Django; on the portal's, /sessions/<id>/lab/… sends the lab's owner there, and everything
+else is Django's.
 """
 
 import os

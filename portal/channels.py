@@ -35,7 +35,7 @@ from django.shortcuts import get_object_or_404
 from django.utils import timezone
 
 from portal.access import can_manage_team, is_admin, only_managers, teams_led_by
-from portal.channel_hosts import GENERIC, destination_problem, without_redirects
+from portal.channel_hosts import GENERIC, destination_check, sending_to, without_redirects
 from portal.errors import Errors, Forbidden, Invalid, TooSoon
 from portal.mail import nudge, portal_link, stranded
 from portal.models import ChannelDelivery, Notification, NotificationChannel, Team, WatchdogKind
@@ -193,7 +193,7 @@ def _check_url(url: str) -> apprise.NotifyBase:
             f"apprise's documentation says for the service, e.g. {EXAMPLES}.",
             field="url",
         )
-    if problem := destination_problem(plugin, scheme):
+    if problem := destination_check(plugin, scheme).problem:
         raise Invalid(problem, field="url")
     return plugin
 
@@ -480,22 +480,27 @@ def _record(channel: NotificationChannel, ok: bool, reason: str) -> None:
 
 def _send(channel: NotificationChannel, subject: str, body: str, path: str) -> tuple[bool, str, bool]:
     """One try through apprise: (True, "", _) or (False, why, final), the URL's secrets masked in
-    `why`; `final`: trying again cannot help (the URL unreadable, or a destination refused)."""
+    `why`; `final`: trying again cannot help (the URL unreadable, or a destination refused; a host
+    not found may be found later). The host is looked up once, checked, and connected to only at
+    the addresses checked (portal.channel_hosts: a name cannot answer the check and the send
+    differently)."""
     url = url_decrypt(channel.url_encrypted)
     if url is None:
         return False, UNREADABLE, True
     plugin = apprise.Apprise.instantiate(url)
     if plugin is None:  # a scheme apprise no longer knows (it was upgraded)
         return False, f"apprise no longer understands this URL ({channel.url_masked}): add it again.", True
-    if problem := destination_problem(plugin, plugin.url(privacy=True).partition("://")[0]):
-        return False, problem, True  # checked again: the name may resolve elsewhere by now
+    destination = destination_check(plugin, plugin.url(privacy=True).partition("://")[0])
+    if destination.problem:  # checked again: the name may resolve elsewhere by now
+        return False, destination.problem, destination.lasting
     without_redirects(plugin)
     plugin.socket_connect_timeout = plugin.socket_read_timeout = settings.CHANNEL_TIMEOUT_SECONDS
     notifier = apprise.Apprise()
     notifier.add(plugin)
     text = f"{body}\n\n{portal_link(path)}" if path else body
     try:
-        result = notifier.notify(title=subject, body=text, timeout=2 * settings.CHANNEL_TIMEOUT_SECONDS)
+        with sending_to(destination.pin):
+            result = notifier.notify(title=subject, body=text, timeout=2 * settings.CHANNEL_TIMEOUT_SECONDS)
     except Exception as exc:  # a plugin's bug must not reach the sender; its words may hold the URL
         ok, said = False, [f"{type(exc).__name__}: {exc}"]
     else:
@@ -504,5 +509,6 @@ def _send(channel: NotificationChannel, subject: str, body: str, path: str) -> t
         result.close()
     if ok:
         return True, "", False
+    said += destination.pin.notes if destination.pin else []  # what a connection met (refused, no answer)
     reason = " ".join(said) or "The service did not accept the message."
     return False, redact(reason, url, channel.url_masked)[:ERROR_MAX], False

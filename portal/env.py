@@ -7,6 +7,7 @@ naming the variable, never silently fall back to a default.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -92,6 +93,27 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ImproperlyConfiguredEnv(f"{name}={value!r} must be one of: {', '.join(choices)}")
     return value
+
+
+def env_origin(name: str, default: str) -> str:
+    """A web origin, `scheme://host[:port]` (http or https; no path, query or user), normalised as
+    browsers write it in an Origin header: lower case, no default port, no trailing slash."""
+    value = env_str(name, default).strip()
+    example = f"e.g. {name}=https://labs.portal.example"
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        raise ImproperlyConfiguredEnv(f"{name}={value!r} is not an origin: {example}") from None
+    scheme, host = parts.scheme.lower(), (parts.hostname or "")
+    if scheme not in ("http", "https") or not re.fullmatch(r"[a-z0-9.-]+|[0-9a-f:.]+", host) or port == 0:
+        raise ImproperlyConfiguredEnv(f"{name}={value!r} is not an http:// or https:// origin: {example}")
+    if parts.username is not None or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ImproperlyConfiguredEnv(f"{name}={value!r} must be scheme://host[:port] alone: {example}")
+    if ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    default_port = {"http": 80, "https": 443}[scheme]
+    return f"{scheme}://{host}" + (f":{port}" if port not in (None, default_port) else "")
 
 
 def database_url(settings_dict: dict) -> str:

@@ -30,7 +30,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -165,11 +165,16 @@ def start_job_process(
     cwd: Path | str,
     user: int | None = None,
     group: int | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen[bytes]:
     """Start a job's process: in a session of its own, stdout and stderr on one pipe, as `user`
     and `group` (JOB_USER's, then with no supplementary groups; None: the worker's own), always
     with no capabilities and no_new_privs (`job_preexec`), SIGKILLed when the worker dies, in
     `cwd`, entered as that account once the privileges are gone.
+
+    It gets no descriptor of the worker's besides its stdin (/dev/null), its output pipe and those
+    named in `pass_fds`, at the same numbers (a lab's listening socket, jobs.lab): each the
+    caller's to choose, and to close on its side once the process has started.
 
     No Django here: the privilege test starts jobs through this very function from a bare
     Python parent.
@@ -183,6 +188,7 @@ def start_job_process(
         stderr=subprocess.STDOUT,  # one pipe: stdout and stderr interleaved in order
         start_new_session=True,  # its own session and group: signalled and attributed as one
         close_fds=True,
+        pass_fds=tuple(pass_fds),
         # SIGKILL if the worker dies (SIGKILL, the OOM killer): a lost job must not hold its
         # cards behind the portal's back.
         preexec_fn=job_preexec(signal.SIGKILL, cwd=cwd),

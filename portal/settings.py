@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import secrets
 import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from portal.env import (
     ImproperlyConfiguredEnv,
@@ -15,6 +17,7 @@ from portal.env import (
     env_choice,
     env_int,
     env_list,
+    env_origin,
     env_pairs,
     env_str,
     parse_database_url,
@@ -48,6 +51,20 @@ DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 PORT = env_int("PORT", 8000, min_value=1, max_value=65535)
+# A lab page runs its owner's code and whatever their notebooks print, so JupyterLab sessions are
+# served from an origin of their own (jobs/lab_proxy.py, docs/sessions.md "Two origins"): on
+# LAB_ORIGIN's host name (any port) the portal answers the labs and nothing else, and its cookies
+# never go there. The portal hands a browser over with a single-use ticket good for
+# LAB_TICKET_SECONDS (jobs/lab_handoff.py). `make run`: the portal on localhost, the labs on
+# 127.0.0.1, one server (cookies tell host names apart, not ports). Checked below, by PORTAL_URL.
+LAB_ORIGIN = env_origin("LAB_ORIGIN", f"http://127.0.0.1:{PORT}")
+LAB_TICKET_SECONDS = env_int("LAB_TICKET_SECONDS", 60, min_value=5, max_value=600)
+# The relay forwards to a lab only while its supervisor beat within this many seconds (it beats
+# each second): a lab whose worker died is not relayed to while its freed port could be anyone's.
+LAB_RELAY_BEAT_SECONDS = env_int("LAB_RELAY_BEAT_SECONDS", 10, min_value=2, max_value=600)
+# An open lab websocket asks again this often whether its grant still stands (a sign-out, a
+# password change, the lab's end): the connection is closed once it does not.
+LAB_RECHECK_SECONDS = env_int("LAB_RECHECK_SECONDS", 15, min_value=1, max_value=600)
 TIME_ZONE = env_str("TIME_ZONE", "UTC")
 USE_TZ = True
 LANGUAGE_CODE = "en-us"
@@ -83,6 +100,8 @@ MIDDLEWARE = [
     # Its process_exception answers a view's outage; portal.urls' handler500 a middleware's.
     "portal.outage.OutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # Every answer Django gives carries CONTENT_SECURITY_POLICY (below): no inline script runs.
+    "csp.middleware.CSPMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     # Before anything reads the session or the database: a NUL in the path, a query parameter,
     # a cookie or a header is a 400 naming it (PostgreSQL text cannot hold one).
@@ -238,6 +257,31 @@ SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", HTTPS)
 # otherwise claim to have come over HTTPS.
 TRUST_PROXY_SSL_HEADER = env_bool("TRUST_PROXY_SSL_HEADER", HTTPS)
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if TRUST_PROXY_SSL_HEADER else None
+
+# --- What a page may run (docs/security.md, "What a local account on a GPU host cannot do") ------
+# Script comes from the portal's own static files only: no inline script, no eval (htmx's is off,
+# base.html's htmx-config), no other origin. So markup that slips into a page (a job name, a
+# notebook's output served elsewhere) cannot run as the person reading it. Style attributes stay
+# allowed (bars' widths); <style> elements do not. The page's own fetches go to the portal alone.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'"],
+        "style-src-attr": ["'unsafe-inline'"],
+        "img-src": ["'self'", "data:"],
+        "font-src": ["'self'"],
+        "connect-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        # A form's answer may lead on to a lab (Open JupyterLab, a sign-in on the way to one):
+        # browsers hold every redirect after a POST to this list.
+        "form-action": ["'self'", LAB_ORIGIN],
+        "frame-ancestors": ["'none'"],
+    }
+}
+# No script needs the CSRF cookie: forms carry the token, htmx sends it from the page (base.html).
+CSRF_COOKIE_HTTPONLY = True
 
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"
@@ -471,7 +515,16 @@ SESSION_WARN_MINUTES = env_int("SESSION_WARN_MINUTES", 10, min_value=0, max_valu
 # listens on this address of the GPU host (the portal's proxy must reach it: the host's own
 # address where the portal runs elsewhere) and must answer within SESSION_START_SECONDS.
 SESSION_IDLE_MINUTES = env_int("SESSION_IDLE_MINUTES", 60, min_value=1, max_value=7 * 24 * 60)
-SESSION_BIND_ADDRESS = env_str("SESSION_BIND_ADDRESS", "127.0.0.1")
+SESSION_BIND_ADDRESS = env_str("SESSION_BIND_ADDRESS", "127.0.0.1").strip()
+try:
+    # An address, not a name: the worker binds the lab's socket itself and proves it by the
+    # address it listens on (jobs.lab_listener), so a name that resolves elsewhere cannot do.
+    SESSION_BIND_ADDRESS = str(ipaddress.ip_address(SESSION_BIND_ADDRESS.strip("[]")))
+except ValueError:
+    raise ImproperlyConfiguredEnv(
+        f"SESSION_BIND_ADDRESS={SESSION_BIND_ADDRESS!r} must be an IP address of this host (e.g. "
+        "127.0.0.1, or the host's own address where the portal runs elsewhere), not a host name."
+    ) from None
 SESSION_START_SECONDS = env_int("SESSION_START_SECONDS", 60, min_value=5, max_value=600)
 if SESSION_LOST_AFTER_SECONDS < 3 * SESSION_BEAT_SECONDS:
     raise ImproperlyConfiguredEnv(
@@ -578,6 +631,58 @@ if HTTPS and not PORTAL_URL.startswith("https://"):
 # At most one mail per person and notification key (e.g. one violation) this often; 0: no limit.
 NOTIFY_MAIL_EVERY_MINUTES = env_int("NOTIFY_MAIL_EVERY_MINUTES", 10, min_value=0)
 
+# --- JupyterLab's own origin: LAB_ORIGIN (above) may not share anything with the portal's ----
+# Host-only, as Django's default: a Domain would hand the portal's cookies to its sibling hosts,
+# the labs' among them.
+SESSION_COOKIE_DOMAIN = None
+CSRF_COOKIE_DOMAIN = None
+
+
+def lab_origin_problem(
+    lab_origin: str, *, portal_url: str, trusted: list[str], cookie_domains: dict, https: bool
+) -> str:
+    """Why LAB_ORIGIN would let a lab page act as its user on the portal ("" if it would not)."""
+    lab = urlsplit(lab_origin)
+    host = (lab.hostname or "").lower()
+    fix = "give the labs a host name of their own, e.g. LAB_ORIGIN=https://labs.portal.example"
+    if host == (urlsplit(portal_url).hostname or "").lower():
+        return (
+            f"LAB_ORIGIN={lab_origin!r} has the portal's own host name (PORTAL_URL={portal_url!r}), and"
+            f' cookies do not tell ports apart: {fix} (docs/deploy.md, "JupyterLab sessions")'
+        )
+    for name, domain in cookie_domains.items():
+        covered = (domain or "").lstrip(".").lower()
+        if covered and (host == covered or host.endswith(f".{covered}")):
+            return (
+                f"{name}={domain!r} sends the portal's cookie to LAB_ORIGIN's host {host!r} too:"
+                f" leave {name} unset (host-only cookies), or give LAB_ORIGIN a host outside {covered!r}"
+            )
+    for origin in trusted:
+        scheme, _, pattern = origin.lower().partition("://")
+        wildcard = pattern.startswith("*.") and host.endswith(pattern[1:])
+        if origin.lower().rstrip("/") == lab_origin or (scheme == lab.scheme and wildcard):
+            return (
+                f"CSRF_TRUSTED_ORIGINS lists {origin!r}, which covers LAB_ORIGIN={lab_origin!r}: a lab"
+                " page could post the portal's forms as its user. Take it out of CSRF_TRUSTED_ORIGINS"
+            )
+    if https and lab.scheme != "https":
+        return (
+            f"HTTPS=true but LAB_ORIGIN={lab_origin!r}: set LAB_ORIGIN to the https:// address of the"
+            " labs' host name, e.g. https://labs.portal.example (docs/deploy.md)"
+        )
+    return ""
+
+
+_lab_problem = lab_origin_problem(
+    LAB_ORIGIN,
+    portal_url=PORTAL_URL,
+    trusted=CSRF_TRUSTED_ORIGINS,
+    cookie_domains={"SESSION_COOKIE_DOMAIN": SESSION_COOKIE_DOMAIN, "CSRF_COOKIE_DOMAIN": CSRF_COOKIE_DOMAIN},
+    https=HTTPS,
+)
+if _lab_problem:
+    raise ImproperlyConfiguredEnv(_lab_problem)
+
 # --- Chat and webhook channels (portal/channels.py, docs/notifications.md) ---------------
 # Channel URLs hold their service's secret: encrypted with the first of these Fernet keys, read
 # with any (rotation: put the new key first, run portal.channels.channel_keys_rotate, drop the old).
@@ -587,8 +692,10 @@ CHANNEL_ENCRYPTION_KEYS = env_list("CHANNEL_ENCRYPTION_KEYS", [])  # or CHANNEL_
 CHANNEL_SCHEMES = env_list(
     "CHANNEL_SCHEMES",
     [
-        *("slack", "mmost", "mmosts", "matrix", "matrixs", "msteams", "ntfy", "ntfys", "discord"),
+        *("slack", "mmost", "mmosts", "matrix", "matrixs", "ntfy", "ntfys", "discord"),
         *("rocket", "rockets", "json", "jsons", "form", "forms"),
+        # Microsoft Teams: apprise makes workflow:// of the https://…logic.azure.com/… address Teams gives.
+        *("workflow", "workflows"),
     ],
 )
 # A failed send is tried again this many times (30 s, 1, 2, 4 min ...), then marked failed.

@@ -414,6 +414,9 @@ MATRIX: dict[str, Url] = {
     "session_new": url(get=NO, post=Do("login ok refused refused refused refused", OPEN_LAB, LAB_OPENED)),
     "session_detail": url(SESSION, get="login ok 404 404 ok ok"),
     "session_end": url(SESSION, get=NO, post=Do("login ok 404 404 ok ok", None, SESSION_END_ASKED)),
+    # A ticket into the owner's running lab alone (this session is no lab); the owner's is in
+    # tests/test_lab_proxy.py (the hand-off, and 404 for teammate, outsider, leader and admin).
+    "lab_ticket": url(SESSION, get="login 404 404 404 404 404"),
     # 404 while METRICS_TOKEN is unset, as here; a bearer token, never a session, opens it
     # (tests/test_prometheus_metrics.py: 401 without it, 200 with it, 405 for other methods).
     "prometheus_metrics": url(get="404", post="404"),

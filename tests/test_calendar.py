@@ -418,7 +418,9 @@ def test_the_copy_button_copies_the_address_and_a_new_link_asks_first(page, alic
     page.goto("/profile/#calendar")
     address = page.input_value("#calendar input[readonly]")
     page.click("#calendar button[data-copy]")
-    page.wait_for_function("document.querySelector('#calendar button[data-copy]').textContent === 'Copied'")
+    page.wait_for_function(
+        "() => document.querySelector('#calendar button[data-copy]').textContent === 'Copied'"
+    )
     assert page.evaluate("navigator.clipboard.readText()") == address
     page.once("dialog", lambda dialog: dialog.dismiss())  # "Make a new link?" — no
     page.click("#calendar .calendar-renew button")

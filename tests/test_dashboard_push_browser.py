@@ -37,7 +37,7 @@ def _open_dashboard(tab) -> None:  # type: ignore[no-untyped-def]
 
 
 def _wait_for_util(tab, util: int, timeout: int = 5_000) -> None:  # type: ignore[no-untyped-def]
-    tab.wait_for_function(f"document.querySelector('{UTIL}').innerText === '{util}%'", timeout=timeout)
+    tab.wait_for_function(f"() => document.querySelector('{UTIL}').innerText === '{util}%'", timeout=timeout)
 
 
 def _tab_to(tab, selector: str, presses: int = 80) -> None:  # type: ignore[no-untyped-def]
@@ -121,7 +121,9 @@ def test_a_new_server_waits_until_focus_leaves_the_list(asgi_page, alice):  # no
     _tab_to(asgi_page, '[data-reserve="GPU-box1-01"]')
     asgi_page.evaluate("window.__focused = document.activeElement")
     server_report_ingest(snapshot=make_snapshot("box2", gpus=1, simulated=True))
-    asgi_page.wait_for_function("document.getElementById('servers').liveWaiting === true")  # read, held back
+    asgi_page.wait_for_function(
+        "() => document.getElementById('servers').liveWaiting === true"
+    )  # read, held back
     assert asgi_page.evaluate(STILL_FOCUSED)
     assert asgi_page.locator('[data-server="box2"]').count() == 0
     asgi_page.evaluate("document.activeElement.blur()")

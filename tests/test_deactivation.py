@@ -7,10 +7,14 @@ sweep on their own."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from datetime import timedelta
 from html.parser import HTMLParser
 
 import pytest
+import redis
 from django.contrib.auth import get_user_model
 from django.urls import reverse
 from django.utils import timezone
@@ -18,6 +22,7 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import Reservation
+from jobs import log_live
 from jobs.launch import job_claim
 from jobs.leavers import user_work_stop
 from jobs.logs import log_stream
@@ -26,7 +31,8 @@ from jobs.runner import Supervisor, job_run
 from jobs.scheduler import forget_usage, queue_plan, schedule_pass
 from jobs.services import dispatch, jobs_reconcile
 from jobs.submit import ScriptUpload, job_submit
-from portal.models import AuditEntry, Notification
+from portal import changes
+from portal.models import AuditEntry, Membership, Notification
 
 User = get_user_model()
 H = timedelta(hours=1)
@@ -293,3 +299,51 @@ def test_the_stopped_jobs_are_named_once_each_however_many(alice, leader, box, s
     assert len(stopped.cancelled) == 50
     body = Notification.objects.get(user=leader).body
     assert "50 jobs (" in body and "and 40 more" in body and len(body) < 1000
+
+
+# --- the pages showing them update ----------------------------------------------------------------
+
+
+class Published:
+    """What jobs.log_live.job_changed publishes, read back from real Redis: each job's own channel
+    (its page) and the change feed (the lists of jobs), on a portal id of this test's own."""
+
+    def __init__(self, settings, jobs: list[Job]) -> None:  # type: ignore[no-untyped-def]
+        settings.PORTAL_INSTANCE_ID = f"test-{os.getpid()}-{time.monotonic_ns()}"
+        self.pages = {log_live.channel(job.pk).encode(): job.pk for job in jobs}
+        self.listener = redis.Redis.from_url(settings.REDIS_URL).pubsub(ignore_subscribe_messages=True)
+        self.listener.subscribe(changes.channel(), *self.pages)
+        for _ in range(len(jobs) + 1):
+            self.listener.get_message(timeout=1)  # the subscriptions' answers
+
+    def read(self) -> tuple[set[int], list[dict]]:
+        """(the jobs whose page was told, the change feed's messages)"""
+        pages, feed = set(), []
+        while (message := self.listener.get_message(timeout=1)) is not None:
+            if message["channel"] in self.pages:
+                pages.add(self.pages[message["channel"]])
+            else:
+                feed.append(json.loads(message["data"]))
+        self.listener.close()
+        return pages, feed
+
+
+@pytest.mark.parametrize("how", ["left the team", "left the team, found by the reconciler", "deactivated"])
+def test_a_leavers_cancelled_queued_jobs_are_published_like_any_status_change(
+    alice, team, box, sent, settings, how, django_capture_on_commit_callbacks
+):
+    queued = [_queue(alice), _queue(alice)]
+    published = Published(settings, queued)
+    with django_capture_on_commit_callbacks(execute=True):
+        if how == "left the team":
+            Membership.objects.get(user=alice, team=team).delete()  # a directory sync, a leader
+        elif how == "deactivated":
+            alice.is_active = False
+            alice.save()
+        else:
+            Membership.objects.filter(user=alice, team=team)._raw_delete("default")  # no signal
+            jobs_reconcile()
+    assert {job.status for job in Job.objects.filter(pk__in=[j.pk for j in queued])} == {Job.Status.CANCELLED}
+    pages, feed = published.read()
+    assert pages == {job.pk for job in queued}  # each job's page reads its row again
+    assert {"topic": "jobs", "server": None} in feed  # and the lists of jobs theirs

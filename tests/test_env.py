@@ -91,6 +91,34 @@ def test_it_refuses_a_bad_setting_at_start_up():
     assert "GPU_BACKEND='cuda' must be one of" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("given", "refused"), [("localhost", True), ("lab-host.example", True), ("::1", False)]
+)
+def test_the_labs_bind_address_must_be_an_address(given, refused):
+    """The worker binds a lab's socket itself and proves it by its address (jobs.lab_listener)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SESSION_BIND_ADDRESS": given}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from django.conf import settings; import portal.settings as s; print(s.SESSION_BIND_ADDRESS)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if refused:
+        assert result.returncode != 0
+        assert f"SESSION_BIND_ADDRESS={given!r} must be an IP address" in result.stderr
+    else:
+        assert result.stdout.strip() == given, result.stderr
+
+
 def test_a_database_host_that_never_answers_fails_the_connection_in_seconds():
     """A listener that takes the TCP connection and then says nothing (a hung PostgreSQL, a
     half-open firewall) fails the connect after connect_timeout, not the kernel's minutes."""

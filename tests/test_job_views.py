@@ -251,7 +251,7 @@ def test_it_shows_what_the_job_runs_and_reads_the_status_while_active(client, al
     assert f'data-events-url="{reverse("job_events", args=[job.pk])}"' in html  # the page's one stream
     part = client.get(reverse("job_detail", args=[job.pk]) + "?part=status").content.decode()
     assert part.lstrip().startswith('<section id="job-status"') and 'data-live="job telemetry"' in part
-    assert 'hx-trigger="every 2s [!window.portalLive || portalLive.polls]"' in part  # when not pushed
+    assert 'hx-trigger="every 2s" data-poll-fallback' in part  # when not pushed
     assert "<html" not in part
 
     now = timezone.now()

@@ -1,7 +1,8 @@
-"""JupyterLab sessions, the worker's side (jobs.lab): a real `python -m jupyterlab` started in the
-booking's environment, its token kept off the command line, its kernels recorded and ended by
-identity, and every way a lab ends (its owner, the booking's end, idleness, its server dying, a
-worker restart). The supervisor runs in this process (lab_run), as a worker's pool process runs it."""
+"""JupyterLab sessions, the worker's side (jobs.lab): a real JupyterLab started in the booking's
+environment on the listening socket its worker made (tests/test_lab_listener.py races it), its
+token and its port kept off the command line, its kernels recorded and ended by identity, and every
+way a lab ends (its owner, the booking's end, idleness, its server dying, a worker restart). The
+supervisor runs in this process (lab_run), as a worker's pool process runs it."""
 
 from __future__ import annotations
 
@@ -88,8 +89,15 @@ def test_it_serves_the_lab_with_the_token_only_in_the_bookings_environment(lab_s
     assert _api(session, "status", token="").status_code == 403  # no token: nothing
     server = psutil.Process(session.pid)
     assert session.token not in " ".join(server.cmdline())  # the command line is anyone's to read
+    # Nor its port (tests/test_lab_listener.py races a lab for it).
+    assert not [arg for arg in server.cmdline() if arg.startswith("--ServerApp.port")]
     assert os.getsid(session.pid) == session.pid  # a session of its own, as a job's
-    env = _kernel(session).environ()
+    kernel = _kernel(session)
+    port = int(session.address.rsplit(":", 1)[1])
+    # The lab's listener stays the server's: a kernel (user code) holds no copy of it.
+    assert not [c for c in kernel.net_connections(kind="tcp") if c.laddr.port == port]
+    env = kernel.environ()
+    assert "PORTAL_LAB_LISTEN_FD" not in env
     assert env["CUDA_VISIBLE_DEVICES"] == box[0].uuid and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert (
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) < 1
@@ -167,6 +175,7 @@ def test_ended_by_its_owner_it_leaves_no_server_or_kernel_behind(lab_session, al
     assert not any(alive(pid) for pid in pids) and not kernel.is_running()
     session.refresh_from_db()
     assert session.message == "Ended from the portal." and session.kernels == []
+    assert session.address == ""  # the relay stopped before its port was let go
     assert not AuditEntry.objects.filter(action=AuditEntry.Action.SESSION_STOP).exists()  # her own doing
 
 

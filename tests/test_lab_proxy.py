@@ -1,220 +1,73 @@
-"""/sessions/<id>/lab/…: the portal's proxy to a JupyterLab session's server (jobs/lab_proxy.py).
+"""JupyterLab on its own origin, past the hand-off (jobs/lab_proxy.py, jobs/lab_relay.py): the owner's
+requests and websockets reach the session's Jupyter server with its token added and come back
+scrubbed of it; foreign origins, paths that walk out of a session and foreign host names are
+refused before anything reaches the server.
 
-portal.asgi runs under a real uvicorn (tests/asgi_server.py); the "Jupyter server" is FakeJupyter,
-a tiny ASGI app under another uvicorn, which records every request it gets and echoes what it
-was sent (the Authorization and Cookie headers above all). "Upstream never contacted" is read
-from that record: the proxy answers a refusal before it connects, so an empty record after the
-answer is proof, not a hope.
+portal.asgi runs under a real uvicorn at two host names as `make run` has it, and the "Jupyter
+server" is FakeJupyter, which records every request it gets (tests/lab_fakes.py): an empty record
+after a refusal is proof that nothing reached it. The owner's client went through the real
+hand-off first (tests/test_lab_handoff.py says how it works).
 """
+# ruff: noqa: F811 - the fixtures imported from tests.lab_fakes are the tests' arguments
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import socket
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import Any
 
 import httpx
 import pytest
-from django.test import Client
-from websockets.exceptions import ConnectionClosed, InvalidStatus
-from websockets.sync.client import connect
+from websockets.exceptions import ConnectionClosed
 
-from jobs.lab_proxy import Scrubber, Verdict, check, close_code
-from jobs.models import InteractiveSession
-from tests.asgi_server import asgi_server, serve
+from jobs.lab_proxy import Verdict, check
+from jobs.lab_relay import Scrubber, close_code
+from tests.asgi_server import serve
 from tests.conftest import free_port
+from tests.lab_client import browser, open_lab
+from tests.lab_fakes import (  # noqa: F401 - fixtures
+    KERNEL_PROTOCOL,
+    TOKEN,
+    FakeJupyter,
+    get,
+    grant_header,
+    handed_over,
+    jupyter,
+    jupyter_server,
+    lab,
+    labs,
+    make_lab,
+    owner,
+    portal,
+    portal_cookie,
+    raw_get,
+    servers,
+    ws_open,
+    ws_refused,
+)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-TOKEN = "secret-token-xyz"
-KERNEL_PROTOCOL = "v1.kernel.websocket.jupyter.org"
+
+# --- the owner, on the labs' origin -------------------------------------------------------------------
 
 
-class FakeJupyter:
-    """A stand-in Jupyter server: HTTP under /sessions/<id>/lab/ and a websocket that echoes.
-
-    - `…/echo`: JSON of what it got (method, raw path, query, headers, body length and hash);
-    - `…/page`: a page with the token in it (as Jupyter's page config has), in a header too,
-      and cookies, one named as the portal's session cookie;
-    - `…/big?mb=N`: N MiB in 64 KiB chunks;
-    - a websocket anywhere: first a JSON text frame of its handshake's headers, then each frame
-      back as it came; the text "close 4321" closes it with that code.
-    """
-
-    def __init__(self) -> None:
-        self.seen: list[dict[str, Any]] = []  # every request, websocket or not
-        self.closes: list[int | None] = []  # close codes the websockets got from the proxy
-
-    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
-        if scope["type"] not in ("http", "websocket"):
-            return
-        headers = {name.decode(): value.decode() for name, value in scope["headers"]}
-        self.seen.append({"type": scope["type"], "raw_path": scope["raw_path"].decode(), "headers": headers})
-        if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send, headers)
-        else:
-            await self._http(scope, receive, send, headers)
-
-    async def _http(self, scope: dict, receive, send, headers: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
-        digest, size = hashlib.sha256(), 0
-        while True:
-            message = await receive()
-            digest.update(message.get("body", b""))
-            size += len(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        path = scope["path"]
-        if path.endswith("/page"):
-            body = f'<script id="jupyter-config-data">{{"token": "{TOKEN}", "baseUrl": "x"}}</script>'
-            extra = [(b"x-leak", f"token={TOKEN}".encode()), (b"set-cookie", b"sessionid=evil; Path=/")]
-            extra.append((b"set-cookie", b"_xsrf=abc; Path=/"))
-            await _answer(send, 200, body.encode(), "text/html", extra)
-        elif path.endswith("/big"):
-            chunks = int(scope["query_string"].decode().split("=")[1]) * 16
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"x/y")]})
-            for n in range(chunks):
-                await send(
-                    {"type": "http.response.body", "body": bytes([n % 256]) * 65536, "more_body": True}
-                )
-            await send({"type": "http.response.body", "body": b""})
-        else:
-            seen = {
-                "method": scope["method"],
-                "raw_path": scope["raw_path"].decode(),
-                "query": scope["query_string"].decode(),
-                "headers": headers,
-                "size": size,
-                "sha256": digest.hexdigest(),
-            }
-            await _answer(send, 200, json.dumps(seen).encode(), "application/json", [])
-
-    async def _websocket(self, scope: dict, receive, send, headers: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
-        await receive()  # websocket.connect
-        offered = scope.get("subprotocols") or []
-        chosen = KERNEL_PROTOCOL if KERNEL_PROTOCOL in offered else None
-        await send({"type": "websocket.accept", "subprotocol": chosen})
-        await send({"type": "websocket.send", "text": json.dumps(headers)})
-        while True:
-            message = await receive()
-            if message["type"] == "websocket.disconnect":
-                self.closes.append(message.get("code"))
-                return
-            if message.get("text") == "close 4321":
-                await send({"type": "websocket.close", "code": 4321, "reason": "kernel gone"})
-                return
-            if message.get("text") is not None:
-                await send({"type": "websocket.send", "text": message["text"]})
-            else:
-                await send({"type": "websocket.send", "bytes": message["bytes"]})
-
-
-async def _answer(send, status: int, body: bytes, content_type: str, extra: list) -> None:  # type: ignore[no-untyped-def]
-    headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()), *extra]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-@pytest.fixture(scope="module")
-def portal() -> Iterator[str]:
-    with asgi_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def jupyter_server() -> Iterator[tuple[FakeJupyter, int]]:
-    fake = FakeJupyter()
-    with serve(fake) as port:
-        yield fake, port
-
-
-@pytest.fixture
-def jupyter(jupyter_server) -> FakeJupyter:
-    fake, _ = jupyter_server
-    fake.seen.clear()
-    fake.closes.clear()
-    return fake
-
-
-def make_lab(owner, booking, port: int, **fields: Any) -> InteractiveSession:
-    values = {"kind": "jupyterlab", "status": "running", "address": f"127.0.0.1:{port}", "token": TOKEN}
-    return InteractiveSession.objects.create(
-        owner=owner,
-        reservation=booking,
-        server=booking.allocations.first().gpu.server,
-        command=["jupyter", "lab"],
-        **{**values, **fields},
-    )
-
-
-@pytest.fixture
-def lab(alice, booking, jupyter_server) -> InteractiveSession:
-    return make_lab(alice, booking, jupyter_server[1])
-
-
-def signed_in(user) -> str:
-    """The portal's session cookie for `user`, as a browser would hold it after signing in."""
-    browser = Client()
-    browser.force_login(user)
-    return browser.cookies["sessionid"].value
-
-
-def cookie_header(user, **more: str) -> dict[str, str]:
-    cookies = {"sessionid": signed_in(user), "csrftoken": "portal-csrf", **more}
-    return {"Cookie": "; ".join(f"{name}={value}" for name, value in cookies.items())}
-
-
-def get(portal: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx.Response:
-    with httpx.Client(base_url=portal, timeout=10) as http:
-        return http.get(path, headers=headers or {}, **kwargs)
-
-
-def ws_open(portal: str, path: str, headers: dict[str, str], origin: str | None = "own", **kwargs: Any):  # type: ignore[no-untyped-def]
-    """A websocket to the portal; `origin` "own" is the portal's."""
-    url = portal.replace("http://", "ws://") + path
-    own = portal if origin == "own" else origin
-    return connect(url, additional_headers=headers, origin=own, open_timeout=10, **kwargs)  # type: ignore[arg-type]
-
-
-def ws_refused(portal: str, path: str, headers: dict[str, str], origin: str | None = "own") -> int:
-    """The HTTP status a refused websocket got (fails if it was accepted)."""
-    with pytest.raises(InvalidStatus) as refused:
-        ws_open(portal, path, headers, origin).close()
-    return refused.value.response.status_code
-
-
-def raw_get(portal: str, target: str, headers: dict[str, str]) -> tuple[int, bytes]:
-    """GET with the request target exactly as given: httpx would resolve `..` itself."""
-    host, port = portal.removeprefix("http://").split(":")
-    lines = [f"GET {target} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
-    lines += [f"{name}: {value}" for name, value in headers.items()]
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    status_line, _, rest = answer.partition(b"\r\n")
-    return int(status_line.split()[1]), rest
-
-
-# --- the owner --------------------------------------------------------------------------------------
-
-
-def test_it_gives_the_owner_the_lab_with_the_token_added(portal, jupyter, lab, alice) -> None:
-    headers = {**cookie_header(alice, _xsrf="jupyters"), "Authorization": "token guessed", "Accept": "*/*"}
-    response = get(portal, f"/sessions/{lab.pk}/lab/api/echo?a=1&token=guessed&b=2", headers)
+def test_it_gives_the_owner_the_lab_with_the_token_added(labs, jupyter, lab, owner) -> None:
+    headers = {
+        **grant_header(owner, lab.pk, _xsrf="jupyters"),
+        "Authorization": "token guessed",
+        "Accept": "*/*",
+    }
+    response = get(labs, f"/sessions/{lab.pk}/lab/api/echo?a=1&token=guessed&b=2", headers)
 
     assert response.status_code == 200
     got = jupyter.seen[-1]["headers"]
     assert got["authorization"] == f"token {TOKEN}"
-    assert got["cookie"] == "_xsrf=jupyters"  # the portal's cookies stayed behind
+    assert got["cookie"] == "_xsrf=jupyters"  # the lab's grant stayed behind
     assert got["host"] == lab.address
-    assert got["x-forwarded-host"] == portal.removeprefix("http://")
+    assert got["x-forwarded-host"] == labs.removeprefix("http://")
     assert (got["x-forwarded-proto"], got["x-forwarded-for"]) == ("http", "127.0.0.1")
     assert response.json()["query"] == "a=1&b=2"  # a client's ?token= would win over the header
     # The fake echoes the headers it got, token included: the proxy masks it on the way back.
@@ -222,47 +75,47 @@ def test_it_gives_the_owner_the_lab_with_the_token_added(portal, jupyter, lab, a
     assert all(TOKEN not in value for value in response.headers.values())
 
 
-def test_it_never_lets_the_token_reach_the_browser(portal, jupyter, lab, alice) -> None:
-    response = get(portal, f"/sessions/{lab.pk}/lab/page", cookie_header(alice))
+def test_it_never_lets_the_token_a_jupyter_login_or_cors_reach_the_browser(labs, jupyter, lab, owner) -> None:
+    response = get(labs, f"/sessions/{lab.pk}/lab/page", grant_header(owner, lab.pk))
 
     assert response.status_code == 200
     assert TOKEN not in response.text
     assert '"token": "' + "x" * len(TOKEN) + '"' in response.text  # same length: Content-Length holds
     assert all(TOKEN not in value for value in response.headers.values())
-    # A cookie the Jupyter server sets may not stand in for the portal's own.
+    # No cookie from Jupyter may stand in for the portal's or the lab's, nor log in to Jupyter.
     assert response.headers.get_list("set-cookie") == ["_xsrf=abc; Path=/"]
+    assert not any(name.lower().startswith("access-control-") for name in response.headers)
 
 
-def test_it_forwards_the_raw_path(portal, jupyter, lab, alice) -> None:
+def test_it_forwards_the_raw_path(labs, jupyter, lab, owner) -> None:
     status, body = raw_get(
-        portal, f"/sessions/{lab.pk}/lab/api/contents/my%20notes%2Fa.ipynb", cookie_header(alice)
+        labs, f"/sessions/{lab.pk}/lab/api/contents/my%20notes%2Fa.ipynb", grant_header(owner, lab.pk)
     )
 
     assert status == 200
     assert f"/sessions/{lab.pk}/lab/api/contents/my%20notes%2Fa.ipynb" in body.decode()
 
 
-def test_it_streams_large_bodies_both_ways(portal, jupyter, lab, alice) -> None:
+def test_it_streams_large_bodies_both_ways(labs, jupyter, lab, owner) -> None:
     upload = bytes(range(256)) * (8 * 4096)  # 8 MiB
-    with httpx.Client(base_url=portal, timeout=30) as http:
-        sent = http.put(f"/sessions/{lab.pk}/lab/api/echo", content=upload, headers=cookie_header(alice))
-        with http.stream(
-            "GET", f"/sessions/{lab.pk}/lab/big?mb=16", headers=cookie_header(alice)
-        ) as response:
-            digest, size = hashlib.sha256(), 0
+    headers = grant_header(owner, lab.pk)
+    with httpx.Client(base_url=labs, timeout=30) as http:
+        sent = http.put(f"/sessions/{lab.pk}/lab/api/echo", content=upload, headers=headers)
+        with http.stream("GET", f"/sessions/{lab.pk}/lab/big?mb=16", headers=headers) as response:
+            digest_, size = hashlib.sha256(), 0
             for chunk in response.iter_raw():
-                digest.update(chunk)
+                digest_.update(chunk)
                 size += len(chunk)
 
     assert sent.json()["size"] == len(upload)
     assert sent.json()["sha256"] == hashlib.sha256(upload).hexdigest()
     expected = hashlib.sha256(b"".join(bytes([n % 256]) * 65536 for n in range(16 * 16)))
-    assert (size, digest.hexdigest()) == (16 * 1024 * 1024, expected.hexdigest())
+    assert (size, digest_.hexdigest()) == (16 * 1024 * 1024, expected.hexdigest())
 
 
-def test_it_relays_the_owners_websocket(portal, jupyter, lab, alice) -> None:
+def test_it_relays_the_owners_websocket(labs, jupyter, lab, owner) -> None:
     path = f"/sessions/{lab.pk}/lab/api/kernels/k1/channels?session_id=s1"
-    with ws_open(portal, path, cookie_header(alice), subprotocols=[KERNEL_PROTOCOL]) as ws:
+    with ws_open(labs, path, grant_header(owner, lab.pk), labs, subprotocols=[KERNEL_PROTOCOL]) as ws:
         handshake = ws.recv(timeout=10)  # the fake's report of its headers: the token masked
         ws.send("hello")
         assert ws.recv(timeout=10) == "hello"
@@ -275,31 +128,34 @@ def test_it_relays_the_owners_websocket(portal, jupyter, lab, alice) -> None:
     assert TOKEN not in handshake
     got = jupyter.seen[-1]
     assert got["headers"]["authorization"] == f"token {TOKEN}"
-    assert "sessionid" not in got["headers"].get("cookie", "")
+    assert "lab_grant" not in got["headers"].get("cookie", "")
     assert "origin" not in got["headers"]  # checked here; Jupyter would compare it with its own Host
     assert got["raw_path"] == f"/sessions/{lab.pk}/lab/api/kernels/k1/channels"
 
 
-def test_it_passes_close_codes_both_ways(portal, jupyter, lab, alice) -> None:
+def test_it_passes_close_codes_both_ways(labs, jupyter, lab, owner) -> None:
     path = f"/sessions/{lab.pk}/lab/api/kernels/k1/channels"
-    with ws_open(portal, path, cookie_header(alice)) as ws:
+    with ws_open(labs, path, grant_header(owner, lab.pk), labs) as ws:
         ws.recv(timeout=10)
         ws.send("close 4321")
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=10)
     assert (ws.close_code, ws.close_reason) == (4321, "kernel gone")
 
-    with ws_open(portal, path, cookie_header(alice)) as ws:
+    with ws_open(labs, path, grant_header(owner, lab.pk), labs) as ws:
         ws.recv(timeout=10)
         ws.close(4000, "tab closed")
     wait_for(lambda: jupyter.closes, timeout=5, interval=0.01, what="the close to reach the server")
     assert jupyter.closes == [4000]
 
 
-def test_an_open_websocket_ends_when_its_server_goes(portal, alice, booking) -> None:
+def test_an_open_websocket_ends_when_its_server_goes(portal, labs, alice, booking) -> None:
     with ExitStack() as server:
-        lab = make_lab(alice, booking, server.enter_context(serve(FakeJupyter())))
-        with ws_open(portal, f"/sessions/{lab.pk}/lab/api/kernels/k1/channels", cookie_header(alice)) as ws:
+        fake = FakeJupyter()
+        lab = make_lab(alice, booking, server.enter_context(serve(fake)))
+        http = handed_over(portal, alice, lab, fake)
+        path = f"/sessions/{lab.pk}/lab/api/kernels/k1/channels"
+        with ws_open(labs, path, grant_header(http, lab.pk), labs) as ws:
             ws.recv(timeout=10)
             server.close()  # the session's server stops (uvicorn closes its websockets with 1012)
             with pytest.raises(ConnectionClosed):
@@ -307,99 +163,42 @@ def test_an_open_websocket_ends_when_its_server_goes(portal, alice, booking) -> 
     assert ws.close_code == 1012
 
 
-# --- everyone else ----------------------------------------------------------------------------------
+def test_it_answers_502_when_the_server_is_down(portal, labs, alice, booking) -> None:
+    down = make_lab(alice, booking, free_port())
+    http = browser(portal, alice)
+    open_lab(http, portal, down.pk)  # the hand-off works; the server does not answer
+    headers = grant_header(http, down.pk)
+
+    response = get(labs, f"/sessions/{down.pk}/lab/api/echo", headers)
+
+    assert response.status_code == 502
+    assert response.text == (
+        f"the JupyterLab server of session {down.pk} is not answering; it may be starting or have ended\n"
+    )
+    assert ws_refused(labs, f"/sessions/{down.pk}/lab/api/kernels/k1/channels", headers, origin=labs) == 403
 
 
-def test_it_sends_an_anonymous_page_view_to_sign_in(portal, jupyter, lab) -> None:
-    path = f"/sessions/{lab.pk}/lab/tree?x=1"
-    page = get(portal, path, {"Accept": "text/html,application/xhtml+xml"})
-    api = get(portal, f"/sessions/{lab.pk}/lab/api/echo", {"Accept": "application/json"})
-
-    assert page.status_code == 302
-    assert page.headers["location"] == f"/login/?next=/sessions/{lab.pk}/lab/tree%3Fx%3D1"
-    assert api.status_code == 401
-    assert ws_refused(portal, f"/sessions/{lab.pk}/lab/api/kernels/k1/channels", {}) == 403
-    assert jupyter.seen == []
-
-
-@pytest.mark.parametrize("who", ["bob", "leader", "charlie", "admin_user"])
-def test_it_gives_no_one_else_the_lab(portal, jupyter, lab, who, request) -> None:
-    user = request.getfixturevalue(who)
-    headers = cookie_header(user)
-
-    response = get(portal, f"/sessions/{lab.pk}/lab/api/echo", headers)
-
-    assert response.status_code == 404
-    assert ws_refused(portal, f"/sessions/{lab.pk}/lab/api/kernels/k1/channels", headers) == 403
-    assert jupyter.seen == []
-
-
-@pytest.mark.parametrize(
-    "fields", [{"status": "ended"}, {"status": "starting"}, {"status": "failed"}, {"kind": "exec"}]
-)
-def test_it_serves_only_running_labs(portal, jupyter, alice, booking, jupyter_server, fields) -> None:
-    other = make_lab(alice, booking, jupyter_server[1], **fields)
-    headers = cookie_header(alice)
-
-    assert get(portal, f"/sessions/{other.pk}/lab/api/echo", headers).status_code == 404
-    assert ws_refused(portal, f"/sessions/{other.pk}/lab/api/kernels/k1/channels", headers) == 403
-    assert jupyter.seen == []
-
-
-def test_it_refuses_a_signed_out_cookie(portal, jupyter, lab, alice) -> None:
-    browser = Client()
-    browser.force_login(alice)
-    old = {"Cookie": f"sessionid={browser.cookies['sessionid'].value}"}
-    assert get(portal, f"/sessions/{lab.pk}/lab/api/echo", old).status_code == 200
-    browser.logout()
-    jupyter.seen.clear()
-
-    assert get(portal, f"/sessions/{lab.pk}/lab/api/echo", old).status_code == 401
-    assert ws_refused(portal, f"/sessions/{lab.pk}/lab/api/kernels/k1/channels", old) == 403
-    assert jupyter.seen == []
-
-
-def test_it_refuses_a_session_after_a_password_change(portal, jupyter, lab, alice) -> None:
-    old = cookie_header(alice)
-    alice.set_password("a new one")
-    alice.save()
-
-    assert get(portal, f"/sessions/{lab.pk}/lab/api/echo", old).status_code == 401
-    assert ws_refused(portal, f"/sessions/{lab.pk}/lab/api/kernels/k1/channels", old) == 403
-    assert jupyter.seen == []
-
-
-def test_it_refuses_a_deactivated_owner(portal, jupyter, lab, alice) -> None:
-    headers = cookie_header(alice)
-    alice.is_active = False
-    alice.save()
-
-    assert get(portal, f"/sessions/{lab.pk}/lab/api/echo", headers).status_code == 401
-    assert ws_refused(portal, f"/sessions/{lab.pk}/lab/api/kernels/k1/channels", headers) == 403
-    assert jupyter.seen == []
-
-
-def test_it_refuses_websockets_from_other_origins(portal, jupyter, lab, alice) -> None:
+def test_websockets_must_come_from_the_lab_origin(portal, labs, jupyter, lab, owner) -> None:
     path = f"/sessions/{lab.pk}/lab/api/kernels/k1/channels"
-    headers = cookie_header(alice)
+    grant = grant_header(owner, lab.pk)
 
-    assert ws_refused(portal, path, headers, origin="http://evil.example") == 403
-    assert ws_refused(portal, path, headers, origin=None) == 403
-    assert ws_refused(portal, path, headers, origin="null") == 403
+    for origin in (portal, "http://evil.example", None, "null", labs.replace("127.0.0.1", "localhost")):
+        assert ws_refused(labs, path, grant, origin=origin) == 403, origin
     assert jupyter.seen == []
+    with ws_open(labs, path, grant, labs) as ws:
+        ws.recv(timeout=10)
 
 
-def test_it_refuses_cross_site_changes(portal, jupyter, lab, alice) -> None:
+def test_it_refuses_cross_site_changes(portal, labs, jupyter, lab, owner) -> None:
     path = f"/sessions/{lab.pk}/lab/api/echo"
-    with httpx.Client(base_url=portal, timeout=10) as http:
-        evil = http.post(
-            path, content=b"{}", headers={**cookie_header(alice), "Origin": "http://evil.example"}
-        )
+    grant = grant_header(owner, lab.pk)
+    with httpx.Client(base_url=labs, timeout=10) as http:
+        from_portal = http.post(path, content=b"{}", headers={**grant, "Origin": portal})
+        evil = http.post(path, content=b"{}", headers={**grant, "Origin": "http://evil.example"})
         assert jupyter.seen == []
-        own = http.post(path, content=b"{}", headers={**cookie_header(alice), "Origin": portal})
+        own = http.post(path, content=b"{}", headers={**grant, "Origin": labs})
 
-    assert evil.status_code == 403
-    assert own.status_code == 200
+    assert (from_portal.status_code, evil.status_code, own.status_code) == (403, 403, 200)
 
 
 @pytest.mark.parametrize(
@@ -416,73 +215,52 @@ def test_it_refuses_cross_site_changes(portal, jupyter, lab, alice) -> None:
     ],
 )
 def test_a_path_never_reaches_another_session(
-    portal, jupyter, lab, bob, booking, jupyter_server, target
+    portal, labs, jupyter, lab, bob, booking, jupyter_server, target
 ) -> None:
     mine = make_lab(bob, booking, jupyter_server[1])
+    grant = grant_header(handed_over(portal, bob, mine, jupyter), mine.pk)
     path = target.format(mine=mine.pk, theirs=lab.pk, theirs_encoded=str(lab.pk))
 
-    status, _ = raw_get(portal, path, cookie_header(bob))
+    status, _ = raw_get(labs, path, grant)
 
     assert status in (400, 404)
-    assert jupyter.seen == []
-    assert ws_refused(portal, path, cookie_header(bob)) in (403, 404)
-    assert jupyter.seen == []
-
-
-def test_it_serves_only_the_portals_own_host_names(portal, jupyter, lab, alice) -> None:
-    """A Host outside ALLOWED_HOSTS (DNS rebinding) is no origin to compare a websocket's with."""
-    path = f"/sessions/{lab.pk}/lab/api/kernels/k1/channels"
-    sock = socket.create_connection(("127.0.0.1", int(portal.rsplit(":", 1)[1])), timeout=10)
-
-    assert get(portal, path, {**cookie_header(alice), "Host": "evil.example"}).status_code == 400
-    with pytest.raises(InvalidStatus) as refused:
-        connect(
-            f"ws://evil.example{path}",
-            sock=sock,
-            origin="http://evil.example",
-            additional_headers=cookie_header(alice),
-        ).close()
-    assert refused.value.response.status_code == 403
+    assert ws_refused(labs, path, grant, origin=labs) in (403, 404)
     assert jupyter.seen == []
 
 
-def test_it_answers_502_when_the_server_is_down(portal, alice, booking) -> None:
-    down = make_lab(alice, booking, free_port())
+def test_the_portal_answers_only_its_own_host_names(portal, jupyter, lab, alice) -> None:
+    """A Host outside ALLOWED_HOSTS (DNS rebinding) gets nothing of the portal's lab paths."""
+    answer = get(portal, f"/sessions/{lab.pk}/lab/", {**portal_cookie(alice), "Host": "evil.example"})
 
-    response = get(portal, f"/sessions/{down.pk}/lab/api/echo", cookie_header(alice))
-
-    assert response.status_code == 502
-    assert response.text == (
-        f"the JupyterLab server of session {down.pk} is not answering; it may be starting or have ended\n"
-    )
-    assert ws_refused(portal, f"/sessions/{down.pk}/lab/api/kernels/k1/channels", cookie_header(alice)) == 403
+    assert answer.status_code == 400
+    assert jupyter.seen == []
 
 
-def test_other_paths_are_djangos(portal, jupyter, lab) -> None:
+def test_other_portal_paths_are_djangos(portal, jupyter, lab) -> None:
     assert get(portal, "/login/").status_code == 200
     assert get(portal, f"/sessions/{lab.pk}/other").status_code == 404
     assert jupyter.seen == []
 
 
 def test_requests_at_once_share_one_check_and_later_ones_check_again(monkeypatch) -> None:
-    reads: list[int] = []
+    reads: list[tuple[str | None, int]] = []
 
-    def slow_verdict(session_key: str | None, pk: int) -> Verdict:
-        reads.append(pk)
+    def slow_verdict(secret: str | None, pk: int) -> Verdict:
+        reads.append((secret, pk))
         time.sleep(0.05)  # a database read under way while the other requests come
         return Verdict(lab=None, signed_in=False)
 
-    monkeypatch.setattr("jobs.lab_proxy._verdict", slow_verdict)
-    scope = {"headers": [(b"cookie", b"sessionid=abc")]}
+    monkeypatch.setattr("jobs.lab_proxy._grant_verdict", slow_verdict)
+    scope = {"headers": [(b"cookie", b"lab_grant=abc; sessionid=never-read")]}
 
     async def run() -> None:
-        await asyncio.gather(*(check(scope, 7) for _ in range(10)))
-        assert reads == [7]
-        await check(scope, 7)
-        await check({"headers": [(b"cookie", b"sessionid=other")]}, 7)
+        await asyncio.gather(*(check(scope, 7, lab_origin=True) for _ in range(10)))
+        assert reads == [("abc", 7)]
+        await check(scope, 7, lab_origin=True)
+        await check({"headers": [(b"cookie", b"lab_grant=other")]}, 7, lab_origin=True)
 
     asyncio.run(run())
-    assert reads == [7, 7, 7]
+    assert reads == [("abc", 7), ("abc", 7), ("other", 7)]
 
 
 def test_the_scrubber_masks_a_token_split_across_chunks() -> None:

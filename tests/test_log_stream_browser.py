@@ -41,7 +41,7 @@ def test_the_job_page_shows_each_line_as_printed_over_one_stream(asgi_page, job,
         printed = time.perf_counter()
         writer.feed(f"epoch {n}\n".encode())
         asgi_page.wait_for_function(
-            f"document.getElementById('job-log').textContent.includes('epoch {n}\\n')"
+            f"() => document.getElementById('job-log').textContent.includes('epoch {n}\\n')"
         )
         delays.append(time.perf_counter() - printed)
     median, worst = statistics.median(delays) * 1000, max(delays) * 1000

@@ -83,7 +83,7 @@ def test_a_leader_sees_the_teams_month_at_a_glance(
     for canvas in CHARTS:
         expect(page.locator(f"#{canvas}")).to_be_visible()
     # Chart.js drew each one (the vendored file, served by the portal itself).
-    page.wait_for_function(f"{list(CHARTS)}.every((id) => Chart.getChart(document.getElementById(id)))")
+    page.wait_for_function(f"() => {list(CHARTS)}.every((id) => Chart.getChart(document.getElementById(id)))")
     assert (
         page.evaluate("Chart.getChart(document.getElementById('chart-heatmap')).data.datasets[0].data.length")
         == 168

@@ -339,7 +339,7 @@ def runportal(tmp_path) -> Iterator[tuple[subprocess.Popen, Api, Path]]:
                 stderr=subprocess.STDOUT,
             )
             try:
-                yield proc, Api(f"http://127.0.0.1:{port}"), log_path
+                yield proc, Api(f"http://localhost:{port}"), log_path
             finally:
                 _stop_everything(proc)
 
@@ -368,6 +368,11 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     proc, api, log_path = runportal
     output = log_path.read_text
     wait_for(api.answers, timeout=120, what=f"the web server (see {log_path})")
+    # The same server is the labs' origin on 127.0.0.1 (LAB_ORIGIN), where no portal page answers.
+    port = api.base.rsplit(":", 1)[1]
+    assert f"JupyterLab sessions: http://127.0.0.1:{port}/" in output()
+    status, body = Api(f"http://127.0.0.1:{port}").call("GET", "/login/")
+    assert status == 404 and body.startswith(b"Only JupyterLab sessions are served here"), body
     api.login("alice", PASSWORD)
     wait_for(
         lambda: (

@@ -30,7 +30,7 @@ def test_it_shows_every_gpu_with_its_uuid(client, alice):
     assert html.count("data-gpu-uuid=") == 8
     assert 'data-gpu-uuid="GPU-box01-03"' in html
     assert "alice · pid 1000" in html
-    assert 'hx-trigger="every 3s [!window.portalLive || portalLive.polls]"' in html  # polls without the push
+    assert 'hx-trigger="every 3s" data-poll-fallback' in html  # polls without the push
 
 
 def test_it_labels_simulated_servers(client, alice):

@@ -16,7 +16,8 @@
  * parts once.
  *
  * While the stream is not up (no EventSource, refused: e.g. served over WSGI, or failing), the
- * elements' own htmx polling runs (its trigger's filter reads portalLive.polls), its answers are
+ * elements' own htmx polling runs (each marked data-poll-fallback: its requests are let through
+ * only while portalLive.polls; no trigger filter, which htmx would eval), its answers are
  * patched in the same way, and an element marked data-live-status says so.
  */
 (function () {
@@ -133,6 +134,12 @@
       due.forEach(refresh);
     }, Math.max(0, last + MIN_GAP_MS - Date.now()));
   }
+
+  // A part's polling is the fallback: its requests go only while the stream is not up.
+  document.addEventListener("htmx:confirm", (e) => {
+    const el = e.detail.elt;
+    if (el && el.hasAttribute && el.hasAttribute("data-poll-fallback") && !live.polls) e.preventDefault();
+  });
 
   // Polling (the fallback) goes through htmx: patch its answers in place too.
   document.addEventListener("htmx:beforeSwap", (e) => {

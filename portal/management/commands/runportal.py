@@ -1,5 +1,8 @@
 """`make run`: the web server plus one Celery worker per GPU host this machine stands for.
 
+The one web server answers two host names: the portal on localhost and JupyterLab sessions on
+LAB_ORIGIN, 127.0.0.1 by default (labs are served from an origin of their own: jobs/lab_proxy.py).
+
 With real NVML that is this host; with the simulated inventory it is every simulated
 server, so the whole portal can be tried on a laptop (gpus/hosts.py answers, through
 portal/hosts.py). A child that dies is restarted
@@ -9,9 +12,11 @@ that stop kills it all at once.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import sys
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.core.management import call_command
@@ -59,6 +64,33 @@ def _web_argv(bind: str) -> list[str]:
     ]
 
 
+def _lab_note(bind: str, port: int) -> str:
+    """What to say when LAB_ORIGIN is not this web server as the browser on this machine reaches
+    it ("" when it is): labs would not open."""
+    lab = urlsplit(settings.LAB_ORIGIN)
+    on_loopback = lab.hostname in ("localhost", "::1") or lab.hostname.startswith("127.")
+    if not on_loopback:
+        return ""  # a name of the machine's, or a TLS proxy's: the operator's to point here
+    if (lab.port or {"http": 80, "https": 443}[lab.scheme]) != port or not _listens_on_loopback(bind):
+        return (
+            f"LAB_ORIGIN={settings.LAB_ORIGIN} is not this web server ({bind}:{port}): labs will not"
+            " open. Set LAB_ORIGIN to a second name of this machine on that port."
+        )
+    if bind != "127.0.0.1":
+        return (
+            f"Labs open only in a browser on this machine (LAB_ORIGIN={settings.LAB_ORIGIN}): set"
+            " LAB_ORIGIN to a second name of this machine (not the portal's) for other machines."
+        )
+    return ""
+
+
+def _listens_on_loopback(bind: str) -> bool:
+    try:
+        return bind in ("0.0.0.0", "::") or ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        return bind == "localhost"
+
+
 class Command(BaseCommand):
     help = "Serve the portal with its workers (what `make run` calls)."
 
@@ -82,6 +114,9 @@ class Command(BaseCommand):
         children.append(ChildSpec("web server", _web_argv(f"{bind}:{settings.PORT}")))
         host = "localhost" if bind in ("0.0.0.0", "127.0.0.1") else bind
         self.stdout.write(self.style.SUCCESS(f"\nGPU lab portal: http://{host}:{settings.PORT}/"))
+        self.stdout.write(f"JupyterLab sessions: {settings.LAB_ORIGIN}/ (LAB_ORIGIN: labs alone, no portal)")
+        if note := _lab_note(bind, settings.PORT):
+            self.stdout.write(self.style.WARNING(note))
         if simulated:
             self.stdout.write(
                 f"No NVIDIA driver here: SIMULATED servers {', '.join(servers)} (labelled in the UI)."

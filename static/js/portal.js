@@ -1,0 +1,50 @@
+/* What every page needs from script, in a file: the pages' Content-Security-Policy runs no
+ * inline script and no inline handler (settings.CONTENT_SECURITY_POLICY), so markup asks for
+ * behaviour with data attributes and this file gives it, by delegation (parts htmx swaps in later
+ * work too):
+ * - the browser's time zone, for the next request, where the person chose none
+ *   (portal/time_zones.py reads the cookie, decoded);
+ * - <form data-confirm="question">: asks before it is sent;
+ * - <input data-select-on-focus>: selects its text when focused (addresses to copy);
+ * - <button data-fill="#input" data-value="8G">: puts the value in that input and focuses it;
+ * - an htmx part marked data-script-name (the job form's size hint) asks with script=<the chosen
+ *   upload's file name, else the path typed> (htmx's hx-vals="js:…" would need eval).
+ */
+(function () {
+  "use strict";
+  try {
+    const zone = Intl.DateTimeFormat().resolvedOptions().timeZone;
+    const cookie = "browser_tz=" + encodeURIComponent(zone);
+    if (zone && document.cookie.indexOf(cookie) < 0) {
+      document.cookie = cookie + "; path=/; max-age=31536000; SameSite=Lax";
+    }
+  } catch (e) {
+    // No Intl time zone (an old browser): the portal's own zone is shown, and said so.
+  }
+
+  document.addEventListener("submit", function (event) {
+    const form = event.target.closest("form[data-confirm]");
+    if (form && !window.confirm(form.dataset.confirm)) event.preventDefault();
+  });
+
+  document.addEventListener("focusin", function (event) {
+    if (event.target.matches && event.target.matches("input[data-select-on-focus]")) event.target.select();
+  });
+
+  document.addEventListener("click", function (event) {
+    const button = event.target.closest("button[data-fill]");
+    if (!button) return;
+    const input = document.querySelector(button.dataset.fill);
+    if (!input) return;
+    input.value = button.dataset.value;
+    input.focus();
+  });
+
+  document.addEventListener("htmx:configRequest", function (event) {
+    if (!event.detail.elt.hasAttribute("data-script-name")) return;
+    const upload = document.getElementById("id_script");
+    const path = document.getElementById("id_script_path");
+    const chosen = upload && upload.files && upload.files.length ? upload.files[0].name : "";
+    event.detail.parameters.script = chosen || (path ? path.value : "");
+  });
+})();
