@@ -352,7 +352,11 @@ def test_it_marks_one_and_all_read_from_the_inbox(client, alice):
 def test_it_shows_the_unread_count_on_the_bell(client, alice):
     client.force_login(alice)
     page = client.get(reverse("dashboard")).content.decode()
-    assert 'id="bell"' in page and 'hx-trigger="every 10s" data-poll-fallback' in page and "data-unread" not in page
+    assert (
+        'id="bell"' in page
+        and 'hx-trigger="every 10s" data-poll-fallback' in page
+        and "data-unread" not in page
+    )
     _send(alice)
     _send(alice)
     bell = client.get(reverse("notification_bell")).content.decode()
