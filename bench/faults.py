@@ -12,6 +12,14 @@ What is measured
        again, empty (the message is gone), and the slot is freed at once. From Redis answering
        again to the second job shown running or finished. Median of ROUNDS.
        Goal: ≤ 60 s (what tests/test_faults.py allows).
+    3. PostgreSQL frozen → request answered 503. Every PostgreSQL process SIGSTOPped (it neither
+       answers nor closes; its kernel still acknowledges): from GET /api/v1/jobs/ sent, on a web
+       server whose threads hold pooled connections, to its 503. With FROZEN_DEADLINES
+       (DATABASE_STATEMENT_TIMEOUT_SECONDS=2, connect_timeout=2): the deadline, 1 s of margin,
+       then a new connection's connect_timeout. Median of ROUNDS. Goal: ≤ 6 s.
+    4. Ctrl-C with PostgreSQL frozen → everything stopped. A job holds the host worker's slot;
+       PostgreSQL is frozen; SIGTERM to the web server and both workers, as Ctrl-C or systemd: until
+       every one of them has exited. Median of ROUNDS (a fresh portal each). Goal: ≤ 15 s.
 
 A round that does not recover within TIMEOUT s stops its figure there: printed as MISSED.
 Needs what the fault suite needs: PostgreSQL server binaries, redis-server, and as root a
@@ -55,10 +63,14 @@ TIMEOUT = 90.0
 POLL_S = 0.05
 OUTAGE_S = 6.0
 LINES = lines_script(10, every=0.2)
+FROZEN_DEADLINES = {"DATABASE_STATEMENT_TIMEOUT_SECONDS": "2"}
+FROZEN_CONNECT_TIMEOUT = "2"
 
 
 @contextlib.contextmanager
-def portal_up(*, host_pool: str) -> Iterator[tuple[Api, ThrowawayPostgres, ThrowawayRedis, Path, str]]:
+def portal_up(
+    *, host_pool: str, deadlines: bool = False
+) -> Iterator[tuple[Api, ThrowawayPostgres, ThrowawayRedis, Portal, str]]:
     tag = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as folder:
         scratch = Path(folder)
@@ -69,9 +81,13 @@ def portal_up(*, host_pool: str) -> Iterator[tuple[Api, ThrowawayPostgres, Throw
             broker.start()
             url = postgres.create_database("portal")
             Portal.prepare(url, scratch)
+            if deadlines:
+                url += f"?connect_timeout={FROZEN_CONNECT_TIMEOUT}"
             portal = Portal(database_url=url, redis_url=broker.url, scratch=scratch, tag=tag)
+            if deadlines:
+                portal.env.update(FROZEN_DEADLINES)
             api = portal.start(host_pool=host_pool)
-            yield api, postgres, broker, scratch, tag
+            yield api, postgres, broker, portal, tag
             api.close()
         finally:
             if portal is not None:
@@ -109,7 +125,8 @@ def database_back() -> list[float | None]:
 
 def redis_back() -> list[float | None]:
     samples: list[float | None] = []
-    with portal_up(host_pool="solo") as (api, _, broker, scratch, tag):
+    with portal_up(host_pool="solo") as (api, _, broker, portal, tag):
+        scratch = portal.scratch
         holding, waiting = api.book_now(), api.book_now()
         for n in range(ROUNDS):
             flag = scratch / f"free-the-slot-{n}"
@@ -125,6 +142,47 @@ def redis_back() -> list[float | None]:
             samples.append(seconds_until(lambda: api.status(stranded) in {"running", *FINISHED}))  # noqa: B023
             if samples[-1] is None or seconds_until(lambda: api.finished(stranded)) is None:  # noqa: B023
                 break
+    return samples
+
+
+def frozen_request() -> list[float | None]:
+    samples: list[float | None] = []
+    with portal_up(host_pool="solo", deadlines=True) as (api, postgres, _, _, _):
+        for _ in range(ROUNDS):
+            for _ in range(8):  # the web server's threads hold pooled connections
+                api.get("/api/v1/jobs/")
+            with postgres.frozen():
+                began = time.monotonic()
+                try:
+                    answer = api.call("GET", "/api/v1/jobs/")
+                except Exception:  # the client's own 15 s timeout
+                    answer = None
+                took = time.monotonic() - began
+            samples.append(took if answer is not None and answer.status_code == 503 else None)
+            if samples[-1] is None:
+                break
+    return samples
+
+
+def frozen_ctrl_c() -> list[float | None]:
+    samples: list[float | None] = []
+    for _ in range(ROUNDS):
+        with portal_up(host_pool="solo", deadlines=True) as (api, postgres, _, portal, tag):
+            never = portal.scratch / "never"
+            job_id = api.run(HOLD, tag=tag, reservation=api.book_now(), args=str(never))
+            if seconds_until(lambda: "started" in api.log(job_id)) is None:  # noqa: B023
+                raise RuntimeError(f"job {job_id} did not start within {TIMEOUT:.0f} s")
+            with postgres.frozen():
+                began = time.monotonic()
+                for proc in portal.procs.values():
+                    proc.terminate()
+                deadline = began + TIMEOUT
+                while time.monotonic() < deadline and any(p.poll() is None for p in portal.procs.values()):
+                    time.sleep(POLL_S)
+                stopped = all(p.poll() is not None for p in portal.procs.values())
+                samples.append(time.monotonic() - began if stopped else None)
+        if samples[-1] is None:
+            break
     return samples
 
 
@@ -146,6 +204,8 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
     figure("database back → job end recorded", database_back(), goal=5)
     figure("Redis back → stranded job running", redis_back(), goal=60)
+    figure("PostgreSQL frozen → request answered 503", frozen_request(), goal=6)
+    figure("Ctrl-C with PostgreSQL frozen → everything stopped", frozen_ctrl_c(), goal=15)
     return 0
 
 

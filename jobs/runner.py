@@ -101,6 +101,7 @@ class Supervisor:
         self.db_later: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self.db_failed = False
         self.unlisted_said = False
+        self.main_thread = threading.get_ident()  # the one that must react to a stop
 
     # --- the loop --------------------------------------------------------------------
 
@@ -350,7 +351,11 @@ class Supervisor:
         longer than JOB_LOST_AFTER_SECONDS makes the reconciler mark the job lost, which
         this loop then sees and honours. An outage is one line (and one when it is over), not a
         traceback every tick; any other database error keeps its traceback. Only a step that
-        always `reads` the database proves it back (a flush with nothing pending reaches none)."""
+        always `reads` the database proves it back (a flush with nothing pending reaches none).
+        While the worker shuts down and the database does not answer, the main thread tries
+        nothing: the log and the end wait in the spool (`skips_database`)."""
+        if self.skips_database():
+            return False
         try:
             step()
         except DatabaseError as exc:
@@ -366,6 +371,16 @@ class Supervisor:
             self.db_away = None
             self.writer.backoff = 0.0  # its log waits for no backoff now (LogWriter.flush)
         return True
+
+    def skips_database(self) -> bool:
+        """The worker is stopping and the row has gone unread for STALE_ROW_SECONDS (the database
+        away or frozen): the main thread, which must end the job and return, waits for no query.
+        The database thread keeps trying (each query has its deadline, portal/postgresql)."""
+        return (
+            self.shutting_down
+            and threading.get_ident() == self.main_thread
+            and time.monotonic() - self.row_read_at > STALE_ROW_SECONDS
+        )
 
     def _note_launcher_line(self, data: bytes) -> None:
         if self.launcher_seen or len(self.first_output) > 8192:
@@ -627,6 +642,8 @@ class Supervisor:
         the job lost and the worker's log says how it ended."""
         deadline = time.monotonic() + settings.JOB_END_WAIT_SECONDS
         while True:
+            if self._stopping() and self.skips_database():
+                break  # straight to the spool: a shutdown waits for no database
             try:
                 recorded = job_end_store(self.job.pk, self.writer, record)
             except DatabaseError:
@@ -684,6 +701,8 @@ def job_run(job_id: int) -> str | None:
         return Job.Status.CANCELLED
     supervisor = patiently(job_id, lambda: Supervisor(job))
     supervisor.run()
+    if supervisor.skips_database():  # stopping, the database not answering: as the log said
+        return supervisor.final_status
     try:
         return Job.objects.values_list("status", flat=True).get(pk=job_id)
     except DatabaseError:  # away: the end waits in the spool, as the worker's log said

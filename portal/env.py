@@ -174,7 +174,8 @@ def parse_database_url(url: str, *, var: str = "DATABASE_URL") -> dict:
         # pooled connection the same way. The URL's own values win (?connect_timeout=30).
         options = {**POSTGRES_DEFAULT_OPTIONS, **options}
         return {
-            "ENGINE": "django.db.backends.postgresql",
+            # Django's, with a deadline on every wait for the server (portal/postgresql/base.py).
+            "ENGINE": "portal.postgresql",
             "NAME": name,
             "USER": unquote(parts.username or ""),
             "PASSWORD": unquote(parts.password or ""),

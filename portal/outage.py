@@ -46,9 +46,11 @@ REDIS = "redis"
 WHAT = {DATABASE: "the database", REDIS: "Redis (the task queue)"}
 
 # PostgreSQL's SQLSTATEs for a server that cannot serve now: class 08 (connection exception),
-# admin or crash shutdown, starting up ("cannot_connect_now"), out of connection slots.
-# A client-side connection failure has no SQLSTATE at all.
-_PG_UNAVAILABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
+# admin or crash shutdown, starting up ("cannot_connect_now"), out of connection slots, a
+# statement cancelled at DATABASE_STATEMENT_TIMEOUT_SECONDS ("query_canceled": too busy to answer
+# in time). A client-side failure has no SQLSTATE at all: connecting failed, or the server gave
+# no answer in time (portal.postgresql.base.NoAnswer).
+_PG_UNAVAILABLE = frozenset({"57P01", "57P02", "57P03", "53300", "57014"})
 # SQLite's primary result codes for a file that is busy, locked, unreadable or unopenable.
 _SQLITE_UNAVAILABLE = frozenset(
     {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN}

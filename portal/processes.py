@@ -68,6 +68,17 @@ class _CapData(ctypes.Structure):  # struct __user_cap_data_struct
     ]
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the one that adopts its descendants' orphans (Linux's child subreaper):
+    what a child leaves behind when it dies (a job in a session of its own, under a SIGKILLed
+    worker) becomes this process's own child, so it can be stopped by a pid it holds unreaped,
+    never by a guess. False where the kernel cannot."""
+    return _prctl is not None and _prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+
+
 def die_with_parent(sig: signal.Signals, *, parent: int | None = None) -> Callable[[], None]:
     """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when `parent` (by default
     the caller, the process that starts the child) dies, and exits at once if it already has.

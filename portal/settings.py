@@ -150,6 +150,13 @@ TEMPLATES = [
 
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'portal.sqlite3'}")
 DATABASES = {"default": parse_database_url(DATABASE_URL)}
+# PostgreSQL cancels a statement that runs longer; a server that does not even do that (frozen:
+# its processes stopped, its kernel still acknowledging) is given up 1 s later, the connection
+# closed and the request answered 503 (portal/postgresql/base.py). 0: no deadline (a long
+# `migrate` run by hand). Connecting has its own, the URL's connect_timeout (5 s by default).
+DATABASE_STATEMENT_TIMEOUT_SECONDS = env_int(
+    "DATABASE_STATEMENT_TIMEOUT_SECONDS", 30, min_value=0, max_value=86400
+)
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # A file, not :memory:, so a real worker process can share the test database.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
@@ -321,8 +328,24 @@ CELERY_RESULT_BACKEND = None
 # job can never be redelivered once running; a prefetched message restored while it
 # waits only finds its row already claimed (jobs.launch.job_claim).
 CELERY_TASK_ACKS_LATE = False
-# Redis' default, made explicit: what the paragraph above reasons about.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+# Every Redis connection gives up on a server that does not answer (frozen: its process stopped,
+# its kernel still acknowledging) after this long: the broker's, the publishers' and the streams'.
+REDIS_SOCKET_TIMEOUT_SECONDS = env_int("REDIS_SOCKET_TIMEOUT_SECONDS", 5, min_value=1, max_value=60)
+# visibility_timeout: Redis' default, made explicit: what the paragraph above reasons about.
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": 3600,
+    "socket_timeout": REDIS_SOCKET_TIMEOUT_SECONDS,
+    "socket_connect_timeout": REDIS_SOCKET_TIMEOUT_SECONDS,
+}
+# A message that cannot be sent is tried once more (a pooled connection Redis closed on a restart),
+# never longer: whoever sends it waits (a submit's request); the row is the record and the
+# reconciler, pickup or a stranded requeue sends it again later.
+CELERY_TASK_PUBLISH_RETRY_POLICY = {
+    "max_retries": 1,
+    "interval_start": 0,
+    "interval_step": 0.2,
+    "interval_max": 0.2,
+}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "portal"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -14,6 +14,13 @@ SIGKILLed worker, and gunicorn's workers notice their master's death only later.
 this a restarted worker would run beside its predecessor's leftovers. A group is only ever
 signalled while its leader is our child and unreaped (running, or a zombie we have seen with
 WNOWAIT), so its id cannot have been reused by an unrelated process.
+
+`stop()` never returns while a child is left: past the grace every child still running is
+SIGKILLed (its group, and itself by its handle) and reaped. With `adopt_orphans` (runportal) the
+supervisor is also the child subreaper of what its children start: a process one of them leaves
+outside its group (a job in a session of its own under a host worker killed for not stopping)
+becomes the supervisor's own child, is reaped as it ends, and is SIGKILLed on stop, by the pid
+of a child it holds unreaped. Every kill is said, naming the process.
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from portal.processes import die_with_parent
+import psutil
+
+from portal.processes import become_subreaper, die_with_parent
 
 FIRST_DELAY_SECONDS = 1.0
 MAX_DELAY_SECONDS = 30.0
 HEALTHY_AFTER_SECONDS = 60.0  # up this long: the next death starts the delays over
 STOP_GRACE_SECONDS = 20.0  # after SIGTERM on stop, then SIGKILL
+ORPHANS_KILL_SECONDS = 5.0  # on stop, SIGKILL what the children left behind, for at most this long
 TICK_SECONDS = 0.2
 
 
@@ -117,8 +127,10 @@ class ProcessSupervisor:
         log: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
         stop_grace: float = STOP_GRACE_SECONDS,
+        adopt_orphans: bool = False,
     ) -> None:
         self.children = [_Child(spec) for spec in specs]
+        self.adopt_orphans = adopt_orphans and become_subreaper()
         self.log = log
         self.clock = clock
         self.stop_grace = stop_grace
@@ -142,6 +154,11 @@ class ProcessSupervisor:
         finally:
             self.stop()
 
+    def _say(self, line: str) -> None:
+        """Log, never raising: a closed terminal must not keep `stop()` from killing anything."""
+        with contextlib.suppress(Exception):
+            self.log(line)
+
     def start(self) -> None:
         now = self.clock()
         for child in self.children:
@@ -150,6 +167,7 @@ class ProcessSupervisor:
     def poll(self) -> None:
         """One pass: note the children that died, restart those whose delay is over."""
         now = self.clock()
+        self._reap_orphans()
         for child in self.children:
             if child.proc is not None:
                 code = _exit_code(child.proc)
@@ -163,26 +181,89 @@ class ProcessSupervisor:
 
     def stop(self) -> None:
         """SIGTERM to every child's main process (Celery's warm shutdown, gunicorn's graceful
-        one), SIGKILL to the group of any still running after `stop_grace` seconds, or to every
-        group at once on a second `request_stop()` (Ctrl-C again)."""
+        one), SIGKILL to any still running after `stop_grace` seconds, or to every one at once on
+        a second `request_stop()` (Ctrl-C again); then SIGKILL to what they left behind (adopted
+        orphans). Returns only once every child is reaped, whatever happens on the way."""
         self.stopping = True
         running = [c for c in self.children if c.proc is not None and _exit_code(c.proc) is None]
-        for child in running:
-            # os.kill, not Popen.terminate: that may reap the child before its group is swept.
-            os.kill(child.proc.pid, signal.SIGTERM)  # type: ignore[union-attr] - unreaped: still ours
-        deadline = time.monotonic() + self.stop_grace  # real time: a stop must end
-        while running and not self.hurry and time.monotonic() < deadline:
-            time.sleep(0.1)
-            running = [c for c in running if _exit_code(c.proc) is None]  # type: ignore[arg-type]
+        try:
+            for child in running:
+                # os.kill, not Popen.terminate: that may reap the child before its group is swept.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.proc.pid, signal.SIGTERM)  # type: ignore[union-attr] - unreaped: still ours
+            deadline = time.monotonic() + self.stop_grace  # real time: a stop must end
+            while running and not self.hurry and time.monotonic() < deadline:
+                time.sleep(0.1)
+                self._reap_orphans()
+                running = [c for c in running if _exit_code(c.proc) is None]  # type: ignore[arg-type]
+        finally:
+            self._kill(running)
+            self._kill_orphans()
+
+    def _kill(self, running: list[_Child]) -> None:
+        """SIGKILL each child still running (its group, then itself by its handle) and reap it."""
+        running = [c for c in running if c.proc is not None and _exit_code(c.proc) is None]
         if running and self.hurry:
-            self.log("asked to stop again: killing every child now")
+            self._say("asked to stop again: killing every child now")
         for child in running:
             assert child.proc is not None
             if not self.hurry:
-                self.log(f"{child.spec.name} still running {self.stop_grace:g} s after SIGTERM: killing it")
+                self._say(
+                    f"{child.spec.name} (pid {child.proc.pid}) still running {self.stop_grace:g} s"
+                    " after SIGTERM: killed it (SIGKILL)"
+                )
             _kill_group(child.proc.pid)  # still unreaped: the group is ours
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.kill()  # and itself, should it have left its group
         for child in running:
             child.proc.wait()  # type: ignore[union-attr]
+
+    def _orphans(self) -> list[psutil.Process]:
+        """Our children that we did not start: adopted from a child that died (subreaper)."""
+        if not self.adopt_orphans:
+            return []
+        ours = {c.proc.pid for c in self.children if c.proc is not None}
+        try:
+            return [p for p in psutil.Process().children() if p.pid not in ours]
+        except psutil.Error:
+            return []
+
+    def _reap_orphans(self) -> None:
+        """Reap the adopted orphans that have ended (a zombie each otherwise)."""
+        for orphan in self._orphans():
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(orphan.pid, os.WNOHANG)
+
+    def _kill_orphans(self) -> None:
+        """SIGKILL what the children left behind, by pids that are our own unreaped children, until
+        none is left (a killed orphan's own children are adopted next) or ORPHANS_KILL_SECONDS."""
+        deadline = time.monotonic() + ORPHANS_KILL_SECONDS
+        refused: set[int] = set()
+        while (
+            orphans := [o for o in self._orphans() if o.pid not in refused]
+        ) and time.monotonic() < deadline:
+            for orphan in orphans:
+                try:
+                    done, _ = os.waitpid(orphan.pid, os.WNOHANG)
+                except ChildProcessError:
+                    continue
+                if done:
+                    continue  # it had ended: reaped
+                name = "?"
+                with contextlib.suppress(psutil.Error):
+                    name = " ".join(orphan.cmdline())[:120] or orphan.name()
+                try:
+                    os.kill(orphan.pid, signal.SIGKILL)  # our child, unreaped: the pid is its
+                except PermissionError:  # a job as another account, where we lack CAP_KILL
+                    self._say(f"could not kill pid {orphan.pid} ({name}), left by a child: permission denied")
+                    refused.add(orphan.pid)
+                    continue
+                except ProcessLookupError:
+                    continue
+                self._say(f"killed pid {orphan.pid} ({name}), left running by a child (SIGKILL)")
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(orphan.pid, 0)
+            time.sleep(0.05)
 
     def _start(self, child: _Child, now: float) -> None:
         child.started_at, child.restart_at = now, None

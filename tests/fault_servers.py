@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -135,6 +136,26 @@ class _Throwaway:
 
     def _answers(self) -> bool:
         raise NotImplementedError
+
+    def _processes(self) -> list[psutil.Process]:
+        """The server's process and every process it started (PostgreSQL's backends)."""
+        assert self.proc is not None and self.running
+        main = psutil.Process(self.proc.pid)
+        return [main, *main.children(recursive=True)]
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Every process of the server stopped (SIGSTOP) for the block: it neither answers nor
+        closes, and its kernel still acknowledges packets. Always resumed (SIGCONT) after."""
+        stopped = self._processes()
+        try:
+            for proc in stopped:
+                proc.send_signal(signal.SIGSTOP)
+            yield
+        finally:
+            for proc in stopped:
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(signal.SIGCONT)
 
     @property
     def running(self) -> bool:

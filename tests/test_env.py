@@ -57,7 +57,7 @@ def test_it_reads_lists_choices_and_file_secrets(monkeypatch, tmp_path):
 
 def test_it_parses_database_urls():
     pg = parse_database_url("postgres://postgres:pw@127.0.0.1:5432/test?sslmode=disable")
-    assert pg["ENGINE"] == "django.db.backends.postgresql"
+    assert pg["ENGINE"] == "portal.postgresql"
     assert (pg["NAME"], pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"]) == (
         "test",
         "postgres",

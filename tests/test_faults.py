@@ -377,3 +377,82 @@ def test_database_restarted_under_concurrent_bookings_and_submits(portal, postgr
     admin.close()
     connections[rows].close()
     _assert_nothing_left(portal, tag, postgres, broker)
+
+
+# --- a frozen server: every process stopped, its kernel still acknowledging ----------------------
+
+# Deadlines short enough for a test (portal/postgresql/base.py, settings' REDIS_SOCKET_TIMEOUT_SECONDS).
+DEADLINES = {"DATABASE_STATEMENT_TIMEOUT_SECONDS": "2", "REDIS_SOCKET_TIMEOUT_SECONDS": "1"}
+
+
+def _with_deadlines(portal: Portal) -> None:
+    portal.env.update(DEADLINES)
+    portal.env["DATABASE_URL"] += "?connect_timeout=2"
+
+
+def test_a_request_while_the_database_is_frozen_answers_503_in_seconds(portal, postgres, broker, tag):
+    _with_deadlines(portal)
+    api = portal.start(host_pool="solo")
+    for _ in range(8):  # every web thread holds a pooled connection now, or most of them do
+        api.get("/api/v1/jobs/")
+    with postgres.frozen():
+        began = time.monotonic()
+        answer = api.call("GET", "/api/v1/jobs/")
+        took = time.monotonic() - began
+    assert answer.status_code == 503 and answer.headers.get("Retry-After"), answer.text
+    assert took < 10, f"answered after {took:.1f} s"
+    _assert_no_500(api.answers)
+    api.close()
+    _assert_nothing_left(portal, tag, postgres, broker)
+
+
+def test_sigterm_with_the_database_frozen_ends_the_host_worker_in_time(portal, postgres, broker, tag):
+    """Ctrl-C of a host worker waits for no frozen database: its job is stopped by the flag, its
+    end goes to the spool after the query deadline, and the worker is gone within a bound."""
+    _with_deadlines(portal)
+    api = portal.start(host_pool="solo")
+    never = portal.scratch / "never"
+    job_id = api.run(HOLD, tag=tag, reservation=api.book_now(), args=str(never))
+    wait_for(lambda: "started" in api.log(job_id), timeout=60, what="the job to run")
+    api.close()
+    host = portal.procs["worker-host"]
+    with postgres.frozen():
+        began = time.monotonic()
+        host.terminate()
+        try:
+            host.wait(timeout=30)
+        finally:
+            took = time.monotonic() - began
+    assert took < 15, f"the host worker took {took:.1f} s to stop; see {portal.log_path('worker-host')}"
+    assert not _job_running(tag, job_id)
+    ends = list((portal.scratch / "spool").glob(f"job-{job_id}-*.end"))
+    assert len(ends) == 1 and '"status": "cancelled"' in ends[0].read_text(), portal.output("worker-host")
+    _assert_nothing_left(portal, tag, postgres, broker)
+
+
+def test_a_submit_and_a_booking_while_redis_is_frozen_answer_at_once(portal, postgres, broker, tag):
+    """The row is the record: a job whose message cannot be sent is answered 201 at once, and
+    runs once Redis is back (pickup sends it again)."""
+    _with_deadlines(portal)
+    api = portal.start(host_pool="solo")
+    booking = api.book_now()
+    later = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) + timedelta(hours=3)
+    with broker.frozen():
+        began = time.monotonic()
+        submitted = api.submit(QUICK, env={TAG_VAR: tag}, reservation=booking)
+        submit_took = time.monotonic() - began
+        began = time.monotonic()
+        booked = api.book(
+            count=1, server=SERVER, start=later.isoformat(), end=(later + timedelta(hours=1)).isoformat()
+        )
+        book_took = time.monotonic() - began
+    assert submitted.status_code == 201, submitted.text
+    assert submit_took < 8, f"the submit took {submit_took:.1f} s"
+    assert booked.status_code == 201, booked.text
+    assert book_took < 8, f"the booking took {book_took:.1f} s"
+    job_id = submitted.json()["id"]
+    wait_for(lambda: api.finished(job_id), timeout=60, what="the job to run once Redis answers")
+    assert api.job(job_id)["status"] == "succeeded"
+    _assert_no_500(api.answers)
+    api.close()
+    _assert_nothing_left(portal, tag, postgres, broker)

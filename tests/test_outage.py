@@ -253,7 +253,8 @@ def _as_django(driver_error: Exception) -> OperationalError:
         (psycopg.errors.TooManyConnections("sorry, too many clients already"), DATABASE),
         (psycopg.errors.ConnectionFailure("connection failure"), DATABASE),
         (psycopg.errors.DeadlockDetected("deadlock detected"), None),
-        (psycopg.errors.QueryCanceled("canceling statement due to statement timeout"), None),
+        # DATABASE_STATEMENT_TIMEOUT_SECONDS ran out: a frozen or overloaded server, a 503.
+        (psycopg.errors.QueryCanceled("canceling statement due to statement timeout"), DATABASE),
         (sqlite3.OperationalError("no such table: nope"), None),
     ],
     ids=str,

@@ -139,7 +139,7 @@ def test_it_kills_a_child_that_ignores_sigterm_on_stop(supervise, tmp_path):
     wait_for(ready.exists, timeout=10, what="the SIGTERM handler")
     supervisor.stop()
     assert proc.returncode == -signal.SIGKILL
-    assert lines == ["stubborn still running 1 s after SIGTERM: killing it"]
+    assert lines == [f"stubborn (pid {proc.pid}) still running 1 s after SIGTERM: killed it (SIGKILL)"]
 
 
 def test_it_kills_every_group_at_once_when_asked_to_stop_again(supervise, tmp_path):
@@ -328,6 +328,7 @@ def runportal(tmp_path) -> Iterator[tuple[subprocess.Popen, Api, Path]]:
             "JOB_LOST_AFTER_SECONDS": "10",
             "JOB_RECONCILE_SECONDS": "1",
             "JOB_KILL_GRACE_SECONDS": "2",
+            "RUNPORTAL_STOP_GRACE_SECONDS": "10",
             "PYTHONUNBUFFERED": "1",
         }
         with open(log_path, "wb") as log:
@@ -439,3 +440,51 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=40) == 0
     wait_for(lambda: all(_gone(p) for p in children), timeout=10, what="every child to be gone")
+
+
+# Starts a process of its own that ignores SIGTERM and outlives the job's launcher (no parent-death
+# signal): what a worker killed for not stopping would leave behind outside every group.
+STRAY = b"""
+import signal, subprocess, sys, time
+stray = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+child = subprocess.Popen([sys.executable, "-c", stray])
+print(f"ready {child.pid}", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.worker
+def test_ctrl_c_with_a_stuck_host_worker_leaves_nothing_running(runportal):
+    """A host worker that never finishes its shutdown (stopped: SIGSTOP) is SIGKILLed after the
+    grace and named; what its job left outside every group is killed too; nothing is left."""
+    proc, api, log_path = runportal
+    output = log_path.read_text
+    wait_for(api.answers, timeout=120, what=f"the web server (see {log_path})")
+    api.login("alice", PASSWORD)
+    wait_for(
+        lambda: (
+            api.call("GET", "/api/v1/servers/rp1/")[0] == 200
+            and api.get("/api/v1/servers/rp1/")["status"] == "online"
+        ),
+        timeout=60,
+        what="rp1's first telemetry",
+    )
+    booking = api.post("/api/v1/reservations/", {"count": 1, "server": "rp1"})["id"]
+    job_id = api.post("/api/v1/jobs/", {"reservation": booking}, {"script": ("stray.py", STRAY)})["id"]
+    wait_for(lambda: "ready " in api.log(job_id), timeout=60, what="the job's first line")
+    stray_pid = int(api.log(job_id).split("ready ", 1)[1].split()[0])
+    stray = psutil.Process(stray_pid)
+
+    worker = _child(proc, queue="host.rp1")
+    everything = [*psutil.Process(proc.pid).children(recursive=True), stray]
+    for stuck in [worker, *worker.children()]:  # the worker and its pool process, not the job
+        stuck.send_signal(signal.SIGSTOP)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    assert proc.wait(timeout=60) == 0
+    left = [p for p in everything if not _gone(p)]
+    assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"
+    said = output()
+    killed = f"[runportal] worker host.rp1 (pid {worker.pid}) still running 10 s after SIGTERM: killed it"
+    assert killed in said, said[-2000:]
+    assert f"[runportal] killed pid {stray_pid} (" in said, said[-2000:]
