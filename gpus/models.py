@@ -14,13 +14,14 @@ from django.utils import timezone
 
 from gpus.inventory import CardState
 from portal.access import is_admin, teams_led_by
+from portal.clock import db_now, since
 from portal.models import WatchdogKind
 
 
 class ServerQuerySet(models.QuerySet):
     def online(self) -> ServerQuerySet:
-        cutoff = timezone.now() - timedelta(seconds=settings.SERVER_OFFLINE_AFTER_SECONDS)
-        return self.filter(last_seen__gte=cutoff)
+        # `last_seen` is the database's clock: so is the cut-off (portal.clock).
+        return self.filter(last_seen__gte=since(settings.SERVER_OFFLINE_AFTER_SECONDS))
 
 
 class Server(models.Model):
@@ -74,8 +75,10 @@ class Server(models.Model):
     def status_for(
         cls, last_seen: datetime | None, draining: bool, now: datetime | None = None
     ) -> Server.Status:
+        """`now`: the database's (portal.clock.db_now, read once for many servers), as
+        `last_seen` is; read here when not given."""
         offline_after = timedelta(seconds=settings.SERVER_OFFLINE_AFTER_SECONDS)
-        if last_seen is None or (now or timezone.now()) - last_seen > offline_after:
+        if last_seen is None or (now or db_now()) - last_seen > offline_after:
             return cls.Status.OFFLINE
         return cls.Status.DRAINING if draining else cls.Status.ONLINE
 

@@ -15,6 +15,7 @@ from gpus.hooks import own_jobs
 from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, Violation, format_mb
 from portal.access import display_name, is_admin, team_ids_of
 from portal.accounts import unix_account_name
+from portal.clock import db_now
 from portal.timefmt import short_time
 
 # A card's live figures: what each telemetry round writes (gpus.services, with `updated_at`) and
@@ -123,8 +124,9 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     now = timezone.now()
     gpus = _dashboard_gpus(processes=_dashboard_processes(viewer), booked=bookings_now(viewer, now))
     servers = []
+    seen_now = db_now()  # `last_seen` is the database's clock (portal.clock); `now` this host's
     for server in Server.objects.order_by("name").values("id", "name", "draining", *SERVER_LIVE_FIELDS):
-        server["status"] = Server.status_for(server["last_seen"], server["draining"], now)
+        server["status"] = Server.status_for(server["last_seen"], server["draining"], seen_now)
         server["ram_gb"] = round(server["ram_mb"] / 1024)
         server["gpus"] = gpus.get(server["id"], ())
         servers.append(server)

@@ -47,16 +47,16 @@ import stat
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 
 from django.conf import settings
 from django.db import DatabaseError
-from django.utils import timezone
 
 from gpus.models import GPU
 from jobs.folders import FolderError, own_file_open, own_file_read, own_file_replace, worker_folder_open
 from jobs.models import InteractiveSession, Job
+from portal.clock import db_now, since
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,8 @@ def mapping_start(server: str) -> None:
     global _worker_started_at
     if mapping_dir() is None:
         return
-    _worker_started_at = timezone.now()
     try:
+        _worker_started_at = db_now()  # compared with heartbeats: the database's clock (portal.clock)
         mapping_rebuild(server)
     except (DatabaseError, OSError) as exc:
         log.warning("DCGM job mapping: could not rebuild %s at start (%s)", mapping_dir(), exc)
@@ -175,10 +175,11 @@ def mapping_from_database(server: str) -> dict[int, set[str]]:
     counts while its worker beats for it (the reconciler's rule for LOST), and only if it beat since
     this worker started."""
     indices = dict(GPU.objects.filter(server__name=server).values_list("uuid", "index"))
-    alive = timezone.now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS)
+    jobs = Job.objects.filter(
+        server__name=server, status__in=RUNNING_JOBS, heartbeat_at__gte=since(settings.JOB_LOST_AFTER_SECONDS)
+    )
     if _worker_started_at is not None:
-        alive = max(alive, _worker_started_at)
-    jobs = Job.objects.filter(server__name=server, status__in=RUNNING_JOBS, heartbeat_at__gte=alive)
+        jobs = jobs.filter(heartbeat_at__gte=_worker_started_at)
     work = [(job_name(pk), uuids) for pk, uuids in jobs.values_list("pk", "gpu_uuids")]
     work += [
         (session_name(pk), uuids)

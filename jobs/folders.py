@@ -98,7 +98,10 @@ def _check_tree(path: Path, setting: str) -> None:
         try:
             st = _lstat_or_make(folder)
         except OSError as exc:
-            raise FolderError(f"Cannot check {folder} above {setting} ({path}): {exc.strerror}.") from None
+            raise FolderError(
+                f"Cannot check {folder} above {setting} ({path}): {exc.strerror}. Fix: make {folder}"
+                f" (root's or the worker's, mode 0755), or give {setting} a folder on a writable disk"
+            ) from None
         if stat.S_ISLNK(st.st_mode):
             raise FolderError(
                 f"{folder}, above {setting} ({path}), is a symlink: give {setting} as a real path."

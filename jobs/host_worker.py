@@ -1,7 +1,7 @@
 """A GPU host's worker and its jobs: whether its folders are safe, before it starts
 (`host_worker_check`), what a previous worker left running, when it starts (`kill_orphans`), and
-its running jobs, when it stops (`running_jobs_stop`). jobs/signals.py calls them from the
-worker's signals.
+its running jobs, when it stops (`running_jobs_stop`; its stop flag goes once they have:
+`running_jobs_stopped`). jobs/signals.py calls them from the worker's signals.
 
 On SIGTERM (systemctl stop) Celery's warm shutdown waits for running tasks. Each job's
 supervisor sees the stop flag within a second and stops its job the usual way (SIGTERM,
@@ -17,12 +17,14 @@ import os
 import pwd
 import signal
 import socket
+import time
 from datetime import timedelta
 
 import psutil
 from django.conf import settings
 from django.db import DatabaseError, connection
-from django.db.models import Q
+from django.db.models import DurationField, ExpressionWrapper, F, Q
+from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
 
@@ -31,7 +33,7 @@ from jobs.dcgm import mapping_check, mapping_start
 from jobs.folders import FolderError, job_folders_check
 from jobs.logs import log_append
 from jobs.models import Job
-from jobs.spool import spool_dir, stop_flag, stop_flag_raise
+from jobs.spool import spool_check, stop_flag, stop_flag_lower, stop_flag_raise
 from portal.accounts import JOB_USER_OWNER, unix_account_name
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
@@ -54,7 +56,7 @@ def host_worker_check() -> None:
     SystemExit, not an exception: Celery logs and swallows what a signal's receiver raises."""
     try:
         job_folders_check(job_user=settings.JOB_USER)
-        spool_dir()
+        spool_check()
         mapping_check()
     except FolderError as exc:
         log.critical("The worker of %s does not start: %s", settings.WORKER_SERVER, exc)
@@ -81,28 +83,36 @@ def kill_orphans(server: str) -> int:
         pid__isnull=False,
         started_at__isnull=False,
     ).select_related("owner__profile")
+    # Heartbeats are the database's clock (portal.clock), process start times this host's: the
+    # beat's age, measured by the database, is taken back from this host's now. Read before the
+    # query runs, so the moment is never later than the beat was (no process is proved too many).
+    jobs = jobs.annotate(beat_age=ExpressionWrapper(Now() - F("heartbeat_at"), output_field=DurationField()))
+    read_at = time.time()
     killed = 0
     for job in jobs:
         if (uid := _job_uid(job)) is None:
             continue
+        held_at = (
+            read_at - job.beat_age.total_seconds() if job.beat_age is not None else job.started_at.timestamp()
+        )
         try:
-            killed += _end_orphans_of(job, uid)
+            killed += _end_orphans_of(job, uid, held_at)
         except Exception:  # one job's leftovers never stop the sweep of the others
             log.exception("Could not end what job %s left running", job.pk)
     mapping_start(server)  # nor DCGM's job mapping of them (jobs/dcgm.py)
     return killed
 
 
-def _end_orphans_of(job: Job, uid: int) -> int:
+def _end_orphans_of(job: Job, uid: int, held_at: float) -> int:
     if job.pid_started is None:
         _warn_unproved(job, uid, "it has no recorded session start (an older worker ran it)")
         return 0
     if job.pid_started < psutil.boot_time() - CLOCK_SLACK_SECONDS:
         return 0  # started before this boot: nothing of that session is left
     ended = []
-    # The last moment the supervisor held the leader (alive, or exited and not yet reaped), so
-    # the session id was surely the job's: what was made by then and still lives proves it.
-    held_at = (job.heartbeat_at or job.started_at).timestamp()
+    # `held_at`: the last moment the supervisor held the leader (alive, or exited and not yet
+    # reaped), on this host's clock, so the session id was surely the job's: what was made by
+    # then and still lives proves it.
     members = session_members(ProcessId(job.pid, job.pid_started), held_at=held_at)
     if not members:
         _warn_unproved(job, uid, "none of them was there while its worker still watched it")
@@ -202,3 +212,15 @@ def running_jobs_stop() -> int:
     if stopping:
         log.warning("Worker shutting down: stopping %d running job(s)", stopping)
     return stopping
+
+
+def running_jobs_stopped() -> None:
+    """The end of a GPU host worker's shutdown (its pool has finished): the stop flag that
+    `running_jobs_stop` raised is removed, so none is left in JOB_SPOOL_DIR per shutdown."""
+    flag = stop_flag(os.getpid())
+    if flag is None:
+        return
+    try:
+        stop_flag_lower(flag)
+    except OSError as exc:
+        log.error("Could not remove the stop flag %s: %s", flag, exc)

@@ -30,6 +30,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q
+from django.db.models.functions import Now
 from django.template import Context
 from django.utils import timezone
 
@@ -38,6 +39,7 @@ from gpus.models import Allocation, Reservation, Server
 from jobs.environment import BookedCard, JobSetupError, session_environment
 from jobs.models import InteractiveSession, Job
 from portal.access import can_manage
+from portal.clock import since
 from portal.errors import Forbidden, Invalid
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
@@ -106,7 +108,7 @@ def session_start(
         command=argv,
         gpu_uuids=[a.gpu_id for a in allocations],
         created_at=now,
-        beat_at=now,
+        beat_at=Now(),  # every beat and its cut-off: the database's clock (portal.clock)
         token=secrets.token_urlsafe(32) if lab else "",
     )
     try:
@@ -241,7 +243,7 @@ def session_running(*, session: InteractiveSession, pid: Any, pid_started: Any) 
         pid=pid,
         pid_started=pid_started,
         started_at=now,
-        beat_at=now,
+        beat_at=Now(),
     )
     if not updated:
         session.refresh_from_db()
@@ -268,7 +270,9 @@ def session_beat(*, session: InteractiveSession, now: datetime | None = None) ->
             message="",
         )
         session.refresh_from_db()
-    InteractiveSession.objects.filter(pk=session.pk, status__in=InteractiveSession.ACTIVE).update(beat_at=now)
+    # The database's clock, as the reconciler's cut-off (portal.clock): this web server's may be off.
+    active = InteractiveSession.objects.filter(pk=session.pk, status__in=InteractiveSession.ACTIVE)
+    active.update(beat_at=Now())
     ends_at, warn_at = session_times(session)
     if session.is_active and now >= warn_at and session.warned_at is None:
         session_warn_ending(session, ends_at, now)
@@ -477,15 +481,17 @@ def sessions_reconcile(*, now: datetime | None = None) -> int:
     )
     for pk, queue in untaken.values_list("pk", "server__name"):
         _send(pk, f"host.{queue}")  # a lost message; the claim makes a second one harmless
-    stale = now - timedelta(seconds=settings.SESSION_LOST_AFTER_SECONDS)
+    # Beats are the database's time, so is the cut-off: `now` may be another host's clock.
+    stale = since(settings.SESSION_LOST_AFTER_SECONDS)
     unheard = Q(beat_at__lt=stale) | Q(beat_at=None, created_at__lt=stale)
     ended = 0
     for pk, beat_at in InteractiveSession.objects.filter(
         unheard, status__in=InteractiveSession.ACTIVE
     ).values_list("pk", "beat_at"):
-        ended += InteractiveSession.objects.filter(
-            pk=pk, status__in=InteractiveSession.ACTIVE, beat_at=beat_at
-        ).update(
+        # Still unheard, judged again in the UPDATE (never by equality with the value read: on
+        # SQLite, Now()'s text has milliseconds, Django's microseconds).
+        still = InteractiveSession.objects.filter(unheard, pk=pk, status__in=InteractiveSession.ACTIVE)
+        ended += still.update(
             status=InteractiveSession.Status.ENDED,
             finished_at=now,
             message=f"{LOST} no word from its gpu command since {format_time(beat_at or now)}.",

@@ -20,6 +20,7 @@ from typing import TypeVar
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, close_old_connections
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from gpus.models import Allocation
@@ -191,7 +192,10 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
     the audit log and to their leaders), and never runs."""
     now = now or timezone.now()
     claimed = Job.objects.filter(owner_active(), pk=job_id, status=Job.Status.QUEUED).update(
-        status=Job.Status.STARTING, worker=socket.gethostname()[:200], heartbeat_at=now
+        # The database's clock, as the reconciler's cut-off (portal.clock): this host's may be off.
+        status=Job.Status.STARTING,
+        worker=socket.gethostname()[:200],
+        heartbeat_at=Now(),
     )
     if claimed:
         job_changed([job_id])

@@ -51,12 +51,13 @@ def dropped_marker(dropped: int) -> bytes:
     ).encode()
 
 
-def spool_dropped_marker(dropped: int) -> bytes:
+def spool_dropped_marker(spool: LogSpool) -> bytes:
+    """Where the spool's gap is: how much, and why (its cap, or the disk's error)."""
     return (
         timestamp()
         + (
-            f"[portal] … {dropped:,} bytes of output were dropped here: the database was away and this"
-            f" host's spool for the job was full (JOB_LOG_MAX_MB={settings.JOB_LOG_MAX_MB}) …\n"
+            f"[portal] … {spool.dropped:,} bytes of output were dropped here: the database was away and"
+            f" this host's spool for the job {spool.dropped_why} …\n"
         ).encode()
     )
 
@@ -185,7 +186,7 @@ class LogWriter:
                 self.pending.clear()
             data = self.spool.read()
             if self.spool.dropped:
-                data += spool_dropped_marker(self.spool.dropped)
+                data += spool_dropped_marker(self.spool)
             self._store_once(data)
             self.spool.clear()
             return

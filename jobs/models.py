@@ -255,6 +255,12 @@ class InteractiveSessionQuerySet(models.QuerySet):
             return self
         return self.filter(models.Q(owner=user) | models.Q(reservation__team__in=teams_led_by(user)))
 
+    def holding_slots(self) -> InteractiveSessionQuerySet:
+        """Those that take a job slot of their host's worker: a JupyterLab runs as a task of its
+        pool, as a job does (jobs.lab), from its start until it ends. The pickup and the queue's
+        scheduler count them as busy (jobs.pickup, jobs.scheduler)."""
+        return self.filter(kind=InteractiveSession.Kind.JUPYTERLAB, status__in=InteractiveSession.ACTIVE)
+
 
 class InteractiveSession(models.Model):
     """Interactive work on a booking, beside its jobs: `gpu exec` and `gpu shell` in a terminal on

@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from gpus.models import Server
 from jobs.leavers import owner_active
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from jobs.services import dispatch
 from portal.periodic import PeriodicThread
 
@@ -40,10 +40,12 @@ MAX_SLOTS = 32767  # Server.job_slots is a PositiveSmallIntegerField
 
 def stranded_jobs(server: str, *, slots: int, now: datetime) -> list[Job]:
     """Queued jobs of `server` whose message should have started them by now: as many as this
-    host has free slots, oldest dispatch first. None while the host is busy."""
+    host has free slots, oldest dispatch first. None while the host is busy: its jobs and its
+    JupyterLab sessions fill its slots alike."""
     busy = Job.objects.filter(
         server__name=server, status__in=(Job.Status.STARTING, Job.Status.RUNNING)
     ).count()
+    busy += InteractiveSession.objects.holding_slots().filter(server__name=server).count()
     free = slots - busy
     if free <= 0:
         return []

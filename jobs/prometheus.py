@@ -32,6 +32,7 @@ from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Server, Violation
 from jobs.dcgm import job_name, session_name
 from jobs.models import InteractiveSession, Job
+from portal.clock import db_now
 from portal.models import WatchdogKind
 
 MIB = 1024 * 1024
@@ -55,8 +56,13 @@ class PortalCollector:
 
     def collect(self) -> Iterator[Metric]:
         now = timezone.now()
+        # `last_seen` is the database's clock (portal.clock): its age and the servers' status are
+        # measured against the database's now, never this web server's.
+        seen_now = db_now()
         servers = {s["pk"]: s for s in Server.objects.values(*SERVER_FIELDS)}
-        yield from server_metrics(servers.values(), now)
+        for server in servers.values():
+            server["status"] = Server.status_for(server["last_seen"], server["draining"], seen_now)
+        yield from server_metrics(servers.values(), seen_now)
         yield from card_metrics(servers, now)
         yield from job_metrics(now)
         yield from session_metrics()
@@ -79,7 +85,7 @@ def _hostname(server: dict) -> str:
     return server["hostname"] or server["name"]
 
 
-def server_metrics(servers: Iterable[dict], now: datetime) -> Iterator[Metric]:
+def server_metrics(servers: Iterable[dict], seen_now: datetime) -> Iterator[Metric]:
     up = GaugeMetricFamily("gpu_portal_server_up", "1 while the host's worker reports.", labels=SERVER_LABELS)
     draining = GaugeMetricFamily(
         "gpu_portal_server_draining",
@@ -103,11 +109,10 @@ def server_metrics(servers: Iterable[dict], now: datetime) -> Iterator[Metric]:
     )
     for server in servers:
         labels = [server["name"], _hostname(server)]
-        online = Server.status_for(server["last_seen"], False, now) == Server.Status.ONLINE
-        up.add_metric(labels, 1 if online else 0)
+        up.add_metric(labels, 0 if server["status"] == Server.Status.OFFLINE else 1)
         draining.add_metric(labels, 1 if server["draining"] else 0)
         if server["last_seen"] is not None:
-            age.add_metric(labels, max(0.0, (now - server["last_seen"]).total_seconds()))
+            age.add_metric(labels, max(0.0, (seen_now - server["last_seen"]).total_seconds()))
         if server["telemetry_round_seconds"] is not None:
             telemetry.add_metric(labels, server["telemetry_round_seconds"])
         if server["watchdog_round_seconds"] is not None:
@@ -146,7 +151,7 @@ def card_metrics(servers: dict[int, dict], now: datetime) -> Iterator[Metric]:
         if server is None:
             continue  # added since the servers were read
         held = bookings.get(gpu["uuid"], [])
-        card = _card(gpu, server, held, now)
+        card = _card(gpu, server, held)
         total.add_metric(card.labels, card.total_mb * MIB)
         # A whole-card booking holds all of it; memory bookings their sum (never above the card).
         sizes = [card.total_mb if b["memory_mb"] is None else b["memory_mb"] for b in held]
@@ -164,17 +169,16 @@ def card_metrics(servers: dict[int, dict], now: datetime) -> Iterator[Metric]:
     yield from (total, booked, state, booking, used, utilization)
 
 
-def _card(gpu: dict, server: dict, held: list[dict], now: datetime) -> Card:
+def _card(gpu: dict, server: dict, held: list[dict]) -> Card:
     labels = [_hostname(server), str(gpu["index"]), gpu["uuid"], server["name"]]
-    status = Server.status_for(server["last_seen"], server["draining"], now)
-    if status == Server.Status.OFFLINE or gpu["state"] != CardState.OK:
+    if server["status"] == Server.Status.OFFLINE or gpu["state"] != CardState.OK:
         state = "offline"
     elif any(b["memory_mb"] is None for b in held):
         state = "whole"
     elif held:
         state = "shared"
     else:
-        state = "draining" if status == Server.Status.DRAINING else "free"
+        state = "draining" if server["status"] == Server.Status.DRAINING else "free"
     return Card(labels=labels, total_mb=gpu["memory_total_mb"], state=state)
 
 

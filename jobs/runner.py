@@ -30,6 +30,7 @@ from typing import TypeVar
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, close_old_connections, connections
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from gpus.booking import released_words
@@ -57,6 +58,7 @@ CANCEL_POLL_SECONDS = 1.0
 # gave is enforced without it.
 STALE_ROW_SECONDS = 3 * CANCEL_POLL_SECONDS
 END_RETRY_SECONDS = 2.0
+BEAT_WAIT_SECONDS = 10.0  # how long a job's end waits for a heartbeat in flight (`_reap`)
 CANNOT_STOP = "Could not stop: permission denied"
 
 
@@ -95,6 +97,9 @@ class Supervisor:
         # writer's one user. Once `closed` (the leader has exited) no thread decides anything,
         # and no heartbeat is taken: every one is from before the leader is reaped.
         self.lock = threading.RLock()
+        # Held by the database thread's heartbeat UPDATE: a beat is the database's `Now()`, so it
+        # is taken when the statement runs, and the leader is reaped only after it (`_reap`).
+        self.beating = threading.Lock()
         self.notes: deque[str] = deque()
         self.closed = False
         self.row_read_at = time.monotonic()
@@ -106,7 +111,20 @@ class Supervisor:
     # --- the loop --------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            # Whatever happened, the spool's lock is let go: what it keeps goes to the replay.
+            if self.spool is not None:
+                self.spool.close()
+
+    def _run(self) -> None:
         job = self.job
+        if self.spool is None:
+            self.writer.write_line(
+                "[portal] this host's spool (JOB_SPOOL_DIR) cannot be used (the worker's log says why):"
+                " should the database go away, this job's output waits in the worker's memory only."
+            )
         try:
             launch = launch_for(job)
         except JobSetupError as exc:
@@ -151,14 +169,21 @@ class Supervisor:
         with self.lock:
             if self.closed:
                 return  # its end records it; no heartbeat from after the leader's exit
-            now = timezone.now()
+            self.beating.acquire()  # never held long by another: the beats are this thread's too
+        try:
+            self._mark_running()
+        finally:
+            self.beating.release()
+
+    def _mark_running(self) -> None:
+        assert self.session is not None
         if Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(
             status=Job.Status.RUNNING,
             # pid and start together name the job's session for good (the orphan sweep's proof).
             pid=self.session.leader.pid,
             pid_started=self.session.leader.started,
             started_at=self.job.started_at,
-            heartbeat_at=now,
+            heartbeat_at=Now(),  # the database's clock (portal.clock), the reconciler's too
             env_applied=self.env_applied,
         ):
             job_changed([self.job.pk], server=self.job.server_id)
@@ -198,10 +223,26 @@ class Supervisor:
         enforcer.join(timeout=5)
         self._end_session()
         self._drain(output)
-        code = self.session.reap()
+        code = self._reap()
         self._write_notes()
         self._guarded(self.writer.close)
         self._record(code)
+
+    def _reap(self) -> int:
+        """Reap the leader once no heartbeat UPDATE is in flight: a beat is the database's time of
+        that statement, and kill_orphans trusts Job.heartbeat_at as a moment the session id was
+        still the job's. A database that holds the statement past BEAT_WAIT_SECONDS (frozen) does
+        not hold the job's end: said in the worker's log, and the leader reaped."""
+        assert self.session is not None
+        if self.beating.acquire(timeout=BEAT_WAIT_SECONDS):
+            self.beating.release()
+        else:
+            log.warning(
+                "Job %s: a heartbeat was still in flight %s s after the job ended; reaped anyway",
+                self.job.pk,
+                BEAT_WAIT_SECONDS,
+            )
+        return self.session.reap()
 
     def _helper(self, target: Callable[[], None], what: str) -> threading.Thread:
         """A thread of this supervisor's with a database connection of its own (closed at its
@@ -324,7 +365,8 @@ class Supervisor:
         the pipe is closed, saying so. Nothing to wait for once the loop saw the output's end."""
 
         def beat() -> None:
-            self._guarded(lambda: Job.objects.filter(pk=self.job.pk).update(heartbeat_at=timezone.now()))
+            # On this (the main) thread, before the reap: the statement's time is from before it.
+            self._guarded(lambda: Job.objects.filter(pk=self.job.pk).update(heartbeat_at=Now()))
 
         self._write_notes()
         if not output.drain(
@@ -398,9 +440,16 @@ class Supervisor:
         with self.lock:
             if self.closed:
                 return
-            now = timezone.now()  # while the leader is unreaped: a heartbeat kill_orphans may trust
-        if beat:
-            Job.objects.filter(pk=self.job.pk).update(heartbeat_at=now)
+            now = timezone.now()  # this host's clock: for the deadlines _apply_row checks here
+            # Closed is checked and the beat claimed at once: the leader is reaped only after it.
+            beating = beat and self.beating.acquire(blocking=False)
+        if beating:
+            try:
+                # The database's clock, as the reconciler's cut-off (portal.clock); a beat the
+                # kill_orphans proof may trust, as the reap waits for it (`_reap`).
+                Job.objects.filter(pk=self.job.pk).update(heartbeat_at=Now())
+            finally:
+                self.beating.release()
         row = (
             Job.objects.filter(pk=self.job.pk)
             .values(
@@ -607,7 +656,8 @@ class Supervisor:
         else:
             status = Job.Status.FAILED
             message = f"Exited with code {code}." if code > 0 else f"Killed by signal {-code}."
-        self._finish(status, code, " ".join(filter(None, (message, self.not_stopped))))
+        dropped = self.spool.dropped_note if self.spool is not None else ""
+        self._finish(status, code, " ".join(filter(None, (message, self.not_stopped, dropped))))
 
     def _finish(self, status: str, code: int | None, message: str) -> None:
         """Record the outcome after the log's last bytes, once. The end goes to this host's
@@ -621,12 +671,16 @@ class Supervisor:
         record = EndRecord(
             status=status, exit_code=code, message=message[:1000], finished_at=timezone.now().isoformat()
         )
+        spooled = False
         if self.spool is not None:
             try:
                 record.write(self.spool.name)
-            except OSError:
-                log.exception("Job %s: could not spool its end; the database is its only record", self.job.pk)
-        stored = self._store_end(record)
+                spooled = True
+            except OSError as exc:  # a full disk: no traceback, the end waits for the database instead
+                log.error(
+                    "Job %s: could not spool its end (%s); the database is its only record", self.job.pk, exc
+                )
+        stored = self._store_end(record, spooled=spooled)
         work_ended(job_name(self.job.pk))  # again: a refresh may have read the row before its end
         if not stored:
             return
@@ -635,11 +689,12 @@ class Supervisor:
             self.spool.close(remove=True)
         self._guarded(lambda: queued_job_ended(self.job))
 
-    def _store_end(self, record: EndRecord) -> bool:
+    def _store_end(self, record: EndRecord, *, spooled: bool = True) -> bool:
         """Try the end every END_RETRY_SECONDS until it is stored (True), or until the worker
         shuts down (it waits for no database) or JOB_END_WAIT_SECONDS pass (False): the spool then
         records it once the database is back; without a spool it is given up, the reconciler marks
-        the job lost and the worker's log says how it ended."""
+        the job lost and the worker's log says how it ended; so is one the spool could not take
+        (`spooled` False: its disk full)."""
         deadline = time.monotonic() + settings.JOB_END_WAIT_SECONDS
         while True:
             if self._stopping() and self.skips_database():
@@ -662,7 +717,7 @@ class Supervisor:
             else:
                 log.info("Job %s: its end (%s) was recorded already", self.job.pk, record.status)
             return True
-        if self.spool is not None:
+        if self.spool is not None and spooled:
             log.error(
                 "Job %s ended %s while the database was away; this host's spool records it once the"
                 " database is back",
@@ -672,11 +727,14 @@ class Supervisor:
             self.spool.close()  # unlocked: spool_replay takes it from here
         else:
             log.error(
-                "Job %s ended %s (%s) while the database was away, and this host has no spool to keep it:"
-                " its end is not recorded; the reconciler marks it lost",
+                "Job %s ended %s (%s) while the database was away, and %s: its end is not recorded;"
+                " the reconciler marks it lost",
                 self.job.pk,
                 record.status,
                 record.message,
+                "this host has no spool to keep it"
+                if self.spool is None
+                else "this host's spool could not keep it",
             )
         return False
 

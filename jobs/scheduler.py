@@ -34,11 +34,12 @@ from gpus.conflicts import QueueHold
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
 from jobs.log_live import job_changed
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
 from jobs.services import cpu_share, default_threads, dispatch
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
+from portal.outage import REDIS, WHAT, outage_of
 from portal.periodic import PeriodicThread
 from portal.wakeups import QUEUE_SCHEDULER, client, wait, wake_on_commit
 
@@ -376,7 +377,8 @@ def _pending() -> list[Request]:
 
 def _free_slots(now: datetime, servers: list[int]) -> tuple[dict[int, int], dict[int, str]]:
     """Free job slots of each server whose worker said lately how many jobs it runs at once
-    (jobs.pickup writes Server.job_slots): its pool size less the jobs it holds or has been sent.
+    (jobs.pickup writes Server.job_slots): its pool size less the jobs it holds or has been sent,
+    and its JupyterLab sessions (each runs in a slot of the pool, as a job does).
     And the servers whose worker said so once but not lately, with words that say since when: the
     plan starts nothing there. A server in neither never reported, and the plan does not limit it."""
     fresh = now - timedelta(seconds=SLOTS_STALE_INTERVALS * settings.JOB_RECONCILE_SECONDS)
@@ -403,7 +405,12 @@ def _free_slots(now: datetime, servers: list[int]) -> tuple[dict[int, int], dict
         .values_list("server_id")
         .annotate(n=Count("pk"))
     )
-    return {pk: max(0, slots - held.get(pk, 0)) for pk, slots in known.items()}, silent
+    labs = Counter(
+        InteractiveSession.objects.holding_slots()
+        .filter(server_id__in=list(known))
+        .values_list("server_id", flat=True)
+    )
+    return {pk: max(0, slots - held.get(pk, 0) - labs[pk]) for pk, slots in known.items()}, silent
 
 
 def _calendar(
@@ -484,6 +491,7 @@ class Scheduler(PeriodicThread):
     def __init__(self) -> None:
         super().__init__("queue-scheduler", settings.QUEUE_SCHEDULE_SECONDS)
         self.client = client(self.interval + 10)
+        self.wakeups_away = False  # Redis could not be waited on at the last pause: said once an outage
 
     def step(self) -> None:
         close_old_connections()  # a restarted database must not kill the loop
@@ -492,8 +500,23 @@ class Scheduler(PeriodicThread):
             log.info("Queue: %s", done)
 
     def pause(self) -> None:
+        """Until woken (a card freed up) or the interval passes. Redis away: plain intervals until
+        it is back, said once an outage (without a traceback) and once when it answers again."""
         try:
             wait(self.client, QUEUE_SCHEDULER, self.interval)
-        except Exception:  # Redis away: plain intervals until it is back
-            log.warning("Queue scheduler: no wake-ups from Redis", exc_info=True)
+        except Exception as exc:
+            if outage_of(exc) is None:
+                log.exception("Queue scheduler: waiting for wake-ups failed; a pass every %ss", self.interval)
+            elif not self.wakeups_away:
+                log.warning(
+                    "Queue scheduler: %s is away (%s); no wake-ups, a pass every %ss until it is back",
+                    WHAT[REDIS],
+                    exc,
+                    self.interval,
+                )
+                self.wakeups_away = True
             super().pause()
+            return
+        if self.wakeups_away:
+            log.warning("Queue scheduler: %s answers again; wake-ups are back", WHAT[REDIS])
+            self.wakeups_away = False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 
 from celery import current_app
@@ -26,6 +26,7 @@ from jobs.log_live import job_changed
 from jobs.logs import log_append
 from jobs.models import Job
 from portal.access import can_manage
+from portal.clock import since
 from portal.errors import Forbidden, Invalid
 from portal.outage import outage_of
 from portal.timefmt import format_time
@@ -146,14 +147,18 @@ def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> di
     for job in due.select_related("server"):
         with transaction.atomic():
             done["dispatched"] += dispatch(job, now)
-    stale = now - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS)
+    # Beats are the database's time (portal.clock), so is the cut-off: `now` may be another
+    # host's clock, minutes off.
+    stale = since(settings.JOB_LOST_AFTER_SECONDS)
     unheard = Job.objects.filter(status__in=(Job.Status.STARTING, Job.Status.RUNNING), heartbeat_at__lt=stale)
     for job in unheard if mark_lost else ():
         message = (
             f"Lost: no heartbeat from worker {job.worker or '?'} since {format_time(job.heartbeat_at)}; "
             "the worker or its host died. The booking's cards are free for a new job."
         )
-        if Job.objects.filter(pk=job.pk, status=job.status, heartbeat_at=job.heartbeat_at).update(
+        # Still unheard, judged again in the UPDATE: a beat since the read keeps it. Not by
+        # equality with the value read: on SQLite, Now() (milliseconds) and Django's text differ.
+        if Job.objects.filter(pk=job.pk, status=job.status, heartbeat_at__lt=stale).update(
             status=Job.Status.LOST, finished_at=now, message=message
         ):
             log_append(job.pk, f"[portal] {message}\n", now=now)

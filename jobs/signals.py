@@ -8,7 +8,8 @@
   jobs/scheduler.py); a GPU host's worker ends what a previous worker left running
   (jobs.host_worker.kill_orphans), then starts its spool replay, its pickup and its watchdog.
 - worker_shutting_down: a GPU host's worker asks its running jobs to stop first
-  (jobs.host_worker.running_jobs_stop).
+  (jobs.host_worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
+  (jobs.host_worker.running_jobs_stopped).
 - gpus' telemetry_ingested: the jobs' peak memory and utilization from each telemetry round
   (jobs.services.jobs_usage_record), since jobs builds on gpus and not the reverse.
 - a user saved from active to inactive (the admin's form, a directory sync, `manage.py shell`):
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from celery.signals import worker_init, worker_ready, worker_shutting_down
+from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, transaction
 from django.db.models.signals import post_save, pre_save
@@ -32,7 +33,7 @@ from django.dispatch import receiver
 from gpus.inventory import GPUInfo, Snapshot
 from gpus.services import telemetry_ingested
 from gpus.telemetry import snapshot_read
-from jobs.host_worker import host_worker_check, kill_orphans, running_jobs_stop
+from jobs.host_worker import host_worker_check, kill_orphans, running_jobs_stop, running_jobs_stopped
 from jobs.lab import lab_orphans_end
 from jobs.leavers import deactivated, user_work_stop
 from jobs.pickup import HostPickup
@@ -108,6 +109,13 @@ def _stop_running_jobs(**kwargs) -> None:  # type: ignore[no-untyped-def]
     """Only in a GPU host's worker: the portal's own worker runs no jobs."""
     if _host_worker:
         running_jobs_stop()
+
+
+@worker_shutdown.connect
+def _lower_stop_flag(**kwargs) -> None:  # type: ignore[no-untyped-def]
+    """After the warm shutdown: every job of this worker has stopped, its flag goes."""
+    if _host_worker:
+        running_jobs_stopped()
 
 
 @receiver(telemetry_ingested, dispatch_uid="jobs_usage_record")

@@ -6,6 +6,9 @@ restart, a failover) while jobs print and end. The worker never drops what it co
 - `LogSpool`: the log bytes not stored yet, appended to `<JOB_SPOOL_DIR>/job-<id>-<token>.log`
   and written to the database, in order and once, as soon as it answers. Bounded by
   JOB_LOG_MAX_MB: past that, output is counted and a marker line says how much was dropped.
+  A disk that refuses the write (full: ENOSPC; a file size limit: EFBIG; EIO) is taken as the
+  cap is: what it refused and what follows is counted as dropped until the spool is emptied,
+  the marker says why, and the job runs on (a training is never killed for its log).
 - an end record, `job-<id>-<token>.end`: the job's final status, written before the database is
   tried and removed once the status is stored. A worker that could not store it in time (or
   died meanwhile) leaves the record; its host's spool thread (`spool_replay`) stores the log and
@@ -42,7 +45,7 @@ from pathlib import Path
 import psutil
 from django.conf import settings
 
-from jobs.folders import own_file_open, own_file_read, own_file_replace, worker_folder_open
+from jobs.folders import FolderError, own_file_open, own_file_read, own_file_replace, worker_folder_open
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,22 @@ def spool_dir() -> Path:
     """JOB_SPOOL_DIR, checked and made on first use (FolderError, an OSError, if it is unsafe)."""
     with _folder():
         return Path(settings.JOB_SPOOL_DIR)
+
+
+def spool_check() -> None:
+    """For the host worker's start: JOB_SPOOL_DIR is safe (`spool_dir`) and the worker may make
+    files in it; else FolderError, naming the setting and the fix."""
+    path = Path(settings.JOB_SPOOL_DIR)
+    probe = f".probe-{os.getpid()}"
+    with _folder() as dir_fd:
+        try:
+            os.close(own_file_open(dir_fd, probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            os.unlink(probe, dir_fd=dir_fd)
+        except OSError as exc:
+            raise FolderError(
+                f"JOB_SPOOL_DIR ({path}) cannot be written: {exc.strerror or exc}. Fix: give JOB_SPOOL_DIR"
+                " a folder on a local, writable disk that only the worker's account (or root) may write"
+            ) from None
 
 
 def spool_name(job_id: int, created_at: datetime) -> str:
@@ -110,6 +129,9 @@ class LogSpool:
         _open_spools.add(self)
         self.size = os.fstat(self.fd).st_size
         self.dropped = 0  # bytes refused since the spool was last emptied (full)
+        self.refused_by = ""  # why the disk refused them (its error), "" for the cap
+        self.dropped_total = 0  # every byte ever refused, and the last reason: for the job's end
+        self.dropped_why = ""
 
     def _open_locked(self, wait: bool) -> int:
         """Open and lock the file that has the spool's name when the lock is got: while this
@@ -140,15 +162,48 @@ class LogSpool:
             return None
 
     def append(self, data: bytes) -> None:
+        """Add `data` after what waits; never raises for the disk. Past the cap, or once the disk
+        refused a write, the rest is counted as dropped until `clear`: one gap, where the marker
+        line goes (jobs.logs.spool_dropped_marker), and every line kept is in order."""
         room = self.cap_bytes - self.size
+        if self.refused_by:
+            room = 0
         if room < len(data):
-            self.dropped += len(data) - max(room, 0)
+            self._drop(len(data) - max(room, 0), self.refused_by)
             data = data[: max(room, 0)]
         if data:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self.fd, view) :]
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self.fd, view) :]
+            except OSError as exc:
+                # A part of `data` may be on disk: cut back to whole appends, so no half line is kept.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, self.size)
+                self.refused_by = f"could not be written: {exc.strerror or exc} ({self.path.parent})"
+                self._drop(len(data), self.refused_by)
+                log.error(
+                    "Spool %s %s; the job's output is counted as dropped until the database is back",
+                    self.name,
+                    self.refused_by,
+                )
+                return
             self.size += len(data)
+
+    def _drop(self, count: int, refused_by: str) -> None:
+        self.dropped += count
+        self.dropped_total += count
+        self.dropped_why = refused_by or f"was full (JOB_LOG_MAX_MB={settings.JOB_LOG_MAX_MB})"
+
+    @property
+    def dropped_note(self) -> str:
+        """For the job's end message: how much of its output its log lacks, and why; "" if none."""
+        if not self.dropped_total:
+            return ""
+        return (
+            f"{self.dropped_total:,} bytes of its output were dropped while the database was away:"
+            f" this host's spool for the job {self.dropped_why}."
+        )
 
     def read(self) -> bytes:
         return os.pread(self.fd, self.size, 0)
@@ -157,6 +212,7 @@ class LogSpool:
         os.ftruncate(self.fd, 0)
         self.size = 0
         self.dropped = 0
+        self.refused_by = ""  # room again: the disk is tried again
 
     def close(self, *, remove: bool = False) -> None:
         if self.fd < 0:
@@ -211,6 +267,13 @@ def stop_flag_raise(flag: Path) -> None:
         os.close(own_file_open(dir_fd, flag.name, os.O_WRONLY | os.O_CREAT))
 
 
+def stop_flag_lower(flag: Path) -> None:
+    """The worker's shutdown is over, its jobs stopped: its flag goes. Through the checked
+    folder; only the name itself is unlinked, never what a link points to."""
+    with _folder() as dir_fd, contextlib.suppress(FileNotFoundError):
+        os.unlink(flag.name, dir_fd=dir_fd)
+
+
 def worker_stopping() -> bool:
     """This worker is shutting down (its flag: prefork's parent's, or solo's own)."""
     return any(_raised(flag) for flag in map(stop_flag, {os.getpid(), os.getppid()}))
@@ -231,6 +294,8 @@ def job_spool(job_id: int, created_at: datetime) -> LogSpool | None:
     """The job's spool on this host, capped like its log; None (logged) when this host has none."""
     try:
         return LogSpool(spool_name(job_id, created_at), cap_bytes=settings.JOB_LOG_MAX_MB * 1024 * 1024)
-    except OSError:
-        log.exception("Job %s: no spool on this host (JOB_SPOOL_DIR); its log waits in memory only", job_id)
+    except OSError as exc:  # one line: the job's own log says it too (jobs.runner)
+        log.error(
+            "Job %s: no spool on this host (JOB_SPOOL_DIR: %s); its log waits in memory only", job_id, exc
+        )
         return None

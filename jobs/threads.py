@@ -58,8 +58,24 @@ class SpoolReplay(PeriodicThread):
 
     def __init__(self) -> None:
         super().__init__("job-spool", settings.JOB_RECONCILE_SECONDS)
+        self.folder_failed = False  # JOB_SPOOL_DIR unusable at the last step: said once, not every step
 
     def step(self) -> None:
         close_old_connections()
-        if done := spool_replay():
+        try:
+            done = spool_replay()
+        except OSError as exc:  # the folder itself (removed, remounted read-only since the start check)
+            if not self.folder_failed:
+                log.error(
+                    "%s: JOB_SPOOL_DIR cannot be used (%s); what jobs spool is kept in memory only"
+                    " until it can",
+                    self.name,
+                    exc,
+                )
+            self.folder_failed = True
+            return
+        if self.folder_failed:
+            log.warning("%s: JOB_SPOOL_DIR can be used again", self.name)
+            self.folder_failed = False
+        if done:
             log.info("Spooled job output and ends written: %d job(s)", done)

@@ -313,6 +313,30 @@ class ThrowawayRedis(_Throwaway):
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def small_disk(folder: Path, *, size: str = "64k", read_only: bool = False) -> Iterator[Path]:
+    """`folder` on a tmpfs of `size` (mode 0700, root's): a disk that really fills (ENOSPC), or
+    one mounted read-only (EROFS). Needs root (mount); unmounted, whatever happened, after it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    options = f"size={size},mode=0700" + (",ro" if read_only else "")
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False, capture_output=True)
+
+
+def small_disk_unavailable() -> str | None:
+    """Why `small_disk` cannot run here; None when it can."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return "mounting a small tmpfs needs root and mount(8)"
+    return None
+
+
 def lines_script(count: int, *, every: float) -> bytes:
     """A job printing `count` numbered lines ("line 01", ...), one every `every` seconds."""
     return (

@@ -43,6 +43,8 @@ from tests.fault_servers import (
     ThrowawayRedis,
     leftovers,
     lines_script,
+    small_disk,
+    small_disk_unavailable,
     unavailable,
 )
 from tests.waiting import wait_for
@@ -206,6 +208,85 @@ def test_sigterm_during_a_database_outage_ends_everything_in_time(portal, postgr
     _assert_nothing_left(portal, tag, postgres, broker)
     ends = list((portal.scratch / "spool").glob(f"job-{job_id}-*.end"))
     assert len(ends) == 1 and '"status": "cancelled"' in ends[0].read_text(), portal.output("worker-host")
+    _no_stop_flag_left(portal)
+
+
+def _no_stop_flag_left(portal: Portal) -> None:
+    """Each host worker's shutdown raises its stop flag (jobs.spool.stop_flag) and removes it at its end."""
+    flags = list((portal.scratch / "spool").glob("worker-*.stopping"))
+    assert not flags, f"stop flags left: {flags}"
+
+
+# --- the database away for a minute under a job that prints steadily ------------------------------
+
+LONG_OUTAGE_SECONDS = 60
+
+
+def test_database_away_for_a_minute_under_a_job_that_prints_steadily(portal, postgres, broker, tag):
+    """Every line kept once and in order, through a minute without the database; the end once."""
+    # Out of touch for the whole minute, and not lost for it: the settings, not a sleep, say so.
+    portal.env["JOB_LOST_AFTER_SECONDS"] = str(LONG_OUTAGE_SECONDS + 30)
+    count = 450  # ~90 s at 0.2 s a line: it prints before, during and after the outage
+    api = portal.start(host_pool="solo")
+    job_id = api.run(lines_script(count, every=0.2), tag=tag, reservation=api.book_now())
+    wait_for(lambda: "line 10\n" in api.log(job_id), timeout=60, what="the job's tenth line")
+
+    postgres.stop("fast")
+    time.sleep(LONG_OUTAGE_SECONDS)  # the outage itself
+    assert _job_running(tag, job_id), "the job must run on through the outage"
+    postgres.start()
+
+    wait_for(lambda: api.finished(job_id), timeout=90, what="the job's end to be recorded")
+    job = api.job(job_id)
+    assert (job["status"], job["exit_code"], job["message"]) == ("succeeded", 0, "")
+    log = api.log(job_id)
+    assert _printed(log) == [f"line {n:02d}" for n in range(1, count + 1)], log[-2000:]
+    assert "[portal] Lost" not in log and "dropped" not in log
+    _finishes_once(portal, job_id)
+    _assert_no_500(api.answers)
+    api.close()
+    _assert_nothing_left(portal, tag, postgres, broker)
+    _no_stop_flag_left(portal)
+
+
+# --- the spool's disk full while the database is away ---------------------------------------------
+
+WIDE_LINES = 600
+# ~170 kB in ~7 s: more than the spool's 64 kB disk holds.
+WIDE = (
+    f"import time\nfor n in range(1, {WIDE_LINES + 1}):\n"
+    "    print(f'line {n:03d} ' + 'x' * 250, flush=True)\n    time.sleep(0.01)\n"
+).encode()
+
+
+def test_spool_disk_full_while_the_database_is_away(portal, postgres, broker, tag):
+    """The disk refuses the spool's writes (ENOSPC): the output is dropped and said, the job runs
+    to its own end, and that end is recorded once, not "Lost"."""
+    if why := small_disk_unavailable():
+        pytest.skip(why)
+    with small_disk(portal.scratch / "spool", size="64k"):
+        api = portal.start(host_pool="solo")
+        job_id = api.run(WIDE, tag=tag, reservation=api.book_now())
+        wait_for(lambda: "line 010" in api.log(job_id), timeout=60, what="the job's tenth line")
+        postgres.stop("fast")
+        wait_for(lambda: not _job_running(tag, job_id), timeout=60, what="the job to end during the outage")
+        postgres.start()
+
+        wait_for(lambda: api.finished(job_id), timeout=60, what="the job's end to be recorded")
+        job = api.job(job_id)
+        assert (job["status"], job["exit_code"]) == ("succeeded", 0), job
+        assert "bytes of its output were dropped while the database was away" in job["message"], job
+        assert "No space left on device" in job["message"], job
+        log = api.log(job_id)
+        printed = [line[:8] for line in _printed(log)]
+        kept = len(printed)
+        assert 10 <= kept < WIDE_LINES and printed == [f"line {n:03d}" for n in range(1, kept + 1)]
+        marker = log.index("bytes of output were dropped here")
+        assert "No space left on device" in log[marker:] and "[portal] Lost" not in log
+        _finishes_once(portal, job_id)
+        api.close()
+        _assert_nothing_left(portal, tag, postgres, broker)
+        _no_stop_flag_left(portal)
 
 
 # --- Redis SIGKILLed with messages waiting ------------------------------------------------------

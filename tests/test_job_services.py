@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.utils import timezone
+from django.db.models.functions import Now
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_cancel, reservation_create
@@ -210,10 +210,17 @@ def test_it_cancels_a_queued_job_at_once_and_a_running_one_through_its_worker(
 
 def test_it_marks_jobs_without_heartbeat_lost_and_frees_the_booking(alice, booking, sent, settings):
     job = _submit(alice, booking)
-    now = timezone.now()
-    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, heartbeat_at=now, worker="gpu1")
-    assert jobs_reconcile(now=now + timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS - 1))["lost"] == 0
-    assert jobs_reconcile(now=now + timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 1))["lost"] == 1
+
+    # Beats and their cut-off are the database's clock (portal.clock): the beat is aged there.
+    def beat_ago(seconds: int) -> None:
+        Job.objects.filter(pk=job.pk).update(
+            status=Job.Status.RUNNING, heartbeat_at=Now() - timedelta(seconds=seconds), worker="gpu1"
+        )
+
+    beat_ago(settings.JOB_LOST_AFTER_SECONDS - 1)
+    assert jobs_reconcile()["lost"] == 0
+    beat_ago(settings.JOB_LOST_AFTER_SECONDS + 1)
+    assert jobs_reconcile()["lost"] == 1
     job.refresh_from_db()
     assert job.status == Job.Status.LOST and "gpu1" in job.message
     assert b"no heartbeat" in b"".join(log_stream(job.pk))

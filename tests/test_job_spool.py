@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from jobs.replay import spool_replay
 from jobs.runner import job_run
 from jobs.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
 from jobs.submit import ScriptUpload, job_submit
+from tests.fault_servers import small_disk, small_disk_unavailable
 from tests.job_helpers import job_log
 from tests.waiting import wait_for
 
@@ -229,3 +231,68 @@ def test_one_broken_spool_does_not_stop_the_others(job, alice, box, caplog):
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         f"Spool {spool_name(job.pk, job.created_at)} could not be replayed"
     ]
+
+
+# Steady output of ~170 kB: more than the small disk below holds.
+STEADY = (
+    b"import time\nfor i in range(600):\n"
+    b"    print(f'line {i:03d} ' + 'x' * 250, flush=True)\n    time.sleep(0.002)\n"
+)
+
+
+@pytest.fixture
+def full_disk_spool(tmp_path, settings) -> Iterator[Path]:
+    """JOB_SPOOL_DIR on a 64 kB tmpfs: a disk that really fills (ENOSPC)."""
+    if why := small_disk_unavailable():
+        pytest.skip(why)
+    with small_disk(tmp_path / "spool", size="64k") as folder:
+        settings.JOB_SPOOL_DIR = folder
+        yield folder
+
+
+@pytest.mark.django_db(transaction=True)  # the runner closes a connection after an error, as in a worker
+def test_a_full_spool_disk_drops_output_but_never_the_job(alice, box, outage, full_disk_spool, monkeypatch):
+    booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+    job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="s.py", content=STEADY))
+    monkeypatch.setattr(runner, "END_RETRY_SECONDS", 0.1)
+    real_feed, spooling_end = LogWriter.feed, runner.job_end_store
+    tries: list[str] = []
+
+    def feed(writer, data):  # type: ignore[no-untyped-def]
+        if b"line 100" in data:
+            outage.down = True  # the database goes away; the spool's disk fills while it is
+        real_feed(writer, data)
+
+    def end(job_id, writer, record):  # type: ignore[no-untyped-def]
+        tries.append(record.status)
+        if len(tries) > 1:
+            outage.down = False  # back for the end's second try
+        return spooling_end(job_id, writer, record)
+
+    monkeypatch.setattr(LogWriter, "feed", feed)
+    monkeypatch.setattr(runner, "job_end_store", end)
+    assert job_run(job.pk) == Job.Status.SUCCEEDED  # never killed for its log
+    job.refresh_from_db()
+    assert (job.status, job.exit_code) == (Job.Status.SUCCEEDED, 0)
+    assert "bytes of its output were dropped while the database was away" in job.message
+    assert "No space left on device" in job.message
+    log = job_log(job.pk)
+    printed = [line.split(" ", 1)[1][:8] for line in log.splitlines() if " line " in line]
+    kept = len(printed)
+    assert 100 < kept < 600 and printed == [f"line {i:03d}" for i in range(kept)], printed[-3:]
+    marker = log.index("bytes of output were dropped here")
+    assert log.index(f"line {kept - 1:03d}") < marker and "No space left on device" in log[marker:]
+    assert not spooled_names()  # stored, then emptied: nothing left for the replay
+
+
+def test_a_job_runs_on_when_the_spool_folder_is_unusable_and_says_so(job, tmp_path, settings, caplog):
+    if why := small_disk_unavailable():
+        pytest.skip(why)
+    with small_disk(tmp_path / "ro", read_only=True) as read_only:
+        settings.JOB_SPOOL_DIR = read_only / "spool"  # cannot be made: as if removed since the start
+        with caplog.at_level(logging.WARNING):
+            assert job_run(job.pk) == Job.Status.SUCCEEDED
+    log = job_log(job.pk)
+    assert "[portal] this host's spool (JOB_SPOOL_DIR) cannot be used" in log and "line 19" in log
+    said = [r for r in caplog.records if "JOB_SPOOL_DIR" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is None, [r.getMessage() for r in caplog.records]

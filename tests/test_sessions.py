@@ -8,6 +8,7 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.db.models.functions import Now
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -27,6 +28,11 @@ def api(user) -> APIClient:  # type: ignore[no-untyped-def]
     client = APIClient()
     client.force_authenticate(user)
     return client
+
+
+def beat_ago(pk: int, seconds: int) -> None:
+    """The session's last beat `seconds` ago by the database's clock, which judges it."""
+    InteractiveSession.objects.filter(pk=pk).update(beat_at=Now() - timedelta(seconds=seconds))
 
 
 def start(user, **body):  # type: ignore[no-untyped-def]
@@ -186,9 +192,11 @@ def test_the_first_beat_near_the_end_warns_once_in_the_inbox(alice, booking, set
 
 def test_a_session_whose_beats_stopped_is_ended_as_lost(alice, booking, settings):
     pk = start(alice, reservation=booking.pk).json()["id"]
-    later = timezone.now() + timedelta(seconds=settings.SESSION_LOST_AFTER_SECONDS + 1)
-    assert sessions_reconcile(now=later - timedelta(seconds=2)) == 0
-    assert sessions_reconcile(now=later) == 1
+    lost_after = settings.SESSION_LOST_AFTER_SECONDS
+    beat_ago(pk, lost_after - 1)  # beats and their cut-off: the database's clock (portal.clock)
+    assert sessions_reconcile() == 0
+    beat_ago(pk, lost_after + 1)
+    assert sessions_reconcile() == 1
     session = InteractiveSession.objects.get(pk=pk)
     assert session.status == "ended" and session.message.startswith("Lost: no word from its gpu command")
 
@@ -317,7 +325,8 @@ def test_a_gpu_command_that_beats_again_after_an_outage_goes_on(alice, booking, 
     """Lost while the portal was away is not stopped: its next beat brings the session back."""
     pk = start(alice, reservation=booking.pk).json()["id"]
     api(alice).patch(f"/api/v1/sessions/{pk}/", {"pid": 4242}, format="json")
-    sessions_reconcile(now=timezone.now() + timedelta(seconds=settings.SESSION_LOST_AFTER_SECONDS + 1))
+    beat_ago(pk, settings.SESSION_LOST_AFTER_SECONDS + 1)
+    sessions_reconcile()
     assert InteractiveSession.objects.get(pk=pk).status == "ended"
     beat = api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()
     assert (beat["status"], beat["end_requested"]) == ("running", False)

@@ -22,6 +22,7 @@ import pwd
 import re
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,10 @@ from jobs.models import Job
 from jobs.replay import spool_replay
 from jobs.spool import spool_name
 from jobs.submit import ScriptUpload, job_submit
+from jobs.threads import SpoolReplay
 from tests.conftest import OUTPUT
 from tests.factories import fresh
+from tests.fault_servers import small_disk, small_disk_unavailable
 from tests.job_helpers import job_log
 from tests.waiting import wait_for
 
@@ -285,6 +288,40 @@ def test_it_refuses_to_start_with_a_writable_folder_above(settings, tmp_path, no
     os.chown(above, nobody.pw_uid, nobody.pw_gid)  # another account's: it may change its mode
     refused(rf"{above}, above {setting} \({folder}\), may be written by others \(owner uid {nobody.pw_uid}")
     assert not folder.exists()
+
+
+@pytest.fixture
+def read_only_disk(tmp_path) -> Iterator[Path]:
+    if why := small_disk_unavailable():
+        pytest.skip(why)
+    with small_disk(tmp_path / "ro", read_only=True) as folder:
+        yield folder
+
+
+def test_it_refuses_to_start_with_a_spool_folder_it_cannot_make_or_write(settings, read_only_disk):
+    settings.JOB_SPOOL_DIR = read_only_disk / "var" / "spool"  # its parent is missing and cannot be made
+    refused(
+        rf"Cannot check {read_only_disk / 'var'} above JOB_SPOOL_DIR .*: Read-only file system\. Fix: make"
+    )
+    settings.JOB_SPOOL_DIR = read_only_disk  # there, and safe, but nothing can be written in it
+    refused(rf"JOB_SPOOL_DIR \({read_only_disk}\) cannot be written: Read-only file system\. Fix: ")
+
+
+def test_a_spool_folder_unusable_after_the_start_is_one_line_until_it_is_usable_again(
+    settings, read_only_disk, tmp_path, caplog
+):
+    thread = SpoolReplay()
+    settings.JOB_SPOOL_DIR = read_only_disk / "spool"  # cannot be made: as if removed since the start
+    with caplog.at_level(logging.INFO, logger="jobs.threads"):
+        for _ in range(3):
+            thread.step()  # the thread's step, every JOB_RECONCILE_SECONDS: raises nothing
+        settings.JOB_SPOOL_DIR = tmp_path / "spool"
+        thread.step()
+    said = [(r.levelname, r.getMessage().split(" (")[0], r.exc_info) for r in caplog.records]
+    assert said == [
+        ("ERROR", "job-spool: JOB_SPOOL_DIR cannot be used", None),
+        ("WARNING", "job-spool: JOB_SPOOL_DIR can be used again", None),
+    ]
 
 
 @pytest.mark.worker
