@@ -147,10 +147,17 @@ class _Throwaway:
     def frozen(self) -> Iterator[None]:
         """Every process of the server stopped (SIGSTOP) for the block: it neither answers nor
         closes, and its kernel still acknowledges packets. Always resumed (SIGCONT) after."""
-        stopped = self._processes()
+        stopped: list[psutil.Process] = []
         try:
-            for proc in stopped:
-                proc.send_signal(signal.SIGSTOP)
+            # The server's own process first, so that it starts no backend meanwhile; then what
+            # it started, listed twice (one forked just before it stopped). A backend that ended
+            # between the listing and its signal is no longer the server's.
+            for _ in range(2):
+                for proc in self._processes():
+                    if proc not in stopped:
+                        with contextlib.suppress(psutil.NoSuchProcess):
+                            proc.send_signal(signal.SIGSTOP)
+                            stopped.append(proc)
             yield
         finally:
             for proc in stopped:
