@@ -379,15 +379,21 @@ def _free_slots(now: datetime, servers: list[int]) -> tuple[dict[int, int], dict
     """Free job slots of each server whose worker said lately how many jobs it runs at once
     (jobs.pickup writes Server.job_slots): its pool size less the jobs it holds or has been sent,
     and its JupyterLab sessions (each runs in a slot of the pool, as a job does).
-    And the servers whose worker said so once but not lately, with words that say since when: the
-    plan starts nothing there. A server in neither never reported, and the plan does not limit it."""
+    And the servers whose worker did not say so lately, or never (it has not started yet), with
+    words that say why: the plan starts nothing there until it does, rather than planning every
+    queued job onto a host that may run one at a time."""
     fresh = now - timedelta(seconds=SLOTS_STALE_INTERVALS * settings.JOB_RECONCILE_SECONDS)
     known: dict[int, int] = {}
     silent: dict[int, str] = {}
-    for pk, name, slots, at in Server.objects.filter(
-        pk__in=servers, job_slots__isnull=False, job_slots_at__isnull=False
-    ).values_list("pk", "name", "job_slots", "job_slots_at"):
-        if at >= fresh:
+    for pk, name, slots, at in Server.objects.filter(pk__in=servers).values_list(
+        "pk", "name", "job_slots", "job_slots_at"
+    ):
+        if slots is None or at is None:
+            silent[pk] = (
+                f"{name}'s worker has not yet said how many jobs it runs at once, so no job starts "
+                f"there until it does"
+            )
+        elif at >= fresh:
             known[pk] = slots
         else:
             silent[pk] = (

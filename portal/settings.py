@@ -331,6 +331,9 @@ CELERY_TASK_ACKS_LATE = False
 # Every Redis connection gives up on a server that does not answer (frozen: its process stopped,
 # its kernel still acknowledging) after this long: the broker's, the publishers' and the streams'.
 REDIS_SOCKET_TIMEOUT_SECONDS = env_int("REDIS_SOCKET_TIMEOUT_SECONDS", 5, min_value=1, max_value=60)
+# `make run`'s Ctrl-C: its children get this long after SIGTERM, then they and whatever they left
+# outside their process groups are SIGKILLed (portal.supervisor).
+RUNPORTAL_STOP_GRACE_SECONDS = env_int("RUNPORTAL_STOP_GRACE_SECONDS", 20, min_value=1, max_value=600)
 # visibility_timeout: Redis' default, made explicit: what the paragraph above reasons about.
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": 3600,

@@ -208,6 +208,10 @@ class Hub:
             client_name=self.name,
             retry=Retry(NoBackoff(), 0),  # a failure reaches the reader, which tells the streams
             health_check_interval=READ_SECONDS,
+            # A frozen Redis (stopped, its kernel still acknowledging) fails a connect or a command
+            # in seconds; the reader's own waits for messages keep their READ_SECONDS timeout.
+            socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT_SECONDS,
+            socket_timeout=settings.REDIS_SOCKET_TIMEOUT_SECONDS,
         )
         self._pubsub = self._client.pubsub()
         self._reader = asyncio.get_running_loop().create_task(self._read(self._pubsub))

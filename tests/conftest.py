@@ -75,7 +75,12 @@ def box(db) -> list:
     from gpus.models import GPU
     from gpus.services import server_report_ingest
 
+    from jobs.pickup import slots_report
+
     server_report_ingest(snapshot=make_snapshot("box1", gpus=4))
+    # Its worker said how many jobs it runs at once, as a running host worker does each round:
+    # the queue plans nothing on a host that never did.
+    slots_report("box1", slots=64, now=timezone.now())
     return list(GPU.objects.filter(server__name="box1").order_by("index"))
 
 

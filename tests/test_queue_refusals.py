@@ -151,10 +151,20 @@ def test_a_host_whose_worker_went_silent_gets_no_starts_and_its_jobs_say_why(ali
     assert not waiting.filter(status=Job.Status.PENDING).exclude(message="").exists()  # old words go
 
 
-def test_a_host_whose_worker_never_reported_is_planned_by_its_cards_alone(alice, box, sent):
-    queue_job(alice, memory_mb=1024, array="0-9")
-    assert Server.objects.get(name="box1").job_slots is None
-    assert schedule_pass()["started"] == 10
+def test_a_host_whose_worker_never_reported_is_planned_nothing_until_it_does(alice, box, sent):
+    """Its worker has not started yet: how many jobs it runs at once is unknown, so the plan puts
+    none there (rather than every queued job onto a host that may run one at a time)."""
+    Server.objects.filter(name="box1").update(job_slots=None, job_slots_at=None)
+    array = queue_job(alice, memory_mb=1024, array="0-9")
+
+    assert schedule_pass().get("started", 0) == 0
+    assert set(Job.objects.filter(array=array.array).values_list("message", flat=True)) == {
+        "Waiting: box1's worker has not yet said how many jobs it runs at once, so no job starts there"
+        " until it does"
+    }
+
+    slots_report("box1", slots=3, now=timezone.now())
+    assert schedule_pass()["started"] == 3
 
 
 # --- 5. a refused start holds no cards ------------------------------------------------------------
@@ -307,6 +317,7 @@ def test_the_schedulers_own_booking_for_the_held_job_still_succeeds(alice, bob, 
     assert fresh(wide).status == Job.Status.PENDING
 
     reservation_release(user=bob, reservation=blocker, now=now + timedelta(minutes=1))
+    slots_report("box1", slots=64, now=now + timedelta(minutes=1))  # its worker's round meanwhile
     schedule_pass(now=now + timedelta(minutes=1))
 
     wide = fresh(wide)

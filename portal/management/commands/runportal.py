@@ -25,7 +25,7 @@ from django.core.management.base import BaseCommand, CommandError
 from portal.env import env_int, env_str
 from portal.hosts import HostDiscoveryError, worker_hosts
 from portal.services import demo_data_seed
-from portal.supervisor import STOP_GRACE_SECONDS, ChildSpec, ProcessSupervisor
+from portal.supervisor import ChildSpec, ProcessSupervisor
 from portal.workers import worker_argv
 
 
@@ -133,8 +133,9 @@ class Command(BaseCommand):
         self.stdout.flush()
         # Adopting orphans: a job in a session of its own under a host worker killed for not
         # stopping in time is still stopped, and nothing is left running after us.
-        grace = env_int("RUNPORTAL_STOP_GRACE_SECONDS", int(STOP_GRACE_SECONDS), min_value=1, max_value=600)
-        supervisor = ProcessSupervisor(children, log=self._log, stop_grace=grace, adopt_orphans=True)
+        supervisor = ProcessSupervisor(
+            children, log=self._log, stop_grace=settings.RUNPORTAL_STOP_GRACE_SECONDS, adopt_orphans=True
+        )
         signal.signal(signal.SIGINT, supervisor.request_stop)
         signal.signal(signal.SIGTERM, supervisor.request_stop)
         # A closed terminal must not leave the children running without us; under nohup
