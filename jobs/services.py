@@ -16,6 +16,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from gpus.inventory import GPUInfo
@@ -158,8 +159,9 @@ def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> di
         )
         # Still unheard, judged again in the UPDATE: a beat since the read keeps it. Not by
         # equality with the value read: on SQLite, Now() (milliseconds) and Django's text differ.
+        # Its end too: the same clock as the beat it is judged by (finished - last beat >= the cut-off).
         if Job.objects.filter(pk=job.pk, status=job.status, heartbeat_at__lt=stale).update(
-            status=Job.Status.LOST, finished_at=now, message=message
+            status=Job.Status.LOST, finished_at=Now(), message=message
         ):
             log_append(job.pk, f"[portal] {message}\n", now=now)
             job_changed([job.pk], server=job.server_id)
