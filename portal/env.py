@@ -188,3 +188,38 @@ def parse_database_url(url: str, *, var: str = "DATABASE_URL") -> dict:
     raise ImproperlyConfiguredEnv(
         f"{var}={url!r}: scheme {scheme!r} is not supported; use postgres:// or sqlite:///"
     )
+
+
+def lab_origin_problem(
+    lab_origin: str, *, portal_url: str, trusted: list[str], cookie_domains: dict, https: bool
+) -> str:
+    """Why LAB_ORIGIN would let a lab page act as its user on the portal ("" if it would not)."""
+    lab = urlsplit(lab_origin)
+    host = (lab.hostname or "").lower()
+    fix = "give the labs a host name of their own, e.g. LAB_ORIGIN=https://labs.portal.example"
+    if host == (urlsplit(portal_url).hostname or "").lower():
+        return (
+            f"LAB_ORIGIN={lab_origin!r} has the portal's own host name (PORTAL_URL={portal_url!r}), and"
+            f' cookies do not tell ports apart: {fix} (docs/deploy.md, "JupyterLab sessions")'
+        )
+    for name, domain in cookie_domains.items():
+        covered = (domain or "").lstrip(".").lower()
+        if covered and (host == covered or host.endswith(f".{covered}")):
+            return (
+                f"{name}={domain!r} sends the portal's cookie to LAB_ORIGIN's host {host!r} too:"
+                f" leave {name} unset (host-only cookies), or give LAB_ORIGIN a host outside {covered!r}"
+            )
+    for origin in trusted:
+        scheme, _, pattern = origin.lower().partition("://")
+        wildcard = pattern.startswith("*.") and host.endswith(pattern[1:])
+        if origin.lower().rstrip("/") == lab_origin or (scheme == lab.scheme and wildcard):
+            return (
+                f"CSRF_TRUSTED_ORIGINS lists {origin!r}, which covers LAB_ORIGIN={lab_origin!r}: a lab"
+                " page could post the portal's forms as its user. Take it out of CSRF_TRUSTED_ORIGINS"
+            )
+    if https and lab.scheme != "https":
+        return (
+            f"HTTPS=true but LAB_ORIGIN={lab_origin!r}: set LAB_ORIGIN to the https:// address of the"
+            " labs' host name, e.g. https://labs.portal.example (docs/deploy.md)"
+        )
+    return ""

@@ -9,7 +9,6 @@ import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from portal.env import (
     ImproperlyConfiguredEnv,
@@ -20,6 +19,7 @@ from portal.env import (
     env_origin,
     env_pairs,
     env_str,
+    lab_origin_problem,
     parse_database_url,
 )
 from portal.identity_env import (
@@ -662,41 +662,6 @@ NOTIFY_MAIL_EVERY_MINUTES = env_int("NOTIFY_MAIL_EVERY_MINUTES", 10, min_value=0
 # the labs' among them.
 SESSION_COOKIE_DOMAIN = None
 CSRF_COOKIE_DOMAIN = None
-
-
-def lab_origin_problem(
-    lab_origin: str, *, portal_url: str, trusted: list[str], cookie_domains: dict, https: bool
-) -> str:
-    """Why LAB_ORIGIN would let a lab page act as its user on the portal ("" if it would not)."""
-    lab = urlsplit(lab_origin)
-    host = (lab.hostname or "").lower()
-    fix = "give the labs a host name of their own, e.g. LAB_ORIGIN=https://labs.portal.example"
-    if host == (urlsplit(portal_url).hostname or "").lower():
-        return (
-            f"LAB_ORIGIN={lab_origin!r} has the portal's own host name (PORTAL_URL={portal_url!r}), and"
-            f' cookies do not tell ports apart: {fix} (docs/deploy.md, "JupyterLab sessions")'
-        )
-    for name, domain in cookie_domains.items():
-        covered = (domain or "").lstrip(".").lower()
-        if covered and (host == covered or host.endswith(f".{covered}")):
-            return (
-                f"{name}={domain!r} sends the portal's cookie to LAB_ORIGIN's host {host!r} too:"
-                f" leave {name} unset (host-only cookies), or give LAB_ORIGIN a host outside {covered!r}"
-            )
-    for origin in trusted:
-        scheme, _, pattern = origin.lower().partition("://")
-        wildcard = pattern.startswith("*.") and host.endswith(pattern[1:])
-        if origin.lower().rstrip("/") == lab_origin or (scheme == lab.scheme and wildcard):
-            return (
-                f"CSRF_TRUSTED_ORIGINS lists {origin!r}, which covers LAB_ORIGIN={lab_origin!r}: a lab"
-                " page could post the portal's forms as its user. Take it out of CSRF_TRUSTED_ORIGINS"
-            )
-    if https and lab.scheme != "https":
-        return (
-            f"HTTPS=true but LAB_ORIGIN={lab_origin!r}: set LAB_ORIGIN to the https:// address of the"
-            " labs' host name, e.g. https://labs.portal.example (docs/deploy.md)"
-        )
-    return ""
 
 
 _lab_problem = lab_origin_problem(

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from portal.env import ImproperlyConfiguredEnv, env_origin
+from portal.env import ImproperlyConfiguredEnv, env_origin, lab_origin_problem
 from portal.management.commands.runportal import _lab_note
-from portal.settings import BASE_DIR, lab_origin_problem
+from portal.settings import BASE_DIR
 
 
 def test_it_reads_an_origin_as_browsers_write_it(monkeypatch):
