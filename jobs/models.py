@@ -39,6 +39,10 @@ class JobArray(models.Model):
         return f"array {self.pk} ({self.spec})"
 
 
+class JobQuerySet(models.QuerySet):
+    """Job.objects: the named reads and the one status change of a job (issue 32)."""
+
+
 class Job(models.Model):
     class Status(models.TextChoices):
         PENDING = "pending", "Pending"
@@ -145,6 +149,8 @@ class Job(models.Model):
     # The log: every byte the job wrote (with timestamps), and how many the cap dropped.
     log_bytes = models.PositiveBigIntegerField(default=0)
     log_dropped_bytes = models.PositiveBigIntegerField(default=0)
+
+    objects = JobQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at", "-id"]
