@@ -23,7 +23,7 @@ from gpus.conflicts import Held as Held  # older callers import these from here 
 from gpus.conflicts import blockers as blockers
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
-from gpus.quotas import Use, has_limits, peak, quota_exceeded, quota_refusal, refusals_told
+from gpus.quotas import QuotaAsk, Use, has_limits, peak, quota_check, quota_exceeded, refusals_told
 from portal.access import can_manage
 from portal.changes import BOOKINGS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
@@ -247,12 +247,18 @@ def _check_quota(
     start: datetime,
     end: datetime,
     *,
+    fields: dict[str, str],
     exclude: int | None = None,
 ) -> None:
     new = [Use.of(start, end, memory_mb, g.memory_total_mb) for g in gpus]
-    refusal = quota_refusal(membership, new, start, end, exclude_reservation=exclude)
-    if refusal:
-        raise quota_exceeded(membership, refusal)
+    ask = QuotaAsk(new, start, end, fields=fields, exclude_reservation=exclude)
+    quota_check(membership, ask)
+
+
+def _quota_fields(gpus: Sequence[str] | None, memory_mb: int | None) -> dict[str, str]:
+    """A new booking's fields for a quota refusal: the cards as it named them, its memory, its end."""
+    cards = "gpus" if gpus else "count"
+    return {"cards": cards, "memory": cards if memory_mb is None else "memory_mb", "hours": "end"}
 
 
 def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime, end: datetime) -> list[str]:
@@ -426,7 +432,7 @@ def reservation_create(
         _check_free(cards, start, end, memory_mb, queue_start=queue_start)
     else:
         cards = _pick_and_lock(count or 0, server, memory_mb, start, end)
-    _check_quota(membership, cards, memory_mb, start, end)
+    _check_quota(membership, cards, memory_mb, start, end, fields=_quota_fields(gpus, memory_mb))
 
     reservation = Reservation.objects.create(
         owner=user, team=membership.team, start=start, end=end, booked_end=end, note=note
@@ -477,7 +483,9 @@ def reservation_extend(
     memory_mb = allocations[0].memory_mb
     cards = _locked_gpus([a.gpu_id for a in allocations], memory_mb)
     _check_free(cards, reservation.start, end, memory_mb, exclude=reservation.pk)
-    _check_quota(membership, cards, memory_mb, reservation.start, end, exclude=reservation.pk)
+    # Only its end changes: whatever limit it passes, the end is what its owner would move.
+    fields = dict.fromkeys(("cards", "memory", "hours"), "end")
+    _check_quota(membership, cards, memory_mb, reservation.start, end, fields=fields, exclude=reservation.pk)
 
     old_end = reservation.end
     reservation.end = reservation.booked_end = end

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, time, timedelta
+from datetime import UTC, datetime, time, timedelta
 from typing import Any, NamedTuple, TypeVar
 
 from django.contrib.auth import get_user_model
@@ -152,52 +152,148 @@ def _gb(mb: float) -> str:
     return f"{mb / 1024:.1f}".removesuffix(".0")
 
 
-def _refusal(
-    limits: QuotaFields,
-    label: str,
-    holder: str,
-    scope: dict,
-    new: Sequence[Use],
-    start: datetime,
-    end: datetime,
-) -> str | None:
-    """Why `new` would pass one of `limits`, naming the limit, the use and what would fit; or None."""
-    if limits.max_cards is not None or limits.max_gb is not None:
-        existing = uses_between(start, end, **scope)
-        if limits.max_cards is not None:
-            need = sum(u.cards for u in new)
-            held = int(peak(((u.start, u.end, u.cards) for u in existing), start, end))
-            if need and held + need > limits.max_cards:
-                room = max(0, limits.max_cards - held)
-                return (
-                    f"{label} allows {limits.max_cards} whole card(s) at once; {holder} "
-                    f"{held} in that window, so {room} more would fit and this booking asks for {need}."
-                )
-        if limits.max_gb is not None:
-            need_mb = sum(u.mb for u in new)
-            held_mb = peak(((u.start, u.end, u.mb) for u in existing), start, end)
-            if held_mb + need_mb > limits.max_gb * 1024:
-                room = max(0.0, limits.max_gb * 1024 - held_mb)
-                return (
-                    f"{label} allows {limits.max_gb} GiB of GPU memory at once; {holder} "
-                    f"{_gb(held_mb)} GiB in that window, so {_gb(room)} GiB more would fit and this "
-                    f"booking asks for {_gb(need_mb)} GiB."
-                )
-    if limits.gpu_hours_per_week is not None:
-        for week, following in weeks_touching(start, end):
-            need = gpu_hours(new, week, following)
-            if not need:
-                continue
-            used = gpu_hours_between(week, following, **scope)
-            if used + need > limits.gpu_hours_per_week + 1e-6:
-                room = max(0.0, limits.gpu_hours_per_week - used)
-                per_hour = sum(u.card_fraction for u in new) or 1.0
-                return (
-                    f"{label} allows {limits.gpu_hours_per_week} GPU-hours in the week of "
-                    f"{week:%a %Y-%m-%d}; {holder} {used:.1f} booked, so "
-                    f"{room:.1f} more would fit (about {room / per_hour:.1f} h with these cards) and "
-                    f"this booking needs {need:.1f}."
-                )
+TOLERANCE = 1e-6  # GPU-hours are float sums of card fractions: a request exactly at its limit fits
+# Where the queue's "could it ever fit" check places a request: centred on a Monday 00:00 far from
+# any DST change, so a week's part of it is the least any booking of it could hold (half of it,
+# or a whole week's worth when it is longer than two weeks).
+_EVER_MONDAY = datetime(2001, 1, 15, 12, tzinfo=UTC)
+
+
+def _hours_advice(hours: float) -> str:
+    return f"a booking of at most {hours:.1f} h with these cards"
+
+
+@dataclass(frozen=True)
+class QuotaAsk:
+    """A request as the quota check reads it: the allocations it would make, in its window, and the
+    names of the request's own fields, so a refusal sits beside the one its user would change.
+
+    `held`: count what the member and team already hold in the window (a booking). False asks
+    whether the request could ever be booked (the queue at submit: a job that never could would
+    wait as "quota" for ever); its window is then `ever_window(length)`.
+    """
+
+    new: Sequence[Use]
+    start: datetime
+    end: datetime
+    fields: Mapping[str, str]  # "cards", "memory", "hours" → the request's field for each
+    what: str = "booking"
+    held: bool = True
+    exclude_reservation: int | None = None
+    shorter: Callable[[float], str] = (
+        _hours_advice  # the longest length (h) that fits, in the request's terms
+    )
+
+    @staticmethod
+    def ever_window(length: timedelta) -> tuple[datetime, datetime]:
+        start = week_start(_EVER_MONDAY) - length / 2
+        return start, start + length
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """Whose limits are read (a member's or the team's), and the words a refusal says them with."""
+
+    limits: QuotaFields
+    label: str
+    holder: str
+    fix: str
+    scope: dict[str, Any]
+
+
+def _holders(membership: Membership, exclude_reservation: int | None) -> list[_Holder]:
+    team = membership.team
+    return [
+        _Holder(
+            membership,
+            f"Your quota in {team}",
+            "you already have",
+            f"ask a leader of {team} to raise your",
+            {"team": team, "owner_id": membership.user_id, "exclude_reservation": exclude_reservation},
+        ),
+        _Holder(
+            team,
+            f"The team quota of {team}",
+            "the team already has",
+            f"ask an admin to raise {team}'s",
+            {"team": team, "owner_id": None, "exclude_reservation": exclude_reservation},
+        ),
+    ]
+
+
+def _cards_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
+    limit = who.limits.max_cards
+    need = sum(u.cards for u in ask.new)
+    if limit is None or not need:
+        return None
+    held = 0
+    if ask.held:
+        existing = uses_between(ask.start, ask.end, **who.scope)
+        held = int(peak(((u.start, u.end, u.cards) for u in existing), ask.start, ask.end))
+    if held + need <= limit:
+        return None
+    use = (
+        f"; {who.holder} {held} in that window, so {max(0, limit - held)} more would fit"
+        if ask.held
+        else f", so at most {limit} would ever fit"
+    )
+    return (
+        f"{who.label} allows {limit} whole card(s) at once{use} and this {ask.what} asks for {need}. "
+        f"Ask for fewer cards or a share of each card (memory_mb), or {who.fix} max_cards."
+    )
+
+
+def _memory_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
+    limit = who.limits.max_gb
+    if limit is None:
+        return None
+    need_mb = sum(u.mb for u in ask.new)
+    held_mb = 0.0
+    if ask.held:
+        existing = uses_between(ask.start, ask.end, **who.scope)
+        held_mb = peak(((u.start, u.end, u.mb) for u in existing), ask.start, ask.end)
+    if held_mb + need_mb <= limit * 1024:
+        return None
+    use = (
+        f"; {who.holder} {_gb(held_mb)} GiB in that window, so {_gb(max(0.0, limit * 1024 - held_mb))} GiB "
+        "more would fit"
+        if ask.held
+        else f", so at most {limit} GiB would ever fit"
+    )
+    return (
+        f"{who.label} allows {limit} GiB of GPU memory at once{use} and this {ask.what} asks for "
+        f"{_gb(need_mb)} GiB. Ask for fewer cards or less memory per card, or {who.fix} max_gb."
+    )
+
+
+def _hours_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
+    limit = who.limits.gpu_hours_per_week
+    if limit is None:
+        return None
+    per_hour = sum(u.card_fraction for u in ask.new) or 1.0
+    for week, following in weeks_touching(ask.start, ask.end):
+        need = gpu_hours(ask.new, week, following)
+        if not need:
+            continue
+        used = gpu_hours_between(week, following, **who.scope) if ask.held else 0.0
+        if used + need <= limit + TOLERANCE:
+            continue
+        if ask.held:
+            room = max(0.0, limit - used)
+            said = (
+                f"{who.label} allows {limit} GPU-hours in the week of {week:%a %Y-%m-%d}; {who.holder} "
+                f"{used:.1f} booked, so {room:.1f} more would fit (about {room / per_hour:.1f} h with these "
+                f"cards) and this {ask.what} needs {need:.1f}."
+            )
+            longest = room / per_hour
+        else:
+            total = gpu_hours(ask.new, ask.start, ask.end)
+            said = (
+                f"{who.label} allows {limit} GPU-hours a week; this {ask.what} needs {total:.1f} GPU-hours, "
+                "and one booking can never hold more than twice that, half in each of two weeks."
+            )
+            longest = 2 * limit / per_hour
+        return f"{said} Ask for fewer cards or {ask.shorter(longest)}, or {who.fix} gpu_hours_per_week."
     return None
 
 
@@ -206,28 +302,19 @@ def has_limits(limits: QuotaFields) -> bool:
     return any(v is not None for v in (limits.max_cards, limits.max_gb, limits.gpu_hours_per_week))
 
 
-def quota_refusal(
-    membership: Membership,
-    new: Sequence[Use],
-    start: datetime,
-    end: datetime,
-    *,
-    exclude_reservation: int | None = None,
-) -> str | None:
-    """The first member or team limit the new allocations would pass, as a message; None if all fit."""
-    team = membership.team
-    checks = [
-        (membership, f"Your quota in {team}", "you already have", membership.user_id),
-        (team, f"The team quota of {team}", "the team already has", None),
-    ]
-    for limits, label, holder, owner_id in checks:
-        if not has_limits(limits):
+def quota_check(membership: Membership, ask: QuotaAsk) -> None:
+    """The one quota rule, for bookings and the queue alike: the member's limits, then the team's,
+    each at once (cards, then memory) and per week (GPU-hours). The first the request would pass
+    raises QuotaExceeded (400), saying the limit, the use, what would fit and what to do, beside
+    the request's field its user would change; nothing is raised when all fit."""
+    checks = (("cards", _cards_refusal), ("memory", _memory_refusal), ("hours", _hours_refusal))
+    for who in _holders(membership, ask.exclude_reservation):
+        if not has_limits(who.limits):
             continue  # no query at all for the common "no quota set" case
-        scope = {"team": team, "owner_id": owner_id, "exclude_reservation": exclude_reservation}
-        refusal = _refusal(limits, label, holder, scope, new, start, end)
-        if refusal:
-            return refusal
-    return None
+        for kind, check in checks:
+            refusal = check(who, ask)
+            if refusal:
+                raise quota_exceeded(membership, refusal, field=ask.fields.get(kind))
 
 
 @dataclass(frozen=True)

@@ -7,21 +7,20 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 
 from gpus.models import GPU, Server, format_mb
-from gpus.quotas import Use, gpu_hours
+from gpus.quotas import TOLERANCE, QuotaAsk, Use, has_limits, quota_check
 from jobs.models import Job
 from jobs.queue import START_SLACK, parse_array
 from portal.errors import Invalid
 from portal.models import Membership, Team
 
 MAX_GPUS = 64
-WEEK = timedelta(days=7)
 MAX_NICE = 1_000_000
 
 
@@ -73,9 +72,8 @@ class QueueRequest:
         chosen = _check_server(server)
         _check_memory(memory_mb, chosen)
         _check_some_server_fits(gpu_count, memory_mb, chosen)
-        _check_limits(membership, gpu_count, memory_mb, chosen)
         minutes = _check_minutes(time_limit_minutes, membership)
-        _check_weekly_hours(membership, gpu_count, memory_mb, chosen, minutes)
+        _check_quota(membership, gpu_count, memory_mb, chosen, minutes)
         indices, max_running = parse_array(array) if array else (None, None)
         if not 0 <= (nice or 0) <= MAX_NICE:
             raise Invalid(
@@ -162,101 +160,57 @@ def _check_some_server_fits(gpu_count: int, memory_mb: int | None, server: Serve
     )
 
 
-def _check_limits(
-    membership: Membership, gpu_count: int, memory_mb: int | None, server: Server | None
-) -> None:
-    """A request above the member's or the team's own limit on what is held at once could never be
-    booked: it would wait as "quota" for ever, and hold its place in the queue."""
-    whole_mb = _smallest_card_mb(server) if memory_mb is None else 0
-    need_mb = gpu_count * (memory_mb if memory_mb is not None else whole_mb)
-    team = membership.team
-    for limits, whose, fix in (
-        (membership, f"your limit in team {team.slug}", "ask a leader of the team to raise it"),
-        (team, f"team {team.slug}'s limit", "ask an admin to raise it"),
-    ):
-        if memory_mb is None and limits.max_cards is not None and gpu_count > limits.max_cards:
-            raise Invalid(
-                f"gpu_count: {gpu_count} whole cards asked for, but {whose} is {limits.max_cards} whole "
-                f"card(s) at once (max_cards). Ask for at most {limits.max_cards}, or a share of each "
-                f"card (memory_mb), or {fix}.",
-                field="gpu_count",
-            )
-        if limits.max_gb is not None and need_mb > limits.max_gb * 1024:
-            field = "gpu_count" if memory_mb is None else "memory_mb"
-            raise Invalid(
-                f"{field}: {gpu_count} card(s) of {format_mb(need_mb // gpu_count)} each is "
-                f"{format_mb(need_mb)} of GPU memory, but {whose} is {limits.max_gb} GiB at once (max_gb). "
-                f"Ask for fewer cards or less memory per card, or {fix}.",
-                field=field,
-            )
-
-
-def _check_weekly_hours(
+def _check_quota(
     membership: Membership, gpu_count: int, memory_mb: int | None, server: Server | None, minutes: int
 ) -> None:
-    """A job needing more GPU-hours than a weekly limit could ever allow would wait as "quota" for
-    ever. The booking service (gpus.quotas) counts each week's part of a booking against the limit,
-    a share at its fraction of the card's total memory: a booking across Monday 00:00 can hold at
-    most twice the limit, half in each week. So refuse above 2 × the limit (1 × a week's worth for a
-    booking longer than two weeks), counted with the quotas' own rule at the most favourable cards
-    the job could get (the largest that fit, on one server). Weeks are taken as 7 days (a DST week
-    differs by an hour)."""
-    team = membership.team
-    limits = [
-        (membership.gpu_hours_per_week, f"your limit in team {team.slug}", "ask a leader of the team"),
-        (team.gpu_hours_per_week, f"team {team.slug}'s limit", "ask an admin"),
-    ]
-    if all(limit is None for limit, _, _ in limits):
+    """A request that no booking could ever hold within the member's or the team's limits would wait
+    as "quota" for ever, and hold its place in the queue: gpus.quotas' one rule, asked whether it
+    could ever fit (nothing held, its booking across a Monday), with the cards that would count
+    least: a whole card at the smallest card's memory, a share on the largest cards that fit."""
+    if not (has_limits(membership) or has_limits(membership.team)):
         return
-    booked = timedelta(minutes=minutes) + START_SLACK
-    need = _least_gpu_hours(gpu_count, memory_mb, server, booked)
-    if need is None:
-        return  # a share, and no card known yet to count it against
     slack = int(START_SLACK.total_seconds() // 60)
-    # The least of the booking that some week must hold: half, across Monday 00:00; a booking
-    # longer than two weeks (BOOKING_MAX_HOURS above 336) fills a whole week whatever its start.
-    in_one_week = min(0.5, WEEK / booked)
-    for limit, whose, fix in limits:
-        if limit is None or need * in_one_week <= limit + 1e-6:  # gpus.quotas' own tolerance
-            continue
-        longest = int(2 * limit * (minutes + slack) / need + 1e-6) - slack
-        shorter = f"a time limit of at most {longest} minutes" if longest >= 1 else "a shorter time limit"
-        raise Invalid(
-            f"time_limit_minutes: {gpu_count} card(s) for {minutes} minutes (and the booking's {slack} "
-            f"minute of slack) need {need:.1f} GPU-hours, but {whose} is {limit} GPU-hours a week "
-            f"(gpu_hours_per_week), and one booking can never hold more than twice that, half in each "
-            f"of two weeks. Ask for fewer cards or {shorter}, or {fix} to raise it.",
-            field="time_limit_minutes",
-        )
+    start, end = QuotaAsk.ever_window(timedelta(minutes=minutes) + START_SLACK)
+
+    def shorter(hours: float) -> str:
+        longest = int(hours * 60 + TOLERANCE) - slack
+        return f"a time limit of at most {longest} minutes" if longest >= 1 else "a shorter time limit"
+
+    cards = "gpu_count" if memory_mb is None else "memory_mb"
+    ask = QuotaAsk(
+        _least_uses(gpu_count, memory_mb, server, start, end),
+        start,
+        end,
+        fields={"cards": "gpu_count", "memory": cards, "hours": "time_limit_minutes"},
+        what="job",
+        held=False,
+        shorter=shorter,
+    )
+    quota_check(membership, ask)
 
 
-def _least_gpu_hours(
-    gpu_count: int, memory_mb: int | None, server: Server | None, booked: timedelta
-) -> float | None:
-    """The fewest GPU-hours a booking of the job could count against a quota (gpus.quotas' Use and
-    gpu_hours: a whole card at 1, a share at its fraction of the card's total memory), on the server
-    whose largest fitting cards count least. None for a share while no card is known."""
-    start = datetime(2000, 1, 3, tzinfo=UTC)  # any instant: only the booking's length counts here
-    end = start + booked
-    if memory_mb is None:
-        return gpu_hours([Use.of(start, end, None, 0)] * gpu_count, start, end)
+def _least_uses(
+    gpu_count: int, memory_mb: int | None, server: Server | None, start: datetime, end: datetime
+) -> list[Use]:
+    """The allocations of a booking of the job that would count least against a quota: whole cards
+    at the smallest card's memory; a share on the server whose largest fitting cards are the
+    smallest fraction of their card (gpus.quotas' Use). A share while no card is known counts its
+    memory and no GPU-hours."""
     cards = GPU.objects.all() if server is None else GPU.objects.filter(server=server)
+    if memory_mb is None:
+        smallest = min(cards.values_list("memory_total_mb", flat=True), default=0)
+        return [Use.of(start, end, None, smallest)] * gpu_count
     totals: dict[int, list[int]] = defaultdict(list)
     for server_id, total, reserved in cards.values_list("server_id", "memory_total_mb", "memory_reserved_mb"):
         if GPU.bookable_mb(total, reserved) >= memory_mb:
             totals[server_id].append(total)
-    needs = [
-        gpu_hours([Use.of(start, end, memory_mb, t) for t in sorted(found)[-gpu_count:]], start, end)
+    options = [
+        [Use.of(start, end, memory_mb, t) for t in sorted(found)[-gpu_count:]]
         for found in totals.values()
         if len(found) >= gpu_count
     ]
-    return min(needs, default=None)
-
-
-def _smallest_card_mb(server: Server | None) -> int:
-    """What a whole card counts against a memory limit, at the least: the smallest card's memory."""
-    cards = GPU.objects.all() if server is None else GPU.objects.filter(server=server)
-    return min(cards.values_list("memory_total_mb", flat=True), default=0)
+    least = min(options, key=lambda uses: sum(u.card_fraction for u in uses), default=None)
+    return least or [Use(start, end, 0, memory_mb, 0.0)] * gpu_count
 
 
 def _check_minutes(minutes: int | None, membership: Membership) -> int:

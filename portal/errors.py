@@ -33,10 +33,11 @@ class Conflict(ServiceError):
     code = "conflict"
 
 
-class QuotaExceeded(ServiceError):
-    """Would pass a member or team limit: 403."""
+class QuotaExceeded(Invalid):
+    """Would pass a member or team limit (gpus.quotas.quota_check, for bookings and the queue alike):
+    bad input for that request, 400, beside the field its user would change. Its own code, so an
+    API client tells "ask for less" from other bad input."""
 
-    status = 403
     code = "quota_exceeded"
 
 
@@ -65,6 +66,8 @@ class Errors:
     def check(self, step, *args, **kwargs):  # type: ignore[no-untyped-def]
         try:
             return step(*args, **kwargs)
+        except QuotaExceeded:
+            raise  # its own code, and the team's channels may be told of it (gpus.quotas)
         except Invalid as error:
             for field, messages in error.errors.items() or {"": [error.message]}.items():
                 self.found.setdefault(field, []).extend(messages)

@@ -246,9 +246,10 @@ def test_member_card_quota_names_limit_use_and_room(alice, box, t0):
         book(alice, box[1:3], t0 + H)
     assert err.value.message == (
         "Your quota in Vision Lab allows 2 whole card(s) at once; you already have 1 in that window, "
-        "so 1 more would fit and this booking asks for 2."
+        "so 1 more would fit and this booking asks for 2. Ask for fewer cards or a share of each card "
+        "(memory_mb), or ask a leader of Vision Lab to raise your max_cards."
     )
-    assert err.value.status == 403
+    assert err.value.status == 400 and err.value.field == "gpus"
     book(alice, box[1:3], t0 + 2 * H)  # after the first booking ends: fits
 
 

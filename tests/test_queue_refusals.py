@@ -217,14 +217,14 @@ def test_more_cards_of_a_size_than_any_server_has_are_refused_at_submit(alice, b
 @pytest.mark.parametrize(
     ("where", "limits", "kwargs", "field", "words"),
     [
-        ("member", {"max_cards": 2}, {"gpus": 3}, "gpu_count", "your limit in team .* is 2 whole card"),
-        ("team", {"max_cards": 1}, {"gpus": 2}, "gpu_count", "team .*'s limit is 1 whole card"),
+        ("member", {"max_cards": 2}, {"gpus": 3}, "gpu_count", "Your quota in .* allows 2 whole card"),
+        ("team", {"max_cards": 1}, {"gpus": 2}, "gpu_count", "The team quota of .* allows 1 whole card"),
         (
             "member",
             {"max_gb": 4},
             {"gpus": 2, "memory_mb": 4096},
             "memory_mb",
-            r"is 4 GiB at once \(max_gb\)",
+            r"allows 4 GiB of GPU memory at once.*max_gb",
         ),
     ],
 )

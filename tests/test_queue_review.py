@@ -41,16 +41,14 @@ def test_a_job_needing_more_gpu_hours_than_the_weekly_limit_is_refused_at_submit
         queue_job(alice, gpus=4, minutes=600)
     message = refused.value.message
     assert refused.value.field == "time_limit_minutes"
-    assert (
-        "gpu_hours_per_week" in message and f"your limit in team {team.slug} is 8 GPU-hours a week" in message
-    )
+    assert "gpu_hours_per_week" in message and f"Your quota in {team} allows 8 GPU-hours a week" in message
     assert "fewer cards" in message and "at most 239 minutes" in message and "ask a leader" in message
     assert not Job.objects.exists() and not AuditEntry.objects.exists()
 
 
 def test_the_teams_weekly_limit_is_checked_too(alice, team, box, sent):
     Team.objects.filter(pk=team.pk).update(gpu_hours_per_week=8)
-    with pytest.raises(Invalid, match=f"team {team.slug}'s limit is 8 GPU-hours a week") as refused:
+    with pytest.raises(Invalid, match=f"The team quota of {team} allows 8 GPU-hours a week") as refused:
         queue_job(alice, gpus=4, minutes=600)
     assert "ask an admin" in refused.value.message and not Job.objects.exists()
 

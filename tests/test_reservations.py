@@ -377,7 +377,7 @@ def test_the_api_picks_cards_from_a_count(alice, box, t0):
         ({"count": 1, "server": "nope"}, 400, "invalid", "server"),
         ({"gpus": ["GPU-box1-00"], "team": "nlp"}, 403, "permission_denied", "team"),
         ({"gpus": ["GPU-box1-00"]}, 409, "conflict", "gpus"),
-        ({"gpus": ["GPU-box1-01"], "quota": True}, 403, "quota_exceeded", None),
+        ({"gpus": ["GPU-box1-01"], "quota": True}, 400, "quota_exceeded", "gpus"),
     ],
 )
 def test_the_api_answers_every_error_with_detail_and_code(
