@@ -259,7 +259,7 @@ class ReservationViewSet(
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return Reservation.objects.none()
-        queryset = Reservation.objects.visible_to(self.request.user).select_related(
+        queryset = Reservation.objects.restrict(self.request.user).select_related(
             "owner", "team", "cancelled_by"
         )
         return queryset.prefetch_related("allocations__gpu__server").order_by("-start", "-id")
@@ -372,7 +372,7 @@ class ViolationViewSet(viewsets.ReadOnlyModelViewSet):
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return Violation.objects.none()
         return (
-            Violation.objects.visible_to(self.request.user)
+            Violation.objects.restrict(self.request.user)
             .select_related("server", "user")
             .order_by("-first_seen", "-id")
         )

@@ -30,7 +30,7 @@ def server_choices() -> list[tuple[str, str]]:
 
 
 def _team_choices(user: AbstractBaseUser | None) -> list[tuple[str, str]]:
-    """The teams whose bookings the user sees (Reservation.objects.visible_to): their own; admins all."""
+    """The teams whose bookings the user sees (Reservation.objects.restrict): their own; admins all."""
     teams = Team.objects.none() if user is None else teams_visible_to(user)
     return [("", "any team"), *((t.slug, t.name) for t in teams.order_by("name"))]
 

@@ -13,7 +13,7 @@ from django.db import models
 from django.utils import timezone
 
 from gpus.inventory import CardState
-from portal.access import is_admin, teams_led_by
+from portal.access import CHANGE, VIEW, check_action, is_admin, teams_led_by
 from portal.clock import db_now, since
 from portal.models import WatchdogKind
 
@@ -221,10 +221,14 @@ class TelemetrySample(models.Model):
 
 
 class ReservationQuerySet(models.QuerySet):
-    def visible_to(self, user) -> ReservationQuerySet:  # type: ignore[no-untyped-def]
-        """Own bookings and those of every team the user belongs to; admins (staff) see all."""
+    def restrict(self, user, action: str = VIEW) -> ReservationQuerySet:  # type: ignore[no-untyped-def]
+        """The bookings `user` may see: their own and those of every team they belong to; or change
+        (cancel): their own and those of the teams they lead. Admins (staff): all."""
+        check_action(action)
         if is_admin(user):
             return self
+        if action == CHANGE:
+            return self.filter(models.Q(owner=user) | models.Q(team_id__in=teams_led_by(user)))
         return self.filter(models.Q(owner=user) | models.Q(team__memberships__user=user)).distinct()
 
     def with_status(self, status: str, now: datetime) -> ReservationQuerySet:
@@ -415,9 +419,12 @@ def format_mb(mb: int) -> str:
 
 
 class ViolationQuerySet(models.QuerySet):
-    def visible_to(self, user) -> ViolationQuerySet:  # type: ignore[no-untyped-def]
+    def restrict(self, user, action: str = VIEW) -> ViolationQuerySet:  # type: ignore[no-untyped-def]
         """Admins: all. Others: the ones they caused, those on their own bookings, and those of the
-        people and bookings of the teams they lead."""
+        people and bookings of the teams they lead. Nobody changes a violation: it is a record."""
+        check_action(action)
+        if action != VIEW:
+            return self.none()
         if is_admin(user):
             return self
         led = teams_led_by(user)

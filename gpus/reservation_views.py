@@ -34,7 +34,7 @@ PAST_PAGE_SIZE = 25
 def _get_reservation_for_user(user, pk: int) -> Reservation:  # type: ignore[no-untyped-def]
     """The booking if the user may see it (own, their team's, or admin); else 404."""
     return get_object_or_404(
-        Reservation.objects.visible_to(user).select_related("owner", "team", "cancelled_by"), pk=pk
+        Reservation.objects.restrict(user).select_related("owner", "team", "cancelled_by"), pk=pk
     )
 
 

@@ -1,7 +1,7 @@
 """The Violations page: what the GPU watchdog found (jobs/watchdog_host.py writes the rows).
 
 Admins see every violation; leaders those of their teams' people and bookings; everyone the
-ones they caused and the ones on their own bookings (`Violation.objects.visible_to`)."""
+ones they caused and the ones on their own bookings (`Violation.objects.restrict`)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def action_label(violation: Violation) -> str:
 
 
 def _visible(request: HttpRequest):  # type: ignore[no-untyped-def]
-    return Violation.objects.visible_to(request.user).select_related(
+    return Violation.objects.restrict(request.user).select_related(
         "gpu__server", "user", "reservation__owner"
     )
 

@@ -2,7 +2,7 @@
 curves (JSON or CSV); and size-hint/, from the caller's own runs (jobs/rightsizing.py).
 
 Visible to the owner, leaders of the job's team and admins; everyone else gets 404 (the queryset
-is jobs_visible_to, and DRF's get_object looks the job up in it). Every rule is in jobs.submit and
+is Job.objects.restrict, and DRF's get_object looks the job up in it). Every rule is in jobs.submit and
 jobs.services, shared with the web form; filters are jobs.filters.JobFilter, shared with the pages.
 """
 
@@ -27,7 +27,7 @@ from jobs.metrics import metric_records, metrics_csv_response, parse_since
 from jobs.models import Job
 from jobs.rightsizing import size_hint_for
 from jobs.scheduler import queue_plan
-from jobs.selectors import jobs_visible_to, queue_rows
+from jobs.selectors import queue_rows
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Invalid
@@ -240,7 +240,11 @@ class JobViewSet(
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return Job.objects.none()
-        return jobs_visible_to(self.request.user).order_by("-created_at", "-id")
+        return (
+            Job.objects.restrict(self.request.user)
+            .select_related("owner", "team", "server")
+            .order_by("-created_at", "-id")
+        )
 
     def filter_queryset(self, queryset):  # type: ignore[no-untyped-def]
         # The list's filters are not the records' (?since= is a date there, a record number here).

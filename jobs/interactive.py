@@ -185,7 +185,7 @@ def _booking_on_host(
                 field="reservation",
             )
         reservation = found[0]
-    booking = Reservation.objects.visible_to(user).filter(pk=reservation).first()
+    booking = Reservation.objects.restrict(user).filter(pk=reservation).first()
     if booking is None:
         raise Invalid(
             f"There is no booking {reservation} of yours; see `gpu reservations`.", field="reservation"
@@ -503,10 +503,10 @@ def booking_sessions_context(context: Context) -> dict[str, Any]:
     """The booking page's sessions (portal.slots.RESERVATION_SESSIONS): those of its booking `r`
     that the viewer may see (its owner, its team's leaders, admins), newest first."""
     booking, viewer = context["r"], context["request"].user
-    rows = InteractiveSession.objects.visible_to(viewer).filter(reservation=booking).select_related("server")
+    rows = InteractiveSession.objects.restrict(viewer).filter(reservation=booking).select_related("server")
     jobs = Job.objects.filter(reservation=booking).order_by("-created_at")
     if not (viewer.pk == booking.owner_id or can_manage(viewer, booking)):
-        jobs = jobs.none()  # a teammate sees the booking, not what runs on it (as jobs_visible_to)
+        jobs = jobs.none()  # a teammate sees the booking, not what runs on it (as Job.objects.restrict)
     return {"sessions": list(rows[:50]), "booking_jobs": list(jobs[:50])}
 
 

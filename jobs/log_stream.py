@@ -47,7 +47,6 @@ from rest_framework.request import Request
 from jobs import log_live
 from jobs.logs import log_end, log_pieces, parse_offset
 from jobs.models import Job
-from jobs.selectors import jobs_visible_to
 from portal.subscriptions import Lost, Subscription, hub
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class JobLogStream(GenericAPIView):
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return Job.objects.none()
-        return jobs_visible_to(self.request.user)
+        return Job.objects.restrict(self.request.user).select_related("owner", "team", "server")
 
     @extend_schema(
         parameters=[

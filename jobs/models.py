@@ -22,7 +22,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from portal.access import is_admin, teams_led_by
+from portal.access import VIEW, check_action, is_admin, teams_led_by
 
 
 class JobArray(models.Model):
@@ -41,6 +41,15 @@ class JobArray(models.Model):
 
 class JobQuerySet(models.QuerySet):
     """Job.objects: the named reads and the one status change of a job (issue 32)."""
+
+    def restrict(self, user, action: str = VIEW) -> JobQuerySet:  # type: ignore[no-untyped-def]
+        """The jobs `user` may see or change (cancel): their own and every job of the teams they
+        lead; admins all. One set for both actions: a teammate who does not lead sees neither (the
+        booking, not what runs on it). Pages, the API and selectors all ask here."""
+        check_action(action)
+        if is_admin(user):
+            return self
+        return self.filter(models.Q(owner=user) | models.Q(team_id__in=teams_led_by(user)))
 
 
 class Job(models.Model):
@@ -255,8 +264,10 @@ class JobMetric(models.Model):
 
 
 class InteractiveSessionQuerySet(models.QuerySet):
-    def visible_to(self, user) -> InteractiveSessionQuerySet:  # type: ignore[no-untyped-def]
-        """The owner's, those on bookings of the teams the user leads, and all for admins: as jobs."""
+    def restrict(self, user, action: str = VIEW) -> InteractiveSessionQuerySet:  # type: ignore[no-untyped-def]
+        """The sessions `user` may see or change (end): the owner's, those on bookings of the teams
+        the user leads, and all for admins: as jobs."""
+        check_action(action)
         if is_admin(user):
             return self
         return self.filter(models.Q(owner=user) | models.Q(reservation__team__in=teams_led_by(user)))

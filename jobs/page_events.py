@@ -25,7 +25,7 @@ from django.http import Http404, HttpRequest, HttpResponseBadRequest, HttpRespon
 from django.views.decorators.http import require_GET
 
 from jobs import log_stream
-from jobs.selectors import jobs_visible_to
+from jobs.models import Job
 from portal.errors import Invalid
 from portal.event_views import relay
 from portal.streaming import merged
@@ -52,7 +52,7 @@ async def job_events(request: HttpRequest, pk: int) -> HttpResponseBase:
 
 def _visible(user: object, pk: int) -> bool:
     try:
-        return jobs_visible_to(user).filter(pk=pk).exists()
+        return Job.objects.restrict(user).filter(pk=pk).exists()
     finally:
         connection.close()  # this thread's: the stream may last for days
 

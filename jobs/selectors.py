@@ -8,7 +8,6 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import Q, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
@@ -16,15 +15,7 @@ from gpus.hooks import SESSION_ENDED, JobOutcome
 from gpus.models import GPU, Allocation
 from jobs.models import InteractiveSession, Job
 from jobs.queue import Entry
-from portal.access import display_name, is_admin, team_ids_of, teams_led_by
-
-
-def jobs_visible_to(user: AbstractBaseUser) -> QuerySet[Job]:
-    """Own jobs, every job of the teams the user leads; admins see all."""
-    jobs = Job.objects.select_related("owner", "team", "server")
-    if is_admin(user):
-        return jobs
-    return jobs.filter(Q(owner=user) | Q(team_id__in=teams_led_by(user)))
+from portal.access import display_name, is_admin, team_ids_of
 
 
 def jobs_owned_by(viewer: AbstractBaseUser, job_ids: Iterable[int]) -> Collection[int]:
@@ -55,7 +46,12 @@ def jobs_finished_between(since: datetime, until: datetime) -> list[JobOutcome]:
 
 def get_job_for_user(user: AbstractBaseUser, pk: int) -> Job:
     """The job if the user may see it; 404 otherwise (outsiders never learn it exists)."""
-    job = jobs_visible_to(user).select_related("reservation").filter(pk=pk).first()
+    job = (
+        Job.objects.restrict(user)
+        .select_related("owner", "team", "server", "reservation")
+        .filter(pk=pk)
+        .first()
+    )
     if job is None:
         raise Http404("No such job.")
     return job

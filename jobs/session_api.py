@@ -146,7 +146,7 @@ class SessionViewSet(
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # the schema's look at the view: no user
             return InteractiveSession.objects.none()
-        return InteractiveSession.objects.visible_to(self.request.user).select_related(
+        return InteractiveSession.objects.restrict(self.request.user).select_related(
             "owner", "server", "reservation"
         )
 

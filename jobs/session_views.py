@@ -25,7 +25,7 @@ from portal.http import redirect_back
 
 
 def get_session_for_user(user, pk: int) -> InteractiveSession:  # type: ignore[no-untyped-def]
-    session = InteractiveSession.objects.visible_to(user).select_related("reservation", "server", "owner")
+    session = InteractiveSession.objects.restrict(user).select_related("reservation", "server", "owner")
     found = session.filter(pk=pk).first()
     if found is None:
         raise Http404("No such session of yours.")

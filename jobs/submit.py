@@ -376,7 +376,7 @@ def _check_booking(
             field="reservation",
         )
     pk = reservation if isinstance(reservation, int) else reservation.pk
-    booking = Reservation.objects.visible_to(user).select_related("team").filter(pk=pk).first()
+    booking = Reservation.objects.restrict(user).select_related("team").filter(pk=pk).first()
     if booking is None:
         raise Invalid(
             f"There is no booking {pk} of yours; choose one from your reservations.", field="reservation"

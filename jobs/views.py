@@ -33,7 +33,7 @@ from jobs.metrics import job_card_usage, metrics_csv_response
 from jobs.models import InteractiveSession, Job
 from jobs.rightsizing import REPORT_PERIODS, oversized_report, report_days, size_hint_for
 from jobs.scheduler import queue_plan
-from jobs.selectors import get_job_for_user, job_placement, jobs_visible_to, queue_rows
+from jobs.selectors import get_job_for_user, job_placement, queue_rows
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
 from portal.access import can_manage, team_for_user
@@ -151,8 +151,12 @@ def my_jobs(request: HttpRequest) -> HttpResponse:
 @require_GET
 @login_required
 def job_history(request: HttpRequest) -> HttpResponse:
-    """Leaders see their teams' jobs, admins all; members only their own (jobs_visible_to)."""
-    context = _job_list(request, jobs_visible_to(request.user), JobHistoryFilter)
+    """Leaders see their teams' jobs, admins all; members only their own (Job.objects.restrict)."""
+    context = _job_list(
+        request,
+        Job.objects.restrict(request.user).select_related("owner", "team", "server"),
+        JobHistoryFilter,
+    )
     return render(request, "jobs/job_history.html", context)
 
 

@@ -28,10 +28,29 @@ def can_manage_team(user: AbstractBaseUser, team: Team | int) -> bool:
     return is_admin(user) or leads_team(user, team)
 
 
+# What a model's `restrict(user, action)` answers (NetBox's RestrictedQuerySet): "view" to see it,
+# "change" to act on it (cancel, end, stop). Where the two differ is the model's own rule.
+VIEW = "view"
+CHANGE = "change"
+ACTIONS = (VIEW, CHANGE)
+
+
+def check_action(action: str) -> None:
+    """A `restrict` asked for an action no model answers is a bug: fail loudly, never show all."""
+    if action not in ACTIONS:
+        raise ValueError(f"Unknown action {action!r}; restrict answers one of {', '.join(ACTIONS)}.")
+
+
+def permits(user: AbstractBaseUser, action: str, obj: Any) -> bool:
+    """Whether the user may `action` this one object: its model's `restrict(user, action)`, asked
+    of its row, so a page's button, a service's check and the API's permission class agree."""
+    return type(obj)._default_manager.restrict(user, action).filter(pk=obj.pk).exists()
+
+
 def can_manage(user: AbstractBaseUser, obj: Any) -> bool:
-    """The owner of a team's object (a booking, a job: anything with `owner_id` and `team_id`),
-    leaders of its team and admins: cancel it, stop it."""
-    return obj.owner_id == user.pk or can_manage_team(user, obj.team_id)
+    """The owner of a team's object (a booking, a job, a session), leaders of its team and admins:
+    cancel it, stop it. The rule is each model's `restrict(user, "change")`."""
+    return permits(user, CHANGE, obj)
 
 
 def teams_led_by(user: AbstractBaseUser | None) -> QuerySet[Team]:
