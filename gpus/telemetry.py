@@ -29,14 +29,19 @@ from gpus.backends import get_backend
 from gpus.inventory import Backend, BackendUnavailable, Snapshot, snapshot_from_json, snapshot_to_json
 from gpus.models import Server
 from gpus.services import servers_report_ingest
+from portal.names import redis_key
 from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
 
-REPORTS_KEY = "portal:telemetry:reports"
 # Sent on a GPU host, in the reporter's thread, with every `snapshot` it reads: the GPU watchdog
 # (jobs) judges the same processes the dashboard shows. A signal, because jobs builds on gpus.
 snapshot_read = Signal()
+
+
+def reports_key() -> str:
+    """This portal's hash of host reports: two portals sharing a Redis must not take each other's."""
+    return redis_key("telemetry", "reports")
 
 
 def redis_client() -> redis.Redis:
@@ -44,14 +49,15 @@ def redis_client() -> redis.Redis:
 
 
 def publish_snapshot(client: redis.Redis, snapshot: Snapshot) -> None:
-    client.hset(REPORTS_KEY, snapshot.host.name, snapshot_to_json(snapshot))
+    client.hset(reports_key(), snapshot.host.name, snapshot_to_json(snapshot))
 
 
 def take_reports(client: redis.Redis) -> list[Snapshot]:
     """Every host's latest unread report; HGETALL + DEL in one MULTI so none is lost."""
     pipe = client.pipeline(transaction=True)
-    pipe.hgetall(REPORTS_KEY)
-    pipe.delete(REPORTS_KEY)
+    key = reports_key()
+    pipe.hgetall(key)
+    pipe.delete(key)
     raw, _ = pipe.execute()
     snapshots = []
     for host, payload in raw.items():

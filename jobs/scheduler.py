@@ -39,6 +39,7 @@ from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, d
 from jobs.services import cpu_share, default_threads, dispatch
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
+from portal.names import redis_key
 from portal.outage import REDIS, WHAT, outage_of
 from portal.periodic import PeriodicThread
 from portal.wakeups import QUEUE_SCHEDULER, client, wait, wake_on_commit
@@ -72,7 +73,7 @@ _holds_unstored = False  # the last pass could not store its holds (Redis away):
 
 def _holds_key() -> str:
     """One portal's holds: two portals may share a Redis, and their card uuids and job ids collide."""
-    return f"portal:{settings.PORTAL_INSTANCE_ID}:queue:holds"
+    return redis_key("queue", "holds")
 
 
 def queue_plan(
