@@ -30,7 +30,7 @@ from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_create, reservation_release
-from gpus.conflicts import QueueHold
+from gpus.hooks import QueueHold
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
 from jobs.log_live import job_changed
@@ -324,7 +324,7 @@ def _store_holds(entries: list[Entry]) -> None:
 
 
 def queue_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> list[QueueHold]:
-    """The booking service's question (gpus.conflicts.queue_holds_answered_by): the last pass's
+    """The booking service's question (gpus.hooks.queue_holds): the last pass's
     holds on these cards overlapping [start, end), of jobs that still wait. A hold whose job started,
     was cancelled or is gone binds no one, whatever the store still says."""
     try:
