@@ -29,6 +29,7 @@ from gpus.backends import get_backend
 from gpus.inventory import Backend, BackendUnavailable, Snapshot, snapshot_from_json, snapshot_to_json
 from gpus.models import Server
 from gpus.services import servers_report_ingest
+from gpus.usage import UsageRollup, start_rollup, usage_flush
 from portal.names import redis_key
 from portal.periodic import PeriodicThread, start_thread
 
@@ -68,11 +69,11 @@ def take_reports(client: redis.Redis) -> list[Snapshot]:
     return snapshots
 
 
-def collect_once(client: redis.Redis) -> int:
+def collect_once(client: redis.Redis, rollup: UsageRollup | None = None) -> int:
     began = monotonic()
     snapshots = take_reports(client)
     if snapshots:
-        servers_report_ingest(snapshots=snapshots)
+        servers_report_ingest(snapshots=snapshots, rollup=rollup)
         round_time_record([s.host.name for s in snapshots], monotonic() - began)
     return len(snapshots)
 
@@ -171,13 +172,21 @@ class TelemetryReporter(PeriodicThread):
 
 
 class TelemetryCollector(PeriodicThread):
-    def __init__(self, interval: float = 1.0) -> None:
+    """The portal's one collector; it keeps the usage rollup its rounds feed, and writes what the
+    rollup holds when the worker's shutdown stops it."""
+
+    def __init__(self, interval: float = 1.0, rollup: UsageRollup | None = None) -> None:
         super().__init__("gpu-telemetry-collector", interval)
         self.client = redis_client()
+        self.rollup = rollup
 
     def step(self) -> None:
         close_old_connections()  # a restarted database must not kill the loop
-        collect_once(self.client)
+        collect_once(self.client, self.rollup)
+
+    def finish(self) -> None:
+        if self.rollup is not None:
+            usage_flush(self.rollup)
 
 
 def start_reporter() -> None:
@@ -189,4 +198,4 @@ def start_reporter() -> None:
 
 def start_collector() -> None:
     log.info("Telemetry collector started")
-    start_thread(TelemetryCollector())
+    start_thread(TelemetryCollector(rollup=start_rollup()))  # the rollup before the first round
