@@ -14,7 +14,7 @@ What is measured
        last three days) and 5 arrays of 40 tasks (%4) through `job_submit`. Nothing can start, so every
        pass is the real one, writes included (the first records the 1,000 reasons; later ones find them
        unchanged and write nothing). Wall time of `schedule_pass()`, database included: the first pass,
-       then 20 passes with the usage cache cold (`forget_usage()` first: what one pass a minute pays)
+       then 20 passes with the usage cache cold (`memory.forget_usage()` first: what one pass a minute pays)
        interleaved with 20 with it warm (the other passes). Goal: median ≤ 100 ms (target 50 ms),
        either cache. Also, without a goal: a pass after one server's 8 cards were released, which books
        and dispatches jobs on them (inside `transaction.atomic()` with `set_rollback(True)`: the starts
