@@ -6,12 +6,12 @@ class GpusConfig(AppConfig):
     verbose_name = "Servers and GPUs"
 
     def ready(self) -> None:
+        """gpus' answers to portal's questions (portal/hooks.py)."""
         from gpus import signals  # noqa: F401 - connects the worker signals
-        from gpus.calendar_views import PROFILE_CALENDAR, profile_calendar
+        from gpus.calendar_views import profile_calendar
         from gpus.hosts import worker_servers
         from gpus.slots import slots_fill
-        from portal.hosts import host_discovery_register
-        from portal.slots import slot_fill
+        from portal.hooks import PROFILE_CALENDAR, host_discovery_register, slot_fill
 
         host_discovery_register(worker_servers)  # what `make run` starts host workers for
         slots_fill()  # the quotas on portal's profile

@@ -38,9 +38,6 @@ from gpus.models import CalendarFeed, Server
 from portal.errors import ServiceError
 from portal.models import Team
 
-# The profile's slot that gpus fills with the viewer's own feed (templates/portal/profile.html).
-PROFILE_CALENDAR = "profile_calendar"
-
 
 @csrf_exempt  # calendar apps have no CSRF cookie: any method but GET/HEAD gets a quiet 405
 def calendar_feed(request: HttpRequest, secret: str) -> HttpResponse:

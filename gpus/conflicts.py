@@ -20,6 +20,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 
+from gpus.hooks import QueueHold, queue_holds
 from gpus.models import GPU, Allocation, Reservation, format_mb
 from gpus.quotas import peak
 from portal.access import display_name, team_ids_of
@@ -43,41 +44,12 @@ class Held:
     team_id: int | None = None
 
 
-@dataclass(frozen=True)
-class QueueHold:
-    """A card the queue's plan keeps for a waiting job from its estimated start (its backfill
-    shadow): user bookings must leave it free, or the job is pushed back again and again."""
-
-    gpu_uuid: str
-    start: datetime
-    end: datetime
-    memory_mb: int | None
-    job_id: int
-
-
-QueueHolds = Callable[[Sequence[str], datetime, datetime], list[QueueHold]]
-
-
-def _no_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> list[QueueHold]:
-    return []
-
-
-# jobs sets it at start (queue_holds_answered_by in JobsConfig.ready); until then, and wherever the
-# jobs side cannot say (its store is away), no card is held for the queue.
-_queue_holds: QueueHolds = _no_holds
-
-
-def queue_holds_answered_by(answer: QueueHolds) -> None:
-    """Called once by the jobs app: `answer(gpu_uuids, start, end)` gives the queue's holds on
-    those cards that overlap [start, end)."""
-    global _queue_holds
-    _queue_holds = answer
-
-
 def queue_holds_on(uuids: Sequence[str], start: datetime, end: datetime) -> dict[str, list[QueueHold]]:
-    """The queue's holds on these cards overlapping [start, end), by card UUID, earliest first."""
+    """The queue's holds on these cards overlapping [start, end), by card UUID, earliest first. The
+    jobs app answers (gpus.hooks.queue_holds); until it does, or where its store is away, no card
+    is held for the queue."""
     found: dict[str, list[QueueHold]] = defaultdict(list)
-    for hold in sorted(_queue_holds(list(uuids), start, end), key=lambda h: (h.start, h.job_id)):
+    for hold in sorted(queue_holds(uuids, start, end), key=lambda h: (h.start, h.job_id)):
         if hold.gpu_uuid in uuids and hold.start < end and hold.end > start:
             found[hold.gpu_uuid].append(hold)
     return found

@@ -1,31 +1,44 @@
-"""What gpus asks the jobs app: plain functions that jobs registers in its AppConfig.ready().
+"""Every question gpus asks a higher app, in one place: who asks, who answers, and the answer when
+no app does. Open this file to know what jobs tells gpus; jobs registers its answers once, in
+JobsConfig.ready(), as one `Answers` (`answered_by`).
 
-gpus never reads jobs rows (jobs builds on gpus, not the reverse), yet two of its writes need
-facts only jobs has. Each question is one typed function here with an answer for when no app
-registered one, so gpus works alone (its tests, a portal without the jobs app):
+gpus never reads jobs rows (jobs builds on gpus, not the reverse), yet some of its work needs
+facts only jobs has. Each question is a typed field of `Answers` whose default answers "none", so
+gpus works alone (its tests, a portal without the jobs app):
 
-- `job_sessions(sessions)`: which portal job each reported process belongs to, by its session
-  (the telemetry ingest, gpus.services); no answer: none.
-- `job_outcomes(since, until)`: the jobs that finished in [since, until) (the usage rollup,
-  gpus.usage); no answer: none.
-- `own_jobs(viewer, job_ids)`: which of these jobs are the viewer's (a process's command line,
-  gpus.selectors.CommandLines); no answer: none, so a job's processes show their whole command
-  line to admins only.
+- `job_sessions(sessions)`: which portal job each reported process runs for, by its session.
+  Asked by the telemetry ingest (gpus.services); jobs answers with jobs.services.jobs_by_session;
+  no answer: none.
+- `interactive_sessions(sessions)`: the same for `gpu exec` and JupyterLab sessions ("session N"
+  on the dashboard). Asked by the telemetry ingest; jobs.interactive.sessions_by_session; none.
+- `job_outcomes(since, until)`: the jobs that finished in [since, until). Asked by the usage
+  rollup (gpus.usage); jobs.selectors.jobs_finished_between; none.
+- `own_jobs(viewer, job_ids)`: which of these jobs are the viewer's. Asked for a process's
+  command line (gpus.selectors.CommandLines); jobs.selectors.jobs_owned_by; none, so a job's
+  processes show their whole command line to admins only.
+- `work_on_booking(reservation_id)`: what a release or cancel of the booking would stop. Asked
+  by the booking pages before they do (gpus.reservation_views); jobs.interactive.work_on; nothing.
+- `queue_holds(gpu_uuids, start, end)`: the queue's holds for its waiting jobs on these cards,
+  which user bookings leave free. Asked by the booking checks (gpus.conflicts.queue_holds_on);
+  jobs.scheduler.queue_holds; no card is held.
 
-- `interactive_sessions(sessions)`: the same for the interactive sessions (`gpu exec`, a
-  JupyterLab's kernels), for the dashboard's "session N"; no answer: none.
+The other ways up are declared the same way, each in its lower app's one file: what portal asks
+(template slots, the hosts `make run` starts workers for) in portal/hooks.py; the facts that travel
+with a GPU process (which portal and job started it) in gpus/process_env.py; gpus' signals
+(`telemetry_ingested`, `snapshot_read`) only tell, they never return an answer.
 
-- `work_on_booking(reservation_id)`: what runs on a booking now (its jobs, its sessions), which a
-  release or a cancel would stop: the booking pages ask before they do; no answer: nothing.
-
-Registering again replaces the answer.
+The answers live on gpus' AppConfig, not in a module global: the app registry is the one object
+per process Django builds once, and a test swaps them with `answered_by` and puts them back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
+
+from django.apps import apps
 
 
 class JobOutcome(NamedTuple):
@@ -39,6 +52,25 @@ class JobOutcome(NamedTuple):
 SESSION_ENDED = "session"  # an interactive session's outcome (gpu exec, JupyterLab): counted apart
 
 
+class Work(NamedTuple):
+    """Something a release or cancel of its booking would stop: "job 12 (train.py), running"."""
+
+    label: str
+    url: str
+
+
+@dataclass(frozen=True)
+class QueueHold:
+    """A card the queue's plan keeps for a waiting job from its estimated start (its backfill
+    shadow): user bookings must leave it free, or the job is pushed back again and again."""
+
+    gpu_uuid: str
+    start: datetime
+    end: datetime
+    memory_mb: int | None
+    job_id: int
+
+
 # {server id: {session id, ...}} → {(server id, session id): job id} for the running jobs whose
 # recorded pid (a job's session leader) is one of those sessions.
 JobSessions = Callable[[Mapping[int, set[int]]], Mapping[tuple[int, int], int]]
@@ -46,6 +78,10 @@ JobSessions = Callable[[Mapping[int, set[int]]], Mapping[tuple[int, int], int]]
 JobOutcomes = Callable[[datetime, datetime], Sequence[JobOutcome]]
 # (viewer, job ids) → the viewer's own jobs among them.
 OwnJobs = Callable[[Any, Iterable[int]], Collection[int]]
+# reservation id → what runs on it now.
+BookingWork = Callable[[int], Sequence[Work]]
+# (card uuids, start, end) → the queue's holds on those cards that overlap [start, end).
+QueueHolds = Callable[[Sequence[str], datetime, datetime], Sequence[QueueHold]]
 
 
 def _no_sessions(sessions: Mapping[int, set[int]]) -> Mapping[tuple[int, int], int]:
@@ -60,79 +96,67 @@ def _no_jobs(viewer: Any, job_ids: Iterable[int]) -> Collection[int]:
     return ()
 
 
-_job_sessions: JobSessions = _no_sessions
-_interactive_sessions: JobSessions = _no_sessions
-_job_outcomes: JobOutcomes = _no_outcomes
-_own_jobs: OwnJobs = _no_jobs
-
-
-def job_sessions_answered_by(answer: JobSessions) -> None:
-    """Called once by the jobs app (JobsConfig.ready)."""
-    global _job_sessions
-    _job_sessions = answer
-
-
-def interactive_sessions_answered_by(answer: JobSessions) -> None:
-    """Called once by the jobs app (JobsConfig.ready)."""
-    global _interactive_sessions
-    _interactive_sessions = answer
-
-
-def interactive_sessions(sessions: Mapping[int, set[int]]) -> dict[tuple[int, int], int]:
-    """{(server id, session id): interactive session id} for the sessions' processes."""
-    return dict(_interactive_sessions(sessions))
-
-
-class Work(NamedTuple):
-    """Something a release or cancel of its booking would stop: "job 12 (train.py), running"."""
-
-    label: str
-    url: str
-
-
-BookingWork = Callable[[int], Sequence[Work]]
-
-
 def _no_work(reservation_id: int) -> Sequence[Work]:
     return ()
 
 
-_work_on_booking: BookingWork = _no_work
+def _no_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> Sequence[QueueHold]:
+    return ()
 
 
-def work_on_booking_answered_by(answer: BookingWork) -> None:
-    """Called once by the jobs app (JobsConfig.ready)."""
-    global _work_on_booking
-    _work_on_booking = answer
+@dataclass(frozen=True)
+class Answers:
+    """What the app above gpus answers (the table in this module's docstring)."""
+
+    job_sessions: JobSessions = _no_sessions
+    interactive_sessions: JobSessions = _no_sessions
+    job_outcomes: JobOutcomes = _no_outcomes
+    own_jobs: OwnJobs = _no_jobs
+    work_on_booking: BookingWork = _no_work
+    queue_holds: QueueHolds = _no_holds
 
 
-def work_on_booking(reservation_id: int) -> list[Work]:
-    """What runs on the booking now, that ending it would stop."""
-    return list(_work_on_booking(reservation_id))
+NO_ANSWERS = Answers()
 
 
-def job_outcomes_answered_by(answer: JobOutcomes) -> None:
-    """Called once by the jobs app (JobsConfig.ready)."""
-    global _job_outcomes
-    _job_outcomes = answer
+def answered_by(answers: Answers) -> Answers:
+    """Called once by the jobs app (JobsConfig.ready); registering again replaces every answer.
+    Returns the answers it replaced (a test puts them back)."""
+    config = apps.get_app_config("gpus")
+    before = answers_now()
+    config.answers = answers  # type: ignore[attr-defined]
+    return before
 
 
-def own_jobs_answered_by(answer: OwnJobs) -> None:
-    """Called once by the jobs app (JobsConfig.ready)."""
-    global _own_jobs
-    _own_jobs = answer
+def answers_now() -> Answers:
+    return getattr(apps.get_app_config("gpus"), "answers", NO_ANSWERS)
 
 
 def job_sessions(sessions: Mapping[int, set[int]]) -> dict[tuple[int, int], int]:
     """{(server id, session id): job id} for the portal jobs running in these sessions."""
-    return dict(_job_sessions(sessions))
+    return dict(answers_now().job_sessions(sessions))
+
+
+def interactive_sessions(sessions: Mapping[int, set[int]]) -> dict[tuple[int, int], int]:
+    """{(server id, session id): interactive session id} for the sessions' processes."""
+    return dict(answers_now().interactive_sessions(sessions))
 
 
 def job_outcomes(since: datetime, until: datetime) -> list[JobOutcome]:
     """The jobs that finished in [since, until), one JobOutcome each."""
-    return list(_job_outcomes(since, until))
+    return list(answers_now().job_outcomes(since, until))
 
 
 def own_jobs(viewer: Any, job_ids: Iterable[int]) -> Collection[int]:
     """The viewer's own jobs among `job_ids`."""
-    return _own_jobs(viewer, job_ids)
+    return answers_now().own_jobs(viewer, job_ids)
+
+
+def work_on_booking(reservation_id: int) -> list[Work]:
+    """What runs on the booking now, that ending it would stop."""
+    return list(answers_now().work_on_booking(reservation_id))
+
+
+def queue_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> list[QueueHold]:
+    """The queue's holds on these cards overlapping [start, end) (unsorted: gpus.conflicts sorts)."""
+    return list(answers_now().queue_holds(list(gpu_uuids), start, end))

@@ -1,4 +1,4 @@
-"""Which GPU hosts this machine stands for (`make run`): registered with portal.hosts in
+"""Which GPU hosts this machine stands for (`make run`): registered with portal.hooks in
 GpusConfig.ready().
 
 With real NVML that is this host; with the simulated inventory it is every simulated server.
@@ -14,7 +14,7 @@ from django.conf import settings
 from gpus.inventory import BackendUnavailable
 from gpus.nvml import NvmlBackend, NvmlNotInstalled
 from gpus.simulated import server_names
-from portal.hosts import HostDiscoveryError
+from portal.hooks import HostDiscoveryError
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from gpus.inventory import CardState, GPUInfo, Snapshot
 from gpus.models import GPU, GPUProcess, Server, TelemetrySample
 from gpus.sanitize import checked_snapshot
 from gpus.selectors import GPU_LIVE_FIELDS, SERVER_LIVE_FIELDS
-from gpus.usage import usage_observe
+from gpus.usage import UsageRollup, usage_observe
 from portal.changes import TELEMETRY, change_publish
 
 # Sent once per telemetry round, inside its transaction, with `cards`: every reported card
@@ -102,7 +102,9 @@ def _bulk_insert(model: type, fields: list[str], rows: list[tuple]) -> None:
 
 
 @transaction.atomic
-def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None = None) -> None:
+def servers_report_ingest(
+    *, snapshots: Sequence[Snapshot], now: datetime | None = None, rollup: UsageRollup | None = None
+) -> None:
     """Record one telemetry round of many hosts in one transaction of bulk statements.
 
     The collector calls this with every host's latest report. Its cost is what the
@@ -112,7 +114,8 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
     Re-running it with the same snapshots only moves `last_seen`; process lists are
     replaced, never appended to; `draining` belongs to the admins and is never touched.
     Every number is range-checked first (gpus.sanitize): one host's garbage costs that value,
-    never the round. A lost or unresponsive card keeps its stored hardware facts.
+    never the round. A lost or unresponsive card keeps its stored hardware facts. `rollup`: the
+    collector's usage rollup (gpus/usage.py), which counts the round; none elsewhere.
     """
     checked = [c for c in map(checked_snapshot, snapshots) if c is not None]
     if not checked:
@@ -130,7 +133,9 @@ def servers_report_ingest(*, snapshots: Sequence[Snapshot], now: datetime | None
     # Inside the transaction: the jobs app records its running jobs' memory and utilization.
     telemetry_ingested.send(sender=GPUProcess, cards=[g for _, g in cards])
     _history_record(latest, known, now, stored)
-    usage_observe(cards=cards, now=now)  # the usage rollup (gpus/usage.py): memory, a write a minute
+    usage_observe(
+        rollup=rollup, cards=cards, now=now
+    )  # the usage rollup (gpus/usage.py): memory, a write a minute
     for server in known.values():  # once committed: open pages read the round (those of its server)
         change_publish(TELEMETRY, server=server.pk)
 

@@ -1,4 +1,4 @@
-"""What gpus shows on portal's pages (portal/slots.py), filled in GpusConfig.ready()."""
+"""What gpus shows on portal's pages (portal/hooks.py), filled in GpusConfig.ready()."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from django.conf import settings
 from django.template import Context
 
 from gpus.quotas import member_quotas
-from portal.slots import PROFILE_QUOTAS, slot_fill
+from portal.hooks import PROFILE_QUOTAS, slot_fill
 
 
 def my_quotas(context: Context) -> Mapping[str, Any]:

@@ -29,14 +29,20 @@ from gpus.backends import get_backend
 from gpus.inventory import Backend, BackendUnavailable, Snapshot, snapshot_from_json, snapshot_to_json
 from gpus.models import Server
 from gpus.services import servers_report_ingest
+from gpus.usage import UsageRollup, start_rollup, usage_flush
+from portal.names import redis_key
 from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
 
-REPORTS_KEY = "portal:telemetry:reports"
 # Sent on a GPU host, in the reporter's thread, with every `snapshot` it reads: the GPU watchdog
 # (jobs) judges the same processes the dashboard shows. A signal, because jobs builds on gpus.
 snapshot_read = Signal()
+
+
+def reports_key() -> str:
+    """This portal's hash of host reports: two portals sharing a Redis must not take each other's."""
+    return redis_key("telemetry", "reports")
 
 
 def redis_client() -> redis.Redis:
@@ -44,14 +50,15 @@ def redis_client() -> redis.Redis:
 
 
 def publish_snapshot(client: redis.Redis, snapshot: Snapshot) -> None:
-    client.hset(REPORTS_KEY, snapshot.host.name, snapshot_to_json(snapshot))
+    client.hset(reports_key(), snapshot.host.name, snapshot_to_json(snapshot))
 
 
 def take_reports(client: redis.Redis) -> list[Snapshot]:
     """Every host's latest unread report; HGETALL + DEL in one MULTI so none is lost."""
     pipe = client.pipeline(transaction=True)
-    pipe.hgetall(REPORTS_KEY)
-    pipe.delete(REPORTS_KEY)
+    key = reports_key()
+    pipe.hgetall(key)
+    pipe.delete(key)
     raw, _ = pipe.execute()
     snapshots = []
     for host, payload in raw.items():
@@ -62,11 +69,11 @@ def take_reports(client: redis.Redis) -> list[Snapshot]:
     return snapshots
 
 
-def collect_once(client: redis.Redis) -> int:
+def collect_once(client: redis.Redis, rollup: UsageRollup | None = None) -> int:
     began = monotonic()
     snapshots = take_reports(client)
     if snapshots:
-        servers_report_ingest(snapshots=snapshots)
+        servers_report_ingest(snapshots=snapshots, rollup=rollup)
         round_time_record([s.host.name for s in snapshots], monotonic() - began)
     return len(snapshots)
 
@@ -165,13 +172,21 @@ class TelemetryReporter(PeriodicThread):
 
 
 class TelemetryCollector(PeriodicThread):
-    def __init__(self, interval: float = 1.0) -> None:
+    """The portal's one collector; it keeps the usage rollup its rounds feed, and writes what the
+    rollup holds when the worker's shutdown stops it."""
+
+    def __init__(self, interval: float = 1.0, rollup: UsageRollup | None = None) -> None:
         super().__init__("gpu-telemetry-collector", interval)
         self.client = redis_client()
+        self.rollup = rollup
 
     def step(self) -> None:
         close_old_connections()  # a restarted database must not kill the loop
-        collect_once(self.client)
+        collect_once(self.client, self.rollup)
+
+    def finish(self) -> None:
+        if self.rollup is not None:
+            usage_flush(self.rollup)
 
 
 def start_reporter() -> None:
@@ -183,4 +198,4 @@ def start_reporter() -> None:
 
 def start_collector() -> None:
     log.info("Telemetry collector started")
-    start_thread(TelemetryCollector())
+    start_thread(TelemetryCollector(rollup=start_rollup()))  # the rollup before the first round

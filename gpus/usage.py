@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Max, QuerySet, Sum
 from django.utils import timezone
 
@@ -405,30 +405,33 @@ def usage_prune(*, now: datetime | None = None) -> int:
 
 # --- the collector's process ---------------------------------------------------------------------
 
-_rollup: UsageRollup | None = None
 
-
-def start_rollup() -> None:
-    """In the portal's worker, with the collector (gpus/signals.py): one rollup for the portal. Its
-    first flush loads the table and writes the bookings and jobs of the hours missed meanwhile."""
-    global _rollup
-    _rollup = UsageRollup()
+def start_rollup() -> UsageRollup:
+    """In the portal's worker, for its collector (gpus.telemetry.start_collector), which keeps it:
+    one rollup for the portal. Its first flush loads the table and writes the bookings and jobs of
+    the hours missed meanwhile."""
+    rollup = UsageRollup()
     log.info("Usage rollup every %ss", int(FLUSH_EVERY.total_seconds()))
     try:
-        _rollup.flush(timezone.now())
+        rollup.flush(timezone.now())
     except Exception:  # the database may not be up yet: the next round's flush loads it
         log.exception("Usage rollup: could not load; retrying with the next round")
+    return rollup
 
 
-def usage_observe(*, cards: Sequence[tuple[int, GPUInfo]], now: datetime) -> None:
+def usage_observe(*, rollup: UsageRollup | None, cards: Sequence[tuple[int, GPUInfo]], now: datetime) -> None:
     """The ingest's hook (servers_report_ingest): memory only, no query. A due flush runs once the
-    round's transaction has committed, in one of its own; its failure is logged, never the round's."""
-    rollup = _rollup
+    round's transaction has committed, in one of its own; its failure is logged, never the round's.
+    No rollup (every process but the collector's): nothing to count."""
     if rollup is not None and rollup.observe(cards, now):
         transaction.on_commit(partial(rollup.flush, now), robust=True)
 
 
-def usage_flush() -> None:
-    """At the worker's shutdown: write what the last minute counted."""
-    if _rollup is not None:
-        _rollup.flush(timezone.now())
+def usage_flush(rollup: UsageRollup) -> None:
+    """At the collector's end (the worker's shutdown): write what the last minute counted. On a
+    fresh connection: the one this thread had may have died with a database restart."""
+    connection.close()
+    try:
+        rollup.flush(timezone.now())
+    except Exception:
+        log.exception("Usage rollup: the last flush failed; up to a minute of figures is lost")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpus.models import GPU, Allocation
+from gpus.process_env import INSTANCE_VAR, SERVER_VAR
 from jobs.models import InteractiveSession, Job
 
 LAUNCH_CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"  # read (and removed) by jobs/launcher-bin/launcher.py
@@ -222,8 +223,8 @@ def job_environment(
         "PYTHONUNBUFFERED": "1",
         "PORTAL_JOB_ID": str(job.pk),
         "PORTAL_RESERVATION_ID": str(job.reservation_id),
-        "PORTAL_SERVER": server,
-        "PORTAL_INSTANCE": instance,
+        SERVER_VAR: server,  # read back by gpus (gpus.process_env)
+        INSTANCE_VAR: instance,
         LAUNCH_CONFIG_VAR: json.dumps(config),
         **framework_memory_env(card, headroom_mb=headroom_mb, mode=job.memory_mode),
     }
@@ -273,8 +274,8 @@ def session_environment(
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
         "PORTAL_SESSION_ID": str(session.pk),
         "PORTAL_RESERVATION_ID": str(session.reservation_id),
-        "PORTAL_SERVER": server,
-        "PORTAL_INSTANCE": instance,
+        SERVER_VAR: server,  # read back by gpus (gpus.process_env)
+        INSTANCE_VAR: instance,
         LAUNCH_CONFIG_VAR: json.dumps(config),
         **framework_memory_env(card, headroom_mb=headroom_mb, mode=mode),
     }

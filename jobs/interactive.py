@@ -500,7 +500,7 @@ def sessions_reconcile(*, now: datetime | None = None) -> int:
 
 
 def booking_sessions_context(context: Context) -> dict[str, Any]:
-    """The booking page's sessions (portal.slots.RESERVATION_SESSIONS): those of its booking `r`
+    """The booking page's sessions (portal.hooks.RESERVATION_SESSIONS): those of its booking `r`
     that the viewer may see (its owner, its team's leaders, admins), newest first."""
     booking, viewer = context["r"], context["request"].user
     rows = InteractiveSession.objects.restrict(viewer).filter(reservation=booking).select_related("server")

@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from django.conf import settings
 from django.db import transaction
 
 from portal.changes import JOBS, Publisher, change_publish
+from portal.names import redis_key
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ LIVE, STORED, CLOSED, JOB, METRICS = b"L", b"S", b"C", b"J", b"M"
 
 def channel(job_id: int) -> str:
     """One portal's job: two portals may share a Redis, and their job ids collide."""
-    return f"portal:{settings.PORTAL_INSTANCE_ID}:joblog:{job_id}"
+    return redis_key("joblog", job_id)
 
 
 def encode(kind: bytes, offset: int, data: bytes = b"") -> bytes:

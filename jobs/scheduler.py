@@ -20,7 +20,7 @@ import json
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import redis
@@ -30,7 +30,7 @@ from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_create, reservation_release
-from gpus.conflicts import QueueHold
+from gpus.hooks import QueueHold
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
 from jobs.log_live import job_changed
@@ -39,6 +39,7 @@ from jobs.queue import Calendar, Card, Entry, Request, Shares, Usage, Weights, d
 from jobs.services import cpu_share, default_threads, dispatch
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
+from portal.names import redis_key
 from portal.outage import REDIS, WHAT, outage_of
 from portal.periodic import PeriodicThread
 from portal.wakeups import QUEUE_SCHEDULER, client, wait, wake_on_commit
@@ -65,18 +66,34 @@ REFUSAL_REASONS: dict[type[ServiceError], str] = {
 # reports again. A host whose worker never reported is planned by its cards alone.
 SLOTS_STALE_INTERVALS = 4
 REFUSED = "Waiting: "  # a refused job's message starts so: the booking service's words follow
-_failed_before: set[int] = set()  # jobs whose unexpected failure was logged with its traceback
-_usage_cache: tuple[datetime, Shares, Usage] | None = None
-_holds_unstored = False  # the last pass could not store its holds (Redis away): said once
+
+
+@dataclass
+class PassMemory:
+    """What one scheduler keeps from pass to pass: its Scheduler thread owns one, so a second
+    portal, a restarted worker or a test starts from nothing. A pass given none (the Queue page,
+    the API, a test) remembers nothing: it reads the usage afresh and logs every failure."""
+
+    failed_before: set[int] = field(default_factory=set)  # jobs whose failure was logged with its traceback
+    usage: tuple[datetime, Shares, Usage] | None = None  # the fair-share usage, and when it was read
+    holds_unstored: bool = False  # the last pass could not store its holds (Redis away): said once
+
+    def forget_usage(self) -> None:
+        """The bench changes bookings under the cache."""
+        self.usage = None
 
 
 def _holds_key() -> str:
     """One portal's holds: two portals may share a Redis, and their card uuids and job ids collide."""
-    return f"portal:{settings.PORTAL_INSTANCE_ID}:queue:holds"
+    return redis_key("queue", "holds")
 
 
 def queue_plan(
-    *, now: datetime | None = None, leave_out: Collection[int] = (), not_now: Collection[int] = ()
+    *,
+    now: datetime | None = None,
+    leave_out: Collection[int] = (),
+    not_now: Collection[int] = (),
+    memory: PassMemory | None = None,
 ) -> list[Entry]:
     """The plan as it stands: every pending job in priority order, with its factors, reason and
     estimated start (the Queue page, GET /api/v1/queue/, and each pass). `leave_out`: jobs the
@@ -87,7 +104,7 @@ def queue_plan(
     requests = [r for r in _pending() if r.job_id not in leave_out]
     if not requests:
         return []
-    shares, usage = fairshare_state(now)
+    shares, usage = fairshare_state(now, memory)
     online = list(Server.objects.online().values_list("pk", "draining"))
     # The calendar as far as the longest pending job reaches, and QUEUE_ESTIMATE_HORIZON_HOURS on:
     # enough to start any of them safely now, and to estimate starts within the horizon.
@@ -112,7 +129,7 @@ def queue_plan(
     )
 
 
-def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
+def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = None) -> dict[str, int]:
     """One pass: start what the plan says can start now; record why the others wait.
 
     A start the booking service refuses (a quota, a member who left the team) is taken out and the
@@ -120,8 +137,9 @@ def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
     job behind it could use now. One refused for a card taken since the plan read it (Conflict)
     stays in the re-plan as waiting, with its shadow, so the jobs behind it cannot take its cards
     for the rest of the pass. Each round refuses at least one more job, and at most QUEUE_REPLANS
-    rounds run."""
+    rounds run. `memory`: the Scheduler's, kept from pass to pass; none, a fresh one."""
     now = now or timezone.now()
+    memory = memory or PassMemory()
     done: Counter[str] = Counter()
     done["released"] = _release_ended(now)
     refused: dict[int, Refusal] = {}
@@ -130,12 +148,15 @@ def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
             now=now,
             leave_out=[pk for pk, r in refused.items() if not r.keeps_place],
             not_now=[pk for pk, r in refused.items() if r.keeps_place],
+            memory=memory,
         )
         newly = False
         for entry in entries:
             if not entry.start_now:
                 continue
             refusal = _start(entry, now)
+            if refusal and refusal.error:
+                _failed(entry.request.job_id, refusal.error, memory)
             done[refusal.reason if refusal else "started"] += 1
             if refusal:
                 refused[entry.request.job_id] = refusal
@@ -143,7 +164,7 @@ def schedule_pass(*, now: datetime | None = None) -> dict[str, int]:
         if not newly:
             break
     _record_reasons(entries, refused)
-    _store_holds(entries)
+    _store_holds(entries, memory)
     planned = {e.request.job_id for e in entries}
     done["pending"] = sum(1 for e in entries if not e.start_now) + len(refused.keys() - planned)
     return dict(done)
@@ -156,6 +177,7 @@ class Refusal:
     reason: str
     message: str = ""
     keeps_place: bool = False  # a card taken since the plan read them: it keeps its shadow this pass
+    error: Exception | None = None  # not a refusal but a bug or fault: logged once per job (`_failed`)
 
 
 def _record_reasons(entries: list[Entry], refused: dict[int, Refusal]) -> None:
@@ -236,14 +258,17 @@ def _start(entry: Entry, now: datetime) -> Refusal | None:
         reason = REFUSAL_REASONS.get(type(refusal), Job.Reason.RESOURCES)
         log.info("Job %s could not start this pass (%s): %s", r.job_id, reason, refusal.message)
         return Refusal(reason, f"{REFUSED}{refusal.message}", keeps_place=isinstance(refusal, Conflict))
-    except Exception:
-        # A bug or a fault this job meets: skip it, never the pass. Its traceback once, not every pass.
-        if r.job_id not in _failed_before:
-            _failed_before.add(r.job_id)
-            log.exception("Job %s could not start; the others go on, and it is tried again", r.job_id)
-        return Refusal(Job.Reason.RESOURCES)
+    except Exception as exc:  # a bug or a fault this job meets: skip it, never the pass
+        return Refusal(Job.Reason.RESOURCES, error=exc)
     log.info("Started queued job %s on %s", r.job_id, ", ".join(entry.start_now))
     return None
+
+
+def _failed(job_id: int, error: Exception, memory: PassMemory) -> None:
+    """A start that failed unexpectedly: its traceback once per scheduler, not every pass."""
+    if job_id not in memory.failed_before:
+        memory.failed_before.add(job_id)
+        log.error("Job %s could not start; the others go on, and it is tried again", job_id, exc_info=error)
 
 
 def _bind(job: Job, booking: Reservation, now: datetime) -> None:
@@ -288,7 +313,7 @@ def _holds_ttl() -> int:
     return max(HOLDS_MIN_TTL_SECONDS, HOLDS_PASSES * settings.QUEUE_SCHEDULE_SECONDS)
 
 
-def _store_holds(entries: list[Entry]) -> None:
+def _store_holds(entries: list[Entry], memory: PassMemory) -> None:
     """Keep this pass's shadows where the booking service reads them (`queue_holds`): each waiting
     job's cards from its estimated start for its time limit (and the start's slack, as its booking
     will last). Redis away: bookings go unguarded until it is back, never wrong."""
@@ -309,21 +334,20 @@ def _store_holds(entries: list[Entry]) -> None:
             ]
             for uuid in e.held
         ]
-    global _holds_unstored
     try:
         client(5).set(_holds_key(), json.dumps(holds), ex=_holds_ttl())
     except redis.RedisError:
-        if not _holds_unstored:  # once per outage, not every pass
+        if not memory.holds_unstored:  # once per outage, not every pass
             log.warning("Queue: could not store the holds for waiting jobs; bookings may take their cards")
-        _holds_unstored = True
+        memory.holds_unstored = True
         return
-    if _holds_unstored:
+    if memory.holds_unstored:
         log.info("Queue: the holds for waiting jobs are stored again")
-    _holds_unstored = False
+    memory.holds_unstored = False
 
 
 def queue_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> list[QueueHold]:
-    """The booking service's question (gpus.conflicts.queue_holds_answered_by): the last pass's
+    """The booking service's question (gpus.hooks.queue_holds): the last pass's
     holds on these cards overlapping [start, end), of jobs that still wait. A hold whose job started,
     was cancelled or is gone binds no one, whatever the store still says."""
     try:
@@ -461,12 +485,12 @@ def _array_room(arrays: set[int]) -> dict[int, int]:
     return {a: (limit - running.get(a, 0)) if limit else 1_000_000 for a, limit in limits.items()}
 
 
-def fairshare_state(now: datetime) -> tuple[Shares, Usage]:
-    """The teams' and members' shares, and their decayed usage (cached for a minute: usage moves
-    slowly, and a pass every two seconds need not re-read weeks of bookings)."""
-    global _usage_cache
-    if _usage_cache is not None and (now - _usage_cache[0]).total_seconds() < USAGE_CACHE_SECONDS:
-        return _usage_cache[1], _usage_cache[2]
+def fairshare_state(now: datetime, memory: PassMemory | None = None) -> tuple[Shares, Usage]:
+    """The teams' and members' shares, and their decayed usage (kept in the scheduler's `memory`
+    for a minute: usage moves slowly, and a pass every two seconds need not re-read weeks of
+    bookings)."""
+    if memory and memory.usage is not None and (now - memory.usage[0]).total_seconds() < USAGE_CACHE_SECONDS:
+        return memory.usage[1], memory.usage[2]
     shares = Shares(
         team=dict(Team.objects.values_list("pk", "shares")),
         member={(t, u): s for t, u, s in Membership.objects.values_list("team_id", "user_id", "shares")},
@@ -477,20 +501,15 @@ def fairshare_state(now: datetime) -> tuple[Shares, Usage]:
     rows = Allocation.objects.live_between(now - 5 * half_life, now).values_list(
         "start", "end", "memory_mb", "gpu__memory_total_mb", "reservation__team_id", "reservation__owner_id"
     )
-    for start, end, memory, total, team_id, owner_id in rows:
-        fraction = GPU.charged_share(memory, total)
+    for start, end, memory_mb, total, team_id, owner_id in rows:
+        fraction = GPU.charged_share(memory_mb, total)
         hours = decayed_hours(start, end, fraction, now, half_life)
         team[team_id] += hours
         member[(team_id, owner_id)] += hours
     usage = Usage(team=dict(team), member=dict(member))
-    _usage_cache = (now, shares, usage)
+    if memory is not None:
+        memory.usage = (now, shares, usage)
     return shares, usage
-
-
-def forget_usage() -> None:
-    """Tests and the bench change bookings under the cache."""
-    global _usage_cache
-    _usage_cache = None
 
 
 class Scheduler(PeriodicThread):
@@ -498,10 +517,11 @@ class Scheduler(PeriodicThread):
         super().__init__("queue-scheduler", settings.QUEUE_SCHEDULE_SECONDS)
         self.client = client(self.interval + 10)
         self.wakeups_away = False  # Redis could not be waited on at the last pause: said once an outage
+        self.memory = PassMemory()  # this thread's, from pass to pass
 
     def step(self) -> None:
         close_old_connections()  # a restarted database must not kill the loop
-        done = schedule_pass()
+        done = schedule_pass(memory=self.memory)
         if done.get("started"):
             log.info("Queue: %s", done)
 

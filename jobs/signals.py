@@ -6,10 +6,11 @@
 - worker_ready: the portal's own worker (the one consuming the default queue, where the telemetry
   collector runs) starts the job reconciler and the queue's scheduler (jobs/threads.py,
   jobs/scheduler.py); a GPU host's worker ends what a previous worker left running
-  (jobs.host_worker.kill_orphans), then starts its spool replay, its pickup and its watchdog.
+  (jobs.host_worker.kill_orphans), then starts its spool replay, its pickup and its watchdog:
+  one `HostWorker`, which holds what the host's worker keeps for its life.
 - worker_shutting_down: a GPU host's worker asks its running jobs to stop first
   (jobs.host_worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
-  (jobs.host_worker.running_jobs_stopped).
+  (jobs.host_worker.running_jobs_stopped). The HostWorker connects both.
 - gpus' telemetry_ingested: the jobs' peak memory and utilization from each telemetry round
   (jobs.services.jobs_usage_record), since jobs builds on gpus and not the reverse.
 - a user saved from active to inactive (the admin's form, a directory sync, `manage.py shell`):
@@ -17,12 +18,14 @@
   caught by the reconciler's next pass (jobs.leavers.leavers_stop).
 
 What gpus asks jobs (which job a process runs for, which jobs finished) is no signal: jobs
-answers through gpus.hooks, registered in JobsConfig.ready().
+answers through gpus/hooks.py, registered in JobsConfig.ready().
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 from django.conf import settings
@@ -58,7 +61,6 @@ def _on_worker_init(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
 
 @worker_ready.connect
 def _on_worker_ready(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    global _host_worker
     queues = {q.name for q in sender.task_consumer.queues}
     if settings.CELERY_TASK_DEFAULT_QUEUE in queues:
         log.info("Job reconciler every %ss", settings.JOB_RECONCILE_SECONDS)
@@ -66,56 +68,72 @@ def _on_worker_ready(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
         log.info("Queue scheduler every %ss, and when a card frees up", settings.QUEUE_SCHEDULE_SECONDS)
         start_thread(Scheduler())
     if f"host.{settings.WORKER_SERVER}" in queues:
-        _host_worker = True
-        kill_orphans(settings.WORKER_SERVER)
-        lab_orphans_end(settings.WORKER_SERVER)
+        HostWorker(settings.WORKER_SERVER).start(getattr(sender.pool, "limit", None) or 1)
+
+
+class HostWorker:
+    """What a GPU host's worker is, once, for its life: made at worker_ready, kept alive by the
+    signal receivers it connects (strong references, not a module global), so a second worker in
+    the same process, or a test, starts from nothing.
+
+    It ends what a previous worker left running, starts its spool replay, its pickup and its
+    watchdog (which judges each snapshot its telemetry reporter reads), and at the worker's
+    shutdown asks its running jobs to stop, then lowers their stop flag once they have.
+    """
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.watchdog: HostWatchdog | None = None  # made at the first snapshot: it names the host
+        self.database_away = False  # the watchdog's rounds wait for the database: said once
+
+    def start(self, pool_size: int) -> None:
+        kill_orphans(self.server)
+        lab_orphans_end(self.server)
         start_thread(SpoolReplay())
         # The pool's size (solo: 1): jobs beyond it wait in Redis, and are no lost messages.
-        start_thread(HostPickup(settings.WORKER_SERVER, getattr(sender.pool, "limit", None) or 1))
-        snapshot_read.connect(_watch_cards, dispatch_uid="jobs_watchdog")
+        start_thread(HostPickup(self.server, pool_size))
+        _connect(snapshot_read, self.watch_cards, "jobs_watchdog")
+        _connect(worker_shutting_down, self.stop_running_jobs, "jobs_host_stop")
+        _connect(worker_shutdown, self.lower_stop_flag, "jobs_host_stopped")
         log.info("GPU watchdog every %ss%s", settings.WATCHDOG_INTERVAL_SECONDS, _dry_run())
 
+    def watch_cards(self, sender: object, *, snapshot: Snapshot, **kwargs: object) -> None:
+        """In its reporter's thread: each snapshot of its cards, judged."""
+        close_old_connections()  # a restarted database must not kill the loop
+        try:
+            if self.watchdog is None:
+                self.watchdog = HostWatchdog(snapshot.host.name, simulated=snapshot.host.simulated)
+            self.watchdog.round(snapshot)
+        except DatabaseError as exc:
+            if outage_of(exc) is None:
+                raise
+            if not self.database_away:  # one line an outage, not a traceback every round
+                log.warning("GPU watchdog: the database is away (%s); its rounds wait for it", exc)
+            self.database_away = True
+            return
+        if self.database_away:
+            log.warning("GPU watchdog: the database answers again")
+        self.database_away = False
 
-_watchdog: HostWatchdog | None = None
-_watchdog_database_away = False
+    def stop_running_jobs(self, **kwargs: object) -> None:
+        """worker_shutting_down: its running jobs asked to stop first (the portal's own worker
+        runs no jobs, and makes no HostWorker)."""
+        running_jobs_stop()
+
+    def lower_stop_flag(self, **kwargs: object) -> None:
+        """worker_shutdown, after the warm shutdown: every job of this worker has stopped."""
+        running_jobs_stopped()
 
 
-def _watch_cards(sender: object, *, snapshot: Snapshot, **kwargs: object) -> None:
-    """On a GPU host's worker, in its reporter's thread: each snapshot of its cards, judged."""
-    global _watchdog, _watchdog_database_away
-    close_old_connections()  # a restarted database must not kill the loop
-    try:
-        if _watchdog is None:
-            _watchdog = HostWatchdog(snapshot.host.name, simulated=snapshot.host.simulated)
-        _watchdog.round(snapshot)
-    except DatabaseError as exc:
-        if outage_of(exc) is None:
-            raise
-        if not _watchdog_database_away:  # one line an outage, not a traceback every round
-            log.warning("GPU watchdog: the database is away (%s); its rounds wait for it", exc)
-        _watchdog_database_away = True
-        return
-    if _watchdog_database_away:
-        log.warning("GPU watchdog: the database answers again")
-    _watchdog_database_away = False
+def _connect(signal: Any, receiver: Callable[..., None], uid: str) -> None:
+    """This receiver in place of any earlier one of the same uid (a signal keeps the first it was
+    given), held strongly: the receiver is all that keeps its HostWorker."""
+    signal.disconnect(dispatch_uid=uid)
+    signal.connect(receiver, weak=False, dispatch_uid=uid)
 
 
 def _dry_run() -> str:
     return " (DRY RUN: it records and notifies, never stops)" if settings.WATCHDOG_DRY_RUN else ""
-
-
-@worker_shutting_down.connect
-def _stop_running_jobs(**kwargs) -> None:  # type: ignore[no-untyped-def]
-    """Only in a GPU host's worker: the portal's own worker runs no jobs."""
-    if _host_worker:
-        running_jobs_stop()
-
-
-@worker_shutdown.connect
-def _lower_stop_flag(**kwargs) -> None:  # type: ignore[no-untyped-def]
-    """After the warm shutdown: every job of this worker has stopped, its flag goes."""
-    if _host_worker:
-        running_jobs_stopped()
 
 
 @receiver(telemetry_ingested, dispatch_uid="jobs_usage_record")

@@ -24,6 +24,8 @@ import redis
 from django.conf import settings
 from django.db import transaction
 
+from portal.names import redis_key
+
 log = logging.getLogger(__name__)
 
 TELEMETRY, BOOKINGS, JOBS, NOTIFICATIONS = "telemetry", "bookings", "jobs", "notifications"
@@ -33,11 +35,11 @@ TIMEOUT_SECONDS = 0.5
 
 
 def channel() -> str:
-    return f"portal:{settings.PORTAL_INSTANCE_ID}:changes"
+    return redis_key("changes")
 
 
 def user_channel(user_id: int) -> str:
-    return f"portal:{settings.PORTAL_INSTANCE_ID}:user:{user_id}"
+    return redis_key("user", user_id)
 
 
 class Publisher:

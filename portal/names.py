@@ -1,9 +1,21 @@
-"""How a typed username is compared where look-alikes must count as one (no imports of the
-portal's own: the sign-in hooks and the services both use it)."""
+"""Names that must mean one thing everywhere (no imports of the portal's own: the sign-in hooks,
+the services and every app's Redis use share them): how a typed username is compared where
+look-alikes must count as one, and the one shape of a Redis key or channel."""
 
 from __future__ import annotations
 
 import unicodedata
+
+from django.conf import settings
+
+
+def redis_key(*parts: object) -> str:
+    """`portal:<PORTAL_INSTANCE_ID>:<part>:<part>…`: every Redis key and channel of this portal.
+
+    Two portals may share one Redis (a test instance beside production, two labs on one server):
+    without the instance in the name, one takes the other's telemetry, wake-ups and queue holds,
+    whose server names, card uuids and job ids collide."""
+    return ":".join(["portal", settings.PORTAL_INSTANCE_ID, *map(str, parts)])
 
 
 def signin_name(username: str) -> str:

@@ -2,7 +2,7 @@
 
 What these pages show is what portal owns: the account, its API tokens, the teams. Quota use
 is counted from bookings, so it is gpus' to show: gpus fills the profile's "Teams and quotas"
-slot (portal/slots.py, gpus/slots.py), and the team page with its quota forms is
+slot (portal/hooks.py, gpus/slots.py), and the team page with its quota forms is
 gpus/team_views.py. The profile also holds the mail preferences (portal.notifications);
 the inbox is portal/notification_views.py. POST → redirect → GET.
 """

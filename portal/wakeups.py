@@ -14,13 +14,19 @@ import redis
 from django.conf import settings
 from django.db import transaction
 
+from portal.names import redis_key
+
 log = logging.getLogger(__name__)
 
-KEY = "portal:wake:{}"
 
 # The wake-up channels, by what they wake. The jobs scheduler waits on this one; whoever frees
 # cards or queues a job wakes it (gpus' booking release and cancel, jobs' submit and ends).
 QUEUE_SCHEDULER = "queue"
+
+
+def key(name: str) -> str:
+    """This portal's list for `name`: a second portal on the same Redis wakes its own threads only."""
+    return redis_key("wake", name)
 
 
 def client(timeout: float) -> redis.Redis:
@@ -36,8 +42,8 @@ def wake(name: str) -> None:
     try:
         conn = client(5)
         pipe = conn.pipeline()
-        pipe.lpush(KEY.format(name), 1)
-        pipe.ltrim(KEY.format(name), 0, 0)  # one pending wake-up is enough
+        pipe.lpush(key(name), 1)
+        pipe.ltrim(key(name), 0, 0)  # one pending wake-up is enough
         pipe.execute()
     except redis.RedisError:
         log.warning("Could not wake %s; it runs on its next interval", name, exc_info=True)
@@ -45,4 +51,4 @@ def wake(name: str) -> None:
 
 def wait(conn: redis.Redis, name: str, timeout: float) -> bool:
     """Block until woken or `timeout` seconds pass; True when woken."""
-    return conn.blpop([KEY.format(name)], timeout=max(1, round(timeout))) is not None
+    return conn.blpop([key(name)], timeout=max(1, round(timeout))) is not None

@@ -187,13 +187,3 @@ def start_worker(transactional_db, tmp_path) -> Iterator[Callable[..., subproces
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture
-def fresh_usage() -> Iterator[None]:
-    """The scheduler's fair-share cache forgotten around the test (tests change bookings under it)."""
-    from jobs.scheduler import forget_usage
-
-    forget_usage()
-    yield
-    forget_usage()

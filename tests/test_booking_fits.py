@@ -19,20 +19,13 @@ from gpus.booking import reservation_create
 from gpus.conflicts import fits_at_once, fits_on_card
 from gpus.models import GPU
 from jobs.models import Job
-from jobs.scheduler import _calendar, forget_usage, queue_plan, schedule_pass
+from jobs.scheduler import _calendar, queue_plan, schedule_pass
 from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Conflict, Invalid
 
 H = timedelta(hours=1)
 TOTAL = 24 * 1024
 G = 1024
-
-
-@pytest.fixture(autouse=True)
-def _fresh_usage():
-    forget_usage()
-    yield
-    forget_usage()
 
 
 class _RolledBack(Exception):

@@ -28,7 +28,7 @@ from jobs.leavers import user_work_stop
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.runner import Supervisor, job_run
-from jobs.scheduler import forget_usage, queue_plan, schedule_pass
+from jobs.scheduler import queue_plan, schedule_pass
 from jobs.services import dispatch, jobs_reconcile
 from jobs.submit import ScriptUpload, job_submit
 from portal import changes
@@ -37,13 +37,6 @@ from portal.models import AuditEntry, Membership, Notification
 User = get_user_model()
 H = timedelta(hours=1)
 REASON = "alice's account was deactivated"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_usage():
-    forget_usage()
-    yield
-    forget_usage()
 
 
 def _upload(source: bytes = b"print('hi')\n") -> ScriptUpload:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
-import pytest
 from django.urls import reverse
 from django.utils import timezone
 
@@ -23,11 +22,6 @@ from portal.timefmt import format_time
 from tests.factories import fresh, queue_job
 
 H = timedelta(hours=1)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_usage(fresh_usage) -> None:
-    """Every test here plans with a fresh fair-share cache."""
 
 
 def runs_on(client, job: Job, *, poll: bool = False) -> str:

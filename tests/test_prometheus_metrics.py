@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpus.booking import reservation_create, reservation_release
 from gpus.models import GPU, Server, Violation
 from gpus.services import server_report_ingest
-from gpus.telemetry import REPORTS_KEY, collect_once, publish_snapshot, redis_client
+from gpus.telemetry import collect_once, publish_snapshot, redis_client, reports_key
 from jobs.models import InteractiveSession, Job
 from jobs.submit import ScriptUpload, job_submit
 from jobs.watchdog_host import HostWatchdog
@@ -226,7 +226,7 @@ def test_a_real_watchdog_round_and_collector_round_record_their_times(box):
     assert scrape()["gpu_portal_watchdog_round_seconds"] == []  # none yet: no series
     HostWatchdog("box1", simulated=False).round(make_snapshot("box1", gpus=4))
     client = redis_client()
-    client.delete(REPORTS_KEY)
+    client.delete(reports_key())
     publish_snapshot(client, make_snapshot("box1", gpus=4))
     assert collect_once(client) == 1
     server = Server.objects.get(name="box1")

@@ -22,11 +22,6 @@ H = timedelta(hours=1)
 M = timedelta(minutes=1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_usage(fresh_usage) -> None:
-    """Every test here plans with a fresh fair-share cache."""
-
-
 def reason(job: Job) -> str:
     job.refresh_from_db()
     return job.pending_reason

@@ -26,11 +26,6 @@ from tests.factories import MembershipFactory, TeamFactory, fresh, make_snapshot
 H = timedelta(hours=1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_usage(fresh_usage) -> None:
-    """Every test here plans with a fresh fair-share cache."""
-
-
 # --- 1. one job never stops the pass --------------------------------------------------------------
 
 
@@ -64,9 +59,10 @@ def test_an_unexpected_error_skips_only_that_job_and_is_logged_once(
         return real(**kwargs)
 
     monkeypatch.setattr(scheduler, "reservation_create", flaky)
+    memory = scheduler.PassMemory()  # one scheduler's, as its thread keeps it from pass to pass
     with caplog.at_level(logging.ERROR, logger="jobs.scheduler"):
-        schedule_pass()
-        schedule_pass()
+        schedule_pass(memory=memory)
+        schedule_pass(memory=memory)
 
     assert fresh(other).status == Job.Status.QUEUED and fresh(broken).status == Job.Status.PENDING
     assert [r.getMessage() for r in caplog.records].count(
@@ -348,10 +344,10 @@ def test_with_redis_away_the_queue_loses_its_holds_never_a_booking(
     reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], start=now, end=now + H)
     wide = queue_job(alice, gpus=4, minutes=120)
     monkeypatch.setattr(scheduler, "client", away)
-    monkeypatch.setattr(scheduler, "_holds_unstored", False)
+    memory = scheduler.PassMemory()  # one scheduler's, as its thread keeps it from pass to pass
 
-    schedule_pass(now=now)
-    schedule_pass(now=now)
+    schedule_pass(now=now, memory=memory)
+    schedule_pass(now=now, memory=memory)
 
     assert fresh(wide).pending_reason == "resources"
     assert caplog.text.count("could not store the holds") == 1  # once per outage

@@ -25,11 +25,6 @@ H = timedelta(hours=1)
 M = timedelta(minutes=1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_usage(fresh_usage) -> None:
-    """Every test here plans with a fresh fair-share cache."""
-
-
 # --- L3: weekly GPU-hours at submit ---------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from gpus.backends import get_backend
 from gpus.inventory import BackendUnavailable, Snapshot, snapshot_from_json
 from gpus.nvml import NvmlBackend, NvmlNotInstalled
 from gpus.simulated import SimulatedBackend
-from gpus.telemetry import REPORTS_KEY, TelemetryReporter, redis_client, take_reports
+from gpus.telemetry import TelemetryReporter, redis_client, reports_key, take_reports
 from tests.conftest import Clock
 from tests.fake_nvml import FakeNvmlLib, finish_reads, install, uninstall
 from tests.waiting import wait_for
@@ -53,7 +53,7 @@ class FakeRedis:
         self.reports: dict[str, Snapshot] = {}
 
     def hset(self, key: str, field: str, value: str) -> None:
-        assert key == REPORTS_KEY
+        assert key == reports_key()
         self.reports[field] = snapshot_from_json(value)
 
 
@@ -250,7 +250,7 @@ def test_starting_the_reporter_opens_no_backend(monkeypatch: pytest.MonkeyPatch,
 def test_the_reporter_thread_publishes_to_redis_once_nvml_starts(lib: FakeNvmlLib) -> None:
     lib.init_results = [UNKNOWN]
     client = redis_client()
-    client.delete(REPORTS_KEY)
+    client.delete(reports_key())
     reporter = TelemetryReporter(interval=0.05)
     reporter.start()
     try:
@@ -258,7 +258,7 @@ def test_the_reporter_thread_publishes_to_redis_once_nvml_starts(lib: FakeNvmlLi
     finally:
         reporter.stop()
         reporter.join(timeout=10)
-        client.delete(REPORTS_KEY)
+        client.delete(reports_key())
 
     assert (snapshot.host.name, len(snapshot.gpus), reporter.failures) == ("node1", 2, 0)
     assert lib.called("nvmlShutdown")  # finish() closed the backend

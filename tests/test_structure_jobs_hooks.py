@@ -13,6 +13,7 @@ from django.utils import timezone
 from gpus import hooks
 from gpus.booking import reservation_create
 from jobs.models import Job
+from jobs.scheduler import queue_holds
 from jobs.selectors import jobs_finished_between, jobs_owned_by
 from jobs.services import jobs_by_session
 from jobs.submit import ScriptUpload, job_submit
@@ -21,19 +22,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_jobs_app_answers_gpus_questions():
-    assert hooks._job_sessions is jobs_by_session
-    assert hooks._job_outcomes is jobs_finished_between
-    assert hooks._own_jobs is jobs_owned_by
+    answers = hooks.answers_now()
+    assert answers.job_sessions is jobs_by_session
+    assert answers.job_outcomes is jobs_finished_between
+    assert answers.own_jobs is jobs_owned_by
+    assert answers.queue_holds is queue_holds
 
 
-def test_with_no_answer_registered_gpus_hears_none(monkeypatch):
-    monkeypatch.setattr(hooks, "_job_sessions", hooks._no_sessions)
-    monkeypatch.setattr(hooks, "_job_outcomes", hooks._no_outcomes)
-    monkeypatch.setattr(hooks, "_own_jobs", hooks._no_jobs)
-    now = timezone.now()
-    assert hooks.job_sessions({1: {100}}) == {}
-    assert hooks.job_outcomes(now - timedelta(hours=1), now) == []
-    assert hooks.own_jobs(object(), [1, 2]) == ()
+def test_with_no_answer_registered_gpus_hears_none():
+    before = hooks.answered_by(hooks.NO_ANSWERS)
+    try:
+        now = timezone.now()
+        assert hooks.job_sessions({1: {100}}) == {}
+        assert hooks.interactive_sessions({1: {100}}) == {}
+        assert hooks.job_outcomes(now - timedelta(hours=1), now) == []
+        assert hooks.own_jobs(object(), [1, 2]) == ()
+        assert hooks.work_on_booking(1) == []
+        assert hooks.queue_holds(["GPU-1"], now, now + timedelta(hours=1)) == []
+    finally:
+        hooks.answered_by(before)
 
 
 def test_no_signal_of_gpus_is_sent_for_an_answer():

@@ -3,7 +3,7 @@
 import pytest
 
 from gpus.models import GPU, Server
-from gpus.telemetry import REPORTS_KEY, collect_once, publish_snapshot, redis_client, take_reports
+from gpus.telemetry import collect_once, publish_snapshot, redis_client, reports_key, take_reports
 from tests.factories import make_snapshot
 
 pytestmark = pytest.mark.django_db
@@ -12,9 +12,9 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def client():
     client = redis_client()
-    client.delete(REPORTS_KEY)
+    client.delete(reports_key())
     yield client
-    client.delete(REPORTS_KEY)
+    client.delete(reports_key())
 
 
 def test_it_keeps_only_each_hosts_latest_report(client):
@@ -38,6 +38,6 @@ def test_it_collects_every_host_into_the_database(client):
 
 def test_it_drops_a_malformed_report_and_keeps_the_rest(client, caplog):
     publish_snapshot(client, make_snapshot("box1", gpus=1))
-    client.hset(REPORTS_KEY, "evil", b"{not json")
+    client.hset(reports_key(), "evil", b"{not json")
     assert collect_once(client) == 1
     assert "malformed telemetry report from 'evil'" in caplog.text

@@ -311,12 +311,12 @@ def test_ended_interactive_sessions_count_in_a_column_of_their_own(alice, team, 
 def test_the_ingest_feeds_a_started_rollup_and_it_writes_after_the_commit(
     alice, team, box, base, monkeypatch, django_capture_on_commit_callbacks
 ):
-    monkeypatch.setattr(usage, "_rollup", UsageRollup())
+    rollup = UsageRollup()
     book(alice, team, box[0], base, base + H)
     snapshot = make_snapshot("box1", gpus=4, util=25)
     for seconds in range(0, 301, 10):
         with django_capture_on_commit_callbacks(execute=True):
-            servers_report_ingest(snapshots=[snapshot], now=base + timedelta(seconds=seconds))
+            servers_report_ingest(snapshots=[snapshot], now=base + timedelta(seconds=seconds), rollup=rollup)
     row = UsageHour.objects.get(gpu=box[0], user=alice)
     assert row.gpu_hours_booked == pytest.approx(5 / 60)
     assert 0 < row.gpu_hours_used <= 0.25 * 5 / 60
@@ -326,7 +326,6 @@ def test_without_a_rollup_the_ingest_writes_no_usage(
     alice, team, box, base, monkeypatch, django_capture_on_commit_callbacks
 ):
     """Only the portal's worker rolls usage up: the same rounds as above, with no rollup started."""
-    monkeypatch.setattr(usage, "_rollup", None)
     book(alice, team, box[0], base, base + H)
     snapshot = make_snapshot("box1", gpus=4, util=25)
     for seconds in range(0, 301, 10):

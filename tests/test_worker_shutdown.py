@@ -49,7 +49,6 @@ def test_a_shutdown_stops_a_running_job_without_the_database(alice, box, flag, s
 
 @pytest.mark.django_db
 def test_the_shutdown_handler_writes_its_flag_and_survives_a_database_outage(monkeypatch, flag, caplog):
-    monkeypatch.setattr(signals, "_host_worker", True)
     closed = []
     monkeypatch.setattr(host_worker.connection, "close", lambda: closed.append(True))
 
@@ -57,7 +56,7 @@ def test_the_shutdown_handler_writes_its_flag_and_survives_a_database_outage(mon
         raise OperationalError("could not connect to server: Connection refused")
 
     monkeypatch.setattr(Job.objects, "filter", refused)
-    signals._stop_running_jobs()
+    signals.HostWorker(settings.WORKER_SERVER).stop_running_jobs()
     assert flag.exists() and closed == [True]
     assert "its jobs stop by the flag alone" in caplog.text
     assert settings.WORKER_SERVER  # the handler ran as a host's worker would

@@ -1,4 +1,4 @@
-"""{% slot "name" key=value ... %}: what the apps above filled the slot with (portal/slots.py)."""
+"""{% slot "name" key=value ... %}: what the apps above filled the slot with (portal/hooks.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from django import template
 from django.utils.safestring import SafeString, mark_safe
 
-from portal.slots import slot_fillings
+from portal.hooks import slot_fillings
 
 register = template.Library()
 

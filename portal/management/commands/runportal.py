@@ -5,7 +5,7 @@ LAB_ORIGIN, 127.0.0.1 by default (labs are served from an origin of their own: j
 
 With real NVML that is this host; with the simulated inventory it is every simulated
 server, so the whole portal can be tried on a laptop (gpus/hosts.py answers, through
-portal/hosts.py). A child that dies is restarted
+portal/hooks.py). A child that dies is restarted
 (portal/supervisor.py); Ctrl-C or SIGTERM stops everything started, and a second one during
 that stop kills it all at once.
 """
@@ -23,14 +23,14 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from portal.env import env_int, env_str
-from portal.hosts import HostDiscoveryError, worker_hosts
+from portal.hooks import HostDiscoveryError, worker_hosts
 from portal.services import demo_data_seed
 from portal.supervisor import ChildSpec, ProcessSupervisor
 from portal.workers import worker_argv
 
 
 def _worker_servers() -> tuple[list[str], bool]:
-    """The GPU hosts this machine stands for, as the gpus app answers (portal/hosts.py)."""
+    """The GPU hosts this machine stands for, as the gpus app answers (portal/hooks.py)."""
     try:
         return worker_hosts()
     except HostDiscoveryError as exc:
