@@ -7,7 +7,6 @@ import re
 import secrets
 import socket
 import sys
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from portal.env import (
     env_bool,
     env_choice,
     env_int,
+    env_int_renamed,
     env_list,
     env_origin,
     env_pairs,
@@ -446,20 +446,12 @@ JOB_INTERPRETERS.setdefault("default", sys.executable)
 # Cancel and time limits: SIGTERM to the job's process group, SIGKILL this much later.
 # At most 100 s: systemd stops a worker after 120 s (TimeoutStopSec).
 JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_value=100)
-# The GPU watchdog's own grace (docs/watchdog.md): a process it stops itself (one outside any
-# job) gets SIGTERM, then SIGKILL this much later; a job it stops, the job's supervisor stops with
-# JOB_KILL_GRACE_SECONDS. Unset (None here): JOB_KILL_GRACE_SECONDS, 10 unless set, for this
-# release only, because that was the watchdog's grace before it had its own
-# (jobs.watchdog_host.kill_grace); a warning at start-up says so when that one is set.
-WATCHDOG_KILL_GRACE_SECONDS = env_int("WATCHDOG_KILL_GRACE_SECONDS", 0, min_value=1, max_value=100) or None
-if WATCHDOG_KILL_GRACE_SECONDS is None and env_str("JOB_KILL_GRACE_SECONDS").strip():
-    warnings.warn(
-        "The GPU watchdog reads JOB_KILL_GRACE_SECONDS as its grace before SIGKILL in place of"
-        " WATCHDOG_KILL_GRACE_SECONDS, for this release only: set WATCHDOG_KILL_GRACE_SECONDS"
-        " (docs/configuration.md)",
-        FutureWarning,
-        stacklevel=1,
-    )
+# The GPU watchdog's own grace (docs/watchdog.md): SIGTERM to a process it stops itself, SIGKILL
+# this much later (a job it stops, its supervisor stops after JOB_KILL_GRACE_SECONDS). None: unset,
+# so JOB_KILL_GRACE_SECONDS (10 unless set) in its place, this release only (watchdog_host.kill_grace).
+WATCHDOG_KILL_GRACE_SECONDS = env_int_renamed(
+    "WATCHDOG_KILL_GRACE_SECONDS", was="JOB_KILL_GRACE_SECONDS", min_value=1, max_value=100
+)
 # --- The queue (docs/queue.md) ---
 # The scheduler's pass, and at once when a card frees up.
 QUEUE_SCHEDULE_SECONDS = env_int("QUEUE_SCHEDULE_SECONDS", 2, min_value=1, max_value=60)
