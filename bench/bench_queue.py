@@ -684,7 +684,7 @@ def bench_end_to_end(scratch: Path) -> None:
     from django.db import connection
 
     from gpus.models import GPU, Server
-    from gpus.simulated import server_names
+    from gpus.simulated.inventory import server_names
     from jobs.scheduler import forget_usage
 
     call_command("flush", interactive=False, verbosity=0)  # a fresh database: one small host

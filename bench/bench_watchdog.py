@@ -314,7 +314,7 @@ class Trials:
 
     def _appear(self, phase: float) -> tuple[subprocess.Popen, int, float]:
         from gpus.models import Violation
-        from gpus.simulated import simulated_process_declare
+        from gpus.simulated.declarations import simulated_process_declare
 
         time.sleep(phase)
         proc = self.sleepers.start()
@@ -339,7 +339,7 @@ class Trials:
             raise RuntimeError(f"{exc}\n{self.workers.tail()}") from None
 
     def _gone(self, proc: subprocess.Popen) -> None:
-        from gpus.simulated import simulated_process_remove
+        from gpus.simulated.declarations import simulated_process_remove
 
         simulated_process_remove(path=self.declarations, pid=proc.pid)
         self.sleepers.kill(proc)
@@ -422,7 +422,7 @@ def bench_end_to_end(sleepers: Sleepers, scratch: Path) -> None:
     from django.conf import settings
     from django.db import connection
 
-    from gpus.simulated import server_names
+    from gpus.simulated.inventory import server_names
 
     if getpass.getuser() == "alice":
         raise RuntimeError("run the bench as another OS user than alice: her processes are her own")

@@ -1,14 +1,15 @@
-"""A SIMULATED GPU backend for hosts without an NVIDIA driver (development, demos, CI).
+"""A SIMULATED GPU backend for hosts without an NVIDIA driver (development, demos, CI): the
+random walk of one server's cards, with this machine's real processes shown on them.
 
-Servers come from a YAML inventory (by default ``simulated_inventory.yaml`` beside this
-module). Telemetry is a mean-reverting random walk per card: idle cards sit at 0% with a few
-hundred MB in use; at most MAX_INVENTED_PER_SERVER card of a server runs an invented process
-(scenery: a fresh demo must look lived-in, not crowded), never on a card with a booking now or
-soon, and now and then it finishes or another starts. Every report says ``simulated=True``.
+Servers come from the YAML inventory (gpus.simulated.inventory). Telemetry is a mean-reverting
+random walk per card: idle cards sit at 0% with a few hundred MB in use; at most
+MAX_INVENTED_PER_SERVER card of a server runs an invented process (scenery: a fresh demo must
+look lived-in, not crowded), never on a card with a booking now or soon, and now and then it
+finishes or another starts. Every report says ``simulated=True``.
 
-Real processes of this machine show on the cards too: this portal's jobs (by the card they booked),
-and processes declared with ``manage.py simulate_gpu_process`` (a small JSON file), so the
-watchdog can be tried end to end without a GPU.
+Real processes of this machine show on the cards too: this portal's jobs (by the card they
+booked, gpus.simulated.local_jobs), and processes declared with ``manage.py simulate_gpu_process``
+(gpus.simulated.declarations), so the watchdog can be tried end to end without a GPU.
 
 Card constants (UUID, PCI bus id, reserved memory) derive from server name and index, so
 they survive restarts; the walk itself is deterministic only when a ``seed`` is given.
@@ -16,23 +17,14 @@ they survive restarts; the walk itself is deterministic only when a ``seed`` is 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import logging
-import os
 import random
-import re
-import tempfile
 import uuid
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
-import psutil
-import yaml
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
 from django.utils import timezone
@@ -40,12 +32,12 @@ from django.utils import timezone
 from gpus.inventory import GPUInfo, HostInfo, ProcessInfo, Snapshot
 from gpus.models import Allocation
 from gpus.procinfo import describe_process, is_process_pid
+from gpus.simulated.declarations import DeclarationsFile, DeclaredProcess
+from gpus.simulated.inventory import DEFAULT_INVENTORY, SimulatedGPUSpec, load_inventory
+from gpus.simulated.local_jobs import local_job_processes
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INVENTORY = Path(__file__).with_name("simulated_inventory.yaml")
-
-MAX_GPUS_PER_SERVER = 64
 IDLE_TEMPERATURE_C = 35.0
 FULL_TEMPERATURE_C = 80.0
 IDLE_POWER_W = 60.0
@@ -66,153 +58,6 @@ COMMANDS = (
     "python -u sweep.py --trial 7",
     "python -m ipykernel_launcher -f /run/user/1000/jupyter/kernel-3f2a.json",
 )
-
-
-class InventoryError(ValueError):
-    """The simulated inventory file is malformed; the message names the bad field."""
-
-
-@dataclass(frozen=True)
-class SimulatedGPUSpec:
-    model: str
-    count: int
-    memory_gb: float
-    power_limit_w: float
-    mig_mode: str | None = None  # "enabled", "disabled", or None: the card has no MIG
-
-
-@dataclass(frozen=True)
-class SimulatedServer:
-    name: str
-    hostname: str
-    cpu_count: int
-    ram_gb: float
-    driver_version: str
-    cuda_version: str
-    users: tuple[str, ...]
-    gpus: tuple[SimulatedGPUSpec, ...]
-
-
-# --- loading and validation -------------------------------------------------------------
-
-_MISSING = object()
-_SLUG = re.compile(r"^[-a-zA-Z0-9_]+$")
-
-
-def _is_text(value: object) -> bool:
-    return isinstance(value, str) and bool(value.strip())
-
-
-def _is_positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _is_positive_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-
-
-def _is_user_list(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_text(u) for u in value)
-
-
-def _mapping(value: object, where: str, fields: set[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise InventoryError(f"{where or 'top level'}: expected a mapping, got {value!r}")
-    unknown = sorted(set(value) - fields)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise InventoryError(f"{prefix}{unknown[0]}: unknown field (known: {', '.join(sorted(fields))})")
-    return value
-
-
-def _field(
-    data: dict[str, Any],
-    key: str,
-    where: str,
-    check: Callable[[object], bool],
-    expected: str,
-    default: Any = _MISSING,
-) -> Any:
-    name = f"{where}.{key}" if where else key
-    if key not in data:
-        if default is _MISSING:
-            raise InventoryError(f"{name}: missing, expected {expected}")
-        return default
-    if not check(data[key]):
-        raise InventoryError(f"{name}: expected {expected}, got {data[key]!r}")
-    return data[key]
-
-
-def _gpu_spec(data: object, where: str) -> SimulatedGPUSpec:
-    data = _mapping(data, where, {"model", "count", "memory_gb", "power_limit_w", "mig_mode"})
-    return SimulatedGPUSpec(
-        model=_field(data, "model", where, _is_text, "a model name"),
-        count=_field(data, "count", where, _is_positive_int, "a positive integer"),
-        memory_gb=_field(data, "memory_gb", where, _is_positive_number, "a positive number"),
-        power_limit_w=_field(data, "power_limit_w", where, _is_positive_number, "a positive number"),
-        mig_mode=_field(
-            data,
-            "mig_mode",
-            where,
-            lambda v: v in (None, "enabled", "disabled"),
-            "enabled, disabled or null",
-            default=None,
-        ),
-    )
-
-
-def _server(data: object, where: str, users: tuple[str, ...]) -> SimulatedServer:
-    fields = {"name", "hostname", "cpu_count", "ram_gb", "driver_version", "cuda_version"}
-    data = _mapping(data, where, fields | {"users", "gpus"})
-    version = "a quoted string such as '12.4'"  # unquoted 12.4 is a YAML float
-    name = _field(
-        data,
-        "name",
-        where,
-        lambda v: isinstance(v, str) and bool(_SLUG.match(v)),
-        "a slug (letters, digits, - and _)",
-    )
-    specs = _field(data, "gpus", where, lambda v: isinstance(v, list) and bool(v), "a list")
-    gpus = tuple(_gpu_spec(spec, f"{where}.gpus[{i}]") for i, spec in enumerate(specs))
-    if sum(g.count for g in gpus) > MAX_GPUS_PER_SERVER:
-        raise InventoryError(f"{where}.gpus: more than {MAX_GPUS_PER_SERVER} GPUs in one server")
-    return SimulatedServer(
-        name=name,
-        hostname=_field(data, "hostname", where, _is_text, "a host name", default=name),
-        cpu_count=_field(data, "cpu_count", where, _is_positive_int, "a positive integer"),
-        ram_gb=_field(data, "ram_gb", where, _is_positive_number, "a positive number"),
-        driver_version=_field(data, "driver_version", where, _is_text, version),
-        cuda_version=_field(data, "cuda_version", where, _is_text, version),
-        users=tuple(_field(data, "users", where, _is_user_list, "a list of user names", default=users)),
-        gpus=gpus,
-    )
-
-
-def load_inventory(path: Path | None = None) -> list[SimulatedServer]:
-    """Read and validate an inventory; InventoryError names the file and the bad field."""
-    path = path or DEFAULT_INVENTORY
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        data = _mapping(data, "", {"users", "servers"})
-        users = tuple(_field(data, "users", "", _is_user_list, "a list of user names"))
-        raw = _field(data, "servers", "", lambda v: isinstance(v, list) and bool(v), "a list of servers")
-        servers = [_server(s, f"servers[{i}]", users) for i, s in enumerate(raw)]
-        names = [s.name for s in servers]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise InventoryError(f"servers[{i}].name: duplicate server name {name!r}")
-    except yaml.YAMLError as exc:
-        raise InventoryError(f"{path}: not valid YAML: {exc}") from exc
-    except InventoryError as exc:
-        raise InventoryError(f"{path}: {exc}") from None
-    return servers
-
-
-def server_names(path: Path | None = None) -> list[str]:
-    return [s.name for s in load_inventory(path)]
-
-
-# --- the simulation -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -249,36 +94,6 @@ class _Card:
         return min(IDLE_POWER_W, self.spec.power_limit_w / 4)
 
 
-def local_job_processes(server: str, instance: str) -> dict[str, list[ProcessInfo]]:
-    """This portal's job processes on this machine for simulated `server`, by booked card UUID.
-
-    The simulation stands in for the driver's knowledge of which card a process uses: it takes
-    it from the job's environment (PORTAL_SERVER, CUDA_VISIBLE_DEVICES), which the worker wrote.
-    Only processes that also carry this portal's PORTAL_INSTANCE count: another checkout on this
-    machine runs jobs on the same simulated server names, and they are not this portal's to
-    show, nor its watchdog's to stop. What the process is, and which job it belongs to, comes
-    from `describe_process` and the session id, exactly as with NVML; a job's own
-    PORTAL_JOB_ID is never read.
-    """
-    found: dict[str, list[ProcessInfo]] = {}
-    for proc in psutil.process_iter():
-        try:
-            if not is_process_pid(proc.pid) or os.getsid(proc.pid) != proc.pid:
-                continue  # the job's session leader stands for the job; never pid 0 or init
-            env = proc.environ()
-            if env.get("PORTAL_SERVER") != server or env.get("PORTAL_INSTANCE") != instance:
-                continue
-            cards = [u for u in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if u]
-            # Spread over its cards, so the job's sum over cards is its real footprint.
-            used_mb = proc.memory_info().rss // (1024 * 1024) // max(1, len(cards))
-        except (psutil.Error, OSError):
-            continue  # exited meanwhile, or another user's (JOB_USER): the simulation cannot see it
-        info = describe_process(proc.pid, used_mb)
-        for card in cards:
-            found.setdefault(card, []).append(info)
-    return found
-
-
 def booked_cards(server: str, now: datetime | None = None) -> frozenset[str]:
     """UUIDs of `server`'s cards with a live allocation (whole or a share) between `now` and
     BOOKED_LOOKAHEAD_SECONDS later: where the simulation invents no process. One query."""
@@ -286,162 +101,6 @@ def booked_cards(server: str, now: datetime | None = None) -> frozenset[str]:
     ahead = now + timedelta(seconds=BOOKED_LOOKAHEAD_SECONDS)
     rows = Allocation.objects.live_between(now, ahead).filter(gpu__server__name=server)
     return frozenset(rows.values_list("gpu_id", flat=True))
-
-
-# --- processes declared with `manage.py simulate_gpu_process` -----------------------------
-
-# A live process whose start differs from the declared one by more than this is another process
-# that reuses the pid (after a reboot, pids count from 1 again): it was never declared, and the
-# watchdog must not stop it. The slack absorbs clock adjustments, which move the start times
-# psutil derives from the boot time.
-START_TIME_SLACK_SECONDS = 1.0
-
-
-class DeclarationsError(ValueError):
-    """The declarations file is malformed; the message names the file and the bad field."""
-
-
-@dataclass(frozen=True)
-class DeclaredProcess:
-    gpu: str  # the simulated card's UUID
-    pid: int
-    started: float  # psutil's create_time: tells the process from a later one with its pid
-    memory_mb: int
-
-    def is_running(self) -> bool:
-        started = process_started(self.pid)
-        return started is not None and abs(started - self.started) <= START_TIME_SLACK_SECONDS
-
-
-def process_started(pid: int) -> float | None:
-    """When live process `pid` of this machine started; None when there is none."""
-    if pid <= 0:
-        return None  # not a process: to os.kill, 0 and -1 mean whole groups of them
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None  # exited, not reaped yet: it holds no memory and cannot be stopped
-        return proc.create_time()
-    except (psutil.Error, OverflowError, ValueError):
-        return None
-
-
-def declared_processes(path: Path) -> list[DeclaredProcess]:
-    """Every declaration in `path`, exited processes included; none when there is no file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    try:
-        data = _mapping(json.loads(text), "", {"processes"})
-        raw = _field(data, "processes", "", lambda v: isinstance(v, list), "a list")
-        return [_declared(entry, f"processes[{i}]") for i, entry in enumerate(raw)]
-    except json.JSONDecodeError as exc:
-        raise DeclarationsError(f"{path}: not valid JSON: {exc}") from None
-    except InventoryError as exc:
-        raise DeclarationsError(f"{path}: {exc}") from None
-
-
-def _declared(data: object, where: str) -> DeclaredProcess:
-    data = _mapping(data, where, {"gpu", "pid", "started", "memory_mb"})
-    return DeclaredProcess(
-        gpu=_field(data, "gpu", where, _is_text, "a card UUID"),
-        pid=_field(data, "pid", where, _is_positive_int, "a positive integer"),
-        started=float(_field(data, "started", where, _is_positive_number, "a start time")),
-        memory_mb=_field(data, "memory_mb", where, _is_positive_int, "a positive integer"),
-    )
-
-
-def simulated_process_declare(*, path: Path, gpu: str, pid: int, memory_mb: int) -> DeclaredProcess | None:
-    """Declare that live process `pid` uses `memory_mb` on simulated card `gpu`.
-
-    Returns the declaration this one replaces (the same pid on the same card), or None.
-    Raises ProcessLookupError when `pid` is no live process of this machine.
-    """
-    started = process_started(pid)
-    if started is None:
-        raise ProcessLookupError(pid)
-    new = DeclaredProcess(gpu=gpu, pid=pid, started=started, memory_mb=memory_mb)
-    with _declarations_edit(path) as declared:
-        previous = next((d for d in declared if (d.gpu, d.pid) == (gpu, pid)), None)
-        if previous is None:
-            declared.append(new)
-        else:
-            declared[declared.index(previous)] = new
-    return previous
-
-
-def simulated_process_remove(*, path: Path, pid: int, gpu: str | None = None) -> list[DeclaredProcess]:
-    """Take back `pid`'s declarations (on card `gpu` only, when given); returns those removed."""
-    with _declarations_edit(path) as declared:
-        removed = [d for d in declared if d.pid == pid and gpu in (None, d.gpu)]
-        declared[:] = [d for d in declared if d not in removed]
-    return removed
-
-
-@contextlib.contextmanager
-def _declarations_edit(path: Path) -> Iterator[list[DeclaredProcess]]:
-    """The declarations of running processes, to change in place; written back on exit.
-
-    Read, change and write happen under one exclusive lock, so two commands at once never lose
-    each other's entries. The lock is a file of its own: every write replaces the data file
-    with a new inode, and a lock on the old one would guard nothing.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f"{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        declared = [d for d in declared_processes(path) if d.is_running()]
-        yield declared
-        _declarations_write(path, declared)
-
-
-def _declarations_write(path: Path, declared: list[DeclaredProcess]) -> None:
-    # A temporary file renamed over the old one: a worker reads the old list or the new one,
-    # never half of one.
-    text = json.dumps({"processes": [asdict(d) for d in declared]}, indent=2) + "\n"
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-
-
-class _DeclarationsFile:
-    """The declarations file as a worker reads it, every snapshot: parsed again only when it
-    changed. No file means no declarations; a malformed one counts as empty, logged once per
-    version of it, so a typo never costs the server its telemetry."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self._version: tuple[int, int, int] | None = None
-        self._declared: list[DeclaredProcess] = []
-
-    def running(self) -> list[DeclaredProcess]:
-        if self.path is None:
-            return []
-        try:
-            stat = self.path.stat()
-            # Every write is a new inode (os.replace), so an edit that keeps the size within
-            # the clock's granularity still reads as a change.
-            version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        except OSError:
-            version = None  # no file yet
-        if version != self._version:
-            self._version = version
-            self._declared = self._read(self.path) if version else []
-        return [d for d in self._declared if d.is_running()]
-
-    @staticmethod
-    def _read(path: Path) -> list[DeclaredProcess]:
-        try:
-            return declared_processes(path)
-        except (DeclarationsError, OSError) as exc:
-            log.warning("Ignoring the simulated GPU processes until the file changes: %s", exc)
-            return []
 
 
 def _revert(value: float, target: float, pull: float, noise: float, low: float, high: float) -> float:
@@ -474,7 +133,7 @@ class SimulatedBackend:
         self.server = server = servers[server_name]
         self._rng = random.Random(seed)
         self._instance = settings.PORTAL_INSTANCE_ID if instance is None else instance
-        self._declarations = _DeclarationsFile(processes_file)
+        self._declarations = DeclarationsFile(processes_file)
         self._booked = booked or (lambda: booked_cards(server_name))
         self._last_booked: frozenset[str] = frozenset()
         self._bookings_away = False
