@@ -508,7 +508,7 @@ def main() -> int:
 
         from gpus.booking import reservation_create
         from gpus.services import server_report_ingest
-        from gpus.simulated import server_names
+        from gpus.simulated.inventory import server_names
         from portal.models import Membership, Team
         from tests.factories import make_snapshot
 

@@ -691,7 +691,7 @@ def bench_end_to_end(scratch: Path) -> None:
     from django.db import connection
 
     from gpus.models import GPU, Server
-    from gpus.simulated import server_names
+    from gpus.simulated.inventory import server_names
 
     call_command("flush", interactive=False, verbosity=0)  # a fresh database: one small host
     server = server_names()[0]

@@ -321,7 +321,7 @@ def seed() -> tuple[int, str]:  # (job id, token); the user "bench" has password
     import jobs.tasks
     from gpus.booking import reservation_create
     from gpus.services import server_report_ingest
-    from gpus.simulated import server_names
+    from gpus.simulated.inventory import server_names
     from jobs.logs import LogWriter
     from jobs.models import Job
     from jobs.submit import ScriptUpload, job_submit

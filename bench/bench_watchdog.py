@@ -16,7 +16,7 @@ What is measured
        its own share of one interval (spread evenly): otherwise every trial would declare just
        after a round, the worst phase. 1 warm-up trial, then 20. Goal: max ≤ 5 s (target 3 s).
     2. Stop. The intruder policy becomes `stop` with grace_seconds=2 (a WatchdogPolicy row;
-       JOB_KILL_GRACE_SECONDS=1 in the host worker's environment). The host caches policies for
+       WATCHDOG_KILL_GRACE_SECONDS=1 in the host worker's environment). The host caches policies for
        up to 10 s, so a first, uncounted trial waits until its process is stopped: from then on the
        host acts on the new policy. Then 5 trials as above, each timed from the declaration to the
        process having exited (SIGTERM from the host; the bench reaps it) and to the violation's
@@ -76,6 +76,7 @@ CLEARED_ENV = (
     "WATCHDOG_DRY_RUN",
     "WATCHDOG_STOP_AFTER_SECONDS",
     "JOB_KILL_GRACE_SECONDS",
+    "WATCHDOG_KILL_GRACE_SECONDS",
 )
 for _name in CLEARED_ENV:
     os.environ.pop(_name, None)
@@ -313,7 +314,7 @@ class Trials:
 
     def _appear(self, phase: float) -> tuple[subprocess.Popen, int, float]:
         from gpus.models import Violation
-        from gpus.simulated import simulated_process_declare
+        from gpus.simulated.declarations import simulated_process_declare
 
         time.sleep(phase)
         proc = self.sleepers.start()
@@ -338,7 +339,7 @@ class Trials:
             raise RuntimeError(f"{exc}\n{self.workers.tail()}") from None
 
     def _gone(self, proc: subprocess.Popen) -> None:
-        from gpus.simulated import simulated_process_remove
+        from gpus.simulated.declarations import simulated_process_remove
 
         simulated_process_remove(path=self.declarations, pid=proc.pid)
         self.sleepers.kill(proc)
@@ -421,14 +422,14 @@ def bench_end_to_end(sleepers: Sleepers, scratch: Path) -> None:
     from django.conf import settings
     from django.db import connection
 
-    from gpus.simulated import server_names
+    from gpus.simulated.inventory import server_names
 
     if getpass.getuser() == "alice":
         raise RuntimeError("run the bench as another OS user than alice: her processes are her own")
     server = server_names()[0]
     declarations = scratch / "simulated-gpu-processes.json"
     set_intruder_policy("warn", 60)
-    workers = Workers(server, scratch, declarations=declarations, JOB_KILL_GRACE_SECONDS="1")
+    workers = Workers(server, scratch, declarations=declarations, WATCHDOG_KILL_GRACE_SECONDS="1")
     try:
         workers.wait_ready()
         card = setup_booking(server)

@@ -9,7 +9,7 @@ from django.conf import settings
 
 from gpus.inventory import Backend
 from gpus.nvml import NvmlBackend, NvmlNotInstalled
-from gpus.simulated import SimulatedBackend
+from gpus.simulated.backend import SimulatedBackend
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from django.conf import settings
 
 from gpus.inventory import BackendUnavailable
 from gpus.nvml import NvmlBackend, NvmlNotInstalled
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from portal.hooks import HostDiscoveryError
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ the offender's team leaders on repeat offences), or stop: warn at once, and once
 period has passed, stop the process: a running job through its own supervisor (which sends
 SIGTERM to its process group and SIGKILL after JOB_KILL_GRACE_SECONDS, and records the job as
 failed with the rule and the measurement), any other process by SIGTERM, then SIGKILL after the
-same grace. The violation is `stopped` once NVML no longer lists the process.
+watchdog's own grace (WATCHDOG_KILL_GRACE_SECONDS, `kill_grace`). The violation is `stopped` once
+NVML no longer lists the process.
 
 Only the process that was seen is ever signalled: by pid *and* start time through a pidfd
 (`portal.pids.send`), and only while the pid is still in the session the backend saw. A pid
@@ -443,8 +444,9 @@ class HostWatchdog:
 
     def _escalate(self, tracked: Tracked, verdict: Verdict, now: datetime) -> None:
         waited = (now - tracked.stop_started).total_seconds()
-        grace = settings.JOB_KILL_GRACE_SECONDS
         direct = verdict.job_id is None or verdict.kind == Kind.ZOMBIE  # no supervisor stops it
+        # A job's supervisor sends its SIGKILL after the job's grace; the watchdog, after its own.
+        grace = kill_grace() if direct else settings.JOB_KILL_GRACE_SECONDS
         if direct and not tracked.killed and waited >= grace:
             if self._signal(tracked, verdict, signal.SIGKILL, now):
                 tracked.killed = True
@@ -528,6 +530,13 @@ class HostWatchdog:
         if cached is None or (now - cached[0]).total_seconds() >= POLICY_CACHE_SECONDS:
             self._policies = cached = (now, WatchdogPolicy.current())
         return cached[1]
+
+
+def kill_grace() -> int:
+    """Seconds between the watchdog's SIGTERM and its SIGKILL to a process it stops itself:
+    WATCHDOG_KILL_GRACE_SECONDS; unset, JOB_KILL_GRACE_SECONDS, for this release only (it was the
+    watchdog's grace before the watchdog had its own)."""
+    return settings.WATCHDOG_KILL_GRACE_SECONDS or settings.JOB_KILL_GRACE_SECONDS
 
 
 # --- facts, one query each ----------------------------------------------------------------------

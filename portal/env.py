@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -61,6 +62,20 @@ def env_int(name: str, default: int, *, min_value: int | None = None, max_value:
     if max_value is not None and number > max_value:
         raise ImproperlyConfiguredEnv(f"{name}={number} is above the maximum {max_value}")
     return number
+
+
+def env_int_renamed(
+    name: str, *, was: str, min_value: int | None = None, max_value: int | None = None
+) -> int | None:
+    """`name` as env_int; None when unset, for the caller to read `was` in its place, the name it
+    takes over from, for one release. Where only `was` is set, a warning at start-up says so."""
+    if not (_raw(name) or "").strip() and (_raw(was) or "").strip():
+        warnings.warn(
+            f"{was} is read in place of {name}, for this release only: set {name} (docs/configuration.md)",
+            FutureWarning,
+            stacklevel=2,
+        )
+    return env_int(name, 0, min_value=min_value, max_value=max_value) or None
 
 
 def env_list(name: str, default: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ from portal.env import (
     env_bool,
     env_choice,
     env_int,
+    env_int_renamed,
     env_list,
     env_origin,
     env_pairs,
@@ -445,6 +446,12 @@ JOB_INTERPRETERS.setdefault("default", sys.executable)
 # Cancel and time limits: SIGTERM to the job's process group, SIGKILL this much later.
 # At most 100 s: systemd stops a worker after 120 s (TimeoutStopSec).
 JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_value=100)
+# The GPU watchdog's own grace (docs/watchdog.md): SIGTERM to a process it stops itself, SIGKILL
+# this much later (a job it stops, its supervisor stops after JOB_KILL_GRACE_SECONDS). None: unset,
+# so JOB_KILL_GRACE_SECONDS (10 unless set) in its place, this release only (watchdog_host.kill_grace).
+WATCHDOG_KILL_GRACE_SECONDS = env_int_renamed(
+    "WATCHDOG_KILL_GRACE_SECONDS", was="JOB_KILL_GRACE_SECONDS", min_value=1, max_value=100
+)
 # --- The queue (docs/queue.md) ---
 # The scheduler's pass, and at once when a card frees up.
 QUEUE_SCHEDULE_SECONDS = env_int("QUEUE_SCHEDULE_SECONDS", 2, min_value=1, max_value=60)

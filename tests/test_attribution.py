@@ -26,7 +26,8 @@ from gpus.models import GPU, GPUProcess, Server, Violation, WatchdogPolicy
 from gpus.procinfo import describe_process, session_of
 from gpus.sanitize import checked_snapshot
 from gpus.services import servers_report_ingest
-from gpus.simulated import SimulatedBackend, load_inventory
+from gpus.simulated.backend import SimulatedBackend
+from gpus.simulated.inventory import load_inventory
 from jobs.host_worker import kill_orphans
 from jobs.models import Job
 from jobs.watchdog_host import HostWatchdog

@@ -31,7 +31,7 @@ from gpu_cli.params import DURATION, MEMORY
 from gpus.booking import reservation_create
 from gpus.models import Reservation, Violation
 from gpus.services import server_report_ingest
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from jobs.logs import log_append
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit

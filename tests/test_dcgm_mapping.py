@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.models import GPU
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from jobs import dcgm
 from jobs.host_worker import kill_orphans
 from jobs.interactive import session_start

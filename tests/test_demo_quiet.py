@@ -27,7 +27,8 @@ from gpus.inventory import Snapshot
 from gpus.models import GPU, GPUProcess, Violation, WatchdogPolicy
 from gpus.procinfo import describe_process
 from gpus.services import servers_report_ingest
-from gpus.simulated import MAX_INVENTED_PER_SERVER, SimulatedBackend, server_names
+from gpus.simulated.backend import MAX_INVENTED_PER_SERVER, SimulatedBackend
+from gpus.simulated.inventory import server_names
 from jobs.watchdog_host import HostWatchdog
 from portal.models import Notification
 from portal.services import demo_data_seed

@@ -1,9 +1,13 @@
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import psycopg
 import pytest
 
+from jobs.watchdog_host import kill_grace
 from portal.env import (
     POSTGRES_DEFAULT_OPTIONS,
     ImproperlyConfiguredEnv,
@@ -89,6 +93,44 @@ def test_it_refuses_a_bad_setting_at_start_up():
     )
     assert result.returncode != 0
     assert "GPU_BACKEND='cuda' must be one of" in result.stderr
+
+
+def _settings_with(**env: str) -> subprocess.CompletedProcess:
+    """portal.settings loaded afresh with `env` over this one, neither grace set unless given."""
+    base = {k: v for k, v in os.environ.items() if not k.endswith("KILL_GRACE_SECONDS")}
+    code = "import portal.settings as s; print(s.WATCHDOG_KILL_GRACE_SECONDS, s.JOB_KILL_GRACE_SECONDS)"
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "read", "warned"),
+    [
+        ({}, "None 10", False),
+        ({"JOB_KILL_GRACE_SECONDS": "3"}, "None 3", True),
+        ({"WATCHDOG_KILL_GRACE_SECONDS": "4"}, "4 10", False),
+        ({"WATCHDOG_KILL_GRACE_SECONDS": "4", "JOB_KILL_GRACE_SECONDS": "3"}, "4 3", False),
+    ],
+)
+def test_the_watchdogs_grace_falls_back_to_the_old_setting_with_a_warning(env, read, warned):
+    """Only JOB_KILL_GRACE_SECONDS set: the watchdog still reads it for one release, and says so."""
+    result = _settings_with(**env)
+    assert result.stdout.strip() == read, result.stderr
+    assert ("set WATCHDOG_KILL_GRACE_SECONDS" in result.stderr) is warned
+
+
+def test_the_watchdogs_grace_refuses_nonsense():
+    result = _settings_with(WATCHDOG_KILL_GRACE_SECONDS="0")
+    assert result.returncode != 0
+    assert "WATCHDOG_KILL_GRACE_SECONDS=0 is below the minimum 1" in result.stderr
+
+
+def test_the_watchdog_kills_after_its_own_grace_else_the_old_one(settings):
+    settings.WATCHDOG_KILL_GRACE_SECONDS, settings.JOB_KILL_GRACE_SECONDS = None, 3
+    assert kill_grace() == 3
+    settings.WATCHDOG_KILL_GRACE_SECONDS = 4
+    assert kill_grace() == 4
 
 
 @pytest.mark.parametrize(

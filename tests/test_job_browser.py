@@ -8,7 +8,7 @@ import pytest
 
 from gpus.booking import reservation_create
 from gpus.models import GPU
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from jobs.models import Job
 from tests.browser import log_in, page  # noqa: F401 - the fixture
 from tests.waiting import wait_for

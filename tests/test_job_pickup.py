@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.services import server_report_ingest
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from jobs.logs import log_stream
 from jobs.models import Job
 from jobs.pickup import HostPickup, stranded_jobs

@@ -19,7 +19,7 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.models import GPU, Allocation, GPUProcess, Reservation
 from gpus.services import server_report_ingest
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from jobs.launch import LAUNCHER
 from jobs.models import Job
 from jobs.runner import job_run

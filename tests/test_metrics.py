@@ -19,7 +19,7 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.models import GPU, TelemetrySample
 from gpus.services import server_report_ingest
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from jobs import metrics
 from jobs.logs import LOG_FLUSH_SECONDS, log_stream
 from jobs.metrics import MAX_METRICS, PREFIX, MetricsRecorder, parse_record

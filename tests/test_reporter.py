@@ -16,7 +16,7 @@ from gpus import telemetry
 from gpus.backends import get_backend
 from gpus.inventory import BackendUnavailable, Snapshot, snapshot_from_json
 from gpus.nvml import NvmlBackend, NvmlNotInstalled
-from gpus.simulated import SimulatedBackend
+from gpus.simulated.backend import SimulatedBackend
 from gpus.telemetry import TelemetryReporter, redis_client, reports_key, take_reports
 from tests.conftest import Clock
 from tests.fake_nvml import FakeNvmlLib, finish_reads, install, uninstall

@@ -387,7 +387,7 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     job_id = api.post("/api/v1/jobs/", {"reservation": booking}, {"script": ("sleeper.py", SLEEPER)})["id"]
     wait_for(lambda: "ready" in api.log(job_id), timeout=60, what="the job's first line")
     # Its card shows it as the job's: the worker gave it this portal's PORTAL_INSTANCE, and the
-    # simulated backend shows only processes that carry it (gpus/simulated.py).
+    # simulated backend shows only processes that carry it (gpus/simulated/local_jobs.py).
     wait_for(lambda: f"job {job_id}" in _jobs_on_cards(api, "rp1"), timeout=30, what="the job on its card")
 
     worker, web = _child(proc, queue="host.rp1"), _child(proc, web=True)

@@ -26,7 +26,8 @@ from gpus.backends import get_backend
 from gpus.inventory import GPUInfo, ProcessInfo, Snapshot
 from gpus.models import GPU, GPUProcess
 from gpus.services import servers_report_ingest
-from gpus.simulated import SimulatedBackend, declared_processes, simulated_process_declare
+from gpus.simulated.backend import SimulatedBackend
+from gpus.simulated.declarations import declared_processes, simulated_process_declare
 from tests.waiting import wait_for
 
 SERVER = "sim-rtx-4x24"
@@ -262,12 +263,13 @@ def test_a_malformed_file_does_not_break_snapshots(cards, path, start, caplog, t
     path.write_text(text)
     backend = SimulatedBackend(SERVER, seed=1, processes_file=path)
 
-    with caplog.at_level(logging.WARNING, logger="gpus.simulated"):
+    with caplog.at_level(logging.WARNING, logger="gpus.simulated.declarations"):
         first, second = backend.snapshot(), backend.snapshot()
 
     assert len(first.gpus) == len(second.gpus) == 4
     assert all(real(g) == [] for g in first.gpus + second.gpus)
-    (record,) = [r for r in caplog.records if r.name == "gpus.simulated"]  # once, not every round
+    # once, not every round
+    (record,) = [r for r in caplog.records if r.name == "gpus.simulated.declarations"]
     assert str(path) in record.getMessage()
     with pytest.raises(CommandError, match=f"{path}: .*Fix the file, or delete it to start afresh"):
         declare(cards[0], start().pid, 1024)

@@ -12,15 +12,9 @@ import pytest
 import yaml
 from django.db import OperationalError
 
-from gpus import simulated
-from gpus.simulated import (
-    DEFAULT_INVENTORY,
-    MAX_INVENTED_PER_SERVER,
-    InventoryError,
-    SimulatedBackend,
-    load_inventory,
-    server_names,
-)
+from gpus.simulated import backend
+from gpus.simulated.backend import MAX_INVENTED_PER_SERVER, SimulatedBackend
+from gpus.simulated.inventory import DEFAULT_INVENTORY, InventoryError, load_inventory, server_names
 from tests.conftest import ROOT
 
 VALID = {
@@ -44,7 +38,7 @@ VALID = {
 @pytest.fixture(autouse=True)
 def _nothing_booked(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bookings come from the database (tests/test_demo_quiet.py): here, none."""
-    monkeypatch.setattr(simulated, "booked_cards", lambda server: frozenset())
+    monkeypatch.setattr(backend, "booked_cards", lambda server: frozenset())
 
 
 def write(tmp_path: Path, data: object) -> Path:

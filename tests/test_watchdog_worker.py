@@ -15,7 +15,7 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import GPU, Violation
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from jobs.logs import log_stream
 from jobs.models import Job
 from portal.models import Notification

@@ -7,7 +7,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gpus.models import GPU, Server
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from portal.celery import app
 from tests.waiting import wait_for
 

@@ -29,7 +29,7 @@ import pytest
 from django.conf import settings as django_settings
 
 from gpus.booking import reservation_create
-from gpus.simulated import server_names
+from gpus.simulated.inventory import server_names
 from jobs import dcgm, host_worker
 from jobs.models import Job
 from jobs.replay import spool_replay

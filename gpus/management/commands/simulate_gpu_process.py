@@ -15,7 +15,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from gpus.models import GPU
 from gpus.procinfo import describe_process
-from gpus.simulated import (
+from gpus.simulated.declarations import (
     DeclarationsError,
     DeclaredProcess,
     declared_processes,
