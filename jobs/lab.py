@@ -4,8 +4,8 @@ kind "jupyterlab"; the portal's proxy is jobs.lab_proxy).
 `session_start` (jobs.interactive) writes the row (STARTING, with a random token) and sends its id
 to the booking's host queue once committed; `lab_run` there claims it (a conditional UPDATE on
 `worker`, so a message delivered twice starts one lab) and starts JupyterLab as a job is started
-(portal.processes.start_job_process: a session of its own, JOB_USER's account, no privileges,
-SIGKILLed with the worker) in the booking's environment (the cards by UUID, every framework's
+(the executor `executor_for` gives, jobs/executors: a session of its own, JOB_USER's account, no
+privileges, SIGKILLed with the worker) in the booking's environment (the cards by UUID, every framework's
 memory caps: jobs.environment.session_environment). The token reaches the server through its
 environment (JUPYTER_TOKEN), never its command line, which every user can read; the browser never
 sees it (the proxy adds it). The server serves the base URL /sessions/<id>/lab/, the path the
@@ -50,7 +50,6 @@ import threading
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import IO
 
 import psutil
 from django.conf import settings
@@ -63,15 +62,14 @@ from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.dcgm import session_name, work_ended, work_started
 from jobs.environment import INHERITED_ENV, BookedCard, JobSetupError, activation, session_environment
+from jobs.executors import Run, RunOutput, RunSpec, executor_for
 from jobs.interactive import LOST, lab_path, lab_start_refused_tell, session_stopped_tell, session_warn_ending
 from jobs.lab_listener import Listener, listen, listener_proof, listening_at
 from jobs.launch import LAUNCHER, account_of
 from jobs.models import InteractiveSession
 from jobs.spool import worker_stopping
-from jobs.supervision import JobSession
 from portal.accounts import JOB_USER_OWNER
 from portal.pids import ProcessId, Sent, send, session_members
-from portal.processes import start_job_process
 from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
@@ -109,7 +107,8 @@ class LabSupervisor:
     def __init__(self, session: InteractiveSession) -> None:
         self.session = session
         self.pk = session.pk
-        self.proc: JobSession | None = None
+        self.executor = executor_for(session)
+        self.proc: Run | None = None  # the lab's processes, once started
         self.output: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES)
         self.address = ""
         self.ends_at = session.reservation.end  # the last the database said
@@ -125,15 +124,14 @@ class LabSupervisor:
 
     def run(self) -> str:
         try:
-            popen = self._start()
+            self.proc = self._start()
         except (JobSetupError, OSError) as exc:
             return self._finish(Session.FAILED, f"JupyterLab could not start: {exc}", None)
-        self.proc = JobSession(popen)
         work_started(session_name(self.pk), self.session.gpu_uuids)  # DCGM's hpc_job (jobs/dcgm.py)
         InteractiveSession.objects.filter(pk=self.pk).update(
             pid=self.proc.leader.pid, pid_started=self.proc.leader.started
         )
-        self.reader = threading.Thread(target=self._read, args=(popen.stdout,), daemon=True)
+        self.reader = threading.Thread(target=self._read, args=(self.proc.output,), daemon=True)
         self.reader.start()
         why = self._wait_ready() or self._prove()
         if why is None:
@@ -149,7 +147,7 @@ class LabSupervisor:
 
     # --- start ---------------------------------------------------------------------------------
 
-    def _start(self):  # type: ignore[no-untyped-def]
+    def _start(self) -> Run:
         session = self.session
         allocation = session.reservation.allocations.select_related("gpu").order_by("gpu__index").first()
         if allocation is None:
@@ -203,22 +201,20 @@ class LabSupervisor:
         sock, self.listener = listen(settings.SESSION_BIND_ADDRESS)
         self.address = self.listener.address
         env[LISTEN_FD_ENV] = str(sock.fileno())
+        spec = RunSpec(argv, env, root, f"Session {session.pk}", account, [sock.fileno()], session.gpu_uuids)
         try:
-            return start_job_process(
-                argv,
-                env=env,
-                cwd=root,
-                user=account.pw_uid if account is not None else None,
-                group=account.pw_gid if account is not None else None,
-                pass_fds=[sock.fileno()],
-            )
+            return self.executor.start(spec)
         finally:
             sock.close()  # the lab's copy is the only one left: its listener dies with it
 
-    def _read(self, stream: IO[bytes]) -> None:
+    def _read(self, output: RunOutput) -> None:
         """The server's output, drained (a full pipe would block it); its last lines kept."""
-        for line in iter(stream.readline, b""):
-            self.output.append(line.decode(errors="replace").rstrip())
+        rest = b""
+        while (chunk := output.get(timeout=None)) is not None:
+            *lines, rest = (rest + chunk).split(b"\n")
+            self.output.extend(line.decode(errors="replace").rstrip() for line in lines)
+        if rest:
+            self.output.append(rest.decode(errors="replace").rstrip())
 
     def _wait_ready(self) -> str | None:
         """None once a server answers at the lab's address (asked without the token: nothing
@@ -226,10 +222,10 @@ class LabSupervisor:
         assert self.proc is not None
         deadline = time.monotonic() + settings.SESSION_START_SECONDS
         while time.monotonic() < deadline:
-            if self.proc.exited():
+            if (end := self.executor.poll(self.proc)) is not None:
                 if self.reader is not None:
                     self.reader.join(timeout=HTTP_TIMEOUT_SECONDS)  # its last words, to the end
-                if _exit_status(self.proc.leader.pid) == LISTENER_REFUSED_EXIT_CODE:
+                if end.code == LISTENER_REFUSED_EXIT_CODE:
                     self.refused = True
                     return (
                         f"JupyterLab refused the listening socket the worker passed it: {self._last_lines()}"
@@ -245,7 +241,7 @@ class LabSupervisor:
     def _prove(self) -> str | None:
         """None when the server that answered is the lab this worker started; else why not."""
         assert self.proc is not None and self.listener is not None
-        why = listener_proof(self.proc, self.listener, uid=self.uid, gid=self.gid)
+        why = listener_proof(self.executor, self.proc, self.listener, uid=self.uid, gid=self.gid)
         if why is not None:
             self.refused = True
             log.error("Session %s: %s", self.pk, why)
@@ -295,7 +291,7 @@ class LabSupervisor:
         assert self.proc is not None
         next_kernel_check = 0.0
         while True:
-            if self.proc.exited():
+            if self.executor.poll(self.proc) is not None:
                 return "JupyterLab exited by itself"
             if worker_stopping():
                 return f"the worker on {socket.gethostname()} shut down"
@@ -381,18 +377,12 @@ class LabSupervisor:
         # closes its listener, after which anyone on the host could listen at that address.
         with contextlib.suppress(DatabaseError):
             InteractiveSession.objects.filter(pk=self.pk).update(address="")
-        exited_by_itself = self.proc.exited()
-        if not exited_by_itself:
-            self.proc.signal(signal.SIGTERM)
-            give_up = time.monotonic() + settings.JOB_KILL_GRACE_SECONDS
-            while not self.proc.exited() and time.monotonic() < give_up:
-                time.sleep(0.1)
-            self.proc.signal(signal.SIGKILL)
+        # Its kernels are sessions of their own: listed while the server is its unreaped child
+        # (its pid names it alone), ended by identity once the server is gone.
         self.kernels = _merge(self.kernels, _kernel_sessions(self.proc.leader.pid))
+        end = self.executor.stop(self.proc, settings.JOB_KILL_GRACE_SECONDS)
         end_kernels(self.kernels, self.uid)
-        self.proc.end()
-        code = self.proc.reap()
-        return self._finish(Session.ENDED if self.ran else Session.FAILED, why, code)
+        return self._finish(Session.ENDED if self.ran else Session.FAILED, why, end.returncode)
 
     def _finish(self, status: str, why: str, code: int | None) -> str:
         work_ended(session_name(self.pk))
@@ -414,16 +404,6 @@ class LabSupervisor:
                 session_stopped_tell(session, why)
         log.info("Session %s: %s (%s)", self.pk, status, why)
         return status
-
-
-def _exit_status(pid: int) -> int | None:
-    """The exit code of the worker's exited child `pid`, leaving it unreaped; None: killed, or
-    not exited."""
-    with contextlib.suppress(ChildProcessError):
-        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        if found is not None and found.si_code == os.CLD_EXITED:
-            return found.si_status
-    return None
 
 
 def _ended_by_owner(session: InteractiveSession) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from jobs.environment import JobSetupError
-from jobs.supervision import JobSession
+from jobs.executors import Executor, Run
 from portal.processes import start_job_process
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def listen(host: str) -> tuple[socket.socket, Listener]:
         raise JobSetupError(f"cannot listen on SESSION_BIND_ADDRESS={host}: {exc.strerror}") from None
 
 
-def listener_proof(lab: JobSession, listener: Listener, *, uid: int, gid: int) -> str | None:
+def listener_proof(executor: Executor, lab: Run, listener: Listener, *, uid: int, gid: int) -> str | None:
     """None when the server listening at `listener`'s address is the JupyterLab this worker
     started; else why it is not. The lab's token goes nowhere before this holds.
 
@@ -83,7 +83,7 @@ def listener_proof(lab: JobSession, listener: Listener, *, uid: int, gid: int) -
             "and handed to it"
         )
     held = held_sockets(lab.leader.pid, uid=uid, gid=gid)
-    if listener.inode not in held or lab.exited():
+    if listener.inode not in held or executor.poll(lab) is not None:
         return (
             f"{refused}: the socket {listener.inode} listening there is not held by the lab's "
             f"process {lab.leader.pid}"

@@ -3,14 +3,14 @@
 The worker never imports TensorFlow (GPU memory taken by a long-lived worker is never
 given back): every job is a subprocess in its own session, started through
 jobs/launcher-bin/launcher.py with the job's interpreter, without any of the worker's
-privileges (portal.processes.start_job_process). Cancel and time limits send SIGTERM to the
-job's session (every process of it, by identity: jobs/supervision.py) and SIGKILL after
-JOB_KILL_GRACE_SECONDS. A worker that may not signal its job (JOB_USER without CAP_KILL) says so
-on the job and in its log, and keeps watching it until it ends by itself. While the database is
-away, or hangs, the supervisor keeps the job's last known deadline and enforces it alone: the
-database steps run in a thread of their own and the deadline, the worker's shutdown and the
-SIGKILL escalation in another that never waits on them; the job's end waits in this host's spool
-(jobs/spool.py, jobs/replay.py).
+privileges, by the executor `executor_for` gives (jobs/executors: starting, signalling, sweeping
+and reaping the job's processes live there). Cancel and time limits send SIGTERM to the job's
+processes and SIGKILL after JOB_KILL_GRACE_SECONDS. A worker that may not signal its job
+(JOB_USER without CAP_KILL) says so on the job and in its log, and keeps watching it until it
+ends by itself. While the database is away, or hangs, the supervisor keeps the job's last known
+deadline and enforces it alone: the database steps run in a thread of their own and the
+deadline, the worker's shutdown and the SIGKILL escalation in another that never waits on them;
+the job's end waits in this host's spool (jobs/spool.py, jobs/replay.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import os
 import queue
 import signal
 import socket
-import subprocess
 import threading
 import time
 from collections import deque
@@ -37,6 +36,8 @@ from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.dcgm import job_name, work_ended, work_started
 from jobs.environment import JobSetupError
+from jobs.executors import Run, RunEnd, RunOutput, RunSpec, executor_for
+from jobs.executors.output import follow
 from jobs.launch import job_claim, launch_for, patiently
 from jobs.log_live import job_changed
 from jobs.logs import LogWriter
@@ -45,9 +46,7 @@ from jobs.models import Job
 from jobs.replay import job_end_store
 from jobs.scheduler import queued_job_ended
 from jobs.spool import EndRecord, job_spool, stop_flag, worker_stopping
-from jobs.supervision import JobOutput, JobSession, Signalled
 from portal.outage import WHAT, outage_of
-from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE, start_job_process
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,8 +74,8 @@ class Supervisor:
                 self.spool.close()  # and its lock: the next try takes it again
             raise
         self.metrics = MetricsRecorder(job.pk)  # the training curves, taken out of the output
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.session: JobSession | None = None
+        self.executor = executor_for(job)
+        self.session: Run | None = None  # the job's processes, once started
         self.booking_end: datetime = job.reservation.end  # the last deadline the database gave
         self.db_away: str | None = None  # the outage a database step last met, said once
         self.stop_reason: str | None = None  # Job.Status to record once the process is gone
@@ -141,21 +140,17 @@ class Supervisor:
             f"[portal] job {job.pk} on {settings.WORKER_SERVER} ({socket.gethostname()}): "
             f"{' '.join(launch.argv[3:])} in {launch.cwd}"
         )
-        account = launch.account  # JOB_USER's: jobs run as an account that cannot read the worker's secrets
+        # As JOB_USER's account (launch.account): jobs run as one that cannot read the worker's secrets.
+        spec = RunSpec(
+            launch.argv, launch.env, launch.cwd, f"Job {job.pk}", launch.account, gpu_uuids=job.gpu_uuids
+        )
         try:
-            self.proc = start_job_process(
-                launch.argv,
-                env=launch.env,
-                cwd=launch.cwd,
-                user=account.pw_uid if account is not None else None,
-                group=account.pw_gid if account is not None else None,
-            )
+            self.session = self.executor.start(spec)  # its identity, taken before anything can reap it
         except OSError as exc:
             self.writer.write_line(f"[portal] cannot start: {exc}")
             self.writer.close()
             self._finish(Job.Status.FAILED, None, f"Could not start {launch.argv[0]}: {exc}")
             return
-        self.session = JobSession(self.proc)  # its identity, taken before anything can reap it
         work_started(job_name(job.pk), job.gpu_uuids)  # DCGM's hpc_job label (jobs/dcgm.py)
         job.started_at = timezone.now()
         self.env_applied = launch.env_applied
@@ -202,13 +197,13 @@ class Supervisor:
         return f"Cancelled by {who}." if who else row["message"] or "Cancelled."
 
     def _supervise(self) -> None:
-        assert self.proc is not None and self.session is not None
-        output = JobOutput(self.proc.stdout, tick=TICK_SECONDS)
+        assert self.session is not None
+        output = self.session.output
         self.row_read_at = time.monotonic()
         enforcer = self._helper(self._enforce, "enforcer")
         self._helper(self._db_steps, "db")
         try:
-            self._loop(output)
+            self._loop()
         except Exception:
             log.exception("Job %s: the supervisor failed", self.job.pk)
             self._kill_now()  # never leave a job running unwatched
@@ -216,19 +211,19 @@ class Supervisor:
         # sweep cannot reach a process that took the pid since. Reaped only after it and after the
         # last output, so that every heartbeat is from while the leader was unreaped (the proof
         # kill_orphans takes Job.heartbeat_at for).
-        self.session.wait_exit()
+        self.executor.wait(self.session)
         with self.lock:
             self.closed = True
         self.db_later.put(None)  # a database step that hangs is left to itself: it decides nothing now
         enforcer.join(timeout=5)
         self._end_session()
         self._drain(output)
-        code = self._reap()
+        end = self._reap()
         self._write_notes()
         self._guarded(self.writer.close)
-        self._record(code)
+        self._record(end)
 
-    def _reap(self) -> int:
+    def _reap(self) -> RunEnd:
         """Reap the leader once no heartbeat UPDATE is in flight: a beat is the database's time of
         that statement, and kill_orphans trusts Job.heartbeat_at as a moment the session id was
         still the job's. A database that holds the statement past BEAT_WAIT_SECONDS (frozen) does
@@ -242,7 +237,7 @@ class Supervisor:
                 self.job.pk,
                 BEAT_WAIT_SECONDS,
             )
-        return self.session.reap()
+        return self.executor.collect(self.session)
 
     def _helper(self, target: Callable[[], None], what: str) -> threading.Thread:
         """A thread of this supervisor's with a database connection of its own (closed at its
@@ -269,40 +264,32 @@ class Supervisor:
         thread.start()
         return thread
 
-    def _loop(self, output: JobOutput) -> None:
-        """Until the job has exited and its output is drained: its output to the log and the
-        metrics. Cancel, limits and the shutdown are decided by the other threads (`_db_steps`,
-        `_enforce`); their lines for the log are written here."""
+    def _loop(self) -> None:
+        """Until the job has exited and its output is drained (jobs/executors/output.py): its
+        output to the log and the metrics. Cancel, limits and the shutdown are decided by the other
+        threads (`_db_steps`, `_enforce`); their lines for the log are written here."""
         assert self.session is not None
-        exited_at: float | None = None
-        while True:
-            if self.db_failed:
-                raise RuntimeError("the supervisor's database steps failed")
-            if exited_at is None and self.session.exited():
-                exited_at = time.monotonic()
-            if exited_at is not None and (
-                output.eof or time.monotonic() - exited_at > settings.JOB_DRAIN_SECONDS
-            ):
-                # Done; a child that kept the output pipe open (a server started in the
-                # background) does not keep the job alive: _end_session ends it.
-                return
-            deadline = time.monotonic() + TICK_SECONDS
-            while not output.eof:
-                try:
-                    data = output.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if data is None:
-                    break
-                self._note_launcher_line(data)
-                self._take_output(data)
-            if output.eof:
-                time.sleep(max(0.0, deadline - time.monotonic()))  # output closed; waiting for the exit
-            self._write_notes()
-            if late := self.metrics.release():  # held back in case it became a record; it did not
-                self.writer.feed(late)
-            self._guarded(self.writer.maybe_flush)
-            self._guarded(self.metrics.maybe_flush)
+        follow(
+            self.executor,
+            self.session,
+            take=self._take_first_output,
+            tick=self._tick,
+            tick_seconds=TICK_SECONDS,
+            drain_seconds=settings.JOB_DRAIN_SECONDS,
+        )
+
+    def _take_first_output(self, data: bytes) -> None:
+        self._note_launcher_line(data)
+        self._take_output(data)
+
+    def _tick(self) -> None:
+        if self.db_failed:
+            raise RuntimeError("the supervisor's database steps failed")
+        self._write_notes()
+        if late := self.metrics.release():  # held back in case it became a record; it did not
+            self.writer.feed(late)
+        self._guarded(self.writer.maybe_flush)
+        self._guarded(self.metrics.maybe_flush)
 
     def _say(self, line: str) -> None:
         """A line for the job's log from any thread; the loop writes it (`_write_notes`)."""
@@ -358,7 +345,7 @@ class Supervisor:
                 log.exception("Job %s: the supervisor's enforcer failed; trying again", self.job.pk)
             time.sleep(TICK_SECONDS)
 
-    def _drain(self, output: JobOutput) -> None:
+    def _drain(self, output: RunOutput) -> None:
         """Whatever the job wrote just before the end, for JOB_DRAIN_SECONDS at most, heartbeat
         kept (the leader is not reaped yet): a process that left the job's session (setsid) and
         holds the pipe must not hold the supervisor (and its pool process) for ever. Past that
@@ -559,37 +546,13 @@ class Supervisor:
                 self._say("[portal] could not send SIGKILL: permission denied.")
 
     def _signal(self, sig: signal.Signals) -> bool:
-        """Signal every process of the job's session, each by its identity (jobs/supervision.py);
-        False when the worker may not. Nothing left to signal counts as signalled; a signal that
-        reached nothing while the job runs, or processes that cannot be seen, are said."""
+        """Signal every process of the job, each by its identity (jobs/executors); False when the
+        worker may not. What the executor has to say about it goes to the job's log."""
         assert self.session is not None
-        done = self.session.signal(sig)
-        self._say_unseen(done, sig.name)
-        if done.denied:
-            log.warning(
-                "Job %s: may not send %s to its processes (permission denied: CAP_KILL?)",
-                self.job.pk,
-                sig.name,
-            )
-        elif not done.sent and not self.session.exited():
-            self._say(f"[portal] {sig.name} reached no process of the job: it was not signalled.")
-            log.error("Job %s: %s reached no process of it, though it runs", self.job.pk, sig.name)
+        done = self.executor.signal(self.session, sig)
+        for line in done.lines:
+            self._say(line)
         return not done.denied
-
-    def _say_unseen(self, done: Signalled, what: str) -> None:
-        if not done.unlisted or self.unlisted_said:
-            return
-        self.unlisted_said = True
-        self._say(
-            "[portal] this worker cannot see the job's processes (/proc mounted with hidepid?): "
-            f"{what} went to its main process and its process group only; what it started in"
-            " other groups may run on."
-        )
-        log.error(
-            "Job %s: cannot list its processes (/proc hidepid?); %s went to its main process and group only",
-            self.job.pk,
-            what,
-        )
 
     def _kill_now(self) -> None:
         """The supervisor itself failed: stop the job at once rather than leave it unwatched."""
@@ -611,51 +574,24 @@ class Supervisor:
             )
 
     def _end_session(self) -> None:
-        """The main process is gone; whatever it left in its session goes with it, whatever
-        process groups it made there. A failure here still lets the leader be reaped and the end
-        recorded."""
+        """The main process is gone; whatever it left goes with it (the executor's sweep). A
+        failure there still lets the leader be reaped and the end recorded."""
         assert self.session is not None
-        try:
-            done = self.session.end()
-        except Exception:
-            log.exception("Job %s: the end sweep failed; what the job left may run on", self.job.pk)
-            self._say("[portal] the worker could not end what the job left running (see the worker's log).")
-            self.not_stopped = self.not_stopped or "What it left running may not have been stopped."
-            return
-        self._say_unseen(done, "the end sweep (SIGKILL)")
-        if done.denied:
-            self._say(
-                "[portal] the job left processes running that the worker may not kill: permission denied."
-            )
-            self.not_stopped = self.not_stopped or "Could not stop what it left running: permission denied."
-        elif done.left:
-            self._say(
-                f"[portal] {done.left} process(es) of the job's session were still there after the end"
-                " sweep gave up; they may run on."
-            )
-            log.error("Job %s: %s process(es) of its session survived the end sweep", self.job.pk, done.left)
-            self.not_stopped = self.not_stopped or "Some of what it left running could not be stopped."
+        done = self.executor.sweep(self.session)
+        for line in done.lines:
+            self._say(line)
+        self.not_stopped = self.not_stopped or done.problem
 
-    def _record(self, code: int) -> None:
+    def _record(self, end: RunEnd) -> None:
+        code = end.returncode
         if self.stop_reason:
             status, message = self.stop_reason, self.stop_message
         elif code == 0:
             status, message = Job.Status.SUCCEEDED, ""
-        elif code == PRIVILEGES_EXIT_CODE and not self.launcher_seen:
-            status = Job.Status.FAILED
-            message = (
-                f"Did not start: its process could not drop the worker's privileges (exit code {code}; "
-                "the log says which step failed)."
-            )
-        elif code == WORKDIR_EXIT_CODE and not self.launcher_seen:
-            status = Job.Status.FAILED
-            message = (
-                f"Did not start: its account may not enter its working directory (exit code {code}; "
-                "the log says why)."
-            )
+        elif not self.launcher_seen and (why := self.executor.did_not_start(end)):
+            status, message = Job.Status.FAILED, why  # the launcher never ran: the executor's failure
         else:
-            status = Job.Status.FAILED
-            message = f"Exited with code {code}." if code > 0 else f"Killed by signal {-code}."
+            status, message = Job.Status.FAILED, end.describe()
         dropped = self.spool.dropped_note if self.spool is not None else ""
         self._finish(status, code, " ".join(filter(None, (message, self.not_stopped, dropped))))
 

@@ -12,7 +12,7 @@ import pytest
 from django.utils import timezone
 
 from gpus.booking import reservation_create
-from jobs import runner
+from jobs.executors import local
 from jobs.models import Job
 from jobs.runner import job_run
 from jobs.submit import ScriptUpload, job_submit
@@ -76,14 +76,14 @@ def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
     release = tmp_path / "release"
     job = job_in(WAITER.format(release=str(release)))
     # Asked right after the start (one asked before is never started): the first poll finds it.
-    real_start = runner.start_job_process
+    real_start = local.start_job_process
 
     def start_then_cancel(*args, **kwargs):  # type: ignore[no-untyped-def]
         proc = real_start(*args, **kwargs)
         Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
         return proc
 
-    monkeypatch.setattr(runner, "start_job_process", start_then_cancel)
+    monkeypatch.setattr(local, "start_job_process", start_then_cancel)
     refuse, seen = pids.send, {}
 
     def send(target: pids.ProcessId, sig: signal.Signals) -> pids.Sent:

@@ -35,6 +35,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from jobs import lab, lab_listener
+from jobs.executors import local
 from jobs.interactive import lab_path, session_start
 from jobs.models import InteractiveSession
 from portal.models import AuditEntry, Notification
@@ -415,8 +416,8 @@ def test_the_launcher_refuses_to_start_without_a_listening_socket(not_a_listener
 
 
 def test_a_launcher_that_got_no_socket_fails_the_lab_loudly(lab_run, alice, monkeypatch):
-    real = lab.start_job_process
-    monkeypatch.setattr(lab, "start_job_process", lambda argv, **kw: real(argv, **{**kw, "pass_fds": []}))
+    real = local.start_job_process
+    monkeypatch.setattr(local, "start_job_process", lambda argv, **kw: real(argv, **{**kw, "pass_fds": []}))
     lab_run.start()
     assert lab_run.ended() == "failed"
     session = lab_run.session

@@ -1,4 +1,4 @@
-"""A review's repros against the runner (jobs/runner.py, jobs/supervision.py, portal/pids.py): a job
+"""A review's repros against the runner (jobs/runner.py, jobs/executors/local.py, portal/pids.py): a job
 that escapes its end sweep, a leader whose start cannot be read, a database that hangs, pidfds that
 run out, a drain that waits for nothing, a job that floods its pipe. The real Supervisor runs in
 this process (job_run) on real subprocesses."""
@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.models import Allocation, Reservation
-from jobs import supervision
+from jobs.executors import local, output
 from jobs.models import Job
 from jobs.runner import Supervisor, job_run
 from jobs.submit import ScriptUpload, job_submit
@@ -159,9 +159,9 @@ def test_a_pid_hopper_in_the_jobs_session_does_not_survive_the_end_sweep(job_in,
 
 
 def test_the_end_sweep_says_what_it_could_not_end(job_in, tmp_path, monkeypatch, leftover, caplog):
-    monkeypatch.setattr(supervision, "SWEEP_SECONDS", 0.3)
-    monkeypatch.setattr(supervision, "send_group", lambda pgid, sig: supervision.Sent.GONE)
-    monkeypatch.setattr(supervision.pids, "send", lambda target, sig: supervision.Sent.GONE)
+    monkeypatch.setattr(local, "SWEEP_SECONDS", 0.3)
+    monkeypatch.setattr(local, "send_group", lambda pgid, sig: local.Sent.GONE)
+    monkeypatch.setattr(local.pids, "send", lambda target, sig: local.Sent.GONE)
     pidfile = tmp_path / "child"
     job = job_in(
         "import subprocess\n"
@@ -203,7 +203,7 @@ def test_a_leader_whose_start_cannot_be_read_is_still_cancelled_and_it_is_said(
 ):
     """/proc mounted hidepid=2 with JOB_USER: the worker cannot read its job's start. The leader
     is signalled through its pidfd, and the log says the rest could not be seen."""
-    monkeypatch.setattr(supervision, "started_at", lambda pid: None)
+    monkeypatch.setattr(local, "started_at", lambda pid: None)
     job = job_in("import time\nprint('ready', flush=True)\ntime.sleep(20)\n")
     thread, outcome = _run_in_thread(job.pk)
     wait_for(lambda: Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).exists(), timeout=30)
@@ -251,14 +251,14 @@ def test_the_heartbeat_is_never_written_after_the_leader_is_reaped(
     """kill_orphans takes heartbeat_at as a moment the supervisor still held the leader unreaped."""
     settings.JOB_DRAIN_SECONDS = 3
     reaped: list[datetime] = []
-    real = supervision.JobSession.reap
+    real = local.JobSession.reap
 
-    def reap(self: supervision.JobSession) -> int:
+    def reap(self: local.JobSession) -> int:
         code = real(self)
         reaped.append(datetime.now(UTC))
         return code
 
-    monkeypatch.setattr(supervision.JobSession, "reap", reap)
+    monkeypatch.setattr(local.JobSession, "reap", reap)
     pidfile = tmp_path / "child"
     job = job_in(CHATTY_ESCAPEE.format(pidfile=str(pidfile)))
     thread, _ = _run_in_thread(job.pk)
@@ -281,14 +281,14 @@ def test_a_plain_job_ends_without_waiting_for_the_drain_nor_a_false_line(job_in,
 def test_a_job_that_prints_fast_is_held_back_not_queued_in_the_workers_memory(job_in, settings, monkeypatch):
     settings.JOB_LOG_MAX_MB = 1
     job = job_in(FLOOD)
-    outputs: list[supervision.JobOutput] = []
-    real = supervision.JobOutput.__init__
+    outputs: list[output.PipeOutput] = []
+    real = output.PipeOutput.__init__
 
     def remember(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         real(self, *args, **kwargs)
         outputs.append(self)
 
-    monkeypatch.setattr(supervision.JobOutput, "__init__", remember)
+    monkeypatch.setattr(output.PipeOutput, "__init__", remember)
     peak, done = [0], threading.Event()
 
     def sample() -> None:

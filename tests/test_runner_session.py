@@ -20,6 +20,7 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.models import Allocation, Reservation
 from jobs import runner
+from jobs.executors import local
 from jobs.models import Job
 from jobs.runner import Supervisor, job_run
 from jobs.spool import EndRecord, spool_name, stop_flag
@@ -136,13 +137,13 @@ def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
 
 def test_it_records_the_sessions_start_with_its_pid(job_in, monkeypatch):
     job = job_in("print('hello')\n")
-    real_session, seen = runner.JobSession, []
+    real_session, seen = local.JobSession, []
 
     def remember(proc):  # type: ignore[no-untyped-def]
         seen.append((proc.pid, psutil.Process(proc.pid).create_time()))
         return real_session(proc)
 
-    monkeypatch.setattr(runner, "JobSession", remember)
+    monkeypatch.setattr(local, "JobSession", remember)
     assert job_run(job.pk) == Job.Status.SUCCEEDED
     job.refresh_from_db()
     assert [(job.pid, job.pid_started)] == seen
