@@ -16,12 +16,15 @@ Status transitions:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from jobs.lifecycle import job_published, transition
 from portal.access import is_admin, teams_led_by
 
 
@@ -41,6 +44,21 @@ class JobArray(models.Model):
 
 class JobQuerySet(models.QuerySet):
     """Job.objects: the named reads and the one status change of a job (issue 32)."""
+
+    def transition(
+        self,
+        pk: int,
+        *,
+        from_: str | Collection[str],
+        to: str,
+        where: models.Q | None = None,
+        told: Callable[[], None] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """The one status change of a job (jobs.lifecycle.transition), published once it commits."""
+        return transition(
+            self, pk, from_=from_, to=to, where=where, told=told, published=job_published, **fields
+        )
 
 
 class Job(models.Model):
@@ -266,6 +284,20 @@ class InteractiveSessionQuerySet(models.QuerySet):
         pool, as a job does (jobs.lab), from its start until it ends. The pickup and the queue's
         scheduler count them as busy (jobs.pickup, jobs.scheduler)."""
         return self.filter(kind=InteractiveSession.Kind.JUPYTERLAB, status__in=InteractiveSession.ACTIVE)
+
+    def transition(
+        self,
+        pk: int,
+        *,
+        from_: str | Collection[str],
+        to: str,
+        where: models.Q | None = None,
+        told: Callable[[], None] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """The one status change of a session (jobs.lifecycle.transition). Nothing is published:
+        the pages that show sessions read them when they load."""
+        return transition(self, pk, from_=from_, to=to, where=where, told=told, **fields)
 
 
 class InteractiveSession(models.Model):
