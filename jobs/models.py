@@ -1,8 +1,9 @@
 """Training jobs and their logs.
 
 The Job row is the record of a run: Celery only carries its id, and every status change
-is a conditional UPDATE on this row (the claim QUEUED → STARTING above all), so a message
-delivered twice can never start a second run.
+is one conditional UPDATE on this row, `Job.objects.transition` (jobs/lifecycle.py; the claim
+QUEUED → STARTING above all), so a message delivered twice can never start a second run. Every
+state, every transition and who makes it: docs/jobs.md, "States".
 
 Status transitions:
     PENDING → QUEUED (a queued job: the scheduler booked its cards, jobs/scheduler.py)
@@ -11,7 +12,8 @@ Status transitions:
     RUNNING → SUCCEEDED (exit 0) | FAILED (exit ≠ 0, or it could not start)
             | CANCELLED (a user asked) | TIMED_OUT (time limit or booking end)
     QUEUED → CANCELLED (cancelled before any worker took it)
-    STARTING/RUNNING → LOST (no heartbeat for JOB_LOST_AFTER_SECONDS: the worker or host died)
+    STARTING/RUNNING → LOST (no heartbeat for JOB_LOST_AFTER_SECONDS: the worker or host died);
+            a lost job found alive is stopped by its worker, never taken back (jobs/runs.py)
 """
 
 from __future__ import annotations
@@ -312,9 +314,11 @@ class InteractiveSession(models.Model):
     SESSION_BEAT_SECONDS; the beat answers the booking's end as it stands, and whether the session
     was ended from the portal.
 
-    Status transitions:
+    Status transitions (each one `InteractiveSession.objects.transition`; the table with who
+    makes each is docs/jobs.md, "States"):
         STARTING → RUNNING (the command runs; its pid is recorded; a lab: its server answers)
-        STARTING/RUNNING → ENDED (the command ended, or no beat for SESSION_LOST_AFTER_SECONDS)
+        STARTING/RUNNING → ENDED (the command ended, or no beat for SESSION_LOST_AFTER_SECONDS:
+            "Lost: …"; a lost session found alive is stopped, never taken back: jobs/runs.py)
         STARTING → FAILED (the command could not start)
 
     A JupyterLab session (jobs.lab) is started by the host's worker instead, which beats for it and

@@ -138,7 +138,8 @@ def session_lost_stop(session: InteractiveSession, told: Callable[[], None]) -> 
     """A lost session found alive (its `gpu` command beat, its lab's supervisor read the row): it
     is stopped, never taken back; its message says so, and `told` (the stop's inbox and audit
     entry) is written once, by whichever finds it first. Whether this call was that one."""
-    message = f"{LOST_STOPPED}{session.message[len(LOST) :]}"[:500]
+    lost = session.message[len(LOST) :]
+    message = f"{LOST_STOPPED}{lost} Found still running and stopped: {LOST_FOUND_ALIVE}."[:500]
     return InteractiveSession.objects.transition(
         session.pk,
         from_=InteractiveSession.Status.ENDED,
