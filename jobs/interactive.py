@@ -29,7 +29,6 @@ from celery import current_app
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Q
 from django.db.models.functions import Now
 from django.template import Context
 from django.utils import timezone
@@ -38,8 +37,8 @@ from gpus.hooks import Work
 from gpus.models import Allocation, Reservation, Server
 from jobs.environment import BookedCard, JobSetupError, session_environment
 from jobs.models import InteractiveSession, Job
+from jobs.runs import LOST_FOUND_ALIVE, runs_lost_mark, session_is_lost, session_lost_stop
 from portal.access import can_manage
-from portal.clock import since
 from portal.errors import Forbidden, Invalid
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
@@ -51,7 +50,6 @@ COMMAND_MAX_ARGS = 1000
 COMMAND_MAX_CHARS = 64 * 1024
 MESSAGE_MAX = 500
 EXTEND_LOOKAHEAD = timedelta(hours=1)  # how far after the end the warning looks for the next booking
-LOST = "Lost:"  # the message of a session whose beats stopped (`sessions_reconcile`)
 
 
 def lab_path(pk: int) -> str:
@@ -236,10 +234,10 @@ def session_running(*, session: InteractiveSession, pid: Any, pid_started: Any) 
             "pid_started must be the process's start time in epoch seconds, or null.", field="pid_started"
         )
     now = timezone.now()
-    updated = InteractiveSession.objects.filter(
-        pk=session.pk, status=InteractiveSession.Status.STARTING
-    ).update(
-        status=InteractiveSession.Status.RUNNING,
+    updated = InteractiveSession.objects.transition(
+        session.pk,
+        from_=InteractiveSession.Status.STARTING,
+        to=InteractiveSession.Status.RUNNING,
         pid=pid,
         pid_started=pid_started,
         started_at=now,
@@ -259,16 +257,10 @@ def session_beat(*, session: InteractiveSession, now: datetime | None = None) ->
     beat within SESSION_WARN_MINUTES of the end also tells the owner's inbox."""
     _terminal_only(session)
     now = now or timezone.now()
-    if _lost(session):
-        # Its beats stopped for a while (the portal or its database was away), not its command:
-        # the session goes on, rather than a command being stopped for an outage.
-        InteractiveSession.objects.filter(
-            pk=session.pk, status=session.status, message=session.message
-        ).update(
-            status=InteractiveSession.Status.RUNNING if session.pid else InteractiveSession.Status.STARTING,
-            finished_at=None,
-            message="",
-        )
+    if session_is_lost(session) and session.end_requested_at is None:
+        # Marked lost, yet its command beats: a lost run is stopped, never taken back (jobs.runs).
+        # The answer below tells `gpu` to end it; the stop is told once, by the first such beat.
+        session_lost_stop(session, lambda: session_stopped_tell(session, LOST_FOUND_ALIVE))
         session.refresh_from_db()
     # The database's clock, as the reconciler's cut-off (portal.clock): this web server's may be off.
     active = InteractiveSession.objects.filter(pk=session.pk, status__in=InteractiveSession.ACTIVE)
@@ -307,14 +299,6 @@ def _terminal_only(session: InteractiveSession) -> None:
             "end it with DELETE.",
             field="kind",
         )
-
-
-def _lost(session: InteractiveSession) -> bool:
-    return (
-        session.status == InteractiveSession.Status.ENDED
-        and session.message.startswith(LOST)
-        and session.end_requested_at is None
-    )
 
 
 def session_warn_ending(session: InteractiveSession, ends_at: datetime, now: datetime) -> None:
@@ -378,8 +362,13 @@ def session_finish(
     _terminal_only(session)
     status = InteractiveSession.Status.ENDED if session.pid else InteractiveSession.Status.FAILED
     message = " ".join(message.split())[:MESSAGE_MAX]
-    if not InteractiveSession.objects.filter(pk=session.pk, status__in=InteractiveSession.ACTIVE).update(
-        status=status, finished_at=now, exit_code=exit_code, message=message
+    if not InteractiveSession.objects.transition(
+        session.pk,
+        from_=InteractiveSession.ACTIVE,
+        to=status,
+        finished_at=now,
+        exit_code=exit_code,
+        message=message,
     ):
         return session  # already ended (lost, or a repeated finish): the first word stands
     session.refresh_from_db()
@@ -469,8 +458,18 @@ def session_end_request(*, session: InteractiveSession, by: AbstractBaseUser) ->
 
 
 def sessions_reconcile(*, now: datetime | None = None) -> int:
-    """End the sessions whose beats stopped (SESSION_LOST_AFTER_SECONDS): their `gpu` command was
-    killed or their host died. Safe to run anywhere, twice: a conditional UPDATE each."""
+    """Send again the labs no worker took (`labs_resend`), and end the sessions whose beats
+    stopped (SESSION_LOST_AFTER_SECONDS: their `gpu` command was killed, their host died) by the
+    one rule for lost runs (jobs.runs.runs_lost_mark, which the reconciler runs for jobs and
+    sessions at once); how many were ended. Safe to run anywhere, twice."""
+    now = now or timezone.now()
+    labs_resend(now=now)
+    return runs_lost_mark(now=now)["sessions_lost"]
+
+
+def labs_resend(*, now: datetime | None = None) -> None:
+    """The labs still waiting for a worker LAB_RESEND_SECONDS after their message, sent again (a
+    lost message; the claim makes a second one harmless)."""
     now = now or timezone.now()
     untaken = InteractiveSession.objects.filter(
         kind=InteractiveSession.Kind.JUPYTERLAB,
@@ -480,23 +479,7 @@ def sessions_reconcile(*, now: datetime | None = None) -> int:
         created_at__gte=now - timedelta(seconds=settings.SESSION_LOST_AFTER_SECONDS),
     )
     for pk, queue in untaken.values_list("pk", "server__name"):
-        _send(pk, f"host.{queue}")  # a lost message; the claim makes a second one harmless
-    # Beats are the database's time, so is the cut-off: `now` may be another host's clock.
-    stale = since(settings.SESSION_LOST_AFTER_SECONDS)
-    unheard = Q(beat_at__lt=stale) | Q(beat_at=None, created_at__lt=stale)
-    ended = 0
-    for pk, beat_at in InteractiveSession.objects.filter(
-        unheard, status__in=InteractiveSession.ACTIVE
-    ).values_list("pk", "beat_at"):
-        # Still unheard, judged again in the UPDATE (never by equality with the value read: on
-        # SQLite, Now()'s text has milliseconds, Django's microseconds).
-        still = InteractiveSession.objects.filter(unheard, pk=pk, status__in=InteractiveSession.ACTIVE)
-        ended += still.update(
-            status=InteractiveSession.Status.ENDED,
-            finished_at=now,
-            message=f"{LOST} no word from its gpu command since {format_time(beat_at or now)}.",
-        )
-    return ended
+        _send(pk, f"host.{queue}")
 
 
 def booking_sessions_context(context: Context) -> dict[str, Any]:

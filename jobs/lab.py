@@ -63,10 +63,11 @@ from gpus.models import Reservation
 from jobs.dcgm import session_name, work_ended, work_started
 from jobs.environment import INHERITED_ENV, BookedCard, JobSetupError, activation, session_environment
 from jobs.executors import Run, RunOutput, RunSpec, executor_for
-from jobs.interactive import LOST, lab_path, lab_start_refused_tell, session_stopped_tell, session_warn_ending
+from jobs.interactive import lab_path, lab_start_refused_tell, session_stopped_tell, session_warn_ending
 from jobs.lab_listener import Listener, listen, listener_proof, listening_at
 from jobs.launch import LAUNCHER, account_of
 from jobs.models import InteractiveSession
+from jobs.runs import LOST_FOUND_ALIVE, session_is_lost, session_lost_stop
 from jobs.spool import worker_stopping
 from portal.accounts import JOB_USER_OWNER
 from portal.pids import ProcessId, Sent, send, session_members
@@ -136,8 +137,10 @@ class LabSupervisor:
         why = self._wait_ready() or self._prove()
         if why is None:
             self.ran = True
-            InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(
-                status=Session.RUNNING,
+            InteractiveSession.objects.transition(
+                self.pk,
+                from_=Session.STARTING,
+                to=Session.RUNNING,
                 address=self.address,
                 started_at=timezone.now(),
                 beat_at=Now(),
@@ -322,14 +325,12 @@ class LabSupervisor:
                 )
             self.database_away = True
             return f"the booking ended at {self.ends_at:%H:%M}" if now >= self.ends_at else None
-        if row.status not in InteractiveSession.ACTIVE and row.message.startswith(LOST):
-            # Marked lost while this supervisor could not reach the database: it is alive, so
-            # the session goes on (with its last state) rather than the lab being ended for it.
-            InteractiveSession.objects.filter(pk=self.pk, status=row.status).update(
-                status=Session.RUNNING if self.ran else Session.STARTING, finished_at=None, message=""
-            )
-            row.refresh_from_db()
         self.session = row
+        if session_is_lost(row):
+            # Marked lost while this supervisor could not reach the database: a lost run is
+            # stopped, never taken back (jobs.runs); the stop is told once, here.
+            session_lost_stop(row, lambda: session_stopped_tell(row, LOST_FOUND_ALIVE))
+            return LOST_FOUND_ALIVE
         booking = row.reservation
         self.ends_at = min(booking.end, booking.cancelled_at) if booking.cancelled_at else booking.end
         if row.end_requested_at:
@@ -387,9 +388,17 @@ class LabSupervisor:
     def _finish(self, status: str, why: str, code: int | None) -> str:
         work_ended(session_name(self.pk))
         message = f"{why[:1].upper()}{why[1:]}."[:500]
-        updated = InteractiveSession.objects.filter(pk=self.pk, status__in=InteractiveSession.ACTIVE).update(
-            status=status, finished_at=timezone.now(), exit_code=code, message=message, kernels=[]
+        updated = InteractiveSession.objects.transition(
+            self.pk,
+            from_=InteractiveSession.ACTIVE,
+            to=status,
+            finished_at=timezone.now(),
+            exit_code=code,
+            message=message,
+            kernels=[],
         )
+        if not updated:  # ended meanwhile (lost): its kernels were ended by `_stop` all the same
+            InteractiveSession.objects.filter(pk=self.pk).update(kernels=[])
         work_ended(session_name(self.pk))  # again: a refresh may have read the row before
         if updated and self.refused:
             lab_start_refused_tell(
@@ -479,8 +488,12 @@ def lab_orphans_end(server: str) -> int:
         ended += end_kernels(session.kernels, uid)
         InteractiveSession.objects.filter(pk=session.pk).update(kernels=[])
         why = "its worker restarted, which ends the labs it ran; start a new one from the booking"
-        if InteractiveSession.objects.filter(pk=session.pk, status__in=InteractiveSession.ACTIVE).update(
-            status=Session.ENDED, finished_at=timezone.now(), message=f"Ended: {why}."
-        ):
-            session_stopped_tell(session, why)
+        InteractiveSession.objects.transition(
+            session.pk,
+            from_=InteractiveSession.ACTIVE,
+            to=Session.ENDED,
+            told=lambda session=session, why=why: session_stopped_tell(session, why),
+            finished_at=timezone.now(),
+            message=f"Ended: {why}.",
+        )
     return ended

@@ -28,7 +28,6 @@ from jobs import paths
 from jobs.environment import BookedCard, JobSetupError, job_environment
 from jobs.folders import JobFolderError, job_folder_make
 from jobs.leavers import deactivated, owner_active, user_work_stop
-from jobs.log_live import job_changed
 from jobs.models import Job
 from jobs.spool import worker_stopping
 from portal.accounts import JOB_USER_OWNER, unix_account_name
@@ -191,15 +190,16 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
     cancelled instead, saying why (jobs.leavers.user_work_stop: with the rest of their work, in
     the audit log and to their leaders), and never runs."""
     now = now or timezone.now()
-    claimed = Job.objects.filter(owner_active(), pk=job_id, status=Job.Status.QUEUED).update(
-        # The database's clock, as the reconciler's cut-off (portal.clock): this host's may be off.
-        status=Job.Status.STARTING,
+    claimed = Job.objects.transition(
+        job_id,
+        from_=Job.Status.QUEUED,
+        to=Job.Status.STARTING,
+        where=owner_active(),
         worker=socket.gethostname()[:200],
+        # The database's clock, as the reconciler's cut-off (portal.clock): this host's may be off.
         heartbeat_at=Now(),
     )
-    if claimed:
-        job_changed([job_id])
-    else:
+    if not claimed:
         left = Job.objects.select_related("owner").filter(pk=job_id, status=Job.Status.QUEUED).first()
         if left is not None and not left.owner.is_active:
             log.warning("Job %s not started: %s", job_id, deactivated(left.owner))

@@ -134,21 +134,23 @@ def _cancel_waiting(jobs: QuerySet[Job], message: str, now: datetime) -> list[tu
     change published (the pages showing them update); their (job id, team id) pairs. The claim
     is a conditional UPDATE, so one a worker took meanwhile is left to the caller's running-job
     path."""
-    found = list(jobs.values_list("pk", "team_id"))
-    if not found:
-        return []
-    Job.objects.filter(pk__in=[pk for pk, _ in found], status__in=WAITING).update(
-        status=Job.Status.CANCELLED,
-        finished_at=now,
-        cancel_requested_at=now,
-        cancelled_by=None,
-        pending_reason="",
-        message=message,
-    )
-    for pk, _ in found:  # no worker has them: the log is free to write
-        log_append(pk, f"[portal] {message} The job never started.", now=now)
-    job_changed([pk for pk, _ in found])
-    wake_on_commit(QUEUE_SCHEDULER)
+    found = []
+    for pk, team_id in jobs.values_list("pk", "team_id"):
+        if Job.objects.transition(
+            pk,
+            from_=WAITING,
+            to=Job.Status.CANCELLED,
+            finished_at=now,
+            cancel_requested_at=now,
+            cancelled_by=None,
+            pending_reason="",
+            message=message,
+        ):
+            found.append((pk, team_id))
+            # No worker has it: the log is free to write.
+            log_append(pk, f"[portal] {message} The job never started.", now=now)
+    if found:
+        wake_on_commit(QUEUE_SCHEDULER)
     return found
 
 

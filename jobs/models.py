@@ -1,8 +1,9 @@
 """Training jobs and their logs.
 
 The Job row is the record of a run: Celery only carries its id, and every status change
-is a conditional UPDATE on this row (the claim QUEUED → STARTING above all), so a message
-delivered twice can never start a second run.
+is one conditional UPDATE on this row, `Job.objects.transition` (jobs/lifecycle.py; the claim
+QUEUED → STARTING above all), so a message delivered twice can never start a second run. Every
+state, every transition and who makes it: docs/jobs.md, "States".
 
 Status transitions:
     PENDING → QUEUED (a queued job: the scheduler booked its cards, jobs/scheduler.py)
@@ -11,17 +12,21 @@ Status transitions:
     RUNNING → SUCCEEDED (exit 0) | FAILED (exit ≠ 0, or it could not start)
             | CANCELLED (a user asked) | TIMED_OUT (time limit or booking end)
     QUEUED → CANCELLED (cancelled before any worker took it)
-    STARTING/RUNNING → LOST (no heartbeat for JOB_LOST_AFTER_SECONDS: the worker or host died)
+    STARTING/RUNNING → LOST (no heartbeat for JOB_LOST_AFTER_SECONDS: the worker or host died);
+            a lost job found alive is stopped by its worker, never taken back (jobs/runs.py)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from jobs.lifecycle import job_published, transition
 from portal.access import VIEW, check_action, is_admin, teams_led_by
 
 
@@ -50,6 +55,21 @@ class JobQuerySet(models.QuerySet):
         if is_admin(user):
             return self
         return self.filter(models.Q(owner=user) | models.Q(team_id__in=teams_led_by(user)))
+
+    def transition(
+        self,
+        pk: int,
+        *,
+        from_: str | Collection[str],
+        to: str,
+        where: models.Q | None = None,
+        told: Callable[[], None] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """The one status change of a job (jobs.lifecycle.transition), published once it commits."""
+        return transition(
+            self, pk, from_=from_, to=to, where=where, told=told, published=job_published, **fields
+        )
 
 
 class Job(models.Model):
@@ -278,6 +298,20 @@ class InteractiveSessionQuerySet(models.QuerySet):
         scheduler count them as busy (jobs.pickup, jobs.scheduler)."""
         return self.filter(kind=InteractiveSession.Kind.JUPYTERLAB, status__in=InteractiveSession.ACTIVE)
 
+    def transition(
+        self,
+        pk: int,
+        *,
+        from_: str | Collection[str],
+        to: str,
+        where: models.Q | None = None,
+        told: Callable[[], None] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """The one status change of a session (jobs.lifecycle.transition). Nothing is published:
+        the pages that show sessions read them when they load."""
+        return transition(self, pk, from_=from_, to=to, where=where, told=told, **fields)
+
 
 class InteractiveSession(models.Model):
     """Interactive work on a booking, beside its jobs: `gpu exec` and `gpu shell` in a terminal on
@@ -291,9 +325,11 @@ class InteractiveSession(models.Model):
     SESSION_BEAT_SECONDS; the beat answers the booking's end as it stands, and whether the session
     was ended from the portal.
 
-    Status transitions:
+    Status transitions (each one `InteractiveSession.objects.transition`; the table with who
+    makes each is docs/jobs.md, "States"):
         STARTING → RUNNING (the command runs; its pid is recorded; a lab: its server answers)
-        STARTING/RUNNING → ENDED (the command ended, or no beat for SESSION_LOST_AFTER_SECONDS)
+        STARTING/RUNNING → ENDED (the command ended, or no beat for SESSION_LOST_AFTER_SECONDS:
+            "Lost: …"; a lost session found alive is stopped, never taken back: jobs/runs.py)
         STARTING → FAILED (the command could not start)
 
     A JupyterLab session (jobs.lab) is started by the host's worker instead, which beats for it and

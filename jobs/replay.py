@@ -1,49 +1,29 @@
 """What the database could not take while it was away, stored once it answers: a job's last log
 bytes and its end, from this host's spool (jobs/spool.py), in order and once.
 
-The supervisor (jobs/runner.py) records its job's end itself when it can (`job_end_store`); what
-it could not (the database away longer than JOB_END_WAIT_SECONDS, the worker shutting down or
+The supervisor (jobs/runner.py) records its job's end itself when it can (jobs.runs.job_end_record);
+what it could not (the database away longer than JOB_END_WAIT_SECONDS, the worker shutting down or
 dying) the host's spool thread stores here (`spool_replay`).
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
 
-from jobs.log_live import job_changed
 from jobs.logs import LogWriter
 from jobs.models import Job
+from jobs.runs import job_end_record
 from jobs.scheduler import queued_job_ended
 from jobs.spool import EndRecord, LogSpool, spool_name, spooled_names
 from portal.outage import outage_of
 
 log = logging.getLogger(__name__)
 
-UNFINISHED = (Job.Status.STARTING, Job.Status.RUNNING, Job.Status.LOST)
-
 # Spools whose replay failed for a reason other than an outage: said once, not every round.
 _failed: set[str] = set()
-
-
-def job_end_store(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
-    """The log's last bytes, then the job's end: recorded once, by a conditional UPDATE on an
-    unfinished status (the supervisor and the replay can never both record it). Raises a
-    DatabaseError while the database is away; returns whether this call recorded the end."""
-    writer.flush()
-    recorded = Job.objects.filter(pk=job_id, status__in=UNFINISHED).update(
-        status=record.status,
-        exit_code=record.exit_code,
-        finished_at=datetime.fromisoformat(record.finished_at),
-        message=record.message,
-    )
-    if recorded:
-        server = Job.objects.filter(pk=job_id).values_list("server_id", flat=True).first()
-        job_changed([job_id], server=server)
-    return bool(recorded)
 
 
 def spool_replay() -> int:
@@ -95,7 +75,7 @@ def _replay_one(name: str, spool: LogSpool) -> int:
     record = EndRecord.read(name)
     if record is None:  # its supervisor died: the reconciler marks the job lost; its lines stay
         writer.flush()
-    elif job_end_store(job_id, writer, record):
+    elif job_end_record(job_id, writer, record):
         log.info("Job %s finished: %s (recorded from this host's spool)", job_id, record.status)
         queued_job_ended(job)
     EndRecord.remove(name)

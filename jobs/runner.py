@@ -39,11 +39,10 @@ from jobs.environment import JobSetupError
 from jobs.executors import Run, RunEnd, RunOutput, RunSpec, executor_for
 from jobs.executors.output import follow
 from jobs.launch import job_claim, launch_for, patiently
-from jobs.log_live import job_changed
 from jobs.logs import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
-from jobs.replay import job_end_store
+from jobs.runs import LOST_FOUND_ALIVE, job_end_record
 from jobs.scheduler import queued_job_ended
 from jobs.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from portal.outage import WHAT, outage_of
@@ -172,16 +171,17 @@ class Supervisor:
 
     def _mark_running(self) -> None:
         assert self.session is not None
-        if Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(
-            status=Job.Status.RUNNING,
+        Job.objects.transition(
+            self.job.pk,
+            from_=Job.Status.STARTING,
+            to=Job.Status.RUNNING,
             # pid and start together name the job's session for good (the orphan sweep's proof).
             pid=self.session.leader.pid,
             pid_started=self.session.leader.started,
             started_at=self.job.started_at,
             heartbeat_at=Now(),  # the database's clock (portal.clock), the reconciler's too
             env_applied=self.env_applied,
-        ):
-            job_changed([self.job.pk], server=self.job.server_id)
+        )
 
     def _stopped_before_start(self) -> str:
         """A cancel asked for since the claim (its owner, a leader, or the owner's deactivation):
@@ -466,8 +466,9 @@ class Supervisor:
         self.booking_end = row["reservation__end"]
         if row["status"] == Job.Status.LOST:
             # Declared dead while this worker could not reach the database: its booking may
-            # already hold a new job, so this one must not go on.
-            self._stop(Job.Status.LOST, "This job was marked lost while its worker was out of touch.")
+            # already hold a new job, so this one must not go on (jobs.runs: a lost run is stopped,
+            # never taken back; its end, recorded LOST, tells the owner and the audit log).
+            self._stop(Job.Status.LOST, f"This job was stopped: {LOST_FOUND_ALIVE}.")
         elif row["watchdog_stop"]:
             self._stop(Job.Status.FAILED, row["watchdog_stop"])
         elif row["cancel_requested_at"]:
@@ -636,7 +637,7 @@ class Supervisor:
             if self._stopping() and self.skips_database():
                 break  # straight to the spool: a shutdown waits for no database
             try:
-                recorded = job_end_store(self.job.pk, self.writer, record)
+                recorded = job_end_record(self.job.pk, self.writer, record)
             except DatabaseError:
                 close_old_connections()
                 if self._stopping() or time.monotonic() >= deadline:
@@ -686,12 +687,13 @@ def job_run(job_id: int) -> str | None:
         log.info("Job %s is not queued (already claimed, cancelled or gone): nothing to do", job_id)
         return None
     if job.reservation.status_at(timezone.now()) != Reservation.Status.ACTIVE:
-        Job.objects.filter(pk=job_id, status=Job.Status.STARTING).update(
-            status=Job.Status.CANCELLED,
+        Job.objects.transition(
+            job_id,
+            from_=Job.Status.STARTING,
+            to=Job.Status.CANCELLED,
             finished_at=timezone.now(),
             message="Cancelled: the booking is not active (ended or cancelled before the job started).",
         )
-        job_changed([job_id], server=job.server_id)
         return Job.Status.CANCELLED
     supervisor = patiently(job_id, lambda: Supervisor(job))
     supervisor.run()

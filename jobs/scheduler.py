@@ -276,8 +276,10 @@ def _bind(job: Job, booking: Reservation, now: datetime) -> None:
     allocations = list(booking.allocations.select_related("gpu__server").order_by("gpu__index"))
     server = allocations[0].gpu.server
     intra, inter = default_threads(cpu_share(server, allocations))
-    claimed = Job.objects.filter(pk=job.pk, status=Job.Status.PENDING).update(
-        status=Job.Status.QUEUED,
+    claimed = Job.objects.transition(
+        job.pk,
+        from_=Job.Status.PENDING,
+        to=Job.Status.QUEUED,
         reservation=booking,
         server=server,
         gpu_uuids=[a.gpu_id for a in allocations],
@@ -289,7 +291,6 @@ def _bind(job: Job, booking: Reservation, now: datetime) -> None:
     )
     if not claimed:
         raise Conflict(f"Job {job.pk} was cancelled or started meanwhile.")
-    job_changed([job.pk], server=server.pk)
     job.refresh_from_db()
 
 

@@ -12,25 +12,21 @@ from datetime import datetime
 from functools import partial
 
 from celery import current_app
-from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q
-from django.db.models.functions import Now
 from django.utils import timezone
 
 from gpus.inventory import GPUInfo
 from gpus.models import GPU, Allocation, Server
-from jobs.interactive import sessions_reconcile
+from jobs.interactive import labs_resend
 from jobs.leavers import leavers_stop, owner_active, team_leavers_stop
 from jobs.log_live import job_changed
-from jobs.logs import log_append
 from jobs.models import Job
+from jobs.runs import runs_lost_mark
 from portal.access import can_manage
-from portal.clock import since
 from portal.errors import Forbidden, Invalid
 from portal.outage import outage_of
-from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
 
@@ -119,63 +115,60 @@ def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
     # A pending or queued job is cancelled here; a running one (or one a worker claimed a moment
     # ago: SQLite takes no row lock) is stopped by its worker, which watches for this request.
     waiting = (Job.Status.PENDING, Job.Status.QUEUED)
-    cancelled_here = job.status in waiting and Job.objects.filter(pk=pk, status__in=waiting).update(
-        status=Job.Status.CANCELLED,
+    cancelled_here = job.status in waiting and Job.objects.transition(
+        pk,
+        from_=waiting,
+        to=Job.Status.CANCELLED,
         finished_at=now,
         cancel_requested_at=now,
         cancelled_by=user,
         message=f"Cancelled by {user} before it started.",
     )
     if not cancelled_here:
+        # No status change: the request its worker acts on (jobs.runner), shown on the job's page.
         Job.objects.filter(pk=pk, cancel_requested_at=None).update(cancel_requested_at=now, cancelled_by=user)
-    job_changed([pk], server=job.server_id)
+        job_changed([pk], server=job.server_id)
     job.refresh_from_db()
     return job
 
 
 def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> dict[str, int]:
-    """The periodic pass (beat): stop deactivated users' work, start due jobs (of active owners
-    only), mark lost ones, drop jobs whose booking is gone.
+    """The periodic pass (the portal worker's reconciler thread, jobs.threads.JobReconciler): stop
+    deactivated users' work, start due jobs (of active owners only) and labs whose message was
+    lost, mark lost runs (jobs and sessions, by one rule: jobs.runs), drop jobs whose booking is
+    gone. `mark_lost` False: nothing is called lost (the database itself was away just now).
 
-    Safe to run twice or on two hosts at once: every change is a conditional UPDATE.
+    Safe to run twice or on two hosts at once: every change is the one conditional transition.
     """
     now = now or timezone.now()
     done = {"leavers": leavers_stop(now=now), "team_leavers": team_leavers_stop(now=now)}
-    done |= {"dispatched": 0, "lost": 0, "expired": 0, "sessions_lost": sessions_reconcile(now=now)}
+    done |= {"dispatched": 0, "lost": 0, "expired": 0, "sessions_lost": 0}
     due = Job.objects.filter(
         owner_active(), status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
     )
     for job in due.select_related("server"):
         with transaction.atomic():
             done["dispatched"] += dispatch(job, now)
-    # Beats are the database's time (portal.clock), so is the cut-off: `now` may be another
-    # host's clock, minutes off.
-    stale = since(settings.JOB_LOST_AFTER_SECONDS)
-    unheard = Job.objects.filter(status__in=(Job.Status.STARTING, Job.Status.RUNNING), heartbeat_at__lt=stale)
-    for job in unheard if mark_lost else ():
-        message = (
-            f"Lost: no heartbeat from worker {job.worker or '?'} since {format_time(job.heartbeat_at)}; "
-            "the worker or its host died. The booking's cards are free for a new job."
-        )
-        # Still unheard, judged again in the UPDATE: a beat since the read keeps it. Not by
-        # equality with the value read: on SQLite, Now() (milliseconds) and Django's text differ.
-        # Its end too: the same clock as the beat it is judged by (finished - last beat >= the cut-off).
-        if Job.objects.filter(pk=job.pk, status=job.status, heartbeat_at__lt=stale).update(
-            status=Job.Status.LOST, finished_at=Now(), message=message
-        ):
-            log_append(job.pk, f"[portal] {message}\n", now=now)
-            job_changed([job.pk], server=job.server_id)
-            done["lost"] += 1
+    labs_resend(now=now)
+    if mark_lost:
+        done |= runs_lost_mark(now=now)
+    done["expired"] = _expired_cancel(now)
+    return done
+
+
+def _expired_cancel(now: datetime) -> int:
+    """Queued jobs whose booking ended or was cancelled before a worker took them: cancelled."""
     over = Q(reservation__end__lte=now) | Q(reservation__cancelled_at__isnull=False)
-    for job in Job.objects.filter(over, status=Job.Status.QUEUED):
-        if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(
-            status=Job.Status.CANCELLED,
+    expired = 0
+    for pk in Job.objects.filter(over, status=Job.Status.QUEUED).values_list("pk", flat=True):
+        expired += Job.objects.transition(
+            pk,
+            from_=Job.Status.QUEUED,
+            to=Job.Status.CANCELLED,
             finished_at=now,
             message="Cancelled: the booking ended or was cancelled before a worker started the job.",
-        ):
-            job_changed([job.pk], server=job.server_id)
-            done["expired"] += 1
-    return done
+        )
+    return expired
 
 
 def jobs_by_session(sessions: Mapping[int, Iterable[int]]) -> dict[tuple[int, int], int]:

@@ -21,7 +21,7 @@ from gpus import services as gpu_services
 from gpus.models import Allocation, Reservation, Server
 from gpus.selectors import dashboard_servers
 from gpus.services import server_report_ingest
-from jobs import interactive, launch, runner
+from jobs import interactive, launch, runner, runs
 from jobs.interactive import sessions_reconcile
 from jobs.launch import job_claim
 from jobs.models import InteractiveSession, Job
@@ -144,7 +144,7 @@ def test_a_session_whose_beats_stopped_is_ended_after_the_cut_off_whatever_the_c
     pk = _running_session(alice, booking, monkeypatch, offset)
     assert sessions_reconcile() == 0
     wait_for(lambda: sessions_reconcile(), timeout=10, what="the session ended as lost")
-    assert InteractiveSession.objects.get(pk=pk).message.startswith(interactive.LOST)
+    assert InteractiveSession.objects.get(pk=pk).message.startswith(runs.LOST)
 
 
 def _server_views(viewer) -> dict[str, object]:  # type: ignore[no-untyped-def]

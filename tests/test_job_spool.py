@@ -38,7 +38,7 @@ class Outage:
 
     def __init__(self, monkeypatch) -> None:
         self.down = False
-        real_store, real_end = LogWriter._store, runner.job_end_store
+        real_store, real_end = LogWriter._store, runner.job_end_record
 
         def store(writer, data):  # type: ignore[no-untyped-def]
             if self.down:
@@ -52,7 +52,7 @@ class Outage:
             return real_end(job_id, writer, record)
 
         monkeypatch.setattr(LogWriter, "_store", store)
-        monkeypatch.setattr(runner, "job_end_store", end)
+        monkeypatch.setattr(runner, "job_end_record", end)
 
 
 @pytest.fixture
@@ -255,7 +255,7 @@ def test_a_full_spool_disk_drops_output_but_never_the_job(alice, box, outage, fu
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="s.py", content=STEADY))
     monkeypatch.setattr(runner, "END_RETRY_SECONDS", 0.1)
-    real_feed, spooling_end = LogWriter.feed, runner.job_end_store
+    real_feed, spooling_end = LogWriter.feed, runner.job_end_record
     tries: list[str] = []
 
     def feed(writer, data):  # type: ignore[no-untyped-def]
@@ -270,7 +270,7 @@ def test_a_full_spool_disk_drops_output_but_never_the_job(alice, box, outage, fu
         return spooling_end(job_id, writer, record)
 
     monkeypatch.setattr(LogWriter, "feed", feed)
-    monkeypatch.setattr(runner, "job_end_store", end)
+    monkeypatch.setattr(runner, "job_end_record", end)
     assert job_run(job.pk) == Job.Status.SUCCEEDED  # never killed for its log
     job.refresh_from_db()
     assert (job.status, job.exit_code) == (Job.Status.SUCCEEDED, 0)

@@ -252,7 +252,8 @@ def test_a_lab_is_refused_where_everyones_labs_would_share_one_account(alice, bo
     assert "JOB_USER=@owner" in session.message and session.pid is None
 
 
-def test_a_lab_marked_lost_while_its_supervisor_lives_goes_on(lab_session, settings):
+def test_a_lab_marked_lost_while_its_supervisor_lives_is_stopped(lab_session, settings):
+    """A lost run is never taken back (jobs.runs): its supervisor stops it, and says so once."""
     from jobs.interactive import sessions_reconcile
 
     session, _, thread = lab_session
@@ -263,8 +264,13 @@ def test_a_lab_marked_lost_while_its_supervisor_lives_goes_on(lab_session, setti
         return sessions_reconcile()
 
     wait_for(lost, timeout=10, what="the lab marked lost")
-    wait_for(lambda: _status(session) == "running", timeout=10, what="the supervisor to take it back")
-    assert thread.is_alive() and _api(session, "status").status_code == 200
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    session.refresh_from_db()
+    assert session.status == "ended" and session.message.startswith("Lost, then stopped:")
+    assert session.kernels == [] and session.address == ""
+    told = AuditEntry.objects.filter(target=f"session {session.pk}", message__contains="marked lost")
+    assert told.count() == 1
 
 
 def test_a_restarted_worker_never_ends_another_accounts_process_a_row_names(alice, box):

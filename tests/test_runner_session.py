@@ -209,20 +209,20 @@ def end_refused(monkeypatch) -> list[int]:
         tries.append(job_id)
         raise _away()
 
-    monkeypatch.setattr(runner, "job_end_store", refused)
+    monkeypatch.setattr(runner, "job_end_record", refused)
     return tries
 
 
 def test_a_shutdown_during_the_end_retries_stops_them(job_in, settings, end_refused, monkeypatch):
     settings.JOB_END_WAIT_SECONDS = 3600
     flag = stop_flag(os.getpid())
-    real = runner.job_end_store
+    real = runner.job_end_record
 
     def refused_then_shutdown(job_id, writer, record):  # type: ignore[no-untyped-def]
         flag.touch()  # the worker's shutdown arrives while the end is retried
         return real(job_id, writer, record)
 
-    monkeypatch.setattr(runner, "job_end_store", refused_then_shutdown)
+    monkeypatch.setattr(runner, "job_end_record", refused_then_shutdown)
     job = job_in("print('hello')\n")
     try:
         thread, _ = _run_in_thread(job.pk)

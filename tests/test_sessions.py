@@ -321,15 +321,20 @@ def test_a_teammate_cannot_open_a_lab_on_someone_elses_booking(client, bob, book
     )
 
 
-def test_a_gpu_command_that_beats_again_after_an_outage_goes_on(alice, booking, settings):
-    """Lost while the portal was away is not stopped: its next beat brings the session back."""
+def test_a_lost_gpu_command_that_beats_again_is_stopped_and_told_once(alice, booking, settings):
+    """A lost run is never taken back (jobs.runs): its cards may be someone else's by now. Its
+    next beat tells `gpu` to stop it; the stop is said once in the inbox and the audit log."""
     pk = start(alice, reservation=booking.pk).json()["id"]
     api(alice).patch(f"/api/v1/sessions/{pk}/", {"pid": 4242}, format="json")
     beat_ago(pk, settings.SESSION_LOST_AFTER_SECONDS + 1)
     sessions_reconcile()
     assert InteractiveSession.objects.get(pk=pk).status == "ended"
-    beat = api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()
-    assert (beat["status"], beat["end_requested"]) == ("running", False)
+    for _ in range(2):
+        beat = api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()
+        assert (beat["status"], beat["end_requested"]) == ("ended", True)
+    assert "marked lost" in beat["message"]
+    assert AuditEntry.objects.filter(target=f"session {pk}", message__contains="marked lost").count() == 1
+    assert Notification.objects.filter(user=alice, kind=Notification.Kind.JOB_STOPPED).count() == 1
 
 
 def test_the_dashboard_names_a_sessions_process(client, alice, booking, box):

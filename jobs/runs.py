@@ -1,0 +1,150 @@
+"""A run's life past its start, the same for jobs and sessions (jobs, labs, `gpu exec`): its end
+recorded (`job_end_record`) and a lost run (`runs_lost_mark`, `job_lost_stopped_tell`,
+`session_lost_stop`). Every status change is the one transition (jobs.lifecycle); the table of
+states is docs/jobs.md, "States".
+
+A lost run is treated one way, whatever it is. A run whose beats stopped for longer than its
+cut-off (JOB_LOST_AFTER_SECONDS, SESSION_LOST_AFTER_SECONDS; the database's clock, portal.clock)
+is marked lost by the reconciler. The row is the record: once it says lost, the run's cards may
+be someone else's, so whoever finds the run still alive (a job's supervisor, a lab's, a `gpu`
+command's beat) stops it and never takes it back, with the reason in its log, its owner's inbox
+and the audit log, as every stop is. The reconciler gives workers JOB_LOST_AFTER_SECONDS after a
+database outage before it calls anything lost (jobs.threads.JobReconciler), so an outage of the
+portal's own is no reason to stop anyone's run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+from django.conf import settings
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.urls import reverse
+from django.utils import timezone
+
+from jobs.logs import LogWriter, log_append
+from jobs.models import InteractiveSession, Job
+from jobs.spool import EndRecord
+from portal.clock import since
+from portal.models import AuditEntry, Notification
+from portal.notifications import notification_send
+from portal.timefmt import format_time
+
+# Where the end of a job may still be recorded: the worker's word is final even over LOST (it
+# was marked while its worker was out of touch; the worker then stopped it, or saw it end).
+UNFINISHED = (Job.Status.STARTING, Job.Status.RUNNING, Job.Status.LOST)
+LOST = "Lost:"  # how a lost session's message starts (sessions have no status of their own for it)
+LOST_STOPPED = "Lost, then stopped:"  # ... once it was found alive and stopped (`session_lost_stop`)
+LOST_FOUND_ALIVE = (
+    "it was marked lost while out of touch with the portal, and a lost run is never taken back"
+    " (its cards may be someone else's now)"
+)
+
+
+def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
+    """The log's last bytes, then the job's end: recorded once, by the one transition from an
+    unfinished status (the supervisor and the spool's replay can never both record it). Raises a
+    DatabaseError while the database is away; returns whether this call recorded the end.
+
+    An end as LOST is a lost job its worker found alive and stopped: told as a stop is."""
+    writer.flush()
+    lost = record.status == Job.Status.LOST
+    return Job.objects.transition(
+        job_id,
+        from_=UNFINISHED,
+        to=record.status,
+        told=(lambda: job_lost_stopped_tell(job_id, record.message)) if lost else None,
+        exit_code=record.exit_code,
+        finished_at=datetime.fromisoformat(record.finished_at),
+        message=record.message,
+    )
+
+
+def job_lost_stopped_tell(job_id: int, why: str) -> None:
+    """A lost job found alive and stopped by its worker: the audit log and its owner are told
+    (its log already says it: the supervisor wrote it as it stopped the job)."""
+    job = Job.objects.select_related("owner").get(pk=job_id)
+    AuditEntry.objects.create(
+        actor=None,
+        team_id=job.team_id,
+        action=AuditEntry.Action.JOB_CANCEL,
+        target=f"job {job.pk}",
+        message=f"Stopped job {job.pk} ({job.name}) of {job.owner}: {why}",
+        data={"job": job.pk, "worker": job.worker, "lost": True},
+    )
+    notification_send(
+        user=job.owner,
+        kind=Notification.Kind.JOB_STOPPED,
+        subject=f"Job {job.pk} ({job.name}) was stopped: it had been marked lost",
+        body=f"Your job {job.pk} ({job.name}) was stopped: {why}",
+        url=reverse("job_detail", args=[job.pk]),
+        key=f"lost:{job.pk}",
+    )
+
+
+def runs_lost_mark(*, now: datetime | None = None) -> dict[str, int]:
+    """The reconciler's one rule for every kind of run: those whose beats stopped longer ago than
+    their cut-off are marked lost, each by the one transition with the cut-off judged again in
+    its UPDATE (a beat since the read keeps the run). Safe to run twice or on two hosts at once."""
+    now = now or timezone.now()
+    return {"lost": _jobs_lost_mark(now), "sessions_lost": _sessions_lost_mark(now)}
+
+
+def _jobs_lost_mark(now: datetime) -> int:
+    # Beats are the database's time (portal.clock), so is the cut-off: `now` may be another
+    # host's clock, minutes off. Never judged by equality with the value read: on SQLite, Now()
+    # (milliseconds) and Django's text differ.
+    unheard = Q(heartbeat_at__lt=since(settings.JOB_LOST_AFTER_SECONDS))
+    marked = 0
+    for job in Job.objects.filter(unheard, status__in=(Job.Status.STARTING, Job.Status.RUNNING)):
+        message = (
+            f"Lost: no heartbeat from worker {job.worker or '?'} since {format_time(job.heartbeat_at)}; "
+            "the worker or its host died. The booking's cards are free for a new job."
+        )
+        # Its end too: the same clock as the beat it is judged by (finished - last beat >= the cut-off).
+        if Job.objects.transition(
+            job.pk, from_=job.status, to=Job.Status.LOST, where=unheard, finished_at=Now(), message=message
+        ):
+            log_append(job.pk, f"[portal] {message}\n", now=now)
+            marked += 1
+    return marked
+
+
+def _sessions_lost_mark(now: datetime) -> int:
+    stale = since(settings.SESSION_LOST_AFTER_SECONDS)
+    unheard = Q(beat_at__lt=stale) | Q(beat_at=None, created_at__lt=stale)
+    marked = 0
+    rows = InteractiveSession.objects.filter(unheard, status__in=InteractiveSession.ACTIVE)
+    for pk, beat_at in rows.values_list("pk", "beat_at"):
+        marked += InteractiveSession.objects.transition(
+            pk,
+            from_=InteractiveSession.ACTIVE,
+            to=InteractiveSession.Status.ENDED,
+            where=unheard,
+            finished_at=now,
+            message=f"{LOST} no word from its gpu command since {format_time(beat_at or now)}.",
+        )
+    return marked
+
+
+def session_is_lost(session: InteractiveSession) -> bool:
+    """Marked lost by the reconciler, and not yet found alive and stopped."""
+    return session.status == InteractiveSession.Status.ENDED and session.message.startswith(LOST)
+
+
+def session_lost_stop(session: InteractiveSession, told: Callable[[], None]) -> bool:
+    """A lost session found alive (its `gpu` command beat, its lab's supervisor read the row): it
+    is stopped, never taken back; its message says so, and `told` (the stop's inbox and audit
+    entry) is written once, by whichever finds it first. Whether this call was that one."""
+    lost = session.message[len(LOST) :]
+    message = f"{LOST_STOPPED}{lost} Found still running and stopped: {LOST_FOUND_ALIVE}."[:500]
+    return InteractiveSession.objects.transition(
+        session.pk,
+        from_=InteractiveSession.Status.ENDED,
+        to=InteractiveSession.Status.ENDED,
+        where=Q(message__startswith=LOST),
+        told=told,
+        message=message,
+    )
