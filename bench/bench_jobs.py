@@ -8,14 +8,14 @@ What is measured (MB = 2**20 bytes)
        at a time), each an upload whose first statement is
        `import time; print("FIRST", time.time(), flush=True)`: t0 = time.time(); `job_submit(...)`
        (it dispatches when its atomic block commits: the bench runs in autocommit); poll the row until
-       the job finished; read "FIRST <t>" back from the stored log (`jobs.logs.log_stream`); t − t0.
+       the job finished; read "FIRST <t>" back from the stored log (`jobs.logs.store.log_stream`); t − t0.
        2 warm-up jobs first. Compared with a bare `python script.py` started by the bench (the same
        interpreter; time from before Popen to the printed time; median of 20 after 2 warm-ups).
        Goal: overhead (portal median − bare median) ≤ 0.5 s. The split of the portal's median at the
        row's started_at (the worker's Popen returned) is printed too, without a goal.
     2. Launcher overhead on jobs/examples/keras_example.py --epochs 3 (TensorFlow on the CPU): wall
        time of `python keras_example.py` against
-       `python -u jobs/launcher-bin/launcher.py keras_example.py` with a realistic PORTAL_LAUNCH_CONFIG,
+       `python -u jobs/host/launcher-bin/launcher.py keras_example.py` with a realistic PORTAL_LAUNCH_CONFIG,
        both in the same environment otherwise (a fake CUDA_VISIBLE_DEVICES UUID, 2 intra-op / 1 inter-op
        threads through TF_NUM_*_THREADS and OMP_NUM_THREADS, TF_CPP_MIN_LOG_LEVEL=1,
        PYTHONUNBUFFERED=1). One warm-up each, then 6 runs each in ABBA order.
@@ -132,7 +132,7 @@ def start_worker(server: str, db_url: str, scratch: Path) -> tuple[subprocess.Po
 
 def run_first_job(user, booking, worker_log: Path) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     """One job: (submit → first line, submit → started_at), in seconds."""
-    from jobs.logs import log_stream
+    from jobs.logs.store import log_stream
     from jobs.models import Job
     from jobs.submit import ScriptUpload, job_submit
 
@@ -167,7 +167,7 @@ LIVE_LINE = re.compile(rb"LINE (\d+) (\d+\.\d+)")
 def run_live_job(user, booking) -> list[float]:  # type: ignore[no-untyped-def]
     """print() in the job → the line readable from the database (what the browser polls),
     for 12 lines a quarter-second apart, polling every 20 ms as a tailing client would."""
-    from jobs.logs import log_stream
+    from jobs.logs.store import log_stream
     from jobs.models import Job
     from jobs.submit import ScriptUpload, job_submit
 
@@ -262,7 +262,9 @@ def timed_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 
 def bench_launcher() -> None:
-    from jobs.launch import LAUNCHER  # the file the worker runs (after django.setup(): it imports models)
+    from jobs.host.launch import (
+        LAUNCHER,  # the file the worker runs (after django.setup(): it imports models)
+    )
 
     if not EXAMPLE.is_file():
         print(f"Launcher overhead: {EXAMPLE.relative_to(ROOT)} is missing; skipped")
@@ -418,7 +420,7 @@ def bench_log_download(user, booking, db_url: str, scratch: Path) -> None:  # ty
     import psutil
     from django.db import connection
 
-    from jobs.logs import log_stream
+    from jobs.logs.store import log_stream
     from portal.services import api_token_create
 
     job_id, store_s = store_big_log(user, booking)

@@ -38,8 +38,8 @@ RUNS = 6
 
 
 def one_lab(user, booking, portal: str, labs: str) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
-    from jobs.interactive import session_end_request, session_start
     from jobs.models import InteractiveSession
+    from jobs.sessions.services import session_end_request, session_start
     from tests.lab_client import browser, grant_cookie, open_lab
 
     t0 = time.perf_counter()

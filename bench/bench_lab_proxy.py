@@ -1,4 +1,4 @@
-"""What the JupyterLab proxy (jobs/lab_proxy.py) adds: latency per websocket message and per small
+"""What the JupyterLab proxy (jobs/sessions/lab_proxy.py) adds: latency per websocket message and per small
 HTTP request, and large-download throughput, through the portal vs straight to the server; and
 what opening a lab costs: the hand-off from the portal to the labs' origin (four redirects, a
 ticket issued and redeemed) before the first page.

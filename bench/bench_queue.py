@@ -2,7 +2,7 @@
 pending job runs once a card frees up.
 
 What is measured
-    1. A scheduler pass (`jobs.scheduler.schedule_pass`) in the bench process, on a full cluster: 64
+    1. A scheduler pass (`jobs.queue.scheduler.schedule_pass`) in the bench process, on a full cluster: 64
        servers × 8 cards of 24 GiB (`servers_report_ingest`, last_seen refreshed before each pass,
        outside the timing, so all stay online); 8 teams of 4 users with unequal shares; about 10,100
        live bookings, bulk-created as bench_booking does: one running now on every card (a whole card;
@@ -81,7 +81,7 @@ from tests.waiting import WaitTimedOut, wait_for
 
 if TYPE_CHECKING:
     from gpus.models import Reservation
-    from jobs.scheduler import PassMemory
+    from jobs.queue.scheduler import PassMemory
 
 # The figures are defined at the default interval: a caller's own never reaches the workers.
 os.environ.pop("QUEUE_SCHEDULE_SECONDS", None)
@@ -284,7 +284,7 @@ def keep_online() -> None:
 def timed_pass(*, cold: bool, memory: PassMemory) -> tuple[float, dict[str, int]]:
     """One real pass, in ms (wall, database included), with the scheduler's `memory` as its thread
     keeps it from pass to pass."""
-    from jobs.scheduler import schedule_pass
+    from jobs.queue.scheduler import schedule_pass
 
     keep_online()
     if cold:
@@ -302,7 +302,7 @@ def freed_pass(server_id: int) -> tuple[float, int]:
 
     from gpus.booking import PORTAL, reservation_release
     from gpus.models import Reservation
-    from jobs.scheduler import schedule_pass
+    from jobs.queue.scheduler import schedule_pass
 
     keep_online()
     with transaction.atomic():
@@ -325,8 +325,8 @@ def pass_parts() -> dict[str, list[float]]:
     from django.utils import timezone
 
     from gpus.models import Server
-    from jobs import scheduler
-    from jobs.queue import Weights, plan
+    from jobs.queue import scheduler
+    from jobs.queue.rules import Weights, plan
 
     parts: dict[str, list[float]] = defaultdict(list)
 
@@ -373,7 +373,7 @@ def pass_parts() -> dict[str, list[float]]:
 
 
 def profile_passes() -> None:
-    from jobs.scheduler import PassMemory, schedule_pass
+    from jobs.queue.scheduler import PassMemory, schedule_pass
 
     profiler = cProfile.Profile()
     memory = PassMemory()
@@ -392,7 +392,7 @@ def profile_passes() -> None:
 
 def steady_passes() -> tuple[float, list[float], list[float]]:
     """(the first pass, passes with the usage cache cold, with it warm), in ms."""
-    from jobs.scheduler import PassMemory
+    from jobs.queue.scheduler import PassMemory
 
     memory = PassMemory()  # one scheduler's, from pass to pass
     first_ms, first = timed_pass(cold=True, memory=memory)
@@ -415,7 +415,7 @@ def freed_passes() -> list[tuple[float, int]]:
 
     rng = random.Random(SEED + 3)
     server_ids = list(Server.objects.values_list("pk", flat=True))
-    quiet = logging.getLogger("jobs.scheduler")
+    quiet = logging.getLogger("jobs.queue.scheduler")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # each start logs a line
     try:
@@ -518,7 +518,7 @@ def bench_array(user: Any, scratch: Path) -> None:
     from django.db import connection
 
     from jobs.models import Job
-    from jobs.scheduler import PassMemory
+    from jobs.queue.scheduler import PassMemory
     from portal.services import api_token_create
 
     token = api_token_create(user=user, name="benchmark", expires_at=None)[1]

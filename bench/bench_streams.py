@@ -6,7 +6,7 @@ DATABASE_URL wins; SQLite when no PostgreSQL answers) and the bench's Redis. One
 
 1. **Print → on screen, no load.** Chromium opens the job page (templates/jobs/job_detail.html,
    static/js/job_log.js); a MutationObserver records when each line's text reaches #job-log.
-   A writer process appends timestamped lines through jobs.logs.LogWriter, as the worker does.
+   A writer process appends timestamped lines through jobs.logs.store.LogWriter, as the worker does.
 2. **500 streams.** A client process (asyncio + httpx, one process) opens 500
    `GET /api/v1/jobs/<id>/log/stream/` with a token and reads them; the writer prints 10 lines/s
    for STEADY_S, a stretch that spans at least two keep-alives (15 s), so the keep-alive's status
@@ -72,7 +72,7 @@ def writer_main(job_id: int, rate: float, seconds: float, first: int) -> None:
     import django
 
     django.setup()
-    from jobs.logs import LogWriter
+    from jobs.logs.store import LogWriter
 
     writer = LogWriter(job_id)
     n, began = first, time.monotonic()
@@ -322,7 +322,7 @@ def seed() -> tuple[int, str]:  # (job id, token); the user "bench" has password
     from gpus.booking import reservation_create
     from gpus.services import server_report_ingest
     from gpus.simulated.inventory import server_names
-    from jobs.logs import LogWriter
+    from jobs.logs.store import LogWriter
     from jobs.models import Job
     from jobs.submit import ScriptUpload, job_submit
     from portal.models import Membership, Team

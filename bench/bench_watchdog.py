@@ -232,8 +232,8 @@ def bench_round_cpu(sleepers: Sleepers, *, profile: bool) -> None:
     from django.utils import timezone
 
     from gpus.models import Violation, WatchdogPolicy
+    from jobs.host.watchdog import HostWatchdog
     from jobs.models import Job
-    from jobs.watchdog_host import HostWatchdog
 
     snapshot = cpu_fixture(sleepers)
     step = timedelta(seconds=settings.WATCHDOG_INTERVAL_SECONDS)
@@ -245,7 +245,7 @@ def bench_round_cpu(sleepers: Sleepers, *, profile: bool) -> None:
         verdicts = watchdog.round(snapshot, now=clock[0])
         return (time.process_time() - cpu) * 1000, (time.perf_counter() - wall) * 1000, verdicts
 
-    quiet = logging.getLogger("jobs.watchdog_host")
+    quiet = logging.getLogger("jobs.host.watchdog")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the first round logs each of the ~430 violations it records
     try:

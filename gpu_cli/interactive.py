@@ -53,7 +53,7 @@ except ImportError:
 HOST_ENV = "GPU_SERVER"  # the host's name as the portal knows it, where the hostname is not it
 LAUNCHER_ENV = "PORTAL_LAUNCHER"
 # GPU hosts run `gpu` from the portal's checkout, which has the job launcher beside gpu_cli/.
-BUNDLED_LAUNCHER = Path(__file__).resolve().parents[1] / "jobs" / "launcher-bin" / "launcher.py"
+BUNDLED_LAUNCHER = Path(__file__).resolve().parents[1] / "jobs" / "host" / "launcher-bin" / "launcher.py"
 NOT_FOUND_EXIT = 127  # as a shell reports a command it cannot find
 NOT_EXECUTABLE_EXIT = 126  # and one it found but cannot run
 # A beat must not hold up the watch for long: one try, a short wait, and the next beat tries again.

@@ -10,17 +10,17 @@ gpus works alone (its tests, a portal without the jobs app):
   Asked by the telemetry ingest (gpus.services); jobs answers with jobs.services.jobs_by_session;
   no answer: none.
 - `interactive_sessions(sessions)`: the same for `gpu exec` and JupyterLab sessions ("session N"
-  on the dashboard). Asked by the telemetry ingest; jobs.interactive.sessions_by_session; none.
+  on the dashboard). Asked by the telemetry ingest; jobs.sessions.services.sessions_by_session; none.
 - `job_outcomes(since, until)`: the jobs that finished in [since, until). Asked by the usage
   rollup (gpus.usage); jobs.selectors.jobs_finished_between; none.
 - `own_jobs(viewer, job_ids)`: which of these jobs are the viewer's. Asked for a process's
   command line (gpus.selectors.CommandLines); jobs.selectors.jobs_owned_by; none, so a job's
   processes show their whole command line to admins only.
 - `work_on_booking(reservation_id)`: what a release or cancel of the booking would stop. Asked
-  by the booking pages before they do (gpus.reservation_views); jobs.interactive.work_on; nothing.
+  by the booking pages before they do (gpus.reservation_views); jobs.sessions.services.work_on; nothing.
 - `queue_holds(gpu_uuids, start, end)`: the queue's holds for its waiting jobs on these cards,
   which user bookings leave free. Asked by the booking checks (gpus.conflicts.queue_holds_on);
-  jobs.scheduler.queue_holds; no card is held.
+  jobs.queue.scheduler.queue_holds; no card is held.
 
 The other ways up are declared the same way, each in its lower app's one file: what portal asks
 (template slots, the hosts `make run` starts workers for) in portal/hooks.py; the facts that travel

@@ -31,7 +31,7 @@ class ProcessInfo:
     # process itself, whose environment is the job's to set.
     job_id: int | None = None
     # The interactive session (`gpu exec`, a JupyterLab kernel) whose session the process is in,
-    # resolved at ingest as job_id is (jobs.interactive.sessions_by_session).
+    # resolved at ingest as job_id is (jobs.sessions.services.sessions_by_session).
     interactive_id: int | None = None
 
 

@@ -437,7 +437,7 @@ class ViolationQuerySet(models.QuerySet):
 
 
 class Violation(models.Model):
-    """One process of one kind that breaks a booking, as the GPU watchdog saw it (jobs/watchdog.py).
+    """One process of one kind that breaks a booking, as the GPU watchdog saw it (jobs/watchdog/rules.py).
 
     Updated while the process lives (`last_seen`, the most memory measured, the action taken),
     never created anew each round; `ended_at` is set when the process is gone from the card.

@@ -1,4 +1,4 @@
-"""The Violations page: what the GPU watchdog found (jobs/watchdog_host.py writes the rows).
+"""The Violations page: what the GPU watchdog found (jobs/host/watchdog.py writes the rows).
 
 Admins see every violation; leaders those of their teams' people and bookings; everyone the
 ones they caused and the ones on their own bookings (`Violation.objects.restrict`)."""
@@ -24,7 +24,7 @@ def action_label(violation: Violation) -> str:
     """The action as the list shows it: "Warned" only where a warning could reach someone.
 
     The watchdog's warning goes to the portal user behind the process, the owners of the booking
-    it broke, and their teams' channels (jobs/watchdog_notify.py). A process of an OS user the
+    it broke, and their teams' channels (jobs/watchdog/notify.py). A process of an OS user the
     portal does not know, outside any job, on a card nobody booked has none of them: its row
     says "warned" (the policy was applied), but nobody's bell rang, so the list says so."""
     nobody = violation.user_id is None and violation.job_id is None and violation.reservation_id is None

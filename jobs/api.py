@@ -22,11 +22,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from jobs.filters import JobFilter
-from jobs.logs import log_response, parse_offset
+from jobs.logs.store import log_response, parse_offset
 from jobs.metrics import metric_records, metrics_csv_response, parse_since
 from jobs.models import Job
+from jobs.queue.scheduler import queue_plan
 from jobs.rightsizing import size_hint_for
-from jobs.scheduler import queue_plan
 from jobs.selectors import queue_rows
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
@@ -362,7 +362,7 @@ class QueueViewSet(viewsets.GenericViewSet):
     reason each waits and its estimated start (none beyond QUEUE_BACKFILL_DEPTH). Like `squeue`."""
 
     serializer_class = QueueEntrySerializer
-    # The rows are computed (jobs.queue), not a queryset; this names their model for the schema.
+    # The rows are computed (jobs.queue.rules), not a queryset; this names their model for the schema.
     queryset = Job.objects.none()
     pagination_class = PagePagination
     permission_classes = [IsAuthenticated]

@@ -13,11 +13,11 @@ class JobsConfig(AppConfig):
             signals,  # noqa: F401 - connects the worker and telemetry signals
             tasks,  # noqa: F401 - registers run_job, which dispatch sends by name
         )
-        from jobs.interactive import booking_sessions_context, sessions_by_session, work_on
         from jobs.leavers import membership_deleted
-        from jobs.scheduler import queue_holds
+        from jobs.queue.scheduler import queue_holds
         from jobs.selectors import jobs_finished_between, jobs_owned_by
         from jobs.services import jobs_by_session
+        from jobs.sessions.services import booking_sessions_context, sessions_by_session, work_on
         from portal.hooks import RESERVATION_ACTIONS, RESERVATION_SESSIONS, slot_fill
         from portal.models import Membership
 

@@ -20,7 +20,7 @@ from gpus.models import GPU, Allocation
 from gpus.process_env import INSTANCE_VAR, SERVER_VAR
 from jobs.models import InteractiveSession, Job
 
-LAUNCH_CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"  # read (and removed) by jobs/launcher-bin/launcher.py
+LAUNCH_CONFIG_VAR = "PORTAL_LAUNCH_CONFIG"  # read (and removed) by jobs/host/launcher-bin/launcher.py
 # JAX's memory settings (jaxlib's generate_pjrt_gpu_plugin_options). Every jaxlib reads the older name
 # of the fraction; newer ones prefer XLA_CLIENT_MEM_FRACTION and refuse a process that sets both (a
 # ValueError, and JAX falls back to the CPU), so the portal sets the older one and keeps the newer out.

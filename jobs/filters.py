@@ -85,7 +85,7 @@ class MyJobFilter(JobHistoryFilter):
 
 
 class SessionFilter(django_filters.FilterSet):
-    """Interactive sessions (jobs.interactive): by booking, status, kind, server; `mine`."""
+    """Interactive sessions (jobs.sessions.services): by booking, status, kind, server; `mine`."""
 
     reservation = django_filters.NumberFilter(
         field_name="reservation_id", label="Booking", min_value=1, max_value=2**63 - 1

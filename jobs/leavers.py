@@ -4,7 +4,7 @@ A leaver's account on the GPU hosts outlives their portal account (JOB_USER=@own
 it), so deactivation must reach their queue and their bookings, not only their sign-in.
 
 - `owner_active()` is the one rule every start checks: the scheduler's pending set and its start,
-  `dispatch`, the reconciler's due jobs and the worker's claim (jobs/runner.py), inside the
+  `dispatch`, the reconciler's due jobs and the worker's claim (jobs/host/runner.py), inside the
   conditional UPDATE where it writes, so a job can never slip between a check and its start.
 - `user_work_stop` is what deactivation does: pending and queued jobs cancelled, running ones
   asked to stop through the cancel path (their worker stops them and records them cancelled),
@@ -42,8 +42,8 @@ from django.utils import timezone
 
 from gpus.booking import reservations_cancel_for_leaver
 from gpus.models import Reservation
-from jobs.log_live import job_changed
-from jobs.logs import log_append
+from jobs.logs.live import job_changed
+from jobs.logs.store import log_append
 from jobs.models import Job
 from portal.models import AuditEntry, Membership, Notification, Team
 from portal.notifications import notification_send

@@ -22,7 +22,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Q, QuerySet
 
-from jobs.log_live import job_changed
+from jobs.logs.live import job_changed
 
 
 def transition(

@@ -1,6 +1,7 @@
 """Training curves: the records a job's Keras fit() reports, stored, read back, and the cards' use.
 
-The launcher (jobs/launcher-bin/_portal_launch_curves.py, `MetricsReporter`) prints each record on the job's
+The launcher (jobs/host/launcher-bin/_portal_launch_curves.py, `MetricsReporter`) prints each
+record on the job's
 output as one line, `[portal-metrics] {"kind": "epoch", "epoch": 3, "step": 120, "loss": 0.31, ...}`.
 The worker reads that output as one pipe; `MetricsRecorder` takes the records out of it before the
 log sees it and stores them as JobMetric rows, flushed at the log's cadence.
@@ -37,8 +38,8 @@ from django.utils import timezone
 from django.utils.http import content_disposition_header
 
 from gpus.models import GPU, TelemetrySample
-from jobs import log_live
-from jobs.logs import LOG_FLUSH_SECONDS
+from jobs.logs import live as log_live
+from jobs.logs.store import LOG_FLUSH_SECONDS
 from jobs.models import Job, JobMetric
 from jobs.paths import download_name
 from portal.errors import Invalid

@@ -6,7 +6,7 @@ QUEUED → STARTING above all), so a message delivered twice can never start a s
 state, every transition and who makes it: docs/jobs.md, "States".
 
 Status transitions:
-    PENDING → QUEUED (a queued job: the scheduler booked its cards, jobs/scheduler.py)
+    PENDING → QUEUED (a queued job: the scheduler booked its cards, jobs/queue/scheduler.py)
     PENDING → CANCELLED (cancelled while it waited)
     QUEUED → STARTING (a worker claimed it) → RUNNING (the subprocess started)
     RUNNING → SUCCEEDED (exit 0) | FAILED (exit ≠ 0, or it could not start)
@@ -123,7 +123,7 @@ class Job(models.Model):
     env = models.JSONField(default=dict, help_text="Extra environment variables given by the user.")
     time_limit_minutes = models.PositiveIntegerField(null=True, blank=True)
     # Memory settings (every framework: jobs/environment.framework_memory_env) and TensorFlow's,
-    # applied by jobs/launcher-bin/launcher.py.
+    # applied by jobs/host/launcher-bin/launcher.py.
     memory_mode = models.CharField(max_length=16, choices=MemoryMode.choices, default=MemoryMode.LIMIT)
     intra_op_threads = models.PositiveSmallIntegerField(null=True, blank=True)
     inter_op_threads = models.PositiveSmallIntegerField(null=True, blank=True)
@@ -166,7 +166,7 @@ class Job(models.Model):
     pid_started = models.FloatField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     message = models.CharField(max_length=1000, blank=True, help_text="Why it failed, was lost or stopped.")
-    # Set by the GPU watchdog (jobs/watchdog_host.py) to stop a running job that broke its booking:
+    # Set by the GPU watchdog (jobs/host/watchdog.py) to stop a running job that broke its booking:
     # the job's supervisor stops it and records it failed with this message.
     watchdog_stop = models.CharField(max_length=500, blank=True)
     env_applied = models.JSONField(default=dict, help_text="The environment the portal set for the job.")
@@ -294,8 +294,8 @@ class InteractiveSessionQuerySet(models.QuerySet):
 
     def holding_slots(self) -> InteractiveSessionQuerySet:
         """Those that take a job slot of their host's worker: a JupyterLab runs as a task of its
-        pool, as a job does (jobs.lab), from its start until it ends. The pickup and the queue's
-        scheduler count them as busy (jobs.pickup, jobs.scheduler)."""
+        pool, as a job does (jobs.host.lab), from its start until it ends. The pickup and the queue's
+        scheduler count them as busy (jobs.host.pickup, jobs.queue.scheduler)."""
         return self.filter(kind=InteractiveSession.Kind.JUPYTERLAB, status__in=InteractiveSession.ACTIVE)
 
     def transition(
@@ -332,8 +332,8 @@ class InteractiveSession(models.Model):
             "Lost: …"; a lost session found alive is stopped, never taken back: jobs/runs.py)
         STARTING → FAILED (the command could not start)
 
-    A JupyterLab session (jobs.lab) is started by the host's worker instead, which beats for it and
-    records its kernels' sessions; the portal proxies to it (jobs.lab_proxy) with its token.
+    A JupyterLab session (jobs.host.lab) is started by the host's worker instead, which beats for it and
+    records its kernels' sessions; the portal proxies to it (jobs.sessions.lab_proxy) with its token.
     """
 
     class Kind(models.TextChoices):
@@ -348,7 +348,7 @@ class InteractiveSession(models.Model):
         FAILED = "failed", "Failed"
 
     ACTIVE = (Status.STARTING, Status.RUNNING)
-    # Started on the host by `gpu` in a terminal; a JupyterLab by the host's worker (jobs.lab).
+    # Started on the host by `gpu` in a terminal; a JupyterLab by the host's worker (jobs.host.lab).
     TERMINAL_KINDS = (Kind.EXEC, Kind.SHELL)
 
     owner = models.ForeignKey(
@@ -374,7 +374,7 @@ class InteractiveSession(models.Model):
     end_requested_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
-    # JupyterLab (jobs.lab): the host's worker runs the server; the portal proxies to it.
+    # JupyterLab (jobs.host.lab): the host's worker runs the server; the portal proxies to it.
     worker = models.CharField(max_length=255, blank=True, help_text="The worker that runs it (JupyterLab).")
     address = models.CharField(max_length=255, blank=True, help_text="host:port of the Jupyter server.")
     token = models.CharField(max_length=128, blank=True, help_text="The Jupyter server's; never shown.")
@@ -412,7 +412,7 @@ class InteractiveSession(models.Model):
 
 
 class LabGrant(models.Model):
-    """A browser's way into one JupyterLab on the labs' own origin (jobs.lab_handoff, which says
+    """A browser's way into one JupyterLab on the labs' own origin (jobs.sessions.lab_handoff, which says
     the whole hand-off; docs/sessions.md, "Two origins").
 
     The portal issues it as a ticket for one lab, one user, the portal session that asked and the

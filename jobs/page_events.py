@@ -1,7 +1,7 @@
 """GET /jobs/<id>/events/: the job page's one stream (docs/live.md, "The job page").
 
 A job page needs the change feed every page has (the bell; portal/event_views.py), the job's log
-as it is printed (jobs/log_stream.py), and word when the job's row or its training curves change.
+as it is printed (jobs/logs/stream.py), and word when the job's row or its training curves change.
 One EventSource brings them all: two would hold two of the six connections a browser opens to one
 host over HTTP/1.1, and three job tabs would then stall every other request to the portal.
 
@@ -24,7 +24,7 @@ from django.db import connection
 from django.http import Http404, HttpRequest, HttpResponseBadRequest, HttpResponseBase, StreamingHttpResponse
 from django.views.decorators.http import require_GET
 
-from jobs import log_stream
+from jobs.logs import stream as log_stream
 from jobs.models import Job
 from portal.errors import Invalid
 from portal.event_views import relay

@@ -24,9 +24,9 @@ from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
 
-from jobs.logs import LogWriter, log_append
+from jobs.host.spool import EndRecord
+from jobs.logs.store import LogWriter, log_append
 from jobs.models import InteractiveSession, Job
-from jobs.spool import EndRecord
 from portal.clock import since
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send

@@ -14,7 +14,7 @@ from django.utils import timezone
 from gpus.hooks import SESSION_ENDED, JobOutcome
 from gpus.models import GPU, Allocation
 from jobs.models import InteractiveSession, Job
-from jobs.queue import Entry
+from jobs.queue.rules import Entry
 from portal.access import display_name, is_admin, team_ids_of
 
 
@@ -136,7 +136,7 @@ NOT_YET_RUNNING = (Job.Status.PENDING, Job.Status.QUEUED, Job.Status.STARTING)
 
 def job_placement(job: Job, entry: Entry | None) -> Placement | None:
     """Where `job` will run (None once it runs or has ended): its booking's cards, else the
-    queue's plan for it (`entry`, from jobs.scheduler.queue_plan; None: the plan was not read,
+    queue's plan for it (`entry`, from jobs.queue.scheduler.queue_plan; None: the plan was not read,
     and the stored reason stands in)."""
     if job.status not in NOT_YET_RUNNING:
         return None

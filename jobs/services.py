@@ -19,11 +19,11 @@ from django.utils import timezone
 
 from gpus.inventory import GPUInfo
 from gpus.models import GPU, Allocation, Server
-from jobs.interactive import labs_resend
 from jobs.leavers import leavers_stop, owner_active, team_leavers_stop
-from jobs.log_live import job_changed
+from jobs.logs.live import job_changed
 from jobs.models import Job
 from jobs.runs import runs_lost_mark
+from jobs.sessions.services import labs_resend
 from portal.access import can_manage
 from portal.errors import Forbidden, Invalid
 from portal.outage import outage_of
@@ -59,7 +59,7 @@ def dispatch(job: Job, now: datetime) -> bool:
 
 
 # The task by name (jobs/apps.py registers it in every process): importing jobs.tasks here would
-# close a circle, jobs.tasks → jobs.runner → jobs.scheduler → here.
+# close a circle, jobs.tasks → jobs.host.runner → jobs.queue.scheduler → here.
 RUN_JOB = "jobs.tasks.run_job"
 _send_failing = False  # set by a send that failed, cleared by the next that works: one line an outage
 _SEND_FAILED = "Could not send job %s to %s (%r); the reconciler retries, quietly till a send works"
@@ -125,7 +125,7 @@ def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
         message=f"Cancelled by {user} before it started.",
     )
     if not cancelled_here:
-        # No status change: the request its worker acts on (jobs.runner), shown on the job's page.
+        # No status change: the request its worker acts on (jobs.host.runner), shown on the job's page.
         Job.objects.filter(pk=pk, cancel_requested_at=None).update(cancel_requested_at=now, cancelled_by=user)
         job_changed([pk], server=job.server_id)
     job.refresh_from_db()

@@ -2,15 +2,15 @@
 
 - worker_init: a GPU host's worker refuses to start where a folder it writes into as root is
   not safe from the jobs' accounts, or its jobs' account cannot reach JOB_FOLDERS
-  (jobs.host_worker.host_worker_check).
+  (jobs.host.worker.host_worker_check).
 - worker_ready: the portal's own worker (the one consuming the default queue, where the telemetry
   collector runs) starts the job reconciler and the queue's scheduler (jobs/threads.py,
-  jobs/scheduler.py); a GPU host's worker ends what a previous worker left running
-  (jobs.host_worker.kill_orphans), then starts its spool replay, its pickup and its watchdog:
+  jobs/queue/scheduler.py); a GPU host's worker ends what a previous worker left running
+  (jobs.host.worker.kill_orphans), then starts its spool replay, its pickup and its watchdog:
   one `HostWorker`, which holds what the host's worker keeps for its life.
 - worker_shutting_down: a GPU host's worker asks its running jobs to stop first
-  (jobs.host_worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
-  (jobs.host_worker.running_jobs_stopped). The HostWorker connects both.
+  (jobs.host.worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
+  (jobs.host.worker.running_jobs_stopped). The HostWorker connects both.
 - gpus' telemetry_ingested: the jobs' peak memory and utilization from each telemetry round
   (jobs.services.jobs_usage_record), since jobs builds on gpus and not the reverse.
 - a user saved from active to inactive (the admin's form, a directory sync, `manage.py shell`):
@@ -36,14 +36,14 @@ from django.dispatch import receiver
 from gpus.inventory import GPUInfo, Snapshot
 from gpus.services import telemetry_ingested
 from gpus.telemetry import snapshot_read
-from jobs.host_worker import host_worker_check, kill_orphans, running_jobs_stop, running_jobs_stopped
-from jobs.lab import lab_orphans_end
+from jobs.host.lab import lab_orphans_end
+from jobs.host.pickup import HostPickup
+from jobs.host.watchdog import HostWatchdog
+from jobs.host.worker import host_worker_check, kill_orphans, running_jobs_stop, running_jobs_stopped
 from jobs.leavers import deactivated, user_work_stop
-from jobs.pickup import HostPickup
-from jobs.scheduler import Scheduler
+from jobs.queue.scheduler import Scheduler
 from jobs.services import jobs_usage_record
 from jobs.threads import JobReconciler, SpoolReplay
-from jobs.watchdog_host import HostWatchdog
 from portal.outage import outage_of
 from portal.periodic import start_thread
 

@@ -2,7 +2,7 @@
 
 Every rule is checked before anything is written; a refusal is a ServiceError naming
 the field and the fix. Booked and queued jobs go through the same steps: where it runs
-(`_place_on_booking`, or jobs.queue_requests.QueueRequest for the queue), what it runs
+(`_place_on_booking`, or jobs.queue.requests.QueueRequest for the queue), what it runs
 (`_check_program`), how TensorFlow is set up (`_check_tensorflow`), then the save.
 Dispatch happens after commit (jobs.services.dispatch).
 """
@@ -25,7 +25,7 @@ from gpus.models import Allocation, Reservation, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
 from jobs.models import Job, JobArray
-from jobs.queue_requests import QueueRequest
+from jobs.queue.requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
 from portal.changes import JOBS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
@@ -186,7 +186,7 @@ def job_submit(
 ) -> Job:
     """Run a job on a booking's server and cards (it starts when the booking does), or, without a
     booking, queue it for `gpu_count` cards (`memory_mb` each, or whole) for its time limit: the
-    scheduler starts it when cards are free (jobs/scheduler.py). An `array` ("0-99%8") queues
+    scheduler starts it when cards are free (jobs/queue/scheduler.py). An `array` ("0-99%8") queues
     one job per index; the first is returned.
 
     One path of named steps for both kinds: where it runs, what it runs, how TensorFlow is set

@@ -6,8 +6,8 @@ import logging
 
 from celery import shared_task
 
-from jobs.lab import lab_run
-from jobs.runner import job_run
+from jobs.host.lab import lab_run
+from jobs.host.runner import job_run
 
 log = logging.getLogger(__name__)
 
@@ -25,5 +25,5 @@ def run_job(job_id: int) -> str | None:
 # As run_job: a lab is started once, never again behind its owner's back.
 @shared_task(ignore_result=True, acks_late=False, max_retries=0)
 def run_session(session_id: int) -> str | None:
-    """Run JupyterLab session `session_id` on this host to its end (jobs.lab). Again: a no-op."""
+    """Run JupyterLab session `session_id` on this host to its end (jobs.host.lab). Again: a no-op."""
     return lab_run(session_id)

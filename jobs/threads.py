@@ -1,7 +1,7 @@
 """The jobs app's periodic threads started from jobs/signals.py that are not beside their rules:
 the portal worker's job reconciler and a GPU host's spool replay (portal/periodic.py runs them;
-the worker's shutdown stops them). The queue's scheduler (jobs/scheduler.py) and a host's
-pickup (jobs/pickup.py) live beside what they run.
+the worker's shutdown stops them). The queue's scheduler (jobs/queue/scheduler.py) and a host's
+pickup (jobs/host/pickup.py) live beside what they run.
 
 The reconciler is a thread like the collector rather than a beat task, so it costs no broker
 message and no log lines every few seconds, and it runs exactly while the portal's worker does.
@@ -15,7 +15,7 @@ import time
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
 
-from jobs.replay import spool_replay
+from jobs.host.replay import spool_replay
 from jobs.services import jobs_reconcile
 from portal.periodic import PeriodicThread
 

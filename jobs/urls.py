@@ -1,6 +1,9 @@
 from django.urls import path
 
-from jobs import log_stream, page_events, prometheus_views, session_views, views
+from jobs import page_events, views
+from jobs.logs import stream as log_stream
+from jobs.prometheus import views as prometheus_views
+from jobs.sessions import views as session_views
 
 urlpatterns = [
     # Prometheus' scrape, at the root where it looks by default (404 unless METRICS_TOKEN is set).
@@ -21,8 +24,8 @@ urlpatterns = [
     path("jobs/<int:pk>/metrics.csv", views.job_metrics_csv, name="job_metrics_csv"),
     path("jobs/<int:pk>/usage.json", views.job_usage_json, name="job_usage_json"),
     path("jobs/<int:pk>/cancel/", views.job_cancel_view, name="job_cancel"),
-    # /sessions/<pk>/lab/… on the portal sends the owner to the lab on LAB_ORIGIN (jobs.lab_proxy);
-    # lab-ticket/ is where the labs' origin comes back for a ticket (jobs.lab_handoff).
+    # /sessions/<pk>/lab/… on the portal sends the owner to the lab on LAB_ORIGIN (jobs.sessions.lab_proxy);
+    # lab-ticket/ is where the labs' origin comes back for a ticket (jobs.sessions.lab_handoff).
     path("sessions/new/", session_views.session_new, name="session_new"),
     path("sessions/<int:pk>/", session_views.session_detail, name="session_detail"),
     path("sessions/<int:pk>/lab-ticket/", session_views.lab_ticket, name="lab_ticket"),

@@ -28,11 +28,11 @@ from django.views.decorators.http import require_GET, require_POST
 from gpus.models import GPU, format_mb
 from jobs.filters import JobFilter, JobHistoryFilter, MyJobFilter
 from jobs.forms import JobForm
-from jobs.logs import log_response, parse_offset
+from jobs.logs.store import log_response, parse_offset
 from jobs.metrics import job_card_usage, metrics_csv_response
 from jobs.models import InteractiveSession, Job
+from jobs.queue.scheduler import queue_plan
 from jobs.rightsizing import REPORT_PERIODS, oversized_report, report_days, size_hint_for
-from jobs.scheduler import queue_plan
 from jobs.selectors import get_job_for_user, job_placement, queue_rows
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit

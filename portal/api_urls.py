@@ -6,7 +6,7 @@ from rest_framework.routers import DefaultRouter
 from gpus import calendar_api, team_api
 from gpus.api import GPUViewSet, ReservationViewSet, ServerViewSet, UsageViewSet, ViolationViewSet
 from jobs.api import JobViewSet, QueueViewSet
-from jobs.session_api import SessionViewSet
+from jobs.sessions.api import SessionViewSet
 from portal import api as portal_api
 from portal import channel_api
 

@@ -44,7 +44,7 @@ def user_channel(user_id: int) -> str:
 
 class Publisher:
     """Redis pub/sub that never fails its caller (this module's changes, and a job's live log:
-    jobs.log_live). One connection per process (a prefork pool's child makes its own after the
+    jobs.logs.live). One connection per process (a prefork pool's child makes its own after the
     fork); after a failure nothing is tried for RETRY_AFTER_SECONDS, and the outage is said once.
     `what` and `meanwhile` word that line: what went unpublished, and what its readers do instead."""
 

@@ -5,7 +5,7 @@ JSON for telemetry, bookings and jobs, and for the viewer's own notifications on
 every LOG_STREAM_KEEPALIVE_SECONDS keeps proxies open. A page reads what changed from its usual
 endpoints; a page that missed messages (reconnecting) reads everything again at `ready`.
 
-Async like the log stream (jobs/log_stream.py), and like it ASGI only: it waits on Redis and
+Async like the log stream (jobs/logs/stream.py), and like it ASGI only: it waits on Redis and
 never on the ORM, whose only use (the session's user) comes before the loop.
 """
 

@@ -13,7 +13,7 @@ answers, and the answer when no app does. The apps above register in their AppCo
   - RESERVATION_ACTIONS: gpus' booking pages, beside each open booking `r` of its owner (with
     `next`, the page to come back to); jobs fills it with its Run buttons (jobs/_run_buttons.html).
   - RESERVATION_SESSIONS: gpus' booking page, for whoever sees the booking `r`; jobs fills it
-    with the booking's interactive sessions (jobs.interactive.booking_sessions_context).
+    with the booking's interactive sessions (jobs.sessions.services.booking_sessions_context).
 - `worker_hosts()`: which GPU hosts this machine runs a host worker for, and whether they are
   simulated. Asked by `make run` (runportal); gpus answers (gpus.hosts.worker_servers,
   `host_discovery_register`); no answer: none.

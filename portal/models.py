@@ -162,7 +162,7 @@ class AuditEntry(models.Model):
 
 class WatchdogKind(models.TextChoices):
     """What the GPU watchdog finds on a card, one label each (docs/watchdog.md). The one list:
-    gpus' Violation.Kind is this, jobs.watchdog's verdicts and Notification.Kind take their values
+    gpus' Violation.Kind is this, jobs.watchdog.rules's verdicts and Notification.Kind take their values
     and labels from it. Here, in the lowest app, because notifications name them too."""
 
     ESCAPED = "escaped", "Escaped: a job's process on a card its booking does not hold"

@@ -1,6 +1,6 @@
 """Children that do not outlive their parent, and jobs that start with no privileges: the
 `preexec_fn` used by runportal's supervisor (portal/supervisor.py), and `start_job_process`,
-which the job runner (jobs/runner.py) starts every job with.
+which the job runner (jobs/host/runner.py) starts every job with.
 
 Linux's PR_SET_PDEATHSIG sends the child a signal when its parent dies. It has to be set in
 the child between fork and exec, where a threaded parent's fork leaves only async-signal-safe
@@ -184,7 +184,7 @@ def start_job_process(
     `cwd`, entered as that account once the privileges are gone.
 
     It gets no descriptor of the worker's besides its stdin (/dev/null), its output pipe and those
-    named in `pass_fds`, at the same numbers (a lab's listening socket, jobs.lab): each the
+    named in `pass_fds`, at the same numbers (a lab's listening socket, jobs.host.lab): each the
     caller's to choose, and to close on its side once the process has started.
 
     No Django here: the privilege test starts jobs through this very function from a bare

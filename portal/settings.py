@@ -53,10 +53,10 @@ ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 PORT = env_int("PORT", 8000, min_value=1, max_value=65535)
 # A lab page runs its owner's code and whatever their notebooks print, so JupyterLab sessions are
-# served from an origin of their own (jobs/lab_proxy.py, docs/sessions.md "Two origins"): on
+# served from an origin of their own (jobs/sessions/lab_proxy.py, docs/sessions.md "Two origins"): on
 # LAB_ORIGIN's host name (any port) the portal answers the labs and nothing else, and its cookies
 # never go there. The portal hands a browser over with a single-use ticket good for
-# LAB_TICKET_SECONDS (jobs/lab_handoff.py). `make run`: the portal on localhost, the labs on
+# LAB_TICKET_SECONDS (jobs/sessions/lab_handoff.py). `make run`: the portal on localhost, the labs on
 # 127.0.0.1, one server (cookies tell host names apart, not ports). Checked below, by PORTAL_URL.
 LAB_ORIGIN = env_origin("LAB_ORIGIN", f"http://127.0.0.1:{PORT}")
 LAB_TICKET_SECONDS = env_int("LAB_TICKET_SECONDS", 60, min_value=5, max_value=600)
@@ -327,7 +327,7 @@ CELERY_RESULT_BACKEND = None
 # acks_late stays off: a message acked late and held past Redis' visibility_timeout
 # (1 h) is redelivered, so a job longer than that would run twice. Acked at start, a
 # job can never be redelivered once running; a prefetched message restored while it
-# waits only finds its row already claimed (jobs.launch.job_claim).
+# waits only finds its row already claimed (jobs.host.launch.job_claim).
 CELERY_TASK_ACKS_LATE = False
 # Every Redis connection gives up on a server that does not answer (frozen: its process stopped,
 # its kernel still acknowledging) after this long: the broker's, the publishers' and the streams'.
@@ -431,7 +431,7 @@ IDLE_CHECK_SECONDS = env_int("IDLE_CHECK_SECONDS", 60, min_value=5, max_value=60
 # Folders on each GPU host where scripts may live and jobs may work (people and jobs write there).
 JOB_ROOTS = [Path(p).resolve() for p in env_list("JOB_ROOTS", [str(VAR_DIR / "jobs")])]
 # Where each job's own folder, its default working directory, is made fresh: job-<id>. A tree
-# only the worker writes (jobs/folders.py checks it), never one of the JOB_ROOTS that jobs can
+# only the worker writes (jobs/host/folders.py checks it), never one of the JOB_ROOTS that jobs can
 # write: a job could plant a symlink at the next job's name there.
 JOB_FOLDERS = Path(env_str("JOB_FOLDERS", str(VAR_DIR / "job-folders"))).resolve()
 if any(root == JOB_FOLDERS or root in JOB_FOLDERS.parents for root in JOB_ROOTS):
@@ -492,7 +492,7 @@ if 0 < len(METRICS_TOKEN) < 16:
         ' python -c "import secrets; print(secrets.token_urlsafe(32))"'
     )
 # On a GPU host: the folder DCGM exporter reads with --hpc-job-mapping-dir (one file per GPU index
-# naming the portal jobs and sessions on it, jobs/dcgm.py). Empty: no mapping written.
+# naming the portal jobs and sessions on it, jobs/host/dcgm.py). Empty: no mapping written.
 DCGM_HPC_JOB_MAPPING_DIR = env_str("DCGM_HPC_JOB_MAPPING_DIR", "").strip()
 if DCGM_HPC_JOB_MAPPING_DIR and not Path(DCGM_HPC_JOB_MAPPING_DIR).is_absolute():
     raise ImproperlyConfiguredEnv(
@@ -516,7 +516,7 @@ JOB_MIN_UID = env_int("JOB_MIN_UID", 1000, min_value=1)
 # Per-job log cap: past it the head and the tail are kept and the middle is dropped.
 JOB_LOG_MAX_MB = env_int("JOB_LOG_MAX_MB", 100, min_value=1)
 # Where a GPU host keeps what the database could not take yet (log bytes, a job's end), to write
-# it once the database is back (jobs/spool.py). The worker's alone: made with mode 0700.
+# it once the database is back (jobs/host/spool.py). The worker's alone: made with mode 0700.
 JOB_SPOOL_DIR = Path(env_str("JOB_SPOOL_DIR", str(VAR_DIR / "spool"))).resolve()
 # How long a job's supervisor keeps trying to record its end itself (its worker slot held);
 # after that the host's spool thread records it when the database is back.
@@ -537,21 +537,21 @@ if JOB_LOST_AFTER_SECONDS < 3 * JOB_HEARTBEAT_SECONDS:
         f" ({3 * JOB_HEARTBEAT_SECONDS}) or healthy jobs would be marked lost"
     )
 
-# `gpu exec` and `gpu shell` (jobs.interactive): the command on the host beats this often; a
+# `gpu exec` and `gpu shell` (jobs.sessions.services): the command on the host beats this often; a
 # session with no beat for SESSION_LOST_AFTER_SECONDS is ended (its `gpu` was killed, or its
 # host is gone), and its processes are no longer the booking's to the watchdog. The warning
 # that the booking ends comes SESSION_WARN_MINUTES before its end, in the terminal and the inbox.
 SESSION_BEAT_SECONDS = env_int("SESSION_BEAT_SECONDS", 30, min_value=1, max_value=600)
 SESSION_LOST_AFTER_SECONDS = env_int("SESSION_LOST_AFTER_SECONDS", 120, min_value=3, max_value=3600)
 SESSION_WARN_MINUTES = env_int("SESSION_WARN_MINUTES", 10, min_value=0, max_value=24 * 60)
-# JupyterLab sessions (jobs.lab): ended after this long with no kernel activity; their server
+# JupyterLab sessions (jobs.host.lab): ended after this long with no kernel activity; their server
 # listens on this address of the GPU host (the portal's proxy must reach it: the host's own
 # address where the portal runs elsewhere) and must answer within SESSION_START_SECONDS.
 SESSION_IDLE_MINUTES = env_int("SESSION_IDLE_MINUTES", 60, min_value=1, max_value=7 * 24 * 60)
 SESSION_BIND_ADDRESS = env_str("SESSION_BIND_ADDRESS", "127.0.0.1").strip()
 try:
     # An address, not a name: the worker binds the lab's socket itself and proves it by the
-    # address it listens on (jobs.lab_listener), so a name that resolves elsewhere cannot do.
+    # address it listens on (jobs.host.lab_listener), so a name that resolves elsewhere cannot do.
     SESSION_BIND_ADDRESS = str(ipaddress.ip_address(SESSION_BIND_ADDRESS.strip("[]")))
 except ValueError:
     raise ImproperlyConfiguredEnv(
@@ -717,7 +717,7 @@ CELERY_BEAT_SCHEDULE["requeue-stranded-channel-deliveries"] = {
 CALENDAR_PAST_DAYS = env_int("CALENDAR_PAST_DAYS", 60, min_value=0, max_value=3660)
 CALENDAR_MAX_EVENTS = env_int("CALENDAR_MAX_EVENTS", 1000, min_value=1, max_value=20000)
 
-# Live logs (jobs/log_stream.py, docs/live.md): a comment line this often keeps proxies from
+# Live logs (jobs/logs/stream.py, docs/live.md): a comment line this often keeps proxies from
 # closing a quiet stream, and is when a stream reads its job's status if nothing told it the end.
 LOG_STREAM_KEEPALIVE_SECONDS = env_int("LOG_STREAM_KEEPALIVE_SECONDS", 15, min_value=1, max_value=300)
 # Under ASGI (portal/asgi.py sets PORTAL_ASGI) every request's sync code runs in a thread of its

@@ -74,7 +74,7 @@ def box(db) -> list:
     """A reporting server `box1` with four 24 GB cards, by index."""
     from gpus.models import GPU
     from gpus.services import server_report_ingest
-    from jobs.pickup import slots_report
+    from jobs.host.pickup import slots_report
 
     server_report_ingest(snapshot=make_snapshot("box1", gpus=4))
     # Its worker said how many jobs it runs at once, as a running host worker does each round:

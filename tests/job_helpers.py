@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 
-from jobs.logs import LogWriter, log_stream
+from jobs.logs.store import LogWriter, log_stream
 from tests.browser import log_in
 
 

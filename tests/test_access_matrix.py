@@ -44,8 +44,8 @@ from gpus.calendars import calendar_feed_get
 from gpus.forms import local_input
 from gpus.models import GPU, CalendarFeed, Reservation, Violation
 from gpus.services import server_report_ingest
-from jobs.interactive import session_start
 from jobs.models import InteractiveSession, Job
+from jobs.sessions.services import session_start
 from jobs.submit import ScriptUpload, job_submit
 from portal.channels import channel_create
 from portal.models import ApiToken, Membership, Notification, NotificationChannel, Team

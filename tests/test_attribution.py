@@ -28,9 +28,9 @@ from gpus.sanitize import checked_snapshot
 from gpus.services import servers_report_ingest
 from gpus.simulated.backend import SimulatedBackend
 from gpus.simulated.inventory import load_inventory
-from jobs.host_worker import kill_orphans
+from jobs.host.watchdog import HostWatchdog
+from jobs.host.worker import kill_orphans
 from jobs.models import Job
-from jobs.watchdog_host import HostWatchdog
 from tests.factories import make_snapshot
 from tests.waiting import wait_for
 

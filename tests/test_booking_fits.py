@@ -4,7 +4,7 @@ decide alike, so the scheduler never plans a start that booking then refuses eve
 Each case puts the same bookings on one card (24 GiB total, 300 MiB driver-reserved, the context
 headroom on top: less bookable than total), then asks both: the booking service
 (`reservation_create`, in a savepoint rolled back) and the plan's calendar as the scheduler reads
-it (`jobs.scheduler._calendar`, `Calendar.fits`, and `could_fit_now` for windows from now).
+it (`jobs.queue.scheduler._calendar`, `Calendar.fits`, and `could_fit_now` for windows from now).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gpus.booking import reservation_create
 from gpus.conflicts import fits_at_once, fits_on_card
 from gpus.models import GPU
 from jobs.models import Job
-from jobs.scheduler import _calendar, queue_plan, schedule_pass
+from jobs.queue.scheduler import _calendar, queue_plan, schedule_pass
 from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Conflict, Invalid
 

@@ -24,7 +24,7 @@ from gpus.booking import reservation_create
 from gpus.idle import idle_check
 from gpus.models import GPU, Violation
 from gpus.services import server_report_ingest
-from jobs.watchdog_notify import tell_about
+from jobs.watchdog.notify import tell_about
 from portal.channels import (
     UNREADABLE,
     channel_create,

@@ -32,7 +32,7 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation, Violation
 from gpus.services import server_report_ingest
 from gpus.simulated.inventory import server_names
-from jobs.logs import log_append
+from jobs.logs.store import log_append
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import ApiToken

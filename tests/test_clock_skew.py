@@ -21,13 +21,15 @@ from gpus import services as gpu_services
 from gpus.models import Allocation, Reservation, Server
 from gpus.selectors import dashboard_servers
 from gpus.services import server_report_ingest
-from jobs import interactive, launch, runner, runs
-from jobs.interactive import sessions_reconcile
-from jobs.launch import job_claim
+from jobs import runs
+from jobs.host import launch, runner
+from jobs.host.launch import job_claim
+from jobs.host.runner import job_run
 from jobs.models import InteractiveSession, Job
-from jobs.prometheus import PortalCollector
-from jobs.runner import job_run
+from jobs.prometheus.metrics import PortalCollector
 from jobs.services import jobs_reconcile
+from jobs.sessions import services as interactive
+from jobs.sessions.services import sessions_reconcile
 from jobs.submit import ScriptUpload, job_submit
 from tests.factories import make_snapshot
 from tests.waiting import wait_for

@@ -1,4 +1,4 @@
-"""DCGM exporter's job mapping (jobs/dcgm.py): one file per GPU index in DCGM_HPC_JOB_MAPPING_DIR
+"""DCGM exporter's job mapping (jobs/host/dcgm.py): one file per GPU index in DCGM_HPC_JOB_MAPPING_DIR
 naming the portal jobs and sessions on it, in a real folder, written by the real runner, the real
 watchdog round and the worker's start."""
 
@@ -15,14 +15,14 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.models import GPU
 from gpus.simulated.inventory import server_names
-from jobs import dcgm
-from jobs.host_worker import kill_orphans
-from jobs.interactive import session_start
+from jobs.host import dcgm
+from jobs.host.runner import job_run
+from jobs.host.watchdog import HostWatchdog
+from jobs.host.worker import kill_orphans
 from jobs.models import InteractiveSession, Job
-from jobs.runner import job_run
 from jobs.services import job_cancel
+from jobs.sessions.services import session_start
 from jobs.submit import ScriptUpload, job_submit
-from jobs.watchdog_host import HostWatchdog
 from portal.env import ImproperlyConfiguredEnv
 from tests.factories import fresh, make_snapshot
 from tests.job_helpers import job_log

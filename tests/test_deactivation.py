@@ -22,13 +22,13 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import Reservation
-from jobs import log_live
-from jobs.launch import job_claim
+from jobs.host.launch import job_claim
+from jobs.host.runner import Supervisor, job_run
 from jobs.leavers import user_work_stop
-from jobs.logs import log_stream
+from jobs.logs import live as log_live
+from jobs.logs.store import log_stream
 from jobs.models import Job
-from jobs.runner import Supervisor, job_run
-from jobs.scheduler import queue_plan, schedule_pass
+from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.services import dispatch, jobs_reconcile
 from jobs.submit import ScriptUpload, job_submit
 from portal import changes
@@ -298,7 +298,7 @@ def test_the_stopped_jobs_are_named_once_each_however_many(alice, leader, box, s
 
 
 class Published:
-    """What jobs.log_live.job_changed publishes, read back from real Redis: each job's own channel
+    """What jobs.logs.live.job_changed publishes, read back from real Redis: each job's own channel
     (its page) and the change feed (the lists of jobs), on a portal id of this test's own."""
 
     def __init__(self, settings, jobs: list[Job]) -> None:  # type: ignore[no-untyped-def]

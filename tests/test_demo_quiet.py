@@ -29,7 +29,7 @@ from gpus.procinfo import describe_process
 from gpus.services import servers_report_ingest
 from gpus.simulated.backend import MAX_INVENTED_PER_SERVER, SimulatedBackend
 from gpus.simulated.inventory import server_names
-from jobs.watchdog_host import HostWatchdog
+from jobs.host.watchdog import HostWatchdog
 from portal.models import Notification
 from portal.services import demo_data_seed
 from tests.factories import make_snapshot

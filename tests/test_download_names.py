@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils.http import content_disposition_header
 from rest_framework.test import APIClient
 
-from jobs.logs import LogWriter
+from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.paths import roots

@@ -7,7 +7,7 @@ import time
 import psycopg
 import pytest
 
-from jobs.watchdog_host import kill_grace
+from jobs.host.watchdog import kill_grace
 from portal.env import (
     POSTGRES_DEFAULT_OPTIONS,
     ImproperlyConfiguredEnv,
@@ -137,7 +137,7 @@ def test_the_watchdog_kills_after_its_own_grace_else_the_old_one(settings):
     ("given", "refused"), [("localhost", True), ("lab-host.example", True), ("::1", False)]
 )
 def test_the_labs_bind_address_must_be_an_address(given, refused):
-    """The worker binds a lab's socket itself and proves it by its address (jobs.lab_listener)."""
+    """The worker binds a lab's socket itself and proves it by its address (jobs.host.lab_listener)."""
     import os
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""The local process executor on its own (jobs/executors/local.py): real `sh -c` subprocesses,
+"""The local process executor on its own (jobs/host/executors/local.py): real `sh -c` subprocesses,
 no database, no supervisor."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs.executors import LocalProcess, Run, RunEnd, RunSpec, executor_for, local
+from jobs.host.executors import LocalProcess, Run, RunEnd, RunSpec, executor_for, local
 from portal.pids import ProcessId
 from portal.processes import PRIVILEGES_EXIT_CODE, WORKDIR_EXIT_CODE
 from tests.waiting import wait_for
@@ -74,7 +74,7 @@ def test_a_signal_ends_it_as_128_plus_n(executor, tmp_path):
 
 # The shell ignores SIGTERM; its python child too, and forks a grandchild that detaches (a group
 # of its own, its parent gone: adopted elsewhere) and ignores SIGTERM as well. setsid alone
-# leaves the run's session, and then it is no longer the run's to prove (jobs/executors/local.py).
+# leaves the run's session, and then it is no longer the run's to prove (jobs/host/executors/local.py).
 DEAF_TREE = """
 trap '' TERM
 {python} -c 'import os, signal, time

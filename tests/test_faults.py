@@ -149,7 +149,7 @@ def _job_running(tag: str, job_id: int) -> bool:
 
 def _finishes_once(portal: Portal, job_id: int) -> None:
     """Its end was recorded once, by its supervisor or by the spool's replay: each logs "Job N
-    finished:" only when its conditional UPDATE recorded the end (jobs.runner, jobs.replay)."""
+    finished:" only when its conditional UPDATE recorded the end (jobs.host.runner, jobs.host.replay)."""
     ends = re.findall(rf"Job {job_id} finished: ", portal.output("worker-host"))
     assert len(ends) == 1, f"job {job_id}'s end was recorded {len(ends)} times"
 
@@ -212,7 +212,8 @@ def test_sigterm_during_a_database_outage_ends_everything_in_time(portal, postgr
 
 
 def _no_stop_flag_left(portal: Portal) -> None:
-    """Each host worker's shutdown raises its stop flag (jobs.spool.stop_flag) and removes it at its end."""
+    """Each host worker's shutdown raises its stop flag (jobs.host.spool.stop_flag) and removes
+    it at its end."""
     flags = list((portal.scratch / "spool").glob("worker-*.stopping"))
     assert not flags, f"stop flags left: {flags}"
 

@@ -7,8 +7,8 @@ import pwd
 
 import pytest
 
-from jobs.host_worker import _job_uid
-from jobs.launch import JobSetupError, _job_account
+from jobs.host.launch import JobSetupError, _job_account
+from jobs.host.worker import _job_uid
 from jobs.models import Job
 from portal.admin import ProfileForm
 from portal.models import Profile

@@ -22,8 +22,8 @@ from jobs.environment import (
     framework_memory_env,
     job_environment,
 )
+from jobs.host.runner import JobSetupError, launch_for
 from jobs.models import Job
-from jobs.runner import JobSetupError, launch_for
 from jobs.submit import ScriptUpload, job_submit, parse_env
 from portal.errors import Invalid
 

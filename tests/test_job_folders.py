@@ -1,4 +1,4 @@
-"""Each job's folder is made fresh where no job can plant anything (jobs/folders.py).
+"""Each job's folder is made fresh where no job can plant anything (jobs/host/folders.py).
 
 The attack these tests replay: a job running as JOB_USER plants symlinks named after the next
 job ids in a folder it can write, pointing at a folder it wants (/etc, the portal's code); the
@@ -21,9 +21,9 @@ import pytest
 from django.conf import settings as django_settings
 
 from gpus.booking import reservation_create
-from jobs.folders import JobFolderError, job_folder_make
+from jobs.host.folders import JobFolderError, job_folder_make
+from jobs.host.runner import job_run
 from jobs.models import Job
-from jobs.runner import job_run
 from jobs.submit import ScriptUpload, job_submit
 from portal.processes import WORKDIR_EXIT_CODE
 from tests.job_helpers import job_log

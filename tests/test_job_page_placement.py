@@ -16,7 +16,7 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.models import Server
 from jobs.models import Job
-from jobs.scheduler import schedule_pass
+from jobs.queue.scheduler import schedule_pass
 from jobs.submit import ScriptUpload, job_submit
 from portal.timefmt import format_time
 from tests.factories import fresh, queue_job

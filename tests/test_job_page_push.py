@@ -17,9 +17,9 @@ from django.test import Client
 
 from gpu_cli.live import Event, iter_events
 from gpus.services import server_report_ingest
-from jobs import log_live
-from jobs.log_live import job_changed
-from jobs.logs import LogWriter, log_end
+from jobs.logs import live as log_live
+from jobs.logs.live import job_changed
+from jobs.logs.store import LogWriter, log_end
 from jobs.models import Job
 from portal import subscriptions
 from portal.notifications import notification_send

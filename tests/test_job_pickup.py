@@ -1,6 +1,6 @@
 """A message is a nudge, the row the record: a queued job whose Celery message was lost (Redis
 killed, restarted empty, flushed) is sent again by its host once that host has a free slot, and
-a job that waits behind a busy host gets no second message (jobs/pickup.py)."""
+a job that waits behind a busy host gets no second message (jobs/host/pickup.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.services import server_report_ingest
 from gpus.simulated.inventory import server_names
-from jobs.logs import log_stream
+from jobs.host.pickup import HostPickup, stranded_jobs
+from jobs.logs.store import log_stream
 from jobs.models import Job
-from jobs.pickup import HostPickup, stranded_jobs
 from jobs.submit import ScriptUpload, job_submit
 from tests.factories import make_snapshot
 from tests.waiting import wait_for

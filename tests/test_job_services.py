@@ -15,7 +15,7 @@ from gpus.booking import reservation_cancel, reservation_create
 from gpus.inventory import ProcessInfo
 from gpus.models import GPUProcess, Reservation
 from gpus.services import server_report_ingest
-from jobs.logs import LogWriter, log_append, log_end, log_stream
+from jobs.logs.store import LogWriter, log_append, log_end, log_stream
 from jobs.models import Job, LogChunk
 from jobs.services import job_cancel, jobs_reconcile
 from jobs.submit import (

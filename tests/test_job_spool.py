@@ -1,5 +1,5 @@
 """What the database cannot take waits on the host's disk and goes in later, in order and once
-(jobs/spool.py). The outage here is the database refusing writes inside this process; the fault
+(jobs/host/spool.py). The outage here is the database refusing writes inside this process; the fault
 suite (tests/test_faults.py) stops a real PostgreSQL under a real worker."""
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import pytest
 from django.db import OperationalError
 
 from gpus.booking import reservation_create
-from jobs import logs, runner
-from jobs.logs import LogWriter
+from jobs.host import runner
+from jobs.host.replay import spool_replay
+from jobs.host.runner import job_run
+from jobs.host.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
+from jobs.logs import store as logs
+from jobs.logs.store import LogWriter
 from jobs.models import Job
-from jobs.replay import spool_replay
-from jobs.runner import job_run
-from jobs.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
 from jobs.submit import ScriptUpload, job_submit
 from tests.fault_servers import small_disk, small_disk_unavailable
 from tests.job_helpers import job_log
@@ -223,7 +224,7 @@ def test_one_broken_spool_does_not_stop_the_others(job, alice, box, caplog):
     spool.close()
     end = EndRecord(status="succeeded", exit_code=0, message="", finished_at="2026-01-01T00:00:01+00:00")
     end.write(name)
-    with caplog.at_level(logging.ERROR, logger="jobs.replay"):
+    with caplog.at_level(logging.ERROR, logger="jobs.host.replay"):
         assert spool_replay() == 1
         assert spool_replay() == 0  # the broken one again: said once, not every round
     other.refresh_from_db()

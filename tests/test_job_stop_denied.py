@@ -12,9 +12,9 @@ import pytest
 from django.utils import timezone
 
 from gpus.booking import reservation_create
-from jobs.executors import local
+from jobs.host.executors import local
+from jobs.host.runner import job_run
 from jobs.models import Job
-from jobs.runner import job_run
 from jobs.submit import ScriptUpload, job_submit
 from portal import pids
 from tests.job_helpers import job_log
@@ -97,7 +97,7 @@ def test_it_keeps_watching_a_job_it_may_not_stop_and_records_its_own_end(
         return refuse(target, sig)
 
     monkeypatch.setattr(pids, "send", send)
-    with caplog.at_level(logging.WARNING, logger="jobs.runner"):
+    with caplog.at_level(logging.WARNING, logger="jobs.host.runner"):
         assert job_run(job.pk) == Job.Status.CANCELLED
 
     job.refresh_from_db()

@@ -13,7 +13,7 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.models import GPUProcess
 from gpus.services import server_report_ingest
-from jobs.logs import LogWriter
+from jobs.logs.store import LogWriter
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from portal.timefmt import format_duration

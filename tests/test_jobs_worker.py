@@ -20,9 +20,9 @@ from gpus.booking import reservation_create
 from gpus.models import GPU, Allocation, GPUProcess, Reservation
 from gpus.services import server_report_ingest
 from gpus.simulated.inventory import server_names
-from jobs.launch import LAUNCHER
+from jobs.host.launch import LAUNCHER
+from jobs.host.runner import job_run
 from jobs.models import Job
-from jobs.runner import job_run
 from jobs.tasks import run_job
 from portal.models import Profile
 from tests.conftest import OUTPUT

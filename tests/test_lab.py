@@ -1,4 +1,4 @@
-"""JupyterLab sessions, the worker's side (jobs.lab): a real JupyterLab started in the booking's
+"""JupyterLab sessions, the worker's side (jobs.host.lab): a real JupyterLab started in the booking's
 environment on the listening socket its worker made (tests/test_lab_listener.py races it), its
 token and its port kept off the command line, its kernels recorded and ended by identity, and every
 way a lab ends (its owner, the booking's end, idleness, its server dying, a worker restart). The
@@ -25,10 +25,10 @@ from websockets.sync.client import connect
 
 from gpus.booking import reservation_create
 from gpus.models import Reservation
-from jobs import lab
-from jobs.interactive import session_end_request, session_start
-from jobs.lab import lab_orphans_end, lab_run
+from jobs.host import lab
+from jobs.host.lab import lab_orphans_end, lab_run
 from jobs.models import InteractiveSession
+from jobs.sessions.services import session_end_request, session_start
 from portal.models import AuditEntry, Notification
 from portal.pids import started_at
 from tests.job_helpers import alive
@@ -42,7 +42,7 @@ def lab_session(alice, box, settings, monkeypatch):
     """Start a lab on alice's 8 GiB share of box1 GPU 0 in a thread; yields (session, outcome)."""
     settings.JOB_KILL_GRACE_SECONDS = 2
     monkeypatch.setattr(lab, "KERNEL_CHECK_SECONDS", 0.2)
-    monkeypatch.setattr("jobs.interactive._send", lambda pk, queue: None)  # no broker: run here
+    monkeypatch.setattr("jobs.sessions.services._send", lambda pk, queue: None)  # no broker: run here
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab")
     outcome: list[str | None] = []
@@ -218,7 +218,7 @@ def test_its_kernels_go_when_its_server_dies(lab_session):
 def test_a_restarted_worker_ends_what_its_labs_left(alice, box):
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("jobs.interactive._send", lambda pk, queue: None)
+        mp.setattr("jobs.sessions.services._send", lambda pk, queue: None)
         session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab")
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     server = subprocess.Popen(sleeper, start_new_session=True)
@@ -244,7 +244,7 @@ def test_a_restarted_worker_ends_what_its_labs_left(alice, box):
 
 def test_a_lab_is_refused_where_everyones_labs_would_share_one_account(alice, box, settings, monkeypatch):
     settings.JOB_USER = "nobody"
-    monkeypatch.setattr("jobs.interactive._send", lambda pk, queue: None)
+    monkeypatch.setattr("jobs.sessions.services._send", lambda pk, queue: None)
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab")
     assert lab_run(session.pk) == "failed"
@@ -254,7 +254,7 @@ def test_a_lab_is_refused_where_everyones_labs_would_share_one_account(alice, bo
 
 def test_a_lab_marked_lost_while_its_supervisor_lives_is_stopped(lab_session, settings):
     """A lost run is never taken back (jobs.runs): its supervisor stops it, and says so once."""
-    from jobs.interactive import sessions_reconcile
+    from jobs.sessions.services import sessions_reconcile
 
     session, _, thread = lab_session
     aged = Now() - timedelta(seconds=settings.SESSION_LOST_AFTER_SECONDS + 5)  # the database's clock judges
@@ -276,7 +276,7 @@ def test_a_lab_marked_lost_while_its_supervisor_lives_is_stopped(lab_session, se
 def test_a_restarted_worker_never_ends_another_accounts_process_a_row_names(alice, box):
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("jobs.interactive._send", lambda pk, queue: None)
+        mp.setattr("jobs.sessions.services._send", lambda pk, queue: None)
         session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab")
     if psutil.Process().uids().real != 0:
         pytest.skip("needs root to start a process as another account")

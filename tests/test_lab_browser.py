@@ -4,7 +4,7 @@ kernel that sees the booked card and the booking's memory caps; and script in th
 can neither read nor change anything of the portal's as its user.
 
 The portal is http://localhost:PORT and the labs http://127.0.0.1:PORT, one server, as `make run`
-has them (tests/asgi_server.py). The lab's supervisor (jobs.lab) runs in a thread of this process,
+has them (tests/asgi_server.py). The lab's supervisor (jobs.host.lab) runs in a thread of this process,
 as a worker's pool process runs it: a real Jupyter server, a real kernel."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from gpus.booking import reservation_create
-from jobs import lab
+from jobs.host import lab
 from jobs.models import InteractiveSession
 from tests.asgi_server import asgi_servers
 from tests.browser import chromium_tab, log_in
@@ -70,7 +70,7 @@ def labs(settings, monkeypatch, tmp_path):
         thread.start()
         threads.append(thread)
 
-    monkeypatch.setattr("jobs.interactive._send", run_here)
+    monkeypatch.setattr("jobs.sessions.services._send", run_here)
     yield threads
     InteractiveSession.objects.filter(status__in=InteractiveSession.ACTIVE).update(
         end_requested_at="2000-01-01T00:00Z"

@@ -1,4 +1,5 @@
-"""The hand-off from the portal's origin to the labs' own (jobs/lab_handoff.py, jobs/lab_proxy.py;
+"""The hand-off from the portal's origin to the labs' own (jobs/sessions/lab_handoff.py,
+jobs/sessions/lab_proxy.py;
 docs/sessions.md "Two origins"): tickets, the lab's own cookie, what each origin serves, and when
 lab access ends.
 
@@ -22,8 +23,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from jobs.lab_handoff import digest, lab_ticket_issue, lab_ticket_redeem
 from jobs.models import InteractiveSession, LabGrant
+from jobs.sessions.lab_handoff import digest, lab_ticket_issue, lab_ticket_redeem
 from tests.lab_client import browser, grant_cookie, open_lab, signed_in
 from tests.lab_fakes import (  # noqa: F401 - fixtures
     get,

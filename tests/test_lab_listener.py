@@ -1,4 +1,4 @@
-"""A starting lab against another account on its GPU host (jobs.lab_listener, jobs/jupyter/
+"""A starting lab against another account on its GPU host (jobs.host.lab_listener, jobs/host/jupyter/
 lab_launcher.py): the attack of issue 30, item 1, performed against the real code.
 
 The racer is a second process, as another account (nobody, where the tests run as root): it
@@ -34,10 +34,10 @@ import pytest
 from django.utils import timezone
 
 from gpus.booking import reservation_create
-from jobs import lab, lab_listener
-from jobs.executors import local
-from jobs.interactive import lab_path, session_start
+from jobs.host import lab, lab_listener
+from jobs.host.executors import local
 from jobs.models import InteractiveSession
+from jobs.sessions.services import lab_path, session_start
 from portal.models import AuditEntry, Notification
 from tests.job_helpers import alive
 from tests.waiting import wait_for
@@ -213,7 +213,7 @@ def lab_run(alice, box, settings, monkeypatch, tmp_path) -> Iterator[LabRun]:
     settings.JOB_ROOTS = [tmp_path / "home"]
     settings.JOB_KILL_GRACE_SECONDS = 2
     settings.SESSION_START_SECONDS = 60
-    monkeypatch.setattr("jobs.interactive._send", lambda pk, queue: None)  # no broker: run here
+    monkeypatch.setattr("jobs.sessions.services._send", lambda pk, queue: None)  # no broker: run here
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab")
     run = LabRun(session)

@@ -1,4 +1,5 @@
-"""JupyterLab on its own origin, past the hand-off (jobs/lab_proxy.py, jobs/lab_relay.py): the owner's
+"""JupyterLab on its own origin, past the hand-off (jobs/sessions/lab_proxy.py,
+jobs/sessions/lab_relay.py): the owner's
 requests and websockets reach the session's Jupyter server with its token added and come back
 scrubbed of it; foreign origins, paths that walk out of a session and foreign host names are
 refused before anything reaches the server.
@@ -21,8 +22,8 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from jobs.lab_proxy import Verdict, check
-from jobs.lab_relay import Scrubber, close_code
+from jobs.sessions.lab_proxy import Verdict, check
+from jobs.sessions.lab_relay import Scrubber, close_code
 from tests.asgi_server import serve
 from tests.conftest import free_port
 from tests.lab_client import browser, open_lab
@@ -250,7 +251,7 @@ def test_requests_at_once_share_one_check_and_later_ones_check_again(monkeypatch
         time.sleep(0.05)  # a database read under way while the other requests come
         return Verdict(lab=None, signed_in=False)
 
-    monkeypatch.setattr("jobs.lab_proxy._grant_verdict", slow_verdict)
+    monkeypatch.setattr("jobs.sessions.lab_proxy._grant_verdict", slow_verdict)
     scope = {"headers": [(b"cookie", b"lab_grant=abc; sessionid=never-read")]}
 
     async def run() -> None:

@@ -1,4 +1,5 @@
-"""jobs/launcher-bin/launcher.py, run as the worker runs it: a subprocess of the venv's python, no database.
+"""jobs/host/launcher-bin/launcher.py, run as the worker runs it: a subprocess of the venv's
+python, no database.
 
 TensorFlow subprocesses cost several seconds each, so there are three: the Keras example, the TF1 session
 example and one script that imports TensorFlow only indirectly.
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from jobs.launch import LAUNCHER
+from jobs.host.launch import LAUNCHER
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from jobs.launch import LAUNCHER
+from jobs.host.launch import LAUNCHER
 from tests.test_launcher import BOOKING, _job_env, env_only_line, launcher, portal_lines, write
 
 BOOKED = "GPU-test-00,GPU-test-01,GPU-test-02"

@@ -24,7 +24,7 @@ WIRING = {
     "portal/api_urls.py",
     "portal/settings.py",
     "portal/celery.py",
-    "portal/asgi.py",  # the ASGI application: Django behind the labs' proxy (jobs.lab_proxy)
+    "portal/asgi.py",  # the ASGI application: Django behind the labs' proxy (jobs.sessions.lab_proxy)
 }
 
 

@@ -1,4 +1,4 @@
-"""GET /api/v1/jobs/<id>/log/stream/: the live log as server-sent events (jobs/log_stream.py).
+"""GET /api/v1/jobs/<id>/log/stream/: the live log as server-sent events (jobs/logs/stream.py).
 
 A real ASGI server (uvicorn, in a thread of this process, so it sees the test database) serves
 portal.asgi, and a real Redis carries what LogWriter publishes.
@@ -20,9 +20,9 @@ from django.utils import timezone
 
 from gpu_cli.api import API_ROOT, Portal
 from gpu_cli.live import Event, event_bytes, follow_log, iter_events
-from jobs import log_live
-from jobs.log_stream import Cursor, event
-from jobs.logs import LogWriter, log_append, log_end, log_stream
+from jobs.logs import live as log_live
+from jobs.logs.store import LogWriter, log_append, log_end, log_stream
+from jobs.logs.stream import Cursor, event
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from portal.changes import Publisher

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jobs.logs import LogWriter
+from jobs.logs.store import LogWriter
 from jobs.models import Job
 from tests.browser import asgi_page, log_in, page  # noqa: F401 - the fixtures
 from tests.job_helpers import job_page_open

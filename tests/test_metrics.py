@@ -21,7 +21,7 @@ from gpus.models import GPU, TelemetrySample
 from gpus.services import server_report_ingest
 from gpus.simulated.inventory import server_names
 from jobs import metrics
-from jobs.logs import LOG_FLUSH_SECONDS, log_stream
+from jobs.logs.store import LOG_FLUSH_SECONDS, log_stream
 from jobs.metrics import MAX_METRICS, PREFIX, MetricsRecorder, parse_record
 from jobs.models import Job, JobMetric
 from jobs.submit import ScriptUpload, job_submit

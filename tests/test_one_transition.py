@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from django.db.models import Q
 
-from jobs import log_live
-from jobs.interactive import session_start
+from jobs.logs import live as log_live
 from jobs.models import InteractiveSession, Job
+from jobs.sessions.services import session_start
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import AuditEntry
 

@@ -10,8 +10,8 @@ import pytest
 from django.utils import timezone
 
 from gpus.services import server_report_ingest
-from jobs import log_live
-from jobs.log_live import job_changed
+from jobs.logs import live as log_live
+from jobs.logs.live import job_changed
 from jobs.models import Job, JobMetric
 from jobs.submit import ScriptUpload, job_submit
 from tests.browser import asgi_page, log_in  # noqa: F401 - the fixtures

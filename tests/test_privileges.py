@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from gpus.booking import reservation_create
-from jobs.logs import log_stream
+from jobs.host.runner import job_run
+from jobs.logs.store import log_stream
 from jobs.models import Job
-from jobs.runner import job_run
 from jobs.submit import ScriptUpload, job_submit
 from portal import processes
 from portal.processes import PRIVILEGES_EXIT_CODE, start_job_process

@@ -141,7 +141,7 @@ def test_a_violation_shows_its_whole_command_line_to_its_process_owner_and_admin
 
 
 def test_the_watchdogs_notice_shows_the_whole_command_line_to_the_process_owner_only(violation, bob, alice):
-    from jobs.watchdog_notify import tell_about
+    from jobs.watchdog.notify import tell_about
     from portal.models import Notification
 
     tell_about(violation, event="seen")

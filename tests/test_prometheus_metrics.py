@@ -1,4 +1,4 @@
-"""GET /metrics (jobs/prometheus.py, jobs/prometheus_views.py): who may read it, what it says, read
+"""GET /metrics (jobs/prometheus/metrics.py, jobs/prometheus/views.py): who may read it, what it says, read
 back with prometheus_client's own parser, and what a scrape costs in queries.
 
 (tests/test_metrics.py is the training curves' file: jobs.metrics.)"""
@@ -22,9 +22,9 @@ from gpus.booking import reservation_create, reservation_release
 from gpus.models import GPU, Server, Violation
 from gpus.services import server_report_ingest
 from gpus.telemetry import collect_once, publish_snapshot, redis_client, reports_key
+from jobs.host.watchdog import HostWatchdog
 from jobs.models import InteractiveSession, Job
 from jobs.submit import ScriptUpload, job_submit
-from jobs.watchdog_host import HostWatchdog
 from portal.env import ImproperlyConfiguredEnv
 from tests.factories import make_snapshot, queue_job
 

@@ -11,8 +11,8 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.models import Reservation, Server
 from jobs.models import Job
-from jobs.queue import Calendar, Card, Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
-from jobs.scheduler import queue_plan, queued_job_ended, schedule_pass
+from jobs.queue.rules import Calendar, Card, Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
+from jobs.queue.scheduler import queue_plan, queued_job_ended, schedule_pass
 from jobs.services import job_cancel
 from portal.errors import Invalid
 from portal.models import Membership

@@ -1,5 +1,5 @@
 """The queue, quieter and more exact: a JupyterLab session fills a slot of its host's worker as a
-job does (jobs.pickup, jobs.scheduler), and a Redis outage is one line for the scheduler, not a
+job does (jobs.host.pickup, jobs.queue.scheduler), and a Redis outage is one line for the scheduler, not a
 traceback every pass."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 from django.utils import timezone
 
 from gpus.booking import reservation_create
+from jobs.host.pickup import slots_report, stranded_jobs
 from jobs.models import InteractiveSession, Job
-from jobs.pickup import slots_report, stranded_jobs
-from jobs.scheduler import Scheduler, schedule_pass
+from jobs.queue.scheduler import Scheduler, schedule_pass
 from jobs.submit import ScriptUpload, job_submit
 from tests.factories import queue_job
 from tests.fault_servers import ThrowawayRedis
@@ -77,7 +77,7 @@ def test_the_scheduler_says_a_redis_outage_once_and_its_end_once(broker, setting
     settings.REDIS_URL = broker.url
     thread = Scheduler()
     thread.interval = 0.05  # its plain pause while Redis is away: many passes within the test
-    with caplog.at_level(logging.DEBUG, logger="jobs.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="jobs.queue.scheduler"):
         thread.pause()  # Redis answers: it waits for a wake-up (1 s)
         broker.stop()
         for _ in range(30):

@@ -14,10 +14,10 @@ from django.utils import timezone
 from gpus.booking import reservation_create, reservation_release
 from gpus.models import Server
 from gpus.services import server_report_ingest
+from jobs.host.pickup import slots_report
 from jobs.leavers import left_team
 from jobs.models import Job
-from jobs.pickup import slots_report
-from jobs.scheduler import queue_plan, schedule_pass
+from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.services import RUN_JOB, dispatch, jobs_reconcile
 from portal.errors import Conflict, Invalid
 from portal.models import AuditEntry, Membership, Notification
@@ -46,7 +46,7 @@ def test_it_starts_the_others_when_one_owner_may_no_longer_book_for_the_jobs_tea
 def test_an_unexpected_error_skips_only_that_job_and_is_logged_once(
     alice, bob, box, sent, monkeypatch, caplog
 ):
-    from jobs import scheduler
+    from jobs.queue import scheduler
 
     broken = queue_job(alice)
     Job.objects.filter(pk=broken.pk).update(created_at=timezone.now() - H)
@@ -60,7 +60,7 @@ def test_an_unexpected_error_skips_only_that_job_and_is_logged_once(
 
     monkeypatch.setattr(scheduler, "reservation_create", flaky)
     memory = scheduler.PassMemory()  # one scheduler's, as its thread keeps it from pass to pass
-    with caplog.at_level(logging.ERROR, logger="jobs.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="jobs.queue.scheduler"):
         schedule_pass(memory=memory)
         schedule_pass(memory=memory)
 
@@ -85,7 +85,7 @@ def test_leaving_a_team_cancels_the_members_queued_jobs_of_it_saying_why(alice, 
     reason = left_team(alice, team)
     assert mine.status == Job.Status.CANCELLED and mine.message == f"Cancelled: {reason}."
     assert fresh(kept).status == Job.Status.PENDING
-    from jobs.logs import log_stream
+    from jobs.logs.store import log_stream
 
     assert reason in b"".join(log_stream(mine.pk)).decode()
     audit = AuditEntry.objects.get(team=team, action=AuditEntry.Action.JOB_CANCEL)
@@ -114,7 +114,7 @@ def test_the_reconciler_cancels_queued_jobs_of_a_member_removed_without_a_signal
 def test_a_host_with_known_slots_gets_no_more_starts_than_it_has_free(alice, box, sent):
     server = Server.objects.get(name="box1")
     array = queue_job(alice, memory_mb=1024, array="0-9")
-    slots_report("box1", slots=3, now=timezone.now())  # its worker runs 3 at a time (jobs.pickup)
+    slots_report("box1", slots=3, now=timezone.now())  # its worker runs 3 at a time (jobs.host.pickup)
     server.refresh_from_db()
     assert server.job_slots == 3 and server.job_slots_at is not None
 
@@ -335,7 +335,7 @@ def test_with_redis_away_the_queue_loses_its_holds_never_a_booking(
 ):
     import redis
 
-    from jobs import scheduler
+    from jobs.queue import scheduler
 
     def away(timeout):
         raise redis.ConnectionError("Redis is away")

@@ -12,9 +12,9 @@ from gpus.booking import reservation_create
 from gpus.models import GPU, Server
 from gpus.quotas import week_start
 from gpus.services import server_report_ingest
+from jobs.host.pickup import slots_report
 from jobs.models import Job
-from jobs.pickup import slots_report
-from jobs.scheduler import queue_holds, schedule_pass
+from jobs.queue.scheduler import queue_holds, schedule_pass
 from portal.errors import Conflict, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, Team
 from tests.factories import fresh, make_snapshot, queue_job
@@ -144,7 +144,7 @@ def test_a_wide_job_refused_for_a_taken_card_keeps_its_shadow_for_the_rest_of_th
     does: Conflict. Re-planned without it, bob's long 1-card job would take a card it waits for;
     kept as waiting with its shadow (from the end of charlie's booking), only bob's short job, which
     ends before then, starts."""
-    from jobs import scheduler
+    from jobs.queue import scheduler
 
     now = timezone.now()
     wide = queue_job(alice, gpus=4, minutes=120)
@@ -175,7 +175,7 @@ def test_a_wide_job_refused_for_a_taken_card_keeps_its_shadow_for_the_rest_of_th
 
 def test_a_conflict_is_still_this_jobs_alone(alice, bob, box, sent, monkeypatch):
     """A job whose every start meets a Conflict waits; the others start as before."""
-    from jobs import scheduler
+    from jobs.queue import scheduler
 
     stuck = queue_job(alice)
     Job.objects.filter(pk=stuck.pk).update(created_at=timezone.now() - H)

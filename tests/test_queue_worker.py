@@ -10,7 +10,7 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create, reservation_release
 from gpus.models import GPU, Reservation
 from gpus.simulated.inventory import server_names
-from jobs.logs import log_stream
+from jobs.logs.store import log_stream
 from jobs.models import Job
 from tests.waiting import wait_for
 

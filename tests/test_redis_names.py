@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpus.telemetry import publish_snapshot, redis_client, reports_key, take_reports
-from jobs.log_live import channel as job_channel
+from jobs.logs.live import channel as job_channel
 from portal import wakeups
 from portal.changes import channel, user_channel
 from portal.names import redis_key

@@ -19,8 +19,8 @@ import pytest
 from django.utils import timezone
 
 from gpus.booking import reservation_create
-from jobs.host_worker import kill_orphans
-from jobs.logs import log_stream
+from jobs.host.worker import kill_orphans
+from jobs.logs.store import log_stream
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from jobs.threads import JobReconciler
@@ -110,7 +110,7 @@ def test_a_later_leaderless_session_on_a_jobs_old_id_is_left_alone(running_job, 
     too: nothing in it was there while the job's worker still watched, so nothing is proved."""
     job = running_job(session.sid, session.started - 120)  # an earlier leader with this pid
     Job.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=60))
-    with caplog.at_level(logging.WARNING, logger="jobs.host_worker"):
+    with caplog.at_level(logging.WARNING, logger="jobs.host.worker"):
         assert kill_orphans("box1") == 0
     assert session.alive()
     assert "cannot be proved to be its" in caplog.text
@@ -120,7 +120,7 @@ def test_a_job_without_its_sessions_start_has_nothing_killed_and_the_log_says_so
     running_job, session, caplog
 ):
     job = running_job(session.sid, None)
-    with caplog.at_level(logging.WARNING, logger="jobs.host_worker"):
+    with caplog.at_level(logging.WARNING, logger="jobs.host.worker"):
         assert kill_orphans("box1") == 0
     assert session.alive()
     assert f"Job {job.pk}: process(es) [{session.member}]" in caplog.text

@@ -1,4 +1,5 @@
-"""A review's repros against the runner (jobs/runner.py, jobs/executors/local.py, portal/pids.py): a job
+"""A review's repros against the runner (jobs/host/runner.py, jobs/host/executors/local.py,
+portal/pids.py): a job
 that escapes its end sweep, a leader whose start cannot be read, a database that hangs, pidfds that
 run out, a drain that waits for nothing, a job that floods its pipe. The real Supervisor runs in
 this process (job_run) on real subprocesses."""
@@ -19,9 +20,9 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.models import Allocation, Reservation
-from jobs.executors import local, output
+from jobs.host.executors import local, output
+from jobs.host.runner import Supervisor, job_run
 from jobs.models import Job
-from jobs.runner import Supervisor, job_run
 from jobs.submit import ScriptUpload, job_submit
 from tests.job_helpers import alive, job_log
 from tests.test_runner_session import CHATTY_ESCAPEE
@@ -324,7 +325,7 @@ def test_a_double_forked_daemon_without_setsid_is_ended(job_in, tmp_path, leftov
 def test_a_log_flush_that_fails_backs_off_and_recovers_at_once(job_in, monkeypatch):
     from django.db import OperationalError
 
-    from jobs.logs import LogWriter
+    from jobs.logs.store import LogWriter
 
     writer = LogWriter(job_in("print('hi')\n").pk)
     tries: list[float] = []

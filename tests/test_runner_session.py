@@ -19,11 +19,11 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.models import Allocation, Reservation
-from jobs import runner
-from jobs.executors import local
+from jobs.host import runner
+from jobs.host.executors import local
+from jobs.host.runner import Supervisor, job_run
+from jobs.host.spool import EndRecord, spool_name, stop_flag
 from jobs.models import Job
-from jobs.runner import Supervisor, job_run
-from jobs.spool import EndRecord, spool_name, stop_flag
 from jobs.submit import ScriptUpload, job_submit
 from tests.job_helpers import alive, job_log
 from tests.waiting import wait_for
@@ -185,7 +185,7 @@ def test_a_database_outage_is_one_line_in_the_workers_log_not_a_traceback_a_tick
     def away() -> None:
         raise _away()
 
-    with caplog.at_level(logging.WARNING, logger="jobs.runner"):
+    with caplog.at_level(logging.WARNING, logger="jobs.host.runner"):
         assert [supervisor._guarded(away, reads=True) for _ in range(5)] == [False] * 5
         assert supervisor._guarded(lambda: None)  # reaches no database (a flush with nothing pending)
         assert supervisor._guarded(lambda: None, reads=True)  # the row was read: it is back
@@ -241,7 +241,7 @@ def test_without_a_spool_the_end_is_given_up_after_its_wait(
     settings.JOB_END_WAIT_SECONDS = 1
     monkeypatch.setattr(runner, "job_spool", lambda job_id, created_at: None)
     job = job_in("print('hello')\n")
-    with caplog.at_level(logging.ERROR, logger="jobs.runner"):
+    with caplog.at_level(logging.ERROR, logger="jobs.host.runner"):
         thread, _ = _run_in_thread(job.pk)
         thread.join(timeout=20)
     assert not thread.is_alive(), "the end is retried for ever"

@@ -1,4 +1,4 @@
-"""Interactive sessions on a booking (jobs.interactive, /api/v1/sessions/): what `gpu exec` and
+"""Interactive sessions on a booking (jobs.sessions.services, /api/v1/sessions/): what `gpu exec` and
 `gpu shell` ask the portal, the refusals that write nothing, the beat and the stop it answers,
 the lost session, and how the watchdog counts the command's processes as the booking's."""
 
@@ -15,10 +15,10 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation, Server
-from jobs.interactive import host_matches, sessions_reconcile
+from jobs.host.watchdog import _sessions_of
 from jobs.models import InteractiveSession
-from jobs.watchdog import BookingFacts, JobFacts, Kind, SessionFacts, classify
-from jobs.watchdog_host import _sessions_of
+from jobs.sessions.services import host_matches, sessions_reconcile
+from jobs.watchdog.rules import BookingFacts, JobFacts, Kind, SessionFacts, classify
 from portal.models import AuditEntry, Notification
 
 pytestmark = pytest.mark.django_db
@@ -283,7 +283,7 @@ def test_open_jupyterlab_starts_a_lab_on_the_bookings_host_and_waits_for_it(
     client, alice, booking, monkeypatch, django_capture_on_commit_callbacks
 ):
     sends: list[tuple[int, str]] = []
-    monkeypatch.setattr("jobs.interactive._send", lambda pk, queue: sends.append((pk, queue)))
+    monkeypatch.setattr("jobs.sessions.services._send", lambda pk, queue: sends.append((pk, queue)))
     client.force_login(alice)
     with django_capture_on_commit_callbacks(execute=True):
         answer = client.post("/sessions/new/", {"reservation": booking.pk})
@@ -302,7 +302,7 @@ def test_open_jupyterlab_starts_a_lab_on_the_bookings_host_and_waits_for_it(
 
 def test_the_api_starts_a_lab_too_and_a_lost_message_is_sent_again(alice, booking, monkeypatch):
     sends: list[tuple[int, str]] = []
-    monkeypatch.setattr("jobs.interactive._send", lambda pk, queue: sends.append((pk, queue)))
+    monkeypatch.setattr("jobs.sessions.services._send", lambda pk, queue: sends.append((pk, queue)))
     answer = api(alice).post(
         "/api/v1/sessions/", {"reservation": booking.pk, "kind": "jupyterlab"}, format="json"
     )
@@ -417,7 +417,7 @@ def test_the_booking_page_lists_its_jobs_to_the_owner(client, alice, bob, bookin
 
 
 def _lab(user, booking, monkeypatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setattr("jobs.interactive._send", lambda pk, queue: None)
+    monkeypatch.setattr("jobs.sessions.services._send", lambda pk, queue: None)
     return api(user).post(
         "/api/v1/sessions/", {"reservation": booking.pk, "kind": "jupyterlab"}, format="json"
     )

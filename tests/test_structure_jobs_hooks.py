@@ -13,7 +13,7 @@ from django.utils import timezone
 from gpus import hooks
 from gpus.booking import reservation_create
 from jobs.models import Job
-from jobs.scheduler import queue_holds
+from jobs.queue.scheduler import queue_holds
 from jobs.selectors import jobs_finished_between, jobs_owned_by
 from jobs.services import jobs_by_session
 from jobs.submit import ScriptUpload, job_submit

@@ -4,7 +4,7 @@ which gpus' Violation.Kind is and from which jobs' verdicts and the notification
 from __future__ import annotations
 
 from gpus.models import Violation, WatchdogPolicy
-from jobs import watchdog
+from jobs.watchdog import rules as watchdog
 from portal.models import Notification, WatchdogKind
 
 

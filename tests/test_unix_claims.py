@@ -19,7 +19,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.urls import reverse
 
-from jobs.launch import JobSetupError, _job_account
+from jobs.host.launch import JobSetupError, _job_account
 from jobs.models import Job
 from portal.accounts import unix_account_name, users_by_unix_name
 from portal.errors import Invalid

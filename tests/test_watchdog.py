@@ -25,9 +25,9 @@ from gpus.booking import reservation_create
 from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Violation, WatchdogPolicy
 from gpus.procinfo import describe_process
+from jobs.host.watchdog import HostWatchdog
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
-from jobs.watchdog_host import HostWatchdog
 from portal.models import AuditEntry, Membership, Notification, Profile
 from tests.factories import MembershipFactory, UserFactory, make_snapshot
 from tests.waiting import wait_for

@@ -1,5 +1,5 @@
 """The watchdog's review findings: violations through a dip, events rather than processes, a
-deleted row, an ended job's session, and a booking's last seconds (jobs/watchdog_host.py)."""
+deleted row, an ended job's session, and a booking's last seconds (jobs/host/watchdog.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.inventory import ProcessInfo
 from gpus.models import Violation
+from jobs.host.runner import CANCEL_POLL_SECONDS
+from jobs.host.watchdog import STOP_CONFIRM_SECONDS, HostWatchdog, ended_booking_grace
 from jobs.models import Job
-from jobs.runner import CANCEL_POLL_SECONDS
-from jobs.watchdog_host import STOP_CONFIRM_SECONDS, HostWatchdog, ended_booking_grace
-from jobs.watchdog_notify import offences
+from jobs.watchdog.notify import offences
 from portal.models import Notification
 from tests.factories import make_snapshot
 from tests.test_watchdog import gone, job_on, on_card, policy, real, start, watchdog

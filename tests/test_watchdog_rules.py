@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from gpus.inventory import GPUInfo, ProcessInfo
-from jobs.watchdog import BookingFacts, JobFacts, Kind, classify
+from jobs.watchdog.rules import BookingFacts, JobFacts, Kind, classify
 
 A, B, C = "GPU-a", "GPU-b", "GPU-c"
 ALICE, BOB = 1, 2

@@ -24,9 +24,9 @@ from gpus.inventory import ProcessInfo
 from gpus.models import GPUProcess, Violation
 from gpus.procinfo import describe_process, session_of
 from gpus.services import _processes_replace
-from jobs import watchdog_host
+from jobs.host import watchdog as watchdog_host
+from jobs.host.watchdog import HostWatchdog, ended_booking_grace
 from jobs.models import Job
-from jobs.watchdog_host import HostWatchdog, ended_booking_grace
 from portal.models import AuditEntry, Notification
 from portal.pids import Sent
 from tests.test_watchdog import alices_card, gone, job_on, on_card, one, policy, real, start, watchdog

@@ -16,7 +16,7 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.models import GPU, Violation
 from gpus.simulated.inventory import server_names
-from jobs.logs import log_stream
+from jobs.logs.store import log_stream
 from jobs.models import Job
 from portal.models import Notification
 from tests.waiting import wait_for

@@ -1,5 +1,5 @@
-"""The folders a GPU host's worker writes into as root: DCGM_HPC_JOB_MAPPING_DIR (jobs/dcgm.py),
-JOB_SPOOL_DIR (jobs/spool.py) and JOB_FOLDERS (jobs/folders.py).
+"""The folders a GPU host's worker writes into as root: DCGM_HPC_JOB_MAPPING_DIR (jobs/host/dcgm.py),
+JOB_SPOOL_DIR (jobs/host/spool.py) and JOB_FOLDERS (jobs/host/folders.py).
 
 The attacks these tests replay, with real symlinks and files of another account in a real folder
 (the tests run as root, the worker's account here; `nobody` stands in for a job's account):
@@ -30,10 +30,11 @@ from django.conf import settings as django_settings
 
 from gpus.booking import reservation_create
 from gpus.simulated.inventory import server_names
-from jobs import dcgm, host_worker
+from jobs.host import dcgm
+from jobs.host import worker as host_worker
+from jobs.host.replay import spool_replay
+from jobs.host.spool import spool_name
 from jobs.models import Job
-from jobs.replay import spool_replay
-from jobs.spool import spool_name
 from jobs.submit import ScriptUpload, job_submit
 from jobs.threads import SpoolReplay
 from tests.conftest import OUTPUT
@@ -182,7 +183,7 @@ def test_a_planted_end_record_never_ends_a_job(job, spool, tmp_path, nobody, pla
     else:
         plant_file(spool / f"{name}.end", forged_end(), nobody)
 
-    with caplog.at_level(logging.ERROR, logger="jobs.replay"):
+    with caplog.at_level(logging.ERROR, logger="jobs.host.replay"):
         spool_replay()
 
     job = fresh(job)
@@ -202,7 +203,7 @@ def test_a_planted_log_never_reaches_a_jobs_log(job, spool, tmp_path, nobody, pl
     else:
         plant_file(spool / f"{name}.log", lines, nobody)
 
-    with caplog.at_level(logging.ERROR, logger="jobs.replay"):
+    with caplog.at_level(logging.ERROR, logger="jobs.host.replay"):
         spool_replay()
 
     assert "forged" not in job_log(job.pk)
@@ -213,7 +214,7 @@ def test_a_planted_log_never_reaches_a_jobs_log(job, spool, tmp_path, nobody, pl
 
 def test_the_workers_own_spool_still_ends_its_job(job, spool):
     """The control: what the worker wrote itself is stored, once."""
-    from jobs.spool import EndRecord, LogSpool
+    from jobs.host.spool import EndRecord, LogSpool
 
     name = spool_name(job.pk, job.created_at)
     log_spool = LogSpool(name, cap_bytes=1 << 20)

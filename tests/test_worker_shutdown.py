@@ -1,5 +1,5 @@
 """A GPU host's worker that shuts down stops its jobs, whether or not the database answers: its
-supervisors learn it from a flag on the host's disk (jobs.spool.stop_flag), and the shutdown
+supervisors learn it from a flag on the host's disk (jobs.host.spool.stop_flag), and the shutdown
 handler takes a fresh connection for the row (the old one may have died with a restart)."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from django.conf import settings
 from django.db import OperationalError
 
 from gpus.booking import reservation_create
-from jobs import host_worker, signals
-from jobs.logs import log_stream
+from jobs import signals
+from jobs.host import worker as host_worker
+from jobs.host.runner import job_run
+from jobs.host.spool import stop_flag
+from jobs.logs.store import log_stream
 from jobs.models import Job
-from jobs.runner import job_run
-from jobs.spool import stop_flag
 from jobs.submit import ScriptUpload, job_submit
 from tests.waiting import wait_for
 

@@ -1,7 +1,7 @@
 """`make run`: the web server plus one Celery worker per GPU host this machine stands for.
 
 The one web server answers two host names: the portal on localhost and JupyterLab sessions on
-LAB_ORIGIN, 127.0.0.1 by default (labs are served from an origin of their own: jobs/lab_proxy.py).
+LAB_ORIGIN, 127.0.0.1 by default (labs are served from an origin of their own: jobs/sessions/lab_proxy.py).
 
 With real NVML that is this host; with the simulated inventory it is every simulated
 server, so the whole portal can be tried on a laptop (gpus/hosts.py answers, through

@@ -1,0 +1,208 @@
+"""What a claimed job's process is started with: the launcher's argv, its folder and working
+directory, its account, and the environment built from its booking (jobs.environment). The steps
+with side effects are here (the job's folder, the upload, chown); the worker's supervision of the
+process is jobs/host/runner.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import DatabaseError, close_old_connections
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from gpus.models import Allocation
+from jobs import paths
+from jobs.environment import BookedCard, JobSetupError, job_environment
+from jobs.host.folders import JobFolderError, job_folder_make
+from jobs.host.spool import worker_stopping
+from jobs.leavers import deactivated, owner_active, user_work_stop
+from jobs.models import Job
+from portal.accounts import JOB_USER_OWNER, unix_account_name
+from portal.errors import Invalid
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# In a folder of its own that is no package: Python puts the launcher's folder first on the
+# job's sys.path, and nothing else in it may shadow a module of the user's or the standard library.
+LAUNCHER = Path(__file__).resolve().parent / "launcher-bin" / "launcher.py"
+
+
+@dataclass
+class Launch:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    env_applied: dict[str, str]  # the portal's own variables, shown on the job's page
+    account: pwd.struct_passwd | None  # the job runs as it (JOB_USER; None: as the worker)
+
+
+def launch_for(job: Job) -> Launch:
+    """Everything the subprocess gets: argv, cwd and the environment built from the booking.
+
+    The steps with side effects are here (the job's folder, the upload, chown); the environment
+    itself comes from the pure `job_environment`."""
+    # Every card of a booking holds the same memory_mb; the first card's size stands for all.
+    first = patiently(
+        job.pk,
+        lambda: Allocation.objects.select_related("gpu").get(
+            reservation_id=job.reservation_id, gpu_id=job.gpu_uuids[0]
+        ),
+    )
+    interpreter = settings.JOB_INTERPRETERS.get(job.interpreter)
+    if not interpreter or not os.access(interpreter, os.X_OK):
+        raise JobSetupError(
+            f"Python environment {job.interpreter!r} ({interpreter or 'not configured'}) is not "
+            f"executable on {socket.gethostname()}; check JOB_INTERPRETERS on this host."
+        )
+    account = _job_account(job)
+    script, cwd = _prepare_folders(job, account)
+    home = Path(interpreter).parent.parent  # a venv's root holds pyvenv.cfg, beside its bin/
+    built = job_environment(
+        job,
+        BookedCard.of(first),
+        inherited=os.environ,
+        interpreter=interpreter,
+        venv=str(home) if (home / "pyvenv.cfg").is_file() else None,
+        server=settings.WORKER_SERVER,
+        instance=settings.PORTAL_INSTANCE_ID,
+        headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
+        account=account,
+    )
+    argv = [interpreter, "-u", str(LAUNCHER), str(script), *job.args]
+    return Launch(argv=argv, env=built.env, cwd=cwd, env_applied=built.applied, account=account)
+
+
+def _job_account(job: Job) -> pwd.struct_passwd | None:
+    return account_of(job.owner)
+
+
+def account_of(owner: AbstractBaseUser) -> pwd.struct_passwd | None:
+    """The account the owner's jobs and labs run as, in its HOME (None: as the worker's own user).
+
+    JOB_USER names one account for every job, or is "@owner": each job runs as its owner's Unix
+    account (portal.accounts.unix_account_name), so its files are theirs and the GPU watchdog
+    sees their name on the card. Never root or a system account (below JOB_MIN_UID).
+    """
+    if not settings.JOB_USER:
+        return None
+    host = socket.gethostname()
+    if settings.JOB_USER == JOB_USER_OWNER:
+        name, source = unix_account_name(owner), f"{owner.username}'s Unix account"
+        if name is None:
+            raise JobSetupError(
+                f"{owner.username} has no Unix account the portal can vouch for (none on their"
+                f" profile, and '{owner.username}' is someone else's or came from a source not"
+                " trusted for Unix accounts): an admin sets or confirms theirs on their profile."
+            )
+    else:
+        name, source = settings.JOB_USER, "JOB_USER"
+    try:
+        account = pwd.getpwnam(name)
+    except KeyError:
+        raise JobSetupError(
+            f"{source} {name!r} is no account on {host}: an admin sets the Unix account on the"
+            " person's profile, or creates the account on the host."
+        ) from None
+    if account.pw_uid < settings.JOB_MIN_UID:
+        raise JobSetupError(
+            f"{source} {name!r} has uid {account.pw_uid} on {host}, below JOB_MIN_UID"
+            f" ({settings.JOB_MIN_UID}): jobs never run as root or a system account."
+        )
+    if account.pw_gid == os.getegid():
+        # The worker's group may read its env file and write what the worker shares with it.
+        raise JobSetupError(
+            f"{source} {name!r} has the worker's own group (gid {account.pw_gid}) on {host}: jobs never"
+            " run in it. Give the account a primary group of its own."
+        )
+    return account
+
+
+def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path, Path]:
+    """The script and the working directory. The job's own folder is made fresh where no job
+    can plant anything, with the upload in it (jobs/host/folders.py); a script path or working
+    directory the job chose is only checked here, by its text and where its links lead, and
+    is opened and entered by the job's own process alone, once it has dropped the worker's
+    privileges (portal.processes): the worker never writes, changes or enters it."""
+    host = socket.gethostname()
+    try:
+        cwd = (
+            paths.checked_path(job.workdir, field="workdir", what="working directory")
+            if job.workdir
+            else None
+        )
+        script = (
+            paths.checked_path(job.script_path, field="script_path", what="script path")
+            if job.script_path
+            else None
+        )
+        # The job's own folder: its default working directory and where an upload is put
+        # (never into a chosen working directory, where it could overwrite the user's file).
+        folder = job_folder_make(
+            job.pk, upload=None if script else (job.name, job.script_source), account=account
+        )
+    except Invalid as exc:
+        raise JobSetupError(exc.message) from None
+    except JobFolderError as exc:
+        raise JobSetupError(f"{exc} (on {host})") from None
+    if script is None:
+        script = folder.path / job.name
+    elif not script.is_file():
+        raise JobSetupError(f"The script {script} does not exist on {host}.")
+    if cwd is not None and not cwd.is_dir():
+        raise JobSetupError(f"The working directory {cwd} does not exist on {host}.")
+    return script, cwd or folder.path
+
+
+def patiently(job_id: int, step: Callable[[], T]) -> T:
+    """A database step between the claim and the job's start: retried every 2 s while the
+    database is away (a restart), for up to JOB_END_WAIT_SECONDS; raised after that (the job is
+    then marked lost by the reconciler, its message saying the worker could not go on)."""
+    deadline = time.monotonic() + settings.JOB_END_WAIT_SECONDS
+    while True:
+        try:
+            return step()
+        except DatabaseError:
+            close_old_connections()
+            if time.monotonic() >= deadline or worker_stopping():
+                raise  # a worker shutting down waits for no database
+            log.warning("Job %s: the database is away before the job's start; retrying in 2 s", job_id)
+            time.sleep(2)
+
+
+def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
+    """QUEUED → STARTING, once: a re-delivered message finds 0 rows and does nothing.
+
+    Only while its owner's account is active, in the same UPDATE: a deactivated owner's job is
+    cancelled instead, saying why (jobs.leavers.user_work_stop: with the rest of their work, in
+    the audit log and to their leaders), and never runs."""
+    now = now or timezone.now()
+    claimed = Job.objects.transition(
+        job_id,
+        from_=Job.Status.QUEUED,
+        to=Job.Status.STARTING,
+        where=owner_active(),
+        worker=socket.gethostname()[:200],
+        # The database's clock, as the reconciler's cut-off (portal.clock): this host's may be off.
+        heartbeat_at=Now(),
+    )
+    if not claimed:
+        left = Job.objects.select_related("owner").filter(pk=job_id, status=Job.Status.QUEUED).first()
+        if left is not None and not left.owner.is_active:
+            log.warning("Job %s not started: %s", job_id, deactivated(left.owner))
+            user_work_stop(user=left.owner, reason=deactivated(left.owner), now=now)
+        return None
+    return patiently(job_id, lambda: Job.objects.select_related("reservation", "server").get(pk=job_id))

@@ -1,0 +1,226 @@
+"""A GPU host's worker and its jobs: whether its folders are safe, before it starts
+(`host_worker_check`), what a previous worker left running, when it starts (`kill_orphans`), and
+its running jobs, when it stops (`running_jobs_stop`; its stop flag goes once they have:
+`running_jobs_stopped`). jobs/signals.py calls them from the worker's signals.
+
+On SIGTERM (systemctl stop) Celery's warm shutdown waits for running tasks. Each job's
+supervisor sees the stop flag within a second and stops its job the usual way (SIGTERM,
+SIGKILL after JOB_KILL_GRACE_SECONDS), so the worker exits within the grace period
+instead of waiting for a multi-hour run, and the job is recorded as cancelled rather
+than lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import signal
+import socket
+import time
+from datetime import timedelta
+
+import psutil
+from django.conf import settings
+from django.db import DatabaseError, connection
+from django.db.models import DurationField, ExpressionWrapper, F, Q
+from django.db.models.functions import Now
+from django.urls import reverse
+from django.utils import timezone
+
+from gpus.procinfo import session_of
+from jobs.host.dcgm import mapping_check, mapping_start
+from jobs.host.folders import FolderError, job_folders_check
+from jobs.host.spool import spool_check, stop_flag, stop_flag_lower, stop_flag_raise
+from jobs.logs.store import log_append
+from jobs.models import Job
+from portal.accounts import JOB_USER_OWNER, unix_account_name
+from portal.models import AuditEntry, Notification
+from portal.notifications import notification_send
+from portal.pids import ProcessId, Sent, send, session_members
+
+log = logging.getLogger(__name__)
+
+ORPHAN_LOOKBACK = timedelta(days=1)  # lost jobs older than this have long been killed
+CLOCK_SLACK_SECONDS = 5  # boot_time() is derived from the clock, which may have been adjusted since
+
+
+def host_worker_check() -> None:
+    """Before a GPU host's worker takes anything: the folders it writes into as root (JOB_FOLDERS,
+    JOB_SPOOL_DIR, DCGM_HPC_JOB_MAPPING_DIR) and every folder above them are root's or the
+    worker's and writable by nobody else, and the account jobs run as can pass through to
+    JOB_FOLDERS (jobs/host/folders.py). Otherwise the worker refuses to start, and says which folder,
+    which setting and the fix: a job's account that can write one of them could make the worker
+    write where it points, and one that cannot reach JOB_FOLDERS fails every job.
+
+    SystemExit, not an exception: Celery logs and swallows what a signal's receiver raises."""
+    try:
+        job_folders_check(job_user=settings.JOB_USER)
+        spool_check()
+        mapping_check()
+    except FolderError as exc:
+        log.critical("The worker of %s does not start: %s", settings.WORKER_SERVER, exc)
+        raise SystemExit(f"The worker of {settings.WORKER_SERVER} does not start: {exc}") from None
+
+
+def kill_orphans(server: str) -> int:
+    """Job processes of this server left from a previous worker (its pool process was killed
+    and only the launcher died with it): no supervisor watches them now, so they go.
+
+    Found by the job's session, named by its leader's pid *and* start (Job.pid, Job.pid_started;
+    portal.pids.session_members), and of the job's account: a leaderless session whose id merely
+    equals a recycled job pid is never taken for the job's. A session recorded before this boot
+    cannot have survived it. A job recorded without its session's start (by an older worker) is
+    not proof enough: its candidates are named in the worker's log and left alone. Each process
+    ended is said in the job's log, the audit log and a notification to its owner. Called when
+    the host's worker starts, before it takes a job, so no job of this host is supervised yet.
+    """
+    jobs = Job.objects.filter(
+        Q(status__in=(Job.Status.STARTING, Job.Status.RUNNING))
+        | Q(status=Job.Status.LOST, finished_at__gte=timezone.now() - ORPHAN_LOOKBACK),
+        server__name=server,
+        worker=socket.gethostname()[:200],
+        pid__isnull=False,
+        started_at__isnull=False,
+    ).select_related("owner__profile")
+    # Heartbeats are the database's clock (portal.clock), process start times this host's: the
+    # beat's age, measured by the database, is taken back from this host's now. Read before the
+    # query runs, so the moment is never later than the beat was (no process is proved too many).
+    jobs = jobs.annotate(beat_age=ExpressionWrapper(Now() - F("heartbeat_at"), output_field=DurationField()))
+    read_at = time.time()
+    killed = 0
+    for job in jobs:
+        if (uid := _job_uid(job)) is None:
+            continue
+        held_at = (
+            read_at - job.beat_age.total_seconds() if job.beat_age is not None else job.started_at.timestamp()
+        )
+        try:
+            killed += _end_orphans_of(job, uid, held_at)
+        except Exception:  # one job's leftovers never stop the sweep of the others
+            log.exception("Could not end what job %s left running", job.pk)
+    mapping_start(server)  # nor DCGM's job mapping of them (jobs/host/dcgm.py)
+    return killed
+
+
+def _end_orphans_of(job: Job, uid: int, held_at: float) -> int:
+    if job.pid_started is None:
+        _warn_unproved(job, uid, "it has no recorded session start (an older worker ran it)")
+        return 0
+    if job.pid_started < psutil.boot_time() - CLOCK_SLACK_SECONDS:
+        return 0  # started before this boot: nothing of that session is left
+    ended = []
+    # `held_at`: the last moment the supervisor held the leader (alive, or exited and not yet
+    # reaped), on this host's clock, so the session id was surely the job's: what was made by
+    # then and still lives proves it.
+    members = session_members(ProcessId(job.pid, job.pid_started), held_at=held_at)
+    if not members:
+        _warn_unproved(job, uid, "none of them was there while its worker still watched it")
+    for member in members:
+        try:
+            if psutil.Process(member.pid).uids().real != uid:
+                continue
+        except psutil.Error:
+            continue
+        if send(member, signal.SIGKILL) is Sent.SENT:
+            log.warning("Killed process %s left by a previous worker (job %s's session)", member.pid, job.pk)
+            ended.append(member.pid)
+    if ended:
+        _record_orphans_ended(job, ended)
+    return len(ended)
+
+
+def _job_uid(job: Job) -> int | None:
+    """The uid the job ran as (JOB_USER's, its owner's under @owner, else the worker's)."""
+    if not settings.JOB_USER:
+        return os.getuid()
+    name = unix_account_name(job.owner) if settings.JOB_USER == JOB_USER_OWNER else settings.JOB_USER
+    try:
+        return pwd.getpwnam(name).pw_uid if name else None
+    except KeyError:
+        return None  # no such account here: the job never started as it
+
+
+def _warn_unproved(job: Job, uid: int, why: str) -> None:
+    """Processes in a session with the job's id that cannot be proved to be the job's are left
+    alone, and named in the worker's log for an operator to check."""
+    if candidates := [p.pid for p in psutil.process_iter(["uids"]) if _in_session(p, job.pid, uid)]:
+        log.warning(
+            "Job %s: process(es) %s in session %s are left alone, as they cannot be proved to be its"
+            " (%s); check them by hand",
+            job.pk,
+            candidates,
+            job.pid,
+            why,
+        )
+
+
+def _in_session(proc: psutil.Process, sid: int, uid: int) -> bool:
+    return session_of(proc.pid) == sid and proc.info["uids"] is not None and proc.info["uids"].real == uid
+
+
+def _record_orphans_ended(job: Job, pids: list[int]) -> None:
+    """Nothing is killed silently: the job's log, the audit log and its owner are told."""
+    why = (
+        f"Killed process(es) {', '.join(map(str, pids))} that job {job.pk} left running on"
+        f" {socket.gethostname()} when its worker died: nothing watched them any more."
+    )
+    log_append(job.pk, f"[portal] {why}")
+    AuditEntry.objects.create(
+        actor=None,
+        team_id=job.team_id,
+        action=AuditEntry.Action.JOB_CANCEL,
+        target=f"job {job.pk}",
+        message=why,
+        data={"job": job.pk, "pids": pids, "host": socket.gethostname()},
+    )
+    notification_send(
+        user=job.owner,
+        kind=Notification.Kind.JOB_STOPPED,
+        subject=f"Job {job.pk}: what it left running was stopped",
+        body=why,
+        url=reverse("job_detail", args=[job.pk]),
+        key=f"orphans:{job.pk}",
+    )
+
+
+def running_jobs_stop() -> int:
+    """A GPU host's worker is stopping: ask its running jobs to stop; returns how many rows said so.
+
+    Its supervisors learn it from a flag on this host's disk (jobs.host.spool.stop_flag), which
+    needs no database; the row says it too when the database answers. A fresh connection:
+    the one this process had may have died with a database restart."""
+    flag = stop_flag(os.getpid())
+    if flag is not None:
+        try:
+            stop_flag_raise(flag)
+        except OSError:
+            log.exception("Could not write the stop flag %s", flag)
+    connection.close()
+    try:
+        stopping = Job.objects.filter(
+            status__in=(Job.Status.STARTING, Job.Status.RUNNING),
+            server__name=settings.WORKER_SERVER,
+            worker=socket.gethostname()[:200],
+            cancel_requested_at=None,
+        ).update(
+            cancel_requested_at=timezone.now(), message=f"The worker on {socket.gethostname()} shut down."
+        )
+    except DatabaseError:
+        log.warning("Worker shutting down while the database is away: its jobs stop by the flag alone")
+        return 0
+    if stopping:
+        log.warning("Worker shutting down: stopping %d running job(s)", stopping)
+    return stopping
+
+
+def running_jobs_stopped() -> None:
+    """The end of a GPU host worker's shutdown (its pool has finished): the stop flag that
+    `running_jobs_stop` raised is removed, so none is left in JOB_SPOOL_DIR per shutdown."""
+    flag = stop_flag(os.getpid())
+    if flag is None:
+        return
+    try:
+        stop_flag_lower(flag)
+    except OSError as exc:
+        log.error("Could not remove the stop flag %s: %s", flag, exc)

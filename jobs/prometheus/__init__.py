@@ -1,0 +1,1 @@
+"""What Prometheus reads at /metrics, and the view behind its bearer token."""

@@ -1,0 +1,1 @@
+"""The queue: its rules (fair share, the plan), a queued job's request, the scheduler."""

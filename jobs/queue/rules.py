@@ -1,0 +1,454 @@
+"""The queue's rules: fair-share priority and the plan of which pending job starts when.
+
+Pure functions over plain data, like the watchdog's rules: the scheduler (jobs/queue/scheduler.py)
+gathers the facts, and the Queue page and API show the same plan.
+
+**Priority** = fair-share factor × QUEUE_FAIRSHARE_WEIGHT + age factor × QUEUE_AGE_WEIGHT − nice.
+The fair-share factor is Slurm's classic 2^(−usage/shares), once for the team among the teams
+and once for the member within the team, multiplied. Usage is booked GPU-hours (a memory share
+counts its fraction of the card, the quotas' rule), manual bookings and queued jobs alike,
+decayed with a half-life of FAIRSHARE_HALF_LIFE_DAYS. The age factor grows from 0 to 1 over
+QUEUE_AGE_MAX_HOURS of waiting.
+
+**The plan** walks the pending jobs in priority order over one calendar: the live bookings
+(manual ones and the running jobs' own). A job that fits now on one server starts; the first
+QUEUE_BACKFILL_DEPTH that do not get a *shadow booking* at their earliest estimated start, which
+the jobs after them must not overlap. So a lower-priority job starts now only where it cannot
+delay any of those (conservative backfill), and a wide job waiting for a whole server keeps its
+place while short jobs run in front of it. No more jobs start on a server than its worker has
+free slots, where the worker said how many it runs at once (`Calendar.slots`); none on a server
+whose worker said so once but has since gone silent (`Calendar.silent`): such a server gets no
+estimate either, and a job that would fit there now says why it waits (`Entry.note`). Whether a job fits
+a card is the booking service's own rule (gpus.conflicts.fits_on_card), over the window the
+scheduler will book (`Request.booked`: the time limit and START_SLACK).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from bisect import insort
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from gpus.conflicts import fits_at_once, fits_on_card
+from portal.errors import Invalid
+
+MAX_ARRAY = 10_000
+# The booking of a queued job outlasts its time limit by this much, so the limit (not the
+# booking's end) stops it, and says so (jobs.queue.scheduler). The plan checks that whole window.
+START_SLACK = timedelta(minutes=1)
+ARRAY_SPEC_MAX_CHARS = 50  # JobArray.spec's max_length
+_ARRAY = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*(?:%\s*(\d+)\s*)?$|^\s*(\d+)\s*$")
+
+# --- arrays ---------------------------------------------------------------------------------------
+
+
+def parse_array(spec: str) -> tuple[list[int], int | None]:
+    """'0-99%8' → (indices 0..99, at most 8 running); '5' → ([5], None)."""
+    if len(spec or "") > ARRAY_SPEC_MAX_CHARS:  # JobArray.spec keeps it as given
+        raise Invalid(f"An array is at most {ARRAY_SPEC_MAX_CHARS} characters, like 0-99%8.", field="array")
+    match = _ARRAY.match(spec or "")
+    if not match:
+        raise Invalid(
+            f"{spec!r} is not an array: write it like 0-99, or 0-99%8 for at most 8 at once.", field="array"
+        )
+    if match[4] is not None:
+        return [int(match[4])], None
+    first, last = int(match[1]), int(match[2])
+    limit = int(match[3]) if match[3] else None
+    if last < first:
+        raise Invalid(
+            f"{spec!r}: the last index must not be below the first; write {last}-{first}.", field="array"
+        )
+    if last - first + 1 > MAX_ARRAY:
+        raise Invalid(
+            f"{spec!r} makes {last - first + 1} tasks; at most {MAX_ARRAY} in one array.", field="array"
+        )
+    if limit is not None and limit < 1:
+        raise Invalid(f"{spec!r}: %{limit} would never run a task; give at least %1.", field="array")
+    return list(range(first, last + 1)), limit
+
+
+# --- fair share -------------------------------------------------------------------------------------
+
+
+def decayed_hours(
+    start: datetime, end: datetime, fraction: float, now: datetime, half_life: timedelta
+) -> float:
+    """GPU-hours booked in [start, min(end, now)), each hour weighted 0.5^(its age / half-life)."""
+    end = min(end, now)
+    if end <= start:
+        return 0.0
+    h = half_life.total_seconds()
+    ages = (now - end).total_seconds(), (now - start).total_seconds()
+    # ∫ 0.5^(age/h) d(age) over the booking's ages, in hours.
+    return fraction * h / math.log(2) * (0.5 ** (ages[0] / h) - 0.5 ** (ages[1] / h)) / 3600
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Who holds which share: teams among themselves, members within their team."""
+
+    team: dict[int, int]  # team id → shares
+    member: dict[tuple[int, int], int]  # (team id, user id) → shares
+
+
+@dataclass(frozen=True)
+class Usage:
+    team: dict[int, float]
+    member: dict[tuple[int, int], float]
+
+
+def fairshare_factor(team: int, user: int, shares: Shares, usage: Usage) -> float:
+    """2^(−U/S) for the team among the teams, times the same for the member within the team: 1 for
+    who used nothing, ½ for who used exactly their share, less for more."""
+    return _factor(team, shares.team, usage.team) * _factor(
+        (team, user),
+        {k: v for k, v in shares.member.items() if k[0] == team},
+        {k: v for k, v in usage.member.items() if k[0] == team},
+    )
+
+
+def _factor(key: object, shares: dict, usage: dict) -> float:
+    total_shares = sum(shares.values()) or 1
+    total_usage = sum(usage.values())
+    if total_usage <= 0:
+        return 1.0
+    share = shares.get(key, 1) / total_shares
+    used = usage.get(key, 0.0) / total_usage
+    return 2.0 ** (-used / share) if share > 0 else 0.0
+
+
+# --- the plan -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Card:
+    uuid: str
+    server_id: int
+    bookable_mb: int
+
+
+@dataclass(frozen=True)
+class Request:
+    job_id: int
+    user_id: int
+    team_id: int
+    gpu_count: int
+    memory_mb: int | None  # per card; None: whole cards
+    server_id: int | None  # None: any server
+    minutes: int
+    submitted_at: datetime
+    nice: int = 0
+    begin_at: datetime | None = None
+    array_id: int | None = None
+
+    @property
+    def booked(self) -> timedelta:
+        """How long its booking lasts once it starts: the time limit and START_SLACK. The plan
+        checks this window, the one the scheduler asks the booking service for."""
+        return timedelta(minutes=self.minutes) + START_SLACK
+
+
+@dataclass(frozen=True)
+class Weights:
+    fairshare: float
+    age: float
+    age_max: timedelta
+
+
+@dataclass
+class Entry:
+    """One pending job in the plan: its priority and factors, and what the plan decided."""
+
+    request: Request
+    priority: float
+    fairshare: float
+    age: float
+    start_now: list[str] = field(default_factory=list)  # the cards to book now; empty: it waits
+    estimated_start: datetime | None = None
+    reason: str = ""
+    held: list[str] = field(default_factory=list)  # its shadow's cards, from estimated_start
+    note: str = ""  # why it waits, in words, beyond its reason (a silent worker where it would fit)
+
+
+Busy = tuple[datetime, datetime, int | None]  # a booking on a card: [start, end), MiB (None: whole)
+
+
+class Calendar:
+    """Every card's bookings from now on, and the shadows the plan adds, with "does it fit" checks.
+
+    Kept cheap for a full cluster, where most checks fail: each card's lists are sorted by start,
+    so a check reads only the bookings that begin before the window ends, and a card taken whole
+    right now is known without reading any (`taken_now`), so a server without enough such cards is
+    passed over at once."""
+
+    def __init__(
+        self,
+        cards: Iterable[Card],
+        busy: dict[str, list[Busy]],
+        now: datetime,
+        horizon: datetime | None = None,
+        *,
+        slots: dict[int, int] | None = None,
+        silent: dict[int, str] | None = None,
+    ) -> None:
+        self.now = now
+        # Free job slots of the servers whose worker's pool size is known: no more jobs start
+        # there now than it can run at once (the rest would wait in Celery on running bookings).
+        self.slots = dict(slots or {})
+        # Servers whose worker reported its slots once but not lately, with the words that say so:
+        # nothing starts there (no slots), and no estimate counts on them until the worker is back.
+        self.silent = dict(silent or {})
+        for server in self.silent:
+            self.slots[server] = 0
+        # Bookings are known up to here (the caller read no further): no estimate goes past it.
+        self.horizon = horizon
+        self.cards = {c.uuid: c for c in cards}
+        self.by_server: dict[int, list[Card]] = defaultdict(list)
+        for card in sorted(self.cards.values(), key=lambda c: (c.server_id, c.uuid)):
+            self.by_server[card.server_id].append(card)
+        self.busy = {uuid: sorted(busy.get(uuid, ())) for uuid in self.cards}
+        self.shadows: dict[str, list[Busy]] = defaultdict(list)
+        self.version: dict[int, int] = defaultdict(int)  # per server: bumped on every change
+        # What is held right now on each card: a whole booking, or the MiB of the shares. Any
+        # window from now overlaps these, so a check can fail on them before reading a list.
+        self.taken_now = {uuid for uuid, held in self.busy.items() if any(_whole_now(b, now) for b in held)}
+        self.shared_now = {
+            uuid: sum(b[2] or 0 for b in held if b[2] is not None and b[0] <= now < b[1])
+            for uuid, held in self.busy.items()
+        }
+
+    def add(
+        self,
+        uuids: Sequence[str],
+        start: datetime,
+        end: datetime,
+        memory_mb: int | None,
+        *,
+        shadow: bool = False,
+    ) -> None:
+        for uuid in uuids:
+            insort((self.shadows if shadow else self.busy)[uuid], (start, end, memory_mb))
+            self.version[self.cards[uuid].server_id] += 1
+            if not shadow and start <= self.now < end:
+                if memory_mb is None:
+                    self.taken_now.add(uuid)
+                else:
+                    self.shared_now[uuid] += memory_mb
+
+    def fits(
+        self, uuid: str, start: datetime, end: datetime, memory_mb: int | None, *, shadows: bool = True
+    ) -> bool:
+        """The booking service's rule (gpus.conflicts.fits_on_card) over the bookings, and the
+        shadows unless told not to, that overlap [start, end)."""
+        if start <= self.now < end and not self.could_fit_now(uuid, memory_mb):
+            return False
+        overlapping = _overlapping(self.busy[uuid], start, end)
+        if shadows and self.shadows:
+            overlapping += _overlapping(self.shadows[uuid], start, end)
+        return fits_on_card(self.cards[uuid].bookable_mb, memory_mb, overlapping, start, end)
+
+    def free_cards(
+        self, server: int, start: datetime, end: datetime, memory_mb: int | None, *, shadows: bool = True
+    ) -> list[str]:
+        cards = self.by_server[server]
+        return [c.uuid for c in cards if self.fits(c.uuid, start, end, memory_mb, shadows=shadows)]
+
+    def could_fit_now(self, uuid: str, memory_mb: int | None) -> bool:
+        """False when what the card holds right now already rules the request out: the same rule
+        (gpus.conflicts.fits_at_once) over the whole-card hold or the sum of the shares now."""
+        held_now: list[int | None] = [None] if uuid in self.taken_now else []
+        if self.shared_now[uuid]:
+            held_now.append(self.shared_now[uuid])
+        return fits_at_once(self.cards[uuid].bookable_mb, memory_mb, held_now)
+
+    def room_now(self, server: int, memory_mb: int | None) -> int:
+        """How many of the server's cards could take the request from now: an upper bound (0 when
+        its worker has no free slot)."""
+        if self.slots.get(server, 1) <= 0:
+            return 0
+        return sum(1 for c in self.by_server[server] if self.could_fit_now(c.uuid, memory_mb))
+
+    def earliest(
+        self, server: int, count: int, length: timedelta, memory_mb: int | None, not_before: datetime
+    ) -> datetime | None:
+        """The first time ≥ not_before at which `count` cards of `server` are free for `length`:
+        only the end of a booking or a shadow can free a card, so those are the times worth trying."""
+        if len(self.by_server[server]) < count:
+            return None
+        times = {not_before}
+        for card in self.by_server[server]:
+            times.update(b[1] for b in self.busy[card.uuid] if b[1] > not_before)
+            times.update(b[1] for b in self.shadows[card.uuid] if b[1] > not_before)
+        for at in sorted(times):
+            if self.horizon is not None and at + length > self.horizon:
+                return None  # later than the calendar reaches
+            if len(self.free_cards(server, at, at + length, memory_mb)) >= count:
+                return at
+        return None
+
+
+def _whole_now(booking: Busy, now: datetime) -> bool:
+    return booking[2] is None and booking[0] <= now < booking[1]
+
+
+def _overlapping(held: list[Busy], start: datetime, end: datetime) -> list[Busy]:
+    """The bookings of a start-sorted list that overlap [start, end): stop at the first that begins
+    after the window."""
+    found = []
+    for booking in held:
+        if booking[0] >= end:
+            break
+        if booking[1] > start:
+            found.append(booking)
+    return found
+
+
+def plan(
+    requests: Sequence[Request],
+    calendar: Calendar,
+    *,
+    shares: Shares,
+    usage: Usage,
+    weights: Weights,
+    depth: int,
+    draining: set[int],
+    array_room: dict[int, int],
+    not_now: Collection[int] = (),
+) -> list[Entry]:
+    """Every pending job in priority order, with what to do about it now (see the module's text).
+
+    `array_room`: how many more tasks each array may run now. `not_now`: jobs that wait this pass
+    whatever the calendar says, but keep their place: their shadows bind the jobs after them.
+    Mutates `calendar` (the starts and the shadows), so the caller can book exactly what the plan
+    chose."""
+    now = calendar.now
+    entries = sorted(
+        (_entry(r, now, shares, usage, weights) for r in requests),
+        key=lambda e: (-e.priority, e.request.submitted_at, e.request.job_id),
+    )
+    refused: dict[int | None, list[tuple]] = defaultdict(list)  # shapes that did not fit now, by server
+    blocked_by_shadows: dict[tuple, bool] = {}
+    estimates: dict[tuple, datetime | None] = {}
+    silences: dict[tuple, str] = {}
+    shadows = 0
+    room = dict(array_room)
+    for entry in entries:
+        r = entry.request
+        if r.begin_at is not None and r.begin_at > now:
+            entry.reason, entry.estimated_start = "begin_time", r.begin_at
+            continue
+        if r.server_id is not None and r.server_id in draining:
+            entry.reason = "draining"
+            continue
+        if r.array_id is not None and room.get(r.array_id, 1) <= 0:
+            entry.reason = "array_limit"
+            continue
+        if r.job_id in not_now:
+            # Its start was refused this pass (a card taken since the plan read them): it starts on a
+            # later pass, and keeps its place (its shadow) meanwhile. Not a refused shape: the
+            # cards it would have fitted are not known to be full.
+            entry.reason = "resources"
+        else:
+            shape = (r.gpu_count, r.memory_mb, r.server_id, r.minutes)
+            cards = [] if _dominated(shape, refused[r.server_id]) else _fit_now(calendar, r, draining)
+            if cards:
+                entry.start_now = cards
+                calendar.add(cards, now, now + r.booked, r.memory_mb)
+                server = calendar.cards[cards[0]].server_id
+                if server in calendar.slots:
+                    calendar.slots[server] -= 1
+                if r.array_id is not None:
+                    room[r.array_id] = room.get(r.array_id, 1) - 1
+                continue
+            refused[r.server_id].append(shape)
+            if shape not in blocked_by_shadows:
+                # It would fit now but for the room held for jobs before it: it waits for priority.
+                blocked_by_shadows[shape] = bool(_fit_now(calendar, r, draining, shadows=False))
+            entry.reason = "priority" if blocked_by_shadows[shape] else "resources"
+            if calendar.silent:
+                entry.note = _silence(calendar, r, draining, silences)
+        if shadows < depth:
+            at, server = _estimate(calendar, r, draining, estimates)
+            entry.estimated_start = at
+            if at is not None and server is not None:
+                # The shadow: the jobs after this one must leave room for it at its estimate.
+                end = at + r.booked
+                held = calendar.free_cards(server, at, end, r.memory_mb)[: r.gpu_count]
+                calendar.add(held, at, end, r.memory_mb, shadow=True)
+                entry.held = held
+                shadows += 1
+    return entries
+
+
+def _dominated(shape: tuple, refused: list[tuple]) -> bool:
+    """True when a shape that asks no less (cards, memory per card — whole is most — and minutes)
+    was already refused this pass: the calendar only fills up within a pass, so it fails too."""
+    count, memory, _server, minutes = shape
+    for r_count, r_memory, _, r_minutes in refused:
+        more_memory = memory is None or (r_memory is not None and memory >= r_memory)
+        if count >= r_count and minutes >= r_minutes and more_memory:
+            return True
+    return False
+
+
+def _entry(r: Request, now: datetime, shares: Shares, usage: Usage, weights: Weights) -> Entry:
+    fair = fairshare_factor(r.team_id, r.user_id, shares, usage)
+    age = min(1.0, max(0.0, (now - r.submitted_at) / weights.age_max)) if weights.age_max else 0.0
+    priority = fair * weights.fairshare + age * weights.age - r.nice
+    return Entry(request=r, priority=round(priority, 3), fairshare=round(fair, 4), age=round(age, 4))
+
+
+def _servers(calendar: Calendar, r: Request, draining: set[int]) -> list[int]:
+    if r.server_id is not None:
+        return [r.server_id] if r.server_id in calendar.by_server else []
+    return [s for s in calendar.by_server if s not in draining]
+
+
+def _fit_now(calendar: Calendar, r: Request, draining: set[int], *, shadows: bool = True) -> list[str]:
+    """`gpu_count` cards of the first server where they are free for the job from now, or []."""
+    end = calendar.now + r.booked
+    for server in _servers(calendar, r, draining):
+        if calendar.room_now(server, r.memory_mb) < r.gpu_count:
+            continue  # most of a full cluster: no need to look at any booking
+        free = calendar.free_cards(server, calendar.now, end, r.memory_mb, shadows=shadows)
+        if len(free) >= r.gpu_count:
+            return free[: r.gpu_count]
+    return []
+
+
+def _silence(calendar: Calendar, r: Request, draining: set[int], cache: dict[tuple, str]) -> str:
+    """The words of the silent servers where the job would fit now but for their worker, or ""."""
+    servers = [s for s in _servers(calendar, r, draining) if s in calendar.silent]
+    key = (r.gpu_count, r.memory_mb, r.minutes, *((s, calendar.version[s]) for s in servers))
+    if key not in cache:
+        end = calendar.now + r.booked
+        cache[key] = "; ".join(
+            sorted(
+                calendar.silent[s]
+                for s in servers
+                if len(calendar.free_cards(s, calendar.now, end, r.memory_mb)) >= r.gpu_count
+            )
+        )
+    return cache[key]
+
+
+def _estimate(
+    calendar: Calendar, r: Request, draining: set[int], cache: dict[tuple, datetime | None]
+) -> tuple[datetime | None, int | None]:
+    """The earliest start over the servers the job may use, and where (shadows included)."""
+    best: tuple[datetime, int] | None = None
+    for server in _servers(calendar, r, draining):
+        if server in calendar.silent:
+            continue  # when its worker comes back is anyone's guess
+        key = (server, calendar.version[server], r.gpu_count, r.memory_mb, r.minutes)
+        if key not in cache:
+            cache[key] = calendar.earliest(server, r.gpu_count, r.booked, r.memory_mb, calendar.now)
+        at = cache[key]
+        if at is not None and (best is None or at < best[0]):
+            best = (at, server)
+    return best if best else (None, None)

@@ -1,0 +1,549 @@
+"""The queue's scheduler: a thread of the portal's worker that starts pending jobs when cards free up.
+
+Every QUEUE_SCHEDULE_SECONDS, and at once when a booking is released or cancelled or a job ends
+(portal.wakeups), one pass: gather the facts (pending jobs, the cards of the online servers and
+their bookings, the teams' and members' shares and decayed usage), let `jobs.queue.rules.plan` decide,
+then start what it chose. A job starts by booking its cards for [now, now + its time limit + START_SLACK)
+through the booking service, so double-booking protection, quotas and the audit log all hold,
+and is then dispatched like any job. When it ends, its booking is released (`queued_job_ended`).
+Each pass keeps the plan's shadows for the booking service (`queue_holds`, registered in
+JobsConfig.ready), so user bookings leave a waiting wide job's cards free from its estimated start.
+
+Safe to run twice at once: each start is a conditional UPDATE on the job (PENDING → QUEUED) in
+the booking's transaction, and the booking service's row locks settle two passes racing for a
+card (the loser gets a Conflict and tries again next pass).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import redis
+from django.conf import settings
+from django.db import close_old_connections, transaction
+from django.db.models import Count, Q, QuerySet
+from django.utils import timezone
+
+from gpus.booking import PORTAL, reservation_create, reservation_release
+from gpus.hooks import QueueHold
+from gpus.models import GPU, Allocation, Reservation, Server
+from jobs.leavers import owner_active
+from jobs.logs.live import job_changed
+from jobs.models import InteractiveSession, Job
+from jobs.queue.rules import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
+from jobs.services import cpu_share, default_threads, dispatch
+from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
+from portal.models import Membership, Team
+from portal.names import redis_key
+from portal.outage import REDIS, WHAT, outage_of
+from portal.periodic import PeriodicThread
+from portal.wakeups import QUEUE_SCHEDULER, client, wait, wake_on_commit
+
+log = logging.getLogger(__name__)
+
+USAGE_CACHE_SECONDS = 60
+# The plan's holds for waiting jobs, kept for the booking service (queue_holds) for a few passes.
+HOLDS_PASSES = 5
+HOLDS_MIN_TTL_SECONDS = 30
+# Re-plans in one pass after refused starts: each drops at least one job; a few are plenty, and a
+# pass must stay cheap with a thousand pending jobs.
+QUEUE_REPLANS = 5
+# The booking service's refusals as a job's pending reason. Forbidden: its owner may not book for
+# its team (they left it; jobs.leavers cancels such jobs), so no start of it can succeed now.
+REFUSAL_REASONS: dict[type[ServiceError], str] = {
+    QuotaExceeded: Job.Reason.QUOTA,
+    Forbidden: Job.Reason.QUOTA,
+    Conflict: Job.Reason.RESOURCES,  # a manual booking took a card since the plan read them
+    Invalid: Job.Reason.RESOURCES,
+}
+# A worker's pool size older than this many reconcile intervals means its worker has gone silent
+# (stopped, or cut off from the database while Redis works): nothing starts on that host until it
+# reports again. A host whose worker never reported is planned by its cards alone.
+SLOTS_STALE_INTERVALS = 4
+REFUSED = "Waiting: "  # a refused job's message starts so: the booking service's words follow
+
+
+@dataclass
+class PassMemory:
+    """What one scheduler keeps from pass to pass: its Scheduler thread owns one, so a second
+    portal, a restarted worker or a test starts from nothing. A pass given none (the Queue page,
+    the API, a test) remembers nothing: it reads the usage afresh and logs every failure."""
+
+    failed_before: set[int] = field(default_factory=set)  # jobs whose failure was logged with its traceback
+    usage: tuple[datetime, Shares, Usage] | None = None  # the fair-share usage, and when it was read
+    holds_unstored: bool = False  # the last pass could not store its holds (Redis away): said once
+
+    def forget_usage(self) -> None:
+        """The bench changes bookings under the cache."""
+        self.usage = None
+
+
+def _holds_key() -> str:
+    """One portal's holds: two portals may share a Redis, and their card uuids and job ids collide."""
+    return redis_key("queue", "holds")
+
+
+def queue_plan(
+    *,
+    now: datetime | None = None,
+    leave_out: Collection[int] = (),
+    not_now: Collection[int] = (),
+    memory: PassMemory | None = None,
+) -> list[Entry]:
+    """The plan as it stands: every pending job in priority order, with its factors, reason and
+    estimated start (the Queue page, GET /api/v1/queue/, and each pass). `leave_out`: jobs the
+    booking service refused this pass, planned without, so they hold no cards from the others.
+    `not_now`: jobs refused for a card taken since the plan read them: they wait this pass but
+    keep their place (their shadows)."""
+    now = now or timezone.now()
+    requests = [r for r in _pending() if r.job_id not in leave_out]
+    if not requests:
+        return []
+    shares, usage = fairshare_state(now, memory)
+    online = list(Server.objects.online().values_list("pk", "draining"))
+    # The calendar as far as the longest pending job reaches, and QUEUE_ESTIMATE_HORIZON_HOURS on:
+    # enough to start any of them safely now, and to estimate starts within the horizon.
+    longest = max(r.minutes for r in requests)
+    horizon = now + timedelta(minutes=longest, hours=settings.QUEUE_ESTIMATE_HORIZON_HOURS)
+    servers = [pk for pk, _ in online]
+    slots, silent = _free_slots(now, servers)
+    return plan(
+        requests,
+        _calendar(now, servers, horizon, slots=slots, silent=silent),
+        shares=shares,
+        usage=usage,
+        weights=Weights(
+            fairshare=settings.QUEUE_FAIRSHARE_WEIGHT,
+            age=settings.QUEUE_AGE_WEIGHT,
+            age_max=timedelta(hours=settings.QUEUE_AGE_MAX_HOURS),
+        ),
+        depth=settings.QUEUE_BACKFILL_DEPTH,
+        draining={pk for pk, draining in online if draining},
+        array_room=_array_room({r.array_id for r in requests if r.array_id}),
+        not_now=not_now,
+    )
+
+
+def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = None) -> dict[str, int]:
+    """One pass: start what the plan says can start now; record why the others wait.
+
+    A start the booking service refuses (a quota, a member who left the team) is taken out and the
+    rest planned again in the same pass, so a job that is refused every time never holds cards a
+    job behind it could use now. One refused for a card taken since the plan read it (Conflict)
+    stays in the re-plan as waiting, with its shadow, so the jobs behind it cannot take its cards
+    for the rest of the pass. Each round refuses at least one more job, and at most QUEUE_REPLANS
+    rounds run. `memory`: the Scheduler's, kept from pass to pass; none, a fresh one."""
+    now = now or timezone.now()
+    memory = memory or PassMemory()
+    done: Counter[str] = Counter()
+    done["released"] = _release_ended(now)
+    refused: dict[int, Refusal] = {}
+    for _round in range(1 + QUEUE_REPLANS):
+        entries = queue_plan(
+            now=now,
+            leave_out=[pk for pk, r in refused.items() if not r.keeps_place],
+            not_now=[pk for pk, r in refused.items() if r.keeps_place],
+            memory=memory,
+        )
+        newly = False
+        for entry in entries:
+            if not entry.start_now:
+                continue
+            refusal = _start(entry, now)
+            if refusal and refusal.error:
+                _failed(entry.request.job_id, refusal.error, memory)
+            done[refusal.reason if refusal else "started"] += 1
+            if refusal:
+                refused[entry.request.job_id] = refusal
+                newly = True
+        if not newly:
+            break
+    _record_reasons(entries, refused)
+    _store_holds(entries, memory)
+    planned = {e.request.job_id for e in entries}
+    done["pending"] = sum(1 for e in entries if not e.start_now) + len(refused.keys() - planned)
+    return dict(done)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the booking service refused a start: the job's pending reason, and its words."""
+
+    reason: str
+    message: str = ""
+    keeps_place: bool = False  # a card taken since the plan read them: it keeps its shadow this pass
+    error: Exception | None = None  # not a refusal but a bug or fault: logged once per job (`_failed`)
+
+
+def _record_reasons(entries: list[Entry], refused: dict[int, Refusal]) -> None:
+    """Each waiting job's reason; a refused one also keeps the booking service's words as its
+    message, so its owner reads why, and one held up by a silent worker says so (cleared when
+    neither holds any more, or when it starts: `_bind`)."""
+    reasons: dict[str, list[int]] = defaultdict(list)
+    notes: dict[str, list[int]] = defaultdict(list)
+    for entry in entries:
+        if not entry.start_now and entry.reason:
+            reasons[entry.reason].append(entry.request.job_id)
+            if entry.note and entry.request.job_id not in refused:
+                notes[f"{REFUSED}{entry.note}"].append(entry.request.job_id)
+    pending = Job.objects.filter(status=Job.Status.PENDING)
+    changed: set[int] = set()  # read first, so that only these jobs' pages are told
+
+    def update(jobs: QuerySet[Job], **values: str) -> None:
+        if ids := set(jobs.values_list("pk", flat=True)):
+            Job.objects.filter(pk__in=ids, status=Job.Status.PENDING).update(**values)
+            changed.update(ids)
+
+    for reason, ids in reasons.items():
+        update(pending.filter(pk__in=ids).exclude(pending_reason=reason), pending_reason=reason)
+    noted = {pk for ids in notes.values() for pk in ids}
+    waiting = [pk for ids in reasons.values() for pk in ids if pk not in noted]  # old words go
+    update(pending.filter(pk__in=waiting, message__startswith=REFUSED), message="")
+    for note, ids in notes.items():
+        update(pending.filter(pk__in=ids).exclude(message=note), message=note[:1000])
+    for pk, refusal in refused.items():
+        update(
+            pending.filter(pk=pk).exclude(pending_reason=refusal.reason, message=refusal.message[:1000]),
+            pending_reason=refusal.reason,
+            message=refusal.message[:1000],
+        )
+    job_changed(changed)
+
+
+def _release_ended(now: datetime) -> int:
+    """Bookings of queued jobs that ended without their worker releasing them (lost, cancelled
+    before a worker took them): released here."""
+    released = 0
+    for job in Job.objects.filter(
+        queued=True,
+        status__in=Job.FINISHED,
+        reservation__released_at=None,
+        reservation__cancelled_at=None,
+        reservation__end__gt=now,
+    ).select_related("reservation"):
+        with transaction.atomic():
+            queued_job_ended(job, now=now)
+        released += 1
+    return released
+
+
+def _start(entry: Entry, now: datetime) -> Refusal | None:
+    """Book the plan's cards and dispatch the job; None when started (or nothing to do), else why
+    it still waits. Every refusal is this job's alone: the pass goes on with the others."""
+    r = entry.request
+    try:
+        with transaction.atomic():
+            job = Job.objects.select_related("owner", "team").get(pk=r.job_id)
+            if job.status != Job.Status.PENDING or not job.owner.is_active:
+                return None  # cancelled meanwhile, another pass started it, or its owner left
+            booking = reservation_create(
+                user=job.owner,
+                team=job.team,
+                gpus=entry.start_now,
+                memory_mb=job.memory_mb,
+                start=now,
+                end=now + r.booked,  # the window the plan checked
+                note=f"Queued job {job.pk} ({job.name})",
+                now=now,
+                queue_start=True,  # in plan order: the holds it keeps bind others, not its own starts
+            )
+            _bind(job, booking, now)
+            dispatch(job, now)
+    except ServiceError as refusal:
+        reason = REFUSAL_REASONS.get(type(refusal), Job.Reason.RESOURCES)
+        log.info("Job %s could not start this pass (%s): %s", r.job_id, reason, refusal.message)
+        return Refusal(reason, f"{REFUSED}{refusal.message}", keeps_place=isinstance(refusal, Conflict))
+    except Exception as exc:  # a bug or a fault this job meets: skip it, never the pass
+        return Refusal(Job.Reason.RESOURCES, error=exc)
+    log.info("Started queued job %s on %s", r.job_id, ", ".join(entry.start_now))
+    return None
+
+
+def _failed(job_id: int, error: Exception, memory: PassMemory) -> None:
+    """A start that failed unexpectedly: its traceback once per scheduler, not every pass."""
+    if job_id not in memory.failed_before:
+        memory.failed_before.add(job_id)
+        log.error("Job %s could not start; the others go on, and it is tried again", job_id, exc_info=error)
+
+
+def _bind(job: Job, booking: Reservation, now: datetime) -> None:
+    """PENDING → QUEUED on its new booking, its threads defaulting to the booking's CPU share."""
+    allocations = list(booking.allocations.select_related("gpu__server").order_by("gpu__index"))
+    server = allocations[0].gpu.server
+    intra, inter = default_threads(cpu_share(server, allocations))
+    claimed = Job.objects.transition(
+        job.pk,
+        from_=Job.Status.PENDING,
+        to=Job.Status.QUEUED,
+        reservation=booking,
+        server=server,
+        gpu_uuids=[a.gpu_id for a in allocations],
+        not_before=now,
+        pending_reason="",
+        message="",  # a refusal's words from an earlier pass
+        intra_op_threads=job.intra_op_threads or intra,
+        inter_op_threads=job.inter_op_threads or inter,
+    )
+    if not claimed:
+        raise Conflict(f"Job {job.pk} was cancelled or started meanwhile.")
+    job.refresh_from_db()
+
+
+def queued_job_ended(job: Job, *, now: datetime | None = None) -> None:
+    """A queued job's booking ends with it: released at once, and the scheduler woken."""
+    if not job.queued or job.reservation_id is None:
+        return
+    now = now or timezone.now()
+    booking = Reservation.objects.get(pk=job.reservation_id)
+    if booking.status_at(now) == Reservation.Status.ACTIVE:
+        reservation_release(user=PORTAL, reservation=booking, now=now, reason=f"queued job {job.pk} ended")
+    else:
+        wake_on_commit(QUEUE_SCHEDULER)
+
+
+# --- the holds: the plan's shadows, which user bookings must leave free ---------------------------
+
+
+def _holds_ttl() -> int:
+    """A few passes: a scheduler that stopped stops holding cards soon after."""
+    return max(HOLDS_MIN_TTL_SECONDS, HOLDS_PASSES * settings.QUEUE_SCHEDULE_SECONDS)
+
+
+def _store_holds(entries: list[Entry], memory: PassMemory) -> None:
+    """Keep this pass's shadows where the booking service reads them (`queue_holds`): each waiting
+    job's cards from its estimated start for its time limit (and the start's slack, as its booking
+    will last). Redis away: bookings go unguarded until it is back, never wrong."""
+    holds = []
+    for e in entries:
+        if not e.held or e.estimated_start is None:
+            continue
+        end = e.estimated_start + e.request.booked
+        created = e.request.submitted_at.isoformat()
+        holds += [
+            [
+                uuid,
+                e.estimated_start.isoformat(),
+                end.isoformat(),
+                e.request.memory_mb,
+                e.request.job_id,
+                created,
+            ]
+            for uuid in e.held
+        ]
+    try:
+        client(5).set(_holds_key(), json.dumps(holds), ex=_holds_ttl())
+    except redis.RedisError:
+        if not memory.holds_unstored:  # once per outage, not every pass
+            log.warning("Queue: could not store the holds for waiting jobs; bookings may take their cards")
+        memory.holds_unstored = True
+        return
+    if memory.holds_unstored:
+        log.info("Queue: the holds for waiting jobs are stored again")
+    memory.holds_unstored = False
+
+
+def queue_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> list[QueueHold]:
+    """The booking service's question (gpus.hooks.queue_holds): the last pass's
+    holds on these cards overlapping [start, end), of jobs that still wait. A hold whose job started,
+    was cancelled or is gone binds no one, whatever the store still says."""
+    try:
+        raw = client(2).get(_holds_key())
+    except redis.RedisError:
+        log.warning(
+            "Queue: could not read the holds for waiting jobs; this booking is not checked against them"
+        )
+        return []
+    wanted = set(gpu_uuids)
+    found = []
+    for uuid, at, until, memory_mb, job_id, created in json.loads(raw or "[]"):
+        hold = QueueHold(uuid, datetime.fromisoformat(at), datetime.fromisoformat(until), memory_mb, job_id)
+        if uuid in wanted and hold.start < end and hold.end > start:
+            found.append((hold, datetime.fromisoformat(created)))
+    if not found:
+        return []
+    waiting = set(
+        Job.objects.filter(pk__in={h.job_id for h, _ in found}, status=Job.Status.PENDING).values_list(
+            "pk", "created_at"
+        )
+    )
+    return [hold for hold, created in found if (hold.job_id, created) in waiting]
+
+
+# --- the facts ---------------------------------------------------------------------------------------
+
+
+def _pending() -> list[Request]:
+    """The pending jobs as the plan takes them (plain rows: a thousand of them every pass). A
+    deactivated owner's are left out: they never start, and jobs.leavers cancels them."""
+    default = settings.QUEUE_DEFAULT_TIME_LIMIT_MINUTES
+    rows = Job.objects.filter(owner_active(), status=Job.Status.PENDING).values_list(
+        "pk",
+        "owner_id",
+        "team_id",
+        "gpu_count",
+        "memory_mb",
+        "request_server_id",
+        "time_limit_minutes",
+        "created_at",
+        "nice",
+        "begin_at",
+        "array_id",
+    )
+    return [
+        Request(pk, owner, team, count or 1, memory, server, minutes or default, created, nice, begin, array)
+        for pk, owner, team, count, memory, server, minutes, created, nice, begin, array in rows
+    ]
+
+
+def _free_slots(now: datetime, servers: list[int]) -> tuple[dict[int, int], dict[int, str]]:
+    """Free job slots of each server whose worker said lately how many jobs it runs at once
+    (jobs.host.pickup writes Server.job_slots): its pool size less the jobs it holds or has been sent,
+    and its JupyterLab sessions (each runs in a slot of the pool, as a job does).
+    And the servers whose worker did not say so lately, or never (it has not started yet), with
+    words that say why: the plan starts nothing there until it does, rather than planning every
+    queued job onto a host that may run one at a time."""
+    fresh = now - timedelta(seconds=SLOTS_STALE_INTERVALS * settings.JOB_RECONCILE_SECONDS)
+    known: dict[int, int] = {}
+    silent: dict[int, str] = {}
+    for pk, name, slots, at in Server.objects.filter(pk__in=servers).values_list(
+        "pk", "name", "job_slots", "job_slots_at"
+    ):
+        if slots is None or at is None:
+            silent[pk] = (
+                f"{name}'s worker has not yet said how many jobs it runs at once, so no job starts "
+                f"there until it does"
+            )
+        elif at >= fresh:
+            known[pk] = slots
+        else:
+            silent[pk] = (
+                f"{name}'s worker has not reported for {int((now - at).total_seconds())} s, so no job "
+                f"starts there until it does"
+            )
+    if not known:
+        return {}, silent
+    held = dict(
+        Job.objects.filter(
+            Q(status__in=(Job.Status.STARTING, Job.Status.RUNNING))
+            | Q(status=Job.Status.QUEUED, dispatched_at__isnull=False),
+            server_id__in=list(known),
+        )
+        .values_list("server_id")
+        .annotate(n=Count("pk"))
+    )
+    labs = Counter(
+        InteractiveSession.objects.holding_slots()
+        .filter(server_id__in=list(known))
+        .values_list("server_id", flat=True)
+    )
+    return {pk: max(0, slots - held.get(pk, 0) - labs[pk]) for pk, slots in known.items()}, silent
+
+
+def _calendar(
+    now: datetime,
+    servers: list[int],
+    horizon: datetime,
+    *,
+    slots: dict[int, int] | None = None,
+    silent: dict[int, str] | None = None,
+) -> Calendar:
+    """The cards of the online servers that take work, and their bookings from now to `horizon`."""
+    cards = [
+        Card(uuid, server, GPU.bookable_mb(total, reserved))
+        for uuid, server, total, reserved in GPU.objects.filter(
+            server_id__in=servers, state="ok"
+        ).values_list("uuid", "server_id", "memory_total_mb", "memory_reserved_mb")
+    ]
+    busy: dict[str, list] = defaultdict(list)
+    for uuid, start, end, memory in (
+        Allocation.objects.live_between(now, horizon)
+        .filter(gpu__server_id__in=servers)
+        .values_list("gpu_id", "start", "end", "memory_mb")
+    ):
+        busy[uuid].append((max(start, now), end, memory))
+    return Calendar(cards, busy, now, horizon, slots=slots, silent=silent)
+
+
+def _array_room(arrays: set[int]) -> dict[int, int]:
+    """How many more tasks each array may run now."""
+    if not arrays:
+        return {}
+    running = dict(
+        Job.objects.filter(
+            array_id__in=arrays, status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
+        )
+        .values_list("array_id")
+        .annotate(n=Count("pk"))
+    )
+    limits = dict(
+        Job.objects.filter(array_id__in=arrays).values_list("array_id", "array__max_running").distinct()
+    )
+    return {a: (limit - running.get(a, 0)) if limit else 1_000_000 for a, limit in limits.items()}
+
+
+def fairshare_state(now: datetime, memory: PassMemory | None = None) -> tuple[Shares, Usage]:
+    """The teams' and members' shares, and their decayed usage (kept in the scheduler's `memory`
+    for a minute: usage moves slowly, and a pass every two seconds need not re-read weeks of
+    bookings)."""
+    if memory and memory.usage is not None and (now - memory.usage[0]).total_seconds() < USAGE_CACHE_SECONDS:
+        return memory.usage[1], memory.usage[2]
+    shares = Shares(
+        team=dict(Team.objects.values_list("pk", "shares")),
+        member={(t, u): s for t, u, s in Membership.objects.values_list("team_id", "user_id", "shares")},
+    )
+    half_life = timedelta(days=settings.FAIRSHARE_HALF_LIFE_DAYS)
+    team: dict[int, float] = defaultdict(float)
+    member: dict[tuple[int, int], float] = defaultdict(float)
+    rows = Allocation.objects.live_between(now - 5 * half_life, now).values_list(
+        "start", "end", "memory_mb", "gpu__memory_total_mb", "reservation__team_id", "reservation__owner_id"
+    )
+    for start, end, memory_mb, total, team_id, owner_id in rows:
+        fraction = GPU.charged_share(memory_mb, total)
+        hours = decayed_hours(start, end, fraction, now, half_life)
+        team[team_id] += hours
+        member[(team_id, owner_id)] += hours
+    usage = Usage(team=dict(team), member=dict(member))
+    if memory is not None:
+        memory.usage = (now, shares, usage)
+    return shares, usage
+
+
+class Scheduler(PeriodicThread):
+    def __init__(self) -> None:
+        super().__init__("queue-scheduler", settings.QUEUE_SCHEDULE_SECONDS)
+        self.client = client(self.interval + 10)
+        self.wakeups_away = False  # Redis could not be waited on at the last pause: said once an outage
+        self.memory = PassMemory()  # this thread's, from pass to pass
+
+    def step(self) -> None:
+        close_old_connections()  # a restarted database must not kill the loop
+        done = schedule_pass(memory=self.memory)
+        if done.get("started"):
+            log.info("Queue: %s", done)
+
+    def pause(self) -> None:
+        """Until woken (a card freed up) or the interval passes. Redis away: plain intervals until
+        it is back, said once an outage (without a traceback) and once when it answers again."""
+        try:
+            wait(self.client, QUEUE_SCHEDULER, self.interval)
+        except Exception as exc:
+            if outage_of(exc) is None:
+                log.exception("Queue scheduler: waiting for wake-ups failed; a pass every %ss", self.interval)
+            elif not self.wakeups_away:
+                log.warning(
+                    "Queue scheduler: %s is away (%s); no wake-ups, a pass every %ss until it is back",
+                    WHAT[REDIS],
+                    exc,
+                    self.interval,
+                )
+                self.wakeups_away = True
+            super().pause()
+            return
+        if self.wakeups_away:
+            log.warning("Queue scheduler: %s answers again; wake-ups are back", WHAT[REDIS])
+            self.wakeups_away = False

@@ -1,0 +1,526 @@
+"""Interactive work on a booking: `gpu exec` and `gpu shell` (jobs.models.InteractiveSession).
+
+The `gpu` command runs on the booking's host, as the booking's owner, and asks here first:
+`session_start` checks the booking (the caller's own, active now, on that host) and answers the
+booking's environment, the same variables a job on it gets (jobs.environment.session_environment).
+The command then starts in a session of its own and records its leader (`session_running`), which
+is how the host's watchdog counts its GPU processes as the booking's. Every SESSION_BEAT_SECONDS it
+beats (`session_beat`): the answer is the booking's end as it stands now (extended, released) and
+whether someone ended the session from the portal; the command stops itself at that end, with a
+warning SESSION_WARN_MINUTES before it in the terminal and the inbox. `session_finish` records its
+end and why; a session whose beats stopped (its `gpu` was killed, its host died) is ended by
+`sessions_reconcile`, and from then on its processes are no longer the booking's.
+
+The host given is the caller's word: it only keeps a mistake (the environment of cards on another
+host) from happening. It grants nothing: the variables name the caller's own booking, and the
+watchdog judges what runs on the cards, whatever the command claims.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from functools import partial
+from typing import Any
+
+from celery import current_app
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models.functions import Now
+from django.template import Context
+from django.utils import timezone
+
+from gpus.hooks import Work
+from gpus.models import Allocation, Reservation, Server
+from jobs.environment import BookedCard, JobSetupError, session_environment
+from jobs.models import InteractiveSession, Job
+from jobs.runs import LOST_FOUND_ALIVE, runs_lost_mark, session_is_lost, session_lost_stop
+from portal.access import can_manage
+from portal.errors import Forbidden, Invalid
+from portal.models import AuditEntry, Notification
+from portal.notifications import notification_send
+from portal.timefmt import format_time
+
+log = logging.getLogger(__name__)
+
+COMMAND_MAX_ARGS = 1000
+COMMAND_MAX_CHARS = 64 * 1024
+MESSAGE_MAX = 500
+EXTEND_LOOKAHEAD = timedelta(hours=1)  # how far after the end the warning looks for the next booking
+
+
+def lab_path(pk: int) -> str:
+    """Where the portal serves a JupyterLab session (jobs.sessions.lab_proxy): its Jupyter
+    server's base URL."""
+    return f"/sessions/{pk}/lab/"
+
+
+def host_matches(server: Server, host: str) -> bool:
+    """The host a command runs on is the server's: its portal name or its hostname, fully
+    qualified or not, in any case."""
+    host = host.strip().lower()
+    if not host:
+        return False
+    names = {server.name.lower(), server.hostname.strip().lower()} - {""}
+    short = host.split(".", 1)[0]
+    return host in names or short in {name.split(".", 1)[0] for name in names}
+
+
+@transaction.atomic
+def session_start(
+    *,
+    user: AbstractBaseUser,
+    reservation: int | None = None,
+    kind: str,
+    host: str = "",
+    command: Sequence[str] = (),
+    now: datetime | None = None,
+) -> tuple[InteractiveSession, dict[str, str]]:
+    """A new session (STARTING) on the caller's booking active now on `host`, and its environment.
+
+    Refused, naming the field: an unknown kind, an empty or huge command, no booking of the
+    caller's on that host now (or several, without `reservation`), a booking that is not active,
+    or one on another host. Someone else's booking: Forbidden."""
+    now = now or timezone.now()
+    if kind not in InteractiveSession.Kind.values:
+        raise Invalid(f"Kind must be one of {', '.join(InteractiveSession.Kind.values)}.", field="kind")
+    lab = kind == InteractiveSession.Kind.JUPYTERLAB
+    argv = LAB_COMMAND if lab else _check_command(command)
+    if not lab and (not host or not host.strip()):
+        raise Invalid("Say which host the command runs on (its hostname).", field="host")
+    booking, allocations = _booking_on_host(user, reservation, None if lab else host.strip(), now)
+    if lab and (open_lab := active_lab(booking.pk)) is not None:
+        raise Invalid(
+            f"Booking {booking.pk} already has JupyterLab session {open_lab.pk} "
+            f"({open_lab.get_status_display().lower()}): open that one, or end it first.",
+            field="reservation",
+        )
+    server = allocations[0].gpu.server
+    session = InteractiveSession.objects.create(
+        owner=user,
+        reservation=booking,
+        server=server,
+        kind=kind,
+        command=argv,
+        gpu_uuids=[a.gpu_id for a in allocations],
+        created_at=now,
+        beat_at=Now(),  # every beat and its cut-off: the database's clock (portal.clock)
+        token=secrets.token_urlsafe(32) if lab else "",
+    )
+    try:
+        env = session_environment(
+            session,
+            BookedCard.of(allocations[0]),
+            server=server.name,
+            instance=settings.PORTAL_INSTANCE_ID,
+            headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
+        )
+    except JobSetupError as exc:
+        raise Invalid(str(exc), field="reservation") from None
+    if lab:
+        if server.draining:
+            raise Invalid(f"{server.name} is draining: no new sessions start there.", field="reservation")
+        transaction.on_commit(partial(_send, session.pk, server.queue))
+    return session, env
+
+
+# The task by name, as jobs.services sends jobs: importing jobs.tasks here would close a circle.
+RUN_SESSION = "jobs.tasks.run_session"
+LAB_COMMAND = ["jupyter", "lab"]
+LAB_RESEND_SECONDS = 30  # a lab no worker took this long after its message: sent again
+
+
+def _send(session_id: int, queue: str) -> None:
+    """The lab's message after commit. The broker away: `sessions_reconcile` sends it again."""
+    try:
+        current_app.tasks[RUN_SESSION].apply_async(args=[session_id], queue=queue)
+    except Exception as exc:
+        log.warning(
+            "Could not send session %s to %s (%r); the reconciler sends it again", session_id, queue, exc
+        )
+
+
+def _check_command(command: Sequence[str]) -> list[str]:
+    if isinstance(command, str) or not all(isinstance(arg, str) for arg in command):
+        raise Invalid("Give the command as a list of strings (its argv).", field="command")
+    argv = list(command)
+    if not argv or not argv[0]:
+        raise Invalid("Give the command to run, e.g. ['python', 'train.py'].", field="command")
+    if len(argv) > COMMAND_MAX_ARGS or sum(len(arg) for arg in argv) > COMMAND_MAX_CHARS:
+        raise Invalid(
+            f"The command is too long to record (at most {COMMAND_MAX_ARGS} arguments, "
+            f"{COMMAND_MAX_CHARS // 1024} KiB).",
+            field="command",
+        )
+    if any("\x00" in arg for arg in argv):
+        raise Invalid("The command holds a NUL character, which no argv can.", field="command")
+    return argv
+
+
+def _booking_on_host(
+    user: AbstractBaseUser, reservation: int | None, host: str | None, now: datetime
+) -> tuple[Reservation, list[Allocation]]:
+    """The caller's booking active now, with its cards in index order, on `host` (None: any)."""
+    if reservation is None:
+        mine = Reservation.objects.filter(owner=user).with_status("active", now)
+        if host is not None:
+            mine = mine.filter(allocations__gpu__server__in=_servers_named(host))
+        mine = mine.distinct().order_by("pk")
+        host = host or "any server"
+        found = list(mine.values_list("pk", flat=True)[:10])
+        if not found:
+            raise Invalid(
+                f"You have no booking active now on {host}. Book a card on it, or run on the host "
+                "of one of your bookings (gpu exec --reservation N).",
+                field="reservation",
+            )
+        if len(found) > 1:
+            listed = ", ".join(f"#{pk}" for pk in found)
+            raise Invalid(
+                f"You have several bookings active on {host} ({listed}): choose one with --reservation N.",
+                field="reservation",
+            )
+        reservation = found[0]
+    booking = Reservation.objects.restrict(user).filter(pk=reservation).first()
+    if booking is None:
+        raise Invalid(
+            f"There is no booking {reservation} of yours; see `gpu reservations`.", field="reservation"
+        )
+    if booking.owner_id != user.pk:
+        raise Forbidden("Interactive work runs on your own bookings only; this one is someone else's.")
+    status = booking.status_at(now)
+    if status != Reservation.Status.ACTIVE:
+        when = (
+            f" (it starts at {format_time(booking.start)})" if status == Reservation.Status.UPCOMING else ""
+        )
+        raise Invalid(
+            f"Booking {booking.pk} is {status.label.lower()}{when}; gpu exec runs within a booking's "
+            "window only.",
+            field="reservation",
+        )
+    allocations = list(booking.allocations.select_related("gpu__server").order_by("gpu__index"))
+    if not allocations:
+        raise Invalid(f"Booking {booking.pk} holds no cards.", field="reservation")
+    server = allocations[0].gpu.server
+    if host is not None and not host_matches(server, host):
+        raise Invalid(
+            f"Booking {booking.pk} is on {server.name}{_hostname(server)}, not on {host}: run the "
+            f"command on {server.name}.",
+            field="host",
+        )
+    return booking, allocations
+
+
+def _servers_named(host: str) -> list[int]:
+    return [server.pk for server in Server.objects.all() if host_matches(server, host)]
+
+
+def _hostname(server: Server) -> str:
+    return f" ({server.hostname})" if server.hostname and server.hostname != server.name else ""
+
+
+@transaction.atomic
+def session_running(*, session: InteractiveSession, pid: Any, pid_started: Any) -> InteractiveSession:
+    """STARTING → RUNNING: the command's session leader, whose session id the watchdog reads."""
+    _terminal_only(session)
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
+        raise Invalid("pid must be the command's process id (an integer above 1).", field="pid")
+    if pid_started is not None and (
+        isinstance(pid_started, bool) or not isinstance(pid_started, int | float)
+    ):
+        raise Invalid(
+            "pid_started must be the process's start time in epoch seconds, or null.", field="pid_started"
+        )
+    now = timezone.now()
+    updated = InteractiveSession.objects.transition(
+        session.pk,
+        from_=InteractiveSession.Status.STARTING,
+        to=InteractiveSession.Status.RUNNING,
+        pid=pid,
+        pid_started=pid_started,
+        started_at=now,
+        beat_at=Now(),
+    )
+    if not updated:
+        session.refresh_from_db()
+        raise Invalid(
+            f"Session {session.pk} is {session.get_status_display().lower()}, not starting.", field="pid"
+        )
+    session.refresh_from_db()
+    return session
+
+
+def session_beat(*, session: InteractiveSession, now: datetime | None = None) -> dict[str, Any]:
+    """The command is alive: what it must know now (the booking's end, whether to stop). The first
+    beat within SESSION_WARN_MINUTES of the end also tells the owner's inbox."""
+    _terminal_only(session)
+    now = now or timezone.now()
+    if session_is_lost(session) and session.end_requested_at is None:
+        # Marked lost, yet its command beats: a lost run is stopped, never taken back (jobs.runs).
+        # The answer below tells `gpu` to end it; the stop is told once, by the first such beat.
+        session_lost_stop(session, lambda: session_stopped_tell(session, LOST_FOUND_ALIVE))
+        session.refresh_from_db()
+    # The database's clock, as the reconciler's cut-off (portal.clock): this web server's may be off.
+    active = InteractiveSession.objects.filter(pk=session.pk, status__in=InteractiveSession.ACTIVE)
+    active.update(beat_at=Now())
+    ends_at, warn_at = session_times(session)
+    if session.is_active and now >= warn_at and session.warned_at is None:
+        session_warn_ending(session, ends_at, now)
+    message = ""
+    if session.end_requested_at:
+        message = "the session was ended from the portal"
+    elif not session.is_active:
+        message = session.message or f"the session is {session.get_status_display().lower()}"
+    return {
+        "status": session.status,
+        "ends_at": ends_at,
+        "warn_at": warn_at,
+        "end_requested": bool(session.end_requested_at) or not session.is_active,
+        "message": message,
+    }
+
+
+def session_times(session: InteractiveSession) -> tuple[datetime, datetime]:
+    """When the session must end (its booking's end as it stands) and when it is warned."""
+    booking = session.reservation
+    # Released early: `end` moved to the release; cancelled: it holds nothing from the cancel on.
+    ends_at = min(booking.end, booking.cancelled_at) if booking.cancelled_at else booking.end
+    return ends_at, ends_at - timedelta(minutes=settings.SESSION_WARN_MINUTES)
+
+
+def _terminal_only(session: InteractiveSession) -> None:
+    """A pid, a beat and an end come from `gpu` in a terminal; a lab's from its worker alone (a pid
+    named by its owner would be the one the worker ends)."""
+    if session.kind not in InteractiveSession.TERMINAL_KINDS:
+        raise Invalid(
+            f"Session {session.pk} is a {session.get_kind_display()}, which its host's worker runs: "
+            "end it with DELETE.",
+            field="kind",
+        )
+
+
+def session_warn_ending(session: InteractiveSession, ends_at: datetime, now: datetime) -> None:
+    """The owner's inbox, once: the booking under the session ends soon; with the way to extend
+    it when its cards are free after its end, else who takes them."""
+    with transaction.atomic():
+        if not InteractiveSession.objects.filter(pk=session.pk, warned_at=None).update(warned_at=now):
+            return  # another beat told them
+        minutes = max(1, round((ends_at - now).total_seconds() / 60))
+        what = (
+            "JupyterLab and its kernels are"
+            if session.kind == InteractiveSession.Kind.JUPYTERLAB
+            else (f"{session.get_kind_display()} ({' '.join(session.command)[:200]}) is")
+        )
+        notification_send(
+            user=session.owner,
+            kind=Notification.Kind.SESSION_ENDING,
+            subject=f"Booking {session.reservation_id} ends at {format_time(ends_at)}: your "
+            f"{session.get_kind_display()} stops then",
+            body=(
+                f"Your {what} on {session.server.name}, on booking {session.reservation_id}, which ends "
+                f"in about {minutes} min, at {format_time(ends_at)}. It is stopped then (SIGTERM, then "
+                f"SIGKILL after the grace period): save your work. {_after_end(session, ends_at)}"
+            ),
+            url=f"/reservations/{session.reservation_id}/",
+            key=f"session-ending:{session.pk}",
+        )
+
+
+def _after_end(session: InteractiveSession, ends_at: datetime) -> str:
+    """Whether Extend can help: the first booking of someone else on its cards after its end."""
+    cards = list(session.reservation.allocations.values_list("gpu_id", flat=True))
+    taken = (
+        Allocation.objects.live_between(ends_at, ends_at + EXTEND_LOOKAHEAD)
+        .filter(gpu_id__in=cards)
+        .exclude(reservation_id=session.reservation_id)
+        .order_by("start")
+        .values_list("start", flat=True)
+        .first()
+    )
+    if taken is None:
+        return "Its cards are free after it: Extend the booking on its page to keep going."
+    if taken > ends_at:
+        return f"Its cards are free until {format_time(taken)}: Extend the booking up to then on its page."
+    return "Its cards are booked by someone else right after it, so it cannot be extended."
+
+
+@transaction.atomic
+def session_finish(
+    *, session: InteractiveSession, exit_code: Any, message: Any, now: datetime | None = None
+) -> InteractiveSession:
+    """The command ended: ENDED (FAILED if it never ran), with its exit code and, where `gpu`
+    stopped it, why: that stop is told to the inbox and the audit log as well. Once only."""
+    now = now or timezone.now()
+    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
+        raise Invalid(
+            "exit_code must be an integer, or null where the command did not run.", field="exit_code"
+        )
+    if not isinstance(message, str):
+        raise Invalid("message must be text (why the command was stopped, or empty).", field="message")
+    _terminal_only(session)
+    status = InteractiveSession.Status.ENDED if session.pid else InteractiveSession.Status.FAILED
+    message = " ".join(message.split())[:MESSAGE_MAX]
+    if not InteractiveSession.objects.transition(
+        session.pk,
+        from_=InteractiveSession.ACTIVE,
+        to=status,
+        finished_at=now,
+        exit_code=exit_code,
+        message=message,
+    ):
+        return session  # already ended (lost, or a repeated finish): the first word stands
+    session.refresh_from_db()
+    if message and status == InteractiveSession.Status.ENDED:
+        session_stopped_tell(session, f"gpu on {session.server.name} reports: {message}", reported=True)
+    return session
+
+
+def active_lab(reservation_id: int) -> InteractiveSession | None:
+    """The booking's JupyterLab that is starting or running: one a booking (it holds a worker slot
+    on the host, and opens as many notebooks and kernels as its owner likes)."""
+    return (
+        InteractiveSession.objects.filter(
+            reservation_id=reservation_id,
+            kind=InteractiveSession.Kind.JUPYTERLAB,
+            status__in=InteractiveSession.ACTIVE,
+        )
+        .order_by("pk")
+        .first()
+    )
+
+
+def session_stopped_tell(session: InteractiveSession, why: str, *, reported: bool = False) -> None:
+    """A stop said in the inbox and the audit log. `reported`: `gpu` on the host said it stopped
+    the command (its owner's own program: the audit entry names the owner as its source)."""
+    what = f"{session.get_kind_display()} session {session.pk} ({' '.join(session.command)[:200]})"
+    AuditEntry.objects.create(
+        actor=session.owner if reported else None,
+        action=AuditEntry.Action.SESSION_STOP,
+        team=session.reservation.team,
+        target=f"session {session.pk}",
+        message=f"Stopped {what} of {session.owner}: {why}",
+        data={"reservation": session.reservation_id, "server": session.server_id, "pid": session.pid},
+    )
+    notification_send(
+        user=session.owner,
+        kind=Notification.Kind.JOB_STOPPED,
+        subject=f"Your {session.get_kind_display()} on {session.server.name} was stopped",
+        body=f"Your {what} was stopped: {why}.",
+        url=f"/reservations/{session.reservation_id}/",
+    )
+
+
+@transaction.atomic
+def lab_start_refused_tell(session: InteractiveSession, why: str) -> None:
+    """A lab that did not start because its server could not be proved to be the one its worker
+    started (jobs.host.lab_listener.listener_proof), or because its launcher refused the listening
+    socket handed to it: said in the owner's inbox and the audit log. Its token was sent nowhere;
+    someone else on the host may have tried to stand in for it, which an admin wants to know."""
+    what = f"{session.get_kind_display()} session {session.pk}"
+    AuditEntry.objects.create(
+        actor=None,
+        action=AuditEntry.Action.SESSION_STOP,
+        team=session.reservation.team,
+        target=f"session {session.pk}",
+        message=f"Refused to start {what} of {session.owner}: {why}",
+        data={
+            "reservation": session.reservation_id,
+            "server": session.server_id,
+            "pid": session.pid,
+            "refused": "listener not proved",
+        },
+    )
+    notification_send(
+        user=session.owner,
+        kind=Notification.Kind.JOB_STOPPED,
+        subject=f"Your {session.get_kind_display()} on {session.server.name} did not start",
+        body=(
+            f"Your {what} on {session.server.name}, on booking {session.reservation_id}, did not "
+            f"start: {why}. Its token was sent nowhere. Start it again from the booking; if this "
+            "happens again, tell an admin: another account on that host may be trying to stand in "
+            "for labs."
+        ),
+        url=f"/reservations/{session.reservation_id}/",
+    )
+
+
+@transaction.atomic
+def session_end_request(*, session: InteractiveSession, by: AbstractBaseUser) -> InteractiveSession:
+    """Ended from the portal (DELETE, the End button): `gpu` sees it at its next beat and stops the
+    command; a lab's supervisor within a second."""
+    InteractiveSession.objects.filter(
+        pk=session.pk, status__in=InteractiveSession.ACTIVE, end_requested_at=None
+    ).update(end_requested_at=timezone.now(), end_requested_by=by)
+    session.refresh_from_db()
+    return session
+
+
+def sessions_reconcile(*, now: datetime | None = None) -> int:
+    """Send again the labs no worker took (`labs_resend`), and end the sessions whose beats
+    stopped (SESSION_LOST_AFTER_SECONDS: their `gpu` command was killed, their host died) by the
+    one rule for lost runs (jobs.runs.runs_lost_mark, which the reconciler runs for jobs and
+    sessions at once); how many were ended. Safe to run anywhere, twice."""
+    now = now or timezone.now()
+    labs_resend(now=now)
+    return runs_lost_mark(now=now)["sessions_lost"]
+
+
+def labs_resend(*, now: datetime | None = None) -> None:
+    """The labs still waiting for a worker LAB_RESEND_SECONDS after their message, sent again (a
+    lost message; the claim makes a second one harmless)."""
+    now = now or timezone.now()
+    untaken = InteractiveSession.objects.filter(
+        kind=InteractiveSession.Kind.JUPYTERLAB,
+        status=InteractiveSession.Status.STARTING,
+        worker="",
+        created_at__lt=now - timedelta(seconds=LAB_RESEND_SECONDS),
+        created_at__gte=now - timedelta(seconds=settings.SESSION_LOST_AFTER_SECONDS),
+    )
+    for pk, queue in untaken.values_list("pk", "server__name"):
+        _send(pk, f"host.{queue}")
+
+
+def booking_sessions_context(context: Context) -> dict[str, Any]:
+    """The booking page's sessions (portal.hooks.RESERVATION_SESSIONS): those of its booking `r`
+    that the viewer may see (its owner, its team's leaders, admins), newest first."""
+    booking, viewer = context["r"], context["request"].user
+    rows = InteractiveSession.objects.restrict(viewer).filter(reservation=booking).select_related("server")
+    jobs = Job.objects.filter(reservation=booking).order_by("-created_at")
+    if not (viewer.pk == booking.owner_id or can_manage(viewer, booking)):
+        jobs = jobs.none()  # a teammate sees the booking, not what runs on it (as Job.objects.restrict)
+    return {"sessions": list(rows[:50]), "booking_jobs": list(jobs[:50])}
+
+
+def sessions_by_session(sessions: Mapping[int, Iterable[int]]) -> dict[tuple[int, int], int]:
+    """{(server id, session id): interactive session id} for the running sessions' processes (the
+    dashboard's "session N", gpus.hooks): a command's session, or one of a lab's kernels'. Shown
+    only: the watchdog proves the owner besides (jobs.watchdog.rules.SessionFacts)."""
+    wanted = {(server, sid) for server, sids in sessions.items() for sid in sids}
+    rows = InteractiveSession.objects.filter(
+        status=InteractiveSession.Status.RUNNING, server_id__in=list(sessions), pid__isnull=False
+    ).values_list("server_id", "pid", "kernels", "pk")
+    found = {}
+    for server, pid, kernels, pk in rows:
+        for sid in [pid, *(int(k) for k, _ in kernels)]:
+            if (server, sid) in wanted:
+                found[(server, sid)] = pk
+    return found
+
+
+def work_on(reservation_id: int) -> list[Work]:
+    """What runs on the booking now (gpus.hooks.work_on_booking): its jobs that a worker has or
+    will have, and its open sessions; what a release or a cancel would stop."""
+    jobs = Job.objects.filter(
+        reservation_id=reservation_id, status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
+    ).values_list("pk", "name", "status")
+    sessions = InteractiveSession.objects.filter(
+        reservation_id=reservation_id, status__in=InteractiveSession.ACTIVE
+    ).values_list("pk", "kind", "status")
+    kinds = dict(InteractiveSession.Kind.choices)
+    return [
+        *(Work(f"job {pk} ({name}), {status}", f"/jobs/{pk}/") for pk, name, status in jobs),
+        *(Work(f"{kinds[kind]} session {pk}, {status}", f"/sessions/{pk}/") for pk, kind, status in sessions),
+    ]
