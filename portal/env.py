@@ -6,8 +6,11 @@ naming the variable, never silently fall back to a default.
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import os
 import re
+import secrets
 import warnings
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
@@ -129,6 +132,65 @@ def env_origin(name: str, default: str) -> str:
         host = f"[{host}]"
     default_port = {"http": 80, "https": 443}[scheme]
     return f"{scheme}://{host}" + (f":{port}" if port not in (None, default_port) else "")
+
+
+def env_ip(name: str, default: str, *, example: str) -> str:
+    """An IP address (IPv6 with or without brackets), never a host name: what it names must not
+    change with whoever answers DNS next."""
+    value = env_str(name, default).strip()
+    try:
+        return str(ipaddress.ip_address(value.strip("[]")))
+    except ValueError:
+        message = f"{name}={value!r} must be an IP address ({example}), not a host name"
+        raise ImproperlyConfiguredEnv(message) from None
+
+
+def env_absolute_path(name: str, *, example: str) -> str:
+    """An absolute path, or "" when unset: a relative one would depend on the process's folder."""
+    value = env_str(name, "").strip()
+    if value and not Path(value).is_absolute():
+        raise ImproperlyConfiguredEnv(f"{name}={value!r} must be an absolute path ({example})")
+    return value
+
+
+def env_secret(name: str, *, min_length: int) -> str:
+    """A shared secret (or `NAME_FILE`), "" when unset; a short one is refused: it would be guessed."""
+    value = env_str(name, "").strip()
+    if 0 < len(value) < min_length:
+        raise ImproperlyConfiguredEnv(
+            f"{name} has {len(value)} characters: use at least {min_length}, e.g. the output of"
+            ' python -c "import secrets; print(secrets.token_urlsafe(32))"'
+        )
+    return value
+
+
+def env_secret_kept(name: str, keep: Path) -> str:
+    """`name` (or `NAME_FILE`); unset, one generated once into `keep` (mode 0600), so sessions and
+    signed values survive restarts of a portal nobody configured (`make run`)."""
+    key = env_str(name)
+    if key:
+        return key
+    if not keep.exists():
+        keep.write_text(secrets.token_urlsafe(50))
+        keep.chmod(0o600)
+    return keep.read_text().strip()
+
+
+def redis_url_for_celery(redis_url: str) -> str:
+    """Kombu names a unix socket redis+socket://; everything else is the URL itself."""
+    if redis_url.startswith("unix://"):
+        return "redis+socket://" + redis_url.removeprefix("unix://")
+    return redis_url
+
+
+def instance_id(database: dict) -> str:
+    """PORTAL_INSTANCE_ID's default: a digest of where the database lives (never its password), so
+    checkouts sharing a database agree and two databases never do."""
+    if database["ENGINE"].endswith("sqlite3"):
+        where = str(Path(database["NAME"]).resolve())
+    else:
+        where = "{ENGINE}://{HOST}:{PORT}/{NAME}".format_map({"HOST": "", "PORT": "", **database})
+    return hashlib.sha256(where.encode()).hexdigest()[:16]
 
 
 def database_url(settings_dict: dict) -> str:

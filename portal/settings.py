@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ipaddress
 import re
-import secrets
 import socket
 import sys
 from datetime import timedelta
@@ -12,16 +10,22 @@ from pathlib import Path
 
 from portal.env import (
     ImproperlyConfiguredEnv,
+    env_absolute_path,
     env_bool,
     env_choice,
     env_int,
     env_int_renamed,
+    env_ip,
     env_list,
     env_origin,
     env_pairs,
+    env_secret,
+    env_secret_kept,
     env_str,
+    instance_id,
     lab_origin_problem,
     parse_database_url,
+    redis_url_for_celery,
 )
 from portal.identity_env import (
     env_group_names,
@@ -33,21 +37,7 @@ from portal.identity_env import (
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
-
-
-def _secret_key() -> str:
-    """SECRET_KEY from env, else one generated once into var/ so sessions survive restarts."""
-    key = env_str("SECRET_KEY")
-    if key:
-        return key
-    path = VAR_DIR / "secret_key"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
-    return path.read_text().strip()
-
-
-SECRET_KEY = _secret_key()
+SECRET_KEY = env_secret_kept("SECRET_KEY", VAR_DIR / "secret_key")
 DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -312,15 +302,7 @@ REDIS_SOCKET = VAR_DIR / "redis.sock"
 REDIS_URL = env_str("REDIS_URL", f"unix://{REDIS_SOCKET}")
 if not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
     raise ImproperlyConfiguredEnv(f"REDIS_URL={REDIS_URL!r} must start with redis://, rediss:// or unix://")
-
-
-def _broker_url(redis_url: str) -> str:
-    if redis_url.startswith("unix://"):
-        return "redis+socket://" + redis_url.removeprefix("unix://")
-    return redis_url
-
-
-CELERY_BROKER_URL = _broker_url(REDIS_URL)
+CELERY_BROKER_URL = redis_url_for_celery(REDIS_URL)
 # The database row is the record of every piece of work; results are never stored.
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_RESULT_BACKEND = None
@@ -368,22 +350,11 @@ SIMULATED_PROCESSES_FILE = Path(
 # The server this worker represents; also names its queue, host.<name>.
 WORKER_SERVER = env_str("WORKER_SERVER", socket.gethostname().split(".")[0])
 
-
-def _instance_id(database: dict) -> str:
-    import hashlib
-
-    if database["ENGINE"].endswith("sqlite3"):
-        where = str(Path(database["NAME"]).resolve())
-    else:
-        where = "{ENGINE}://{HOST}:{PORT}/{NAME}".format_map({"HOST": "", "PORT": "", **database})
-    return hashlib.sha256(where.encode()).hexdigest()[:16]
-
-
 # Which portal this is, among several on one machine (two checkouts use the same simulated server
 # names): every job carries it (PORTAL_INSTANCE), and the simulated backend shows, and so lets the
 # watchdog stop, only processes that carry it. One database is one portal: by default a digest of
 # where the database lives (never its password), so checkouts sharing a database agree.
-PORTAL_INSTANCE_ID = env_str("PORTAL_INSTANCE_ID", "").strip() or _instance_id(DATABASES["default"])
+PORTAL_INSTANCE_ID = env_str("PORTAL_INSTANCE_ID", "").strip() or instance_id(DATABASES["default"])
 TELEMETRY_INTERVAL_SECONDS = env_int("TELEMETRY_INTERVAL_SECONDS", 3, min_value=1, max_value=5)
 SERVER_OFFLINE_AFTER_SECONDS = env_int("SERVER_OFFLINE_AFTER_SECONDS", 20, min_value=5, max_value=30)
 TELEMETRY_HISTORY_SECONDS = env_int("TELEMETRY_HISTORY_SECONDS", 15, min_value=1)
@@ -485,20 +456,13 @@ WATCHDOG_REPEAT_OFFENCES = env_int("WATCHDOG_REPEAT_OFFENCES", 3, min_value=1)
 # --- Prometheus and DCGM (docs/integrations.md) ---
 # GET /metrics answers Prometheus with this bearer token (or METRICS_TOKEN_FILE); empty: no
 # /metrics at all (404), so a portal that nobody scrapes shows nothing about its cards.
-METRICS_TOKEN = env_str("METRICS_TOKEN", "").strip()
-if 0 < len(METRICS_TOKEN) < 16:
-    raise ImproperlyConfiguredEnv(
-        f"METRICS_TOKEN has {len(METRICS_TOKEN)} characters: use at least 16, e.g. the output of"
-        ' python -c "import secrets; print(secrets.token_urlsafe(32))"'
-    )
+METRICS_TOKEN = env_secret("METRICS_TOKEN", min_length=16)
 # On a GPU host: the folder DCGM exporter reads with --hpc-job-mapping-dir (one file per GPU index
 # naming the portal jobs and sessions on it, jobs/host/dcgm.py). Empty: no mapping written.
-DCGM_HPC_JOB_MAPPING_DIR = env_str("DCGM_HPC_JOB_MAPPING_DIR", "").strip()
-if DCGM_HPC_JOB_MAPPING_DIR and not Path(DCGM_HPC_JOB_MAPPING_DIR).is_absolute():
-    raise ImproperlyConfiguredEnv(
-        f"DCGM_HPC_JOB_MAPPING_DIR={DCGM_HPC_JOB_MAPPING_DIR!r} must be an absolute path, the same folder"
-        " DCGM exporter reads with --hpc-job-mapping-dir (e.g. /run/dcgm-job-map)"
-    )
+DCGM_HPC_JOB_MAPPING_DIR = env_absolute_path(
+    "DCGM_HPC_JOB_MAPPING_DIR",
+    example="the folder DCGM exporter reads with --hpc-job-mapping-dir, e.g. /run/dcgm-job-map",
+)
 
 # The OS account jobs run as. Empty: the worker's own, which can read what the worker
 # can (its env file with DATABASE_URL and SECRET_KEY): fine on a one-person machine, not
@@ -548,16 +512,13 @@ SESSION_WARN_MINUTES = env_int("SESSION_WARN_MINUTES", 10, min_value=0, max_valu
 # listens on this address of the GPU host (the portal's proxy must reach it: the host's own
 # address where the portal runs elsewhere) and must answer within SESSION_START_SECONDS.
 SESSION_IDLE_MINUTES = env_int("SESSION_IDLE_MINUTES", 60, min_value=1, max_value=7 * 24 * 60)
-SESSION_BIND_ADDRESS = env_str("SESSION_BIND_ADDRESS", "127.0.0.1").strip()
-try:
-    # An address, not a name: the worker binds the lab's socket itself and proves it by the
-    # address it listens on (jobs.host.lab_listener), so a name that resolves elsewhere cannot do.
-    SESSION_BIND_ADDRESS = str(ipaddress.ip_address(SESSION_BIND_ADDRESS.strip("[]")))
-except ValueError:
-    raise ImproperlyConfiguredEnv(
-        f"SESSION_BIND_ADDRESS={SESSION_BIND_ADDRESS!r} must be an IP address of this host (e.g. "
-        "127.0.0.1, or the host's own address where the portal runs elsewhere), not a host name."
-    ) from None
+# An address, not a name: the worker binds the lab's socket itself and proves it by the address
+# it listens on (jobs.host.lab_listener), so a name that resolves elsewhere cannot do.
+SESSION_BIND_ADDRESS = env_ip(
+    "SESSION_BIND_ADDRESS",
+    "127.0.0.1",
+    example="127.0.0.1, or this host's own where the portal runs elsewhere",
+)
 SESSION_START_SECONDS = env_int("SESSION_START_SECONDS", 60, min_value=5, max_value=600)
 if SESSION_LOST_AFTER_SECONDS < 3 * SESSION_BEAT_SECONDS:
     raise ImproperlyConfiguredEnv(
