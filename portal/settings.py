@@ -419,7 +419,7 @@ JOB_INTERPRETERS.setdefault("default", sys.executable)
 JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_value=100)
 # The GPU watchdog's own grace (docs/watchdog.md): SIGTERM to a process it stops itself, SIGKILL
 # this much later (a job it stops, its supervisor stops after JOB_KILL_GRACE_SECONDS). None: unset,
-# so JOB_KILL_GRACE_SECONDS (10 unless set) in its place, this release only (watchdog_host.kill_grace).
+# so JOB_KILL_GRACE_SECONDS (10 unless set) in its place, this release only (jobs.host.watchdog.kill_grace).
 WATCHDOG_KILL_GRACE_SECONDS = env_int_renamed(
     "WATCHDOG_KILL_GRACE_SECONDS", was="JOB_KILL_GRACE_SECONDS", min_value=1, max_value=100
 )
