@@ -12,7 +12,7 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation, Server
 from jobs.models import Job
 from jobs.queue.rules import Calendar, Card, Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
-from jobs.queue.scheduler import queue_plan, queued_job_ended, schedule_pass
+from jobs.queue.scheduler import fairshare_state, queue_plan, queued_job_ended, schedule_pass
 from jobs.services import job_cancel
 from portal.errors import Invalid, QuotaExceeded
 from portal.models import Membership
@@ -196,6 +196,17 @@ def test_a_team_that_used_a_lot_recently_sorts_below_one_that_did_not(box, sent)
     order = [e.request.job_id for e in queue_plan(now=now)]
 
     assert order == [light_job.pk, heavy_job.pk]
+
+
+def test_the_pages_share_a_minutes_fair_share_usage_and_a_pass_of_its_own_reads_it_afresh(alice, box):
+    now = timezone.now()
+    before = fairshare_state(now, shared=True)[1]
+    used = reservation_create(user=alice, gpus=[box[0].uuid], start=now, end=now + H)
+    used.allocations.update(start=now - 2 * H, end=now - H / 2)  # an hour and a half, just ended
+    assert fairshare_state(now + H / 120, shared=True)[1] == before  # the pages: half a minute old
+    team = alice.memberships.get().team_id
+    assert fairshare_state(now + H / 120)[1].team[team] > 0  # a pass of its own
+    assert fairshare_state(now + 2 * H / 60, shared=True)[1].team[team] > 0  # a minute on: read again
 
 
 def test_decayed_usage_halves_every_half_life():
