@@ -23,7 +23,7 @@ from gpus.conflicts import Held as Held  # older callers import these from here 
 from gpus.conflicts import blockers as blockers
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
-from gpus.quotas import QuotaAsk, Use, has_limits, peak, quota_check, quota_exceeded, refusals_told
+from gpus.quotas import QuotaAsk, Use, has_limits, length_check, peak, quota_check, refusals_told
 from portal.access import can_manage
 from portal.changes import BOOKINGS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
@@ -131,13 +131,8 @@ def _check_window_limits(start: datetime, end: datetime, now: datetime, *, new_s
             f"Bookings can reach at most {settings.BOOKING_HORIZON_DAYS} days ahead "
             f"(until {format_time(horizon)}); pick an earlier end.",
         )
-    hours = (end - start).total_seconds() / 3600
-    if hours > settings.BOOKING_MAX_HOURS:
-        found.add(
-            "end",
-            f"A booking can last at most {settings.BOOKING_MAX_HOURS} h; this one is {hours:.1f} h. "
-            "Pick an earlier end.",
-        )
+    if end > start:
+        found.check(length_check, QuotaAsk((), start, end, fields={"length": "end"}))
     found.raise_any()
 
 
@@ -165,26 +160,6 @@ def request_problems(
     errors.check(_check_window_limits, start, end, now)
     skip = {*unread, *(["end"] if "start" in unread else []), *(["gpus"] if "count" in unread else [])}
     return {field: messages for field, messages in errors.found.items() if field not in skip}
-
-
-def _check_window(
-    start: datetime, end: datetime, membership: Membership, now: datetime, *, new_start: bool = True
-) -> None:
-    _check_window_limits(start, end, now, new_start=new_start)
-    _check_booking_limit(start, end, membership)
-
-
-def _check_booking_limit(start: datetime, end: datetime, membership: Membership) -> None:
-    hours = (end - start).total_seconds() / 3600
-    limit = membership.max_booking_hours
-    if limit is not None and hours > limit:
-        raise quota_exceeded(
-            membership,
-            f"Your quota in {membership.team} allows bookings of at most {limit} h; "
-            f"this one is {hours:.1f} h. "
-            f"End it by {format_time(start + timedelta(hours=limit))} or ask a leader of {membership.team}.",
-            field="end",
-        )
 
 
 def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
@@ -258,7 +233,12 @@ def _check_quota(
 def _quota_fields(gpus: Sequence[str] | None, memory_mb: int | None) -> dict[str, str]:
     """A new booking's fields for a quota refusal: the cards as it named them, its memory, its end."""
     cards = "gpus" if gpus else "count"
-    return {"cards": cards, "memory": cards if memory_mb is None else "memory_mb", "hours": "end"}
+    return {
+        "length": "end",
+        "cards": cards,
+        "memory": cards if memory_mb is None else "memory_mb",
+        "hours": "end",
+    }
 
 
 def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime, end: datetime) -> list[str]:
@@ -426,7 +406,6 @@ def reservation_create(
     errors.check(_check_window_limits, start, end, now)
     errors.raise_any()
     membership = _locked_membership(user, team)
-    _check_booking_limit(start, end, membership)
     if gpus:
         cards = _locked_gpus(gpus, memory_mb)
         _check_free(cards, start, end, memory_mb, queue_start=queue_start)
@@ -478,13 +457,13 @@ def reservation_extend(
             f"The new end must be after the current end, {format_time(reservation.end)}.", field="end"
         )
     membership = _locked_membership(user, reservation.team)
-    _check_window(reservation.start, end, membership, now, new_start=False)
+    _check_window_limits(reservation.start, end, now, new_start=False)
     allocations = list(reservation.allocations.all())
     memory_mb = allocations[0].memory_mb
     cards = _locked_gpus([a.gpu_id for a in allocations], memory_mb)
     _check_free(cards, reservation.start, end, memory_mb, exclude=reservation.pk)
     # Only its end changes: whatever limit it passes, the end is what its owner would move.
-    fields = dict.fromkeys(("cards", "memory", "hours"), "end")
+    fields = dict.fromkeys(("length", "cards", "memory", "hours"), "end")
     _check_quota(membership, cards, memory_mb, reservation.start, end, fields=fields, exclude=reservation.pk)
 
     old_end = reservation.end

@@ -34,7 +34,7 @@ from icalendar import Calendar, Event
 from icalendar.prop import vDuration
 
 from gpus.models import Allocation, CalendarFeed, Reservation, Server, format_mb
-from portal.access import is_admin, leads_team, teams_visible_to
+from portal.access import VIEW, is_admin, leads_team
 from portal.errors import Forbidden, Invalid
 from portal.models import Team
 from portal.timefmt import format_time, valid_time_zone
@@ -79,7 +79,7 @@ def calendar_scope_from(
         raise Invalid("Give a team or a server, not both.", field="server")
     team = server = None
     if team_slug:
-        team = teams_visible_to(user).filter(slug=team_slug).first()
+        team = Team.objects.restrict(user, VIEW).filter(slug=team_slug).first()
         if team is None:
             raise Invalid(f"You have no team {team_slug!r}; give the slug of a team you lead.", field="team")
     if server_name:

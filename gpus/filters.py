@@ -14,7 +14,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from gpus.models import GPU, Reservation, Server, UsageFigures, Violation
-from portal.access import is_admin, teams_led_by, teams_visible_to
+from portal.access import VIEW, is_admin, teams_led_by
 from portal.filters import DayFilter, MineFilter, unknown_choice
 from portal.models import Team
 
@@ -31,7 +31,7 @@ def server_choices() -> list[tuple[str, str]]:
 
 def _team_choices(user: AbstractBaseUser | None) -> list[tuple[str, str]]:
     """The teams whose bookings the user sees (Reservation.objects.restrict): their own; admins all."""
-    teams = Team.objects.none() if user is None else teams_visible_to(user)
+    teams = Team.objects.none() if user is None else Team.objects.restrict(user, VIEW)
     return [("", "any team"), *((t.slug, t.name) for t in teams.order_by("name"))]
 
 

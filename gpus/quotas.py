@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
 from typing import Any, NamedTuple, TypeVar
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
@@ -31,6 +32,7 @@ from portal.access import can_manage_team, is_admin
 from portal.channels import team_channels_notify
 from portal.errors import Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry, Membership, NotificationChannel, QuotaFields, Team
+from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -159,13 +161,9 @@ TOLERANCE = 1e-6  # GPU-hours are float sums of card fractions: a request exactl
 _EVER_MONDAY = datetime(2001, 1, 15, 12, tzinfo=UTC)
 
 
-def _hours_advice(hours: float) -> str:
-    return f"a booking of at most {hours:.1f} h with these cards"
-
-
 @dataclass(frozen=True)
 class QuotaAsk:
-    """A request as the quota check reads it: the allocations it would make, in its window, and the
+    """A request as the limit checks read it: the allocations it would make, in its window, and the
     names of the request's own fields, so a refusal sits beside the one its user would change.
 
     `held`: count what the member and team already hold in the window (a booking). False asks
@@ -176,18 +174,23 @@ class QuotaAsk:
     new: Sequence[Use]
     start: datetime
     end: datetime
-    fields: Mapping[str, str]  # "cards", "memory", "hours" → the request's field for each
+    fields: Mapping[str, str]  # "length", "cards", "memory", "hours" → the request's field for each
     what: str = "booking"
     held: bool = True
     exclude_reservation: int | None = None
-    shorter: Callable[[float], str] = (
-        _hours_advice  # the longest length (h) that fits, in the request's terms
-    )
+    # The longest length (h) that fits, in the request's terms; None: a booking's end.
+    shorter: Callable[[float], str] | None = None
 
     @staticmethod
     def ever_window(length: timedelta) -> tuple[datetime, datetime]:
         start = week_start(_EVER_MONDAY) - length / 2
         return start, start + length
+
+    def advise_shorter(self, hours: float) -> str:
+        """What the user would ask for to last at most `hours`: a booking's end, a job's time limit."""
+        if self.shorter is not None:
+            return self.shorter(hours)
+        return f"an end by {format_time(self.start + timedelta(hours=hours))}"
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,9 @@ def _hours_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
                 "and one booking can never hold more than twice that, half in each of two weeks."
             )
             longest = 2 * limit / per_hour
-        return f"{said} Ask for fewer cards or {ask.shorter(longest)}, or {who.fix} gpu_hours_per_week."
+        return (
+            f"{said} Ask for fewer cards or {ask.advise_shorter(longest)}, or {who.fix} gpu_hours_per_week."
+        )
     return None
 
 
@@ -302,11 +307,42 @@ def has_limits(limits: QuotaFields) -> bool:
     return any(v is not None for v in (limits.max_cards, limits.max_gb, limits.gpu_hours_per_week))
 
 
+def _length_refusal(limit: int | None, ask: QuotaAsk, label: str, fix: str = "") -> str | None:
+    """A booking longer than `limit` hours (None: no limit), in the one wording of a length limit."""
+    length = ask.end - ask.start
+    if limit is None or length <= timedelta(hours=limit):
+        return None
+    hours = f"{length.total_seconds() / 3600:.2f}".rstrip("0").removesuffix(".")
+    return (
+        f"{label} allows bookings of at most {limit} h; this {ask.what} needs {hours} h. "
+        f"Ask for {ask.advise_shorter(limit)}{fix}."
+    )
+
+
+def length_check(ask: QuotaAsk) -> None:
+    """The portal's own longest booking (BOOKING_MAX_HOURS), for bookings and the queue alike: no
+    member's quota, so a plain Invalid (400) beside the request's length field. Read before any
+    row is locked (a booking form shows it with the request's other problems)."""
+    refusal = _length_refusal(settings.BOOKING_MAX_HOURS, ask, "The portal")
+    if refusal:
+        raise Invalid(refusal, field=ask.fields["length"])
+
+
 def quota_check(membership: Membership, ask: QuotaAsk) -> None:
-    """The one quota rule, for bookings and the queue alike: the member's limits, then the team's,
-    each at once (cards, then memory) and per week (GPU-hours). The first the request would pass
-    raises QuotaExceeded (400), saying the limit, the use, what would fit and what to do, beside
-    the request's field its user would change; nothing is raised when all fit."""
+    """The one quota rule, for bookings and the queue alike: the member's longest booking, then the
+    member's limits, then the team's, each at once (cards, then memory) and per week (GPU-hours).
+    The first the request would pass raises QuotaExceeded (400), saying the limit, the use, what
+    would fit and what to do, beside the request's field its user would change; nothing is raised
+    when all fit. The portal's own limits (length_check) are the caller's to check first."""
+    team = membership.team
+    refusal = _length_refusal(
+        membership.max_booking_hours,
+        ask,
+        f"Your quota in {team}",
+        f", or ask a leader of {team} to raise your max_booking_hours",
+    )
+    if refusal:
+        raise quota_exceeded(membership, refusal, field=ask.fields["length"])
     checks = (("cards", _cards_refusal), ("memory", _memory_refusal), ("hours", _hours_refusal))
     for who in _holders(membership, ask.exclude_reservation):
         if not has_limits(who.limits):

@@ -1,7 +1,7 @@
 """Team quota API: /api/v1/teams/{slug}/… (the team page's rules and services).
 
 Who may do what (outsiders get 404 everywhere: the team is looked up among those they may see,
-portal.access.teams_visible_to; the 403s are the permission classes named here):
+Team.objects.restrict(user, VIEW); the 403s are the permission classes named here):
   GET   teams/{slug}/                    members and admins
   PATCH teams/{slug}/                    quota fields: admins → quota_team_set; auto_release_idle:
                                          leaders and admins → team_auto_release_set (MayChangeTeam)
@@ -29,7 +29,7 @@ from rest_framework.response import Response
 
 from gpus.idle import team_auto_release_set
 from gpus.quotas import QUOTA_FIELDS, QUOTA_MAX, quota_member_set, quota_team_set, team_use, team_use_total
-from portal.access import can_manage_team, is_admin, only_managers, roles_of, teams_visible_to
+from portal.access import VIEW, can_manage_team, is_admin, only_managers, roles_of
 from portal.api import TeamSerializer
 from portal.models import Membership, Team
 from portal.permissions import (
@@ -169,7 +169,7 @@ class TeamDetail(generics.GenericAPIView):
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return Team.objects.none()
-        return teams_visible_to(self.request.user)
+        return Team.objects.restrict(self.request.user, VIEW)
 
     def _show(self, team: Team) -> Response:
         return Response(TeamDetailSerializer(team, context={"roles": roles_of(self.request.user)}).data)

@@ -368,6 +368,6 @@ class QueueViewSet(viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
 
     def list(self, request: Request, format: str | None = None) -> Response:
-        rows = queue_rows(request.user, queue_plan())
+        rows = queue_rows(request.user, queue_plan(shared_usage=True))
         page = self.paginate_queryset(rows)
         return self.get_paginated_response(QueueEntrySerializer(page, many=True).data)

@@ -11,16 +11,14 @@ from django.contrib.auth.models import AbstractBaseUser
 
 from gpus.filters import server_choices
 from jobs.models import InteractiveSession, Job
-from portal.access import is_admin, teams_led_by
+from portal.access import CHANGE
 from portal.filters import DayFilter, MineFilter, unknown_choice
 from portal.models import Team
 
 
 def _team_choices(user: AbstractBaseUser | None) -> list[tuple[str, str]]:
     """The teams whose jobs the user sees in History: those they lead (admins: all)."""
-    teams = Team.objects.order_by("name")
-    if user is None or not is_admin(user):
-        teams = teams.filter(pk__in=teams_led_by(user))
+    teams = Team.objects.none() if user is None else Team.objects.restrict(user, CHANGE).order_by("name")
     return [("", "any team"), *((t.slug, t.name) for t in teams)]
 
 

@@ -8,14 +8,13 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import Http404
-from django.shortcuts import get_object_or_404
 
 from portal.models import Membership, Team
-
-
-def is_admin(user: AbstractBaseUser) -> bool:
-    """Portal admins are staff users: they set team quotas and see every team."""
-    return bool(user.is_authenticated and user.is_staff)
+from portal.restrict import ACTIONS as ACTIONS
+from portal.restrict import CHANGE as CHANGE
+from portal.restrict import VIEW as VIEW
+from portal.restrict import check_action as check_action
+from portal.restrict import is_admin as is_admin
 
 
 def leads_team(user: AbstractBaseUser, team: Team | int) -> bool:
@@ -24,21 +23,10 @@ def leads_team(user: AbstractBaseUser, team: Team | int) -> bool:
 
 
 def can_manage_team(user: AbstractBaseUser, team: Team | int) -> bool:
-    """Leaders of the team and admins: edit member quotas, cancel the team's bookings."""
-    return is_admin(user) or leads_team(user, team)
-
-
-# What a model's `restrict(user, action)` answers (NetBox's RestrictedQuerySet): "view" to see it,
-# "change" to act on it (cancel, end, stop). Where the two differ is the model's own rule.
-VIEW = "view"
-CHANGE = "change"
-ACTIONS = (VIEW, CHANGE)
-
-
-def check_action(action: str) -> None:
-    """A `restrict` asked for an action no model answers is a bug: fail loudly, never show all."""
-    if action not in ACTIONS:
-        raise ValueError(f"Unknown action {action!r}; restrict answers one of {', '.join(ACTIONS)}.")
+    """Leaders of the team and admins: edit member quotas, cancel the team's bookings. The rule is
+    Team's `restrict(user, "change")`; an admin is answered without a query."""
+    team_id = team if isinstance(team, int) else team.pk
+    return is_admin(user) or Team.objects.restrict(user, CHANGE).filter(pk=team_id).exists()
 
 
 def permits(user: AbstractBaseUser, action: str, obj: Any) -> bool:
@@ -56,14 +44,12 @@ def can_manage(user: AbstractBaseUser, obj: Any) -> bool:
 def teams_led_by(user: AbstractBaseUser | None) -> QuerySet[Team]:
     """The teams the user leads (none for no user), as a query: `team_id__in=teams_led_by(user)`
     is one subquery."""
-    return Team.objects.filter(memberships__user=user, memberships__role=Membership.Role.LEADER)
+    return Team.objects.led_by(user)
 
 
 def teams_visible_to(user: AbstractBaseUser) -> QuerySet[Team]:
-    """The teams a user may see: their own; admins see every team. Outsiders never learn the rest exist."""
-    if is_admin(user):
-        return Team.objects.all()
-    return Team.objects.filter(pk__in=Membership.objects.filter(user=user).values("team_id"))
+    """The teams a user may see: Team's `restrict(user, "view")` (their own; admins every team)."""
+    return Team.objects.restrict(user, VIEW)
 
 
 def team_ids_of(user: AbstractBaseUser) -> set[int]:
@@ -99,12 +85,9 @@ def team_for_user(user: AbstractBaseUser, slug: str, *, manage: bool) -> Team:
 
     With manage=True, members who do not lead it get 403: they know the team, not its management.
     """
-    team = get_object_or_404(Team, slug=slug)
-    if is_admin(user):
-        return team
-    role = Membership.objects.filter(team=team, user=user).values_list("role", flat=True).first()
-    if role is None:
+    team = Team.objects.restrict(user, VIEW).filter(slug=slug).first()
+    if team is None:
         raise Http404("No such team.")
-    if manage and role != Membership.Role.LEADER:
+    if manage and not can_manage_team(user, team):
         raise PermissionDenied(only_managers(team))
     return team

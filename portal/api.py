@@ -29,7 +29,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.access import roles_of, teams_visible_to
+from portal.access import VIEW, roles_of
 from portal.filters import AuditEntryFilter
 from portal.models import ApiToken, AuditEntry, Notification, Team
 from portal.notifications import NotificationFilter, notifications_mark_read
@@ -68,7 +68,7 @@ class TeamList(generics.ListAPIView):
     def get_queryset(self):  # type: ignore[no-untyped-def]
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
             return Team.objects.none()
-        return teams_visible_to(self.request.user).order_by("name")
+        return Team.objects.restrict(self.request.user, VIEW).order_by("name")
 
     def get_serializer_context(self) -> dict[str, Any]:
         return {**super().get_serializer_context(), "roles": roles_of(self.request.user)}

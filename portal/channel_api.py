@@ -23,7 +23,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from portal.access import teams_visible_to
+from portal.access import VIEW
 from portal.channels import (
     channel_create,
     channel_delete,
@@ -94,7 +94,7 @@ class ChannelTestSerializer(serializers.Serializer):
 def _team(user: Any, slug: str | None) -> Team | None:
     if not slug:
         return None
-    team = teams_visible_to(user).filter(slug=slug).first()
+    team = Team.objects.restrict(user, VIEW).filter(slug=slug).first()
     if team is None:
         raise Invalid(f"You are in no team {slug!r}; give the slug of a team you lead.", field="team")
     return team

@@ -11,8 +11,11 @@ import secrets
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
 from django.db import models
 from django.utils import timezone
+
+from portal.restrict import CHANGE, check_action, is_admin
 
 
 class QuotaFields(models.Model):
@@ -42,6 +45,23 @@ class QuotaFields(models.Model):
         abstract = True
 
 
+class TeamQuerySet(models.QuerySet):
+    def led_by(self, user: AbstractBaseUser | None) -> TeamQuerySet:
+        """The teams the user leads (none for no user; an admin leads only the teams they lead)."""
+        return self.filter(memberships__user=user, memberships__role=Membership.Role.LEADER)
+
+    def restrict(self, user: AbstractBaseUser, action: str) -> TeamQuerySet:
+        """ "view": the teams the user belongs to (members and leaders); "change" (its quotas, its
+        members, its channels): the teams they lead. Admins: every team. Outsiders never learn
+        the rest exist."""
+        check_action(action)
+        if is_admin(user):
+            return self
+        if action == CHANGE:
+            return self.led_by(user)
+        return self.filter(pk__in=Membership.objects.filter(user=user).values("team_id"))
+
+
 class Team(QuotaFields):
     """A lab group. Admins set its quota; its leaders set each member's within it."""
 
@@ -52,6 +72,8 @@ class Team(QuotaFields):
         default=False,
         help_text="Release an idle booking IDLE_RELEASE_MINUTES after its owner was warned. Set by leaders.",
     )
+
+    objects = TeamQuerySet.as_manager()
 
     class Meta:
         ordering = ["name"]

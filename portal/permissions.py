@@ -14,7 +14,7 @@ from rest_framework.generics import get_object_or_404
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
-from portal.access import can_manage, can_manage_team, is_admin, only_managers, teams_visible_to
+from portal.access import VIEW, can_manage, can_manage_team, is_admin, only_managers
 from portal.models import Team
 
 
@@ -86,14 +86,14 @@ class IsTeamManagerOrSelfReadOnly(IsTeamManager):
 
 class TeamLookupMixin:
     """For API views under teams/{slug}/…: `get_team()` finds the team in the URL the way DRF's
-    `get_object` finds an object, among `teams_visible_to` the user (others: 404), then through the
+    `get_object` finds an object, among `Team.objects.restrict(user, VIEW)` (others: 404), then through the
     view's permission classes (403). One lookup for every nested route, so they cannot disagree."""
 
     def get_team(self, *, check_permissions: bool = True) -> Team:
         """check_permissions=False where the team only leads to the view's object (a membership),
         whose permissions `get_object` checks instead."""
         request = self.request  # type: ignore[attr-defined]
-        team = get_object_or_404(teams_visible_to(request.user), slug=self.kwargs["slug"])  # type: ignore[attr-defined]
+        team = get_object_or_404(Team.objects.restrict(request.user, VIEW), slug=self.kwargs["slug"])  # type: ignore[attr-defined]
         if check_permissions:
             self.check_object_permissions(request, team)  # type: ignore[attr-defined]
         return team

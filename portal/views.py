@@ -21,11 +21,11 @@ from django.utils.html import format_html
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
-from portal.access import is_admin, roles_of, teams_visible_to
+from portal.access import VIEW, is_admin, roles_of
 from portal.errors import ServiceError
 from portal.forms import MailPreferenceForm, TimeZoneForm
 from portal.http import redirect_back
-from portal.models import ApiToken, Membership, Profile
+from portal.models import ApiToken, Membership, Profile, Team
 from portal.notifications import mail_kinds_wanted, mail_preference_set
 from portal.services import api_token_create, api_token_revoke
 from portal.time_zones import profile_time_zone_set, time_zone_offer_answered
@@ -145,7 +145,7 @@ def _get_token_for_user(user: AbstractBaseUser, pk: int) -> ApiToken:
 def teams(request: HttpRequest) -> HttpResponse:
     admin = is_admin(request.user)
     roles = roles_of(request.user)
-    visible = teams_visible_to(request.user)
+    visible = Team.objects.restrict(request.user, VIEW)
     rows = [
         (team, roles.get(team.pk), admin or roles.get(team.pk) == Membership.Role.LEADER)
         for team in visible.annotate(member_count=Count("memberships")).order_by("name")

@@ -41,6 +41,15 @@ def _fast_password_hasher(settings) -> None:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
+@pytest.fixture(autouse=True)
+def _empty_cache() -> None:
+    """Django's cache is per process (the pages' fair-share usage, jobs.queue.scheduler): each test
+    starts with it empty, so no test sees another's usage under a reused team id."""
+    from django.core.cache import cache
+
+    cache.clear()
+
+
 @pytest.fixture
 def team(db):
     return TeamFactory(name="Vision Lab", slug="vision-lab")

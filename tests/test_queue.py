@@ -12,9 +12,9 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation, Server
 from jobs.models import Job
 from jobs.queue.rules import Calendar, Card, Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
-from jobs.queue.scheduler import queue_plan, queued_job_ended, schedule_pass
+from jobs.queue.scheduler import fairshare_state, queue_plan, queued_job_ended, schedule_pass
 from jobs.services import job_cancel
-from portal.errors import Invalid
+from portal.errors import Invalid, QuotaExceeded
 from portal.models import Membership
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, queue_job
 
@@ -72,7 +72,7 @@ def test_a_lost_queued_job_has_its_booking_released_by_the_next_pass(alice, box,
     ("kwargs", "field", "words"),
     [
         ({"gpus": 0}, "gpu_count", "1 to 64 cards"),
-        ({"minutes": 0}, "time_limit_minutes", "time limit is 1 to"),
+        ({"minutes": 0}, "time_limit_minutes", "time limit is at least 1 minute"),
         ({"server": "nope"}, "server", "no server 'nope'"),
         ({"memory_mb": 200}, "memory_mb", "headroom"),
         ({"memory_mb": 10**6}, "memory_mb", "more than any card"),
@@ -198,6 +198,17 @@ def test_a_team_that_used_a_lot_recently_sorts_below_one_that_did_not(box, sent)
     assert order == [light_job.pk, heavy_job.pk]
 
 
+def test_the_pages_share_a_minutes_fair_share_usage_and_a_pass_of_its_own_reads_it_afresh(alice, box):
+    now = timezone.now()
+    before = fairshare_state(now, shared=True)[1]
+    used = reservation_create(user=alice, gpus=[box[0].uuid], start=now, end=now + H)
+    used.allocations.update(start=now - 2 * H, end=now - H / 2)  # an hour and a half, just ended
+    assert fairshare_state(now + H / 120, shared=True)[1] == before  # the pages: half a minute old
+    team = alice.memberships.get().team_id
+    assert fairshare_state(now + H / 120)[1].team[team] > 0  # a pass of its own
+    assert fairshare_state(now + 2 * H / 60, shared=True)[1].team[team] > 0  # a minute on: read again
+
+
 def test_decayed_usage_halves_every_half_life():
     now = timezone.now()
     week = timedelta(days=7)
@@ -254,11 +265,39 @@ def test_parse_array():
 
 def test_a_time_limit_must_leave_room_for_the_bookings_slack_and_the_members_limit(alice, box, settings):
     settings.BOOKING_MAX_HOURS = 2
-    with pytest.raises(Invalid, match="1 to 119 minutes"):
+    with pytest.raises(Invalid, match="time limit of at most 119 minutes"):
         queue_job(alice, minutes=120)  # its booking would be 121 minutes: it could never start
     alice.memberships.update(max_booking_hours=1)
-    with pytest.raises(Invalid, match="1 to 59 minutes"):
+    with pytest.raises(QuotaExceeded, match="time limit of at most 59 minutes") as refused:
         queue_job(alice, minutes=60)
+    assert refused.value.field == "time_limit_minutes"
+
+
+def test_a_booking_and_a_queued_job_too_long_for_the_member_are_refused_alike(alice, box, t0):
+    """One rule (gpus.quotas.quota_check): one exception, one wording, beside the field to change."""
+    alice.memberships.update(max_booking_hours=1)
+    with pytest.raises(QuotaExceeded) as booked:
+        reservation_create(user=alice, gpus=[box[0].uuid], start=t0, end=t0 + 2 * H)
+    with pytest.raises(QuotaExceeded) as queued:
+        queue_job(alice, minutes=120)
+    assert (booked.value.field, queued.value.field) == ("end", "time_limit_minutes")
+    for refusal in (booked.value, queued.value):
+        assert refusal.message.startswith(f"Your quota in {alice.memberships.get().team} allows bookings of")
+        assert refusal.message.endswith(
+            "or ask a leader of " + str(alice.memberships.get().team) + " to raise your max_booking_hours."
+        )
+
+
+def test_the_portals_longest_booking_is_one_wording_for_bookings_and_the_queue(alice, box, t0, settings):
+    settings.BOOKING_MAX_HOURS = 1
+    with pytest.raises(Invalid) as booked:
+        reservation_create(user=alice, gpus=[box[0].uuid], start=t0, end=t0 + 2 * H)
+    with pytest.raises(Invalid) as queued:
+        queue_job(alice, minutes=120)
+    assert (booked.value.field, queued.value.field) == ("end", "time_limit_minutes")
+    for refusal in (booked.value, queued.value):
+        assert refusal.code == "invalid"  # the portal's own limit, no member's quota
+        assert refusal.message.startswith("The portal allows bookings of at most 1 h; this ")
 
 
 # --- the API -------------------------------------------------------------------------------------

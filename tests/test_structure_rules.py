@@ -76,6 +76,19 @@ def test_it_shows_members_their_teams_and_admins_every_team(alice, bob, charlie,
     assert len(Team.objects.all()) == 2  # alice's and charlie's
 
 
+def test_teams_restrict_shows_members_their_teams_and_lets_leaders_change_them(
+    alice, leader, charlie, admin_user, team
+):
+    assert list(Team.objects.restrict(alice, "view")) == [team]
+    assert list(Team.objects.restrict(leader, "view")) == [team]
+    assert not Team.objects.restrict(charlie, "view").filter(pk=team.pk).exists()
+    assert not Team.objects.restrict(alice, "change").exists()  # a member sees it, changes nothing
+    assert list(Team.objects.restrict(leader, "change")) == [team]
+    assert set(Team.objects.restrict(admin_user, "change")) == set(Team.objects.all())
+    with pytest.raises(ValueError, match="Unknown action"):
+        Team.objects.restrict(alice, "delete")
+
+
 def test_the_owner_leaders_and_admins_manage_a_booking(alice, bob, charlie, leader, admin_user, box):
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=1024)
     assert can_manage(alice, booking)  # the owner

@@ -14,7 +14,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 
 from gpus.models import GPU, Server, format_mb
-from gpus.quotas import TOLERANCE, QuotaAsk, Use, has_limits, quota_check
+from gpus.quotas import TOLERANCE, QuotaAsk, Use, has_limits, length_check, quota_check
 from jobs.models import Job
 from jobs.queue.rules import START_SLACK, parse_array
 from portal.errors import Invalid
@@ -72,8 +72,8 @@ class QueueRequest:
         chosen = _check_server(server)
         _check_memory(memory_mb, chosen)
         _check_some_server_fits(gpu_count, memory_mb, chosen)
-        minutes = _check_minutes(time_limit_minutes, membership)
-        _check_quota(membership, gpu_count, memory_mb, chosen, minutes)
+        minutes = _check_minutes(time_limit_minutes)
+        _check_limits(membership, gpu_count, memory_mb, chosen, minutes)
         indices, max_running = parse_array(array) if array else (None, None)
         if not 0 <= (nice or 0) <= MAX_NICE:
             raise Invalid(
@@ -160,15 +160,14 @@ def _check_some_server_fits(gpu_count: int, memory_mb: int | None, server: Serve
     )
 
 
-def _check_quota(
+def _check_limits(
     membership: Membership, gpu_count: int, memory_mb: int | None, server: Server | None, minutes: int
 ) -> None:
-    """A request that no booking could ever hold within the member's or the team's limits would wait
-    as "quota" for ever, and hold its place in the queue: gpus.quotas' one rule, asked whether it
-    could ever fit (nothing held, its booking across a Monday), with the cards that would count
-    least: a whole card at the smallest card's memory, a share on the largest cards that fit."""
-    if not (has_limits(membership) or has_limits(membership.team)):
-        return
+    """A request that no booking could ever hold within the portal's, the member's or the team's
+    limits would wait as "quota" for ever, and hold its place in the queue: gpus.quotas' rules for
+    bookings (its booking lasts the time limit plus START_SLACK), asked whether it could ever fit
+    (nothing held, its booking across a Monday), with the cards that would count least: a whole
+    card at the smallest card's memory, a share on the largest cards that fit."""
     slack = int(START_SLACK.total_seconds() // 60)
     start, end = QuotaAsk.ever_window(timedelta(minutes=minutes) + START_SLACK)
 
@@ -177,15 +176,22 @@ def _check_quota(
         return f"a time limit of at most {longest} minutes" if longest >= 1 else "a shorter time limit"
 
     cards = "gpu_count" if memory_mb is None else "memory_mb"
+    quotas = has_limits(membership) or has_limits(membership.team)
     ask = QuotaAsk(
-        _least_uses(gpu_count, memory_mb, server, start, end),
+        _least_uses(gpu_count, memory_mb, server, start, end) if quotas else (),
         start,
         end,
-        fields={"cards": "gpu_count", "memory": cards, "hours": "time_limit_minutes"},
+        fields={
+            "length": "time_limit_minutes",
+            "cards": "gpu_count",
+            "memory": cards,
+            "hours": "time_limit_minutes",
+        },
         what="job",
         held=False,
         shorter=shorter,
     )
+    length_check(ask)
     quota_check(membership, ask)
 
 
@@ -213,18 +219,13 @@ def _least_uses(
     return least or [Use(start, end, 0, memory_mb, 0.0)] * gpu_count
 
 
-def _check_minutes(minutes: int | None, membership: Membership) -> int:
+def _check_minutes(minutes: int | None) -> int:
     """A queued job's time limit: required (its booking lasts that long, plus START_SLACK), with a
-    default; the booking must fit the longest one allowed, the member's own limit included."""
+    default; how long a booking may last is _check_limits', as for any booking."""
     minutes = minutes if minutes is not None else settings.QUEUE_DEFAULT_TIME_LIMIT_MINUTES
-    hours = settings.BOOKING_MAX_HOURS
-    if membership.max_booking_hours is not None:
-        hours = min(hours, membership.max_booking_hours)
-    longest = hours * 60 - int(START_SLACK.total_seconds() // 60)
-    if not 1 <= minutes <= longest:
+    if minutes < 1:
         raise Invalid(
-            f"A queued job's time limit is 1 to {longest} minutes here (a booking of at most {hours} h);"
-            f" {minutes} will not do.",
+            f"A queued job's time limit is at least 1 minute; {minutes} will not do.",
             field="time_limit_minutes",
         )
     return minutes

@@ -25,6 +25,7 @@ from datetime import datetime, timedelta
 
 import redis
 from django.conf import settings
+from django.core.cache import cache
 from django.db import close_old_connections, transaction
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
@@ -72,7 +73,8 @@ REFUSED = "Waiting: "  # a refused job's message starts so: the booking service'
 class PassMemory:
     """What one scheduler keeps from pass to pass: its Scheduler thread owns one, so a second
     portal, a restarted worker or a test starts from nothing. A pass given none (the Queue page,
-    the API, a test) remembers nothing: it reads the usage afresh and logs every failure."""
+    the API, a test) remembers nothing: it logs every failure and reads the usage afresh, but for
+    the pages and the API, which share a minute's cache of it (fairshare_state)."""
 
     failed_before: set[int] = field(default_factory=set)  # jobs whose failure was logged with its traceback
     usage: tuple[datetime, Shares, Usage] | None = None  # the fair-share usage, and when it was read
@@ -94,17 +96,19 @@ def queue_plan(
     leave_out: Collection[int] = (),
     not_now: Collection[int] = (),
     memory: PassMemory | None = None,
+    shared_usage: bool = False,
 ) -> list[Entry]:
     """The plan as it stands: every pending job in priority order, with its factors, reason and
     estimated start (the Queue page, GET /api/v1/queue/, and each pass). `leave_out`: jobs the
     booking service refused this pass, planned without, so they hold no cards from the others.
     `not_now`: jobs refused for a card taken since the plan read them: they wait this pass but
-    keep their place (their shadows)."""
+    keep their place (their shadows). `shared_usage`: the fair-share usage from the cache the
+    pages share (fairshare_state)."""
     now = now or timezone.now()
     requests = [r for r in _pending() if r.job_id not in leave_out]
     if not requests:
         return []
-    shares, usage = fairshare_state(now, memory)
+    shares, usage = fairshare_state(now, memory, shared=shared_usage)
     online = list(Server.objects.online().values_list("pk", "draining"))
     # The calendar as far as the longest pending job reaches, and QUEUE_ESTIMATE_HORIZON_HOURS on:
     # enough to start any of them safely now, and to estimate starts within the horizon.
@@ -486,12 +490,29 @@ def _array_room(arrays: set[int]) -> dict[int, int]:
     return {a: (limit - running.get(a, 0)) if limit else 1_000_000 for a, limit in limits.items()}
 
 
-def fairshare_state(now: datetime, memory: PassMemory | None = None) -> tuple[Shares, Usage]:
-    """The teams' and members' shares, and their decayed usage (kept in the scheduler's `memory`
-    for a minute: usage moves slowly, and a pass every two seconds need not re-read weeks of
-    bookings)."""
+def fairshare_state(
+    now: datetime, memory: PassMemory | None = None, *, shared: bool = False
+) -> tuple[Shares, Usage]:
+    """The teams' and members' shares, and their decayed usage, kept for a minute: usage moves
+    slowly, and neither a pass every two seconds nor every view of the Queue page need re-read
+    weeks of bookings. The scheduler keeps it in its `memory`; `shared` (the pages and the API)
+    keeps it in Django's cache, per process, under this portal's instance. Neither given (a
+    test, a pass of its own): read afresh."""
     if memory and memory.usage is not None and (now - memory.usage[0]).total_seconds() < USAGE_CACHE_SECONDS:
         return memory.usage[1], memory.usage[2]
+    key = redis_key("queue", "fairshare-usage")  # the portal's one naming of shared keys
+    kept = cache.get(key) if shared else None
+    if kept is not None and abs((now - kept[0]).total_seconds()) < USAGE_CACHE_SECONDS:
+        return kept[1], kept[2]
+    shares, usage = _fairshare_read(now)
+    if memory is not None:
+        memory.usage = (now, shares, usage)
+    if shared:
+        cache.set(key, (now, shares, usage), USAGE_CACHE_SECONDS)
+    return shares, usage
+
+
+def _fairshare_read(now: datetime) -> tuple[Shares, Usage]:
     shares = Shares(
         team=dict(Team.objects.values_list("pk", "shares")),
         member={(t, u): s for t, u, s in Membership.objects.values_list("team_id", "user_id", "shares")},
@@ -507,10 +528,7 @@ def fairshare_state(now: datetime, memory: PassMemory | None = None) -> tuple[Sh
         hours = decayed_hours(start, end, fraction, now, half_life)
         team[team_id] += hours
         member[(team_id, owner_id)] += hours
-    usage = Usage(team=dict(team), member=dict(member))
-    if memory is not None:
-        memory.usage = (now, shares, usage)
-    return shares, usage
+    return shares, Usage(team=dict(team), member=dict(member))
 
 
 class Scheduler(PeriodicThread):
