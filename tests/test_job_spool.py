@@ -17,7 +17,7 @@ import pytest
 from django.db import OperationalError
 
 from gpus.booking import reservation_create
-from jobs.host import runner
+from jobs.host import end as host_end
 from jobs.host.replay import spool_replay
 from jobs.host.runner import job_run
 from jobs.host.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
@@ -39,7 +39,7 @@ class Outage:
 
     def __init__(self, monkeypatch) -> None:
         self.down = False
-        real_store, real_end = LogWriter._store, runner.job_end_record
+        real_store, real_end = LogWriter._store, host_end.job_end_record
 
         def store(writer, data):  # type: ignore[no-untyped-def]
             if self.down:
@@ -53,7 +53,7 @@ class Outage:
             return real_end(job_id, writer, record)
 
         monkeypatch.setattr(LogWriter, "_store", store)
-        monkeypatch.setattr(runner, "job_end_record", end)
+        monkeypatch.setattr(host_end, "job_end_record", end)
 
 
 @pytest.fixture
@@ -255,8 +255,8 @@ def full_disk_spool(tmp_path, settings) -> Iterator[Path]:
 def test_a_full_spool_disk_drops_output_but_never_the_job(alice, box, outage, full_disk_spool, monkeypatch):
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="s.py", content=STEADY))
-    monkeypatch.setattr(runner, "END_RETRY_SECONDS", 0.1)
-    real_feed, spooling_end = LogWriter.feed, runner.job_end_record
+    monkeypatch.setattr(host_end, "END_RETRY_SECONDS", 0.1)
+    real_feed, spooling_end = LogWriter.feed, host_end.job_end_record
     tries: list[str] = []
 
     def feed(writer, data):  # type: ignore[no-untyped-def]
@@ -271,7 +271,7 @@ def test_a_full_spool_disk_drops_output_but_never_the_job(alice, box, outage, fu
         return spooling_end(job_id, writer, record)
 
     monkeypatch.setattr(LogWriter, "feed", feed)
-    monkeypatch.setattr(runner, "job_end_record", end)
+    monkeypatch.setattr(host_end, "job_end_record", end)
     assert job_run(job.pk) == Job.Status.SUCCEEDED  # never killed for its log
     job.refresh_from_db()
     assert (job.status, job.exit_code) == (Job.Status.SUCCEEDED, 0)

@@ -16,8 +16,7 @@ from django.db import DatabaseError, close_old_connections
 from jobs.host.spool import EndRecord, LogSpool, spool_name, spooled_names
 from jobs.logs.store import LogWriter
 from jobs.models import Job
-from jobs.queue.scheduler import queued_job_ended
-from jobs.runs import job_end_record
+from jobs.runs import job_end_record, queued_job_ended
 from portal.outage import outage_of
 
 log = logging.getLogger(__name__)
