@@ -11,7 +11,7 @@ class JobsConfig(AppConfig):
         from gpus.hooks import Answers, answered_by
         from jobs import (
             signals,  # noqa: F401 - connects the worker and telemetry signals
-            tasks,  # noqa: F401 - registers run_job, which dispatch sends by name
+            tasks,  # noqa: F401 - registers run_job and run_session (sent by name: jobs.sessions.services)
         )
         from jobs.leavers import membership_deleted
         from jobs.queue.scheduler import queue_holds

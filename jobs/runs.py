@@ -1,7 +1,7 @@
 """A run's life past its start, the same for jobs and sessions (jobs, labs, `gpu exec`): its end
-recorded (`job_end_record`) and a lost run (`runs_lost_mark`, `job_lost_stopped_tell`,
-`session_lost_stop`). Every status change is the one transition (jobs.lifecycle); the table of
-states is docs/jobs.md, "States".
+recorded (`job_end_record`; a queued job's booking ends with it, `queued_job_ended`) and a lost
+run (`runs_lost_mark`, `job_lost_stopped_tell`, `session_lost_stop`). Every status change is the
+one transition (jobs.lifecycle); the table of states is docs/jobs.md, "States".
 
 A lost run is treated one way, whatever it is. A run whose beats stopped for longer than its
 cut-off (JOB_LOST_AFTER_SECONDS, SESSION_LOST_AFTER_SECONDS; the database's clock, portal.clock)
@@ -24,6 +24,8 @@ from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
 
+from gpus.booking import PORTAL, reservation_release
+from gpus.models import Reservation
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_append
 from jobs.models import InteractiveSession, Job
@@ -31,6 +33,7 @@ from portal.clock import since
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
 from portal.timefmt import format_time
+from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
 # Where the end of a job may still be recorded: the worker's word is final even over LOST (it
 # was marked while its worker was out of touch; the worker then stopped it, or saw it end).
@@ -82,6 +85,20 @@ def job_lost_stopped_tell(job_id: int, why: str) -> None:
         url=reverse("job_detail", args=[job.pk]),
         key=f"lost:{job.pk}",
     )
+
+
+def queued_job_ended(job: Job, *, now: datetime | None = None) -> None:
+    """A queued job's booking ends with it: released at once, and the scheduler woken. Called by
+    whoever recorded the end (the supervisor, the spool's replay) and by the scheduler's pass for
+    an end recorded without it (jobs.queue.scheduler)."""
+    if not job.queued or job.reservation_id is None:
+        return
+    now = now or timezone.now()
+    booking = Reservation.objects.get(pk=job.reservation_id)
+    if booking.status_at(now) == Reservation.Status.ACTIVE:
+        reservation_release(user=PORTAL, reservation=booking, now=now, reason=f"queued job {job.pk} ended")
+    else:
+        wake_on_commit(QUEUE_SCHEDULER)
 
 
 def runs_lost_mark(*, now: datetime | None = None) -> dict[str, int]:

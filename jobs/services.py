@@ -11,7 +11,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import partial
 
-from celery import current_app
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q
@@ -24,6 +23,7 @@ from jobs.logs.live import job_changed
 from jobs.models import Job
 from jobs.runs import runs_lost_mark
 from jobs.sessions.services import labs_resend
+from jobs.tasks import run_job
 from portal.access import can_manage
 from portal.errors import Forbidden, Invalid
 from portal.outage import outage_of
@@ -54,32 +54,37 @@ def dispatch(job: Job, now: datetime) -> bool:
         return False
     job.dispatched_at = now
     queue = job.server.queue
-    transaction.on_commit(partial(_send, job.pk, queue))
+    transaction.on_commit(partial(send, job.pk, queue))
     return True
 
 
-# The task by name (jobs/apps.py registers it in every process): importing jobs.tasks here would
-# close a circle, jobs.tasks → jobs.host.runner → jobs.queue.scheduler → here.
-RUN_JOB = "jobs.tasks.run_job"
-_send_failing = False  # set by a send that failed, cleared by the next that works: one line an outage
 _SEND_FAILED = "Could not send job %s to %s (%r); the reconciler retries, quietly till a send works"
 
 
-def _send(job_id: int, queue: str) -> None:
-    """The message after commit. The broker away: the job stays queued, undispatched, and the
-    reconciler sends it again; said once for the outage, not with a traceback every job every tick."""
-    global _send_failing
-    try:
-        current_app.tasks[RUN_JOB].apply_async(args=[job_id], queue=queue)
-    except Exception as exc:
-        if not _send_failing:  # a known outage: one line; anything else: its traceback, this once
-            _send_failing = True
-            log.warning(_SEND_FAILED, job_id, queue, exc, exc_info=outage_of(exc) is None)
-        Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(dispatched_at=None)
-        return
-    if _send_failing:
-        _send_failing = False
-        log.warning("Jobs are sent to their hosts again (job %s to %s)", job_id, queue)
+class JobSender:
+    """Sends a job's id to its host's queue after commit (`dispatch`). The broker away: the job
+    stays queued, undispatched, and the reconciler sends it again; said once for the outage, not
+    with a traceback every job every tick. One per process (`send`): the broker is the process's,
+    whichever thread met its outage (a request, the scheduler, the reconciler, a host's pickup)."""
+
+    def __init__(self) -> None:
+        self.failing = False  # set by a send that failed, cleared by the next that works
+
+    def __call__(self, job_id: int, queue: str) -> None:
+        try:
+            run_job.apply_async(args=[job_id], queue=queue)  # by its object: a rename fails at import
+        except Exception as exc:
+            if not self.failing:  # a known outage: one line; anything else: its traceback, this once
+                self.failing = True
+                log.warning(_SEND_FAILED, job_id, queue, exc, exc_info=outage_of(exc) is None)
+            Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(dispatched_at=None)
+            return
+        if self.failing:
+            self.failing = False
+            log.warning("Jobs are sent to their hosts again (job %s to %s)", job_id, queue)
+
+
+send = JobSender()
 
 
 @transaction.atomic

@@ -36,6 +36,7 @@ from django.dispatch import receiver
 from gpus.inventory import GPUInfo, Snapshot
 from gpus.services import telemetry_ingested
 from gpus.telemetry import snapshot_read
+from jobs.host.dcgm import DcgmMapping
 from jobs.host.lab import lab_orphans_end
 from jobs.host.pickup import HostPickup
 from jobs.host.watchdog import HostWatchdog
@@ -84,10 +85,12 @@ class HostWorker:
     def __init__(self, server: str) -> None:
         self.server = server
         self.watchdog: HostWatchdog | None = None  # made at the first snapshot: it names the host
+        self.mapping = DcgmMapping(server)  # DCGM's job mapping: rebuilt at start, refreshed by the watchdog
         self.database_away = False  # the watchdog's rounds wait for the database: said once
 
     def start(self, pool_size: int) -> None:
         kill_orphans(self.server)
+        self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
         lab_orphans_end(self.server)
         start_thread(SpoolReplay())
         # The pool's size (solo: 1): jobs beyond it wait in Redis, and are no lost messages.
@@ -102,7 +105,9 @@ class HostWorker:
         close_old_connections()  # a restarted database must not kill the loop
         try:
             if self.watchdog is None:
-                self.watchdog = HostWatchdog(snapshot.host.name, simulated=snapshot.host.simulated)
+                self.watchdog = HostWatchdog(
+                    snapshot.host.name, simulated=snapshot.host.simulated, mapping=self.mapping
+                )
             self.watchdog.round(snapshot)
         except DatabaseError as exc:
             if outage_of(exc) is None:

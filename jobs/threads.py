@@ -59,11 +59,12 @@ class SpoolReplay(PeriodicThread):
     def __init__(self) -> None:
         super().__init__("job-spool", settings.JOB_RECONCILE_SECONDS)
         self.folder_failed = False  # JOB_SPOOL_DIR unusable at the last step: said once, not every step
+        self.failed: set[str] = set()  # spools whose replay failed (not an outage): said once each
 
     def step(self) -> None:
         close_old_connections()
         try:
-            done = spool_replay()
+            done = spool_replay(failed=self.failed)
         except OSError as exc:  # the folder itself (removed, remounted read-only since the start check)
             if not self.folder_failed:
                 log.error(

@@ -47,6 +47,12 @@ _ENDPOINTS = {
     "OIDC_OP_JWKS_ENDPOINT": "jwks_uri",
 }
 _REQUIRED = ("authorization_endpoint", "token_endpoint", "jwks_uri")
+# Per process, by design, and safe to keep so: keyed by the issuer (a changed OIDC_ISSUER, or a
+# test's own, is a new key, never a stale answer), holding only a document that was read and
+# checked (a failure is never kept), written once per key with the same value by whichever thread
+# gets there first. What it holds, the provider's endpoint URLs, stays put for the provider's life
+# (its signing keys rotate behind the same jwks_uri, which mozilla-django-oidc fetches itself); a
+# provider that moves them is a new configuration, read again after a restart.
 _discovered: dict[str, dict[str, str | None]] = {}
 
 

@@ -1,8 +1,9 @@
 """Periodic threads inside a Celery worker: the telemetry reporter and collector, the job reconciler.
 
 Why threads rather than beat tasks: they run exactly while their worker does, cost no broker
-message and no log lines every few seconds. `start_thread` keeps each one so the worker's
-shutdown stops them all (`stop_all`, connected to Celery's `worker_shutdown` below).
+message and no log lines every few seconds. The worker's shutdown stops every one that runs in its
+process (`stop_all`, connected to Celery's `worker_shutdown` below): the interpreter's list of
+live threads is the record, so no list of ours can keep a finished thread or miss a started one.
 """
 
 from __future__ import annotations
@@ -64,21 +65,18 @@ class PeriodicThread(threading.Thread):
         self.stopped.set()
 
 
-_threads: list[PeriodicThread] = []
-
-
 def start_thread(thread: PeriodicThread) -> None:
     thread.start()
-    _threads.append(thread)
 
 
 def stop_all(timeout: float = 10) -> None:
-    """Stop every thread started here and wait for each (its `finish` included)."""
-    for thread in _threads:
+    """Stop every periodic thread of this process and wait for each (its `finish` included):
+    all asked first, so they wind down together."""
+    running = [t for t in threading.enumerate() if isinstance(t, PeriodicThread)]
+    for thread in running:
         thread.stop()
-    for thread in _threads:
+    for thread in running:
         thread.join(timeout=timeout)
-    _threads.clear()
 
 
 @worker_shutdown.connect

@@ -42,12 +42,9 @@ for name in sorted(os.listdir(folder)):
 
 
 @pytest.fixture
-def folder(settings, tmp_path, monkeypatch) -> Path:
+def folder(settings, tmp_path) -> Path:
     where = tmp_path / "dcgm-job-map"
     settings.DCGM_HPC_JOB_MAPPING_DIR = str(where)
-    monkeypatch.setattr(dcgm, "_worker_started_at", None)
-    monkeypatch.setattr(dcgm, "_refreshed_at", float("-inf"))
-    monkeypatch.setattr(dcgm, "_refresh_failing", False)
     return where
 
 
@@ -117,12 +114,15 @@ def test_the_workers_start_rebuilds_the_folder_from_the_database(alice, box, fol
     session, _env = session_start(
         user=alice, reservation=exec_booking.pk, kind="exec", host="box1", command=["python", "train.py"]
     )
-    kill_orphans("box1")  # the worker's start (jobs/signals.py)
+    mapping = dcgm.DcgmMapping("box1")
+    kill_orphans("box1")  # the worker's start (jobs/signals.py, HostWorker.start)
+    mapping.start()
     assert files(folder) == {"2": f"session-{session.pk}\n"}
     assert (folder / "README").exists()
-    assert dcgm.mapping_from_database("box1") == {2: {f"session-{session.pk}"}}  # not job-{dead.pk}
+    since = mapping.worker_started_at
+    assert dcgm.mapping_from_database("box1", worker_started_at=since) == {2: {f"session-{session.pk}"}}
     Job.objects.filter(pk=dead.pk).update(heartbeat_at=timezone.now())  # a job of this worker beats
-    assert dcgm.mapping_from_database("box1")[0] == {f"job-{dead.pk}"}
+    assert dcgm.mapping_from_database("box1", worker_started_at=since)[0] == {f"job-{dead.pk}"}
 
 
 def test_the_watchdog_round_finds_a_gpu_exec_started_in_a_terminal(alice, box, folder):
@@ -137,7 +137,7 @@ def test_the_watchdog_round_finds_a_gpu_exec_started_in_a_terminal(alice, box, f
     InteractiveSession.objects.filter(pk=session.pk).update(status=InteractiveSession.Status.ENDED)
     watchdog.round(make_snapshot("box1", gpus=4, processes=0))
     assert files(folder) == {"1": f"session-{session.pk}\n"}  # within REFRESH_SECONDS: not read again
-    dcgm._refreshed_at = float("-inf")  # REFRESH_SECONDS later
+    watchdog.mapping.refreshed_at = float("-inf")  # REFRESH_SECONDS later
     watchdog.round(make_snapshot("box1", gpus=4, processes=0))
     assert files(folder) == {}
 
@@ -156,7 +156,7 @@ def test_a_folder_it_cannot_write_never_fails_the_job(folder, alice, box, sent, 
     job = submit(alice, reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=4096))
     dcgm.work_started(dcgm.job_name(job.pk), job.gpu_uuids)
     dcgm.work_ended(dcgm.job_name(job.pk))
-    dcgm.mapping_refresh("box1")
+    dcgm.DcgmMapping("box1").refresh()
     assert "DCGM job mapping: could not" in caplog.text
 
 

@@ -17,7 +17,7 @@ import pytest
 from django.db import OperationalError
 
 from gpus.booking import reservation_create
-from jobs.host import runner
+from jobs.host import end as host_end
 from jobs.host.replay import spool_replay
 from jobs.host.runner import job_run
 from jobs.host.spool import EndRecord, LogSpool, spool_dir, spool_name, spooled_names
@@ -39,7 +39,7 @@ class Outage:
 
     def __init__(self, monkeypatch) -> None:
         self.down = False
-        real_store, real_end = LogWriter._store, runner.job_end_record
+        real_store, real_end = LogWriter._store, host_end.job_end_record
 
         def store(writer, data):  # type: ignore[no-untyped-def]
             if self.down:
@@ -53,7 +53,7 @@ class Outage:
             return real_end(job_id, writer, record)
 
         monkeypatch.setattr(LogWriter, "_store", store)
-        monkeypatch.setattr(runner, "job_end_record", end)
+        monkeypatch.setattr(host_end, "job_end_record", end)
 
 
 @pytest.fixture
@@ -224,9 +224,10 @@ def test_one_broken_spool_does_not_stop_the_others(job, alice, box, caplog):
     spool.close()
     end = EndRecord(status="succeeded", exit_code=0, message="", finished_at="2026-01-01T00:00:01+00:00")
     end.write(name)
+    failed: set[str] = set()  # the spool thread's, across its rounds (jobs.threads.SpoolReplay)
     with caplog.at_level(logging.ERROR, logger="jobs.host.replay"):
-        assert spool_replay() == 1
-        assert spool_replay() == 0  # the broken one again: said once, not every round
+        assert spool_replay(failed=failed) == 1
+        assert spool_replay(failed=failed) == 0  # the broken one again: said once, not every round
     other.refresh_from_db()
     assert other.status == Job.Status.SUCCEEDED and "its last line" in job_log(other.pk)
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
@@ -255,8 +256,8 @@ def full_disk_spool(tmp_path, settings) -> Iterator[Path]:
 def test_a_full_spool_disk_drops_output_but_never_the_job(alice, box, outage, full_disk_spool, monkeypatch):
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="s.py", content=STEADY))
-    monkeypatch.setattr(runner, "END_RETRY_SECONDS", 0.1)
-    real_feed, spooling_end = LogWriter.feed, runner.job_end_record
+    monkeypatch.setattr(host_end, "END_RETRY_SECONDS", 0.1)
+    real_feed, spooling_end = LogWriter.feed, host_end.job_end_record
     tries: list[str] = []
 
     def feed(writer, data):  # type: ignore[no-untyped-def]
@@ -271,7 +272,7 @@ def test_a_full_spool_disk_drops_output_but_never_the_job(alice, box, outage, fu
         return spooling_end(job_id, writer, record)
 
     monkeypatch.setattr(LogWriter, "feed", feed)
-    monkeypatch.setattr(runner, "job_end_record", end)
+    monkeypatch.setattr(host_end, "job_end_record", end)
     assert job_run(job.pk) == Job.Status.SUCCEEDED  # never killed for its log
     job.refresh_from_db()
     assert (job.status, job.exit_code) == (Job.Status.SUCCEEDED, 0)

@@ -12,7 +12,8 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation, Server
 from jobs.models import Job
 from jobs.queue.rules import Calendar, Card, Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
-from jobs.queue.scheduler import fairshare_state, queue_plan, queued_job_ended, schedule_pass
+from jobs.queue.scheduler import fairshare_state, queue_plan, schedule_pass
+from jobs.runs import queued_job_ended
 from jobs.services import job_cancel
 from portal.errors import Invalid, QuotaExceeded
 from portal.models import Membership

@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import kombu.exceptions
 import pytest
-from celery import current_app
 from django.utils import timezone
 
 from gpus.booking import reservation_create, reservation_release
@@ -18,7 +17,8 @@ from jobs.host.pickup import slots_report
 from jobs.leavers import left_team
 from jobs.models import Job
 from jobs.queue.scheduler import queue_plan, schedule_pass
-from jobs.services import RUN_JOB, dispatch, jobs_reconcile
+from jobs.services import dispatch, jobs_reconcile
+from jobs.tasks import run_job
 from portal.errors import Conflict, Invalid
 from portal.models import AuditEntry, Membership, Notification
 from tests.factories import MembershipFactory, TeamFactory, fresh, make_snapshot, queue_job
@@ -242,7 +242,7 @@ def test_a_request_above_a_member_or_team_limit_is_refused_at_submit(
 def test_a_broker_outage_is_one_log_line_not_a_traceback_per_job(
     alice, box, monkeypatch, caplog, django_capture_on_commit_callbacks
 ):
-    task = current_app.tasks[RUN_JOB]
+    task = run_job
     sent: list[int] = []
 
     def away(args, queue):

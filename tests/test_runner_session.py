@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.models import Allocation, Reservation
+from jobs.host import end as host_end
 from jobs.host import runner
 from jobs.host.executors import local
 from jobs.host.runner import Supervisor, job_run
@@ -209,20 +210,20 @@ def end_refused(monkeypatch) -> list[int]:
         tries.append(job_id)
         raise _away()
 
-    monkeypatch.setattr(runner, "job_end_record", refused)
+    monkeypatch.setattr(host_end, "job_end_record", refused)
     return tries
 
 
 def test_a_shutdown_during_the_end_retries_stops_them(job_in, settings, end_refused, monkeypatch):
     settings.JOB_END_WAIT_SECONDS = 3600
     flag = stop_flag(os.getpid())
-    real = runner.job_end_record
+    real = host_end.job_end_record
 
     def refused_then_shutdown(job_id, writer, record):  # type: ignore[no-untyped-def]
         flag.touch()  # the worker's shutdown arrives while the end is retried
         return real(job_id, writer, record)
 
-    monkeypatch.setattr(runner, "job_end_record", refused_then_shutdown)
+    monkeypatch.setattr(host_end, "job_end_record", refused_then_shutdown)
     job = job_in("print('hello')\n")
     try:
         thread, _ = _run_in_thread(job.pk)
@@ -241,7 +242,7 @@ def test_without_a_spool_the_end_is_given_up_after_its_wait(
     settings.JOB_END_WAIT_SECONDS = 1
     monkeypatch.setattr(runner, "job_spool", lambda job_id, created_at: None)
     job = job_in("print('hello')\n")
-    with caplog.at_level(logging.ERROR, logger="jobs.host.runner"):
+    with caplog.at_level(logging.ERROR, logger="jobs.host.end"):
         thread, _ = _run_in_thread(job.pk)
         thread.join(timeout=20)
     assert not thread.is_alive(), "the end is retried for ever"

@@ -1,5 +1,6 @@
 """What a lower app asks and a higher app answers (issue 20): the GPU hosts `make run` starts
-workers for, template slots, the scheduler's wake-up channel, and the mail tasks' home."""
+workers for, template slots, the scheduler's wake-up channel, the mail tasks' home, and the one
+task still sent by name."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from django.core.management.base import CommandError
 from django.template import Context, Template
 from django.urls import reverse
 
+from jobs import tasks as job_tasks
+from jobs.sessions.services import RUN_SESSION
 from portal import hooks, mail, tasks
 from portal.celery import app
 from portal.management.commands.runportal import _worker_servers
@@ -99,3 +102,11 @@ def test_the_mail_tasks_keep_their_names_and_are_one_object():
     assert tasks.mail_notification is mail.mail_notification
     for name in ("portal.tasks.mail_notification", "portal.tasks.requeue_stranded_mail"):
         assert name in app.tasks  # beat's schedule and queued messages use these names
+
+
+def test_the_lab_task_sent_by_name_is_the_registered_run_session():
+    """jobs.sessions.services sends run_session by name (importing jobs.tasks there would close a
+    circle: jobs.tasks → jobs.host.lab → jobs.sessions.services): a rename fails here, not at a
+    lab's start. run_job is sent by its object (jobs.services.JobSender)."""
+    app.loader.import_default_modules()
+    assert RUN_SESSION in app.tasks and job_tasks.run_session.name == RUN_SESSION

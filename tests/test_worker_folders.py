@@ -97,12 +97,10 @@ def regular_texts(folder: Path) -> str:
 
 
 @pytest.fixture
-def mapping(settings, tmp_path, monkeypatch) -> Path:
+def mapping(settings, tmp_path) -> Path:
     where = tmp_path / "dcgm-job-map"
     where.mkdir(mode=0o755)
     settings.DCGM_HPC_JOB_MAPPING_DIR = str(where)
-    monkeypatch.setattr(dcgm, "_worker_started_at", None)
-    monkeypatch.setattr(dcgm, "_refreshed_at", float("-inf"))
     return where
 
 
@@ -116,7 +114,7 @@ def test_a_mapping_folder_a_jobs_account_may_write_is_never_written(
     plant_link(mapping / dcgm.LOCK_NAME, created, nobody)
 
     dcgm.work_started(dcgm.job_name(job.pk), job.gpu_uuids)  # the runner, as the job starts
-    dcgm.mapping_refresh("box1")  # the watchdog's round
+    dcgm.DcgmMapping("box1").refresh()  # the watchdog's round
 
     assert not created.exists(), "the worker created a file where .portal.lock pointed"
     assert SECRET not in regular_texts(mapping), "the secret landed in a world-readable mapping file"

@@ -20,10 +20,10 @@ When it is written:
   end without the database, which may be away just then. The end is taken out once more after the
   row records it, in case a refresh read the row between the two;
 - every REFRESH_SECONDS, from the host's watchdog round, and when the worker starts, the folder is
-  rebuilt from the database (`mapping_rebuild`): the running jobs and the active sessions on this
-  host. That is how `gpu exec` and `gpu shell` sessions are found (they run in the user's terminal,
-  not under the worker, which learns of them only through their rows), and how a worker killed in
-  the middle of a job leaves no file behind for longer than one refresh.
+  rebuilt from the database (`DcgmMapping`, the worker's for its life): the running jobs and the
+  active sessions on this host. That is how `gpu exec` and `gpu shell` sessions are found (they run
+  in the user's terminal, not under the worker, which learns of them only through their rows), and
+  how a worker killed in the middle of a job leaves no file behind for longer than one refresh.
 
 Each change is made under an flock on DIR/.portal.lock (the worker's pool processes and its
 reporter thread all write here) and each file is replaced whole (a temporary file and a rename),
@@ -63,10 +63,6 @@ log = logging.getLogger(__name__)
 REFRESH_SECONDS = 15  # how stale a file may get when a hook was missed (a killed worker, a gpu exec)
 LOCK_NAME = ".portal.lock"  # no integer: DCGM exporter skips it
 RUNNING_JOBS = (Job.Status.STARTING, Job.Status.RUNNING)
-
-_refreshed_at = float("-inf")
-_refresh_failing = False
-_worker_started_at: datetime | None = None  # jobs that beat only before it ran under a dead worker
 
 
 def job_name(pk: int) -> str:
@@ -120,48 +116,63 @@ def work_ended(name: str) -> None:
         log.warning("DCGM job mapping: could not remove %s (%s); the next refresh will", name, exc)
 
 
-def mapping_start(server: str) -> None:
-    """When the host's worker starts (jobs.host.worker.kill_orphans): what a killed worker left
-    goes. Its jobs' rows may still say RUNNING for up to JOB_LOST_AFTER_SECONDS, but nothing has
-    beaten for them since this worker started, so they are left out from now on."""
-    global _worker_started_at
-    if mapping_dir() is None:
-        return
-    try:
-        _worker_started_at = db_now()  # compared with heartbeats: the database's clock (portal.clock)
-        mapping_rebuild(server)
-    except (DatabaseError, OSError) as exc:
-        log.warning("DCGM job mapping: could not rebuild %s at start (%s)", mapping_dir(), exc)
+class DcgmMapping:
+    """This host's mapping folder as its worker keeps it, for the worker's life (jobs.signals.HostWorker
+    makes one, its watchdog refreshes it): when the worker started, when the folder was last
+    rebuilt, and whether rebuilding fails (said once). A second worker, or a test, starts from
+    nothing."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.worker_started_at: datetime | None = (
+            None  # jobs that beat only before it ran under a dead worker
+        )
+        self.refreshed_at = float("-inf")
+        self.refresh_failing = False
+
+    def start(self) -> None:
+        """When the host's worker starts (after jobs.host.worker.kill_orphans): what a killed
+        worker left goes. Its jobs' rows may still say RUNNING for up to JOB_LOST_AFTER_SECONDS,
+        but nothing has beaten for them since this worker started, so they are left out from now on."""
+        if mapping_dir() is None:
+            return
+        try:
+            self.worker_started_at = db_now()  # compared with heartbeats: the database's clock (portal.clock)
+            self.rebuild()
+        except (DatabaseError, OSError) as exc:
+            log.warning("DCGM job mapping: could not rebuild %s at start (%s)", mapping_dir(), exc)
+
+    def refresh(self) -> None:
+        """The periodic rebuild, at most every REFRESH_SECONDS (the host's watchdog calls it each
+        round); never raises. A failure is logged once until a refresh works again, not every time."""
+        if mapping_dir() is None or time.monotonic() - self.refreshed_at < REFRESH_SECONDS:
+            return
+        self.refreshed_at = time.monotonic()
+        try:
+            self.rebuild()
+        except (DatabaseError, OSError) as exc:
+            if not self.refresh_failing:
+                log.warning("DCGM job mapping: could not refresh %s (%s); trying again", mapping_dir(), exc)
+            self.refresh_failing = True
+            return
+        if self.refresh_failing:
+            log.warning("DCGM job mapping: %s refreshed again", mapping_dir())
+        self.refresh_failing = False
+
+    def rebuild(self) -> dict[int, set[str]]:
+        return mapping_rebuild(self.server, worker_started_at=self.worker_started_at)
 
 
-def mapping_refresh(server: str) -> None:
-    """The periodic rebuild, at most every REFRESH_SECONDS (the host's watchdog calls it each
-    round); never raises. A failure is logged once until a refresh works again, not every time."""
-    global _refreshed_at, _refresh_failing
-    if mapping_dir() is None or time.monotonic() - _refreshed_at < REFRESH_SECONDS:
-        return
-    _refreshed_at = time.monotonic()
-    try:
-        mapping_rebuild(server)
-    except (DatabaseError, OSError) as exc:
-        if not _refresh_failing:
-            log.warning("DCGM job mapping: could not refresh %s (%s); trying again", mapping_dir(), exc)
-        _refresh_failing = True
-        return
-    if _refresh_failing:
-        log.warning("DCGM job mapping: %s refreshed again", mapping_dir())
-    _refresh_failing = False
-
-
-def mapping_rebuild(server: str) -> dict[int, set[str]]:
+def mapping_rebuild(server: str, *, worker_started_at: datetime | None = None) -> dict[int, set[str]]:
     """Make the folder say exactly what the database says runs on `server`: its STARTING and
-    RUNNING jobs and its active sessions, by the index of each of their cards. Returns that map.
+    RUNNING jobs (that beat since `worker_started_at`) and its active sessions, by the index of
+    each of their cards. Returns that map.
     Read and written under the lock, so no hook's change lands between the read and the write."""
     folder = mapping_dir()
     if folder is None:
         return {}
     with _locked(folder) as dir_fd:
-        wanted = mapping_from_database(server)
+        wanted = mapping_from_database(server, worker_started_at=worker_started_at)
         for index, name in _index_files(dir_fd).items():
             if index not in wanted:
                 os.unlink(name, dir_fd=dir_fd)  # the name itself: a link is never followed
@@ -170,16 +181,16 @@ def mapping_rebuild(server: str) -> dict[int, set[str]]:
     return wanted
 
 
-def mapping_from_database(server: str) -> dict[int, set[str]]:
+def mapping_from_database(server: str, *, worker_started_at: datetime | None = None) -> dict[int, set[str]]:
     """GPU index → the names running on it: three queries, whatever the number of jobs. A job
     counts while its worker beats for it (the reconciler's rule for LOST), and only if it beat since
-    this worker started."""
+    this worker started (`worker_started_at`, when known)."""
     indices = dict(GPU.objects.filter(server__name=server).values_list("uuid", "index"))
     jobs = Job.objects.filter(
         server__name=server, status__in=RUNNING_JOBS, heartbeat_at__gte=since(settings.JOB_LOST_AFTER_SECONDS)
     )
-    if _worker_started_at is not None:
-        jobs = jobs.filter(heartbeat_at__gte=_worker_started_at)
+    if worker_started_at is not None:
+        jobs = jobs.filter(heartbeat_at__gte=worker_started_at)
     work = [(job_name(pk), uuids) for pk, uuids in jobs.values_list("pk", "gpu_uuids")]
     work += [
         (session_name(pk), uuids)

@@ -16,49 +16,48 @@ from django.db import DatabaseError, close_old_connections
 from jobs.host.spool import EndRecord, LogSpool, spool_name, spooled_names
 from jobs.logs.store import LogWriter
 from jobs.models import Job
-from jobs.queue.scheduler import queued_job_ended
-from jobs.runs import job_end_record
+from jobs.runs import job_end_record, queued_job_ended
 from portal.outage import outage_of
 
 log = logging.getLogger(__name__)
 
-# Spools whose replay failed for a reason other than an outage: said once, not every round.
-_failed: set[str] = set()
 
-
-def spool_replay() -> int:
+def spool_replay(*, failed: set[str] | None = None) -> int:
     """This host's spools that no supervisor holds: the log bytes and ends of jobs whose worker
     could not write them (the database was away longer than JOB_END_WAIT_SECONDS, or the worker
     died), stored now, in order and once. Run by the host worker's spool thread; returns how
     many jobs were brought up to date. A database still away stops the round; any other error
-    is one spool's: logged once, and the round goes on with the next."""
+    is one spool's: logged once, and the round goes on with the next. `failed`: the spools whose
+    replay failed for a reason other than an outage, kept by the caller across its rounds (said
+    once, not every round)."""
+    failed = set() if failed is None else failed
     done = 0
     for name in spooled_names():
         try:
             spool = LogSpool.locked_by_nobody(name, cap_bytes=settings.JOB_LOG_MAX_MB * 1024 * 1024)
         except OSError as exc:
-            _failed_once(name, exc)
+            _failed_once(failed, name, exc)
             continue
         if spool is None:
             continue  # a supervisor is writing it
         try:
             done += _replay_one(name, spool)
-            _failed.discard(name)
+            failed.discard(name)
         except DatabaseError as exc:
             close_old_connections()
             if outage_of(exc) is not None:
                 return done
-            _failed_once(name, exc)
+            _failed_once(failed, name, exc)
         except Exception as exc:  # one bad spool never holds up the others
-            _failed_once(name, exc)
+            _failed_once(failed, name, exc)
         finally:
             spool.close()
     return done
 
 
-def _failed_once(name: str, exc: Exception) -> None:
-    if name not in _failed:
-        _failed.add(name)
+def _failed_once(failed: set[str], name: str, exc: Exception) -> None:
+    if name not in failed:
+        failed.add(name)
         log.error("Spool %s could not be replayed (%s); the others go on", name, exc, exc_info=exc)
 
 

@@ -10,7 +10,7 @@ processes and SIGKILL after JOB_KILL_GRACE_SECONDS. A worker that may not signal
 ends by itself. While the database is away, or hangs, the supervisor keeps the job's last known
 deadline and enforces it alone: the database steps run in a thread of their own and the
 deadline, the worker's shutdown and the SIGKILL escalation in another that never waits on them;
-the job's end waits in this host's spool (jobs/host/spool.py, jobs/host/replay.py).
+the job's end waits in this host's spool (jobs/host/end.py, jobs/host/replay.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.environment import JobSetupError
 from jobs.host.dcgm import job_name, work_ended, work_started
+from jobs.host.end import job_end_keep
 from jobs.host.executors import Run, RunEnd, RunOutput, RunSpec, executor_for
 from jobs.host.executors.output import follow
 from jobs.host.launch import job_claim, launch_for, patiently
@@ -43,8 +44,7 @@ from jobs.host.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
-from jobs.queue.scheduler import queued_job_ended
-from jobs.runs import LOST_FOUND_ALIVE, job_end_record
+from jobs.runs import LOST_FOUND_ALIVE, queued_job_ended
 from portal.outage import WHAT, outage_of
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ CANCEL_POLL_SECONDS = 1.0
 # The row unread for this long (the database away, or a query that hangs): the last deadline it
 # gave is enforced without it.
 STALE_ROW_SECONDS = 3 * CANCEL_POLL_SECONDS
-END_RETRY_SECONDS = 2.0
 BEAT_WAIT_SECONDS = 10.0  # how long a job's end waits for a heartbeat in flight (`_reap`)
 CANNOT_STOP = "Could not stop: permission denied"
 
@@ -597,10 +596,8 @@ class Supervisor:
         self._finish(status, code, " ".join(filter(None, (message, self.not_stopped, dropped))))
 
     def _finish(self, status: str, code: int | None, message: str) -> None:
-        """Record the outcome after the log's last bytes, once. The end goes to this host's
-        spool first (jobs/host/spool.py): while the database is away it is tried every 2 s for
-        JOB_END_WAIT_SECONDS, and after that left to the host's spool thread (`spool_replay`),
-        which records it once the database is back. Nothing of it is ever lost.
+        """Record the outcome after the log's last bytes, once: spooled first, then stored, or
+        left to this host's spool thread while the database is away (jobs/host/end.py).
 
         The worker's word is final even over LOST (marked while it was out of touch)."""
         self.final_status = status
@@ -608,72 +605,17 @@ class Supervisor:
         record = EndRecord(
             status=status, exit_code=code, message=message[:1000], finished_at=timezone.now().isoformat()
         )
-        spooled = False
-        if self.spool is not None:
-            try:
-                record.write(self.spool.name)
-                spooled = True
-            except OSError as exc:  # a full disk: no traceback, the end waits for the database instead
-                log.error(
-                    "Job %s: could not spool its end (%s); the database is its only record", self.job.pk, exc
-                )
-        stored = self._store_end(record, spooled=spooled)
+        stored = job_end_keep(
+            self.job.pk,
+            record,
+            writer=self.writer,
+            spool=self.spool,
+            stopping=self._stopping,
+            skips_database=self.skips_database,
+        )
         work_ended(job_name(self.job.pk))  # again: a refresh may have read the row before its end
-        if not stored:
-            return
-        if self.spool is not None:
-            EndRecord.remove(self.spool.name)
-            self.spool.close(remove=True)
-        self._guarded(lambda: queued_job_ended(self.job))
-
-    def _store_end(self, record: EndRecord, *, spooled: bool = True) -> bool:
-        """Try the end every END_RETRY_SECONDS until it is stored (True), or until the worker
-        shuts down (it waits for no database) or JOB_END_WAIT_SECONDS pass (False): the spool then
-        records it once the database is back; without a spool it is given up, the reconciler marks
-        the job lost and the worker's log says how it ended; so is one the spool could not take
-        (`spooled` False: its disk full)."""
-        deadline = time.monotonic() + settings.JOB_END_WAIT_SECONDS
-        while True:
-            if self._stopping() and self.skips_database():
-                break  # straight to the spool: a shutdown waits for no database
-            try:
-                recorded = job_end_record(self.job.pk, self.writer, record)
-            except DatabaseError:
-                close_old_connections()
-                if self._stopping() or time.monotonic() >= deadline:
-                    break
-                log.warning(
-                    "Job %s: could not record its end; retrying in %s s", self.job.pk, END_RETRY_SECONDS
-                )
-                retry_at = time.monotonic() + END_RETRY_SECONDS
-                while time.monotonic() < retry_at and not self._stopping():
-                    time.sleep(TICK_SECONDS)
-                continue
-            if recorded:  # once: the replay (or the reconciler's LOST line) never logs it again
-                log.info("Job %s finished: %s %s", self.job.pk, record.status, record.message)
-            else:
-                log.info("Job %s: its end (%s) was recorded already", self.job.pk, record.status)
-            return True
-        if self.spool is not None and spooled:
-            log.error(
-                "Job %s ended %s while the database was away; this host's spool records it once the"
-                " database is back",
-                self.job.pk,
-                record.status,
-            )
-            self.spool.close()  # unlocked: spool_replay takes it from here
-        else:
-            log.error(
-                "Job %s ended %s (%s) while the database was away, and %s: its end is not recorded;"
-                " the reconciler marks it lost",
-                self.job.pk,
-                record.status,
-                record.message,
-                "this host has no spool to keep it"
-                if self.spool is None
-                else "this host's spool could not keep it",
-            )
-        return False
+        if stored:
+            self._guarded(lambda: queued_job_ended(self.job))
 
     def _stopping(self) -> bool:
         self.shutting_down = self.shutting_down or worker_stopping()

@@ -51,7 +51,7 @@ from django.utils import timezone
 from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Allocation, Server, Violation, WatchdogPolicy, format_mb
 from gpus.procinfo import is_process_pid, session_of
-from jobs.host.dcgm import mapping_refresh
+from jobs.host.dcgm import DcgmMapping
 from jobs.host.runner import CANCEL_POLL_SECONDS
 from jobs.models import InteractiveSession, Job
 from jobs.watchdog.notify import tell_about
@@ -133,8 +133,9 @@ class Tracked:
 
 
 class HostWatchdog:
-    def __init__(self, server: str, *, simulated: bool) -> None:
+    def __init__(self, server: str, *, simulated: bool, mapping: DcgmMapping | None = None) -> None:
         self.server_name = server
+        self.mapping = mapping or DcgmMapping(server)  # DCGM's hpc_job files: the host worker's, if given
         self.simulated = simulated
         self.tracked: dict[Key, Tracked] = {}
         self.loaded = False
@@ -152,7 +153,7 @@ class HostWatchdog:
         Each violation is its own step: an error in one (its row deleted, say) is logged once and
         never stops the others. Only the database going away ends the round, to be retried."""
         began = monotonic()
-        mapping_refresh(self.server_name)  # DCGM's hpc_job files, from the database (jobs/host/dcgm.py)
+        self.mapping.refresh()  # DCGM's hpc_job files, from the database (jobs/host/dcgm.py)
         now = now or timezone.now()
         if self.server_id is None:
             self.server_id = Server.objects.filter(name=self.server_name).values_list("pk", flat=True).first()

@@ -29,7 +29,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from gpus.procinfo import session_of
-from jobs.host.dcgm import mapping_check, mapping_start
+from jobs.host.dcgm import mapping_check
 from jobs.host.folders import FolderError, job_folders_check
 from jobs.host.spool import spool_check, stop_flag, stop_flag_lower, stop_flag_raise
 from jobs.logs.store import log_append
@@ -99,7 +99,6 @@ def kill_orphans(server: str) -> int:
             killed += _end_orphans_of(job, uid, held_at)
         except Exception:  # one job's leftovers never stop the sweep of the others
             log.exception("Could not end what job %s left running", job.pk)
-    mapping_start(server)  # nor DCGM's job mapping of them (jobs/host/dcgm.py)
     return killed
 
 

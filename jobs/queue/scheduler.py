@@ -5,7 +5,7 @@ Every QUEUE_SCHEDULE_SECONDS, and at once when a booking is released or cancelle
 their bookings, the teams' and members' shares and decayed usage), let `jobs.queue.rules.plan` decide,
 then start what it chose. A job starts by booking its cards for [now, now + its time limit + START_SLACK)
 through the booking service, so double-booking protection, quotas and the audit log all hold,
-and is then dispatched like any job. When it ends, its booking is released (`queued_job_ended`).
+and is then dispatched like any job. When it ends, its booking is released (jobs.runs.queued_job_ended).
 Each pass keeps the plan's shadows for the booking service (`queue_holds`, registered in
 JobsConfig.ready), so user bookings leave a waiting wide job's cards free from its estimated start.
 
@@ -30,20 +30,21 @@ from django.db import close_old_connections, transaction
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from gpus.booking import PORTAL, reservation_create, reservation_release
+from gpus.booking import reservation_create
 from gpus.hooks import QueueHold
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
 from jobs.logs.live import job_changed
 from jobs.models import InteractiveSession, Job
 from jobs.queue.rules import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
+from jobs.runs import queued_job_ended
 from jobs.services import cpu_share, default_threads, dispatch
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
 from portal.names import redis_key
 from portal.outage import REDIS, WHAT, outage_of
 from portal.periodic import PeriodicThread
-from portal.wakeups import QUEUE_SCHEDULER, client, wait, wake_on_commit
+from portal.wakeups import QUEUE_SCHEDULER, client, wait
 
 log = logging.getLogger(__name__)
 
@@ -296,18 +297,6 @@ def _bind(job: Job, booking: Reservation, now: datetime) -> None:
     if not claimed:
         raise Conflict(f"Job {job.pk} was cancelled or started meanwhile.")
     job.refresh_from_db()
-
-
-def queued_job_ended(job: Job, *, now: datetime | None = None) -> None:
-    """A queued job's booking ends with it: released at once, and the scheduler woken."""
-    if not job.queued or job.reservation_id is None:
-        return
-    now = now or timezone.now()
-    booking = Reservation.objects.get(pk=job.reservation_id)
-    if booking.status_at(now) == Reservation.Status.ACTIVE:
-        reservation_release(user=PORTAL, reservation=booking, now=now, reason=f"queued job {job.pk} ended")
-    else:
-        wake_on_commit(QUEUE_SCHEDULER)
 
 
 # --- the holds: the plan's shadows, which user bookings must leave free ---------------------------

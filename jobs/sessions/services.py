@@ -127,7 +127,8 @@ def session_start(
     return session, env
 
 
-# The task by name, as jobs.services sends jobs: importing jobs.tasks here would close a circle.
+# The task by name: importing jobs.tasks here would close a circle (jobs.tasks → jobs.host.lab →
+# here); tests/test_structure_registries.py checks that it names the registered run_session.
 RUN_SESSION = "jobs.tasks.run_session"
 LAB_COMMAND = ["jupyter", "lab"]
 LAB_RESEND_SECONDS = 30  # a lab no worker took this long after its message: sent again
