@@ -101,12 +101,22 @@ def queued_job_ended(job: Job, *, now: datetime | None = None) -> None:
         wake_on_commit(QUEUE_SCHEDULER)
 
 
-def runs_lost_mark(*, now: datetime | None = None) -> dict[str, int]:
+def runs_lost_mark(*, now: datetime | None = None, heard_for: float | None = None) -> dict[str, int]:
     """The reconciler's one rule for every kind of run: those whose beats stopped longer ago than
     their cut-off are marked lost, each by the one transition with the cut-off judged again in
-    its UPDATE (a beat since the read keeps the run). Safe to run twice or on two hosts at once."""
+    its UPDATE (a beat since the read keeps the run). Safe to run twice or on two hosts at once.
+
+    `heard_for`: seconds since the database answered the reconciler again after an outage (None:
+    long enough). A kind of run is judged only once that is past its own cut-off: a beat missed
+    while the database was away is no sign of a dead run, and a session's beat comes through the
+    web API, less often than a job's (SESSION_BEAT_SECONDS), so it gets its own longer grace."""
     now = now or timezone.now()
-    return {"lost": _jobs_lost_mark(now), "sessions_lost": _sessions_lost_mark(now)}
+    done = {"lost": 0, "sessions_lost": 0}
+    if heard_for is None or heard_for >= settings.JOB_LOST_AFTER_SECONDS:
+        done["lost"] = _jobs_lost_mark(now)
+    if heard_for is None or heard_for >= settings.SESSION_LOST_AFTER_SECONDS:
+        done["sessions_lost"] = _sessions_lost_mark(now)
+    return done
 
 
 def _jobs_lost_mark(now: datetime) -> int:

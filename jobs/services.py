@@ -137,11 +137,14 @@ def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
     return job
 
 
-def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> dict[str, int]:
+def jobs_reconcile(
+    *, now: datetime | None = None, mark_lost: bool = True, heard_for: float | None = None
+) -> dict[str, int]:
     """The periodic pass (the portal worker's reconciler thread, jobs.threads.JobReconciler): stop
     deactivated users' work, start due jobs (of active owners only) and labs whose message was
     lost, mark lost runs (jobs and sessions, by one rule: jobs.runs), drop jobs whose booking is
-    gone. `mark_lost` False: nothing is called lost (the database itself was away just now).
+    gone. `mark_lost` False: nothing is called lost (the database itself was away just now);
+    `heard_for`: how long it has answered since (jobs.runs.runs_lost_mark: each kind's grace).
 
     Safe to run twice or on two hosts at once: every change is the one conditional transition.
     """
@@ -156,7 +159,7 @@ def jobs_reconcile(*, now: datetime | None = None, mark_lost: bool = True) -> di
             done["dispatched"] += dispatch(job, now)
     labs_resend(now=now)
     if mark_lost:
-        done |= runs_lost_mark(now=now)
+        done |= runs_lost_mark(now=now, heard_for=heard_for)
     done["expired"] = _expired_cancel(now)
     return done
 

@@ -35,7 +35,7 @@ class JobReconciler(PeriodicThread):
     def step(self) -> None:
         close_old_connections()  # a restarted database must not kill the loop
         try:
-            done = jobs_reconcile(mark_lost=self._may_mark_lost())
+            done = jobs_reconcile(mark_lost=not self.failing, heard_for=self.heard_for())
         except DatabaseError:
             self.failing = True
             raise
@@ -44,13 +44,13 @@ class JobReconciler(PeriodicThread):
         if any(done.values()):
             log.info("Jobs reconciled: %s", done)
 
-    def _may_mark_lost(self) -> bool:
-        """A heartbeat missed while the database itself was away is no sign of a dead worker:
-        after an outage, workers get JOB_LOST_AFTER_SECONDS to write theirs (and their jobs'
-        ends, from their spools) before any job is called lost."""
-        if self.failing:
-            return False
-        return time.monotonic() - self.back_at >= settings.JOB_LOST_AFTER_SECONDS
+    def heard_for(self) -> float:
+        """Seconds the database has answered since its last outage (or since this thread started:
+        a portal restarted mid-outage cannot tell). A beat missed while the database itself was
+        away is no sign of a dead run: each kind of run is judged only once this passes its own
+        cut-off, so workers write their beats (and jobs' ends, from their spools) first
+        (jobs.runs.runs_lost_mark)."""
+        return time.monotonic() - self.back_at
 
 
 class SpoolReplay(PeriodicThread):

@@ -19,6 +19,7 @@ import pytest
 from django.utils import timezone
 
 from gpus.booking import reservation_create
+from jobs import runs
 from jobs.host.worker import kill_orphans
 from jobs.logs.store import log_stream
 from jobs.models import Job
@@ -128,9 +129,25 @@ def test_a_job_without_its_sessions_start_has_nothing_killed_and_the_log_says_so
     assert str(session.member) in caplog.text
 
 
-def test_the_reconciler_gives_workers_their_grace_after_it_starts(settings):
-    settings.JOB_LOST_AFTER_SECONDS = 10
+def test_the_reconciler_gives_workers_their_grace_after_it_starts():
     reconciler = JobReconciler()
-    assert not reconciler._may_mark_lost()  # a portal restarted mid-outage cannot tell
+    assert reconciler.heard_for() < 1  # a portal restarted mid-outage cannot tell
     reconciler.back_at -= 10
-    assert reconciler._may_mark_lost()
+    assert reconciler.heard_for() >= 10
+
+
+def test_each_kind_of_run_is_judged_lost_only_past_its_own_grace(settings, monkeypatch):
+    """A session beats through the web API, less often than a job: after an outage it gets its
+    own cut-off before it may be called lost, not the jobs' shorter one."""
+    settings.JOB_LOST_AFTER_SECONDS, settings.SESSION_LOST_AFTER_SECONDS = 30, 120
+    judged: list[str] = []
+    monkeypatch.setattr(runs, "_jobs_lost_mark", lambda now: judged.append("jobs") or 0)
+    monkeypatch.setattr(runs, "_sessions_lost_mark", lambda now: judged.append("sessions") or 0)
+    runs.runs_lost_mark(heard_for=29)
+    assert judged == []
+    runs.runs_lost_mark(heard_for=30)
+    assert judged == ["jobs"]
+    runs.runs_lost_mark(heard_for=120)
+    assert judged == ["jobs", "jobs", "sessions"]
+    runs.runs_lost_mark()  # no outage known: every kind is judged
+    assert judged[-2:] == ["jobs", "sessions"]
