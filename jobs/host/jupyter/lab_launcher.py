@@ -3,7 +3,7 @@
 The worker runs this file with the job's own interpreter (another venv or conda env, perhaps,
 without the portal on its path), so it imports only the standard library, and JupyterLab::
 
-    PORTAL_LAB_LISTEN_FD=<fd> <interpreter> /abs/path/jobs/jupyter/lab_launcher.py [jupyterlab options]
+    PORTAL_LAB_LISTEN_FD=<fd> <interpreter> /abs/path/jobs/host/jupyter/lab_launcher.py [jupyterlab options]
 
 The worker bound the socket (SESSION_BIND_ADDRESS, a port the kernel chose) and listens on it
 before the lab's process exists, so no other account on the host can take the lab's address
