@@ -451,3 +451,9 @@ class LabGrant(models.Model):
 
     def __str__(self) -> str:
         return f"lab grant {self.pk} for session {self.session_id}"
+
+
+def lab_path(pk: int) -> str:
+    """Where the portal serves a JupyterLab session (jobs.sessions.lab_proxy): its Jupyter
+    server's base URL."""
+    return f"/sessions/{pk}/lab/"

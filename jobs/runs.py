@@ -8,9 +8,10 @@ cut-off (JOB_LOST_AFTER_SECONDS, SESSION_LOST_AFTER_SECONDS; the database's cloc
 is marked lost by the reconciler. The row is the record: once it says lost, the run's cards may
 be someone else's, so whoever finds the run still alive (a job's supervisor, a lab's, a `gpu`
 command's beat) stops it and never takes it back, with the reason in its log, its owner's inbox
-and the audit log, as every stop is. The reconciler gives workers JOB_LOST_AFTER_SECONDS after a
-database outage before it calls anything lost (jobs.threads.JobReconciler), so an outage of the
-portal's own is no reason to stop anyone's run.
+and the audit log, as every stop is. After a database outage the reconciler judges each kind only
+once the database has answered for that kind's cut-off (jobs.threads.JobReconciler, `heard_for`),
+so an outage of the portal's database is no reason to stop anyone's run. A `gpu` command beats
+through the web API: a web server down longer than SESSION_LOST_AFTER_SECONDS ends its session.
 """
 
 from __future__ import annotations

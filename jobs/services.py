@@ -22,11 +22,11 @@ from jobs.leavers import leavers_stop, owner_active, team_leavers_stop
 from jobs.logs.live import job_changed
 from jobs.models import Job
 from jobs.runs import runs_lost_mark
+from jobs.sending import HostSender
 from jobs.sessions.services import labs_resend
 from jobs.tasks import run_job
 from portal.access import can_manage
 from portal.errors import Forbidden, Invalid
-from portal.outage import outage_of
 
 log = logging.getLogger(__name__)
 
@@ -58,33 +58,11 @@ def dispatch(job: Job, now: datetime) -> bool:
     return True
 
 
-_SEND_FAILED = "Could not send job %s to %s (%r); the reconciler retries, quietly till a send works"
+def _undispatch(job_id: int) -> None:
+    Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(dispatched_at=None)
 
 
-class JobSender:
-    """Sends a job's id to its host's queue after commit (`dispatch`). The broker away: the job
-    stays queued, undispatched, and the reconciler sends it again; said once for the outage, not
-    with a traceback every job every tick. One per process (`send`): the broker is the process's,
-    whichever thread met its outage (a request, the scheduler, the reconciler, a host's pickup)."""
-
-    def __init__(self) -> None:
-        self.failing = False  # set by a send that failed, cleared by the next that works
-
-    def __call__(self, job_id: int, queue: str) -> None:
-        try:
-            run_job.apply_async(args=[job_id], queue=queue)  # by its object: a rename fails at import
-        except Exception as exc:
-            if not self.failing:  # a known outage: one line; anything else: its traceback, this once
-                self.failing = True
-                log.warning(_SEND_FAILED, job_id, queue, exc, exc_info=outage_of(exc) is None)
-            Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(dispatched_at=None)
-            return
-        if self.failing:
-            self.failing = False
-            log.warning("Jobs are sent to their hosts again (job %s to %s)", job_id, queue)
-
-
-send = JobSender()
+send = HostSender(run_job, "job", log, undo=_undispatch)
 
 
 @transaction.atomic

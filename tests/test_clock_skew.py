@@ -29,7 +29,6 @@ from jobs.models import InteractiveSession, Job
 from jobs.prometheus.metrics import PortalCollector
 from jobs.services import jobs_reconcile
 from jobs.sessions import services as interactive
-from jobs.sessions.services import sessions_reconcile
 from jobs.submit import ScriptUpload, job_submit
 from tests.factories import make_snapshot
 from tests.waiting import wait_for
@@ -134,7 +133,7 @@ def test_a_beating_session_is_not_ended_whatever_the_web_servers_clock(
     alice, booking, short_cut_offs, monkeypatch, offset
 ):
     pk = _running_session(alice, booking, monkeypatch, offset)
-    assert sessions_reconcile() == 0
+    assert jobs_reconcile()["sessions_lost"] == 0
     assert InteractiveSession.objects.get(pk=pk).status == InteractiveSession.Status.RUNNING
 
 
@@ -144,8 +143,8 @@ def test_a_session_whose_beats_stopped_is_ended_after_the_cut_off_whatever_the_c
     alice, booking, short_cut_offs, monkeypatch, offset
 ):
     pk = _running_session(alice, booking, monkeypatch, offset)
-    assert sessions_reconcile() == 0
-    wait_for(lambda: sessions_reconcile(), timeout=10, what="the session ended as lost")
+    assert jobs_reconcile()["sessions_lost"] == 0
+    wait_for(lambda: jobs_reconcile()["sessions_lost"], timeout=10, what="the session ended as lost")
     assert InteractiveSession.objects.get(pk=pk).message.startswith(runs.LOST)
 
 

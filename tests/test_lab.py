@@ -254,14 +254,14 @@ def test_a_lab_is_refused_where_everyones_labs_would_share_one_account(alice, bo
 
 def test_a_lab_marked_lost_while_its_supervisor_lives_is_stopped(lab_session, settings):
     """A lost run is never taken back (jobs.runs): its supervisor stops it, and says so once."""
-    from jobs.sessions.services import sessions_reconcile
+    from jobs.services import jobs_reconcile
 
     session, _, thread = lab_session
     aged = Now() - timedelta(seconds=settings.SESSION_LOST_AFTER_SECONDS + 5)  # the database's clock judges
 
     def lost() -> int:  # its supervisor may beat between the two: then again
         InteractiveSession.objects.filter(pk=session.pk).update(beat_at=aged)
-        return sessions_reconcile()
+        return jobs_reconcile()["sessions_lost"]
 
     wait_for(lost, timeout=10, what="the lab marked lost")
     thread.join(timeout=30)

@@ -36,8 +36,8 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from jobs.host import lab, lab_listener
 from jobs.host.executors import local
-from jobs.models import InteractiveSession
-from jobs.sessions.services import lab_path, session_start
+from jobs.models import InteractiveSession, lab_path
+from jobs.sessions.services import session_start
 from portal.models import AuditEntry, Notification
 from tests.job_helpers import alive
 from tests.waiting import wait_for

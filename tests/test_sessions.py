@@ -17,7 +17,8 @@ from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation, Server
 from jobs.host.watchdog import _sessions_of
 from jobs.models import InteractiveSession
-from jobs.sessions.services import host_matches, sessions_reconcile
+from jobs.services import jobs_reconcile
+from jobs.sessions.services import host_matches
 from jobs.watchdog.rules import BookingFacts, JobFacts, Kind, SessionFacts, classify
 from portal.models import AuditEntry, Notification
 
@@ -194,9 +195,9 @@ def test_a_session_whose_beats_stopped_is_ended_as_lost(alice, booking, settings
     pk = start(alice, reservation=booking.pk).json()["id"]
     lost_after = settings.SESSION_LOST_AFTER_SECONDS
     beat_ago(pk, lost_after - 1)  # beats and their cut-off: the database's clock (portal.clock)
-    assert sessions_reconcile() == 0
+    assert jobs_reconcile()["sessions_lost"] == 0
     beat_ago(pk, lost_after + 1)
-    assert sessions_reconcile() == 1
+    assert jobs_reconcile()["sessions_lost"] == 1
     session = InteractiveSession.objects.get(pk=pk)
     assert session.status == "ended" and session.message.startswith("Lost: no word from its gpu command")
 
@@ -308,7 +309,7 @@ def test_the_api_starts_a_lab_too_and_a_lost_message_is_sent_again(alice, bookin
     )
     assert answer.status_code == 201 and answer.json()["status"] == "starting"
     later = timezone.now() + timedelta(seconds=31)
-    sessions_reconcile(now=later)
+    jobs_reconcile(now=later)
     assert sends[-1] == (answer.json()["id"], "host.box1")
 
 
@@ -327,7 +328,7 @@ def test_a_lost_gpu_command_that_beats_again_is_stopped_and_told_once(alice, boo
     pk = start(alice, reservation=booking.pk).json()["id"]
     api(alice).patch(f"/api/v1/sessions/{pk}/", {"pid": 4242}, format="json")
     beat_ago(pk, settings.SESSION_LOST_AFTER_SECONDS + 1)
-    sessions_reconcile()
+    jobs_reconcile()["sessions_lost"]
     assert InteractiveSession.objects.get(pk=pk).status == "ended"
     for _ in range(2):
         beat = api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()

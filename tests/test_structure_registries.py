@@ -11,8 +11,6 @@ from django.core.management.base import CommandError
 from django.template import Context, Template
 from django.urls import reverse
 
-from jobs import tasks as job_tasks
-from jobs.sessions.services import RUN_SESSION
 from portal import hooks, mail, tasks
 from portal.celery import app
 from portal.management.commands.runportal import _worker_servers
@@ -102,11 +100,3 @@ def test_the_mail_tasks_keep_their_names_and_are_one_object():
     assert tasks.mail_notification is mail.mail_notification
     for name in ("portal.tasks.mail_notification", "portal.tasks.requeue_stranded_mail"):
         assert name in app.tasks  # beat's schedule and queued messages use these names
-
-
-def test_the_lab_task_sent_by_name_is_the_registered_run_session():
-    """jobs.sessions.services sends run_session by name (importing jobs.tasks there would close a
-    circle: jobs.tasks → jobs.host.lab → jobs.sessions.services): a rename fails here, not at a
-    lab's start. run_job is sent by its object (jobs.services.JobSender)."""
-    app.loader.import_default_modules()
-    assert RUN_SESSION in app.tasks and job_tasks.run_session.name == RUN_SESSION

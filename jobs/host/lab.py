@@ -21,7 +21,7 @@ else can listen at that address while the socket lives. Readiness is asked witho
 address is the one the worker made and that the lab's own process holds it. Only then does the
 row turn RUNNING with the address, and the token goes only over connections checked the same way.
 A lab whose listener is not proved (or whose launcher refused the socket) ends FAILED saying why,
-told to its owner and the audit log (jobs.sessions.services.lab_start_refused_tell).
+told to its owner and the audit log (jobs.sessions.notices.lab_start_refused_tell).
 
 Once RUNNING, every TICK_SECONDS this supervisor (the Celery task, holding a pool slot as a job
 does) reads the row and ends the lab:
@@ -33,7 +33,7 @@ Its kernels run in sessions of their own (jupyter_client starts each with start_
 so they are recorded on the row (`kernels`, each by pid and start) as they come: the watchdog
 counts them as the booking's, and the end reaches them by identity, also after the worker
 died (`lab_orphans_end`, when the host's worker starts). Every stop that was not the owner's own
-request is said in the inbox and the audit log (jobs.sessions.services.session_stopped_tell).
+request is said in the inbox and the audit log (jobs.sessions.notices.session_stopped_tell).
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ from jobs.host.executors import Run, RunOutput, RunSpec, executor_for
 from jobs.host.lab_listener import Listener, listen, listener_proof, listening_at
 from jobs.host.launch import LAUNCHER, account_of
 from jobs.host.spool import worker_stopping
-from jobs.models import InteractiveSession
+from jobs.models import InteractiveSession, lab_path
 from jobs.runs import LOST_FOUND_ALIVE, session_is_lost, session_lost_stop
-from jobs.sessions.services import lab_path, lab_start_refused_tell, session_stopped_tell, session_warn_ending
+from jobs.sessions.notices import lab_start_refused_tell, session_stopped_tell, session_warn_ending
 from portal.accounts import JOB_USER_OWNER
 from portal.pids import ProcessId, Sent, send, session_members
 from portal.timefmt import format_time

@@ -17,9 +17,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from jobs.filters import SessionFilter
-from jobs.models import InteractiveSession
+from jobs.models import InteractiveSession, lab_path
 from jobs.sessions.services import (
-    lab_path,
     session_beat,
     session_end_request,
     session_finish,

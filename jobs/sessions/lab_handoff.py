@@ -50,8 +50,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 from django.utils.crypto import constant_time_compare
 
-from jobs.models import InteractiveSession, LabGrant
-from jobs.sessions.services import lab_path
+from jobs.models import InteractiveSession, LabGrant, lab_path
 
 GRANT_COOKIE = "lab_grant"  # on LAB_ORIGIN, Path=/sessions/<id>/lab/
 STATE_COOKIE = "lab_state"  # on LAB_ORIGIN, Path=/sessions/<id>/

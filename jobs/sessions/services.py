@@ -9,7 +9,7 @@ beats (`session_beat`): the answer is the booking's end as it stands now (extend
 whether someone ended the session from the portal; the command stops itself at that end, with a
 warning SESSION_WARN_MINUTES before it in the terminal and the inbox. `session_finish` records its
 end and why; a session whose beats stopped (its `gpu` was killed, its host died) is ended by
-`sessions_reconcile`, and from then on its processes are no longer the booking's.
+the reconciler (jobs.runs.runs_lost_mark), and from then on its processes are no longer the booking's.
 
 The host given is the caller's word: it only keeps a mistake (the environment of cards on another
 host) from happening. It grants nothing: the variables name the caller's own booking, and the
@@ -25,7 +25,6 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
-from celery import current_app
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
@@ -37,11 +36,12 @@ from gpus.hooks import Work
 from gpus.models import Allocation, Reservation, Server
 from jobs.environment import BookedCard, JobSetupError, session_environment
 from jobs.models import InteractiveSession, Job
-from jobs.runs import LOST_FOUND_ALIVE, runs_lost_mark, session_is_lost, session_lost_stop
+from jobs.runs import LOST_FOUND_ALIVE, session_is_lost, session_lost_stop
+from jobs.sending import HostSender
+from jobs.sessions.notices import session_stopped_tell, session_warn_ending
+from jobs.tasks import run_session
 from portal.access import can_manage
 from portal.errors import Forbidden, Invalid
-from portal.models import AuditEntry, Notification
-from portal.notifications import notification_send
 from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,6 @@ log = logging.getLogger(__name__)
 COMMAND_MAX_ARGS = 1000
 COMMAND_MAX_CHARS = 64 * 1024
 MESSAGE_MAX = 500
-EXTEND_LOOKAHEAD = timedelta(hours=1)  # how far after the end the warning looks for the next booking
-
-
-def lab_path(pk: int) -> str:
-    """Where the portal serves a JupyterLab session (jobs.sessions.lab_proxy): its Jupyter
-    server's base URL."""
-    return f"/sessions/{pk}/lab/"
 
 
 def host_matches(server: Server, host: str) -> bool:
@@ -127,21 +120,9 @@ def session_start(
     return session, env
 
 
-# The task by name: importing jobs.tasks here would close a circle (jobs.tasks → jobs.host.lab →
-# here); tests/test_structure_registries.py checks that it names the registered run_session.
-RUN_SESSION = "jobs.tasks.run_session"
 LAB_COMMAND = ["jupyter", "lab"]
 LAB_RESEND_SECONDS = 30  # a lab no worker took this long after its message: sent again
-
-
-def _send(session_id: int, queue: str) -> None:
-    """The lab's message after commit. The broker away: `sessions_reconcile` sends it again."""
-    try:
-        current_app.tasks[RUN_SESSION].apply_async(args=[session_id], queue=queue)
-    except Exception as exc:
-        log.warning(
-            "Could not send session %s to %s (%r); the reconciler sends it again", session_id, queue, exc
-        )
+_send = HostSender(run_session, "session", log)  # after a failure the reconciler sends it again (labs_resend)
 
 
 def _check_command(command: Sequence[str]) -> list[str]:
@@ -303,51 +284,6 @@ def _terminal_only(session: InteractiveSession) -> None:
         )
 
 
-def session_warn_ending(session: InteractiveSession, ends_at: datetime, now: datetime) -> None:
-    """The owner's inbox, once: the booking under the session ends soon; with the way to extend
-    it when its cards are free after its end, else who takes them."""
-    with transaction.atomic():
-        if not InteractiveSession.objects.filter(pk=session.pk, warned_at=None).update(warned_at=now):
-            return  # another beat told them
-        minutes = max(1, round((ends_at - now).total_seconds() / 60))
-        what = (
-            "JupyterLab and its kernels are"
-            if session.kind == InteractiveSession.Kind.JUPYTERLAB
-            else (f"{session.get_kind_display()} ({' '.join(session.command)[:200]}) is")
-        )
-        notification_send(
-            user=session.owner,
-            kind=Notification.Kind.SESSION_ENDING,
-            subject=f"Booking {session.reservation_id} ends at {format_time(ends_at)}: your "
-            f"{session.get_kind_display()} stops then",
-            body=(
-                f"Your {what} on {session.server.name}, on booking {session.reservation_id}, which ends "
-                f"in about {minutes} min, at {format_time(ends_at)}. It is stopped then (SIGTERM, then "
-                f"SIGKILL after the grace period): save your work. {_after_end(session, ends_at)}"
-            ),
-            url=f"/reservations/{session.reservation_id}/",
-            key=f"session-ending:{session.pk}",
-        )
-
-
-def _after_end(session: InteractiveSession, ends_at: datetime) -> str:
-    """Whether Extend can help: the first booking of someone else on its cards after its end."""
-    cards = list(session.reservation.allocations.values_list("gpu_id", flat=True))
-    taken = (
-        Allocation.objects.live_between(ends_at, ends_at + EXTEND_LOOKAHEAD)
-        .filter(gpu_id__in=cards)
-        .exclude(reservation_id=session.reservation_id)
-        .order_by("start")
-        .values_list("start", flat=True)
-        .first()
-    )
-    if taken is None:
-        return "Its cards are free after it: Extend the booking on its page to keep going."
-    if taken > ends_at:
-        return f"Its cards are free until {format_time(taken)}: Extend the booking up to then on its page."
-    return "Its cards are booked by someone else right after it, so it cannot be extended."
-
-
 @transaction.atomic
 def session_finish(
     *, session: InteractiveSession, exit_code: Any, message: Any, now: datetime | None = None
@@ -393,61 +329,6 @@ def active_lab(reservation_id: int) -> InteractiveSession | None:
     )
 
 
-def session_stopped_tell(session: InteractiveSession, why: str, *, reported: bool = False) -> None:
-    """A stop said in the inbox and the audit log. `reported`: `gpu` on the host said it stopped
-    the command (its owner's own program: the audit entry names the owner as its source)."""
-    what = f"{session.get_kind_display()} session {session.pk} ({' '.join(session.command)[:200]})"
-    AuditEntry.objects.create(
-        actor=session.owner if reported else None,
-        action=AuditEntry.Action.SESSION_STOP,
-        team=session.reservation.team,
-        target=f"session {session.pk}",
-        message=f"Stopped {what} of {session.owner}: {why}",
-        data={"reservation": session.reservation_id, "server": session.server_id, "pid": session.pid},
-    )
-    notification_send(
-        user=session.owner,
-        kind=Notification.Kind.JOB_STOPPED,
-        subject=f"Your {session.get_kind_display()} on {session.server.name} was stopped",
-        body=f"Your {what} was stopped: {why}.",
-        url=f"/reservations/{session.reservation_id}/",
-    )
-
-
-@transaction.atomic
-def lab_start_refused_tell(session: InteractiveSession, why: str) -> None:
-    """A lab that did not start because its server could not be proved to be the one its worker
-    started (jobs.host.lab_listener.listener_proof), or because its launcher refused the listening
-    socket handed to it: said in the owner's inbox and the audit log. Its token was sent nowhere;
-    someone else on the host may have tried to stand in for it, which an admin wants to know."""
-    what = f"{session.get_kind_display()} session {session.pk}"
-    AuditEntry.objects.create(
-        actor=None,
-        action=AuditEntry.Action.SESSION_STOP,
-        team=session.reservation.team,
-        target=f"session {session.pk}",
-        message=f"Refused to start {what} of {session.owner}: {why}",
-        data={
-            "reservation": session.reservation_id,
-            "server": session.server_id,
-            "pid": session.pid,
-            "refused": "listener not proved",
-        },
-    )
-    notification_send(
-        user=session.owner,
-        kind=Notification.Kind.JOB_STOPPED,
-        subject=f"Your {session.get_kind_display()} on {session.server.name} did not start",
-        body=(
-            f"Your {what} on {session.server.name}, on booking {session.reservation_id}, did not "
-            f"start: {why}. Its token was sent nowhere. Start it again from the booking; if this "
-            "happens again, tell an admin: another account on that host may be trying to stand in "
-            "for labs."
-        ),
-        url=f"/reservations/{session.reservation_id}/",
-    )
-
-
 @transaction.atomic
 def session_end_request(*, session: InteractiveSession, by: AbstractBaseUser) -> InteractiveSession:
     """Ended from the portal (DELETE, the End button): `gpu` sees it at its next beat and stops the
@@ -457,16 +338,6 @@ def session_end_request(*, session: InteractiveSession, by: AbstractBaseUser) ->
     ).update(end_requested_at=timezone.now(), end_requested_by=by)
     session.refresh_from_db()
     return session
-
-
-def sessions_reconcile(*, now: datetime | None = None) -> int:
-    """Send again the labs no worker took (`labs_resend`), and end the sessions whose beats
-    stopped (SESSION_LOST_AFTER_SECONDS: their `gpu` command was killed, their host died) by the
-    one rule for lost runs (jobs.runs.runs_lost_mark, which the reconciler runs for jobs and
-    sessions at once); how many were ended. Safe to run anywhere, twice."""
-    now = now or timezone.now()
-    labs_resend(now=now)
-    return runs_lost_mark(now=now)["sessions_lost"]
 
 
 def labs_resend(*, now: datetime | None = None) -> None:

@@ -16,9 +16,9 @@ from django.utils.http import urlencode
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
-from jobs.models import InteractiveSession
+from jobs.models import InteractiveSession, lab_path
 from jobs.sessions.lab_handoff import lab_auth_path, lab_for_owner, lab_next, lab_ticket_issue
-from jobs.sessions.services import active_lab, lab_path, session_end_request, session_start
+from jobs.sessions.services import active_lab, session_end_request, session_start
 from portal.access import can_manage
 from portal.errors import Forbidden, ServiceError
 from portal.http import redirect_back
