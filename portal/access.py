@@ -47,11 +47,6 @@ def teams_led_by(user: AbstractBaseUser | None) -> QuerySet[Team]:
     return Team.objects.led_by(user)
 
 
-def teams_visible_to(user: AbstractBaseUser) -> QuerySet[Team]:
-    """The teams a user may see: Team's `restrict(user, "view")` (their own; admins every team)."""
-    return Team.objects.restrict(user, VIEW)
-
-
 def team_ids_of(user: AbstractBaseUser) -> set[int]:
     return set(Membership.objects.filter(user=user).values_list("team_id", flat=True))
 

@@ -15,7 +15,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import models
 from django.utils import timezone
 
-from portal.restrict import CHANGE, check_action, is_admin
+from portal.restrict import CHANGE, VIEW, check_action, is_admin
 
 
 class QuotaFields(models.Model):
@@ -50,7 +50,7 @@ class TeamQuerySet(models.QuerySet):
         """The teams the user leads (none for no user; an admin leads only the teams they lead)."""
         return self.filter(memberships__user=user, memberships__role=Membership.Role.LEADER)
 
-    def restrict(self, user: AbstractBaseUser, action: str) -> TeamQuerySet:
+    def restrict(self, user: AbstractBaseUser, action: str = VIEW) -> TeamQuerySet:
         """ "view": the teams the user belongs to (members and leaders); "change" (its quotas, its
         members, its channels): the teams they lead. Admins: every team. Outsiders never learn
         the rest exist."""

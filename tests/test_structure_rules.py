@@ -9,7 +9,7 @@ import pytest
 
 from gpus.booking import reservation_cancel, reservation_create
 from gpus.models import GPU, Allocation
-from portal.access import can_manage, teams_led_by, teams_visible_to
+from portal.access import can_manage, teams_led_by
 from portal.models import Team
 from tests.factories import MembershipFactory, TeamFactory
 
@@ -55,7 +55,7 @@ def test_the_window_test_chains_after_other_filters(alice, bob, box, t0):
     assert [a.gpu_id for a in mine] == [box[0].uuid]
 
 
-# --- teams_led_by, teams_visible_to, can_manage -----------------------------------------------
+# --- teams_led_by, Team.objects.restrict, can_manage -----------------------------------------------
 
 
 def test_it_lists_the_teams_a_user_leads(alice, leader, charlie, admin_user, team):
@@ -69,10 +69,10 @@ def test_it_lists_the_teams_a_user_leads(alice, leader, charlie, admin_user, tea
 
 
 def test_it_shows_members_their_teams_and_admins_every_team(alice, bob, charlie, admin_user, team):
-    assert list(teams_visible_to(alice)) == [team]
-    assert list(teams_visible_to(bob)) == [team]
-    assert team not in teams_visible_to(charlie)  # an outsider never learns it exists
-    assert set(teams_visible_to(admin_user)) == set(Team.objects.all())
+    assert list(Team.objects.restrict(alice)) == [team]
+    assert list(Team.objects.restrict(bob)) == [team]
+    assert team not in Team.objects.restrict(charlie)  # an outsider never learns it exists
+    assert set(Team.objects.restrict(admin_user)) == set(Team.objects.all())
     assert len(Team.objects.all()) == 2  # alice's and charlie's
 
 
