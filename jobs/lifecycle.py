@@ -48,8 +48,10 @@ def transition(
             return False
         if told is not None:
             told()
-    if published is not None:
-        published(manager.all(), pk)
+        # Inside too: what it reads (the job's server) fails with the change, never after it
+        # committed; the message itself goes out once the change commits.
+        if published is not None:
+            published(manager.all(), pk)
     return True
 
 

@@ -392,6 +392,7 @@ class LabSupervisor:
             self.pk,
             from_=InteractiveSession.ACTIVE,
             to=status,
+            told=lambda: self._tell(status, why),  # in the change's transaction: never one without the other
             finished_at=timezone.now(),
             exit_code=code,
             message=message,
@@ -400,19 +401,20 @@ class LabSupervisor:
         if not updated:  # ended meanwhile (lost): its kernels were ended by `_stop` all the same
             InteractiveSession.objects.filter(pk=self.pk).update(kernels=[])
         work_ended(session_name(self.pk))  # again: a refresh may have read the row before
-        if updated and self.refused:
-            lab_start_refused_tell(
-                InteractiveSession.objects.select_related("reservation", "owner", "server").get(pk=self.pk),
-                why,
-            )
-        if updated and status == Session.ENDED and why != "JupyterLab exited by itself":
-            session = InteractiveSession.objects.select_related("reservation", "owner", "server").get(
-                pk=self.pk
-            )
-            if not (why == "ended from the portal" and _ended_by_owner(session)):
-                session_stopped_tell(session, why)
         log.info("Session %s: %s (%s)", self.pk, status, why)
         return status
+
+    def _tell(self, status: str, why: str) -> None:
+        """The owner's inbox and the audit log: a refused start, or a stop that was not the owner's
+        own (an end from the portal by someone else, the booking's end, idle)."""
+        if not self.refused and (status != Session.ENDED or why == "JupyterLab exited by itself"):
+            return
+        session = InteractiveSession.objects.select_related("reservation", "owner", "server").get(pk=self.pk)
+        if self.refused:
+            lab_start_refused_tell(session, why)
+        stopped = status == Session.ENDED and why != "JupyterLab exited by itself"
+        if stopped and not (why == "ended from the portal" and _ended_by_owner(session)):
+            session_stopped_tell(session, why)
 
 
 def _ended_by_owner(session: InteractiveSession) -> bool:
