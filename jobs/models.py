@@ -44,17 +44,11 @@ class JobArray(models.Model):
         return f"array {self.pk} ({self.spec})"
 
 
-class JobQuerySet(models.QuerySet):
-    """Job.objects: the named reads and the one status change of a job (issue 32)."""
+class RunQuerySet(models.QuerySet):
+    """What jobs and sessions share: their one status change (jobs.lifecycle.transition).
+    `published`: how a made change is told to the pages once it commits (None: not at all)."""
 
-    def restrict(self, user, action: str = VIEW) -> JobQuerySet:  # type: ignore[no-untyped-def]
-        """The jobs `user` may see or change (cancel): their own and every job of the teams they
-        lead; admins all. One set for both actions: a teammate who does not lead sees neither (the
-        booking, not what runs on it). Pages, the API and selectors all ask here."""
-        check_action(action)
-        if is_admin(user):
-            return self
-        return self.filter(models.Q(owner=user) | models.Q(team_id__in=teams_led_by(user)))
+    published: Callable[[models.QuerySet, int], None] | None = None
 
     def transition(
         self,
@@ -66,10 +60,26 @@ class JobQuerySet(models.QuerySet):
         told: Callable[[], None] | None = None,
         **fields: Any,
     ) -> bool:
-        """The one status change of a job (jobs.lifecycle.transition), published once it commits."""
-        return transition(
-            self, pk, from_=from_, to=to, where=where, told=told, published=job_published, **fields
-        )
+        """The one status change of a run: from a status in `from_` to `to`, if still so (and
+        `where`); `told` writes what is due with it, in its transaction."""
+        published = type(self).published
+        return transition(self, pk, from_=from_, to=to, where=where, told=told, published=published, **fields)
+
+
+class JobQuerySet(RunQuerySet):
+    """Job.objects: the named reads and the one status change of a job (issue 32), published once
+    it commits (its page, its log streams, the lists of jobs, its server's cards)."""
+
+    published = staticmethod(job_published)
+
+    def restrict(self, user, action: str = VIEW) -> JobQuerySet:  # type: ignore[no-untyped-def]
+        """The jobs `user` may see or change (cancel): their own and every job of the teams they
+        lead; admins all. One set for both actions: a teammate who does not lead sees neither (the
+        booking, not what runs on it). Pages, the API and selectors all ask here."""
+        check_action(action)
+        if is_admin(user):
+            return self
+        return self.filter(models.Q(owner=user) | models.Q(team_id__in=teams_led_by(user)))
 
 
 class Job(models.Model):
@@ -283,7 +293,10 @@ class JobMetric(models.Model):
         return f"metrics {self.seq} of job {self.job_id}"
 
 
-class InteractiveSessionQuerySet(models.QuerySet):
+class InteractiveSessionQuerySet(RunQuerySet):
+    """InteractiveSession.objects. A session's change is published nowhere: the pages that show
+    sessions read them when they load."""
+
     def restrict(self, user, action: str = VIEW) -> InteractiveSessionQuerySet:  # type: ignore[no-untyped-def]
         """The sessions `user` may see or change (end): the owner's, those on bookings of the teams
         the user leads, and all for admins: as jobs."""
@@ -297,20 +310,6 @@ class InteractiveSessionQuerySet(models.QuerySet):
         pool, as a job does (jobs.host.lab), from its start until it ends. The pickup and the queue's
         scheduler count them as busy (jobs.host.pickup, jobs.queue.scheduler)."""
         return self.filter(kind=InteractiveSession.Kind.JUPYTERLAB, status__in=InteractiveSession.ACTIVE)
-
-    def transition(
-        self,
-        pk: int,
-        *,
-        from_: str | Collection[str],
-        to: str,
-        where: models.Q | None = None,
-        told: Callable[[], None] | None = None,
-        **fields: Any,
-    ) -> bool:
-        """The one status change of a session (jobs.lifecycle.transition). Nothing is published:
-        the pages that show sessions read them when they load."""
-        return transition(self, pk, from_=from_, to=to, where=where, told=told, **fields)
 
 
 class InteractiveSession(models.Model):
