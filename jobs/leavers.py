@@ -45,6 +45,7 @@ from gpus.models import Reservation
 from jobs.logs.live import job_changed
 from jobs.logs.store import log_append
 from jobs.models import Job
+from jobs.runs import waiting_job_cancel
 from portal.models import AuditEntry, Membership, Notification, Team
 from portal.notifications import notification_send
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
@@ -136,16 +137,7 @@ def _cancel_waiting(jobs: QuerySet[Job], message: str, now: datetime) -> list[tu
     path."""
     found = []
     for pk, team_id in jobs.values_list("pk", "team_id"):
-        if Job.objects.transition(
-            pk,
-            from_=WAITING,
-            to=Job.Status.CANCELLED,
-            finished_at=now,
-            cancel_requested_at=now,
-            cancelled_by=None,
-            pending_reason="",
-            message=message,
-        ):
+        if waiting_job_cancel(pk, by=None, message=message, now=now):
             found.append((pk, team_id))
             # No worker has it: the log is free to write.
             log_append(pk, f"[portal] {message} The job never started.", now=now)

@@ -140,6 +140,22 @@ def _jobs_lost_mark(now: datetime) -> int:
     return marked
 
 
+def waiting_job_cancel(pk: int, *, by: object | None, message: str, now: datetime) -> bool:
+    """A job no worker has started (pending in the queue, or queued for its host) cancelled with
+    `message`, by a person (`by`) or by the portal (None); whether it was still waiting. A job
+    a worker took meanwhile is its worker's to stop (cancel_requested_at)."""
+    return Job.objects.transition(
+        pk,
+        from_=(Job.Status.PENDING, Job.Status.QUEUED),
+        to=Job.Status.CANCELLED,
+        finished_at=now,
+        cancel_requested_at=now,
+        cancelled_by=by,
+        pending_reason="",
+        message=message,
+    )
+
+
 def _sessions_lost_mark(now: datetime) -> int:
     stale = since(settings.SESSION_LOST_AFTER_SECONDS)
     unheard = Q(beat_at__lt=stale) | Q(beat_at=None, created_at__lt=stale)
@@ -151,7 +167,7 @@ def _sessions_lost_mark(now: datetime) -> int:
             from_=InteractiveSession.ACTIVE,
             to=InteractiveSession.Status.ENDED,
             where=unheard,
-            finished_at=now,
+            finished_at=Now(),  # the clock its beat is judged by, as a lost job's end
             message=f"{LOST} no word from its gpu command since {format_time(beat_at or now)}.",
         )
     return marked

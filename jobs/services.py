@@ -18,10 +18,10 @@ from django.utils import timezone
 
 from gpus.inventory import GPUInfo
 from gpus.models import GPU, Allocation, Server
-from jobs.leavers import leavers_stop, owner_active, team_leavers_stop
+from jobs.leavers import WAITING, leavers_stop, owner_active, team_leavers_stop
 from jobs.logs.live import job_changed
 from jobs.models import Job
-from jobs.runs import runs_lost_mark
+from jobs.runs import runs_lost_mark, waiting_job_cancel
 from jobs.sending import HostSender
 from jobs.sessions.services import labs_resend
 from jobs.tasks import run_job
@@ -97,15 +97,8 @@ def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
         )
     # A pending or queued job is cancelled here; a running one (or one a worker claimed a moment
     # ago: SQLite takes no row lock) is stopped by its worker, which watches for this request.
-    waiting = (Job.Status.PENDING, Job.Status.QUEUED)
-    cancelled_here = job.status in waiting and Job.objects.transition(
-        pk,
-        from_=waiting,
-        to=Job.Status.CANCELLED,
-        finished_at=now,
-        cancel_requested_at=now,
-        cancelled_by=user,
-        message=f"Cancelled by {user} before it started.",
+    cancelled_here = job.status in WAITING and waiting_job_cancel(
+        pk, by=user, message=f"Cancelled by {user} before it started.", now=now
     )
     if not cancelled_here:
         # No status change: the request its worker acts on (jobs.host.runner), shown on the job's page.

@@ -364,16 +364,9 @@ def _stop_everything(proc: subprocess.Popen) -> None:
             child.kill()
 
 
-@pytest.mark.worker
-def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
-    proc, api, log_path = runportal
-    output = log_path.read_text
-    wait_for(api.answers, timeout=120, what=f"the web server (see {log_path})")
-    # The same server is the labs' origin on 127.0.0.1 (LAB_ORIGIN), where no portal page answers.
-    port = api.base.rsplit(":", 1)[1]
-    assert f"JupyterLab sessions: http://127.0.0.1:{port}/" in output()
-    status, body = Api(f"http://127.0.0.1:{port}").call("GET", "/login/")
-    assert status == 404 and body.startswith(b"Only JupyterLab sessions are served here"), body
+def _job_on_rp1(api: Api, name: str, script: bytes) -> tuple[int, int]:
+    """(booking, job): alice's job on a booking of rp1, once rp1 reports and the job has printed
+    its "ready" line."""
     api.login("alice", PASSWORD)
     wait_for(
         lambda: (
@@ -384,8 +377,22 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
         what="rp1's first telemetry",
     )
     booking = api.post("/api/v1/reservations/", {"count": 1, "server": "rp1"})["id"]
-    job_id = api.post("/api/v1/jobs/", {"reservation": booking}, {"script": ("sleeper.py", SLEEPER)})["id"]
+    job_id = api.post("/api/v1/jobs/", {"reservation": booking}, {"script": (name, script)})["id"]
     wait_for(lambda: "ready" in api.log(job_id), timeout=60, what="the job's first line")
+    return booking, job_id
+
+
+@pytest.mark.worker
+def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
+    proc, api, log_path = runportal
+    output = log_path.read_text
+    wait_for(api.answers, timeout=120, what=f"the web server (see {log_path})")
+    # The same server is the labs' origin on 127.0.0.1 (LAB_ORIGIN), where no portal page answers.
+    port = api.base.rsplit(":", 1)[1]
+    assert f"JupyterLab sessions: http://127.0.0.1:{port}/" in output()
+    status, body = Api(f"http://127.0.0.1:{port}").call("GET", "/login/")
+    assert status == 404 and body.startswith(b"Only JupyterLab sessions are served here"), body
+    booking, job_id = _job_on_rp1(api, "sleeper.py", SLEEPER)
     # Its card shows it as the job's: the worker gave it this portal's PORTAL_INSTANCE, and the
     # simulated backend shows only processes that carry it (gpus/simulated/local_jobs.py).
     wait_for(lambda: f"job {job_id}" in _jobs_on_cards(api, "rp1"), timeout=30, what="the job on its card")
@@ -461,18 +468,7 @@ def test_ctrl_c_with_a_stuck_host_worker_leaves_nothing_running(runportal):
     proc, api, log_path = runportal
     output = log_path.read_text
     wait_for(api.answers, timeout=120, what=f"the web server (see {log_path})")
-    api.login("alice", PASSWORD)
-    wait_for(
-        lambda: (
-            api.call("GET", "/api/v1/servers/rp1/")[0] == 200
-            and api.get("/api/v1/servers/rp1/")["status"] == "online"
-        ),
-        timeout=60,
-        what="rp1's first telemetry",
-    )
-    booking = api.post("/api/v1/reservations/", {"count": 1, "server": "rp1"})["id"]
-    job_id = api.post("/api/v1/jobs/", {"reservation": booking}, {"script": ("stray.py", STRAY)})["id"]
-    wait_for(lambda: "ready " in api.log(job_id), timeout=60, what="the job's first line")
+    _, job_id = _job_on_rp1(api, "stray.py", STRAY)
     stray_pid = int(api.log(job_id).split("ready ", 1)[1].split()[0])
     stray = psutil.Process(stray_pid)
 
