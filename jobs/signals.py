@@ -50,8 +50,6 @@ from portal.periodic import start_thread
 
 log = logging.getLogger(__name__)
 
-_host_worker = False  # set when this worker consumes its GPU host's queue
-
 
 @worker_init.connect
 def _on_worker_init(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]

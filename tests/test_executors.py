@@ -66,7 +66,7 @@ def test_a_signal_ends_it_as_128_plus_n(executor, tmp_path):
     assert executor.signal(run, signal.SIGTERM).sent >= 1
     end = executor.wait(run)
     assert end == RunEnd(signal=signal.SIGTERM)
-    assert (end.shell_code, end.returncode) == (128 + signal.SIGTERM, -signal.SIGTERM)
+    assert (end.signal, end.returncode) == (signal.SIGTERM, -signal.SIGTERM)
     assert end.describe() == f"Killed by signal {int(signal.SIGTERM)}."
     executor.sweep(run)
     executor.collect(run)
@@ -100,7 +100,7 @@ def test_stop_ends_a_sigterm_ignoring_tree_with_a_detached_grandchild(executor, 
     began = time.monotonic()
     end = executor.stop(run, grace=0.5)
     assert time.monotonic() - began >= 0.5  # SIGTERM was ignored: the grace was waited out
-    assert end.signal == signal.SIGKILL and end.shell_code == 128 + signal.SIGKILL
+    assert end.signal == signal.SIGKILL and end.returncode == -signal.SIGKILL
     assert not [pid for pid in members if _alive(pid)], "a process of the run's session survived stop()"
 
 

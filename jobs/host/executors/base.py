@@ -84,11 +84,6 @@ class RunEnd:
         """Popen's: the exit code, or minus the signal (what Job.exit_code records)."""
         return -self.signal if self.signal is not None else (self.code or 0)
 
-    @property
-    def shell_code(self) -> int:
-        """A shell's (and a container runtime's): the exit code, or 128+N after signal N."""
-        return 128 + self.signal if self.signal is not None else (self.code or 0)
-
     def describe(self) -> str:
         """For a run that failed: how."""
         return f"Exited with code {self.code}." if self.signal is None else f"Killed by signal {self.signal}."
