@@ -11,9 +11,8 @@ from django.conf import settings
 
 def redis_key(*parts: object) -> str:
     """`portal:<PORTAL_INSTANCE_ID>:<part>:<part>…`: every Redis key and channel the portal names
-    itself (telemetry, wake-ups, queue holds, change feeds, live logs). Celery's own queues are
-    still named by their queue names alone (`portal`, `host.<server>`): two portals on one Redis
-    need their own Redis database number (REDIS_URL's /N) until those carry the instance too.
+    itself (telemetry, wake-ups, queue holds, change feeds, live logs). Celery's queues carry
+    the same `portal:<PORTAL_INSTANCE_ID>:` through kombu's global_keyprefix (portal/settings.py).
 
     Two portals may share one Redis (a test instance beside production, two labs on one server):
     without the instance in the name, one takes the other's telemetry, wake-ups and queue holds,

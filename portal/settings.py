@@ -355,6 +355,11 @@ WORKER_SERVER = env_str("WORKER_SERVER", socket.gethostname().split(".")[0])
 # watchdog stop, only processes that carry it. One database is one portal: by default a digest of
 # where the database lives (never its password), so checkouts sharing a database agree.
 PORTAL_INSTANCE_ID = env_str("PORTAL_INSTANCE_ID", "").strip() or instance_id(DATABASES["default"])
+# Celery's queues and kombu's bookkeeping for them (unacked messages, bindings) under the
+# instance's name like every other key (portal.names.redis_key): two portals on one Redis, or the
+# xdist workers of one test run, never take each other's messages. The queue names stay
+# `portal` and `host.<name>`; only their Redis keys carry the prefix.
+CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = f"portal:{PORTAL_INSTANCE_ID}:celery:"
 TELEMETRY_INTERVAL_SECONDS = env_int("TELEMETRY_INTERVAL_SECONDS", 3, min_value=1, max_value=5)
 SERVER_OFFLINE_AFTER_SECONDS = env_int("SERVER_OFFLINE_AFTER_SECONDS", 20, min_value=5, max_value=30)
 TELEMETRY_HISTORY_SECONDS = env_int("TELEMETRY_HISTORY_SECONDS", 15, min_value=1)

@@ -16,9 +16,7 @@ from portal.env import database_url
 from portal.models import Membership
 from portal.workers import worker_argv
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
-
-ROOT = Path(__file__).resolve().parent.parent
-OUTPUT = ROOT / "test-output"
+from tests.isolation import OUTPUT, ROOT
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -161,7 +159,6 @@ def start_worker(transactional_db, tmp_path) -> Iterator[Callable[..., subproces
     `start(None)` is the portal's own worker (queue `portal`), which runs the collector.
     """
     procs: list[subprocess.Popen] = []
-    OUTPUT.mkdir(exist_ok=True)
 
     def start(server: str | None, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         queue, node = (f"host.{server}", server) if server else ("portal", "portal")

@@ -123,7 +123,6 @@ class _Throwaway:
         self.tag = tag
         self.port = free_port()
         self.folder = Path(tempfile.mkdtemp(prefix=f"{name}-faults-"))
-        OUTPUT.mkdir(exist_ok=True)
         self.log_path = OUTPUT / f"faults-{name}.log"
         self.log_path.write_text("")
         self.proc: subprocess.Popen | None = None

@@ -1,5 +1,4 @@
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -8,9 +7,9 @@ from gpus.models import Reservation
 from gpus.services import server_report_ingest
 from tests.browser import log_in, page  # noqa: F401 - the fixture
 from tests.factories import make_snapshot
+from tests.isolation import OUTPUT
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
-OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
 
 
 def test_it_shows_gpus_and_updates_them_without_reload(page, alice):  # noqa: F811
@@ -30,7 +29,6 @@ def test_it_shows_gpus_and_updates_them_without_reload(page, alice):  # noqa: F8
         timeout=10_000,
     )
     assert page.evaluate("window.__notReloaded") is True  # swapped in place, no page load
-    OUTPUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUTPUT / "dashboard.png"), full_page=True)
 
 
@@ -62,7 +60,6 @@ def test_it_reserves_a_card_from_the_dashboard_shows_it_on_the_timeline_and_canc
     bar = page.locator(f'[data-gpu-uuid="GPU-box1-01"] [data-reservation="{reservation.pk}"]')
     assert bar.is_visible()
     assert "8 GiB" in bar.get_attribute("title")
-    OUTPUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUTPUT / "timeline.png"), full_page=True)
 
     bar.click()  # the bar links back to the booking

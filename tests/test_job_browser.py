@@ -11,10 +11,10 @@ from gpus.models import GPU
 from gpus.simulated.inventory import server_names
 from jobs.models import Job
 from tests.browser import log_in, page  # noqa: F401 - the fixture
+from tests.isolation import OUTPUT
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
-OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
 
 
 def test_it_runs_the_example_and_shows_its_log_live(page, alice, start_worker):  # noqa: F811
@@ -51,7 +51,6 @@ def test_it_runs_the_example_and_shows_its_log_live(page, alice, start_worker): 
     assert "Exit code" in page.locator("#job-status").inner_text()
     assert Job.objects.get().status == Job.Status.SUCCEEDED
 
-    OUTPUT.mkdir(exist_ok=True)
     page.screenshot(path=str(OUTPUT / "job.png"), full_page=True)
     with page.expect_download() as download:
         page.click("#job-log-download")

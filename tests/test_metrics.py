@@ -543,5 +543,4 @@ def test_the_job_page_draws_the_curves_live(page, alice, start_worker) -> None: 
     points = page.evaluate("Chart.getChart('job-curves-chart').data.datasets[0].data.length")
     assert points > 0
     assert "samples" in page.locator("#job-usage-status").inner_text()
-    OUTPUT.mkdir(exist_ok=True)
     page.locator(".job-charts").screenshot(path=str(OUTPUT / "job-curves.png"))

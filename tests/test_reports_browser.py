@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -13,10 +12,11 @@ from gpus.inventory import GPUInfo
 from gpus.usage import UsageRollup, hour_of
 from jobs.models import Job
 from tests.browser import log_in, page  # noqa: F401 - the fixture
+from tests.isolation import OUTPUT
 from tests.test_usage import book, card
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
-OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
+
 STEP = timedelta(minutes=10)
 CHARTS = ("chart-users", "chart-booked-used", "chart-heatmap", "chart-jobs")
 
@@ -92,7 +92,6 @@ def test_a_leader_sees_the_teams_month_at_a_glance(
     assert sorted(rows.nth(i).get_attribute("data-key") for i in range(rows.count())) == ["alice", "bob"]
     assert page.locator("table.idle-bookings tbody tr").count() >= 1
 
-    OUTPUT.mkdir(exist_ok=True)
     shot = OUTPUT / "reports.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 20_000  # a page with charts, not a blank one

@@ -304,7 +304,6 @@ def runportal(tmp_path) -> Iterator[tuple[subprocess.Popen, Api, Path]]:
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text(INVENTORY)
     port = free_port()
-    OUTPUT.mkdir(exist_ok=True)
     log_path = OUTPUT / "runportal.log"
     # A short folder for the socket: a unix socket path has a ~100-byte limit.
     with (

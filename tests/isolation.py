@@ -1,0 +1,64 @@
+"""Each test process its own portal: loaded with `-p tests.isolation` (pyproject's addopts), so it
+runs before pytest-django reads the settings, in the controller and in every xdist worker.
+
+A run (`make test`, its xdist workers included) is named by its controller's pid, inherited by
+the workers through PORTAL_TEST_RUN; a worker by xdist's PYTEST_XDIST_WORKER (`main` without
+xdist). Each test process then gets:
+
+- its own PORTAL_VAR_DIR, var/test-runs/<run>/<worker>/: its SQLite test database, job folders,
+  spool, mail and simulated processes file, so two runs in one checkout never share a file
+  (SQLite's "disk I/O error" when one deleted the other's database);
+- its own PORTAL_INSTANCE_ID, test-<run>-<worker>: every Redis key, channel and Celery queue
+  goes through it (portal.names.redis_key, CELERY_BROKER_TRANSPORT_OPTIONS' global_keyprefix),
+  so the workers share one Redis (the embedded one, or CI's) without seeing each other's
+  telemetry, wake-ups, live logs or jobs, and the simulated backend shows, and its watchdog
+  stops, only this worker's processes;
+- its own output folder, test-output/run-<run>/<worker>/ (OUTPUT): worker logs a test reads
+  back, screenshots. The controller removes the folders of runs that are over (their pid gone).
+
+The Celery workers, web servers and jobs a test starts inherit all three from os.environ.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = os.environ.setdefault("PORTAL_TEST_RUN", str(os.getpid()))
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+_base = Path(os.environ.get("PORTAL_VAR_DIR") or ROOT / "var").resolve()
+VAR_DIR = _base / "test-runs" / RUN / WORKER
+OUTPUT = ROOT / "test-output" / f"run-{RUN}" / WORKER
+
+os.environ["PORTAL_VAR_DIR"] = str(VAR_DIR)
+os.environ["PORTAL_INSTANCE_ID"] = f"test-{RUN}-{WORKER}"
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+OUTPUT.mkdir(parents=True, exist_ok=True)
+
+
+def _run_over(folder: Path, prefix: str = "") -> bool:
+    """A run's folder whose controller is gone (a pid reused since only keeps it one run more)."""
+    name = folder.name.removeprefix(prefix)
+    return name.isdigit() and name != RUN and not psutil.pid_exists(int(name))
+
+
+def pytest_configure(config) -> None:  # type: ignore[no-untyped-def]
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    for folder in (_base / "test-runs").glob("*"):
+        if _run_over(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+    for folder in (ROOT / "test-output").glob("run-*"):
+        if _run_over(folder, "run-"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_unconfigure(config) -> None:  # type: ignore[no-untyped-def]
+    """The controller's var folder goes with its run; its output stays until the next run."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(_base / "test-runs" / RUN, ignore_errors=True)
