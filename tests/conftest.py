@@ -4,7 +4,7 @@ import os
 import shutil
 import socket
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,9 +14,9 @@ from django.utils import timezone
 
 from portal.env import database_url
 from portal.models import Membership
-from portal.workers import worker_argv
+from tests.celery_workers import Worker, WorkerPool
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
-from tests.isolation import OUTPUT, ROOT
+from tests.isolation import OUTPUT, ROOT  # noqa: F401 - this process's own, for the tests
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -151,45 +151,41 @@ def sent(monkeypatch) -> list[tuple[int, str]]:
     return calls
 
 
+@pytest.fixture(scope="session")
+def _worker_pool(django_db_setup, django_db_blocker) -> Iterator[WorkerPool]:
+    """The session's Celery workers (tests/celery_workers.py), ended before the test database is
+    dropped."""
+    pool = WorkerPool()
+    yield pool
+    with django_db_blocker.unblock():
+        pool.close()
+
+
+class StartWorker:
+    """`start_worker("name")` is a GPU host's worker for a simulated server (queue host.name);
+    `start_worker(None)` is the portal's own worker (queue `portal`), which runs the collector.
+    Both return the worker's Popen; `start_worker.log(...)` is what it printed in this test."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.taken: list[Worker] = []
+
+    def __call__(self, server: str | None, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        worker = self.pool.take(server, extra_env)
+        self.taken.append(worker)
+        return worker.proc
+
+    def log(self, which: subprocess.Popen | str | None) -> str:
+        """A worker's output since this test took it: by its Popen, or its server (None: the
+        portal's)."""
+        queue = "portal" if which is None else f"host.{which}" if isinstance(which, str) else None
+        return next(w for w in reversed(self.taken) if w.proc is which or w.queue == queue).log()
+
+
 @pytest.fixture
-def start_worker(transactional_db, tmp_path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """Start real `celery -A portal worker` processes on the test database.
-
-    `start("name")` is a GPU host's worker for a simulated server (queue host.name);
-    `start(None)` is the portal's own worker (queue `portal`), which runs the collector.
-    """
-    procs: list[subprocess.Popen] = []
-
-    def start(server: str | None, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        queue, node = (f"host.{server}", server) if server else ("portal", "portal")
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url_for_subprocess(),
-            "GPU_BACKEND": "simulated",
-            "WORKER_SERVER": server or "portal-host",
-            "TELEMETRY_INTERVAL_SECONDS": "1",
-            # The test's own: a developer's live declarations (var/) never reach a test's workers.
-            "SIMULATED_PROCESSES_FILE": str(tmp_path / "simulated-gpu-processes.json"),
-            **(extra_env or {}),
-        }
-        log = open(OUTPUT / f"worker-{node}.log", "w")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
-            worker_argv(queue, f"{node}@test", pool="solo"),
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append(proc)
-        return proc
-
+def start_worker(transactional_db, _worker_pool) -> Iterator[StartWorker]:
+    """Real `celery -A portal worker` processes on the test database, kept for the session and
+    parked between tests (tests/celery_workers.py): each test finds them as new."""
+    start = StartWorker(_worker_pool)
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    _worker_pool.give_back(start.taken)

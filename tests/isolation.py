@@ -37,6 +37,10 @@ OUTPUT = ROOT / "test-output" / f"run-{RUN}" / WORKER
 
 os.environ["PORTAL_VAR_DIR"] = str(VAR_DIR)
 os.environ["PORTAL_INSTANCE_ID"] = f"test-{RUN}-{WORKER}"
+# Processes a test declares on simulated cards: where this process's workers look (never a
+# developer's own file from the environment).
+SIMULATED_PROCESSES_FILE = VAR_DIR / "simulated-gpu-processes.json"
+os.environ["SIMULATED_PROCESSES_FILE"] = str(SIMULATED_PROCESSES_FILE)
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 OUTPUT.mkdir(parents=True, exist_ok=True)
 

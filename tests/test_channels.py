@@ -39,7 +39,7 @@ from portal.channels import (
 from portal.errors import Forbidden, Invalid, QuotaExceeded, TooSoon
 from portal.models import ChannelDelivery, Notification, NotificationChannel
 from portal.notifications import notification_send
-from tests.conftest import OUTPUT, free_port
+from tests.conftest import free_port
 from tests.factories import make_snapshot
 from tests.waiting import wait_for
 
@@ -465,7 +465,7 @@ def test_a_real_worker_posts_to_the_webhook_and_logs_no_secret(start_worker, hoo
     wait_for(
         lambda: ChannelDelivery.objects.filter(status=Status.SENT).exists(), timeout=10, what="it recorded"
     )
-    log = (OUTPUT / "worker-portal.log").read_text()
+    log = start_worker.log(None)
     assert "channel_deliver" in log and SECRET not in log  # the message carries only the row's id
 
 

@@ -162,18 +162,17 @@ def test_it_stops_a_job_when_its_booking_ends(api, alice, host):
     assert end <= job.finished_at < end + timedelta(seconds=10)
 
 
-def test_it_never_starts_a_second_run_for_a_redelivered_message(api, alice, host):
+def test_it_never_starts_a_second_run_for_a_redelivered_message(api, alice, host, start_worker):
     source = b"import os\nprint('run of job', os.environ['PORTAL_JOB_ID'], flush=True)\n"
     job_id = _submit(api, _book(alice, host), source)
     run_job.apply_async(args=[job_id], queue=f"host.{host}")  # the same message, delivered again
     job = _finished(job_id)
     assert job.status == Job.Status.SUCCEEDED
     assert job_run(job_id) is None  # and once more, in this process: a no-op
-    worker_log = OUTPUT / f"worker-{host}.log"
     wait_for(
-        lambda: f"Job {job_id} is not queued" in worker_log.read_text(),
+        lambda: f"Job {job_id} is not queued" in start_worker.log(host),
         timeout=30,
-        what=f"the worker to drop the duplicate (see {worker_log})",
+        what=f"the worker to drop the duplicate (see {OUTPUT})",
     )
     assert job_log(job_id).count("run of job") == 1
     assert Job.objects.get(pk=job_id).log_bytes == job.log_bytes

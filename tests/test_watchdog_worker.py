@@ -19,6 +19,7 @@ from gpus.simulated.inventory import server_names
 from jobs.logs.store import log_stream
 from jobs.models import Job
 from portal.models import Notification
+from tests.isolation import SIMULATED_PROCESSES_FILE
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.worker
@@ -27,10 +28,11 @@ SLEEPER = b"import time\nprint('ready', flush=True)\ntime.sleep(120)\n"
 
 
 @pytest.fixture
-def declarations(tmp_path, settings):
-    """The file the test's host worker reads (tests/conftest.py gives it the same path)."""
-    settings.SIMULATED_PROCESSES_FILE = tmp_path / "simulated-gpu-processes.json"
-    return settings.SIMULATED_PROCESSES_FILE
+def declarations(settings):
+    """The file the test's host worker reads: this test process's own (tests/isolation.py),
+    emptied after each worker test (tests/celery_workers.py)."""
+    settings.SIMULATED_PROCESSES_FILE = SIMULATED_PROCESSES_FILE
+    return SIMULATED_PROCESSES_FILE
 
 
 @pytest.fixture

@@ -37,7 +37,6 @@ from jobs.host.spool import spool_name
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from jobs.threads import SpoolReplay
-from tests.conftest import OUTPUT
 from tests.factories import fresh
 from tests.fault_servers import small_disk, small_disk_unavailable
 from tests.job_helpers import job_log
@@ -330,7 +329,7 @@ def test_a_real_host_worker_refuses_to_start_and_says_why(start_worker, tmp_path
     proc = start_worker(name, extra_env={"DCGM_HPC_JOB_MAPPING_DIR": str(open_folder)})
     wait_for(lambda: proc.poll() is not None, timeout=60, what="the worker to refuse")
     assert proc.returncode != 0
-    said = (OUTPUT / f"worker-{name}.log").read_text()
+    said = start_worker.log(proc)
     assert f"The worker of {name} does not start: DCGM_HPC_JOB_MAPPING_DIR ({open_folder})" in said
     assert f"Fix: chown 0 {open_folder} && chmod 0755 {open_folder}" in said
     assert " ready." not in said  # Celery's line once it takes messages: it never did

@@ -137,9 +137,15 @@ class HostWatchdog:
         self.server_name = server
         self.mapping = mapping or DcgmMapping(server)  # DCGM's hpc_job files: the host worker's, if given
         self.simulated = simulated
+        self.server_id: int | None = None
+        self._forget()
+
+    def _forget(self) -> None:
+        """Nothing known of the server's rows: at the start, and when its row is not the one it
+        was (deleted and made again by a new report: its cards, violations and the users it
+        named went with it, and ids held from before would point at nothing)."""
         self.tracked: dict[Key, Tracked] = {}
         self.loaded = False
-        self.server_id: int | None = None
         self._policies: tuple[datetime, dict[str, tuple[str, int]]] | None = None
         self._users: tuple[datetime, dict[str, int], frozenset[str]] | None = None
         self._told: set[tuple[Event, str]] = set()  # this round's messages: one per event
@@ -155,11 +161,14 @@ class HostWatchdog:
         began = monotonic()
         self.mapping.refresh()  # DCGM's hpc_job files, from the database (jobs/host/dcgm.py)
         now = now or timezone.now()
-        if self.server_id is None:
-            self.server_id = Server.objects.filter(name=self.server_name).values_list("pk", flat=True).first()
-            if self.server_id is None:
-                return []  # not ingested yet: the cards have no rows to hang violations on
-        server = self.server_id
+        # Read every round (one lookup by a unique name): the row may have been made again.
+        server = Server.objects.filter(name=self.server_name).values_list("pk", flat=True).first()
+        if server is None:
+            return []  # not ingested yet: the cards have no rows to hang violations on
+        if server != self.server_id:
+            if self.server_id is not None:
+                self._forget()
+            self.server_id = server
         if not self.loaded:
             self._load_open(server)
         # The simulation's invented processes (made-up pids, no session) are scenery: shown on the
