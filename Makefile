@@ -26,9 +26,12 @@ $(DEV_STAMP): requirements.txt requirements-dev.txt requirements-ldap.txt $(RUN_
 run: $(RUN_STAMP)
 	$(PY) -m portal.embedded_redis -- $(PY) manage.py runportal
 
+# In parallel, a pytest-xdist worker per core (each its own database, instance id and folders:
+# tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger.
 test: $(DEV_STAMP)
 	mkdir -p var test-output
-	$(PY) -m portal.embedded_redis --socket var/redis-test-$$$$.sock -- $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m portal.embedded_redis --socket var/redis-test-$$$$.sock -- \
+	  $(PY) -m pytest -n auto --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 lint: $(DEV_STAMP)
 	.venv/bin/ruff check .
