@@ -340,6 +340,26 @@ def test_a_restarted_watchdog_goes_on_with_the_open_violations(box, alices_card,
     assert Violation.objects.count() == 1
 
 
+def test_a_server_made_again_is_watched_anew_not_by_the_old_rows_ids(watchdog, alices_card, bob, start):
+    """An admin deleted the server and its next report made it again: new rows, new ids. The
+    watchdog judges the new cards and bookings, never by the ids it held (no booking found on
+    the old server's id: "unbooked"; violations pointing at deleted rows)."""
+    from gpus.models import Reservation, Server
+    from gpus.services import server_report_ingest
+
+    proc = start()
+    watchdog.round(on_card(0, real(proc, user="bob")), now=timezone.now())
+    assert one().kind == "intruder"
+    Reservation.objects.all().delete()  # a server with bookings cannot be deleted (PROTECT)
+    Server.objects.filter(name="box1").delete()
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=4))
+    booked = Server.objects.get(name="box1").gpus.get(index=0)
+    reservation_create(user=bob, gpus=[booked.uuid])
+    watchdog.round(on_card(0, real(proc, user="bob")), now=timezone.now())  # bob's own card now
+    # Judged on the new rows: his own process outside a job (shown, never punished), on the new card.
+    assert (one().kind, one().gpu_id) == ("owner_outside_job", booked.pk)
+
+
 def test_an_unreadable_process_list_ends_nothing(watchdog, alices_card, start):
     proc = start()
     watchdog.round(on_card(0, real(proc, user="bob")), now=timezone.now())
