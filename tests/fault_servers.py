@@ -5,6 +5,8 @@
 127.0.0.1, fsync off, trust), `ThrowawayRedis` a `redis-server` on a free port with nothing saved.
 Neither is ever the shared PostgreSQL or Redis the rest of the suite uses: stopping, killing and
 restarting them is the point. `Portal` runs a real web server and real Celery workers against them.
+`TemplateCluster` is one ThrowawayPostgres for a whole test session with a migrated template
+database, of which each test gets a copy: initdb and migrate once, not once a test.
 
 Every process started here is a child of the caller, started with a parent-death signal
 (portal.processes.die_with_parent), so that not even a SIGKILLed test run leaves one behind, and
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,7 +43,7 @@ from jobs.models import Job
 from portal.processes import die_with_parent
 from portal.workers import worker_argv
 from tests.conftest import OUTPUT, ROOT, free_port
-from tests.waiting import wait_for
+from tests.waiting import WaitTimedOut, wait_for
 
 PG_VERSIONS = Path("/usr/lib/postgresql")  # Debian's and Ubuntu's <version>/bin
 PG_ACCOUNT = "postgres"
@@ -73,6 +76,14 @@ def _postgres_unavailable() -> str | None:
         except KeyError:
             return f"running as root, and there is no {PG_ACCOUNT!r} account to run PostgreSQL as"
     return None
+
+
+def own_logs(logs: Path | None, tag: str) -> Path:
+    """The folder for the logs of one test's (or one session's) servers and processes, made: `logs`,
+    or one named by the tag. Never a shared file name: tests and xdist workers read theirs back."""
+    folder = logs if logs is not None else OUTPUT / f"faults-{tag}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def leftovers(tag: str, *folders: Path) -> list[psutil.Process]:
@@ -119,11 +130,11 @@ class _Throwaway:
     what = "the server"
     death_signal = signal.SIGKILL
 
-    def __init__(self, *, tag: str, name: str) -> None:
+    def __init__(self, *, tag: str, name: str, logs: Path | None = None) -> None:
         self.tag = tag
         self.port = free_port()
         self.folder = Path(tempfile.mkdtemp(prefix=f"{name}-faults-"))
-        self.log_path = OUTPUT / f"faults-{name}.log"
+        self.log_path = own_logs(logs, tag) / f"{name}.log"
         self.log_path.write_text("")
         self.proc: subprocess.Popen | None = None
 
@@ -163,6 +174,15 @@ class _Throwaway:
                 with contextlib.suppress(psutil.Error):
                     proc.send_signal(signal.SIGCONT)
 
+    def thaw(self) -> None:
+        """Every process of the server resumed (SIGCONT), if it runs: whatever froze it."""
+        if not self.running:
+            return
+        with contextlib.suppress(psutil.Error):
+            for proc in self._processes():
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(signal.SIGCONT)
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -198,10 +218,10 @@ class ThrowawayPostgres(_Throwaway):
     what = "PostgreSQL"
     death_signal = signal.SIGQUIT  # an immediate shutdown, in which the postmaster takes its backends along
 
-    def __init__(self, *, tag: str, name: str = "postgres") -> None:
+    def __init__(self, *, tag: str, name: str = "postgres", logs: Path | None = None) -> None:
         if why := _postgres_unavailable():
             raise RuntimeError(f"cannot run a throwaway PostgreSQL: {why}")
-        super().__init__(tag=tag, name=name)
+        super().__init__(tag=tag, name=name, logs=logs)
         self.bin = postgres_bin()
         self.data = self.folder / "data"
         account = pwd.getpwnam(PG_ACCOUNT) if os.geteuid() == 0 else None
@@ -267,9 +287,26 @@ class ThrowawayPostgres(_Throwaway):
         query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
         if template:
             query += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
-        with psycopg.connect(self.url(), autocommit=True) as conn:
-            conn.execute(query)
+        self._execute(query)
         return self.url(name)
+
+    def seal_template(self, name: str) -> None:
+        """`name` a template nobody connects to any more (not even autovacuum), so that a copy of it
+        never fails with "source database is being accessed by other users"."""
+        self._execute(
+            sql.SQL("ALTER DATABASE {} WITH IS_TEMPLATE true ALLOW_CONNECTIONS false").format(
+                sql.Identifier(name)
+            )
+        )
+
+    def drop_database(self, name: str) -> None:
+        """Drop `name` if it is there. Without FORCE: a session still connected is a process the
+        test left behind, and fails this."""
+        self._execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+
+    def _execute(self, query: sql.Composable) -> None:
+        with psycopg.connect(self.url(), autocommit=True, connect_timeout=10) as conn:
+            conn.execute(query)
 
     def close(self) -> None:
         self.stop("immediate")
@@ -282,8 +319,8 @@ class ThrowawayRedis(_Throwaway):
 
     what = "redis-server"
 
-    def __init__(self, *, tag: str, name: str = "redis") -> None:
-        super().__init__(tag=tag, name=name)
+    def __init__(self, *, tag: str, name: str = "redis", logs: Path | None = None) -> None:
+        super().__init__(tag=tag, name=name, logs=logs)
 
     @property
     def url(self) -> str:
@@ -304,9 +341,12 @@ class ThrowawayRedis(_Throwaway):
             return False
 
     def queued(self, queue: str) -> int:
-        """Messages waiting in a Celery queue (a Redis list of the queue's name)."""
+        """Messages waiting in a Celery queue: a Redis list of the queue's name under its portal's
+        prefix (global_keyprefix, portal/settings.py), whichever portal's: this Redis is one
+        portal's own."""
+        pattern = f"portal:*:celery:{queue}"  # portal:<PORTAL_INSTANCE_ID>:celery:, as settings name it
         with redis.Redis.from_url(self.url) as client:
-            return client.llen(queue)
+            return sum(client.llen(key) for key in client.scan_iter(match=pattern, _type="list"))
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         _stop(self.proc, sig)
@@ -317,6 +357,63 @@ class ThrowawayRedis(_Throwaway):
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class TemplateCluster:
+    """One ThrowawayPostgres for a whole test session (an xdist worker's), holding a migrated
+    template database with the demo users: each test gets a copy of its own (`database`, a file
+    copy in the server), instead of initdb and a migrate (a Django start-up) of its own.
+
+    Tests stop, restart and freeze the cluster under their portal: `recover` makes it running,
+    thawed and answering again after each, and replaces it with a new one (initdb, template) when
+    it cannot. `close` stops and reaps it, and deletes it."""
+
+    TEMPLATE = "portal_template"
+
+    def __init__(self, *, tag: str, logs: Path) -> None:
+        self.tag = tag
+        self.logs = own_logs(logs, tag)
+        self.replaced = 0
+        self.server = self._new()
+
+    def _new(self) -> ThrowawayPostgres:
+        # A replacement logs beside the one it replaces (postgres-1.log, ...), which keeps its log.
+        name = f"postgres-{self.replaced}" if self.replaced else "postgres"
+        server = ThrowawayPostgres(tag=self.tag, name=name, logs=self.logs)
+        try:
+            server.start()
+            Portal.prepare(server.create_database(self.TEMPLATE), self.logs)
+            server.seal_template(self.TEMPLATE)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    def database(self, name: str) -> str:
+        """A new database `name`, a copy of the template: its URL."""
+        return self.server.create_database(name, template=self.TEMPLATE)
+
+    def recover(self) -> None:
+        """The cluster running, thawed and answering, whatever a test left it as; else a new one."""
+        try:
+            self.server.thaw()
+            if not self.server.running:
+                self.server.start()
+            wait_for(self.server._ready, timeout=START_TIMEOUT, interval=0.05, what="PostgreSQL to answer")
+        except (RuntimeError, OSError, WaitTimedOut) as exc:
+            # Said, not hidden: a test that breaks the cluster is worth a look.
+            warnings.warn(f"the fault suite's PostgreSQL was replaced: {exc}", stacklevel=2)
+            self.server.close()
+            self.replaced += 1
+            self.server = self._new()
+
+    def drop(self, name: str) -> None:
+        """The test's database gone (its portal stopped first: nobody may be connected to it)."""
+        self.recover()
+        self.server.drop_database(name)
+
+    def close(self) -> None:
+        self.server.close()
 
 
 @contextlib.contextmanager
@@ -394,11 +491,17 @@ INTERVALS = {
 class Portal:
     """The portal's real processes on a throwaway database and Redis: a web server (gunicorn, as
     `runportal` starts it), the portal's worker (collector, scheduler, reconciler) and a GPU host
-    worker for the simulated server SERVER. `stop()` ends and reaps them all."""
+    worker for the simulated server SERVER. `stop()` ends and reaps them all.
 
-    def __init__(self, *, database_url: str, redis_url: str, scratch: Path, tag: str) -> None:
+    A portal of its own (PORTAL_INSTANCE_ID faults-<tag>), as its database is: its jobs are no
+    other portal's on this machine, and its logs are in `logs` (by default, named by the tag)."""
+
+    def __init__(
+        self, *, database_url: str, redis_url: str, scratch: Path, tag: str, logs: Path | None = None
+    ) -> None:
         self.scratch = scratch
         self.tag = tag
+        self.logs = own_logs(logs, tag)
         (scratch / "inventory.yaml").write_text(INVENTORY)
         self.env = {
             **os.environ,
@@ -414,6 +517,7 @@ class Portal:
             "EMAIL_FILE_PATH": str(scratch / "mail"),
             "PORTAL_DEMO_PASSWORD": PASSWORD,
             "PYTHONUNBUFFERED": "1",
+            "PORTAL_INSTANCE_ID": f"faults-{tag}",
             **INTERVALS,
             TAG_VAR: tag,
         }
@@ -436,7 +540,7 @@ class Portal:
         )
 
     def log_path(self, role: str) -> Path:
-        return OUTPUT / f"faults-{role}.log"
+        return self.logs / f"{role}.log"
 
     def _start(self, role: str, argv: list[str], **env: str) -> subprocess.Popen:
         with open(self.log_path(role), "w") as log:

@@ -1,10 +1,15 @@
 """Nothing lost when the database or the broker goes away: the fault suite.
 
 Each test runs the real portal (a gunicorn web server, the portal's Celery worker and a GPU host's)
-on a PostgreSQL cluster and a redis-server of its own (tests/fault_servers.py), takes one of them
-away in the middle of the work, and checks afterwards: no 500, no lost log line, no job left open
-without a reason, no process left. Only those throwaway servers are ever stopped; the shared
-PostgreSQL and Redis of the rest of the suite are never touched.
+on a database and a redis-server of its own (tests/fault_servers.py), takes one of them away in
+the middle of the work, and checks afterwards: no 500, no lost log line, no job left open without
+a reason, no process left. Only those throwaway servers are ever stopped; the shared PostgreSQL
+and Redis of the rest of the suite are never touched.
+
+The PostgreSQL cluster is the test session's (one per xdist worker, started by the first test that
+needs it): each test's database is a copy of its migrated template, and after each test the
+cluster runs, thawed, again, whatever the test did to it (TemplateCluster). The redis-server is
+the test's own (it starts in milliseconds). Each test's logs are its own folder under OUTPUT.
 
 Where this machine cannot run them (no PostgreSQL server binaries, no redis-server, root without a
 `postgres` account) they skip, saying why; on CI (CI=true) they fail instead.
@@ -22,6 +27,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import psutil
 import pytest
@@ -39,6 +45,7 @@ from tests.fault_servers import (
     TAG_VAR,
     Api,
     Portal,
+    TemplateCluster,
     ThrowawayPostgres,
     ThrowawayRedis,
     leftovers,
@@ -47,6 +54,7 @@ from tests.fault_servers import (
     small_disk_unavailable,
     unavailable,
 )
+from tests.isolation import OUTPUT
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.worker]
@@ -61,11 +69,20 @@ LINES = lines_script(20, every=0.2)  # ~4 s
 
 @pytest.fixture
 def tag() -> str:
-    """Marks this test's processes (FAULTS_RUN) and its jobs, for the no-process-left check."""
+    """Marks this test's processes (FAULTS_RUN) and its jobs, for the no-process-left check, and
+    names its database and its logs: unique to the test (a rerun included), so that no check
+    ever sees another test's or another xdist worker's."""
     return uuid.uuid4().hex
 
 
 @pytest.fixture
+def logs(request, tag) -> Path:
+    """This test's own log folder (its servers', web server's and workers'), under OUTPUT."""
+    name = re.sub(r"[^\w.-]", "-", request.node.name)
+    return OUTPUT / f"faults-{name}-{tag[:8]}"
+
+
+@pytest.fixture(scope="session")
 def _servers_available() -> None:
     if why := unavailable():
         if os.environ.get("CI") == "true":
@@ -73,9 +90,41 @@ def _servers_available() -> None:
         pytest.skip(why)
 
 
-def _throwaway(kind: type[ThrowawayPostgres | ThrowawayRedis], tag: str) -> Iterator:
-    """A throwaway server, started; closed (stopped, its folder deleted) after the test."""
-    server = kind(tag=tag)
+@pytest.fixture(scope="session")
+def cluster(_servers_available) -> Iterator[TemplateCluster]:
+    """The session's PostgreSQL cluster with its template database; stopped, reaped and deleted at
+    the session's end."""
+    session = uuid.uuid4().hex
+    shared = TemplateCluster(tag=session, logs=OUTPUT / f"faults-cluster-{session[:8]}")
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+@pytest.fixture
+def postgres(cluster) -> Iterator[ThrowawayPostgres]:
+    """The session's cluster, answering; running and thawed again after the test, whatever the
+    test did to it (replaced when it cannot be)."""
+    cluster.recover()
+    yield cluster.server
+    cluster.recover()
+
+
+@pytest.fixture
+def database(cluster, postgres, tag) -> Iterator[str]:
+    """The URL of this test's own database on the cluster, a copy of the migrated template with the
+    demo users; dropped after the test, once its portal is stopped."""
+    name = f"portal_{tag}"
+    url = cluster.database(name)
+    yield url
+    cluster.drop(name)
+
+
+@pytest.fixture
+def broker(_servers_available, tag, logs) -> Iterator[ThrowawayRedis]:
+    """The test's own redis-server, started; closed (stopped, its folder deleted) after it."""
+    server = ThrowawayRedis(tag=tag, logs=logs)
     try:
         server.start()
         yield server
@@ -84,22 +133,10 @@ def _throwaway(kind: type[ThrowawayPostgres | ThrowawayRedis], tag: str) -> Iter
 
 
 @pytest.fixture
-def postgres(_servers_available, tag) -> Iterator[ThrowawayPostgres]:
-    yield from _throwaway(ThrowawayPostgres, tag)
-
-
-@pytest.fixture
-def broker(_servers_available, tag) -> Iterator[ThrowawayRedis]:
-    yield from _throwaway(ThrowawayRedis, tag)
-
-
-@pytest.fixture
-def portal(postgres, broker, tmp_path, tag) -> Iterator[Portal]:
-    """The portal's processes on a migrated throwaway database with the demo users; the test
-    starts the ones it needs. All are stopped and reaped after it, whatever happened."""
-    url = postgres.create_database("portal")
-    Portal.prepare(url, tmp_path)
-    processes = Portal(database_url=url, redis_url=broker.url, scratch=tmp_path, tag=tag)
+def portal(database, broker, tmp_path, tag, logs) -> Iterator[Portal]:
+    """The portal's processes on the test's database; the test starts the ones it needs. All are
+    stopped and reaped after it, whatever happened (before its database is dropped)."""
+    processes = Portal(database_url=database, redis_url=broker.url, scratch=tmp_path, tag=tag, logs=logs)
     try:
         yield processes
     finally:
@@ -107,11 +144,11 @@ def portal(postgres, broker, tmp_path, tag) -> Iterator[Portal]:
 
 
 @pytest.fixture
-def rows(postgres, django_db_blocker) -> Iterator[str]:
-    """The alias of a connection of this process to the throwaway database, for the checks after
+def rows(database, django_db_blocker) -> Iterator[str]:
+    """The alias of a connection of this process to the test's database, for the checks after
     the faults (the ORM with `.using(rows)`); closed before each use, as the server may have
     restarted since."""
-    settings = parse_database_url(postgres.url("portal"))
+    settings = parse_database_url(database)
     connections.settings[ALIAS] = connections.configure_settings(
         {DEFAULT_DB_ALIAS: dict(settings), ALIAS: settings}
     )[ALIAS]
@@ -156,7 +193,9 @@ def _finishes_once(portal: Portal, job_id: int) -> None:
 
 def _assert_nothing_left(portal: Portal, tag: str, *servers: ThrowawayPostgres | ThrowawayRedis) -> None:
     """Stop everything this test started, after its faults, by SIGTERM as systemd or Ctrl-C
-    would: all of it within 30 s, and then no process of it may be left, jobs included."""
+    would: all of it within 30 s, and then no process of it may be left, jobs included. The
+    session's cluster is stopped too, so that none of its backends is left either (the `postgres`
+    fixture starts it again for the next test)."""
     assert portal.stop() == [], "still running 30 s after SIGTERM"
     for server in servers:
         server.stop()
