@@ -240,6 +240,7 @@ def test_it_invents_one_process_a_server_at_most_and_never_on_a_booked_card() ->
     assert len(places) > 1  # it moves around, off the booked cards once they are booked
 
 
+@pytest.mark.django_db(transaction=True)  # the backend closes broken connections (a real database call)
 def test_a_database_away_costs_the_simulation_nothing(caplog: pytest.LogCaptureFixture) -> None:
     def away() -> set[str]:
         raise OperationalError("database is locked")
