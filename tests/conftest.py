@@ -189,3 +189,19 @@ def start_worker(transactional_db, _worker_pool) -> Iterator[StartWorker]:
     start = StartWorker(_worker_pool)
     yield start
     _worker_pool.give_back(start.taken)
+
+
+# The long tests first, so that under xdist none of them starts last and runs alone at the end
+# while the other workers have nothing left (worksteal balances what remains; it cannot split a
+# test). Most of their time is waiting on real processes, which is what parallel runs overlap.
+_FIRST = ("faults", "worker", "browser")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        if item.path.name == "test_runportal.py":
+            return 0  # whole portals started and restarted: the longest after the fault suite
+        marks = {mark.name for mark in item.iter_markers()}
+        return next((i for i, name in enumerate(_FIRST) if name in marks), len(_FIRST))
+
+    items.sort(key=rank)
