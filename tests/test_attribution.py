@@ -6,10 +6,8 @@ decide attribution or break the telemetry round that holds every host.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from jobs.host.watchdog import HostWatchdog
 from jobs.host.worker import kill_orphans
 from jobs.models import Job
 from tests.factories import make_snapshot
+from tests.job_helpers import alive, kill_quietly, session_member
 from tests.waiting import wait_for
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -261,7 +260,7 @@ def test_a_reported_process_keeps_its_start_and_pids_0_and_1_are_dropped():
 LEADER_STARTED: dict[int, float] = {}  # pid → start of each session leader _orphaned_session made
 
 
-def _orphaned_session() -> tuple[int, int]:
+def _orphaned_session() -> tuple[int, psutil.Process]:
     """A job's session whose leader died (as the launcher dies with a killed worker), leaving a
     child in it: (the session id, the child's pid). The leader's start is in LEADER_STARTED, as
     the worker records it (Job.pid_started)."""
@@ -271,7 +270,7 @@ def _orphaned_session() -> tuple[int, int]:
         start_new_session=True,
     )
     LEADER_STARTED[leader.pid] = psutil.Process(leader.pid).create_time()  # before it can end
-    child = int(leader.stdout.readline())
+    child = session_member(leader, int(leader.stdout.readline()))
     leader.wait()
     leader.stdout.close()
     return leader.pid, child
@@ -313,12 +312,12 @@ def test_it_kills_what_a_previous_worker_left_in_a_jobs_session(procs, lost_job)
     _exec_done(bystander, "PORTAL_SERVER")
     lost_job(sid)
     try:
-        assert session_of(child) == sid
+        assert session_of(child.pid) == sid
         assert kill_orphans("box1") == 1
-        wait_for(lambda: _gone(child), timeout=10, what="the orphan's end")
+        wait_for(lambda: not alive(child), timeout=10, what="the orphan's end")
         assert bystander.poll() is None  # claiming a job in its environment makes nobody an orphan
     finally:
-        _kill_quietly(child)
+        kill_quietly([child])
 
 
 def test_it_leaves_a_session_whose_leader_began_after_the_job(procs, lost_job):
@@ -335,18 +334,6 @@ def test_it_forgets_jobs_lost_long_ago(lost_job):
     lost_job(sid, lost_ago=timedelta(days=2))
     try:
         assert kill_orphans("box1") == 0
-        assert not _gone(child)
+        assert alive(child)
     finally:
-        _kill_quietly(child)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _kill_quietly(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+        kill_quietly([child])

@@ -108,10 +108,17 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
+def _ctrl_c(parent: subprocess.Popen) -> None:
+    """SIGINT to the group `parent` leads (start_new_session): only while it is not reaped, when
+    its pid, the group's id, can be no one else's."""
+    assert parent.poll() is None, "the parent ended before its Ctrl-C"
+    os.killpg(parent.pid, signal.SIGINT)
+
+
 STOPS = {
     "sigterm": lambda parent: parent.send_signal(signal.SIGTERM),
     # The terminal's Ctrl-C: SIGINT to the whole foreground process group.
-    "ctrl-c": lambda parent: os.killpg(parent.pid, signal.SIGINT),
+    "ctrl-c": _ctrl_c,
     # The parent itself dies: its children get their parent-death signal.
     "sigkill": lambda parent: parent.send_signal(signal.SIGKILL),
 }

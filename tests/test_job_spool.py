@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from django.db import OperationalError
 
@@ -201,6 +201,7 @@ def test_a_forked_child_does_not_keep_a_spools_lock(job):
         time.sleep(10)  # alive while the parent checks the lock
         os._exit(0)
     os.close(write)
+    forked = psutil.Process(child)  # this process's child, not reaped yet: its pid is no one else's
     try:
         assert os.read(read, 1) == b"1"
         spool.close()
@@ -209,7 +210,7 @@ def test_a_forked_child_does_not_keep_a_spools_lock(job):
         again.close(remove=True)
     finally:
         os.close(read)
-        os.kill(child, signal.SIGKILL)
+        forked.kill()
         os.waitpid(child, 0)
 
 

@@ -5,7 +5,6 @@ watching it. The real Supervisor runs in this process on a real subprocess; only
 from __future__ import annotations
 
 import logging
-import os
 import signal
 
 import pytest
@@ -17,7 +16,7 @@ from jobs.host.runner import job_run
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from portal import pids
-from tests.job_helpers import job_log
+from tests.job_helpers import job_log, job_process, kill_quietly
 
 pytestmark = pytest.mark.django_db
 
@@ -133,12 +132,12 @@ def test_it_says_what_a_finished_job_left_running_that_it_may_not_kill(job_in, d
     try:
         assert job_run(job.pk) == Job.Status.SUCCEEDED  # the supervisor did not crash
         log = job_log(job.pk)
-        left = int(log.split("left ", 1)[1].split()[0])
+        left = job_process(int(log.split("left ", 1)[1].split()[0]), job.pk)
+        assert left is not None, "what the job left is gone, yet nothing could stop it"
         job.refresh_from_db()
         assert job.exit_code == 0
         assert job.message == "Could not stop what it left running: permission denied."
         assert "the job left processes running that the worker may not kill: permission denied" in log
         assert [sig for _, sig in denied] == [signal.SIGKILL]
     finally:
-        if left is not None:
-            os.kill(left, signal.SIGKILL)
+        kill_quietly([left])

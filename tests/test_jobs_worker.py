@@ -27,7 +27,7 @@ from jobs.tasks import run_job
 from portal.models import Profile
 from tests.conftest import OUTPUT
 from tests.factories import make_snapshot
-from tests.job_helpers import job_log
+from tests.job_helpers import alive, job_log, job_process, recorded_process
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
@@ -109,11 +109,10 @@ while True:
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # exited, not yet reaped by init
-    except psutil.NoSuchProcess:
-        return True
+def _gone(job: Job) -> bool:
+    """The job's process no longer runs (by its recorded start: its pid may be another's by now)."""
+    assert job.pid and job.pid_started is not None, "the job's row names no process"
+    return not alive(recorded_process(job.pid, job.pid_started))
 
 
 def _wait_running(job_id: int) -> Job:
@@ -132,7 +131,7 @@ def test_it_cancels_a_running_job_sigterm_then_sigkill(api, alice, host):
     assert 2 <= time.monotonic() - requested < 10  # the 2 s grace, then SIGKILL
     log = job_log(job_id)
     assert "got SIGTERM" in log and "SIGKILL" in log
-    assert _gone(job.pid)
+    assert _gone(job)
 
 
 def test_it_stops_a_job_at_its_time_limit(api, alice, host):
@@ -199,7 +198,7 @@ def test_it_marks_a_job_lost_when_its_worker_is_killed(api, alice, start_worker)
     assert (job.finished_at - job.heartbeat_at).total_seconds() >= 10
     assert time.monotonic() - killed_at < 20
     # The job's process died with its worker (PDEATHSIG): nothing holds the cards.
-    wait_for(lambda: _gone(job.pid), timeout=5, what="the job process to be gone")
+    wait_for(lambda: _gone(job), timeout=5, what="the job process to be gone")
     # and the booking takes a new job.
     response = api.post(
         "/api/v1/jobs/",
@@ -272,8 +271,8 @@ def test_it_ends_a_job_whose_background_child_keeps_its_output_open(api, alice, 
     job_id = _submit(api, _book(alice, host), source)
     job = _finished(job_id, timeout=30)
     assert job.status == Job.Status.SUCCEEDED and job.duration.total_seconds() < 10
-    child = int(job_log(job_id).split("child ", 1)[1].split()[0])
-    wait_for(lambda: _gone(child), timeout=5, what="the background child to be killed")
+    child = job_process(int(job_log(job_id).split("child ", 1)[1].split()[0]), job_id)
+    wait_for(lambda: not alive(child), timeout=5, what="the background child to be killed")
 
 
 def _readable_by_others(path: Path) -> bool:

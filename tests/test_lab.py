@@ -31,7 +31,7 @@ from jobs.models import InteractiveSession
 from jobs.sessions.services import session_end_request, session_start
 from portal.models import AuditEntry, Notification
 from portal.pids import started_at
-from tests.job_helpers import alive
+from tests.job_helpers import alive, kill_quietly, recorded_process
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,20 +51,26 @@ def lab_session(alice, box, settings, monkeypatch):
     wait_for(lambda: _status(session) != "starting", timeout=90, what="JupyterLab to answer")
     session.refresh_from_db()
     yield session, outcome, thread
+    left = _lab_procs(session)  # while the row still names them
     InteractiveSession.objects.filter(pk=session.pk).update(end_requested_at=timezone.now())
     thread.join(timeout=30)
-    for pid in _lab_pids(session):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    kill_quietly(left)
 
 
 def _status(session: InteractiveSession) -> str:
     return InteractiveSession.objects.values_list("status", flat=True).get(pk=session.pk)
 
 
-def _lab_pids(session: InteractiveSession) -> list[int]:
+def _refreshed(session: InteractiveSession) -> InteractiveSession:
     session.refresh_from_db()
-    return [session.pid or 0, *(int(pid) for pid, _ in session.kernels)]
+    return session
+
+
+def _lab_procs(session: InteractiveSession) -> list[psutil.Process]:
+    """The lab's server and kernels the row records, those still running, by handle."""
+    session.refresh_from_db()
+    recorded = [(session.pid, session.pid_started), *session.kernels]
+    return [proc for pid, started in recorded if (proc := recorded_process(pid, started))]
 
 
 def _api(
@@ -79,8 +85,10 @@ def _api(
 def _kernel(session: InteractiveSession) -> psutil.Process:
     """A kernel started through the server's API, once the supervisor has recorded it."""
     _api(session, "kernels", "POST")
-    wait_for(lambda: _lab_pids(session)[1:], timeout=60, what="the kernel to be recorded")
-    return psutil.Process(_lab_pids(session)[1])
+    wait_for(lambda: _refreshed(session).kernels, timeout=60, what="the kernel to be recorded")
+    kernel = recorded_process(*session.kernels[0])
+    assert kernel is not None, "the kernel the lab recorded is gone"
+    return kernel
 
 
 def test_it_serves_the_lab_with_the_token_only_in_the_bookings_environment(lab_session, box):
@@ -169,11 +177,11 @@ def test_each_kernel_gets_the_launchers_caps_and_card_guard(lab_session, box):
 def test_ended_by_its_owner_it_leaves_no_server_or_kernel_behind(lab_session, alice):
     session, outcome, thread = lab_session
     kernel = _kernel(session)
-    pids = _lab_pids(session)
+    procs = _lab_procs(session)
     session_end_request(session=session, by=alice)
     thread.join(timeout=30)
     assert outcome == ["ended"]
-    assert not any(alive(pid) for pid in pids) and not kernel.is_running()
+    assert len(procs) == 2 and not any(alive(proc) for proc in procs) and not kernel.is_running()
     session.refresh_from_db()
     assert session.message == "Ended from the portal." and session.kernels == []
     assert session.address == ""  # the relay stopped before its port was let go
@@ -192,7 +200,7 @@ def test_the_bookings_end_stops_it_warned_told_and_audited(lab_session, alice):
     assert AuditEntry.objects.filter(
         action=AuditEntry.Action.SESSION_STOP, target=f"session {session.pk}"
     ).exists()
-    assert not alive(session.pid)
+    assert session.pid and not alive(recorded_process(session.pid, session.pid_started))
 
 
 def test_it_ends_after_the_idle_limit_without_kernel_activity(lab_session, monkeypatch):
@@ -207,7 +215,9 @@ def test_it_ends_after_the_idle_limit_without_kernel_activity(lab_session, monke
 def test_its_kernels_go_when_its_server_dies(lab_session):
     session, outcome, thread = lab_session
     kernel = _kernel(session)
-    os.kill(session.pid, signal.SIGKILL)
+    server = recorded_process(session.pid, session.pid_started)
+    assert server is not None, "the lab's server is gone before the test killed it"
+    server.kill()
     thread.join(timeout=30)
     assert outcome == ["ended"]
     wait_for(

@@ -39,7 +39,8 @@ from jobs.host.executors import local
 from jobs.models import InteractiveSession, lab_path
 from jobs.sessions.services import session_start
 from portal.models import AuditEntry, Notification
-from tests.job_helpers import alive
+from portal.pids import ProcessId, groups_of, send_group
+from tests.job_helpers import alive, kill_quietly, portal_process, recorded_process
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -222,9 +223,9 @@ def lab_run(alice, box, settings, monkeypatch, tmp_path) -> Iterator[LabRun]:
     if run.thread.is_alive():
         run.thread.join(timeout=30)
     session.refresh_from_db()
-    if session.pid:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(session.pid, signal.SIGKILL)
+    if session.pid and session.pid_started:  # its group, read through its leader proved alive
+        for group in groups_of([ProcessId(session.pid, session.pid_started)]):
+            send_group(group, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -297,7 +298,8 @@ def _assert_refused_loudly(run: LabRun, owner, why: str) -> None:
     assert "did not start" in told.subject and "is not the JupyterLab the worker started" in told.body
     audit = AuditEntry.objects.get(action=AuditEntry.Action.SESSION_STOP, target=f"session {session.pk}")
     assert "Refused to start" in audit.message and why in audit.message
-    assert session.pid and not alive(session.pid)  # the stand-in was ended
+    stand_in = recorded_process(session.pid, session.pid_started)
+    assert session.pid and not alive(stand_in)  # the stand-in was ended
 
 
 LETS_GO = """
@@ -363,8 +365,9 @@ def test_a_lab_whose_listener_another_process_holds_is_refused_without_the_token
         _assert_refused_loudly(lab_run, alice, "is not held by the lab's process")
         assert lab_run.session.token not in log.read_text() and "Authorization" not in log.read_text()
     finally:
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError, ValueError):  # not started, or its pid half written
+            pid = int(pid_file.read_text())
+            kill_quietly([portal_process(pid, "PORTAL_SESSION_ID", lab_run.session.pk)])
 
 
 @pytest.fixture

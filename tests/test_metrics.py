@@ -517,10 +517,31 @@ def test_the_example_job_shows_its_curves_while_it_runs(alice, start_worker) -> 
     assert "Epoch 30/30" in log and "[portal-metrics]" not in log  # out of the log, into the table
 
 
+# The records the launcher's callback writes (see MetricsReporter), an epoch every quarter second
+# until the file named by its argument exists: the page's test needs no Keras of its own, and ends
+# the job once it has seen what it waits for.
+CURVES = """
+import json, os, sys, time
+def record(kind, epoch, step, **values):
+    print({prefix!r}, json.dumps(dict(kind=kind, epoch=epoch, step=step, **values)), flush=True)
+epoch = 0
+while not os.path.exists(sys.argv[1]):
+    epoch += 1
+    loss = 1 / epoch
+    record("batch", epoch, 10 * epoch - 5, loss=1.1 * loss)
+    record("epoch", epoch, 10 * epoch, loss=loss, accuracy=1 - loss / 2, val_loss=1.2 * loss,
+           val_accuracy=1 - 0.6 * loss, learning_rate=0.001 / epoch)
+    time.sleep(0.25)
+"""
+
+
 @pytest.mark.browser
 @pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
-def test_the_job_page_draws_the_curves_live(page, alice, start_worker) -> None:  # noqa: F811
+def test_the_job_page_draws_the_curves_live(page, alice, start_worker, tmp_path) -> None:  # noqa: F811
+    """The page's side: records stored while the job runs are drawn as they come. Keras writing
+    them is test_it_reports_each_epoch_and_throttled_batches_of_every_fit, and the example job's
+    reaching the API live test_the_example_job_shows_its_curves_while_it_runs."""
     from playwright.sync_api import expect
 
     name = server_names()[0]
@@ -528,13 +549,21 @@ def test_the_job_page_draws_the_curves_live(page, alice, start_worker) -> None: 
     start_worker(name)
     gpu = wait_for(lambda: GPU.objects.filter(server__name=name).first(), timeout=60, what="the GPUs")
     booking = reservation_create(user=alice, gpus=[gpu.uuid])  # type: ignore[union-attr]
-    script = ScriptUpload(name="keras_example.py", content=(EXAMPLES / "keras_example.py").read_bytes())
-    job = job_submit(user=alice, reservation=booking, script=script, args="--epochs 60")
+    script = ScriptUpload(name="train.py", content=CURVES.format(prefix=launcher.METRICS_PREFIX).encode())
+    release = tmp_path / "release"
+    job = job_submit(user=alice, reservation=booking, script=script, args=str(release))
 
     log_in(page, "alice")
     page.goto(f"/jobs/{job.pk}/")
     expect(page.locator("#job-curves")).to_be_visible(timeout=90_000)
     expect(page.locator("#job-curves-status")).to_contain_text("live", timeout=15_000)  # drawn as it runs
+    started = Job.objects.get(pk=job.pk).started_at
+    wait_for(
+        lambda: TelemetrySample.objects.filter(gpu=gpu, at__gte=started).exists(),
+        timeout=30,
+        what="a sample of the card from the job's life, for its usage chart",
+    )
+    release.touch()
     expect(page.locator("#job-curves")).to_have_attribute("data-done", "1", timeout=120_000)
     expect(page.locator("#job-usage")).to_have_attribute("data-done", "1", timeout=30_000)
     assert Job.objects.get(pk=job.pk).status == Job.Status.SUCCEEDED

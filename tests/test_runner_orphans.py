@@ -4,10 +4,7 @@ reconciler gives workers their grace after the portal (re)starts, as after an ou
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +23,7 @@ from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from jobs.threads import JobReconciler
 from portal.models import AuditEntry, Notification
+from tests.job_helpers import alive, kill_quietly, session_member
 
 pytestmark = pytest.mark.django_db
 
@@ -45,19 +43,16 @@ class LeaderlessSession:
         )
         self.sid = leader.pid
         self.started = psutil.Process(leader.pid).create_time()  # not reaped yet: still its own
-        self.member = int(leader.stdout.readline())
+        self.process = session_member(leader, int(leader.stdout.readline()))
+        self.member = self.process.pid
         leader.stdout.close()
         leader.wait()
 
     def alive(self) -> bool:
-        try:
-            return psutil.Process(self.member).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+        return alive(self.process)
 
     def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.member, signal.SIGKILL)
+        kill_quietly([self.process])
 
 
 @pytest.fixture

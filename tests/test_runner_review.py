@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import signal
 import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from jobs.host.executors import local, output
 from jobs.host.runner import Supervisor, job_run
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
-from tests.job_helpers import alive, job_log
+from tests.job_helpers import Leftovers, alive, job_log
 from tests.test_runner_session import CHATTY_ESCAPEE
 from tests.waiting import wait_for
 
@@ -116,13 +116,11 @@ def job_in(alice, box, settings):
 
 
 @pytest.fixture
-def leftover():
-    """pids a test saw; killed after it whatever happened."""
-    seen: list[int] = []
+def leftover() -> Iterator[Leftovers]:
+    """What the test's jobs left that it saw; killed after it, by handle, whatever happened."""
+    seen = Leftovers()
     yield seen
-    for pid in seen:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    seen.kill()
 
 
 def _run_in_thread(job_id: int) -> tuple[threading.Thread, list[str | None]]:
@@ -137,12 +135,6 @@ def _run_in_thread(job_id: int) -> tuple[threading.Thread, list[str | None]]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, outcome
-
-
-def _child(pidfile: Path, leftover: list[int]) -> int:
-    pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), timeout=30, what="the child's pid"))
-    leftover.append(pid)
-    return pid
 
 
 def _still_hopping(marker: Path, since: float) -> bool:
@@ -170,7 +162,7 @@ def test_the_end_sweep_says_what_it_could_not_end(job_in, tmp_path, monkeypatch,
         f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
     )
     assert job_run(job.pk) == Job.Status.SUCCEEDED
-    _child(pidfile, leftover)
+    leftover.child(pidfile, job.pk)
     job.refresh_from_db()
     assert "1 process(es) of the job's session were still there after the end sweep" in job_log(job.pk)
     assert job.message == "Some of what it left running could not be stopped."
@@ -190,7 +182,8 @@ def test_a_pidfd_open_error_other_than_enosys_still_stops_the_job(
     job = job_in(SLEEPER_CHILD.format(pidfile=str(pidfile)))
     thread, outcome = _run_in_thread(job.pk)
     wait_for(lambda: Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).exists(), timeout=30)
-    child = _child(pidfile, leftover)
+    child = leftover.child(pidfile, job.pk)
+    assert child is not None, "the job's child is gone before the cancel"
     monkeypatch.setattr(os, "pidfd_open", no_fds)
     Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
     thread.join(timeout=30)
@@ -263,7 +256,7 @@ def test_the_heartbeat_is_never_written_after_the_leader_is_reaped(
     pidfile = tmp_path / "child"
     job = job_in(CHATTY_ESCAPEE.format(pidfile=str(pidfile)))
     thread, _ = _run_in_thread(job.pk)
-    _child(pidfile, leftover)
+    leftover.child(pidfile, job.pk)
     thread.join(timeout=30)
     job.refresh_from_db()
     assert job.heartbeat_at <= reaped[0], (job.heartbeat_at, reaped[0])
@@ -308,7 +301,8 @@ def test_a_sigterm_ignoring_leader_and_child_are_killed_on_cancel(job_in, alice,
     pidfile = tmp_path / "child"
     job = job_in(IGNORES_TERM.format(pidfile=str(pidfile)))
     thread, outcome = _run_in_thread(job.pk)
-    child = _child(pidfile, leftover)
+    child = leftover.child(pidfile, job.pk)
+    assert child is not None, "the job's child is gone before the cancel"
     wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job to run")
     Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
     thread.join(timeout=30)
@@ -319,7 +313,7 @@ def test_a_double_forked_daemon_without_setsid_is_ended(job_in, tmp_path, leftov
     pidfile = tmp_path / "child"
     job = job_in(DOUBLE_FORK.format(pidfile=str(pidfile)))
     assert job_run(job.pk) == Job.Status.SUCCEEDED
-    assert not alive(_child(pidfile, leftover))
+    assert not alive(leftover.child(pidfile, job.pk))
 
 
 def test_a_log_flush_that_fails_backs_off_and_recovers_at_once(job_in, monkeypatch):

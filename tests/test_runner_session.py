@@ -3,13 +3,11 @@ database is away. The real Supervisor runs in this process (job_run) on real sub
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import psutil
 import psycopg
@@ -26,7 +24,7 @@ from jobs.host.runner import Supervisor, job_run
 from jobs.host.spool import EndRecord, spool_name, stop_flag
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
-from tests.job_helpers import alive, job_log
+from tests.job_helpers import Leftovers, alive, job_log
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the runner closes connections after errors
@@ -87,26 +85,19 @@ def _run_in_thread(job_id: int) -> tuple[threading.Thread, list[str | None]]:
 
 
 @pytest.fixture
-def leftover():
-    """pids a test saw; killed after it whatever happened (the old code would leave them)."""
-    seen: list[int] = []
+def leftover() -> Iterator[Leftovers]:
+    """What the test's jobs left that it saw; killed after it, by handle, whatever happened (the
+    old code would leave them)."""
+    seen = Leftovers()
     yield seen
-    for pid in seen:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _child(pidfile: Path, leftover: list[int]) -> int:
-    pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), timeout=30, what="the child's pid"))
-    leftover.append(pid)
-    return pid
+    seen.kill()
 
 
 def test_it_ends_a_child_in_its_own_process_group_when_the_job_ends(job_in, tmp_path, leftover):
     pidfile = tmp_path / "child"
     job = job_in(GROUPED_CHILD.format(pidfile=str(pidfile), wait=False))
     assert job_run(job.pk) == Job.Status.SUCCEEDED
-    child = _child(pidfile, leftover)
+    child = leftover.child(pidfile, job.pk)
     assert not alive(child)
 
 
@@ -124,7 +115,8 @@ def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
     pidfile = tmp_path / "child"
     job = job_in(GROUPED_CHILD.format(pidfile=str(pidfile), wait=True))
     thread, outcome = _run_in_thread(job.pk)
-    child = _child(pidfile, leftover)
+    child = leftover.child(pidfile, job.pk)
+    assert child is not None, "the job's child is gone before the cancel"
     wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job to run")
     Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
     thread.join(timeout=30)
@@ -133,7 +125,7 @@ def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
     job.refresh_from_db()
     # SIGTERM went to each process by identity; only the end sweep signals groups: the job's own
     # (its leader unreaped) and the child's (seen through the live child).
-    assert groups and set(groups) <= {job.pid, child}
+    assert groups and set(groups) <= {job.pid, child.pid}
 
 
 def test_it_records_the_sessions_start_with_its_pid(job_in, monkeypatch):
@@ -154,7 +146,7 @@ def test_a_chatty_process_that_left_the_session_does_not_hold_the_supervisor(job
     pidfile = tmp_path / "child"
     job = job_in(CHATTY_ESCAPEE.format(pidfile=str(pidfile)))
     thread, outcome = _run_in_thread(job.pk)
-    _child(pidfile, leftover)
+    leftover.child(pidfile, job.pk)
     thread.join(timeout=30)
     assert outcome == [Job.Status.SUCCEEDED], "the supervisor is still draining the escapee's output"
     assert "from a process that left its session: no longer read" in job_log(job.pk)

@@ -122,7 +122,7 @@ def test_it_names_the_signal_that_killed_a_child_and_kills_its_leftovers(supervi
     wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), timeout=10, what="the leftover")
     leftover = psutil.Process(int(pid_file.read_text()))
     clock.now = HEALTHY_AFTER_SECONDS  # up a minute: the delay starts over at 1 s
-    os.kill(supervisor.children[0].proc.pid, signal.SIGKILL)
+    supervisor.children[0].proc.send_signal(signal.SIGKILL)  # its Popen: never a reaped child's pid
     line = _poll_until_logged(supervisor, lines, 1)
     assert line == "worker host.box1 exited (killed by SIGKILL); restarting it in 1 s"
     wait_for(lambda: _gone(leftover), timeout=5, what="the leftover to be killed with its group")
