@@ -39,6 +39,7 @@ from django.conf import settings
 from django.db import connection
 
 from portal.env import database_url
+from portal.processes import die_with_parent
 from portal.workers import worker_argv
 from tests.isolation import OUTPUT, ROOT, SIMULATED_PROCESSES_FILE
 
@@ -106,6 +107,9 @@ class WorkerPool:
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # A test process that dies (a crashed xdist worker, a SIGKILL) leaves no worker
+                # consuming its queues: its jobs die with it in turn (their own PDEATHSIG).
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         worker = Worker(key, queue, proc, log_path)
         self.workers.append(worker)
