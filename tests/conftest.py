@@ -14,9 +14,9 @@ from django.utils import timezone
 
 from portal.env import database_url
 from portal.models import Membership
-from tests.celery_workers import Worker, WorkerPool
+from tests.celery_workers import StartWorker
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
-from tests.isolation import OUTPUT, ROOT  # noqa: F401 - this process's own, for the tests
+from tests.isolation import OUTPUT, ROOT, RUN  # noqa: F401 - this process's own, for the tests
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,6 +32,18 @@ def _job_folders() -> Iterator[Path]:
     yield path
     shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(spool, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix) -> None:
+    """A PostgreSQL test database of this run's own (`test_<name>_gw0_r<run>`): two runs on one
+    server never drop each other's. SQLite's lives in the run's own folder (tests/isolation.py)."""
+    from django.conf import settings
+
+    for database in settings.DATABASES.values():
+        if not database["ENGINE"].endswith("sqlite3"):
+            test = database.setdefault("TEST", {})
+            test["NAME"] = f"{test.get('NAME') or 'test_' + database['NAME']}_r{RUN}"
 
 
 @pytest.fixture(autouse=True)
@@ -151,44 +163,13 @@ def sent(monkeypatch) -> list[tuple[int, str]]:
     return calls
 
 
-@pytest.fixture(scope="session")
-def _worker_pool(django_db_setup, django_db_blocker) -> Iterator[WorkerPool]:
-    """The session's Celery workers (tests/celery_workers.py), ended before the test database is
-    dropped."""
-    pool = WorkerPool()
-    yield pool
-    with django_db_blocker.unblock():
-        pool.close()
-
-
-class StartWorker:
-    """`start_worker("name")` is a GPU host's worker for a simulated server (queue host.name);
-    `start_worker(None)` is the portal's own worker (queue `portal`), which runs the collector.
-    Both return the worker's Popen; `start_worker.log(...)` is what it printed in this test."""
-
-    def __init__(self, pool: WorkerPool) -> None:
-        self.pool = pool
-        self.taken: list[Worker] = []
-
-    def __call__(self, server: str | None, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        worker = self.pool.take(server, extra_env)
-        self.taken.append(worker)
-        return worker.proc
-
-    def log(self, which: subprocess.Popen | str | None) -> str:
-        """A worker's output since this test took it: by its Popen, or its server (None: the
-        portal's)."""
-        queue = "portal" if which is None else f"host.{which}" if isinstance(which, str) else None
-        return next(w for w in reversed(self.taken) if w.proc is which or w.queue == queue).log()
-
-
 @pytest.fixture
-def start_worker(transactional_db, _worker_pool) -> Iterator[StartWorker]:
-    """Real `celery -A portal worker` processes on the test database, kept for the session and
-    parked between tests (tests/celery_workers.py): each test finds them as new."""
-    start = StartWorker(_worker_pool)
+def start_worker(transactional_db) -> Iterator[StartWorker]:
+    """Real `celery -A portal worker` processes on the test database, the test's own
+    (tests/celery_workers.py): `start_worker("name")`, `start_worker(None)`."""
+    start = StartWorker()
     yield start
-    _worker_pool.give_back(start.taken)
+    start.stop()
 
 
 # The long tests first, so that under xdist none of them starts last and runs alone at the end

@@ -31,7 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN = os.environ.setdefault("PORTAL_TEST_RUN", str(os.getpid()))
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
-_base = Path(os.environ.get("PORTAL_VAR_DIR") or ROOT / "var").resolve()
+# The var folder the run was given (the controller's PORTAL_VAR_DIR, or var/): kept for the
+# workers, which inherit the controller's already-narrowed PORTAL_VAR_DIR.
+_base = Path(
+    os.environ.setdefault("PORTAL_TEST_VAR_BASE", os.environ.get("PORTAL_VAR_DIR") or str(ROOT / "var"))
+)
+_base = _base.resolve()
 VAR_DIR = _base / "test-runs" / RUN / WORKER
 OUTPUT = ROOT / "test-output" / f"run-{RUN}" / WORKER
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from django.contrib.auth import authenticate, get_user_model
 from django.urls import reverse
@@ -268,6 +269,15 @@ class Directory:
         self.modify("\n".join(changes))
 
 
+def _listens(proc: subprocess.Popen, port: int) -> bool:
+    """The unreaped child `proc` (so its pid is still ours) listens on 127.0.0.1:`port`."""
+    try:
+        found = psutil.Process(proc.pid).net_connections(kind="tcp")
+    except psutil.NoSuchProcess:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in found)
+
+
 @pytest.fixture(scope="session")
 def directory(tmp_path_factory) -> Iterator[Directory]:
     """slapd with tests/ldap/directory.ldif, loaded offline with slapadd, for the whole session."""
@@ -285,22 +295,22 @@ def directory(tmp_path_factory) -> Iterator[Directory]:
     subprocess.run(
         [_tool("slapadd"), "-f", config, "-l", HERE / "directory.ldif"], check=True, capture_output=True
     )
-    uri = f"ldap://127.0.0.1:{free_port()}"
+    port = free_port()
+    uri = f"ldap://127.0.0.1:{port}"
     log = root / "slapd.log"
     with log.open("w") as out:
         proc = subprocess.Popen([_tool("slapd"), "-f", config, "-h", f"{uri}/", "-d", "0"], stderr=out)
     try:
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                connection = ldap.initialize(uri)
-                connection.simple_bind_s(BIND_DN, BIND_PASSWORD)
-                connection.unbind_s()
-                break
-            except ldap.SERVER_DOWN:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"slapd did not start: {log.read_text()}")
-                time.sleep(0.02)
+        # Ours, listening: another test process's slapd may have taken the port free_port() gave
+        # up (same directory, same password: its answer alone proves nothing).
+        while not _listens(proc, port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"slapd did not start on port {port}: {log.read_text()}")
+            time.sleep(0.02)
+        connection = ldap.initialize(uri)
+        connection.simple_bind_s(BIND_DN, BIND_PASSWORD)
+        connection.unbind_s()
         yield Directory(uri)
     finally:
         proc.terminate()

@@ -30,7 +30,7 @@ SLEEPER = b"import time\nprint('ready', flush=True)\ntime.sleep(120)\n"
 @pytest.fixture
 def declarations(settings):
     """The file the test's host worker reads: this test process's own (tests/isolation.py),
-    emptied after each worker test (tests/celery_workers.py)."""
+    emptied before each worker test (tests/celery_workers.py)."""
     settings.SIMULATED_PROCESSES_FILE = SIMULATED_PROCESSES_FILE
     return SIMULATED_PROCESSES_FILE
 
