@@ -1,11 +1,21 @@
-"""Playwright driving Debian's chromium (Playwright cannot download its own browsers here)."""
+"""Playwright driving Debian's chromium (Playwright cannot download its own browsers here).
+
+One Playwright and one Chromium per test process (a pytest session, or one xdist worker), started
+at the first tab a test opens: a process that runs no browser test starts none. Each test gets a
+fresh browser context (its own cookies, storage and cache), closed when the test ends; a Chromium
+that died since the last tab (a crash) is launched again for the next. The `chromium` fixture
+hands out tabs with context options of their own (a phone's viewport); `page` and `asgi_page`
+are desktop tabs on the WSGI and the ASGI server."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -14,49 +24,180 @@ from gpus.services import server_report_ingest
 from jobs.submit import ScriptUpload, job_submit
 from tests.factories import make_snapshot
 
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, BrowserContext, Page, Playwright
+
 CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+DESKTOP = {"width": 1400, "height": 900}
+ASYNC_UNSAFE = "DJANGO_ALLOW_ASYNC_UNSAFE"
 
 
-@pytest.fixture
-def page(live_server) -> Iterator[object]:
-    """A Chromium tab on the portal as Django's live server (WSGI) serves it."""
-    with chromium_tab(live_server.url) as tab:
-        yield tab
+class Chromium:
+    """This test process's Playwright and Chromium, started by the first tab and ended by
+    close() (the pytest config's cleanup) through their own handles.
+
+    Playwright's sync API runs its event loop in a greenlet of this thread; once started, the
+    loop counts as running here (asyncio's mark, and the async generator hooks that come with
+    it). A tab holds that state for as long as it is open (Django's ORM, called by the test
+    meanwhile, is allowed then: DJANGO_ALLOW_ASYNC_UNSAFE) and puts the thread's own back when
+    it closes, so the tests after it that run a loop of their own (asyncio.run, async_to_sync,
+    Channels) find none running, as in a process that never opened a browser."""
+
+    def __init__(self) -> None:
+        self._playwright: Playwright | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_hooks: Any = None
+        self._browser: Browser | None = None
+        self._turns = 0  # tabs open now, and close() while it runs
+        self._outside: tuple[str | None, Any] = (None, None)  # the thread's own state meanwhile
+
+    @contextmanager
+    def tab(self, base_url: str, **context: Any) -> Iterator[Page]:
+        """A tab in a fresh context on `base_url`; `context`: Playwright's context options (a
+        phone's viewport, is_mobile, bypass_csp), a desktop window by default."""
+        _require_chromium()
+        with self._turn():
+            opened = self._new_context(base_url=base_url, **{"viewport": DESKTOP, **context})
+            try:
+                tab = opened.new_page()
+                tab.set_default_timeout(15_000)
+                yield tab
+            finally:
+                self._context_close(opened)
+
+    def close(self) -> None:
+        """Chromium closed, then Playwright's driver stopped; either may have died already."""
+        with self._turn():
+            self._stop()
+
+    def _browser_now(self) -> Browser:
+        """The Chromium the next tab opens in: launched now if there is none, or if the last one
+        died (a crash Playwright has heard of)."""
+        if self._browser is None or not self._browser.is_connected():
+            if self._playwright is None:
+                self._start()
+            assert self._playwright is not None
+            self._browser = self._playwright.chromium.launch(
+                executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True
+            )
+        return self._browser
+
+    def _start(self) -> None:
+        from playwright.sync_api import sync_playwright
+
+        self._playwright = sync_playwright().start()
+        self._loop = asyncio.get_running_loop()  # marked by start(): the one its greenlet runs
+
+    def _stop(self) -> None:
+        from playwright.sync_api import Error
+
+        if self._browser is not None:
+            with suppress(Error):  # a crashed Chromium: its process is gone already
+                self._browser.close()
+        if self._playwright is not None:
+            self._playwright.stop()
+        self._playwright = self._loop = self._loop_hooks = self._browser = None
+
+    def _new_context(self, **options: Any) -> BrowserContext:
+        """A fresh context; when the browser (or Playwright's driver) died since the last tab and
+        Playwright had not heard yet, both are started again, once."""
+        from playwright.sync_api import Error
+
+        try:
+            return self._browser_now().new_context(**options)
+        except Error:
+            self._stop()
+            return self._browser_now().new_context(**options)
+
+    def _context_close(self, opened: BrowserContext) -> None:
+        """The test's context closed; a browser that crashed during the test took it along (the
+        test says so itself), and the next tab launches a new one."""
+        from playwright.sync_api import Error
+
+        try:
+            opened.close()
+        except Error:
+            if self._browser is not None and self._browser.is_connected():
+                raise
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Playwright's loop running in this thread, and the ORM allowed beside it, while a tab is
+        open (or two at once); the thread's own state (no loop) again once the last one closes."""
+        if self._turns == 0:
+            self._loop_enter()
+        self._turns += 1
+        try:
+            yield
+        finally:
+            self._turns -= 1
+            if self._turns == 0:
+                self._loop_leave()
+
+    def _loop_enter(self) -> None:
+        if asyncio._get_running_loop() is not None:
+            raise RuntimeError("a browser tab inside a running event loop: the sync API cannot run there")
+        self._outside = (os.environ.get(ASYNC_UNSAFE), sys.get_asyncgen_hooks())
+        os.environ[ASYNC_UNSAFE] = "true"
+        # The loop runs (suspended in its greenlet) from start() until the driver is gone.
+        if self._loop is not None and self._loop.is_running():
+            asyncio._set_running_loop(self._loop)
+            sys.set_asyncgen_hooks(*self._loop_hooks)
+
+    def _loop_leave(self) -> None:
+        if self._loop is not None and self._loop.is_running():
+            self._loop_hooks = sys.get_asyncgen_hooks()
+        unsafe, hooks = self._outside
+        # What asyncio exposes for event loops to call (uvloop does); Playwright calls it too.
+        asyncio._set_running_loop(None)
+        sys.set_asyncgen_hooks(*hooks)
+        if unsafe is None:
+            os.environ.pop(ASYNC_UNSAFE, None)
+        else:
+            os.environ[ASYNC_UNSAFE] = unsafe
 
 
-@pytest.fixture
-def asgi_page() -> Iterator[object]:
-    """A Chromium tab on the portal served over ASGI (tests/asgi_server.py), as `make run` serves
-    it: the live streams work there."""
-    from tests.asgi_server import asgi_server
-
-    with asgi_server() as url, chromium_tab(url) as tab:
-        yield tab
+_CHROMIUM = pytest.StashKey[Chromium]()
 
 
-@contextmanager
-def chromium_tab(base_url: str, **context: object) -> Iterator[object]:
-    """A tab of Debian's chromium on `base_url`; `context`: Playwright's context options (a
-    phone's viewport, is_mobile), a desktop window by default."""
+def shared_chromium(config: pytest.Config) -> Chromium:
+    """The test process's one Chromium, kept in pytest's config and closed with it (under xdist,
+    each worker's own)."""
+    if _CHROMIUM not in config.stash:
+        config.stash[_CHROMIUM] = Chromium()
+        config.add_cleanup(config.stash[_CHROMIUM].close)
+    return config.stash[_CHROMIUM]
+
+
+def _require_chromium() -> None:
     if not shutil.which(CHROMIUM):
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
         pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium) — browser tests skipped")
-    # Playwright's sync API runs an event loop in this thread; Django's ORM calls made
-    # by the test around it are still synchronous.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        options = {"viewport": {"width": 1400, "height": 900}, **context}
-        opened = browser.new_context(base_url=base_url, **options)
-        tab = opened.new_page()
-        tab.set_default_timeout(15_000)
+
+@pytest.fixture
+def chromium(pytestconfig: pytest.Config) -> Chromium:
+    """The test process's Chromium, for tabs with options of their own: `chromium.tab(url, ...)`."""
+    return shared_chromium(pytestconfig)
+
+
+@pytest.fixture
+def page(live_server, pytestconfig: pytest.Config) -> Iterator[Page]:  # type: ignore[no-untyped-def]
+    """A Chromium tab on the portal as Django's live server (WSGI) serves it."""
+    with shared_chromium(pytestconfig).tab(live_server.url) as tab:
         yield tab
-        opened.close()
-        browser.close()
+
+
+@pytest.fixture
+def asgi_page(pytestconfig: pytest.Config) -> Iterator[Page]:
+    """A Chromium tab on the portal served over ASGI (tests/asgi_server.py), as `make run` serves
+    it: the live streams work there."""
+    from tests.asgi_server import asgi_server
+
+    with asgi_server() as url, shared_chromium(pytestconfig).tab(url) as tab:
+        yield tab
 
 
 def log_in(page, username: str, password: str = "password") -> None:

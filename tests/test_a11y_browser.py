@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import chromium_tab, log_in, main_pages_of
+from tests.browser import chromium, log_in, main_pages_of  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -19,13 +19,18 @@ RUN = """async () => {
 }"""
 
 
-def test_the_main_pages_have_no_critical_or_serious_accessibility_violation(live_server, alice, monkeypatch):
+def test_the_main_pages_have_no_critical_or_serious_accessibility_violation(
+    live_server,
+    chromium,  # noqa: F811
+    alice,
+    monkeypatch,
+):
     monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda *args, **kwargs: None)
     paths = main_pages_of(alice)
     found = {}
     # axe is added to each page as an inline script, which the pages' policy refuses (as it
     # should): this tab alone bypasses it. tests/test_csp.py reads the same pages under it.
-    with chromium_tab(live_server.url, bypass_csp=True) as page:
+    with chromium.tab(live_server.url, bypass_csp=True) as page:
         log_in(page, "alice")
         for path in paths:
             page.goto(path)

@@ -1,11 +1,17 @@
+import asyncio
+import os
+from contextlib import suppress
 from datetime import timedelta
 
+import psutil
 import pytest
+from asgiref.sync import async_to_sync
+from django.contrib.auth.models import User
 from django.utils import timezone
 
 from gpus.models import Reservation
 from gpus.services import server_report_ingest
-from tests.browser import log_in, page  # noqa: F401 - the fixture
+from tests.browser import ASYNC_UNSAFE, chromium, log_in, page  # noqa: F401 - the fixtures
 from tests.factories import make_snapshot
 from tests.isolation import OUTPUT
 
@@ -33,11 +39,15 @@ def test_it_shows_gpus_and_updates_them_without_reload(page, alice):  # noqa: F8
 
 
 def test_it_rejects_a_wrong_password_in_the_browser(page, alice):  # noqa: F811
+    from playwright.sync_api import expect
+
     page.goto("/login/")
     page.fill("input[name=username]", "alice")
     page.fill("input[name=password]", "wrong")
     page.click("button[type=submit]")
-    assert "correct username and password" in page.content()
+    # The answer's page, once it has come: the click returns before the navigation it starts.
+    expect(page.locator("form")).to_contain_text("correct username and password")
+    assert "/login/" in page.url
 
 
 def test_it_reserves_a_card_from_the_dashboard_shows_it_on_the_timeline_and_cancels_it(page, alice):  # noqa: F811
@@ -71,3 +81,69 @@ def test_it_reserves_a_card_from_the_dashboard_shows_it_on_the_timeline_and_canc
     page.goto("/")
     assert "free" in page.locator('[data-gpu-uuid="GPU-box1-01"] td.booked').inner_text()
     assert Reservation.objects.get().status == Reservation.Status.CANCELLED
+
+
+def test_each_tab_is_a_fresh_context_of_the_one_chromium(chromium, live_server, alice):  # noqa: F811
+    with chromium.tab(live_server.url) as first:
+        log_in(first, "alice")
+        with chromium.tab(live_server.url, viewport={"width": 390, "height": 844}) as second:
+            assert second.context.browser is first.context.browser  # no second launch
+            assert second.context.cookies() == []  # not signed in: alice's session stays in hers
+            assert second.evaluate("window.innerWidth") == 390
+            second.goto("/")
+            assert "/login/" in second.url
+        first.goto("/")
+        assert "/login/" not in first.url
+    with chromium.tab(live_server.url) as third:
+        assert third.context.cookies() == []
+
+
+def test_a_closed_tab_leaves_this_thread_to_tests_that_run_an_event_loop(chromium, live_server, alice):  # noqa: F811
+    """Playwright's sync API marks its loop as running in this thread; after a tab, the next
+    test (Channels, the log streams: asyncio.run, async_to_sync) and the ORM find none."""
+    unsafe = os.environ.get(ASYNC_UNSAFE)
+    with chromium.tab(live_server.url) as tab:
+        tab.goto("/login/")
+        assert User.objects.get().username == "alice"  # the ORM beside the tab's loop
+    assert os.environ.get(ASYNC_UNSAFE) == unsafe
+    assert asyncio.run(asyncio.sleep(0, "ran")) == "ran"
+    assert async_to_sync(asyncio.sleep)(0, "ran") == "ran"
+    with chromium.tab(live_server.url) as tab:  # and the browser's loop goes on afterwards
+        log_in(tab, "alice")
+
+
+def test_a_chromium_that_crashed_in_a_test_is_launched_again_for_the_next(chromium, live_server, alice):  # noqa: F811
+    from playwright.sync_api import Error
+
+    with chromium.tab(live_server.url) as tab:
+        crashed = tab.context.browser
+        with pytest.raises(Error):  # Chromium's own crash: no answer comes
+            crashed.new_browser_cdp_session().send("Browser.crash")
+    assert not crashed.is_connected()
+    with chromium.tab(live_server.url) as tab:
+        assert tab.context.browser is not crashed
+        log_in(tab, "alice")
+
+
+def test_a_chromium_killed_between_tests_is_launched_again_for_the_next(chromium, live_server, alice):  # noqa: F811
+    """Killed while no tab was open, so Playwright has not heard yet when the next one opens."""
+    with chromium.tab(live_server.url) as tab:
+        killed = tab.context.browser
+    browser = _browser_process()
+    browser.kill()
+    browser.wait(10)
+    with chromium.tab(live_server.url) as tab:
+        assert tab.context.browser is not killed
+        log_in(tab, "alice")
+
+
+def _browser_process() -> psutil.Process:
+    """Among this process's own descendants, the chromium that Playwright's driver started (the
+    others are its children; a crashed one's may be on their way out)."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with suppress(psutil.NoSuchProcess):
+            if process.name() == "chromium" and process.parent().name() != "chromium":
+                found.append((process, process.status()))
+    (browser,) = [process for process, status in found if status != psutil.STATUS_ZOMBIE]
+    return browser

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import chromium_tab, log_in, main_pages_of
+from tests.browser import chromium, log_in, main_pages_of  # noqa: F401 - the fixture
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 SCRIPT_TAG = re.compile(r"<script\b([^>]*)>", re.IGNORECASE)
@@ -68,10 +68,10 @@ def test_every_answer_carries_the_policy_and_the_csrf_cookie_is_not_for_script(c
 
 @pytest.mark.browser
 @pytest.mark.django_db(transaction=True)
-def test_the_main_pages_run_under_the_policy_with_nothing_refused(live_server, alice, monkeypatch):
+def test_the_main_pages_run_under_the_policy_with_nothing_refused(live_server, chromium, alice, monkeypatch):  # noqa: F811
     monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda *args, **kwargs: None)
     paths = [*main_pages_of(alice), "/api/v1/docs/", "/gpus/GPU-box1-00/"]
-    with chromium_tab(live_server.url, timezone_id="Asia/Tokyo") as tab:
+    with chromium.tab(live_server.url, timezone_id="Asia/Tokyo") as tab:
         refused: list[str] = []
         tab.on(
             "console",

@@ -21,7 +21,7 @@ from gpus.booking import reservation_create
 from jobs.host import lab
 from jobs.models import InteractiveSession
 from tests.asgi_server import asgi_servers
-from tests.browser import chromium_tab, log_in
+from tests.browser import chromium, log_in  # noqa: F401 - the fixture
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -80,9 +80,9 @@ def labs(settings, monkeypatch, tmp_path):
 
 
 @pytest.fixture
-def portal_tab() -> Iterator[tuple[object, str, str]]:
+def portal_tab(chromium) -> Iterator[tuple[object, str, str]]:  # noqa: F811
     """A Chromium tab on the portal, and the portal's and the labs' origins."""
-    with asgi_servers() as (portal, lab_origin), chromium_tab(portal) as tab:
+    with asgi_servers() as (portal, lab_origin), chromium.tab(portal) as tab:
         yield tab, portal, lab_origin
 
 

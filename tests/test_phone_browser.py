@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser import chromium_tab, log_in, main_pages_of
+from tests.browser import chromium, log_in, main_pages_of  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -20,8 +20,8 @@ WIDEST = """[...document.querySelectorAll('*')]
 
 
 @pytest.fixture
-def phone(live_server):  # type: ignore[no-untyped-def]
-    with chromium_tab(live_server.url, viewport=PHONE, is_mobile=True) as tab:
+def phone(live_server, chromium):  # type: ignore[no-untyped-def]  # noqa: F811
+    with chromium.tab(live_server.url, viewport=PHONE, is_mobile=True) as tab:
         yield tab
 
 
