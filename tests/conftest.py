@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -32,6 +33,18 @@ def _job_folders() -> Iterator[Path]:
     yield path
     shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(spool, ignore_errors=True)
+
+
+_spools = itertools.count(1)
+
+
+@pytest.fixture(autouse=True)
+def _own_spool(_job_folders, settings, monkeypatch) -> None:
+    """Each test its own JOB_SPOOL_DIR, and the workers it starts too: a spool an earlier test
+    left behind (a job whose worker was stopped mid-write) is never this test's to find."""
+    spool = Path(settings.VAR_DIR) / f"test-spool-{os.getpid()}" / str(next(_spools))
+    monkeypatch.setenv("JOB_SPOOL_DIR", str(spool))
+    settings.JOB_SPOOL_DIR = spool
 
 
 @pytest.fixture(scope="session")
