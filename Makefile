@@ -46,4 +46,4 @@ bench: $(DEV_STAMP)
 	$(PY) -m portal.embedded_redis --socket var/redis-bench-$$$$.sock -- $(PY) bench/run_all.py
 
 clean:
-	rm -rf var/staticfiles var/test*.sqlite3 test-output
+	rm -rf var/staticfiles var/test*.sqlite3 var/test-runs test-output
