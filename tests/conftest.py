@@ -35,6 +35,24 @@ def _job_folders() -> Iterator[Path]:
     shutil.rmtree(spool, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker) -> Iterator[None]:
+    """At the end, PostgreSQL's sessions on this run's test database closed, so pytest-django
+    can drop it: the live servers' and uvicorn's threads keep theirs open (Django's persistent
+    connections, one per thread), and a database with sessions cannot be dropped. The name is
+    this run's own (django_db_modify_db_settings below): every session on it is the run's."""
+    yield
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+
+
 _spools = itertools.count(1)
 
 
