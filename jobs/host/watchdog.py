@@ -141,9 +141,7 @@ class HostWatchdog:
         self._forget()
 
     def _forget(self) -> None:
-        """Nothing known of the server's rows: at the start, and when its row is not the one it
-        was (deleted and made again by a new report: its cards, violations and the users it
-        named went with it, and ids held from before would point at nothing)."""
+        """Nothing held of the server's rows: at the start, and once its row was made anew."""
         self.tracked: dict[Key, Tracked] = {}
         self.loaded = False
         self._policies: tuple[datetime, dict[str, tuple[str, int]]] | None = None
@@ -161,13 +159,12 @@ class HostWatchdog:
         began = monotonic()
         self.mapping.refresh()  # DCGM's hpc_job files, from the database (jobs/host/dcgm.py)
         now = now or timezone.now()
-        # Read every round (one lookup by a unique name): the row may have been made again.
+        # Every round (one lookup by a unique name): the row may have been deleted and made again.
         server = Server.objects.filter(name=self.server_name).values_list("pk", flat=True).first()
         if server is None:
             return []  # not ingested yet: the cards have no rows to hang violations on
         if server != self.server_id:
-            if self.server_id is not None:
-                self._forget()
+            self._forget()
             self.server_id = server
         if not self.loaded:
             self._load_open(server)
@@ -203,15 +200,13 @@ class HostWatchdog:
             # Every open violation on a readable card was seen this round (the others just ended,
             # or are held through a dip: their last_seen stays): one UPDATE by index.
             held_ids = [self.tracked[k].violation_id for k in held if k in self.tracked]
-            Violation.objects.filter(server_id=server, ended_at=None, gpu_id__in=readable).exclude(
-                pk__in=held_ids
-            ).update(last_seen=now)
+            opened = Violation.objects.filter(server_id=server, ended_at=None, gpu_id__in=readable)
+            opened.exclude(pk__in=held_ids).update(last_seen=now)
         self._took(monotonic() - began)
         return verdicts
 
     def _took(self, seconds: float) -> None:
-        """How long the round took, for /metrics (jobs/prometheus/metrics.py): one UPDATE, never the
-        round's failure."""
+        """The round's time, for /metrics (jobs/prometheus/metrics.py); never the round's failure."""
         try:
             Server.objects.filter(pk=self.server_id).update(watchdog_round_seconds=seconds)
         except DatabaseError as exc:
