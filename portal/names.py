@@ -9,15 +9,22 @@ import unicodedata
 from django.conf import settings
 
 
+def instance_keys(instance: str, *parts: object) -> str:
+    """`portal:<instance>:<part>:<part>…`, the one shape of the portal's Redis names (`*` for a
+    part: a SCAN pattern). Also Celery's queues' prefix, kombu's global_keyprefix
+    (portal/settings.py, which names the instance before the settings exist)."""
+    return ":".join(["portal", instance, *map(str, parts)])
+
+
 def redis_key(*parts: object) -> str:
     """`portal:<PORTAL_INSTANCE_ID>:<part>:<part>…`: every Redis key and channel the portal names
-    itself (telemetry, wake-ups, queue holds, change feeds, live logs). Celery's queues carry
-    the same `portal:<PORTAL_INSTANCE_ID>:` through kombu's global_keyprefix (portal/settings.py).
+    itself (telemetry, wake-ups, queue holds, change feeds, live logs), and Celery's queues too
+    (`portal:<PORTAL_INSTANCE_ID>:celery:<queue>`).
 
     Two portals may share one Redis (a test instance beside production, two labs on one server):
     without the instance in the name, one takes the other's telemetry, wake-ups and queue holds,
     whose server names, card uuids and job ids collide."""
-    return ":".join(["portal", settings.PORTAL_INSTANCE_ID, *map(str, parts)])
+    return instance_keys(settings.PORTAL_INSTANCE_ID, *parts)
 
 
 def signin_name(username: str) -> str:

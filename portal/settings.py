@@ -33,6 +33,7 @@ from portal.identity_env import (
     ldap_settings_from_env,
     oidc_settings_from_env,
 )
+from portal.names import instance_keys
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
@@ -359,7 +360,7 @@ PORTAL_INSTANCE_ID = env_str("PORTAL_INSTANCE_ID", "").strip() or instance_id(DA
 # instance's name like every other key (portal.names.redis_key): two portals on one Redis, or the
 # xdist workers of one test run, never take each other's messages. The queue names stay
 # `portal` and `host.<name>`; only their Redis keys carry the prefix.
-CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = f"portal:{PORTAL_INSTANCE_ID}:celery:"
+CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = instance_keys(PORTAL_INSTANCE_ID, "celery", "")
 TELEMETRY_INTERVAL_SECONDS = env_int("TELEMETRY_INTERVAL_SECONDS", 3, min_value=1, max_value=5)
 SERVER_OFFLINE_AFTER_SECONDS = env_int("SERVER_OFFLINE_AFTER_SECONDS", 20, min_value=5, max_value=30)
 TELEMETRY_HISTORY_SECONDS = env_int("TELEMETRY_HISTORY_SECONDS", 15, min_value=1)

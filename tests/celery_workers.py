@@ -34,6 +34,7 @@ from django.conf import settings
 from django.db import connection
 
 from portal.env import database_url
+from portal.names import redis_key
 from portal.processes import die_with_parent
 from portal.workers import worker_argv
 from tests.isolation import OUTPUT, ROOT, SIMULATED_PROCESSES_FILE
@@ -104,14 +105,12 @@ class StartWorker:
                 proc.terminate()
             else:
                 proc.kill()
-        for proc in running:
+        for proc in running:  # the others were reaped by poll()
             try:
                 proc.wait(timeout=STOP_GRACE_SECONDS)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for worker in self.workers:
-            worker.proc.wait()
 
 
 def _busy(proc: subprocess.Popen) -> bool:
@@ -131,7 +130,7 @@ def redis_forget() -> None:
     with redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5) as client:
         names = [
             name
-            for name in client.scan_iter(match=f"portal:{settings.PORTAL_INSTANCE_ID}:*", count=1000)
+            for name in client.scan_iter(match=redis_key("*"), count=1000)
             if b"_kombu.binding" not in name
         ]
         for start in range(0, len(names), 500):

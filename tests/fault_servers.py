@@ -40,6 +40,7 @@ import redis
 from psycopg import sql
 
 from jobs.models import Job
+from portal.names import instance_keys
 from portal.processes import die_with_parent
 from portal.workers import worker_argv
 from tests.conftest import OUTPUT, ROOT, free_port
@@ -344,7 +345,7 @@ class ThrowawayRedis(_Throwaway):
         """Messages waiting in a Celery queue: a Redis list of the queue's name under its portal's
         prefix (global_keyprefix, portal/settings.py), whichever portal's: this Redis is one
         portal's own."""
-        pattern = f"portal:*:celery:{queue}"  # portal:<PORTAL_INSTANCE_ID>:celery:, as settings name it
+        pattern = instance_keys("*", "celery", queue)
         with redis.Redis.from_url(self.url) as client:
             return sum(client.llen(key) for key in client.scan_iter(match=pattern, _type="list"))
 
