@@ -37,6 +37,13 @@ def running(alice, booking) -> Job:
     return job
 
 
+def _stream_up(page) -> None:  # type: ignore[no-untyped-def]
+    """The page's stream said `ready` (static/js/live.js): a change published from now on reaches
+    it. One published before, between the page's render and its subscription, is not pushed; the
+    page shows it with the next change."""
+    page.wait_for_function("() => window.portalLive && window.portalLive.up === true")
+
+
 def _not_the_stream(requests: list[str]) -> list[str]:
     return [url for url in requests if "/events/" not in url]
 
@@ -78,6 +85,7 @@ def test_the_queue_shows_a_new_job_in_place(asgi_page, alice, box):  # noqa: F81
     asgi_page.goto("/queue/")
     expect(asgi_page.locator("#queue-table")).to_contain_text("Nothing waits")
     asgi_page.evaluate("window.__notReloaded = true")
+    _stream_up(asgi_page)
     job = queue_job(alice)  # pending until the scheduler's next pass (none runs here)
     expect(asgi_page.locator(f'#queue-table tr[data-job="{job.pk}"]')).to_be_visible()
     assert asgi_page.evaluate("window.__notReloaded") is True
@@ -91,6 +99,7 @@ def test_the_gpu_page_shows_each_round_in_place(asgi_page, alice):  # noqa: F811
     asgi_page.goto("/gpus/GPU-box1-01/")
     expect(asgi_page.locator("#gpu-facts .gpu-util")).to_have_text("10")
     asgi_page.evaluate("window.__facts = document.getElementById('gpu-facts')")
+    _stream_up(asgi_page)
     server_report_ingest(snapshot=make_snapshot("box1", gpus=2, util=77, simulated=True))
     expect(asgi_page.locator("#gpu-facts .gpu-util")).to_have_text("77")
     assert asgi_page.evaluate(
