@@ -50,6 +50,14 @@ class Server(models.Model):
     # How long its last rounds took, for /metrics (read at scrape time, so every web worker agrees).
     telemetry_round_seconds = models.FloatField(null=True, blank=True)
     watchdog_round_seconds = models.FloatField(null=True, blank=True)
+    # Whether jobs in container images can run here, as the host's worker last found (issue 34):
+    # the job form offers images only on servers where this is true.
+    containers_ok = models.BooleanField(
+        "containers work", default=False, help_text="As the host's worker last found (docs/containers.md)."
+    )
+    containers_detail = models.CharField(
+        max_length=500, blank=True, help_text="What the worker found: the runtime, or what is missing."
+    )
 
     objects = ServerQuerySet.as_manager()
 
@@ -619,6 +627,8 @@ class CalendarFeed(models.Model):
         return f"calendar of {self.owner_id} ({self.scope} {what})"
 
 
-# The usage rollups live apart for this module's length (gpus/usage_models.py); imported here so
-# that Django registers them with the app and callers import every model from gpus.models.
+# The usage rollups and the container images live apart for this module's length
+# (gpus/usage_models.py, gpus/image_models.py); imported here so that Django registers them
+# with the app and callers import every model from gpus.models.
+from gpus.image_models import ContainerImage  # noqa: E402, F401
 from gpus.usage_models import UsageDay, UsageFigures, UsageHour, UsageTeamHour  # noqa: E402, F401

@@ -130,6 +130,14 @@ class Job(models.Model):
     args = models.JSONField(default=list)
     workdir = models.CharField(max_length=1000, blank=True, help_text="Empty: a fresh per-job folder.")
     interpreter = models.CharField(max_length=64, default="default")
+    image = models.ForeignKey(
+        "gpus.ContainerImage",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="jobs",
+        help_text="Run in this container image (docs/containers.md); empty: on the host, as before.",
+    )
     env = models.JSONField(default=dict, help_text="Extra environment variables given by the user.")
     time_limit_minutes = models.PositiveIntegerField(null=True, blank=True)
     # Memory settings (every framework: jobs/environment.framework_memory_env) and TensorFlow's,
@@ -361,6 +369,14 @@ class InteractiveSession(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.STARTING)
     command = models.JSONField(default=list, help_text="The argv as given.")
     gpu_uuids = models.JSONField(default=list)
+    image = models.ForeignKey(
+        "gpus.ContainerImage",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="sessions",
+        help_text="A lab run in this container image (docs/containers.md); empty: on the host.",
+    )
     pid = models.PositiveIntegerField(null=True, blank=True, help_text="The command's session leader.")
     pid_started = models.FloatField(null=True, blank=True, help_text="Its start (epoch seconds).")
     created_at = models.DateTimeField(default=timezone.now)

@@ -355,7 +355,9 @@ def unreachable() -> dict[str, Any]:
 
 def test_beats_that_cannot_reach_the_portal_leave_the_last_end_in_force(children):
     child = started([PY, "-c", IGNORES_SIGTERM.replace("signal.SIG_IGN", "signal.SIG_DFL")], children)
-    notes, booking = Recorded(), session(ends_in=0.5, beat=0.05)
+    # Two seconds of beats every 0.05 s: room for the three asserted below on a loaded CI machine
+    # (0.5 s once gave a single beat there, with the suite's other workers busy).
+    notes, booking = Recorded(), session(ends_in=2.0, beat=0.05)
     watch, portal = Watch(child, booking, notes), FakeBeats(unreachable)
     threading.Thread(target=watch.run, daemon=True).start()
     threading.Thread(target=beat_loop, args=(portal, booking, watch, child), daemon=True).start()

@@ -18,6 +18,16 @@ from portal.pids import ProcessId
 
 
 @dataclass(frozen=True)
+class ImageSpec:
+    """The container image a run is in (gpus.ContainerImage, as the host needs it): its short name
+    for the log, where the host gets it, and whether the host's network is inside."""
+
+    name: str
+    reference: str
+    network: bool = False
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """What to run: the command, its environment and folder, the account it runs as (JOB_USER's,
     or the owner's under JOB_USER=@owner; None: the worker's own), the worker's descriptors it
@@ -32,6 +42,7 @@ class RunSpec:
     account: pwd.struct_passwd | None = None
     pass_fds: Sequence[int] = ()
     gpu_uuids: Sequence[str] = ()
+    image: ImageSpec | None = None  # None: on the host (LocalProcess); else in it (a container executor)
 
 
 class RunOutput(Protocol):

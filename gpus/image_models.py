@@ -1,0 +1,47 @@
+"""The container images people may run jobs and labs in (issue 34; docs/containers.md), kept apart
+from gpus/models.py for that module's length and imported there, so callers import every model
+from gpus.models.
+
+An admin lists each image once: its short name (what people pick: `tf-2.17`), where a host gets it
+(`reference`) and which servers have it or may pull it. Nothing else can be run in a container:
+a job names an image of this list, never a reference of its own.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+
+class ContainerImage(models.Model):
+    name = models.SlugField(
+        max_length=64, unique=True, help_text='What people pick: the job form, `gpu run --image` ("tf-2.17").'
+    )
+    reference = models.CharField(
+        max_length=1000,
+        help_text=(
+            "Where a host gets it: an OCI reference from the lab's registry "
+            "(registry.lab.example/tf:2.17), an oci-archive:/docker-archive: file, or a root "
+            "filesystem folder on the hosts (an absolute path)."
+        ),
+    )
+    description = models.CharField(max_length=500, blank=True)
+    servers = models.ManyToManyField(
+        "gpus.Server", related_name="images", blank=True, help_text="The servers that have it."
+    )
+    network = models.BooleanField(
+        default=False,
+        help_text="Jobs in it see the host's network (off: no network at all, the safe default).",
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_rootfs(self) -> bool:
+        """A root filesystem folder on the hosts, run with `podman --rootfs`, never pulled."""
+        return self.reference.startswith("/")
