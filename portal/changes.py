@@ -8,8 +8,13 @@ next poll. Two channels per portal (two portals may share a Redis):
 - `user:<id>`: {"topic": "notifications"}, for that user's pages only.
 
 Messages go out once the transaction commits (a page that reads on the message must see the
-change). Publishing never fails the caller: Redis away costs the pages their speed (they poll
-again), and after a failure nothing is tried for RETRY_AFTER_SECONDS; the outage is logged once.
+change). Each also counts one on `changes-count`: a page keeps the count as it was when its request
+began (`ChangesSeenMiddleware`), its stream says the count once it listens (`ready`), and a page
+whose count is behind reads its live parts once, for a change published between its render and
+its stream's start reached no one.
+
+Publishing never fails the caller: Redis away costs the pages their speed (they poll again), and
+after a failure nothing is tried for RETRY_AFTER_SECONDS; the outage is logged once.
 """
 
 from __future__ import annotations
@@ -42,14 +47,24 @@ def user_channel(user_id: int) -> str:
     return redis_key("user", user_id)
 
 
+def count_key() -> str:
+    return redis_key("changes-count")
+
+
 class Publisher:
     """Redis pub/sub that never fails its caller (this module's changes, and a job's live log:
     jobs.logs.live). One connection per process (a prefork pool's child makes its own after the
     fork); after a failure nothing is tried for RETRY_AFTER_SECONDS, and the outage is said once.
     `what` and `meanwhile` word that line: what went unpublished, and what its readers do instead."""
 
-    def __init__(self, what: str = "Changes", meanwhile: str = "pages see them at their next poll") -> None:
-        self.what, self.meanwhile = what, meanwhile
+    def __init__(
+        self,
+        what: str = "Changes",
+        meanwhile: str = "pages see them at their next poll",
+        *,
+        counted: bool = False,
+    ) -> None:
+        self.what, self.meanwhile, self.counted = what, meanwhile, counted
         self._client: redis.Redis | None = None
         self._pid = 0
         self._quiet_until = 0.0
@@ -59,23 +74,68 @@ class Publisher:
         if now < self._quiet_until:
             return
         try:
-            if self._client is None or self._pid != os.getpid():
-                self._client = redis.Redis.from_url(
-                    settings.REDIS_URL, socket_timeout=TIMEOUT_SECONDS, socket_connect_timeout=TIMEOUT_SECONDS
-                )
-                self._pid = os.getpid()
-            self._client.publish(channel, payload)
+            if self.counted:  # one round trip for both; counted first, so no message outruns its count
+                pipe = self._redis().pipeline(transaction=False)
+                pipe.incr(count_key()).publish(channel, payload).execute()
+            else:
+                self._redis().publish(channel, payload)
         except redis.RedisError as exc:
-            if not self._quiet_until:
-                log.warning("%s unpublished (%s): %s", self.what, exc, self.meanwhile)
-            self._quiet_until = now + RETRY_AFTER_SECONDS
+            self._failed(exc, now)
             return
         if self._quiet_until:
             log.info("%s published again", self.what)
         self._quiet_until = 0.0
 
+    def count(self) -> int | None:
+        """How many changes were published so far (this portal's), or None when Redis cannot say."""
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return None
+        try:
+            return int(self._redis().get(count_key()) or 0)
+        except redis.RedisError as exc:
+            self._failed(exc, now)
+            return None
 
-publisher = Publisher()
+    def _redis(self) -> redis.Redis:
+        if self._client is None or self._pid != os.getpid():
+            self._client = redis.Redis.from_url(
+                settings.REDIS_URL, socket_timeout=TIMEOUT_SECONDS, socket_connect_timeout=TIMEOUT_SECONDS
+            )
+            self._pid = os.getpid()
+        return self._client
+
+    def _failed(self, exc: redis.RedisError, now: float) -> None:
+        if not self._quiet_until:
+            log.warning("%s unpublished (%s): %s", self.what, exc, self.meanwhile)
+        self._quiet_until = now + RETRY_AFTER_SECONDS
+
+
+publisher = Publisher(counted=True)
+
+
+def changes_count() -> int | None:
+    """The change count now (None: Redis cannot say, and a page then reads its parts at `ready`)."""
+    return publisher.count()
+
+
+class ChangesSeenMiddleware:
+    """Notes the change count as a page's request begins (`request.changes_seen`), before the view
+    reads anything: what was published after that may be missing from the page (base.html gives
+    it to the page's stream, static/js/live.js). Pages only: htmx partials, the API and the
+    streams do without."""
+
+    def __init__(self, get_response) -> None:  # type: ignore[no-untyped-def]
+        self.get_response = get_response
+
+    def __call__(self, request):  # type: ignore[no-untyped-def]
+        if request.method == "GET" and not request.headers.get("HX-Request") and _is_page(request.path):
+            request.changes_seen = changes_count()
+        return self.get_response(request)
+
+
+def _is_page(path: str) -> bool:
+    return not path.startswith(("/api/", "/static/", "/events/")) and not path.endswith(("/events/", "/log/"))
 
 
 def change_publish(topic: str, *, server: int | None = None) -> None:

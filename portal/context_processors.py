@@ -11,4 +11,6 @@ def portal(request: HttpRequest) -> dict:
         "TIME_ZONE_OFFER": getattr(request, "time_zone_offer", None),
         "PORTAL_TIME_ZONE": settings.TIME_ZONE,
         "BOOKING_MAX_HOURS": settings.BOOKING_MAX_HOURS,
+        # The change count as the request began (portal.changes.ChangesSeenMiddleware); None: unknown.
+        "CHANGES_SEEN": getattr(request, "changes_seen", None),
     }

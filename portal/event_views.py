@@ -31,7 +31,8 @@ from portal.subscriptions import Lost, hub
 log = logging.getLogger(__name__)
 
 RETRY_MS = 2000
-READY = b"event: ready\ndata: \n\n"
+# `ready`'s data: the change count once the stream listens (portal.changes), "" when Redis cannot say.
+READY = "event: ready\ndata: {}\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 
 
@@ -75,7 +76,9 @@ async def relay(user_id: int) -> AsyncIterator[bytes]:
         log.warning("Change feed without Redis (%s): pages poll until it is back", exc)
         return
     async with subscription:
-        yield READY
+        # Read once the subscription is confirmed: a change counted after this reaches the stream.
+        count = await asyncio.to_thread(changes.changes_count)
+        yield READY.format("" if count is None else count).encode()
         loop = asyncio.get_running_loop()
         next_keepalive = loop.time() + keepalive
         while True:

@@ -102,6 +102,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "portal.changes.ChangesSeenMiddleware",  # before any view reads what its page shows
     # Each person's time zone for everything shown and typed (portal/time_zones.py).
     "portal.time_zones.TimeZoneMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",

@@ -83,3 +83,27 @@ def test_publishing_never_fails_the_caller_and_logs_an_outage_once(settings, cap
         publisher.publish(changes.channel(), json.dumps({"topic": "telemetry"}))
         publisher.publish(changes.channel(), json.dumps({"topic": "telemetry"}))  # quiet: not even tried
     assert [r.getMessage().startswith("Changes unpublished") for r in caplog.records] == [True]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_ready_says_the_change_count_that_a_page_notes_as_its_request_begins(alice):
+    browser = Client()
+    browser.force_login(alice)
+    changes.publisher.publish(changes.channel(), "{}")  # counted: the feed's count is not 0
+    seen = changes.changes_count()
+    assert seen and seen >= 1
+    page = browser.get(reverse("dashboard"))
+    assert f'data-changes-seen="{seen}"' in page.content.decode()
+    assert browser.get(reverse("dashboard"), headers={"HX-Request": "true"}).wsgi_request.__dict__.get(
+        "changes_seen"
+    ) is None  # a partial's request does without
+    cookie = {"Cookie": f"sessionid={browser.cookies['sessionid'].value}", "Accept": "text/event-stream"}
+    with (
+        asgi_server() as url,
+        httpx.Client(base_url=url, timeout=httpx.Timeout(10.0)) as http,
+        http.stream("GET", "/events/", headers=cookie) as response,
+    ):
+        received = iter_events(response.iter_lines())
+        server_report_ingest(snapshot=make_snapshot("box1", gpus=1))  # before the stream listened? no matter
+        ready = next(received)
+    assert ready.event == "ready" and int(ready.data[0]) >= seen

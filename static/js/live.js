@@ -33,6 +33,9 @@
   let failures = 0; // errors since the last `ready`
   let missed = false;
   let lastId = "";
+  // The change count as this page's request began (base.html): a `ready` that says more means a
+  // change came between the page's render and its stream's start, which no event brought.
+  let seenAtRender = document.body ? document.body.dataset.changesSeen || "" : "";
   let hiddenTimer = null;
   let started = false; // the stream is opened once the page's scripts have run (the end)
   const live = (window.portalLive = {
@@ -188,11 +191,13 @@
     // A new EventSource sends no Last-Event-ID: the offset goes in the URL instead.
     const at = lastId ? `${url}${url.includes("?") ? "&" : "?"}offset=${encodeURIComponent(lastId)}` : url;
     stream = new EventSource(at);
-    stream.addEventListener("ready", () => {
+    stream.addEventListener("ready", (e) => {
       failures = 0;
       live.up = true;
       say("push");
-      if (missed) schedule(TOPICS.flatMap((topic) => partsFor(topic))); // what came while it was down
+      const behind = seenAtRender !== null && !(seenAtRender !== "" && e.data !== "" && Number(e.data) <= Number(seenAtRender));
+      seenAtRender = null; // the first `ready` only: after that, `missed` tells
+      if (missed || behind) schedule(TOPICS.flatMap((topic) => partsFor(topic))); // what came meanwhile
       missed = false;
     });
     stream.addEventListener("message", (e) => {
