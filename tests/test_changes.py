@@ -94,9 +94,12 @@ def test_ready_says_the_change_count_that_a_page_notes_as_its_request_begins(ali
     assert seen and seen >= 1
     page = browser.get(reverse("dashboard"))
     assert f'data-changes-seen="{seen}"' in page.content.decode()
-    assert browser.get(reverse("dashboard"), headers={"HX-Request": "true"}).wsgi_request.__dict__.get(
-        "changes_seen"
-    ) is None  # a partial's request does without
+    assert (
+        browser.get(reverse("dashboard"), headers={"HX-Request": "true"}).wsgi_request.__dict__.get(
+            "changes_seen"
+        )
+        is None
+    )  # a partial's request does without
     cookie = {"Cookie": f"sessionid={browser.cookies['sessionid'].value}", "Accept": "text/event-stream"}
     with (
         asgi_server() as url,
