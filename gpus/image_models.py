@@ -13,6 +13,15 @@ from django.db import models
 from django.utils import timezone
 
 
+class ContainerImageQuerySet(models.QuerySet):
+    def runnable(self, server: object | None = None) -> ContainerImageQuerySet:
+        """The images a job can run in now: on a server (this one, if given) whose worker found
+        that containers work there. The one rule for the job form, the lab button and the checks."""
+        if server is None:
+            return self.filter(servers__containers_ok=True).distinct()
+        return self.filter(servers=server, servers__containers_ok=True).distinct()
+
+
 class ContainerImage(models.Model):
     name = models.SlugField(
         max_length=64, unique=True, help_text='What people pick: the job form, `gpu run --image` ("tf-2.17").'
@@ -35,6 +44,8 @@ class ContainerImage(models.Model):
     )
     created_at = models.DateTimeField(default=timezone.now)
 
+    objects = ContainerImageQuerySet.as_manager()
+
     class Meta:
         ordering = ["name"]
 
@@ -45,3 +56,21 @@ class ContainerImage(models.Model):
     def is_rootfs(self) -> bool:
         """A root filesystem folder on the hosts, run with `podman --rootfs`, never pulled."""
         return self.reference.startswith("/")
+
+
+class ImagePull(models.Model):
+    """The last pre-pull of an image on a server (jobs' images_pull task, the admin's "Pull on
+    every host now"), as its host's worker recorded it: one row per pair, replaced each time."""
+
+    image = models.ForeignKey(ContainerImage, on_delete=models.CASCADE, related_name="pulls")
+    server = models.ForeignKey("gpus.Server", on_delete=models.CASCADE, related_name="image_pulls")
+    ok = models.BooleanField()
+    detail = models.CharField(max_length=1000, blank=True, help_text="The pull's last words, or its error.")
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["image", "server"], name="image_pull_one_per_server")]
+        ordering = ["image", "server"]
+
+    def __str__(self) -> str:
+        return f"{self.image_id} on {self.server_id}: {'ok' if self.ok else 'failed'}"
