@@ -25,6 +25,7 @@ from gpus.booking import (
 )
 from gpus.filters import GPUFilter, ImageFilter, ReservationFilter, UsageFilter, ViolationFilter
 from gpus.hooks import job_images
+from gpus.image_models import IMAGE_NAME
 from gpus.models import (
     GPU,
     Allocation,
@@ -198,6 +199,7 @@ class ImageViewSet(viewsets.ReadOnlyModelViewSet):
 
     serializer_class = ImageSerializer
     lookup_field = "name"
+    lookup_value_regex = IMAGE_NAME.removeprefix("^").removesuffix("\\Z")  # names have dots: tf-2.17
     filterset_class = ImageFilter
     queryset = ContainerImage.objects.prefetch_related("servers")
 

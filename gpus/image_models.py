@@ -9,8 +9,11 @@ a job names an image of this list, never a reference of its own.
 
 from __future__ import annotations
 
+from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
+
+IMAGE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"  # also the API's lookup (gpus.api.ImageViewSet)
 
 
 class ContainerImageQuerySet(models.QuerySet):
@@ -23,8 +26,17 @@ class ContainerImageQuerySet(models.QuerySet):
 
 
 class ContainerImage(models.Model):
-    name = models.SlugField(
-        max_length=64, unique=True, help_text='What people pick: the job form, `gpu run --image` ("tf-2.17").'
+    # Not a SlugField: versions have dots ("tf-2.17"), which a slug refuses.
+    name = models.CharField(
+        max_length=64,
+        unique=True,
+        validators=[
+            RegexValidator(
+                IMAGE_NAME,
+                "Letters, digits, '.', '-' and '_', starting with a letter or digit, e.g. tf-2.17.",
+            )
+        ],
+        help_text='What people pick: the job form, `gpu run --image` ("tf-2.17").',
     )
     reference = models.CharField(
         max_length=1000,
