@@ -9,10 +9,11 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils import timezone
 
-from gpus.models import Server
-from jobs.host.images import images_pull_here
+from gpus.models import ImagePull, Server
 from jobs.images import images_pull_send
+from jobs.tasks import pull_images
 from portal.errors import Invalid
 
 
@@ -61,8 +62,13 @@ class Command(BaseCommand):
         missing = sorted(set(images) - set(wanted.values_list("name", flat=True)))
         if missing:
             raise CommandError(f"{', '.join(missing)} not listed for {name}; add it to {name} in the admin.")
-        pulled = images_pull_here(host, list(wanted.values_list("pk", flat=True)))
-        for one in pulled:
-            self.stdout.write(f"{one.image}: {'pulled' if one.ok else 'FAILED'}: {one.detail}")
-        if not all(one.ok for one in pulled):
+        ids = list(wanted.values_list("pk", flat=True))
+        started = timezone.now()
+        pull_images(host.pk, ids)  # the host's task, run here: what each pull did is its ImagePull
+        pulled = ImagePull.objects.filter(server=host, image_id__in=ids, at__gte=started).select_related(
+            "image"
+        )
+        for one in pulled.order_by("image__name"):
+            self.stdout.write(f"{one.image.name}: {'pulled' if one.ok else 'FAILED'}: {one.detail}")
+        if len(pulled) < len(ids) or not all(one.ok for one in pulled):
             raise CommandError("Some images could not be pulled (above).")
