@@ -14,6 +14,7 @@ class JobAdmin(admin.ModelAdmin):
 
     list_display = ["id", "name", "owner", "team", "server", "status", "image", "created_at", "exit_code"]
     list_filter = ["status", "server", "team"]
+    list_select_related = ["owner", "team", "server", "image"]
     search_fields = ["name", "owner__username", "script_path"]
     readonly_fields = [f.name for f in Job._meta.fields if f.name != "script_source"]
     exclude = ["script_source"]

@@ -96,11 +96,7 @@ def session_start(
             field="reservation",
         )
     server = allocations[0].gpu.server
-    if image and not lab:
-        raise Invalid(
-            "An image is for JupyterLab sessions (and jobs): gpu exec and gpu shell run on the host.",
-            field="image",
-        )
+    chosen = _check_image(image, server, lab=lab)
     session = InteractiveSession.objects.create(
         owner=user,
         reservation=booking,
@@ -111,7 +107,7 @@ def session_start(
         created_at=now,
         beat_at=Now(),  # every beat and its cut-off: the database's clock (portal.clock)
         token=secrets.token_urlsafe(32) if lab else "",
-        image=image_check(image, server, fix="open JupyterLab on a booking of") if lab else None,
+        image=chosen,
     )
     try:
         env = session_environment(
@@ -133,6 +129,17 @@ def session_start(
 LAB_COMMAND = ["jupyter", "lab"]
 LAB_RESEND_SECONDS = 30  # a lab no worker took this long after its message: sent again
 _send = HostSender(run_session, "session", log)  # after a failure the reconciler sends it again (labs_resend)
+
+
+def _check_image(image: str | None, server: Server, *, lab: bool) -> ContainerImage | None:
+    """A lab's container image, which its server can run (jobs.images.image_check); a terminal
+    session runs on the host, in the caller's own shell."""
+    if image and not lab:
+        raise Invalid(
+            "An image is for JupyterLab sessions (and jobs): gpu exec and gpu shell run on the host.",
+            field="image",
+        )
+    return image_check(image, server, fix="open JupyterLab on a booking of")
 
 
 def _check_command(command: Sequence[str]) -> list[str]:
