@@ -1,4 +1,5 @@
-"""The cards: `gpu status` (nvidia-smi for every server), `gpu book`, `gpu release`."""
+"""The cards: `gpu status` (nvidia-smi for every server), `gpu book`, `gpu release`; and the
+container images jobs may run in, `gpu images`."""
 
 from __future__ import annotations
 
@@ -125,3 +126,22 @@ def release(reservation_id: int, as_json: bool) -> None:
         render.print_json(reservation)
         return
     click.echo(f"Reservation {reservation['id']} is {reservation['status']}.")
+
+
+@click.command()
+@click.option("--server", help="Only the images this server has.")
+@json_option
+def images(server: str | None, as_json: bool) -> None:
+    """The container images jobs and labs may run in (`gpu run --image NAME`), and where they run.
+
+    \b
+      gpu images
+      gpu images --server gpu-01 --json
+    """
+    found = connect().get("images/", server=server)
+    if as_json:
+        render.print_json(found)
+        return
+    render.console().print(
+        render.images_table(found) if found else "No container images; jobs run on the hosts."
+    )

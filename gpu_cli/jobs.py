@@ -141,6 +141,7 @@ def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str
 @click.option("--reservation", type=int, metavar="ID", help="Run in this booking, on its cards.")
 @click.option("--env", type=ENV_PAIR, multiple=True, help="An environment variable (repeatable).")
 @click.option("--python", "interpreter", metavar="NAME", help="One of the portal's Python environments.")
+@click.option("--image", metavar="NAME", help="Run in this container image (`gpu images` lists them).")
 @click.option("--wait", is_flag=True, help="Follow the log until the job ends; exit with its exit code.")
 @click.option("--no-hint", is_flag=True, help="Skip the size your recent runs of the script suggest.")
 @json_option
@@ -151,6 +152,7 @@ def run(
     reservation: int | None,
     env: tuple[tuple[str, str], ...],
     interpreter: str | None,
+    image: str | None,
     wait: bool,
     no_hint: bool,
     as_json: bool,
@@ -167,6 +169,7 @@ def run(
       gpu run train.py --gpus 1 --time 10m --wait
       gpu run sweep.py --gpus 2 --mem 16G --time 2h --array 0-9%2 -- --lr 0.1
       gpu run train.py --reservation 12 --env WANDB_MODE=offline -- --epochs 3
+      gpu run train.py --gpus 1 --time 1h --image tf-2.17
     """
     if wait and (queue_options["array"] or as_json):
         raise click.UsageError("--wait follows one job's log: leave out --array and --json.")
@@ -176,6 +179,7 @@ def run(
         "args": shlex.join(args) or None,
         "env": json.dumps(dict(env)) if env else None,
         "interpreter": interpreter,
+        "image": image,
         "time_limit_minutes": minutes,
     }
     portal = connect()

@@ -84,6 +84,7 @@ for command in (
     cards.status,
     cards.book,
     cards.release,
+    cards.images,
     jobs.run,
     jobs.queue,
     jobs.jobs,

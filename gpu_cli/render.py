@@ -84,6 +84,18 @@ def footer(shown: int, total: int, what: str) -> str | None:
 # --- servers and cards ----------------------------------------------------------------------------
 
 
+def images_table(images: Iterable[dict[str, Any]]) -> Table:
+    """Each image, where it runs now (containers work there) and where it is but cannot run."""
+    table = _table("IMAGE", "RUNS ON", "NETWORK", "DESCRIPTION")
+    for image in images:
+        ok = image.get("containers_ok", {})
+        where = [name if ok.get(name) else f"{name} (containers off)" for name in image["servers"]]
+        table.add_row(
+            image["name"], ", ".join(where) or "—", "yes" if image["network"] else "no", image["description"]
+        )
+    return table
+
+
 def _processes(gpu: dict[str, Any]) -> str:
     if not gpu["processes_known"]:
         return "unknown (the host could not list them)"
@@ -182,12 +194,18 @@ def _job_note(job: dict[str, Any]) -> str:
 
 
 def jobs_table(jobs: Iterable[dict[str, Any]], *, owners: bool = False) -> Table:
+    """One row a job; an IMAGE column when any runs in a container image (a portal from before
+    images sends none)."""
+    jobs = list(jobs)
+    images = any(job.get("image") for job in jobs)
     columns = ["ID", "NAME", "STATUS", "SERVER", "GPUS", "SUBMITTED", "ELAPSED", "EXIT", "NOTE"]
-    table = _table(*columns[:2], *(["OWNER"] if owners else []), *columns[2:])
+    table = _table(*columns[:2], *(["OWNER"] if owners else []), *(["IMAGE"] if images else []), *columns[2:])
     for job in jobs:
         cells = [str(job["id"]), job_name(job)]
         if owners:
             cells.append(job["owner"])
+        if images:
+            cells.append(job.get("image") or "—")
         exit_code = job["exit_code"]
         table.add_row(
             *cells,

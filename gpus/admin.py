@@ -22,11 +22,25 @@ class GPUInline(admin.TabularInline):
 
 @admin.register(Server)
 class ServerAdmin(admin.ModelAdmin):
-    list_display = ["name", "hostname", "status", "draining", "simulated", "driver_version", "last_seen"]
-    list_filter = ["draining", "simulated"]
+    list_display = [
+        "name",
+        "hostname",
+        "status",
+        "draining",
+        "simulated",
+        "containers_ok",
+        "driver_version",
+        "last_seen",
+    ]
+    list_filter = ["draining", "simulated", "containers_ok"]
     search_fields = ["name", "hostname"]
-    readonly_fields = ["last_seen", "last_history_at"]
+    # What the host's worker found when it started (jobs.host.worker.containers_report): its word only.
+    readonly_fields = ["last_seen", "last_history_at", "containers_ok", "containers_detail"]
     inlines = [GPUInline]
+
+
+# The container images' admin (gpus.models.ContainerImage) is registered by jobs/admin.py: its
+# "Pull on every host now" sends a jobs task, and gpus never imports jobs.
 
 
 @admin.register(GPU)

@@ -1,5 +1,5 @@
-"""Inventory (/api/v1/servers/, /api/v1/gpus/, read-only), bookings (/api/v1/reservations/) and
-usage (/api/v1/usage/, read-only)."""
+"""Inventory (/api/v1/servers/, /api/v1/gpus/, /api/v1/images/, read-only), bookings
+(/api/v1/reservations/) and usage (/api/v1/usage/, read-only)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,19 @@ from gpus.booking import (
     reservation_extend,
     reservation_release,
 )
-from gpus.filters import GPUFilter, ReservationFilter, UsageFilter, ViolationFilter
-from gpus.models import GPU, Allocation, GPUProcess, Reservation, Server, UsageDay, Violation
+from gpus.filters import GPUFilter, ImageFilter, ReservationFilter, UsageFilter, ViolationFilter
+from gpus.hooks import job_images
+from gpus.image_models import IMAGE_NAME
+from gpus.models import (
+    GPU,
+    Allocation,
+    ContainerImage,
+    GPUProcess,
+    Reservation,
+    Server,
+    UsageDay,
+    Violation,
+)
 from gpus.reports import UsageScope, usage_queryset, usage_rows
 from gpus.selectors import (
     CommandLines,
@@ -49,10 +60,23 @@ class GPUProcessSerializer(serializers.ModelSerializer):
     command = serializers.SerializerMethodField(
         help_text="The whole command line for admins and the process's owner, else the program's name."
     )
+    image = serializers.SerializerMethodField(help_text="Its job's container image; null: none.")
 
     class Meta:
         model = GPUProcess
-        fields = ["pid", "username", "command", "used_memory_mb", "session_id", "job", "interactive_session"]
+        fields = [
+            "pid",
+            "username",
+            "command",
+            "used_memory_mb",
+            "session_id",
+            "job",
+            "image",
+            "interactive_session",
+        ]
+
+    def get_image(self, process: GPUProcess) -> str | None:
+        return self.context.get("job_images", {}).get(process.job_id)
 
     def get_command(self, process: GPUProcess) -> str:
         commands: CommandLines | None = self.context.get("command_lines")
@@ -123,6 +147,8 @@ class ServerSerializer(serializers.ModelSerializer):
             "ram_mb",
             "gpu_count",
             "last_seen",
+            "containers_ok",
+            "containers_detail",
         ]
 
 
@@ -147,7 +173,35 @@ class GPUViewSet(viewsets.ReadOnlyModelViewSet):
         if not getattr(self, "swagger_fake_view", False):
             context["booked"] = bookings_now(self.request.user, timezone.now())  # one query for all cards
             context["command_lines"] = command_lines_for(self.request.user)
+            context["job_images"] = job_images(GPUProcess.objects.values_list("job_id", flat=True))
         return context
+
+
+class ImageSerializer(serializers.ModelSerializer):
+    servers = serializers.SlugRelatedField(
+        slug_field="name", many=True, read_only=True, help_text="The servers that have it."
+    )
+    containers_ok = serializers.SerializerMethodField(
+        help_text="Per server that has it: whether containers work there now, as its worker last found."
+    )
+
+    class Meta:
+        model = ContainerImage
+        fields = ["name", "reference", "description", "servers", "network", "containers_ok"]
+
+    def get_containers_ok(self, image: ContainerImage) -> dict[str, bool]:
+        return {server.name: server.containers_ok for server in image.servers.all()}
+
+
+class ImageViewSet(viewsets.ReadOnlyModelViewSet):
+    """The container images jobs and labs may run in (docs/containers.md), chosen by admins; a job
+    names one by `name`. Filter: ?server=."""
+
+    serializer_class = ImageSerializer
+    lookup_field = "name"
+    lookup_value_regex = IMAGE_NAME.removeprefix("^").removesuffix("\\Z")  # names have dots: tf-2.17
+    filterset_class = ImageFilter
+    queryset = ContainerImage.objects.prefetch_related("servers")
 
 
 # --- reservations -------------------------------------------------------------------

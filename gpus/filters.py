@@ -1,5 +1,5 @@
-"""The booking and inventory lists' filters: /api/v1/gpus/, /api/v1/reservations/ and the page
-My reservations; the usage reports' (the Reports page, its CSV, /api/v1/usage/)."""
+"""The booking and inventory lists' filters: /api/v1/gpus/, /api/v1/images/, /api/v1/reservations/
+and the page My reservations; the usage reports' (the Reports page, its CSV, /api/v1/usage/)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from gpus.models import GPU, Reservation, Server, UsageFigures, Violation
+from gpus.models import GPU, ContainerImage, Reservation, Server, UsageFigures, Violation
 from portal.access import VIEW, is_admin, teams_led_by
 from portal.filters import DayFilter, MineFilter, unknown_choice
 from portal.models import Team
@@ -40,6 +40,16 @@ class GPUFilter(django_filters.FilterSet):
 
     class Meta:
         model = GPU
+        fields: list[str] = []
+
+
+class ImageFilter(django_filters.FilterSet):
+    server = django_filters.CharFilter(
+        field_name="servers__name", distinct=True, help_text="A server's name: the images it has."
+    )
+
+    class Meta:
+        model = ContainerImage
         fields: list[str] = []
 
 

@@ -16,6 +16,9 @@ gpus works alone (its tests, a portal without the jobs app):
 - `own_jobs(viewer, job_ids)`: which of these jobs are the viewer's. Asked for a process's
   command line (gpus.selectors.CommandLines); jobs.selectors.jobs_owned_by; none, so a job's
   processes show their whole command line to admins only.
+- `job_images(job_ids)`: the container image each of these jobs runs in, by name ("job 12 ·
+  image tf-2.17" beside a process on the dashboard and in the API). Asked by gpus.selectors;
+  jobs.selectors.job_images; none (no job shows an image).
 - `work_on_booking(reservation_id)`: what a release or cancel of the booking would stop. Asked
   by the booking pages before they do (gpus.reservation_views); jobs.sessions.services.work_on; nothing.
 - `queue_holds(gpu_uuids, start, end)`: the queue's holds for its waiting jobs on these cards,
@@ -78,6 +81,8 @@ JobSessions = Callable[[Mapping[int, set[int]]], Mapping[tuple[int, int], int]]
 JobOutcomes = Callable[[datetime, datetime], Sequence[JobOutcome]]
 # (viewer, job ids) → the viewer's own jobs among them.
 OwnJobs = Callable[[Any, Iterable[int]], Collection[int]]
+# job ids → {job id: its container image's name} for those that run in one.
+JobImages = Callable[[Iterable[int]], Mapping[int, str]]
 # reservation id → what runs on it now.
 BookingWork = Callable[[int], Sequence[Work]]
 # (card uuids, start, end) → the queue's holds on those cards that overlap [start, end).
@@ -96,6 +101,10 @@ def _no_jobs(viewer: Any, job_ids: Iterable[int]) -> Collection[int]:
     return ()
 
 
+def _no_images(job_ids: Iterable[int]) -> Mapping[int, str]:
+    return {}
+
+
 def _no_work(reservation_id: int) -> Sequence[Work]:
     return ()
 
@@ -112,6 +121,7 @@ class Answers:
     interactive_sessions: JobSessions = _no_sessions
     job_outcomes: JobOutcomes = _no_outcomes
     own_jobs: OwnJobs = _no_jobs
+    job_images: JobImages = _no_images
     work_on_booking: BookingWork = _no_work
     queue_holds: QueueHolds = _no_holds
 
@@ -150,6 +160,12 @@ def job_outcomes(since: datetime, until: datetime) -> list[JobOutcome]:
 def own_jobs(viewer: Any, job_ids: Iterable[int]) -> Collection[int]:
     """The viewer's own jobs among `job_ids`."""
     return answers_now().own_jobs(viewer, job_ids)
+
+
+def job_images(job_ids: Iterable[int]) -> dict[int, str]:
+    """{job id: its container image's name} for those of these jobs that run in one."""
+    ids = [pk for pk in job_ids if pk]
+    return dict(answers_now().job_images(ids)) if ids else {}
 
 
 def work_on_booking(reservation_id: int) -> list[Work]:

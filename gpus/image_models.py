@@ -9,13 +9,34 @@ a job names an image of this list, never a reference of its own.
 
 from __future__ import annotations
 
+from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
+IMAGE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"  # also the API's lookup (gpus.api.ImageViewSet)
+
+
+class ContainerImageQuerySet(models.QuerySet):
+    def runnable(self, server: object | None = None) -> ContainerImageQuerySet:
+        """The images a job can run in now: on a server (this one, if given) whose worker found
+        that containers work there. The one rule for the job form, the lab button and the checks."""
+        if server is None:
+            return self.filter(servers__containers_ok=True).distinct()
+        return self.filter(servers=server, servers__containers_ok=True).distinct()
+
 
 class ContainerImage(models.Model):
-    name = models.SlugField(
-        max_length=64, unique=True, help_text='What people pick: the job form, `gpu run --image` ("tf-2.17").'
+    # Not a SlugField: versions have dots ("tf-2.17"), which a slug refuses.
+    name = models.CharField(
+        max_length=64,
+        unique=True,
+        validators=[
+            RegexValidator(
+                IMAGE_NAME,
+                "Letters, digits, '.', '-' and '_', starting with a letter or digit, e.g. tf-2.17.",
+            )
+        ],
+        help_text='What people pick: the job form, `gpu run --image` ("tf-2.17").',
     )
     reference = models.CharField(
         max_length=1000,
@@ -35,6 +56,8 @@ class ContainerImage(models.Model):
     )
     created_at = models.DateTimeField(default=timezone.now)
 
+    objects = ContainerImageQuerySet.as_manager()
+
     class Meta:
         ordering = ["name"]
 
@@ -45,3 +68,21 @@ class ContainerImage(models.Model):
     def is_rootfs(self) -> bool:
         """A root filesystem folder on the hosts, run with `podman --rootfs`, never pulled."""
         return self.reference.startswith("/")
+
+
+class ImagePull(models.Model):
+    """The last pre-pull of an image on a server (jobs' images_pull task, the admin's "Pull on
+    every host now"), as its host's worker recorded it: one row per pair, replaced each time."""
+
+    image = models.ForeignKey(ContainerImage, on_delete=models.CASCADE, related_name="pulls")
+    server = models.ForeignKey("gpus.Server", on_delete=models.CASCADE, related_name="image_pulls")
+    ok = models.BooleanField()
+    detail = models.CharField(max_length=1000, blank=True, help_text="The pull's last words, or its error.")
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["image", "server"], name="image_pull_one_per_server")]
+        ordering = ["image", "server"]
+
+    def __str__(self) -> str:
+        return f"{self.image_id} on {self.server_id}: {'ok' if self.ok else 'failed'}"

@@ -630,5 +630,5 @@ class CalendarFeed(models.Model):
 # The usage rollups and the container images live apart for this module's length
 # (gpus/usage_models.py, gpus/image_models.py); imported here so that Django registers them
 # with the app and callers import every model from gpus.models.
-from gpus.image_models import ContainerImage  # noqa: E402, F401
+from gpus.image_models import ContainerImage, ImagePull  # noqa: E402, F401
 from gpus.usage_models import UsageDay, UsageFigures, UsageHour, UsageTeamHour  # noqa: E402, F401

@@ -11,7 +11,7 @@ from django.db.models import Prefetch, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.hooks import own_jobs
+from gpus.hooks import job_images, own_jobs
 from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, Violation, format_mb
 from portal.access import display_name, is_admin, team_ids_of
 from portal.accounts import unix_account_name
@@ -125,7 +125,8 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     gpus = _dashboard_gpus(processes=_dashboard_processes(viewer), booked=bookings_now(viewer, now))
     servers = []
     seen_now = db_now()  # `last_seen` is the database's clock (portal.clock); `now` this host's
-    for server in Server.objects.order_by("name").values("id", "name", "draining", *SERVER_LIVE_FIELDS):
+    shown = ("id", "name", "draining", "containers_ok", "containers_detail", *SERVER_LIVE_FIELDS)
+    for server in Server.objects.order_by("name").values(*shown):
         server["status"] = Server.status_for(server["last_seen"], server["draining"], seen_now)
         server["ram_gb"] = round(server["ram_mb"] / 1024)
         server["gpus"] = gpus.get(server["id"], ())
@@ -148,9 +149,12 @@ def _dashboard_processes(viewer: Any) -> dict[str, list[dict[str, Any]]]:
             "gpu_id", "pid", "username", "command", "used_memory_mb", "job_id", "interactive_id", "session_id"
         )
     )
-    commands = CommandLines(viewer, job_ids={row["job_id"] for row in rows if row["job_id"]})
+    job_ids = {row["job_id"] for row in rows if row["job_id"]}
+    commands = CommandLines(viewer, job_ids=job_ids)
+    images = job_images(job_ids)  # "job 12 · image tf-2.17"
     for row in rows:
         row["command"] = commands.shown(row["command"], username=row["username"], job_id=row["job_id"])
+        row["image"] = images.get(row["job_id"])
         row["violation"] = breaking.get((row["gpu_id"], row["pid"]))
         processes[row["gpu_id"]].append(row)
     return processes

@@ -40,6 +40,9 @@ class JobSerializer(serializers.ModelSerializer):
     team = serializers.CharField(source="team.slug", read_only=True)
     server = serializers.CharField(source="server.name", read_only=True, allow_null=True, default=None)
     requested_server = serializers.CharField(source="request_server.name", read_only=True, default=None)
+    image = serializers.CharField(
+        source="image.name", read_only=True, default=None, help_text="Its container image; null: on the host."
+    )
     reason = serializers.CharField(
         source="pending_reason", read_only=True, help_text="Why a pending job waits."
     )
@@ -74,6 +77,7 @@ class JobSerializer(serializers.ModelSerializer):
             "command",
             "workdir",
             "interpreter",
+            "image",
             "env",
             "time_limit_minutes",
             "memory_mode",
@@ -175,6 +179,12 @@ class JobCreateSerializer(serializers.Serializer):
     args = ArgsField(required=False, help_text="A list of strings, or one string split like a shell.")
     workdir = serializers.CharField(required=False, allow_blank=True)
     interpreter = serializers.CharField(required=False, default="default")
+    image = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        allow_null=True,
+        help_text="A container image's name (GET /api/v1/images/); empty: on the host.",
+    )
     env = EnvField(required=False, help_text='{"NAME": "value"} (JSON), or NAME=value lines (multipart).')
     time_limit_minutes = serializers.IntegerField(required=False, allow_null=True)
     memory_mode = serializers.ChoiceField(choices=Job.MemoryMode.choices, required=False, allow_null=True)
@@ -242,7 +252,7 @@ class JobViewSet(
             return Job.objects.none()
         return (
             Job.objects.restrict(self.request.user)
-            .select_related("owner", "team", "server")
+            .select_related("owner", "team", "server", "request_server", "image")
             .order_by("-created_at", "-id")
         )
 

@@ -15,9 +15,14 @@ class JobsConfig(AppConfig):
         )
         from jobs.leavers import membership_deleted
         from jobs.queue.scheduler import queue_holds
-        from jobs.selectors import jobs_finished_between, jobs_owned_by
+        from jobs.selectors import job_images, jobs_finished_between, jobs_owned_by
         from jobs.services import jobs_by_session
-        from jobs.sessions.services import booking_sessions_context, sessions_by_session, work_on
+        from jobs.sessions.services import (
+            booking_sessions_context,
+            lab_images_context,
+            sessions_by_session,
+            work_on,
+        )
         from portal.hooks import RESERVATION_ACTIONS, RESERVATION_SESSIONS, slot_fill
         from portal.models import Membership
 
@@ -27,11 +32,13 @@ class JobsConfig(AppConfig):
                 interactive_sessions=sessions_by_session,  # and which gpu exec or lab
                 job_outcomes=jobs_finished_between,  # the usage rollup's jobs by outcome
                 own_jobs=jobs_owned_by,  # whose job a GPU process is, for its command line
+                job_images=job_images,  # the image a job's processes run in, beside "job N"
                 work_on_booking=work_on,  # what a release or cancel would stop: asked first
                 queue_holds=queue_holds,  # the plan's shadows, which user bookings leave free
             )
         )
-        slot_fill(RESERVATION_ACTIONS, "jobs/_run_buttons.html")  # Run buttons on gpus' booking pages
+        # Run buttons on gpus' booking pages, with the images JupyterLab may run in there.
+        slot_fill(RESERVATION_ACTIONS, "jobs/_run_buttons.html", lab_images_context)
         slot_fill(RESERVATION_SESSIONS, "jobs/_booking_sessions.html", booking_sessions_context)
         # A member who leaves a team takes their queued jobs of it along (jobs.leavers).
         post_delete.connect(membership_deleted, sender=Membership, dispatch_uid="jobs_team_leaver")

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from gpus.filters import server_choices
 from gpus.forms import parse_memory_mb
-from gpus.models import Reservation
+from gpus.models import ContainerImage, Reservation
 from jobs.models import Job
 from jobs.submit import ScriptUpload
 from portal.forms import ServiceErrorsMixin
@@ -23,6 +23,20 @@ def reservation_label(reservation: Reservation) -> str:
     if reservation.start > timezone.now():
         return f"#{reservation.pk} {reservation.summary} · from {short_time(reservation.start)} until {end}"
     return f"#{reservation.pk} {reservation.summary} · until {end}"
+
+
+def image_choices() -> list[tuple[str, str]]:
+    """The images a job can run in now (on some server where containers work), each with its
+    description and those servers; the service checks the booking's or queue's server."""
+    images = ContainerImage.objects.runnable().prefetch_related("servers")
+    return [("", "None: run on the host"), *((image.name, image_label(image)) for image in images)]
+
+
+def image_label(image: ContainerImage) -> str:
+    """'tf-2.17 — TensorFlow 2.17 with CUDA 12 (on gpu-01, gpu-02)' (prefetch servers)."""
+    servers = ", ".join(sorted(s.name for s in image.servers.all() if s.containers_ok))
+    about = f" — {image.description}" if image.description else ""
+    return f"{image.name}{about} (on {servers})"
 
 
 class ReservationChoiceField(forms.ModelChoiceField):
@@ -98,6 +112,13 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         help_text="The Python that runs the script, as your admins set them up; it needs TensorFlow if "
         "the script imports it.",
     )
+    image = forms.ChoiceField(
+        required=False,
+        label="Container image",
+        help_text="Run the script inside this image (its own Python, CUDA and TensorFlow), with only your "
+        "cards in it; only images on servers where containers work are offered. Empty: on the host, "
+        "in the Python environment above.",
+    )
     env = forms.CharField(
         required=False,
         label="Extra environment variables",
@@ -159,6 +180,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         )
         self.fields["interpreter"].choices = [(name, name) for name in settings.JOB_INTERPRETERS]
         self.fields["server"].choices = server_choices()
+        self.fields["image"].choices = image_choices()
         self.fields["memory_mode"].choices = [("", "Default for the booking"), *Job.MemoryMode.choices]
         self.initial.setdefault("interpreter", "default")
 
@@ -183,6 +205,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
             "args": data["args"],
             "workdir": data["workdir"],
             "interpreter": data["interpreter"],
+            "image": data["image"] or None,
             "env": data["env"],
             "time_limit_minutes": data["time_limit_minutes"],
             "memory_mode": data["memory_mode"] or None,

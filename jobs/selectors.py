@@ -23,6 +23,13 @@ def jobs_owned_by(viewer: AbstractBaseUser, job_ids: Iterable[int]) -> Collectio
     return set(Job.objects.filter(owner_id=viewer.pk, pk__in=list(job_ids)).values_list("pk", flat=True))
 
 
+def job_images(job_ids: Iterable[int]) -> dict[int, str]:
+    """{job id: its container image's name} for those of `job_ids` in one (gpus asks, to label a
+    job's processes: gpus.hooks.job_images)."""
+    rows = Job.objects.filter(pk__in=list(job_ids), image__isnull=False).values_list("pk", "image__name")
+    return dict(rows)
+
+
 def jobs_finished_between(since: datetime, until: datetime) -> list[JobOutcome]:
     """The jobs whose final status was written in [since, until) (gpus' usage rollup asks, through
     gpus.hooks.job_outcomes): read from the rows, since every final status is a conditional

@@ -6,7 +6,8 @@
 - worker_ready: the portal's own worker (the one consuming the default queue, where the telemetry
   collector runs) starts the job reconciler and the queue's scheduler (jobs/threads.py,
   jobs/queue/scheduler.py); a GPU host's worker ends what a previous worker left running
-  (jobs.host.worker.kill_orphans), then starts its spool replay, its pickup and its watchdog:
+  (jobs.host.worker.kill_orphans), says whether containers work there (containers_report, in a
+  thread of its own), then starts its spool replay, its pickup and its watchdog:
   one `HostWorker`, which holds what the host's worker keeps for its life.
 - worker_shutting_down: a GPU host's worker asks its running jobs to stop first
   (jobs.host.worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
@@ -24,12 +25,13 @@ answers through gpus/hooks.py, registered in JobsConfig.ready().
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections, transaction
+from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.db.models.signals import post_save, pre_save
 from django.dispatch import receiver
 
@@ -40,7 +42,13 @@ from jobs.host.dcgm import DcgmMapping
 from jobs.host.lab import lab_orphans_end
 from jobs.host.pickup import HostPickup
 from jobs.host.watchdog import HostWatchdog
-from jobs.host.worker import host_worker_check, kill_orphans, running_jobs_stop, running_jobs_stopped
+from jobs.host.worker import (
+    containers_report,
+    host_worker_check,
+    kill_orphans,
+    running_jobs_stop,
+    running_jobs_stopped,
+)
 from jobs.leavers import deactivated, user_work_stop
 from jobs.queue.scheduler import Scheduler
 from jobs.services import jobs_usage_record
@@ -90,6 +98,10 @@ class HostWorker:
         kill_orphans(self.server)
         self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
         lab_orphans_end(self.server)
+        # Off the start's path: asking the container runtime can take seconds (jobs.host.worker).
+        threading.Thread(
+            target=containers_report, args=[self.server], name="containers-report", daemon=True
+        ).start()
         start_thread(SpoolReplay())
         # The pool's size (solo: 1): jobs beyond it wait in Redis, and are no lost messages.
         start_thread(HostPickup(self.server, pool_size))
@@ -97,6 +109,13 @@ class HostWorker:
         _connect(worker_shutting_down, self.stop_running_jobs, "jobs_host_stop")
         _connect(worker_shutdown, self.lower_stop_flag, "jobs_host_stopped")
         log.info("GPU watchdog every %ss%s", settings.WATCHDOG_INTERVAL_SECONDS, _dry_run())
+
+    def report_containers(self) -> None:
+        """In a thread of its own, once: whether containers work on this host, on its server."""
+        try:
+            containers_report(self.server)
+        finally:
+            connection.close()  # this thread's own connection, never used again
 
     def watch_cards(self, sender: object, *, snapshot: Snapshot, **kwargs: object) -> None:
         """In its reporter's thread: each snapshot of its cards, judged."""

@@ -21,9 +21,10 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from gpus.models import Allocation, Reservation, format_mb
+from gpus.models import Allocation, ContainerImage, Reservation, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
+from jobs.images import image_check, image_named
 from jobs.models import Job, JobArray
 from jobs.queue.requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
@@ -167,6 +168,7 @@ def job_submit(
     args: str | Sequence[str] | None = None,
     workdir: str = "",
     interpreter: str = "default",
+    image: str | None = None,
     env: str | Mapping[str, Any] | None = None,
     time_limit_minutes: int | None = None,
     memory_mode: str | None = None,
@@ -187,7 +189,8 @@ def job_submit(
     """Run a job on a booking's server and cards (it starts when the booking does), or, without a
     booking, queue it for `gpu_count` cards (`memory_mb` each, or whole) for its time limit: the
     scheduler starts it when cards are free (jobs/queue/scheduler.py). An `array` ("0-99%8") queues
-    one job per index; the first is returned.
+    one job per index; the first is returned. An `image` (a ContainerImage's name) runs it in that
+    container image, on a server that has it and where containers work (`_check_image`).
 
     One path of named steps for both kinds: where it runs, what it runs, how TensorFlow is set
     up, then the save. Raises a ServiceError (field and fix in the message) and writes nothing on
@@ -210,19 +213,13 @@ def job_submit(
         now,
     )
     program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
+    chosen = errors.check(_check_image, image, place)
     threads = (intra_op_threads, inter_op_threads)
     tensorflow = errors.check(_check_tensorflow, place, memory_mode, mirrored, threads) if place else None
     errors.raise_any()
     assert place is not None and program is not None and tensorflow is not None
-    fields = {
-        "owner": user,
-        "created_at": now,
-        **place.fields,
-        **program,
-        **tensorflow,
-        "soft_placement": soft_placement,
-        "log_placement": log_placement,
-    }
+    fields = {"owner": user, "created_at": now, **place.fields, **program, **tensorflow, "image": chosen}
+    fields |= {"soft_placement": soft_placement, "log_placement": log_placement}
     if place.request is not None:
         return _save_queued(user, place.request, fields, now)
     job = Job(**fields)
@@ -323,6 +320,17 @@ def _check_program(
     errors.raise_any()
     name, path_text, source = script_fields
     return {"name": name[:200], "script_path": path_text, "script_source": source, **checked}
+
+
+def _check_image(name: str | None, place: _Place | None) -> ContainerImage | None:
+    """The container image of that name (None: on the host), runnable where the job runs: the
+    booking's server, or the queued job's; a queued job without a server needs some server where
+    it runs (the scheduler places it on such a server only: jobs.queue.scheduler._pending).
+    `place` None (where it runs was refused, with its own message): only the name is checked."""
+    if place is None:
+        return image_named(name)
+    server = place.fields.get("server") or (place.request.server if place.request else None)
+    return image_check(name, server, fix="queue it on" if place.request else "book")
 
 
 def _check_tensorflow(

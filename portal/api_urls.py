@@ -4,7 +4,14 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 from rest_framework.routers import DefaultRouter
 
 from gpus import calendar_api, team_api
-from gpus.api import GPUViewSet, ReservationViewSet, ServerViewSet, UsageViewSet, ViolationViewSet
+from gpus.api import (
+    GPUViewSet,
+    ImageViewSet,
+    ReservationViewSet,
+    ServerViewSet,
+    UsageViewSet,
+    ViolationViewSet,
+)
 from jobs.api import JobViewSet, QueueViewSet
 from jobs.sessions.api import SessionViewSet
 from portal import api as portal_api
@@ -13,6 +20,7 @@ from portal import channel_api
 router = DefaultRouter()
 router.register("servers", ServerViewSet, basename="server")
 router.register("gpus", GPUViewSet, basename="gpu")
+router.register("images", ImageViewSet, basename="image")
 router.register("reservations", ReservationViewSet, basename="reservation")
 router.register("violations", ViolationViewSet, basename="violation")
 router.register("usage", UsageViewSet, basename="usage")

@@ -42,7 +42,7 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.calendars import calendar_feed_get
 from gpus.forms import local_input
-from gpus.models import GPU, CalendarFeed, Reservation, Violation
+from gpus.models import GPU, CalendarFeed, ContainerImage, Reservation, Violation
 from gpus.services import server_report_ingest
 from jobs.models import InteractiveSession, Job
 from jobs.sessions.services import session_start
@@ -121,6 +121,13 @@ class World:
     def box(self) -> list[GPU]:
         server_report_ingest(snapshot=make_snapshot("box1", gpus=2))
         return list(GPU.objects.filter(server__name="box1").order_by("index"))
+
+    @cached_property
+    def image(self) -> ContainerImage:
+        """A container image on box1 (the catalogue: every member reads it, nobody writes it)."""
+        image = ContainerImage.objects.create(name="tf-2.17", reference="registry.lab.example/tf:2.17")
+        image.servers.set([self.box[0].server])
+        return image
 
     @cached_property
     def booking(self) -> Reservation:
@@ -264,6 +271,10 @@ def CHANNEL(w: World) -> dict:
 
 def GPU_(w: World) -> dict:
     return {"uuid": w.box[0].uuid}
+
+
+def IMAGE(w: World) -> dict:
+    return {"name": w.image.name}
 
 
 def SERVER(w: World) -> dict:
@@ -456,6 +467,8 @@ MATRIX: dict[str, Url] = {
     "server-detail": url(SERVER, get=API_ALL, delete=API_NO),
     "gpu-list": url(get=API_ALL, post=API_NO),
     "gpu-detail": url(GPU_, get=API_ALL, delete=API_NO),
+    "image-list": url(get=API_ALL, post=API_NO),
+    "image-detail": url(IMAGE, get=API_ALL, delete=API_NO),
     # --- API: bookings ---------------------------------------------------------------------
     "reservation-list": url(get=API_ALL, post="401 400 400 400 400 400"),  # allowed; {} is no booking
     "reservation-detail": url(

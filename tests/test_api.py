@@ -66,6 +66,7 @@ def test_it_lists_gpus_with_the_documented_fields(api, alice):
         "used_memory_mb": 500,
         "session_id": None,
         "job": "unmanaged",
+        "image": None,
         "interactive_session": None,
     }
     assert api.get("/api/v1/gpus/?server=nope").json() == []

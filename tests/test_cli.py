@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from gpu_cli.jobs import job_exit_code
 from gpu_cli.main import cli
 from gpu_cli.params import DURATION, MEMORY
 from gpus.booking import reservation_create
-from gpus.models import Reservation, Violation
+from gpus.models import ContainerImage, Reservation, Server, Violation
 from gpus.services import server_report_ingest
 from gpus.simulated.inventory import server_names
 from jobs.logs.store import log_append
@@ -275,6 +276,32 @@ def test_jobs_lists_active_jobs_and_history_all(portal, alice, bob, box, booking
     assert "new.py" in result.output and "1 of 2 jobs; --limit N shows more." in result.output
     result = gpu("history", "--status", "nonsense")
     assert result.exit_code == 1 and "status" in result.stderr
+
+
+def test_run_image_sends_it_and_jobs_and_images_show_it(portal, alice, booking, script, sent):
+    server = Server.objects.get(name="box1")
+    Server.objects.filter(pk=server.pk).update(containers_ok=True, containers_detail="podman 4.3.1 (runc)")
+    image = ContainerImage.objects.create(name="tf-2.17", reference="registry.lab.example/tf:2.17")
+    image.servers.set([server])
+
+    result = gpu("run", str(script), "--reservation", str(booking.pk), "--image", "tf-2.17")
+    assert result.exit_code == 0, result.output
+    job = Job.objects.get()
+    assert job.image == image
+    listed = gpu("jobs")
+    assert listed.exit_code == 0 and "IMAGE" in listed.output and "tf-2.17" in listed.output
+    assert json.loads(gpu("jobs", "--json").output)[0]["image"] == "tf-2.17"
+
+    result = gpu("run", str(script), "--gpus", "1", "--time", "10m", "--image", "nope")
+    assert (
+        result.exit_code == 1
+        and "There is no image 'nope'; choose one of tf-2.17 (on box1)." in result.stderr
+    )
+    assert Job.objects.count() == 1
+
+    listed = gpu("images")
+    assert listed.exit_code == 0 and re.search(r"tf-2\.17\s+box1\s+no", listed.output), listed.output
+    assert [i["name"] for i in json.loads(gpu("images", "--server", "box1", "--json").output)] == ["tf-2.17"]
 
 
 def test_logs_prints_the_log(portal, alice, booking, sent):

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.django_db
 # The lists the portal filters today; a list added later is found and checked the same way.
 FILTERED_LISTS = {
     "/api/v1/gpus/",
+    "/api/v1/images/",
     "/api/v1/jobs/",
     "/api/v1/reservations/",
     "/api/v1/teams/{slug}/audit/",
@@ -65,3 +66,4 @@ def test_the_schema_gives_each_filter_its_type_and_choices(alice):
     assert param("/api/v1/jobs/", "mine")["schema"]["type"] == "boolean"
     assert "reservation.cancel" in param("/api/v1/teams/{slug}/audit/", "action")["schema"]["enum"]
     assert param("/api/v1/gpus/", "server")["description"] == "A server's name."
+    assert param("/api/v1/images/", "server")["description"] == "A server's name: the images it has."

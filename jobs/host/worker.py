@@ -1,5 +1,6 @@
 """A GPU host's worker and its jobs: whether its folders are safe, before it starts
-(`host_worker_check`), what a previous worker left running, when it starts (`kill_orphans`), and
+(`host_worker_check`), what a previous worker left running, when it starts (`kill_orphans`),
+whether containers work here, also then (`containers_report`), and
 its running jobs, when it stops (`running_jobs_stop`; its stop flag goes once they have:
 `running_jobs_stopped`). jobs/signals.py calls them from the worker's signals.
 
@@ -28,7 +29,9 @@ from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
 
+from gpus.models import Server
 from gpus.procinfo import session_of
+from jobs.host import containers
 from jobs.host.dcgm import mapping_check
 from jobs.host.folders import FolderError, job_folders_check
 from jobs.host.spool import spool_check, stop_flag, stop_flag_lower, stop_flag_raise
@@ -61,6 +64,26 @@ def host_worker_check() -> None:
     except FolderError as exc:
         log.critical("The worker of %s does not start: %s", settings.WORKER_SERVER, exc)
         raise SystemExit(f"The worker of {settings.WORKER_SERVER} does not start: {exc}") from None
+
+
+def containers_report(server: str) -> tuple[bool, str]:
+    """Whether jobs in container images can run on this host (jobs.host.containers.runtime_status),
+    written on its server for the job form and the queue (Server.containers_ok/containers_detail).
+    A check that fails is a no, with the reason: the form then offers no image here, and says why
+    on the server's line. Called in a thread of its own at the worker's start (HostWorker.start):
+    asking the runtime can take seconds, and the worker takes jobs meanwhile."""
+    try:
+        ok, detail = containers.runtime_status()
+    except Exception as exc:  # a broken runtime must never keep the worker from starting
+        log.exception("Could not check whether containers work on %s", server)
+        ok, detail = False, f"The check failed: {exc!r}"
+    detail = detail[: Server._meta.get_field("containers_detail").max_length]
+    try:
+        Server.objects.filter(name=server).update(containers_ok=ok, containers_detail=detail)
+    except DatabaseError as exc:  # the database away at the start: the next start says it again
+        log.warning("Could not record whether containers work on %s (%s): %s", server, exc, detail)
+    log.info("Containers on %s: %s", server, f"yes, {detail}" if ok else f"no: {detail}")
+    return ok, detail
 
 
 def kill_orphans(server: str) -> int:

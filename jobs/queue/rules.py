@@ -41,6 +41,11 @@ MAX_ARRAY = 10_000
 # booking's end) stops it, and says so (jobs.queue.scheduler). The plan checks that whole window.
 START_SLACK = timedelta(minutes=1)
 ARRAY_SPEC_MAX_CHARS = 50  # JobArray.spec's max_length
+# Why a job in a container image waits when no server it may use is up (its note, `Entry.note`).
+NO_IMAGE_SERVER = (
+    "no online server that has its image has working containers now; it starts once one does "
+    "(the image's servers are in GET /api/v1/images/)"
+)
 _ARRAY = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*(?:%\s*(\d+)\s*)?$|^\s*(\d+)\s*$")
 
 # --- arrays ---------------------------------------------------------------------------------------
@@ -145,6 +150,8 @@ class Request:
     nice: int = 0
     begin_at: datetime | None = None
     array_id: int | None = None
+    # A job in a container image: the servers that have it and where containers work (None: any).
+    servers: frozenset[int] | None = None
 
     @property
     def booked(self) -> timedelta:
@@ -331,7 +338,7 @@ def plan(
         (_entry(r, now, shares, usage, weights) for r in requests),
         key=lambda e: (-e.priority, e.request.submitted_at, e.request.job_id),
     )
-    refused: dict[int | None, list[tuple]] = defaultdict(list)  # shapes that did not fit now, by server
+    refused: dict[tuple, list[tuple]] = defaultdict(list)  # shapes that did not fit now, by where they may go
     blocked_by_shadows: dict[tuple, bool] = {}
     estimates: dict[tuple, datetime | None] = {}
     silences: dict[tuple, str] = {}
@@ -355,7 +362,8 @@ def plan(
             entry.reason = "resources"
         else:
             shape = (r.gpu_count, r.memory_mb, r.server_id, r.minutes)
-            cards = [] if _dominated(shape, refused[r.server_id]) else _fit_now(calendar, r, draining)
+            where = (r.server_id, r.servers)  # shapes compare only among jobs that may use the same servers
+            cards = [] if _dominated(shape, refused[where]) else _fit_now(calendar, r, draining)
             if cards:
                 entry.start_now = cards
                 calendar.add(cards, now, now + r.booked, r.memory_mb)
@@ -365,13 +373,12 @@ def plan(
                 if r.array_id is not None:
                     room[r.array_id] = room.get(r.array_id, 1) - 1
                 continue
-            refused[r.server_id].append(shape)
-            if shape not in blocked_by_shadows:
+            refused[where].append(shape)
+            if (shape, where) not in blocked_by_shadows:
                 # It would fit now but for the room held for jobs before it: it waits for priority.
-                blocked_by_shadows[shape] = bool(_fit_now(calendar, r, draining, shadows=False))
-            entry.reason = "priority" if blocked_by_shadows[shape] else "resources"
-            if calendar.silent:
-                entry.note = _silence(calendar, r, draining, silences)
+                blocked_by_shadows[(shape, where)] = bool(_fit_now(calendar, r, draining, shadows=False))
+            entry.reason = "priority" if blocked_by_shadows[(shape, where)] else "resources"
+            entry.note = _note(calendar, r, draining, silences)
         if shadows < depth:
             at, server = _estimate(calendar, r, draining, estimates)
             entry.estimated_start = at
@@ -404,9 +411,13 @@ def _entry(r: Request, now: datetime, shares: Shares, usage: Usage, weights: Wei
 
 
 def _servers(calendar: Calendar, r: Request, draining: set[int]) -> list[int]:
+    """The servers the job may start on: the one it asked for, else any not draining; for a job in
+    an image, only those of `r.servers`."""
     if r.server_id is not None:
-        return [r.server_id] if r.server_id in calendar.by_server else []
-    return [s for s in calendar.by_server if s not in draining]
+        found = [r.server_id] if r.server_id in calendar.by_server else []
+    else:
+        found = [s for s in calendar.by_server if s not in draining]
+    return found if r.servers is None else [s for s in found if s in r.servers]
 
 
 def _fit_now(calendar: Calendar, r: Request, draining: set[int], *, shadows: bool = True) -> list[str]:
@@ -419,6 +430,14 @@ def _fit_now(calendar: Calendar, r: Request, draining: set[int], *, shadows: boo
         if len(free) >= r.gpu_count:
             return free[: r.gpu_count]
     return []
+
+
+def _note(calendar: Calendar, r: Request, draining: set[int], silences: dict[tuple, str]) -> str:
+    """Why a job that does not start waits, in words beyond its reason: no server that has its
+    image can run it now, or silent workers where it would fit (`_silence`); else ""."""
+    if r.servers is not None and not _servers(calendar, r, draining):
+        return NO_IMAGE_SERVER
+    return _silence(calendar, r, draining, silences) if calendar.silent else ""
 
 
 def _silence(calendar: Calendar, r: Request, draining: set[int], cache: dict[tuple, str]) -> str:

@@ -32,6 +32,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.hooks import QueueHold
+from gpus.images import runnable_servers
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
 from jobs.logs.live import job_changed
@@ -372,7 +373,8 @@ def queue_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> lis
 
 def _pending() -> list[Request]:
     """The pending jobs as the plan takes them (plain rows: a thousand of them every pass). A
-    deactivated owner's are left out: they never start, and jobs.leavers cancels them."""
+    deactivated owner's are left out: they never start, and jobs.leavers cancels them. A job in a
+    container image may use only the servers that have it where containers work."""
     default = settings.QUEUE_DEFAULT_TIME_LIMIT_MINUTES
     rows = Job.objects.filter(owner_active(), status=Job.Status.PENDING).values_list(
         "pk",
@@ -386,11 +388,18 @@ def _pending() -> list[Request]:
         "nice",
         "begin_at",
         "array_id",
+        "image_id",
     )
+    rows = list(rows)
+    # A job in a container image starts only where the image is and containers work (one query).
+    images = runnable_servers({row[-1] for row in rows if row[-1]})
     return [
-        Request(pk, owner, team, count or 1, memory, server, minutes or default, created, nice, begin, array)
-        for pk, owner, team, count, memory, server, minutes, created, nice, begin, array in rows
-    ]
+        Request(
+            pk, owner, team, count or 1, memory, server, minutes or default, created, nice, begin, array,
+            servers=frozenset(images[image]) if image else None,
+        )
+        for pk, owner, team, count, memory, server, minutes, created, nice, begin, array, image in rows
+    ]  # fmt: skip
 
 
 def _free_slots(now: datetime, servers: list[int]) -> tuple[dict[int, int], dict[int, str]]:

@@ -33,6 +33,7 @@ from portal.permissions import ActionPermissionsMixin, IsOwner, IsOwnerOrTeamMan
 class SessionSerializer(serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
     server = serializers.CharField(source="server.name", read_only=True)
+    image = serializers.CharField(source="image.name", read_only=True, default=None)
     url = serializers.SerializerMethodField(
         help_text="JupyterLab: the address a browser opens to reach it (a portal path that signs the owner"
         " in on the labs' own origin, LAB_ORIGIN, and goes on there)."
@@ -52,6 +53,7 @@ class SessionSerializer(serializers.ModelSerializer):
             "server",
             "gpu_uuids",
             "command",
+            "image",
             "pid",
             "created_at",
             "started_at",
@@ -77,6 +79,12 @@ class SessionStartSerializer(serializers.Serializer):
         required=False,
         default=list,
         help_text="exec, shell: the command's argv.",
+    )
+    image = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        allow_null=True,
+        help_text="jupyterlab: run it in this container image (GET /api/v1/images/); empty: on the host.",
     )
 
 
@@ -146,7 +154,7 @@ class SessionViewSet(
         if getattr(self, "swagger_fake_view", False):  # the schema's look at the view: no user
             return InteractiveSession.objects.none()
         return InteractiveSession.objects.restrict(self.request.user).select_related(
-            "owner", "server", "reservation"
+            "owner", "server", "reservation", "image"
         )
 
     @extend_schema(request=SessionStartSerializer, responses={201: SessionStartedSerializer})

@@ -33,8 +33,9 @@ from django.template import Context
 from django.utils import timezone
 
 from gpus.hooks import Work
-from gpus.models import Allocation, Reservation, Server
+from gpus.models import Allocation, ContainerImage, Reservation, Server
 from jobs.environment import BookedCard, JobSetupError, session_environment
+from jobs.images import image_check
 from jobs.models import InteractiveSession, Job
 from jobs.runs import LOST_FOUND_ALIVE, session_is_lost, session_lost_stop
 from jobs.sending import HostSender
@@ -70,13 +71,16 @@ def session_start(
     kind: str,
     host: str = "",
     command: Sequence[str] = (),
+    image: str | None = None,
     now: datetime | None = None,
 ) -> tuple[InteractiveSession, dict[str, str]]:
     """A new session (STARTING) on the caller's booking active now on `host`, and its environment.
+    A JupyterLab session may run in a container `image` (by name) that its server can run.
 
     Refused, naming the field: an unknown kind, an empty or huge command, no booking of the
     caller's on that host now (or several, without `reservation`), a booking that is not active,
-    or one on another host. Someone else's booking: Forbidden."""
+    or one on another host; an image for a terminal session, or one its server cannot run.
+    Someone else's booking: Forbidden."""
     now = now or timezone.now()
     if kind not in InteractiveSession.Kind.values:
         raise Invalid(f"Kind must be one of {', '.join(InteractiveSession.Kind.values)}.", field="kind")
@@ -92,6 +96,7 @@ def session_start(
             field="reservation",
         )
     server = allocations[0].gpu.server
+    chosen = _check_image(image, server, lab=lab)
     session = InteractiveSession.objects.create(
         owner=user,
         reservation=booking,
@@ -102,6 +107,7 @@ def session_start(
         created_at=now,
         beat_at=Now(),  # every beat and its cut-off: the database's clock (portal.clock)
         token=secrets.token_urlsafe(32) if lab else "",
+        image=chosen,
     )
     try:
         env = session_environment(
@@ -123,6 +129,17 @@ def session_start(
 LAB_COMMAND = ["jupyter", "lab"]
 LAB_RESEND_SECONDS = 30  # a lab no worker took this long after its message: sent again
 _send = HostSender(run_session, "session", log)  # after a failure the reconciler sends it again (labs_resend)
+
+
+def _check_image(image: str | None, server: Server, *, lab: bool) -> ContainerImage | None:
+    """A lab's container image, which its server can run (jobs.images.image_check); a terminal
+    session runs on the host, in the caller's own shell."""
+    if image and not lab:
+        raise Invalid(
+            "An image is for JupyterLab sessions (and jobs): gpu exec and gpu shell run on the host.",
+            field="image",
+        )
+    return image_check(image, server, fix="open JupyterLab on a booking of")
 
 
 def _check_command(command: Sequence[str]) -> list[str]:
@@ -364,6 +381,17 @@ def booking_sessions_context(context: Context) -> dict[str, Any]:
     if not (viewer.pk == booking.owner_id or can_manage(viewer, booking)):
         jobs = jobs.none()  # a teammate sees the booking, not what runs on it (as Job.objects.restrict)
     return {"sessions": list(rows[:50]), "booking_jobs": list(jobs[:50])}
+
+
+def lab_images_context(context: Context) -> dict[str, Any]:
+    """The Run buttons' (portal.hooks.RESERVATION_ACTIONS) images for "Open JupyterLab" on an
+    active booking `r`: those its server can run now (none asked for any other booking)."""
+    booking = context["r"]
+    if booking.status != Reservation.Status.ACTIVE:
+        return {"lab_images": []}
+    server = Server.objects.filter(gpus__allocations__reservation=booking).first()
+    images = ContainerImage.objects.runnable(server) if server is not None else ContainerImage.objects.none()
+    return {"lab_images": list(images)}
 
 
 def sessions_by_session(sessions: Mapping[int, Iterable[int]]) -> dict[tuple[int, int], int]:

@@ -42,7 +42,10 @@ def session_new(request: HttpRequest) -> HttpResponse:
         return redirect_back(request, "my_reservations")
     try:
         session, _ = session_start(
-            user=request.user, reservation=int(raw), kind=InteractiveSession.Kind.JUPYTERLAB
+            user=request.user,
+            reservation=int(raw),
+            kind=InteractiveSession.Kind.JUPYTERLAB,
+            image=request.POST.get("image", "")[:64] or None,
         )
     except Forbidden as error:
         messages.error(request, error.message)

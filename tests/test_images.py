@@ -1,0 +1,365 @@
+"""The container image catalogue on the portal's side (issue 34): GET /api/v1/images/, the image
+in the job form, the API and labs, checked by one rule (jobs.images.image_check) with nothing
+written on a refusal; the queue placing a job in an image only where it can run; the host's
+containers report at its worker's start; the pre-pull (manage.py images_pull, the admin's action,
+the task on the host's queue); "image X" beside a job's processes on the dashboard."""
+
+from __future__ import annotations
+
+import re
+from io import StringIO
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.core.management import CommandError, call_command
+from django.urls import reverse
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gpus.booking import reservation_create
+from gpus.models import ContainerImage, GPUProcess, ImagePull, Server
+from gpus.services import server_report_ingest
+from jobs.host import containers
+from jobs.host.pickup import slots_report
+from jobs.host.worker import containers_report
+from jobs.images import images_pull_send
+from jobs.models import InteractiveSession, Job
+from jobs.queue.rules import NO_IMAGE_SERVER
+from jobs.queue.scheduler import schedule_pass
+from jobs.sessions.services import session_start
+from jobs.submit import ScriptUpload, job_submit
+from jobs.tasks import pull_images
+from portal.errors import Invalid
+from tests.factories import job_form_data, make_snapshot, queue_job
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.django_db
+
+SCRIPT = b"print('hi')\n"
+PODMAN = "podman 4.3.1 (runc)"
+NO_PODMAN = "podman is not installed on this host (apt install podman runc uidmap)."
+
+
+@pytest.fixture
+def box2(box) -> Server:
+    """A second server, box2 (two cards), where containers do not work."""
+    server_report_ingest(snapshot=make_snapshot("box2", gpus=2))
+    slots_report("box2", slots=64, now=timezone.now())
+    Server.objects.filter(name="box1").update(containers_ok=True, containers_detail=PODMAN)
+    Server.objects.filter(name="box2").update(containers_ok=False, containers_detail=NO_PODMAN)
+    return Server.objects.get(name="box2")
+
+
+@pytest.fixture
+def images(box2) -> dict:
+    """tf-2.17 on box1 and box2; pytorch-2.5 on box2 only (containers off there); old-1 nowhere."""
+    box1 = Server.objects.get(name="box1")
+    tf = ContainerImage.objects.create(
+        name="tf-2.17", reference="registry.lab.example/tf:2.17", description="TensorFlow 2.17, CUDA 12"
+    )
+    tf.servers.set([box1, box2])
+    torch = ContainerImage.objects.create(name="pytorch-2.5", reference="/srv/images/pytorch", network=True)
+    torch.servers.set([box2])
+    old = ContainerImage.objects.create(name="old-1", reference="docker-archive:/srv/old.tar")
+    return {"tf": tf, "torch": torch, "old": old}
+
+
+@pytest.fixture
+def api(alice) -> APIClient:
+    client = APIClient()
+    client.force_authenticate(alice)
+    return client
+
+
+@pytest.fixture
+def pulls_sent(monkeypatch) -> list[tuple[list, str]]:
+    """(args, queue) of each pull sent to a host: no broker here."""
+    sent: list[tuple[list, str]] = []
+    monkeypatch.setattr("jobs.tasks.pull_images.apply_async", lambda args, queue: sent.append((args, queue)))
+    return sent
+
+
+def _submit(api: APIClient, **data) -> tuple[int, dict]:
+    upload = SimpleUploadedFile("train.py", SCRIPT)
+    response = api.post("/api/v1/jobs/", {"script": upload, **data}, format="multipart")
+    return response.status_code, response.json()
+
+
+# --- the list ------------------------------------------------------------------------------------
+
+
+def test_it_lists_the_images_with_their_servers_and_where_containers_work(api, images):
+    listed = api.get("/api/v1/images/").json()
+    assert [i["name"] for i in listed] == ["old-1", "pytorch-2.5", "tf-2.17"]
+    tf = listed[2]
+    assert tf == {
+        "name": "tf-2.17",
+        "reference": "registry.lab.example/tf:2.17",
+        "description": "TensorFlow 2.17, CUDA 12",
+        "servers": ["box1", "box2"],
+        "network": False,
+        "containers_ok": {"box1": True, "box2": False},
+    }
+    assert [i["name"] for i in api.get("/api/v1/images/?server=box2").json()] == ["pytorch-2.5", "tf-2.17"]
+    assert api.get("/api/v1/images/?server=nowhere").json() == []
+    assert api.get("/api/v1/images/pytorch-2.5/").json()["network"] is True
+    assert APIClient().get("/api/v1/images/").status_code in (401, 403)
+    servers = {s["name"]: s for s in api.get("/api/v1/servers/").json()}
+    assert (servers["box2"]["containers_ok"], servers["box2"]["containers_detail"]) == (False, NO_PODMAN)
+
+
+# --- submissions -----------------------------------------------------------------------------------
+
+
+def test_the_job_form_offers_only_images_that_can_run_and_submits_one(client, alice, booking, images, sent):
+    client.force_login(alice)
+    page = client.get(reverse("job_new"))
+    choices = page.context["form"].fields["image"].choices
+    assert choices == [
+        ("", "None: run on the host"),
+        ("tf-2.17", "tf-2.17 — TensorFlow 2.17, CUDA 12 (on box1)"),
+    ]
+    assert 'name="image"' in page.content.decode()
+
+    data = job_form_data(booking, script=SimpleUploadedFile("train.py", SCRIPT), image="tf-2.17")
+    response = client.post(reverse("job_new"), data)
+    job = Job.objects.get()
+    assert response.status_code == 302 and job.image == images["tf"]
+    detail = client.get(reverse("job_detail", args=[job.pk])).content.decode()
+    assert re.search(r'id="job-image">tf-2.17 · TensorFlow 2.17, CUDA 12', detail)
+
+
+def test_the_form_hides_the_field_where_no_image_can_run(client, alice, booking):
+    client.force_login(alice)
+    assert 'name="image"' not in client.get(reverse("job_new")).content.decode()
+
+
+def test_the_form_shows_a_refusal_beside_the_image_and_writes_nothing(client, alice, booking, images):
+    client.force_login(alice)
+    data = job_form_data(booking, script=SimpleUploadedFile("train.py", SCRIPT), image="pytorch-2.5")
+    response = client.post(reverse("job_new"), data)
+    assert response.status_code == 200
+    assert response.context["form"].errors["image"], response.context["form"].errors
+    assert not Job.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("image", "card", "words"),
+    [
+        ("nope", 0, "There is no image 'nope'; choose one of tf-2.17 (on box1)."),
+        (
+            "pytorch-2.5",
+            0,
+            "box1 does not have image pytorch-2.5; choose one of tf-2.17 (on box1), or book a server "
+            "where pytorch-2.5 runs:",
+        ),
+        ("tf-2.17", "box2", f"Containers do not work on box2 ({NO_PODMAN}), so no image runs there"),
+    ],
+)
+def test_the_api_refuses_an_image_that_cannot_run_there_naming_the_field(
+    api, alice, images, image, card, words
+):
+    gpu = "GPU-box2-00" if card == "box2" else "GPU-box1-00"
+    booking = reservation_create(user=alice, gpus=[gpu], memory_mb=8192)
+    status, body = _submit(api, reservation=booking.pk, image=image)
+    assert status == 400, body
+    assert list(body["errors"]) == ["image"] and body["errors"]["image"][0].startswith(words), body
+    assert not Job.objects.exists()
+
+
+def test_the_api_runs_a_job_in_an_image_and_shows_it(api, alice, booking, images, sent):
+    status, body = _submit(api, reservation=booking.pk, image="tf-2.17")
+    assert status == 201, body
+    assert body["image"] == "tf-2.17" and Job.objects.get().image == images["tf"]
+    assert api.get(f"/api/v1/jobs/{body['id']}/").json()["image"] == "tf-2.17"
+
+
+def test_a_queued_job_in_an_image_is_refused_where_it_cannot_run(alice, images):
+    with pytest.raises(Invalid, match="Containers do not work on box2") as refused:
+        queue_job(alice, server="box2", image="tf-2.17")
+    assert (
+        refused.value.field == "image" and "queue it on a server where tf-2.17 runs" in refused.value.message
+    )
+    with pytest.raises(Invalid, match=re.escape("No server can run image pytorch-2.5 now")) as refused:
+        queue_job(alice, image="pytorch-2.5")
+    assert refused.value.errors == {"image": [refused.value.message]}
+    assert not Job.objects.exists()
+
+
+def test_the_queue_places_a_job_in_an_image_only_where_it_can_run(
+    alice, images, sent, django_capture_on_commit_callbacks
+):
+    # box2 has both images and working containers now; box1 (which has tf-2.17 too) does not.
+    Server.objects.filter(name="box2").update(containers_ok=True)
+    Server.objects.filter(name="box1").update(containers_ok=False)
+    job = queue_job(alice, gpus=2, image="tf-2.17")
+    with django_capture_on_commit_callbacks(execute=True):
+        schedule_pass()
+    job.refresh_from_db()
+    assert job.status == Job.Status.QUEUED and job.server.name == "box2"
+    assert sent == [(job.pk, "host.box2")]
+
+    # Containers stop working on box2 after a submit: the job waits, and says why.
+    Server.objects.filter(name="box2").update(containers_ok=False)
+    later = Job.objects.create(
+        owner=alice,
+        team=job.team,
+        name="later.py",
+        script_source="print(1)\n",
+        queued=True,
+        status=Job.Status.PENDING,
+        gpu_count=1,
+        time_limit_minutes=10,
+        image=images["tf"],
+    )
+    schedule_pass()
+    later.refresh_from_db()
+    assert later.status == Job.Status.PENDING and later.pending_reason == "resources"
+    assert later.message == f"Waiting: {NO_IMAGE_SERVER}"
+
+
+# --- labs ------------------------------------------------------------------------------------------
+
+
+def test_a_lab_runs_in_an_image_its_server_can_run(client, alice, booking, images):
+    session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="tf-2.17")
+    assert session.image == images["tf"]
+    InteractiveSession.objects.all().delete()
+    with pytest.raises(Invalid, match=re.escape("box1 does not have image pytorch-2.5")) as refused:
+        session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="pytorch-2.5")
+    assert refused.value.field == "image"
+    with pytest.raises(Invalid, match="An image is for JupyterLab sessions") as refused:
+        session_start(
+            user=alice, reservation=booking.pk, kind="exec", host="box1", command=["python"], image="tf-2.17"
+        )
+    assert not InteractiveSession.objects.exists()
+
+    client.force_login(alice)
+    page = client.get(reverse("reservation_detail", args=[booking.pk])).content.decode()
+    options = re.search(r'<select name="image"[^>]*>(.*?)</select>', page, re.S)
+    assert options and re.findall(r'value="([^"]*)"', options[1]) == ["", "tf-2.17"]
+
+
+def test_the_sessions_api_takes_the_image_of_a_lab(api, booking, images):
+    response = api.post(
+        "/api/v1/sessions/", {"kind": "jupyterlab", "reservation": booking.pk, "image": "nope"}
+    )
+    assert response.status_code == 400 and list(response.json()["errors"]) == ["image"]
+    response = api.post(
+        "/api/v1/sessions/", {"kind": "jupyterlab", "reservation": booking.pk, "image": "tf-2.17"}
+    )
+    assert response.status_code == 201 and response.json()["image"] == "tf-2.17"
+
+
+# --- the host's report and the pre-pull ------------------------------------------------------------
+
+
+def test_the_worker_start_records_whether_containers_work(box, monkeypatch):
+    monkeypatch.setattr(containers, "runtime_status", lambda: (True, PODMAN))
+    assert containers_report("box1") == (True, PODMAN)
+    box1 = Server.objects.get(name="box1")
+    assert (box1.containers_ok, box1.containers_detail) == (True, PODMAN)
+
+    def broken() -> tuple[bool, str]:
+        raise OSError("podman hung")
+
+    monkeypatch.setattr(containers, "runtime_status", broken)
+    containers_report("box1")
+    box1.refresh_from_db()
+    assert not box1.containers_ok and box1.containers_detail == "The check failed: OSError('podman hung')"
+
+
+def test_the_dashboard_shows_containers_and_the_image_beside_a_jobs_process(
+    client, alice, booking, images, sent
+):
+    job = job_submit(
+        user=alice, reservation=booking, script=ScriptUpload(name="train.py", content=SCRIPT), image="tf-2.17"
+    )
+    GPUProcess.objects.filter(gpu_id=booking.allocations.get().gpu_id).update(job_id=job.pk)
+    client.force_login(alice)
+    html = client.get(reverse("dashboard_servers")).content.decode()
+    assert f'job {job.pk}</a> · <span class="image">image tf-2.17</span>' in html
+    assert f"Containers: {PODMAN}</span>" in html
+    assert f"Containers: not available — {NO_PODMAN}</span>" in html
+    gpus = APIClient()
+    gpus.force_authenticate(alice)
+    (process,) = gpus.get("/api/v1/gpus/GPU-box1-00/").json()["processes"]
+    assert (process["job"], process["image"]) == (f"job {job.pk}", "tf-2.17")
+
+
+def test_images_pull_sends_one_message_per_server_that_has_them(images, pulls_sent):
+    out = StringIO()
+    call_command("images_pull", stdout=out)
+    box1, box2 = Server.objects.get(name="box1"), Server.objects.get(name="box2")
+    tf, torch = images["tf"], images["torch"]
+    assert pulls_sent == [([box1.pk, [tf.pk]], "host.box1"), ([box2.pk, [torch.pk, tf.pk]], "host.box2")]
+    assert out.getvalue().splitlines() == [
+        "Sent: box1: tf-2.17 (sent to host.box1)",
+        "Sent: box2: pytorch-2.5, tf-2.17 (sent to host.box2)",
+    ]
+    pulls_sent.clear()
+    call_command("images_pull", "--image", "tf-2.17", "--server", "box2", stdout=StringIO())
+    assert pulls_sent == [([box2.pk, [tf.pk]], "host.box2")]
+    with pytest.raises(
+        CommandError, match=re.escape("No image named nope; choose from old-1, pytorch-2.5, tf-2.17")
+    ):
+        call_command("images_pull", "--image", "nope")
+
+
+def test_the_pull_task_pulls_each_image_of_its_server_and_records_how_it_went(images, monkeypatch):
+    said: list[str] = []
+
+    def pull(reference: str, say) -> None:  # type: ignore[no-untyped-def]
+        said.append(reference)
+        if reference.startswith("/"):
+            raise containers.ContainerError(f"{reference} is not a folder on this host; create it.")
+        say("pulling tf-2.17: 1.2 / 4.8 GB")
+        say("pulled")
+
+    monkeypatch.setattr(containers, "image_pull", pull)
+    box2 = Server.objects.get(name="box2")
+    pull_images(box2.pk, [images["torch"].pk, images["tf"].pk, images["old"].pk])  # old-1 is not box2's
+    assert said == ["/srv/images/pytorch", "registry.lab.example/tf:2.17"]  # one failure stops nothing
+    rows = {p.image.name: (p.ok, p.detail) for p in ImagePull.objects.filter(server=box2)}
+    assert rows == {
+        "pytorch-2.5": (False, "/srv/images/pytorch is not a folder on this host; create it."),
+        "tf-2.17": (True, "pulled"),
+    }
+    out = StringIO()
+    call_command("images_pull", "--here", "--server", "box1", stdout=out)
+    assert out.getvalue() == "tf-2.17: pulled: pulled\n"
+
+
+def test_the_admin_pulls_on_every_host_now_and_shows_the_last_pulls(client, admin_user, images, pulls_sent):
+    ImagePull.objects.create(
+        image=images["tf"], server=Server.objects.get(name="box1"), ok=True, detail="pulled"
+    )
+    client.force_login(admin_user)
+    changelist = reverse("admin:gpus_containerimage_changelist")
+    page = client.get(changelist).content.decode()
+    assert "box1: ok" in page and "box1, box2" in page
+    response = client.post(
+        changelist, {"action": "pull_now", "_selected_action": [images["tf"].pk], "index": 0}, follow=True
+    )
+    assert "Sent: box1: tf-2.17 (sent to host.box1)" in response.content.decode()
+    assert [queue for _, queue in pulls_sent] == ["host.box1", "host.box2"]
+    server_page = client.get(reverse("admin:gpus_server_change", args=[images["tf"].servers.first().pk]))
+    assert PODMAN in server_page.content.decode()
+
+
+@pytest.mark.worker
+@pytest.mark.django_db(transaction=True)
+def test_a_hosts_worker_reports_its_containers_and_takes_its_pulls(start_worker, alice):
+    """A real worker of box1: at its start it writes what the runtime check found, and a pull sent
+    to host.box1 reaches it and is recorded, whatever the pull's outcome on this machine."""
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=1, simulated=True))
+    image = ContainerImage.objects.create(name="tf-2.17", reference="registry.lab.example/tf:2.17")
+    image.servers.set(Server.objects.filter(name="box1"))
+    start_worker("box1")
+    expected = containers.runtime_status()[1]
+    wait_for(lambda: Server.objects.get(name="box1").containers_detail, what="the containers report")
+    assert Server.objects.get(name="box1").containers_detail == expected
+    (sent,) = images_pull_send(images=["tf-2.17"])
+    assert (sent.server, sent.queue, sent.error) == ("box1", "host.box1", "")
+    pulled = wait_for(lambda: ImagePull.objects.filter(image=image).first(), timeout=60, what="the pull")
+    assert pulled.server.name == "box1" and pulled.detail
