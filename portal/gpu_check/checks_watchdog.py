@@ -12,7 +12,7 @@ from typing import Any
 from portal.gpu_check.context import Context, row, skip
 from portal.gpu_check.machine import Helper
 from portal.gpu_check.report import Row
-from portal.gpu_check.waiting import Deadline
+from portal.gpu_check.waiting import CheckTimeout, Deadline
 
 FLAG_SECONDS = 3.0
 STOP_SLACK_SECONDS = 12.0  # a stop is confirmed once NVML no longer lists the process: a round or a few
@@ -50,7 +50,7 @@ def _flagged_and_stopped(
             f"the stop of pid {helper.pid}",
             within=stop_by + STOP_SLACK_SECONDS,
         )
-    except Exception:
+    except CheckTimeout:  # flagged but not stopped: the row says so
         return ctx.violation(kind, helper.pid) or violation, flagged, None
     return violation, flagged, _epoch(violation["stopped_at"] or violation["action_at"]) - held
 

@@ -58,14 +58,16 @@ def main(argv: list[str]) -> int:
     var = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     report = Report(machine=_machine(), started=datetime.now(UTC).isoformat(timespec="seconds"))
     portal = Portal(var)
+    ctx = None
     try:
         ctx = _bring_up(portal, var)
         report.machine.update(
             server=ctx.server, frameworks={k: v or "yes" for k, v in ctx.frameworks.items()}
         )
         for name, limit, check in CHECKS:
-            report.rows += _run(ctx, name, limit, check)
-            print(f"gpu-check: {name}: {', '.join(r.status for r in report.rows[-1:])}", flush=True)
+            rows = _run(ctx, name, limit, check)
+            report.rows += rows
+            print(f"gpu-check: {name}: {', '.join(r.status for r in rows)}", flush=True)
     except KeyboardInterrupt:
         report.rows.append(Row("interrupted", "every check run", "stopped by Ctrl-C or SIGTERM", "fail"))
     except Exception as exc:
@@ -74,6 +76,8 @@ def main(argv: list[str]) -> int:
         )
     finally:
         portal.stop()
+        if ctx is not None:
+            ctx.nvml.close()
         report.seconds = time.monotonic() - started
         report.write(Path(args.report))
         print_table(report)
