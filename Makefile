@@ -4,7 +4,7 @@ RUN_STAMP := .venv/.run-installed
 DEV_STAMP := .venv/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format bench clean
+.PHONY: run test lint format bench clean gpu-check gpu-check-wheels
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -44,6 +44,23 @@ format: $(DEV_STAMP)
 bench: $(DEV_STAMP)
 	mkdir -p var
 	$(PY) -m portal.embedded_redis --socket var/redis-bench-$$$$.sock -- $(PY) bench/run_all.py
+
+# The portal's GPU promises on this machine's real cards (docs/gpu-check.md). The machine's own Python,
+# which has its PyTorch/JAX/TensorFlow; what it lacks of requirements.txt comes from var/gpu-check-wheels/.
+GPU_CHECK_PYTHON ?= python3
+gpu-check:
+	$(GPU_CHECK_PYTHON) -m portal.gpu_check
+
+# Every wheel the check needs, for a GPU machine without internet: requirements.txt less the frameworks
+# (the check uses the machine's own) and this checkout (it runs from it). Copy var/gpu-check-wheels/ there.
+GPU_CHECK_PYTHON_VERSION ?= $(shell $(GPU_CHECK_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+# pip expands no manylinux_2_x tag to older ones: name each (glibc 2.28 and older, e.g. Ubuntu 20.04).
+GPU_CHECK_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+gpu-check-wheels:
+	mkdir -p var/gpu-check-wheels
+	grep -v -i -E '^(tensorflow|torch|jax|jaxlib)([=<>~ ]|$$)|^-e ' requirements.txt > var/gpu-check-wheels/requirements.txt
+	$(GPU_CHECK_PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_CHECK_PYTHON_VERSION) \
+	  $(foreach p,$(GPU_CHECK_PLATFORMS),--platform $(p)) -d var/gpu-check-wheels -r var/gpu-check-wheels/requirements.txt
 
 clean:
 	rm -rf var/staticfiles var/test*.sqlite3 var/test-runs test-output

@@ -1,0 +1,3 @@
+"""The GPU machines the check is for may have no TensorFlow: this fake machine has none."""
+
+raise ImportError("no TensorFlow on this fake GPU machine")
