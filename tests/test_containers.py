@@ -190,3 +190,15 @@ def test_the_start_overhead_is_small(in_image):
     started = time.monotonic()
     assert job_run(job.pk) == Job.Status.SUCCEEDED
     assert time.monotonic() - started < 15
+
+
+def test_a_cancelled_job_that_honours_sigterm_ends_by_it(in_image, alice):
+    """SIGTERM reaches the script through the container's init (catatonit), as on the host."""
+    job = in_image("import time\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    thread, outcome = _in_thread(job.pk)
+    wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job's start")
+    Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
+    thread.join(60)
+    job.refresh_from_db()
+    assert (outcome, job.exit_code) == ([Job.Status.CANCELLED], -15)
+    assert "still running after the grace period" not in job_log(job.pk)

@@ -155,6 +155,12 @@ class LabSupervisor:
         allocation = session.reservation.allocations.select_related("gpu").order_by("gpu__index").first()
         if allocation is None:
             raise JobSetupError(f"booking {session.reservation_id} holds no cards")
+        if session.image_id is not None:
+            # Its listening socket (pass_fds) and the listener's proof do not cross into a container yet.
+            raise JobSetupError(
+                "JupyterLab in a container image is not supported on this host yet: start the lab"
+                " without an image, or run your code as a job in the image (docs/containers.md)"
+            )
         if settings.JOB_USER and settings.JOB_USER != JOB_USER_OWNER:
             # One account for everyone's labs: each could read the others' tokens (their
             # environment) and files, and reach them on this host past the portal.
