@@ -16,8 +16,8 @@ __all__ = [
 ]
 
 # "root": the worker's Podman (the worker runs as root) starts each container with --user set to
-# the job's account; "rootless": Podman run as the job's account itself (its own storage, no
-# root anywhere), which needs JOB_USER and a worker with CAP_SETUID/CAP_SETGID.
+# the job's account; "rootless" (Podman run as the job's account itself) is not built yet: a host
+# set so reports that containers do not work there.
 CONTAINER_MODE = env_choice("CONTAINER_MODE", "root", ("root", "rootless"))
 CONTAINER_PODMAN = env_str("CONTAINER_PODMAN", "podman")  # the podman program, found on PATH if bare
 # Where the booked /dev/nvidia<N> nodes, nvidiactl and nvidia-uvm* are found when the host has no

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import tests.isolation  # noqa: F401 - PORTAL_TEST_VAR_BASE, set there
-
 ROOTFS_VERSION = "1"  # bump to rebuild every cached root filesystem
-# The run's var base (tests/isolation.py): shared by its xdist workers and by later runs.
-ROOTFS = Path(os.environ["PORTAL_TEST_VAR_BASE"]) / f"container-rootfs-{ROOTFS_VERSION}"
+# The run's var base (tests/isolation.py sets it): shared by its xdist workers and by later runs;
+# the bench's var folder otherwise (bench/bench_containers.py).
+_BASE = os.environ.get("PORTAL_TEST_VAR_BASE") or os.environ.get("PORTAL_VAR_DIR") or "var"
+ROOTFS = Path(_BASE).resolve() / f"container-rootfs-{ROOTFS_VERSION}"
 SKIPPED_IN_STDLIB = ("__pycache__", "test", "tests", "site-packages", "dist-packages", "idlelib", "tkinter")
 SKIPPED_IN_STDLIB += ("ensurepip", "turtledemo", "lib2to3", "pydoc_data")
 

@@ -151,6 +151,7 @@ def test_the_containers_host_pids_are_attributed_to_the_job(in_image):
     job.refresh_from_db()
     init = psutil.Process(job.pid)
     assert abs(init.create_time() - job.pid_started) < 0.05
+    assert init.cmdline()[0] == "/run/podman-init" and session_of(init.pid) == init.pid  # catatonit leads
     inside = init.children(recursive=True)
     in_session = [p for p in inside if session_of(p.pid) == job.pid]
     assert len(in_session) >= 2, [p.cmdline() for p in inside]  # the launcher and its child

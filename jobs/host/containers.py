@@ -139,15 +139,15 @@ def _runtime_check() -> tuple[bool, str]:
     if shutil.which(settings.CONTAINER_PODMAN) is None:
         return False, _not_installed()
     mode = settings.CONTAINER_MODE
-    if mode == "root" and os.geteuid() != 0:
-        return False, (
-            f"CONTAINER_MODE=root needs the worker on {host} to run as root (it runs as uid"
-            f" {os.geteuid()}); or set CONTAINER_MODE=rootless with JOB_USER (docs/containers.md)."
-        )
-    if mode == "rootless" and not settings.JOB_USER:
+    if mode == "rootless":
         return (
             False,
-            "CONTAINER_MODE=rootless runs Podman as the job's account: set JOB_USER (docs/containers.md).",
+            "CONTAINER_MODE=rootless is not supported yet: set CONTAINER_MODE=root (docs/containers.md).",
+        )
+    if os.geteuid() != 0:
+        return False, (
+            f"CONTAINER_MODE=root needs the worker on {host} to run as root (it runs as uid"
+            f" {os.geteuid()}; docs/containers.md)."
         )
     try:
         done = podman("info", "--format", "json")

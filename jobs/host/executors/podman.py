@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from django.conf import settings
 
 from jobs.host.containers import ContainerError, podman, podman_command, podman_env
@@ -43,7 +45,7 @@ from portal.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
-INSPECT_PAUSE_SECONDS = 0.02
+INSPECT_PAUSE_SECONDS = 0.01
 SWEEP_SECONDS = 5.0
 # Podman's own exit codes before the command ran (as `docker run`'s): its error, a command that
 # could not be invoked, a command not found.
@@ -57,7 +59,7 @@ class PodmanRun(Run):
     proc: subprocess.Popen[bytes] = field(kw_only=True, repr=False)
     container: str = field(kw_only=True)
     container_id: str = field(kw_only=True, default="")
-    env_file: Path | None = field(kw_only=True, default=None, repr=False)
+    folder: Path | None = field(kw_only=True, default=None, repr=False)  # its environment, cid, conmon's pid
     sent: set[int] = field(kw_only=True, default_factory=set)  # what 128+N from podman may mean
     collected: bool = field(kw_only=True, default=False)
 
@@ -76,9 +78,8 @@ class Podman:
         if spec.image is None:
             raise OSError(f"{spec.name} has no image: it runs on the host (LocalProcess)")
         try:
-            podman("rm", "--force", "--ignore", "--time", "0", self.container)  # a dead worker's leftover
-            env_file = _env_file(self.container, spec.env)
-            argv = run_argv(spec, self.container, env_file)
+            folder = _run_folder(self.container, spec.env)
+            argv = run_argv(spec, self.container, folder)
         except ContainerError as exc:
             raise OSError(str(exc)) from None
         proc = subprocess.Popen(
@@ -96,25 +97,25 @@ class Podman:
         output = PipeOutput(proc.stdout, tick=self.tick)
         run = PodmanRun(
             spec.name, ProcessId(proc.pid, started_at(proc.pid) or -1.0), proc.pid, output,
-            proc=proc, container=self.container, env_file=env_file,
+            proc=proc, container=self.container, folder=folder,
         )  # fmt: skip
         self._find_init(run)
         return run
 
     def _find_init(self, run: PodmanRun) -> None:
-        """The container's init by host pid and start time, read between two inspects that agree
-        (so the start is that process's). A container that ended before it was seen keeps the
-        client as its leader: nothing of it is left to attribute."""
+        """The container's init by host pid and start time: conmon's child (conmon's pid and the
+        container's id come from files Podman writes in the run's own folder, and conmon's command
+        line names that id), read without a `podman` per look, which would contend for Podman's
+        lock with the start itself. A container that ended before it was seen keeps the client as
+        its leader: nothing of it is left to attribute."""
+        assert run.folder is not None
         give_up = time.monotonic() + settings.CONTAINER_START_SECONDS
         while run.proc.poll() is None:
-            found = self._inspect(run.container)
-            if found is not None and found[1] > 0:
-                started = started_at(found[1])
-                if started is not None and self._inspect(run.container) == found:
-                    run.container_id = found[0]
-                    run.leader = ProcessId(found[1], started)
-                    run.sid = found[1]
-                    return
+            found = _conmon_child(run.folder)
+            if found is not None:
+                run.container_id, run.leader = found
+                run.sid = run.leader.pid
+                return
             if time.monotonic() > give_up:
                 podman("rm", "--force", "--ignore", "--time", "0", run.container)
                 run.proc.kill()
@@ -205,8 +206,8 @@ class Podman:
         podman_run = _run(run)
         end = _end_of(podman_run.proc.wait(), podman_run.sent)
         podman_run.collected = True
-        if podman_run.env_file is not None:
-            podman_run.env_file.unlink(missing_ok=True)
+        if podman_run.folder is not None:
+            shutil.rmtree(podman_run.folder, ignore_errors=True)
         return end
 
     def stop(self, run: Run, grace: float) -> RunEnd:
@@ -251,14 +252,31 @@ def _end_of(returncode: int, sent: set[int]) -> RunEnd:
     return RunEnd(code=returncode)
 
 
-def _env_file(container: str, env: dict[str, str]) -> Path:
-    """The container's environment, in a file of the worker's alone (never on Podman's command line,
-    where every account on the host can read it); removed once the run is collected."""
-    folder = Path(settings.VAR_DIR) / "container-env"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(folder, 0o700)
-    text = env_file_text(env)
-    fd, name = tempfile.mkstemp(prefix=f"{container}.", suffix=".env", dir=folder)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    return Path(name)
+def _run_folder(container: str, env: dict[str, str]) -> Path:
+    """A folder of the worker's alone for one run: the container's environment (never on Podman's
+    command line, where every account on the host can read it), the files Podman writes its id and
+    conmon's pid to. Removed once the run is collected."""
+    parent = Path(settings.VAR_DIR) / "containers"
+    parent.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(parent, 0o700)
+    folder = Path(tempfile.mkdtemp(prefix=f"{container}.", dir=parent))
+    (folder / "env").write_text(env_file_text(env))
+    return folder
+
+
+def _conmon_child(folder: Path) -> tuple[str, ProcessId] | None:
+    """(container id, its init) once runc has created it; None until then. Conmon's command line
+    names the container's id and the pid file runc writes the init's pid to once created (before
+    that, conmon's child is `runc create` itself); the init is conmon's child."""
+    try:
+        container_id = (folder / "cid").read_text().strip()
+        conmon = psutil.Process(int((folder / "conmon.pid").read_text().strip()))
+        args = conmon.cmdline()
+        if not container_id or container_id not in args or "-p" not in args:
+            return None  # not (or no longer) the conmon of this container
+        init = psutil.Process(int(Path(args[args.index("-p") + 1]).read_text().strip()))
+        if init.ppid() != conmon.pid:
+            return None
+        return container_id, ProcessId(init.pid, init.create_time())
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return None

@@ -39,14 +39,15 @@ DRIVER_LIBRARIES = (
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def run_argv(spec: RunSpec, container: str, env_file: Path) -> list[str]:
-    """`podman run`'s arguments (after the program) for `spec` in its image, named `container`."""
+def run_argv(spec: RunSpec, container: str, folder: Path) -> list[str]:
+    """`podman run`'s arguments (after the program) for `spec` in its image, named `container`;
+    `folder` is the run's own (its environment file; where Podman writes its id and conmon's pid)."""
     image = spec.image
     assert image is not None
     uid, gid = (spec.account.pw_uid, spec.account.pw_gid) if spec.account else (os.getuid(), os.getgid())
     work = container.rsplit("-", 2)
     argv = [
-        "run", "--rm", "--name", container,
+        "run", "--rm", "--replace", "--name", container,  # --replace: a dead worker's leftover of this run
         "--label", f"{LABEL_INSTANCE}={settings.PORTAL_INSTANCE_ID}",
         "--label", f"{LABEL_WORK}={'-'.join(work[-2:])}",
         "--init",  # catatonit: a session leader that hands signals on and reaps
@@ -54,7 +55,8 @@ def run_argv(spec: RunSpec, container: str, env_file: Path) -> list[str]:
         "--cap-drop", "all", "--security-opt", "no-new-privileges",
         "--network", "host" if image.network else "none",
         "--log-driver", "none",  # the worker keeps the log; Podman need not keep a second copy
-        "--env-file", str(env_file),
+        "--env-file", str(folder / "env"),
+        "--cidfile", str(folder / "cid"), "--conmon-pidfile", str(folder / "conmon.pid"),
         "--workdir", str(spec.cwd),
     ]  # fmt: skip
     argv += mount_args(spec.mounts)
