@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from jobs.environment import JobSetupError
 from jobs.host.containers import ContainerError, local_name
 from jobs.host.executors.base import ImageSpec, RunEnd, RunSpec
 from jobs.host.executors.podman import _end_of
 from jobs.host.executors.podman_args import env_file_text, run_argv
+from jobs.host.lab import _no_image
+from jobs.models import InteractiveSession
 
 UUIDS = ["GPU-aaaa", "GPU-bbbb"]
 NOBODY = pwd.getpwnam("nobody")
@@ -124,3 +127,9 @@ def test_the_environment_goes_in_a_file_never_on_the_command_line(nodes):
 )
 def test_128_plus_n_is_read_as_the_signal_the_portal_sent(code, sent, end):
     assert _end_of(code, {int(s) for s in sent}) == end
+
+
+def test_a_lab_in_an_image_is_refused_saying_so():
+    with pytest.raises(JobSetupError, match="JupyterLab in a container image is not supported"):
+        _no_image(InteractiveSession(image_id=1))
+    _no_image(InteractiveSession())  # no image: as before

@@ -125,6 +125,7 @@ class LabSupervisor:
 
     def run(self) -> str:
         try:
+            _no_image(self.session)
             self.proc = self._start()
         except (JobSetupError, OSError) as exc:
             return self._finish(Session.FAILED, f"JupyterLab could not start: {exc}", None)
@@ -155,12 +156,6 @@ class LabSupervisor:
         allocation = session.reservation.allocations.select_related("gpu").order_by("gpu__index").first()
         if allocation is None:
             raise JobSetupError(f"booking {session.reservation_id} holds no cards")
-        if session.image_id is not None:
-            # Its listening socket (pass_fds) and the listener's proof do not cross into a container yet.
-            raise JobSetupError(
-                "JupyterLab in a container image is not supported on this host yet: start the lab"
-                " without an image, or run your code as a job in the image (docs/containers.md)"
-            )
         if settings.JOB_USER and settings.JOB_USER != JOB_USER_OWNER:
             # One account for everyone's labs: each could read the others' tokens (their
             # environment) and files, and reach them on this host past the portal.
@@ -421,6 +416,16 @@ class LabSupervisor:
         stopped = status == Session.ENDED and why != "JupyterLab exited by itself"
         if stopped and not (why == "ended from the portal" and _ended_by_owner(session)):
             session_stopped_tell(session, why)
+
+
+def _no_image(session: InteractiveSession) -> None:
+    """A lab in a container image is refused, saying so: its listening socket (pass_fds) and the
+    listener's proof (jobs/host/lab_listener.py) do not cross into a container yet."""
+    if session.image_id is not None:
+        raise JobSetupError(
+            "JupyterLab in a container image is not supported on this host yet: start the lab"
+            " without an image, or run your code as a job in the image (docs/containers.md)"
+        )
 
 
 def _ended_by_owner(session: InteractiveSession) -> bool:
