@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -17,7 +18,7 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.models import ContainerImage
 from gpus.procinfo import session_of
-from jobs.host.containers import podman
+from jobs.host.containers import leftovers_remove, podman
 from jobs.host.executors import Podman, executor_for
 from jobs.host.runner import job_run
 from jobs.models import Job
@@ -65,9 +66,11 @@ time.sleep(120)
 
 
 @pytest.fixture
-def image(db) -> ContainerImage:
+def image(db) -> Iterator[ContainerImage]:
     need_containers()
-    return ContainerImage.objects.create(name="pyimg", reference=str(rootfs()))
+    yield ContainerImage.objects.create(name="pyimg", reference=str(rootfs()))
+    # A test that failed half-way (its job's thread left behind) leaves no container either.
+    assert leftovers_remove() == [], "a container of this test was left behind"
 
 
 @pytest.fixture
