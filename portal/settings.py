@@ -34,6 +34,7 @@ from portal.identity_env import (
     oidc_settings_from_env,
 )
 from portal.names import instance_keys
+from portal.settings_containers import *  # noqa: F403 - CONTAINER_*: jobs and labs in images
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))

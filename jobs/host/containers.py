@@ -1,31 +1,297 @@
-"""Containers on a GPU host (issue 34, docs/containers.md): whether this host can run them, and
-getting an image onto it. The executor that runs work in them is jobs/host/executors/podman.py.
+"""Containers on a GPU host (issue 34, docs/containers.md): whether this host can run them, getting
+an image onto it, and the few Podman commands the executor (jobs/host/executors/podman.py) and a
+restarted worker need. Every `podman` the portal runs goes through `podman_command`, with the
+containers.conf the portal writes (`containers_conf`) and an environment of its own: nothing of a
+job's environment ever reaches Podman itself.
 
-CONTRACT (filled in by the executor's work): `runtime_status()` is called by the host's worker
-when it starts (its answer goes to Server.containers_ok/containers_detail), `image_pull()` by the
-pre-pull task and before a job's first run in an image.
+CONTRACT (with the submission side): `runtime_status()` is called by the host's worker when it
+starts (its answer goes to Server.containers_ok/containers_detail), `image_pull()` by the pre-pull
+task and before a job's first run in an image.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pwd
 import shutil
-from collections.abc import Callable
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import pynvml
+from django.conf import settings
+
+# Podman 4.3 on Debian 12 (docs/containers.md, "Install"): crun 1.8 refuses the hybrid cgroup
+# layout, and Podman's default ulimits are above the hard limits a worker without
+# CAP_SYS_RESOURCE may set; no journald on every host, so events go to a file.
+CONTAINERS_CONF_TEXT = """\
+# Written by the GPU portal (jobs/host/containers.py); changes here are overwritten.
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
+PATH_FOR_PODMAN = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+STATUS_CACHE_SECONDS = 300.0  # `podman info` costs ~0.1 s and a runtime check: once per 5 minutes
+COMMAND_SECONDS = 60.0  # inspect, kill, rm: Podman's own steps, never the job
+LABEL_INSTANCE = "portal.instance"  # which portal started a container (a restarted worker's sweep)
+LABEL_WORK = "portal.work"  # "job-12", "session-3"
+ARCHIVE_PREFIXES = ("oci-archive:", "docker-archive:")
+
+_status_lock = threading.Lock()
+_status: tuple[float, tuple[bool, str]] | None = None
 
 
 class ContainerError(Exception):
     """A container could not be had: the message says what happened and what to do."""
 
 
+def containers_conf() -> Path:
+    """The containers.conf every `podman` of the portal's reads (CONTAINERS_CONF), written if
+    missing or changed; world-readable, as rootless Podman reads it as the job's account."""
+    path = Path(settings.CONTAINER_CONF or Path(settings.VAR_DIR) / "containers.conf")
+    try:
+        if path.read_text() == CONTAINERS_CONF_TEXT:
+            return path
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    partial.write_text(CONTAINERS_CONF_TEXT)
+    partial.chmod(0o644)
+    partial.replace(path)  # atomic: a podman starting meanwhile reads the old file or the new one
+    return path
+
+
+def podman_env(account: pwd.struct_passwd | None = None) -> dict[str, str]:
+    """Podman's own environment: the portal's containers.conf, and (rootless) the account's home
+    and runtime folder, where its storage and its containers' state live."""
+    env = {"PATH": PATH_FOR_PODMAN, "LANG": "C.UTF-8", "CONTAINERS_CONF": str(containers_conf())}
+    if account is None:
+        env["HOME"] = os.environ.get("HOME", "/root")
+        return env
+    runtime = Path(f"/run/user/{account.pw_uid}")
+    env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
+    if runtime.is_dir() and runtime.stat().st_uid == account.pw_uid:
+        env["XDG_RUNTIME_DIR"] = str(runtime)
+    return env
+
+
+def podman_command(*args: str) -> list[str]:
+    return [settings.CONTAINER_PODMAN, *args]
+
+
+def podman(
+    *args: str, account: pwd.struct_passwd | None = None, timeout: float = COMMAND_SECONDS
+) -> subprocess.CompletedProcess[str]:
+    """One short `podman` step (inspect, kill, rm, image exists), as `account` in rootless mode;
+    ContainerError when Podman cannot be run at all or does not answer in `timeout`."""
+    try:
+        return subprocess.run(
+            podman_command(*args),
+            env=podman_env(account),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+            user=account.pw_uid if account is not None else None,
+            group=account.pw_gid if account is not None else None,
+            extra_groups=[] if account is not None else None,
+        )
+    except FileNotFoundError:
+        raise ContainerError(_not_installed()) from None
+    except subprocess.TimeoutExpired:
+        raise ContainerError(
+            f"podman {args[0]} did not answer in {timeout:g} s on {socket.gethostname()}."
+        ) from None
+
+
+def _not_installed() -> str:
+    return (
+        f"podman ({settings.CONTAINER_PODMAN}) is not installed on {socket.gethostname()}:"
+        " an admin installs it (apt install podman runc uidmap; docs/containers.md)."
+    )
+
+
 def runtime_status() -> tuple[bool, str]:
-    """Whether containers can run on this host, and what was found (the runtime and its version,
-    or what is missing and how to install it)."""
-    podman = shutil.which("podman")
-    if podman is None:
-        return False, "podman is not installed on this host (apt install podman runc uidmap)."
-    return True, f"podman at {podman}"
+    """Whether containers can run on this host, and what was found (Podman's version, its runtime
+    and storage, the mode), or what is missing and how to get it; cached STATUS_CACHE_SECONDS."""
+    global _status
+    with _status_lock:
+        if _status is not None and time.monotonic() - _status[0] < STATUS_CACHE_SECONDS:
+            return _status[1]
+        found = _runtime_check()
+        _status = (time.monotonic(), found)
+        return found
 
 
-def image_pull(reference: str, say: Callable[[str], None]) -> None:
+def _runtime_check() -> tuple[bool, str]:
+    host = socket.gethostname()
+    if shutil.which(settings.CONTAINER_PODMAN) is None:
+        return False, _not_installed()
+    mode = settings.CONTAINER_MODE
+    if mode == "rootless":
+        return (
+            False,
+            "CONTAINER_MODE=rootless is not supported yet: set CONTAINER_MODE=root (docs/containers.md).",
+        )
+    if os.geteuid() != 0:
+        return False, (
+            f"CONTAINER_MODE=root needs the worker on {host} to run as root (it runs as uid"
+            f" {os.geteuid()}; docs/containers.md)."
+        )
+    try:
+        done = podman("info", "--format", "json")
+    except ContainerError as exc:
+        return False, str(exc)
+    if done.returncode != 0:
+        return False, f"podman info failed on {host}: {_last_line(done.stderr)}"
+    try:
+        info = json.loads(done.stdout)
+        runtime = info["host"]["ociRuntime"]
+        version = info["version"]["Version"]
+        driver = info["store"]["graphDriverName"]
+    except (ValueError, KeyError, TypeError):
+        return False, f"podman info on {host} answered something unexpected: {done.stdout[:200]!r}"
+    if runtime.get("name") != "runc" or not Path(runtime.get("path") or "/nonexistent").exists():
+        return False, f"podman on {host} has no runc (found {runtime.get('name')!r}): apt install runc."
+    runc = str(runtime.get("version", "")).splitlines()[0] if runtime.get("version") else "runc"
+    return True, f"podman {version}, {runc}, {driver} storage, {mode} mode"
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no message)"
+
+
+def card_minors(uuids: Sequence[str], indexes: Mapping[str, int]) -> tuple[int, ...]:
+    """Each booked card's /dev/nvidia<N> number: NVML's minor number where the driver answers, else
+    (the simulated inventory, GPU_BACKEND=simulated) its index in the inventory."""
+    if settings.GPU_BACKEND != "simulated":
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError:
+            pass  # no driver here: the simulated inventory's indexes
+        else:
+            try:
+                return tuple(
+                    pynvml.nvmlDeviceGetMinorNumber(pynvml.nvmlDeviceGetHandleByUUID(uuid)) for uuid in uuids
+                )
+            except pynvml.NVMLError as exc:
+                raise ContainerError(f"NVML could not give the booked cards' device numbers: {exc}") from None
+            finally:
+                pynvml.nvmlShutdown()
+    missing = [uuid for uuid in uuids if uuid not in indexes]
+    if missing:
+        raise ContainerError(f"The booked cards {', '.join(missing)} are not in this host's inventory.")
+    return tuple(indexes[uuid] for uuid in uuids)
+
+
+def local_name(reference: str) -> str:
+    """What `podman run` is given for `reference`: a registry reference as is; an archive, the
+    local name its pull tags it with (an archive has no name of its own to run by)."""
+    if reference.startswith(ARCHIVE_PREFIXES):
+        digest = hashlib.sha256(reference.encode()).hexdigest()[:16]
+        return f"localhost/portal-archive-{digest}:latest"
+    return reference
+
+
+def image_pull(
+    reference: str, say: Callable[[str], None], *, account: pwd.struct_passwd | None = None
+) -> None:
     """Get `reference` onto this host (cached: a second call is quick), saying its progress in
-    lines ("pulling tf-2.17: 1.2 / 4.8 GB"); ContainerError when it cannot."""
-    raise ContainerError(f"Cannot pull {reference}: pulling images is not built yet.")
+    lines ("pulling tf-2.17: 1.2 / 4.8 GB"); ContainerError when it cannot. A root filesystem
+    folder needs no pull, only to be there. `account`: whose storage (rootless mode)."""
+    host = socket.gethostname()
+    if reference.startswith("/"):
+        if not Path(reference).is_dir():
+            raise ContainerError(
+                f"The image's root filesystem {reference} is not on {host}: an admin copies it there,"
+                " or takes this server off the image's servers."
+            )
+        return
+    name = local_name(reference)
+    if podman("image", "exists", name, account=account).returncode == 0:
+        return
+    if reference.startswith(ARCHIVE_PREFIXES):
+        path = Path(reference.split(":", 1)[1])
+        if not path.is_file():
+            raise ContainerError(f"The image archive {path} is not on {host}: an admin copies it there.")
+        say(f"pulling {reference}: loading {path.stat().st_size / 1e6:.0f} MB")
+    started = time.monotonic()
+    image_id = _pull(reference, say, account)
+    if name != reference and podman("tag", image_id, name, account=account).returncode != 0:
+        raise ContainerError(f"Could not name the image loaded from {reference} on {host} ({name}).")
+    size = podman("image", "inspect", "--format", "{{.Size}}", name, account=account).stdout.strip()
+    shown = f", {int(size) / 1e9:.2f} GB" if size.isdigit() else ""
+    say(f"pulled {reference} in {time.monotonic() - started:.1f} s{shown}")
+
+
+def _pull(reference: str, say: Callable[[str], None], account: pwd.struct_passwd | None) -> str:
+    """`podman pull`, its lines said as they come; the image's id."""
+    argv = podman_command("pull", reference)
+    try:
+        proc = subprocess.Popen(
+            argv,
+            env=podman_env(account),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd="/",
+            start_new_session=True,
+            user=account.pw_uid if account is not None else None,
+            group=account.pw_gid if account is not None else None,
+            extra_groups=[] if account is not None else None,
+        )
+    except FileNotFoundError:
+        raise ContainerError(_not_installed()) from None
+    timer = threading.Timer(settings.CONTAINER_PULL_SECONDS, proc.kill)
+    timer.start()
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.strip() and not _is_id(line.strip()):
+                say(f"pulling {reference}: {line.strip()[:200]}")
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    if code != 0:
+        why = _last_line("\n".join(lines))
+        if code < 0:
+            why = f"it took longer than CONTAINER_PULL_SECONDS ({settings.CONTAINER_PULL_SECONDS} s)"
+        raise ContainerError(
+            f"Could not pull {reference} on {socket.gethostname()}: {why}. An admin checks the"
+            " reference and the registry (or pre-pulls it: manage.py images_pull)."
+        )
+    ids = [line for line in lines if _is_id(line)]
+    return ids[-1] if ids else reference
+
+
+def _is_id(line: str) -> bool:
+    return len(line) == 64 and all(c in "0123456789abcdef" for c in line)
+
+
+def leftovers_remove(account: pwd.struct_passwd | None = None, *, keep: Sequence[str] = ()) -> list[str]:
+    """Remove this portal's containers that no live run holds (`keep`: their names): what a worker
+    killed mid-job left (its runs are stopped already: the orphan sweep ends their processes by
+    the session the rows recorded). The names removed."""
+    done = podman(
+        "ps", "-a", "--filter", f"label={LABEL_INSTANCE}={settings.PORTAL_INSTANCE_ID}",
+        "--format", "{{.Names}}", account=account,
+    )  # fmt: skip
+    names = [name for name in done.stdout.split() if name and name not in keep]
+    for name in names:
+        podman("rm", "--force", "--ignore", "--time", "0", name, account=account)
+    return names

@@ -125,6 +125,7 @@ class LabSupervisor:
 
     def run(self) -> str:
         try:
+            _no_image(self.session)
             self.proc = self._start()
         except (JobSetupError, OSError) as exc:
             return self._finish(Session.FAILED, f"JupyterLab could not start: {exc}", None)
@@ -415,6 +416,16 @@ class LabSupervisor:
         stopped = status == Session.ENDED and why != "JupyterLab exited by itself"
         if stopped and not (why == "ended from the portal" and _ended_by_owner(session)):
             session_stopped_tell(session, why)
+
+
+def _no_image(session: InteractiveSession) -> None:
+    """A lab in a container image is refused, saying so: its listening socket (pass_fds) and the
+    listener's proof (jobs/host/lab_listener.py) do not cross into a container yet."""
+    if session.image_id is not None:
+        raise JobSetupError(
+            "JupyterLab in a container image is not supported on this host yet: start the lab"
+            " without an image, or run your code as a job in the image (docs/containers.md)"
+        )
 
 
 def _ended_by_owner(session: InteractiveSession) -> bool:

@@ -11,7 +11,7 @@ import os
 import pwd
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -23,9 +23,11 @@ from django.db import DatabaseError, close_old_connections
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from gpus.models import Allocation
+from gpus.models import GPU, Allocation, ContainerImage
 from jobs import paths
 from jobs.environment import BookedCard, JobSetupError, job_environment
+from jobs.host.containers import ContainerError, card_minors, image_pull, runtime_status
+from jobs.host.executors.base import ImageSpec, RunSpec
 from jobs.host.folders import JobFolderError, job_folder_make
 from jobs.host.spool import worker_stopping
 from jobs.leavers import deactivated, owner_active, user_work_stop
@@ -39,6 +41,10 @@ T = TypeVar("T")
 # In a folder of its own that is no package: Python puts the launcher's folder first on the
 # job's sys.path, and nothing else in it may shadow a module of the user's or the standard library.
 LAUNCHER = Path(__file__).resolve().parent / "launcher-bin" / "launcher.py"
+IMAGE_PYTHON = "python3"  # a job in an image runs the image's, found on the image's PATH
+IMAGE_VAR = "PORTAL_IMAGE"  # the image's name, for the launcher's line
+# The worker's variables that name the host's files: a job in an image has the image's instead.
+HOST_ONLY_ENV = frozenset({"PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "SHELL", "TMPDIR"})
 
 
 @dataclass
@@ -48,13 +54,24 @@ class Launch:
     cwd: Path
     env_applied: dict[str, str]  # the portal's own variables, shown on the job's page
     account: pwd.struct_passwd | None  # the job runs as it (JOB_USER; None: as the worker)
+    image: ImageSpec | None = None  # in this container image (issue 34); None: on the host
+    gpu_minors: tuple[int, ...] = ()  # in an image: the booked cards' /dev/nvidia<N> numbers
+    mounts: tuple[tuple[str, bool], ...] = ()  # in an image: the host folders it sees, (path, writable)
+
+    def spec(self, name: str, gpu_uuids: list[str], pass_fds: tuple[int, ...] = ()) -> RunSpec:
+        """What the executor starts (jobs/host/executors)."""
+        return RunSpec(
+            self.argv, self.env, self.cwd, name, self.account, pass_fds, gpu_uuids,
+            image=self.image, gpu_minors=self.gpu_minors, mounts=self.mounts,
+        )  # fmt: skip
 
 
 def launch_for(job: Job) -> Launch:
     """Everything the subprocess gets: argv, cwd and the environment built from the booking.
 
     The steps with side effects are here (the job's folder, the upload, chown); the environment
-    itself comes from the pure `job_environment`."""
+    itself comes from the pure `job_environment`. In an image the interpreter is the image's
+    python3 (`in_image`)."""
     # Every card of a booking holds the same memory_mb; the first card's size stands for all.
     first = patiently(
         job.pk,
@@ -62,28 +79,72 @@ def launch_for(job: Job) -> Launch:
             reservation_id=job.reservation_id, gpu_id=job.gpu_uuids[0]
         ),
     )
-    interpreter = settings.JOB_INTERPRETERS.get(job.interpreter)
-    if not interpreter or not os.access(interpreter, os.X_OK):
+    image = patiently(job.pk, lambda: job.image) if job.image_id is not None else None
+    interpreter = IMAGE_PYTHON if image is not None else settings.JOB_INTERPRETERS.get(job.interpreter)
+    if image is None and (not interpreter or not os.access(interpreter, os.X_OK)):
         raise JobSetupError(
             f"Python environment {job.interpreter!r} ({interpreter or 'not configured'}) is not "
             f"executable on {socket.gethostname()}; check JOB_INTERPRETERS on this host."
         )
+    assert interpreter is not None
     account = _job_account(job)
-    script, cwd = _prepare_folders(job, account)
+    script, cwd, folder = _prepare_folders(job, account)
     home = Path(interpreter).parent.parent  # a venv's root holds pyvenv.cfg, beside its bin/
     built = job_environment(
         job,
         BookedCard.of(first),
-        inherited=os.environ,
+        inherited=os.environ if image is None else image_inherited(os.environ),
         interpreter=interpreter,
-        venv=str(home) if (home / "pyvenv.cfg").is_file() else None,
+        venv=str(home) if image is None and (home / "pyvenv.cfg").is_file() else None,
         server=settings.WORKER_SERVER,
         instance=settings.PORTAL_INSTANCE_ID,
         headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
         account=account,
     )
     argv = [interpreter, "-u", str(LAUNCHER), str(script), *job.args]
-    return Launch(argv=argv, env=built.env, cwd=cwd, env_applied=built.applied, account=account)
+    launch = Launch(argv=argv, env=built.env, cwd=cwd, env_applied=built.applied, account=account)
+    return in_image(launch, image, job, folder) if image is not None else launch
+
+
+def image_inherited(environ: Mapping[str, str]) -> dict[str, str]:
+    """The worker's variables a job in an image inherits: not the host's paths (PATH,
+    LD_LIBRARY_PATH, CUDA_HOME...), which would hide the image's own."""
+    return {name: value for name, value in environ.items() if name not in HOST_ONLY_ENV}
+
+
+def in_image(launch: Launch, image: ContainerImage, job: Job, folder: Path) -> Launch:
+    """`launch` in `image`: the image's PATH unless the job sets its own, the booked cards named
+    for the NVIDIA runtime's conventions too, the image's name for the launcher's line, and what
+    the container sees of the host (the job's folder, JOB_ROOTS, the launcher read-only)."""
+    if "PATH" not in job.env:
+        launch.env.pop("PATH", None)
+    portal = {"NVIDIA_VISIBLE_DEVICES": ",".join(job.gpu_uuids) or "void", IMAGE_VAR: image.name}
+    launch.env.update(portal)
+    launch.env_applied = dict(sorted({**launch.env_applied, **portal}.items()))
+    launch.image = ImageSpec(image.name, image.reference, image.network)
+    indexes = dict(GPU.objects.filter(pk__in=job.gpu_uuids).values_list("pk", "index"))
+    try:
+        launch.gpu_minors = card_minors(job.gpu_uuids, indexes)
+    except ContainerError as exc:
+        raise JobSetupError(f"{exc} (on {socket.gethostname()})") from None
+    folders = [str(folder), *(str(root) for root in settings.JOB_ROOTS)]
+    launch.mounts = (*((path, True) for path in dict.fromkeys(folders)), (str(LAUNCHER.parent), False))
+    return launch
+
+
+def image_ready(launch: Launch, say: Callable[[str], None]) -> None:
+    """The launch's image on this host (pulled on its first use, saying so in the job's log);
+    JobSetupError saying what to do when it cannot be had."""
+    if launch.image is None:
+        return
+    account = launch.account if settings.CONTAINER_MODE == "rootless" else None
+    ok, why = runtime_status()
+    if not ok:
+        raise JobSetupError(f"Containers cannot run on {socket.gethostname()}: {why}")
+    try:
+        image_pull(launch.image.reference, lambda line: say(f"[portal] {line}"), account=account)
+    except ContainerError as exc:
+        raise JobSetupError(f"Image {launch.image.name}: {exc}") from None
 
 
 def _job_account(job: Job) -> pwd.struct_passwd | None:
@@ -131,12 +192,12 @@ def account_of(owner: AbstractBaseUser) -> pwd.struct_passwd | None:
     return account
 
 
-def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path, Path]:
-    """The script and the working directory. The job's own folder is made fresh where no job
-    can plant anything, with the upload in it (jobs/host/folders.py); a script path or working
-    directory the job chose is only checked here, by its text and where its links lead, and
-    is opened and entered by the job's own process alone, once it has dropped the worker's
-    privileges (portal.processes): the worker never writes, changes or enters it."""
+def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path, Path, Path]:
+    """The script, the working directory and the job's own folder. The job's own folder is made
+    fresh where no job can plant anything, with the upload in it (jobs/host/folders.py); a script
+    path or working directory the job chose is only checked here, by its text and where its links
+    lead, and is opened and entered by the job's own process alone, once it has dropped the
+    worker's privileges (portal.processes): the worker never writes, changes or enters it."""
     host = socket.gethostname()
     try:
         cwd = (
@@ -164,7 +225,7 @@ def _prepare_folders(job: Job, account: pwd.struct_passwd | None) -> tuple[Path,
         raise JobSetupError(f"The script {script} does not exist on {host}.")
     if cwd is not None and not cwd.is_dir():
         raise JobSetupError(f"The working directory {cwd} does not exist on {host}.")
-    return script, cwd or folder.path
+    return script, cwd or folder.path, folder.path
 
 
 def patiently(job_id: int, step: Callable[[], T]) -> T:

@@ -37,9 +37,9 @@ from gpus.models import Reservation
 from jobs.environment import JobSetupError
 from jobs.host.dcgm import job_name, work_ended, work_started
 from jobs.host.end import job_end_keep
-from jobs.host.executors import Run, RunEnd, RunOutput, RunSpec, executor_for
+from jobs.host.executors import Run, RunEnd, RunOutput, executor_for
 from jobs.host.executors.output import follow
-from jobs.host.launch import job_claim, launch_for, patiently
+from jobs.host.launch import image_ready, job_claim, launch_for, patiently
 from jobs.host.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
@@ -124,6 +124,7 @@ class Supervisor:
             )
         try:
             launch = launch_for(job)
+            image_ready(launch, self.writer.write_line)  # a first use pulls it, saying so in the log
         except JobSetupError as exc:
             self.writer.write_line(f"[portal] cannot start: {exc}")
             self._guarded(self.writer.close)
@@ -134,14 +135,13 @@ class Supervisor:
             self._guarded(self.writer.close)
             self._finish(Job.Status.CANCELLED, None, stopped)
             return
+        where = f" in image {launch.image.name}" if launch.image else ""
         self.writer.write_line(
-            f"[portal] job {job.pk} on {settings.WORKER_SERVER} ({socket.gethostname()}): "
+            f"[portal] job {job.pk} on {settings.WORKER_SERVER} ({socket.gethostname()}){where}: "
             f"{' '.join(launch.argv[3:])} in {launch.cwd}"
         )
         # As JOB_USER's account (launch.account): jobs run as one that cannot read the worker's secrets.
-        spec = RunSpec(
-            launch.argv, launch.env, launch.cwd, f"Job {job.pk}", launch.account, gpu_uuids=job.gpu_uuids
-        )
+        spec = launch.spec(f"Job {job.pk}", job.gpu_uuids)
         try:
             self.session = self.executor.start(spec)  # its identity, taken before anything can reap it
         except OSError as exc:

@@ -1,9 +1,10 @@
 """How work runs on a GPU host: one small interface (`Executor`), one handle (`Run`), one end
 (`RunEnd`), in the manner of Open OnDemand's `ood_core` job adapter. Jobs (jobs/host/runner.py) and
 JupyterLabs (jobs/host/lab.py) are run through it; what they run *in* is the executor's business:
-today a subprocess of the worker (`LocalProcess`, jobs/host/executors/local.py), later a container
-(issue 34). The queue, the watchdog and the pages never see an executor; the supervisors ask
-`executor_for` for one and keep their own deadlines, rows and logs.
+a subprocess of the worker (`LocalProcess`, jobs/host/executors/local.py), or a container for work
+in an image (`Podman`, jobs/host/executors/podman.py; issue 34). The queue, the watchdog and the
+pages never see an executor; the supervisors ask `executor_for` for one and keep their own
+deadlines, rows and logs.
 
 When each method is called, by a supervisor:
 
@@ -42,14 +43,33 @@ What a new executor must guarantee:
 
 from __future__ import annotations
 
+import re
+
+from django.conf import settings
+
 from jobs.host.executors.base import Executor, Run, RunEnd, RunOutput, RunSpec, Signalled
 from jobs.host.executors.local import LocalProcess
+from jobs.host.executors.podman import Podman
 
-__all__ = ["Executor", "LocalProcess", "Run", "RunEnd", "RunOutput", "RunSpec", "Signalled", "executor_for"]
+__all__ = [
+    "Executor",
+    "LocalProcess",
+    "Podman",
+    "Run",
+    "RunEnd",
+    "RunOutput",
+    "RunSpec",
+    "Signalled",
+    "executor_for",
+]
 
 
 def executor_for(work: object) -> Executor:
-    """The executor that runs `work` (a Job or an InteractiveSession): the local process runner
-    for everything today. The one place a second way to run (a job's image, issue 34) is chosen."""
-    del work  # every kind of work runs as a local process until a second executor exists
-    return LocalProcess()
+    """The executor that runs `work` (a Job or an InteractiveSession): a container (`Podman`,
+    named portal-<instance>-job-<id> or -session-<id>) when its image is set, else a local process.
+    The one place the way to run is chosen."""
+    if getattr(work, "image_id", None) is None:
+        return LocalProcess()
+    kind = "session" if type(work).__name__ == "InteractiveSession" else "job"
+    instance = re.sub(r"[^A-Za-z0-9_.-]", "-", settings.PORTAL_INSTANCE_ID)  # a container name's characters
+    return Podman(f"portal-{instance}-{kind}-{work.pk}")  # type: ignore[attr-defined]

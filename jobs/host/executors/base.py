@@ -43,6 +43,10 @@ class RunSpec:
     pass_fds: Sequence[int] = ()
     gpu_uuids: Sequence[str] = ()
     image: ImageSpec | None = None  # None: on the host (LocalProcess); else in it (a container executor)
+    # In an image only: the booked cards' /dev/nvidia<N> numbers (gpu_uuids' order), and the host
+    # folders it sees at their own paths, (path, writable): the job's folder, JOB_ROOTS, the launcher.
+    gpu_minors: Sequence[int] = ()
+    mounts: Sequence[tuple[str, bool]] = ()
 
 
 class RunOutput(Protocol):

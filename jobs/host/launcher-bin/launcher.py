@@ -237,7 +237,8 @@ def main(argv: list[str]) -> int:
 
     used = frameworks_used(source, configured_keras_backend())
     install_training_curves()
-    _say(f"{job} · {_apply(config, used)}")
+    image = os.environ.get("PORTAL_IMAGE")  # set by the worker for a job in a container image
+    _say(f"{job}{f' · in image {image}' if image else ''} · {_apply(config, used)}")
 
     try:
         # The path as given, not made absolute: run_path sets sys.argv[0] to it (so __file__ is relative

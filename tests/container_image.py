@@ -1,0 +1,121 @@
+"""What the container tests (tests/test_containers*.py) run in: a root filesystem built here from
+the host's own python3 and the libraries it loads (no registry is reachable from a test), built
+once per machine into the run's var base and shared by every xdist worker and later runs; and
+fake NVIDIA device nodes (mknod c 195 N: `open` answers ENXIO, as with no driver loaded).
+
+Where Podman cannot run containers here, the tier skips saying why, and fails on CI (CI=true),
+which installs podman, runc and uidmap (.ci/run).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOTFS_VERSION = "1"  # bump to rebuild every cached root filesystem
+# The run's var base (tests/isolation.py sets it): shared by its xdist workers and by later runs;
+# the bench's var folder otherwise (bench/bench_containers.py).
+_BASE = os.environ.get("PORTAL_TEST_VAR_BASE") or os.environ.get("PORTAL_VAR_DIR") or "var"
+ROOTFS = Path(_BASE).resolve() / f"container-rootfs-{ROOTFS_VERSION}"
+SKIPPED_IN_STDLIB = ("__pycache__", "test", "tests", "site-packages", "dist-packages", "idlelib", "tkinter")
+SKIPPED_IN_STDLIB += ("ensurepip", "turtledemo", "lib2to3", "pydoc_data")
+
+
+def need_containers() -> None:
+    """Skip (fail on CI) unless root-run Podman can start containers here."""
+    from jobs.host.containers import runtime_status
+
+    why = ""
+    if os.geteuid() != 0:
+        why = "the container tier runs root-run Podman and makes device nodes: it needs root"
+    else:
+        ok, detail = runtime_status()
+        why = "" if ok else detail
+    if not why:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the container tier, but {why}")
+    pytest.skip(f"no container runtime: {why}")
+
+
+def host_python() -> str:
+    """The system's python3 (the interpreter's own files, outside any venv)."""
+    found = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or sys.executable
+    return os.path.realpath(found)
+
+
+def rootfs() -> Path:
+    """The shared root filesystem, built under a lock the first time (about 2 s, 60 MB)."""
+    done = ROOTFS / ".complete"
+    if done.exists():
+        return ROOTFS
+    ROOTFS.parent.mkdir(parents=True, exist_ok=True)
+    with open(ROOTFS.parent / f".{ROOTFS.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(ROOTFS, ignore_errors=True)
+            _build(ROOTFS, host_python())
+            done.touch()
+    return ROOTFS
+
+
+def _build(dest: Path, python: str) -> None:
+    paths = subprocess.check_output(
+        [
+            python,
+            "-c",
+            "import sysconfig as s; p = s.get_paths(); print(p['stdlib']); print(p['platstdlib'])",
+        ],
+        text=True,
+    ).split()
+    _copy(dest, python)
+    for folder in dict.fromkeys(paths):
+        _copy(dest, folder)
+    libraries: set[str] = set()
+    shared = [python] + [str(p) for folder in paths for p in Path(folder).rglob("*.so")]
+    for binary in shared:
+        listed = subprocess.run(["ldd", binary], capture_output=True, text=True).stdout
+        libraries.update(word for word in listed.split() if word.startswith("/"))
+    for library in libraries:
+        real = os.path.realpath(library)
+        _copy(dest, real)
+        if real != library and not os.path.lexists(f"{dest}{library}"):
+            os.makedirs(os.path.dirname(f"{dest}{library}"), exist_ok=True)
+            os.symlink(real, f"{dest}{library}")
+    for folder in ("tmp", "dev", "proc", "sys", "etc", "run", "usr/bin", "var/tmp"):
+        (dest / folder).mkdir(parents=True, exist_ok=True)
+    (dest / "tmp").chmod(0o1777)
+    (dest / "var/tmp").chmod(0o1777)
+    if not (dest / "usr/bin/python3").exists():
+        (dest / "usr/bin/python3").symlink_to(python)
+    (dest / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (dest / "etc/group").write_text("root:x:0:\n")
+
+
+def _copy(dest: Path, source: str) -> None:
+    target = f"{dest}{source}"
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.isdir(source) and not os.path.islink(source):
+        ignore = shutil.ignore_patterns(*SKIPPED_IN_STDLIB)
+        shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True, ignore=ignore)
+    elif not os.path.lexists(target):
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def fake_gpu_nodes(folder: Path, count: int) -> Path:
+    """/dev/nvidia0..count-1, nvidiactl and nvidia-uvm as fake character nodes in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    nodes = {f"nvidia{n}": n for n in range(count)} | {"nvidiactl": 255}
+    for name, minor in nodes.items():
+        os.mknod(folder / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+        (folder / name).chmod(0o666)
+    os.mknod(folder / "nvidia-uvm", 0o666 | stat.S_IFCHR, os.makedev(511, 0))
+    (folder / "nvidia-uvm").chmod(0o666)
+    return folder
