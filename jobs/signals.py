@@ -43,6 +43,7 @@ from jobs.host.lab import lab_orphans_end
 from jobs.host.pickup import HostPickup
 from jobs.host.watchdog import HostWatchdog
 from jobs.host.worker import (
+    containers_leftovers_remove,
     containers_report,
     host_worker_check,
     kill_orphans,
@@ -96,12 +97,11 @@ class HostWorker:
 
     def start(self, pool_size: int) -> None:
         kill_orphans(self.server)
+        containers_leftovers_remove(self.server)  # after kill_orphans, before any job of this worker
         self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
         lab_orphans_end(self.server)
         # Off the start's path: asking the container runtime can take seconds (jobs.host.worker).
-        threading.Thread(
-            target=containers_report, args=[self.server], name="containers-report", daemon=True
-        ).start()
+        threading.Thread(target=self.report_containers, name="containers-report", daemon=True).start()
         start_thread(SpoolReplay())
         # The pool's size (solo: 1): jobs beyond it wait in Redis, and are no lost messages.
         start_thread(HostPickup(self.server, pool_size))

@@ -44,6 +44,7 @@ STATUS_CACHE_SECONDS = 300.0  # `podman info` costs ~0.1 s and a runtime check: 
 COMMAND_SECONDS = 60.0  # inspect, kill, rm: Podman's own steps, never the job
 LABEL_INSTANCE = "portal.instance"  # which portal started a container (a restarted worker's sweep)
 LABEL_WORK = "portal.work"  # "job-12", "session-3"
+LABEL_SERVER = "portal.server"  # the host's WORKER_SERVER: one machine may run two (a test's box1, box2)
 ARCHIVE_PREFIXES = ("oci-archive:", "docker-archive:")
 
 _status_lock = threading.Lock()
@@ -283,15 +284,20 @@ def _is_id(line: str) -> bool:
     return len(line) == 64 and all(c in "0123456789abcdef" for c in line)
 
 
-def leftovers_remove(account: pwd.struct_passwd | None = None, *, keep: Sequence[str] = ()) -> list[str]:
-    """Remove this portal's containers that no live run holds (`keep`: their names): what a worker
-    killed mid-job left (its runs are stopped already: the orphan sweep ends their processes by
-    the session the rows recorded). The names removed."""
+def leftovers_remove(
+    account: pwd.struct_passwd | None = None, *, keep: Sequence[str] = ()
+) -> list[tuple[str, str, str]]:
+    """Remove this portal's containers on this host that no live run holds (`keep`: their names):
+    what a worker killed mid-job left (the orphan sweep has ended what of them it could prove by
+    the session the rows recorded; `rm --force` ends the rest, a process that left the session
+    too). (name, its portal.work label: "job-12", its state: "running", "exited"...) of each removed."""
     done = podman(
         "ps", "-a", "--filter", f"label={LABEL_INSTANCE}={settings.PORTAL_INSTANCE_ID}",
-        "--format", "{{.Names}}", account=account,
+        "--filter", f"label={LABEL_SERVER}={settings.WORKER_SERVER}",
+        "--format", f'{{{{.Names}}}}\t{{{{index .Labels "{LABEL_WORK}"}}}}\t{{{{.State}}}}', account=account,
     )  # fmt: skip
-    names = [name for name in done.stdout.split() if name and name not in keep]
-    for name in names:
+    found = [tuple(line.split("\t")) for line in done.stdout.splitlines() if line.count("\t") == 2]
+    removed = [(name, work, state) for name, work, state in found if name not in keep]
+    for name, _work, _state in removed:
         podman("rm", "--force", "--ignore", "--time", "0", name, account=account)
-    return names
+    return removed  # type: ignore[return-value]

@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import shutil
 import signal
 import socket
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 import psutil
@@ -84,6 +86,29 @@ def containers_report(server: str) -> tuple[bool, str]:
         log.warning("Could not record whether containers work on %s (%s): %s", server, exc, detail)
     log.info("Containers on %s: %s", server, f"yes, {detail}" if ok else f"no: {detail}")
     return ok, detail
+
+
+def containers_leftovers_remove(server: str) -> list[str]:
+    """The containers of this portal and host that a killed worker left (stopped, or still holding
+    processes that kill_orphans could not prove: one that left the job's session), removed when
+    the worker starts: after kill_orphans (which ended, and said so, what it could prove a job's),
+    before the worker takes a job, so none of them is a live run's. A job's container that still
+    ran is said in its log, the audit log and to its owner. Nothing to do where Podman is absent."""
+    if shutil.which(settings.CONTAINER_PODMAN) is None:
+        return []
+    try:
+        removed = containers.leftovers_remove()
+    except containers.ContainerError as exc:
+        log.warning("Could not look for containers a previous worker of %s left: %s", server, exc)
+        return []
+    for name, work, state in removed:
+        log.warning("Removed container %s (%s, %s), left by the last worker of %s", name, work, state, server)
+        kind, _, pk = work.partition("-")
+        if kind == "job" and pk.isdigit() and state not in ("exited", "stopped", "created"):
+            job = Job.objects.filter(pk=int(pk)).select_related("owner").first()
+            if job is not None:
+                _record_left_running(job, f"its container {name}, still {state}")
+    return [name for name, _work, _state in removed]
 
 
 def kill_orphans(server: str) -> int:
@@ -182,9 +207,13 @@ def _in_session(proc: psutil.Process, sid: int, uid: int) -> bool:
 
 
 def _record_orphans_ended(job: Job, pids: list[int]) -> None:
+    _record_left_running(job, f"process(es) {', '.join(map(str, pids))}", pids)
+
+
+def _record_left_running(job: Job, what: str, pids: Sequence[int] = ()) -> None:
     """Nothing is killed silently: the job's log, the audit log and its owner are told."""
     why = (
-        f"Killed process(es) {', '.join(map(str, pids))} that job {job.pk} left running on"
+        f"Killed {what} that job {job.pk} left running on"
         f" {socket.gethostname()} when its worker died: nothing watched them any more."
     )
     log_append(job.pk, f"[portal] {why}")
@@ -194,7 +223,7 @@ def _record_orphans_ended(job: Job, pids: list[int]) -> None:
         action=AuditEntry.Action.JOB_CANCEL,
         target=f"job {job.pk}",
         message=why,
-        data={"job": job.pk, "pids": pids, "host": socket.gethostname()},
+        data={"job": job.pk, "pids": list(pids), "host": socket.gethostname()},
     )
     notification_send(
         user=job.owner,

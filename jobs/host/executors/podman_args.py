@@ -18,7 +18,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from jobs.host.containers import LABEL_INSTANCE, LABEL_WORK, ContainerError, local_name
+from jobs.host.containers import LABEL_INSTANCE, LABEL_SERVER, LABEL_WORK, ContainerError, local_name
 from jobs.host.executors.base import RunSpec
 
 # The control nodes every CUDA process opens besides its cards' (those the host has).
@@ -50,6 +50,7 @@ def run_argv(spec: RunSpec, container: str, folder: Path) -> list[str]:
         "run", "--rm", "--replace", "--name", container,  # --replace: a dead worker's leftover of this run
         "--label", f"{LABEL_INSTANCE}={settings.PORTAL_INSTANCE_ID}",
         "--label", f"{LABEL_WORK}={'-'.join(work[-2:])}",
+        "--label", f"{LABEL_SERVER}={settings.WORKER_SERVER}",
         "--init",  # catatonit: a session leader that hands signals on and reaps
         "--user", f"{uid}:{gid}",
         "--cap-drop", "all", "--security-opt", "no-new-privileges",
