@@ -14,6 +14,16 @@ from django.db import models
 from django.utils import timezone
 
 IMAGE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"  # also the API's lookup (gpus.api.ImageViewSet)
+# Where a host gets an image, one of three shapes; never anything Podman could read as an option
+# (a leading "-"), never blanks or control characters (it is one argument on Podman's command line).
+_PATH = r"/(?!.*(?:^|/)\.\.?(?:/|\Z))[A-Za-z0-9._@+=,:/-]*[A-Za-z0-9._@+=,-]"  # absolute, no . or .. parts
+IMAGE_REFERENCE = (
+    rf"^(?:{_PATH}"  # a root filesystem folder on the hosts
+    rf"|(?:oci-archive|docker-archive):{_PATH}"  # an archive file on the hosts
+    r"|(?!(?:oci|docker)-archive:)[A-Za-z0-9][A-Za-z0-9.-]*(?::[0-9]+)?"  # a registry (and port), or a name
+    r"(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"  # /repository/path
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?)\Z"  # :tag, @digest
+)
 
 
 class ContainerImageQuerySet(models.QuerySet):
@@ -40,6 +50,14 @@ class ContainerImage(models.Model):
     )
     reference = models.CharField(
         max_length=1000,
+        validators=[
+            RegexValidator(
+                IMAGE_REFERENCE,
+                "An OCI reference (registry.lab.example/tf:2.17), oci-archive:/path or docker-archive:/path "
+                "to a file on the hosts, or the absolute path of a root filesystem folder on the hosts; "
+                "no spaces, no leading '-', no '.' or '..' in a path.",
+            )
+        ],
         help_text=(
             "Where a host gets it: an OCI reference from the lab's registry "
             "(registry.lab.example/tf:2.17), an oci-archive:/docker-archive: file, or a root "

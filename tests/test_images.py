@@ -363,3 +363,26 @@ def test_a_hosts_worker_reports_its_containers_and_takes_its_pulls(start_worker,
     assert (sent.server, sent.queue, sent.error) == ("box1", "host.box1", "")
     pulled = wait_for(lambda: ImagePull.objects.filter(image=image).first(), timeout=60, what="the pull")
     assert pulled.server.name == "box1" and pulled.detail
+
+
+@pytest.mark.parametrize(
+    "reference",
+    # "relative/rootfs" would be a registry's repository (docker.io/relative/rootfs): taken as one
+    ["--privileged", "-v=/:/host", "tf 2.17", "/", "/srv/../etc", "/srv/x/", "oci-archive:x.tar", "a\nb"],
+)
+def test_a_reference_podman_could_take_for_an_option_or_two_arguments_is_refused(reference, db):
+    from django.core.exceptions import ValidationError
+
+    image = ContainerImage(name="bad", reference=reference)
+    with pytest.raises(ValidationError) as refused:
+        image.full_clean()
+    assert "reference" in refused.value.message_dict  # named, with the three shapes it may take
+    assert "oci-archive:/path" in refused.value.message_dict["reference"][0]
+
+
+@pytest.mark.parametrize(
+    "reference",
+    ["/srv/images/tf-2.17", "oci-archive:/srv/i/tf.tar", "nvcr.io/nvidia/tf:24.01-py3", "python:3.11"],
+)
+def test_the_three_shapes_of_reference_are_taken(reference, db):
+    ContainerImage(name="good", reference=reference).full_clean()

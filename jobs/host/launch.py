@@ -116,6 +116,11 @@ def in_image(launch: Launch, image: ContainerImage, job: Job, folder: Path) -> L
     """`launch` in `image`: the image's PATH unless the job sets its own, the booked cards named
     for the NVIDIA runtime's conventions too, the image's name for the launcher's line, and what
     the container sees of the host (the job's folder, JOB_ROOTS, the launcher read-only)."""
+    if launch.account is None and os.geteuid() == 0:
+        raise JobSetupError(
+            f"Jobs in container images never run as root, and this host's worker ({socket.gethostname()}) "
+            "runs as root with no JOB_USER: an admin sets JOB_USER (an account, or @owner) there."
+        )
     if "PATH" not in job.env:
         launch.env.pop("PATH", None)
     portal = {"NVIDIA_VISIBLE_DEVICES": ",".join(job.gpu_uuids) or "void", IMAGE_VAR: image.name}

@@ -220,6 +220,11 @@ def _apply(config: dict[str, Any], used: frozenset[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if os.environ.get("PORTAL_IMAGE"):
+        # In a container Podman's conmon relays stdout and stderr as two streams, which reorders
+        # lines printed to each in turn; one stream keeps them as printed, as on the host, where
+        # both are one pipe already.
+        os.dup2(1, 2)
     try:
         config, script = prepare(argv)
     except LaunchError as exc:
