@@ -135,7 +135,10 @@ class ChangesSeenMiddleware:
 
 
 def _is_page(path: str) -> bool:
-    return not path.startswith(("/api/", "/static/", "/events/")) and not path.endswith(("/events/", "/log/"))
+    """A portal page's path: not the API, static files, the streams, a log, or a lab's proxied files."""
+    if path.startswith(("/api/", "/static/", "/events/")) or path.endswith(("/events/", "/log/")):
+        return False
+    return "/lab/" not in path
 
 
 def change_publish(topic: str, *, server: int | None = None) -> None:
