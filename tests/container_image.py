@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pwd
 import shutil
 import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
-ROOTFS_VERSION = "1"  # bump to rebuild every cached root filesystem
+ROOTFS_VERSION = "1"
+ROOTLESS_ACCOUNT = "portal-ctest"  # the rootless tier's job account, made if absent
+# Its subordinate ids when useradd gave it none (an /etc/subuid that did not exist yet).
+ROOTLESS_SUBIDS = "1000000000-1000065535"  # bump to rebuild every cached root filesystem
 # The run's var base (tests/isolation.py sets it): shared by its xdist workers and by later runs;
 # the bench's var folder otherwise (bench/bench_containers.py).
 _BASE = os.environ.get("PORTAL_TEST_VAR_BASE") or os.environ.get("PORTAL_VAR_DIR") or "var"
@@ -28,21 +33,56 @@ SKIPPED_IN_STDLIB = ("__pycache__", "test", "tests", "site-packages", "dist-pack
 SKIPPED_IN_STDLIB += ("ensurepip", "turtledemo", "lib2to3", "pydoc_data")
 
 
-def need_containers() -> None:
-    """Skip (fail on CI) unless root-run Podman can start containers here."""
-    from jobs.host.containers import runtime_status
+def need_containers(account: pwd.struct_passwd | None = None) -> None:
+    """Skip (fail on CI) unless Podman can start containers here: root-run, or as `account`'s
+    own rootless Podman (with the settings' CONTAINER_MODE=rootless)."""
+    from jobs.host.containers import account_status, runtime_status
 
     why = ""
     if os.geteuid() != 0:
-        why = "the container tier runs root-run Podman and makes device nodes: it needs root"
+        why = "the container tier runs Podman as root or as a test account and makes device nodes: needs root"
     else:
         ok, detail = runtime_status()
+        if ok and account is not None:
+            ok, detail = account_status(account)
         why = "" if ok else detail
     if not why:
         return
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI must run the container tier, but {why}")
     pytest.skip(f"no container runtime: {why}")
+
+
+def rootless_account() -> pwd.struct_passwd:
+    """The rootless tier's job account (ROOTLESS_ACCOUNT), made with a home and subordinate ids
+    if absent; skipped (failed on CI) where it cannot be."""
+    from jobs.host.rootless import SUBID_FILES, subid_ranges
+
+    try:
+        account = pwd.getpwnam(ROOTLESS_ACCOUNT)
+    except KeyError:
+        if os.geteuid() != 0 or shutil.which("useradd") is None:
+            _cannot(f"no account {ROOTLESS_ACCOUNT}, and no useradd as root to make one")
+        subprocess.run(
+            ["useradd", "--create-home", "--shell", "/usr/sbin/nologin", ROOTLESS_ACCOUNT],
+            check=False, capture_output=True,
+        )  # fmt: skip
+        try:
+            account = pwd.getpwnam(ROOTLESS_ACCOUNT)
+        except KeyError:
+            _cannot(f"useradd could not make the account {ROOTLESS_ACCOUNT}")
+    if any(subid_ranges(account, path) == 0 for path in SUBID_FILES) and os.geteuid() == 0:
+        for path in SUBID_FILES:
+            Path(path).touch()
+        ids = ["--add-subuids", ROOTLESS_SUBIDS, "--add-subgids", ROOTLESS_SUBIDS]
+        subprocess.run(["usermod", *ids, ROOTLESS_ACCOUNT], check=False, capture_output=True)
+    return account
+
+
+def _cannot(why: str) -> NoReturn:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the rootless container tier, but {why}")
+    pytest.skip(f"no rootless containers: {why}")
 
 
 def host_python() -> str:

@@ -1,11 +1,15 @@
 """Jobs in container images (issue 34, docs/containers.md): the real runner (job_run) starts each
-job in a root filesystem built here (tests/container_image.py) with root-run Podman, as the job's
-account (JOB_USER=nobody), with fake GPU nodes. Skipped where Podman cannot run, failing on CI."""
+job in a root filesystem built here (tests/container_image.py), with fake GPU nodes, in both modes:
+root-run Podman as the job's account (JOB_USER=nobody), and the job account's own rootless Podman
+(a test account, made if absent). Skipped where Podman cannot run, failing on CI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pwd
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -20,10 +24,11 @@ from gpus.models import ContainerImage
 from gpus.procinfo import session_of
 from jobs.host.containers import leftovers_remove, podman
 from jobs.host.executors import Podman, executor_for
+from jobs.host.rootless import run_dir
 from jobs.host.runner import job_run
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
-from tests.container_image import fake_gpu_nodes, need_containers, rootfs
+from tests.container_image import ROOTLESS_ACCOUNT, fake_gpu_nodes, need_containers, rootfs, rootless_account
 from tests.job_helpers import job_log
 from tests.waiting import wait_for
 
@@ -65,12 +70,43 @@ time.sleep(120)
 """
 
 
+@pytest.fixture(scope="session")
+def _pause_process_ends() -> Iterator[None]:
+    """Rootless Podman keeps a pause process per runtime folder (its user namespace): this test
+    process's ends with it, and the folder goes."""
+    yield
+    folder = run_dir(pwd.getpwnam(ROOTLESS_ACCOUNT))
+    with contextlib.suppress(OSError, ValueError, psutil.Error):
+        pause = psutil.Process(int((folder / "libpod/tmp/pause.pid").read_text()))
+        if pause.uids().real == pwd.getpwnam(ROOTLESS_ACCOUNT).pw_uid and "catatonit" in pause.name():
+            pause.kill()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(params=["root", "rootless"])
+def account(request, settings) -> pwd.struct_passwd:
+    """Each test in both modes: root-run Podman with --user (JOB_USER=nobody), and the job account's
+    own rootless Podman (a test account, tests/container_image.py)."""
+    settings.CONTAINER_MODE = request.param
+    if request.param == "rootless":
+        request.getfixturevalue("_pause_process_ends")
+    found = pwd.getpwnam("nobody") if request.param == "root" else rootless_account()
+    settings.JOB_USER = found.pw_name
+    need_containers(found if request.param == "rootless" else None)
+    return found
+
+
 @pytest.fixture
-def image(db) -> Iterator[ContainerImage]:
-    need_containers()
+def podman_of(account, settings) -> pwd.struct_passwd | None:
+    """Whose Podman holds the containers: None (root's) in root mode, else the account's."""
+    return account if settings.CONTAINER_MODE == "rootless" else None
+
+
+@pytest.fixture
+def image(db, podman_of) -> Iterator[ContainerImage]:
     yield ContainerImage.objects.create(name="pyimg", reference=str(rootfs()))
     # A test that failed half-way (its job's thread left behind) leaves no container either.
-    assert leftovers_remove() == [], "a container of this test was left behind"
+    assert leftovers_remove(podman_of) == [], "a container of this test was left behind"
 
 
 @pytest.fixture
@@ -79,8 +115,8 @@ def in_image(alice, box, settings, tmp_path, image):
     settings.JOB_KILL_GRACE_SECONDS = 1
     settings.JOB_HEARTBEAT_SECONDS = 1
     settings.JOB_DRAIN_SECONDS = 1
-    settings.JOB_USER = "nobody"
-    settings.CONTAINER_DEVICE_DIR = str(fake_gpu_nodes(tmp_path / "dev", 4))
+    # Where the job's account can reach them (rootless Podman mounts them as that account).
+    settings.CONTAINER_DEVICE_DIR = str(fake_gpu_nodes(Path(settings.VAR_DIR) / "dev" / tmp_path.name, 4))
     settings.CONTAINER_CDI_DIRS = [str(tmp_path / "no-cdi")]
 
     def submit(source: str, cards: tuple[int, ...] = (0,), env: dict | None = None) -> Job:
@@ -101,9 +137,23 @@ def _in_thread(job_id: int) -> tuple[threading.Thread, list[str | None]]:
     return thread, outcome
 
 
-def _containers(job: Job) -> list[str]:
+def _containers(job: Job, account: pwd.struct_passwd | None) -> list[str]:
+    """The job's container in `account`'s `podman ps -a` (root's: None)."""
     name = executor_for(job).container  # type: ignore[attr-defined]
-    return podman("ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Names}}").stdout.split()
+    found = podman("ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Names}}", account=account)
+    return found.stdout.split()
+
+
+def _mounts_of(container_id: str) -> list[str]:
+    """Mounts that name the container, in any process's mount namespace (rootless Podman's are
+    in its own, held by its pause process)."""
+    found = []
+    for mountinfo in Path("/proc").glob("[0-9]*/mountinfo"):
+        try:
+            found += [line for line in mountinfo.read_text().splitlines() if container_id in line]
+        except OSError:
+            continue  # a process gone meanwhile
+    return found
 
 
 def test_executor_for_picks_podman_for_work_in_an_image(in_image):
@@ -112,13 +162,15 @@ def test_executor_for_picks_podman_for_work_in_an_image(in_image):
     assert executor_for(job).container.endswith(f"-job-{job.pk}")  # type: ignore[attr-defined]
 
 
-def test_it_runs_in_the_image_as_the_jobs_account_with_only_the_booked_cards(in_image, box):
+def test_it_runs_in_the_image_as_the_jobs_account_with_only_the_booked_cards(
+    in_image, box, account, podman_of
+):
     job = in_image(SHOW, cards=(1, 3), env={"MY_SETTING": "x=1 y"})
     assert job_run(job.pk) == Job.Status.SUCCEEDED, job_log(job.pk)
     log = job_log(job.pk)
     found = json.loads(log.split("FOUND ", 1)[1].splitlines()[0])
     assert "in image pyimg" in log.split("[portal] launcher:", 1)[1].splitlines()[0]
-    assert (found["uid"], found["gid"]) == (65534, 65534)
+    assert (found["uid"], found["gid"]) == (account.pw_uid, account.pw_gid)
     nvidia = [name for name in found["dev"] if name.startswith("nvidia")]
     assert nvidia == ["nvidia-uvm", "nvidia1", "nvidia3", "nvidiactl"], found["dev"]
     assert found["errors"]["nvidia1"] == 6  # ENXIO: the node itself, no driver behind it
@@ -129,8 +181,8 @@ def test_it_runs_in_the_image_as_the_jobs_account_with_only_the_booked_cards(in_
     assert "DATABASE_URL" not in env and "SECRET_KEY" not in env
     assert found["python"] == "/usr/bin/python3" or found["python"].startswith("/usr")
     written = Path(found["cwd"]) / "written-inside"
-    assert written.read_text() == "hello" and written.stat().st_uid == 65534  # the job's folder, at its path
-    assert _containers(job) == []
+    assert written.read_text() == "hello" and written.stat().st_uid == account.pw_uid  # the job's folder
+    assert _containers(job, podman_of) == []
 
 
 def test_lines_stream_as_printed_and_the_exit_code_passes_through(in_image):
@@ -147,7 +199,7 @@ def test_lines_stream_as_printed_and_the_exit_code_passes_through(in_image):
     assert job.message == "Exited with code 3."
 
 
-def test_the_containers_host_pids_are_attributed_to_the_job(in_image):
+def test_the_containers_host_pids_are_attributed_to_the_job(in_image, account):
     job = in_image(DEAF_TREE)
     thread, _ = _in_thread(job.pk)
     wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job's tree")
@@ -158,24 +210,30 @@ def test_the_containers_host_pids_are_attributed_to_the_job(in_image):
     inside = init.children(recursive=True)
     in_session = [p for p in inside if session_of(p.pid) == job.pid]
     assert len(in_session) >= 2, [p.cmdline() for p in inside]  # the launcher and its child
-    assert all(p.uids().real == 65534 for p in inside)
+    assert all(p.uids().real == account.pw_uid for p in inside)
     Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now())
     thread.join(60)
 
 
-def test_cancel_leaves_nothing_of_a_sigterm_ignoring_tree_with_a_detached_grandchild(in_image, alice):
+def test_cancel_leaves_nothing_of_a_sigterm_ignoring_tree_with_a_detached_grandchild(
+    in_image, alice, podman_of
+):
     job = in_image(DEAF_TREE)
     thread, outcome = _in_thread(job.pk)
     wait_for(lambda: "ready True" in job_log(job.pk), timeout=30, what="the job's tree")
     job.refresh_from_db()
     tree = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
     assert any(session_of(p.pid) == p.pid for p in tree[1:]), "no detached grandchild"
+    name = executor_for(job).container  # type: ignore[attr-defined]
+    container_id = podman("inspect", "--format", "{{.Id}}", name, account=podman_of).stdout.strip()
+    assert _mounts_of(container_id), "the running container's mounts were not found"
     Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
     thread.join(60)
     job.refresh_from_db()
     assert (outcome, job.message) == ([Job.Status.CANCELLED], "Cancelled by alice.")
     assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert _containers(job) == []
+    assert _containers(job, podman_of) == []
+    assert _mounts_of(container_id) == []
     assert "SIGKILL" in job_log(job.pk)
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import pynvml
 from django.conf import settings
 
+from jobs.host import rootless
+
 # Podman 4.3 on Debian 12 (docs/containers.md, "Install"): crun 1.8 refuses the hybrid cgroup
 # layout, and Podman's default ulimits are above the hard limits a worker without
 # CAP_SYS_RESOURCE may set; no journald on every host, so events go to a file.
@@ -47,8 +49,9 @@ LABEL_WORK = "portal.work"  # "job-12", "session-3"
 LABEL_SERVER = "portal.server"  # the host's WORKER_SERVER: one machine may run two (a test's box1, box2)
 ARCHIVE_PREFIXES = ("oci-archive:", "docker-archive:")
 
-_status_lock = threading.Lock()
-_status: tuple[float, tuple[bool, str]] | None = None
+_status_lock = threading.RLock()  # runtime_status asks account_status under it
+_status: tuple[str, float, tuple[bool, str]] | None = None
+_accounts: dict[int, tuple[float, tuple[bool, str]]] = {}  # rootless: per uid
 
 
 class ContainerError(Exception):
@@ -74,20 +77,36 @@ def containers_conf() -> Path:
 
 def podman_env(account: pwd.struct_passwd | None = None) -> dict[str, str]:
     """Podman's own environment: the portal's containers.conf, and (rootless) the account's home
-    and runtime folder, where its storage and its containers' state live."""
+    and the runtime folder the portal keeps for it (jobs.host.rootless.run_dir)."""
     env = {"PATH": PATH_FOR_PODMAN, "LANG": "C.UTF-8", "CONTAINERS_CONF": str(containers_conf())}
     if account is None:
         env["HOME"] = os.environ.get("HOME", "/root")
         return env
-    runtime = Path(f"/run/user/{account.pw_uid}")
     env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
-    if runtime.is_dir() and runtime.stat().st_uid == account.pw_uid:
-        env["XDG_RUNTIME_DIR"] = str(runtime)
+    env["XDG_RUNTIME_DIR"] = str(_account_folder(rootless.run_dir, account))
     return env
 
 
-def podman_command(*args: str) -> list[str]:
-    return [settings.CONTAINER_PODMAN, *args]
+def _account_folder(which: Callable[[pwd.struct_passwd], Path], account: pwd.struct_passwd) -> Path:
+    """One of the folders the portal keeps for the account (rootless.storage_dir, run_dir), made
+    if missing; ContainerError saying which when it cannot be."""
+    try:
+        return which(account)
+    except (rootless.AccountError, OSError) as exc:
+        raise ContainerError(
+            f"Could not prepare {account.pw_name}'s folder for rootless Podman on"
+            f" {socket.gethostname()}: {exc}"
+        ) from None
+
+
+def podman_command(*args: str, account: pwd.struct_passwd | None = None) -> list[str]:
+    """The podman command line; as `account` (rootless mode), in the storage the portal keeps for
+    it, with the overlay driver (vfs, Podman's rootless default here, costs 3.5-5 s a start), and
+    without the warnings rootless Podman prints on every run (they would land in the job's log)."""
+    if account is None:
+        return [settings.CONTAINER_PODMAN, *args]
+    storage = ["--root", str(_account_folder(rootless.storage_dir, account)), "--storage-driver", "overlay"]
+    return [settings.CONTAINER_PODMAN, *storage, "--log-level", "error", *args]
 
 
 def podman(
@@ -97,16 +116,14 @@ def podman(
     ContainerError when Podman cannot be run at all or does not answer in `timeout`."""
     try:
         return subprocess.run(
-            podman_command(*args),
+            podman_command(*args, account=account),
             env=podman_env(account),
             capture_output=True,
             text=True,
             timeout=timeout,
             stdin=subprocess.DEVNULL,
             cwd="/",
-            user=account.pw_uid if account is not None else None,
-            group=account.pw_gid if account is not None else None,
-            extra_groups=[] if account is not None else None,
+            **rootless.as_account(account),  # type: ignore[arg-type]
         )
     except FileNotFoundError:
         raise ContainerError(_not_installed()) from None
@@ -125,13 +142,15 @@ def _not_installed() -> str:
 
 def runtime_status() -> tuple[bool, str]:
     """Whether containers can run on this host, and what was found (Podman's version, its runtime
-    and storage, the mode), or what is missing and how to get it; cached STATUS_CACHE_SECONDS."""
+    and storage, the mode), or what is missing and how to get it; cached STATUS_CACHE_SECONDS
+    (per mode and JOB_USER, what the answer depends on)."""
     global _status
+    key = f"{settings.CONTAINER_MODE} {settings.JOB_USER} {settings.CONTAINER_PODMAN}"
     with _status_lock:
-        if _status is not None and time.monotonic() - _status[0] < STATUS_CACHE_SECONDS:
-            return _status[1]
+        if _status is not None and _status[0] == key and time.monotonic() - _status[1] < STATUS_CACHE_SECONDS:
+            return _status[2]
         found = _runtime_check()
-        _status = (time.monotonic(), found)
+        _status = (key, time.monotonic(), found)
         return found
 
 
@@ -140,33 +159,75 @@ def _runtime_check() -> tuple[bool, str]:
     if shutil.which(settings.CONTAINER_PODMAN) is None:
         return False, _not_installed()
     mode = settings.CONTAINER_MODE
-    if mode == "rootless":
-        return (
-            False,
-            "CONTAINER_MODE=rootless is not supported yet: set CONTAINER_MODE=root (docs/containers.md).",
-        )
     if os.geteuid() != 0:
         return False, (
-            f"CONTAINER_MODE=root needs the worker on {host} to run as root (it runs as uid"
+            f"CONTAINER_MODE={mode} needs the worker on {host} to run as root (it runs as uid"
             f" {os.geteuid()}; docs/containers.md)."
         )
+    if mode == "root":
+        return _info_check(None)
+    if not settings.JOB_USER:
+        return (
+            False,
+            "CONTAINER_MODE=rootless needs JOB_USER (an account, or @owner): set it (docs/containers.md).",
+        )
+    missing = [
+        name for name in ("newuidmap", "newgidmap") if shutil.which(name, path=PATH_FOR_PODMAN) is None
+    ]
+    if missing:
+        return (
+            False,
+            f"{' and '.join(missing)} missing on {host}: an admin installs uidmap (apt install uidmap).",
+        )
+    if settings.JOB_USER == "@owner":
+        ok, detail = _info_check(None)
+        return ok, (f"{detail}: each owner's account is checked at its job's start" if ok else detail)
     try:
-        done = podman("info", "--format", "json")
+        account = pwd.getpwnam(settings.JOB_USER)
+    except KeyError:
+        return False, f"JOB_USER {settings.JOB_USER} is not an account on {host}."
+    return account_status(account)
+
+
+def account_status(account: pwd.struct_passwd) -> tuple[bool, str]:
+    """Whether `account` can run rootless containers here (its subordinate ids, its Podman
+    answering in the portal's storage), or what an admin does; cached STATUS_CACHE_SECONDS."""
+    with _status_lock:
+        cached = _accounts.get(account.pw_uid)
+        if cached is not None and time.monotonic() - cached[0] < STATUS_CACHE_SECONDS:
+            return cached[1]
+    try:
+        rootless.account_check(account)
+    except rootless.AccountError as exc:
+        found = (False, str(exc))
+    else:
+        found = _info_check(account)
+    with _status_lock:
+        _accounts[account.pw_uid] = (time.monotonic(), found)
+    return found
+
+
+def _info_check(account: pwd.struct_passwd | None) -> tuple[bool, str]:
+    """`podman info` (as `account`, rootless): Podman's version, runc, the storage driver."""
+    host = socket.gethostname()
+    whose = f" as {account.pw_name}" if account is not None else ""
+    try:
+        done = podman("info", "--format", "json", account=account)
     except ContainerError as exc:
         return False, str(exc)
     if done.returncode != 0:
-        return False, f"podman info failed on {host}: {_last_line(done.stderr)}"
+        return False, f"podman info{whose} failed on {host}: {_last_line(done.stderr)}"
     try:
         info = json.loads(done.stdout)
         runtime = info["host"]["ociRuntime"]
         version = info["version"]["Version"]
         driver = info["store"]["graphDriverName"]
     except (ValueError, KeyError, TypeError):
-        return False, f"podman info on {host} answered something unexpected: {done.stdout[:200]!r}"
+        return False, f"podman info{whose} on {host} answered something unexpected: {done.stdout[:200]!r}"
     if runtime.get("name") != "runc" or not Path(runtime.get("path") or "/nonexistent").exists():
         return False, f"podman on {host} has no runc (found {runtime.get('name')!r}): apt install runc."
     runc = str(runtime.get("version", "")).splitlines()[0] if runtime.get("version") else "runc"
-    return True, f"podman {version}, {runc}, {driver} storage, {mode} mode"
+    return True, f"podman {version}, {runc}, {driver} storage, {settings.CONTAINER_MODE} mode{whose}"
 
 
 def _last_line(text: str) -> str:
@@ -197,12 +258,17 @@ def card_minors(uuids: Sequence[str], indexes: Mapping[str, int]) -> tuple[int, 
     return tuple(indexes[uuid] for uuid in uuids)
 
 
-def local_name(reference: str) -> str:
+def local_name(reference: str, account: pwd.struct_passwd | None = None) -> str:
     """What `podman run` is given for `reference`: a registry reference as is; an archive, the
-    local name its pull tags it with (an archive has no name of its own to run by)."""
+    local name its pull tags it with (an archive has no name of its own to run by); a root
+    filesystem folder in rootless mode, the name its import into the account's storage got
+    (`import_folder`)."""
     if reference.startswith(ARCHIVE_PREFIXES):
         digest = hashlib.sha256(reference.encode()).hexdigest()[:16]
         return f"localhost/portal-archive-{digest}:latest"
+    if reference.startswith("/") and account is not None:
+        digest = hashlib.sha256(reference.encode()).hexdigest()[:16]
+        return f"localhost/portal-rootfs-{digest}:latest"
     return reference
 
 
@@ -211,16 +277,16 @@ def image_pull(
 ) -> None:
     """Get `reference` onto this host (cached: a second call is quick), saying its progress in
     lines ("pulling tf-2.17: 1.2 / 4.8 GB"); ContainerError when it cannot. A root filesystem
-    folder needs no pull, only to be there. `account`: whose storage (rootless mode)."""
+    folder needs no pull in root mode, only to be there. `account`: whose storage (rootless)."""
     host = socket.gethostname()
-    if reference.startswith("/"):
-        if not Path(reference).is_dir():
-            raise ContainerError(
-                f"The image's root filesystem {reference} is not on {host}: an admin copies it there,"
-                " or takes this server off the image's servers."
-            )
+    if reference.startswith("/") and not Path(reference).is_dir():
+        raise ContainerError(
+            f"The image's root filesystem {reference} is not on {host}: an admin copies it there,"
+            " or takes this server off the image's servers."
+        )
+    if reference.startswith("/") and account is None:
         return
-    name = local_name(reference)
+    name = local_name(reference, account)
     if podman("image", "exists", name, account=account).returncode == 0:
         return
     if reference.startswith(ARCHIVE_PREFIXES):
@@ -229,7 +295,11 @@ def image_pull(
             raise ContainerError(f"The image archive {path} is not on {host}: an admin copies it there.")
         say(f"pulling {reference}: loading {path.stat().st_size / 1e6:.0f} MB")
     started = time.monotonic()
-    image_id = _pull(reference, say, account)
+    if reference.startswith("/"):
+        assert account is not None
+        image_id = import_folder(reference, name, say, account)
+    else:
+        image_id = _pull(reference, say, account)
     if name != reference and podman("tag", image_id, name, account=account).returncode != 0:
         raise ContainerError(f"Could not name the image loaded from {reference} on {host} ({name}).")
     size = podman("image", "inspect", "--format", "{{.Size}}", name, account=account).stdout.strip()
@@ -237,9 +307,45 @@ def image_pull(
     say(f"pulled {reference} in {time.monotonic() - started:.1f} s{shown}")
 
 
+def import_folder(folder: str, name: str, say: Callable[[str], None], account: pwd.struct_passwd) -> str:
+    """A root filesystem folder as an image in the account's storage (rootless mode), its id.
+
+    Rootless Podman cannot run the folder itself (`--rootfs`): its files are root's, which the
+    account's user namespace does not map, so Podman could create none of the mount points it
+    needs (/etc/hostname, /run/.containerenv, a job folder's path). Imported, the files belong to
+    the namespace's root, as any image's do. The worker (root) reads the folder; the account's
+    Podman only reads the stream."""
+    say(f"pulling {folder}: importing the folder into {account.pw_name}'s image storage")
+    tar = subprocess.Popen(
+        ["tar", "-C", folder, "--numeric-owner", "-cf", "-", "."],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
+    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            podman_command("import", "--quiet", "-", name, account=account),
+            env=podman_env(account), stdin=tar.stdout, capture_output=True, text=True, cwd="/",
+            timeout=settings.CONTAINER_PULL_SECONDS, **rootless.as_account(account),  # type: ignore[arg-type]
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise ContainerError(
+            f"Importing {folder} took longer than CONTAINER_PULL_SECONDS"
+            f" ({settings.CONTAINER_PULL_SECONDS} s)."
+        ) from None
+    finally:
+        assert tar.stdout is not None
+        tar.stdout.close()
+        tar_error = tar.communicate()[1].decode(errors="replace") if tar.wait(60) else ""
+    if done.returncode != 0 or tar.returncode != 0:
+        why = _last_line(done.stderr) if done.returncode != 0 else _last_line(tar_error)
+        raise ContainerError(
+            f"Could not import {folder} for {account.pw_name} on {socket.gethostname()}: {why}"
+        )
+    return done.stdout.strip().removeprefix("sha256:")
+
+
 def _pull(reference: str, say: Callable[[str], None], account: pwd.struct_passwd | None) -> str:
     """`podman pull`, its lines said as they come; the image's id."""
-    argv = podman_command("pull", reference)
+    argv = podman_command("pull", reference, account=account)
     try:
         proc = subprocess.Popen(
             argv,
@@ -250,9 +356,7 @@ def _pull(reference: str, say: Callable[[str], None], account: pwd.struct_passwd
             text=True,
             cwd="/",
             start_new_session=True,
-            user=account.pw_uid if account is not None else None,
-            group=account.pw_gid if account is not None else None,
-            extra_groups=[] if account is not None else None,
+            **rootless.as_account(account),  # type: ignore[arg-type]
         )
     except FileNotFoundError:
         raise ContainerError(_not_installed()) from None

@@ -7,8 +7,11 @@ the pair's last pull (gpus.models.ImagePull, shown in the admin) and in the work
 from __future__ import annotations
 
 import logging
+import pwd
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from django.conf import settings
 
 from gpus.images import image_pull_record
 from gpus.models import ContainerImage, Server
@@ -43,7 +46,7 @@ def _pull(server: Server, image: ContainerImage) -> Pulled:
         said[:] = [*said[-(SAID_MAX - 1) :], line]
 
     try:
-        containers.image_pull(image.reference, say)
+        containers.image_pull(image.reference, say, account=_pulling_account())
     except containers.ContainerError as exc:
         ok, detail = False, str(exc)
     except Exception as exc:  # a bug or fault in one pull: recorded, and the next image goes on
@@ -57,3 +60,21 @@ def _pull(server: Server, image: ContainerImage) -> Pulled:
         log.warning("Could not pull %s on %s: %s", image.name, server.name, detail)
     image_pull_record(image=image, server=server, ok=ok, detail=detail)
     return Pulled(image.name, ok, detail)
+
+
+def _pulling_account() -> pwd.struct_passwd | None:
+    """Whose storage a pre-pull fills: root's in root mode (every job's); in rootless mode
+    JOB_USER's, the one account every job runs as. With JOB_USER=@owner each owner's account
+    has storage of its own, pulled into at its first job there: ContainerError (said as the
+    pull's outcome)."""
+    if settings.CONTAINER_MODE != "rootless":
+        return None
+    if settings.JOB_USER in ("", "@owner"):
+        raise containers.ContainerError(
+            "CONTAINER_MODE=rootless with JOB_USER=@owner: each account keeps its own images, pulled"
+            " at its first job on this server; nothing to pre-pull."
+        )
+    try:
+        return pwd.getpwnam(settings.JOB_USER)
+    except KeyError:
+        raise containers.ContainerError(f"JOB_USER {settings.JOB_USER} is not an account here.") from None

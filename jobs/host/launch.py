@@ -26,7 +26,7 @@ from django.utils import timezone
 from gpus.models import GPU, Allocation, ContainerImage
 from jobs import paths
 from jobs.environment import BookedCard, JobSetupError, job_environment
-from jobs.host.containers import ContainerError, card_minors, image_pull, runtime_status
+from jobs.host.containers import ContainerError, account_status, card_minors, image_pull, runtime_status
 from jobs.host.executors.base import ImageSpec, RunSpec
 from jobs.host.folders import JobFolderError, job_folder_make
 from jobs.host.spool import worker_stopping
@@ -144,6 +144,8 @@ def image_ready(launch: Launch, say: Callable[[str], None]) -> None:
         return
     account = launch.account if settings.CONTAINER_MODE == "rootless" else None
     ok, why = runtime_status()
+    if ok and account is not None:  # rootless: this account's ranges and Podman, not only the host's
+        ok, why = account_status(account)
     if not ok:
         raise JobSetupError(f"Containers cannot run on {socket.gethostname()}: {why}")
     try:

@@ -84,7 +84,7 @@ class SessionStartSerializer(serializers.Serializer):
         required=False,
         allow_blank=True,
         allow_null=True,
-        help_text="jupyterlab: run it in this container image (GET /api/v1/images/); empty: on the host.",
+        help_text="Not yet: a lab runs on the host, and an image is refused (400 naming `image`).",
     )
 
 

@@ -35,7 +35,6 @@ from django.utils import timezone
 from gpus.hooks import Work
 from gpus.models import Allocation, ContainerImage, Reservation, Server
 from jobs.environment import BookedCard, JobSetupError, session_environment
-from jobs.images import image_check
 from jobs.models import InteractiveSession, Job
 from jobs.runs import LOST_FOUND_ALIVE, session_is_lost, session_lost_stop
 from jobs.sending import HostSender
@@ -96,7 +95,7 @@ def session_start(
             field="reservation",
         )
     server = allocations[0].gpu.server
-    chosen = _check_image(image, server, lab=lab)
+    chosen = _check_image(image, lab=lab)
     session = InteractiveSession.objects.create(
         owner=user,
         reservation=booking,
@@ -131,15 +130,23 @@ LAB_RESEND_SECONDS = 30  # a lab no worker took this long after its message: sen
 _send = HostSender(run_session, "session", log)  # after a failure the reconciler sends it again (labs_resend)
 
 
-def _check_image(image: str | None, server: Server, *, lab: bool) -> ContainerImage | None:
-    """A lab's container image, which its server can run (jobs.images.image_check); a terminal
-    session runs on the host, in the caller's own shell."""
-    if image and not lab:
+def _check_image(image: str | None, *, lab: bool) -> ContainerImage | None:
+    """No image for a session: a terminal session runs in the caller's own shell, and the hosts
+    cannot run JupyterLab in a container yet (jobs.host.lab refuses one; the lab's socket and its
+    proxy are not carried into a container). Refused here, before anything is written, so the
+    page and the API never offer what the host would fail."""
+    if not image:
+        return None
+    if lab:
         raise Invalid(
-            "An image is for JupyterLab sessions (and jobs): gpu exec and gpu shell run on the host.",
+            f"JupyterLab cannot run in a container image yet (image {image!r}): open it without"
+            " `image` (on the host), or run your work in the image as a job (gpu run --image).",
             field="image",
         )
-    return image_check(image, server, fix="open JupyterLab on a booking of")
+    raise Invalid(
+        "An image is for jobs: gpu exec and gpu shell run on the host.",
+        field="image",
+    )
 
 
 def _check_command(command: Sequence[str]) -> list[str]:
@@ -384,14 +391,10 @@ def booking_sessions_context(context: Context) -> dict[str, Any]:
 
 
 def lab_images_context(context: Context) -> dict[str, Any]:
-    """The Run buttons' (portal.hooks.RESERVATION_ACTIONS) images for "Open JupyterLab" on an
-    active booking `r`: those its server can run now (none asked for any other booking)."""
-    booking = context["r"]
-    if booking.status != Reservation.Status.ACTIVE:
-        return {"lab_images": []}
-    server = Server.objects.filter(gpus__allocations__reservation=booking).first()
-    images = ContainerImage.objects.runnable(server) if server is not None else ContainerImage.objects.none()
-    return {"lab_images": list(images)}
+    """The Run buttons' (portal.hooks.RESERVATION_ACTIONS) images for "Open JupyterLab": none,
+    while the hosts cannot run a lab in an image (_check_image); the template offers a choice
+    again once this lists ContainerImage.objects.runnable(server) for an active booking `r`."""
+    return {"lab_images": []}
 
 
 def sessions_by_session(sessions: Mapping[int, Iterable[int]]) -> dict[tuple[int, int], int]:

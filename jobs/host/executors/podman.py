@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,7 @@ from pathlib import Path
 import psutil
 from django.conf import settings
 
+from jobs.host import rootless
 from jobs.host.containers import ContainerError, podman, podman_command, podman_env
 from jobs.host.executors.base import Run, RunEnd, RunSpec, Signalled
 from jobs.host.executors.output import PipeOutput
@@ -60,6 +62,9 @@ class PodmanRun(Run):
     container: str = field(kw_only=True)
     container_id: str = field(kw_only=True, default="")
     folder: Path | None = field(kw_only=True, default=None, repr=False)  # its environment, cid, conmon's pid
+    account: pwd.struct_passwd | None = field(
+        kw_only=True, default=None, repr=False
+    )  # whose Podman (rootless)
     sent: set[int] = field(kw_only=True, default_factory=set)  # what 128+N from podman may mean
     collected: bool = field(kw_only=True, default=False)
 
@@ -77,27 +82,30 @@ class Podman:
         start it (the message says why and what to do)."""
         if spec.image is None:
             raise OSError(f"{spec.name} has no image: it runs on the host (LocalProcess)")
+        account = _podman_account(spec)
         try:
-            folder = _run_folder(self.container, spec.env)
-            argv = run_argv(spec, self.container, folder)
+            folder = _run_folder(self.container, spec.env, account)
+            argv = run_argv(spec, self.container, folder, rootless=account is not None)
+            command, env = podman_command(*argv, account=account), podman_env(account)
         except ContainerError as exc:
             raise OSError(str(exc)) from None
         proc = subprocess.Popen(
-            podman_command(*argv),
+            command,
             cwd="/",
-            env=podman_env(),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # Podman's own errors land in the job's log, with its output
             start_new_session=True,  # never in the worker's group: a signal to it misses the client
             close_fds=True,
             preexec_fn=die_with_parent(signal.SIGKILL),
+            **rootless.as_account(account),  # type: ignore[arg-type]
         )
         assert proc.stdout is not None
         output = PipeOutput(proc.stdout, tick=self.tick)
         run = PodmanRun(
             spec.name, ProcessId(proc.pid, started_at(proc.pid) or -1.0), proc.pid, output,
-            proc=proc, container=self.container, folder=folder,
+            proc=proc, container=self.container, folder=folder, account=account,
         )  # fmt: skip
         self._find_init(run)
         return run
@@ -117,17 +125,19 @@ class Podman:
                 run.sid = run.leader.pid
                 return
             if time.monotonic() > give_up:
-                podman("rm", "--force", "--ignore", "--time", "0", run.container)
+                podman("rm", "--force", "--ignore", "--time", "0", run.container, account=run.account)
                 run.proc.kill()
                 limit = settings.CONTAINER_START_SECONDS
                 raise OSError(f"the container did not start in CONTAINER_START_SECONDS ({limit} s)")
             time.sleep(INSPECT_PAUSE_SECONDS)
 
     @staticmethod
-    def _inspect(name: str) -> tuple[str, int] | None:
+    def _inspect(name: str, account: pwd.struct_passwd | None) -> tuple[str, int] | None:
         """(id, host pid of its init; 0 when not running) of the container named `name`; None: none."""
         try:
-            done = podman("inspect", "--type", "container", "--format", "{{.Id}} {{.State.Pid}}", name)
+            done = podman(
+                "inspect", "--type", "container", "--format", "{{.Id}} {{.State.Pid}}", name, account=account
+            )
         except ContainerError:
             return None
         parts = done.stdout.split()
@@ -151,7 +161,7 @@ class Podman:
         if podman_run.collected or not self._proved(podman_run):
             return done
         podman_run.sent.add(int(sig))
-        killed = podman("kill", "--signal", sig.name, podman_run.container_id)
+        killed = podman("kill", "--signal", sig.name, podman_run.container_id, account=podman_run.account)
         done.sent += killed.returncode == 0
         if sig != signal.SIGKILL:
             for member in session_members(podman_run.leader):
@@ -170,7 +180,7 @@ class Podman:
         """The container is still this run's: the same id, its init the same process."""
         if not run.container_id:
             return False  # never seen running (ended at once): nothing of it to signal
-        found = self._inspect(run.container)
+        found = self._inspect(run.container, run.account)
         return (
             found is not None
             and found[0] == run.container_id
@@ -184,7 +194,9 @@ class Podman:
         podman_run = _run(run)
         done = Signalled()
         try:
-            podman("rm", "--force", "--ignore", "--time", "0", podman_run.container)
+            podman(
+                "rm", "--force", "--ignore", "--time", "0", podman_run.container, account=podman_run.account
+            )
         except ContainerError as exc:
             done.lines.append(f"[portal] could not remove the container {podman_run.container}: {exc}")
             done.problem = "Its container may not have been removed."
@@ -252,16 +264,39 @@ def _end_of(returncode: int, sent: set[int]) -> RunEnd:
     return RunEnd(code=returncode)
 
 
-def _run_folder(container: str, env: dict[str, str]) -> Path:
-    """A folder of the worker's alone for one run: the container's environment (never on Podman's
-    command line, where every account on the host can read it), the files Podman writes its id and
-    conmon's pid to. Removed once the run is collected."""
+def _podman_account(spec: RunSpec) -> pwd.struct_passwd | None:
+    """Whose Podman runs the container: the job's account's own in rootless mode (which needs
+    one: JOB_USER), else the worker's (None)."""
+    if settings.CONTAINER_MODE != "rootless":
+        return None
+    if spec.account is None:
+        raise OSError(
+            "CONTAINER_MODE=rootless runs each container as the job's account, and JOB_USER names"
+            " none: an admin sets JOB_USER (docs/containers.md)."
+        )
+    return spec.account
+
+
+def _run_folder(container: str, env: dict[str, str], account: pwd.struct_passwd | None) -> Path:
+    """A folder of the worker's alone for one run (the account's alone, rootless, whose Podman
+    reads and writes it): the container's environment (never on Podman's command line, where
+    every account on the host can read it), the files Podman writes its id and conmon's pid to.
+    Its parent lets others pass but not list. Removed once the run is collected."""
     parent = Path(settings.VAR_DIR) / "containers"
-    parent.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(parent, 0o700)
+    parent.mkdir(mode=0o711, exist_ok=True)
+    os.chmod(parent, 0o711)
     folder = Path(tempfile.mkdtemp(prefix=f"{container}.", dir=parent))
     (folder / "env").write_text(env_file_text(env))
+    if account is not None:
+        os.chown(folder, account.pw_uid, account.pw_gid)
     return folder
+
+
+def _read(path: Path) -> str:
+    """A small file Podman wrote, never through a link (rootless: the folder is the account's)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as opened:
+        return opened.read(4096).strip()
 
 
 def _conmon_child(folder: Path) -> tuple[str, ProcessId] | None:
@@ -269,12 +304,12 @@ def _conmon_child(folder: Path) -> tuple[str, ProcessId] | None:
     names the container's id and the pid file runc writes the init's pid to once created (before
     that, conmon's child is `runc create` itself); the init is conmon's child."""
     try:
-        container_id = (folder / "cid").read_text().strip()
-        conmon = psutil.Process(int((folder / "conmon.pid").read_text().strip()))
+        container_id = _read(folder / "cid")
+        conmon = psutil.Process(int(_read(folder / "conmon.pid")))
         args = conmon.cmdline()
         if not container_id or container_id not in args or "-p" not in args:
             return None  # not (or no longer) the conmon of this container
-        init = psutil.Process(int(Path(args[args.index("-p") + 1]).read_text().strip()))
+        init = psutil.Process(int(_read(Path(args[args.index("-p") + 1]))))
         if init.ppid() != conmon.pid:
             return None
         return container_id, ProcessId(init.pid, init.create_time())

@@ -39,9 +39,11 @@ DRIVER_LIBRARIES = (
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def run_argv(spec: RunSpec, container: str, folder: Path) -> list[str]:
+def run_argv(spec: RunSpec, container: str, folder: Path, *, rootless: bool = False) -> list[str]:
     """`podman run`'s arguments (after the program) for `spec` in its image, named `container`;
-    `folder` is the run's own (its environment file; where Podman writes its id and conmon's pid)."""
+    `folder` is the run's own (its environment file; where Podman writes its id and conmon's pid).
+    `rootless`: run by the account's own Podman, whose user namespace maps the account to itself
+    (--userns keep-id: the uid inside is the job's, and the files it writes are the account's)."""
     image = spec.image
     assert image is not None
     uid, gid = (spec.account.pw_uid, spec.account.pw_gid) if spec.account else (os.getuid(), os.getgid())
@@ -52,6 +54,7 @@ def run_argv(spec: RunSpec, container: str, folder: Path) -> list[str]:
         "--label", f"{LABEL_WORK}={'-'.join(work[-2:])}",
         "--label", f"{LABEL_SERVER}={settings.WORKER_SERVER}",
         "--init",  # catatonit: a session leader that hands signals on and reaps
+        *(("--userns", "keep-id") if rootless else ()),
         "--user", f"{uid}:{gid}",
         "--cap-drop", "all", "--security-opt", "no-new-privileges",
         "--network", "host" if image.network else "none",
@@ -62,12 +65,13 @@ def run_argv(spec: RunSpec, container: str, folder: Path) -> list[str]:
     ]  # fmt: skip
     argv += mount_args(spec.mounts)
     argv += device_args(spec.gpu_uuids, spec.gpu_minors)
-    if image.reference.startswith("/"):
+    if image.reference.startswith("/") and not rootless:
         # A folder of the hosts: an overlay over it (:O), so nothing a run writes reaches the folder.
         # --rootfs is a flag, its path the positional image: last.
         argv += ["--rootfs", f"{image.reference}:O"]
     else:
-        argv += ["--pull", "never", local_name(image.reference)]  # pulled before (image_pull)
+        # Pulled before (image_pull); a folder, rootless: imported into the account's storage.
+        argv += ["--pull", "never", local_name(image.reference, spec.account if rootless else None)]
     return [*argv, *spec.argv]
 
 
