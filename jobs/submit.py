@@ -184,6 +184,7 @@ def job_submit(
     nice: int = 0,
     begin_at: datetime | None = None,
     team: str | None = None,
+    preemptible: bool = False,
     now: datetime | None = None,
 ) -> Job:
     """Run a job on a booking's server and cards (it starts when the booking does), or, without a
@@ -210,6 +211,7 @@ def job_submit(
         nice,
         begin_at,
         team,
+        preemptible,
         now,
     )
     program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
@@ -240,9 +242,11 @@ def _place(
     nice: int,
     begin_at: datetime | None,
     team: str | None,
+    preemptible: bool,
     now: datetime,
 ) -> _Place:
-    """Where the job runs: on the booking, or in the queue for the cards it asks for."""
+    """Where the job runs: on the booking, or in the queue for the cards it asks for. Only a
+    queued job may be `preemptible`: stopped and requeued at its old place (jobs.preemption)."""
     if reservation is None and gpu_count is not None:
         request = QueueRequest.check(
             user=user,
@@ -255,8 +259,15 @@ def _place(
             begin_at=begin_at,
             team=team,
             now=now,
+            preemptible=preemptible,
         )
         return _Place(request.job_fields(), request.gpu_count, request.memory_mb, None, request)
+    if preemptible and reservation is not None:
+        raise Invalid(
+            "Only a queued job can be preemptible: your booking's cards are yours, nobody takes them "
+            "back. Leave the booking empty to queue it, or leave preemptible off.",
+            field="preemptible",
+        )
     return _place_on_booking(user, reservation, gpu_count, array, time_limit_minutes, now)
 
 
