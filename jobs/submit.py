@@ -25,6 +25,7 @@ from gpus.models import Allocation, ContainerImage, Reservation, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
 from jobs.images import image_check, image_named
+from jobs.lending import loans_take_back
 from jobs.models import Job, JobArray
 from jobs.queue.requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
@@ -226,8 +227,7 @@ def job_submit(
         return _save_queued(user, place.request, fields, now)
     job = Job(**fields)
     _save_alone_on_booking(job)
-    if job.not_before <= now:
-        dispatch(job, now)
+    _start_on_booking(user, job, now)
     return job
 
 
@@ -544,6 +544,14 @@ def _check_thread_counts(intra: int | None, inter: int | None) -> tuple[int | No
                 f"Threads must be between 1 and {MAX_THREADS}; leave empty for the default.", field=field
             )
     return intra, inter
+
+
+def _start_on_booking(user: AbstractBaseUser, job: Job, now: datetime) -> None:
+    """A job on a booking that has started is sent at once; the owner comes first, so a job of the
+    queue on their lent booking leaves it now (jobs/lending.py)."""
+    if job.not_before <= now:
+        dispatch(job, now)
+        loans_take_back(booking=job.reservation_id, why=f"{user} started job {job.pk} on it", now=now)
 
 
 def _save_alone_on_booking(job: Job) -> None:
