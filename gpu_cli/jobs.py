@@ -110,7 +110,7 @@ def _size_hint(portal: Portal, script: str, mem: int | None) -> str | None:
 
 def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str, Any]:
     """What a queued job asks for; nothing for a job in a booking, which fixes cards and start."""
-    given = [f"--{name}" for name, value in options.items() if value is not None]
+    given = [f"--{name}" for name, value in options.items() if value not in (None, False)]
     if reservation is not None:
         if given:
             raise click.UsageError(
@@ -126,6 +126,7 @@ def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str
         "nice": options["nice"],
         "begin_at": begin.isoformat() if begin else None,
         "team": options["team"],
+        "preemptible": True if options["preemptible"] else None,
     }
 
 
@@ -138,6 +139,12 @@ def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str
 @click.option("--nice", type=click.IntRange(min=0), help="Lower the job's priority by N.")
 @click.option("--begin", type=WHEN, help="Not before this time: 14:00, now+1h, 2025-06-01 09:00.")
 @click.option("--team", help="The team whose share it counts against, by slug [your first].")
+@click.option(
+    "--preemptible",
+    is_flag=True,
+    help="It may be stopped and requeued at its old place (and run on idle lent cards); "
+    "keep a checkpoint in $PORTAL_CHECKPOINT_DIR.",
+)
 @click.option("--reservation", type=int, metavar="ID", help="Run in this booking, on its cards.")
 @click.option("--env", type=ENV_PAIR, multiple=True, help="An environment variable (repeatable).")
 @click.option("--python", "interpreter", metavar="NAME", help="One of the portal's Python environments.")
@@ -158,7 +165,7 @@ def run(
     as_json: bool,
     script: Path,
     args: tuple[str, ...],
-    **queue_options: Any,  # --gpus, --mem, --server, --array, --nice, --begin, --team: a queued job's
+    **queue_options: Any,  # --gpus, --mem, --server, --array, --nice, --begin, --team, --preemptible
 ) -> None:
     """Submit SCRIPT (a .py file, uploaded) with its ARGS: to the queue, or into your booking.
 

@@ -390,12 +390,15 @@ def reservation_create(
     team: Team | str | None = None,
     now: datetime | None = None,
     queue_start: bool = False,
+    lent_from: Reservation | None = None,
 ) -> Reservation:
     """Book `gpus` (UUIDs) or `count` cards the portal picks (on `server`, or anywhere).
 
     `memory_mb` None books whole cards; otherwise that much memory on each card.
     `queue_start`: the queue's scheduler booking for a job it starts in plan order, which the
     queue's holds for waiting jobs do not bind (every other booking must leave them free).
+    `lent_from`: a loan, the queue's booking for a preemptible job on cards of that idle booking
+    (jobs/lending.py): beside it, within its cards and its window, never beside anyone else's.
     Raises a ServiceError subclass, naming the field and the fix, and writes nothing.
     """
     now = now or timezone.now()
@@ -408,13 +411,13 @@ def reservation_create(
     membership = _locked_membership(user, team)
     if gpus:
         cards = _locked_gpus(gpus, memory_mb)
-        _check_free(cards, start, end, memory_mb, queue_start=queue_start)
+        _check_cards_free(cards, start, end, memory_mb, queue_start=queue_start, lent_from=lent_from)
     else:
         cards = _pick_and_lock(count or 0, server, memory_mb, start, end)
     _check_quota(membership, cards, memory_mb, start, end, fields=_quota_fields(gpus, memory_mb))
 
     reservation = Reservation.objects.create(
-        owner=user, team=membership.team, start=start, end=end, booked_end=end, note=note
+        owner=user, team=membership.team, start=start, end=end, booked_end=end, note=note, lent_from=lent_from
     )
     Allocation.objects.bulk_create(
         Allocation(reservation=reservation, gpu_id=g.uuid, memory_mb=memory_mb, start=start, end=end)
@@ -431,6 +434,44 @@ def reservation_create(
         end=end.isoformat(),
     )
     return reservation
+
+
+def _check_cards_free(
+    cards: Sequence[GPU],
+    start: datetime,
+    end: datetime,
+    memory_mb: int | None,
+    *,
+    queue_start: bool,
+    lent_from: Reservation | None,
+) -> None:
+    """The chosen cards free for the booking; a loan (`lent_from`) beside the lent booking alone,
+    within it, and bound by no queue hold (the queue placed it)."""
+    if lent_from is None:
+        _check_free(cards, start, end, memory_mb, queue_start=queue_start)
+        return
+    _check_loan(lent_from, cards, memory_mb, start, end)
+    _check_free(cards, start, end, memory_mb, exclude=lent_from.pk, queue_start=True)
+
+
+def _check_loan(
+    lender: Reservation, cards: Sequence[GPU], memory_mb: int | None, start: datetime, end: datetime
+) -> None:
+    """A loan stays within the lent booking: its cards, its window, its memory (a share is lent
+    only whole: what it holds, for at most that much)."""
+    lent = dict(Allocation.objects.filter(reservation=lender).values_list("gpu_id", "memory_mb"))
+    if lender.status_at(start) != Reservation.Status.ACTIVE or end > lender.end:
+        raise Conflict(
+            f"Booking {lender.pk} is not active for the whole loan; it cannot be lent.", field="gpus"
+        )
+    for gpu in cards:
+        if gpu.uuid not in lent:
+            raise Conflict(f"{gpu_label(gpu)} is not a card of booking {lender.pk}.", field="gpus")
+        held = lent[gpu.uuid]
+        if held is not None and (memory_mb is None or memory_mb > held):
+            raise Conflict(
+                f"Booking {lender.pk} holds {format_mb(held)} of {gpu_label(gpu)}: too little to lend."
+            )
 
 
 def _locked_reservation(reservation: Reservation | int) -> Reservation:

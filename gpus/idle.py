@@ -317,6 +317,27 @@ def team_auto_release_set(*, actor: AbstractBaseUser, team: Team, on: bool) -> T
     return team
 
 
+@transaction.atomic
+def team_lend_idle_set(*, actor: AbstractBaseUser, team: Team, on: bool) -> Team:
+    """Turn the lending of the team's idle bookings to the queue on or off (its leaders and
+    admins; jobs/lending.py lends them). Audited; nothing is written when nothing changes. Off
+    lends nothing more; a job already on a lent card runs on until its owner takes it back."""
+    if not can_manage_team(actor, team):
+        raise Forbidden(only_managers(team))
+    team.lend_idle = on
+    if not Team.objects.filter(pk=team.pk).exclude(lend_idle=on).update(lend_idle=on):
+        return team
+    AuditEntry.objects.create(
+        actor=actor,
+        team=team,
+        action=AuditEntry.Action.TEAM_LEND_IDLE,
+        target=f"team {team.slug}",
+        message=f"{actor} turned {'on' if on else 'off'} the lending of idle bookings to the queue in {team}",
+        data={"lend_idle": [not on, on]},
+    )
+    return team
+
+
 # --- the thread --------------------------------------------------------------------------------
 
 

@@ -281,6 +281,11 @@ class Reservation(models.Model):
     start = models.DateTimeField()
     end = models.DateTimeField()
     booked_end = models.DateTimeField(help_text="The end as booked or extended, before any early release.")
+    # A loan: the queue's booking for a preemptible job on the cards of this idle booking, which
+    # its owner takes back the moment they use it (jobs/lending.py). Ends no later than it.
+    lent_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="loans"
+    )
     note = models.CharField(max_length=500, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     released_at = models.DateTimeField(null=True, blank=True)

@@ -27,7 +27,7 @@ from rest_framework.permissions import SAFE_METHODS, BasePermission, IsAuthentic
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from gpus.idle import team_auto_release_set
+from gpus.idle import team_auto_release_set, team_lend_idle_set
 from gpus.quotas import QUOTA_FIELDS, QUOTA_MAX, quota_member_set, quota_team_set, team_use, team_use_total
 from portal.access import VIEW, can_manage_team, is_admin, only_managers, roles_of
 from portal.api import TeamSerializer
@@ -81,6 +81,11 @@ class TeamInputSerializer(QuotaInputSerializer):
         help_text="Release the team's idle bookings IDLE_RELEASE_MINUTES after their owner was warned. "
         "Leaders and admins.",
     )
+    lend_idle = serializers.BooleanField(
+        required=False,
+        help_text="Lend the team's bookings idle for LEND_AFTER_MINUTES to preemptible queued jobs. "
+        "Leaders and admins.",
+    )
 
 
 class MemberQuotaInputSerializer(QuotaInputSerializer):
@@ -111,7 +116,7 @@ class TeamDetailSerializer(TeamSerializer):
     use = serializers.SerializerMethodField()
 
     class Meta(TeamSerializer.Meta):
-        fields = [*TeamSerializer.Meta.fields, "auto_release_idle", "use"]
+        fields = [*TeamSerializer.Meta.fields, "auto_release_idle", "lend_idle", "use"]
         read_only_fields = fields
 
     @extend_schema_field(QuotaUseSerializer)
@@ -184,11 +189,14 @@ class TeamDetail(generics.GenericAPIView):
         data.is_valid(raise_exception=True)
         limits = dict(data.validated_data)
         auto_release = limits.pop("auto_release_idle", None)
+        lend = limits.pop("lend_idle", None)
         with transaction.atomic():  # both or neither
             if limits:
                 team = quota_team_set(actor=request.user, team=team, **limits)
             if auto_release is not None:
                 team = team_auto_release_set(actor=request.user, team=team, on=auto_release)
+            if lend is not None:
+                team = team_lend_idle_set(actor=request.user, team=team, on=lend)
         return self._show(team)
 
 

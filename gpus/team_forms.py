@@ -106,3 +106,21 @@ class AutoReleaseForm(forms.Form):
     @classmethod
     def for_team(cls, team: Team, data: Any = None) -> AutoReleaseForm:
         return cls(data, initial={"auto_release_idle": team.auto_release_idle})
+
+
+class LendIdleForm(forms.Form):
+    """The team's lending of idle bookings to the queue (jobs/lending.py lends; gpus/idle.py sets it)."""
+
+    lend_idle = forms.BooleanField(required=False, label="Lend idle bookings to the queue")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["lend_idle"].help_text = (
+            f"A booking idle for {settings.LEND_AFTER_MINUTES} minutes may run preemptible queued jobs on "
+            "its cards; they leave as soon as its owner starts something there (within "
+            f"{settings.LEND_GRACE_SECONDS} s), or presses Take it back. Off: never lent."
+        )
+
+    @classmethod
+    def for_team(cls, team: Team, data: Any = None) -> LendIdleForm:
+        return cls(data, initial={"lend_idle": team.lend_idle})

@@ -25,10 +25,10 @@ from django.utils import timezone
 from django.views.decorators.http import require_http_methods, require_POST
 
 from gpus.calendar_views import calendar_panel
-from gpus.idle import team_auto_release_set
+from gpus.idle import team_auto_release_set, team_lend_idle_set
 from gpus.models import Reservation
 from gpus.quotas import NO_USE, over_limits, quota_member_set, quota_team_set, team_use, team_use_total
-from gpus.team_forms import AutoReleaseForm, MemberQuotaForm, QuotaForm, TeamQuotaForm
+from gpus.team_forms import AutoReleaseForm, LendIdleForm, MemberQuotaForm, QuotaForm, TeamQuotaForm
 from portal.access import is_admin, leads_team, team_for_user
 from portal.errors import ServiceError
 from portal.filters import AuditEntryFilter, filter_list
@@ -59,6 +59,7 @@ def _team_page(
         "team_form": (team_form or TeamQuotaForm.for_team(team)) if is_admin(request.user) else None,
         "members": members,
         "auto_release_form": AutoReleaseForm.for_team(team),
+        "lend_idle_form": LendIdleForm.for_team(team),
         # Its leaders' feed of the team's bookings (admins who do not lead it have servers' feeds).
         "calendar": calendar_panel(request, team=team) if leads_team(request.user, team) else None,
         **_team_bookings(team, now),
@@ -88,6 +89,8 @@ def _team_bookings(team: Team, now: datetime) -> dict[str, list[Reservation]]:
 def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
     """The page; a POST is its auto-release form."""
     team = team_for_user(request.user, slug, manage=True)
+    if request.method == "POST" and request.POST.get("what") == "lend":
+        return _lend_idle(request, team)
     if request.method == "POST":
         return _auto_release(request, team)
     return _team_page(request, team)
@@ -105,6 +108,21 @@ def _auto_release(request: HttpRequest, team: Team) -> HttpResponse:
         )
     else:
         messages.info(request, f"Auto-release of idle bookings was already {state}: nothing changed.")
+    return redirect(f"{reverse('team_detail', args=[team.slug])}#idle")
+
+
+def _lend_idle(request: HttpRequest, team: Team) -> HttpResponse:
+    form = LendIdleForm(request.POST)
+    on = form.is_valid() and form.cleaned_data["lend_idle"]  # a checkbox: unticked is off
+    changed = team.lend_idle != on
+    team_lend_idle_set(actor=request.user, team=team, on=on)
+    state = "on" if on else "off"
+    if changed:
+        messages.success(
+            request, f"Lending idle bookings to the queue is {state}; the change is in the audit log."
+        )
+    else:
+        messages.info(request, f"Lending idle bookings to the queue was already {state}: nothing changed.")
     return redirect(f"{reverse('team_detail', args=[team.slug])}#idle")
 
 

@@ -69,6 +69,8 @@ class JobSerializer(serializers.ModelSerializer):
             "requested_server",
             "nice",
             "begin_at",
+            "preemptible",
+            "preemptions",
             "reason",
             "array_id",
             "array_index",
@@ -171,6 +173,11 @@ class JobCreateSerializer(serializers.Serializer):
     )
     team = serializers.CharField(
         required=False, allow_blank=True, help_text="Queued: your team's slug, if several."
+    )
+    preemptible = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="Queued: may be stopped and requeued at its old place (PORTAL_CHECKPOINT_DIR keeps state).",
     )
     script = serializers.FileField(required=False, help_text="A .py file (multipart).")
     script_path = serializers.CharField(

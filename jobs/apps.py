@@ -14,6 +14,7 @@ class JobsConfig(AppConfig):
             tasks,  # noqa: F401 - registers run_job and run_session (sent by name: jobs.sessions.services)
         )
         from jobs.leavers import membership_deleted
+        from jobs.lending import lent_context
         from jobs.queue.scheduler import queue_holds
         from jobs.selectors import job_images, jobs_finished_between, jobs_owned_by
         from jobs.services import jobs_by_session
@@ -40,5 +41,7 @@ class JobsConfig(AppConfig):
         # Run buttons on gpus' booking pages, with the images JupyterLab may run in there.
         slot_fill(RESERVATION_ACTIONS, "jobs/_run_buttons.html", lab_images_context)
         slot_fill(RESERVATION_SESSIONS, "jobs/_booking_sessions.html", booking_sessions_context)
+        # A lent booking's words, and its owner's Take it back (jobs/lending.py).
+        slot_fill(RESERVATION_SESSIONS, "jobs/_booking_lent.html", lent_context)
         # A member who leaves a team takes their queued jobs of it along (jobs.leavers).
         post_delete.connect(membership_deleted, sender=Membership, dispatch_uid="jobs_team_leaver")

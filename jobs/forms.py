@@ -82,6 +82,13 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         help_text="Run the script once per index, e.g. 0-99, or 0-99%8 for at most 8 at once; each task gets "
         "PORTAL_ARRAY_INDEX.",
     )
+    preemptible = forms.BooleanField(
+        required=False,
+        label="Queue: preemptible",
+        help_text="It may be stopped (SIGTERM, then SIGKILL after a grace) when its cards are wanted back, "
+        "and goes back to the queue at its old place; it may also run on idle booked cards lent to the "
+        "queue. Keep a checkpoint in PORTAL_CHECKPOINT_DIR to resume where it left off.",
+    )
     script = forms.FileField(
         required=False,
         label="Upload a script",
@@ -196,6 +203,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
                 "memory_mb": data["memory"],
                 "server": data["server"] or None,
                 "array": data["array"],
+                "preemptible": data["preemptible"],
             }
         return {
             **queued,

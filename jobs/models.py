@@ -12,6 +12,8 @@ Status transitions:
     RUNNING → SUCCEEDED (exit 0) | FAILED (exit ≠ 0, or it could not start)
             | CANCELLED (a user asked) | TIMED_OUT (time limit or booking end)
     QUEUED → CANCELLED (cancelled before any worker took it)
+    QUEUED/STARTING/RUNNING → PENDING (a preemptible job preempted: back in the queue at its old
+            place, its booking released, `preemptions` counted; jobs/preemption.py)
     STARTING/RUNNING → LOST (no heartbeat for JOB_LOST_AFTER_SECONDS: the worker or host died);
             a lost job found alive is stopped by its worker, never taken back (jobs/runs.py)
 """
@@ -163,6 +165,16 @@ class Job(models.Model):
     pending_reason = models.CharField(max_length=16, choices=Reason.choices, blank=True)
     array = models.ForeignKey(JobArray, null=True, blank=True, on_delete=models.CASCADE, related_name="tasks")
     array_index = models.PositiveIntegerField(null=True, blank=True)
+    # A queued job that may be interrupted (jobs/preemption.py): SIGTERM, a grace, SIGKILL, and back
+    # to the queue at its old place (its created_at and priority are kept), never counted as failed.
+    preemptible = models.BooleanField(
+        default=False, help_text="Queued only: may be stopped and requeued; it resumes from its checkpoint."
+    )
+    preemptions = models.PositiveIntegerField(default=0, help_text="Times it was preempted and requeued.")
+    # A preemption asked for and not yet done: the job's supervisor stops it (runner), after this grace.
+    preempt_requested_at = models.DateTimeField(null=True, blank=True)
+    preempt_reason = models.CharField(max_length=500, blank=True)
+    preempt_grace_seconds = models.PositiveSmallIntegerField(null=True, blank=True)
 
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)

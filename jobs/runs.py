@@ -30,6 +30,7 @@ from gpus.models import Reservation
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_append
 from jobs.models import InteractiveSession, Job
+from jobs.preemption import job_requeue
 from portal.clock import since
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
@@ -52,8 +53,13 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
     unfinished status (the supervisor and the spool's replay can never both record it). Raises a
     DatabaseError while the database is away; returns whether this call recorded the end.
 
+    An "end" as PENDING is a preempted job leaving its cards: it goes back to the queue
+    (jobs.preemption.job_requeue), its booking released with it.
+
     An end as LOST is a lost job its worker found alive and stopped: told as a stop is."""
     writer.flush()
+    if record.status == Job.Status.PENDING:  # a preempted job: back to the queue, never an end
+        return job_requeue(job_id, from_=UNFINISHED, message=record.message)
     lost = record.status == Job.Status.LOST
     return Job.objects.transition(
         job_id,

@@ -13,7 +13,8 @@
   (jobs.host.worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
   (jobs.host.worker.running_jobs_stopped). The HostWorker connects both.
 - gpus' telemetry_ingested: the jobs' peak memory and utilization from each telemetry round
-  (jobs.services.jobs_usage_record), since jobs builds on gpus and not the reverse.
+  (jobs.services.jobs_usage_record), since jobs builds on gpus and not the reverse; and a lent
+  card's owner coming back, which sends its borrower away (jobs.lending.loans_watch).
 - a user saved from active to inactive (the admin's form, a directory sync, `manage.py shell`):
   their work stops at once (jobs.leavers.user_work_stop); a deactivation that bypassed save() is
   caught by the reconciler's next pass (jobs.leavers.leavers_stop).
@@ -51,6 +52,7 @@ from jobs.host.worker import (
     running_jobs_stopped,
 )
 from jobs.leavers import deactivated, user_work_stop
+from jobs.lending import loans_watch
 from jobs.queue.scheduler import Scheduler
 from jobs.services import jobs_usage_record
 from jobs.threads import JobReconciler, SpoolReplay
@@ -167,6 +169,17 @@ def _record_job_usage(sender: object, *, cards: list[GPUInfo], **kwargs: object)
             jobs_usage_record(cards=cards)
     except Exception:  # a usage figure is never worth the telemetry of every host
         log.exception("Could not record this round's job usage; telemetry goes on")
+
+
+@receiver(telemetry_ingested, dispatch_uid="jobs_loans_watch")
+def _take_lent_cards_back(sender: object, *, cards: list[GPUInfo], **kwargs: object) -> None:
+    """A process on a lent card that is not its borrower's: the owner is back, the borrower leaves
+    (jobs.lending.loans_watch). In its own savepoint: a failure never costs the round."""
+    try:
+        with transaction.atomic():
+            loans_watch(cards)
+    except Exception:
+        log.exception("Could not check this round's lent cards; telemetry goes on")
 
 
 @receiver(pre_save, sender=settings.AUTH_USER_MODEL, dispatch_uid="jobs_user_was_active")

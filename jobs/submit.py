@@ -25,6 +25,7 @@ from gpus.models import Allocation, ContainerImage, Reservation, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
 from jobs.images import image_check, image_named
+from jobs.lending import loans_take_back
 from jobs.models import Job, JobArray
 from jobs.queue.requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
@@ -184,6 +185,7 @@ def job_submit(
     nice: int = 0,
     begin_at: datetime | None = None,
     team: str | None = None,
+    preemptible: bool = False,
     now: datetime | None = None,
 ) -> Job:
     """Run a job on a booking's server and cards (it starts when the booking does), or, without a
@@ -210,6 +212,7 @@ def job_submit(
         nice,
         begin_at,
         team,
+        preemptible,
         now,
     )
     program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
@@ -224,8 +227,7 @@ def job_submit(
         return _save_queued(user, place.request, fields, now)
     job = Job(**fields)
     _save_alone_on_booking(job)
-    if job.not_before <= now:
-        dispatch(job, now)
+    _start_on_booking(user, job, now)
     return job
 
 
@@ -240,9 +242,11 @@ def _place(
     nice: int,
     begin_at: datetime | None,
     team: str | None,
+    preemptible: bool,
     now: datetime,
 ) -> _Place:
-    """Where the job runs: on the booking, or in the queue for the cards it asks for."""
+    """Where the job runs: on the booking, or in the queue for the cards it asks for. Only a
+    queued job may be `preemptible`: stopped and requeued at its old place (jobs.preemption)."""
     if reservation is None and gpu_count is not None:
         request = QueueRequest.check(
             user=user,
@@ -255,8 +259,15 @@ def _place(
             begin_at=begin_at,
             team=team,
             now=now,
+            preemptible=preemptible,
         )
         return _Place(request.job_fields(), request.gpu_count, request.memory_mb, None, request)
+    if preemptible and reservation is not None:
+        raise Invalid(
+            "Only a queued job can be preemptible: your booking's cards are yours, nobody takes them "
+            "back. Leave the booking empty to queue it, or leave preemptible off.",
+            field="preemptible",
+        )
     return _place_on_booking(user, reservation, gpu_count, array, time_limit_minutes, now)
 
 
@@ -533,6 +544,14 @@ def _check_thread_counts(intra: int | None, inter: int | None) -> tuple[int | No
                 f"Threads must be between 1 and {MAX_THREADS}; leave empty for the default.", field=field
             )
     return intra, inter
+
+
+def _start_on_booking(user: AbstractBaseUser, job: Job, now: datetime) -> None:
+    """A job on a booking that has started is sent at once; the owner comes first, so a job of the
+    queue on their lent booking leaves it now (jobs/lending.py)."""
+    if job.not_before <= now:
+        dispatch(job, now)
+        loans_take_back(booking=job.reservation_id, why=f"{user} started job {job.pk} on it", now=now)
 
 
 def _save_alone_on_booking(job: Job) -> None:

@@ -17,6 +17,7 @@ urlpatterns = [
     path("jobs/size-hint/", views.job_size_hint, name="job_size_hint"),
     path("teams/<slug:slug>/right-sizing/", views.team_rightsizing, name="team_rightsizing"),
     path("queue/", views.queue, name="queue"),
+    path("reservations/<int:pk>/take-back/", views.booking_take_back, name="booking_take_back"),
     path("jobs/<int:pk>/", views.job_detail, name="job_detail"),
     path("jobs/<int:pk>/events/", page_events.job_events, name="job_events"),
     path("jobs/<int:pk>/log/", views.job_log_tail, name="job_log_tail"),

@@ -21,13 +21,14 @@ from django.core.exceptions import PermissionDenied
 from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from gpus.models import GPU, format_mb
+from gpus.models import GPU, Reservation, format_mb
 from jobs.filters import JobFilter, JobHistoryFilter, MyJobFilter
 from jobs.forms import JobForm
+from jobs.lending import loan_take_back
 from jobs.logs.store import log_response, parse_offset
 from jobs.metrics import job_card_usage, metrics_csv_response
 from jobs.models import InteractiveSession, Job
@@ -256,6 +257,26 @@ def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
                 f"{settings.JOB_KILL_GRACE_SECONDS} s if it is still running.",
             )
     return redirect("job_detail", pk=pk)
+
+
+@require_POST
+@login_required
+def booking_take_back(request: HttpRequest, pk: int) -> HttpResponse:
+    """*Take it back*: the queue's jobs on a lent booking leave it now (jobs/lending.py)."""
+    booking = get_object_or_404(Reservation.objects.restrict(request.user), pk=pk)
+    try:
+        asked = loan_take_back(user=request.user, booking=booking)
+    except Forbidden as error:
+        raise PermissionDenied(error.message) from error
+    if asked:
+        jobs = ", ".join(f"job {pk}" for pk in asked)
+        messages.success(
+            request,
+            f"Taken back: {jobs} gets SIGTERM now and leaves within {settings.LEND_GRACE_SECONDS} s.",
+        )
+    else:
+        messages.info(request, "Nothing of the queue's runs on this booking now.")
+    return redirect("reservation_detail", pk=pk)
 
 
 @require_GET

@@ -72,6 +72,11 @@ class Team(QuotaFields):
         default=False,
         help_text="Release an idle booking IDLE_RELEASE_MINUTES after its owner was warned. Set by leaders.",
     )
+    lend_idle = models.BooleanField(
+        default=True,
+        help_text="Lend a booking idle for LEND_AFTER_MINUTES to preemptible queued jobs, which leave as "
+        "soon as its owner starts something. Set by leaders.",
+    )
 
     objects = TeamQuerySet.as_manager()
 
@@ -155,6 +160,7 @@ class AuditEntry(models.Model):
         QUOTA_TEAM = "quota.team", "Team quota changed"
         QUOTA_MEMBER = "quota.member", "Member quota changed"
         TEAM_AUTO_RELEASE = "team.auto_release", "Auto-release of idle bookings changed"
+        TEAM_LEND_IDLE = "team.lend_idle", "Lending of idle bookings changed"
         WATCHDOG_STOP = "watchdog.stop", "GPU watchdog stopped a process"
         API_TOKEN_CREATE = "api_token.create", "API token created"
         API_TOKEN_REVOKE = "api_token.revoke", "API token revoked"

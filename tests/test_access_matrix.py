@@ -421,6 +421,7 @@ MATRIX: dict[str, Url] = {
     "job_log_download": url(JOB, get="login ok 404 404 ok ok"),
     "job_metrics_csv": url(JOB, get="login ok 404 404 ok ok"),
     "job_usage_json": url(JOB, get="login ok 404 404 ok ok"),
+    "booking_take_back": url(BOOKING, get=NO, post=Do("login ok 403 404 ok ok", None, None)),
     "job_cancel": url(JOB, get=NO, post=Do("login ok 404 404 ok ok", None, JOB_CANCELLED)),
     "session_new": url(get=NO, post=Do("login ok refused refused refused refused", OPEN_LAB, LAB_OPENED)),
     "session_detail": url(SESSION, get="login ok 404 404 ok ok"),

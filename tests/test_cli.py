@@ -242,6 +242,15 @@ def test_run_without_a_booking_queues_the_job_pending(portal, alice, box, script
     assert result.exit_code == 0 and "train.py" in result.output and "you" in result.output
 
 
+def test_run_preemptible_queues_a_job_that_may_be_preempted(portal, alice, box, booking, script, sent):
+    result = gpu("run", str(script), "--gpus", "1", "--time", "10m", "--preemptible", "--json")
+    assert result.exit_code == 0, result.output
+    submitted = json.loads(result.output)
+    assert submitted["preemptible"] is True and Job.objects.get(pk=submitted["id"]).preemptible
+    result = gpu("run", str(script), "--reservation", str(booking.pk), "--preemptible")
+    assert result.exit_code != 0 and "drop --preemptible" in result.output  # a booking's cards are its own
+
+
 def test_an_array_is_listed_and_cancelled_whole(portal, alice, box, booking, script, sent):
     other = _job(alice, booking)
     result = gpu("run", str(script), "--gpus", "1", "--time", "10m", "--array", "0-3%2")

@@ -335,3 +335,37 @@ def _write_new(folder_fd: int, name: str, data: bytes, account: pwd.struct_passw
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def job_folder_keep(name: str, *, account: pwd.struct_passwd | None) -> Path:
+    """`<JOB_FOLDERS>/<name>`, made on first use and kept: a folder a job keeps across its runs (a
+    preemptible job's checkpoints, jobs/host/checkpoints.py), handed to `account` (None: the
+    worker's). JOB_FOLDERS is the worker's alone, so only the worker made what is there; it is
+    still opened O_NOFOLLOW and checked to be a folder of the worker's or the account's, never
+    followed. `name` is the caller's, a plain file name that names one job for good."""
+    if not plain_file_name(name):
+        raise JobFolderError(f"{name!r} is not a plain folder name.")
+    root = Path(settings.JOB_FOLDERS)
+    root_fd = _open_root(root)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+        folder_fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+        try:
+            st = os.fstat(folder_fd)
+            owners = {os.geteuid(), *((account.pw_uid,) if account is not None else ())}
+            if st.st_uid not in owners:
+                raise JobFolderError(
+                    f"{root / name} belongs to uid {st.st_uid}, neither the worker nor the job"
+                )
+            if account is not None and (st.st_uid, st.st_gid) != (account.pw_uid, account.pw_gid):
+                os.fchown(folder_fd, account.pw_uid, account.pw_gid)
+        finally:
+            os.close(folder_fd)
+    except JobFolderError:
+        raise
+    except OSError as exc:
+        raise JobFolderError(f"Cannot keep the job's folder {root / name}: {exc}") from None
+    finally:
+        os.close(root_fd)
+    return root / name

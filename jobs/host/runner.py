@@ -35,6 +35,7 @@ from django.utils import timezone
 from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.environment import JobSetupError
+from jobs.host.checkpoints import came_back_words, checkpoint_ready
 from jobs.host.dcgm import job_name, work_ended, work_started
 from jobs.host.end import job_end_keep
 from jobs.host.executors import Run, RunEnd, RunOutput, executor_for
@@ -44,6 +45,7 @@ from jobs.host.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
+from jobs.preemption import preempted_words
 from jobs.runs import LOST_FOUND_ALIVE, queued_job_ended
 from portal.outage import WHAT, outage_of
 
@@ -80,6 +82,7 @@ class Supervisor:
         self.final_status: str | None = None  # the end as the worker saw it, stored or spooled
         self.stop_message = ""
         self.term_sent_at: float | None = None
+        self.grace = settings.JOB_KILL_GRACE_SECONDS  # SIGTERM to SIGKILL: a preemption sets its own
         self.killed = False
         self.not_stopped = ""  # why the job could not be stopped, for its final message
         self.launcher_seen = False
@@ -123,18 +126,22 @@ class Supervisor:
                 " should the database go away, this job's output waits in the worker's memory only."
             )
         try:
-            launch = launch_for(job)
+            launch = checkpoint_ready(launch_for(job), job)  # a preemptible job's checkpoint folder
             image_ready(launch, self.writer.write_line)  # a first use pulls it, saying so in the log
         except JobSetupError as exc:
             self.writer.write_line(f"[portal] cannot start: {exc}")
             self._guarded(self.writer.close)
             self._finish(Job.Status.FAILED, None, str(exc))
             return
-        if stopped := patiently(job.pk, self._stopped_before_start):
-            self.writer.write_line(f"[portal] {stopped} The job never started.")
+        status, stopped = patiently(job.pk, self._stopped_before_start)
+        if stopped:
+            again = " this time" if status == Job.Status.PENDING else ""
+            self.writer.write_line(f"[portal] {stopped} The job never started{again}.")
             self._guarded(self.writer.close)
-            self._finish(Job.Status.CANCELLED, None, stopped)
+            self._finish(status, None, stopped)
             return
+        if job.preemptions:
+            self.writer.write_line(came_back_words(job, launch.env_applied))
         where = f" in image {launch.image.name}" if launch.image else ""
         self.writer.write_line(
             f"[portal] job {job.pk} on {settings.WORKER_SERVER} ({socket.gethostname()}){where}: "
@@ -182,18 +189,28 @@ class Supervisor:
             env_applied=self.env_applied,
         )
 
-    def _stopped_before_start(self) -> str:
+    def _stopped_before_start(self) -> tuple[str, str]:
         """A cancel asked for since the claim (its owner, a leader, or the owner's deactivation):
-        the job is not started at all, rather than started and stopped at once."""
+        the job is not started at all, rather than started and stopped at once; a preemption
+        (jobs.preemption): it goes back to the queue unstarted. The status to record and why;
+        ("", "") to start it."""
         row = (
             Job.objects.filter(pk=self.job.pk)
-            .values("cancel_requested_at", "cancelled_by__username", "message")
+            .values(
+                "cancel_requested_at",
+                "cancelled_by__username",
+                "message",
+                "preempt_requested_at",
+                "preempt_reason",
+            )
             .get()
         )
-        if not row["cancel_requested_at"]:
-            return ""
-        who = row["cancelled_by__username"]
-        return f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+        if row["cancel_requested_at"]:
+            who = row["cancelled_by__username"]
+            return Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+        if row["preempt_requested_at"]:
+            return Job.Status.PENDING, preempted_words(row["preempt_reason"])
+        return "", ""
 
     def _supervise(self) -> None:
         assert self.session is not None
@@ -445,6 +462,9 @@ class Supervisor:
                 "cancelled_by__username",
                 "watchdog_stop",
                 "message",
+                "preempt_requested_at",
+                "preempt_reason",
+                "preempt_grace_seconds",
                 "reservation__end",
                 "reservation__cancelled_at",
                 "reservation__released_at",
@@ -475,6 +495,10 @@ class Supervisor:
             self._stop(
                 Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled."
             )
+        elif row["preempt_requested_at"]:
+            # Asked to leave its cards (jobs.preemption): stopped, then back in the queue, not ended.
+            grace = row["preempt_grace_seconds"] or settings.PREEMPT_GRACE_SECONDS
+            self._stop(Job.Status.PENDING, preempted_words(row["preempt_reason"]), grace=grace)
         elif row["reservation__cancelled_at"] and now >= row["reservation__end"]:
             self._stop(Job.Status.TIMED_OUT, "The booking was cancelled; the job was stopped.")
         elif row["reservation__released_at"] and now >= row["reservation__end"]:
@@ -514,9 +538,10 @@ class Supervisor:
         if not self.stop_reason:
             self._stop(Job.Status.CANCELLED, f"The worker on {socket.gethostname()} shut down.")
 
-    def _stop(self, status: str, message: str) -> None:
+    def _stop(self, status: str, message: str, *, grace: int | None = None) -> None:
+        """Stop the job, to be recorded as `status` (PENDING: preempted, back to the queue)."""
         self.stop_reason, self.stop_message = status, message
-        grace = settings.JOB_KILL_GRACE_SECONDS
+        self.grace = grace = grace or settings.JOB_KILL_GRACE_SECONDS
         self._say(f"[portal] {message} Sending SIGTERM; SIGKILL in {grace} s if still running.")
         self.term_sent_at = time.monotonic()
         if not self._signal(signal.SIGTERM):
@@ -539,7 +564,7 @@ class Supervisor:
     def _escalate(self) -> None:
         if self.term_sent_at is None or self.killed:
             return
-        if time.monotonic() - self.term_sent_at >= settings.JOB_KILL_GRACE_SECONDS:
+        if time.monotonic() - self.term_sent_at >= self.grace:
             self._say("[portal] still running after the grace period: SIGKILL.")
             self.killed = True  # one attempt: a denied SIGKILL is said once, not on every tick
             if not self._signal(signal.SIGKILL):

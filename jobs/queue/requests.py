@@ -36,6 +36,7 @@ class QueueRequest:
     nice: int
     begin_at: datetime | None
     team: Team
+    preemptible: bool = False
 
     def job_fields(self) -> dict[str, Any]:
         """The Job fields of a queued job that asks for this."""
@@ -49,6 +50,7 @@ class QueueRequest:
             "request_server": self.server,
             "nice": self.nice,
             "begin_at": self.begin_at,
+            "preemptible": self.preemptible,
         }
 
     @classmethod
@@ -65,6 +67,7 @@ class QueueRequest:
         begin_at: datetime | None,
         team: str | None,
         now: datetime,
+        preemptible: bool = False,
     ) -> QueueRequest:
         if not 1 <= gpu_count <= MAX_GPUS:
             raise Invalid(f"Ask for 1 to {MAX_GPUS} cards; {gpu_count} will not do.", field="gpu_count")
@@ -92,6 +95,7 @@ class QueueRequest:
             nice=nice or 0,
             begin_at=begin_at,
             team=membership.team,
+            preemptible=bool(preemptible),
         )
 
 

@@ -35,6 +35,7 @@ from gpus.hooks import QueueHold
 from gpus.images import runnable_servers
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
+from jobs.lending import loans_place
 from jobs.logs.live import job_changed
 from jobs.models import InteractiveSession, Job
 from jobs.queue.rules import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
@@ -169,10 +170,13 @@ def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = No
                 newly = True
         if not newly:
             break
+    # What still waits and may be preempted: on an idle booking lent to the queue (jobs/lending.py).
+    if lent := loans_place([e for e in entries if e.request.job_id not in refused], now, bind=_bind_and_send):
+        done["lent"] = lent
     _record_reasons(entries, refused)
     _store_holds(entries, memory)
     planned = {e.request.job_id for e in entries}
-    done["pending"] = sum(1 for e in entries if not e.start_now) + len(refused.keys() - planned)
+    done["pending"] = sum(1 for e in entries if not e.start_now) + len(refused.keys() - planned) - lent
     return dict(done)
 
 
@@ -268,6 +272,12 @@ def _start(entry: Entry, now: datetime) -> Refusal | None:
         return Refusal(Job.Reason.RESOURCES, error=exc)
     log.info("Started queued job %s on %s", r.job_id, ", ".join(entry.start_now))
     return None
+
+
+def _bind_and_send(job: Job, booking: Reservation, now: datetime) -> None:
+    """A job started on a booking made for it (a loan, jobs/lending.py), as `_start` starts one."""
+    _bind(job, booking, now)
+    dispatch(job, now)
 
 
 def _failed(job_id: int, error: Exception, memory: PassMemory) -> None:

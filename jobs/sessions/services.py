@@ -35,6 +35,7 @@ from django.utils import timezone
 from gpus.hooks import Work
 from gpus.models import Allocation, ContainerImage, Reservation, Server
 from jobs.environment import BookedCard, JobSetupError, session_environment
+from jobs.lending import loans_take_back
 from jobs.models import InteractiveSession, Job
 from jobs.runs import LOST_FOUND_ALIVE, session_is_lost, session_lost_stop
 from jobs.sending import HostSender
@@ -122,7 +123,14 @@ def session_start(
         if server.draining:
             raise Invalid(f"{server.name} is draining: no new sessions start there.", field="reservation")
         transaction.on_commit(partial(_send, session.pk, server.queue))
-    return session, env
+    return _owner_back(session, now), env
+
+
+def _owner_back(session: InteractiveSession, now: datetime) -> InteractiveSession:
+    """The owner comes first: a job of the queue on their lent booking leaves it now."""
+    why = f"{session.owner} started {session.get_kind_display()} on it"
+    loans_take_back(booking=session.reservation_id, why=why, now=now)
+    return session
 
 
 LAB_COMMAND = ["jupyter", "lab"]

@@ -1,0 +1,240 @@
+"""Lending idle bookings to the queue: booked cards nobody uses run preemptible queued jobs, and
+come back the moment their owner does.
+
+**Lent.** A booking idle for LEND_AFTER_MINUTES (gpus/idle.py's clock: every card known unused,
+a share's card with no process at all), of a team that lends (`Team.lend_idle`, on by default),
+with no job or session of its own running and no loan already, may take a preemptible pending
+job (`loans_place`, called by each scheduler pass after the plan's own starts). The job gets a
+booking of its own, a *loan* (`Reservation.lent_from`), on whole cards of that booking (or a share
+of them for a share job), for its time limit; only a job whose loan ends within the lent booking
+is placed there, so a loan never outlives what it borrows. The loan is a booking like any other:
+the booking service checks it (beside the lent booking alone), quotas count it, the audit log has
+it, and the job's end releases it.
+
+**Taken back.** The owner comes first (`loans_take_back`): their job or `gpu exec` on the
+booking, their first process on a lent card (seen in the telemetry, `loans_watch`), or *Take it
+back* on the booking's page preempts the borrower at once, with LEND_GRACE_SECONDS between
+SIGTERM and SIGKILL (jobs.preemption). The borrower goes back to the queue at its old place and
+resumes elsewhere from its checkpoint. The owner's processes are never intruders meanwhile: the
+card is still theirs (jobs.watchdog.rules sees their booking on it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models import Exists, OuterRef, Q
+from django.utils import timezone
+
+from gpus.booking import reservation_create
+from gpus.inventory import GPUInfo
+from gpus.models import Allocation, Reservation
+from jobs.models import InteractiveSession, Job
+from jobs.preemption import job_preempt
+from jobs.queue.rules import Entry
+from portal.access import can_manage
+from portal.errors import Forbidden, ServiceError
+
+log = logging.getLogger(__name__)
+
+# A pending job's reasons that lending can help: it waits for cards, not for a time or a limit.
+LENDING_HELPS = ("resources", "priority")
+
+
+@dataclass(frozen=True)
+class Lendable:
+    """An idle booking that may be lent now: its cards (uuid → booked MiB, None: whole), where."""
+
+    booking: Reservation
+    cards: dict[str, int | None]
+    server_id: int
+
+
+def loans_active(now: datetime) -> Q:
+    """Loans live now: the queue's bookings on lent cards that have not ended."""
+    return Q(lent_from__isnull=False, start__lte=now, end__gt=now, released_at=None, cancelled_at=None)
+
+
+def lendable(now: datetime) -> list[Lendable]:
+    """The bookings that may be lent now (see the module's text), oldest idle first."""
+    cutoff = now - timedelta(minutes=settings.LEND_AFTER_MINUTES)
+    busy_jobs = Job.objects.filter(reservation=OuterRef("pk"), status__in=Job.ACTIVE)
+    busy_sessions = InteractiveSession.objects.filter(
+        reservation=OuterRef("pk"), status__in=InteractiveSession.ACTIVE
+    )
+    lent = Reservation.objects.filter(loans_active(now), lent_from=OuterRef("pk"))
+    bookings = (
+        Reservation.objects.with_status("active", now)
+        .filter(lent_from=None, team__lend_idle=True, idle_since__lte=cutoff)
+        .exclude(Exists(busy_jobs))
+        .exclude(Exists(busy_sessions))
+        .exclude(Exists(lent))
+        .order_by("idle_since", "pk")
+    )
+    found = []
+    for booking in bookings:
+        rows = list(
+            Allocation.objects.filter(reservation=booking).values_list(
+                "gpu_id", "memory_mb", "gpu__server_id"
+            )
+        )
+        if rows:
+            found.append(Lendable(booking, {uuid: mb for uuid, mb, _ in rows}, rows[0][2]))
+    return found
+
+
+def _fits(entry: Entry, lent: Lendable) -> list[str]:
+    """The lent cards the waiting job takes, or []: enough of them on a server it may use, each
+    whole or with the memory it asks, for a loan that ends within the lent booking."""
+    r = entry.request
+    if r.server_id is not None and r.server_id != lent.server_id:
+        return []
+    if r.servers is not None and lent.server_id not in r.servers:
+        return []
+    if lent.booking.end < lent.booking.start or r.gpu_count > len(lent.cards):
+        return []
+    fitting = [
+        uuid
+        for uuid, held in sorted(lent.cards.items())
+        if held is None or (r.memory_mb is not None and r.memory_mb <= held)
+    ]
+    return fitting[: r.gpu_count] if len(fitting) >= r.gpu_count else []
+
+
+Bind = Callable[[Job, Reservation, datetime], None]
+
+
+def loans_place(entries: Sequence[Entry], now: datetime, *, bind: Bind) -> int:
+    """Start preemptible jobs that still wait, in plan order, on idle bookings lent to the queue
+    (one loan per booking); how many started. `bind`: the scheduler's start of a job on a booking
+    (PENDING → QUEUED, then sent to its host), as it starts every job; it calls here. A refusal
+    of the booking service is that job's alone, as in the scheduler's own starts."""
+    waiting = [
+        e
+        for e in entries
+        if not e.start_now and e.reason in LENDING_HELPS and e.request.job_id in _preemptible(entries)
+    ]
+    if not waiting:
+        return 0
+    free = lendable(now)
+    started = 0
+    for entry in waiting:
+        for lent in free:
+            cards = _fits(entry, lent)
+            if not cards or now + entry.request.booked > lent.booking.end:
+                continue
+            if _lend(entry, lent, cards, now, bind):
+                free.remove(lent)
+                started += 1
+            break
+    return started
+
+
+def _preemptible(entries: Sequence[Entry]) -> set[int]:
+    ids = [e.request.job_id for e in entries if not e.start_now]
+    return set(Job.objects.filter(pk__in=ids, preemptible=True).values_list("pk", flat=True))
+
+
+def _lend(entry: Entry, lent: Lendable, cards: list[str], now: datetime, bind: Bind) -> bool:
+    """Book the loan and dispatch the job on it, as the scheduler starts any job."""
+    r = entry.request
+    try:
+        with transaction.atomic():
+            job = Job.objects.select_related("owner", "team").get(pk=r.job_id)
+            if job.status != Job.Status.PENDING or not job.owner.is_active:
+                return False
+            loan = reservation_create(
+                user=job.owner,
+                team=job.team,
+                gpus=cards,
+                memory_mb=job.memory_mb,
+                start=now,
+                end=now + r.booked,
+                note=f"Queued job {job.pk} ({job.name}), on booking {lent.booking.pk} lent to the queue",
+                now=now,
+                lent_from=lent.booking,
+            )
+            bind(job, loan, now)
+    except ServiceError as refusal:
+        log.info("Job %s could not borrow booking %s: %s", r.job_id, lent.booking.pk, refusal.message)
+        return False
+    log.info("Lent booking %s to queued job %s on %s", lent.booking.pk, r.job_id, ", ".join(cards))
+    return True
+
+
+# --- the owner comes back ----------------------------------------------------------------------------
+
+
+def loans_take_back(*, booking: Reservation | int, why: str, now: datetime | None = None) -> list[int]:
+    """Every borrower on `booking`'s cards is preempted at once, with LEND_GRACE_SECONDS as its
+    grace; the jobs asked. Safe to repeat: a job asked already is not asked again."""
+    now = now or timezone.now()
+    pk = booking if isinstance(booking, int) else booking.pk
+    loans = Reservation.objects.filter(loans_active(now), lent_from_id=pk)
+    jobs = Job.objects.filter(
+        reservation__in=loans, status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
+    )
+    asked = [
+        job
+        for job in jobs.values_list("pk", flat=True)
+        if job_preempt(job=job, reason=why, grace_seconds=settings.LEND_GRACE_SECONDS, now=now)
+    ]
+    if asked:
+        log.info("Booking %s taken back from jobs %s: %s", pk, asked, why)
+    return asked
+
+
+def loan_take_back(*, user: AbstractBaseUser, booking: Reservation, now: datetime | None = None) -> list[int]:
+    """*Take it back* on the booking's page: its owner (or a leader of its team, an admin)."""
+    if not can_manage(user, booking):
+        raise Forbidden("Only the booking's owner, its team's leaders and admins can take it back.")
+    return loans_take_back(booking=booking, why=f"{user} took booking {booking.pk} back", now=now)
+
+
+def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> list[int]:
+    """Each telemetry round: a process on a lent card that is not its borrower's is the owner
+    coming back (anyone else there is the watchdog's), so the borrower leaves at once."""
+    now = now or timezone.now()
+    by_card = {c.uuid: c for c in cards if c.processes}
+    if not by_card:
+        return []
+    loans = Allocation.objects.filter(
+        gpu_id__in=list(by_card), reservation__in=Reservation.objects.filter(loans_active(now))
+    ).values_list("gpu_id", "reservation_id", "reservation__lent_from_id")
+    asked: list[int] = []
+    for uuid, loan, lender in loans:
+        borrowers = set(Job.objects.filter(reservation_id=loan).values_list("pk", flat=True))
+        others = [p for p in by_card[uuid].processes or () if p.job_id not in borrowers]
+        if others:
+            why = f"the owner of booking {lender} started using it (process {others[0].pid} on its card)"
+            asked += loans_take_back(booking=lender, why=why, now=now)
+    return asked
+
+
+def lent_context(context: Any) -> dict[str, Any]:
+    """The booking page's words on a lent booking `r` (portal.hooks.RESERVATION_SESSIONS), and
+    whether the viewer may take it back."""
+    booking, viewer = context["r"], context["request"].user
+    words = lent_words(booking) if booking.lent_from_id is None else ""
+    return {"lent_words": words, "may_take_back": bool(words) and can_manage(viewer, booking)}
+
+
+def lent_words(booking: Reservation, now: datetime | None = None) -> str:
+    """What the booking's page and the dashboard say of a lent booking; "" when it is not lent."""
+    now = now or timezone.now()
+    loans = list(Reservation.objects.filter(loans_active(now), lent_from=booking).order_by("start"))
+    if not loans:
+        return ""
+    jobs = Job.objects.filter(reservation__in=loans).values_list("pk", flat=True)
+    names = ", ".join(f"job {pk}" for pk in jobs) or "a queued job"
+    return (
+        f"lent to the queue since {timezone.localtime(loans[0].start):%H:%M}: {names}; "
+        "it leaves as soon as you start something"
+    )

@@ -1,0 +1,132 @@
+"""Preemptible jobs: asking one to leave its cards (`job_preempt`), and putting it back in the
+queue at its old place (`job_requeue`).
+
+A queued job submitted `preemptible` may be asked to leave its cards at any time (its booking's
+cards are wanted back: a lent booking's owner returned, docs/booking.md). Leaving is a stop like
+a cancel: SIGTERM, then SIGKILL after its grace (PREEMPT_GRACE_SECONDS; LEND_GRACE_SECONDS when an
+owner takes a lent card back), done by the job's supervisor (jobs/host/runner.py), which reads the
+request on the job's row. Then, instead of ending, the job goes back to PENDING by the one
+transition: its booking is released, its run's facts (worker, pid, start) are cleared, and
+`preemptions` counts one more. Its `created_at`, and so its age and its place in the queue, are
+kept: the scheduler starts it again as soon as cards are free, where it resumes from the
+checkpoint it kept in PORTAL_CHECKPOINT_DIR (jobs/host/checkpoints.py). It never counts as
+failed; its log says each time why it left and, when it runs again, that it came back.
+
+A job that was booked but not yet sent to a worker (QUEUED, not dispatched) is put back at once:
+no process of it exists. One already sent is left to the worker that claims it, which puts it
+back before starting it (a message in flight must find the job where it was sent).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from datetime import datetime
+
+from django.conf import settings
+from django.db.models import F, Q
+from django.utils import timezone
+
+from gpus.booking import PORTAL, reservation_release
+from gpus.models import Reservation
+from jobs.logs.store import log_append
+from jobs.models import Job
+from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
+
+log = logging.getLogger(__name__)
+
+PREEMPTED = "Preempted:"  # how a requeued job's message starts while it waits again
+# Where a preemption may still be asked for: the job holds (or is about to hold) cards.
+ON_CARDS = (Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
+
+
+def preempted_words(reason: str) -> str:
+    """The line a preempted job's log and message carry: why it left, and what happens next."""
+    return f"{PREEMPTED} {reason.rstrip('.')}. It goes back to the queue at its old place."
+
+
+def job_preempt(
+    *, job: Job | int, reason: str, grace_seconds: int | None = None, now: datetime | None = None
+) -> bool:
+    """Ask a preemptible job on cards to leave them, with `reason` (its log's and owner's words)
+    and `grace_seconds` between SIGTERM and SIGKILL (default PREEMPT_GRACE_SECONDS). Whether it
+    was asked (or, booked but not yet sent to a worker, put back at once); False for a job that is
+    not preemptible, not on cards, or asked already (the first request stands). Safe to repeat."""
+    now = now or timezone.now()
+    pk = job if isinstance(job, int) else job.pk
+    grace = grace_seconds or settings.PREEMPT_GRACE_SECONDS
+    if job_requeue(
+        pk,
+        from_=(Job.Status.QUEUED,),
+        message=preempted_words(reason),
+        where=Q(preemptible=True, dispatched_at=None),
+        now=now,
+        say=True,
+    ):
+        return True
+    asked = Job.objects.filter(
+        pk=pk, preemptible=True, status__in=ON_CARDS, preempt_requested_at=None, cancel_requested_at=None
+    ).update(preempt_requested_at=now, preempt_reason=reason[:500], preempt_grace_seconds=grace)
+    if asked:
+        log.info("Job %s: preemption asked (%s), grace %s s", pk, reason, grace)
+    return bool(asked)
+
+
+def job_requeue(
+    job_id: int,
+    *,
+    from_: Collection[str],
+    message: str,
+    where: Q | None = None,
+    now: datetime | None = None,
+    say: bool = False,
+) -> bool:
+    """Back to PENDING at its old place, by the one transition: its booking released with it, its
+    run's facts cleared, `preemptions` counted. `say`: the log's line is written here (no
+    supervisor wrote it). Whether this call made the change."""
+    now = now or timezone.now()
+    booking = Job.objects.filter(pk=job_id).values_list("reservation_id", flat=True).first()
+
+    def told() -> None:
+        if booking is not None:
+            _booking_give_back(booking, job_id, now)
+        if say:
+            log_append(job_id, f"[portal] {message}", now=now)
+        wake_on_commit(QUEUE_SCHEDULER)
+
+    made = Job.objects.transition(
+        job_id,
+        from_=from_,
+        to=Job.Status.PENDING,
+        where=Q(queued=True, preemptible=True) & (where or Q()),
+        told=told,
+        reservation=None,
+        server=None,
+        gpu_uuids=[],
+        not_before=None,
+        dispatched_at=None,
+        started_at=None,
+        finished_at=None,
+        heartbeat_at=None,
+        worker="",
+        pid=None,
+        pid_started=None,
+        exit_code=None,
+        watchdog_stop="",
+        pending_reason="",
+        message=message[:1000],
+        preempt_requested_at=None,
+        preempt_reason="",
+        preempt_grace_seconds=None,
+        preemptions=F("preemptions") + 1,
+    )
+    if made:
+        log.info("Job %s: back in the queue at its old place (%s)", job_id, message)
+    return made
+
+
+def _booking_give_back(booking_id: int, job_id: int, now: datetime) -> None:
+    """The preempted job's booking ends now: its cards are free for whoever wanted them back."""
+    booking = Reservation.objects.get(pk=booking_id)
+    if booking.status_at(now) == Reservation.Status.ACTIVE:
+        reservation_release(user=PORTAL, reservation=booking, now=now, reason=f"job {job_id} was preempted")

@@ -1,0 +1,148 @@
+"""Lending idle bookings to the queue (issue 36, phase 2): a preemptible job placed on an idle
+booking's cards, and the owner taking them back (their job, `gpu exec`, their process on the card,
+*Take it back*). The services and the scheduler's pass, called directly."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gpus.booking import reservation_create
+from gpus.inventory import GPUInfo, ProcessInfo
+from gpus.models import Reservation
+from jobs.lending import lendable, lent_words, loans_watch
+from jobs.models import Job
+from jobs.queue.scheduler import schedule_pass
+from jobs.sessions.services import session_start
+from jobs.submit import ScriptUpload, job_submit
+from portal.models import AuditEntry, Team
+from tests.factories import MembershipFactory, UserFactory, queue_job
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def carol(team):
+    """Another member, who books the rest of the server."""
+    return MembershipFactory(team=team, user=UserFactory(username="carol")).user
+
+
+@pytest.fixture
+def idle_booking(alice, carol, box, settings):
+    """alice's booking of card 0, idle for 20 minutes (LEND_AFTER_MINUTES 15); carol holds the rest."""
+    reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=timezone.now() + timedelta(hours=8))
+    booking = reservation_create(user=alice, gpus=[box[0].uuid], end=timezone.now() + timedelta(hours=8))
+    Reservation.objects.filter(pk=booking.pk).update(idle_since=timezone.now() - timedelta(minutes=20))
+    booking.refresh_from_db()
+    return booking
+
+
+def _lent_job(bob, sent) -> Job:
+    job = queue_job(bob, minutes=60, preemptible=True)
+    done = schedule_pass()
+    job.refresh_from_db()
+    assert done.get("lent") == 1 and job.status == Job.Status.QUEUED, (done, job.pending_reason)
+    return job
+
+
+def test_a_preemptible_job_runs_on_a_booking_idle_long_enough(idle_booking, bob, sent):
+    ordinary = queue_job(bob, minutes=60)
+    job = _lent_job(bob, sent)
+    loan = job.reservation
+    assert (
+        loan.lent_from == idle_booking
+        and loan.owner == bob
+        and job.gpu_uuids == [idle_booking.allocations.get().gpu_id]
+    )
+    assert loan.end <= idle_booking.end
+    ordinary.refresh_from_db()
+    assert ordinary.status == Job.Status.PENDING  # an ordinary job never borrows
+    assert job.dispatched_at is not None  # sent to its host once this commits
+    assert lent_words(idle_booking).startswith("lent to the queue since ")
+    assert f"job {job.pk}; it leaves as soon as you start something" in lent_words(idle_booking)
+    assert not lendable(timezone.now())  # one loan per booking
+
+
+@pytest.mark.parametrize(
+    "why", ["not idle long enough", "the team lends nothing", "it outlasts the booking", "a job of its own"]
+)
+def test_nothing_is_lent_when_it_should_not_be(idle_booking, alice, bob, team, sent, why):
+    if why == "not idle long enough":
+        Reservation.objects.filter(pk=idle_booking.pk).update(
+            idle_since=timezone.now() - timedelta(minutes=5)
+        )
+    elif why == "the team lends nothing":
+        Team.objects.filter(pk=team.pk).update(lend_idle=False)
+    elif why == "a job of its own":
+        job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+    job = queue_job(bob, minutes=60 * 9 if why == "it outlasts the booking" else 60, preemptible=True)
+    assert "lent" not in schedule_pass()
+    job.refresh_from_db()
+    assert job.status == Job.Status.PENDING
+
+
+def test_the_owners_job_on_the_booking_sends_the_borrower_away(idle_booking, alice, bob, sent, settings):
+    settings.LEND_GRACE_SECONDS = 7
+    job = _lent_job(bob, sent)
+    job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+    job.refresh_from_db()
+    assert job.preempt_requested_at is not None and job.preempt_grace_seconds == 7
+    assert job.preempt_reason == f"alice started job {job.pk + 1} on it"
+
+
+def test_the_owners_gpu_exec_sends_the_borrower_away(idle_booking, alice, bob, sent):
+    job = _lent_job(bob, sent)
+    session_start(
+        user=alice, reservation=idle_booking.pk, kind="exec", host="box1", command=["python", "x.py"]
+    )
+    job.refresh_from_db()
+    assert job.preempt_requested_at is not None and "alice started gpu exec on it" in job.preempt_reason
+
+
+def _card(uuid: str, *processes: ProcessInfo) -> GPUInfo:
+    return GPUInfo(
+        uuid=uuid, index=0, name="card", pci_bus_id="0", memory_total_mb=24576, memory_reserved_mb=300,
+        memory_used_mb=0, utilization_pct=0, temperature_c=30, power_w=50, power_limit_w=300,
+        mig_mode="disabled", processes=processes,
+    )  # fmt: skip
+
+
+def test_the_owners_first_process_on_the_card_sends_the_borrower_away(idle_booking, bob, sent):
+    job = _lent_job(bob, sent)
+    uuid = job.gpu_uuids[0]
+    borrowers = ProcessInfo(pid=10, username="bob", command="python fit.py", job_id=job.pk)
+    assert loans_watch([_card(uuid, borrowers)]) == []  # its own processes: nothing happens
+    owners = ProcessInfo(pid=11, username="alice", command="python mine.py")
+    assert loans_watch([_card(uuid, borrowers, owners)]) == [job.pk]
+    job.refresh_from_db()
+    assert "started using it (process 11 on its card)" in job.preempt_reason
+
+
+def test_take_it_back_on_the_booking_page(idle_booking, alice, bob, sent):
+    job = _lent_job(bob, sent)
+    outsider = Client()
+    outsider.force_login(UserFactory(username="charlie"))
+    assert outsider.post(f"/reservations/{idle_booking.pk}/take-back/").status_code == 404
+    owner = Client()
+    owner.force_login(alice)
+    page = owner.get(f"/reservations/{idle_booking.pk}/").content.decode()
+    assert "lent to the queue since" in page and "Take it back" in page
+    response = owner.post(f"/reservations/{idle_booking.pk}/take-back/", follow=True)
+    assert f"Taken back: job {job.pk} gets SIGTERM now" in response.content.decode()
+    job.refresh_from_db()
+    assert job.preempt_reason == f"alice took booking {idle_booking.pk} back"
+
+
+def test_leaders_turn_lending_off_for_their_team(team, leader, alice):
+    api = APIClient()
+    api.force_authenticate(alice)
+    assert api.patch(f"/api/v1/teams/{team.slug}/", {"lend_idle": False}, format="json").status_code == 403
+    api.force_authenticate(leader)
+    response = api.patch(f"/api/v1/teams/{team.slug}/", {"lend_idle": False}, format="json")
+    assert response.status_code == 200 and response.json()["lend_idle"] is False
+    assert Team.objects.get(pk=team.pk).lend_idle is False
+    assert AuditEntry.objects.filter(action=AuditEntry.Action.TEAM_LEND_IDLE).count() == 1

@@ -1,0 +1,204 @@
+"""Preemptible jobs (issue 36): submitted so, asked to leave, back in the queue at their old place.
+
+The services and the end's record, called directly; tests/test_preemption_worker.py runs a real
+preemptible Keras job through real workers."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gpus.booking import reservation_create
+from gpus.models import Reservation
+from jobs.forms import JobForm
+from jobs.host.checkpoints import CHECKPOINT_VAR, PREEMPTIBLE_VAR, checkpoint_name, checkpoint_ready
+from jobs.host.launch import Launch
+from jobs.host.spool import EndRecord
+from jobs.logs.store import LogWriter, log_stream
+from jobs.models import Job
+from jobs.preemption import PREEMPTED, job_preempt
+from jobs.queue.scheduler import queue_plan, schedule_pass
+from jobs.runs import job_end_record
+from portal.errors import Invalid
+from tests.factories import queue_job
+
+pytestmark = pytest.mark.django_db
+
+
+def _log(job_id: int) -> str:
+    return b"".join(log_stream(job_id)).decode()
+
+
+def _started(job: Job) -> Job:
+    schedule_pass()
+    job.refresh_from_db()
+    assert job.status == Job.Status.QUEUED, job.pending_reason
+    return job
+
+
+def _running(job: Job) -> Job:
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, started_at=timezone.now(), pid=4242)
+    job.refresh_from_db()
+    return job
+
+
+# --- submitting -----------------------------------------------------------------------------------
+
+
+def test_it_submits_a_preemptible_queued_job_through_the_api(alice, box):
+    api = APIClient()
+    api.force_authenticate(alice)
+    response = api.post(
+        "/api/v1/jobs/",
+        {"script": SimpleUploadedFile("t.py", b"print(1)\n"), "gpu_count": 1, "preemptible": "true"},
+        format="multipart",
+    )
+    assert response.status_code == 201, response.json()
+    body = response.json()
+    assert (body["preemptible"], body["preemptions"]) == (True, 0)
+    assert Job.objects.get(pk=body["id"]).preemptible
+
+
+def test_it_refuses_a_preemptible_job_on_a_booking_and_writes_nothing(alice, box):
+    booking = reservation_create(user=alice, gpus=[box[0].uuid])
+    api = APIClient()
+    api.force_authenticate(alice)
+    response = api.post(
+        "/api/v1/jobs/",
+        {"reservation": booking.pk, "script": SimpleUploadedFile("t.py", b"1\n"), "preemptible": "true"},
+        format="multipart",
+    )
+    assert response.status_code == 400
+    assert "Only a queued job can be preemptible" in response.json()["errors"]["preemptible"][0]
+    assert not Job.objects.exists()
+
+
+def test_the_form_queues_a_preemptible_job(alice, box):
+    form = JobForm(
+        data={"gpu_count": "1", "interpreter": "default", "preemptible": "on", "script_path": ""},
+        files={"script": SimpleUploadedFile("t.py", b"print(1)\n")},
+        user=alice,
+    )
+    assert form.is_valid(), form.errors
+    assert form.service_kwargs()["preemptible"] is True
+
+
+def test_an_ordinary_job_is_not_preempted(alice, box, sent):
+    job = _started(queue_job(alice))
+    assert not job_preempt(job=job, reason="wanted back")
+    job.refresh_from_db()
+    assert job.status == Job.Status.QUEUED and job.preempt_requested_at is None
+
+
+# --- leaving -------------------------------------------------------------------------------------
+
+
+def test_a_booked_job_not_yet_sent_goes_back_at_once_keeping_its_place(alice, box, monkeypatch):
+    monkeypatch.setattr("jobs.queue.scheduler.dispatch", lambda job, now: False)  # the broker is away
+    job = _started(queue_job(alice, preemptible=True))
+    booking = job.reservation_id
+    submitted = job.created_at
+
+    assert job_preempt(job=job, reason="the owner of booking 7 came back")
+
+    job.refresh_from_db()
+    assert (job.status, job.reservation, job.server, job.gpu_uuids) == (Job.Status.PENDING, None, None, [])
+    assert job.preemptions == 1 and job.created_at == submitted  # its old place: its age is kept
+    assert job.message.startswith(f"{PREEMPTED} the owner of booking 7 came back.")
+    assert Reservation.objects.get(pk=booking).released_at is not None
+    assert "[portal] Preempted: the owner of booking 7 came back." in _log(job.pk)
+
+
+def test_a_running_job_is_asked_to_leave_and_its_end_puts_it_back(alice, box, sent):
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    booking = job.reservation_id
+
+    assert job_preempt(job=job, reason="its cards are wanted back", grace_seconds=7)
+    assert not job_preempt(job=job, reason="again")  # the first request stands
+    job.refresh_from_db()
+    assert job.status == Job.Status.RUNNING and job.preempt_grace_seconds == 7
+    assert job.preempt_reason == "its cards are wanted back"
+
+    # What the supervisor records once the process is gone (jobs/host/runner.py, `_record`).
+    record = EndRecord(
+        status=Job.Status.PENDING,
+        exit_code=-15,
+        message="Preempted: x.",
+        finished_at=timezone.now().isoformat(),
+    )
+    assert job_end_record(job.pk, LogWriter(job.pk), record)
+    job.refresh_from_db()
+    assert (job.status, job.preemptions, job.pid, job.started_at, job.exit_code) == (
+        "pending",
+        1,
+        None,
+        None,
+        None,
+    )
+    assert job.preempt_requested_at is None and job.finished_at is None
+    assert Reservation.objects.get(pk=booking).released_at is not None
+    assert not job_end_record(job.pk, LogWriter(job.pk), record)  # once: a replay finds it done
+
+
+def test_a_requeued_job_keeps_its_place_ahead_of_later_submissions(alice, box, sent):
+    """Its submit time, and so its age and its place among equal priorities, are kept (its owner's
+    fair share counts the time it ran, as for any booking)."""
+    first = _running(_started(queue_job(alice, gpus=4, preemptible=True)))
+    later = queue_job(alice, gpus=4)
+    job_preempt(job=first, reason="wanted back")
+    record = EndRecord(
+        status="pending", exit_code=None, message="Preempted.", finished_at=timezone.now().isoformat()
+    )
+    job_end_record(first.pk, LogWriter(first.pk), record)
+    entries = queue_plan(now=timezone.now() + timedelta(seconds=1))
+    assert [e.request.job_id for e in entries] == [first.pk, later.pk]
+    schedule_pass()
+    first.refresh_from_db()
+    later.refresh_from_db()
+    assert (first.status, later.status) == (Job.Status.QUEUED, Job.Status.PENDING)
+    assert first.message == ""  # the preemption's words go once it runs again
+
+
+# --- its checkpoint folder -------------------------------------------------------------------------
+
+
+def _launch() -> Launch:
+    return Launch(argv=["python"], env={"PATH": "/bin"}, cwd=Path("/tmp"), env_applied={}, account=None)
+
+
+def test_a_preemptible_job_keeps_one_checkpoint_folder_across_its_runs(alice, box):
+    job = queue_job(alice, preemptible=True)
+    first = checkpoint_ready(_launch(), job)
+    folder = Path(first.env[CHECKPOINT_VAR])
+    assert first.env[PREEMPTIBLE_VAR] == "1" and first.env_applied[CHECKPOINT_VAR] == str(folder)
+    assert folder.name == checkpoint_name(job) and folder.is_dir()
+    (folder / "state").write_text("epoch 3")
+
+    again = checkpoint_ready(_launch(), job)
+    assert again.env[CHECKPOINT_VAR] == str(folder) and (folder / "state").read_text() == "epoch 3"
+
+
+def test_an_ordinary_job_gets_no_checkpoint_folder(alice, box):
+    launch = checkpoint_ready(_launch(), queue_job(alice))
+    assert PREEMPTIBLE_VAR not in launch.env and CHECKPOINT_VAR not in launch.env
+
+
+def test_a_checkpoint_folder_that_is_a_link_is_never_followed(alice, box, tmp_path, settings):
+    job = queue_job(alice, preemptible=True)
+    (Path(settings.JOB_FOLDERS) / checkpoint_name(job)).symlink_to(tmp_path)
+    with pytest.raises(Exception, match="checkpoint folder"):
+        checkpoint_ready(_launch(), job)
+
+
+def test_the_service_refuses_preemptible_on_a_booking(alice, box):
+    from jobs.submit import ScriptUpload, job_submit
+
+    booking = reservation_create(user=alice, gpus=[box[1].uuid])
+    with pytest.raises(Invalid) as refused:
+        job_submit(user=alice, reservation=booking, script=ScriptUpload("t.py", b"1\n"), preemptible=True)
+    assert refused.value.field == "preemptible"
