@@ -56,7 +56,7 @@ def test_it_gives_the_booked_nodes_and_nothing_of_the_hosts_dev(nodes):
     ]
     joined = " ".join(argv)
     assert "/dev:/dev" not in joined and ".sock" not in joined and "--privileged" not in argv
-    for flag in ("--cap-drop", "--security-opt", "--user", "--network", "--init", "--rm"):
+    for flag in ("--cap-drop", "--security-opt", "--user", "--network", "--init", "--replace"):
         assert flag in argv
     assert argv[argv.index("--cap-drop") + 1] == "all"
     assert argv[argv.index("--security-opt") + 1] == "no-new-privileges"
@@ -66,12 +66,12 @@ def test_it_gives_the_booked_nodes_and_nothing_of_the_hosts_dev(nodes):
 
 def test_a_root_filesystem_is_the_last_argument_before_the_command_behind_an_overlay(nodes):
     argv = _argv(_spec())
-    assert argv[-6:-4] == ["--rootfs", "/srv/images/tf:O"]
+    assert argv[-7:-4] == ["--rootfs", "--", "/srv/images/tf:O"]
     assert argv[-4:] == ["python3", "-u", "/opt/launcher.py", "job.py"]
 
 
 def test_a_registry_image_is_run_as_pulled_and_an_archive_by_its_local_name(nodes):
-    assert _argv(_spec("registry.lab/tf:2.17"))[-7:-4] == ["--pull", "never", "registry.lab/tf:2.17"]
+    assert _argv(_spec("registry.lab/tf:2.17"))[-8:-4] == ["--pull", "never", "--", "registry.lab/tf:2.17"]
     archive = _argv(_spec("oci-archive:/srv/tf.tar"))[-5]
     assert archive == local_name("oci-archive:/srv/tf.tar") and archive.startswith(
         "localhost/portal-archive-"
@@ -115,18 +115,28 @@ def test_the_environment_goes_in_a_file_never_on_the_command_line(nodes):
 
 
 @pytest.mark.parametrize(
-    ("code", "sent", "end"),
+    ("code", "sent", "oom", "end"),
     [
-        (0, set(), RunEnd(code=0)),
-        (3, set(), RunEnd(code=3)),
-        (143, {signal.SIGTERM}, RunEnd(signal=15)),
-        (143, set(), RunEnd(code=143)),  # the script's own exit(143): nobody sent SIGTERM
-        (137, set(), RunEnd(signal=9)),  # the OOM killer
-        (-9, set(), RunEnd(signal=9)),  # the client itself killed
+        (0, set(), False, RunEnd(code=0)),
+        (3, set(), False, RunEnd(code=3)),
+        (143, {signal.SIGTERM}, False, RunEnd(signal=15)),
+        (143, set(), False, RunEnd(code=143)),  # the script's own exit(143): nobody sent SIGTERM
+        (137, set(), False, RunEnd(code=137)),  # the script's own exit(137), as a shell gives it
+        (137, {signal.SIGKILL}, False, RunEnd(signal=9)),
+        (137, set(), True, RunEnd(signal=9)),  # Podman saw the OOM killer end it
+        (139, set(), True, RunEnd(code=139)),  # out of memory, but not what killed it
+        (-9, set(), False, RunEnd(signal=9)),  # the client itself killed
     ],
 )
-def test_128_plus_n_is_read_as_the_signal_the_portal_sent(code, sent, end):
-    assert _end_of(code, {int(s) for s in sent}) == end
+def test_128_plus_n_is_read_as_a_signal_only_when_the_portal_sent_it_or_the_oom_killer(code, sent, oom, end):
+    assert _end_of(code, {int(s) for s in sent}, oom_killed=oom) == end
+
+
+def test_a_reference_is_never_read_as_an_option(nodes):
+    for reference in ("--privileged", "/srv/images/tf"):
+        argv = _argv(_spec(reference))
+        assert argv[argv.index("--") + 1].startswith(reference) and argv.index("--") > argv.index("--user")
+    assert "--rm" not in _argv(_spec())  # removed by the worker, after it read how it ended
 
 
 def test_a_lab_in_an_image_is_refused_saying_so():

@@ -110,10 +110,12 @@ def podman_command(*args: str, account: pwd.struct_passwd | None = None) -> list
 
 
 def podman(
-    *args: str, account: pwd.struct_passwd | None = None, timeout: float = COMMAND_SECONDS
+    *args: str, account: pwd.struct_passwd | None = None, timeout: float | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """One short `podman` step (inspect, kill, rm, image exists), as `account` in rootless mode;
-    ContainerError when Podman cannot be run at all or does not answer in `timeout`."""
+    """One short `podman` step (inspect, rm, image exists), as `account` in rootless mode;
+    ContainerError when Podman cannot be run at all or does not answer in `timeout`
+    (COMMAND_SECONDS, read at each call)."""
+    timeout = COMMAND_SECONDS if timeout is None else timeout
     try:
         return subprocess.run(
             podman_command(*args, account=account),
@@ -216,7 +218,7 @@ def _info_check(account: pwd.struct_passwd | None) -> tuple[bool, str]:
     except ContainerError as exc:
         return False, str(exc)
     if done.returncode != 0:
-        return False, f"podman info{whose} failed on {host}: {_last_line(done.stderr)}"
+        return False, f"podman info{whose} failed on {host}: {last_line(done.stderr)}"
     try:
         info = json.loads(done.stdout)
         runtime = info["host"]["ociRuntime"]
@@ -230,7 +232,7 @@ def _info_check(account: pwd.struct_passwd | None) -> tuple[bool, str]:
     return True, f"podman {version}, {runc}, {driver} storage, {settings.CONTAINER_MODE} mode{whose}"
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else "(no message)"
 
@@ -287,7 +289,7 @@ def image_pull(
     if reference.startswith("/") and account is None:
         return
     name = local_name(reference, account)
-    if podman("image", "exists", name, account=account).returncode == 0:
+    if podman("image", "exists", "--", name, account=account).returncode == 0:
         return
     if reference.startswith(ARCHIVE_PREFIXES):
         path = Path(reference.split(":", 1)[1])
@@ -300,9 +302,9 @@ def image_pull(
         image_id = import_folder(reference, name, say, account)
     else:
         image_id = _pull(reference, say, account)
-    if name != reference and podman("tag", image_id, name, account=account).returncode != 0:
+    if name != reference and podman("tag", "--", image_id, name, account=account).returncode != 0:
         raise ContainerError(f"Could not name the image loaded from {reference} on {host} ({name}).")
-    size = podman("image", "inspect", "--format", "{{.Size}}", name, account=account).stdout.strip()
+    size = podman("image", "inspect", "--format", "{{.Size}}", "--", name, account=account).stdout.strip()
     shown = f", {int(size) / 1e9:.2f} GB" if size.isdigit() else ""
     say(f"pulled {reference} in {time.monotonic() - started:.1f} s{shown}")
 
@@ -322,7 +324,7 @@ def import_folder(folder: str, name: str, say: Callable[[str], None], account: p
     )  # fmt: skip
     try:
         done = subprocess.run(
-            podman_command("import", "--quiet", "-", name, account=account),
+            podman_command("import", "--quiet", "--", "-", name, account=account),
             env=podman_env(account), stdin=tar.stdout, capture_output=True, text=True, cwd="/",
             timeout=settings.CONTAINER_PULL_SECONDS, **rootless.as_account(account),  # type: ignore[arg-type]
         )  # fmt: skip
@@ -336,7 +338,7 @@ def import_folder(folder: str, name: str, say: Callable[[str], None], account: p
         tar.stdout.close()
         tar_error = tar.communicate()[1].decode(errors="replace") if tar.wait(60) else ""
     if done.returncode != 0 or tar.returncode != 0:
-        why = _last_line(done.stderr) if done.returncode != 0 else _last_line(tar_error)
+        why = last_line(done.stderr) if done.returncode != 0 else last_line(tar_error)
         raise ContainerError(
             f"Could not import {folder} for {account.pw_name} on {socket.gethostname()}: {why}"
         )
@@ -345,7 +347,7 @@ def import_folder(folder: str, name: str, say: Callable[[str], None], account: p
 
 def _pull(reference: str, say: Callable[[str], None], account: pwd.struct_passwd | None) -> str:
     """`podman pull`, its lines said as they come; the image's id."""
-    argv = podman_command("pull", reference, account=account)
+    argv = podman_command("pull", "--", reference, account=account)
     try:
         proc = subprocess.Popen(
             argv,
@@ -373,7 +375,7 @@ def _pull(reference: str, say: Callable[[str], None], account: pwd.struct_passwd
     finally:
         timer.cancel()
     if code != 0:
-        why = _last_line("\n".join(lines))
+        why = last_line("\n".join(lines))
         if code < 0:
             why = f"it took longer than CONTAINER_PULL_SECONDS ({settings.CONTAINER_PULL_SECONDS} s)"
         raise ContainerError(
@@ -403,5 +405,5 @@ def leftovers_remove(
     found = [tuple(line.split("\t")) for line in done.stdout.splitlines() if line.count("\t") == 2]
     removed = [(name, work, state) for name, work, state in found if name not in keep]
     for name, _work, _state in removed:
-        podman("rm", "--force", "--ignore", "--time", "0", name, account=account)
+        podman("rm", "--force", "--ignore", "--time", "0", "--", name, account=account)
     return removed  # type: ignore[return-value]

@@ -34,7 +34,9 @@ What a new executor must guarantee:
 - **Output streamed.** stdout and stderr come interleaved, as printed, through `Run.output`,
   read ahead by a bounded amount only (the run waits, not the worker's memory).
 - **Exit codes as a shell gives them.** `RunEnd` holds the exit code or the signal; a runtime
-  that reports 128+N after signal N reports it as `RunEnd(signal=N)`. `RunEnd.returncode`
+  that reports 128+N after signal N reports it as `RunEnd(signal=N)` where it knows that N killed
+  it (the portal sent N, or the runtime recorded the OOM killer), and a script's own exit(128+N)
+  as that code. `RunEnd.returncode`
   (minus N after a signal) is what Job.exit_code records.
 - **Started with nothing of the worker's.** No capabilities, no secrets of the worker's in its
   environment or argv, only the descriptors in `RunSpec.pass_fds`, only the cards in
@@ -43,6 +45,7 @@ What a new executor must guarantee:
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from django.conf import settings
@@ -66,10 +69,18 @@ __all__ = [
 
 def executor_for(work: object) -> Executor:
     """The executor that runs `work` (a Job or an InteractiveSession): a container (`Podman`,
-    named portal-<instance>-job-<id> or -session-<id>) when its image is set, else a local process.
+    named portal-<instance>-<digest>-job-<id> or -session-<id>) when its image is set, else a local process.
     The one place the way to run is chosen."""
     if getattr(work, "image_id", None) is None:
         return LocalProcess()
     kind = "session" if type(work).__name__ == "InteractiveSession" else "job"
-    instance = re.sub(r"[^A-Za-z0-9_.-]", "-", settings.PORTAL_INSTANCE_ID)  # a container name's characters
-    return Podman(f"portal-{instance}-{kind}-{work.pk}")  # type: ignore[attr-defined]
+    return Podman(f"portal-{container_instance()}-{kind}-{work.pk}")  # type: ignore[attr-defined]
+
+
+def container_instance() -> str:
+    """This portal in its containers' names: PORTAL_INSTANCE_ID in a name's characters, and a
+    short digest of it as given, so that two instances the characters alone would merge ("a b",
+    "a-b") never name one container (`podman run --replace` would remove the other's)."""
+    instance = settings.PORTAL_INSTANCE_ID
+    digest = hashlib.sha256(instance.encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', instance)}-{digest}"

@@ -1,19 +1,22 @@
 """The Podman executor: a run is a container (`Podman`), for work whose image is set (issue 34,
 docs/containers.md).
 
-The worker starts `podman run --rm` attached (its output is the run's, through a pipe as for a
-local process) and waits on that client for the exit code. The container's first process is
-catatonit (`--init`): runc makes it a session leader, and it forwards the signals it gets to the
-command. Its *host* pid (`podman inspect {{.State.Pid}}`) and start time are the run's leader, so
-Job.pid names the container's session and the watchdog, the dashboard and the orphan sweep
-attribute every process in it to the job (gpus.procinfo.session_of) as they do a local one's.
+The worker starts `podman run` attached (its output is the run's, through a pipe as for a local
+process) and waits on that client for the exit code. The container's first process is catatonit
+(`--init`): runc makes it a session leader, and it forwards the signals it gets to the command. Its
+*host* pid and start time (found at start from conmon's files, `_conmon_child`) are the run's
+leader, so Job.pid names the container's session and the watchdog, the dashboard and the orphan
+sweep attribute every process in it to the job (gpus.procinfo.session_of) as they do a local one's.
 
-Signals prove the container first: its id, and its init's host pid with its start time, checked
-before each one. SIGKILL goes to the init (`podman kill`): the kernel then kills everything in the
-container's PID namespace at once, a process that left the session (setsid) included. Other
-signals go to the init, which hands them to the command, and to every process of its session by
-identity, as a local run's do. After the exit the container is removed (`podman rm --force`, beside
-`--rm`): no process, no container, no mount is left.
+Signals go by identity, with no Podman in the path (a Podman that hangs or fails on its lock must
+never keep a job from being stopped): SIGKILL to the init, proved by pid and start time (a pidfd,
+portal.pids.send): the kernel then kills everything in the container's PID namespace at once, a
+process that left the session (setsid) included. Any other signal goes once to each process of the
+init's session, by identity, the init left out (it would hand the signal to the command a second
+time), as a local run's do. Podman is for the start and the cleanup alone: after the exit the
+worker reads whether the kernel's OOM killer ended it (`podman inspect`, only for an exit code
+128+N it cannot otherwise read) and removes the container (`podman rm --force`; no `--rm`, so the
+record is still there to read): no process, no container, no mount is left.
 
 What the container gets (jobs/host/executors/podman_args.py): the booked cards alone, the job's
 folders at their own paths, the account's uid and gid, no capabilities, no new privileges, no
@@ -32,12 +35,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 from django.conf import settings
 
 from jobs.host import rootless
-from jobs.host.containers import ContainerError, podman, podman_command, podman_env
+from jobs.host.containers import ContainerError, last_line, podman, podman_command, podman_env
 from jobs.host.executors.base import Run, RunEnd, RunSpec, Signalled
 from jobs.host.executors.output import PipeOutput
 from jobs.host.executors.podman_args import env_file_text, run_argv
@@ -47,7 +51,7 @@ from portal.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
-INSPECT_PAUSE_SECONDS = 0.01
+INSPECT_PAUSE_SECONDS = 0.01  # between two looks for the init, or for what is left
 SWEEP_SECONDS = 5.0
 # Podman's own exit codes before the command ran (as `docker run`'s): its error, a command that
 # could not be invoked, a command not found.
@@ -66,12 +70,13 @@ class PodmanRun(Run):
         kw_only=True, default=None, repr=False
     )  # whose Podman (rootless)
     sent: set[int] = field(kw_only=True, default_factory=set)  # what 128+N from podman may mean
+    oom_killed: bool = field(kw_only=True, default=False)  # Podman's record, read before its removal
     collected: bool = field(kw_only=True, default=False)
 
 
 class Podman:
     """The executor that runs work in a container (jobs.host.executors.Executor), named
-    `container` (portal-<instance>-job-<id>: one per job, found again by a restarted worker)."""
+    `container` (portal-<instance>-<digest>-job-<id>: one per job, found again by a restarted worker)."""
 
     def __init__(self, container: str, *, tick: float = 0.1) -> None:
         self.container = container
@@ -79,20 +84,33 @@ class Podman:
 
     def start(self, spec: RunSpec) -> PodmanRun:
         """`podman run` attached, and the container's init found; OSError when Podman cannot
-        start it (the message says why and what to do)."""
+        start it (the message says why and what to do). Whatever fails, nothing is left: no
+        client, no container, no run folder (which holds the job's environment, its secrets)."""
         if spec.image is None:
             raise OSError(f"{spec.name} has no image: it runs on the host (LocalProcess)")
         account = _podman_account(spec)
+        folder: Path | None = None
         try:
             folder = _run_folder(self.container, spec.env, account)
             argv = run_argv(spec, self.container, folder, rootless=account is not None)
-            command, env = podman_command(*argv, account=account), podman_env(account)
-        except ContainerError as exc:
-            raise OSError(str(exc)) from None
+            run = self._launch(spec, podman_command(*argv, account=account), folder, account)
+            self._find_init(run)
+        except BaseException as exc:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            if isinstance(exc, ContainerError):
+                raise OSError(str(exc)) from None
+            raise
+        return run
+
+    def _launch(
+        self, spec: RunSpec, command: list[str], folder: Path, account: pwd.struct_passwd | None
+    ) -> PodmanRun:
+        """The attached `podman run` client, in a session of its own."""
         proc = subprocess.Popen(
             command,
             cwd="/",
-            env=env,
+            env=podman_env(account),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # Podman's own errors land in the job's log, with its output
@@ -103,12 +121,10 @@ class Podman:
         )
         assert proc.stdout is not None
         output = PipeOutput(proc.stdout, tick=self.tick)
-        run = PodmanRun(
+        return PodmanRun(
             spec.name, ProcessId(proc.pid, started_at(proc.pid) or -1.0), proc.pid, output,
             proc=proc, container=self.container, folder=folder, account=account,
         )  # fmt: skip
-        self._find_init(run)
-        return run
 
     def _find_init(self, run: PodmanRun) -> None:
         """The container's init by host pid and start time: conmon's child (conmon's pid and the
@@ -125,81 +141,77 @@ class Podman:
                 run.sid = run.leader.pid
                 return
             if time.monotonic() > give_up:
-                podman("rm", "--force", "--ignore", "--time", "0", run.container, account=run.account)
-                run.proc.kill()
                 limit = settings.CONTAINER_START_SECONDS
-                raise OSError(f"the container did not start in CONTAINER_START_SECONDS ({limit} s)")
+                self._abandon(run, f"the container did not start in CONTAINER_START_SECONDS ({limit} s)")
             time.sleep(INSPECT_PAUSE_SECONDS)
 
     @staticmethod
-    def _inspect(name: str, account: pwd.struct_passwd | None) -> tuple[str, int] | None:
-        """(id, host pid of its init; 0 when not running) of the container named `name`; None: none."""
-        try:
-            done = podman(
-                "inspect", "--type", "container", "--format", "{{.Id}} {{.State.Pid}}", name, account=account
-            )
-        except ContainerError:
-            return None
-        parts = done.stdout.split()
-        if done.returncode != 0 or len(parts) != 2 or not parts[1].isdigit():
-            return None
-        return parts[0], int(parts[1])
+    def _abandon(run: PodmanRun, why: str) -> NoReturn:
+        """A start given up: the client's group killed and reaped first (an unreaped child of the
+        worker's: its group is proved), the container's init too if it came meanwhile (by
+        identity), then the container removed; OSError saying why (the runner fails the job with
+        it). A removal that fails is said: the worker's next start removes what is left."""
+        pids.send_group(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
+        if isinstance(run.output, PipeOutput):
+            run.output.stop.set()  # nobody reads it any more
+        assert run.folder is not None
+        if (found := _conmon_child(run.folder)) is not None:
+            pids.send(found[1], signal.SIGKILL)
+        if left := _remove(run):
+            why += f"; its container {run.container} may be left until the worker's next start ({left})"
+        raise OSError(why)
 
     def poll(self, run: Run) -> RunEnd | None:
-        code = _run(run).proc.poll()
-        return None if code is None else _end_of(code, _run(run).sent)
+        podman_run = _run(run)
+        code = podman_run.proc.poll()
+        return None if code is None else _end_of(code, podman_run.sent)
 
     def wait(self, run: Run) -> RunEnd:
         return _end_of(_run(run).proc.wait(), _run(run).sent)
 
     def signal(self, run: Run, sig: signal.Signals) -> Signalled:
-        """The container proved (id, init's pid and start), then `sig` to its init (SIGKILL: the
-        whole PID namespace with it) and, for any other signal, to every process of its session
-        by identity. A container already gone counts as signalled."""
+        """`sig` by identity, never through Podman: SIGKILL to the init (its PID namespace with
+        it), any other signal once to each process of the init's session but the init. Never
+        raises: what could not be done is said in the lines."""
         podman_run = _run(run)
         done = Signalled()
-        if podman_run.collected or not self._proved(podman_run):
+        if podman_run.collected or not podman_run.container_id:
+            return done  # reaped, or never seen running (it ended at once): nothing of it to signal
+        try:
+            if sig == signal.SIGKILL:
+                targets = [podman_run.leader]
+            else:
+                targets = [m for m in session_members(podman_run.leader) if m.pid != podman_run.leader.pid]
+            for target in targets:
+                outcome = pids.send(target, sig)
+                done.sent += outcome is Sent.SENT
+                done.denied = done.denied or outcome is Sent.DENIED
+        except Exception as exc:
+            log.exception("%s: could not send %s to its container's processes", run.name, sig.name)
+            done.lines.append(f"[portal] {sig.name} could not be sent to the container ({exc!r}).")
             return done
-        podman_run.sent.add(int(sig))
-        killed = podman("kill", "--signal", sig.name, podman_run.container_id, account=podman_run.account)
-        done.sent += killed.returncode == 0
-        if sig != signal.SIGKILL:
-            for member in session_members(podman_run.leader):
-                if member.pid != podman_run.leader.pid:
-                    outcome = pids.send(member, sig)
-                    done.sent += outcome is Sent.SENT
-                    done.denied = done.denied or outcome is Sent.DENIED
-        if killed.returncode != 0 and self._proved(podman_run):
-            done.lines.append(
-                f"[portal] podman kill --signal {sig.name} failed: {killed.stderr.strip()[:300]}"
-            )
-            log.error("%s: podman kill %s failed: %s", run.name, sig.name, killed.stderr.strip())
+        if done.sent:
+            podman_run.sent.add(int(sig))
+        elif done.denied:
+            log.warning("%s: may not send %s to its container (permission denied)", run.name, sig.name)
+        elif podman_run.proc.poll() is None and podman_run.leader.is_alive():
+            done.lines.append(f"[portal] {sig.name} reached no process of the container: not signalled.")
+            log.error("%s: %s reached no process of its container, though it runs", run.name, sig.name)
         return done
 
-    def _proved(self, run: PodmanRun) -> bool:
-        """The container is still this run's: the same id, its init the same process."""
-        if not run.container_id:
-            return False  # never seen running (ended at once): nothing of it to signal
-        found = self._inspect(run.container, run.account)
-        return (
-            found is not None
-            and found[0] == run.container_id
-            and found[1] == run.leader.pid
-            and run.leader.is_alive()
-        )
-
     def sweep(self, run: Run) -> Signalled:
-        """The container removed (killed first if it still runs), then nothing of its session may
-        be left: what is, is SIGKILLed by identity until SWEEP_SECONDS, and said."""
+        """The container's init SIGKILLed by identity (its namespace with it, whatever Podman does
+        next), how it ended read while Podman still has it, and the container removed; then
+        nothing of its session may be left: what is, is SIGKILLed until SWEEP_SECONDS, and said."""
         podman_run = _run(run)
         done = Signalled()
-        try:
-            podman(
-                "rm", "--force", "--ignore", "--time", "0", podman_run.container, account=podman_run.account
-            )
-        except ContainerError as exc:
-            done.lines.append(f"[portal] could not remove the container {podman_run.container}: {exc}")
-            done.problem = "Its container may not have been removed."
+        if podman_run.container_id:
+            pids.send(podman_run.leader, signal.SIGKILL)
+            _read_end(podman_run, done)
+        if why := _remove(podman_run):
+            done.lines.append(f"[portal] could not remove the container {podman_run.container}: {why}")
+            done.problem = "Its container may not have been removed (the worker's next start removes it)."
         if not podman_run.container_id:
             return done
         give_up = time.monotonic() + SWEEP_SECONDS
@@ -216,7 +228,7 @@ class Podman:
 
     def collect(self, run: Run) -> RunEnd:
         podman_run = _run(run)
-        end = _end_of(podman_run.proc.wait(), podman_run.sent)
+        end = _end_of(podman_run.proc.wait(), podman_run.sent, oom_killed=podman_run.oom_killed)
         podman_run.collected = True
         if podman_run.folder is not None:
             shutil.rmtree(podman_run.folder, ignore_errors=True)
@@ -253,15 +265,58 @@ def _run(run: Run) -> PodmanRun:
     return run
 
 
-def _end_of(returncode: int, sent: set[int]) -> RunEnd:
-    """Podman answers 128+N for a command killed by signal N (catatonit passes it on): read as
-    that signal when the portal sent N, or N is SIGKILL (what else ends a job with 137: the OOM
-    killer); otherwise the code the script chose."""
+def _end_of(returncode: int, sent: set[int], *, oom_killed: bool = False) -> RunEnd:
+    """Podman answers 128+N for a command killed by signal N (catatonit passes it on), and as
+    well for a script's own exit(128+N): read as signal N only when the portal sent N, or N is
+    SIGKILL and Podman saw the OOM killer end it; otherwise the code, as a shell gives it."""
     if returncode < 0:
-        return RunEnd(signal=-returncode)
-    if returncode > 128 and (returncode - 128 in sent or returncode - 128 == signal.SIGKILL):
-        return RunEnd(signal=returncode - 128)
+        return RunEnd(signal=-returncode)  # the client itself was killed (never by the portal)
+    number = returncode - 128
+    if number > 0 and (number in sent or (oom_killed and number == signal.SIGKILL)):
+        return RunEnd(signal=number)
     return RunEnd(code=returncode)
+
+
+def _read_end(run: PodmanRun, done: Signalled) -> None:
+    """For an exit code 128+N the portal did not cause: whether the OOM killer ended it (Podman's
+    record of the container, read before it is removed), and, if not, a line that says what the
+    code may mean. A Podman that fails to answer leaves it unknown: the code stands."""
+    code = run.proc.poll()
+    if code is None or code <= 128 or code - 128 in run.sent:
+        return
+    try:
+        found = podman(
+            "inspect", "--type", "container", "--format", "{{.Id}} {{.State.OOMKilled}}", "--", run.container,
+            account=run.account,
+        ).stdout.split()  # fmt: skip
+    except ContainerError as exc:
+        log.warning("%s: could not read how its container ended: %s", run.name, exc)
+        found = []
+    run.oom_killed = found == [run.container_id, "true"]
+    if run.oom_killed and code - 128 == signal.SIGKILL:
+        done.lines.append("[portal] the kernel's OOM killer ended the container (out of memory).")
+        return
+    try:
+        name = signal.Signals(code - 128).name
+    except ValueError:
+        return
+    done.lines.append(
+        f"[portal] exit code {code} = 128 + {code - 128} ({name}): in a container, a process killed by"
+        f" {name} and one that exited with {code} end alike; the portal sent no {name}."
+    )
+
+
+def _remove(run: PodmanRun) -> str:
+    """`podman rm --force` of the run's container: "" once removed (or gone), else why not (said
+    in the worker's log too)."""
+    try:
+        removed = podman("rm", "--force", "--ignore", "--time", "0", "--", run.container, account=run.account)
+        why = "" if removed.returncode == 0 else last_line(removed.stderr)
+    except ContainerError as exc:
+        why = str(exc)
+    if why:
+        log.error("%s: could not remove its container %s: %s", run.name, run.container, why)
+    return why
 
 
 def _podman_account(spec: RunSpec) -> pwd.struct_passwd | None:
@@ -282,13 +337,18 @@ def _run_folder(container: str, env: dict[str, str], account: pwd.struct_passwd 
     reads and writes it): the container's environment (never on Podman's command line, where
     every account on the host can read it), the files Podman writes its id and conmon's pid to.
     Its parent lets others pass but not list. Removed once the run is collected."""
+    text = env_file_text(env)  # refused before anything is written
     parent = Path(settings.VAR_DIR) / "containers"
     parent.mkdir(mode=0o711, exist_ok=True)
     os.chmod(parent, 0o711)
     folder = Path(tempfile.mkdtemp(prefix=f"{container}.", dir=parent))
-    (folder / "env").write_text(env_file_text(env))
-    if account is not None:
-        os.chown(folder, account.pw_uid, account.pw_gid)
+    try:
+        (folder / "env").write_text(text)
+        if account is not None:
+            os.chown(folder, account.pw_uid, account.pw_gid)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return folder
 
 

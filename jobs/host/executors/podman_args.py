@@ -49,7 +49,8 @@ def run_argv(spec: RunSpec, container: str, folder: Path, *, rootless: bool = Fa
     uid, gid = (spec.account.pw_uid, spec.account.pw_gid) if spec.account else (os.getuid(), os.getgid())
     work = container.rsplit("-", 2)
     argv = [
-        "run", "--rm", "--replace", "--name", container,  # --replace: a dead worker's leftover of this run
+        # No --rm: the worker reads how it ended (OOMKilled) before it removes it (`podman rm`).
+        "run", "--replace", "--name", container,  # --replace: a dead worker's leftover of this run
         "--label", f"{LABEL_INSTANCE}={settings.PORTAL_INSTANCE_ID}",
         "--label", f"{LABEL_WORK}={'-'.join(work[-2:])}",
         "--label", f"{LABEL_SERVER}={settings.WORKER_SERVER}",
@@ -67,11 +68,12 @@ def run_argv(spec: RunSpec, container: str, folder: Path, *, rootless: bool = Fa
     argv += device_args(spec.gpu_uuids, spec.gpu_minors)
     if image.reference.startswith("/") and not rootless:
         # A folder of the hosts: an overlay over it (:O), so nothing a run writes reaches the folder.
-        # --rootfs is a flag, its path the positional image: last.
-        argv += ["--rootfs", f"{image.reference}:O"]
+        # --rootfs is a flag, its path the positional image: last, after "--" as any image (below).
+        argv += ["--rootfs", "--", f"{image.reference}:O"]
     else:
         # Pulled before (image_pull); a folder, rootless: imported into the account's storage.
-        argv += ["--pull", "never", local_name(image.reference, spec.account if rootless else None)]
+        # "--": whatever the reference says, Podman reads it as the image, never as an option.
+        argv += ["--pull", "never", "--", local_name(image.reference, spec.account if rootless else None)]
     return [*argv, *spec.argv]
 
 
