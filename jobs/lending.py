@@ -116,25 +116,35 @@ def loans_place(entries: Sequence[Entry], now: datetime, *, bind: Bind) -> int:
     (one loan per booking); how many started. `bind`: the scheduler's start of a job on a booking
     (PENDING → QUEUED, then sent to its host), as it starts every job; it calls here. A refusal
     of the booking service is that job's alone, as in the scheduler's own starts."""
+    placed = _matches(entries, now, lambda entry, lent, cards: _lend(entry, lent, cards, now, bind))
+    return sum(1 for _ in placed)
+
+
+def loans_preview(entries: Sequence[Entry], now: datetime) -> list[int]:
+    """The jobs `loans_place` would place now, booking nothing (the queue's estimated start)."""
+    return [entry.request.job_id for entry in _matches(entries, now, lambda *_: True)]
+
+
+def _matches(
+    entries: Sequence[Entry], now: datetime, take: Callable[[Entry, Lendable, list[str]], bool]
+) -> Iterable[Entry]:
+    """Each waiting preemptible job, in plan order, with the first lent booking it fits; `take`
+    books it (or not: a refusal leaves the booking for the next job)."""
     waiting = [
         e
         for e in entries
         if not e.start_now and e.reason in LENDING_HELPS and e.request.job_id in _preemptible(entries)
     ]
-    if not waiting:
-        return 0
-    free = lendable(now)
-    started = 0
+    free = lendable(now) if waiting else []
     for entry in waiting:
         for lent in free:
             cards = _fits(entry, lent)
             if not cards or now + entry.request.booked > lent.booking.end:
                 continue
-            if _lend(entry, lent, cards, now, bind):
+            if take(entry, lent, cards):
                 free.remove(lent)
-                started += 1
+                yield entry
             break
-    return started
 
 
 def _preemptible(entries: Sequence[Entry]) -> set[int]:
