@@ -14,7 +14,7 @@ class JobsConfig(AppConfig):
             tasks,  # noqa: F401 - registers run_job and run_session (sent by name: jobs.sessions.services)
         )
         from jobs.leavers import membership_deleted
-        from jobs.lending import lent_context
+        from jobs.lending import lent_context, loan_words
         from jobs.lending_report import reports_context
         from jobs.queue.scheduler import queue_holds
         from jobs.selectors import job_images, jobs_finished_between, jobs_owned_by
@@ -37,6 +37,7 @@ class JobsConfig(AppConfig):
                 job_images=job_images,  # the image a job's processes run in, beside "job N"
                 work_on_booking=work_on,  # what a release or cancel would stop: asked first
                 queue_holds=queue_holds,  # the plan's shadows, which user bookings leave free
+                loan_words=loan_words,  # a lent card's words on the dashboard
             )
         )
         # Run buttons on gpus' booking pages, with the images JupyterLab may run in there.

@@ -228,6 +228,18 @@ def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> lis
     return asked
 
 
+def loan_words(loan_ids: Iterable[int]) -> dict[int, str]:
+    """{loan id: "lent to the queue since 14:02: job 812"} (gpus.hooks.loan_words: the
+    dashboard's lent cards). Two queries."""
+    ids = list(loan_ids)
+    jobs: dict[int, list[int]] = {}
+    rows = Job.objects.filter(reservation_id__in=ids).order_by("pk").values_list("reservation_id", "pk")
+    for loan, job in rows:
+        jobs.setdefault(loan, []).append(job)
+    starts = Reservation.objects.filter(pk__in=ids).values_list("pk", "start")
+    return {loan: lent_since(start, jobs.get(loan, [])) for loan, start in starts}
+
+
 def lent_context(context: Any) -> dict[str, Any]:
     """The booking page's words on a lent booking `r` (portal.hooks.RESERVATION_SESSIONS), and
     whether the viewer may take it back."""
@@ -243,8 +255,10 @@ def lent_words(booking: Reservation, now: datetime | None = None) -> str:
     if not loans:
         return ""
     jobs = Job.objects.filter(reservation__in=loans).values_list("pk", flat=True)
+    return f"{lent_since(loans[0].start, list(jobs))}; it leaves as soon as you start something"
+
+
+def lent_since(start: datetime, jobs: Sequence[int]) -> str:
+    """ "lent to the queue since 14:02: job 812": the booking page's and the dashboard's words."""
     names = ", ".join(f"job {pk}" for pk in jobs) or "a queued job"
-    return (
-        f"lent to the queue since {timezone.localtime(loans[0].start):%H:%M}: {names}; "
-        "it leaves as soon as you start something"
-    )
+    return f"lent to the queue since {timezone.localtime(start):%H:%M}: {names}"
