@@ -220,6 +220,12 @@ def jobs_table(jobs: Iterable[dict[str, Any]], *, owners: bool = False) -> Table
     return table
 
 
+def _estimate(entry: dict[str, Any]) -> str:
+    """The estimated start and what it rests on: "14:02 (plan)"; a portal too old to say, the time."""
+    basis = entry.get("estimate_basis") or ""
+    return when(entry["estimated_start"]) + (f" ({basis})" if basis and entry["estimated_start"] else "")
+
+
 def queue_table(entries: Iterable[dict[str, Any]]) -> Table:
     table = _table(
         "JOB", "NAME", "USER", "TEAM", "GPUS", "MEMORY", "SERVER", "TIME", "PRIORITY", "REASON",
@@ -237,7 +243,7 @@ def queue_table(entries: Iterable[dict[str, Any]]) -> Table:
             elapsed(e["time_limit_minutes"] * 60) if e["time_limit_minutes"] else "—",
             f"{e['priority']:.3f}",
             e["reason"] or "",
-            when(e["estimated_start"]),
+            _estimate(e),
             when(e["submitted_at"]),
         )
     return table

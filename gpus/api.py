@@ -95,7 +95,9 @@ class GPUSerializer(serializers.ModelSerializer):
     simulated = serializers.BooleanField(source="server.simulated", read_only=True)
     processes = GPUProcessSerializer(many=True, read_only=True)
     booked = serializers.SerializerMethodField(
-        help_text="Who holds the card now: [{who, memory, until}], named as the privacy rule allows."
+        help_text="Who holds the card now: [{who, memory, until, lent}], named as the privacy rule allows; "
+        "lent: 'lent to the queue since 14:02: job 812' for a booking lent to the queue, else empty "
+        "(the queue's loan on it is not listed apart)."
     )
 
     class Meta:
@@ -171,7 +173,9 @@ class GPUViewSet(viewsets.ReadOnlyModelViewSet):
     def get_serializer_context(self) -> dict:
         context = super().get_serializer_context()
         if not getattr(self, "swagger_fake_view", False):
-            context["booked"] = bookings_now(self.request.user, timezone.now())  # one query for all cards
+            context["booked"] = bookings_now(
+                self.request.user, timezone.now()
+            )  # one query (three with loans)
             context["command_lines"] = command_lines_for(self.request.user)
             context["job_images"] = job_images(GPUProcess.objects.values_list("job_id", flat=True))
         return context

@@ -24,6 +24,9 @@ gpus works alone (its tests, a portal without the jobs app):
 - `queue_holds(gpu_uuids, start, end)`: the queue's holds for its waiting jobs on these cards,
   which user bookings leave free. Asked by the booking checks (gpus.conflicts.queue_holds_on);
   jobs.queue.scheduler.queue_holds; no card is held.
+- `loan_words(loan_ids)`: what a lent card says of each loan (a booking lent to the queue):
+  "lent to the queue since 14:02: job 812". Asked by the dashboard's cards
+  (gpus.selectors.bookings_now); jobs.lending.loan_words; nothing said.
 
 The other ways up are declared the same way, each in its lower app's one file: what portal asks
 (template slots, the hosts `make run` starts workers for) in portal/hooks.py; the facts that travel
@@ -87,6 +90,8 @@ JobImages = Callable[[Iterable[int]], Mapping[int, str]]
 BookingWork = Callable[[int], Sequence[Work]]
 # (card uuids, start, end) → the queue's holds on those cards that overlap [start, end).
 QueueHolds = Callable[[Sequence[str], datetime, datetime], Sequence[QueueHold]]
+# loan booking ids → {loan id: "lent to the queue since 14:02: job 812"}
+LoanWords = Callable[[Iterable[int]], Mapping[int, str]]
 
 
 def _no_sessions(sessions: Mapping[int, set[int]]) -> Mapping[tuple[int, int], int]:
@@ -109,6 +114,10 @@ def _no_work(reservation_id: int) -> Sequence[Work]:
     return ()
 
 
+def _no_loan_words(loan_ids: Iterable[int]) -> Mapping[int, str]:
+    return {}
+
+
 def _no_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> Sequence[QueueHold]:
     return ()
 
@@ -124,6 +133,7 @@ class Answers:
     job_images: JobImages = _no_images
     work_on_booking: BookingWork = _no_work
     queue_holds: QueueHolds = _no_holds
+    loan_words: LoanWords = _no_loan_words
 
 
 NO_ANSWERS = Answers()
@@ -166,6 +176,12 @@ def job_images(job_ids: Iterable[int]) -> dict[int, str]:
     """{job id: its container image's name} for those of these jobs that run in one."""
     ids = [pk for pk in job_ids if pk]
     return dict(answers_now().job_images(ids)) if ids else {}
+
+
+def loan_words(loan_ids: Iterable[int]) -> dict[int, str]:
+    """{loan id: what a lent card says of it}, for loans (bookings lent to the queue's jobs)."""
+    ids = list(loan_ids)
+    return dict(answers_now().loan_words(ids)) if ids else {}
 
 
 def work_on_booking(reservation_id: int) -> list[Work]:

@@ -38,6 +38,7 @@ from django.utils import timezone
 from gpus.booking import PORTAL, reservation_release
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, GPUProcess, Reservation
+from gpus.noshow import lent_now, no_show_due, no_show_handle
 from portal.access import can_manage_team, only_managers
 from portal.channels import team_channels_notify
 from portal.errors import Forbidden, ServiceError
@@ -99,32 +100,46 @@ class IdleRound:
     idle: list[int] = field(default_factory=list)
     warned: list[int] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    no_shows: list[int] = field(default_factory=list)
 
 
 def idle_check(*, now: datetime | None = None) -> IdleRound:
     """One round over every active booking: move the idle clocks, warn, auto-release.
 
     A fixed handful of queries for the clocks, whatever the number of bookings: one UPDATE for
-    bookings that stopped being active, two reads (bookings; their cards with a process flag), one
-    bulk UPDATE. Warnings and releases cost their own statements, and are rare.
+    bookings that stopped being active, three reads (bookings; their cards with a process flag;
+    which are lent), one bulk UPDATE. No-show notices (gpus/noshow.py), warnings and releases
+    cost their own statements, and are rare.
 
-    A re-run, or a second checker, is harmless: a warning is claimed with a conditional UPDATE
-    (once per stretch), and a release goes through `reservation_release`, which refuses a booking
-    that is no longer active.
+    A re-run, or a second checker, is harmless: a warning (once per stretch) or a no-show notice
+    is claimed with a conditional UPDATE, and a release goes through `reservation_release`,
+    which refuses a booking that is no longer active.
     """
     now = now or timezone.now()
     _forget_ended(now)
     bookings = _active_bookings(now)
     done = IdleRound()
     changed = []
+    lent = lent_now(bookings, now)
     for reservation in bookings:
         idle = booking_idle(reservation, now)
         if idle:
             done.idle.append(reservation.pk)
-        if _advance(reservation, idle, now):
+        moved = _advance(reservation, idle, now)
+        if not idle and reservation.used_at is None and reservation.pk not in lent:
+            reservation.used_at = now  # gpus/noshow.py: the owner's use, or cards it cannot see
+            moved = True
+        if moved:
             changed.append(reservation)
-    Reservation.objects.bulk_update(changed, CLOCK_FIELDS)
+    Reservation.objects.bulk_update(changed, [*CLOCK_FIELDS, "used_at"])
     for reservation in bookings:
+        if no_show_due(reservation, now):
+            told, released = no_show_handle(reservation, now)
+            if told:
+                done.no_shows.append(reservation.pk)
+            if released:
+                done.released.append(reservation.pk)
+                continue
         if _warning_due(reservation, now) and _warn(reservation, now):
             done.warned.append(reservation.pk)
         due = release_due_at(reservation)

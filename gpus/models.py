@@ -318,6 +318,13 @@ class Reservation(models.Model):
     idle_warned_at = models.DateTimeField(
         null=True, blank=True, help_text="When the owner was told of the current idle stretch."
     )
+    # No-shows (gpus/noshow.py): written by the idle checker only.
+    used_at = models.DateTimeField(
+        null=True, blank=True, help_text="The first check that saw its cards used (or could not see them)."
+    )
+    no_show_at = models.DateTimeField(
+        null=True, blank=True, help_text="When its owner was told it was unused from its start (a no-show)."
+    )
 
     objects = ReservationQuerySet.as_manager()
 

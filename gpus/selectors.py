@@ -11,7 +11,7 @@ from django.db.models import Prefetch, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.hooks import job_images, own_jobs
+from gpus.hooks import job_images, loan_words, own_jobs
 from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, Violation, format_mb
 from portal.access import display_name, is_admin, team_ids_of
 from portal.accounts import unix_account_name
@@ -92,23 +92,36 @@ def command_lines_for(viewer: Any) -> CommandLines:
 
 
 def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
-    """Who holds each card at `now`, by card UUID, named as the privacy rule allows."""
+    """Who holds each card at `now`, by card UUID, named as the privacy rule allows. A booking
+    lent to the queue says so (`lent`: "lent to the queue since 14:02: job 812", gpus.hooks
+    .loan_words), and its loan, the queue's booking on the same card, is not listed apart."""
     viewer_teams = team_ids_of(viewer)
     held: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    rows = Allocation.objects.live_at(now).order_by("gpu_id", "start")
-    for gpu_id, memory_mb, end, owner_id, owner_name, team_id in rows.values_list(
-        "gpu_id",
-        "memory_mb",
-        "end",
-        "reservation__owner_id",
-        "reservation__owner__username",
-        "reservation__team_id",
-    ):
+    rows = list(
+        Allocation.objects.live_at(now)
+        .order_by("gpu_id", "start")
+        .values_list(
+            "gpu_id",
+            "memory_mb",
+            "end",
+            "reservation__owner_id",
+            "reservation__owner__username",
+            "reservation__team_id",
+            "reservation_id",
+            "reservation__lent_from_id",
+        )
+    )
+    loans = {(gpu_id, lender): loan for gpu_id, *_, loan, lender in rows if lender is not None}
+    words = loan_words(set(loans.values()))
+    for gpu_id, memory_mb, end, owner_id, owner_name, team_id, booking, lender in rows:
+        if lender is not None:
+            continue
         held[gpu_id].append(
             {
                 "who": display_name(viewer, viewer_teams, owner_id, owner_name, team_id),
                 "memory": "whole card" if memory_mb is None else format_mb(memory_mb),
                 "until": short_time(end),
+                "lent": words.get(loans.get((gpu_id, booking)), ""),
             }
         )
     return held

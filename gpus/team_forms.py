@@ -100,7 +100,9 @@ class AutoReleaseForm(forms.Form):
         self.fields["auto_release_idle"].help_text = (
             f"A booking whose cards stay idle for {settings.IDLE_WARN_MINUTES} minutes warns its owner. "
             f"With this on, it is released {settings.IDLE_RELEASE_MINUTES} minutes after the warning "
-            "unless its cards are used, and the owner is told. Off: owners are only warned."
+            "unless its cards are used, and the owner is told; a booking unused from its start for "
+            f"{settings.NO_SHOW_MINUTES} minutes (a no-show) is released at once. "
+            "Off: owners are only warned."
         )
 
     @classmethod

@@ -368,7 +368,16 @@ class QueueEntrySerializer(serializers.Serializer):
     priority = serializers.FloatField()
     factors = serializers.DictField(child=serializers.FloatField(), help_text="fairshare, age and nice.")
     reason = serializers.CharField(help_text="resources, priority, quota, begin_time, draining, array_limit.")
-    estimated_start = serializers.DateTimeField(allow_null=True)
+    estimated_start = serializers.DateTimeField(
+        allow_null=True,
+        help_text="When it should start, as far as the portal can tell; null: beyond QUEUE_BACKFILL_DEPTH "
+        "or no server it may use takes work now.",
+    )
+    estimate_basis = serializers.CharField(
+        help_text="What estimated_start rests on: begin_time (its --begin), lending (an idle booking "
+        "lent to the queue, the next pass), plan (bookings, the running jobs' typical run times else "
+        "their time limits, and the jobs ahead); empty when there is no estimate."
+    )
     submitted_at = serializers.DateTimeField()
     array_id = serializers.IntegerField(allow_null=True)
     array_index = serializers.IntegerField(allow_null=True)
@@ -385,6 +394,6 @@ class QueueViewSet(viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
 
     def list(self, request: Request, format: str | None = None) -> Response:
-        rows = queue_rows(request.user, queue_plan(shared_usage=True))
+        rows = queue_rows(request.user, queue_plan(shared_usage=True, expected=True))
         page = self.paginate_queryset(rows)
         return self.get_paginated_response(QueueEntrySerializer(page, many=True).data)

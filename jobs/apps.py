@@ -14,7 +14,8 @@ class JobsConfig(AppConfig):
             tasks,  # noqa: F401 - registers run_job and run_session (sent by name: jobs.sessions.services)
         )
         from jobs.leavers import membership_deleted
-        from jobs.lending import lent_context
+        from jobs.lending import lent_context, loan_words
+        from jobs.lending_report import reports_context
         from jobs.queue.scheduler import queue_holds
         from jobs.selectors import job_images, jobs_finished_between, jobs_owned_by
         from jobs.services import jobs_by_session
@@ -24,7 +25,7 @@ class JobsConfig(AppConfig):
             sessions_by_session,
             work_on,
         )
-        from portal.hooks import RESERVATION_ACTIONS, RESERVATION_SESSIONS, slot_fill
+        from portal.hooks import REPORTS_LENDING, RESERVATION_ACTIONS, RESERVATION_SESSIONS, slot_fill
         from portal.models import Membership
 
         answered_by(
@@ -36,6 +37,7 @@ class JobsConfig(AppConfig):
                 job_images=job_images,  # the image a job's processes run in, beside "job N"
                 work_on_booking=work_on,  # what a release or cancel would stop: asked first
                 queue_holds=queue_holds,  # the plan's shadows, which user bookings leave free
+                loan_words=loan_words,  # a lent card's words on the dashboard
             )
         )
         # Run buttons on gpus' booking pages, with the images JupyterLab may run in there.
@@ -43,5 +45,7 @@ class JobsConfig(AppConfig):
         slot_fill(RESERVATION_SESSIONS, "jobs/_booking_sessions.html", booking_sessions_context)
         # A lent booking's words, and its owner's Take it back (jobs/lending.py).
         slot_fill(RESERVATION_SESSIONS, "jobs/_booking_lent.html", lent_context)
+        # What lending saved, on the Reports page (jobs/lending_report.py).
+        slot_fill(REPORTS_LENDING, "jobs/_reports_lending.html", reports_context)
         # A member who leaves a team takes their queued jobs of it along (jobs.leavers).
         post_delete.connect(membership_deleted, sender=Membership, dispatch_uid="jobs_team_leaver")

@@ -116,25 +116,35 @@ def loans_place(entries: Sequence[Entry], now: datetime, *, bind: Bind) -> int:
     (one loan per booking); how many started. `bind`: the scheduler's start of a job on a booking
     (PENDING → QUEUED, then sent to its host), as it starts every job; it calls here. A refusal
     of the booking service is that job's alone, as in the scheduler's own starts."""
+    placed = _matches(entries, now, lambda entry, lent, cards: _lend(entry, lent, cards, now, bind))
+    return sum(1 for _ in placed)
+
+
+def loans_preview(entries: Sequence[Entry], now: datetime) -> list[int]:
+    """The jobs `loans_place` would place now, booking nothing (the queue's estimated start)."""
+    return [entry.request.job_id for entry in _matches(entries, now, lambda *_: True)]
+
+
+def _matches(
+    entries: Sequence[Entry], now: datetime, take: Callable[[Entry, Lendable, list[str]], bool]
+) -> Iterable[Entry]:
+    """Each waiting preemptible job, in plan order, with the first lent booking it fits; `take`
+    books it (or not: a refusal leaves the booking for the next job)."""
     waiting = [
         e
         for e in entries
         if not e.start_now and e.reason in LENDING_HELPS and e.request.job_id in _preemptible(entries)
     ]
-    if not waiting:
-        return 0
-    free = lendable(now)
-    started = 0
+    free = lendable(now) if waiting else []
     for entry in waiting:
         for lent in free:
             cards = _fits(entry, lent)
             if not cards or now + entry.request.booked > lent.booking.end:
                 continue
-            if _lend(entry, lent, cards, now, bind):
+            if take(entry, lent, cards):
                 free.remove(lent)
-                started += 1
+                yield entry
             break
-    return started
 
 
 def _preemptible(entries: Sequence[Entry]) -> set[int]:
@@ -218,6 +228,18 @@ def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> lis
     return asked
 
 
+def loan_words(loan_ids: Iterable[int]) -> dict[int, str]:
+    """{loan id: "lent to the queue since 14:02: job 812"} (gpus.hooks.loan_words: the
+    dashboard's lent cards). Two queries."""
+    ids = list(loan_ids)
+    jobs: dict[int, list[int]] = {}
+    rows = Job.objects.filter(reservation_id__in=ids).order_by("pk").values_list("reservation_id", "pk")
+    for loan, job in rows:
+        jobs.setdefault(loan, []).append(job)
+    starts = Reservation.objects.filter(pk__in=ids).values_list("pk", "start")
+    return {loan: lent_since(start, jobs.get(loan, [])) for loan, start in starts}
+
+
 def lent_context(context: Any) -> dict[str, Any]:
     """The booking page's words on a lent booking `r` (portal.hooks.RESERVATION_SESSIONS), and
     whether the viewer may take it back."""
@@ -233,8 +255,10 @@ def lent_words(booking: Reservation, now: datetime | None = None) -> str:
     if not loans:
         return ""
     jobs = Job.objects.filter(reservation__in=loans).values_list("pk", flat=True)
+    return f"{lent_since(loans[0].start, list(jobs))}; it leaves as soon as you start something"
+
+
+def lent_since(start: datetime, jobs: Sequence[int]) -> str:
+    """ "lent to the queue since 14:02: job 812": the booking page's and the dashboard's words."""
     names = ", ".join(f"job {pk}" for pk in jobs) or "a queued job"
-    return (
-        f"lent to the queue since {timezone.localtime(loans[0].start):%H:%M}: {names}; "
-        "it leaves as soon as you start something"
-    )
+    return f"lent to the queue since {timezone.localtime(start):%H:%M}: {names}"

@@ -11,13 +11,14 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from gpus.models import GPU, Allocation, Reservation, format_mb
 from jobs.models import Job
@@ -258,3 +259,41 @@ def oversized_report(team: Team, since: datetime) -> dict[str, list[tuple[Any, U
         "bookings": sorted(((b, by_booking[b.pk]) for b in bookings), key=lambda row: row[1].peak_share),
         "people": sorted(((u, by_owner[u.pk]) for u in owners), key=lambda row: row[1].peak_share),
     }
+
+
+# --- the typical duration -------------------------------------------------------------------------
+
+TYPICAL_RUNS = 10  # the newest runs a typical duration is taken from
+TYPICAL_DAYS = 90  # and no older than this: the read stays bounded, and old habits are forgotten
+
+
+def typical_minutes(pairs: set[tuple[int, str]]) -> dict[tuple[int, str], int]:
+    """The typical run time, in whole minutes (at least 1), of each (owner id, script name) from the
+    owner's newest TYPICAL_RUNS succeeded runs of it in TYPICAL_DAYS: their median, with at least
+    HINT_MIN_RUNS of them (fewer is an anecdote); pairs without enough runs are left out. Only
+    runs that succeeded: one that failed or was cancelled early says nothing of how long the work
+    takes."""
+    if not pairs:
+        return {}
+    runs: dict[tuple[int, str], list[float]] = {}
+    rows = (
+        Job.objects.filter(
+            status=Job.Status.SUCCEEDED,
+            owner_id__in={o for o, _ in pairs},
+            name__in={n for _, n in pairs},
+            started_at__isnull=False,
+            finished_at__gte=timezone.now() - timedelta(days=TYPICAL_DAYS),
+        )
+        .order_by("-finished_at", "-id")
+        .values_list("owner_id", "name", "started_at", "finished_at")
+    )
+    for owner, name, started, finished in rows.iterator():
+        found = runs.setdefault((owner, name), [])
+        if (owner, name) in pairs and len(found) < TYPICAL_RUNS:
+            found.append((finished - started).total_seconds() / 60)
+    typical = {}
+    for pair, minutes in runs.items():
+        if len(minutes) >= HINT_MIN_RUNS:
+            minutes.sort()
+            typical[pair] = max(1, round(minutes[len(minutes) // 2]))
+    return typical

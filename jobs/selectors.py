@@ -103,6 +103,7 @@ def queue_rows(viewer: AbstractBaseUser, entries: Sequence[Entry]) -> list[dict[
                 "factors": {"fairshare": entry.fairshare, "age": entry.age, "nice": r.nice},
                 "reason": entry.reason or ("starting" if entry.start_now else ""),
                 "estimated_start": entry.estimated_start,
+                "estimate_basis": entry.basis if entry.estimated_start else "",
                 "submitted_at": r.submitted_at,
                 "array_id": r.array_id,
                 "array_index": job["array_index"],

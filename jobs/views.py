@@ -167,7 +167,8 @@ def _status_context(request: HttpRequest, job: Job) -> dict[str, Any]:
     if job.status == Job.Status.PENDING:
         # Where this job stands in the whole plan: on the page and on each refresh of its status
         # part (pushed when the row changes), so its "Runs on" line never falls back to less.
-        entry = next((e for e in queue_plan(shared_usage=True) if e.request.job_id == job.pk), None)
+        entries = queue_plan(shared_usage=True, expected=True)
+        entry = next((e for e in entries if e.request.job_id == job.pk), None)
         if entry is not None:
             entry.reason_label = Job.Reason(entry.reason).label if entry.reason else "starting now"
     may_cancel = job.is_active and can_manage(request.user, job)
@@ -283,7 +284,7 @@ def booking_take_back(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 def queue(request: HttpRequest) -> HttpResponse:
     """The pending jobs in priority order, like squeue: factors, reason and estimated start."""
-    rows = queue_rows(request.user, queue_plan(shared_usage=True))
+    rows = queue_rows(request.user, queue_plan(shared_usage=True, expected=True))
     page = Paginator(rows, 100).get_page(request.GET.get("page"))
     if request.GET.get("part") == "table":  # read again when jobs or bookings change (static/js/live.js)
         return render(request, "jobs/_queue_table.html", {"page": page})

@@ -14,6 +14,8 @@ answers, and the answer when no app does. The apps above register in their AppCo
     `next`, the page to come back to); jobs fills it with its Run buttons (jobs/_run_buttons.html).
   - RESERVATION_SESSIONS: gpus' booking page, for whoever sees the booking `r`; jobs fills it
     with the booking's interactive sessions (jobs.sessions.services.booking_sessions_context).
+  - REPORTS_LENDING: gpus' Reports page, for its period (`report`); jobs fills it with the
+    GPU-hours lent to the queue and used by borrowers (jobs.lending_report.reports_context).
 - `worker_hosts()`: which GPU hosts this machine runs a host worker for, and whether they are
   simulated. Asked by `make run` (runportal); gpus answers (gpus.hosts.worker_servers,
   `host_discovery_register`); no answer: none.
@@ -42,6 +44,7 @@ PROFILE_QUOTAS = "profile_quotas"
 PROFILE_CALENDAR = "profile_calendar"
 RESERVATION_ACTIONS = "reservation_actions"
 RESERVATION_SESSIONS = "reservation_sessions"
+REPORTS_LENDING = "reports_lending"
 
 
 class HostDiscoveryError(Exception):

@@ -38,6 +38,12 @@ def t0() -> datetime:
     return timezone.now().replace(second=0, microsecond=0)
 
 
+@pytest.fixture(autouse=True)
+def no_no_shows(settings) -> None:
+    """These bookings are about idle stretches; no-shows (tests/test_noshow.py) would end them."""
+    settings.NO_SHOW_MINUTES = 7 * 24 * 60
+
+
 @pytest.fixture
 def people(alice, bob, leader, charlie, admin_user):
     return {"alice": alice, "bob": bob, "leader": leader, "charlie": charlie, "admin": admin_user}
@@ -206,7 +212,7 @@ def test_it_reads_every_booking_in_the_same_few_queries(alice, bob, cards, t0):
     report(t0 + 4 * M)
     with CaptureQueriesContext(connection) as four:
         idle_check(now=t0 + 4 * M)
-    assert len(four) == len(one) <= 6, [q["sql"] for q in four]
+    assert len(four) == len(one) <= 7, [q["sql"] for q in four]
 
 
 # --- the warning -------------------------------------------------------------------------

@@ -146,3 +146,36 @@ def test_leaders_turn_lending_off_for_their_team(team, leader, alice):
     assert response.status_code == 200 and response.json()["lend_idle"] is False
     assert Team.objects.get(pk=team.pk).lend_idle is False
     assert AuditEntry.objects.filter(action=AuditEntry.Action.TEAM_LEND_IDLE).count() == 1
+
+
+def test_the_dashboard_card_says_when_it_was_lent_and_to_which_job(alice, bob, box, client):
+    now = timezone.now()
+    booking = reservation_create(
+        user=alice,
+        gpus=[box[0].uuid],
+        start=now - 2 * timedelta(hours=1),
+        end=now + timedelta(hours=1),
+        now=now - 2 * timedelta(hours=1),
+    )
+    loan = reservation_create(
+        user=bob,
+        gpus=[box[0].uuid],
+        start=now - timedelta(hours=1),
+        end=now + timedelta(minutes=30),
+        now=now - timedelta(hours=1),
+        lent_from=booking,
+    )
+    job = queue_job(bob, preemptible=True)
+    Job.objects.filter(pk=job.pk).update(
+        status=Job.Status.RUNNING, reservation=loan, started_at=now - timedelta(hours=1)
+    )
+    words = f"lent to the queue since {timezone.localtime(loan.start):%H:%M}: job {job.pk}"
+    client.force_login(alice)
+    page = client.get("/dashboard/servers/").content.decode()  # the dashboard's live part
+    assert f'<div class="lent">{words}</div>' in page
+    assert page.count("whole card · until") == 1  # the loan is not a second holder
+    api = APIClient()
+    api.force_authenticate(alice)
+    gpus = api.get("/api/v1/gpus/").json()  # not paginated
+    (row,) = next(g for g in gpus if g["uuid"] == box[0].uuid)["booked"]
+    assert row["lent"] == words and row["who"] == "you"

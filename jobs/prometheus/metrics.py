@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Server, Violation
 from jobs.host.dcgm import job_name, session_name
+from jobs.lending_report import HOUR, lending_hours
 from jobs.models import InteractiveSession, Job
 from portal.clock import db_now
 from portal.models import WatchdogKind
@@ -68,6 +69,7 @@ class PortalCollector:
         yield from session_metrics()
         yield from violation_metrics()
         yield from work_metrics(servers)
+        yield from lending_metrics(now)
 
 
 SERVER_FIELDS = (
@@ -224,6 +226,24 @@ def job_metrics(now: datetime) -> Iterator[Metric]:
         "How long the longest-waiting pending job has waited.",
         value=wait,
     )
+
+
+def lending_metrics(now: datetime) -> Iterator[Metric]:
+    """Idle booked cards lent to the queue, and what its borrowers used of them, since the first
+    loan (jobs/lending_report.py): counters in GPU-seconds (÷ 3600 for GPU-hours), by the lending
+    team and server. Three queries over the loans alone."""
+    labels = ["team", "server"]
+    lent = CounterMetricFamily(
+        "gpu_portal_lent_gpu_seconds", "Booked but idle GPU time lent to queued jobs.", labels=labels
+    )
+    used = CounterMetricFamily(
+        "gpu_portal_lent_used_gpu_seconds", "Lent GPU time the borrowing jobs ran.", labels=labels
+    )
+    for row in lending_hours(until=now):
+        lent.add_metric([row.team, row.server], row.lent * HOUR)
+        used.add_metric([row.team, row.server], row.used * HOUR)
+    yield lent
+    yield used
 
 
 def session_metrics() -> Iterator[Metric]:

@@ -180,6 +180,7 @@ class Entry:
     reason: str = ""
     held: list[str] = field(default_factory=list)  # its shadow's cards, from estimated_start
     note: str = ""  # why it waits, in words, beyond its reason (a silent worker where it would fit)
+    basis: str = ""  # what its estimated start rests on (jobs/queue/expected.py): begin_time, plan, lending
 
 
 Busy = tuple[datetime, datetime, int | None]  # a booking on a card: [start, end), MiB (None: whole)
@@ -347,7 +348,7 @@ def plan(
     for entry in entries:
         r = entry.request
         if r.begin_at is not None and r.begin_at > now:
-            entry.reason, entry.estimated_start = "begin_time", r.begin_at
+            entry.reason, entry.estimated_start, entry.basis = "begin_time", r.begin_at, "begin_time"
             continue
         if r.server_id is not None and r.server_id in draining:
             entry.reason = "draining"
@@ -381,7 +382,7 @@ def plan(
             entry.note = _note(calendar, r, draining, silences)
         if shadows < depth:
             at, server = _estimate(calendar, r, draining, estimates)
-            entry.estimated_start = at
+            entry.estimated_start, entry.basis = at, ("plan" if at is not None else "")
             if at is not None and server is not None:
                 # The shadow: the jobs after this one must leave room for it at its estimate.
                 end = at + r.booked

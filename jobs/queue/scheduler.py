@@ -38,6 +38,7 @@ from jobs.leavers import owner_active
 from jobs.lending import loans_place
 from jobs.logs.live import job_changed
 from jobs.models import InteractiveSession, Job
+from jobs.queue.expected import expected_ends, with_lending
 from jobs.queue.rules import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
 from jobs.runs import queued_job_ended
 from jobs.services import cpu_share, default_threads, dispatch
@@ -100,13 +101,16 @@ def queue_plan(
     not_now: Collection[int] = (),
     memory: PassMemory | None = None,
     shared_usage: bool = False,
+    expected: bool = False,
 ) -> list[Entry]:
     """The plan as it stands: every pending job in priority order, with its factors, reason and
     estimated start (the Queue page, GET /api/v1/queue/, and each pass). `leave_out`: jobs the
     booking service refused this pass, planned without, so they hold no cards from the others.
     `not_now`: jobs refused for a card taken since the plan read them: they wait this pass but
     keep their place (their shadows). `shared_usage`: the fair-share usage from the cache the
-    pages share (fairshare_state)."""
+    pages share (fairshare_state). `expected`: what the pages show (jobs/queue/expected.py): the
+    running jobs end when expected, and a job the next pass would lend a booking starts then;
+    never for a pass, which books by time limits."""
     now = now or timezone.now()
     requests = [r for r in _pending() if r.job_id not in leave_out]
     if not requests:
@@ -119,9 +123,10 @@ def queue_plan(
     horizon = now + timedelta(minutes=longest, hours=settings.QUEUE_ESTIMATE_HORIZON_HOURS)
     servers = [pk for pk, _ in online]
     slots, silent = _free_slots(now, servers)
-    return plan(
+    ends = expected_ends(now) if expected else {}
+    entries = plan(
         requests,
-        _calendar(now, servers, horizon, slots=slots, silent=silent),
+        _calendar(now, servers, horizon, slots=slots, silent=silent, ends=ends),
         shares=shares,
         usage=usage,
         weights=Weights(
@@ -134,6 +139,9 @@ def queue_plan(
         array_room=_array_room({r.array_id for r in requests if r.array_id}),
         not_now=not_now,
     )
+    if expected:
+        with_lending(entries, now)
+    return entries
 
 
 def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = None) -> dict[str, int]:
@@ -463,8 +471,10 @@ def _calendar(
     *,
     slots: dict[int, int] | None = None,
     silent: dict[int, str] | None = None,
+    ends: dict[int, datetime] | None = None,
 ) -> Calendar:
-    """The cards of the online servers that take work, and their bookings from now to `horizon`."""
+    """The cards of the online servers that take work, and their bookings from now to `horizon`;
+    `ends`: booking id → an earlier end to plan with (jobs.queue.expected.expected_ends)."""
     cards = [
         Card(uuid, server, GPU.bookable_mb(total, reserved))
         for uuid, server, total, reserved in GPU.objects.filter(
@@ -472,12 +482,13 @@ def _calendar(
         ).values_list("uuid", "server_id", "memory_total_mb", "memory_reserved_mb")
     ]
     busy: dict[str, list] = defaultdict(list)
-    for uuid, start, end, memory in (
+    ends = ends or {}
+    for uuid, start, end, memory, booking in (
         Allocation.objects.live_between(now, horizon)
         .filter(gpu__server_id__in=servers)
-        .values_list("gpu_id", "start", "end", "memory_mb")
+        .values_list("gpu_id", "start", "end", "memory_mb", "reservation_id")
     ):
-        busy[uuid].append((max(start, now), end, memory))
+        busy[uuid].append((max(start, now), ends.get(booking, end), memory))
     return Calendar(cards, busy, now, horizon, slots=slots, silent=silent)
 
 

@@ -1,0 +1,54 @@
+"""What the Queue page, GET /api/v1/queue/ and `gpu queue` show of a waiting job's start: the plan
+made over *expected* ends rather than booked ones (`expected_ends`), and loans (jobs/lending.py).
+
+The scheduler's own passes book with time limits, so a wide job's shadow never moves earlier on a
+guess (conservative backfill stays conservative). Only the shown estimate uses what the jobs ahead
+are expected to take: a running queued job ends, as far as anyone can tell, after its owner's
+typical run of that script (jobs.rightsizing.typical_minutes), else at its time limit; one already
+past its typical time ends "any minute now". Each estimate says its basis (`Entry.basis`):
+
+- `begin_time`: it asked not to start before then (`--begin`);
+- `lending`: a preemptible job that fits on an idle booking lent to the queue: the next pass;
+- `plan`: the calendar: bookings, the running jobs' expected ends, and the jobs ahead's shadows
+  (their time limits);
+- empty, with no estimate: beyond QUEUE_BACKFILL_DEPTH, or no server it may use takes work now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from jobs.lending import loans_preview
+from jobs.models import Job
+from jobs.queue.rules import START_SLACK, Entry
+from jobs.rightsizing import typical_minutes
+
+
+def expected_ends(now: datetime) -> dict[int, datetime]:
+    """Booking id → when the queued job on it is expected to end, for jobs expected to end before
+    their booking does. Never before now + START_SLACK: a job still running holds its cards now."""
+    rows = list(
+        Job.objects.filter(
+            status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING),
+            reservation__isnull=False,
+            queued=True,  # a job in someone's own booking is theirs to plan, and ends with it
+        ).values_list("reservation_id", "owner_id", "name", "started_at", "reservation__end")
+    )
+    typical = typical_minutes({(owner, name) for _, owner, name, _, _ in rows})
+    ends = {}
+    for booking, owner, name, started, end in rows:
+        minutes = typical.get((owner, name))
+        if minutes is None:
+            continue
+        expected = max((started or now) + timedelta(minutes=minutes), now + START_SLACK)
+        if expected < end:
+            ends[booking] = expected
+    return ends
+
+
+def with_lending(entries: Sequence[Entry], now: datetime) -> None:
+    """A preemptible job that the next pass would place on a lent booking starts then."""
+    for job in loans_preview(entries, now):
+        entry = next(e for e in entries if e.request.job_id == job)
+        entry.estimated_start, entry.basis = now, "lending"
