@@ -87,42 +87,32 @@ def _team_bookings(team: Team, now: datetime) -> dict[str, list[Reservation]]:
 @require_http_methods(["GET", "POST"])
 @login_required
 def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
-    """The page; a POST is its auto-release form."""
+    """The page; a POST is one of its switches for idle bookings."""
     team = team_for_user(request.user, slug, manage=True)
-    if request.method == "POST" and request.POST.get("what") == "lend":
-        return _lend_idle(request, team)
-    if request.method == "POST":
-        return _auto_release(request, team)
+    if request.method == "POST":  # one of the two switches; an old form without `what` is auto-release's
+        return _switch(request, team, "lend" if request.POST.get("what") == "lend" else "release")
     return _team_page(request, team)
 
 
-def _auto_release(request: HttpRequest, team: Team) -> HttpResponse:
-    form = AutoReleaseForm(request.POST)
-    on = form.is_valid() and form.cleaned_data["auto_release_idle"]  # a checkbox: unticked is off
-    changed = team.auto_release_idle != on
-    team_auto_release_set(actor=request.user, team=team, on=on)
-    state = "on" if on else "off"
-    if changed:
-        messages.success(
-            request, f"Auto-release of idle bookings is {state}; the change is in the audit log."
-        )
-    else:
-        messages.info(request, f"Auto-release of idle bookings was already {state}: nothing changed.")
-    return redirect(f"{reverse('team_detail', args=[team.slug])}#idle")
+# The team's two switches for idle bookings: the form's field, the service that sets it (audited;
+# nothing written when nothing changes), and how the answer names it.
+_SWITCHES = {
+    "release": (AutoReleaseForm, "auto_release_idle", team_auto_release_set, "Auto-release of idle bookings"),
+    "lend": (LendIdleForm, "lend_idle", team_lend_idle_set, "Lending idle bookings to the queue"),
+}
 
 
-def _lend_idle(request: HttpRequest, team: Team) -> HttpResponse:
-    form = LendIdleForm(request.POST)
-    on = form.is_valid() and form.cleaned_data["lend_idle"]  # a checkbox: unticked is off
-    changed = team.lend_idle != on
-    team_lend_idle_set(actor=request.user, team=team, on=on)
+def _switch(request: HttpRequest, team: Team, which: str) -> HttpResponse:
+    form_class, field, service, what = _SWITCHES[which]
+    form = form_class(request.POST)
+    on = form.is_valid() and form.cleaned_data[field]  # a checkbox: unticked is off
+    changed = getattr(team, field) != on
+    service(actor=request.user, team=team, on=on)
     state = "on" if on else "off"
     if changed:
-        messages.success(
-            request, f"Lending idle bookings to the queue is {state}; the change is in the audit log."
-        )
+        messages.success(request, f"{what} is {state}; the change is in the audit log.")
     else:
-        messages.info(request, f"Lending idle bookings to the queue was already {state}: nothing changed.")
+        messages.info(request, f"{what} was already {state}: nothing changed.")
     return redirect(f"{reverse('team_detail', args=[team.slug])}#idle")
 
 
