@@ -319,16 +319,8 @@ def team_auto_release_set(*, actor: AbstractBaseUser, team: Team, on: bool) -> T
     if on:
         # The reservations' rows before the team's: the booking services' lock order.
         Reservation.objects.filter(team=team).exclude(idle_warned_at=None).update(idle_warned_at=None)
-    if not other.update(auto_release_idle=on):  # someone else changed it a moment ago
-        return team
-    AuditEntry.objects.create(
-        actor=actor,
-        team=team,
-        action=AuditEntry.Action.TEAM_AUTO_RELEASE,
-        target=f"team {team.slug}",
-        message=f"{actor} turned {'on' if on else 'off'} the auto-release of idle bookings in {team}",
-        data={"auto_release_idle": [not on, on]},
-    )
+    if other.update(auto_release_idle=on):  # none: someone else changed it a moment ago
+        _switch_audit(actor, team, "auto_release_idle", on, "the auto-release of idle bookings")
     return team
 
 
@@ -340,17 +332,27 @@ def team_lend_idle_set(*, actor: AbstractBaseUser, team: Team, on: bool) -> Team
     if not can_manage_team(actor, team):
         raise Forbidden(only_managers(team))
     team.lend_idle = on
-    if not Team.objects.filter(pk=team.pk).exclude(lend_idle=on).update(lend_idle=on):
-        return team
+    if Team.objects.filter(pk=team.pk).exclude(lend_idle=on).update(lend_idle=on):
+        _switch_audit(actor, team, "lend_idle", on, "the lending of idle bookings to the queue")
+    return team
+
+
+_SWITCH_ACTIONS = {
+    "auto_release_idle": AuditEntry.Action.TEAM_AUTO_RELEASE,
+    "lend_idle": AuditEntry.Action.TEAM_LEND_IDLE,
+}
+
+
+def _switch_audit(actor: AbstractBaseUser, team: Team, field: str, on: bool, what: str) -> None:
+    """One of the team's idle-booking switches was turned: the audit log says who, which, how."""
     AuditEntry.objects.create(
         actor=actor,
         team=team,
-        action=AuditEntry.Action.TEAM_LEND_IDLE,
+        action=_SWITCH_ACTIONS[field],
         target=f"team {team.slug}",
-        message=f"{actor} turned {'on' if on else 'off'} the lending of idle bookings to the queue in {team}",
-        data={"lend_idle": [not on, on]},
+        message=f"{actor} turned {'on' if on else 'off'} {what} in {team}",
+        data={field: [not on, on]},
     )
-    return team
 
 
 # --- the thread --------------------------------------------------------------------------------
