@@ -23,39 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_jobs import FIRST_LINE, FIRST_SOURCE, POLL_S, start_worker
-from bench.common import database_url_for_subprocess, report, setup_django_test_db, stop, tail
-from tests.waiting import WaitTimedOut, wait_for
+from bench.bench_jobs import run_first_job, start_worker
+from bench.common import database_url_for_subprocess, report, setup_django_test_db, stop
 
 RUNS = 5
-
-
-def first_line(user, booking, image, worker_log: Path) -> float:  # type: ignore[no-untyped-def]
-    """One job, in `image` (None: bare): submit → its first line, in seconds."""
-    import time
-
-    from django.db import transaction
-
-    from jobs.logs.store import log_stream
-    from jobs.models import Job
-    from jobs.submit import ScriptUpload, job_submit
-
-    t0 = time.time()
-    with transaction.atomic():  # dispatched on commit: the image is set before any worker sees it
-        job = job_submit(user=user, reservation=booking, script=ScriptUpload("first.py", FIRST_SOURCE))
-        if image is not None:
-            Job.objects.filter(pk=job.pk).update(image=image)
-    finished = {s.value for s in Job.FINISHED}
-    try:
-        wait_for(lambda: Job.objects.filter(pk=job.pk, status__in=finished).exists(), 60, interval=POLL_S)
-    except WaitTimedOut as exc:
-        raise RuntimeError(f"{exc}; the worker's log ends:\n{tail(worker_log)}") from None
-    job.refresh_from_db()
-    log = b"".join(log_stream(job.pk))
-    match = FIRST_LINE.search(log)
-    if job.status != Job.Status.SUCCEEDED or not match:
-        raise RuntimeError(f"job {job.pk} {job.status}: {job.message}\n{log.decode(errors='replace')}")
-    return float(match.group(1)) - t0
 
 
 def main() -> int:
@@ -100,7 +71,7 @@ def main() -> int:
         )
         worker, worker_log = start_worker(server, database_url_for_subprocess(), scratch)
         pairs = [
-            (first_line(user, booking, None, worker_log), first_line(user, booking, image, worker_log))
+            (run_first_job(user, booking, worker_log)[0], run_first_job(user, booking, worker_log, image)[0])
             for _ in range(1 + RUNS)
         ][1:]
     finally:

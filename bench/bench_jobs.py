@@ -130,14 +130,20 @@ def start_worker(server: str, db_url: str, scratch: Path) -> tuple[subprocess.Po
     return proc, log_path
 
 
-def run_first_job(user, booking, worker_log: Path) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """One job: (submit → first line, submit → started_at), in seconds."""
+def run_first_job(user, booking, worker_log: Path, image=None) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """One job (in container `image`, if given: bench_containers): (submit → first line, submit →
+    started_at), in seconds."""
+    from django.db import transaction
+
     from jobs.logs.store import log_stream
     from jobs.models import Job
     from jobs.submit import ScriptUpload, job_submit
 
     t0 = time.time()
-    job = job_submit(user=user, reservation=booking, script=ScriptUpload("first.py", FIRST_SOURCE))
+    with transaction.atomic():  # dispatched on commit: the image is set before any worker sees it
+        job = job_submit(user=user, reservation=booking, script=ScriptUpload("first.py", FIRST_SOURCE))
+        if image is not None:
+            Job.objects.filter(pk=job.pk).update(image=image)
     finished = {s.value for s in Job.FINISHED}
 
     def done() -> bool:
