@@ -229,6 +229,11 @@ class TelemetrySample(models.Model):
 
 
 class ReservationQuerySet(models.QuerySet):
+    def loans_live(self, now: datetime) -> ReservationQuerySet:
+        """Loans live now: the queue's bookings on lent cards (jobs/lending.py) that have not ended."""
+        live = {"start__lte": now, "end__gt": now, "released_at": None, "cancelled_at": None}
+        return self.filter(lent_from__isnull=False, **live)
+
     def restrict(self, user, action: str = VIEW) -> ReservationQuerySet:  # type: ignore[no-untyped-def]
         """The bookings `user` may see: their own and those of every team they belong to; or change
         (cancel): their own and those of the teams they lead. Admins (staff): all."""

@@ -36,15 +36,8 @@ log = logging.getLogger(__name__)
 
 def lent_now(bookings: Iterable[Reservation], now: datetime) -> set[int]:
     """The ids among `bookings` with a live loan on them: their cards' work is a borrower's."""
-    return set(
-        Reservation.objects.filter(
-            lent_from__in=[b.pk for b in bookings],
-            start__lte=now,
-            end__gt=now,
-            released_at=None,
-            cancelled_at=None,
-        ).values_list("lent_from_id", flat=True)
-    )
+    loans = Reservation.objects.loans_live(now).filter(lent_from__in=[b.pk for b in bookings])
+    return set(loans.values_list("lent_from_id", flat=True))
 
 
 def no_show_due(reservation: Reservation, now: datetime) -> bool:

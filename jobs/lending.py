@@ -30,7 +30,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from gpus.booking import reservation_create
@@ -57,11 +57,6 @@ class Lendable:
     server_id: int
 
 
-def loans_active(now: datetime) -> Q:
-    """Loans live now: the queue's bookings on lent cards that have not ended."""
-    return Q(lent_from__isnull=False, start__lte=now, end__gt=now, released_at=None, cancelled_at=None)
-
-
 def lendable(now: datetime) -> list[Lendable]:
     """The bookings that may be lent now (see the module's text), oldest idle first."""
     cutoff = now - timedelta(minutes=settings.LEND_AFTER_MINUTES)
@@ -69,7 +64,7 @@ def lendable(now: datetime) -> list[Lendable]:
     busy_sessions = InteractiveSession.objects.filter(
         reservation=OuterRef("pk"), status__in=InteractiveSession.ACTIVE
     )
-    lent = Reservation.objects.filter(loans_active(now), lent_from=OuterRef("pk"))
+    lent = Reservation.objects.loans_live(now).filter(lent_from=OuterRef("pk"))
     bookings = (
         Reservation.objects.with_status("active", now)
         .filter(lent_from=None, team__lend_idle=True, idle_since__lte=cutoff)
@@ -78,16 +73,16 @@ def lendable(now: datetime) -> list[Lendable]:
         .exclude(Exists(lent))
         .order_by("idle_since", "pk")
     )
-    found = []
-    for booking in bookings:
-        rows = list(
-            Allocation.objects.filter(reservation=booking).values_list(
-                "gpu_id", "memory_mb", "gpu__server_id"
-            )
-        )
-        if rows:
-            found.append(Lendable(booking, {uuid: mb for uuid, mb, _ in rows}, rows[0][2]))
-    return found
+    bookings = list(bookings)
+    cards: dict[int, dict[str, int | None]] = {}
+    servers: dict[int, int] = {}
+    rows = Allocation.objects.filter(reservation__in=bookings).values_list(
+        "reservation_id", "gpu_id", "memory_mb", "gpu__server_id"
+    )  # one read for every candidate's cards
+    for booking, uuid, mb, server in rows:
+        cards.setdefault(booking, {})[uuid] = mb
+        servers[booking] = server
+    return [Lendable(b, cards[b.pk], servers[b.pk]) for b in bookings if b.pk in cards]
 
 
 def _fits(entry: Entry, lent: Lendable) -> list[str]:
@@ -98,7 +93,7 @@ def _fits(entry: Entry, lent: Lendable) -> list[str]:
         return []
     if r.servers is not None and lent.server_id not in r.servers:
         return []
-    if lent.booking.end < lent.booking.start or r.gpu_count > len(lent.cards):
+    if r.gpu_count > len(lent.cards):
         return []
     fitting = [
         uuid
@@ -130,11 +125,8 @@ def _matches(
 ) -> Iterable[Entry]:
     """Each waiting preemptible job, in plan order, with the first lent booking it fits; `take`
     books it (or not: a refusal leaves the booking for the next job)."""
-    waiting = [
-        e
-        for e in entries
-        if not e.start_now and e.reason in LENDING_HELPS and e.request.job_id in _preemptible(entries)
-    ]
+    preemptible = _preemptible(entries)  # one read for the whole plan
+    waiting = [e for e in entries if e.request.job_id in preemptible and e.reason in LENDING_HELPS]
     free = lendable(now) if waiting else []
     for entry in waiting:
         for lent in free:
@@ -187,7 +179,7 @@ def loans_take_back(*, booking: Reservation | int, why: str, now: datetime | Non
     grace; the jobs asked. Safe to repeat: a job asked already is not asked again."""
     now = now or timezone.now()
     pk = booking if isinstance(booking, int) else booking.pk
-    loans = Reservation.objects.filter(loans_active(now), lent_from_id=pk)
+    loans = Reservation.objects.loans_live(now).filter(lent_from_id=pk)
     jobs = Job.objects.filter(
         reservation__in=loans, status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
     )
@@ -216,15 +208,23 @@ def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> lis
     if not by_card:
         return []
     loans = Allocation.objects.filter(
-        gpu_id__in=list(by_card), reservation__in=Reservation.objects.filter(loans_active(now))
+        gpu_id__in=list(by_card), reservation__in=Reservation.objects.loans_live(now)
     ).values_list("gpu_id", "reservation_id", "reservation__lent_from_id")
-    asked: list[int] = []
+    loans = list(loans)
+    borrowers: dict[int, set[int]] = {}
+    for loan, job in Job.objects.filter(reservation_id__in={loan for _, loan, _ in loans}).values_list(
+        "reservation_id", "pk"
+    ):  # every loan's jobs in one read
+        borrowers.setdefault(loan, set()).add(job)
+    back: dict[int, str] = {}  # lender → why: each taken back once, however many of its cards
     for uuid, loan, lender in loans:
-        borrowers = set(Job.objects.filter(reservation_id=loan).values_list("pk", flat=True))
-        others = [p for p in by_card[uuid].processes or () if p.job_id not in borrowers]
-        if others:
-            why = f"the owner of booking {lender} started using it (process {others[0].pid} on its card)"
-            asked += loans_take_back(booking=lender, why=why, now=now)
+        others = [p for p in by_card[uuid].processes or () if p.job_id not in borrowers.get(loan, set())]
+        if others and lender not in back:
+            pid = others[0].pid
+            back[lender] = f"the owner of booking {lender} started using it (process {pid} on its card)"
+    asked: list[int] = []
+    for lender, why in back.items():
+        asked += loans_take_back(booking=lender, why=why, now=now)
     return asked
 
 
@@ -251,7 +251,7 @@ def lent_context(context: Any) -> dict[str, Any]:
 def lent_words(booking: Reservation, now: datetime | None = None) -> str:
     """What the booking's page and the dashboard say of a lent booking; "" when it is not lent."""
     now = now or timezone.now()
-    loans = list(Reservation.objects.filter(loans_active(now), lent_from=booking).order_by("start"))
+    loans = list(Reservation.objects.loans_live(now).filter(lent_from=booking).order_by("start"))
     if not loans:
         return ""
     jobs = Job.objects.filter(reservation__in=loans).values_list("pk", flat=True)
