@@ -60,9 +60,10 @@ sys.exit(0)
 """
 
 
-def _podman_that(settings, tmp_path: Path, *, fails: str = "", hangs: str = "") -> None:
+def _podman_that(settings, tmp_path: Path, *, fails: str = "", hangs: str = "", lingers: str = "") -> None:
     """CONTAINER_PODMAN: a wrapper whose `fails` subcommands answer Podman's error, whose `hangs`
-    ones never answer, the rest the real Podman's. In VAR_DIR: the rootless account runs it."""
+    ones never answer, whose `lingers` ones do their work and then do not exit, the rest the real
+    Podman's. In VAR_DIR: the rootless account runs it."""
     folder = Path(settings.VAR_DIR) / "podman-wrappers" / tmp_path.name
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)
@@ -70,6 +71,8 @@ def _podman_that(settings, tmp_path: Path, *, fails: str = "", hangs: str = "") 
         f'  *" {word} "*) echo "Error: database is locked" >&2; exit 125;;\n' for word in fails.split()
     )
     cases += "".join(f'  *" {word} "*) exec sleep 60;;\n' for word in hangs.split())
+    real = shutil.which("podman")
+    cases += "".join(f'  *" {word} "*) {real} "$@"; sleep 60;;\n' for word in lingers.split())
     wrapper = folder / "podman"
     wrapper.write_text(f'#!/bin/sh\ncase " $* " in\n{cases}esac\nexec {shutil.which("podman")} "$@"\n')
     wrapper.chmod(0o755)
@@ -130,6 +133,18 @@ def test_a_podman_that_hangs_at_start_fails_the_job_and_leaves_nothing(  # findi
     assert "did not start in CONTAINER_START_SECONDS (2 s)" in job.message, job.message
     assert "may be left until the worker's next start" in job.message  # the hung `podman rm`, said
     assert "cannot start" in job_log(job.pk) and time.monotonic() - started < 20
+    assert _run_folders(job, settings.VAR_DIR) == []
+
+
+def test_a_podman_client_that_outlives_its_container_does_not_hold_the_jobs_end(
+    in_image, settings, tmp_path, monkeypatch  # noqa: F811
+):  # fmt: skip
+    monkeypatch.setattr(containers, "COMMAND_SECONDS", 1.0)
+    _podman_that(settings, tmp_path, lingers="run")
+    job = in_image("print('done', flush=True)")
+    started = time.monotonic()
+    job_run(job.pk)  # the script ended; its client, stuck, is killed a second later
+    assert time.monotonic() - started < 20 and "done" in job_log(job.pk)
     assert _run_folders(job, settings.VAR_DIR) == []
 
 

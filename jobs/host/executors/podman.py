@@ -40,7 +40,7 @@ from typing import NoReturn
 import psutil
 from django.conf import settings
 
-from jobs.host import rootless
+from jobs.host import containers, rootless
 from jobs.host.containers import ContainerError, last_line, podman, podman_command, podman_env
 from jobs.host.executors.base import Run, RunEnd, RunSpec, Signalled
 from jobs.host.executors.output import PipeOutput
@@ -72,6 +72,7 @@ class PodmanRun(Run):
     sent: set[int] = field(kw_only=True, default_factory=set)  # what 128+N from podman may mean
     oom_killed: bool = field(kw_only=True, default=False)  # Podman's record, read before its removal
     collected: bool = field(kw_only=True, default=False)
+    init_gone_at: float | None = field(kw_only=True, default=None)  # monotonic: the client outlives it
 
 
 class Podman:
@@ -165,10 +166,12 @@ class Podman:
     def poll(self, run: Run) -> RunEnd | None:
         podman_run = _run(run)
         code = podman_run.proc.poll()
+        if code is None and _client_stuck(podman_run):
+            code = _client_end(podman_run)
         return None if code is None else _end_of(code, podman_run.sent)
 
     def wait(self, run: Run) -> RunEnd:
-        return _end_of(_run(run).proc.wait(), _run(run).sent)
+        return _end_of(_client_end(_run(run)), _run(run).sent)
 
     def signal(self, run: Run, sig: signal.Signals) -> Signalled:
         """`sig` by identity, never through Podman: SIGKILL to the init (its PID namespace with
@@ -228,7 +231,7 @@ class Podman:
 
     def collect(self, run: Run) -> RunEnd:
         podman_run = _run(run)
-        end = _end_of(podman_run.proc.wait(), podman_run.sent, oom_killed=podman_run.oom_killed)
+        end = _end_of(_client_end(podman_run), podman_run.sent, oom_killed=podman_run.oom_killed)
         podman_run.collected = True
         if podman_run.folder is not None:
             shutil.rmtree(podman_run.folder, ignore_errors=True)
@@ -263,6 +266,36 @@ class Podman:
 def _run(run: Run) -> PodmanRun:
     assert isinstance(run, PodmanRun), f"{run.name} was not started by Podman"
     return run
+
+
+def _client_stuck(run: PodmanRun) -> bool:
+    """Whether the `podman run` client has outlived the container's init by COMMAND_SECONDS
+    (stuck on Podman's lock): the job has ended, whatever the client says."""
+    if not run.container_id or run.leader.is_alive():
+        return False
+    now = time.monotonic()
+    run.init_gone_at = run.init_gone_at or now
+    return now - run.init_gone_at > containers.COMMAND_SECONDS
+
+
+def _client_end(run: PodmanRun) -> int:
+    """The `podman run` client's exit code. It waits as long as the container's init lives (the
+    job runs); once the init is gone, a client that has not exited within COMMAND_SECONDS (stuck on
+    Podman's lock) has its group killed (an unreaped child's: proved) and is reaped, said in the
+    worker's log: a hung Podman never holds a job's end. The code is then the client's signal."""
+    while True:
+        try:
+            return run.proc.wait(timeout=0 if _client_stuck(run) else containers.COMMAND_SECONDS)
+        except subprocess.TimeoutExpired:
+            if not _client_stuck(run):
+                continue  # the job still runs (the client rightly waits with it), or just ended
+            log.error(
+                "%s: podman run had not exited %s s after its container ended: killed",
+                run.name,
+                containers.COMMAND_SECONDS,
+            )
+            pids.send_group(run.proc.pid, signal.SIGKILL)
+            return run.proc.wait()
 
 
 def _end_of(returncode: int, sent: set[int], *, oom_killed: bool = False) -> RunEnd:
