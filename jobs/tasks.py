@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 from celery import shared_task
+from django.db import connection
 
 from gpus.models import Server
 from jobs.host.images import images_pull_here
@@ -35,10 +37,33 @@ def run_session(session_id: int) -> str | None:
 # first run in the image, pulls again.
 @shared_task(ignore_result=True, acks_late=False, max_retries=0)
 def pull_images(server_id: int, image_ids: list[int]) -> None:
+    """Pull these images on this host, in a thread of the worker's: a pull may take an hour, and
+    the task would hold one of the host's job slots all that while (the queue counts a host's
+    slots by its jobs and labs, so a job sent meanwhile would wait in Redis behind it). One pull
+    at a time; a worker that stops ends it (the next send, or a job's first run, pulls again)."""
+    pull = threading.Thread(target=_pull_in_turn, args=(server_id, image_ids), name="image-pull", daemon=True)
+    pull.start()
+
+
+_pulling = threading.Lock()
+
+
+def _pull_in_turn(server_id: int, image_ids: list[int]) -> None:
+    with _pulling:
+        try:
+            pull_images_now(server_id, image_ids)
+        except Exception:
+            log.exception("Pull of images %s on server %s failed", image_ids, server_id)
+        finally:
+            connection.close()  # this thread's own
+
+
+def pull_images_now(server_id: int, image_ids: list[int]) -> list[tuple[str, bool, str]]:
     """Pull these images on this host (those still listed for its server) and record each
-    outcome (jobs.host.images). Again: each is pulled again, quickly from the runtime's cache."""
+    outcome (jobs.host.images): (image, ok, detail) of each, for `images_pull --here` as well.
+    Again: each is pulled again, quickly from the runtime's cache."""
     server = Server.objects.filter(pk=server_id).first()
     if server is None:
         log.warning("Pull of images %s: server %s is gone; nothing pulled", image_ids, server_id)
-        return
-    images_pull_here(server, image_ids)
+        return []
+    return [(one.image, one.ok, one.detail) for one in images_pull_here(server, image_ids)]

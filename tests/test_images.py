@@ -28,7 +28,7 @@ from jobs.queue.rules import NO_IMAGE_SERVER
 from jobs.queue.scheduler import schedule_pass
 from jobs.sessions.services import session_start
 from jobs.submit import ScriptUpload, job_submit
-from jobs.tasks import pull_images
+from jobs.tasks import pull_images_now
 from portal.errors import Invalid
 from tests.factories import job_form_data, make_snapshot, queue_job
 from tests.waiting import wait_for
@@ -317,7 +317,7 @@ def test_the_pull_task_pulls_each_image_of_its_server_and_records_how_it_went(im
 
     monkeypatch.setattr(containers, "image_pull", pull)
     box2 = Server.objects.get(name="box2")
-    pull_images(box2.pk, [images["torch"].pk, images["tf"].pk, images["old"].pk])  # old-1 is not box2's
+    pull_images_now(box2.pk, [images["torch"].pk, images["tf"].pk, images["old"].pk])  # old-1 is not box2's
     assert said == ["/srv/images/pytorch", "registry.lab.example/tf:2.17"]  # one failure stops nothing
     rows = {p.image.name: (p.ok, p.detail) for p in ImagePull.objects.filter(server=box2)}
     assert rows == {

@@ -9,11 +9,10 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.utils import timezone
 
-from gpus.models import ImagePull, Server
+from gpus.models import Server
 from jobs.images import images_pull_send
-from jobs.tasks import pull_images
+from jobs.tasks import pull_images_now
 from portal.errors import Invalid
 
 
@@ -63,12 +62,8 @@ class Command(BaseCommand):
         if missing:
             raise CommandError(f"{', '.join(missing)} not listed for {name}; add it to {name} in the admin.")
         ids = list(wanted.values_list("pk", flat=True))
-        started = timezone.now()
-        pull_images(host.pk, ids)  # the host's task, run here: what each pull did is its ImagePull
-        pulled = ImagePull.objects.filter(server=host, image_id__in=ids, at__gte=started).select_related(
-            "image"
-        )
-        for one in pulled.order_by("image__name"):
-            self.stdout.write(f"{one.image.name}: {'pulled' if one.ok else 'FAILED'}: {one.detail}")
-        if len(pulled) < len(ids) or not all(one.ok for one in pulled):
+        pulled = pull_images_now(host.pk, ids)  # the host's task, run here: it records each as well
+        for image, ok, detail in sorted(pulled):
+            self.stdout.write(f"{image}: {'pulled' if ok else 'FAILED'}: {detail}")
+        if len(pulled) < len(ids) or not all(ok for _, ok, _ in pulled):
             raise CommandError("Some images could not be pulled (above).")
