@@ -18,6 +18,7 @@ import pwd
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ import pynvml
 from django.conf import settings
 
 from jobs.host import rootless
+from portal.accounts import JOB_USER_OWNER
 
 # Podman 4.3 on Debian 12 (docs/containers.md, "Install"): crun 1.8 refuses the hybrid cgroup
 # layout, and Podman's default ulimits are above the hard limits a worker without
@@ -181,14 +183,35 @@ def _runtime_check() -> tuple[bool, str]:
             False,
             f"{' and '.join(missing)} missing on {host}: an admin installs uidmap (apt install uidmap).",
         )
-    if settings.JOB_USER == "@owner":
+    if settings.JOB_USER == JOB_USER_OWNER:
         ok, detail = _info_check(None)
         return ok, (f"{detail}: each owner's account is checked at its job's start" if ok else detail)
     try:
-        account = pwd.getpwnam(settings.JOB_USER)
-    except KeyError:
-        return False, f"JOB_USER {settings.JOB_USER} is not an account on {host}."
+        account = host_account()
+    except ContainerError as exc:
+        return False, str(exc)
+    assert account is not None
     return account_status(account)
+
+
+def host_account() -> pwd.struct_passwd | None:
+    """Whose Podman holds this host's shared images and containers (a pre-pull's, a killed
+    worker's leftovers): None in root mode (the worker's own); JOB_USER's in rootless mode.
+    ContainerError where no one account holds them: JOB_USER unset or @owner (each owner's
+    Podman has its own, pulled at its first job), or not an account here."""
+    if settings.CONTAINER_MODE != "rootless":
+        return None
+    if settings.JOB_USER in ("", JOB_USER_OWNER):
+        raise ContainerError(
+            "CONTAINER_MODE=rootless with JOB_USER=@owner: each account keeps its own images and"
+            " containers, in its own Podman (an image is pulled at its first job there)."
+        )
+    try:
+        return pwd.getpwnam(settings.JOB_USER)
+    except KeyError:
+        raise ContainerError(
+            f"JOB_USER {settings.JOB_USER} is not an account on {socket.gethostname()}."
+        ) from None
 
 
 def account_status(account: pwd.struct_passwd) -> tuple[bool, str]:
@@ -318,31 +341,53 @@ def import_folder(folder: str, name: str, say: Callable[[str], None], account: p
     the namespace's root, as any image's do. The worker (root) reads the folder; the account's
     Podman only reads the stream."""
     say(f"pulling {folder}: importing the folder into {account.pw_name}'s image storage")
-    tar = subprocess.Popen(
-        ["tar", "-C", folder, "--numeric-owner", "-cf", "-", "."],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
-    )  # fmt: skip
-    try:
-        done = subprocess.run(
-            podman_command("import", "--quiet", "--", "-", name, account=account),
-            env=podman_env(account), stdin=tar.stdout, capture_output=True, text=True, cwd="/",
-            timeout=settings.CONTAINER_PULL_SECONDS, **rootless.as_account(account),  # type: ignore[arg-type]
+    # tar's warnings to a file, read after: a pipe nobody reads while Podman imports would fill
+    # (a warning per socket in the folder) and stop tar, and Podman with it.
+    with tempfile.TemporaryFile() as errors:
+        tar = subprocess.Popen(
+            ["tar", "-C", folder, "--numeric-owner", "-cf", "-", "."],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors, cwd="/",
         )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        raise ContainerError(
-            f"Importing {folder} took longer than CONTAINER_PULL_SECONDS"
-            f" ({settings.CONTAINER_PULL_SECONDS} s)."
-        ) from None
-    finally:
-        assert tar.stdout is not None
-        tar.stdout.close()
-        tar_error = tar.communicate()[1].decode(errors="replace") if tar.wait(60) else ""
+        try:
+            done = _import_stream(tar, name, account)
+        finally:
+            _tar_end(tar)
+        errors.seek(0)
+        tar_error = errors.read().decode(errors="replace")
     if done.returncode != 0 or tar.returncode != 0:
         why = last_line(done.stderr) if done.returncode != 0 else last_line(tar_error)
         raise ContainerError(
             f"Could not import {folder} for {account.pw_name} on {socket.gethostname()}: {why}"
         )
     return done.stdout.strip().removeprefix("sha256:")
+
+
+def _import_stream(
+    tar: subprocess.Popen[bytes], name: str, account: pwd.struct_passwd
+) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            podman_command("import", "--quiet", "--", "-", name, account=account),
+            env=podman_env(account), stdin=tar.stdout, capture_output=True, text=True, cwd="/",
+            timeout=settings.CONTAINER_PULL_SECONDS, **rootless.as_account(account),  # type: ignore[arg-type]
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise ContainerError(
+            f"Importing into {account.pw_name}'s storage took longer than CONTAINER_PULL_SECONDS"
+            f" ({settings.CONTAINER_PULL_SECONDS} s)."
+        ) from None
+
+
+def _tar_end(tar: subprocess.Popen[bytes]) -> None:
+    """tar, ended: its stream closed (it stops once Podman no longer reads), reaped within a
+    minute or killed (an unreaped child of the worker's: its pid is still tar's)."""
+    assert tar.stdout is not None
+    tar.stdout.close()
+    try:
+        tar.wait(60)
+    except subprocess.TimeoutExpired:
+        tar.kill()
+        tar.wait()
 
 
 def _pull(reference: str, say: Callable[[str], None], account: pwd.struct_passwd | None) -> str:
@@ -390,11 +435,9 @@ def _is_id(line: str) -> bool:
     return len(line) == 64 and all(c in "0123456789abcdef" for c in line)
 
 
-def leftovers_remove(
-    account: pwd.struct_passwd | None = None, *, keep: Sequence[str] = ()
-) -> list[tuple[str, str, str]]:
-    """Remove this portal's containers on this host that no live run holds (`keep`: their names):
-    what a worker killed mid-job left (the orphan sweep has ended what of them it could prove by
+def leftovers_remove(account: pwd.struct_passwd | None = None) -> list[tuple[str, str, str]]:
+    """Remove this portal's containers on this host (no run of this worker holds one yet): what
+    a worker killed mid-job left (the orphan sweep has ended what of them it could prove by
     the session the rows recorded; `rm --force` ends the rest, a process that left the session
     too). (name, its portal.work label: "job-12", its state: "running", "exited"...) of each removed."""
     done = podman(
@@ -403,7 +446,7 @@ def leftovers_remove(
         "--format", f'{{{{.Names}}}}\t{{{{index .Labels "{LABEL_WORK}"}}}}\t{{{{.State}}}}', account=account,
     )  # fmt: skip
     found = [tuple(line.split("\t")) for line in done.stdout.splitlines() if line.count("\t") == 2]
-    removed = [(name, work, state) for name, work, state in found if name not in keep]
+    removed = list(found)
     for name, _work, _state in removed:
         podman("rm", "--force", "--ignore", "--time", "0", "--", name, account=account)
     return removed  # type: ignore[return-value]

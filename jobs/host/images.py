@@ -11,8 +11,6 @@ import pwd
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from django.conf import settings
-
 from gpus.images import image_pull_record
 from gpus.models import ContainerImage, Server
 from jobs.host import containers
@@ -63,18 +61,6 @@ def _pull(server: Server, image: ContainerImage) -> Pulled:
 
 
 def _pulling_account() -> pwd.struct_passwd | None:
-    """Whose storage a pre-pull fills: root's in root mode (every job's); in rootless mode
-    JOB_USER's, the one account every job runs as. With JOB_USER=@owner each owner's account
-    has storage of its own, pulled into at its first job there: ContainerError (said as the
-    pull's outcome)."""
-    if settings.CONTAINER_MODE != "rootless":
-        return None
-    if settings.JOB_USER in ("", "@owner"):
-        raise containers.ContainerError(
-            "CONTAINER_MODE=rootless with JOB_USER=@owner: each account keeps its own images, pulled"
-            " at its first job on this server; nothing to pre-pull."
-        )
-    try:
-        return pwd.getpwnam(settings.JOB_USER)
-    except KeyError:
-        raise containers.ContainerError(f"JOB_USER {settings.JOB_USER} is not an account here.") from None
+    """Whose storage a pre-pull fills: root's in root mode (every job's), JOB_USER's in rootless
+    mode (containers.host_account; ContainerError, said as the pull's outcome, under @owner)."""
+    return containers.host_account()

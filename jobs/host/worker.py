@@ -96,18 +96,10 @@ def containers_leftovers_remove(server: str) -> list[str]:
     ran is said in its log, the audit log and to its owner. Nothing to do where Podman is absent."""
     if shutil.which(settings.CONTAINER_PODMAN) is None:
         return []
-    # Rootless: JOB_USER's own Podman holds them (under @owner each owner's: not swept here,
-    # docs/containers.md); root mode: the worker's.
-    account = None
-    if settings.CONTAINER_MODE == "rootless":
-        if not settings.JOB_USER or settings.JOB_USER == JOB_USER_OWNER:
-            return []
-        try:
-            account = pwd.getpwnam(settings.JOB_USER)
-        except KeyError:
-            return []  # the containers report says so
+    # Rootless: JOB_USER's own Podman holds them; under @owner each owner's, not swept here
+    # (host_account says so: docs/containers.md); root mode: the worker's.
     try:
-        removed = containers.leftovers_remove(account)
+        removed = containers.leftovers_remove(containers.host_account())
     except containers.ContainerError as exc:
         log.warning("Could not look for containers a previous worker of %s left: %s", server, exc)
         return []
