@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from portal.gpu_check.context import Context, row, skip
-from portal.gpu_check.machine import PeakSampler
+from portal.gpu_check.machine import FRAMEWORKS, PeakSampler
 from portal.gpu_check.report import Row
 from portal.gpu_check.waiting import Deadline
 
@@ -23,7 +23,6 @@ LOG_CAP = {
     "JAX": (re.compile(r"XLA_PYTHON_CLIENT_MEM_FRACTION=([0-9.]+)"), "fraction"),
     "TensorFlow": (re.compile(r"memory_limit (\d+) MiB"), "limit"),
 }
-MODULE = {"PyTorch": "torch", "JAX": "jax", "TensorFlow": "tensorflow"}
 
 
 def _cap_mib(ctx: Context, card: dict[str, Any], share: int) -> tuple[float, int]:
@@ -62,7 +61,7 @@ def _cap_job(
 ) -> tuple[str, bool]:
     fraction, cap = _cap_mib(ctx, card, share)
     with PeakSampler(ctx.nvml, card["uuid"]) as sampler:
-        job_id = ctx.submit(ctx.alice, booking, "cap.py", f"{MODULE[framework]} {share + 2048}")
+        job_id = ctx.submit(ctx.alice, booking, "cap.py", f"{FRAMEWORKS[framework]} {share + 2048}")
         job = ctx.job_end(ctx.alice, job_id, deadline)
     said = ctx.job_said(ctx.alice, job_id) or {}
     log = f"{job.get('launcher_line') or ''}\n{ctx.job_log(ctx.alice, job_id)}"

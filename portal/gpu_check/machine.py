@@ -39,19 +39,21 @@ def nvidia_smi() -> list[dict[str, str]]:
     ]
 
 
-def frameworks(python: str) -> dict[str, str]:
-    """{framework: "" if it imports in `python`, else why not}."""
+def frameworks(python: str, deadline: Deadline) -> dict[str, str]:
+    """{framework: "" if it imports in `python`, else why not}, each import within 120 s and
+    the start-up's `deadline`."""
     found = {}
     for name, module in FRAMEWORKS.items():
+        limit = min(120.0, deadline.left())
         try:
             done = subprocess.run(
-                [python, "-c", f"import {module}"], capture_output=True, text=True, timeout=120
+                [python, "-c", f"import {module}"], capture_output=True, text=True, timeout=limit
             )
             found[name] = (
                 "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1][:200]
             )
         except subprocess.TimeoutExpired:
-            found[name] = f"`import {module}` took over 120 s"
+            found[name] = f"`import {module}` took over {limit:.0f} s"
     return found
 
 
