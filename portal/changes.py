@@ -93,9 +93,8 @@ class Publisher:
             return None
         try:
             return int(self._redis().get(count_key()) or 0)
-        except redis.RedisError as exc:
-            self._failed(exc, now)
-            return None
+        except redis.RedisError:
+            return None  # the page reads its parts at `ready`; only a failed publish stops publishing
 
     def _redis(self) -> redis.Redis:
         if self._client is None or self._pid != os.getpid():
@@ -129,7 +128,12 @@ class ChangesSeenMiddleware:
         self.get_response = get_response
 
     def __call__(self, request):  # type: ignore[no-untyped-def]
-        if request.method == "GET" and not request.headers.get("HX-Request") and _is_page(request.path):
+        if (
+            request.method == "GET"
+            and not request.headers.get("HX-Request")
+            and _is_page(request.path)
+            and request.user.is_authenticated  # only a signed-in page has the stream (base.html)
+        ):
             request.changes_seen = changes_count()
         return self.get_response(request)
 
