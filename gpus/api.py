@@ -177,7 +177,8 @@ class GPUViewSet(viewsets.ReadOnlyModelViewSet):
                 self.request.user, timezone.now()
             )  # one query (three with loans)
             context["command_lines"] = command_lines_for(self.request.user)
-            context["job_images"] = job_images(GPUProcess.objects.values_list("job_id", flat=True))
+            jobs = GPUProcess.objects.exclude(job_id=None).values_list("job_id", flat=True).distinct()
+            context["job_images"] = job_images(jobs)  # the jobs on cards now: each once
         return context
 
 
