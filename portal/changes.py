@@ -132,7 +132,10 @@ class ChangesSeenMiddleware:
             request.method == "GET"
             and not request.headers.get("HX-Request")
             and _is_page(request.path)
-            and request.user.is_authenticated  # only a signed-in page has the stream (base.html)
+            # A signed-in page's (only those have the stream, base.html); its session cookie says
+            # so without a read of the session, which must stay the view's (a database away is
+            # the view's outage page, portal.outage, not a middleware's error).
+            and settings.SESSION_COOKIE_NAME in request.COOKIES
         ):
             request.changes_seen = changes_count()
         return self.get_response(request)
