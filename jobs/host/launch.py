@@ -140,18 +140,24 @@ def in_image(launch: Launch, image: ContainerImage, job: Job, folder: Path) -> L
 def image_ready(launch: Launch, say: Callable[[str], None]) -> None:
     """The launch's image on this host (pulled on its first use, saying so in the job's log);
     JobSetupError saying what to do when it cannot be had."""
-    if launch.image is None:
-        return
-    account = launch.account if settings.CONTAINER_MODE == "rootless" else None
+    if launch.image is not None:
+        image_ready_for(launch.image, launch.account, say)
+
+
+def image_ready_for(image: ImageSpec, account: pwd.struct_passwd | None, say: Callable[[str], None]) -> None:
+    """`image` on this host for work run as `account` (a job's, a lab's): containers working here
+    (and, rootless, for that account), the image pulled on its first use, saying so; JobSetupError
+    saying what to do when it cannot be had."""
+    account = account if settings.CONTAINER_MODE == "rootless" else None
     ok, why = runtime_status()
     if ok and account is not None:  # rootless: this account's ranges and Podman, not only the host's
         ok, why = account_status(account)
     if not ok:
         raise JobSetupError(f"Containers cannot run on {socket.gethostname()}: {why}")
     try:
-        image_pull(launch.image.reference, lambda line: say(f"[portal] {line}"), account=account)
+        image_pull(image.reference, lambda line: say(f"[portal] {line}"), account=account)
     except ContainerError as exc:
-        raise JobSetupError(f"Image {launch.image.name}: {exc}") from None
+        raise JobSetupError(f"Image {image.name}: {exc}") from None
 
 
 def _job_account(job: Job) -> pwd.struct_passwd | None:
