@@ -145,6 +145,31 @@ def lab_rootfs() -> Path:
     return _built(LAB_ROOTFS, build)
 
 
+def oci_archive() -> Path:
+    """`rootfs()` as an oci-archive: file (a registry pull's stand-in, no registry being reachable),
+    made once with root's Podman (import, save, and the imported image removed)."""
+    from jobs.host.containers import podman, podman_command, podman_env
+
+    archive = Path(_BASE).resolve() / f"container-oci-{ROOTFS_VERSION}.tar"
+    if archive.exists():
+        return archive
+    name = f"localhost/portal-test-archive-{os.getpid()}"
+    tar = subprocess.Popen(["tar", "-C", str(rootfs()), "-cf", "-", "."], stdout=subprocess.PIPE)
+    subprocess.run(
+        podman_command("import", "--quiet", "--", "-", name),
+        stdin=tar.stdout,
+        env=podman_env(),
+        check=True,
+        capture_output=True,
+    )
+    tar.wait()
+    partial = archive.with_name(f".{archive.name}.{os.getpid()}")
+    podman("save", "--quiet", "--format", "oci-archive", "--output", str(partial), "--", name)
+    podman("rmi", "--force", "--", name)
+    partial.replace(archive)
+    return archive
+
+
 def _required(names: Sequence[str], but: Sequence[str] = ()) -> list[importlib.metadata.Distribution]:
     """The installed distributions `names` name and, recursively, those they require, but `but`."""
     from packaging.requirements import Requirement

@@ -346,7 +346,7 @@ def test_images_pull_sends_one_message_per_server_that_has_them(images, pulls_se
 def test_the_pull_task_pulls_each_image_of_its_server_and_records_how_it_went(images, monkeypatch):
     said: list[str] = []
 
-    def pull(reference: str, say, account=None) -> None:  # type: ignore[no-untyped-def]
+    def pull(reference: str, say, account=None, name="") -> None:  # type: ignore[no-untyped-def]
         said.append(reference)
         if reference.startswith("/"):
             raise containers.ContainerError(f"{reference} is not a folder on this host; create it.")

@@ -155,7 +155,7 @@ def image_ready_for(image: ImageSpec, account: pwd.struct_passwd | None, say: Ca
     if not ok:
         raise JobSetupError(f"Containers cannot run on {socket.gethostname()}: {why}")
     try:
-        image_pull(image.reference, lambda line: say(f"[portal] {line}"), account=account)
+        image_pull(image.reference, lambda line: say(f"[portal] {line}"), account=account, name=image.name)
     except ContainerError as exc:
         raise JobSetupError(f"Image {image.name}: {exc}") from None
 
