@@ -12,6 +12,8 @@ from io import StringIO
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -423,3 +425,19 @@ def test_a_reference_podman_could_take_for_an_option_or_two_arguments_is_refused
 )
 def test_the_three_shapes_of_reference_are_taken(reference, db):
     ContainerImage(name="good", reference=reference).full_clean()
+
+
+def test_the_lab_images_cost_one_query_per_page_not_per_booking(client, alice, box, lab_image):
+    """My reservations has an *Open JupyterLab* button per active booking: the images it offers
+    are read once for the page."""
+    client.force_login(alice)
+    reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+    with CaptureQueriesContext(connection) as one:
+        page = client.get(reverse("my_reservations")).content.decode()
+    assert page.count('<option value="lab-1"') == 1
+    for card in box[1:3]:
+        reservation_create(user=alice, gpus=[card.uuid], memory_mb=8192)
+    with CaptureQueriesContext(connection) as three:
+        page = client.get(reverse("my_reservations")).content.decode()
+    assert page.count('<option value="lab-1"') == 3
+    assert len(three) == len(one), [q["sql"] for q in three.captured_queries]
