@@ -1,7 +1,10 @@
 """What the container tests (tests/test_containers*.py) run in: a root filesystem built here from
 the host's own python3 and the libraries it loads (no registry is reachable from a test), built
-once per machine into the run's var base and shared by every xdist worker and later runs; and
-fake NVIDIA device nodes (mknod c 195 N: `open` answers ENXIO, as with no driver loaded).
+once per machine into the run's var base and shared by every xdist worker and later runs; a
+second with JupyterLab for the labs (`lab_rootfs`: the venv's own base interpreter and the
+distributions JupyterLab needs, hard-linked from the venv); the first as an oci-archive: file for
+the pulls (`oci_archive`); and fake NVIDIA device nodes (mknod c 195 N: `open` answers ENXIO, as
+with no driver loaded).
 
 Where Podman cannot run containers here, the tier skips saying why, and fails on CI (CI=true),
 which installs podman, runc and uidmap (.ci/run).
