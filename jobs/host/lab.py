@@ -9,7 +9,8 @@ privileges, SIGKILLed with the worker) in the booking's environment (the cards b
 memory caps: jobs.environment.session_environment). The token reaches the server through its
 environment (JUPYTER_TOKEN), never its command line, which every user can read; the browser never
 sees it (the proxy adds it). The server serves the base URL /sessions/<id>/lab/, the path the
-portal serves it at.
+portal serves it at. A session with an image runs in a container of it (the Podman executor; what
+differs is jobs/host/lab_image.py's: the image pulled first, the socket passed in as fd 3).
 
 A GPU host is shared with people who have shells, and any of them can listen on a free port. So
 the lab's address is never a port picked and published first: the worker binds and listens on
