@@ -50,9 +50,18 @@ def mode(request, settings, alice) -> tuple[str, pwd.struct_passwd]:
 
 
 @pytest.fixture
-def lab_in_image(mode, alice, box, settings, tmp_path, monkeypatch) -> Iterator[InteractiveSession]:
+def said_while_starting() -> list[str]:
+    """The session's message as the start said a line of a pull (lab_in_image)."""
+    return []
+
+
+@pytest.fixture
+def lab_in_image(
+    mode, alice, box, settings, tmp_path, monkeypatch, said_while_starting
+) -> Iterator[InteractiveSession]:
     """alice's lab in the JupyterLab image on box1 GPU 1 (of four fake nodes), run in a thread;
-    ended and its container checked gone at the end."""
+    ended and its container checked gone at the end. Its start says a pull's line first, which
+    the session's page shows while it starts (a folder image needs no pull in root mode)."""
     settings.JOB_KILL_GRACE_SECONDS = 2
     settings.CONTAINER_DEVICE_DIR = str(fake_gpu_nodes(Path(settings.VAR_DIR) / "dev" / tmp_path.name, 4))
     settings.CONTAINER_CDI_DIRS = [str(tmp_path / "no-cdi")]
@@ -63,6 +72,14 @@ def lab_in_image(mode, alice, box, settings, tmp_path, monkeypatch) -> Iterator[
     image.servers.set(Server.objects.filter(name="box1"))
     booking = reservation_create(user=alice, gpus=[box[1].uuid], memory_mb=8192)
     session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="lab-img")
+    ready = lab.lab_image_ready
+
+    def pulled_first(image, account, say):  # type: ignore[no-untyped-def]
+        say("pulling lab-img: 1.0 / 2.0 MB")
+        said_while_starting.append(InteractiveSession.objects.get(pk=session.pk).message)
+        ready(image, account, say)
+
+    monkeypatch.setattr(lab, "lab_image_ready", pulled_first)
     thread = threading.Thread(target=lambda: lab_run(session.pk), daemon=True)
     thread.start()
     wait_for(lambda: _refreshed(session).status != "starting", timeout=90, what="JupyterLab to answer")
@@ -101,9 +118,12 @@ def _containers(session: InteractiveSession, mode: tuple[str, pwd.struct_passwd]
     return found.stdout.split()
 
 
-def test_a_lab_in_an_image_runs_in_its_container_with_the_booked_card_alone(lab_in_image, mode, box):
+def test_a_lab_in_an_image_runs_in_its_container_with_the_booked_card_alone(
+    lab_in_image, mode, box, said_while_starting
+):
     session = lab_in_image
     assert session.status == "running", session.message
+    assert said_while_starting == ["pulling lab-img: 1.0 / 2.0 MB"] and session.message == ""
     assert session.address.startswith("127.0.0.1:") and _containers(session, mode)
     assert _api(session, "status").status_code == 200  # the worker's socket, from the host
     assert _api(session, "status", token=False).status_code == 403
