@@ -74,10 +74,10 @@ def lab_in_image(
     session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="lab-img")
     ready = lab.lab_image_ready
 
-    def pulled_first(image, account, say):  # type: ignore[no-untyped-def]
+    def pulled_first(image, account, say, beat):  # type: ignore[no-untyped-def]
         say("pulling lab-img: 1.0 / 2.0 MB")
         said_while_starting.append(InteractiveSession.objects.get(pk=session.pk).message)
-        ready(image, account, say)
+        ready(image, account, say, beat)
 
     monkeypatch.setattr(lab, "lab_image_ready", pulled_first)
     thread = threading.Thread(target=lambda: lab_run(session.pk), daemon=True)

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import pwd
 import re
+import threading
 import time
 
 import pytest
 
-from jobs.host import pulls
+from jobs.host import launch, pulls
 from jobs.host.containers import image_pull, local_name, podman
+from jobs.host.executors.base import ImageSpec
+from jobs.host.launch import image_ready_for
 from jobs.host.pulls import PullProgress, shown
 from tests.container_image import need_containers, oci_archive, rootless_account
 from tests.test_containers import _pause_process_ends  # noqa: F401 (a fixture, used by name)
+from tests.waiting import wait_for
 
 # What Podman 4.3 drew for two layers, a cached one and a config (ANSI redraws as it sends them).
 RECORDED = (
@@ -96,3 +100,23 @@ def _forget(reference: str, account: pwd.struct_passwd | None) -> None:
     )
     if found.returncode == 0:
         podman("rmi", "--force", "--", found.stdout.strip(), account=account)
+
+
+def test_a_pull_keeps_the_runs_heartbeat_and_stops_with_it(monkeypatch, settings):
+    """A pull of a few GB outlasts a run's lost cut-off (JOB_LOST_AFTER_SECONDS, 30 s), silent
+    while a layer unpacks: the run's heartbeat goes on meanwhile, and ends with the pull."""
+    settings.JOB_HEARTBEAT_SECONDS = 0.05
+    beats: list[float] = []
+    said: list[str] = []
+
+    def pull(reference: str, say, account=None, name="") -> None:  # type: ignore[no-untyped-def]
+        say(f"pulling {name}: 0.0 / 4.8 GB")
+        wait_for(lambda: len(beats) >= 3, timeout=10, what="beats while the pull runs")
+
+    monkeypatch.setattr(launch, "runtime_status", lambda: (True, "podman 4.3.1"))
+    monkeypatch.setattr(launch, "image_pull", pull)
+    image_ready_for(
+        ImageSpec("tf-2.17", "registry.lab.example/tf:2.17"), None, said.append, lambda: beats.append(1)
+    )
+    assert said == ["[portal] pulling tf-2.17: 0.0 / 4.8 GB"] and len(beats) >= 3
+    assert not [thread for thread in threading.enumerate() if thread.name == "pull-beat"]

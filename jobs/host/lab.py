@@ -171,7 +171,7 @@ class LabSupervisor:
         self.gid = account.pw_gid if account is not None else os.getgid()
         image = lab_image(session)
         if image is not None:  # before the socket: a first use pulls the image, maybe for minutes
-            lab_image_ready(image, account, self._say_starting)
+            lab_image_ready(image, account, self._say_starting, self._starting_beat)
         interpreter = settings.JOB_INTERPRETERS["default"]
         env = _lab_environment(
             session, BookedCard.of(allocation), account, interpreter, in_image=image is not None
@@ -208,9 +208,13 @@ class LabSupervisor:
     def _say_starting(self, line: str) -> None:
         """A line of the start (an image's pull: "pulling tf-2.17: 1.2 / 4.8 GB"), in the worker's
         log and as the session's message, which its page shows while it starts."""
+        line = line.removeprefix("[portal] ")  # the job log's mark: the page is the portal's already
         log.info("Session %s: %s", self.pk, line)
         with contextlib.suppress(DatabaseError):  # only words: the start goes on without them
             InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(message=line[:500])
+
+    def _starting_beat(self) -> None:
+        InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(beat_at=Now())
 
     def _read(self, output: RunOutput) -> None:
         """The server's output, drained (a full pipe would block it); its last lines kept."""

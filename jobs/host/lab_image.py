@@ -51,15 +51,20 @@ def lab_image(session: InteractiveSession) -> ImageSpec | None:
     return ImageSpec(image.name, image.reference, image.network)
 
 
-def lab_image_ready(image: ImageSpec, account: pwd.struct_passwd | None, say: Callable[[str], None]) -> None:
-    """Never as root; containers working here, the image pulled on its first use (saying so);
-    JobSetupError saying what to do otherwise."""
+def lab_image_ready(
+    image: ImageSpec,
+    account: pwd.struct_passwd | None,
+    say: Callable[[str], None],
+    beat: Callable[[], object],
+) -> None:
+    """Never as root; containers working here, the image pulled on its first use (saying so,
+    `beat` kept meanwhile); JobSetupError saying what to do otherwise."""
     if account is None and os.geteuid() == 0:
         raise JobSetupError(
             f"labs in container images never run as root, and this host's worker ({socket.gethostname()})"
             f" runs as root with no JOB_USER: an admin sets JOB_USER=@owner there"
         )
-    image_ready_for(image, account, say)
+    image_ready_for(image, account, say, beat)
 
 
 def lab_image_env(environ: Mapping[str, str]) -> dict[str, str]:
