@@ -132,7 +132,8 @@ def release(reservation_id: int, as_json: bool) -> None:
 @click.option("--server", help="Only the images this server has.")
 @json_option
 def images(server: str | None, as_json: bool) -> None:
-    """The container images jobs and labs may run in (`gpu run --image NAME`), and where they run.
+    """The container images jobs and labs may run in (`gpu run --image NAME`), and where they run;
+    JUPYTERLAB "yes": JupyterLab can open in it too (the booking's page, POST /api/v1/sessions/).
 
     \b
       gpu images

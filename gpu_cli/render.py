@@ -86,12 +86,17 @@ def footer(shown: int, total: int, what: str) -> str | None:
 
 def images_table(images: Iterable[dict[str, Any]]) -> Table:
     """Each image, where it runs now (containers work there) and where it is but cannot run."""
-    table = _table("IMAGE", "RUNS ON", "NETWORK", "DESCRIPTION")
+    table = _table("IMAGE", "RUNS ON", "NETWORK", "JUPYTERLAB", "DESCRIPTION")
     for image in images:
         ok = image.get("containers_ok", {})
         where = [name if ok.get(name) else f"{name} (containers off)" for name in image["servers"]]
+        lab = "yes" if image.get("has_jupyterlab") else "no"  # a portal before issue 34's labs sends none
         table.add_row(
-            image["name"], ", ".join(where) or "—", "yes" if image["network"] else "no", image["description"]
+            image["name"],
+            ", ".join(where) or "—",
+            "yes" if image["network"] else "no",
+            lab,
+            image["description"],
         )
     return table
 

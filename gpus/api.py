@@ -192,7 +192,7 @@ class ImageSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ContainerImage
-        fields = ["name", "reference", "description", "servers", "network", "containers_ok"]
+        fields = ["name", "reference", "description", "servers", "network", "has_jupyterlab", "containers_ok"]
 
     def get_containers_ok(self, image: ContainerImage) -> dict[str, bool]:
         return {server.name: server.containers_ok for server in image.servers.all()}

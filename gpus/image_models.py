@@ -34,6 +34,11 @@ class ContainerImageQuerySet(models.QuerySet):
             return self.filter(servers__containers_ok=True).distinct()
         return self.filter(servers=server, servers__containers_ok=True).distinct()
 
+    def for_labs(self, server: object | None = None) -> ContainerImageQuerySet:
+        """The images a JupyterLab can open in now: runnable (on `server`, if given) and marked
+        by an admin as having JupyterLab. The one rule for the lab button, the API and the host."""
+        return self.runnable(server).filter(has_jupyterlab=True)
+
 
 class ContainerImage(models.Model):
     # Not a SlugField: versions have dots ("tf-2.17"), which a slug refuses.
@@ -71,6 +76,14 @@ class ContainerImage(models.Model):
     network = models.BooleanField(
         default=False,
         help_text="Jobs in it see the host's network (off: no network at all, the safe default).",
+    )
+    has_jupyterlab = models.BooleanField(
+        "has JupyterLab",
+        default=False,
+        help_text=(
+            "Its python3 can run `jupyter lab` (jupyterlab, jupyter_server 2 and ipykernel installed): "
+            "people may open JupyterLab in it. Off: jobs only."
+        ),
     )
     created_at = models.DateTimeField(default=timezone.now)
 

@@ -30,8 +30,8 @@ class ContainerImageAdmin(admin.ModelAdmin):
     sends each selected image's pull to every server that has it; each host records how it went
     (Last pulls)."""
 
-    list_display = ["name", "reference", "server_names", "network", "last_pulls"]
-    list_filter = ["servers", "network"]
+    list_display = ["name", "reference", "server_names", "network", "has_jupyterlab", "last_pulls"]
+    list_filter = ["servers", "network", "has_jupyterlab"]
     search_fields = ["name", "reference", "description"]
     filter_horizontal = ["servers"]
     actions = ["pull_now"]

@@ -1,7 +1,10 @@
 """What the container tests (tests/test_containers*.py) run in: a root filesystem built here from
 the host's own python3 and the libraries it loads (no registry is reachable from a test), built
-once per machine into the run's var base and shared by every xdist worker and later runs; and
-fake NVIDIA device nodes (mknod c 195 N: `open` answers ENXIO, as with no driver loaded).
+once per machine into the run's var base and shared by every xdist worker and later runs; a
+second with JupyterLab for the labs (`lab_rootfs`: the venv's own base interpreter and the
+distributions JupyterLab needs, hard-linked from the venv); the first as an oci-archive: file for
+the pulls (`oci_archive`); and fake NVIDIA device nodes (mknod c 195 N: `open` answers ENXIO, as
+with no driver loaded).
 
 Where Podman cannot run containers here, the tier skips saying why, and fails on CI (CI=true),
 which installs podman, runc and uidmap (.ci/run).
@@ -10,12 +13,15 @@ which installs podman, runc and uidmap (.ci/run).
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -29,8 +35,22 @@ ROOTLESS_SUBIDS = "1000000000-1000065535"  # bump to rebuild every cached root f
 # the bench's var folder otherwise (bench/bench_containers.py).
 _BASE = os.environ.get("PORTAL_TEST_VAR_BASE") or os.environ.get("PORTAL_VAR_DIR") or "var"
 ROOTFS = Path(_BASE).resolve() / f"container-rootfs-{ROOTFS_VERSION}"
+LAB_ROOTFS_VERSION = "2"  # bump to rebuild every cached lab root filesystem
+LAB_ROOTFS = Path(_BASE).resolve() / f"container-rootfs-lab-{LAB_ROOTFS_VERSION}"
+LAB_DISTRIBUTIONS = ("jupyterlab", "ipykernel")  # and what they require, as this venv has them
+# Left out, a third of the size (the rootless tier imports the folder at each run): what no lab of
+# the tests loads. debugpy: ipykernel runs without it (no debugger); every locale's data but
+# English; jedi's stubs of other libraries (completion only).
+LAB_LEFT_OUT = ("debugpy",)
+LAB_LEFT_OUT_FILES = re.compile(r"babel/locale-data/(?!(?:root|en|en_US)\.dat)|jedi/third_party/typeshed/")
 SKIPPED_IN_STDLIB = ("__pycache__", "test", "tests", "site-packages", "dist-packages", "idlelib", "tkinter")
-SKIPPED_IN_STDLIB += ("ensurepip", "turtledemo", "lib2to3", "pydoc_data")
+SKIPPED_IN_STDLIB += (
+    "ensurepip",
+    "turtledemo",
+    "lib2to3",
+    "pydoc_data",
+    "config-3*",
+)  # config: a static libpython
 
 
 def need_containers(account: pwd.struct_passwd | None = None) -> None:
@@ -93,17 +113,108 @@ def host_python() -> str:
 
 def rootfs() -> Path:
     """The shared root filesystem, built under a lock the first time (about 2 s, 60 MB)."""
-    done = ROOTFS / ".complete"
+    return _built(ROOTFS, lambda dest: _build(dest, host_python()))
+
+
+def lab_rootfs() -> Path:
+    """A root filesystem with JupyterLab (the lab tests, tests/test_containers_lab.py): this venv's
+    own base interpreter, its standard library and the libraries it loads, and the distributions
+    JupyterLab and ipykernel need, as this venv has them (so their compiled parts match that
+    interpreter, on CI too), in its site-packages; hard links where the venv is on the same
+    disk (the venv's folders mapped to its base interpreter's: site-packages, share/jupyter).
+    Built under a lock the first time (about 3 s, 240 MB), shared as `rootfs()` is."""
+
+    def build(dest: Path) -> None:
+        python = os.path.realpath(
+            os.path.join(sys.base_prefix, "bin", f"python{sys.version_info[0]}.{sys.version_info[1]}")
+        )
+        _build(dest, python)
+        prefix = Path(sys.prefix).resolve()
+        shared = []
+        for dist in _required(LAB_DISTRIBUTIONS, LAB_LEFT_OUT):
+            for file in dist.files or ():
+                source = Path(dist.locate_file(file)).resolve()
+                if (
+                    source.is_file()
+                    and source.is_relative_to(prefix)
+                    and not LAB_LEFT_OUT_FILES.search(str(file))
+                ):
+                    relative = source.relative_to(prefix)  # lib/python3.x/site-packages/..., share/...
+                    if relative.parts[0] != "bin":  # scripts, run by the venv's python: not there
+                        _link(source, Path(f"{dest}{sys.base_prefix}") / relative)
+                        shared += [str(source)] if source.suffix == ".so" else []
+        _libraries(dest, shared, besides=prefix)  # the wheels' own (pyzmq.libs) are there already
+
+    return _built(LAB_ROOTFS, build)
+
+
+def oci_archive() -> Path:
+    """`rootfs()` as an oci-archive: file (a registry pull's stand-in, no registry being reachable),
+    made once with root's Podman (import, save, and the imported image removed)."""
+    from jobs.host.containers import podman, podman_command, podman_env
+
+    archive = Path(_BASE).resolve() / f"container-oci-{ROOTFS_VERSION}.tar"
+    if archive.exists():
+        return archive
+    name = f"localhost/portal-test-archive-{os.getpid()}"
+    tar = subprocess.Popen(["tar", "-C", str(rootfs()), "-cf", "-", "."], stdout=subprocess.PIPE)
+    subprocess.run(
+        podman_command("import", "--quiet", "--", "-", name),
+        stdin=tar.stdout,
+        env=podman_env(),
+        check=True,
+        capture_output=True,
+    )
+    tar.wait()
+    partial = archive.with_name(f".{archive.name}.{os.getpid()}")
+    podman("save", "--quiet", "--format", "oci-archive", "--output", str(partial), "--", name)
+    podman("rmi", "--force", "--", name)
+    partial.replace(archive)
+    return archive
+
+
+def _required(names: Sequence[str], but: Sequence[str] = ()) -> list[importlib.metadata.Distribution]:
+    """The installed distributions `names` name and, recursively, those they require, but `but`."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, importlib.metadata.Distribution] = {}
+    wanted = list(names)
+    while wanted:
+        name = re.sub(r"[-_.]+", "-", wanted.pop()).lower()
+        if name in found or name in but:
+            continue
+        dist = importlib.metadata.distribution(name)
+        found[name] = dist
+        for text in dist.requires or ():
+            required = Requirement(text)
+            if required.marker is None or required.marker.evaluate({"extra": ""}):
+                wanted.append(required.name)
+    return list(found.values())
+
+
+def _link(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        return
+    try:
+        os.link(source, target)
+    except OSError:  # another disk
+        shutil.copy2(source, target)
+
+
+def _built(dest: Path, build: Callable[[Path], None]) -> Path:
+    """`dest`, built by `build` under a lock the first time, for every test process and later run."""
+    done = dest / ".complete"
     if done.exists():
-        return ROOTFS
-    ROOTFS.parent.mkdir(parents=True, exist_ok=True)
-    with open(ROOTFS.parent / f".{ROOTFS.name}.lock", "w") as lock:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            shutil.rmtree(ROOTFS, ignore_errors=True)
-            _build(ROOTFS, host_python())
+            shutil.rmtree(dest, ignore_errors=True)
+            build(dest)
             done.touch()
-    return ROOTFS
+    return dest
 
 
 def _build(dest: Path, python: str) -> None:
@@ -118,17 +229,8 @@ def _build(dest: Path, python: str) -> None:
     _copy(dest, python)
     for folder in dict.fromkeys(paths):
         _copy(dest, folder)
-    libraries: set[str] = set()
-    shared = [python] + [str(p) for folder in paths for p in Path(folder).rglob("*.so")]
-    for binary in shared:
-        listed = subprocess.run(["ldd", binary], capture_output=True, text=True).stdout
-        libraries.update(word for word in listed.split() if word.startswith("/"))
-    for library in libraries:
-        real = os.path.realpath(library)
-        _copy(dest, real)
-        if real != library and not os.path.lexists(f"{dest}{library}"):
-            os.makedirs(os.path.dirname(f"{dest}{library}"), exist_ok=True)
-            os.symlink(real, f"{dest}{library}")
+    shared = [p for folder in paths for p in Path(folder).rglob("*.so")]
+    _libraries(dest, [python, *(str(p) for p in shared if not set(p.parts) & set(SKIPPED_IN_STDLIB))])
     for folder in ("tmp", "dev", "proc", "sys", "etc", "run", "usr/bin", "var/tmp"):
         (dest / folder).mkdir(parents=True, exist_ok=True)
     (dest / "tmp").chmod(0o1777)
@@ -137,6 +239,23 @@ def _build(dest: Path, python: str) -> None:
         (dest / "usr/bin/python3").symlink_to(python)
     (dest / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
     (dest / "etc/group").write_text("root:x:0:\n")
+
+
+def _libraries(dest: Path, binaries: Sequence[str], besides: Path | None = None) -> None:
+    """The shared libraries `binaries` load (ldd), copied into `dest` at their paths (but those
+    under `besides`)."""
+    libraries: set[str] = set()
+    for binary in binaries:
+        listed = subprocess.run(["ldd", binary], capture_output=True, text=True).stdout
+        libraries.update(word for word in listed.split() if word.startswith("/"))
+    for library in libraries:
+        real = os.path.realpath(library)
+        if besides is not None and Path(real).is_relative_to(besides):
+            continue
+        _copy(dest, real)
+        if real != library and not os.path.lexists(f"{dest}{library}"):
+            os.makedirs(os.path.dirname(f"{dest}{library}"), exist_ok=True)
+            os.symlink(real, f"{dest}{library}")
 
 
 def _copy(dest: Path, source: str) -> None:

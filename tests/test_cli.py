@@ -309,7 +309,9 @@ def test_run_image_sends_it_and_jobs_and_images_show_it(portal, alice, booking, 
     assert Job.objects.count() == 1
 
     listed = gpu("images")
-    assert listed.exit_code == 0 and re.search(r"tf-2\.17\s+box1\s+no", listed.output), listed.output
+    assert listed.exit_code == 0 and re.search(r"tf-2\.17\s+box1\s+no\s+no", listed.output), (
+        listed.output
+    )  # no JupyterLab
     assert [i["name"] for i in json.loads(gpu("images", "--server", "box1", "--json").output)] == ["tf-2.17"]
 
 

@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.environment import JobSetupError
 from jobs.host.containers import ContainerError, local_name
 from jobs.host.executors.base import ImageSpec, RunEnd, RunSpec
-from jobs.host.executors.podman import _end_of
+from jobs.host.executors.podman import _end_of, _preexec
 from jobs.host.executors.podman_args import env_file_text, run_argv
-from jobs.host.lab import _no_image
-from jobs.models import InteractiveSession
 
 UUIDS = ["GPU-aaaa", "GPU-bbbb"]
 NOBODY = pwd.getpwnam("nobody")
@@ -139,7 +136,30 @@ def test_a_reference_is_never_read_as_an_option(nodes):
     assert "--rm" not in _argv(_spec())  # removed by the worker, after it read how it ended
 
 
-def test_a_lab_in_an_image_is_refused_saying_so():
-    with pytest.raises(JobSetupError, match="JupyterLab in a container image is not supported"):
-        _no_image(InteractiveSession(image_id=1))
-    _no_image(InteractiveSession())  # no image: as before
+def test_a_labs_socket_is_passed_as_fd_3_with_preserve_fds(nodes):
+    """Podman passes a run of descriptors from 3 (--preserve-fds N), never one at its own number:
+    the client holds the lab's socket at 3 (podman._preexec), which the container's command gets."""
+    assert "--preserve-fds" not in _argv(_spec())
+    argv = _argv(_spec(pass_fds=[17]))
+    assert argv[argv.index("--preserve-fds") + 1] == "1" and argv.index("--preserve-fds") < argv.index("--")
+
+
+def test_the_clients_preexec_moves_the_passed_descriptors_to_3_on_without_losing_one():
+    """In a child: fds 10 and 9 end up at 3 and 4, in order (3 and 4 held something else)."""
+    import os
+
+    first, second = os.pipe()  # two descriptors to tell apart by what they are
+    preexec = _preexec([10, 9])  # made in the parent, as Popen's is
+    pid = os.fork()
+    if pid == 0:  # the child: what Popen's child does before exec
+        code = 1
+        try:
+            os.dup2(first, 9), os.dup2(second, 10)
+            preexec()
+            same = os.path.sameopenfile
+            code = 0 if same(3, second) and same(4, first) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    os.close(first), os.close(second)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -12,6 +12,8 @@ from io import StringIO
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -98,6 +100,7 @@ def test_it_lists_the_images_with_their_servers_and_where_containers_work(api, i
         "description": "TensorFlow 2.17, CUDA 12",
         "servers": ["box1", "box2"],
         "network": False,
+        "has_jupyterlab": False,
         "containers_ok": {"box1": True, "box2": False},
     }
     assert [i["name"] for i in api.get("/api/v1/images/?server=box2").json()] == ["pytorch-2.5", "tf-2.17"]
@@ -221,33 +224,70 @@ def test_the_queue_places_a_job_in_an_image_only_where_it_can_run(
 # --- labs ------------------------------------------------------------------------------------------
 
 
-def test_a_lab_in_an_image_is_refused_naming_the_field_and_never_offered(client, alice, booking, images):
-    """The hosts cannot run JupyterLab in an image yet (jobs.host.lab refuses one): the portal
-    refuses it first, with nothing written, and the page offers no image beside the button."""
-    with pytest.raises(Invalid, match="JupyterLab cannot run in a container image yet") as refused:
+@pytest.fixture
+def lab_image(images) -> ContainerImage:
+    """lab-1 on box1 and box2, marked as having JupyterLab (tf-2.17 and the rest have none)."""
+    image = ContainerImage.objects.create(name="lab-1", reference="/srv/images/lab", has_jupyterlab=True)
+    image.servers.set(Server.objects.filter(name__in=["box1", "box2"]))
+    return image
+
+
+def test_a_lab_opens_only_in_an_image_with_jupyterlab_naming_those_that_have_it(alice, booking, lab_image):
+    with pytest.raises(Invalid, match=r"Image tf-2\.17 has no JupyterLab") as refused:
         session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="tf-2.17")
-    assert refused.value.field == "image" and "without `image`" in str(refused.value)
-    with pytest.raises(Invalid, match="An image is for jobs") as refused:
+    assert refused.value.field == "image" and "choose one of lab-1 (on box1)" in str(refused.value)
+    with pytest.raises(Invalid, match="There is no image 'nope'") as refused:
+        session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="nope")
+    assert refused.value.field == "image"
+    with pytest.raises(Invalid, match="An image is for jobs and labs") as refused:
         session_start(
-            user=alice, reservation=booking.pk, kind="exec", host="box1", command=["python"], image="tf-2.17"
+            user=alice, reservation=booking.pk, kind="exec", host="box1", command=["python"], image="lab-1"
         )
     assert refused.value.field == "image"
     assert not InteractiveSession.objects.exists()
-    session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="")
-    assert session.image is None
 
+    session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="lab-1")
+    assert session.image == lab_image
+
+
+def test_a_lab_image_not_runnable_on_the_booked_server_is_refused(alice, box2, lab_image):
+    """box2 has lab-1, but its containers do not work: refused, saying what to do."""
+    booking = reservation_create(user=alice, gpus=[box2.gpus.order_by("index").first().uuid], memory_mb=8192)
+    with pytest.raises(Invalid, match="Containers do not work on box2") as refused:
+        session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="lab-1")
+    assert refused.value.field == "image" and "open JupyterLab on a booking of a server where" in str(
+        refused.value
+    )
+    assert not InteractiveSession.objects.exists()
+
+
+def test_the_booking_page_offers_the_lab_images_and_its_form_opens_one(client, alice, booking, lab_image):
+    """What a browser sends: the button's form, with the image chosen in its select."""
     client.force_login(alice)
     page = client.get(reverse("reservation_detail", args=[booking.pk])).content.decode()
-    assert "Open JupyterLab" in page and '<select name="image"' not in page
+    select = re.search(r'<select name="image".*?</select>', page, re.S)
+    assert select is not None, page
+    assert re.findall(r'<option value="([^"]*)"', select.group()) == ["", "lab-1"]  # not tf-2.17: no lab
+    response = client.post(reverse("session_new"), {"reservation": str(booking.pk), "image": "lab-1"})
+    session = InteractiveSession.objects.get()
+    assert response.status_code == 302 and session.image == lab_image and session.kind == "jupyterlab"
 
 
-def test_the_sessions_api_refuses_an_image_for_a_lab(api, booking, images):
+def test_the_sessions_api_opens_a_lab_in_an_image_with_jupyterlab_only(api, booking, lab_image):
     response = api.post(
         "/api/v1/sessions/", {"kind": "jupyterlab", "reservation": booking.pk, "image": "tf-2.17"}
     )
     assert response.status_code == 400 and list(response.json()["errors"]) == ["image"]
-    assert "JupyterLab cannot run in a container image yet" in str(response.json()["errors"]["image"])
+    assert "has no JupyterLab (only jobs run in it); choose one of lab-1 (on box1)" in str(
+        response.json()["errors"]["image"]
+    )
     assert not InteractiveSession.objects.exists()
+    response = api.post(
+        "/api/v1/sessions/", {"kind": "jupyterlab", "reservation": booking.pk, "image": "lab-1"}
+    )
+    assert response.status_code == 201 and response.json()["image"] == "lab-1"
+    listed = {i["name"]: i["has_jupyterlab"] for i in api.get("/api/v1/images/").json()}
+    assert listed == {"lab-1": True, "old-1": False, "pytorch-2.5": False, "tf-2.17": False}
 
 
 # --- the host's report and the pre-pull ------------------------------------------------------------
@@ -308,7 +348,7 @@ def test_images_pull_sends_one_message_per_server_that_has_them(images, pulls_se
 def test_the_pull_task_pulls_each_image_of_its_server_and_records_how_it_went(images, monkeypatch):
     said: list[str] = []
 
-    def pull(reference: str, say, account=None) -> None:  # type: ignore[no-untyped-def]
+    def pull(reference: str, say, account=None, name="") -> None:  # type: ignore[no-untyped-def]
         said.append(reference)
         if reference.startswith("/"):
             raise containers.ContainerError(f"{reference} is not a folder on this host; create it.")
@@ -385,3 +425,19 @@ def test_a_reference_podman_could_take_for_an_option_or_two_arguments_is_refused
 )
 def test_the_three_shapes_of_reference_are_taken(reference, db):
     ContainerImage(name="good", reference=reference).full_clean()
+
+
+def test_the_lab_images_cost_one_query_per_page_not_per_booking(client, alice, box, lab_image):
+    """My reservations has an *Open JupyterLab* button per active booking: the images it offers
+    are read once for the page."""
+    client.force_login(alice)
+    reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+    with CaptureQueriesContext(connection) as one:
+        page = client.get(reverse("my_reservations")).content.decode()
+    assert page.count('<option value="lab-1"') == 1
+    for card in box[1:3]:
+        reservation_create(user=alice, gpus=[card.uuid], memory_mb=8192)
+    with CaptureQueriesContext(connection) as three:
+        page = client.get(reverse("my_reservations")).content.decode()
+    assert page.count('<option value="lab-1"') == 3
+    assert len(three) == len(one), [q["sql"] for q in three.captured_queries]

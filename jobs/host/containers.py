@@ -27,7 +27,7 @@ from pathlib import Path
 import pynvml
 from django.conf import settings
 
-from jobs.host import rootless
+from jobs.host import pulls, rootless
 from portal.accounts import JOB_USER_OWNER
 
 # Podman 4.3 on Debian 12 (docs/containers.md, "Install"): crun 1.8 refuses the hybrid cgroup
@@ -298,11 +298,12 @@ def local_name(reference: str, account: pwd.struct_passwd | None = None) -> str:
 
 
 def image_pull(
-    reference: str, say: Callable[[str], None], *, account: pwd.struct_passwd | None = None
+    reference: str, say: Callable[[str], None], *, account: pwd.struct_passwd | None = None, name: str = ""
 ) -> None:
     """Get `reference` onto this host (cached: a second call is quick), saying its progress in
-    lines ("pulling tf-2.17: 1.2 / 4.8 GB"); ContainerError when it cannot. A root filesystem
-    folder needs no pull in root mode, only to be there. `account`: whose storage (rootless)."""
+    lines ("pulling tf-2.17: 1.2 / 4.8 GB": `name`, else the reference); ContainerError when it
+    cannot. A root filesystem folder needs no pull in root mode, only to be there. `account`:
+    whose storage (rootless)."""
     host = socket.gethostname()
     if reference.startswith("/") and not Path(reference).is_dir():
         raise ContainerError(
@@ -311,25 +312,26 @@ def image_pull(
         )
     if reference.startswith("/") and account is None:
         return
-    name = local_name(reference, account)
-    if podman("image", "exists", "--", name, account=account).returncode == 0:
+    local = local_name(reference, account)
+    shown = name or reference
+    if podman("image", "exists", "--", local, account=account).returncode == 0:
         return
     if reference.startswith(ARCHIVE_PREFIXES):
         path = Path(reference.split(":", 1)[1])
         if not path.is_file():
             raise ContainerError(f"The image archive {path} is not on {host}: an admin copies it there.")
-        say(f"pulling {reference}: loading {path.stat().st_size / 1e6:.0f} MB")
+        say(f"pulling {shown}: loading {reference} ({path.stat().st_size / 1e6:.0f} MB)")
     started = time.monotonic()
     if reference.startswith("/"):
         assert account is not None
-        image_id = import_folder(reference, name, say, account)
+        image_id = import_folder(reference, local, say, account)
     else:
-        image_id = _pull(reference, say, account)
-    if name != reference and podman("tag", "--", image_id, name, account=account).returncode != 0:
-        raise ContainerError(f"Could not name the image loaded from {reference} on {host} ({name}).")
-    size = podman("image", "inspect", "--format", "{{.Size}}", "--", name, account=account).stdout.strip()
-    shown = f", {int(size) / 1e9:.2f} GB" if size.isdigit() else ""
-    say(f"pulled {reference} in {time.monotonic() - started:.1f} s{shown}")
+        image_id = _pull(reference, shown, say, account)
+    if local != reference and podman("tag", "--", image_id, local, account=account).returncode != 0:
+        raise ContainerError(f"Could not name the image loaded from {reference} on {host} ({local}).")
+    size = podman("image", "inspect", "--format", "{{.Size}}", "--", local, account=account).stdout.strip()
+    stored = f", {int(size) / 1e9:.2f} GB" if size.isdigit() else ""
+    say(f"pulled {shown} in {time.monotonic() - started:.1f} s{stored}")
 
 
 def import_folder(folder: str, name: str, say: Callable[[str], None], account: pwd.struct_passwd) -> str:
@@ -390,38 +392,25 @@ def _tar_end(tar: subprocess.Popen[bytes]) -> None:
         tar.wait()
 
 
-def _pull(reference: str, say: Callable[[str], None], account: pwd.struct_passwd | None) -> str:
-    """`podman pull`, its lines said as they come; the image's id."""
+def _pull(reference: str, shown: str, say: Callable[[str], None], account: pwd.struct_passwd | None) -> str:
+    """`podman pull` under a terminal (jobs.host.pulls: its progress in bytes, said as
+    "pulling tf-2.17: 1.2 / 4.8 GB", throttled); the image's id."""
     argv = podman_command("pull", "--", reference, account=account)
     try:
-        proc = subprocess.Popen(
+        pulled = pulls.pull_in_pty(
             argv,
+            lambda progress: say(f"pulling {shown}: {progress}"),
+            settings.CONTAINER_PULL_SECONDS,
             env=podman_env(account),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
             cwd="/",
-            start_new_session=True,
-            **rootless.as_account(account),  # type: ignore[arg-type]
+            **rootless.as_account(account),
         )
     except FileNotFoundError:
         raise ContainerError(_not_installed()) from None
-    timer = threading.Timer(settings.CONTAINER_PULL_SECONDS, proc.kill)
-    timer.start()
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.strip())
-            if line.strip() and not _is_id(line.strip()):
-                say(f"pulling {reference}: {line.strip()[:200]}")
-        code = proc.wait()
-    finally:
-        timer.cancel()
-    if code != 0:
+    lines = pulled.progress.lines
+    if pulled.code != 0:
         why = last_line("\n".join(lines))
-        if code < 0:
+        if pulled.code < 0:
             why = f"it took longer than CONTAINER_PULL_SECONDS ({settings.CONTAINER_PULL_SECONDS} s)"
         raise ContainerError(
             f"Could not pull {reference} on {socket.gethostname()}: {why}. An admin checks the"

@@ -44,7 +44,7 @@ def _pull(server: Server, image: ContainerImage) -> Pulled:
         said[:] = [*said[-(SAID_MAX - 1) :], line]
 
     try:
-        containers.image_pull(image.reference, say, account=_pulling_account())
+        containers.image_pull(image.reference, say, account=_pulling_account(), name=image.name)
     except containers.ContainerError as exc:
         ok, detail = False, str(exc)
     except Exception as exc:  # a bug or fault in one pull: recorded, and the next image goes on

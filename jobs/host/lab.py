@@ -9,7 +9,8 @@ privileges, SIGKILLed with the worker) in the booking's environment (the cards b
 memory caps: jobs.environment.session_environment). The token reaches the server through its
 environment (JUPYTER_TOKEN), never its command line, which every user can read; the browser never
 sees it (the proxy adds it). The server serves the base URL /sessions/<id>/lab/, the path the
-portal serves it at.
+portal serves it at. A session with an image runs in a container of it (the Podman executor; what
+differs is jobs/host/lab_image.py's: the image pulled first, the socket passed in as fd 3).
 
 A GPU host is shared with people who have shells, and any of them can listen on a free port. So
 the lab's address is never a port picked and published first: the worker binds and listens on
@@ -44,6 +45,7 @@ import http.client
 import json
 import logging
 import os
+import pwd
 import signal
 import socket
 import threading
@@ -63,6 +65,7 @@ from gpus.models import Reservation
 from jobs.environment import INHERITED_ENV, BookedCard, JobSetupError, activation, session_environment
 from jobs.host.dcgm import session_name, work_ended, work_started
 from jobs.host.executors import Run, RunOutput, RunSpec, executor_for
+from jobs.host.lab_image import in_image, lab_image, lab_image_env, lab_image_ready
 from jobs.host.lab_listener import Listener, listen, listener_proof, listening_at
 from jobs.host.launch import LAUNCHER, account_of
 from jobs.host.spool import worker_stopping
@@ -125,7 +128,6 @@ class LabSupervisor:
 
     def run(self) -> str:
         try:
-            _no_image(self.session)
             self.proc = self._start()
         except (JobSetupError, OSError) as exc:
             return self._finish(Session.FAILED, f"JupyterLab could not start: {exc}", None)
@@ -145,6 +147,7 @@ class LabSupervisor:
                 address=self.address,
                 started_at=timezone.now(),
                 beat_at=Now(),
+                message="",  # what the start said (a pull's progress) is over
             )
             why = self._supervise()
         return self._stop(why)
@@ -166,24 +169,13 @@ class LabSupervisor:
         account = account_of(session.owner)
         self.uid = account.pw_uid if account is not None else os.getuid()
         self.gid = account.pw_gid if account is not None else os.getgid()
+        image = lab_image(session)
+        if image is not None:  # before the socket: a first use pulls the image, maybe for minutes
+            lab_image_ready(image, account, self._say_starting, self._starting_beat)
         interpreter = settings.JOB_INTERPRETERS["default"]
-        env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
-        if account is not None:
-            env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
-        env.update(activation(interpreter, None, env.get("PATH")))
-        env.update(
-            session_environment(
-                session,
-                BookedCard.of(allocation),
-                server=settings.WORKER_SERVER,
-                instance=settings.PORTAL_INSTANCE_ID,
-                headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
-            )
+        env = _lab_environment(
+            session, BookedCard.of(allocation), account, interpreter, in_image=image is not None
         )
-        env["JUPYTER_TOKEN"] = session.token  # not on the command line, which anyone can read
-        # The portal's Python kernel spec first: it applies the TF and PyTorch caps in each kernel.
-        env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(KERNELS), os.environ.get("JUPYTER_PATH")]))
-        env["PORTAL_LAUNCHER"] = str(LAUNCHER)
         root = Path(account.pw_dir if account is not None else settings.JOB_ROOTS[0])
         if account is None:
             root.mkdir(parents=True, exist_ok=True)  # the worker's own folder for its own user's labs
@@ -207,9 +199,22 @@ class LabSupervisor:
         env[LISTEN_FD_ENV] = str(sock.fileno())
         spec = RunSpec(argv, env, root, f"Session {session.pk}", account, [sock.fileno()], session.gpu_uuids)
         try:
+            if image is not None:
+                spec = in_image(spec, session, image, str(KERNELS))
             return self.executor.start(spec)
         finally:
             sock.close()  # the lab's copy is the only one left: its listener dies with it
+
+    def _say_starting(self, line: str) -> None:
+        """A line of the start (an image's pull: "pulling tf-2.17: 1.2 / 4.8 GB"), in the worker's
+        log and as the session's message, which its page shows while it starts."""
+        line = line.removeprefix("[portal] ")  # the job log's mark: the page is the portal's already
+        log.info("Session %s: %s", self.pk, line)
+        with contextlib.suppress(DatabaseError):  # only words: the start goes on without them
+            InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(message=line[:500])
+
+    def _starting_beat(self) -> None:
+        InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(beat_at=Now())
 
     def _read(self, output: RunOutput) -> None:
         """The server's output, drained (a full pipe would block it); its last lines kept."""
@@ -418,14 +423,41 @@ class LabSupervisor:
             session_stopped_tell(session, why)
 
 
-def _no_image(session: InteractiveSession) -> None:
-    """A lab in a container image is refused, saying so: its listening socket (pass_fds) and the
-    listener's proof (jobs/host/lab_listener.py) do not cross into a container yet."""
-    if session.image_id is not None:
-        raise JobSetupError(
-            "JupyterLab in a container image is not supported on this host yet: start the lab"
-            " without an image, or run your code as a job in the image (docs/containers.md)"
+def _lab_environment(
+    session: InteractiveSession,
+    card: BookedCard,
+    account: pwd.struct_passwd | None,
+    interpreter: str,
+    *,
+    in_image: bool,
+) -> dict[str, str]:
+    """The lab's environment: the worker's INHERITED_ENV (in an image, not the host's paths, and
+    no activation of the host's interpreter), the account's names, the booking's (its cards, every
+    framework's caps), the token and the portal's kernel spec (jobs.host.lab_image.in_image
+    adds what an image changes)."""
+    env = (
+        lab_image_env(os.environ)
+        if in_image
+        else {n: os.environ[n] for n in INHERITED_ENV if n in os.environ}
+    )
+    if account is not None:
+        env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
+    if not in_image:
+        env.update(activation(interpreter, None, env.get("PATH")))
+    env.update(
+        session_environment(
+            session,
+            card,
+            server=settings.WORKER_SERVER,
+            instance=settings.PORTAL_INSTANCE_ID,
+            headroom_mb=settings.GPU_CONTEXT_HEADROOM_MB,
         )
+    )
+    env["JUPYTER_TOKEN"] = session.token  # not on the command line, which anyone can read
+    # The portal's Python kernel spec first: it applies the TF and PyTorch caps in each kernel.
+    env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(KERNELS), os.environ.get("JUPYTER_PATH")]))
+    env["PORTAL_LAUNCHER"] = str(LAUNCHER)
+    return env
 
 
 def _ended_by_owner(session: InteractiveSession) -> bool:

@@ -23,6 +23,7 @@ import struct
 import subprocess
 from dataclasses import dataclass
 
+import psutil
 from django.conf import settings
 
 from jobs.environment import JobSetupError
@@ -72,8 +73,9 @@ def listener_proof(executor: Executor, lab: Run, listener: Listener, *, uid: int
     the lab's process alone. So the proof is (1) that the one socket listening at that address
     (/proc/net/tcp and tcp6, which anyone may read) is that very socket, by its inode, and (2)
     that it is open in the lab's leader, the process the worker started: its own unreaped child,
-    whose pid can name no other process. A lab that let go of its socket (closed it, or passed
-    it to a process of its own) is not proved either."""
+    whose pid can name no other process, or, in a container, the command its init started. A lab
+    that let go of its socket (closed it, or passed it to a process of its own) is not proved
+    either."""
     refused = f"the server at {listener.address} is not the JupyterLab the worker started"
     listening = listening_at(listener)
     if listening != {listener.inode}:
@@ -83,6 +85,12 @@ def listener_proof(executor: Executor, lab: Run, listener: Listener, *, uid: int
             "and handed to it"
         )
     held = held_sockets(lab.leader.pid, uid=uid, gid=gid)
+    if listener.inode not in held:
+        # In a container the leader is its init (catatonit), which hands the socket to the lab's
+        # command, its child in its session, and keeps no copy. (Podman's conmon, root's or the
+        # account's own, holds one too, and never accepts on it.)
+        for child in session_children(lab.leader.pid):
+            held |= held_sockets(child, uid=uid, gid=gid)
     if listener.inode not in held or executor.poll(lab) is not None:
         return (
             f"{refused}: the socket {listener.inode} listening there is not held by the lab's "
@@ -121,6 +129,20 @@ def _proc_net_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
+
+
+def session_children(pid: int) -> list[int]:
+    """The children of process `pid` that are in its session (not a kernel, which has its own)."""
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+    found = []
+    for child in children:
+        with contextlib.suppress(OSError):
+            if os.getsid(child.pid) == os.getsid(pid):
+                found.append(child.pid)
+    return found
 
 
 # Run as the lab's account, where the worker may not read another account's /proc/<pid>/fd.

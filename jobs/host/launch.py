@@ -6,12 +6,14 @@ process is jobs/host/runner.py's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
 import socket
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import TypeVar
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import DatabaseError, close_old_connections
+from django.db import DatabaseError, close_old_connections, connection
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -137,21 +139,67 @@ def in_image(launch: Launch, image: ContainerImage, job: Job, folder: Path) -> L
     return launch
 
 
-def image_ready(launch: Launch, say: Callable[[str], None]) -> None:
-    """The launch's image on this host (pulled on its first use, saying so in the job's log);
-    JobSetupError saying what to do when it cannot be had."""
-    if launch.image is None:
-        return
-    account = launch.account if settings.CONTAINER_MODE == "rootless" else None
+def image_ready(launch: Launch, say: Callable[[str], None], beat: Callable[[], object] | None = None) -> None:
+    """The launch's image on this host (pulled on its first use, saying so in the job's log, and
+    `beat` every JOB_HEARTBEAT_SECONDS meanwhile); JobSetupError saying what to do when it cannot
+    be had."""
+    if launch.image is not None:
+        image_ready_for(launch.image, launch.account, say, beat)
+
+
+def image_ready_for(
+    image: ImageSpec,
+    account: pwd.struct_passwd | None,
+    say: Callable[[str], None],
+    beat: Callable[[], object] | None = None,
+) -> None:
+    """`image` on this host for work run as `account` (a job's, a lab's): containers working here
+    (and, rootless, for that account), the image pulled on its first use, saying so; JobSetupError
+    saying what to do when it cannot be had. A pull of a few GB takes minutes, some of them
+    silent (a layer being unpacked), longer than a run's lost cut-off: `beat` (the run's
+    heartbeat) is called every JOB_HEARTBEAT_SECONDS meanwhile, so the reconciler never takes a
+    run that is pulling for lost."""
+    account = account if settings.CONTAINER_MODE == "rootless" else None
     ok, why = runtime_status()
     if ok and account is not None:  # rootless: this account's ranges and Podman, not only the host's
         ok, why = account_status(account)
     if not ok:
         raise JobSetupError(f"Containers cannot run on {socket.gethostname()}: {why}")
     try:
-        image_pull(launch.image.reference, lambda line: say(f"[portal] {line}"), account=account)
+        with beating(beat, settings.JOB_HEARTBEAT_SECONDS):
+            image_pull(
+                image.reference, lambda line: say(f"[portal] {line}"), account=account, name=image.name
+            )
     except ContainerError as exc:
-        raise JobSetupError(f"Image {launch.image.name}: {exc}") from None
+        raise JobSetupError(f"Image {image.name}: {exc}") from None
+
+
+@contextlib.contextmanager
+def beating(beat: Callable[[], object] | None, every: float) -> Iterator[None]:
+    """`beat()` every `every` seconds in a thread of its own while the block runs (none: nothing).
+    A beat the database refuses is only logged: the next one may pass."""
+    if beat is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def beats() -> None:
+        try:
+            while not stop.wait(every):
+                try:
+                    beat()
+                except DatabaseError as exc:
+                    log.warning("A heartbeat during a pull failed: %s", exc)
+        finally:
+            connection.close()  # this thread's own
+
+    thread = threading.Thread(target=beats, name="pull-beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _job_account(job: Job) -> pwd.struct_passwd | None:

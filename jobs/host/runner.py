@@ -127,7 +127,8 @@ class Supervisor:
             )
         try:
             launch = checkpoint_ready(launch_for(job), job)  # a preemptible job's checkpoint folder
-            image_ready(launch, self.writer.write_line)  # a first use pulls it, saying so in the log
+            # A first use pulls it, saying so in the log, the job's heartbeat kept meanwhile.
+            image_ready(launch, self.writer.write_line, self._starting_beat)
         except JobSetupError as exc:
             self.writer.write_line(f"[portal] cannot start: {exc}")
             self._guarded(self.writer.close)
@@ -163,6 +164,9 @@ class Supervisor:
         # told it runs as soon as the database answers (tried again on every poll until then).
         self.running_recorded = self._guarded(self._record_running)
         self._supervise()
+
+    def _starting_beat(self) -> None:
+        Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(heartbeat_at=Now())
 
     def _record_running(self) -> None:
         assert self.session is not None and self.job.started_at is not None

@@ -84,7 +84,10 @@ class SessionStartSerializer(serializers.Serializer):
         required=False,
         allow_blank=True,
         allow_null=True,
-        help_text="Not yet: a lab runs on the host, and an image is refused (400 naming `image`).",
+        help_text=(
+            "jupyterlab: open it in this container image (GET images/, has_jupyterlab) on the"
+            " booking's server; none: on the host. exec, shell: refused (400 naming `image`)."
+        ),
     )
 
 

@@ -33,8 +33,10 @@ from django.template import Context
 from django.utils import timezone
 
 from gpus.hooks import Work
+from gpus.images import runnable_text
 from gpus.models import Allocation, ContainerImage, Reservation, Server
 from jobs.environment import BookedCard, JobSetupError, session_environment
+from jobs.images import image_check
 from jobs.lending import loans_take_back
 from jobs.models import InteractiveSession, Job
 from jobs.runs import LOST_FOUND_ALIVE, session_is_lost, session_lost_stop
@@ -96,7 +98,7 @@ def session_start(
             field="reservation",
         )
     server = allocations[0].gpu.server
-    chosen = _check_image(image, lab=lab)
+    chosen = _check_image(image, lab=lab, server=server)
     session = InteractiveSession.objects.create(
         owner=user,
         reservation=booking,
@@ -138,23 +140,26 @@ LAB_RESEND_SECONDS = 30  # a lab no worker took this long after its message: sen
 _send = HostSender(run_session, "session", log)  # after a failure the reconciler sends it again (labs_resend)
 
 
-def _check_image(image: str | None, *, lab: bool) -> ContainerImage | None:
-    """No image for a session: a terminal session runs in the caller's own shell, and the hosts
-    cannot run JupyterLab in a container yet (jobs.host.lab refuses one; the lab's socket and its
-    proxy are not carried into a container). Refused here, before anything is written, so the
-    page and the API never offer what the host would fail."""
+def _check_image(image: str | None, *, lab: bool, server: Server) -> ContainerImage | None:
+    """The container image a JupyterLab opens in: one its server can run (jobs.images.image_check)
+    that an admin marked as having JupyterLab (ContainerImage.objects.for_labs). No image for a
+    terminal session: it runs in the caller's own shell. Refused here, naming `image` and the
+    images that would do, before anything is written, so the page and the API never offer what
+    the host would fail."""
     if not image:
         return None
-    if lab:
+    if not lab:
+        raise Invalid("An image is for jobs and labs: gpu exec and gpu shell run on the host.", field="image")
+    chosen = image_check(image, server, fix="open JupyterLab on a booking of")
+    assert chosen is not None
+    if not chosen.has_jupyterlab:
+        labs = runnable_text(ContainerImage.objects.for_labs(server).prefetch_related("servers"))
         raise Invalid(
-            f"JupyterLab cannot run in a container image yet (image {image!r}): open it without"
-            " `image` (on the host), or run your work in the image as a job (gpu run --image).",
+            f"Image {chosen.name} has no JupyterLab (only jobs run in it); choose one of {labs},"
+            " or open JupyterLab without an image (on the host).",
             field="image",
         )
-    raise Invalid(
-        "An image is for jobs: gpu exec and gpu shell run on the host.",
-        field="image",
-    )
+    return chosen
 
 
 def _check_command(command: Sequence[str]) -> list[str]:
@@ -399,10 +404,28 @@ def booking_sessions_context(context: Context) -> dict[str, Any]:
 
 
 def lab_images_context(context: Context) -> dict[str, Any]:
-    """The Run buttons' (portal.hooks.RESERVATION_ACTIONS) images for "Open JupyterLab": none,
-    while the hosts cannot run a lab in an image (_check_image); the template offers a choice
-    again once this lists ContainerImage.objects.runnable(server) for an active booking `r`."""
-    return {"lab_images": []}
+    """The Run buttons' (portal.hooks.RESERVATION_ACTIONS) images for "Open JupyterLab" on an
+    active booking `r`: those its server can open a lab in (ContainerImage.objects.for_labs, the
+    rule `_check_image` applies). The images are read once per page (a list has a button a row);
+    the booking's server from its allocations (prefetched on lists)."""
+    booking = context.get("r")
+    if booking is None or booking.status != Reservation.Status.ACTIVE:
+        return {"lab_images": []}
+    allocations = list(booking.allocations.all())
+    if not allocations:
+        return {"lab_images": []}
+    request = context.get("request")
+    images = getattr(request, "_lab_images", None)
+    if images is None:
+        images = list(ContainerImage.objects.for_labs().prefetch_related("servers"))
+        if request is not None:
+            request._lab_images = images
+    server_id = allocations[0].gpu.server_id
+    return {
+        "lab_images": [
+            i for i in images if any(s.pk == server_id and s.containers_ok for s in i.servers.all())
+        ]
+    }
 
 
 def sessions_by_session(sessions: Mapping[int, Iterable[int]]) -> dict[tuple[int, int], int]:

@@ -31,7 +31,8 @@ class ImageSpec:
 class RunSpec:
     """What to run: the command, its environment and folder, the account it runs as (JOB_USER's,
     or the owner's under JOB_USER=@owner; None: the worker's own), the worker's descriptors it
-    inherits at the same numbers (a lab's listening socket) and the booked cards by UUID (a
+    inherits (a lab's listening socket: at the same numbers on the host, as 3, 4, ... in their
+    order in a container, which is all Podman can pass) and the booked cards by UUID (a
     runtime that isolates devices exposes these and no other). `name` is how the worker's log
     names the run ("Job 12", "Session 3")."""
 

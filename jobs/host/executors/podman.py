@@ -25,6 +25,7 @@ network unless the image's admin allowed it.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import pwd
@@ -33,6 +34,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -56,6 +58,7 @@ SWEEP_SECONDS = 5.0
 # Podman's own exit codes before the command ran (as `docker run`'s): its error, a command that
 # could not be invoked, a command not found.
 PODMAN_ERROR, CANNOT_INVOKE, NOT_FOUND = 125, 126, 127
+FIRST_PASSED_FD = 3  # RunSpec.pass_fds reach the container's command as 3, 4, ... (--preserve-fds)
 
 
 @dataclass
@@ -117,7 +120,8 @@ class Podman:
             stderr=subprocess.STDOUT,  # Podman's own errors land in the job's log, with its output
             start_new_session=True,  # never in the worker's group: a signal to it misses the client
             close_fds=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),
+            pass_fds=tuple(range(FIRST_PASSED_FD, FIRST_PASSED_FD + len(spec.pass_fds))),
+            preexec_fn=_preexec(spec.pass_fds),
             **rootless.as_account(account),  # type: ignore[arg-type]
         )
         assert proc.stdout is not None
@@ -261,6 +265,25 @@ class Podman:
                 " gives the image a python3 on its PATH, or you choose another image."
             )
         return ""
+
+
+def _preexec(fds: Sequence[int]) -> Callable[[], None]:
+    """The `podman run` client's preexec_fn: it dies with the worker, and holds `fds` (a lab's
+    listening socket) at FIRST_PASSED_FD, FIRST_PASSED_FD + 1, ... in order, which
+    `--preserve-fds` (podman_args.run_argv) hands on to the container's command at the same
+    numbers: Podman passes only a run of descriptors from 3, never others at their own numbers.
+    Each is copied above that run first, so that one already there is never overwritten before
+    it is copied; close_fds then closes every other (the copies above included)."""
+    dies = die_with_parent(signal.SIGKILL)
+    wanted = tuple(fds)
+
+    def preexec() -> None:
+        dies()
+        above = [fcntl.fcntl(fd, fcntl.F_DUPFD, FIRST_PASSED_FD + len(wanted)) for fd in wanted]
+        for number, fd in enumerate(above, start=FIRST_PASSED_FD):
+            os.dup2(fd, number)  # inheritable, as dup2 makes it
+
+    return preexec
 
 
 def _run(run: Run) -> PodmanRun:

@@ -64,6 +64,8 @@ def run_argv(spec: RunSpec, container: str, folder: Path, *, rootless: bool = Fa
         "--cidfile", str(folder / "cid"), "--conmon-pidfile", str(folder / "conmon.pid"),
         "--workdir", str(spec.cwd),
     ]  # fmt: skip
+    if spec.pass_fds:  # a lab's listening socket: the client holds them from 3 on (podman._preexec)
+        argv += ["--preserve-fds", str(len(spec.pass_fds))]
     argv += mount_args(spec.mounts)
     argv += device_args(spec.gpu_uuids, spec.gpu_minors)
     if image.reference.startswith("/") and not rootless:

@@ -1,0 +1,122 @@
+"""A pull's progress in bytes (issue 34; jobs/host/pulls.py): "pulling tf-2.17: 1.2 / 4.8 GB", read
+from Podman's progress bars under a pseudo-terminal and said at most every PROGRESS_SECONDS. The
+parser on recorded output, then a real pull of an oci-archive: file (no registry is reachable
+here) into root's storage and into the test account's rootless storage. The real pulls skip where
+Podman cannot run, failing on CI."""
+
+from __future__ import annotations
+
+import pwd
+import re
+import threading
+import time
+
+import pytest
+
+from jobs.host import launch, pulls
+from jobs.host.containers import image_pull, local_name, podman
+from jobs.host.executors.base import ImageSpec
+from jobs.host.launch import image_ready_for
+from jobs.host.pulls import PullProgress, shown
+from tests.container_image import need_containers, oci_archive, rootless_account
+from tests.test_containers import _pause_process_ends  # noqa: F401 (a fixture, used by name)
+from tests.waiting import wait_for
+
+# What Podman 4.3 drew for two layers, a cached one and a config (ANSI redraws as it sends them).
+RECORDED = (
+    "Getting image source signatures\r\n"
+    "Copying blob c09f18b8d88f [==>----------] 5.1MiB / 68.1MiB\r\n"
+    "Copying blob 0a1b2c3d4e5f [>------------] 0.0b / 1.5GiB\r\n"
+    "\x1b[2A\x1b[JCopying blob c09f18b8d88f [=====>-------] 30.0MiB / 68.1MiB\r\n"
+    "Copying blob 0a1b2c3d4e5f [=>-----------] 120.3MiB / 1.5GiB\r\n"
+    "\x1b[2A\x1b[JCopying blob c09f18b8d88f done  \r\n"
+    "Copying blob 0a1b2c3d4e5f [====>--------] 512.0MiB / 1.5GiB\r\n"
+    "Copying blob 99aa88bb77cc skipped: already exists  \r\n"
+    "Copying config 91a21685df [===========] 409.0b / 409.0b\r\n\x1b[1A\x1b[J"
+    "Copying config 91a21685df done  \r\n"
+    "Writing manifest to image destination\r\nStoring signatures\r\n"
+    "91a21685dfdc1bd32747a4da6b48776a07b08776e2e9d031c18a5d1040ee676e\r\n"
+)
+
+
+def test_it_adds_up_the_layers_bars_wherever_the_output_is_cut():
+    for cut in (1, 7, 64, len(RECORDED)):
+        progress = PullProgress()
+        for start in range(0, len(RECORDED), cut):
+            progress.feed(RECORDED[start : start + cut])
+        progress.end()
+        assert progress.layers == {
+            "c09f18b8d88f": (int(68.1 * 2**20), int(68.1 * 2**20)),  # done: all of it
+            "0a1b2c3d4e5f": (512 * 2**20, int(1.5 * 2**30)),
+            "99aa88bb77cc": (0, 0),  # cached: nothing to copy
+        }
+        assert shown(progress.copied, progress.total) == "0.6 / 1.7 GB"
+        assert progress.lines[0] == "Getting image source signatures"
+        assert progress.lines[-1] == "91a21685dfdc1bd32747a4da6b48776a07b08776e2e9d031c18a5d1040ee676e"
+        assert not [line for line in progress.lines if "Copying" in line or "\x1b" in line]
+
+
+def test_sizes_are_shown_in_decimal_units():
+    assert shown(1_234_000_000, 4_800_000_000) == "1.2 / 4.8 GB"
+    assert shown(12_300_000, 45_600_000) == "12.3 / 45.6 MB"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("mode", ["root", "rootless"])
+def test_a_real_pull_says_its_progress_in_bytes_throttled(mode, settings, monkeypatch, request):
+    """An oci-archive: of the tests' root filesystem (21 MB, 60 MB unpacked), pulled for real: one
+    progress line with sizes at least, the last all of it, and no more than one per PROGRESS_SECONDS
+    (Podman redraws its bars every 0.15 s)."""
+    settings.CONTAINER_MODE = mode
+    account = rootless_account() if mode == "rootless" else None
+    if account is not None:
+        settings.JOB_USER = account.pw_name
+        request.getfixturevalue("_pause_process_ends")
+    need_containers(account)
+    reference = f"oci-archive:{oci_archive()}"
+    _forget(reference, account)  # a pull, not a cache hit
+    monkeypatch.setattr(pulls, "PROGRESS_SECONDS", 0.5)
+    said: list[str] = []
+    started = time.monotonic()
+    image_pull(reference, said.append, account=account, name="pull-img")
+    took = time.monotonic() - started
+    progress = [line for line in said if re.fullmatch(r"pulling pull-img: \d+\.\d / \d+\.\d MB", line)]
+    assert progress, said
+    copied, total = re.findall(r"[\d.]+", progress[-1])
+    assert copied == total and float(total) > 10, progress
+    assert len(progress) <= 2 + took / pulls.PROGRESS_SECONDS, (took, progress)
+    assert said[0].startswith(f"pulling pull-img: loading {reference}") and said[-1].startswith(
+        "pulled pull-img in"
+    )
+    assert podman("image", "exists", "--", local_name(reference, account), account=account).returncode == 0
+    _forget(reference, account)
+
+
+def _forget(reference: str, account: pwd.struct_passwd | None) -> None:
+    """The archive's image gone from the storage, by its id: a pull of an oci-archive: keeps the
+    name the archive holds too, so removing the portal's name alone would leave its layers."""
+    found = podman(
+        "image", "inspect", "--format", "{{.Id}}", "--", local_name(reference, account), account=account
+    )
+    if found.returncode == 0:
+        podman("rmi", "--force", "--", found.stdout.strip(), account=account)
+
+
+def test_a_pull_keeps_the_runs_heartbeat_and_stops_with_it(monkeypatch, settings):
+    """A pull of a few GB outlasts a run's lost cut-off (JOB_LOST_AFTER_SECONDS, 30 s), silent
+    while a layer unpacks: the run's heartbeat goes on meanwhile, and ends with the pull."""
+    settings.JOB_HEARTBEAT_SECONDS = 0.05
+    beats: list[float] = []
+    said: list[str] = []
+
+    def pull(reference: str, say, account=None, name="") -> None:  # type: ignore[no-untyped-def]
+        say(f"pulling {name}: 0.0 / 4.8 GB")
+        wait_for(lambda: len(beats) >= 3, timeout=10, what="beats while the pull runs")
+
+    monkeypatch.setattr(launch, "runtime_status", lambda: (True, "podman 4.3.1"))
+    monkeypatch.setattr(launch, "image_pull", pull)
+    image_ready_for(
+        ImageSpec("tf-2.17", "registry.lab.example/tf:2.17"), None, said.append, lambda: beats.append(1)
+    )
+    assert said == ["[portal] pulling tf-2.17: 0.0 / 4.8 GB"] and len(beats) >= 3
+    assert not [thread for thread in threading.enumerate() if thread.name == "pull-beat"]
