@@ -7,6 +7,8 @@ from gpus.models import (
     GPUProcess,
     Reservation,
     Server,
+    SlurmCluster,
+    SlurmNode,
     Violation,
     WatchdogPolicy,
 )
@@ -14,7 +16,43 @@ from gpus.models import (
 
 class GPUInline(admin.TabularInline):
     model = GPU
-    fields = ["index", "uuid", "name", "memory_total_mb", "memory_used_mb", "utilization_pct", "updated_at"]
+    fields = [
+        "node",
+        "index",
+        "slurm_job",
+        "uuid",
+        "name",
+        "memory_total_mb",
+        "memory_used_mb",
+        "utilization_pct",
+        "updated_at",
+    ]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+
+class SlurmClusterInline(admin.StackedInline):
+    """A server of kind "Slurm cluster" is reached through these (docs/slurm.md)."""
+
+    model = SlurmCluster
+    extra = 0
+    max_num = 1
+
+
+class SlurmNodeInline(admin.TabularInline):
+    model = SlurmNode
+    fields = [
+        "name",
+        "state",
+        "slurm_state",
+        "reason",
+        "partitions",
+        "cpus",
+        "gpus",
+        "gpus_used",
+        "updated_at",
+    ]
     readonly_fields = fields
     extra = 0
     can_delete = False
@@ -24,6 +62,7 @@ class GPUInline(admin.TabularInline):
 class ServerAdmin(admin.ModelAdmin):
     list_display = [
         "name",
+        "kind",
         "hostname",
         "status",
         "draining",
@@ -32,11 +71,11 @@ class ServerAdmin(admin.ModelAdmin):
         "driver_version",
         "last_seen",
     ]
-    list_filter = ["draining", "simulated", "containers_ok"]
+    list_filter = ["kind", "draining", "simulated", "containers_ok"]
     search_fields = ["name", "hostname"]
     # What the host's worker found when it started (jobs.host.worker.containers_report): its word only.
     readonly_fields = ["last_seen", "last_history_at", "containers_ok", "containers_detail"]
-    inlines = [GPUInline]
+    inlines = [SlurmClusterInline, SlurmNodeInline, GPUInline]
 
 
 # The container images' admin (gpus.models.ContainerImage) is registered by jobs/admin.py: its

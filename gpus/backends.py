@@ -10,6 +10,7 @@ from django.conf import settings
 from gpus.inventory import Backend
 from gpus.nvml import NvmlBackend, NvmlNotInstalled
 from gpus.simulated.backend import SimulatedBackend
+from gpus.slurm_inventory import SlurmBackend
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,8 @@ def get_backend(kind: str | None = None, server_name: str | None = None) -> Back
     """
     kind = kind or settings.GPU_BACKEND
     server_name = server_name or settings.WORKER_SERVER
+    if kind == "slurm":  # a Slurm cluster, read from its login node (docs/slurm.md)
+        return SlurmBackend(server_name)
     if kind in ("nvml", "auto"):
         try:
             return NvmlBackend(server_name, round_timeout=settings.NVML_ROUND_TIMEOUT_SECONDS)

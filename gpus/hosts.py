@@ -25,6 +25,8 @@ def worker_servers() -> tuple[list[str], bool]:
     A driver that is installed but fails to initialise is still this host's: its worker starts
     with GPU_BACKEND=nvml, says so loudly and retries (gpus/telemetry.py), rather than showing
     a simulation in place of a broken real machine."""
+    if settings.GPU_BACKEND == "slurm":  # a Slurm cluster's login node: the cluster is the server
+        return [settings.WORKER_SERVER], False
     if settings.GPU_BACKEND != "simulated":
         try:
             NvmlBackend(settings.WORKER_SERVER).close()

@@ -62,6 +62,25 @@ class GPUInfo:
     # CardState: a lost or unresponsive card's hardware facts above are placeholders, which the
     # ingest never stores over the known ones.
     state: str = CardState.OK
+    # On a Slurm cluster (gpus/slurm_inventory.py): the node the card is in (its index is Slurm's
+    # IDX there) and the Slurm job holding it; blank on a GPU host.
+    node: str = ""
+    slurm_job: str = ""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A Slurm node as `scontrol show node` describes it (gpus.models.SlurmNode)."""
+
+    name: str
+    state: str  # SlurmNode.State: idle, mixed, allocated, drained, down, other
+    slurm_state: str = ""  # Slurm's own words (IDLE+DRAIN)
+    reason: str = ""
+    partitions: str = ""
+    cpus: int = 0
+    memory_mb: int = 0
+    gpus: int = 0
+    gpus_used: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,7 @@ class HostInfo:
 class Snapshot:
     host: HostInfo
     gpus: tuple[GPUInfo, ...] = field(default_factory=tuple)
+    nodes: tuple[NodeInfo, ...] = ()  # a Slurm cluster's nodes; none for a GPU host
 
 
 class BackendUnavailable(RuntimeError):
@@ -101,7 +121,8 @@ def snapshot_from_json(raw: str | bytes) -> Snapshot:
         GPUInfo(**{**g, "processes": _processes_from_json(g.get("processes", ()))})
         for g in data.get("gpus", ())
     )
-    return Snapshot(host=HostInfo(**data["host"]), gpus=gpus)
+    nodes = tuple(NodeInfo(**n) for n in data.get("nodes", ()))
+    return Snapshot(host=HostInfo(**data["host"]), gpus=gpus, nodes=nodes)
 
 
 def _processes_from_json(raw: list[dict] | None) -> tuple[ProcessInfo, ...] | None:

@@ -30,10 +30,18 @@ class Server(models.Model):
         OFFLINE = "offline", "Offline"
         DRAINING = "draining", "Draining"
 
+    class Kind(models.TextChoices):
+        """A GPU host runs the portal's worker and its own jobs; a Slurm cluster is reached from a
+        login node that runs the worker, and Slurm schedules its nodes (docs/slurm.md)."""
+
+        HOST = "host", "GPU host"
+        SLURM = "slurm", "Slurm cluster"
+
     name = models.SlugField(
         max_length=63, unique=True, help_text="Also names its worker's queue: host.NAME (WORKER_SERVER)."
     )
     hostname = models.CharField(max_length=255, blank=True)
+    kind = models.CharField(max_length=8, choices=Kind.choices, default=Kind.HOST)
     draining = models.BooleanField(default=False, help_text="No new bookings or jobs; running work goes on.")
     simulated = models.BooleanField(default=False)
     driver_version = models.CharField(max_length=32, blank=True)
@@ -118,13 +126,18 @@ class GPU(models.Model):
     # False when the last report could not read the card's process list (no permission, a MIG
     # card read without privileges): the list shown is then "unknown", not "idle".
     processes_known = models.BooleanField(default=True)
+    # On a Slurm cluster: the node it is in (its index is Slurm's GRES IDX there) and the Slurm
+    # job holding it, as the cluster last said; blank on a GPU host.
+    node = models.CharField(max_length=64, blank=True)
+    slurm_job = models.CharField("Slurm job", max_length=32, blank=True)
 
     class Meta:
-        ordering = ["server__name", "index"]
+        ordering = ["server__name", "node", "index"]
         verbose_name = "GPU"
 
     def __str__(self) -> str:
-        return f"{self.server.name}:{self.index} {self.name}"
+        node = f"{self.node}:" if self.node else ""  # a Slurm node's IDX is per node
+        return f"{self.server.name}:{node}{self.index} {self.name}"
 
     @property
     def memory_bookable_mb(self) -> int:
@@ -644,8 +657,9 @@ class CalendarFeed(models.Model):
         return f"calendar of {self.owner_id} ({self.scope} {what})"
 
 
-# The usage rollups and the container images live apart for this module's length
-# (gpus/usage_models.py, gpus/image_models.py); imported here so that Django registers them
-# with the app and callers import every model from gpus.models.
+# The usage rollups, the container images and Slurm clusters live apart for this module's length
+# (gpus/usage_models.py, gpus/image_models.py, gpus/slurm_models.py); imported here so that Django
+# registers them with the app and callers import every model from gpus.models.
 from gpus.image_models import ContainerImage, ImagePull  # noqa: E402, F401
+from gpus.slurm_models import SlurmCluster, SlurmNode  # noqa: E402, F401
 from gpus.usage_models import UsageDay, UsageFigures, UsageHour, UsageTeamHour  # noqa: E402, F401

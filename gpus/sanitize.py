@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import replace
 
-from gpus.inventory import CardState, GPUInfo, HostInfo, ProcessInfo, Snapshot
+from gpus.inventory import CardState, GPUInfo, HostInfo, NodeInfo, ProcessInfo, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ BIGINT_MAX = 2**63 - 1
 TEMPERATURE_C = (-50, 150)
 POWER_W = (0.0, 100_000.0)
 UUID_MAX_CHARS = 64
+NODE_STATES = ("idle", "mixed", "allocated", "drained", "down", "other")  # gpus.models.SlurmNode.State
 SERVER_NAME = re.compile(r"^[-a-zA-Z0-9_]{1,63}$")
 
 
@@ -56,7 +57,8 @@ def checked_snapshot(snapshot: Snapshot) -> Snapshot | None:
         log.warning("Dropped a report from a host named %r: not a server name", host.name)
         return None
     gpus = tuple(card for g in snapshot.gpus if (card := _checked_card(g)) is not None)
-    return Snapshot(host=_checked_host(host), gpus=gpus)
+    nodes = tuple(node for n in snapshot.nodes if (node := _checked_node(n)) is not None)
+    return Snapshot(host=_checked_host(host), gpus=gpus, nodes=nodes)
 
 
 def _checked_host(host: HostInfo) -> HostInfo:
@@ -95,6 +97,25 @@ def _checked_card(g: GPUInfo) -> GPUInfo | None:
         mig_mode=g.mig_mode if g.mig_mode in ("enabled", "disabled") else None,
         processes=processes,
         state=g.state if g.state in CardState.ALL else CardState.OK,
+        node=text(g.node, 64),
+        slurm_job=text(g.slurm_job, 32),
+    )
+
+
+def _checked_node(n: NodeInfo) -> NodeInfo | None:
+    name = text(n.name, 64)
+    if not name:
+        return None
+    return NodeInfo(
+        name=name,
+        state=n.state if n.state in NODE_STATES else "other",
+        slurm_state=text(n.slurm_state, 100),
+        reason=text(n.reason, 200),
+        partitions=text(n.partitions, 200),
+        cpus=int_in(n.cpus, 0, INT_MAX) or 0,
+        memory_mb=int_in(n.memory_mb, 0, BIGINT_MAX) or 0,
+        gpus=int_in(n.gpus, 0, SMALLINT_MAX) or 0,
+        gpus_used=int_in(n.gpus_used, 0, SMALLINT_MAX) or 0,
     )
 
 

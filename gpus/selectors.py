@@ -28,6 +28,7 @@ GPU_LIVE_FIELDS = (
     "power_limit_w",
     "state",
     "processes_known",
+    "slurm_job",  # a Slurm cluster's card: the job holding it (gpus/slurm_inventory.py)
 )
 # A server's live facts: what each round writes (gpus.services) and the dashboard reads.
 SERVER_LIVE_FIELDS = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from gpus.hooks import interactive_sessions, job_sessions
 from gpus.inventory import CardState, GPUInfo, Snapshot
-from gpus.models import GPU, GPUProcess, Server, TelemetrySample
+from gpus.models import GPU, GPUProcess, Server, SlurmNode, TelemetrySample
 from gpus.sanitize import checked_snapshot
 from gpus.selectors import GPU_LIVE_FIELDS, SERVER_LIVE_FIELDS
 from gpus.usage import UsageRollup, usage_observe
@@ -36,6 +36,7 @@ _GPU_STATIC_FIELDS = [
     "memory_total_mb",
     "memory_reserved_mb",
     "mig_mode",
+    "node",
 ]
 _GPU_LIVE_FIELDS = [*GPU_LIVE_FIELDS, "updated_at"]  # the values below are written in this order
 # The values below are written in this order; `last_seen` apart, as the database's `Now()`.
@@ -130,6 +131,7 @@ def servers_report_ingest(
     cards = _jobs_attribute([(server_id, g) for server_id, g in cards if g.uuid in stored])
     _gpus_update_live(cards, db_now)
     _processes_replace([k.pk for k in known.values()], cards)
+    _slurm_nodes_replace(latest, known, now)
     # Inside the transaction: the jobs app records its running jobs' memory and utilization.
     telemetry_ingested.send(sender=GPUProcess, cards=[g for _, g in cards])
     _history_record(latest, known, now, stored)
@@ -194,6 +196,7 @@ def _card_facts(server_id: int, g: GPUInfo) -> tuple:
         g.memory_total_mb,
         g.memory_reserved_mb,
         g.mig_mode or "",
+        g.node,
     )
 
 
@@ -220,6 +223,7 @@ def _gpus_describe(cards: list[tuple[int, GPUInfo]]) -> set[str]:
             memory_total_mb=g.memory_total_mb,
             memory_reserved_mb=g.memory_reserved_mb,
             mig_mode=g.mig_mode or "",
+            node=g.node,
         )
         for server_id, g in cards
         if g.state == CardState.OK and described.get(g.uuid) != _card_facts(server_id, g)
@@ -278,11 +282,26 @@ def _gpus_update_live(cards: list[tuple[int, GPUInfo]], db_now: object) -> None:
                 g.power_limit_w,
                 g.state,
                 g.processes is not None,
+                g.slurm_job,
                 db_now,
                 g.uuid,
             )
             for _, g in cards
         ],
+    )
+
+
+def _slurm_nodes_replace(latest: dict[str, Snapshot], known: dict[str, _Known], now: datetime) -> None:
+    """A Slurm cluster's nodes as its round read them, replaced (a delete and a bulk insert, as
+    process lists are); a GPU host reports none and has none."""
+    clusters = {name: s for name, s in latest.items() if s.nodes}
+    if not clusters:
+        return
+    SlurmNode.objects.filter(server_id__in=[known[name].pk for name in clusters]).delete()
+    SlurmNode.objects.bulk_create(
+        SlurmNode(server_id=known[name].pk, updated_at=now, **asdict(n))
+        for name, s in clusters.items()
+        for n in s.nodes
     )
 
 

@@ -344,7 +344,8 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # and enforces its own limit; the short housekeeping tasks set theirs on the task.
 
 # --- GPU inventory and telemetry ----------------------------------------------------
-GPU_BACKEND = env_choice("GPU_BACKEND", "auto", ("auto", "nvml", "simulated"))
+# slurm: this worker is a Slurm cluster's, on a login node (WORKER_SERVER names it; docs/slurm.md).
+GPU_BACKEND = env_choice("GPU_BACKEND", "auto", ("auto", "nvml", "simulated", "slurm"))
 SIMULATED_INVENTORY = env_str("SIMULATED_INVENTORY", "")  # empty: gpus/simulated_inventory.yaml
 # Real local processes shown on simulated cards (manage.py simulate_gpu_process); shared by the
 # command and this machine's simulated host workers.
