@@ -184,6 +184,12 @@ def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
             field="gpus",
         )
     for gpu in gpus:
+        if gpu.server.kind == Server.Kind.SLURM:
+            raise Invalid(
+                f"{gpu_label(gpu)} is on {gpu.server.name}, a Slurm cluster: Slurm schedules its cards. "
+                "Submit a job to it with a GPU count, or book whole nodes of it (docs/slurm.md).",
+                field="gpus",
+            )
         if gpu.server.draining:
             raise Invalid(
                 f"{gpu_label(gpu)} is on {gpu.server.name}, which is draining: "
@@ -280,7 +286,11 @@ def _pick(count: int, server: str | None, memory_mb: int | None, start: datetime
 def _candidates(server: str | None) -> list[GPU]:
     """The bookable cards of `server`, or of every online server; refused when there are none to
     pick from (no such server, draining, nothing online)."""
-    candidates = GPU.objects.select_related("server").filter(server__draining=False, state=CardState.OK)
+    candidates = (
+        GPU.objects.portal_scheduled()
+        .select_related("server")
+        .filter(server__draining=False, state=CardState.OK)
+    )
     if server:
         draining = Server.objects.filter(name=server).values_list("draining", flat=True).first()
         if draining is None:

@@ -23,6 +23,17 @@ class ServerQuerySet(models.QuerySet):
         # `last_seen` is the database's clock: so is the cut-off (portal.clock).
         return self.filter(last_seen__gte=since(settings.SERVER_OFFLINE_AFTER_SECONDS))
 
+    def portal_scheduled(self) -> ServerQuerySet:
+        """The servers whose cards the portal books and queues onto: not a Slurm cluster's, which
+        Slurm alone schedules (the portal never places work on its nodes twice; docs/slurm.md)."""
+        return self.exclude(kind=Server.Kind.SLURM)
+
+
+class GPUQuerySet(models.QuerySet):
+    def portal_scheduled(self) -> GPUQuerySet:
+        """The cards of `ServerQuerySet.portal_scheduled` servers."""
+        return self.exclude(server__kind=Server.Kind.SLURM)
+
 
 class Server(models.Model):
     class Status(models.TextChoices):
@@ -130,6 +141,8 @@ class GPU(models.Model):
     # job holding it, as the cluster last said; blank on a GPU host.
     node = models.CharField(max_length=64, blank=True)
     slurm_job = models.CharField("Slurm job", max_length=32, blank=True)
+
+    objects = GPUQuerySet.as_manager()
 
     class Meta:
         ordering = ["server__name", "node", "index"]

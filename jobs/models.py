@@ -208,6 +208,12 @@ class Job(models.Model):
     # The log: every byte the job wrote (with timestamps), and how many the cap dropped.
     log_bytes = models.PositiveBigIntegerField(default=0)
     log_dropped_bytes = models.PositiveBigIntegerField(default=0)
+    # On a Slurm cluster (jobs/host/slurm_runner.py): Slurm's job id, its state and reason as the
+    # cluster last said them (PENDING, Resources), and the partition it went to.
+    slurm_job_id = models.CharField("Slurm job id", max_length=32, blank=True)
+    slurm_state = models.CharField(max_length=32, blank=True)
+    slurm_reason = models.CharField(max_length=200, blank=True)
+    partition = models.CharField(max_length=64, blank=True)
 
     objects = JobQuerySet.as_manager()
 

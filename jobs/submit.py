@@ -29,6 +29,7 @@ from jobs.lending import loans_take_back
 from jobs.models import Job, JobArray
 from jobs.queue.requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
+from jobs.slurm import slurm_cluster_named, slurm_place
 from portal.changes import JOBS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
 from portal.timefmt import format_time
@@ -186,13 +187,16 @@ def job_submit(
     begin_at: datetime | None = None,
     team: str | None = None,
     preemptible: bool = False,
+    partition: str = "",
     now: datetime | None = None,
 ) -> Job:
     """Run a job on a booking's server and cards (it starts when the booking does), or, without a
     booking, queue it for `gpu_count` cards (`memory_mb` each, or whole) for its time limit: the
     scheduler starts it when cards are free (jobs/queue/scheduler.py). An `array` ("0-99%8") queues
     one job per index; the first is returned. An `image` (a ContainerImage's name) runs it in that
-    container image, on a server that has it and where containers work (`_check_image`).
+    container image, on a server that has it and where containers work (`_check_image`). On a
+    Slurm cluster (`server` names one) it goes to Slurm for `gpu_count` GPUs in `partition`
+    (jobs/slurm.py), through the cluster's worker.
 
     One path of named steps for both kinds: where it runs, what it runs, how TensorFlow is set
     up, then the save. Raises a ServiceError (field and fix in the message) and writes nothing on
@@ -213,6 +217,7 @@ def job_submit(
         begin_at,
         team,
         preemptible,
+        partition,
         now,
     )
     program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
@@ -226,6 +231,12 @@ def job_submit(
     if place.request is not None:
         return _save_queued(user, place.request, fields, now)
     job = Job(**fields)
+    if place.slurm:  # Slurm schedules it: sent to the cluster's worker at once, one job of many
+        job.not_before = now  # due now: the reconciler sends it again should this send be lost
+        job.save()
+        dispatch(job, now)
+        change_publish(JOBS)  # the jobs' open pages show it
+        return job
     _save_alone_on_booking(job)
     _start_on_booking(user, job, now)
     return job
@@ -243,10 +254,32 @@ def _place(
     begin_at: datetime | None,
     team: str | None,
     preemptible: bool,
+    partition: str,
     now: datetime,
 ) -> _Place:
-    """Where the job runs: on the booking, or in the queue for the cards it asks for. Only a
-    queued job may be `preemptible`: stopped and requeued at its old place (jobs.preemption)."""
+    """Where the job runs: on the booking, or in the queue for the cards it asks for, or on a Slurm
+    cluster. Only a queued job may be `preemptible`: stopped and requeued at its old place
+    (jobs.preemption)."""
+    cluster = slurm_cluster_named(server)
+    if cluster is not None:
+        if reservation is not None:
+            raise Invalid(
+                "Bookings of a Slurm cluster's nodes are not taken yet: submit without a booking, and "
+                "Slurm schedules the job (docs/slurm.md).",
+                field="reservation",
+            )
+        fields = slurm_place(
+            user=user,
+            server=cluster,
+            gpu_count=gpu_count,
+            time_limit_minutes=time_limit_minutes,
+            partition=partition,
+            team=team,
+            array=array,
+        )
+        return _Place(fields, fields["gpu_count"], None, None, slurm=True)
+    if partition:
+        raise Invalid("A partition is a Slurm cluster's; name the cluster as the server.", field="partition")
     if reservation is None and gpu_count is not None:
         request = QueueRequest.check(
             user=user,
@@ -280,6 +313,7 @@ class _Place:
     shared_mb: int | None  # memory per card; None: whole cards
     cpu_share: int | None  # None: known when the scheduler books its cards
     request: QueueRequest | None = None  # a queued job's checked request
+    slurm: bool = False  # on a Slurm cluster, which places it (jobs/slurm.py)
 
 
 def _place_on_booking(

@@ -41,6 +41,7 @@ from jobs.host.end import job_end_keep
 from jobs.host.executors import Run, RunEnd, RunOutput, executor_for
 from jobs.host.executors.output import follow
 from jobs.host.launch import image_ready, job_claim, launch_for, patiently
+from jobs.host.slurm_runner import slurm_job_run
 from jobs.host.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
@@ -653,6 +654,8 @@ class Supervisor:
 
 def job_run(job_id: int) -> str | None:
     """Claim and run a job to its end; returns its final status (None: not ours to run)."""
+    if settings.GPU_BACKEND == "slurm":  # this worker is a Slurm cluster's (jobs/host/slurm_runner.py)
+        return slurm_job_run(job_id)
     job = job_claim(job_id)
     if job is None:
         log.info("Job %s is not queued (already claimed, cancelled or gone): nothing to do", job_id)

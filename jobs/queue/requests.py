@@ -71,7 +71,7 @@ class QueueRequest:
     ) -> QueueRequest:
         if not 1 <= gpu_count <= MAX_GPUS:
             raise Invalid(f"Ask for 1 to {MAX_GPUS} cards; {gpu_count} will not do.", field="gpu_count")
-        membership = _check_membership(user, team)
+        membership = membership_check(user, team)
         chosen = _check_server(server)
         _check_memory(memory_mb, chosen)
         _check_some_server_fits(gpu_count, memory_mb, chosen)
@@ -118,7 +118,7 @@ def _check_memory(memory_mb: int | None, server: Server | None) -> None:
             "empty for whole cards.",
             field="memory_mb",
         )
-    cards = GPU.objects.filter(state="ok")
+    cards = GPU.objects.portal_scheduled().filter(state="ok")
     if server is not None:
         cards = cards.filter(server=server)
     largest = max(
@@ -139,7 +139,7 @@ def _check_some_server_fits(gpu_count: int, memory_mb: int | None, server: Serve
     memory, for a share) would wait for ever as "resources". Every card a server has counts, a
     lost one too (it may come back); with no card known yet (nothing has reported), nothing is
     refused here."""
-    cards = GPU.objects.all() if server is None else GPU.objects.filter(server=server)
+    cards = GPU.objects.portal_scheduled() if server is None else GPU.objects.filter(server=server)
     fitting: Counter[str] = Counter()
     known = False
     for name, total, reserved in cards.values_list("server__name", "memory_total_mb", "memory_reserved_mb"):
@@ -206,7 +206,7 @@ def _least_uses(
     at the smallest card's memory; a share on the server whose largest fitting cards are the
     smallest fraction of their card (gpus.quotas' Use). A share while no card is known counts its
     memory and no GPU-hours."""
-    cards = GPU.objects.all() if server is None else GPU.objects.filter(server=server)
+    cards = GPU.objects.portal_scheduled() if server is None else GPU.objects.filter(server=server)
     if memory_mb is None:
         smallest = min(cards.values_list("memory_total_mb", flat=True), default=0)
         return [Use.of(start, end, None, smallest)] * gpu_count
@@ -235,7 +235,8 @@ def _check_minutes(minutes: int | None) -> int:
     return minutes
 
 
-def _check_membership(user: AbstractBaseUser, slug: str | None) -> Membership:
+def membership_check(user: AbstractBaseUser, slug: str | None) -> Membership:
+    """The team a job without a booking is for (the queue's, a Slurm cluster's: jobs/slurm.py)."""
     memberships = Membership.objects.filter(user=user).select_related("team")
     if slug:
         membership = memberships.filter(team__slug=slug).first()

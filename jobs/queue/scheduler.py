@@ -116,7 +116,7 @@ def queue_plan(
     if not requests:
         return []
     shares, usage = fairshare_state(now, memory, shared=shared_usage)
-    online = list(Server.objects.online().values_list("pk", "draining"))
+    online = list(Server.objects.online().portal_scheduled().values_list("pk", "draining"))
     # The calendar as far as the longest pending job reaches, and QUEUE_ESTIMATE_HORIZON_HOURS on:
     # enough to start any of them safely now, and to estimate starts within the horizon.
     longest = max(r.minutes for r in requests)

@@ -1,0 +1,264 @@
+"""The Slurm executor: a run is a batch job on a Slurm cluster (`SlurmExecutor`; issue 37).
+
+The worker runs on the cluster's login node, as root, and submits each job as its owner
+(`sbatch --uid`), with `--export=NIL` so that nothing of the worker's environment reaches the job:
+the batch script sets the job's own variables and `exec`s the portal's launcher around the user's
+script, as on a GPU host. Slurm, not the worker, owns the processes: they run on a compute node
+the worker cannot see, so a run is named by Slurm's job id, signals go through `scancel`, and
+there is nothing for the worker to sweep or reap. Output is the job's file on the shared
+filesystem, read as it grows (`FileOutput`).
+
+A job Slurm has forgotten (its MinJobAge passed while the worker was away) is looked up in the
+cluster's job completion log (JobCompType=jobcomp/filetxt), so its end is still recorded as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shlex
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpus.slurm_cli import SlurmCommands, SlurmRefused, records
+from jobs.host.executors.base import Run, RunEnd, RunSpec, Signalled
+from portal.pids import ProcessId
+
+READ_MAX = 1 << 20  # one read of the output file at most
+FORGOTTEN = "Invalid job id specified"  # what scontrol says of a job it no longer knows
+# Slurm's end states as the portal's (jobs.models.Job.Status), and the states it waits or runs in.
+ENDS = {
+    "COMPLETED": "succeeded",
+    "FAILED": "failed",
+    "OUT_OF_MEMORY": "failed",
+    "NODE_FAIL": "failed",
+    "BOOT_FAIL": "failed",
+    "DEADLINE": "failed",
+    "PREEMPTED": "failed",
+    "TIMEOUT": "timed_out",
+    "CANCELLED": "cancelled",
+}
+
+
+@dataclass(frozen=True)
+class SlurmJobState:
+    """A job as Slurm last described it: its state (RUNNING), why it waits (Resources), its exit
+    code or signal once it ended, and its nodes. `forgotten`: found only in the completion log."""
+
+    state: str
+    reason: str = ""
+    exit: RunEnd | None = None
+    nodes: str = ""
+    forgotten: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDS
+
+    @property
+    def status(self) -> str:
+        """The portal's status for an ended job (a non-zero exit is a failure whatever Slurm says)."""
+        status = ENDS.get(self.state, "failed")
+        return "failed" if status == "succeeded" and self.exit and self.exit.returncode else status
+
+
+def exit_of(text: str) -> RunEnd:
+    """Slurm's `ExitCode=3:0` (code 3) or `0:9` (signal 9)."""
+    code, _, sig = text.partition(":")
+    if sig.isdigit() and int(sig):
+        return RunEnd(signal=int(sig))
+    return RunEnd(code=int(code) if code.isdigit() else 0)
+
+
+def state_of(record: dict[str, str], *, forgotten: bool = False) -> SlurmJobState:
+    state = record.get("JobState", "").split()[0] if record.get("JobState") else "UNKNOWN"
+    reason = record.get("Reason", "")
+    return SlurmJobState(
+        state=state,
+        reason="" if reason in ("None", "(null)") else reason,
+        exit=exit_of(record.get("ExitCode", "0:0")) if state in ENDS else None,
+        nodes=record.get("NodeList", ""),
+        forgotten=forgotten,
+    )
+
+
+def jobcomp_find(path: str, job_id: str) -> dict[str, str] | None:
+    """The job's record in a jobcomp/filetxt log (its last one: a requeued job has several)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    found = [r for r in records(text) if r.get("JobId") == job_id]
+    return found[-1] if found else None
+
+
+class FileOutput:
+    """A Slurm job's output file as a `RunOutput`: what was added since the last read; its end is
+    the job's end (`finish`), after which what is left is read and then None."""
+
+    def __init__(self, path: Path, *, tick: float = 0.1) -> None:
+        self.path = path
+        self.tick = tick
+        self.offset = 0
+        self.finished = False
+        self.eof = False
+
+    def read(self) -> bytes:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(READ_MAX)
+        except FileNotFoundError:
+            return b""  # not made yet: the job has not started
+        self.offset += len(data)
+        return data
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def get(self, timeout: float | None) -> bytes | None:
+        data = self.read()
+        if data:
+            return data
+        if self.finished:
+            self.eof = True
+            return None
+        time.sleep(min(timeout or self.tick, self.tick))
+        raise queue.Empty
+
+    def drain(
+        self, seconds: float, take: Callable[[bytes], None], beat: Callable[[], None], beat_every: float
+    ) -> bool:
+        give_up = time.monotonic() + seconds
+        while time.monotonic() < give_up:
+            data = self.read()
+            if not data:
+                self.eof = True
+                return True
+            take(data)
+        return False
+
+
+@dataclass
+class SlurmRun(Run):
+    """A run of `SlurmExecutor`: Slurm's job id, and its last known state."""
+
+    job_id: str = field(kw_only=True)
+    last: SlurmJobState | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True)
+class SlurmRequest:
+    """What a job asks Slurm for, beside what any run has (RunSpec)."""
+
+    gpus: int
+    minutes: int | None
+    partition: str
+    output: Path
+    script: Path  # the batch script, written by `start`
+    reservation: str = ""
+    jobcomp: str = ""  # the cluster's JobCompLoc, for jobs it has forgotten
+
+
+class SlurmExecutor:
+    """Runs work as Slurm batch jobs (jobs.host.executors.Executor), one request per executor."""
+
+    def __init__(self, commands: SlurmCommands, request: SlurmRequest) -> None:
+        self.commands = commands
+        self.request = request
+
+    def batch_script(self, spec: RunSpec) -> str:
+        """The job's own variables, then its command in place of the shell: nothing of the
+        worker's (sbatch --export=NIL), no shell syntax of the user's (every word quoted)."""
+        lines = ["#!/bin/sh", f"# {spec.name}, written by the GPU lab portal"]
+        lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.items())]
+        lines.append("exec " + " ".join(shlex.quote(word) for word in spec.argv))
+        return "\n".join(lines) + "\n"
+
+    def sbatch_args(self, spec: RunSpec) -> list[str]:
+        r = self.request
+        args = ["--parsable", f"--job-name={spec.name.lower().replace(' ', '-')}", "--export=NIL"]
+        if spec.account is not None:  # as its owner: only root may say so (the login node's worker)
+            args += [f"--uid={spec.account.pw_uid}", f"--gid={spec.account.pw_gid}"]
+        if r.gpus:
+            args.append(f"--gres=gpu:{r.gpus}")
+        if r.minutes:
+            args.append(f"--time={r.minutes}")
+        if r.partition:
+            args.append(f"--partition={r.partition}")
+        if r.reservation:
+            args.append(f"--reservation={r.reservation}")
+        args += [f"--chdir={spec.cwd}", f"--output={r.output}", "--open-mode=append", str(r.script)]
+        return args
+
+    def start(self, spec: RunSpec) -> SlurmRun:
+        """sbatch; SlurmRefused (Slurm's words) or SlurmUnreachable when it is not taken."""
+        fd = os.open(self.request.script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o755)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.batch_script(spec))
+        if spec.account is not None:
+            os.chown(self.request.script, spec.account.pw_uid, spec.account.pw_gid)
+        job_id = self.commands.run("sbatch", self.sbatch_args(spec)).strip().split(";")[0]
+        # No process of the worker's is the run: pid 0 is never signalled (portal.pids), and the
+        # orphan sweep has nothing to find.
+        return SlurmRun(spec.name, ProcessId(0, -1.0), 0, FileOutput(self.request.output), job_id=job_id)
+
+    def state(self, run: Run) -> SlurmJobState:
+        """As Slurm says now, or as its completion log says once it has forgotten the job."""
+        slurm = _slurm(run)
+        try:
+            found = records(self.commands.show("job", slurm.job_id))
+        except SlurmRefused as exc:
+            if FORGOTTEN not in str(exc):
+                raise
+            found = []
+        if found:
+            slurm.last = state_of(found[0])
+        else:
+            kept = jobcomp_find(self.request.jobcomp, slurm.job_id) if self.request.jobcomp else None
+            slurm.last = (
+                state_of(kept, forgotten=True) if kept else SlurmJobState("FORGOTTEN", forgotten=True)
+            )
+        return slurm.last
+
+    def poll(self, run: Run) -> RunEnd | None:
+        now = self.state(run)
+        if now.state == "FORGOTTEN":
+            return RunEnd(code=None)
+        return now.exit if now.ended else None
+
+    def wait(self, run: Run) -> RunEnd:
+        while (end := self.poll(run)) is None:
+            time.sleep(0.5)
+        return end
+
+    def signal(self, run: Run, sig: signal.Signals) -> Signalled:
+        """SIGTERM: Slurm's own cancel (SIGTERM to every step, SIGKILL after its KillWait);
+        any other signal to the whole job as it is."""
+        job_id = _slurm(run).job_id
+        args = [job_id] if sig == signal.SIGTERM else [f"--signal={sig.name[3:]}", "--full", job_id]
+        self.commands.run("scancel", args)
+        return Signalled(sent=1)
+
+    def sweep(self, run: Run) -> Signalled:
+        return Signalled()  # Slurm ends what a job leaves on its node
+
+    def collect(self, run: Run) -> RunEnd:
+        last = _slurm(run).last
+        return (last.exit if last else None) or RunEnd()
+
+    def stop(self, run: Run, grace: float) -> RunEnd:
+        if self.poll(run) is None:
+            self.signal(run, signal.SIGTERM)
+        return self.wait(run)
+
+    def did_not_start(self, end: RunEnd) -> str:
+        return ""
+
+
+def _slurm(run: Run) -> SlurmRun:
+    assert isinstance(run, SlurmRun), f"{run.name} was not started by SlurmExecutor"
+    return run

@@ -1,0 +1,277 @@
+"""The worker's side of a job on a Slurm cluster (issue 37; docs/slurm.md): claim it, write its
+folder on the shared filesystem, submit it as its owner through the Slurm executor
+(jobs/host/executors/slurm.py), then follow it to its end: Slurm's state and reason on the row,
+its output file into the job's log as it grows, a cancel as `scancel`, and its end recorded once
+(jobs.runs.job_end_record), as a GPU host's supervisor records one.
+
+The worker runs on the cluster's login node (GPU_BACKEND=slurm, WORKER_SERVER = the cluster's
+server name), as root: `sbatch --uid` is root's. It beats for the job while it follows it, so a
+worker that dies has its jobs marked lost by the reconciler, as on a GPU host; the job itself runs
+on in Slurm. A cluster that stops answering is said once in the job's log and on its page
+(`slurm_reason`); the worker keeps trying, and the job's end is read when Slurm answers again,
+from its completion log if Slurm has forgotten the job meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pwd
+import shutil
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+from django.conf import settings
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmUnreachable
+from gpus.slurm_inventory import commands_for
+from jobs.host.executors.base import RunSpec
+from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmJobState, SlurmRequest, SlurmRun
+from jobs.host.launch import LAUNCHER, job_claim
+from jobs.host.spool import EndRecord
+from jobs.logs.store import LogWriter
+from jobs.models import Job
+from jobs.runs import job_end_record
+from portal.accounts import unix_account_name
+
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.2  # how often the output file is read
+STATE_SECONDS = 1.0  # how often Slurm is asked, and the job beats
+OUTPUT = "output.log"
+
+
+class SlurmSetupError(Exception):
+    """The job cannot be sent to Slurm: its message says why and what to do."""
+
+
+def slurm_job_run(job_id: int) -> str | None:
+    """Claim job `job_id`, submit it to this worker's Slurm cluster and follow it to its end;
+    its final status (None: not ours to run). Again for the same id: a no-op (the claim)."""
+    job = job_claim(job_id)
+    if job is None:
+        log.info("Job %s is not queued (already claimed, cancelled or gone): nothing to do", job_id)
+        return None
+    return SlurmFollower(job).run()
+
+
+class SlurmFollower:
+    """One claimed job, from sbatch to its end."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.cluster = job.server.slurm
+        self.commands = commands_for(self.cluster)
+        self.writer = LogWriter(job.pk)
+        self.cancel_sent = False
+        self.unreachable_said = ""
+        self.running_recorded = False
+
+    def run(self) -> str:
+        try:
+            account, folder = self._prepare()
+        except SlurmSetupError as exc:
+            return self._end(
+                "failed", None, f"Could not send it to Slurm: {exc}", f"[portal] cannot start: {exc}"
+            )
+        executor = SlurmExecutor(self.commands, self._request(folder))
+        spec = RunSpec(
+            self._argv(folder), self._env(), self.job.workdir or folder, f"portal-{self.job.pk}", account
+        )
+        try:
+            run = executor.start(spec)
+        except SlurmRefused as exc:
+            return self._end(
+                "failed", None, f"Refused by Slurm: {exc}", f"[portal] Slurm refused the job: {exc}"
+            )
+        except SlurmUnreachable as exc:
+            return self._end(
+                "failed", None, f"Slurm did not answer: {exc}", f"[portal] Slurm did not answer: {exc}"
+            )
+        Job.objects.filter(pk=self.job.pk).update(slurm_job_id=run.job_id, slurm_state="PENDING")
+        self.writer.write_line(
+            f"[portal] job {self.job.pk} is Slurm job {run.job_id} on {self.job.server.name}"
+            f" ({self.job.gpu_count} GPU(s), partition {self.job.partition or 'default'})"
+        )
+        return self._follow(executor, run)
+
+    # --- before sbatch -----------------------------------------------------------------
+
+    def _prepare(self) -> tuple[pwd.struct_passwd, Path]:
+        """The owner's account and the job's own folder, made by root and handed to the account
+        only once the script and the launcher are in it: nothing can be planted there first."""
+        name = unix_account_name(self.job.owner)
+        if name is None:
+            raise SlurmSetupError(
+                f"{self.job.owner} has no Unix account the portal can vouch for: an admin sets theirs"
+                " on their profile."
+            )
+        try:
+            account = pwd.getpwnam(name)
+        except KeyError:
+            raise SlurmSetupError(f"there is no account {name!r} on the login node") from None
+        if account.pw_uid < settings.JOB_MIN_UID:
+            raise SlurmSetupError(f"account {name!r} is a system account (uid below JOB_MIN_UID)")
+        mine = Path(self.cluster.job_root) / name
+        folder = mine / f"job-{self.job.pk}"
+        try:
+            mine.mkdir(mode=0o755, exist_ok=True)
+            if mine.is_symlink() or mine.stat().st_uid not in (0, account.pw_uid):
+                raise SlurmSetupError(f"{mine} is not {name}'s own folder")
+            os.chown(mine, account.pw_uid, account.pw_gid)
+            folder.mkdir(mode=0o700)
+            shutil.copytree(LAUNCHER.parent, folder / "launcher")
+            if not self.job.script_path:
+                (folder / self.job.name).write_text(self.job.script_source)
+            for path in [folder, *folder.rglob("*")]:
+                os.lchown(path, account.pw_uid, account.pw_gid)
+        except OSError as exc:
+            raise SlurmSetupError(f"cannot make its folder {folder}: {exc.strerror or exc}") from None
+        return account, folder
+
+    def _request(self, folder: Path) -> SlurmRequest:
+        return SlurmRequest(
+            gpus=self.job.gpu_count or 0,
+            minutes=self.job.time_limit_minutes,
+            partition=self.job.partition,
+            output=folder / OUTPUT,
+            script=folder / "job.sbatch",
+            jobcomp=self._jobcomp(),
+        )
+
+    def _jobcomp(self) -> str:
+        """The cluster's completion log (jobcomp/filetxt), where forgotten jobs are looked up."""
+        try:
+            config = self.commands.run("scontrol", ["show", "config"])
+        except SlurmError:
+            return ""
+        for line in config.splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "JobCompLoc" and value.strip().startswith("/"):
+                return value.strip()
+        return ""
+
+    def _argv(self, folder: Path) -> list[str]:
+        job = self.job
+        interpreter = settings.JOB_INTERPRETERS.get(job.interpreter) or settings.JOB_INTERPRETERS["default"]
+        script = job.script_path or str(folder / job.name)
+        return [interpreter, "-u", str(folder / "launcher" / LAUNCHER.name), script, *job.args]
+
+    def _env(self) -> dict[str, str]:
+        """The job's own variables, then the portal's; Slurm adds its own (CUDA_VISIBLE_DEVICES)."""
+        job = self.job
+        config = {
+            "job_id": job.pk,
+            "allow_growth": True,  # whole cards: Slurm gives no share of one
+            "intra_op_threads": job.intra_op_threads,
+            "inter_op_threads": job.inter_op_threads,
+            "soft_placement": job.soft_placement,
+            "log_placement": job.log_placement,
+            "mirrored": job.mirrored,
+        }
+        return {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            **job.env,
+            "PYTHONUNBUFFERED": "1",
+            "PORTAL_JOB_ID": str(job.pk),
+            "PORTAL_LAUNCH_CONFIG": json.dumps(config),
+        }
+
+    # --- after sbatch ------------------------------------------------------------------
+
+    def _follow(self, executor: SlurmExecutor, run: SlurmRun) -> str:
+        output = run.output
+        assert isinstance(output, FileOutput)
+        asked_at = 0.0
+        while True:
+            self._take(output)
+            if time.monotonic() - asked_at >= STATE_SECONDS:
+                asked_at = time.monotonic()
+                state = self._ask(executor, run)
+                if state is not None and (state.ended or state.state == "FORGOTTEN"):
+                    self._take(output)
+                    return self._ended(state, run)
+            time.sleep(TICK_SECONDS)
+
+    def _take(self, output: FileOutput) -> None:
+        while data := output.read():
+            self.writer.feed(data)
+        self.writer.maybe_flush()
+
+    def _ask(self, executor: SlurmExecutor, run: SlurmRun) -> SlurmJobState | None:
+        """Slurm's word on the job, on its row, with a beat; a cancel asked for is sent."""
+        try:
+            state = executor.state(run)
+        except SlurmError as exc:
+            self._unreachable(str(exc))
+            return None
+        if self.unreachable_said:
+            self.writer.write_line("[portal] the cluster answers again.")
+            self.unreachable_said = ""
+        fields = {"slurm_state": state.state[:32], "slurm_reason": state.reason[:200], "heartbeat_at": Now()}
+        Job.objects.filter(pk=self.job.pk).update(**fields)
+        if state.state == "RUNNING" and not self.running_recorded:
+            self.running_recorded = Job.objects.transition(
+                self.job.pk, from_=Job.Status.STARTING, to=Job.Status.RUNNING, started_at=timezone.now()
+            )
+        self._cancel_if_asked(executor, run)
+        return state
+
+    def _cancel_if_asked(self, executor: SlurmExecutor, run: SlurmRun) -> None:
+        if (
+            self.cancel_sent
+            or not Job.objects.filter(pk=self.job.pk, cancel_requested_at__isnull=False).exists()
+        ):
+            return
+        try:
+            executor.signal(run, signal.SIGTERM)
+        except SlurmError as exc:
+            self.writer.write_line(f"[portal] scancel failed, tried again: {exc}")
+            return
+        self.cancel_sent = True
+        self.writer.write_line(f"[portal] cancel asked: scancel {run.job_id} sent.")
+
+    def _unreachable(self, why: str) -> None:
+        Job.objects.filter(pk=self.job.pk).update(
+            slurm_reason=f"The cluster does not answer: {why}"[:200], heartbeat_at=Now()
+        )
+        if why != self.unreachable_said:
+            self.writer.write_line(f"[portal] the cluster does not answer ({why}); the job runs on in Slurm.")
+            self.unreachable_said = why
+
+    def _ended(self, state: SlurmJobState, run: SlurmRun) -> str:
+        exit_ = state.exit
+        if state.state == "FORGOTTEN":
+            return self._end(
+                "lost",
+                None,
+                f"Slurm job {run.job_id} is gone from Slurm and from its completion log: its end is unknown.",
+            )
+        status = state.status
+        by = Job.objects.filter(pk=self.job.pk).values_list("cancelled_by__username", flat=True).first()
+        if status == "cancelled":
+            message = f"Cancelled by {by} (scancel)." if by else "Cancelled in Slurm (scancel)."
+        elif status == "timed_out":
+            message = "Timed out: Slurm ended it at its time limit."
+        elif status == "failed":
+            message = f"Slurm: {state.state}; {exit_.describe() if exit_ else ''}".strip()
+        else:
+            message = ""
+        if state.forgotten:
+            message = f"{message} (from the cluster's completion log)".strip()
+        code = exit_.returncode if exit_ is not None else None
+        return self._end(status, code, message)
+
+    def _end(self, status: str, code: int | None, message: str, line: str = "") -> str:
+        if line:
+            self.writer.write_line(line)
+        self.writer.close()
+        finished = datetime.now(tz=timezone.get_current_timezone()).isoformat()
+        job_end_record(self.job.pk, self.writer, EndRecord(status, code, message[:1000], finished))
+        Job.objects.filter(pk=self.job.pk).update(slurm_reason="")
+        return status

@@ -1,0 +1,187 @@
+"""A real single-node Slurm cluster for the Slurm tier (tests/test_slurm.py; issue 37), started once
+per test process: `slurmctld -D` and `slurmd -D` as plain children, SLURM_CONF in a folder of its
+own, four fake GPUs (character devices 195:N, which gres.conf wants: plain files are refused).
+
+auth/none and cred/none are for tests only (never for a cluster people use). Slurm's own
+intervals are shortened so that a job starts within a second and is forgotten two seconds after
+its end (MinJobAge). Where Slurm cannot run (no packages, not root: `sbatch --uid` is root's, no
+mknod), the tier skips saying why, and fails on CI (CI=true), which installs the packages.
+
+At the end every job is cancelled before the daemons stop: a job's slurmstepd outlives its slurmd
+and ignores SIGTERM. Whatever is left is found by this cluster's SLURM_CONF in its environment,
+taken as a psutil handle, and killed by that handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpus.slurm_cli import SlurmCommands, SlurmError
+from tests.waiting import wait_for
+
+GPUS = 4
+START_SECONDS = 20
+
+
+@dataclass
+class Cluster:
+    folder: Path
+    conf: Path
+    node: str
+    jobcomp: Path
+    ctld: subprocess.Popen[bytes]
+    slurmd: subprocess.Popen[bytes]
+
+    @property
+    def commands(self) -> SlurmCommands:
+        return SlurmCommands(slurm_conf=str(self.conf), timeout=5)
+
+    @property
+    def job_root(self) -> Path:
+        return self.folder / "jobs"
+
+    def jobs(self) -> list[str]:
+        return self.commands.run("squeue", ["-h", "-o", "%i"]).split()
+
+    def cancel_all(self) -> None:
+        """Every job cancelled, and gone from squeue."""
+        if ids := self.jobs():
+            self.commands.run("scancel", ids)
+        wait_for(lambda: not self.jobs(), 30, what="every Slurm job cancelled")
+
+
+def _skip_or_fail(why: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"The Slurm tier cannot run on CI: {why}")
+    pytest.skip(f"Slurm tier skipped: {why}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_conf(folder: Path, node: str) -> Path:
+    for name in ("state", "spool", "log", "dev", "jobs"):
+        (folder / name).mkdir()
+    (folder / "jobs").chmod(0o755)
+    for n in range(GPUS):
+        os.mknod(folder / "dev" / f"nvidia{n}", 0o666 | 0o020000, os.makedev(195, n))
+    cpus = max(2, os.cpu_count() or 2)
+    conf = folder / "slurm.conf"
+    conf.write_text(
+        f"""ClusterName=portaltest
+SlurmctldHost={node}
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+SlurmUser=root
+AuthType=auth/none
+CredType=cred/none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+GresTypes=gpu
+JobCompType=jobcomp/filetxt
+JobCompLoc={folder}/log/jobcomp.txt
+SchedulerParameters=sched_interval=1,bf_interval=1,batch_sched_delay=0
+MinJobAge=2
+KillWait=2
+ReturnToService=2
+DefMemPerCPU=10
+StateSaveLocation={folder}/state
+SlurmdSpoolDir={folder}/spool
+SlurmctldPidFile={folder}/ctld.pid
+SlurmdPidFile={folder}/slurmd.pid
+SlurmctldLogFile={folder}/log/ctld.log
+SlurmdLogFile={folder}/log/slurmd.log
+NodeName={node} CPUs={cpus} RealMemory=1000 Gres=gpu:{GPUS} State=UNKNOWN
+PartitionName=gpu Nodes={node} Default=YES MaxTime=INFINITE State=UP
+PartitionName=other Nodes={node} MaxTime=INFINITE State=UP
+"""
+    )
+    (folder / "gres.conf").write_text(f"Name=gpu File={folder}/dev/nvidia[0-{GPUS - 1}]\n")
+    return conf
+
+
+def _leftovers(conf: Path) -> list[psutil.Process]:
+    """This cluster's processes (a job's slurmstepd and what it ran), by the SLURM_CONF they carry."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SLURM_CONF") == str(conf):
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Cluster]:
+    missing = [c for c in ("slurmctld", "slurmd", "sbatch", "scontrol") if shutil.which(c) is None]
+    if missing:
+        _skip_or_fail(f"{', '.join(missing)} not installed (apt-get install slurm-wlm)")
+    if os.geteuid() != 0:
+        _skip_or_fail("not root: the portal's worker submits as each user with sbatch --uid, which is root's")
+    folder = Path(tempfile.mkdtemp(prefix="portal-slurm-", dir="/tmp"))
+    folder.chmod(0o755)  # the jobs' accounts reach their folders under it
+    node = socket.gethostname().split(".")[0]
+    try:
+        conf = _write_conf(folder, node)
+    except PermissionError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        _skip_or_fail(f"cannot make the fake GPUs' devices (mknod: {exc.strerror})")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    out = open(folder / "log" / "daemons.out", "wb")  # noqa: SIM115 - closed below
+    ctld = subprocess.Popen(["slurmctld", "-D", "-i"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    slurmd = subprocess.Popen(["slurmd", "-D"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    cluster = Cluster(folder, conf, node, folder / "log" / "jobcomp.txt", ctld, slurmd)
+    try:
+        wait_for(lambda: _idle(cluster), START_SECONDS, what="the Slurm node idle")
+        yield cluster
+    finally:
+        _stop(cluster)
+        out.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _idle(cluster: Cluster) -> bool:
+    if cluster.ctld.poll() is not None or cluster.slurmd.poll() is not None:
+        log = (cluster.folder / "log" / "daemons.out").read_text(errors="replace")[-2000:]
+        pytest.fail(f"a Slurm daemon exited at its start:\n{log}")
+    try:
+        return "State=IDLE" in cluster.commands.show("node")
+    except SlurmError:
+        return False
+
+
+def _stop(cluster: Cluster) -> None:
+    cluster.ctld.send_signal(signal.SIGCONT)  # a test that froze it and failed
+    with contextlib.suppress(SlurmError, AssertionError):  # what is left is killed below, by its handles
+        cluster.cancel_all()
+    for daemon in (cluster.slurmd, cluster.ctld):
+        daemon.terminate()
+    for daemon in (cluster.slurmd, cluster.ctld):
+        try:
+            daemon.wait(10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+    for proc in _leftovers(cluster.conf):
+        try:
+            proc.kill()
+        except psutil.Error:
+            continue

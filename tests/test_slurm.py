@@ -1,0 +1,210 @@
+"""The Slurm tier (issue 37): jobs on a real single-node Slurm 22.05 cluster (tests/slurm_cluster.py,
+started once per test process), submitted by the portal's service as two users, followed by the
+cluster worker's follower (jobs/host/slurm_runner.py, in a thread here), read back from the
+portal's pages. Every test cancels its Slurm jobs before it ends; the cluster's teardown cancels
+whatever is left before it stops the daemons."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+from django.urls import reverse
+
+from gpus.inventory import BackendUnavailable
+from gpus.models import Server, SlurmCluster
+from gpus.slurm_cli import SlurmRefused
+from gpus.slurm_inventory import SlurmBackend
+from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, SlurmRun
+from jobs.host.slurm_runner import slurm_job_run
+from jobs.models import Job
+from jobs.services import job_cancel
+from jobs.submit import ScriptUpload, job_submit
+from portal.errors import Invalid
+from portal.models import Profile
+from portal.pids import ProcessId
+from tests.factories import MembershipFactory, TeamFactory, UserFactory
+from tests.job_helpers import job_log
+from tests.slurm_cluster import Cluster, slurm_cluster  # noqa: F401 - the session's cluster
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the follower runs in a thread of its own
+
+FOLLOWERS: list[threading.Thread] = []
+SHOW = b"""import os, pwd
+print("who", pwd.getpwuid(os.getuid()).pw_name, "gpus", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
+"""
+TICKS = b"""import sys, time
+for i in range(600):
+    print("tick", i, flush=True)
+    time.sleep(0.1)
+"""
+
+
+@pytest.fixture
+def cluster(slurm_cluster: Cluster) -> Iterator[Cluster]:  # noqa: F811
+    server = Server.objects.create(name="cluster-a", kind=Server.Kind.SLURM)
+    SlurmCluster.objects.create(
+        server=server,
+        slurm_conf=str(slurm_cluster.conf),
+        job_root=str(slurm_cluster.job_root),
+        command_timeout_seconds=2,
+    )
+    with override_settings(JOB_INTERPRETERS={"default": "/usr/bin/python3"}):
+        yield slurm_cluster
+    slurm_cluster.ctld.send_signal(signal.SIGCONT)
+    slurm_cluster.cancel_all()
+    for thread in FOLLOWERS:  # each ends with its job, before the database is emptied
+        thread.join(30)
+    FOLLOWERS.clear()
+
+
+@pytest.fixture
+def people() -> tuple:
+    """alice runs as `nobody`, bob as `slurm`: two Unix accounts every Slurm install has."""
+    team = TeamFactory(slug="lab")
+    alice, bob = UserFactory(username="alice"), UserFactory(username="bob")
+    for user, unix in ((alice, "nobody"), (bob, "slurm")):
+        MembershipFactory(user=user, team=team)
+        Profile.objects.update_or_create(user=user, defaults={"unix_account": unix})
+    return alice, bob
+
+
+def submit(user, script: bytes, gpus: int, **kwargs) -> Job:  # type: ignore[no-untyped-def]
+    return job_submit(
+        user=user,
+        server="cluster-a",
+        gpu_count=gpus,
+        script=ScriptUpload("run.py", script),
+        time_limit_minutes=5,
+        **kwargs,
+    )
+
+
+def follow(job: Job) -> threading.Thread:
+    """The cluster worker's follower for `job`, as run_job runs it on the login node."""
+
+    def run() -> None:
+        try:
+            slurm_job_run(job.pk)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run, name=f"follow-{job.pk}", daemon=True)
+    thread.start()
+    FOLLOWERS.append(thread)
+    return thread
+
+
+def row(job: Job) -> Job:
+    return Job.objects.get(pk=job.pk)
+
+
+def ended(job: Job, timeout: float = 30) -> Job:
+    return wait_for(lambda: (j := row(job)).is_finished and j, timeout, what=f"job {job.pk} ended")
+
+
+def test_it_runs_jobs_as_two_users_on_the_gpus_they_asked_for(cluster, people):
+    alice, bob = people
+    jobs = [submit(alice, SHOW, 2), submit(bob, SHOW, 1)]
+    for job in jobs:
+        follow(job)
+    done = [ended(job) for job in jobs]
+    assert [j.status for j in done] == ["succeeded", "succeeded"]
+    assert all(j.slurm_job_id and j.exit_code == 0 and j.slurm_state == "COMPLETED" for j in done)
+    assert re.search(r"who nobody gpus \d,\d\n", job_log(done[0].pk))  # two cards, Slurm's pick
+    assert re.search(r"who slurm gpus \d\n", job_log(done[1].pk))
+    assert f"is Slurm job {done[0].slurm_job_id} on cluster-a" in job_log(done[0].pk)
+
+
+def test_a_waiting_job_shows_slurms_reason_and_a_running_one_its_live_log_until_cancelled(
+    cluster, people, client
+):
+    alice, bob = people
+    first = submit(alice, TICKS, 4)
+    follow(first)
+    wait_for(lambda: "tick 3" in job_log(first.pk), 30, what="live lines of the running job")
+    client.force_login(alice)
+    page = client.get(reverse("job_detail", args=[first.pk])).content.decode()
+    assert f"Slurm job {row(first).slurm_job_id}" in page and "RUNNING" in page
+    tail = client.get(reverse("job_log_tail", args=[first.pk]))
+    assert "tick 3" in b"".join(tail.streaming_content).decode()
+    snapshot = SlurmBackend("cluster-a").snapshot()  # the inventory: every card held by the first
+    assert {g.slurm_job for g in snapshot.gpus} == {row(first).slurm_job_id}
+    assert [n.state for n in snapshot.nodes] == ["mixed"] or [n.state for n in snapshot.nodes] == [
+        "allocated"
+    ]
+
+    second = submit(bob, SHOW, 1)
+    follow(second)
+    wait_for(lambda: row(second).slurm_reason == "Resources", 20, what="Slurm's pending reason")
+    assert row(second).slurm_state == "PENDING" and row(second).status == "starting"
+
+    job_cancel(user=alice, job=first)
+    assert ended(first).status == "cancelled"
+    assert row(first).message == "Cancelled by alice (scancel)."
+    assert ended(second).status == "succeeded"  # its cards freed, it ran
+
+
+def test_a_job_slurm_forgot_is_still_remembered(cluster, people):
+    alice, _ = people
+    job = submit(alice, SHOW, 1)
+    follow(job)
+    done = ended(job)
+    commands = cluster.commands
+    wait_for(lambda: _forgotten(commands, done.slurm_job_id), 30, what="Slurm to forget the job (MinJobAge)")
+    again = row(job)
+    assert (again.status, again.exit_code, again.slurm_job_id) == ("succeeded", 0, done.slurm_job_id)
+    # And a follower that comes back after Slurm forgot it reads its end from the completion log.
+    request = SlurmRequest(
+        1, None, "", cluster.folder / "x", cluster.folder / "x", jobcomp=str(cluster.jobcomp)
+    )
+    run = SlurmRun("again", ProcessId(0, -1.0), 0, FileOutput(cluster.folder / "x"), job_id=done.slurm_job_id)
+    state = SlurmExecutor(commands, request).state(run)
+    assert (state.forgotten, state.status, state.exit.returncode) == (True, "succeeded", 0)
+
+
+def _forgotten(commands, job_id: str) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        commands.show("job", job_id)
+    except SlurmRefused as exc:
+        return "Invalid job id" in str(exc)
+    return False
+
+
+def test_slurms_refusal_ends_the_job_with_its_words_and_the_portals_is_a_field_error(cluster, people):
+    alice, _ = people
+    job = submit(alice, SHOW, 1, partition="nosuch")
+    follow(job)
+    done = ended(job)
+    assert done.status == "failed" and "Refused by Slurm" in done.message
+    assert "Invalid partition name" in done.message
+    SlurmCluster.objects.filter(server__name="cluster-a").update(partitions="gpu,other")
+    with pytest.raises(Invalid) as refused:
+        submit(alice, SHOW, 1, partition="nosuch")
+    assert refused.value.field == "partition"
+
+
+def test_a_cluster_that_stops_answering_goes_offline_and_its_jobs_say_so(cluster, people):
+    alice, _ = people
+    job = submit(
+        alice, b"import time\nprint('start', flush=True)\ntime.sleep(4)\nprint('done', flush=True)\n", 1
+    )
+    follow(job)
+    wait_for(lambda: row(job).status == "running", 20, what="the job running")
+    cluster.ctld.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(BackendUnavailable, match="does not answer"):
+            SlurmBackend("cluster-a").snapshot()  # no telemetry: the server goes offline
+        wait_for(lambda: "does not answer" in job_log(job.pk), 20, what="the job's log saying so")
+        assert row(job).slurm_reason.startswith("The cluster does not answer")
+    finally:
+        cluster.ctld.send_signal(signal.SIGCONT)
+    done = ended(job, 40)
+    assert done.status == "succeeded"
+    assert "the cluster answers again" in job_log(job.pk) and "done" in job_log(job.pk)
