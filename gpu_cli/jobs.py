@@ -127,6 +127,7 @@ def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str
         "begin_at": begin.isoformat() if begin else None,
         "team": options["team"],
         "preemptible": True if options["preemptible"] else None,
+        "partition": options["partition"],
     }
 
 
@@ -134,7 +135,8 @@ def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str
 @click.option("--gpus", type=click.IntRange(min=1), help="How many cards [1].")
 @click.option("--mem", type=MEMORY, help="Memory on each card, e.g. 16G [whole cards].")
 @click.option("--time", "minutes", type=DURATION, help="Time limit, e.g. 2h [the portal's default].")
-@click.option("--server", help="Run on this server [any].")
+@click.option("--server", help="Run on this server [any]; a Slurm cluster's name sends it to Slurm.")
+@click.option("--partition", help="On a Slurm cluster: its partition [the first the portal shows].")
 @click.option("--array", metavar="0-99[%8]", help="An array of tasks, at most %N at once.")
 @click.option("--nice", type=click.IntRange(min=0), help="Lower the job's priority by N.")
 @click.option("--begin", type=WHEN, help="Not before this time: 14:00, now+1h, 2025-06-01 09:00.")
@@ -165,7 +167,7 @@ def run(
     as_json: bool,
     script: Path,
     args: tuple[str, ...],
-    **queue_options: Any,  # --gpus, --mem, --server, --array, --nice, --begin, --team, --preemptible
+    **queue_options: Any,  # --gpus --mem --server --partition --array --nice --begin --team --preemptible
 ) -> None:
     """Submit SCRIPT (a .py file, uploaded) with its ARGS: to the queue, or into your booking.
 
@@ -177,6 +179,7 @@ def run(
       gpu run sweep.py --gpus 2 --mem 16G --time 2h --array 0-9%2 -- --lr 0.1
       gpu run train.py --reservation 12 --env WANDB_MODE=offline -- --epochs 3
       gpu run train.py --gpus 1 --time 1h --image tf-2.17
+      gpu run train.py --server cluster-a --gpus 2 --time 4h
     """
     if wait and (queue_options["array"] or as_json):
         raise click.UsageError("--wait follows one job's log: leave out --array and --json.")

@@ -102,6 +102,10 @@ class JobSerializer(serializers.ModelSerializer):
             "mean_utilization_pct",
             "log_bytes",
             "log_dropped_bytes",
+            "partition",
+            "slurm_job_id",
+            "slurm_state",
+            "slurm_reason",
         ]
 
     def get_script(self, job: Job) -> str:
@@ -165,7 +169,16 @@ class JobCreateSerializer(serializers.Serializer):
     memory_mb = serializers.IntegerField(
         required=False, allow_null=True, help_text="Queued: MiB per card; null: whole cards."
     )
-    server = serializers.CharField(required=False, allow_blank=True, help_text="Queued: a server's name.")
+    server = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        help_text="Queued: a server's name; a Slurm cluster's sends it to Slurm.",
+    )
+    partition = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        help_text="On a Slurm cluster: its partition; empty: the first shown.",
+    )
     array = serializers.CharField(required=False, allow_blank=True, help_text='Queued: "0-99" or "0-99%8".')
     nice = serializers.IntegerField(required=False, default=0, help_text="Queued: lowers its priority.")
     begin_at = serializers.DateTimeField(

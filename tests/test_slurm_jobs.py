@@ -1,0 +1,138 @@
+"""Jobs on a Slurm cluster without a cluster (issue 37): the submit's checks as the API answers them,
+the portal's own scheduling kept off the cluster's cards, and what the Slurm executor writes and
+reads. The real cluster's tier is tests/test_slurm.py."""
+
+from __future__ import annotations
+
+import pwd
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gpus.booking import reservation_create
+from gpus.models import Server, SlurmCluster
+from gpus.services import servers_report_ingest
+from gpus.slurm_inventory import cluster_snapshot
+from jobs.host.executors.base import RunEnd, RunSpec
+from jobs.host.executors.slurm import SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
+from jobs.models import Job
+from jobs.queue.scheduler import schedule_pass
+from portal.errors import ServiceError
+from tests.factories import MembershipFactory, TeamFactory, UserFactory, queue_job
+from tests.test_slurm_inventory import JOBS, NODES
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def alice():
+    user = UserFactory(username="alice")
+    MembershipFactory(user=user, team=TeamFactory(slug="lab"))
+    return user
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    server = Server.objects.create(name="cluster-a", kind=Server.Kind.SLURM)
+    SlurmCluster.objects.create(server=server, job_root=str(tmp_path), partitions="gpu,long")
+    servers_report_ingest(snapshots=[cluster_snapshot("cluster-a", NODES, JOBS)])  # online, 3 nodes
+    return server
+
+
+def post(user, **data):  # type: ignore[no-untyped-def]
+    api = APIClient()
+    api.force_authenticate(user)
+    script = ("train.py", b"print('hi')\n", "text/x-python")
+    return api.post("/api/v1/jobs/", {"script": _upload(*script), **data}, format="multipart")
+
+
+def _upload(name: str, content: bytes, kind: str):  # type: ignore[no-untyped-def]
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    return SimpleUploadedFile(name, content, content_type=kind)
+
+
+def test_the_api_sends_a_job_to_the_cluster_with_its_partition(alice, cluster):
+    response = post(alice, server="cluster-a", gpu_count=2, partition="long", time_limit_minutes=30)
+    assert response.status_code == 201, response.json()
+    job = Job.objects.get(pk=response.json()["id"])
+    assert (job.server, job.gpu_count, job.partition, job.reservation, job.status) == (
+        cluster,
+        2,
+        "long",
+        None,
+        "queued",
+    )
+    assert job.dispatched_at is not None and not job.queued  # to the cluster's worker, not the queue
+    assert response.json()["partition"] == "long"
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        ({"partition": "debug", "gpu_count": 1}, "partition", "choose one of gpu, long"),
+        ({"gpu_count": 5}, "gpu_count", "at most 4"),
+        ({}, "gpu_count", "how many GPUs"),
+        ({"gpu_count": 1, "array": "0-3"}, "array", "not sent to Slurm"),
+        ({"gpu_count": 1, "time_limit_minutes": 0}, "time_limit_minutes", "at least 1 minute"),
+    ],
+)
+def test_a_bad_submit_is_a_400_naming_the_field_and_writes_nothing(alice, cluster, data, field, words):
+    response = post(alice, server="cluster-a", **data)
+    assert response.status_code == 400
+    assert words in " ".join(response.json()["errors"][field])
+    assert not Job.objects.exists()
+
+
+def test_a_partition_on_a_gpu_host_says_what_it_is_for(alice, cluster):
+    response = post(alice, gpu_count=1, partition="gpu")
+    assert response.status_code == 400 and "Slurm cluster" in response.json()["errors"]["partition"][0]
+
+
+def test_the_portal_never_books_or_queues_onto_a_clusters_cards(alice, cluster):
+    soon = timezone.now() + timedelta(hours=1)
+    with pytest.raises(ServiceError, match="Slurm schedules its cards"):
+        reservation_create(
+            user=alice, gpus=["slurm:cluster-a:vm:2"], start=soon, end=soon + timedelta(hours=1)
+        )
+    with pytest.raises(ServiceError):  # picked by the portal: none of the cluster's is a candidate
+        reservation_create(user=alice, count=1, start=soon, end=soon + timedelta(hours=1))
+    Server.objects.filter(pk=cluster.pk).update(job_slots=4, job_slots_at=timezone.now())  # a worker says so
+    job = queue_job(alice, gpus=1)  # the queue's: it waits for a card of the portal's own
+    schedule_pass()
+    job.refresh_from_db()
+    assert (job.status, job.server, job.reservation) == ("pending", None, None)
+
+
+def test_the_batch_script_quotes_every_word_and_carries_nothing_of_the_workers(tmp_path):
+    request = SlurmRequest(2, 30, "gpu", tmp_path / "out.log", tmp_path / "job.sbatch", reservation="r1")
+    executor = SlurmExecutor(None, request)  # type: ignore[arg-type]
+    nobody = pwd.getpwnam("nobody")
+    spec = RunSpec(
+        ["python3", "-u", "x.py", "$(rm -rf ~)", "a b"], {"X": "it's"}, tmp_path, "portal-7", nobody
+    )
+    script = executor.batch_script(spec)
+    assert "export X='it'\"'\"'s'" in script
+    assert script.endswith("exec python3 -u x.py '$(rm -rf ~)' 'a b'\n")
+    args = executor.sbatch_args(spec)
+    assert "--export=NIL" in args and f"--uid={nobody.pw_uid}" in args
+    assert {"--gres=gpu:2", "--time=30", "--partition=gpu", "--reservation=r1"} <= set(args)
+    assert args[-1] == str(tmp_path / "job.sbatch")
+
+
+def test_it_reads_slurms_exit_codes_states_and_completion_log(tmp_path):
+    assert exit_of("3:0") == RunEnd(code=3) and exit_of("0:9") == RunEnd(signal=9)
+    assert state_of({"JobState": "TIMEOUT", "ExitCode": "0:15"}).status == "timed_out"
+    assert state_of({"JobState": "COMPLETED", "ExitCode": "1:0"}).status == "failed"
+    pending = state_of({"JobState": "PENDING", "Reason": "Resources"})
+    assert (pending.ended, pending.reason) == (False, "Resources")
+    log = tmp_path / "jobcomp.txt"
+    log.write_text(
+        "JobId=7 UserId=nobody(65534) JobState=FAILED ExitCode=2:0 NodeList=vm\n"
+        "JobId=8 UserId=nobody(65534) JobState=COMPLETED ExitCode=0:0 NodeList=vm\n"
+    )
+    found = jobcomp_find(str(log), "7")
+    assert found is not None and state_of(found, forgotten=True).exit == RunEnd(code=2)
+    assert jobcomp_find(str(log), "9") is None and jobcomp_find(str(tmp_path / "none"), "7") is None
