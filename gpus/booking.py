@@ -47,6 +47,7 @@ _LOCKED_GPU_FIELDS = (
     "server__id",
     "server__name",
     "server__draining",
+    "server__kind",
 )
 
 
@@ -162,8 +163,9 @@ def request_problems(
     return {field: messages for field, messages in errors.found.items() if field not in skip}
 
 
-def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
-    """The cards, row-locked in UUID order: the one lock order every booking uses."""
+def _locked_gpus(uuids: Sequence[str], memory_mb: int | None, *, whole_nodes: bool = False) -> list[GPU]:
+    """The cards, row-locked in UUID order: the one lock order every booking uses. A Slurm
+    cluster's only as `whole_nodes` (gpus/slurm_booking.py: every card of the nodes booked)."""
     gpus = list(
         GPU.objects.select_for_update(of=("self",))
         .select_related("server")
@@ -184,7 +186,7 @@ def _locked_gpus(uuids: Sequence[str], memory_mb: int | None) -> list[GPU]:
             field="gpus",
         )
     for gpu in gpus:
-        if gpu.server.kind == Server.Kind.SLURM:
+        if gpu.server.kind == Server.Kind.SLURM and not whole_nodes:
             raise Invalid(
                 f"{gpu_label(gpu)} is on {gpu.server.name}, a Slurm cluster: Slurm schedules its cards. "
                 "Submit a job to it with a GPU count, or book whole nodes of it (docs/slurm.md).",
@@ -401,6 +403,7 @@ def reservation_create(
     now: datetime | None = None,
     queue_start: bool = False,
     lent_from: Reservation | None = None,
+    whole_nodes: bool = False,
 ) -> Reservation:
     """Book `gpus` (UUIDs) or `count` cards the portal picks (on `server`, or anywhere).
 
@@ -420,7 +423,7 @@ def reservation_create(
     errors.raise_any()
     membership = _locked_membership(user, team)
     if gpus:
-        cards = _locked_gpus(gpus, memory_mb)
+        cards = _locked_gpus(gpus, memory_mb, whole_nodes=whole_nodes)
         _check_cards_free(cards, start, end, memory_mb, queue_start=queue_start, lent_from=lent_from)
     else:
         cards = _pick_and_lock(count or 0, server, memory_mb, start, end)

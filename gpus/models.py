@@ -356,6 +356,10 @@ class Reservation(models.Model):
     no_show_at = models.DateTimeField(
         null=True, blank=True, help_text="When its owner was told it was unused from its start (a no-show)."
     )
+    # A booking of whole nodes of a Slurm cluster (gpus/slurm_booking.py): the reservation Slurm holds
+    # for it, made by the cluster's worker, or why Slurm would not make it.
+    slurm_reservation = models.CharField(max_length=64, blank=True)
+    slurm_error = models.CharField(max_length=500, blank=True)
 
     objects = ReservationQuerySet.as_manager()
 

@@ -13,7 +13,7 @@ import logging
 from celery.signals import worker_ready
 from django.conf import settings
 
-from gpus import idle, telemetry
+from gpus import idle, slurm_booking, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,8 @@ def _start_threads(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
     own = f"host.{settings.WORKER_SERVER}"
     if own in queues:
         telemetry.start_reporter()
+        if settings.GPU_BACKEND == "slurm":  # a Slurm cluster's worker: its bookings' reservations
+            slurm_booking.start_reservation_sync(settings.WORKER_SERVER)
     elif any(q.startswith("host.") for q in queues):
         log.error("This worker consumes %s but WORKER_SERVER=%s: no telemetry sent", sorted(queues), own)
     if settings.CELERY_TASK_DEFAULT_QUEUE in queues:

@@ -21,7 +21,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from gpus.models import Allocation, ContainerImage, Reservation, format_mb
+from gpus.models import Allocation, ContainerImage, Reservation, Server, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
 from jobs.images import image_check, image_named
@@ -262,12 +262,7 @@ def _place(
     (jobs.preemption)."""
     cluster = slurm_cluster_named(server)
     if cluster is not None:
-        if reservation is not None:
-            raise Invalid(
-                "Bookings of a Slurm cluster's nodes are not taken yet: submit without a booking, and "
-                "Slurm schedules the job (docs/slurm.md).",
-                field="reservation",
-            )
+        booking = _check_slurm_booking(user, reservation, cluster, now) if reservation is not None else None
         fields = slurm_place(
             user=user,
             server=cluster,
@@ -275,6 +270,7 @@ def _place(
             time_limit_minutes=time_limit_minutes,
             partition=partition,
             team=team,
+            booking=booking,
             array=array,
         )
         return _Place(fields, fields["gpu_count"], None, None, slurm=True)
@@ -342,6 +338,22 @@ def _place_on_booking(
         "not_before": booking.start,
     }
     return _Place(fields, len(allocations), allocations[0].memory_mb, cpu_share(server, allocations))
+
+
+def _check_slurm_booking(
+    user: AbstractBaseUser, reservation: Reservation | int, cluster: Server, now: datetime
+) -> Reservation:
+    """The user's booking of whole nodes of `cluster`, whose Slurm reservation the job goes in."""
+    booking, allocations = _check_booking(user, reservation, now)
+    if allocations[0].gpu.server_id != cluster.pk:
+        raise Invalid(
+            f"Booking {booking.pk} is on {allocations[0].gpu.server.name}, not on {cluster.name}; name "
+            "its server, or leave the booking out.",
+            field="reservation",
+        )
+    if booking.slurm_error:
+        raise Invalid(f"Booking {booking.pk}: {booking.slurm_error}", field="reservation")
+    return booking
 
 
 def _check_program(

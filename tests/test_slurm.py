@@ -10,14 +10,19 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from django.db import connection
 from django.test import override_settings
 from django.urls import reverse
+from django.utils import timezone
 
+from gpus.booking import reservation_create, reservation_release
 from gpus.inventory import BackendUnavailable
-from gpus.models import Server, SlurmCluster
+from gpus.models import GPU, Server, SlurmCluster
+from gpus.services import servers_report_ingest
+from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_cli import SlurmRefused
 from gpus.slurm_inventory import SlurmBackend
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, SlurmRun
@@ -35,6 +40,7 @@ from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the follower runs in a thread of its own
 
+HOUR = timedelta(hours=1)
 FOLLOWERS: list[threading.Thread] = []
 SHOW = b"""import os, pwd
 print("who", pwd.getpwuid(os.getuid()).pw_name, "gpus", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
@@ -208,3 +214,40 @@ def test_a_cluster_that_stops_answering_goes_offline_and_its_jobs_say_so(cluster
     done = ended(job, 40)
     assert done.status == "succeeded"
     assert "the cluster answers again" in job_log(job.pk) and "done" in job_log(job.pk)
+
+
+def test_a_whole_node_booking_keeps_another_users_job_out_until_it_ends(cluster, people):
+    alice, bob = people
+    server = Server.objects.get(name="cluster-a")
+    servers_report_ingest(snapshots=[SlurmBackend("cluster-a").snapshot()])  # its node and cards
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=[cluster.node], end=timezone.now() + HOUR
+    )
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
+    held = cluster.commands.show("reservation", f"portal-{booking.pk}")
+    assert "Users=nobody" in held and f"Nodes={cluster.node}" in held
+
+    outside = submit(bob, SHOW, 1)
+    follow(outside)
+    wait_for(
+        lambda: row(outside).slurm_state == "PENDING" and row(outside).slurm_reason, 20, what="bob waiting"
+    )
+    inside = submit(alice, SHOW, 4, reservation=booking.pk)
+    follow(inside)
+    assert ended(inside).status == "succeeded"  # in its reservation, on every card of the node
+    assert row(outside).slurm_state == "PENDING"  # still kept out
+
+    reservation_release(user=alice, reservation=booking)
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["removed"] == 1
+    assert ended(outside).status == "succeeded"  # the node is everyone's again
+
+
+def test_only_whole_nodes_of_a_cluster_are_booked(cluster, people):
+    alice, _ = people
+    servers_report_ingest(snapshots=[SlurmBackend("cluster-a").snapshot()])
+    with pytest.raises(Invalid, match="has no node nosuch") as refused:
+        slurm_nodes_book(user=alice, server="cluster-a", nodes=["nosuch"])
+    assert refused.value.field == "nodes"
+    one_card = GPU.objects.filter(server__name="cluster-a").values_list("uuid", flat=True)[:1]
+    with pytest.raises(Invalid, match="book whole nodes"):
+        reservation_create(user=alice, gpus=list(one_card))

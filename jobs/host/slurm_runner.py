@@ -28,6 +28,7 @@ from django.conf import settings
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from gpus.models import Reservation
 from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmUnreachable
 from gpus.slurm_inventory import commands_for
 from jobs.host.executors.base import RunSpec
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 0.2  # how often the output file is read
 STATE_SECONDS = 1.0  # how often Slurm is asked, and the job beats
 OUTPUT = "output.log"
+RESERVATION_WAIT_SECONDS = 30
 
 
 class SlurmSetupError(Exception):
@@ -79,7 +81,13 @@ class SlurmFollower:
             return self._end(
                 "failed", None, f"Could not send it to Slurm: {exc}", f"[portal] cannot start: {exc}"
             )
-        executor = SlurmExecutor(self.commands, self._request(folder))
+        try:
+            request = self._request(folder)
+        except SlurmSetupError as exc:
+            return self._end(
+                "failed", None, f"Could not send it to Slurm: {exc}", f"[portal] cannot start: {exc}"
+            )
+        executor = SlurmExecutor(self.commands, request)
         spec = RunSpec(
             self._argv(folder), self._env(), self.job.workdir or folder, f"portal-{self.job.pk}", account
         )
@@ -141,8 +149,30 @@ class SlurmFollower:
             partition=self.job.partition,
             output=folder / OUTPUT,
             script=folder / "job.sbatch",
+            reservation=self._reservation(),
             jobcomp=self._jobcomp(),
         )
+
+    def _reservation(self) -> str:
+        """The Slurm reservation of the job's booking of whole nodes, once the cluster's worker has
+        made it (gpus/slurm_booking.py: a pass every few seconds); "" without a booking."""
+        if self.job.reservation_id is None:
+            return ""
+        give_up = time.monotonic() + RESERVATION_WAIT_SECONDS
+        while True:
+            name, error = (
+                Reservation.objects.filter(pk=self.job.reservation_id)
+                .values_list("slurm_reservation", "slurm_error")
+                .get()
+            )
+            if name:
+                return name
+            if error or time.monotonic() >= give_up:
+                raise SlurmSetupError(
+                    error
+                    or f"its booking's Slurm reservation was not made within {RESERVATION_WAIT_SECONDS} s"
+                )
+            time.sleep(0.5)
 
     def _jobcomp(self) -> str:
         """The cluster's completion log (jobcomp/filetxt), where forgotten jobs are looked up."""
