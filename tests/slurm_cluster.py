@@ -129,13 +129,20 @@ def _leftovers(conf: Path) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[Cluster]:
+class ClusterUnavailable(Exception):
+    """Slurm cannot run here: the message says why."""
+
+
+def cluster_start() -> Cluster:
+    """The cluster, its node idle; ClusterUnavailable where Slurm cannot run. `cluster_stop` ends it.
+    Also what bench/bench_slurm.py runs its jobs on."""
     missing = [c for c in ("slurmctld", "slurmd", "sbatch", "scontrol") if shutil.which(c) is None]
     if missing:
-        _skip_or_fail(f"{', '.join(missing)} not installed (apt-get install slurm-wlm)")
+        raise ClusterUnavailable(f"{', '.join(missing)} not installed (apt-get install slurm-wlm)")
     if os.geteuid() != 0:
-        _skip_or_fail("not root: the portal's worker submits as each user with sbatch --uid, which is root's")
+        raise ClusterUnavailable(
+            "not root: the portal's worker submits as each user with sbatch --uid, root's"
+        )
     folder = Path(tempfile.mkdtemp(prefix="portal-slurm-", dir="/tmp"))
     folder.chmod(0o755)  # the jobs' accounts reach their folders under it
     node = socket.gethostname().split(".")[0]
@@ -143,32 +150,44 @@ def slurm_cluster() -> Iterator[Cluster]:
         conf = _write_conf(folder, node)
     except PermissionError as exc:
         shutil.rmtree(folder, ignore_errors=True)
-        _skip_or_fail(f"cannot make the fake GPUs' devices (mknod: {exc.strerror})")
+        raise ClusterUnavailable(f"cannot make the fake GPUs' devices (mknod: {exc.strerror})") from None
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    out = open(folder / "log" / "daemons.out", "wb")  # noqa: SIM115 - closed below
-    ctld = subprocess.Popen(["slurmctld", "-D", "-i"], env=env, stdout=out, stderr=subprocess.STDOUT)
-    slurmd = subprocess.Popen(["slurmd", "-D"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    with open(folder / "log" / "daemons.out", "wb") as out:  # the children keep their own copies
+        ctld = subprocess.Popen(["slurmctld", "-D", "-i"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        slurmd = subprocess.Popen(["slurmd", "-D"], env=env, stdout=out, stderr=subprocess.STDOUT)
     cluster = Cluster(folder, conf, node, folder / "log" / "jobcomp.txt", ctld, slurmd)
     try:
         wait_for(lambda: _idle(cluster), START_SECONDS, what="the Slurm node idle")
+    except BaseException:
+        cluster_stop(cluster)
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Cluster]:
+    try:
+        cluster = cluster_start()
+    except ClusterUnavailable as exc:
+        _skip_or_fail(str(exc))
+    try:
         yield cluster
     finally:
-        _stop(cluster)
-        out.close()
-        shutil.rmtree(folder, ignore_errors=True)
+        cluster_stop(cluster)
 
 
 def _idle(cluster: Cluster) -> bool:
     if cluster.ctld.poll() is not None or cluster.slurmd.poll() is not None:
         log = (cluster.folder / "log" / "daemons.out").read_text(errors="replace")[-2000:]
-        pytest.fail(f"a Slurm daemon exited at its start:\n{log}")
+        raise AssertionError(f"a Slurm daemon exited at its start:\n{log}")
     try:
         return "State=IDLE" in cluster.commands.show("node")
     except SlurmError:
         return False
 
 
-def _stop(cluster: Cluster) -> None:
+def cluster_stop(cluster: Cluster) -> None:
+    """Every job cancelled, then the daemons, then what a job left, each by its handle."""
     cluster.ctld.send_signal(signal.SIGCONT)  # a test that froze it and failed
     with contextlib.suppress(SlurmError, AssertionError):  # what is left is killed below, by its handles
         cluster.cancel_all()
@@ -185,3 +204,4 @@ def _stop(cluster: Cluster) -> None:
             proc.kill()
         except psutil.Error:
             continue
+    shutil.rmtree(cluster.folder, ignore_errors=True)
