@@ -12,7 +12,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from gpus.hooks import job_images, loan_words, own_jobs
-from gpus.models import GPU, Allocation, GPUProcess, Server, TelemetrySample, Violation, format_mb
+from gpus.models import GPU, Allocation, GPUProcess, Server, SlurmNode, TelemetrySample, Violation, format_mb
 from portal.access import display_name, is_admin, team_ids_of
 from portal.accounts import unix_account_name
 from portal.clock import db_now
@@ -139,13 +139,23 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     gpus = _dashboard_gpus(processes=_dashboard_processes(viewer), booked=bookings_now(viewer, now))
     servers = []
     seen_now = db_now()  # `last_seen` is the database's clock (portal.clock); `now` this host's
-    shown = ("id", "name", "draining", "containers_ok", "containers_detail", *SERVER_LIVE_FIELDS)
+    shown = ("id", "name", "kind", "draining", "containers_ok", "containers_detail", *SERVER_LIVE_FIELDS)
+    nodes = _slurm_nodes()
     for server in Server.objects.order_by("name").values(*shown):
         server["status"] = Server.status_for(server["last_seen"], server["draining"], seen_now)
         server["ram_gb"] = round(server["ram_mb"] / 1024)
         server["gpus"] = gpus.get(server["id"], ())
+        server["nodes"] = nodes.get(server["id"], ())  # a Slurm cluster's, as its last round read them
         servers.append(server)
     return servers
+
+
+def _slurm_nodes() -> dict[int, list[dict[str, Any]]]:
+    nodes: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    fields = ("server_id", "name", "state", "slurm_state", "reason", "partitions", "gpus", "gpus_used")
+    for node in SlurmNode.objects.order_by("server_id", "name").values(*fields):
+        nodes[node["server_id"]].append(node)
+    return nodes
 
 
 def _dashboard_processes(viewer: Any) -> dict[str, list[dict[str, Any]]]:
@@ -180,9 +190,10 @@ def _dashboard_gpus(
     """Each server's cards (by server id, in index order) with their figures, processes and bookings."""
     detail_url = reverse("gpu_detail", args=["UUID"])
     gpus: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for gpu in GPU.objects.order_by("server_id", "index").values(
+    for gpu in GPU.objects.order_by("server_id", "node", "index").values(
         "uuid",
         "server_id",
+        "node",
         "index",
         "name",
         "mig_mode",

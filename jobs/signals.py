@@ -98,6 +98,9 @@ class HostWorker:
         self.database_away = False  # the watchdog's rounds wait for the database: said once
 
     def start(self, pool_size: int) -> None:
+        if settings.GPU_BACKEND == "slurm":  # a Slurm cluster's login node: Slurm owns every process
+            start_thread(HostPickup(self.server, pool_size))  # only lost messages to find again
+            return
         kill_orphans(self.server)
         containers_leftovers_remove(self.server)  # after kill_orphans, before any job of this worker
         self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)

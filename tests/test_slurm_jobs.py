@@ -136,3 +136,14 @@ def test_it_reads_slurms_exit_codes_states_and_completion_log(tmp_path):
     found = jobcomp_find(str(log), "7")
     assert found is not None and state_of(found, forgotten=True).exit == RunEnd(code=2)
     assert jobcomp_find(str(log), "9") is None and jobcomp_find(str(tmp_path / "none"), "7") is None
+
+
+def test_the_dashboard_shows_a_clusters_nodes_their_state_and_which_job_holds_each_card(
+    alice, cluster, client
+):
+    client.force_login(alice)
+    page = client.get("/").content.decode()
+    assert "Slurm cluster" in page and "whole nodes only" in page
+    assert 'data-node="gpu02"' in page and "node-drained" in page and "Kill task failed" in page
+    assert "gpu02:2" in page and "Slurm job 3" in page and "free in Slurm" in page
+    assert "?server=cluster-a&amp;gpu=" not in page  # no card of it is booked alone
