@@ -59,6 +59,13 @@ def status(server: str | None, as_json: bool) -> None:
 )
 @click.option("--server", help="Pick the cards on this server.")
 @click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    metavar="NAME",
+    help="On a Slurm cluster (--server): this whole node (repeatable); Slurm reserves it for you.",
+)
+@click.option(
     "--mem", "memory_mb", type=MEMORY, help="Memory on each card, e.g. 16G; without it, whole cards."
 )
 @click.option("--start", type=WHEN, help="2025-06-01 14:00, 14:00, now+1h [now].")
@@ -71,6 +78,7 @@ def book(
     count: int | None,
     uuids: tuple[str, ...],
     server: str | None,
+    nodes: tuple[str, ...],
     memory_mb: int | None,
     start: datetime | None,
     end: datetime | None,
@@ -79,14 +87,17 @@ def book(
     team: str | None,
     as_json: bool,
 ) -> None:
-    """Book cards: whole ones, or --mem on each (a share of a card).
+    """Book cards: whole ones, or --mem on each (a share of a card); on a Slurm cluster, whole nodes.
 
     \b
       gpu book --gpus 2 --server sim-h100-8x80 --time 4h --note "ablation"
       gpu book --gpu GPU-1a2b… --mem 16G --start 14:00 --end 18:00
+      gpu book --server cluster-a --node gpu07 --time 8h
     """
     if count and uuids:
         raise click.UsageError("Give --gpus N (the portal picks) or --gpu UUID (these cards), not both.")
+    if nodes and (count or uuids or memory_mb):
+        raise click.UsageError("A Slurm cluster is booked by whole nodes: drop --gpus, --gpu and --mem.")
     if end and minutes:
         raise click.UsageError("Give --end or --time, not both.")
     if minutes:
@@ -94,7 +105,8 @@ def book(
         end = (start or datetime.now().astimezone()) + timedelta(minutes=minutes)
     request = {
         "gpus": list(uuids) or None,
-        "count": None if uuids else count or 1,
+        "count": None if uuids or nodes else count or 1,
+        "nodes": list(nodes) or None,
         "server": server,
         "memory_mb": memory_mb,
         "start": start.isoformat() if start else None,

@@ -45,6 +45,8 @@ from gpus.selectors import (
     program_name,
     violation_command,
 )
+from gpus.slurm_booking import slurm_nodes_book
+from portal.errors import Invalid
 from portal.pagination import PagePagination
 from portal.permissions import ActionPermissionsMixin, IsOwner, IsOwnerOrTeamManager
 
@@ -249,8 +251,11 @@ class ReservationSerializer(serializers.ModelSerializer):
             "cancel_reason",
             "idle_since",
             "idle_minutes",
+            "slurm_reservation",
+            "slurm_error",
         ]
-        read_only_fields = ["idle_since", "idle_minutes"]  # the idle checker's (gpus/idle.py)
+        # The idle checker's (gpus/idle.py), and a Slurm cluster's worker's (gpus/slurm_booking.py).
+        read_only_fields = ["idle_since", "idle_minutes", "slurm_reservation", "slurm_error"]
 
 
 class ReservationCreateSerializer(serializers.Serializer):
@@ -268,6 +273,13 @@ class ReservationCreateSerializer(serializers.Serializer):
     )
     note = serializers.CharField(required=False, allow_blank=True, max_length=500)
     team = serializers.SlugField(required=False, allow_null=True, help_text="Default: your first team")
+    nodes = serializers.ListField(
+        child=serializers.CharField(max_length=64),
+        required=False,
+        max_length=256,
+        help_text="A Slurm cluster (server): these whole nodes, every card of them; Slurm holds them as a "
+        "reservation for you. Not with gpus, count or memory_mb.",
+    )
 
 
 class ExtendSerializer(serializers.Serializer):
@@ -276,6 +288,24 @@ class ExtendSerializer(serializers.Serializer):
 
 class ReservationCancelSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, max_length=500)
+
+
+def _nodes_book(user: object, fields: dict, nodes: list[str]) -> Reservation:
+    """A booking of whole nodes of a Slurm cluster (gpus/slurm_booking.py): no cards or memory."""
+    if given := [name for name in ("gpus", "count", "memory_mb") if fields.get(name)]:
+        raise Invalid(
+            f"A Slurm cluster is booked by whole nodes: drop {', '.join(given)}, or nodes.", field=given[0]
+        )
+    team = fields.get("team")
+    return slurm_nodes_book(
+        user=user,
+        server=fields.get("server") or "",
+        nodes=nodes,
+        start=fields.get("start"),
+        end=fields.get("end"),
+        note=fields.get("note", ""),
+        team=team,
+    )
 
 
 class MayCancel(IsOwnerOrTeamManager):
@@ -330,7 +360,12 @@ class ReservationViewSet(
         data = ReservationCreateSerializer(data=request.data)
         if not data.is_valid():
             raise ValidationError(_every_problem(data, request.data))
-        reservation = reservation_create(user=request.user, **data.validated_data)
+        fields = dict(data.validated_data)
+        nodes = fields.pop("nodes", None)
+        if nodes is None:
+            reservation = reservation_create(user=request.user, **fields)
+        else:
+            reservation = _nodes_book(request.user, fields, nodes)
         return Response(self._show(reservation.pk), status=status.HTTP_201_CREATED)
 
     @extend_schema(

@@ -12,7 +12,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
-from gpus.models import Server, SlurmCluster
+from gpus.models import Reservation, Server, SlurmCluster
 from gpus.services import servers_report_ingest
 from gpus.slurm_inventory import cluster_snapshot
 from jobs.host.executors.base import RunEnd, RunSpec
@@ -20,7 +20,9 @@ from jobs.host.executors.slurm import SlurmExecutor, SlurmRequest, exit_of, jobc
 from jobs.models import Job
 from jobs.queue.scheduler import schedule_pass
 from portal.errors import ServiceError
+from portal.models import Profile
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, queue_job
+from tests.test_cli import _own_config, gpu, portal  # noqa: F401 - the CLI against a live server
 from tests.test_slurm_inventory import JOBS, NODES
 
 pytestmark = pytest.mark.django_db
@@ -147,3 +149,43 @@ def test_the_dashboard_shows_a_clusters_nodes_their_state_and_which_job_holds_ea
     assert 'data-node="gpu02"' in page and "node-drained" in page and "Kill task failed" in page
     assert "gpu02:2" in page and "Slurm job 3" in page and "free in Slurm" in page
     assert "?server=cluster-a&amp;gpu=" not in page  # no card of it is booked alone
+
+
+def test_the_api_books_whole_nodes_of_a_cluster_and_nothing_less(alice, cluster):
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    api = APIClient()
+    api.force_authenticate(alice)
+    made = api.post("/api/v1/reservations/", {"server": "cluster-a", "nodes": ["vm"]}, format="json")
+    assert made.status_code == 201, made.json()
+    assert len(made.json()["allocations"]) == 4 and made.json()["slurm_reservation"] == ""  # the worker's
+    mixed = api.post(
+        "/api/v1/reservations/", {"server": "cluster-a", "nodes": ["vm"], "count": 1}, format="json"
+    )
+    assert mixed.status_code == 400 and "whole nodes" in mixed.json()["errors"]["count"][0]
+    down = api.post("/api/v1/reservations/", {"server": "cluster-a", "nodes": ["cpu01"]}, format="json")
+    assert down.status_code == 400 and "down in Slurm" in down.json()["errors"]["nodes"][0]
+    again = api.post("/api/v1/reservations/", {"server": "cluster-a", "nodes": ["vm"]}, format="json")
+    assert again.status_code == 409  # its cards are booked: the same rule as any booking
+
+
+@pytest.mark.django_db(transaction=True)
+def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(portal, alice, cluster, tmp_path):  # noqa: F811
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    result = gpu(
+        "run", str(script), "--server", "cluster-a", "--gpus", "2", "--partition", "long", "--time", "1h"
+    )
+    assert result.exit_code == 0, result.output
+    job = Job.objects.get()
+    assert (job.server_id, job.gpu_count, job.partition, job.time_limit_minutes) == (
+        cluster.pk,
+        2,
+        "long",
+        60,
+    )
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    result = gpu("book", "--server", "cluster-a", "--node", "vm", "--time", "2h")
+    assert result.exit_code == 0, result.output
+    assert Reservation.objects.get().allocations.count() == 4
+    refused = gpu("book", "--server", "cluster-a", "--node", "vm", "--gpus", "1")
+    assert refused.exit_code != 0 and "whole nodes" in refused.output
