@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create, reservation_release
 from gpus.inventory import BackendUnavailable
-from gpus.models import GPU, Server, SlurmCluster
+from gpus.models import GPU, Server, SlurmCluster, SlurmNode
 from gpus.services import servers_report_ingest
 from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_cli import SlurmRefused
@@ -251,3 +251,17 @@ def test_only_whole_nodes_of_a_cluster_are_booked(cluster, people):
     one_card = GPU.objects.filter(server__name="cluster-a").values_list("uuid", flat=True)[:1]
     with pytest.raises(Invalid, match="book whole nodes"):
         reservation_create(user=alice, gpus=list(one_card))
+
+
+def test_the_clusters_own_worker_reports_it_and_runs_a_job_sent_to_it(cluster, people, start_worker):
+    """The login node's worker as deployed (GPU_BACKEND=slurm, queue host.cluster-a), the portal's
+    worker collecting its telemetry: the job's message reaches it as job_submit sends it."""
+    alice, _ = people
+    start_worker(None)
+    env = {"GPU_BACKEND": "slurm", "JOB_INTERPRETERS": "default=/usr/bin/python3"}
+    start_worker("cluster-a", extra_env=env)
+    wait_for(lambda: Server.objects.online().filter(name="cluster-a").exists(), 30, what="the cluster online")
+    assert SlurmNode.objects.get(server__name="cluster-a").gpus == 4
+    job = submit(alice, SHOW, 2)
+    assert ended(job).status == "succeeded"
+    assert re.search(r"who nobody gpus \d,\d\n", job_log(job.pk))
