@@ -4,6 +4,7 @@ reads. The real cluster's tier is tests/test_slurm.py."""
 
 from __future__ import annotations
 
+import os
 import pwd
 from datetime import timedelta
 
@@ -16,7 +17,7 @@ from gpus.models import Reservation, Server, SlurmCluster
 from gpus.services import servers_report_ingest
 from gpus.slurm_inventory import cluster_snapshot
 from jobs.host.executors.base import RunEnd, RunSpec
-from jobs.host.executors.slurm import SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
+from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
 from jobs.models import Job
 from jobs.queue.scheduler import schedule_pass
 from portal.errors import ServiceError
@@ -109,7 +110,7 @@ def test_the_portal_never_books_or_queues_onto_a_clusters_cards(alice, cluster):
 
 
 def test_the_batch_script_quotes_every_word_and_carries_nothing_of_the_workers(tmp_path):
-    request = SlurmRequest(2, 30, "gpu", tmp_path / "out.log", tmp_path / "job.sbatch", reservation="r1")
+    request = SlurmRequest(2, 30, "gpu", tmp_path / "out.log", reservation="r1")
     executor = SlurmExecutor(None, request)  # type: ignore[arg-type]
     nobody = pwd.getpwnam("nobody")
     spec = RunSpec(
@@ -121,7 +122,7 @@ def test_the_batch_script_quotes_every_word_and_carries_nothing_of_the_workers(t
     args = executor.sbatch_args(spec)
     assert "--export=NIL" in args and f"--uid={nobody.pw_uid}" in args
     assert {"--gres=gpu:2", "--time=30", "--partition=gpu", "--reservation=r1"} <= set(args)
-    assert args[-1] == str(tmp_path / "job.sbatch")
+    assert args[-1] == "--open-mode=append"  # the script comes on stdin, never from a file
 
 
 def test_it_reads_slurms_exit_codes_states_and_completion_log(tmp_path):
@@ -189,3 +190,17 @@ def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(portal, alice, c
     assert Reservation.objects.get().allocations.count() == 4
     refused = gpu("book", "--server", "cluster-a", "--node", "vm", "--gpus", "1")
     assert refused.exit_code != 0 and "whole nodes" in refused.output
+
+
+def test_the_output_is_read_only_from_a_plain_file_of_the_jobs_own_account(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("root's\n")
+    mine = tmp_path / "mine.log"
+    mine.write_text("line 1\n")
+    assert FileOutput(mine, uid=os.getuid()).read() == b"line 1\n"
+    link = tmp_path / "link.log"
+    link.symlink_to(secret)
+    for path, uid in ((link, os.getuid()), (secret, os.getuid() + 1)):
+        output = FileOutput(path, uid=uid)
+        assert output.read() == b"" and output.refused  # never read, and said why
+    assert FileOutput(tmp_path / "not-yet.log").read() == b""  # the job has not started: nothing yet

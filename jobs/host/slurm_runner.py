@@ -20,6 +20,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import time
 from datetime import datetime
 from pathlib import Path
@@ -73,6 +74,7 @@ class SlurmFollower:
         self.cancel_sent = False
         self.unreachable_said = ""
         self.running_recorded = False
+        self.output_refused = False
 
     def run(self) -> str:
         try:
@@ -112,7 +114,9 @@ class SlurmFollower:
 
     def _prepare(self) -> tuple[pwd.struct_passwd, Path]:
         """The owner's account and the job's own folder, made by root and handed to the account
-        only once the script and the launcher are in it: nothing can be planted there first."""
+        only once the script and the launcher are in it: nothing can be planted there first. The
+        account's folder above it stays root's, so the account can never swap its job folder for
+        a link while root writes there."""
         name = unix_account_name(self.job.owner)
         if name is None:
             raise SlurmSetupError(
@@ -129,9 +133,9 @@ class SlurmFollower:
         folder = mine / f"job-{self.job.pk}"
         try:
             mine.mkdir(mode=0o755, exist_ok=True)
-            if mine.is_symlink() or mine.stat().st_uid not in (0, account.pw_uid):
-                raise SlurmSetupError(f"{mine} is not {name}'s own folder")
-            os.chown(mine, account.pw_uid, account.pw_gid)
+            found = os.lstat(mine)
+            if not stat.S_ISDIR(found.st_mode) or found.st_uid != 0 or found.st_mode & 0o022:
+                raise SlurmSetupError(f"{mine} is not a folder only root may change; an admin removes it")
             folder.mkdir(mode=0o700)
             shutil.copytree(LAUNCHER.parent, folder / "launcher")
             if not self.job.script_path:
@@ -148,7 +152,6 @@ class SlurmFollower:
             minutes=self.job.time_limit_minutes,
             partition=self.job.partition,
             output=folder / OUTPUT,
-            script=folder / "job.sbatch",
             reservation=self._reservation(),
             jobcomp=self._jobcomp(),
         )
@@ -231,6 +234,9 @@ class SlurmFollower:
     def _take(self, output: FileOutput) -> None:
         while data := output.read():
             self.writer.feed(data)
+        if output.refused and not self.output_refused:
+            self.output_refused = True
+            self.writer.write_line(f"[portal] {output.refused}.")
         self.writer.maybe_flush()
 
     def _ask(self, executor: SlurmExecutor, run: SlurmRun) -> SlurmJobState | None:

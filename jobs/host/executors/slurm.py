@@ -18,6 +18,7 @@ import os
 import queue
 import shlex
 import signal
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,20 +100,35 @@ class FileOutput:
     """A Slurm job's output file as a `RunOutput`: what was added since the last read; its end is
     the job's end (`finish`), after which what is left is read and then None."""
 
-    def __init__(self, path: Path, *, tick: float = 0.1) -> None:
+    def __init__(self, path: Path, *, uid: int | None = None, tick: float = 0.1) -> None:
         self.path = path
+        self.uid = uid  # the job's account: the file must be its own
         self.tick = tick
         self.offset = 0
         self.finished = False
         self.eof = False
+        self.refused = ""  # why the file is not read (said once by the caller)
 
     def read(self) -> bytes:
+        """What was added since the last read. The file is in the job's own folder, which its
+        account may change: a link, a FIFO, or a file that is not the account's own (a hard link
+        to another's) is never read by the root worker (`refused` says why)."""
+        if self.refused:
+            return b""
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read(READ_MAX)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return b""  # not made yet: the job has not started
+        except OSError as exc:
+            self.refused = f"cannot open its output {self.path}: {exc.strerror or exc}"
+            return b""
+        with os.fdopen(fd, "rb") as f:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1 or self.uid not in (None, found.st_uid):
+                self.refused = f"its output {self.path} is not a plain file of the job's account: not read"
+                return b""
+            f.seek(self.offset)
+            data = f.read(READ_MAX)
         self.offset += len(data)
         return data
 
@@ -158,7 +174,6 @@ class SlurmRequest:
     minutes: int | None
     partition: str
     output: Path
-    script: Path  # the batch script, written by `start`
     reservation: str = ""
     jobcomp: str = ""  # the cluster's JobCompLoc, for jobs it has forgotten
 
@@ -191,20 +206,20 @@ class SlurmExecutor:
             args.append(f"--partition={r.partition}")
         if r.reservation:
             args.append(f"--reservation={r.reservation}")
-        args += [f"--chdir={spec.cwd}", f"--output={r.output}", "--open-mode=append", str(r.script)]
-        return args
+        args += [f"--chdir={spec.cwd}", f"--output={r.output}", "--open-mode=append"]
+        return args  # the script comes on stdin (`start`)
 
     def start(self, spec: RunSpec) -> SlurmRun:
-        """sbatch; SlurmRefused (Slurm's words) or SlurmUnreachable when it is not taken."""
-        fd = os.open(self.request.script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o755)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.batch_script(spec))
-        if spec.account is not None:
-            os.chown(self.request.script, spec.account.pw_uid, spec.account.pw_gid)
-        job_id = self.commands.run("sbatch", self.sbatch_args(spec)).strip().split(";")[0]
+        """sbatch, the script on its stdin: no file the job's account could swap for another
+        before root's sbatch reads it. SlurmRefused (Slurm's words) or SlurmUnreachable when it
+        is not taken."""
+        script = self.batch_script(spec).encode()
+        job_id = self.commands.run("sbatch", self.sbatch_args(spec), stdin=script).strip().split(";")[0]
         # No process of the worker's is the run: pid 0 is never signalled (portal.pids), and the
         # orphan sweep has nothing to find.
-        return SlurmRun(spec.name, ProcessId(0, -1.0), 0, FileOutput(self.request.output), job_id=job_id)
+        uid = spec.account.pw_uid if spec.account is not None else None
+        output = FileOutput(self.request.output, uid=uid)
+        return SlurmRun(spec.name, ProcessId(0, -1.0), 0, output, job_id=job_id)
 
     def state(self, run: Run) -> SlurmJobState:
         """As Slurm says now, or as its completion log says once it has forgotten the job."""
