@@ -16,6 +16,7 @@ kept on the booking (`slurm_error`) and said on its page and to jobs submitted i
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "portal-"
 NOT_FOUND = "Reservation not found"  # what scontrol says of a reservation already gone
+ACCOUNT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")  # a POSIX login name
 
 
 def reservation_name(booking_id: int) -> str:
@@ -111,7 +113,14 @@ def slurm_reservations_sync(*, server: Server, commands: SlurmCommands, now: dat
 
 def _make(booking: Reservation, commands: SlurmCommands, now: datetime) -> bool:
     name = reservation_name(booking.pk)
-    account = unix_account_name(booking.owner)
+    account = unix_account_name(booking.owner) or ""
+    if not ACCOUNT.match(account):  # one account, never a list Slurm would read as several users
+        Reservation.objects.filter(pk=booking.pk).update(
+            slurm_error=f"The owner's Unix account {account!r} is no account name Slurm can reserve for."[
+                :500
+            ]
+        )
+        return False
     args = [
         "create",
         "reservation",

@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.models import Reservation, Server, SlurmCluster
 from gpus.services import servers_report_ingest
+from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_inventory import cluster_snapshot
 from jobs.host.executors.base import RunEnd, RunSpec
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
@@ -204,3 +205,14 @@ def test_the_output_is_read_only_from_a_plain_file_of_the_jobs_own_account(tmp_p
         output = FileOutput(path, uid=uid)
         assert output.read() == b"" and output.refused  # never read, and said why
     assert FileOutput(tmp_path / "not-yet.log").read() == b""  # the job has not started: nothing yet
+
+
+def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(alice, cluster):
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    Profile.objects.filter(user=alice).update(unix_account="alice,root")
+    calls = []
+    commands = type("Recording", (), {"run": lambda self, *args, **kw: calls.append(args)})()
+    assert slurm_reservations_sync(server=cluster, commands=commands)["refused"] == 1
+    booking.refresh_from_db()
+    assert not calls and "'alice,root' is no account name" in booking.slurm_error
