@@ -18,6 +18,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Max
 
 from gpus.models import Reservation, Server, SlurmCluster, SlurmNode
+from gpus.slurm_models import NAME_HELP, SLURM_NAME
 from jobs.queue.requests import membership_check
 from portal.errors import Invalid
 
@@ -98,6 +99,8 @@ def _check_partition(cluster: SlurmCluster, partition: str) -> str:
     shown = cluster.partition_list
     if not partition:
         return shown[0] if shown else ""
+    if not SLURM_NAME.match(partition):
+        raise Invalid(f"{partition!r} is not a partition name ({NAME_HELP}).", field="partition")
     if shown and partition not in shown:
         raise Invalid(
             f"Partition {partition!r} is not one the portal submits to on {cluster.server.name}; "
