@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator
 from django.db import models
 
 # A partition or node name as Slurm allows it, and nothing a command line could read as an option.
@@ -42,8 +43,12 @@ class SlurmCluster(models.Model):
         blank=True,
         help_text="The cluster's slurm.conf; empty: Slurm's default.",
     )
-    rest_url = models.URLField(
-        "slurmrestd URL", blank=True, help_text="Optional; the commands are used where it is empty."
+    rest_url = models.CharField(  # a URL, with its scheme: no form guesses one (Django 6 changes it)
+        "slurmrestd URL",
+        max_length=200,
+        blank=True,
+        validators=[URLValidator(schemes=["http", "https"])],
+        help_text="Optional, e.g. https://slurm-login:6820; the commands are used where it is empty.",
     )
     jwt_key_file = models.CharField(
         "JWT key file",

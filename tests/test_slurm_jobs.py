@@ -217,3 +217,33 @@ def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(
     assert slurm_reservations_sync(server=cluster, commands=commands)["refused"] == 1
     booking.refresh_from_db()
     assert not calls and "'alice,root' is no account name" in booking.slurm_error
+
+
+def test_an_admin_adds_a_cluster_and_its_settings_on_the_server_page(client, admin_user, tmp_path):
+    client.force_login(admin_user)
+    form = {
+        "name": "cluster-b",
+        "hostname": "",
+        "kind": "slurm",
+        "cpu_count": 0,
+        "ram_mb": 0,
+        "slurm-TOTAL_FORMS": 1,
+        "slurm-INITIAL_FORMS": 0,
+        "slurm-0-bin_dir": "usr/bin",
+        "slurm-0-slurm_conf": "/etc/slurm/slurm.conf",
+        "slurm-0-partitions": "gpu, long",
+        "slurm-0-job_root": str(tmp_path),
+        "slurm-0-command_timeout_seconds": 10,
+        "slurm_nodes-TOTAL_FORMS": 0,
+        "slurm_nodes-INITIAL_FORMS": 0,
+        "gpus-TOTAL_FORMS": 0,
+        "gpus-INITIAL_FORMS": 0,
+    }
+    refused = client.post("/admin/gpus/server/add/", form)
+    assert refused.status_code == 200 and "Give an absolute path, e.g. /usr/bin." in refused.content.decode()
+    assert not Server.objects.filter(name="cluster-b").exists()
+    made = client.post("/admin/gpus/server/add/", {**form, "slurm-0-bin_dir": "/usr/bin"})
+    assert made.status_code == 302, made.content.decode()[-3000:]
+    cluster = SlurmCluster.objects.get(server__name="cluster-b")
+    assert cluster.server.kind == "slurm" and cluster.partition_list == ["gpu", "long"]
+    assert client.get(f"/admin/gpus/server/{cluster.server.pk}/change/").status_code == 200
