@@ -74,7 +74,17 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         label="Queue: memory per card",
         help_text="Empty: whole cards. Or a share, e.g. 8G (GiB) or 4096M (MiB).",
     )
-    server = forms.ChoiceField(required=False, label="Queue: server", help_text="Empty: any server.")
+    server = forms.ChoiceField(
+        required=False,
+        label="Queue: server",
+        help_text="Empty: any server. A Slurm cluster sends the job to Slurm, which picks node and cards.",
+    )
+    partition = forms.CharField(
+        required=False,
+        max_length=64,
+        label="Slurm: partition",
+        help_text="On a Slurm cluster only. Empty: the first partition the portal shows for it.",
+    )
     array = forms.CharField(
         required=False,
         max_length=50,
@@ -204,6 +214,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
                 "server": data["server"] or None,
                 "array": data["array"],
                 "preemptible": data["preemptible"],
+                "partition": data["partition"],
             }
         return {
             **queued,

@@ -263,6 +263,12 @@ def _place(
     cluster = slurm_cluster_named(server)
     if cluster is not None:
         booking = _check_slurm_booking(user, reservation, cluster, now) if reservation is not None else None
+        if memory_mb is not None or preemptible:
+            raise Invalid(
+                "Slurm gives whole cards and never preempts the portal's way: leave memory and "
+                "preemptible empty on a Slurm cluster.",
+                field="memory_mb" if memory_mb is not None else "preemptible",
+            )
         fields = slurm_place(
             user=user,
             server=cluster,

@@ -80,9 +80,9 @@ def make_snapshot(
 
 
 def job_form_data(booking, **overrides: object) -> dict:
-    """The job form's fields as a browser posts them, for `booking`, with `overrides`."""
+    """The job form's fields as a browser posts them, for `booking` (None: none), with `overrides`."""
     data: dict = {
-        "reservation": str(booking.pk),
+        "reservation": str(booking.pk) if booking is not None else "",
         "script_path": "",
         "args": "",
         "workdir": "",

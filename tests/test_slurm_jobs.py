@@ -9,6 +9,7 @@ import pwd
 from datetime import timedelta
 
 import pytest
+from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -23,7 +24,7 @@ from jobs.models import Job
 from jobs.queue.scheduler import schedule_pass
 from portal.errors import ServiceError
 from portal.models import Profile
-from tests.factories import MembershipFactory, TeamFactory, UserFactory, queue_job
+from tests.factories import MembershipFactory, TeamFactory, UserFactory, job_form_data, queue_job
 from tests.test_cli import _own_config, gpu, portal  # noqa: F401 - the CLI against a live server
 from tests.test_slurm_inventory import JOBS, NODES
 
@@ -247,3 +248,32 @@ def test_an_admin_adds_a_cluster_and_its_settings_on_the_server_page(client, adm
     cluster = SlurmCluster.objects.get(server__name="cluster-b")
     assert cluster.server.kind == "slurm" and cluster.partition_list == ["gpu", "long"]
     assert client.get(f"/admin/gpus/server/{cluster.server.pk}/change/").status_code == 200
+
+
+def test_the_job_form_sends_a_job_to_a_cluster_and_shows_refusals_beside_their_fields(alice, cluster, client):
+    client.force_login(alice)
+    form = {
+        **job_form_data(None),
+        "reservation": "",
+        "server": "cluster-a",
+        "gpu_count": "2",
+        "partition": "long",
+    }
+    made = client.post(
+        reverse("job_new"), {**form, "script": _upload("train.py", b"print(1)\n", "text/x-python")}
+    )
+    assert made.status_code == 302
+    assert Job.objects.values_list("server__name", "gpu_count", "partition").get() == ("cluster-a", 2, "long")
+    for field, value, words in (
+        ("partition", "debug", "choose one of gpu, long"),
+        ("memory", "8G", "whole cards"),
+    ):
+        refused = client.post(
+            reverse("job_new"),
+            {**form, field: value, "script": _upload("train.py", b"print(1)\n", "text/x-python")},
+        )
+        assert refused.status_code == 200
+        assert any(words in e for e in refused.context["form"].errors.get(field, [])), refused.context[
+            "form"
+        ].errors
+    assert Job.objects.count() == 1
