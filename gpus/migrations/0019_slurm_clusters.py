@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('gpus', '0017_reservation_no_show'),
+        ('gpus', '0018_image_has_jupyterlab'),
     ]
 
     operations = [
