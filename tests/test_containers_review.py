@@ -124,7 +124,9 @@ def test_a_podman_that_hangs_at_start_fails_the_job_and_leaves_nothing(  # findi
     in_image, settings, tmp_path, monkeypatch  # noqa: F811
 ):  # fmt: skip
     settings.CONTAINER_START_SECONDS = 2
-    monkeypatch.setattr(containers, "COMMAND_SECONDS", 1.0)
+    # Short, but not so short that the real `podman info` of the host check misses it on a
+    # loaded machine (it took over a second with the suite's other workers busy).
+    monkeypatch.setattr(containers, "COMMAND_SECONDS", 4.0)
     _podman_that(settings, tmp_path, hangs="run rm")
     job = in_image("print('never', flush=True)", env={"WANDB_API_KEY": "s3cr3t"})
     started = time.monotonic()
@@ -139,7 +141,9 @@ def test_a_podman_that_hangs_at_start_fails_the_job_and_leaves_nothing(  # findi
 def test_a_podman_client_that_outlives_its_container_does_not_hold_the_jobs_end(
     in_image, settings, tmp_path, monkeypatch  # noqa: F811
 ):  # fmt: skip
-    monkeypatch.setattr(containers, "COMMAND_SECONDS", 1.0)
+    # Short, but not so short that the real `podman info` of the host check misses it on a
+    # loaded machine (it took over a second with the suite's other workers busy).
+    monkeypatch.setattr(containers, "COMMAND_SECONDS", 4.0)
     _podman_that(settings, tmp_path, lingers="run")
     job = in_image("print('done', flush=True)")
     started = time.monotonic()
