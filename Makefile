@@ -28,9 +28,13 @@ run: $(RUN_STAMP)
 
 # In parallel, a pytest-xdist worker per core (each its own database, instance id and folders:
 # tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger.
+# Bytecode is written even where the shell sets PYTHONDONTWRITEBYTECODE (this machine's does):
+# without it every test process, Celery worker and portal subprocess compiled the project afresh,
+# and each test process rewrote every test module's asserts again (7 s of CPU each). __pycache__
+# is git-ignored.
 test: $(DEV_STAMP)
 	mkdir -p var test-output
-	$(PY) -m portal.embedded_redis --socket var/redis-test-$$$$.sock -- \
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m portal.embedded_redis --socket var/redis-test-$$$$.sock -- \
 	  $(PY) -m pytest -n auto --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 lint: $(DEV_STAMP)
