@@ -6,11 +6,14 @@ Podman cannot run, failing on CI."""
 
 from __future__ import annotations
 
+import contextlib
 import pwd
 import re
+import sys
 import threading
 import time
 
+import psutil
 import pytest
 
 from jobs.host import launch, pulls
@@ -54,6 +57,16 @@ def test_it_adds_up_the_layers_bars_wherever_the_output_is_cut():
         assert progress.lines[0] == "Getting image source signatures"
         assert progress.lines[-1] == "91a21685dfdc1bd32747a4da6b48776a07b08776e2e9d031c18a5d1040ee676e"
         assert not [line for line in progress.lines if "Copying" in line or "\x1b" in line]
+
+
+def test_odd_output_neither_fails_the_pull_nor_grows_without_bound():
+    progress = PullProgress()
+    progress.feed("Copying blob 1a2b3c [...] ..B / 5.0MiB\r\n")  # no number: not a bar, no error
+    progress.feed("x" * 1_000_000)  # a line that never ends
+    assert len(progress.rest) <= pulls.LINE_MAX
+    progress.feed("\r\n" + "".join(f"Podman says {n}\r\n" for n in range(10_000)))
+    assert len(progress.lines) <= pulls.LINES_KEPT and progress.lines[-1] == "Podman says 9999"
+    assert progress.layers == {}
 
 
 def test_sizes_are_shown_in_decimal_units():
@@ -120,3 +133,50 @@ def test_a_pull_keeps_the_runs_heartbeat_and_stops_with_it(monkeypatch, settings
     )
     assert said == ["[portal] pulling tf-2.17: 0.0 / 4.8 GB"] and len(beats) >= 3
     assert not [thread for thread in threading.enumerate() if thread.name == "pull-beat"]
+
+
+# A pull that forks (rootless Podman re-runs itself in the account's user namespace, a child that
+# holds the terminal too), prints each process's pid, and never ends by itself.
+FORKING_PULL = (
+    "import os, sys, time\n{before}os.fork()\nos.write(1, b'pid %d\\n' % os.getpid())\ntime.sleep(30)\n"
+)
+
+
+def _pids(progress: PullProgress) -> list[int]:
+    return [int(line.split()[1]) for line in progress.lines if line.startswith("pid ")]
+
+
+def test_a_pull_past_its_time_is_ended_with_the_processes_it_started():
+    """Killing the pull's own process alone left rootless Podman's child holding the terminal:
+    the pull went on, and its run's heartbeat with it, past CONTAINER_PULL_SECONDS."""
+    started = time.monotonic()
+    pulled = pulls.pull_in_pty([sys.executable, "-c", FORKING_PULL.format(before="")], print, 1.0)
+    assert time.monotonic() - started < 10 and pulled.code < 0
+    assert len(_pids(pulled.progress)) == 2, pulled.progress.lines
+    wait_for(
+        lambda: not [pid for pid in _pids(pulled.progress) if _alive(pid)],
+        5,
+        what="the pull's processes gone",
+    )
+
+
+def test_a_process_that_left_the_pulls_group_does_not_hold_it_past_its_time(monkeypatch):
+    monkeypatch.setattr(pulls, "DRAIN_SECONDS", 1.0)
+    started = time.monotonic()
+    escapes = FORKING_PULL.format(before="os.fork() and sys.exit(0)\nos.setsid()\n")  # only its child stays
+    pulled = pulls.pull_in_pty([sys.executable, "-c", escapes], print, 1.0)
+    try:
+        assert time.monotonic() - started < 6, pulled.progress.lines
+    finally:
+        for pid in _pids(pulled.progress):  # the test's own grandchild, still named by its command
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                if escapes in proc.cmdline():
+                    proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
