@@ -12,15 +12,25 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
 
+from gpus.booking import reservation_create
+from gpus.models import ContainerImage, Server
 from jobs.host import launch, pulls
-from jobs.host.containers import image_pull, local_name, podman
+from jobs.host.containers import ContainerError, image_pull, local_name, podman
 from jobs.host.executors.base import ImageSpec
+from jobs.host.lab import lab_run
 from jobs.host.launch import image_ready_for
 from jobs.host.pulls import PullProgress, shown
+from jobs.host.runner import job_run
+from jobs.models import InteractiveSession, Job
+from jobs.services import job_cancel
+from jobs.sessions.services import session_end_request, session_start
+from jobs.submit import ScriptUpload, job_submit
+from portal.models import Profile
 from tests.container_image import need_containers, oci_archive, rootless_account
 from tests.test_containers import _pause_process_ends  # noqa: F401 (a fixture, used by name)
 from tests.waiting import wait_for
@@ -122,15 +132,17 @@ def test_a_pull_keeps_the_runs_heartbeat_and_stops_with_it(monkeypatch, settings
     beats: list[float] = []
     said: list[str] = []
 
-    def pull(reference: str, say, account=None, name="") -> None:  # type: ignore[no-untyped-def]
+    def pull(reference: str, say, account=None, name="", stop=None) -> None:  # type: ignore[no-untyped-def]
         say(f"pulling {name}: 0.0 / 4.8 GB")
         wait_for(lambda: len(beats) >= 3, timeout=10, what="beats while the pull runs")
 
+    def beat() -> bool:  # the run still wants its image
+        beats.append(1)
+        return True
+
     monkeypatch.setattr(launch, "runtime_status", lambda: (True, "podman 4.3.1"))
     monkeypatch.setattr(launch, "image_pull", pull)
-    image_ready_for(
-        ImageSpec("tf-2.17", "registry.lab.example/tf:2.17"), None, said.append, lambda: beats.append(1)
-    )
+    image_ready_for(ImageSpec("tf-2.17", "registry.lab.example/tf:2.17"), None, said.append, beat)
     assert said == ["[portal] pulling tf-2.17: 0.0 / 4.8 GB"] and len(beats) >= 3
     assert not [thread for thread in threading.enumerate() if thread.name == "pull-beat"]
 
@@ -180,3 +192,70 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_pull_asked_to_stop_ends_at_once():
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    pulled = pulls.pull_in_pty([sys.executable, "-c", FORKING_PULL.format(before="")], print, 60, stop=stop)
+    assert time.monotonic() - started < 5 and pulled.code < 0
+    wait_for(
+        lambda: not [pid for pid in _pids(pulled.progress) if _alive(pid)],
+        5,
+        what="the pull's processes gone",
+    )
+
+
+def _pull_until_stopped(run_ended: Callable[[], object]) -> Callable[..., None]:
+    """A first pull of a few GB (it never ends by itself) during which the run is ended, as
+    image_pull: stopped by its `stop`, it says so."""
+
+    def pull(reference: str, say, account=None, name="", stop=None) -> None:  # type: ignore[no-untyped-def]
+        say(f"pulling {name}: 0.0 / 4.8 GB")
+        run_ended()
+        wait_for(lambda: stop is not None and stop.is_set(), timeout=10, what="the pull to be stopped")
+        raise ContainerError(f"Could not pull {reference}: it was stopped")
+
+    return pull
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_cancelled_while_its_image_is_pulled_stops_the_pull_and_is_cancelled(
+    alice, box, settings, monkeypatch
+):
+    """The pull kept the run's heartbeat whatever happened to the job: a cancel waited for the
+    pull's end (CONTAINER_PULL_SECONDS, an hour), the job STARTING all along, then FAILED."""
+    settings.JOB_HEARTBEAT_SECONDS = 0.05
+    settings.JOB_USER = "nobody"  # a job in an image never runs as root
+    image = ContainerImage.objects.create(name="tf-2.17", reference="registry.lab.example/tf:2.17")
+    booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+    job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="job.py", content=b"print(1)"))
+    Job.objects.filter(pk=job.pk).update(image=image)
+    monkeypatch.setattr(launch, "runtime_status", lambda: (True, "podman 4.3.1"))
+    monkeypatch.setattr(launch, "card_minors", lambda uuids, indexes: (0,))
+    monkeypatch.setattr(launch, "image_pull", _pull_until_stopped(lambda: job_cancel(user=alice, job=job.pk)))
+    assert job_run(job.pk) == Job.Status.CANCELLED
+    job.refresh_from_db()
+    assert job.message == "Cancelled by alice." and job.started_at is None, job.message
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lab_ended_while_its_image_is_pulled_stops_the_pull(alice, box, settings, monkeypatch):
+    settings.JOB_HEARTBEAT_SECONDS = 0.05
+    settings.JOB_USER = "@owner"
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    Server.objects.filter(name="box1").update(containers_ok=True)
+    image = ContainerImage.objects.create(
+        name="lab-img", reference="registry.lab.example/lab:1", has_jupyterlab=True
+    )
+    image.servers.set(Server.objects.filter(name="box1"))
+    monkeypatch.setattr("jobs.sessions.services._send", lambda pk, queue: None)
+    booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+    session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="lab-img")
+    monkeypatch.setattr(launch, "runtime_status", lambda: (True, "podman 4.3.1"))
+    ended = _pull_until_stopped(lambda: session_end_request(session=session, by=alice))
+    monkeypatch.setattr(launch, "image_pull", ended)
+    assert lab_run(session.pk) == InteractiveSession.Status.FAILED
+    session.refresh_from_db()
+    assert session.message == "Ended from the portal." and session.address == "", session.message

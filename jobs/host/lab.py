@@ -130,7 +130,9 @@ class LabSupervisor:
         try:
             self.proc = self._start()
         except (JobSetupError, OSError) as exc:
-            return self._finish(Session.FAILED, f"JupyterLab could not start: {exc}", None)
+            # An end asked for meanwhile (a pull it stopped): that is why, not the stopped pull.
+            why = self._check_row() or f"JupyterLab could not start: {exc}"
+            return self._finish(Session.FAILED, why, None)
         work_started(session_name(self.pk), self.session.gpu_uuids)  # DCGM's hpc_job (jobs/host/dcgm.py)
         InteractiveSession.objects.filter(pk=self.pk).update(
             pid=self.proc.leader.pid, pid_started=self.proc.leader.started
@@ -213,8 +215,14 @@ class LabSupervisor:
         with contextlib.suppress(DatabaseError):  # only words: the start goes on without them
             InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(message=line[:500])
 
-    def _starting_beat(self) -> None:
-        InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(beat_at=Now())
+    def _starting_beat(self) -> bool:
+        """The beat while the lab's image is pulled; False once the lab is not to start any more
+        (ended from the portal, taken for lost): the pull stops (launch.image_ready_for)."""
+        return bool(
+            InteractiveSession.objects.filter(
+                pk=self.pk, status=Session.STARTING, end_requested_at=None
+            ).update(beat_at=Now())
+        )
 
     def _read(self, output: RunOutput) -> None:
         """The server's output, drained (a full pipe would block it); its last lines kept."""

@@ -30,6 +30,7 @@ import signal
 import struct
 import subprocess
 import termios
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -114,7 +115,15 @@ class _Bound:
 
     proc: subprocess.Popen[bytes]
     deadline: float
+    stop: threading.Event | None = None
     killed: bool = False
+
+    def left(self) -> float:
+        """Seconds to the deadline, which a stop asked for brings to now (once)."""
+        now = time.monotonic()
+        if self.stop is not None and self.stop.is_set():
+            self.deadline = min(self.deadline, now)
+        return self.deadline - now
 
     def kill(self) -> None:
         """SIGKILL to the pull's process group: `proc`, not reaped yet, proves the group its own."""
@@ -123,11 +132,18 @@ class _Bound:
             send_group(self.proc.pid, signal.SIGKILL)
 
 
-def pull_in_pty(argv: list[str], say: Callable[[str], None], timeout: float, **popen: object) -> Pulled:
+def pull_in_pty(
+    argv: list[str],
+    say: Callable[[str], None],
+    timeout: float,
+    *,
+    stop: threading.Event | None = None,
+    **popen: object,
+) -> Pulled:
     """Run `argv` (a `podman pull`) under a pseudo-terminal, saying its progress in bytes
     (`say("1.2 / 4.8 GB")`) at most every PROGRESS_SECONDS; its exit code (negative: killed
-    after `timeout` seconds) and what it printed. `popen`: the rest of Popen's arguments (its
-    account, environment).
+    after `timeout` seconds, or once `stop` is set: its run ended meanwhile) and what it printed.
+    `popen`: the rest of Popen's arguments (its account, environment).
 
     Bounded: after `timeout` the pull's whole process group is killed, not its first process
     alone (rootless Podman re-runs itself as a child, which holds the terminal too), and what is
@@ -147,7 +163,7 @@ def pull_in_pty(argv: list[str], say: Callable[[str], None], timeout: float, **p
         os.close(slave)  # the child's copy is the only one: its end is the master's EIO
     progress = PullProgress()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut between reads
-    bound = _Bound(proc, time.monotonic() + timeout)
+    bound = _Bound(proc, time.monotonic() + timeout, stop)
     said_at: float | None = None
     said = ""
     try:
@@ -174,7 +190,7 @@ def _read(master: int, bound: _Bound) -> bytes:
     deadline); at the deadline the pull's group is killed (never reaped here: the group stays
     provably the pull's)."""
     while True:
-        left = bound.deadline - time.monotonic()
+        left = bound.left()
         if left <= 0:
             bound.kill()
             if left <= -DRAIN_SECONDS:
@@ -192,7 +208,7 @@ def _reaped(bound: _Bound) -> int:
     """The pull's exit code, waited for until its deadline (a pull that closed its terminal but
     runs on), then its group killed."""
     try:
-        return bound.proc.wait(timeout=max(0.0, bound.deadline - time.monotonic()))
+        return bound.proc.wait(timeout=max(0.0, bound.left()))
     except subprocess.TimeoutExpired:
         bound.kill()
         return bound.proc.wait()
