@@ -25,23 +25,29 @@ from portal.outage import outage_of
 log = logging.getLogger(__name__)
 
 
-def image_named(name: str | None) -> ContainerImage | None:
-    """The image of that name (prefetched servers); None for no name: on the host."""
+def image_named(name: str | None, *, labs: bool = False) -> ContainerImage | None:
+    """The image of that name (prefetched servers); None for no name: on the host. `labs`: the
+    refusal suggests only images a lab opens in."""
     name = (name or "").strip()
     if not name:
         return None
     image = ContainerImage.objects.filter(name=name).prefetch_related("servers").first()
     if image is None:
-        raise Invalid(f"There is no image {name!r}; choose one of {_runnable_images()}.", field="image")
+        raise Invalid(
+            f"There is no image {name!r}; choose one of {_runnable_images(labs=labs)}.", field="image"
+        )
     return image
 
 
-def image_check(name: str | None, server: Server | None, *, fix: str = "book") -> ContainerImage | None:
+def image_check(
+    name: str | None, server: Server | None, *, fix: str = "book", labs: bool = False
+) -> ContainerImage | None:
     """The image of that name if it can run on `server` now (it has the image, and containers
     work there: ContainerImage.objects.runnable), or, `server` None, on some server. Refused
-    naming the field `image`, with the images that can run and the servers each runs on; `fix`
-    says how to get elsewhere ("book", "queue it on")."""
-    image = image_named(name)
+    naming the field `image`, with the images that can run and the servers each runs on (`labs`:
+    those a JupyterLab opens in, ContainerImage.objects.for_labs: a lab's refusal never suggests
+    an image it would refuse next); `fix` says how to get elsewhere ("book", "queue it on")."""
+    image = image_named(name, labs=labs)
     if image is None:
         return None
     where = f"{fix} a server where {image.name} runs: {runnable_text([image])}"
@@ -49,7 +55,7 @@ def image_check(name: str | None, server: Server | None, *, fix: str = "book") -
         if not ContainerImage.objects.runnable().filter(pk=image.pk).exists():
             raise Invalid(
                 f"No server can run image {image.name} now: none that has it has working containers. "
-                f"Choose one of {_runnable_images()}.",
+                f"Choose one of {_runnable_images(labs=labs)}.",
                 field="image",
             )
     elif not server.containers_ok:
@@ -60,17 +66,19 @@ def image_check(name: str | None, server: Server | None, *, fix: str = "book") -
             field="image",
         )
     elif not any(s.pk == server.pk for s in image.servers.all()):
+        others = _runnable_images(server, labs=labs)
         raise Invalid(
-            f"{server.name} does not have image {image.name}; choose one of {_runnable_images(server)}, "
-            f"or {where}.",
+            f"{server.name} does not have image {image.name}; choose one of {others}, or {where}.",
             field="image",
         )
     return image
 
 
-def _runnable_images(server: Server | None = None) -> str:
-    """The images a job can run in (on `server`, if given), with their servers, for a refusal."""
-    return runnable_text(ContainerImage.objects.runnable(server).prefetch_related("servers"))
+def _runnable_images(server: Server | None = None, *, labs: bool = False) -> str:
+    """The images a job (`labs`: a lab) can run in (on `server`, if given), with their servers,
+    for a refusal."""
+    images = ContainerImage.objects.for_labs(server) if labs else ContainerImage.objects.runnable(server)
+    return runnable_text(images.prefetch_related("servers"))
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.models import ContainerImage, Server
 from jobs.host import lab
-from jobs.host.containers import leftovers_remove, podman
+from jobs.host.containers import image_pull, leftovers_remove, local_name, podman
 from jobs.host.executors import container_instance
-from jobs.host.lab import lab_run
+from jobs.host.lab import lab_orphans_end, lab_run
 from jobs.models import InteractiveSession
 from jobs.sessions.services import session_start
 from portal.models import Profile
-from tests.container_image import fake_gpu_nodes, lab_rootfs, need_containers, rootless_account
+from tests.container_image import fake_gpu_nodes, lab_rootfs, need_containers, rootfs, rootless_account
 from tests.job_helpers import alive, kill_quietly, recorded_process
 from tests.test_containers import _pause_process_ends  # noqa: F401 (a fixture, used by name)
 from tests.waiting import wait_for
@@ -161,3 +161,36 @@ def test_ending_a_lab_in_an_image_leaves_no_process_and_no_container(lab_in_imag
     assert _containers(session, mode) == []
     with pytest.raises(httpx.ConnectError):  # nothing listens there now
         httpx.get(f"http://{address}/sessions/{session.pk}/lab/api/status", timeout=5)
+
+
+@pytest.mark.usefixtures("_pause_process_ends")
+def test_a_restarted_worker_removes_a_lab_container_its_owners_rootless_podman_kept(
+    alice, box, settings, monkeypatch
+):
+    """Under rootless Podman (labs: JOB_USER=@owner) no worker's start sweeps an owner's Podman
+    (containers_leftovers_remove sweeps root's, or JOB_USER's): a lab container its dead worker
+    left stayed in `podman ps -a`, with whatever the lab wrote in the image."""
+    settings.CONTAINER_MODE, settings.JOB_USER = "rootless", "@owner"
+    account = rootless_account()
+    need_containers(account)
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": account.pw_name})
+    monkeypatch.setattr("jobs.sessions.services._send", lambda pk, queue: None)
+    Server.objects.filter(name="box1").update(containers_ok=True)
+    image = ContainerImage.objects.create(name="lab-img", reference=str(rootfs()), has_jupyterlab=True)
+    image.servers.set(Server.objects.filter(name="box1"))
+    booking = reservation_create(user=alice, gpus=[box[1].uuid], memory_mb=8192)
+    session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="lab-img")
+    image_pull(image.reference, lambda line: None, account=account)
+    left = f"portal-{container_instance()}-session-{session.pk}"  # as its dead worker named it
+    made = podman(
+        "create", "--name", left, "--", local_name(image.reference, account), "true", account=account
+    )
+    assert made.returncode == 0, made.stderr
+    InteractiveSession.objects.filter(pk=session.pk).update(
+        status="running", worker=lab.socket.gethostname()[:200]
+    )
+    try:
+        lab_orphans_end("box1")
+        assert _containers(session, ("rootless", account)) == []
+    finally:
+        podman("rm", "--force", "--ignore", "--", left, account=account)

@@ -290,6 +290,24 @@ def test_the_sessions_api_opens_a_lab_in_an_image_with_jupyterlab_only(api, book
     assert listed == {"lab-1": True, "old-1": False, "pytorch-2.5": False, "tf-2.17": False}
 
 
+def test_the_sessions_api_refuses_a_lab_image_the_booked_server_does_not_have(api, booking, lab_image):
+    elsewhere = ContainerImage.objects.create(name="lab-2", reference="/srv/images/lab2", has_jupyterlab=True)
+    elsewhere.servers.set(Server.objects.filter(name="box2"))
+    said = {}
+    for image in ("lab-2", "nope"):
+        response = api.post(
+            "/api/v1/sessions/", {"kind": "jupyterlab", "reservation": booking.pk, "image": image}
+        )
+        assert response.status_code == 400 and list(response.json()["errors"]) == ["image"], response.json()
+        said[image] = str(response.json()["errors"]["image"])
+    assert "box1 does not have image lab-2; choose one of lab-1 (on box1)" in said["lab-2"], said
+    assert "There is no image 'nope'" in said["nope"]
+    assert "tf-2.17" not in said["lab-2"] + said["nope"]  # no JupyterLab: a lab's refusal never offers it
+    assert not InteractiveSession.objects.exists()
+    blank = api.post("/api/v1/sessions/", {"kind": "jupyterlab", "reservation": booking.pk, "image": " "})
+    assert blank.status_code == 201 and blank.json()["image"] is None  # blank: on the host, as none
+
+
 # --- the host's report and the pre-pull ------------------------------------------------------------
 
 

@@ -298,12 +298,18 @@ def local_name(reference: str, account: pwd.struct_passwd | None = None) -> str:
 
 
 def image_pull(
-    reference: str, say: Callable[[str], None], *, account: pwd.struct_passwd | None = None, name: str = ""
+    reference: str,
+    say: Callable[[str], None],
+    *,
+    account: pwd.struct_passwd | None = None,
+    name: str = "",
+    stop: threading.Event | None = None,
 ) -> None:
     """Get `reference` onto this host (cached: a second call is quick), saying its progress in
     lines ("pulling tf-2.17: 1.2 / 4.8 GB": `name`, else the reference); ContainerError when it
-    cannot. A root filesystem folder needs no pull in root mode, only to be there. `account`:
-    whose storage (rootless)."""
+    cannot, or when `stop` was set meanwhile (the run that needs it ended: the pull is killed). A
+    root filesystem folder needs no pull in root mode, only to be there. `account`: whose
+    storage (rootless)."""
     host = socket.gethostname()
     if reference.startswith("/") and not Path(reference).is_dir():
         raise ContainerError(
@@ -326,7 +332,7 @@ def image_pull(
         assert account is not None
         image_id = import_folder(reference, local, say, account)
     else:
-        image_id = _pull(reference, shown, say, account)
+        image_id = _pull(reference, shown, say, account, stop)
     if local != reference and podman("tag", "--", image_id, local, account=account).returncode != 0:
         raise ContainerError(f"Could not name the image loaded from {reference} on {host} ({local}).")
     size = podman("image", "inspect", "--format", "{{.Size}}", "--", local, account=account).stdout.strip()
@@ -392,7 +398,13 @@ def _tar_end(tar: subprocess.Popen[bytes]) -> None:
         tar.wait()
 
 
-def _pull(reference: str, shown: str, say: Callable[[str], None], account: pwd.struct_passwd | None) -> str:
+def _pull(
+    reference: str,
+    shown: str,
+    say: Callable[[str], None],
+    account: pwd.struct_passwd | None,
+    stop: threading.Event | None,
+) -> str:
     """`podman pull` under a terminal (jobs.host.pulls: its progress in bytes, said as
     "pulling tf-2.17: 1.2 / 4.8 GB", throttled); the image's id."""
     argv = podman_command("pull", "--", reference, account=account)
@@ -401,6 +413,7 @@ def _pull(reference: str, shown: str, say: Callable[[str], None], account: pwd.s
             argv,
             lambda progress: say(f"pulling {shown}: {progress}"),
             settings.CONTAINER_PULL_SECONDS,
+            stop=stop,
             env=podman_env(account),
             cwd="/",
             **rootless.as_account(account),
@@ -410,6 +423,8 @@ def _pull(reference: str, shown: str, say: Callable[[str], None], account: pwd.s
     lines = pulled.progress.lines
     if pulled.code != 0:
         why = last_line("\n".join(lines))
+        if pulled.code < 0 and stop is not None and stop.is_set():
+            raise ContainerError(f"The pull of {reference} was stopped: the run that needed it ended.")
         if pulled.code < 0:
             why = f"it took longer than CONTAINER_PULL_SECONDS ({settings.CONTAINER_PULL_SECONDS} s)"
         raise ContainerError(

@@ -63,8 +63,10 @@ from django.utils import timezone
 from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.environment import INHERITED_ENV, BookedCard, JobSetupError, activation, session_environment
+from jobs.host.containers import ContainerError, last_line, podman
 from jobs.host.dcgm import session_name, work_ended, work_started
 from jobs.host.executors import Run, RunOutput, RunSpec, executor_for
+from jobs.host.executors.podman import Podman
 from jobs.host.lab_image import in_image, lab_image, lab_image_env, lab_image_ready
 from jobs.host.lab_listener import Listener, listen, listener_proof, listening_at
 from jobs.host.launch import LAUNCHER, account_of
@@ -130,7 +132,9 @@ class LabSupervisor:
         try:
             self.proc = self._start()
         except (JobSetupError, OSError) as exc:
-            return self._finish(Session.FAILED, f"JupyterLab could not start: {exc}", None)
+            # An end asked for meanwhile (a pull it stopped): that is why, not the stopped pull.
+            why = self._check_row() or f"JupyterLab could not start: {exc}"
+            return self._finish(Session.FAILED, why, None)
         work_started(session_name(self.pk), self.session.gpu_uuids)  # DCGM's hpc_job (jobs/host/dcgm.py)
         InteractiveSession.objects.filter(pk=self.pk).update(
             pid=self.proc.leader.pid, pid_started=self.proc.leader.started
@@ -213,8 +217,14 @@ class LabSupervisor:
         with contextlib.suppress(DatabaseError):  # only words: the start goes on without them
             InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(message=line[:500])
 
-    def _starting_beat(self) -> None:
-        InteractiveSession.objects.filter(pk=self.pk, status=Session.STARTING).update(beat_at=Now())
+    def _starting_beat(self) -> bool:
+        """The beat while the lab's image is pulled; False once the lab is not to start any more
+        (ended from the portal, taken for lost): the pull stops (launch.image_ready_for)."""
+        return bool(
+            InteractiveSession.objects.filter(
+                pk=self.pk, status=Session.STARTING, end_requested_at=None
+            ).update(beat_at=Now())
+        )
 
     def _read(self, output: RunOutput) -> None:
         """The server's output, drained (a full pipe would block it); its last lines kept."""
@@ -531,6 +541,7 @@ def lab_orphans_end(server: str) -> int:
         if session.pid and session.pid_started:
             ended += end_session(ProcessId(session.pid, session.pid_started), uid)
         ended += end_kernels(session.kernels, uid)
+        _container_remove(session, account)
         InteractiveSession.objects.filter(pk=session.pk).update(kernels=[])
         why = "its worker restarted, which ends the labs it ran; start a new one from the booking"
         InteractiveSession.objects.transition(
@@ -542,3 +553,21 @@ def lab_orphans_end(server: str) -> int:
             message=f"Ended: {why}.",
         )
     return ended
+
+
+def _container_remove(session: InteractiveSession, account: pwd.struct_passwd | None) -> None:
+    """A lab's container that its dead worker left in its owner's rootless Podman, removed (its
+    record, and what the lab wrote in the image): no worker's start sweeps an owner's Podman
+    (jobs.host.worker.containers_leftovers_remove sweeps root's, or JOB_USER's), and labs run
+    under JOB_USER=@owner. Root mode's was removed by that sweep already."""
+    executor = executor_for(session)
+    if settings.CONTAINER_MODE != "rootless" or account is None or not isinstance(executor, Podman):
+        return
+    try:
+        done = podman("rm", "--force", "--ignore", "--time", "0", "--", executor.container, account=account)
+    except ContainerError as exc:
+        log.warning("Session %s: could not remove its container %s: %s", session.pk, executor.container, exc)
+        return
+    if done.returncode != 0:
+        why = last_line(done.stderr)
+        log.warning("Session %s: could not remove its container %s: %s", session.pk, executor.container, why)

@@ -55,7 +55,7 @@ def lab_image_ready(
     image: ImageSpec,
     account: pwd.struct_passwd | None,
     say: Callable[[str], None],
-    beat: Callable[[], object],
+    beat: Callable[[], bool],
 ) -> None:
     """Never as root; containers working here, the image pulled on its first use (saying so,
     `beat` kept meanwhile); JobSetupError saying what to do otherwise."""

@@ -139,7 +139,7 @@ def in_image(launch: Launch, image: ContainerImage, job: Job, folder: Path) -> L
     return launch
 
 
-def image_ready(launch: Launch, say: Callable[[str], None], beat: Callable[[], object] | None = None) -> None:
+def image_ready(launch: Launch, say: Callable[[str], None], beat: Callable[[], bool] | None = None) -> None:
     """The launch's image on this host (pulled on its first use, saying so in the job's log, and
     `beat` every JOB_HEARTBEAT_SECONDS meanwhile); JobSetupError saying what to do when it cannot
     be had."""
@@ -151,14 +151,16 @@ def image_ready_for(
     image: ImageSpec,
     account: pwd.struct_passwd | None,
     say: Callable[[str], None],
-    beat: Callable[[], object] | None = None,
+    beat: Callable[[], bool] | None = None,
 ) -> None:
     """`image` on this host for work run as `account` (a job's, a lab's): containers working here
     (and, rootless, for that account), the image pulled on its first use, saying so; JobSetupError
     saying what to do when it cannot be had. A pull of a few GB takes minutes, some of them
     silent (a layer being unpacked), longer than a run's lost cut-off: `beat` (the run's
     heartbeat) is called every JOB_HEARTBEAT_SECONDS meanwhile, so the reconciler never takes a
-    run that is pulling for lost."""
+    run that is pulling for lost. A beat that answers False (the run was cancelled, ended or
+    taken for lost meanwhile) stops the pull: nothing waits for it any more, and a cancel must
+    not wait for CONTAINER_PULL_SECONDS."""
     account = account if settings.CONTAINER_MODE == "rootless" else None
     ok, why = runtime_status()
     if ok and account is not None:  # rootless: this account's ranges and Podman, not only the host's
@@ -166,28 +168,36 @@ def image_ready_for(
     if not ok:
         raise JobSetupError(f"Containers cannot run on {socket.gethostname()}: {why}")
     try:
-        with beating(beat, settings.JOB_HEARTBEAT_SECONDS):
+        with beating(beat, settings.JOB_HEARTBEAT_SECONDS) as stop:
             image_pull(
-                image.reference, lambda line: say(f"[portal] {line}"), account=account, name=image.name
+                image.reference,
+                lambda line: say(f"[portal] {line}"),
+                account=account,
+                name=image.name,
+                stop=stop,
             )
     except ContainerError as exc:
         raise JobSetupError(f"Image {image.name}: {exc}") from None
 
 
 @contextlib.contextmanager
-def beating(beat: Callable[[], object] | None, every: float) -> Iterator[None]:
-    """`beat()` every `every` seconds in a thread of its own while the block runs (none: nothing).
-    A beat the database refuses is only logged: the next one may pass."""
+def beating(beat: Callable[[], bool] | None, every: float) -> Iterator[threading.Event]:
+    """`beat()` every `every` seconds in a thread of its own while the block runs (none: nothing);
+    the block gets an event set once a beat answers False (the run is not to start any more), and
+    no beat follows that one. A beat the database refuses is only logged: the next one may pass."""
+    unwanted = threading.Event()
     if beat is None:
-        yield
+        yield unwanted
         return
-    stop = threading.Event()
+    done = threading.Event()
 
     def beats() -> None:
         try:
-            while not stop.wait(every):
+            while not done.wait(every):
                 try:
-                    beat()
+                    if not beat():
+                        unwanted.set()
+                        return
                 except DatabaseError as exc:
                     log.warning("A heartbeat during a pull failed: %s", exc)
         finally:
@@ -196,9 +206,9 @@ def beating(beat: Callable[[], object] | None, every: float) -> Iterator[None]:
     thread = threading.Thread(target=beats, name="pull-beat", daemon=True)
     thread.start()
     try:
-        yield
+        yield unwanted
     finally:
-        stop.set()
+        done.set()
         thread.join()
 
 

@@ -20,22 +20,31 @@ last layer is done: a 4 GB pull says a few dozen lines, never one per chunk.
 
 from __future__ import annotations
 
+import codecs
 import fcntl
 import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import termios
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from portal.pids import send_group
+
 PROGRESS_SECONDS = 5.0
+DRAIN_SECONDS = 5.0  # what a pull killed at its deadline still prints, read this long at most
+LINE_MAX = 4096  # a line longer than this is no bar (a window is WINDOW wide): only its end is kept
+LINES_KEPT = 200  # Podman's other lines, the last of them (its error, the image's id)
 WINDOW = (50, 250)  # rows, columns: mpb cuts a bar to the window's width ("…" in a 0-wide one)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-SIZE = r"([0-9.]+)\s*([KMGT]?i?B|b)"
+SIZE = r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B|b)"
 BAR = re.compile(rf"^Copying blob (\S+) .*?{SIZE} / {SIZE}")
 DONE = re.compile(r"^Copying blob (\S+) (?:done|skipped)")
 UNITS = {"b": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -58,12 +67,13 @@ class PullProgress:
     its other lines (Podman's words, an error, the image's id)."""
 
     layers: dict[str, tuple[int, int]] = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=LINES_KEPT))
     rest: str = ""
 
     def feed(self, text: str) -> None:
         """Take more of the output (a redraw may be cut anywhere)."""
-        *complete, self.rest = re.split(r"\r?\n|\r", self.rest + text)
+        *complete, rest = re.split(r"\r?\n|\r", self.rest + text)
+        self.rest = rest[-LINE_MAX:]
         for raw in complete:
             self._line(ANSI.sub("", raw).strip())
 
@@ -99,11 +109,47 @@ class Pulled:
     progress: PullProgress
 
 
-def pull_in_pty(argv: list[str], say: Callable[[str], None], timeout: float, **popen: object) -> Pulled:
+@dataclass
+class _Bound:
+    """A pull's deadline, and whether its group was killed for it (once)."""
+
+    proc: subprocess.Popen[bytes]
+    deadline: float
+    stop: threading.Event | None = None
+    killed: bool = False
+
+    def left(self) -> float:
+        """Seconds to the deadline, which a stop asked for brings to now (once)."""
+        now = time.monotonic()
+        if self.stop is not None and self.stop.is_set():
+            self.deadline = min(self.deadline, now)
+        return self.deadline - now
+
+    def kill(self) -> None:
+        """SIGKILL to the pull's process group: `proc`, not reaped yet, proves the group its own."""
+        if not self.killed:
+            self.killed = True
+            send_group(self.proc.pid, signal.SIGKILL)
+
+
+def pull_in_pty(
+    argv: list[str],
+    say: Callable[[str], None],
+    timeout: float,
+    *,
+    stop: threading.Event | None = None,
+    **popen: object,
+) -> Pulled:
     """Run `argv` (a `podman pull`) under a pseudo-terminal, saying its progress in bytes
     (`say("1.2 / 4.8 GB")`) at most every PROGRESS_SECONDS; its exit code (negative: killed
-    after `timeout` seconds) and what it printed. `popen`: the rest of Popen's arguments (its
-    account, environment)."""
+    after `timeout` seconds, or once `stop` is set: its run ended meanwhile) and what it printed.
+    `popen`: the rest of Popen's arguments (its account, environment).
+
+    Bounded: after `timeout` the pull's whole process group is killed, not its first process
+    alone (rootless Podman re-runs itself as a child, which holds the terminal too), and what is
+    left is read for DRAIN_SECONDS at most (a process that left the group may hold the terminal
+    for ever). The first process is reaped only at the end, so its group is still provably the
+    pull's when it is killed."""
     master, slave = pty.openpty()
     try:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", *WINDOW, 0, 0))
@@ -116,39 +162,53 @@ def pull_in_pty(argv: list[str], say: Callable[[str], None], timeout: float, **p
     finally:
         os.close(slave)  # the child's copy is the only one: its end is the master's EIO
     progress = PullProgress()
-    deadline = time.monotonic() + timeout
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut between reads
+    bound = _Bound(proc, time.monotonic() + timeout, stop)
     said_at: float | None = None
     said = ""
     try:
-        while chunk := _read(master, proc, deadline):
-            progress.feed(chunk.decode(errors="replace"))
+        while chunk := _read(master, bound):
+            progress.feed(decoder.decode(chunk))
             now = time.monotonic()
             if progress.total and (said_at is None or now - said_at >= PROGRESS_SECONDS):
                 said_at, said = now, shown(progress.copied, progress.total)
                 say(said)
         progress.end()
-        code = proc.wait()
+        code = _reaped(bound)
     finally:
         os.close(master)
-        if proc.poll() is None:
-            proc.kill()
+        if proc.returncode is None:  # an error on the way: its group first, while it is still ours
+            bound.kill()
             proc.wait()
     if progress.total and shown(progress.copied, progress.total) != said:
         say(shown(progress.copied, progress.total))  # the last word: all of it, when it went well
     return Pulled(code, progress)
 
 
-def _read(master: int, proc: subprocess.Popen[bytes], deadline: float) -> bytes:
-    """The next output (b"" once the pull has closed its terminal); past `deadline` the pull is
-    killed, and what it printed still read to its end."""
+def _read(master: int, bound: _Bound) -> bytes:
+    """The next output (b"" once the pull has closed its terminal, or DRAIN_SECONDS after its
+    deadline); at the deadline the pull's group is killed (never reaped here: the group stays
+    provably the pull's)."""
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0 and proc.poll() is None:
-            proc.kill()
-        ready, _, _ = select.select([master], [], [], max(0.0, min(left, 1.0)) if left > 0 else 1.0)
+        left = bound.left()
+        if left <= 0:
+            bound.kill()
+            if left <= -DRAIN_SECONDS:
+                return b""  # a process that left the group holds the terminal: no longer read
+        ready, _, _ = select.select([master], [], [], min(left, 1.0) if left > 0 else 0.1)
         if not ready:
             continue
         try:
             return os.read(master, 65536)
         except OSError:  # EIO: every copy of the terminal's other end is closed
             return b""
+
+
+def _reaped(bound: _Bound) -> int:
+    """The pull's exit code, waited for until its deadline (a pull that closed its terminal but
+    runs on), then its group killed."""
+    try:
+        return bound.proc.wait(timeout=max(0.0, bound.left()))
+    except subprocess.TimeoutExpired:
+        bound.kill()
+        return bound.proc.wait()

@@ -131,16 +131,13 @@ class Supervisor:
             # A first use pulls it, saying so in the log, the job's heartbeat kept meanwhile.
             image_ready(launch, self.writer.write_line, self._starting_beat)
         except JobSetupError as exc:
+            if self._ended_before_start():  # a pull stopped by a cancel: the cancel is the end
+                return
             self.writer.write_line(f"[portal] cannot start: {exc}")
             self._guarded(self.writer.close)
             self._finish(Job.Status.FAILED, None, str(exc))
             return
-        status, stopped = patiently(job.pk, self._stopped_before_start)
-        if stopped:
-            again = " this time" if status == Job.Status.PENDING else ""
-            self.writer.write_line(f"[portal] {stopped} The job never started{again}.")
-            self._guarded(self.writer.close)
-            self._finish(status, None, stopped)
+        if self._ended_before_start():
             return
         if job.preemptions:
             self.writer.write_line(came_back_words(job, launch.env_applied))
@@ -166,8 +163,29 @@ class Supervisor:
         self.running_recorded = self._guarded(self._record_running)
         self._supervise()
 
-    def _starting_beat(self) -> None:
-        Job.objects.filter(pk=self.job.pk, status=Job.Status.STARTING).update(heartbeat_at=Now())
+    def _starting_beat(self) -> bool:
+        """The heartbeat while the job's image is pulled; False once the job is not to start any
+        more (cancelled, preempted, taken for lost): the pull stops (launch.image_ready_for)."""
+        return bool(
+            Job.objects.filter(
+                pk=self.job.pk,
+                status=Job.Status.STARTING,
+                cancel_requested_at=None,
+                preempt_requested_at=None,
+            ).update(heartbeat_at=Now())
+        )
+
+    def _ended_before_start(self) -> bool:
+        """Whether a cancel or a preemption came before the start (`_stopped_before_start`), and
+        if so the job's end recorded, the job never started."""
+        status, stopped = patiently(self.job.pk, self._stopped_before_start)
+        if not stopped:
+            return False
+        again = " this time" if status == Job.Status.PENDING else ""
+        self.writer.write_line(f"[portal] {stopped} The job never started{again}.")
+        self._guarded(self.writer.close)
+        self._finish(status, None, stopped)
+        return True
 
     def _record_running(self) -> None:
         assert self.session is not None and self.job.started_at is not None

@@ -150,7 +150,7 @@ def _check_image(image: str | None, *, lab: bool, server: Server) -> ContainerIm
         return None
     if not lab:
         raise Invalid("An image is for jobs and labs: gpu exec and gpu shell run on the host.", field="image")
-    chosen = image_check(image, server, fix="open JupyterLab on a booking of")
+    chosen = image_check(image, server, fix="open JupyterLab on a booking of", labs=True)
     assert chosen is not None
     if not chosen.has_jupyterlab:
         labs = runnable_text(ContainerImage.objects.for_labs(server).prefetch_related("servers"))
