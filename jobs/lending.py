@@ -2,7 +2,8 @@
 come back the moment their owner does.
 
 **Lent.** A booking idle for LEND_AFTER_MINUTES (gpus/idle.py's clock: every card known unused,
-a share's card with no process at all), of a team that lends (`Team.lend_idle`, on by default),
+a share's card with no process at all; and no process on its cards in the last telemetry round,
+which is fresher than the clock), of a team that lends (`Team.lend_idle`, on by default),
 with no job or session of its own running and no loan already, may take a preemptible pending
 job (`loans_place`, called by each scheduler pass after the plan's own starts). The job gets a
 booking of its own, a *loan* (`Reservation.lent_from`), on whole cards of that booking (or a share
@@ -15,8 +16,11 @@ it, and the job's end releases it.
 booking, their first process on a lent card (seen in the telemetry, `loans_watch`), or *Take it
 back* on the booking's page preempts the borrower at once, with LEND_GRACE_SECONDS between
 SIGTERM and SIGKILL (jobs.preemption). The borrower goes back to the queue at its old place and
-resumes elsewhere from its checkpoint. The owner's processes are never intruders meanwhile: the
-card is still theirs (jobs.watchdog.rules sees their booking on it).
+resumes elsewhere from its checkpoint. The owner's job on the booking is sent to its host only once
+the borrower has left the cards (`JobQuerySet.borrowers_gone`, in jobs.services.dispatch): the
+scheduler's pass that the borrower's leaving wakes sends it, so it never starts beside a borrower
+still saving its checkpoint, and waits no longer than that. The owner's processes are never
+intruders meanwhile: the card is still theirs (jobs.watchdog.rules sees their booking on it).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.inventory import GPUInfo
-from gpus.models import Allocation, Reservation
+from gpus.models import Allocation, GPUProcess, Reservation
 from jobs.models import InteractiveSession, Job
 from jobs.preemption import job_preempt
 from jobs.queue.rules import Entry
@@ -65,12 +69,16 @@ def lendable(now: datetime) -> list[Lendable]:
         reservation=OuterRef("pk"), status__in=InteractiveSession.ACTIVE
     )
     lent = Reservation.objects.loans_live(now).filter(lent_from=OuterRef("pk"))
+    # The idle clock moves once a round (IDLE_CHECK_SECONDS); the last telemetry round is fresher:
+    # an owner whose process just took a borrower's place must not see the card lent again.
+    in_use = GPUProcess.objects.filter(gpu__allocations__reservation=OuterRef("pk"))
     bookings = (
         Reservation.objects.with_status("active", now)
         .filter(lent_from=None, team__lend_idle=True, idle_since__lte=cutoff)
         .exclude(Exists(busy_jobs))
         .exclude(Exists(busy_sessions))
         .exclude(Exists(lent))
+        .exclude(Exists(in_use))
         .order_by("idle_since", "pk")
     )
     bookings = list(bookings)

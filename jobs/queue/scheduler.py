@@ -41,7 +41,7 @@ from jobs.models import InteractiveSession, Job
 from jobs.queue.expected import expected_ends, with_lending
 from jobs.queue.rules import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
 from jobs.runs import queued_job_ended
-from jobs.services import cpu_share, default_threads, dispatch
+from jobs.services import cpu_share, default_threads, dispatch, jobs_due_dispatch
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
 from portal.names import redis_key
@@ -157,6 +157,8 @@ def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = No
     memory = memory or PassMemory()
     done: Counter[str] = Counter()
     done["released"] = _release_ended(now)
+    if sent := jobs_due_dispatch(now):  # an owner's job whose borrowers just left its cards
+        done["sent"] = sent
     refused: dict[int, Refusal] = {}
     for _round in range(1 + QUEUE_REPLANS):
         entries = queue_plan(
