@@ -14,10 +14,11 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import Reservation
+from gpus.services import servers_report_ingest
 from jobs.models import Job
 from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.submit import ScriptUpload
-from tests.factories import MembershipFactory, UserFactory, queue_job
+from tests.factories import MembershipFactory, UserFactory, make_snapshot, queue_job
 from tests.test_cli import gpu, portal  # noqa: F401 - the live server and the CLI as a user runs it
 
 M = timedelta(minutes=1)
@@ -104,6 +105,7 @@ def test_a_preemptible_job_that_a_lent_booking_fits_starts_on_the_next_pass(api,
     reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=end)
     idle = reservation_create(user=alice, gpus=[box[0].uuid], end=end)
     Reservation.objects.filter(pk=idle.pk).update(idle_since=timezone.now() - 20 * M)
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])  # nobody on its cards
     ordinary = queue_job(bob, minutes=60)
     preemptible = queue_job(bob, minutes=60, preemptible=True)
     lent, waits = _row(api, preemptible), _row(api, ordinary)
