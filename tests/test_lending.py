@@ -16,7 +16,7 @@ from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation
 from gpus.services import servers_report_ingest
 from jobs.host.spool import EndRecord
-from jobs.lending import lendable, lent_words, loans_watch
+from jobs.lending import lendable, lent_words, loans_expire, loans_watch
 from jobs.logs.store import LogWriter
 from jobs.models import Job
 from jobs.queue.scheduler import schedule_pass
@@ -75,7 +75,7 @@ def test_a_preemptible_job_runs_on_a_booking_idle_long_enough(idle_booking, bob,
 
 
 @pytest.mark.parametrize(
-    "why", ["not idle long enough", "the team lends nothing", "it outlasts the booking", "a job of its own"]
+    "why", ["not idle long enough", "the team lends nothing", "the booking ends too soon", "a job of its own"]
 )
 def test_nothing_is_lent_when_it_should_not_be(idle_booking, alice, bob, team, sent, why):
     if why == "not idle long enough":
@@ -86,10 +86,34 @@ def test_nothing_is_lent_when_it_should_not_be(idle_booking, alice, bob, team, s
         Team.objects.filter(pk=team.pk).update(lend_idle=False)
     elif why == "a job of its own":
         job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
-    job = queue_job(bob, minutes=60 * 9 if why == "it outlasts the booking" else 60, preemptible=True)
+    elif why == "the booking ends too soon":  # LOAN_MIN_MINUTES: less than a loan is worth
+        Reservation.objects.filter(pk=idle_booking.pk).update(end=timezone.now() + timedelta(minutes=25))
+    job = queue_job(bob, minutes=60, preemptible=True)
     assert "lent" not in schedule_pass()
     job.refresh_from_db()
     assert job.status == Job.Status.PENDING
+
+
+def test_a_longer_job_borrows_until_the_booking_ends_and_leaves_before_it(idle_booking, bob, sent, settings):
+    settings.LEND_GRACE_SECONDS = 20
+    job = queue_job(bob, minutes=60 * 9, preemptible=True)  # the booking ends in 8 hours
+    assert schedule_pass().get("lent") == 1
+    job.refresh_from_db()
+    assert job.reservation.end == idle_booking.end  # never beyond what it borrows
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    assert loans_expire(idle_booking.end - timedelta(seconds=36)) == []  # not yet
+    assert loans_expire(idle_booking.end - timedelta(seconds=35)) == [job.pk]  # grace and margin
+    job.refresh_from_db()
+    assert job.preempt_grace_seconds == 20 and job.preempt_reason.startswith(
+        f"booking {idle_booking.pk}, which it borrowed, ends at "
+    )
+    assert loans_expire(idle_booking.end - timedelta(seconds=30)) == []  # asked once
+
+
+def test_a_job_whose_loan_ends_before_the_booking_is_left_to_its_time_limit(idle_booking, bob, sent):
+    job = _lent_job(bob, sent)  # 60 minutes, in a booking of 8 hours
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    assert loans_expire(job.reservation.end - timedelta(seconds=5)) == []
 
 
 def test_the_owners_job_on_the_booking_sends_the_borrower_away(idle_booking, alice, bob, sent, settings):
