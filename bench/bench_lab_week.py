@@ -155,12 +155,13 @@ class Estimates:
     later: int  # samples whose job started later than estimated
     unresolved: int  # samples of jobs still waiting at the week's end
     short: list[float]  # the errors of samples whose job started within 2 hours
+    ordinary: list[float]  # the errors of ordinary (not preemptible) jobs' samples
 
 
 def estimate_errors(rec: Any, floor: timedelta) -> Estimates:
     """Each sampled estimate's error against the job's next start."""
     starts = first_starts(rec)
-    done = Estimates([], 0, 0, [])
+    done = Estimates([], 0, 0, [], [])
     for job, when, estimate in rec.samples:
         actual = next((t for t in starts.get(job, []) if t >= when), None)
         if actual is None:
@@ -172,6 +173,8 @@ def estimate_errors(rec: Any, floor: timedelta) -> Estimates:
         done.later += actual > estimate
         if actual - when <= timedelta(hours=2):
             done.short.append(error)
+        if job in rec.submitted and not rec.submitted[job][0].preemptible:
+            done.ordinary.append(error)
     return done
 
 
@@ -298,6 +301,8 @@ def figures(params: dict[str, Any], on: Any, off: dict[str, Any]) -> None:
     report("estimated start's error, p90", 100 * quantile(est.errors, 0.9), "%", "", True)
     short = 100 * statistics.median(est.short or [0])
     report(f"  of jobs that started within 2 h ({len(est.short)}), median", short, "%", "", True)
+    ordinary = 100 * statistics.median(est.ordinary or [0])
+    report(f"  of ordinary jobs ({len(est.ordinary)}), median", ordinary, "%", "", True)
     w_on, w_off = queue_waits(on, preemptible=False), off["ordinary"]
     for name, waits in (("on", w_on), ("off", w_off)):
         print(
