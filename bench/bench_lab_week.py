@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import statistics
 import subprocess
 import sys
@@ -250,9 +251,12 @@ def main() -> None:
         waits = {
             kind: queue_waits(rec, preemptible=kind == "preemptible") for kind in ("ordinary", "preemptible")
         }
-        args.without_lending_to.write_text(json.dumps({"line": line, **waits}))
+        floor = timedelta(minutes=params["report"]["estimate_floor_minutes"])
+        errors = estimate_errors(rec, floor).errors
+        args.without_lending_to.write_text(json.dumps({"line": line, "estimate_errors": errors, **waits}))
         return
     began = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the other week's process is ended too
     with tempfile.TemporaryDirectory(prefix="bench-lab-week-") as scratch:
         # The week without lending in a process of its own, beside this one's: two cores, half the time.
         out = Path(scratch) / "off.json"
@@ -303,6 +307,8 @@ def figures(params: dict[str, Any], on: Any, off: dict[str, Any]) -> None:
     report(f"  of jobs that started within 2 h ({len(est.short)}), median", short, "%", "", True)
     ordinary = 100 * statistics.median(est.ordinary or [0])
     report(f"  of ordinary jobs ({len(est.ordinary)}), median", ordinary, "%", "", True)
+    without = 100 * statistics.median(off["estimate_errors"] or [0])
+    report("  the same week without lending, median", without, "%", "", True)
     w_on, w_off = queue_waits(on, preemptible=False), off["ordinary"]
     for name, waits in (("on", w_on), ("off", w_off)):
         print(
