@@ -2,12 +2,16 @@
 come back the moment their owner does.
 
 **Lent.** A booking idle for LEND_AFTER_MINUTES (gpus/idle.py's clock: every card known unused,
-a share's card with no process at all), of a team that lends (`Team.lend_idle`, on by default),
+a share's card with no process at all; and no process on its cards in the last telemetry round,
+which is fresher than the clock), of a team that lends (`Team.lend_idle`, on by default),
 with no job or session of its own running and no loan already, may take a preemptible pending
 job (`loans_place`, called by each scheduler pass after the plan's own starts). The job gets a
 booking of its own, a *loan* (`Reservation.lent_from`), on whole cards of that booking (or a share
-of them for a share job), for its time limit; only a job whose loan ends within the lent booking
-is placed there, so a loan never outlives what it borrows. The loan is a booking like any other:
+of them for a share job), for its time limit, or until the lent booking ends if that is sooner (at
+least LOAN_MIN_MINUTES away): a loan never outlives what it borrows. A borrower still there as
+its loan reaches the lent booking's end is preempted LEND_GRACE_SECONDS and a little before
+(`loans_expire`, each scheduler pass): it goes back to the queue and resumes elsewhere from its
+checkpoint, as when the owner comes back. The loan is a booking like any other:
 the booking service checks it (beside the lent booking alone), quotas count it, the audit log has
 it, and the job's end releases it.
 
@@ -15,8 +19,11 @@ it, and the job's end releases it.
 booking, their first process on a lent card (seen in the telemetry, `loans_watch`), or *Take it
 back* on the booking's page preempts the borrower at once, with LEND_GRACE_SECONDS between
 SIGTERM and SIGKILL (jobs.preemption). The borrower goes back to the queue at its old place and
-resumes elsewhere from its checkpoint. The owner's processes are never intruders meanwhile: the
-card is still theirs (jobs.watchdog.rules sees their booking on it).
+resumes elsewhere from its checkpoint. The owner's job on the booking is sent to its host only once
+the borrower has left the cards (`JobQuerySet.borrowers_gone`, in jobs.services.dispatch): the
+scheduler's pass that the borrower's leaving wakes sends it, so it never starts beside a borrower
+still saving its checkpoint, and waits no longer than that. The owner's processes are never
+intruders meanwhile: the card is still theirs (jobs.watchdog.rules sees their booking on it).
 """
 
 from __future__ import annotations
@@ -30,12 +37,12 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.inventory import GPUInfo
-from gpus.models import Allocation, Reservation
+from gpus.models import Allocation, GPUProcess, Reservation
 from jobs.models import InteractiveSession, Job
 from jobs.preemption import job_preempt
 from jobs.queue.rules import Entry
@@ -46,6 +53,13 @@ log = logging.getLogger(__name__)
 
 # A pending job's reasons that lending can help: it waits for cards, not for a time or a limit.
 LENDING_HELPS = ("resources", "priority")
+# A loan shorter than this costs its borrower more (its start-up, the work since its last
+# checkpoint) than it gives: an idle booking ending sooner is not lent.
+LOAN_MIN_MINUTES = 30
+# A borrower whose loan ends with its lent booking is asked to leave this long before its grace
+# (LEND_GRACE_SECONDS): the scheduler's next passes (every QUEUE_SCHEDULE_SECONDS) and its
+# supervisor's poll must fit before the end, or its time would run out as a timeout, not a leave.
+EXPIRE_MARGIN = timedelta(seconds=15)
 
 
 @dataclass(frozen=True)
@@ -65,12 +79,16 @@ def lendable(now: datetime) -> list[Lendable]:
         reservation=OuterRef("pk"), status__in=InteractiveSession.ACTIVE
     )
     lent = Reservation.objects.loans_live(now).filter(lent_from=OuterRef("pk"))
+    # The idle clock moves once a round (IDLE_CHECK_SECONDS); the last telemetry round is fresher:
+    # an owner whose process just took a borrower's place must not see the card lent again.
+    in_use = GPUProcess.objects.filter(gpu__allocations__reservation=OuterRef("pk"))
     bookings = (
         Reservation.objects.with_status("active", now)
         .filter(lent_from=None, team__lend_idle=True, idle_since__lte=cutoff)
         .exclude(Exists(busy_jobs))
         .exclude(Exists(busy_sessions))
         .exclude(Exists(lent))
+        .exclude(Exists(in_use))
         .order_by("idle_since", "pk")
     )
     bookings = list(bookings)
@@ -131,7 +149,7 @@ def _matches(
     for entry in waiting:
         for lent in free:
             cards = _fits(entry, lent)
-            if not cards or now + entry.request.booked > lent.booking.end:
+            if not cards or lent.booking.end - now < timedelta(minutes=LOAN_MIN_MINUTES):
                 continue
             if take(entry, lent, cards):
                 free.remove(lent)
@@ -158,7 +176,7 @@ def _lend(entry: Entry, lent: Lendable, cards: list[str], now: datetime, bind: B
                 gpus=cards,
                 memory_mb=job.memory_mb,
                 start=now,
-                end=now + r.booked,
+                end=min(now + r.booked, lent.booking.end),  # preempted at its end (`loans_expire`)
                 note=f"Queued job {job.pk} ({job.name}), on booking {lent.booking.pk} lent to the queue",
                 now=now,
                 lent_from=lent.booking,
@@ -190,6 +208,26 @@ def loans_take_back(*, booking: Reservation | int, why: str, now: datetime | Non
     ]
     if asked:
         log.info("Booking %s taken back from jobs %s: %s", pk, asked, why)
+    return asked
+
+
+def loans_expire(now: datetime) -> list[int]:
+    """Each scheduler pass: the borrowers whose loan ends with its lent booking within their grace
+    (and EXPIRE_MARGIN) are asked to leave now, back to the queue, rather than run into the end
+    and time out. The jobs asked; safe to repeat (a job asked already is not asked again)."""
+    soon = now + timedelta(seconds=settings.LEND_GRACE_SECONDS) + EXPIRE_MARGIN
+    ending = Reservation.objects.loans_live(now).filter(
+        end__lte=soon,
+        end__gte=F("lent_from__end"),
+        lent_from__released_at=None,  # released by its owner: the cards are nobody's, the loan runs on
+        lent_from__cancelled_at=None,
+    )
+    jobs = Job.objects.filter(reservation__in=ending, status__in=Job.ON_CARDS, preempt_requested_at=None)
+    asked = []
+    for job, lender, end in jobs.values_list("pk", "reservation__lent_from_id", "reservation__end"):
+        why = f"booking {lender}, which it borrowed, ends at {timezone.localtime(end):%H:%M}"
+        if job_preempt(job=job, reason=why, grace_seconds=settings.LEND_GRACE_SECONDS, now=now):
+            asked.append(job)
     return asked
 
 

@@ -83,6 +83,16 @@ class JobQuerySet(RunQuerySet):
             return self
         return self.filter(models.Q(owner=user) | models.Q(team_id__in=teams_led_by(user)))
 
+    def borrowers_gone(self) -> JobQuerySet:
+        """The jobs whose booking has no borrower left on its cards (jobs/lending.py): a job of
+        the queue on a loan of that booking, still queued, starting or running. The owner's job
+        on a lent booking is sent to its host only then, so it never starts beside a borrower
+        that is still leaving (its grace: LEND_GRACE_SECONDS)."""
+        on_cards = Job.objects.filter(
+            reservation__lent_from=models.OuterRef("reservation"), status__in=Job.ON_CARDS
+        )
+        return self.exclude(models.Exists(on_cards))
+
 
 class Job(models.Model):
     class Status(models.TextChoices):
@@ -108,6 +118,8 @@ class Job(models.Model):
 
     ACTIVE = (Status.PENDING, Status.QUEUED, Status.STARTING, Status.RUNNING)
     FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED, Status.TIMED_OUT, Status.LOST)
+    # On its booking's cards, or about to be: a message may start it at any moment.
+    ON_CARDS = (Status.QUEUED, Status.STARTING, Status.RUNNING)
 
     class MemoryMode(models.TextChoices):
         LIMIT = "limit", "Limit to my booking"

@@ -37,12 +37,18 @@ log = logging.getLogger(__name__)
 
 PREEMPTED = "Preempted:"  # how a requeued job's message starts while it waits again
 # Where a preemption may still be asked for: the job holds (or is about to hold) cards.
-ON_CARDS = (Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
+ON_CARDS = Job.ON_CARDS
 
 
 def preempted_words(reason: str) -> str:
     """The line a preempted job's log and message carry: why it left, and what happens next."""
     return f"{PREEMPTED} {reason.rstrip('.')}. It goes back to the queue at its old place."
+
+
+def shut_down_words(host: str) -> str:
+    """Why a preemptible job left its cards when its worker shut down: not a person's cancel, so
+    it goes back to the queue like any preempted job (jobs/host/worker.py, jobs/host/runner.py)."""
+    return f"the worker on {host} shut down"
 
 
 def job_preempt(

@@ -47,10 +47,11 @@ def default_threads(share: int) -> tuple[int, int]:
 def dispatch(job: Job, now: datetime) -> bool:
     """Send the job id to its host's queue once this transaction commits; once per job
     (a conditional UPDATE, so two reconcilers racing send it once), and never for a job whose
-    owner's account was deactivated (jobs.leavers cancels it, saying why)."""
-    if not Job.objects.filter(owner_active(), pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None).update(
-        dispatched_at=now
-    ):
+    owner's account was deactivated (jobs.leavers cancels it, saying why). A job on a lent
+    booking waits until its borrowers have left the cards (`JobQuerySet.borrowers_gone`): the
+    scheduler's pass woken by their leaving sends it then (`jobs_due_dispatch`)."""
+    due = Job.objects.filter(owner_active(), pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None)
+    if not due.borrowers_gone().update(dispatched_at=now):
         return False
     job.dispatched_at = now
     queue = job.server.queue
@@ -122,17 +123,27 @@ def jobs_reconcile(
     now = now or timezone.now()
     done = {"leavers": leavers_stop(now=now), "team_leavers": team_leavers_stop(now=now)}
     done |= {"dispatched": 0, "lost": 0, "expired": 0, "sessions_lost": 0}
-    due = Job.objects.filter(
-        owner_active(), status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
-    )
-    for job in due.select_related("server"):
-        with transaction.atomic():
-            done["dispatched"] += dispatch(job, now)
+    done["dispatched"] = jobs_due_dispatch(now)
     labs_resend(now=now)
     if mark_lost:
         done |= runs_lost_mark(now=now, heard_for=heard_for)
     done["expired"] = _expired_cancel(now)
     return done
+
+
+def jobs_due_dispatch(now: datetime) -> int:
+    """Send every queued job that is due and not sent yet (its booking started, its borrowers
+    gone); how many were sent. The reconciler's, for a message that never went out; and each
+    scheduler pass's, so that an owner's job waiting on a lent booking starts as soon as the
+    borrower's leaving wakes the scheduler, not a reconcile interval later."""
+    due = Job.objects.filter(
+        owner_active(), status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
+    )
+    sent = 0
+    for job in due.borrowers_gone().select_related("server"):
+        with transaction.atomic():
+            sent += dispatch(job, now)
+    return sent
 
 
 def _expired_cancel(now: datetime) -> int:

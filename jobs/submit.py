@@ -600,10 +600,11 @@ def _check_thread_counts(intra: int | None, inter: int | None) -> tuple[int | No
 
 def _start_on_booking(user: AbstractBaseUser, job: Job, now: datetime) -> None:
     """A job on a booking that has started is sent at once; the owner comes first, so a job of the
-    queue on their lent booking leaves it now (jobs/lending.py)."""
+    queue on their lent booking leaves it now (jobs/lending.py), and this one is sent as soon as
+    it has left (jobs.services.dispatch waits for that; the pass its leaving wakes sends it)."""
     if job.not_before <= now:
-        dispatch(job, now)
         loans_take_back(booking=job.reservation_id, why=f"{user} started job {job.pk} on it", now=now)
+        dispatch(job, now)
 
 
 def _save_alone_on_booking(job: Job) -> None:

@@ -14,13 +14,18 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation
-from jobs.lending import lendable, lent_words, loans_watch
+from gpus.services import servers_report_ingest
+from jobs.host.spool import EndRecord
+from jobs.lending import lendable, lent_words, loans_expire, loans_watch
+from jobs.logs.store import LogWriter
 from jobs.models import Job
 from jobs.queue.scheduler import schedule_pass
+from jobs.runs import job_end_record
+from jobs.services import jobs_reconcile
 from jobs.sessions.services import session_start
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import AuditEntry, Team
-from tests.factories import MembershipFactory, UserFactory, queue_job
+from tests.factories import MembershipFactory, UserFactory, make_snapshot, queue_job
 
 pytestmark = pytest.mark.django_db
 
@@ -33,7 +38,9 @@ def carol(team):
 
 @pytest.fixture
 def idle_booking(alice, carol, box, settings):
-    """alice's booking of card 0, idle for 20 minutes (LEND_AFTER_MINUTES 15); carol holds the rest."""
+    """alice's booking of card 0, idle for 20 minutes (LEND_AFTER_MINUTES 15); carol holds the rest.
+    The last telemetry round shows no process on box1's cards."""
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])
     reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=timezone.now() + timedelta(hours=8))
     booking = reservation_create(user=alice, gpus=[box[0].uuid], end=timezone.now() + timedelta(hours=8))
     Reservation.objects.filter(pk=booking.pk).update(idle_since=timezone.now() - timedelta(minutes=20))
@@ -68,7 +75,7 @@ def test_a_preemptible_job_runs_on_a_booking_idle_long_enough(idle_booking, bob,
 
 
 @pytest.mark.parametrize(
-    "why", ["not idle long enough", "the team lends nothing", "it outlasts the booking", "a job of its own"]
+    "why", ["not idle long enough", "the team lends nothing", "the booking ends too soon", "a job of its own"]
 )
 def test_nothing_is_lent_when_it_should_not_be(idle_booking, alice, bob, team, sent, why):
     if why == "not idle long enough":
@@ -79,10 +86,34 @@ def test_nothing_is_lent_when_it_should_not_be(idle_booking, alice, bob, team, s
         Team.objects.filter(pk=team.pk).update(lend_idle=False)
     elif why == "a job of its own":
         job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
-    job = queue_job(bob, minutes=60 * 9 if why == "it outlasts the booking" else 60, preemptible=True)
+    elif why == "the booking ends too soon":  # LOAN_MIN_MINUTES: less than a loan is worth
+        Reservation.objects.filter(pk=idle_booking.pk).update(end=timezone.now() + timedelta(minutes=25))
+    job = queue_job(bob, minutes=60, preemptible=True)
     assert "lent" not in schedule_pass()
     job.refresh_from_db()
     assert job.status == Job.Status.PENDING
+
+
+def test_a_longer_job_borrows_until_the_booking_ends_and_leaves_before_it(idle_booking, bob, sent, settings):
+    settings.LEND_GRACE_SECONDS = 20
+    job = queue_job(bob, minutes=60 * 9, preemptible=True)  # the booking ends in 8 hours
+    assert schedule_pass().get("lent") == 1
+    job.refresh_from_db()
+    assert job.reservation.end == idle_booking.end  # never beyond what it borrows
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    assert loans_expire(idle_booking.end - timedelta(seconds=36)) == []  # not yet
+    assert loans_expire(idle_booking.end - timedelta(seconds=35)) == [job.pk]  # grace and margin
+    job.refresh_from_db()
+    assert job.preempt_grace_seconds == 20 and job.preempt_reason.startswith(
+        f"booking {idle_booking.pk}, which it borrowed, ends at "
+    )
+    assert loans_expire(idle_booking.end - timedelta(seconds=30)) == []  # asked once
+
+
+def test_a_job_whose_loan_ends_before_the_booking_is_left_to_its_time_limit(idle_booking, bob, sent):
+    job = _lent_job(bob, sent)  # 60 minutes, in a booking of 8 hours
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    assert loans_expire(job.reservation.end - timedelta(seconds=5)) == []
 
 
 def test_the_owners_job_on_the_booking_sends_the_borrower_away(idle_booking, alice, bob, sent, settings):
@@ -92,6 +123,63 @@ def test_the_owners_job_on_the_booking_sends_the_borrower_away(idle_booking, ali
     job.refresh_from_db()
     assert job.preempt_requested_at is not None and job.preempt_grace_seconds == 7
     assert job.preempt_reason == f"alice started job {job.pk + 1} on it"
+
+
+def _leaves(job: Job) -> None:
+    """What the borrower's supervisor records once its process is gone (jobs/host/runner.py)."""
+    record = EndRecord(
+        status=Job.Status.PENDING,
+        exit_code=-15,
+        message="Preempted: x.",
+        finished_at=timezone.now().isoformat(),
+    )
+    assert job_end_record(job.pk, LogWriter(job.pk), record)
+
+
+def test_the_owners_job_starts_only_once_the_borrower_has_left(
+    idle_booking, alice, bob, sent, monkeypatch, django_capture_on_commit_callbacks
+):
+    woken: list[str] = []
+    monkeypatch.setattr("portal.wakeups.wake", woken.append)
+    job = _lent_job(bob, sent)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    mine = job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+    mine.refresh_from_db()
+    # The borrower has its grace to leave: the owner's job is not sent to share the card with it.
+    assert mine.status == Job.Status.QUEUED and mine.dispatched_at is None
+    assert jobs_reconcile()["dispatched"] == 0 and "sent" not in schedule_pass()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _leaves(job)
+    assert "queue" in woken  # its leaving wakes the scheduler, whose pass sends the owner's job
+    assert schedule_pass()["sent"] == 1
+    mine.refresh_from_db()
+    assert mine.dispatched_at is not None
+
+
+def test_the_owners_job_goes_at_once_when_the_borrower_was_not_sent_yet(idle_booking, alice, bob, sent):
+    job = _lent_job(bob, sent)
+    Job.objects.filter(pk=job.pk).update(dispatched_at=None)  # as after a send that failed
+    mine = job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+    job.refresh_from_db()
+    mine.refresh_from_db()
+    assert job.status == Job.Status.PENDING and job.preemptions == 1  # put back, never started
+    assert mine.dispatched_at is not None
+
+
+def test_a_card_taken_back_by_its_owners_process_is_not_lent_again(idle_booking, bob, box, sent):
+    job = _lent_job(bob, sent)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    owners = make_snapshot("box1", gpus=4, processes=1)  # alice's process on every card, box1's too
+    servers_report_ingest(snapshots=[owners])
+    job.refresh_from_db()
+    assert job.preempt_requested_at is not None
+    _leaves(job)
+    # The idle clock still says idle (its round has not come), but the card shows her process.
+    assert Reservation.objects.get(pk=idle_booking.pk).idle_since is not None
+    assert "lent" not in schedule_pass()
+    job.refresh_from_db()
+    assert job.status == Job.Status.PENDING
 
 
 def test_the_owners_gpu_exec_sends_the_borrower_away(idle_booking, alice, bob, sent):

@@ -16,7 +16,14 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.models import Reservation
 from jobs.forms import JobForm
-from jobs.host.checkpoints import CHECKPOINT_VAR, PREEMPTIBLE_VAR, checkpoint_name, checkpoint_ready
+from jobs.host.checkpoints import (
+    CHECKPOINT_VAR,
+    PREEMPTIBLE_VAR,
+    checkpoint_name,
+    checkpoint_ready,
+    checkpoint_remove,
+    checkpoints_sweep,
+)
 from jobs.host.launch import Launch
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_stream
@@ -193,6 +200,29 @@ def test_a_checkpoint_folder_that_is_a_link_is_never_followed(alice, box, tmp_pa
     (Path(settings.JOB_FOLDERS) / checkpoint_name(job)).symlink_to(tmp_path)
     with pytest.raises(Exception, match="checkpoint folder"):
         checkpoint_ready(_launch(), job)
+
+
+def test_a_checkpoint_folder_stays_while_its_job_is_requeued_and_goes_when_it_ends(alice, box, settings):
+    job = queue_job(alice, preemptible=True)
+    folder = Path(checkpoint_ready(_launch(), job).env[CHECKPOINT_VAR])
+    (folder / "state").write_text("epoch 3")
+    (folder / "elsewhere").symlink_to(settings.JOB_FOLDERS)  # never followed by the removal
+    other_database = Path(settings.JOB_FOLDERS) / f"checkpoint-{job.pk}-20200101000000000000"
+    other_database.mkdir()
+
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.PENDING, preemptions=1)  # requeued
+    assert checkpoints_sweep() == 0 and (folder / "state").exists()
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.CANCELLED)  # cancelled while it waited
+    assert checkpoints_sweep() == 1
+    assert not folder.exists() and other_database.is_dir() and Path(settings.JOB_FOLDERS).is_dir()
+    assert checkpoints_sweep() == 0
+
+
+def test_the_supervisor_removes_the_folder_of_a_job_that_ended_for_good(alice, box):
+    job = queue_job(alice, preemptible=True)
+    folder = Path(checkpoint_ready(_launch(), job).env[CHECKPOINT_VAR])
+    assert checkpoint_remove(job) and not folder.exists()
+    assert not checkpoint_remove(job)  # nothing left: said, never raised
 
 
 def test_the_service_refuses_preemptible_on_a_booking(alice, box):

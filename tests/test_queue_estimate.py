@@ -14,10 +14,12 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import Reservation
+from gpus.services import servers_report_ingest
 from jobs.models import Job
+from jobs.queue.rules import START_SLACK
 from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.submit import ScriptUpload
-from tests.factories import MembershipFactory, UserFactory, queue_job
+from tests.factories import MembershipFactory, UserFactory, make_snapshot, queue_job
 from tests.test_cli import gpu, portal  # noqa: F401 - the live server and the CLI as a user runs it
 
 M = timedelta(minutes=1)
@@ -72,6 +74,28 @@ def test_the_estimate_counts_on_the_running_jobs_typical_run_time(api, alice, bo
     assert entry.estimated_start == running.reservation.end
 
 
+def test_the_estimate_counts_on_the_typical_run_of_the_jobs_ahead_too(alice, box, sent):
+    """A wide job waiting ahead holds the cards for its typical run in the shown plan; the job
+    behind still needs its whole time limit free, as the scheduler books it."""
+    _history(alice, [20, 30, 40])  # typical: 30 minutes, under a time limit of 120
+    running = _running_wide_job(alice, minutes=60)
+    ahead = queue_job(alice, gpus=4, minutes=120)  # train.py too
+    behind = queue_job(alice, gpus=4, minutes=60, script=ScriptUpload(name="mine.py", content=b"1\n"))
+    schedule_pass()
+    client = APIClient()
+    client.force_authenticate(alice)
+    row_ahead, row_behind = _row(client, ahead), _row(client, behind)
+    assert abs(_at(row_ahead) - (running.started_at + 30 * M)) < M
+    assert abs(_at(row_behind) - (_at(row_ahead) + 31 * M)) < M  # its typical run, and START_SLACK
+    # The scheduler's own plan: the time limits.
+    entries = {e.request.job_id: e for e in queue_plan()}
+    assert entries[behind.pk].estimated_start == entries[ahead.pk].estimated_start + ahead_booked(ahead)
+
+
+def ahead_booked(job: Job) -> timedelta:
+    return timedelta(minutes=job.time_limit_minutes) + START_SLACK
+
+
 def test_without_enough_history_the_time_limit_stands(api, alice, bob, box, sent):
     _history(alice, [20, 30])  # two runs: an anecdote
     _history(alice, [5, 5, 5], name="other.py")  # another script says nothing of this one
@@ -104,6 +128,7 @@ def test_a_preemptible_job_that_a_lent_booking_fits_starts_on_the_next_pass(api,
     reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=end)
     idle = reservation_create(user=alice, gpus=[box[0].uuid], end=end)
     Reservation.objects.filter(pk=idle.pk).update(idle_since=timezone.now() - 20 * M)
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])  # nobody on its cards
     ordinary = queue_job(bob, minutes=60)
     preemptible = queue_job(bob, minutes=60, preemptible=True)
     lent, waits = _row(api, preemptible), _row(api, ordinary)

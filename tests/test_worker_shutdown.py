@@ -5,6 +5,7 @@ handler takes a fresh connection for the row (the old one may have died with a r
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 import pytest
@@ -16,9 +17,13 @@ from jobs import signals
 from jobs.host import worker as host_worker
 from jobs.host.runner import job_run
 from jobs.host.spool import stop_flag
+from jobs.host.worker import running_jobs_stop
 from jobs.logs.store import log_stream
 from jobs.models import Job
+from jobs.preemption import preempted_words
+from jobs.queue.scheduler import schedule_pass
 from jobs.submit import ScriptUpload, job_submit
+from tests.factories import queue_job
 from tests.waiting import wait_for
 
 SLEEPER = b"import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n"
@@ -46,6 +51,46 @@ def test_a_shutdown_stops_a_running_job_without_the_database(alice, box, flag, s
     job.refresh_from_db()
     assert job.message == f"The worker on {os.uname().nodename} shut down."
     assert "shut down. Sending SIGTERM" in b"".join(log_stream(job.pk)).decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_shutdown_sends_a_preemptible_job_back_to_the_queue(alice, box, flag, settings):
+    """Nobody cancelled it: it goes back to the queue at its old place, as a preempted job does,
+    its log saying why, and resumes from its checkpoint on its next run."""
+    settings.JOB_KILL_GRACE_SECONDS = 1
+    job = queue_job(alice, preemptible=True, script=ScriptUpload(name="s.py", content=SLEEPER))
+    schedule_pass()
+    outcome: list[str | None] = []
+    runner = threading.Thread(target=lambda: outcome.append(job_run(job.pk)))
+    runner.start()
+    wait_for(lambda: b"sleeping" in b"".join(log_stream(job.pk)), timeout=30, what="the job to run")
+    flag.touch()
+    runner.join(timeout=30)
+    assert outcome == [Job.Status.PENDING]
+    job.refresh_from_db()
+    why = preempted_words(f"the worker on {os.uname().nodename} shut down")
+    assert why.endswith("shut down. It goes back to the queue at its old place.")
+    assert (job.status, job.preemptions, job.message, job.cancel_requested_at) == ("pending", 1, why, None)
+    assert f"{why} Sending SIGTERM" in b"".join(log_stream(job.pk)).decode()
+
+
+@pytest.mark.django_db
+def test_the_shutdown_handler_asks_preemptible_jobs_to_leave_and_cancels_the_rest(
+    alice, box, flag, settings, monkeypatch
+):
+    settings.WORKER_SERVER = "box1"
+    monkeypatch.setattr(host_worker.connection, "close", lambda: None)  # the test's transaction stays
+    here = {"status": Job.Status.RUNNING, "worker": socket.gethostname(), "pid": 4242}
+    preemptible = queue_job(alice, preemptible=True)
+    ordinary = queue_job(alice)
+    schedule_pass()
+    Job.objects.filter(pk__in=[preemptible.pk, ordinary.pk]).update(**here)
+    assert running_jobs_stop() == 2
+    preemptible.refresh_from_db()
+    ordinary.refresh_from_db()
+    assert preemptible.cancel_requested_at is None and preemptible.preempt_requested_at is not None
+    assert preemptible.preempt_reason == f"the worker on {socket.gethostname()} shut down"
+    assert ordinary.cancel_requested_at is not None and ordinary.preempt_requested_at is None
 
 
 @pytest.mark.django_db

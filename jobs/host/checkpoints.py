@@ -12,22 +12,33 @@ reset database from ever finding this one's). The job learns it from two variabl
 
 On another server the folder is only the same one where JOB_FOLDERS is shared storage; otherwise
 a run there starts from the beginning (docs/queue.md, "Preemptible jobs").
+
+The folder goes when the job ends for good (succeeded, failed, cancelled, timed out, lost): at
+once by the supervisor that recorded the end (`checkpoint_remove`), and by each host's sweep
+(`checkpoints_sweep`, every CHECKPOINT_SWEEP_SECONDS in the host's pickup thread) for a job that
+ended while it waited in the queue, or on another host. A requeued job keeps it.
 """
 
 from __future__ import annotations
 
+import logging
+
 from jobs.environment import JobSetupError
-from jobs.host.folders import JobFolderError, job_folder_keep
+from jobs.host.folders import JobFolderError, job_folder_keep, job_folder_names, job_folder_remove
 from jobs.host.launch import Launch
 from jobs.models import Job
 
+log = logging.getLogger(__name__)
+
 PREEMPTIBLE_VAR = "PORTAL_PREEMPTIBLE"
 CHECKPOINT_VAR = "PORTAL_CHECKPOINT_DIR"
+PREFIX = "checkpoint-"
+CHECKPOINT_SWEEP_SECONDS = 300  # the hosts' sweep of ended jobs' folders: cheap, and never urgent
 
 
 def checkpoint_name(job: Job) -> str:
     """The folder's name under JOB_FOLDERS: this job's, and no other database's job of that id."""
-    return f"checkpoint-{job.pk}-{job.created_at:%Y%m%d%H%M%S%f}"
+    return f"{PREFIX}{job.pk}-{job.created_at:%Y%m%d%H%M%S%f}"
 
 
 def checkpoint_ready(launch: Launch, job: Job) -> Launch:
@@ -56,3 +67,29 @@ def came_back_words(job: Job, applied: dict[str, str]) -> str:
         f"[portal] back from the queue: this job was preempted {times} and runs again; "
         f"it resumes from what it kept in {CHECKPOINT_VAR} ({where})."
     )
+
+
+def checkpoint_remove(job: Job) -> bool:
+    """The job ended for good: its checkpoint folder on this host goes. Whether one was there.
+    A failure is logged, never raised: the sweep tries again."""
+    try:
+        return job_folder_remove(checkpoint_name(job))
+    except OSError as exc:
+        log.warning("Job %s: could not remove its checkpoint folder (%s); the sweep tries again", job.pk, exc)
+        return False
+
+
+def checkpoints_sweep() -> int:
+    """This host's checkpoint folders of jobs that have ended for good, removed; how many. A job
+    still in the queue or running keeps its folder; a folder no job of this database names (an
+    earlier, reset database's: its submit time differs) is left alone for its admin."""
+    names = job_folder_names(PREFIX)
+    ids = {int(name.split("-")[1]) for name in names if name.count("-") == 2 and name.split("-")[1].isdigit()}
+    if not ids:
+        return 0
+    ended = Job.objects.filter(pk__in=ids, status__in=Job.FINISHED).only("pk", "created_at")
+    removed = 0
+    for job in ended:
+        if checkpoint_name(job) in names:
+            removed += checkpoint_remove(job)
+    return removed

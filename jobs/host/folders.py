@@ -38,6 +38,7 @@ import logging
 import os
 import pwd
 import secrets
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,3 +370,36 @@ def job_folder_keep(name: str, *, account: pwd.struct_passwd | None) -> Path:
     finally:
         os.close(root_fd)
     return root / name
+
+
+def job_folder_names(prefix: str) -> list[str]:
+    """The names in JOB_FOLDERS that start with `prefix` (none while it does not exist yet)."""
+    root = Path(settings.JOB_FOLDERS)
+    if not root.exists():
+        return []
+    root_fd = _open_root(root)
+    try:
+        return sorted(name for name in os.listdir(root_fd) if name.startswith(prefix))
+    finally:
+        os.close(root_fd)
+
+
+def job_folder_remove(name: str) -> bool:
+    """`<JOB_FOLDERS>/<name>` and everything in it, removed through descriptors (shutil.rmtree's
+    fd-based walk never follows a link: a link planted inside goes, not what it points to; a link
+    in its place is unlinked alone). Whether anything was there."""
+    if not plain_file_name(name):
+        raise JobFolderError(f"{name!r} is not a plain folder name.")
+    root_fd = _open_root(Path(settings.JOB_FOLDERS))
+    try:
+        try:
+            st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=root_fd)
+        else:
+            os.unlink(name, dir_fd=root_fd)
+        return True
+    finally:
+        os.close(root_fd)

@@ -21,6 +21,7 @@ start one per server; its node name is the server's), so per server is per worke
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -28,6 +29,7 @@ from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from gpus.models import Server
+from jobs.host.checkpoints import CHECKPOINT_SWEEP_SECONDS, checkpoints_sweep
 from jobs.leavers import owner_active
 from jobs.models import InteractiveSession, Job
 from jobs.services import dispatch
@@ -83,12 +85,14 @@ def slots_report(server: str, *, slots: int, now: datetime) -> None:
 
 
 class HostPickup(PeriodicThread):
-    """In a GPU host's worker: its queued jobs whose message was lost are sent again."""
+    """In a GPU host's worker: its queued jobs whose message was lost are sent again; and, every
+    CHECKPOINT_SWEEP_SECONDS, the checkpoint folders of jobs that ended go (jobs/host/checkpoints.py)."""
 
     def __init__(self, server: str, slots: int) -> None:
         super().__init__("job-pickup", settings.JOB_RECONCILE_SECONDS)
         self.server, self.slots = server, max(1, slots)
         self.seen: set[int] = set()  # stranded in the last round: sent if still so in this one
+        self.swept_at: float | None = None  # the last sweep of ended jobs' checkpoint folders
 
     def step(self) -> None:
         close_old_connections()
@@ -104,3 +108,7 @@ class HostPickup(PeriodicThread):
                 self.server,
             )
         self.seen = {job.pk for job in stranded} - set(sent)
+        if self.swept_at is None or time.monotonic() - self.swept_at >= CHECKPOINT_SWEEP_SECONDS:
+            self.swept_at = time.monotonic()
+            if removed := checkpoints_sweep():
+                log.info("Removed %d checkpoint folder(s) of jobs that ended", removed)

@@ -35,7 +35,7 @@ from django.utils import timezone
 from gpus.booking import released_words
 from gpus.models import Reservation
 from jobs.environment import JobSetupError
-from jobs.host.checkpoints import came_back_words, checkpoint_ready
+from jobs.host.checkpoints import came_back_words, checkpoint_ready, checkpoint_remove
 from jobs.host.dcgm import job_name, work_ended, work_started
 from jobs.host.end import job_end_keep
 from jobs.host.executors import Run, RunEnd, RunOutput, executor_for
@@ -46,7 +46,7 @@ from jobs.host.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
-from jobs.preemption import preempted_words
+from jobs.preemption import preempted_words, shut_down_words
 from jobs.runs import LOST_FOUND_ALIVE, queued_job_ended
 from portal.outage import WHAT, outage_of
 
@@ -558,7 +558,13 @@ class Supervisor:
         if self.shutting_down or not any(flag.exists() for flag in self.stop_flags):
             return
         self.shutting_down = True  # its end is then spooled at once, never waited for
-        if not self.stop_reason:
+        if self.stop_reason:
+            return
+        if self.job.preemptible and self.job.queued:
+            # Nobody cancelled it: back to the queue as a preempted job (jobs.preemption), to
+            # resume from its checkpoint, never counted as cancelled (running_jobs_stop's rule).
+            self._stop(Job.Status.PENDING, preempted_words(shut_down_words(socket.gethostname())))
+        else:
             self._stop(Job.Status.CANCELLED, f"The worker on {socket.gethostname()} shut down.")
 
     def _stop(self, status: str, message: str, *, grace: int | None = None) -> None:
@@ -664,6 +670,8 @@ class Supervisor:
         work_ended(job_name(self.job.pk))  # again: a refresh may have read the row before its end
         if stored:
             self._guarded(lambda: queued_job_ended(self.job))
+        if stored and self.job.preemptible and status in Job.FINISHED:
+            checkpoint_remove(self.job)  # ended for good; a requeued job (PENDING) keeps it
 
     def _stopping(self) -> bool:
         self.shutting_down = self.shutting_down or worker_stopping()

@@ -39,6 +39,7 @@ from jobs.host.folders import FolderError, job_folders_check
 from jobs.host.spool import spool_check, stop_flag, stop_flag_lower, stop_flag_raise
 from jobs.logs.store import log_append
 from jobs.models import Job
+from jobs.preemption import shut_down_words
 from portal.accounts import JOB_USER_OWNER, unix_account_name
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
@@ -250,14 +251,24 @@ def running_jobs_stop() -> int:
         except OSError:
             log.exception("Could not write the stop flag %s", flag)
     connection.close()
+    now, host = timezone.now(), socket.gethostname()
     try:
-        stopping = Job.objects.filter(
+        mine = Job.objects.filter(
             status__in=(Job.Status.STARTING, Job.Status.RUNNING),
             server__name=settings.WORKER_SERVER,
-            worker=socket.gethostname()[:200],
+            worker=host[:200],
             cancel_requested_at=None,
-        ).update(
-            cancel_requested_at=timezone.now(), message=f"The worker on {socket.gethostname()} shut down."
+        )
+        # A preemptible job goes back to the queue, as when preempted (jobs.preemption): nobody
+        # cancelled it, and it resumes from its checkpoint elsewhere. One asked to leave already
+        # keeps its first reason.
+        stopping = mine.filter(preemptible=True, queued=True, preempt_requested_at=None).update(
+            preempt_requested_at=now,
+            preempt_reason=shut_down_words(host),
+            preempt_grace_seconds=settings.JOB_KILL_GRACE_SECONDS,
+        )
+        stopping += mine.filter(preemptible=False).update(
+            cancel_requested_at=now, message=f"The worker on {host} shut down."
         )
     except DatabaseError:
         log.warning("Worker shutting down while the database is away: its jobs stop by the flag alone")

@@ -10,18 +10,20 @@ past its typical time ends "any minute now". Each estimate says its basis (`Entr
 - `begin_time`: it asked not to start before then (`--begin`);
 - `lending`: a preemptible job that fits on an idle booking lent to the queue: the next pass;
 - `plan`: the calendar: bookings, the running jobs' expected ends, and the jobs ahead's shadows
-  (their time limits);
+  (each for its expected run, `expected_requests`; a job's own start still needs room for its
+  whole time limit, as the scheduler books it);
 - empty, with no estimate: beyond QUEUE_BACKFILL_DEPTH, or no server it may use takes work now.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from jobs.lending import loans_preview
 from jobs.models import Job
-from jobs.queue.rules import START_SLACK, Entry
+from jobs.queue.rules import START_SLACK, Entry, Request
 from jobs.rightsizing import typical_minutes
 
 
@@ -45,6 +47,19 @@ def expected_ends(now: datetime) -> dict[int, datetime]:
         if expected < end:
             ends[booking] = expected
     return ends
+
+
+def expected_requests(requests: Sequence[Request]) -> list[Request]:
+    """The pending jobs, each with how long it is expected to run (its owner's typical run of its
+    script) where that is known: the jobs after it count on its cards from then. Two reads."""
+    names = dict(Job.objects.filter(pk__in=[r.job_id for r in requests]).values_list("pk", "name"))
+    typical = typical_minutes({(r.user_id, names[r.job_id]) for r in requests if r.job_id in names})
+    return [
+        replace(r, expected_minutes=minutes)
+        if (minutes := typical.get((r.user_id, names.get(r.job_id, "")))) is not None
+        else r
+        for r in requests
+    ]
 
 
 def with_lending(entries: Sequence[Entry], now: datetime) -> None:

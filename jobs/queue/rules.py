@@ -152,12 +152,23 @@ class Request:
     array_id: int | None = None
     # A job in a container image: the servers that have it and where containers work (None: any).
     servers: frozenset[int] | None = None
+    # How long it is expected to run (jobs/queue/expected.py; the pages' plan only, never a pass's):
+    # the jobs after it count on its cards from then. Its own start still needs its whole window.
+    expected_minutes: int | None = None
 
     @property
     def booked(self) -> timedelta:
         """How long its booking lasts once it starts: the time limit and START_SLACK. The plan
         checks this window, the one the scheduler asks the booking service for."""
         return timedelta(minutes=self.minutes) + START_SLACK
+
+    @property
+    def holds(self) -> timedelta:
+        """How long the plan keeps its cards from the jobs after it: its booking, or what it is
+        expected to take (shorter, never longer)."""
+        if self.expected_minutes is None:
+            return self.booked
+        return min(self.booked, timedelta(minutes=self.expected_minutes) + START_SLACK)
 
 
 @dataclass(frozen=True)
@@ -367,7 +378,7 @@ def plan(
             cards = [] if _dominated(shape, refused[where]) else _fit_now(calendar, r, draining)
             if cards:
                 entry.start_now = cards
-                calendar.add(cards, now, now + r.booked, r.memory_mb)
+                calendar.add(cards, now, now + r.holds, r.memory_mb)
                 server = calendar.cards[cards[0]].server_id
                 if server in calendar.slots:
                     calendar.slots[server] -= 1
@@ -385,9 +396,8 @@ def plan(
             entry.estimated_start, entry.basis = at, ("plan" if at is not None else "")
             if at is not None and server is not None:
                 # The shadow: the jobs after this one must leave room for it at its estimate.
-                end = at + r.booked
-                held = calendar.free_cards(server, at, end, r.memory_mb)[: r.gpu_count]
-                calendar.add(held, at, end, r.memory_mb, shadow=True)
+                held = calendar.free_cards(server, at, at + r.booked, r.memory_mb)[: r.gpu_count]
+                calendar.add(held, at, at + r.holds, r.memory_mb, shadow=True)
                 entry.held = held
                 shadows += 1
     return entries

@@ -35,13 +35,13 @@ from gpus.hooks import QueueHold
 from gpus.images import runnable_servers
 from gpus.models import GPU, Allocation, Reservation, Server
 from jobs.leavers import owner_active
-from jobs.lending import loans_place
+from jobs.lending import loans_expire, loans_place
 from jobs.logs.live import job_changed
 from jobs.models import InteractiveSession, Job
-from jobs.queue.expected import expected_ends, with_lending
+from jobs.queue.expected import expected_ends, expected_requests, with_lending
 from jobs.queue.rules import Calendar, Card, Entry, Request, Shares, Usage, Weights, decayed_hours, plan
 from jobs.runs import queued_job_ended
-from jobs.services import cpu_share, default_threads, dispatch
+from jobs.services import cpu_share, default_threads, dispatch, jobs_due_dispatch
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
 from portal.names import redis_key
@@ -115,6 +115,8 @@ def queue_plan(
     requests = [r for r in _pending() if r.job_id not in leave_out]
     if not requests:
         return []
+    if expected:
+        requests = expected_requests(requests)
     shares, usage = fairshare_state(now, memory, shared=shared_usage)
     online = list(Server.objects.online().portal_scheduled().values_list("pk", "draining"))
     # The calendar as far as the longest pending job reaches, and QUEUE_ESTIMATE_HORIZON_HOURS on:
@@ -157,6 +159,8 @@ def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = No
     memory = memory or PassMemory()
     done: Counter[str] = Counter()
     done["released"] = _release_ended(now)
+    if sent := jobs_due_dispatch(now):  # an owner's job whose borrowers just left its cards
+        done["sent"] = sent
     refused: dict[int, Refusal] = {}
     for _round in range(1 + QUEUE_REPLANS):
         entries = queue_plan(
@@ -178,7 +182,10 @@ def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = No
                 newly = True
         if not newly:
             break
-    # What still waits and may be preempted: on an idle booking lent to the queue (jobs/lending.py).
+    # What still waits and may be preempted: on an idle booking lent to the queue (jobs/lending.py),
+    # where a borrower whose lent booking is about to end leaves first.
+    if expiring := loans_expire(now):
+        done["expired_loans"] = len(expiring)
     if lent := loans_place([e for e in entries if e.request.job_id not in refused], now, bind=_bind_and_send):
         done["lent"] = lent
     _record_reasons(entries, refused)
