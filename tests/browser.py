@@ -171,11 +171,32 @@ def shared_chromium(config: pytest.Config) -> Chromium:
     return config.stash[_CHROMIUM]
 
 
+INSTALL = "sudo apt-get install chromium"
+
+
+def chromium_missing_header() -> str | None:
+    """The test run's one line about a missing Chromium (tests/conftest.py's report header), or
+    None when it is there: said once at the top, with the command, not in a skip line a test."""
+    if shutil.which(CHROMIUM):
+        return None
+    if os.environ.get("CI"):
+        return f"no Chromium at {CHROMIUM}: the browser tests fail (.ci/run installs it)"
+    return f"no Chromium at {CHROMIUM}: the browser tests are left out; install it with `{INSTALL}`"
+
+
+def left_out_without_chromium(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The browser tests to deselect at collection: every one where Chromium is missing, outside
+    CI (on CI they run, and fail saying so); none where it is there."""
+    if shutil.which(CHROMIUM) or os.environ.get("CI"):
+        return []
+    return [item for item in items if item.get_closest_marker("browser")]
+
+
 def _require_chromium() -> None:
     if not shutil.which(CHROMIUM):
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium) — browser tests skipped")
+        pytest.skip("no Chromium (the header says how to install it)")
 
 
 @pytest.fixture
