@@ -14,6 +14,7 @@ from __future__ import annotations
 import zoneinfo
 from functools import cache
 from typing import NamedTuple
+from urllib.parse import unquote
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -60,10 +61,18 @@ def zone_of(request: HttpRequest, facts: _SessionFacts | None = None) -> tuple[s
     chosen = facts.chosen if facts is not None else ""
     if chosen and valid_time_zone(chosen):
         return chosen, "profile"
-    browser = valid_time_zone(request.COOKIES.get(BROWSER_COOKIE, ""))
+    browser = browser_zone(request)
     if browser:
         return browser, "browser"
     return settings.TIME_ZONE, "portal"
+
+
+def browser_zone(request: HttpRequest) -> str | None:
+    """The IANA zone the browser's cookie names, or None. portal.js writes it with
+    encodeURIComponent (`Europe%2FBerlin`) and Django hands cookie values over undecoded, so it is
+    decoded here, the one place that reads it; a raw name (curl's `-b browser_tz=Asia/Tokyo`)
+    decodes to itself. Anything that is not a zone once decoded (a path, a typo) is refused."""
+    return valid_time_zone(unquote(request.COOKIES.get(BROWSER_COOKIE, "")[:256]))
 
 
 def remember_on_sign_in(sender, request, user, **kwargs) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,8 @@ at the first tab a test opens: a process that runs no browser test starts none. 
 fresh browser context (its own cookies, storage and cache), closed when the test ends; a Chromium
 that died since the last tab (a crash) is launched again for the next. The `chromium` fixture
 hands out tabs with context options of their own (a phone's viewport); `page` and `asgi_page`
-are desktop tabs on the WSGI and the ASGI server."""
+are desktop tabs on the WSGI and the ASGI server, `page_in(zone)` one whose browser's clock is in
+a time zone of the test's."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import asyncio
 import os
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -170,11 +171,32 @@ def shared_chromium(config: pytest.Config) -> Chromium:
     return config.stash[_CHROMIUM]
 
 
+INSTALL = "sudo apt-get install chromium"
+
+
+def chromium_missing_header() -> str | None:
+    """The test run's one line about a missing Chromium (tests/conftest.py's report header), or
+    None when it is there: said once at the top, with the command, not in a skip line a test."""
+    if shutil.which(CHROMIUM):
+        return None
+    if os.environ.get("CI"):
+        return f"no Chromium at {CHROMIUM}: the browser tests fail (.ci/run installs it)"
+    return f"no Chromium at {CHROMIUM}: the browser tests are left out; install it with `{INSTALL}`"
+
+
+def left_out_without_chromium(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The browser tests to deselect at collection: every one where Chromium is missing, outside
+    CI (on CI they run, and fail saying so); none where it is there."""
+    if shutil.which(CHROMIUM) or os.environ.get("CI"):
+        return []
+    return [item for item in items if item.get_closest_marker("browser")]
+
+
 def _require_chromium() -> None:
     if not shutil.which(CHROMIUM):
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium) — browser tests skipped")
+        pytest.skip("no Chromium (the header says how to install it)")
 
 
 @pytest.fixture
@@ -188,6 +210,18 @@ def page(live_server, pytestconfig: pytest.Config) -> Iterator[Page]:  # type: i
     """A Chromium tab on the portal as Django's live server (WSGI) serves it."""
     with shared_chromium(pytestconfig).tab(live_server.url) as tab:
         yield tab
+
+
+@pytest.fixture
+def page_in(live_server, pytestconfig: pytest.Config) -> Callable[[str], AbstractContextManager[Page]]:  # type: ignore[no-untyped-def]
+    """Tabs on the live server whose browser's clock is in `zone` (Playwright's timezone_id: the
+    page's Intl and Date follow it, as on a laptop set to that zone): `with page_in("Asia/Tokyo")
+    as tab:`. Each is a fresh context, so two in one test are two browsers."""
+
+    def opened(zone: str) -> AbstractContextManager[Page]:
+        return shared_chromium(pytestconfig).tab(live_server.url, timezone_id=zone)
+
+    return opened
 
 
 @pytest.fixture

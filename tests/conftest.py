@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from portal.env import database_url
 from portal.models import Membership
+from tests.browser import chromium_missing_header, left_out_without_chromium
 from tests.celery_workers import StartWorker
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
 from tests.isolation import OUTPUT, ROOT, RUN  # noqa: F401 - this process's own, for the tests
@@ -203,13 +204,22 @@ def start_worker(transactional_db) -> Iterator[StartWorker]:
     start.stop()
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """A missing Chromium said once, at the top (under xdist, by the controller)."""
+    return chromium_missing_header()
+
+
 # The long tests first, so that under xdist none of them starts last and runs alone at the end
 # while the other workers have nothing left (worksteal balances what remains; it cannot split a
 # test). Most of their time is waiting on real processes, which is what parallel runs overlap.
 _FIRST = ("faults", "worker", "browser")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if left_out := left_out_without_chromium(items):  # the header said why, once
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
+
     def rank(item: pytest.Item) -> int:
         if item.path.name == "test_runportal.py":
             return 0  # whole portals started and restarted: the longest after the fault suite

@@ -14,8 +14,10 @@ from django.utils import timezone
 
 from gpu_cli import config
 from gpus.booking import reservation_create
+from gpus.services import server_report_ingest
 from jobs.models import InteractiveSession
 from portal.services import api_token_create
+from tests.factories import make_snapshot
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -69,6 +71,24 @@ def test_exec_on_another_host_is_refused_and_runs_nothing(env, alice, box, tmp_p
     )
     assert done.returncode == 1 and "no booking active now on box9" in done.stderr
     assert not marker.exists() and not InteractiveSession.objects.exists()
+
+
+def test_on_a_simulated_server_the_refusal_says_how_and_that_works(env, alice, tmp_path):
+    """`make run`'s inventory: the booking's server has no machine of its own, so "run it there"
+    cannot be done; the refusal names GPU_SERVER (issue 38), and following it runs the command."""
+    server_report_ingest(snapshot=make_snapshot("sim-rtx-4x24", gpus=4, simulated=True))
+    booking = reservation_create(user=alice, gpus=["GPU-sim-rtx-4x24-00"], memory_mb=8192)
+    marker = tmp_path / "ran"
+    here = {name: value for name, value in env.items() if name != "GPU_SERVER"}  # this hostname
+    argv = [GPU_BIN, "exec", "-r", str(booking.pk), "--", "touch", str(marker)]
+    done = subprocess.run(argv, env=here, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and not marker.exists()
+    assert "sim-rtx-4x24 is simulated" in done.stderr and "GPU_SERVER=sim-rtx-4x24 gpu exec …" in done.stderr
+    done = subprocess.run(
+        argv, env={**here, "GPU_SERVER": "sim-rtx-4x24"}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert marker.exists()
 
 
 def test_an_end_asked_for_on_the_portal_stops_the_command(env, alice, box):

@@ -7,11 +7,13 @@ it, so the file and the check cannot drift apart.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from django.urls import reverse
 
@@ -109,6 +111,35 @@ def test_through_the_proxy_pages_carry_hsts_and_secure_cookies(client, https, dj
     assert page.cookies["csrftoken"]["secure"]
     assert login.status_code == 302
     assert login.cookies["sessionid"]["secure"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_browsers_sign_in_through_the_documented_proxy_passes_the_csrf_check(
+    live_server, https, settings, alice
+):
+    """Issue 38: the test client skips the CSRF check, so the sign-in above never met it. Here it
+    is sent over HTTP as nginx (docs/deploy.md: Host $host, X-Forwarded-Proto $scheme) passes a
+    browser's on: its Origin and Referer, and its Secure cookies, which an http:// client would
+    not send by itself."""
+    settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "portal.example.org"]
+    site = "https://portal.example.org"
+    proxied = {"Host": "portal.example.org", "X-Forwarded-Proto": "https"}
+    with httpx.Client(base_url=live_server.url, headers=proxied, timeout=10) as http:
+        page = http.get("/login/")
+        assert page.status_code == 200, page.text
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+        form = {"username": "alice", "password": "password", "csrfmiddlewaretoken": token[1] if token else ""}
+        sent = {
+            "Origin": site,
+            "Referer": f"{site}/login/",
+            "Cookie": f"csrftoken={page.cookies['csrftoken']}",
+        }
+        answer = http.post("/login/", data=form, headers=sent)
+        assert answer.status_code == 302 and answer.headers["Location"] == "/", answer.text[:500]
+        assert "sessionid" in answer.cookies
+        # Another site's page posting the same form is refused.
+        forged = http.post("/login/", data=form, headers={**sent, "Origin": "https://evil.example"})
+        assert forged.status_code == 403
 
 
 @pytest.mark.django_db

@@ -11,6 +11,7 @@ import runpy
 from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from django.db import connection
 from django.test import Client
@@ -98,6 +99,33 @@ def test_it_answers_prometheus_with_the_token(client):
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
     assert "gpu_portal_jobs" in response.content.decode()
+
+
+# A scrape as Prometheus 2.x/3.x sends it: its Accept (OpenMetrics first), gzip, its timeout
+# header, and the bearer token from `credentials_file`, which it trims as the portal trims
+# METRICS_TOKEN_FILE.
+PROMETHEUS_HEADERS = {
+    "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "Accept-Encoding": "gzip",
+    "User-Agent": "Prometheus/2.53.0",
+    "X-Prometheus-Scrape-Timeout-Seconds": "10",
+}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_scrape_over_http_as_prometheus_sends_it(live_server, tmp_path):
+    """Issue 38: over real HTTP, not the test client. Prometheus reads any text/plain answer with
+    its text parser (OpenMetrics only when the answer says so), so the answer must say text/plain."""
+    credentials = tmp_path / "metrics-token"
+    credentials.write_text(TOKEN + "\n")
+    token = credentials.read_text().strip()  # prometheus/common's readCredentialsFile: TrimSpace
+    headers = {**PROMETHEUS_HEADERS, "Authorization": f"Bearer {token}"}
+    response = httpx.get(f"{live_server.url}/metrics", headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["Content-Type"].split(";")[0] == "text/plain"
+    families = {family.name for family in text_string_to_metric_families(response.text)}
+    assert "gpu_portal_jobs" in families
 
 
 def test_it_only_reads(client):

@@ -327,6 +327,9 @@ def runportal(tmp_path) -> Iterator[tuple[subprocess.Popen, Api, Path]]:
             "JOB_LOST_AFTER_SECONDS": "10",
             "JOB_RECONCILE_SECONDS": "1",
             "JOB_KILL_GRACE_SECONDS": "2",
+            # Set too: alone, the job's grace stands in for the watchdog's, which every process
+            # warns about at start, after the URL (portal/settings.py, this release only).
+            "WATCHDOG_KILL_GRACE_SECONDS": "2",
             "RUNPORTAL_STOP_GRACE_SECONDS": "10",
             "PYTHONUNBUFFERED": "1",
         }
@@ -381,6 +384,21 @@ def _job_on_rp1(api: Api, name: str, script: bytes) -> tuple[int, int]:
     return booking, job_id
 
 
+def _check_the_greeting(output: str, port: str) -> None:
+    """What `make run` leaves on screen once its workers are up (issue 38): the URL and the demo
+    logins last; as root (a container, a first try on a lab server), why, said once before them,
+    and none of Celery's own warnings, one per worker, after them."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert lines[-3].startswith("GPU lab portal: http://localhost:"), lines[-6:]
+    assert lines[-2].startswith(f"JupyterLab sessions: http://127.0.0.1:{port}/")
+    assert lines[-1].startswith(f"Demo logins: admin, leader, alice, bob / password {PASSWORD!r}")
+    assert "superuser privileges" not in output
+    notes = [line for line in lines if line.startswith("Running as root")]
+    assert len(notes) == (1 if os.geteuid() == 0 else 0), notes
+    if notes:
+        assert "JOB_USER is not set, so jobs run as root too" in notes[0] and "JOB_USER=@owner" in notes[0]
+
+
 @pytest.mark.worker
 def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     proc, api, log_path = runportal
@@ -392,6 +410,7 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     status, body = Api(f"http://127.0.0.1:{port}").call("GET", "/login/")
     assert status == 404 and body.startswith(b"Only JupyterLab sessions are served here"), body
     booking, job_id = _job_on_rp1(api, "sleeper.py", SLEEPER)
+    _check_the_greeting(output(), port)  # both workers are up: rp1 reported, the collector took it
     # Its card shows it as the job's: the worker gave it this portal's PORTAL_INSTANCE, and the
     # simulated backend shows only processes that carry it (gpus/simulated/local_jobs.py).
     wait_for(lambda: f"job {job_id}" in _jobs_on_cards(api, "rp1"), timeout=30, what="the job on its card")

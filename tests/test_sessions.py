@@ -15,12 +15,14 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation, Server
+from gpus.services import server_report_ingest
 from jobs.host.watchdog import _sessions_of
 from jobs.models import InteractiveSession
 from jobs.services import jobs_reconcile
 from jobs.sessions.services import host_matches
 from jobs.watchdog.rules import BookingFacts, JobFacts, Kind, SessionFacts, classify
 from portal.models import AuditEntry, Notification
+from tests.factories import make_snapshot
 
 pytestmark = pytest.mark.django_db
 
@@ -132,6 +134,25 @@ def test_it_asks_which_when_the_caller_has_several_bookings_on_the_host(alice, b
 def test_it_says_when_the_caller_has_no_booking_on_the_host(alice, box):
     answer = start(alice)
     assert answer.status_code == 400 and "no booking active now on box1" in answer.json()["detail"]
+
+
+def test_a_booking_elsewhere_is_named_with_how_to_run_there(alice, box):
+    """A simulated server has no machine to log in to: GPU_SERVER is the way (issue 38); a real
+    one may be this machine under another name."""
+    server_report_ingest(snapshot=make_snapshot("sim-rtx-4x24", gpus=4, simulated=True))
+    sim = reservation_create(user=alice, gpus=["GPU-sim-rtx-4x24-00"], memory_mb=8192)
+    detail = start(alice, host="vm").json()["detail"]
+    assert f"your booking {sim.pk} is on sim-rtx-4x24" in detail
+    assert "simulated" in detail and "`GPU_SERVER=sim-rtx-4x24 gpu exec …`" in detail
+    detail = start(alice, host="vm", kind="shell", reservation=sim.pk).json()["detail"]
+    assert (
+        f"Booking {sim.pk} is on sim-rtx-4x24 (sim-rtx-4x24.lab), not on vm" in detail
+        and "GPU_SERVER=sim-rtx-4x24 gpu shell`" in detail
+    )
+    real = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+    detail = start(alice, host="vm", reservation=real.pk).json()["detail"]
+    assert "run the command on box1, or, where this machine is box1 under another name," in detail
+    assert "`GPU_SERVER=box1 gpu exec …`" in detail
 
 
 def test_the_host_is_the_servers_name_or_hostname_in_any_form(box):

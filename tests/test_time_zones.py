@@ -40,6 +40,21 @@ def test_a_bad_browser_cookie_falls_back_to_the_portals_zone(client, alice, sett
     assert f"All times in {settings.TIME_ZONE}." in client.get("/jobs/").content.decode()
 
 
+@pytest.mark.parametrize("sent", ["America%2FNew_York", "America/New_York"])
+def test_the_cookie_is_read_as_portal_js_encodes_it_or_raw(client, alice, sent):
+    """portal.js writes encodeURIComponent's form (what Chromium sends: test_time_zones_browser.py);
+    curl's `-b browser_tz=America/New_York` sends it raw. Both name the zone."""
+    client.cookies["browser_tz"] = sent
+    client.force_login(alice)
+    assert "All times in America/New_York (your browser's)." in client.get("/jobs/").content.decode()
+
+
+def test_an_encoded_path_is_refused_once_decoded(client, alice, settings):
+    client.cookies["browser_tz"] = "..%2F..%2Fetc%2Fpasswd"
+    client.force_login(alice)
+    assert f"All times in {settings.TIME_ZONE}." in client.get("/jobs/").content.decode()
+
+
 def test_a_time_typed_in_the_booking_form_is_read_in_the_persons_zone(client, alice, box):
     client.cookies["browser_tz"] = "Asia/Tokyo"
     client.force_login(alice)

@@ -90,7 +90,7 @@ def session_start(
     argv = LAB_COMMAND if lab else _check_command(command)
     if not lab and (not host or not host.strip()):
         raise Invalid("Say which host the command runs on (its hostname).", field="host")
-    booking, allocations = _booking_on_host(user, reservation, None if lab else host.strip(), now)
+    booking, allocations = _booking_on_host(user, reservation, None if lab else host.strip(), now, kind)
     if lab and (open_lab := active_lab(booking.pk)) is not None:
         raise Invalid(
             f"Booking {booking.pk} already has JupyterLab session {open_lab.pk} "
@@ -180,9 +180,10 @@ def _check_command(command: Sequence[str]) -> list[str]:
 
 
 def _booking_on_host(
-    user: AbstractBaseUser, reservation: int | None, host: str | None, now: datetime
+    user: AbstractBaseUser, reservation: int | None, host: str | None, now: datetime, kind: str
 ) -> tuple[Reservation, list[Allocation]]:
-    """The caller's booking active now, with its cards in index order, on `host` (None: any)."""
+    """The caller's booking active now, with its cards in index order, on `host` (None: any);
+    `kind`, the session's, for how a refusal says to run it elsewhere."""
     if reservation is None:
         mine = Reservation.objects.filter(owner=user).with_status("active", now)
         if host is not None:
@@ -191,11 +192,7 @@ def _booking_on_host(
         host = host or "any server"
         found = list(mine.values_list("pk", flat=True)[:10])
         if not found:
-            raise Invalid(
-                f"You have no booking active now on {host}. Book a card on it, or run on the host "
-                "of one of your bookings (gpu exec --reservation N).",
-                field="reservation",
-            )
+            raise _none_on_host(user, host, now, kind)
         if len(found) > 1:
             listed = ", ".join(f"#{pk}" for pk in found)
             raise Invalid(
@@ -226,8 +223,8 @@ def _booking_on_host(
     server = allocations[0].gpu.server
     if host is not None and not host_matches(server, host):
         raise Invalid(
-            f"Booking {booking.pk} is on {server.name}{_hostname(server)}, not on {host}: run the "
-            f"command on {server.name}.",
+            f"Booking {booking.pk} is on {server.name}{_hostname(server)}, not on {host}: "
+            f"{_how_to_run_on(server, kind)}",
             field="host",
         )
     return booking, allocations
@@ -235,6 +232,42 @@ def _booking_on_host(
 
 def _servers_named(host: str) -> list[int]:
     return [server.pk for server in Server.objects.all() if host_matches(server, host)]
+
+
+def _none_on_host(user: AbstractBaseUser, host: str, now: datetime, kind: str) -> Invalid:
+    """No booking of the caller's active on `host`: where their first active one is, and how to
+    run there (on `make run`'s simulated inventory, the only way a newcomer learns GPU_SERVER)."""
+    elsewhere = (
+        Allocation.objects.filter(
+            reservation__in=Reservation.objects.filter(owner=user).with_status("active", now)
+        )
+        .select_related("gpu__server")
+        .order_by("reservation_id", "gpu__index")
+        .first()
+    )
+    if elsewhere is None:
+        return Invalid(f"You have no booking active now on {host}. Book a card on it.", field="reservation")
+    server = elsewhere.gpu.server
+    return Invalid(
+        f"You have no booking active now on {host}; your booking {elsewhere.reservation_id} is on "
+        f"{server.name}{_hostname(server)}: {_how_to_run_on(server, kind)}",
+        field="reservation",
+    )
+
+
+def _how_to_run_on(server: Server, kind: str) -> str:
+    """How to run it on `server` after all. A simulated server (`make run`'s inventory) has no
+    machine of its own: its work runs on the portal's, whose hostname the portal does not know it
+    by. A real one may be this machine under another name. Either way GPU_SERVER
+    (gpu_cli.interactive.HOST_ENV) names it, which a newcomer cannot guess from "run it there"."""
+    typed = "gpu shell" if kind == InteractiveSession.Kind.SHELL else "gpu exec …"
+    named = f"`GPU_SERVER={server.name} {typed}`"
+    if server.simulated:
+        return f"{server.name} is simulated, with no machine of its own: run {named} on the portal's machine."
+    return (
+        f"run the command on {server.name}, or, where this machine is {server.name} under another name, "
+        f"{named}."
+    )
 
 
 def _hostname(server: Server) -> str:

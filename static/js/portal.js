@@ -3,7 +3,7 @@
  * behaviour with data attributes and this file gives it, by delegation (parts htmx swaps in later
  * work too):
  * - the browser's time zone, for the next request, where the person chose none
- *   (portal/time_zones.py reads the cookie, decoded);
+ *   (encodeURIComponent here, decoded by portal/time_zones.py's browser_zone: the pair must match);
  * - <form data-confirm="question">: asks before it is sent;
  * - <input data-select-on-focus>: selects its text when focused (addresses to copy);
  * - <button data-fill="#input" data-value="8G">: puts the value in that input and focuses it;

@@ -84,6 +84,44 @@ def _lab_note(bind: str, port: int) -> str:
     return ""
 
 
+# Celery warns, in every worker it starts as root, that it runs as root: three times on the
+# simulated inventory, after the URL. runportal says it once, before the URL, with the reason
+# (_root_note), and keeps Celery's out of the workers' output (a -W filter: the warning's start).
+CELERY_ROOT_WARNING = "ignore:You're running the worker with superuser privileges"
+
+
+def _root_note() -> str:
+    """Why the workers run as root, and who the jobs run as ("" when not root)."""
+    if os.geteuid() != 0:
+        return ""
+    if settings.JOB_USER:
+        jobs = f"jobs run as JOB_USER={settings.JOB_USER}, never as root (JOB_MIN_UID)."
+    else:
+        jobs = (
+            "JOB_USER is not set, so jobs run as root too: on a shared server set JOB_USER=gpujob"
+            " (one account for every job) or JOB_USER=@owner (each owner's Unix account)."
+        )
+    return (
+        "Running as root, and so are the workers (Celery warns against it; said once here): on a"
+        " GPU host the host worker needs root to start each job as JOB_USER's account, stop it"
+        f" and read the cards' processes; {jobs} See docs/deploy.md."
+    )
+
+
+def _worker_env(extra: dict[str, str] | None = None) -> dict[str, str] | None:
+    """A worker's environment: the command's, with `extra` on top and, as root, Celery's root
+    warning filtered out (said once by _root_note instead). Jobs never inherit PYTHONWARNINGS
+    (jobs/environment.py's INHERITED_ENV)."""
+    if os.geteuid() != 0:
+        return {**os.environ, **extra} if extra else None
+    known = os.environ.get("PYTHONWARNINGS", "")
+    return {
+        **os.environ,
+        **(extra or {}),
+        "PYTHONWARNINGS": ",".join(filter(None, [known, CELERY_ROOT_WARNING])),
+    }
+
+
 def _listens_on_loopback(bind: str) -> bool:
     try:
         return bind in ("0.0.0.0", "::") or ipaddress.ip_address(bind).is_loopback
@@ -104,33 +142,19 @@ class Command(BaseCommand):
         beat = str(settings.VAR_DIR / "celerybeat-schedule")
         quiet = not _chatty()
         portal_worker = worker_argv("portal", "portal@%h", beat_schedule=beat, quiet=quiet)
-        children = [ChildSpec("worker portal", portal_worker)]
+        children = [ChildSpec("worker portal", portal_worker, _worker_env())]
         concurrency = env_int("WORKER_CONCURRENCY", 4, min_value=1)
         for name in servers:
-            env = {**os.environ, "WORKER_SERVER": name, "GPU_BACKEND": "simulated" if simulated else "nvml"}
+            env = _worker_env({"WORKER_SERVER": name, "GPU_BACKEND": "simulated" if simulated else "nvml"})
             argv = worker_argv(f"host.{name}", f"{name}@%h", concurrency=concurrency, quiet=quiet)
             children.append(ChildSpec(f"worker host.{name}", argv, env))
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
         children.append(ChildSpec("web server", _web_argv(f"{bind}:{settings.PORT}")))
-        host = "localhost" if bind in ("0.0.0.0", "127.0.0.1") else bind
-        self.stdout.write(self.style.SUCCESS(f"\nGPU lab portal: http://{host}:{settings.PORT}/"))
-        self.stdout.write(f"JupyterLab sessions: {settings.LAB_ORIGIN}/ (LAB_ORIGIN: labs alone, no portal)")
-        if note := _lab_note(bind, settings.PORT):
-            self.stdout.write(self.style.WARNING(note))
-        if simulated:
-            self.stdout.write(
-                f"No NVIDIA driver here: SIMULATED servers {', '.join(servers)} (labelled in the UI)."
-            )
-        if seeded or settings.PORTAL_DEMO_PASSWORD == "gpu-lab-demo":
-            self.stdout.write(
-                f"Demo logins: admin, leader, alice, bob / password {settings.PORTAL_DEMO_PASSWORD!r}"
-                " (set PORTAL_DEMO_PASSWORD before the first run; change these on a real deployment)."
-            )
-        self.stdout.write(
-            "A worker or the web server that dies is restarted; Ctrl-C stops them all"
-            " (a second Ctrl-C without waiting for them).\n"
+        self._greet(
+            bind,
+            servers if simulated else [],
+            show_logins=seeded or settings.PORTAL_DEMO_PASSWORD == "gpu-lab-demo",
         )
-        self.stdout.flush()
         # Adopting orphans: a job in a session of its own under a host worker killed for not
         # stopping in time is still stopped, and nothing is left running after us.
         supervisor = ProcessSupervisor(
@@ -143,6 +167,31 @@ class Command(BaseCommand):
         if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
             signal.signal(signal.SIGHUP, supervisor.request_stop)
         supervisor.run()
+
+    def _greet(self, bind: str, simulated: list[str], *, show_logins: bool) -> None:
+        """What a newcomer needs, the URL and the demo logins last: the lines left on screen."""
+        if note := _root_note():
+            self.stdout.write(self.style.WARNING(note))
+        if note := _lab_note(bind, settings.PORT):
+            self.stdout.write(self.style.WARNING(note))
+        if simulated:
+            self.stdout.write(
+                f"No NVIDIA driver here: SIMULATED servers {', '.join(simulated)} (labelled in the UI)."
+            )
+        self.stdout.write(
+            "A worker or the web server that dies is restarted; Ctrl-C stops them all"
+            " (a second Ctrl-C without waiting for them)."
+        )
+        host = "localhost" if bind in ("0.0.0.0", "127.0.0.1") else bind
+        self.stdout.write(self.style.SUCCESS(f"\nGPU lab portal: http://{host}:{settings.PORT}/"))
+        self.stdout.write(f"JupyterLab sessions: {settings.LAB_ORIGIN}/ (LAB_ORIGIN: labs alone, no portal)")
+        if show_logins:
+            self.stdout.write(
+                f"Demo logins: admin, leader, alice, bob / password {settings.PORTAL_DEMO_PASSWORD!r}"
+                " (set PORTAL_DEMO_PASSWORD before the first run; change these on a real deployment)."
+            )
+        self.stdout.write("")
+        self.stdout.flush()
 
     def _log(self, line: str) -> None:
         self.stdout.write(f"[runportal] {line}")
