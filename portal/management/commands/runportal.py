@@ -108,18 +108,19 @@ def _root_note() -> str:
     )
 
 
-def _worker_env(extra: dict[str, str] | None = None) -> dict[str, str] | None:
-    """A worker's environment: the command's, with `extra` on top and, as root, Celery's root
-    warning filtered out (said once by _root_note instead). Jobs never inherit PYTHONWARNINGS
-    (jobs/environment.py's INHERITED_ENV)."""
-    if os.geteuid() != 0:
-        return {**os.environ, **extra} if extra else None
-    known = os.environ.get("PYTHONWARNINGS", "")
-    return {
-        **os.environ,
-        **(extra or {}),
-        "PYTHONWARNINGS": ",".join(filter(None, [known, CELERY_ROOT_WARNING])),
-    }
+# A setting read under its old name warns at start-up (portal.env.env_int_renamed): runportal's
+# own start said it once, before the URL; its children would say it again after it.
+SETTINGS_WARNINGS = "ignore::FutureWarning:portal.settings"
+
+
+def _worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A child's environment: the command's, with `extra` on top, and the warnings runportal says
+    once itself filtered out: the renamed settings' and, as root, Celery's (_root_note). Jobs
+    never inherit PYTHONWARNINGS (jobs/environment.py's INHERITED_ENV)."""
+    filters = [os.environ.get("PYTHONWARNINGS", ""), SETTINGS_WARNINGS]
+    if os.geteuid() == 0:
+        filters.append(CELERY_ROOT_WARNING)
+    return {**os.environ, **(extra or {}), "PYTHONWARNINGS": ",".join(filter(None, filters))}
 
 
 def _listens_on_loopback(bind: str) -> bool:
@@ -149,7 +150,7 @@ class Command(BaseCommand):
             argv = worker_argv(f"host.{name}", f"{name}@%h", concurrency=concurrency, quiet=quiet)
             children.append(ChildSpec(f"worker host.{name}", argv, env))
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
-        children.append(ChildSpec("web server", _web_argv(f"{bind}:{settings.PORT}")))
+        children.append(ChildSpec("web server", _web_argv(f"{bind}:{settings.PORT}"), _worker_env()))
         self._greet(
             bind,
             servers if simulated else [],
