@@ -4,7 +4,7 @@ RUN_STAMP := .venv/.run-installed
 DEV_STAMP := .venv/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format bench clean gpu-check gpu-check-wheels
+.PHONY: run test lint format bench bench-baseline clean gpu-check gpu-check-wheels
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -45,9 +45,16 @@ format: $(DEV_STAMP)
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
 
+# Every figure is kept in var/bench/<commit>.json and compared with bench/baseline.json: one more
+# than 25 % worse (times against the run's calibration) prints SLIPPED and fails (bench/memory.py).
+# BENCH_ARGS="bench_queue bench_inventory" runs those alone.
 bench: $(DEV_STAMP)
 	mkdir -p var
-	$(PY) -m portal.embedded_redis --socket var/redis-bench-$$$$.sock -- $(PY) bench/run_all.py
+	$(PY) -m portal.embedded_redis --socket var/redis-bench-$$$$.sock -- $(PY) bench/run_all.py $(BENCH_ARGS)
+
+# The newest run's figures become the baseline: commit bench/baseline.json, saying why.
+bench-baseline: $(DEV_STAMP)
+	$(PY) -m bench.memory --baseline
 
 # The portal's GPU promises on this machine's real cards (docs/gpu-check.md). The machine's own Python,
 # which has its PyTorch/JAX/TensorFlow; what it lacks of requirements.txt comes from var/gpu-check-wheels/.

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
-from portal.workers import worker_argv  # noqa: E402 - after the path and settings above
+from bench import memory  # noqa: E402 - after the path and settings above
+from portal.workers import worker_argv  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 
 
@@ -50,7 +51,9 @@ def median_ms(fn: Callable[[], object], *, repeat: int, warmup: int = 3) -> floa
 
 
 def report(name: str, value: float, unit: str, goal: str, ok: bool) -> None:
+    """A figure, printed beside its goal and kept in the run's record (bench/memory.py)."""
     print(f"  {name:<48} {value:10.2f} {unit:<6} goal {goal:<10} {'OK' if ok else 'MISSED'}")
+    memory.record(name, value, unit, goal)
 
 
 def database_url_for_subprocess() -> str:
