@@ -25,6 +25,39 @@ def _scripts(names: list[str]) -> list[Path]:
     return [script for script in every if script.stem in names]
 
 
+# The hot paths measured on both databases in every run: PostgreSQL (production's) from the local
+# server the tests use, SQLite embedded. The other scripts run on the configured database.
+BOTH_DATABASES = ("bench_inventory", "bench_queue")
+POSTGRES_URL = os.environ.get("BENCH_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test")
+
+
+def _postgres_answers() -> bool:
+    import psycopg
+
+    try:
+        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
+    except psycopg.Error:
+        return False
+    return True
+
+
+def _runs(scripts: list[Path]) -> list[tuple[Path, str, dict[str, str | None]]]:
+    """(script, the name its figures are kept under, its database's environment) of each run."""
+    postgres = None
+    runs: list[tuple[Path, str, dict[str, str | None]]] = []
+    for script in scripts:
+        if script.stem not in BOTH_DATABASES:
+            runs.append((script, script.stem, {}))
+            continue
+        runs.append((script, f"{script.stem}[sqlite]", {"DATABASE_URL": None}))
+        postgres = _postgres_answers() if postgres is None else postgres
+        if postgres:
+            runs.append((script, f"{script.stem}[postgresql]", {"DATABASE_URL": POSTGRES_URL}))
+        else:
+            print(f"== {script.stem}: no PostgreSQL at {POSTGRES_URL} (BENCH_POSTGRES_URL): SQLite only")
+    return runs
+
+
 def main(names: list[str]) -> int:
     scripts = _scripts(names)
     print("== calibration (a fixed CPU-bound and database-bound piece of work)", flush=True)
@@ -32,9 +65,10 @@ def main(names: list[str]) -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as folder:
         record = Path(folder) / "figures.jsonl"
-        for script in scripts:
-            print(f"== {script.name}", flush=True)
-            env = {**os.environ, memory.RECORD_ENV: str(record), memory.SCRIPT_ENV: script.stem}
+        for script, name, database_env in _runs(scripts):
+            print(f"== {name}", flush=True)
+            env = {**os.environ, **database_env, memory.RECORD_ENV: str(record), memory.SCRIPT_ENV: name}
+            env = {key: value for key, value in env.items() if value is not None}
             failed += subprocess.call([sys.executable, "-m", f"bench.{script.stem}"], cwd=ROOT, env=env) != 0
         after = memory.calibrate()
         # The mean of the two: the machine's speed over the whole run, not at one moment.
