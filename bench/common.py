@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,14 +38,7 @@ def setup_django_test_db() -> Callable[[], None]:
 
 
 def median_ms(fn: Callable[[], object], *, repeat: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
+    return memory.median_ms(fn, repeat=repeat, warmup=warmup)
 
 
 def report(name: str, value: float, unit: str, goal: str, ok: bool) -> None:

@@ -49,7 +49,10 @@ def record(name: str, value: float, unit: str, goal: str) -> None:
         out.write(json.dumps(line) + "\n")
 
 
-def _median_ms(work: Callable[[], object], repeat: int = 5) -> float:
+def median_ms(work: Callable[[], object], *, repeat: int = 5, warmup: int = 0) -> float:
+    """The median time of `repeat` calls, in ms, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        work()
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -87,7 +90,7 @@ def _database_work() -> int:
 
 def calibrate() -> dict[str, float]:
     """The calibration's two pieces, in ms (medians of 5)."""
-    return {"cpu_ms": _median_ms(_cpu_work), "database_ms": _median_ms(_database_work)}
+    return {"cpu_ms": median_ms(_cpu_work), "database_ms": median_ms(_database_work)}
 
 
 @dataclass(frozen=True)
