@@ -16,10 +16,12 @@ the others' ends only after the other's transaction committed, so one of them se
 
 from __future__ import annotations
 
+import logging
 import re
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import DatabaseError, transaction
 from django.db.models import Max, Min
 from django.urls import reverse
 from django.utils import timezone
@@ -28,6 +30,7 @@ from jobs.models import Job, JobArray, LogChunk
 from portal.models import Notification
 from portal.notifications import job_notify_of, notification_send
 
+log = logging.getLogger(__name__)
 Status = Job.Status
 Kind = Notification.Kind
 # Which ends are told, and as what: a timed-out or lost job did not do its work either.
@@ -46,11 +49,21 @@ _STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT[\d:.]+Z ", re.MULTILINE)  # each log li
 
 
 def job_change_notify(job_id: int, status: str) -> None:
-    """A job's change just made (inside its transaction): tell its owner what they asked for."""
-    if status == Status.RUNNING:
-        _started(job_id)
-    elif status in ENDS or status == Status.CANCELLED:
-        _ended(job_id, status)
+    """A job's change just made (inside its transaction): tell its owner what they asked for.
+
+    A notice can never cost the record of a start or an end: a bug in it is logged and rolled
+    back to its savepoint, and the change commits without it. A DatabaseError is the database's
+    (away, or the transaction broken): it goes up, and the change is retried as any would be."""
+    try:
+        with transaction.atomic():
+            if status == Status.RUNNING:
+                _started(job_id)
+            elif status in ENDS or status == Status.CANCELLED:
+                _ended(job_id, status)
+    except DatabaseError:
+        raise
+    except Exception:
+        log.exception("Job %s: its %s notice failed; the change is recorded without it", job_id, status)
 
 
 # --- a start --------------------------------------------------------------------------------

@@ -196,11 +196,10 @@ def job_submit(
     booking, queue it for `gpu_count` cards (`memory_mb` each, or whole) for its time limit: the
     scheduler starts it when cards are free (jobs/queue/scheduler.py). An `array` ("0-99%8") queues
     one job per index; the first is returned. An `image` (a ContainerImage's name) runs it in that
-    container image, on a server that has it and where containers work (`_check_image`). `notify`
-    ("end,fail,start", or a list) is what its owner is told of it (jobs/notices.py); None: their
-    preference. On a
+    container image, on a server that has it and where containers work (`_check_image`). On a
     Slurm cluster (`server` names one) it goes to Slurm for `gpu_count` GPUs in `partition`
-    (jobs/slurm.py), through the cluster's worker.
+    (jobs/slurm.py), through the cluster's worker. `notify` ("end,fail", or a list; None: the
+    owner's preference) is what its owner is told of it (jobs/notices.py).
 
     One path of named steps for both kinds: where it runs, what it runs, how TensorFlow is set
     up, then the save. Raises a ServiceError (field and fix in the message) and writes nothing on

@@ -3,6 +3,8 @@ to its owner as they and the job asked, once per end however late or often it is
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -10,6 +12,9 @@ from django.db.models.functions import Now
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from gpus.booking import reservation_create
+from gpus.services import server_report_ingest
+from gpus.simulated.inventory import server_names
 from jobs.host.replay import spool_replay
 from jobs.host.runner import job_run
 from jobs.host.spool import EndRecord
@@ -17,11 +22,14 @@ from jobs.logs.store import LogWriter, log_append
 from jobs.models import Job
 from jobs.runs import job_end_record, runs_lost_mark
 from jobs.submit import ScriptUpload, job_submit
+from portal.channels import channel_create
 from portal.errors import Invalid
-from portal.models import Notification, Profile
+from portal.models import ChannelDelivery, Notification, Profile
 from portal.notifications import job_notify_of, job_notify_set
-from tests.factories import queue_job
+from tests.factories import make_snapshot, queue_job
+from tests.test_channels import Receiver
 from tests.test_job_spool import TWENTY, Outage
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -102,7 +110,7 @@ def test_a_person_who_wants_no_failures_gets_none(alice, booking):
     assert _told() == []
 
 
-def test_a_timeout_and_a_lost_job_are_failures(alice, booking, box, settings):
+def test_a_timeout_is_a_failure(alice, booking):
     timed = _job(alice, booking)
     _run(timed)
     _end(timed, Status.TIMED_OUT, -15)
@@ -147,8 +155,6 @@ def test_a_lost_job_whose_worker_reports_its_real_end_later_is_told_once(alice, 
 def test_an_end_recorded_late_after_a_database_outage_is_told_once(alice, box, monkeypatch, settings):
     settings.JOB_END_WAIT_SECONDS = 0  # the supervisor gives up at once: the replay records it
     outage = Outage(monkeypatch)
-    from gpus.booking import reservation_create
-
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     script = ScriptUpload(name="t.py", content=TWENTY.encode() + b"raise SystemExit(4)\n")
     job = job_submit(user=alice, reservation=booking, script=script)
@@ -173,7 +179,9 @@ def test_an_end_recorded_late_after_a_database_outage_is_told_once(alice, box, m
 # --- arrays -----------------------------------------------------------------------------------
 
 
-def test_an_array_of_twenty_tasks_is_told_once_when_all_are_done(alice, box):
+def test_an_array_of_twenty_tasks_is_told_once_when_all_are_done(alice, box, settings):
+    settings.CHANNEL_ALLOWED_HOSTS = ["127.0.0.1"]
+    channel = channel_create(by=alice, url="json://127.0.0.1:9/hooks/array")
     first = queue_job(alice, array="0-19%4", notify="end,fail")
     tasks = list(Job.objects.filter(array=first.array).order_by("array_index"))
     assert len(tasks) == 20
@@ -188,6 +196,7 @@ def test_an_array_of_twenty_tasks_is_told_once_when_all_are_done(alice, box):
     assert f"Array {first.array_id} (train.py, 20 tasks) ended: 18 succeeded, 2 failed" == notice.subject
     assert f"Task 3 (job {tasks[3].pk}): failed, exit code 1" in notice.body
     assert notice.url == f"/jobs/?array={first.array_id}"
+    assert ChannelDelivery.objects.filter(channel=channel).count() == 1  # one message to the webhook
 
 
 def test_an_array_cancelled_whole_tells_nothing(alice, box):
@@ -281,3 +290,57 @@ def test_a_bad_choice_is_refused_naming_the_field(value):
     with pytest.raises(Invalid) as refused:
         job_notify_parse(value)
     assert refused.value.field == "notify"
+
+
+# --- a real worker, a real webhook ------------------------------------------------------------
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.worker
+@pytest.mark.django_db(transaction=True)
+def test_a_real_jobs_end_reaches_a_json_webhook_within_15_seconds(start_worker, alice, settings, receiver):
+    allowed = {"CHANNEL_ALLOWED_HOSTS": "127.0.0.1"}  # the receiver listens on loopback
+    settings.CHANNEL_ALLOWED_HOSTS = ["127.0.0.1"]
+    channel_create(by=alice, url=receiver.url)  # every kind, as a new user adds one
+    name = server_names()[0]
+    server_report_ingest(snapshot=make_snapshot(name, gpus=4, simulated=True))
+    start_worker(None, extra_env=allowed)  # the portal's worker: it posts
+    start_worker(name, extra_env=allowed)  # the host's: it runs the job and records its end
+    booking = reservation_create(user=alice, gpus=[f"GPU-{name}-00"])
+    script = ScriptUpload(name="fails.py", content=b"print('step 1', flush=True)\nraise SystemExit(2)\n")
+    job = job_submit(user=alice, reservation=booking, script=script)
+    finished = {s.value for s in Job.FINISHED}
+    wait_for(lambda: Job.objects.get(pk=job.pk).status in finished, timeout=120, what=f"job {job.pk} to end")
+    wait_for(lambda: receiver.posts, timeout=15, what="the job's end on the webhook")
+    [post] = receiver.posts
+    sent = ChannelDelivery.objects.filter(status=ChannelDelivery.Status.SENT)
+    wait_for(sent.exists, timeout=10, what="the delivery recorded sent")
+    delivery = sent.get()
+    took = (delivery.sent_at - delivery.created_at).total_seconds()  # created with the end's record
+    print(f"the end reached the webhook {took:.2f} s after it was recorded")
+    assert took < 15
+    assert post["json"]["title"] == f"Job {job.pk} (fails.py) failed (exit code 2)"
+    assert "step 1" in post["json"]["message"] and f"/jobs/{job.pk}/" in post["json"]["message"]
+
+
+def test_a_notice_that_breaks_never_costs_the_end(alice, booking, monkeypatch, caplog):
+    job = _job(alice, booking)
+    _run(job)
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in the notice")
+
+    monkeypatch.setattr("jobs.notices.notification_send", broken)
+    assert _end(job)
+    job.refresh_from_db()
+    assert job.status == Status.FAILED and job.end_noticed_at is None  # rolled back with the notice
+    assert "notice failed" in caplog.text and _told() == []
