@@ -91,8 +91,9 @@ def _started(job_id: int) -> None:
             ]
         ),
         url=_url(job),
-        # A preempted job starts again: each start is its own.
-        key=f"job-start:{job.pk}:{job.preemptions}",
+        # A preempted job starts again: each start is its own. An array's first tasks starting
+        # at once may each think itself the first: one key holds the mails and messages to one.
+        key=f"array-start:{job.array_id}" if job.array_id else f"job-start:{job.pk}:{job.preemptions}",
     )
 
 

@@ -280,7 +280,9 @@ def test_the_job_form_offers_notify_and_passes_it_on(alice, booking, client):
     }
     answer = client.post("/jobs/new/", form)
     assert answer.status_code == 302, answer.content.decode()[:2000]
-    assert Job.objects.get().notify == ["fail"]
+    job = Job.objects.get()
+    assert job.notify == ["fail"]
+    assert "<dt>Tells its owner</dt><dd>fail</dd>" in client.get(f"/jobs/{job.pk}/").content.decode()
 
 
 @pytest.mark.parametrize("value", ["sometimes", ["end", 3], 5])
