@@ -13,6 +13,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
+from gpus.models import GPU
 from gpus.services import server_report_ingest
 from gpus.simulated.inventory import server_names
 from jobs.host.replay import spool_replay
@@ -346,3 +347,27 @@ def test_a_notice_that_breaks_never_costs_the_end(alice, booking, monkeypatch, c
     job.refresh_from_db()
     assert job.status == Status.FAILED and job.end_noticed_at is None  # rolled back with the notice
     assert "notice failed" in caplog.text and _told() == []
+
+
+@pytest.mark.worker
+@pytest.mark.django_db(transaction=True)
+def test_a_real_array_of_twenty_tasks_sends_one_message(start_worker, alice, settings, receiver):
+    allowed = {"CHANNEL_ALLOWED_HOSTS": "127.0.0.1"}
+    settings.CHANNEL_ALLOWED_HOSTS = ["127.0.0.1"]
+    channel_create(by=alice, url=receiver.url)
+    name = server_names()[0]
+    start_worker(None, extra_env=allowed)  # the scheduler, and the channel's sender
+    start_worker(name, extra_env=allowed)
+    wait_for(lambda: GPU.objects.filter(server__name=name).count() >= 4, timeout=60, what="the cards")
+    script = b"import os, sys\nsys.exit(1 if os.environ['PORTAL_ARRAY_INDEX'] in ('4', '15') else 0)\n"
+    first = queue_job(alice, minutes=5, array="0-19", notify="end,fail", script=ScriptUpload("a.py", script))
+    tasks = Job.objects.filter(array_id=first.array_id)
+    finished = [s.value for s in Job.FINISHED]
+    wait_for(lambda: tasks.filter(status__in=finished).count() == 20, timeout=240, what="the 20 tasks")
+    wait_for(lambda: receiver.posts, timeout=15, what="the array's end on the webhook")
+    wait_for(
+        ChannelDelivery.objects.filter(status=ChannelDelivery.Status.SENT).exists, timeout=10, what="sent"
+    )
+    assert ChannelDelivery.objects.count() == 1 and len(receiver.posts) == 1  # every task's end is in
+    title = receiver.posts[0]["json"]["title"]
+    assert title == f"Array {first.array_id} (a.py, 20 tasks) ended: 18 succeeded, 2 failed"
