@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db.models.functions import Now
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -22,11 +23,12 @@ from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_append
 from jobs.models import Job
 from jobs.runs import job_end_record, runs_lost_mark
+from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
 from portal.channels import channel_create
 from portal.errors import Invalid
 from portal.models import ChannelDelivery, Notification, Profile
-from portal.notifications import job_notify_of, job_notify_set
+from portal.notifications import job_notify_of, job_notify_parse, job_notify_set
 from tests.factories import make_snapshot, queue_job
 from tests.test_channels import Receiver
 from tests.test_job_spool import TWENTY, Outage
@@ -201,8 +203,6 @@ def test_an_array_of_twenty_tasks_is_told_once_when_all_are_done(alice, box, set
 
 
 def test_an_array_cancelled_whole_tells_nothing(alice, box):
-    from jobs.services import job_cancel
-
     first = queue_job(alice, array="0-4")
     job_cancel(user=alice, job=first, whole_array=True)
     assert _told() == []
@@ -226,8 +226,6 @@ def test_the_api_takes_notify_as_a_list_and_refuses_a_bad_value_by_name(alice, b
         format="json",
     )
     assert answer.status_code == 400 and "start, end, fail" in answer.json()["errors"]["notify"][0]
-    from django.core.files.uploadedfile import SimpleUploadedFile
-
     answer = api.post(
         "/api/v1/jobs/",
         {"reservation": booking.pk, "script": SimpleUploadedFile(*upload), "notify": "end,often"},
@@ -270,8 +268,6 @@ def test_the_job_form_offers_notify_and_passes_it_on(alice, booking, client):
     client.force_login(alice)
     page = client.get("/jobs/new/").content.decode()
     assert 'name="notify"' in page and "As in my profile" in page
-    from django.core.files.uploadedfile import SimpleUploadedFile
-
     form = {
         "reservation": booking.pk,
         "script": SimpleUploadedFile("train.py", b"print(1)\n"),
@@ -288,8 +284,6 @@ def test_the_job_form_offers_notify_and_passes_it_on(alice, booking, client):
 
 @pytest.mark.parametrize("value", ["sometimes", ["end", 3], 5])
 def test_a_bad_choice_is_refused_naming_the_field(value):
-    from portal.notifications import job_notify_parse
-
     with pytest.raises(Invalid) as refused:
         job_notify_parse(value)
     assert refused.value.field == "notify"
