@@ -151,6 +151,12 @@ def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str
 @click.option("--env", type=ENV_PAIR, multiple=True, help="An environment variable (repeatable).")
 @click.option("--python", "interpreter", metavar="NAME", help="One of the portal's Python environments.")
 @click.option("--image", metavar="NAME", help="Run in this container image (`gpu images` lists them).")
+@click.option(
+    "--notify",
+    metavar="end,fail,start",
+    help="What you are told of it, in your inbox, mail and chat: any of end, fail, start, or none "
+    "[your profile's choice]. An array is told once, when all its tasks are done.",
+)
 @click.option("--wait", is_flag=True, help="Follow the log until the job ends; exit with its exit code.")
 @click.option("--no-hint", is_flag=True, help="Skip the size your recent runs of the script suggest.")
 @json_option
@@ -162,6 +168,7 @@ def run(
     env: tuple[tuple[str, str], ...],
     interpreter: str | None,
     image: str | None,
+    notify: str | None,
     wait: bool,
     no_hint: bool,
     as_json: bool,
@@ -176,6 +183,7 @@ def run(
 
     \b
       gpu run train.py --gpus 1 --time 10m --wait
+      gpu run train.py --gpus 1 --time 8h --notify end,fail,start
       gpu run sweep.py --gpus 2 --mem 16G --time 2h --array 0-9%2 -- --lr 0.1
       gpu run train.py --reservation 12 --env WANDB_MODE=offline -- --epochs 3
       gpu run train.py --gpus 1 --time 1h --image tf-2.17
@@ -191,6 +199,7 @@ def run(
         "interpreter": interpreter,
         "image": image,
         "time_limit_minutes": minutes,
+        "notify": notify,
     }
     portal = connect()
     # On stderr before submitting, so it can be read while the job waits; never with --json.

@@ -1,9 +1,11 @@
 """Who is asking, and their calendar feeds: /api/v1/me/… (gpus/calendars.py has the rules).
 
-  GET   me/            anyone signed in: who they are, their teams and roles, and the addresses
+  GET   me/            anyone signed in: who they are, their teams and roles, the addresses
                        of their calendar feeds: their own (`calendar_url`), each team they lead
-                       (`team_calendar_urls`), and for admins each server (`server_calendar_urls`).
-                       Feeds are made on first ask.
+                       (`team_calendar_urls`), and for admins each server (`server_calendar_urls`),
+                       and what they are told of their jobs (`job_notify`). Feeds are made on first ask.
+  PATCH me/            {"job_notify": ["end", "fail", "start"]}: what they are told of their jobs
+                       (portal.notifications.job_notify_set); 400 naming the field, nothing written.
   POST  me/calendar/   a new secret for one feed: {} their own, {"team": slug} a team they lead,
                        {"server": name} a server (admins). The old address answers 404 at once.
                        403 naming the field when not theirs to have; 400 naming it when unknown.
@@ -33,7 +35,8 @@ from gpus.calendars import (
     server_feeds_for_admin,
 )
 from portal.access import is_admin
-from portal.models import Membership, Profile, Team
+from portal.models import JOB_NOTIFY_EVENTS, Membership, Profile, Team
+from portal.notifications import job_notify_of, job_notify_set
 
 
 class MeTeamSerializer(serializers.Serializer):
@@ -56,6 +59,29 @@ class MeSerializer(serializers.Serializer):
     server_calendar_urls = serializers.DictField(
         child=serializers.URLField(), help_text="Admins: each server (by name): every booking of it. Else {}."
     )
+    job_notify = serializers.ListField(
+        child=serializers.ChoiceField(choices=JOB_NOTIFY_EVENTS),
+        help_text='What you are told of your jobs: "start" (a queued job started), "end" (it succeeded, '
+        'after JOB_END_NOTIFY_MIN_MINUTES or more), "fail" (failed, timed out, lost). A job\'s own '
+        '"notify" wins.',
+    )
+
+
+class MeChangeSerializer(serializers.Serializer):
+    job_notify = serializers.JSONField(
+        required=False, help_text='Any of "start", "end", "fail" as a list (or "end,fail"); [] for nothing.'
+    )
+
+    # A typo ("jobnotify") is named, rather than answered with "job_notify is required".
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            return super().to_internal_value(data)  # DRF's own answer: an object is expected
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise ValidationError({unknown[0]: ["Unknown field: only job_notify can be changed here."]})
+        if "job_notify" not in data:
+            raise ValidationError({"job_notify": ['Give it, e.g. {"job_notify": ["end", "fail"]}.']})
+        return super().to_internal_value(data)
 
 
 class CalendarRenewInputSerializer(serializers.Serializer):
@@ -107,8 +133,17 @@ class Me(APIView):
             "calendar_url": calendar_feed_url(calendar_feed_get(user=user)),
             "team_calendar_urls": {t.slug: _team_feed_url(user, t) for t in led},
             "server_calendar_urls": {name: calendar_feed_url(feed) for name, feed in servers.items()},
+            "job_notify": job_notify_of(user),
         }
         return Response(MeSerializer(body).data)
+
+    @extend_schema(request=MeChangeSerializer, responses=MeSerializer)
+    def patch(self, request: Request) -> Response:
+        """Change what you are told of your jobs; the answer is GET's."""
+        given = MeChangeSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        job_notify_set(user=request.user, events=given.validated_data["job_notify"])
+        return self.get(request)
 
 
 class CalendarRenew(APIView):

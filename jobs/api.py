@@ -106,6 +106,7 @@ class JobSerializer(serializers.ModelSerializer):
             "slurm_job_id",
             "slurm_state",
             "slurm_reason",
+            "notify",
         ]
 
     def get_script(self, job: Job) -> str:
@@ -138,6 +139,19 @@ class ArgsField(PassThroughField):
 )
 class EnvField(PassThroughField):
     """Extra environment variables: {"NAME": "value"}, or NAME=value lines (multipart forms)."""
+
+
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "array", "items": {"type": "string", "enum": ["start", "end", "fail"]}},
+            {"type": "string"},
+        ]
+    }
+)
+class NotifyField(PassThroughField):
+    """What its owner is told: ["end", "fail", "start"], or "end,fail" (multipart); [] or "none":
+    nothing; left out or null: their preference (GET /api/v1/me/)."""
 
 
 class PlainTextRenderer(BaseRenderer):
@@ -213,6 +227,12 @@ class JobCreateSerializer(serializers.Serializer):
     soft_placement = serializers.BooleanField(required=False, default=True)
     log_placement = serializers.BooleanField(required=False, default=False)
     mirrored = serializers.BooleanField(required=False, default=False)
+    notify = NotifyField(
+        required=False,
+        allow_null=True,
+        help_text='Of "start", "end", "fail": what you are told of it (e.g. ["end", "fail"]); [] nothing; '
+        "left out: your preference.",
+    )
 
     def service_kwargs(self) -> dict:
         data = dict(self.validated_data)

@@ -16,6 +16,8 @@ class JobsConfig(AppConfig):
         from jobs.leavers import membership_deleted
         from jobs.lending import lent_context, loan_words
         from jobs.lending_report import reports_context
+        from jobs.models import JOB_CHANGE_TOLD
+        from jobs.notices import job_change_notify
         from jobs.queue.scheduler import queue_holds
         from jobs.selectors import job_images, jobs_finished_between, jobs_owned_by
         from jobs.services import jobs_by_session
@@ -40,6 +42,9 @@ class JobsConfig(AppConfig):
                 loan_words=loan_words,  # a lent card's words on the dashboard
             )
         )
+        # A job's start and end told to its owner, with the change itself (jobs/notices.py).
+        if job_change_notify not in JOB_CHANGE_TOLD:
+            JOB_CHANGE_TOLD.append(job_change_notify)
         # Run buttons on gpus' booking pages, with the images JupyterLab may run in there.
         slot_fill(RESERVATION_ACTIONS, "jobs/_run_buttons.html", lab_images_context)
         slot_fill(RESERVATION_SESSIONS, "jobs/_booking_sessions.html", booking_sessions_context)

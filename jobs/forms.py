@@ -39,6 +39,17 @@ def image_label(image: ContainerImage) -> str:
     return f"{image.name}{about} (on {servers})"
 
 
+# What its owner is told of a job (jobs/notices.py): the combinations people ask for, as
+# job_submit's `notify` reads them. Empty: the owner's preference on their profile.
+NOTIFY_CHOICES = [
+    ("", "As in my profile"),
+    ("end,fail", "When it ends, well or not"),
+    ("fail", "Only if it fails (or times out, or is lost)"),
+    ("start,end,fail", "When a queued job starts, and when it ends"),
+    ("none", "Never"),
+]
+
+
 class ReservationChoiceField(forms.ModelChoiceField):
     def label_from_instance(self, obj: Reservation) -> str:  # type: ignore[override]
         return reservation_label(obj)
@@ -149,6 +160,17 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         help_text="Stop the job (SIGTERM, then SIGKILL) after this long. Empty: it may run until the "
         "booking ends, when it is stopped anyway; a queued job gets the queue's default.",
     )
+    notify = forms.ChoiceField(
+        required=False,
+        label="Tell me",
+        choices=NOTIFY_CHOICES,
+        help_text="In your inbox, and by mail and chat as your profile says. A job array is told once, "
+        "when all its tasks are done.",
+        error_messages={
+            "invalid_choice": "Choose one of the listed options: as in your profile, when it ends, "
+            "only if it fails, when it starts and ends, or never."
+        },
+    )
     memory_mode = forms.ChoiceField(
         required=False,
         label="GPU memory",
@@ -233,4 +255,5 @@ class JobForm(ServiceErrorsMixin, forms.Form):
             "soft_placement": data["soft_placement"],
             "log_placement": data["log_placement"],
             "mirrored": data["mirrored"],
+            "notify": data["notify"] or None,
         }

@@ -41,9 +41,18 @@ class JobArray(models.Model):
     size = models.PositiveIntegerField()
     max_running = models.PositiveIntegerField(null=True, blank=True, help_text="None: no limit.")
     created_at = models.DateTimeField(default=timezone.now)
+    # Its owner was told that every task had ended (jobs.notices): set once, by a conditional
+    # UPDATE, so the array is told once however its last tasks' ends race or come again.
+    noticed_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"array {self.pk} ({self.spec})"
+
+
+# What a made change of a job tells, inside its transaction (jobs.notices.job_change_notify: its
+# start, its end): given by JobsConfig.ready(), since the notices read logs and arrays, which build
+# on this module. Each takes the job's id and its new status.
+JOB_CHANGE_TOLD: list[Callable[[int, str], None]] = []
 
 
 class RunQuerySet(models.QuerySet):
@@ -73,6 +82,27 @@ class JobQuerySet(RunQuerySet):
     it commits (its page, its log streams, the lists of jobs, its server's cards)."""
 
     published = staticmethod(job_published)
+
+    def transition(
+        self,
+        pk: int,
+        *,
+        from_: str | Collection[str],
+        to: str,
+        where: models.Q | None = None,
+        told: Callable[[], None] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """RunQuerySet.transition, and what a made change tells its owner (JOB_CHANGE_TOLD), in
+        the same transaction: wherever a job starts or ends, it is told, and only if it was made."""
+
+        def tell() -> None:
+            if told is not None:
+                told()
+            for hook in JOB_CHANGE_TOLD:
+                hook(pk, to)
+
+        return super().transition(pk, from_=from_, to=to, where=where, told=tell, **fields)
 
     def restrict(self, user, action: str = VIEW) -> JobQuerySet:  # type: ignore[no-untyped-def]
         """The jobs `user` may see or change (cancel): their own and every job of the teams they
@@ -187,6 +217,11 @@ class Job(models.Model):
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     preempt_reason = models.CharField(max_length=500, blank=True)
     preempt_grace_seconds = models.PositiveSmallIntegerField(null=True, blank=True)
+    # What its owner is told of it (portal.models.JOB_NOTIFY_EVENTS); None: their preference.
+    notify = models.JSONField(null=True, blank=True, help_text='Of "start", "end", "fail"; empty: yours.')
+    # Its end was told (jobs.notices): set once by a conditional UPDATE, so an end recorded again
+    # (a lost job's worker saying how it really ended, a spool replayed) is never told twice.
+    end_noticed_at = models.DateTimeField(null=True, blank=True)
 
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)

@@ -32,6 +32,7 @@ from jobs.services import cpu_share, default_threads, dispatch
 from jobs.slurm import slurm_cluster_named, slurm_place
 from portal.changes import JOBS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
+from portal.notifications import job_notify_parse
 from portal.timefmt import format_time
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
@@ -188,6 +189,7 @@ def job_submit(
     team: str | None = None,
     preemptible: bool = False,
     partition: str = "",
+    notify: str | Sequence[str] | None = None,
     now: datetime | None = None,
 ) -> Job:
     """Run a job on a booking's server and cards (it starts when the booking does), or, without a
@@ -196,7 +198,8 @@ def job_submit(
     one job per index; the first is returned. An `image` (a ContainerImage's name) runs it in that
     container image, on a server that has it and where containers work (`_check_image`). On a
     Slurm cluster (`server` names one) it goes to Slurm for `gpu_count` GPUs in `partition`
-    (jobs/slurm.py), through the cluster's worker.
+    (jobs/slurm.py), through the cluster's worker. `notify` ("end,fail", or a list; None: the
+    owner's preference) is what its owner is told of it (jobs/notices.py).
 
     One path of named steps for both kinds: where it runs, what it runs, how TensorFlow is set
     up, then the save. Raises a ServiceError (field and fix in the message) and writes nothing on
@@ -222,12 +225,13 @@ def job_submit(
     )
     program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
     chosen = errors.check(_check_image, image, place)
+    told = errors.check(job_notify_parse, notify)
     threads = (intra_op_threads, inter_op_threads)
     tensorflow = errors.check(_check_tensorflow, place, memory_mode, mirrored, threads) if place else None
     errors.raise_any()
     assert place is not None and program is not None and tensorflow is not None
     fields = {"owner": user, "created_at": now, **place.fields, **program, **tensorflow, "image": chosen}
-    fields |= {"soft_placement": soft_placement, "log_placement": log_placement}
+    fields |= {"soft_placement": soft_placement, "log_placement": log_placement, "notify": told}
     if place.request is not None:
         return _save_queued(user, place.request, fields, now)
     job = Job(**fields)

@@ -37,6 +37,23 @@ class TimeZoneForm(ServiceErrorsMixin, forms.Form):
     )
 
 
+class JobNotifyForm(forms.Form):
+    """What a person is told of their jobs (jobs.notices); a job's own choice wins."""
+
+    events = forms.MultipleChoiceField(
+        choices=[
+            ("start", "A queued job of mine started"),
+            ("end", "A job of mine succeeded (one that ran at least the minutes below)"),
+            ("fail", "A job of mine failed, timed out or was lost"),
+        ],
+        widget=forms.CheckboxSelectMultiple,
+        required=False,
+        label="Tell me when",
+        help_text="A job array is told once, when all its tasks are done. A job's own choice (the job "
+        "form's “Tell me”, gpu run --notify) wins over these.",
+    )
+
+
 class MailPreferenceForm(forms.Form):
     """Which kinds of notification come by mail too (every kind is in the inbox)."""
 

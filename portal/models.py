@@ -113,6 +113,16 @@ class Membership(QuotaFields):
         return self.role == self.Role.LEADER
 
 
+# What a person (Profile.job_notify) or one job (jobs' Job.notify) asks to be told of its jobs:
+# "start" (a queued job started), "end" (it succeeded), "fail" (it failed, timed out or was lost).
+JOB_NOTIFY_EVENTS = ("start", "end", "fail")
+
+
+def job_notify_default() -> list[str]:
+    """Failures, and successes of long jobs (JOB_END_NOTIFY_MIN_MINUTES); starts are off."""
+    return ["end", "fail"]
+
+
 class Profile(models.Model):
     """What the portal knows of a person beyond Django's user: their Unix account on the GPU hosts.
 
@@ -143,6 +153,12 @@ class Profile(models.Model):
         blank=True,
         help_text="The Unix account their directory claims for them, from a source not trusted for "
         "it: used by nothing until an admin confirms it (action “Confirm claimed Unix account”).",
+    )
+    job_notify = models.JSONField(
+        default=job_notify_default,
+        blank=True,
+        help_text='What to be told of their jobs, of "start", "end" (successes of jobs longer than '
+        'JOB_END_NOTIFY_MIN_MINUTES) and "fail"; a job\'s own choice wins.',
     )
 
     def __str__(self) -> str:
@@ -222,6 +238,9 @@ class Notification(models.Model):
         BOOKING_RELEASED = "booking_released", "Booking released: a booking was ended early for you"
         JOB_STOPPED = "job_stopped", "Job stopped: a job was stopped for you"
         SESSION_ENDING = "session_ending", "Session ending: a booking under your gpu exec ends soon"
+        JOB_STARTED = "job_started", "Job started: a queued job of yours started after waiting"
+        JOB_SUCCEEDED = "job_succeeded", "Job succeeded: a job of yours ended well"
+        JOB_FAILED = "job_failed", "Job failed: a job of yours failed, timed out or was lost"
 
     # A process on a card nobody booked harms no one yet: inbox only, unless the person asks.
     MAIL_OFF_BY_DEFAULT = frozenset({Kind.UNBOOKED})

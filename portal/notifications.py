@@ -26,7 +26,7 @@ from portal.channels import notification_channels_queue
 from portal.errors import Invalid
 from portal.filters import unknown_choice
 from portal.mail import mail_queue
-from portal.models import MailPreference, Notification
+from portal.models import JOB_NOTIFY_EVENTS, MailPreference, Notification, Profile, job_notify_default
 
 Mail = Notification.Mail
 SUBJECT_MAX = Notification._meta.get_field("subject").max_length
@@ -137,6 +137,51 @@ def mail_preference_set(*, user: AbstractBaseUser, kinds: Iterable[str]) -> Mail
         user=user, defaults={"mail": {kind: kind in wanted for kind in Notification.Kind.values}}
     )
     return preference
+
+
+# --- what people are told of their jobs (jobs.notices sends it) -----------------------------
+
+
+def job_notify_parse(value: object, *, field: str = "notify") -> list[str] | None:
+    """A job's or a person's choice of job events, normalised: a list or comma-separated text of
+    "start", "end", "fail" ("none" or an empty list: nothing). None or "" stays None: no choice
+    (a job then follows its owner's preference). Anything else is refused naming `field`."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        words = [word.strip().lower() for word in value.split(",") if word.strip()]
+        words = [] if words == ["none"] else words
+    elif isinstance(value, list | tuple) and all(isinstance(word, str) for word in value):
+        words = [word.strip().lower() for word in value]
+    else:
+        raise Invalid(
+            f'Give {field} as a list such as ["end", "fail"], or as text such as end,fail; '
+            f"the values are {', '.join(JOB_NOTIFY_EVENTS)}.",
+            field=field,
+        )
+    if unknown := [word for word in words if word not in JOB_NOTIFY_EVENTS]:
+        raise Invalid(
+            f"Unknown {field} value {unknown[0]!r}: give any of {', '.join(JOB_NOTIFY_EVENTS)} "
+            '(e.g. "end,fail"), or "none".',
+            field=field,
+        )
+    return [event for event in JOB_NOTIFY_EVENTS if event in words]  # in one order, once each
+
+
+def job_notify_of(user: AbstractBaseUser) -> list[str]:
+    """What the person asked to be told of their jobs; the defaults until they choose."""
+    chosen = Profile.objects.filter(user_id=user.pk).values_list("job_notify", flat=True).first()
+    return job_notify_default() if chosen is None else list(chosen)
+
+
+@transaction.atomic
+def job_notify_set(*, user: AbstractBaseUser, events: object) -> list[str]:
+    """The person's choice of job events (see job_notify_parse); refused naming `job_notify`,
+    nothing written. None (no choice) goes back to the defaults."""
+    chosen = job_notify_parse(events, field="job_notify")
+    chosen = job_notify_default() if chosen is None else chosen
+    Profile.objects.update_or_create(user=user, defaults={"job_notify": chosen})
+    return chosen
 
 
 # --- the inbox's filters ---------------------------------------------------------------------

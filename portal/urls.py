@@ -12,6 +12,7 @@ urlpatterns = [
     path("oidc/", include("portal.oidc")),  # single sign-on; 404 unless OIDC_ISSUER is set
     path("profile/", views.profile, name="profile"),
     path("profile/time-zone/", views.profile_time_zone, name="profile_time_zone"),
+    path("profile/job-notices/", views.profile_job_notify, name="profile_job_notify"),
     path("profile/tokens/", views.token_create, name="token_create"),
     path("profile/tokens/<int:pk>/revoke/", views.token_revoke, name="token_revoke"),
     path("profile/channels/", channel_views.profile_channels, name="profile_channels"),

@@ -23,10 +23,10 @@ from django.views.decorators.http import require_POST
 
 from portal.access import VIEW, is_admin, roles_of
 from portal.errors import ServiceError
-from portal.forms import MailPreferenceForm, TimeZoneForm
+from portal.forms import JobNotifyForm, MailPreferenceForm, TimeZoneForm
 from portal.http import redirect_back
 from portal.models import ApiToken, Membership, Profile, Team
-from portal.notifications import mail_kinds_wanted, mail_preference_set
+from portal.notifications import job_notify_of, job_notify_set, mail_kinds_wanted, mail_preference_set
 from portal.services import api_token_create, api_token_revoke
 from portal.time_zones import profile_time_zone_set, time_zone_offer_answered
 from portal.tokens import ApiTokenForm, api_token_expiry
@@ -52,6 +52,7 @@ def _profile_page(
     mail_form: MailPreferenceForm | None = None,
     token_form: ApiTokenForm | None = None,
     zone_form: TimeZoneForm | None = None,
+    jobs_form: JobNotifyForm | None = None,
 ) -> HttpResponse:
     if mail_form is None:
         mail_form = MailPreferenceForm(initial={"kinds": mail_kinds_wanted(request.user)})
@@ -62,6 +63,8 @@ def _profile_page(
         "token_form": token_form or ApiTokenForm(),
         "mail_form": mail_form,
         "mail_every": settings.NOTIFY_MAIL_EVERY_MINUTES,
+        "jobs_form": jobs_form or JobNotifyForm(initial={"events": job_notify_of(request.user)}),
+        "job_min_minutes": settings.JOB_END_NOTIFY_MIN_MINUTES,
     }
     return render(request, "portal/profile.html", context)
 
@@ -92,6 +95,18 @@ def profile_time_zone(request: HttpRequest) -> HttpResponse:
             time_zone_offer_answered(request, response)
             return response
     return _profile_page(request, zone_form=form)
+
+
+@require_POST
+@login_required
+def profile_job_notify(request: HttpRequest) -> HttpResponse:
+    """What the person is told of their jobs (portal.notifications.job_notify_set)."""
+    form = JobNotifyForm(request.POST)
+    if form.is_valid():
+        job_notify_set(user=request.user, events=form.cleaned_data["events"])
+        messages.success(request, "Job notices saved.")
+        return redirect(reverse("profile") + "#job-notices")
+    return _profile_page(request, jobs_form=form)
 
 
 @require_POST

@@ -440,6 +440,7 @@ MATRIX: dict[str, Url] = {
     "profile": url(get=ALL),
     "token_create": url(get=NO, post=Do(ALL, {"name": "laptop"})),
     "profile_time_zone": url(get=NO, post=Do(ALL, {"time_zone": "Asia/Tokyo"})),  # one's own
+    "profile_job_notify": url(get=NO, post=Do(ALL, {"events": ["fail"]})),  # one's own
     "token_revoke": url(TOKEN, get=NO, post=Do("login ok 404 404 404 404", None, REVOKED)),
     "teams": url(get=ALL),
     # chat and webhook channels: one's own (admins: all); a team's, its leaders' and admins'

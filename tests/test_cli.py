@@ -203,6 +203,17 @@ def test_run_uploads_the_script_into_a_booking(portal, alice, booking, script, s
     assert sent == [(job.pk, "host.box1")]
 
 
+def test_run_notify_says_what_its_owner_is_told_and_a_bad_value_is_named(
+    portal, alice, booking, script, sent
+):
+    result = gpu("run", str(script), "--reservation", str(booking.pk), "--notify", "end,fail,start")
+    assert result.exit_code == 0, result.output
+    assert Job.objects.get().notify == ["start", "end", "fail"]
+    refused = gpu("run", str(script), "--reservation", str(booking.pk), "--notify", "sometimes")
+    assert refused.exit_code != 0 and "notify" in refused.output and "start, end, fail" in refused.output
+    assert Job.objects.count() == 1  # nothing written
+
+
 def test_run_prints_the_size_hint_of_the_scripts_recent_runs(portal, alice, booking, box, script, sent):
     for _ in range(3):  # three finished runs of train.py on alice's 8 GiB booking, peaking at 2 GiB
         job = _job(alice, booking)

@@ -1,0 +1,249 @@
+"""What a job's owner is told of it: a queued job's start after waiting, its end, an array's end
+(issue 39; docs/notifications.md, "Jobs").
+
+Told inside the transaction of the status change itself (`JOB_CHANGE_TOLD` in jobs/models.py,
+given by JobsConfig.ready), wherever it is made: the supervisor, the spool's replay, the
+reconciler's lost mark, a cancel. The inbox entry and its channel deliveries commit with the change
+or not at all; the mail and the channel messages go once it commits (portal.notifications,
+`transaction.on_commit`).
+
+An end is told once. The job's `end_noticed_at` (an array's `noticed_at`) is claimed by a
+conditional UPDATE in that transaction, so an end recorded again (a lost job's worker saying how it
+really ended, a spool replayed after a database outage) finds it claimed and tells nothing. The
+array's last task is found under a lock on the array's row: two tasks ending at once each count
+the others' ends only after the other's transaction committed, so one of them sees the array done.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import DatabaseError, transaction
+from django.db.models import Max, Min
+from django.urls import reverse
+from django.utils import timezone
+
+from jobs.models import Job, JobArray, LogChunk
+from portal.models import Notification
+from portal.notifications import job_notify_of, notification_send
+
+log = logging.getLogger(__name__)
+Status = Job.Status
+Kind = Notification.Kind
+# Which ends are told, and as what: a timed-out or lost job did not do its work either.
+ENDS = {
+    Status.SUCCEEDED: Kind.JOB_SUCCEEDED,
+    Status.FAILED: Kind.JOB_FAILED,
+    Status.TIMED_OUT: Kind.JOB_FAILED,
+    Status.LOST: Kind.JOB_FAILED,
+}
+LOG_LINES = 10  # the end of its log: enough for a traceback's last frames, not a log in a chat room
+LOG_TAIL_BYTES = 8192  # read from the log's end to find them
+SECRET_MIN_LENGTH = 3  # an environment value this long is masked in the log's lines ("1" is no secret)
+MASK = "****"
+ARRAY_LISTED = 10  # an array's failed tasks named one by one, at most
+_STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT[\d:.]+Z ", re.MULTILINE)  # each log line's timestamp
+
+
+def job_change_notify(job_id: int, status: str) -> None:
+    """A job's change just made (inside its transaction): tell its owner what they asked for.
+
+    A notice can never cost the record of a start or an end: a bug in it is logged and rolled
+    back to its savepoint, and the change commits without it. A DatabaseError is the database's
+    (away, or the transaction broken): it goes up, and the change is retried as any would be."""
+    try:
+        with transaction.atomic():
+            if status == Status.RUNNING:
+                _started(job_id)
+            elif status in ENDS or status == Status.CANCELLED:
+                _ended(job_id, status)
+    except DatabaseError:
+        raise
+    except Exception:
+        log.exception("Job %s: its %s notice failed; the change is recorded without it", job_id, status)
+
+
+# --- a start --------------------------------------------------------------------------------
+
+
+def _started(job_id: int) -> None:
+    """A queued job started: told when asked for ("start"). An array's, for its first task only."""
+    job = Job.objects.select_related("owner", "server").get(pk=job_id)
+    if not job.queued or not _wants(job, "start"):
+        return
+    others = Job.objects.filter(array_id=job.array_id, started_at__isnull=False).exclude(pk=job_id)
+    if job.array_id and others.exists():
+        return  # an array starts once, with its first task
+    waited = (job.started_at or timezone.now()) - job.created_at
+    what = f"Array {job.array_id}" if job.array_id else f"Job {job.pk}"
+    notification_send(
+        user=job.owner,
+        kind=Kind.JOB_STARTED,
+        subject=f"{what} ({job.name}) started on {_server(job)} after {_length(waited)}",
+        body="\n".join(
+            [
+                f"{what} ({job.name}) started on {_server(job)}, cards {', '.join(job.gpu_uuids) or '?'}.",
+                f"Script: {_script(job)}",
+                f"Waited in the queue: {_length(waited)}",
+            ]
+        ),
+        url=_url(job),
+        # A preempted job starts again: each start is its own. An array's first tasks starting
+        # at once may each think itself the first: one key holds the mails and messages to one.
+        key=f"array-start:{job.array_id}" if job.array_id else f"job-start:{job.pk}:{job.preemptions}",
+    )
+
+
+# --- an end ---------------------------------------------------------------------------------
+
+
+def _ended(job_id: int, status: str) -> None:
+    if not Job.objects.filter(pk=job_id, end_noticed_at=None).update(end_noticed_at=timezone.now()):
+        return  # told already: this end was recorded again
+    job = Job.objects.select_related("owner", "server").get(pk=job_id)
+    if job.array_id is not None:
+        _array_ended(job.array_id)
+    elif status in ENDS and _wants(job, "end" if status == Status.SUCCEEDED else "fail"):
+        _end_send(job)
+
+
+def _end_send(job: Job) -> None:
+    kind = ENDS[job.status]
+    subject = f"Job {job.pk} ({job.name}) {_outcome(job)}"
+    lines = [
+        f"{subject}.",
+        f"Script: {_script(job)}",
+        f"Server: {_server(job)}",
+        f"Ran: {_length(job.duration)}" + (f", after waiting {_length(_waited(job))}" if job.queued else ""),
+        f"Exit code: {'none' if job.exit_code is None else job.exit_code}",
+    ]
+    if job.message:
+        lines.append(f"Why: {job.message}")
+    if tail := log_tail(job):
+        lines += ["", f"The last lines of its log (secrets of its environment masked as {MASK}):", tail]
+    notification_send(
+        user=job.owner,
+        kind=kind,
+        subject=subject,
+        body="\n".join(lines),
+        url=_url(job),
+        key=f"job-end:{job.pk}",
+    )
+
+
+def _array_ended(array_id: int) -> None:
+    """One of an array's tasks ended: the array is told once, when its last task has."""
+    array = JobArray.objects.select_for_update().get(pk=array_id)  # see the module's docstring
+    tasks = Job.objects.filter(array_id=array_id)
+    if tasks.exclude(status__in=Job.FINISHED).exists() or array.noticed_at is not None:
+        return
+    if not JobArray.objects.filter(pk=array_id, noticed_at=None).update(noticed_at=timezone.now()):
+        return
+    counts = {status: tasks.filter(status=status).count() for status in Job.FINISHED}
+    failed = counts[Status.FAILED] + counts[Status.TIMED_OUT] + counts[Status.LOST]
+    if failed + counts[Status.SUCCEEDED] == 0:
+        return  # every task cancelled: whoever cancelled them knows
+    first = tasks.select_related("owner", "server").order_by("array_index").first()
+    assert first is not None
+    span = tasks.aggregate(start=Min("started_at"), end=Max("finished_at"))
+    ran = span["end"] - span["start"] if span["start"] and span["end"] else None
+    if not _wants(first, "fail" if failed else "end", ran=ran):
+        return
+    _array_send(array, first, counts, failed, ran)
+
+
+def _array_send(
+    array: JobArray, first: Job, counts: dict[str, int], failed: int, ran: timedelta | None
+) -> None:
+    words = [f"{counts[s]} {s.label.lower()}" for s in Job.FINISHED if counts[s]]
+    subject = f"Array {array.pk} ({first.name}, {array.size} tasks) ended: {', '.join(words)}"
+    lines = [
+        f"{subject}.",
+        f"Script: {_script(first)}",
+        f"Ran: {_length(ran)}, from its first start to its last end",
+    ]
+    bad = Job.objects.filter(array=array, status__in=[s for s, k in ENDS.items() if k == Kind.JOB_FAILED])
+    for task in bad.order_by("array_index")[:ARRAY_LISTED]:
+        code = "" if task.exit_code is None else f", exit code {task.exit_code}"
+        lines.append(f"Task {task.array_index} (job {task.pk}): {task.get_status_display().lower()}{code}")
+    if failed > ARRAY_LISTED:
+        lines.append(f"… and {failed - ARRAY_LISTED} more.")
+    notification_send(
+        user=first.owner,
+        kind=Kind.JOB_FAILED if failed else Kind.JOB_SUCCEEDED,
+        subject=subject,
+        body="\n".join(lines),
+        url=f"{reverse('my_jobs')}?array={array.pk}",
+        key=f"array-end:{array.pk}",
+    )
+
+
+# --- who wants what -------------------------------------------------------------------------
+
+
+def _wants(job: Job, event: str, *, ran: timedelta | None = None) -> bool:
+    """The job's own choice wins; else its owner's, where a success counts only for a job that
+    ran JOB_END_NOTIFY_MIN_MINUTES or longer (the job that asks for "end" is told of any)."""
+    if job.notify is not None:
+        return event in job.notify
+    if event not in job_notify_of(job.owner):
+        return False
+    if event != "end":
+        return True
+    ran = ran if ran is not None else job.duration
+    return ran is not None and ran >= timedelta(minutes=settings.JOB_END_NOTIFY_MIN_MINUTES)
+
+
+# --- its words ------------------------------------------------------------------------------
+
+
+def log_tail(job: Job, lines: int = LOG_LINES) -> str:
+    """The last `lines` lines of the job's log, without their timestamps, each value of the job's
+    own environment (an API key, a password) masked: a message may land in a shared chat room."""
+    chunks = list(LogChunk.objects.filter(job_id=job.pk).order_by("-seq").values_list("data", flat=True)[:2])
+    data = b"".join(bytes(chunk) for chunk in reversed(chunks))[-LOG_TAIL_BYTES:]
+    text = _STAMP.sub(b"", data).decode("utf-8", errors="replace")
+    tail = "\n".join(text.rstrip("\n").splitlines()[-lines:])
+    secrets = {str(v) for v in (job.env or {}).values() if len(str(v)) >= SECRET_MIN_LENGTH}
+    for secret in sorted(secrets, key=len, reverse=True):  # a value inside another: the longer first
+        tail = tail.replace(secret, MASK)
+    return tail
+
+
+def _outcome(job: Job) -> str:
+    if job.status == Status.SUCCEEDED:
+        return "succeeded"
+    if job.status == Status.FAILED:
+        return f"failed (exit code {job.exit_code})" if job.exit_code is not None else "failed"
+    return "timed out" if job.status == Status.TIMED_OUT else "was lost"
+
+
+def _script(job: Job) -> str:
+    return job.script_path or f"{job.name} (uploaded)"
+
+
+def _server(job: Job) -> str:
+    return job.server.name if job.server else "no server"
+
+
+def _url(job: Job) -> str:
+    return reverse("job_detail", args=[job.pk])
+
+
+def _waited(job: Job) -> timedelta | None:
+    return job.started_at - job.created_at if job.started_at else None
+
+
+def _length(span: timedelta | None) -> str:
+    """1 h 05 min, 4 min 10 s, 12 s: as long as it matters."""
+    if span is None:
+        return "not at all"
+    seconds = max(0, int(span.total_seconds()))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"

@@ -1,0 +1,367 @@
+"""Job notices (issue 39, jobs/notices.py): a queued job's start, a job's end, an array's end, told
+to its owner as they and the job asked, once per end however late or often it is recorded."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db.models.functions import Now
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from gpus.booking import reservation_create
+from gpus.models import GPU
+from gpus.services import server_report_ingest
+from gpus.simulated.inventory import server_names
+from jobs.host.replay import spool_replay
+from jobs.host.runner import job_run
+from jobs.host.spool import EndRecord
+from jobs.logs.store import LogWriter, log_append
+from jobs.models import Job
+from jobs.runs import job_end_record, runs_lost_mark
+from jobs.services import job_cancel
+from jobs.submit import ScriptUpload, job_submit
+from portal.channels import channel_create
+from portal.errors import Invalid
+from portal.models import ChannelDelivery, Notification, Profile
+from portal.notifications import job_notify_of, job_notify_parse, job_notify_set
+from tests.factories import make_snapshot, queue_job
+from tests.test_channels import Receiver
+from tests.test_job_spool import TWENTY, Outage
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.django_db
+
+Kind = Notification.Kind
+Status = Job.Status
+SECRET = "hunter2-Sup3rSecret"
+
+
+def _job(alice, booking, **kwargs) -> Job:  # type: ignore[no-untyped-def]
+    script = ScriptUpload(name="train.py", content=b"print('hi')\n")
+    return job_submit(user=alice, reservation=booking, script=script, **kwargs)
+
+
+def _run(job: Job, minutes: float = 1) -> None:
+    """The job started `minutes` ago and runs now, as its worker records it."""
+    started = timezone.now() - timedelta(minutes=minutes)
+    Job.objects.transition(job.pk, from_=Status.QUEUED, to=Status.STARTING)
+    Job.objects.transition(job.pk, from_=Status.STARTING, to=Status.RUNNING, started_at=started)
+
+
+def _end(job: Job, status: str = Status.FAILED, exit_code: int | None = 1) -> bool:
+    record = EndRecord(status, exit_code, "", timezone.now().isoformat())
+    return job_end_record(job.pk, LogWriter(job.pk), record)
+
+
+def _told(kind: str | None = None) -> list[Notification]:
+    rows = Notification.objects.filter(kind__in=[kind] if kind else [Kind.JOB_SUCCEEDED, Kind.JOB_FAILED])
+    return list(rows.order_by("pk"))
+
+
+# --- what is told -----------------------------------------------------------------------------
+
+
+def test_it_tells_a_failure_with_the_job_its_server_exit_code_and_log_without_secrets(alice, booking):
+    job = _job(alice, booking, env={"WANDB_API_KEY": SECRET, "SHORT": "1"})
+    _run(job, minutes=3)
+    log_append(job.pk, f"using key {SECRET}\nepoch 1 loss 0.5\nTraceback: ValueError: bad lr\n")
+    assert _end(job, exit_code=3)
+    [notice] = _told()
+    assert notice.user == alice and notice.kind == Kind.JOB_FAILED and notice.url == f"/jobs/{job.pk}/"
+    assert notice.subject == f"Job {job.pk} (train.py) failed (exit code 3)"
+    assert "Server: box1" in notice.body and "Exit code: 3" in notice.body and "Ran: 3 min" in notice.body
+    assert "ValueError: bad lr" in notice.body and "using key ****" in notice.body
+    assert SECRET not in notice.body
+
+
+def test_a_short_success_is_not_told_by_default_but_a_long_one_is(alice, booking, box, settings):
+    settings.JOB_END_NOTIFY_MIN_MINUTES = 10
+    short = _job(alice, booking)
+    _run(short, minutes=2)
+    _end(short, Status.SUCCEEDED, 0)
+    assert _told() == []
+    long = _job(alice, booking)
+    _run(long, minutes=11)
+    _end(long, Status.SUCCEEDED, 0)
+    [notice] = _told(Kind.JOB_SUCCEEDED)
+    assert notice.subject == f"Job {long.pk} (train.py) succeeded" and "Ran: 11 min" in notice.body
+
+
+def test_the_jobs_own_choice_wins_over_the_persons(alice, booking, settings):
+    settings.JOB_END_NOTIFY_MIN_MINUTES = 10
+    asked = _job(alice, booking, notify="end")  # any success, however short
+    _run(asked, minutes=1)
+    _end(asked, Status.SUCCEEDED, 0)
+    assert [n.subject for n in _told()] == [f"Job {asked.pk} (train.py) succeeded"]
+    silent = _job(alice, booking, notify=[])  # nothing, not even a failure
+    _run(silent)
+    _end(silent)
+    assert len(_told()) == 1
+
+
+def test_a_person_who_wants_no_failures_gets_none(alice, booking):
+    assert job_notify_of(alice) == ["end", "fail"]  # the defaults, before any choice
+    job_notify_set(user=alice, events=["end"])
+    job = _job(alice, booking)
+    _run(job)
+    _end(job)
+    assert _told() == []
+
+
+def test_a_timeout_is_a_failure(alice, booking):
+    timed = _job(alice, booking)
+    _run(timed)
+    _end(timed, Status.TIMED_OUT, -15)
+    assert _told(Kind.JOB_FAILED)[0].subject == f"Job {timed.pk} (train.py) timed out"
+
+
+def test_a_queued_jobs_start_is_told_only_when_asked(alice, box):
+    quiet = queue_job(alice)
+    asked = queue_job(alice, notify="start,fail")
+    for job in (quiet, asked):
+        Job.objects.filter(pk=job.pk).update(status=Status.QUEUED)  # as the scheduler booked it
+        _run(job)
+    [notice] = _told(Kind.JOB_STARTED)
+    assert notice.subject.startswith(f"Job {asked.pk} (train.py) started on") and "Waited" in notice.body
+
+
+# --- once per end -----------------------------------------------------------------------------
+
+
+def test_an_end_recorded_twice_is_told_once(alice, booking):
+    job = _job(alice, booking)
+    _run(job)
+    assert _end(job) and not _end(job)  # the supervisor, then the spool's replay of the same end
+    assert len(_told()) == 1
+
+
+def test_a_lost_job_whose_worker_reports_its_real_end_later_is_told_once(alice, booking, settings):
+    job = _job(alice, booking)
+    _run(job, minutes=30)
+    Job.objects.filter(pk=job.pk).update(
+        heartbeat_at=Now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 5)
+    )
+    assert runs_lost_mark()["lost"] == 1
+    [notice] = _told()
+    assert notice.subject == f"Job {job.pk} (train.py) was lost"
+    assert _end(job, Status.SUCCEEDED, 0)  # LOST → SUCCEEDED: the worker's word is final...
+    assert Job.objects.get(pk=job.pk).status == Status.SUCCEEDED
+    assert len(_told()) == 1  # ...but that end was told already
+
+
+@pytest.mark.django_db(transaction=True)  # the runner closes a connection after an error, as in a worker
+def test_an_end_recorded_late_after_a_database_outage_is_told_once(alice, box, monkeypatch, settings):
+    settings.JOB_END_WAIT_SECONDS = 0  # the supervisor gives up at once: the replay records it
+    outage = Outage(monkeypatch)
+    booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
+    script = ScriptUpload(name="t.py", content=TWENTY.encode() + b"raise SystemExit(4)\n")
+    job = job_submit(user=alice, reservation=booking, script=script)
+    real_feed = LogWriter.feed
+
+    def feed(writer, data):  # type: ignore[no-untyped-def]
+        if b"line 10" in data:
+            outage.down = True
+        real_feed(writer, data)
+
+    monkeypatch.setattr(LogWriter, "feed", feed)
+    job_run(job.pk)
+    assert _told() == []  # the end waits in the spool
+    outage.down = False
+    assert spool_replay() == 1
+    [notice] = _told()
+    assert notice.subject == f"Job {job.pk} (t.py) failed (exit code 4)" and "line 19" in notice.body
+    assert spool_replay() == 0
+    assert _end(job) is False and len(_told()) == 1
+
+
+# --- arrays -----------------------------------------------------------------------------------
+
+
+def test_an_array_of_twenty_tasks_is_told_once_when_all_are_done(alice, box, settings):
+    settings.CHANNEL_ALLOWED_HOSTS = ["127.0.0.1"]
+    channel = channel_create(by=alice, url="json://127.0.0.1:9/hooks/array")
+    first = queue_job(alice, array="0-19%4", notify="end,fail")
+    tasks = list(Job.objects.filter(array=first.array).order_by("array_index"))
+    assert len(tasks) == 20
+    for task in tasks:
+        Job.objects.filter(pk=task.pk).update(status=Status.QUEUED)
+        _run(task)
+        status, code = (Status.FAILED, 1) if task.array_index in (3, 7) else (Status.SUCCEEDED, 0)
+        _end(task, status, code)
+        assert _end(task, status, code) is False  # recorded again: nothing more
+    [notice] = _told()
+    assert notice.kind == Kind.JOB_FAILED
+    assert f"Array {first.array_id} (train.py, 20 tasks) ended: 18 succeeded, 2 failed" == notice.subject
+    assert f"Task 3 (job {tasks[3].pk}): failed, exit code 1" in notice.body
+    assert notice.url == f"/jobs/?array={first.array_id}"
+    assert ChannelDelivery.objects.filter(channel=channel).count() == 1  # one message to the webhook
+
+
+def test_an_array_cancelled_whole_tells_nothing(alice, box):
+    first = queue_job(alice, array="0-4")
+    job_cancel(user=alice, job=first, whole_array=True)
+    assert _told() == []
+
+
+# --- preferences and choices: the API, the form, the profile ---------------------------------
+
+
+def _api(user) -> APIClient:  # type: ignore[no-untyped-def]
+    client = APIClient()
+    client.force_authenticate(user)
+    return client
+
+
+def test_the_api_takes_notify_as_a_list_and_refuses_a_bad_value_by_name(alice, booking):
+    api = _api(alice)
+    upload = ("train.py", b"print(1)\n")
+    answer = api.post(
+        "/api/v1/jobs/",
+        {"reservation": booking.pk, "script_path": "", "notify": ["fail", "bogus"]},
+        format="json",
+    )
+    assert answer.status_code == 400 and "start, end, fail" in answer.json()["errors"]["notify"][0]
+    answer = api.post(
+        "/api/v1/jobs/",
+        {"reservation": booking.pk, "script": SimpleUploadedFile(*upload), "notify": "end,often"},
+        format="multipart",
+    )
+    assert answer.status_code == 400 and list(answer.json()["errors"]) == ["notify"]
+    assert not Job.objects.exists()
+
+    answer = api.post(
+        "/api/v1/jobs/",
+        {"reservation": booking.pk, "script": SimpleUploadedFile(*upload), "notify": "start,end"},
+        format="multipart",  # as `gpu run --notify start,end` sends it
+    )
+    assert answer.status_code == 201, answer.json()
+    assert answer.json()["notify"] == ["start", "end"]
+
+
+def test_me_reads_and_changes_the_persons_choice(alice):
+    api = _api(alice)
+    assert api.get("/api/v1/me/").json()["job_notify"] == ["end", "fail"]
+    answer = api.patch("/api/v1/me/", {"job_notify": ["fail", "start"]}, format="json")
+    assert answer.status_code == 200 and answer.json()["job_notify"] == ["start", "fail"]
+    bad = api.patch("/api/v1/me/", {"job_notify": ["often"]}, format="json")
+    assert bad.status_code == 400 and "job_notify" in bad.json()["errors"]
+    assert Profile.objects.get(user=alice).job_notify == ["start", "fail"]  # nothing written
+    typo = api.patch("/api/v1/me/", {"jobnotify": []}, format="json")
+    assert typo.status_code == 400 and "jobnotify" in typo.json()["errors"]
+
+
+def test_the_profile_page_saves_the_choice(alice, client):
+    client.force_login(alice)
+    assert b"job-notices" in client.get("/profile/").content
+    answer = client.post("/profile/job-notices/", {"events": ["fail"]})
+    assert answer.status_code == 302 and job_notify_of(alice) == ["fail"]
+    assert client.post("/profile/job-notices/", {"events": ["sometimes"]}).status_code == 200
+    assert job_notify_of(alice) == ["fail"]
+
+
+def test_the_job_form_offers_notify_and_passes_it_on(alice, booking, client):
+    client.force_login(alice)
+    page = client.get("/jobs/new/").content.decode()
+    assert 'name="notify"' in page and "As in my profile" in page
+    form = {
+        "reservation": booking.pk,
+        "script": SimpleUploadedFile("train.py", b"print(1)\n"),
+        "interpreter": "default",
+        "soft_placement": "on",
+        "notify": "fail",
+    }
+    answer = client.post("/jobs/new/", form)
+    assert answer.status_code == 302, answer.content.decode()[:2000]
+    job = Job.objects.get()
+    assert job.notify == ["fail"]
+    assert "<dt>Tells its owner</dt><dd>fail</dd>" in client.get(f"/jobs/{job.pk}/").content.decode()
+
+
+@pytest.mark.parametrize("value", ["sometimes", ["end", 3], 5])
+def test_a_bad_choice_is_refused_naming_the_field(value):
+    with pytest.raises(Invalid) as refused:
+        job_notify_parse(value)
+    assert refused.value.field == "notify"
+
+
+# --- a real worker, a real webhook ------------------------------------------------------------
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.worker
+@pytest.mark.django_db(transaction=True)
+def test_a_real_jobs_end_reaches_a_json_webhook_within_15_seconds(start_worker, alice, settings, receiver):
+    allowed = {"CHANNEL_ALLOWED_HOSTS": "127.0.0.1"}  # the receiver listens on loopback
+    settings.CHANNEL_ALLOWED_HOSTS = ["127.0.0.1"]
+    channel_create(by=alice, url=receiver.url)  # every kind, as a new user adds one
+    name = server_names()[0]
+    server_report_ingest(snapshot=make_snapshot(name, gpus=4, simulated=True))
+    start_worker(None, extra_env=allowed)  # the portal's worker: it posts
+    start_worker(name, extra_env=allowed)  # the host's: it runs the job and records its end
+    booking = reservation_create(user=alice, gpus=[f"GPU-{name}-00"])
+    script = ScriptUpload(name="fails.py", content=b"print('step 1', flush=True)\nraise SystemExit(2)\n")
+    job = job_submit(user=alice, reservation=booking, script=script)
+    finished = {s.value for s in Job.FINISHED}
+    wait_for(lambda: Job.objects.get(pk=job.pk).status in finished, timeout=120, what=f"job {job.pk} to end")
+    wait_for(lambda: receiver.posts, timeout=15, what="the job's end on the webhook")
+    [post] = receiver.posts
+    sent = ChannelDelivery.objects.filter(status=ChannelDelivery.Status.SENT)
+    wait_for(sent.exists, timeout=10, what="the delivery recorded sent")
+    delivery = sent.get()
+    took = (delivery.sent_at - delivery.created_at).total_seconds()  # created with the end's record
+    print(f"the end reached the webhook {took:.2f} s after it was recorded")
+    assert took < 15
+    assert post["json"]["title"] == f"Job {job.pk} (fails.py) failed (exit code 2)"
+    assert "step 1" in post["json"]["message"] and f"/jobs/{job.pk}/" in post["json"]["message"]
+
+
+def test_a_notice_that_breaks_never_costs_the_end(alice, booking, monkeypatch, caplog):
+    job = _job(alice, booking)
+    _run(job)
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in the notice")
+
+    monkeypatch.setattr("jobs.notices.notification_send", broken)
+    assert _end(job)
+    job.refresh_from_db()
+    assert job.status == Status.FAILED and job.end_noticed_at is None  # rolled back with the notice
+    assert "notice failed" in caplog.text and _told() == []
+
+
+@pytest.mark.worker
+@pytest.mark.django_db(transaction=True)
+def test_a_real_array_of_twenty_tasks_sends_one_message(start_worker, alice, settings, receiver):
+    allowed = {"CHANNEL_ALLOWED_HOSTS": "127.0.0.1"}
+    settings.CHANNEL_ALLOWED_HOSTS = ["127.0.0.1"]
+    channel_create(by=alice, url=receiver.url)
+    name = server_names()[0]
+    start_worker(None, extra_env=allowed)  # the scheduler, and the channel's sender
+    start_worker(name, extra_env=allowed)
+    wait_for(lambda: GPU.objects.filter(server__name=name).count() >= 4, timeout=60, what="the cards")
+    script = b"import os, sys\nsys.exit(1 if os.environ['PORTAL_ARRAY_INDEX'] in ('4', '15') else 0)\n"
+    first = queue_job(alice, minutes=5, array="0-19", notify="end,fail", script=ScriptUpload("a.py", script))
+    tasks = Job.objects.filter(array_id=first.array_id)
+    finished = [s.value for s in Job.FINISHED]
+    wait_for(lambda: tasks.filter(status__in=finished).count() == 20, timeout=240, what="the 20 tasks")
+    wait_for(lambda: receiver.posts, timeout=15, what="the array's end on the webhook")
+    wait_for(
+        ChannelDelivery.objects.filter(status=ChannelDelivery.Status.SENT).exists, timeout=10, what="sent"
+    )
+    assert ChannelDelivery.objects.count() == 1 and len(receiver.posts) == 1  # every task's end is in
+    title = receiver.posts[0]["json"]["title"]
+    assert title == f"Array {first.array_id} (a.py, 20 tasks) ended: 18 succeeded, 2 failed"
