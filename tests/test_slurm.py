@@ -196,6 +196,40 @@ def test_slurms_refusal_ends_the_job_with_its_words_and_the_portals_is_a_field_e
     assert refused.value.field == "partition"
 
 
+def test_a_partition_only_root_may_use_is_never_reached_through_roots_sbatch(cluster, people):
+    """Slurm takes a RootOnly partition's job from root's sbatch (--uid) and holds it for ever
+    (PartitionConfig): the worker refuses it first, in the cluster's default partition too."""
+    alice, _ = people
+    job = submit(alice, SHOW, 1, partition="admin")
+    follow(job)
+    done = ended(job)
+    assert (done.status, done.slurm_job_id) == ("failed", "")  # nothing was sent to Slurm
+    assert "partition admin takes root's jobs only" in done.message
+    cluster.commands.run("scontrol", ["update", "PartitionName=admin", "Default=YES"])
+    try:
+        default = submit(alice, SHOW, 1)
+        follow(default)
+        assert "partition admin takes root's jobs only" in ended(default).message
+    finally:
+        cluster.commands.run("scontrol", ["update", "PartitionName=gpu", "Default=YES"])
+
+
+def test_a_job_cancelled_while_slurm_keeps_it_waiting_ends_cancelled(cluster, people):
+    alice, bob = people
+    first = submit(alice, TICKS, 4)
+    follow(first)
+    wait_for(lambda: row(first).slurm_state == "RUNNING", 20, what="the first job running")
+    waiting = submit(bob, SHOW, 1)
+    follow(waiting)
+    wait_for(lambda: row(waiting).slurm_reason == "Resources", 20, what="the second one waiting")
+    job_cancel(user=bob, job=waiting)
+    done = ended(waiting)
+    assert (done.status, done.message, done.started_at) == ("cancelled", "Cancelled by bob (scancel).", None)
+    assert row(first).status == "running"
+    job_cancel(user=alice, job=first)
+    assert ended(first).status == "cancelled"
+
+
 def test_a_cluster_that_stops_answering_goes_offline_and_its_jobs_say_so(cluster, people):
     alice, _ = people
     job = submit(

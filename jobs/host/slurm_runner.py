@@ -30,7 +30,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from gpus.models import Reservation
-from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmUnreachable
+from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmUnreachable, records
 from gpus.slurm_inventory import commands_for
 from jobs.host.executors.base import RunSpec
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmJobState, SlurmRequest, SlurmRun
@@ -147,6 +147,7 @@ class SlurmFollower:
         return account, folder
 
     def _request(self, folder: Path) -> SlurmRequest:
+        self._check_partition(self.job.partition)
         return SlurmRequest(
             gpus=self.job.gpu_count or 0,
             minutes=self.job.time_limit_minutes,
@@ -155,6 +156,23 @@ class SlurmFollower:
             reservation=self._reservation(),
             jobcomp=self._jobcomp(),
         )
+
+    def _check_partition(self, partition: str) -> None:
+        """Slurm takes a RootOnly partition's job from root's sbatch, then holds it for ever
+        (PartitionConfig): it checks the submitter, and the portal submits as root for its users.
+        Refused here, the cluster's default partition too; an unknown one is Slurm's to refuse."""
+        try:
+            found = records(self.commands.show("partition", *([partition] if partition else [])))
+        except SlurmRefused:
+            return
+        except SlurmUnreachable as exc:
+            raise SlurmSetupError(f"Slurm did not answer: {exc}") from None
+        for record in found:
+            if (partition or record.get("Default") == "YES") and record.get("RootOnly") == "YES":
+                raise SlurmSetupError(
+                    f"partition {record.get('PartitionName')} takes root's jobs only (RootOnly): "
+                    "submit to another partition"
+                )
 
     def _reservation(self) -> str:
         """The Slurm reservation of the job's booking of whole nodes, once the cluster's worker has
