@@ -18,6 +18,7 @@ from gpus.models import Reservation, Server, SlurmCluster
 from gpus.services import servers_report_ingest
 from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_inventory import cluster_snapshot
+from jobs.host import slurm_runner
 from jobs.host.executors.base import RunEnd, RunSpec
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
 from jobs.models import Job
@@ -207,6 +208,34 @@ def test_the_output_is_read_only_from_a_plain_file_of_the_jobs_own_account(tmp_p
         output = FileOutput(path, uid=uid)
         assert output.read() == b"" and output.refused  # never read, and said why
     assert FileOutput(tmp_path / "not-yet.log").read() == b""  # the job has not started: nothing yet
+
+
+def test_the_output_is_read_again_after_a_truncation_and_never_past_what_the_log_keeps(tmp_path):
+    path = tmp_path / "out.log"
+    path.write_bytes(b"first try, a long line\n")
+    output = FileOutput(path, uid=os.getuid(), keep=1 << 20)
+    assert output.read() == b"first try, a long line\n"
+    path.write_bytes(b"again\n")  # the job's `: > out.log`: cut, and written anew
+    assert output.read() == b"again\n" and "read again from its start" in output.notes.pop()
+    os.truncate(path, 1 << 40)  # a terabyte, sparse: only the last `keep` bytes are read
+    assert len(b"".join(iter(output.read, b""))) == 1 << 20
+    assert output.notes == [
+        f"{(1 << 40) - 6 - (1 << 20):,} bytes of its output skipped: more than its log keeps"
+    ]
+
+
+def test_the_follower_reads_a_slice_of_the_output_each_tick_and_the_rest_at_the_end(
+    alice, cluster, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(slurm_runner, "TAKE_MAX", 4096)  # Slurm is asked between slices
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    path = tmp_path / "out.log"
+    path.write_bytes(b"line\n" * 4096)
+    output, follower = FileOutput(path, uid=os.getuid()), slurm_runner.SlurmFollower(job)
+    follower._take(output)
+    assert output.offset == 4096
+    follower._take(output, to_end=True)
+    assert output.offset == path.stat().st_size
 
 
 def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(alice, cluster):

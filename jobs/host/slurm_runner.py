@@ -33,7 +33,14 @@ from gpus.models import Reservation
 from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmUnreachable, records
 from gpus.slurm_inventory import commands_for
 from jobs.host.executors.base import RunSpec
-from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmJobState, SlurmRequest, SlurmRun
+from jobs.host.executors.slurm import (
+    READ_MAX,
+    FileOutput,
+    SlurmExecutor,
+    SlurmJobState,
+    SlurmRequest,
+    SlurmRun,
+)
 from jobs.host.launch import LAUNCHER, job_claim
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter
@@ -44,6 +51,7 @@ from portal.accounts import unix_account_name
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.2  # how often the output file is read
+TAKE_MAX = 8 << 20  # the most of it read in one tick: Slurm is still asked, and the job beats
 STATE_SECONDS = 1.0  # how often Slurm is asked, and the job beats
 OUTPUT = "output.log"
 RESERVATION_WAIT_SECONDS = 30
@@ -155,6 +163,7 @@ class SlurmFollower:
             output=folder / OUTPUT,
             reservation=self._reservation(),
             jobcomp=self._jobcomp(),
+            output_keep=settings.JOB_LOG_MAX_MB << 20,
         )
 
     def _check_partition(self, partition: str) -> None:
@@ -245,13 +254,21 @@ class SlurmFollower:
                 asked_at = time.monotonic()
                 state = self._ask(executor, run)
                 if state is not None and (state.ended or state.state == "FORGOTTEN"):
-                    self._take(output)
+                    self._take(output, to_end=True)  # all that is left (FileOutput.keep at most)
                     return self._ended(state, run)
             time.sleep(TICK_SECONDS)
 
-    def _take(self, output: FileOutput) -> None:
-        while data := output.read():
+    def _take(self, output: FileOutput, *, to_end: bool = False) -> None:
+        """What the output file gained, TAKE_MAX bytes at most (`to_end`: all of it)."""
+        budget, taken = None if to_end else TAKE_MAX, 0
+        while budget is None or taken < budget:
+            data = output.read(READ_MAX if budget is None else budget - taken)
+            if not data:
+                break
+            taken += len(data)
             self.writer.feed(data)
+        while output.notes:
+            self.writer.write_line(f"[portal] {output.notes.pop(0)}.")
         if output.refused and not self.output_refused:
             self.output_refused = True
             self.writer.write_line(f"[portal] {output.refused}.")
