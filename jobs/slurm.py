@@ -32,6 +32,19 @@ def slurm_cluster_named(name: str | None) -> Server | None:
     return Server.objects.filter(name=name, kind=Server.Kind.SLURM).select_related("slurm").first()
 
 
+def slurm_booking_cluster(reservation: Reservation | int | None) -> Server | None:
+    """The Slurm cluster whose whole nodes `reservation` books, or None: a job on such a booking
+    is Slurm's (a GPU count in its reservation), whether or not the cluster is named too."""
+    if reservation is None:
+        return None
+    pk = reservation if isinstance(reservation, int) else reservation.pk
+    return (
+        Server.objects.filter(kind=Server.Kind.SLURM, gpus__allocations__reservation_id=pk)
+        .select_related("slurm")
+        .first()
+    )
+
+
 def slurm_place(
     *,
     user: AbstractBaseUser,

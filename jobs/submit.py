@@ -29,7 +29,7 @@ from jobs.lending import loans_take_back
 from jobs.models import Job, JobArray
 from jobs.queue.requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
-from jobs.slurm import slurm_cluster_named, slurm_place
+from jobs.slurm import slurm_booking_cluster, slurm_cluster_named, slurm_place
 from portal.changes import JOBS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
 from portal.timefmt import format_time
@@ -260,7 +260,7 @@ def _place(
     """Where the job runs: on the booking, or in the queue for the cards it asks for, or on a Slurm
     cluster. Only a queued job may be `preemptible`: stopped and requeued at its old place
     (jobs.preemption)."""
-    cluster = slurm_cluster_named(server)
+    cluster = slurm_cluster_named(server) or slurm_booking_cluster(reservation)
     if cluster is not None:
         booking = _check_slurm_booking(user, reservation, cluster, now) if reservation is not None else None
         if memory_mb is not None or preemptible:

@@ -173,6 +173,26 @@ def test_the_api_books_whole_nodes_of_a_cluster_and_nothing_less(alice, cluster)
     assert again.status_code == 409  # its cards are booked: the same rule as any booking
 
 
+def test_a_job_on_a_booking_of_whole_nodes_goes_to_slurm_without_naming_the_cluster(alice, cluster):
+    """The booking says where: its job is Slurm's, with its GPU count and partition, never the
+    portal's run on every card of the booking's nodes."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm", "gpu02"])
+    response = post(alice, reservation=booking.pk, gpu_count=2, partition="long")
+    assert response.status_code == 201, response.json()
+    job = Job.objects.get(pk=response.json()["id"])
+    assert (job.server, job.reservation, job.gpu_count, job.gpu_uuids, job.partition) == (
+        cluster,
+        booking,
+        2,
+        [],
+        "long",
+    )
+    response = post(alice, reservation=booking.pk)
+    assert response.status_code == 400 and "how many GPUs" in response.json()["errors"]["gpu_count"][0]
+    assert Job.objects.count() == 1
+
+
 @pytest.mark.django_db(transaction=True)
 def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(portal, alice, cluster, tmp_path):  # noqa: F811
     script = tmp_path / "train.py"
