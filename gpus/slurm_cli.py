@@ -37,6 +37,10 @@ class SlurmUnreachable(SlurmError):
     """The cluster did not answer: no controller, a timeout, or the commands are not there."""
 
 
+class SlurmTimedOut(SlurmUnreachable):
+    """The command did not end in time: what it asked may still have been done (a job submitted)."""
+
+
 class SlurmRefused(SlurmError):
     """Slurm answered no: the message is its own (`sbatch: error: Invalid partition name specified`)."""
 
@@ -177,7 +181,7 @@ class SlurmCommands:
                 argv, input=stdin, capture_output=True, timeout=self.timeout, env=env, check=False
             )
         except subprocess.TimeoutExpired:
-            raise SlurmUnreachable(f"{command} did not answer within {self.timeout:g} s") from None
+            raise SlurmTimedOut(f"{command} did not answer within {self.timeout:g} s") from None
         except OSError as exc:
             raise SlurmUnreachable(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
         out = done.stdout.decode(errors="replace")

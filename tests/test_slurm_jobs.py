@@ -258,6 +258,43 @@ def test_the_follower_reads_a_slice_of_the_output_each_tick_and_the_rest_at_the_
     assert output.offset == path.stat().st_size
 
 
+def _fake_slurm(folder, squeue_says: str) -> None:  # type: ignore[no-untyped-def]
+    """sbatch that takes the job and then does not answer in time; squeue and scontrol that do."""
+    folder.mkdir()
+    scripts = {
+        "sbatch": f'cat > /dev/null\necho "$@" > {folder}/sbatch.args\nexec sleep 5\n',
+        "squeue": f"echo \"$@\" > {folder}/squeue.args\necho '{squeue_says}'\n",
+        "scontrol": 'case "$2" in\n'
+        "job) echo 'JobId=4242 JobState=COMPLETED Reason=None ExitCode=0:0 NodeList=vm' ;;\n"
+        "partition) echo 'PartitionName=gpu Default=YES RootOnly=NO' ;;\n"
+        "esac\n",
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text("#!/bin/sh\n" + body)
+        (folder / name).chmod(0o755)
+
+
+@pytest.mark.parametrize(("squeue_says", "status"), [("4242", "succeeded"), ("", "failed")])
+def test_a_job_sbatch_took_without_answering_in_time_is_found_and_followed(
+    alice, cluster, tmp_path, squeue_says, status
+):
+    """sbatch's answer lost is not its job lost: Slurm is asked for it by name and account, and a
+    job it took is followed, never left running unseen (and a job it did not take ends failed)."""
+    _fake_slurm(tmp_path / "bin", squeue_says)
+    SlurmCluster.objects.filter(server=cluster).update(
+        bin_dir=str(tmp_path / "bin"), command_timeout_seconds=1
+    )
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    assert slurm_runner.slurm_job_run(job.pk) == status
+    job.refresh_from_db()
+    assert job.slurm_job_id == squeue_says
+    asked = (tmp_path / "bin" / "squeue.args").read_text().split()
+    assert f"--name=portal-{job.pk}" in asked and f"--user={pwd.getpwnam('nobody').pw_uid}" in asked
+    if status == "failed":
+        assert "Slurm did not answer" in job.message
+
+
 def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(alice, cluster):
     Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
     booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])

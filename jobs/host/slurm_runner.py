@@ -30,7 +30,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from gpus.models import Reservation
-from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmUnreachable, records
+from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmTimedOut, SlurmUnreachable, records
 from gpus.slurm_inventory import commands_for
 from jobs.host.executors.base import RunSpec
 from jobs.host.executors.slurm import (
@@ -55,6 +55,7 @@ TAKE_MAX = 8 << 20  # the most of it read in one tick: Slurm is still asked, and
 STATE_SECONDS = 1.0  # how often Slurm is asked, and the job beats
 OUTPUT = "output.log"
 RESERVATION_WAIT_SECONDS = 30
+LOOKUP_SECONDS = 120  # how long a job whose sbatch timed out is looked for while Slurm does not answer
 
 
 class SlurmSetupError(Exception):
@@ -87,11 +88,6 @@ class SlurmFollower:
     def run(self) -> str:
         try:
             account, folder = self._prepare()
-        except SlurmSetupError as exc:
-            return self._end(
-                "failed", None, f"Could not send it to Slurm: {exc}", f"[portal] cannot start: {exc}"
-            )
-        try:
             request = self._request(folder)
         except SlurmSetupError as exc:
             return self._end(
@@ -102,7 +98,7 @@ class SlurmFollower:
             self._argv(folder), self._env(), self.job.workdir or folder, f"portal-{self.job.pk}", account
         )
         try:
-            run = executor.start(spec)
+            run = self._submit(executor, spec)
         except SlurmRefused as exc:
             return self._end(
                 "failed", None, f"Refused by Slurm: {exc}", f"[portal] Slurm refused the job: {exc}"
@@ -117,6 +113,32 @@ class SlurmFollower:
             f" ({self.job.gpu_count} GPU(s), partition {self.job.partition or 'default'})"
         )
         return self._follow(executor, run)
+
+    def _submit(self, executor: SlurmExecutor, spec: RunSpec) -> SlurmRun:
+        """sbatch. Its timeout does not say Slurm did not take the job (the answer may be what
+        was lost): Slurm is asked for a job of its name and account until it answers, for
+        LOOKUP_SECONDS at most, and one it took is followed, never left to run unseen."""
+        try:
+            return executor.start(spec)
+        except SlurmTimedOut as exc:
+            timed_out = exc
+        self._unreachable(str(timed_out))
+        give_up = time.monotonic() + LOOKUP_SECONDS
+        while True:
+            try:
+                found = executor.find(spec)
+            except SlurmUnreachable as exc:
+                if time.monotonic() >= give_up:
+                    raise SlurmUnreachable(
+                        f"{timed_out}, nor since: should it have taken the job, it is {spec.name} in Slurm"
+                    ) from None
+                self._unreachable(str(exc))
+                time.sleep(STATE_SECONDS)
+                continue
+            if found is None:
+                raise timed_out
+            self.writer.write_line(f"[portal] sbatch did not answer, but Slurm took the job: {found.job_id}.")
+            return found
 
     # --- before sbatch -----------------------------------------------------------------
 

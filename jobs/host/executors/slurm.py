@@ -212,7 +212,7 @@ class SlurmExecutor:
 
     def sbatch_args(self, spec: RunSpec) -> list[str]:
         r = self.request
-        args = ["--parsable", f"--job-name={spec.name.lower().replace(' ', '-')}", "--export=NIL"]
+        args = ["--parsable", f"--job-name={_job_name(spec)}", "--export=NIL"]
         if spec.account is not None:  # as its owner: only root may say so (the login node's worker)
             args += [f"--uid={spec.account.pw_uid}", f"--gid={spec.account.pw_gid}"]
         if r.gpus:
@@ -232,6 +232,18 @@ class SlurmExecutor:
         is not taken."""
         script = self.batch_script(spec).encode()
         job_id = self.commands.run("sbatch", self.sbatch_args(spec), stdin=script).strip().split(";")[0]
+        return self._run(spec, job_id)
+
+    def find(self, spec: RunSpec) -> SlurmRun | None:
+        """The job `start` sent for `spec`, should Slurm have taken it though sbatch's answer was
+        lost (SlurmTimedOut): by its name and account, in any state Slurm still remembers."""
+        args = ["--noheader", f"--name={_job_name(spec)}", "--states=all", "--format=%i"]
+        if spec.account is not None:
+            args.append(f"--user={spec.account.pw_uid}")
+        found = self.commands.run("squeue", args).split()
+        return self._run(spec, found[0]) if found else None
+
+    def _run(self, spec: RunSpec, job_id: str) -> SlurmRun:
         # No process of the worker's is the run: pid 0 is never signalled (portal.pids), and the
         # orphan sweep has nothing to find.
         uid = spec.account.pw_uid if spec.account is not None else None
@@ -289,6 +301,10 @@ class SlurmExecutor:
 
     def did_not_start(self, end: RunEnd) -> str:
         return ""
+
+
+def _job_name(spec: RunSpec) -> str:
+    return spec.name.lower().replace(" ", "-")
 
 
 def _slurm(run: Run) -> SlurmRun:
