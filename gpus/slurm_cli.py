@@ -133,8 +133,10 @@ def job_gres(text: str) -> list[JobGres]:
             elif key == "Nodes":
                 nodes = hostnames(value)
             elif key == "GRES" and nodes:
-                for idx_list in _IDX.findall(value):
-                    held.extend((node, i) for node in nodes for i in indices(idx_list))
+                for item in _split_gres(value):  # a GPU's IDX only: a NIC's IDX 0 is no card
+                    if re.split(r"[:(]", item, maxsplit=1)[0] == "gpu":
+                        for idx_list in _IDX.findall(item):
+                            held.extend((node, i) for node in nodes for i in indices(idx_list))
         if job_id and held:
             out.append(JobGres(job_id, tuple(held)))
     return out
