@@ -27,7 +27,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.models import GPU, Reservation, Server, SlurmNode
-from gpus.slurm_cli import SlurmCommands, SlurmError, SlurmRefused
+from gpus.slurm_cli import SlurmCommands, SlurmError, SlurmRefused, SlurmUnreachable, records
 from gpus.slurm_inventory import commands_for
 from portal.accounts import unix_account_name
 from portal.errors import Invalid
@@ -104,10 +104,13 @@ def slurm_reservations_sync(*, server: Server, commands: SlurmCommands, now: dat
     mine = Reservation.objects.filter(allocations__gpu__server=server).distinct()
     live = Q(cancelled_at__isnull=True, end__gt=now)
     done = {"made": 0, "removed": 0, "refused": 0}
-    for booking in mine.filter(live, slurm_reservation="", slurm_error="").select_related("owner"):
-        done["made" if _make(booking, commands, now) else "refused"] += 1
-    for booking in mine.exclude(live).exclude(slurm_reservation=""):
-        done["removed"] += _remove(booking, commands)
+    try:
+        for booking in mine.filter(live, slurm_reservation="", slurm_error="").select_related("owner"):
+            done["made" if _make(booking, commands, now) else "refused"] += 1
+        for booking in mine.exclude(live).exclude(slurm_reservation=""):
+            done["removed"] += _remove(booking, commands)
+    except SlurmUnreachable as exc:  # the rest waits for the next pass; what was done stays recorded
+        log.warning("Slurm reservations of %s: the pass stopped, Slurm does not answer: %s", server.name, exc)
     return done
 
 
@@ -133,6 +136,9 @@ def _make(booking: Reservation, commands: SlurmCommands, now: datetime) -> bool:
     try:
         commands.run("scontrol", args)
     except SlurmRefused as exc:
+        if _held(commands, name):  # made by a pass whose answer or record was lost: the name is ours
+            Reservation.objects.filter(pk=booking.pk).update(slurm_reservation=name)
+            return True
         Reservation.objects.filter(pk=booking.pk).update(
             slurm_error=f"Slurm would not reserve them: {exc}"[:500]
         )
@@ -140,6 +146,15 @@ def _make(booking: Reservation, commands: SlurmCommands, now: datetime) -> bool:
         return False
     Reservation.objects.filter(pk=booking.pk).update(slurm_reservation=name)
     return True
+
+
+def _held(commands: SlurmCommands, name: str) -> bool:
+    """Whether Slurm holds reservation `name`: Slurm 22.05 says a second create of it overlaps
+    (its own nodes), not that the name is taken."""
+    try:
+        return any(r.get("ReservationName") == name for r in records(commands.show("reservation", name)))
+    except SlurmRefused:
+        return False
 
 
 def _remove(booking: Reservation, commands: SlurmCommands) -> int:

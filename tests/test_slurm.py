@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create, reservation_release
 from gpus.inventory import BackendUnavailable
-from gpus.models import GPU, Server, SlurmCluster, SlurmNode
+from gpus.models import GPU, Reservation, Server, SlurmCluster, SlurmNode
 from gpus.services import servers_report_ingest
 from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_cli import SlurmRefused
@@ -260,6 +260,9 @@ def test_a_whole_node_booking_keeps_another_users_job_out_until_it_ends(cluster,
     assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
     held = cluster.commands.show("reservation", f"portal-{booking.pk}")
     assert "Users=nobody" in held and f"Nodes={cluster.node}" in held
+    Reservation.objects.filter(pk=booking.pk).update(slurm_reservation="")  # a pass's record lost
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1  # Slurm's is ours
+    assert Reservation.objects.filter(pk=booking.pk, slurm_error="").exclude(slurm_reservation="").exists()
 
     outside = submit(bob, SHOW, 1)
     follow(outside)

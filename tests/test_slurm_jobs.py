@@ -9,6 +9,7 @@ import pwd
 from datetime import timedelta
 
 import pytest
+from django.db import transaction
 from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -17,6 +18,7 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation, Server, SlurmCluster
 from gpus.services import servers_report_ingest
 from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
+from gpus.slurm_cli import SlurmRefused, SlurmUnreachable
 from gpus.slurm_inventory import cluster_snapshot
 from jobs.host import slurm_runner
 from jobs.host.executors.base import RunEnd, RunSpec
@@ -304,6 +306,51 @@ def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(
     assert slurm_reservations_sync(server=cluster, commands=commands)["refused"] == 1
     booking.refresh_from_db()
     assert not calls and "'alice,root' is no account name" in booking.slurm_error
+
+
+class _Scontrol:
+    """scontrol as the worker's pass meets it: each call answers as `says` tells, in turn."""
+
+    def __init__(self, *says: Exception | str) -> None:
+        self.says, self.calls = list(says), []
+
+    def run(self, command, args, **kw):  # type: ignore[no-untyped-def]
+        self.calls.append(args)
+        said = self.says.pop(0) if self.says else ""
+        if isinstance(said, Exception):
+            raise said
+        return said
+
+    def show(self, thing, *args):  # type: ignore[no-untyped-def]
+        return self.run("scontrol", ["show", thing, *args, "-o"])
+
+
+def test_a_reservation_made_stays_recorded_when_slurm_stops_answering_later_in_the_pass(alice, cluster):
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    first = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    second = slurm_nodes_book(user=alice, server="cluster-a", nodes=["gpu02"])
+    scontrol = _Scontrol("", SlurmUnreachable("scontrol did not answer within 10 s"))
+    with transaction.atomic():  # as the worker's pass runs it
+        assert slurm_reservations_sync(server=cluster, commands=scontrol)["made"] == 1
+    first.refresh_from_db(), second.refresh_from_db()
+    made = [b.slurm_reservation == f"portal-{b.pk}" for b in (first, second)]
+    assert sorted(made) == [False, True] and first.slurm_error == second.slurm_error == ""  # one tried again
+
+
+def test_a_reservation_slurm_already_holds_under_its_name_is_the_bookings(alice, cluster):
+    """Made by a pass whose answer or record was lost: ours (the name is the booking's)."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    overlaps = SlurmRefused("Error creating the reservation: Requested reservation overlaps with another")
+    held = f"ReservationName=portal-{booking.pk} StartTime=now Nodes=vm Users=nobody\n"
+    assert slurm_reservations_sync(server=cluster, commands=_Scontrol(overlaps, held))["made"] == 1
+    booking.refresh_from_db()
+    assert (booking.slurm_reservation, booking.slurm_error) == (f"portal-{booking.pk}", "")
+    other = slurm_nodes_book(user=alice, server="cluster-a", nodes=["gpu02"])  # Slurm holds none for it
+    gone = SlurmRefused(f"Reservation portal-{other.pk} not found")
+    assert slurm_reservations_sync(server=cluster, commands=_Scontrol(overlaps, gone))["refused"] == 1
+    other.refresh_from_db()
+    assert other.slurm_reservation == "" and "overlaps with another" in other.slurm_error
 
 
 def test_an_admin_adds_a_cluster_and_its_settings_on_the_server_page(client, admin_user, tmp_path):
