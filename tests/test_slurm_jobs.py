@@ -23,9 +23,10 @@ from gpus.slurm_inventory import cluster_snapshot
 from jobs.host import slurm_runner
 from jobs.host.executors.base import RunEnd, RunSpec
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from jobs.queue.scheduler import schedule_pass
-from portal.errors import ServiceError
+from jobs.sessions.services import session_start
+from portal.errors import Invalid, ServiceError
 from portal.models import Profile
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, job_form_data, queue_job
 from tests.test_cli import _own_config, gpu, portal  # noqa: F401 - the CLI against a live server
@@ -306,6 +307,16 @@ def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(
     assert slurm_reservations_sync(server=cluster, commands=commands)["refused"] == 1
     booking.refresh_from_db()
     assert not calls and "'alice,root' is no account name" in booking.slurm_error
+
+
+@pytest.mark.parametrize("kind", ["jupyterlab", "shell"])
+def test_no_session_opens_on_a_booking_of_slurm_nodes(alice, cluster, kind):
+    """A lab or a shell would run on the login node, with cards that are on Slurm's nodes."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    with pytest.raises(Invalid, match="gpu run --server cluster-a") as refused:
+        session_start(user=alice, reservation=booking.pk, kind=kind, host="cluster-a", command=["bash"])
+    assert refused.value.field == "reservation" and not InteractiveSession.objects.exists()
 
 
 class _Scontrol:

@@ -98,6 +98,12 @@ def session_start(
             field="reservation",
         )
     server = allocations[0].gpu.server
+    if server.kind == Server.Kind.SLURM:  # it would run on the login node, its cards on Slurm's nodes
+        raise Invalid(
+            f"Booking {booking.pk} holds nodes of {server.name}, a Slurm cluster: work runs there as a "
+            f"Slurm job (gpu run --server {server.name} --reservation {booking.pk}), not in a session.",
+            field="reservation",
+        )
     chosen = _check_image(image, lab=lab, server=server)
     session = InteractiveSession.objects.create(
         owner=user,
