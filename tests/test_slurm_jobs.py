@@ -217,6 +217,10 @@ def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(portal, alice, c
     assert Reservation.objects.get().allocations.count() == 4
     refused = gpu("book", "--server", "cluster-a", "--node", "vm", "--gpus", "1")
     assert refused.exit_code != 0 and "whole nodes" in refused.output
+    booking = Reservation.objects.get()  # docs/slurm.md's: a job in it, with its GPU count
+    result = gpu("run", str(script), "--server", "cluster-a", "--gpus", "4", "--reservation", str(booking.pk))
+    assert result.exit_code == 0, result.output
+    assert Job.objects.filter(reservation=booking, gpu_count=4, server=cluster).exists()
 
 
 def test_the_output_is_read_only_from_a_plain_file_of_the_jobs_own_account(tmp_path):
