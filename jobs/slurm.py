@@ -100,9 +100,15 @@ def _check_gpus(server: Server, gpu_count: int | None) -> int:
 
 
 def _check_minutes(minutes: int | None) -> int | None:
-    if minutes is not None and not 1 <= minutes <= MAX_MINUTES:
+    if minutes is not None and minutes < 1:
         raise Invalid(
             "A time limit is at least 1 minute; leave it empty for the partition's default.",
+            field="time_limit_minutes",
+        )
+    if minutes is not None and minutes > MAX_MINUTES:
+        raise Invalid(
+            f"A time limit is at most {MAX_MINUTES} minutes (a year); leave it empty for the partition's "
+            "default.",
             field="time_limit_minutes",
         )
     return minutes

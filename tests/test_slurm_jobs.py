@@ -86,6 +86,7 @@ def test_the_api_sends_a_job_to_the_cluster_with_its_partition(alice, cluster):
         ({}, "gpu_count", "how many GPUs"),
         ({"gpu_count": 1, "array": "0-3"}, "array", "not sent to Slurm"),
         ({"gpu_count": 1, "time_limit_minutes": 0}, "time_limit_minutes", "at least 1 minute"),
+        ({"gpu_count": 1, "time_limit_minutes": 10**9}, "time_limit_minutes", "at most 525600 minutes"),
         ({"gpu_count": 1, "partition": "--uid=0"}, "partition", "not a partition name"),
     ],
 )
