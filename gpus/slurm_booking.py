@@ -16,10 +16,12 @@ kept on the booking (`slurm_error`) and said on its page and to jobs submitted i
 from __future__ import annotations
 
 import logging
+import pwd
 import re
 from collections.abc import Sequence
 from datetime import datetime
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import close_old_connections, transaction
 from django.db.models import Q
@@ -124,6 +126,12 @@ def _make(booking: Reservation, commands: SlurmCommands, now: datetime) -> bool:
             ]
         )
         return False
+    if _system_account(account):  # as for its jobs (jobs/host/slurm_runner.py): never root's nodes
+        Reservation.objects.filter(pk=booking.pk).update(
+            slurm_error=f"The owner's Unix account {account!r} is a system account (uid below JOB_MIN_UID); "
+            "an admin sets theirs on their profile."
+        )
+        return False
     args = [
         "create",
         "reservation",
@@ -146,6 +154,15 @@ def _make(booking: Reservation, commands: SlurmCommands, now: datetime) -> bool:
         return False
     Reservation.objects.filter(pk=booking.pk).update(slurm_reservation=name)
     return True
+
+
+def _system_account(name: str) -> bool:
+    """Below JOB_MIN_UID on this login node (root among them); an account it does not know is
+    Slurm's to refuse, in its own words."""
+    try:
+        return pwd.getpwnam(name).pw_uid < settings.JOB_MIN_UID
+    except KeyError:
+        return False
 
 
 def _held(commands: SlurmCommands, name: str) -> bool:

@@ -369,6 +369,16 @@ def test_a_reservation_slurm_already_holds_under_its_name_is_the_bookings(alice,
     assert other.slurm_reservation == "" and "overlaps with another" in other.slurm_error
 
 
+def test_a_booking_is_never_reserved_for_a_system_account(alice, cluster):
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    Profile.objects.filter(user=alice).update(unix_account="root")
+    scontrol = _Scontrol()
+    assert slurm_reservations_sync(server=cluster, commands=scontrol)["refused"] == 1
+    booking.refresh_from_db()
+    assert not scontrol.calls and "system account" in booking.slurm_error
+
+
 def test_an_admin_adds_a_cluster_and_its_settings_on_the_server_page(client, admin_user, tmp_path):
     client.force_login(admin_user)
     form = {
