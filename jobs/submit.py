@@ -35,7 +35,7 @@ from portal.errors import Conflict, Errors, Forbidden, Invalid
 from portal.timefmt import format_time
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: `$` lets a final newline in
 MAX_ENV_VARS = 50
 MAX_ENV_VALUE = 4096
 MAX_ARGS = 200
