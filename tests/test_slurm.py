@@ -134,7 +134,11 @@ def test_a_waiting_job_shows_slurms_reason_and_a_running_one_its_live_log_until_
     alice, bob = people
     first = submit(alice, TICKS, 4)
     follow(first)
-    wait_for(lambda: "tick 3" in job_log(first.pk), 30, what="live lines of the running job")
+    wait_for(  # Slurm's state is asked once a second, the log read five times as often
+        lambda: "tick 3" in job_log(first.pk) and row(first).slurm_state == "RUNNING",
+        30,
+        what="live lines of the running job, and its state",
+    )
     client.force_login(alice)
     page = client.get(reverse("job_detail", args=[first.pk])).content.decode()
     assert f"Slurm job {row(first).slurm_job_id}" in page and "RUNNING" in page
@@ -277,6 +281,29 @@ def test_a_whole_node_booking_keeps_another_users_job_out_until_it_ends(cluster,
     reservation_release(user=alice, reservation=booking)
     assert slurm_reservations_sync(server=server, commands=cluster.commands)["removed"] == 1
     assert ended(outside).status == "succeeded"  # the node is everyone's again
+
+
+def test_a_job_in_a_booking_released_early_is_stopped_and_the_reservation_removed(cluster, people):
+    """As on a GPU host: the booking's end is its jobs' end (Slurm also keeps a reservation that
+    a job still runs in)."""
+    alice, _ = people
+    server = Server.objects.get(name="cluster-a")
+    servers_report_ingest(snapshots=[SlurmBackend("cluster-a").snapshot()])
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=[cluster.node], end=timezone.now() + HOUR
+    )
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
+    job = submit(alice, TICKS, 1, reservation=booking.pk)
+    follow(job)
+    wait_for(lambda: "tick 2" in job_log(job.pk), 30, what="the job running in its booking")
+    reservation_release(user=alice, reservation=booking)
+    done = ended(job)
+    assert done.status == "cancelled" and "alice released the booking" in done.message
+    wait_for(
+        lambda: slurm_reservations_sync(server=server, commands=cluster.commands)["removed"],
+        20,
+        what="its Slurm reservation removed",
+    )
 
 
 def test_only_whole_nodes_of_a_cluster_are_booked(cluster, people):

@@ -29,6 +29,7 @@ from django.conf import settings
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from gpus.booking import released_words
 from gpus.models import Reservation
 from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmTimedOut, SlurmUnreachable, records
 from gpus.slurm_inventory import commands_for
@@ -84,6 +85,7 @@ class SlurmFollower:
         self.unreachable_said = ""
         self.running_recorded = False
         self.output_refused = False
+        self.stopped: tuple[str, str] | None = None  # (status, message) of the portal's own stop
 
     def run(self) -> str:
         try:
@@ -313,7 +315,38 @@ class SlurmFollower:
                 self.job.pk, from_=Job.Status.STARTING, to=Job.Status.RUNNING, started_at=timezone.now()
             )
         self._cancel_if_asked(executor, run)
+        self._stop_if_booking_over(executor, run)
         return state
+
+    def _stop_if_booking_over(self, executor: SlurmExecutor, run: SlurmRun) -> None:
+        """A job in a booking ends with it, as on a GPU host (jobs.host.runner): released or
+        cancelled early, Slurm would run it on, and keep the reservation it runs in."""
+        if self.stopped is not None or (why := self._booking_over()) is None:
+            return
+        try:
+            executor.signal(run, signal.SIGTERM)
+        except SlurmError as exc:
+            self.writer.write_line(f"[portal] scancel failed, tried again: {exc}")
+            return
+        self.stopped = why
+        self.writer.write_line(f"[portal] {why[1]} scancel {run.job_id} sent.")
+
+    def _booking_over(self) -> tuple[str, str] | None:
+        if self.job.reservation_id is None:
+            return None
+        row = (
+            Reservation.objects.filter(pk=self.job.reservation_id)
+            .values("end", "cancelled_at", "released_at", "released_by__username", "release_reason")
+            .first()
+        )
+        if row is None or timezone.now() < row["end"]:
+            return None
+        if row["released_at"]:
+            by, reason = row["released_by__username"], row["release_reason"]
+            return "cancelled", f"Cancelled: {released_words(row['released_at'], by, reason)}."
+        if row["cancelled_at"]:
+            return "timed_out", "The booking was cancelled; the job was stopped."
+        return "timed_out", "The booking ended; the job was stopped."
 
     def _cancel_if_asked(self, executor: SlurmExecutor, run: SlurmRun) -> None:
         if (
@@ -347,7 +380,9 @@ class SlurmFollower:
             )
         status = state.status
         by = Job.objects.filter(pk=self.job.pk).values_list("cancelled_by__username", flat=True).first()
-        if status == "cancelled":
+        if status == "cancelled" and self.stopped is not None and not by:  # its booking's end
+            status, message = self.stopped
+        elif status == "cancelled":
             message = f"Cancelled by {by} (scancel)." if by else "Cancelled in Slurm (scancel)."
         elif status == "timed_out":
             message = "Timed out: Slurm ended it at its time limit."
