@@ -14,7 +14,7 @@ from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gpus.booking import reservation_create
+from gpus.booking import reservation_create, reservation_extend
 from gpus.models import Reservation, Server, SlurmCluster
 from gpus.services import servers_report_ingest
 from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
@@ -322,6 +322,22 @@ def test_no_session_opens_on_a_booking_of_slurm_nodes(alice, cluster, kind):
     with pytest.raises(Invalid, match="gpu run --server cluster-a") as refused:
         session_start(user=alice, reservation=booking.pk, kind=kind, host="cluster-a", command=["bash"])
     assert refused.value.field == "reservation" and not InteractiveSession.objects.exists()
+
+
+def test_a_count_or_an_extension_on_a_cluster_is_refused_naming_the_field_and_the_fix(alice, cluster):
+    soon = timezone.now() + timedelta(hours=1)
+    with pytest.raises(Invalid, match="book whole nodes of it") as refused:
+        reservation_create(user=alice, count=1, server="cluster-a", start=soon, end=soon + timedelta(hours=1))
+    assert refused.value.field == "server"
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=["vm"], start=soon, end=soon + timedelta(hours=1)
+    )
+    with pytest.raises(Invalid, match="book the nodes again from its end") as refused:
+        reservation_extend(user=alice, reservation=booking, end=soon + timedelta(hours=2))
+    assert refused.value.field == "end"
+    booking.refresh_from_db()
+    assert booking.end == soon + timedelta(hours=1)
 
 
 class _Scontrol:
