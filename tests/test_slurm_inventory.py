@@ -42,6 +42,7 @@ def test_it_reads_values_with_spaces_and_repeated_keys():
 
 def test_it_expands_hostlists_and_index_lists():
     assert hostnames("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
+    assert hostnames("node[1-2]-ib,r[1-2]n[1-2]") == ["node1-ib", "node2-ib", "r1n1", "r1n2", "r2n1", "r2n2"]
     assert indices("0-2,5") == [0, 1, 2, 5]
 
 
