@@ -303,6 +303,17 @@ def test_a_job_sbatch_took_without_answering_in_time_is_found_and_followed(
         assert "Slurm did not answer" in job.message
 
 
+def test_no_job_folder_is_made_in_a_jobs_folder_others_may_change(alice, cluster, tmp_path):
+    """There another account could swap <folder>/<account> for a link between root's check and
+    its mkdir: docs/slurm.md's root's 755 is checked before anything is made."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    tmp_path.chmod(0o777)
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    assert slurm_runner.slurm_job_run(job.pk) == "failed"
+    job.refresh_from_db()
+    assert "writable by root only" in job.message and not (tmp_path / "nobody").exists()
+
+
 def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(alice, cluster):
     Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
     booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])

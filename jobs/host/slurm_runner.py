@@ -164,9 +164,13 @@ class SlurmFollower:
         mine = Path(self.cluster.job_root) / name
         folder = mine / f"job-{self.job.pk}"
         try:
+            if not _root_only(mine.parent):  # else its account folders could be swapped for links
+                raise SlurmSetupError(
+                    f"the jobs' folder {mine.parent} is not writable by root only; an admin makes it "
+                    "root's, mode 755"
+                )
             mine.mkdir(mode=0o755, exist_ok=True)
-            found = os.lstat(mine)
-            if not stat.S_ISDIR(found.st_mode) or found.st_uid != 0 or found.st_mode & 0o022:
+            if not _root_only(mine):
                 raise SlurmSetupError(f"{mine} is not a folder only root may change; an admin removes it")
             folder.mkdir(mode=0o700)
             shutil.copytree(LAUNCHER.parent, folder / "launcher")
@@ -403,3 +407,9 @@ class SlurmFollower:
         job_end_record(self.job.pk, self.writer, EndRecord(status, code, message[:1000], finished))
         Job.objects.filter(pk=self.job.pk).update(slurm_reason="")
         return status
+
+
+def _root_only(path: Path) -> bool:
+    """A folder itself (not a link) that only root may change."""
+    found = os.lstat(path)
+    return stat.S_ISDIR(found.st_mode) and found.st_uid == 0 and not found.st_mode & 0o022
