@@ -87,13 +87,17 @@ def state_of(record: dict[str, str], *, forgotten: bool = False) -> SlurmJobStat
 
 
 def jobcomp_find(path: str, job_id: str) -> dict[str, str] | None:
-    """The job's record in a jobcomp/filetxt log (its last one: a requeued job has several)."""
+    """The job's record in a jobcomp/filetxt log (its last one: a requeued job has several), read
+    a line at a time: Slurm never rotates that log, which grows to gigabytes on a busy cluster."""
+    first, found = f"JobId={job_id}", ""
     try:
-        text = Path(path).read_text(errors="replace")
+        with open(path, errors="replace") as log:
+            for line in log:
+                if line.split(" ", 1)[0] == first:
+                    found = line
     except OSError:
         return None
-    found = [r for r in records(text) if r.get("JobId") == job_id]
-    return found[-1] if found else None
+    return records(found)[0] if found else None
 
 
 class FileOutput:
