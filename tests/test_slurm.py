@@ -18,7 +18,7 @@ from django.test import override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.booking import reservation_create, reservation_release
+from gpus.booking import reservation_cancel, reservation_create, reservation_release
 from gpus.inventory import BackendUnavailable
 from gpus.models import GPU, Reservation, Server, SlurmCluster, SlurmNode
 from gpus.services import servers_report_ingest
@@ -304,6 +304,24 @@ def test_a_job_in_a_booking_released_early_is_stopped_and_the_reservation_remove
         20,
         what="its Slurm reservation removed",
     )
+
+
+def test_a_job_waiting_for_its_booking_ends_when_the_booking_is_cancelled(cluster, people):
+    alice, _ = people
+    server = Server.objects.get(name="cluster-a")
+    servers_report_ingest(snapshots=[SlurmBackend("cluster-a").snapshot()])
+    start = timezone.now() + HOUR
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=[cluster.node], start=start, end=start + HOUR
+    )
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
+    job = submit(alice, SHOW, 1, reservation=booking.pk)
+    follow(job)
+    wait_for(lambda: row(job).slurm_state == "PENDING", 20, what="the job waiting for its booking")
+    reservation_cancel(user=alice, reservation=booking)
+    done = ended(job)
+    assert (done.status, done.message) == ("timed_out", "The booking was cancelled; the job was stopped.")
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["removed"] == 1
 
 
 def test_only_whole_nodes_of_a_cluster_are_booked(cluster, people):

@@ -343,7 +343,9 @@ class SlurmFollower:
             .values("end", "cancelled_at", "released_at", "released_by__username", "release_reason")
             .first()
         )
-        if row is None or timezone.now() < row["end"]:
+        # Cancelled before its start, a booking keeps its end; its job, pending in Slurm for the
+        # reservation, would wait there for ever once the reservation is removed.
+        if row is None or (row["cancelled_at"] is None and timezone.now() < row["end"]):
             return None
         if row["released_at"]:
             by, reason = row["released_by__username"], row["release_reason"]
