@@ -108,15 +108,21 @@ def _size_hint(portal: Portal, script: str, mem: int | None) -> str | None:
     return f"Hint: {hint['text']} Use --mem {size}."
 
 
+# What a job in a booking of whole Slurm nodes still says: Slurm picks its cards in the booking
+# (docs/slurm.md). The portal refuses them, naming each, on a booking of a GPU host's cards.
+IN_SLURM_BOOKING = {"gpus": "gpu_count", "server": "server", "partition": "partition"}
+
+
 def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str, Any]:
-    """What a queued job asks for; nothing for a job in a booking, which fixes cards and start."""
-    given = [f"--{name}" for name, value in options.items() if value not in (None, False)]
+    """What a queued job asks for; nothing for a job in a booking, which fixes cards and start
+    (but a GPU count and a partition in a booking of Slurm nodes)."""
+    given = [name for name, value in options.items() if value not in (None, False)]
     if reservation is not None:
-        if given:
+        if other := [f"--{name}" for name in given if name not in IN_SLURM_BOOKING]:
             raise click.UsageError(
-                f"A booking fixes the cards and when: drop {', '.join(given)}, or --reservation."
+                f"A booking fixes the cards and when: drop {', '.join(other)}, or --reservation."
             )
-        return {"reservation": reservation}
+        return {"reservation": reservation} | {IN_SLURM_BOOKING[name]: options[name] for name in given}
     begin = options["begin"]
     return {
         "gpu_count": options["gpus"] or 1,

@@ -303,6 +303,12 @@ def _candidates(server: str | None) -> list[GPU]:
                 "Pick another server, or leave it empty for any online server.",
                 field="server",
             )
+        if Server.objects.filter(name=server, kind=Server.Kind.SLURM).exists():
+            raise Invalid(
+                f"{server} is a Slurm cluster: book whole nodes of it (nodes, or gpu book --server "
+                f"{server} --node NAME), or submit a job to it with a GPU count.",
+                field="server",
+            )
         return list(candidates.filter(server__name=server))
     gpus = list(candidates.filter(server__in=Server.objects.online()))
     if not gpus:
@@ -509,6 +515,10 @@ def reservation_extend(
     if end <= reservation.end:
         raise Invalid(
             f"The new end must be after the current end, {format_time(reservation.end)}.", field="end"
+        )
+    if reservation.allocations.filter(gpu__server__kind=Server.Kind.SLURM).exists():
+        raise Invalid(  # its Slurm reservation keeps its end (gpus/slurm_booking.py)
+            "A booking of Slurm nodes keeps its end: book the nodes again from its end.", field="end"
         )
     membership = _locked_membership(user, reservation.team)
     _check_window_limits(reservation.start, end, now, new_start=False)

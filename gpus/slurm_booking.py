@@ -16,10 +16,12 @@ kept on the booking (`slurm_error`) and said on its page and to jobs submitted i
 from __future__ import annotations
 
 import logging
+import pwd
 import re
 from collections.abc import Sequence
 from datetime import datetime
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import close_old_connections, transaction
 from django.db.models import Q
@@ -27,7 +29,7 @@ from django.utils import timezone
 
 from gpus.booking import reservation_create
 from gpus.models import GPU, Reservation, Server, SlurmNode
-from gpus.slurm_cli import SlurmCommands, SlurmError, SlurmRefused
+from gpus.slurm_cli import SlurmCommands, SlurmError, SlurmRefused, SlurmUnreachable, records
 from gpus.slurm_inventory import commands_for
 from portal.accounts import unix_account_name
 from portal.errors import Invalid
@@ -104,10 +106,13 @@ def slurm_reservations_sync(*, server: Server, commands: SlurmCommands, now: dat
     mine = Reservation.objects.filter(allocations__gpu__server=server).distinct()
     live = Q(cancelled_at__isnull=True, end__gt=now)
     done = {"made": 0, "removed": 0, "refused": 0}
-    for booking in mine.filter(live, slurm_reservation="", slurm_error="").select_related("owner"):
-        done["made" if _make(booking, commands, now) else "refused"] += 1
-    for booking in mine.exclude(live).exclude(slurm_reservation=""):
-        done["removed"] += _remove(booking, commands)
+    try:
+        for booking in mine.filter(live, slurm_reservation="", slurm_error="").select_related("owner"):
+            done["made" if _make(booking, commands, now) else "refused"] += 1
+        for booking in mine.exclude(live).exclude(slurm_reservation=""):
+            done["removed"] += _remove(booking, commands)
+    except SlurmUnreachable as exc:  # the rest waits for the next pass; what was done stays recorded
+        log.warning("Slurm reservations of %s: the pass stopped, Slurm does not answer: %s", server.name, exc)
     return done
 
 
@@ -119,6 +124,12 @@ def _make(booking: Reservation, commands: SlurmCommands, now: datetime) -> bool:
             slurm_error=f"The owner's Unix account {account!r} is no account name Slurm can reserve for."[
                 :500
             ]
+        )
+        return False
+    if _system_account(account):  # as for its jobs (jobs/host/slurm_runner.py): never root's nodes
+        Reservation.objects.filter(pk=booking.pk).update(
+            slurm_error=f"The owner's Unix account {account!r} is a system account (uid below JOB_MIN_UID); "
+            "an admin sets theirs on their profile."
         )
         return False
     args = [
@@ -133,6 +144,9 @@ def _make(booking: Reservation, commands: SlurmCommands, now: datetime) -> bool:
     try:
         commands.run("scontrol", args)
     except SlurmRefused as exc:
+        if _held(commands, name):  # made by a pass whose answer or record was lost: the name is ours
+            Reservation.objects.filter(pk=booking.pk).update(slurm_reservation=name)
+            return True
         Reservation.objects.filter(pk=booking.pk).update(
             slurm_error=f"Slurm would not reserve them: {exc}"[:500]
         )
@@ -140,6 +154,24 @@ def _make(booking: Reservation, commands: SlurmCommands, now: datetime) -> bool:
         return False
     Reservation.objects.filter(pk=booking.pk).update(slurm_reservation=name)
     return True
+
+
+def _system_account(name: str) -> bool:
+    """Below JOB_MIN_UID on this login node (root among them); an account it does not know is
+    Slurm's to refuse, in its own words."""
+    try:
+        return pwd.getpwnam(name).pw_uid < settings.JOB_MIN_UID
+    except KeyError:
+        return False
+
+
+def _held(commands: SlurmCommands, name: str) -> bool:
+    """Whether Slurm holds reservation `name`: Slurm 22.05 says a second create of it overlaps
+    (its own nodes), not that the name is taken."""
+    try:
+        return any(r.get("ReservationName") == name for r in records(commands.show("reservation", name)))
+    except SlurmRefused:
+        return False
 
 
 def _remove(booking: Reservation, commands: SlurmCommands) -> int:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _KEY = re.compile(r"(?:^|(?<=\s))([A-Za-z][\w:/.]*)=")
-_HOSTLIST = re.compile(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)")
 _GRES_ITEM = re.compile(r"^(?P<name>[^:(]+)(?::(?P<type>[^:(]+))?(?::(?P<count>\d+))(?:\(.*\))?$")
 _IDX = re.compile(r"\(IDX:([^)]*)\)")
 SLURM_MESSAGE_MAX = 500
@@ -35,6 +34,10 @@ class SlurmError(RuntimeError):
 
 class SlurmUnreachable(SlurmError):
     """The cluster did not answer: no controller, a timeout, or the commands are not there."""
+
+
+class SlurmTimedOut(SlurmUnreachable):
+    """The command did not end in time: what it asked may still have been done (a job submitted)."""
 
 
 class SlurmRefused(SlurmError):
@@ -63,18 +66,30 @@ def records(text: str) -> list[dict[str, str]]:
 
 
 def hostnames(expression: str) -> list[str]:
-    """A Slurm hostlist (`gpu[01-03,07],login`) as names; one level of brackets, as Slurm prints."""
+    """A Slurm hostlist (`gpu[01-03,07],login`, `node[1-2]-ib`, `r[1-2]n[1-4]`) as names."""
     names: list[str] = []
-    for prefix, ranges in _HOSTLIST.findall(expression.strip()):
-        if not ranges:
-            names.append(prefix)
-            continue
-        for part in ranges.split(","):
-            low, _, high = part.partition("-")
-            width = len(low)
-            for n in range(int(low), int(high or low) + 1):
-                names.append(f"{prefix}{n:0{width}d}")
+    for item in _split_outside(expression.strip(), "[", "]"):
+        names.extend(_expand(item))
     return names
+
+
+def _expand(item: str) -> list[str]:
+    """One hostlist item: its first bracket's ranges, each with the rest expanded."""
+    prefix, bracket, rest = item.partition("[")
+    if not bracket:
+        return [item]
+    ranges, _, suffix = rest.partition("]")
+    out = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or not (high or low).isdigit():
+            return [item]  # not a range Slurm prints: the name as it is
+        out += [
+            f"{prefix}{n:0{len(low)}d}{tail}"
+            for n in range(int(low), int(high or low) + 1)
+            for tail in _expand(suffix)
+        ]
+    return out
 
 
 def indices(text: str) -> list[int]:
@@ -100,14 +115,19 @@ def gpu_types(gres: str) -> list[str]:
 
 def _split_gres(gres: str) -> list[str]:
     """Commas inside `(S:0-1)` are not separators."""
+    return [i for i in _split_outside(gres, "(", ")") if i != "(null)"]
+
+
+def _split_outside(text: str, opening: str, closing: str) -> list[str]:
+    """`text`'s comma-separated items, commas between `opening` and `closing` not separating."""
     items, depth, start = [], 0, 0
-    for i, ch in enumerate(gres):
-        depth += (ch == "(") - (ch == ")")
+    for i, ch in enumerate(text):
+        depth += (ch == opening) - (ch == closing)
         if ch == "," and depth == 0:
-            items.append(gres[start:i])
+            items.append(text[start:i])
             start = i + 1
-    items.append(gres[start:])
-    return [i.strip() for i in items if i.strip() and i.strip() != "(null)"]
+    items.append(text[start:])
+    return [i.strip() for i in items if i.strip()]
 
 
 @dataclass(frozen=True)
@@ -129,8 +149,10 @@ def job_gres(text: str) -> list[JobGres]:
             elif key == "Nodes":
                 nodes = hostnames(value)
             elif key == "GRES" and nodes:
-                for idx_list in _IDX.findall(value):
-                    held.extend((node, i) for node in nodes for i in indices(idx_list))
+                for item in _split_gres(value):  # a GPU's IDX only: a NIC's IDX 0 is no card
+                    if re.split(r"[:(]", item, maxsplit=1)[0] == "gpu":
+                        for idx_list in _IDX.findall(item):
+                            held.extend((node, i) for node in nodes for i in indices(idx_list))
         if job_id and held:
             out.append(JobGres(job_id, tuple(held)))
     return out
@@ -177,7 +199,7 @@ class SlurmCommands:
                 argv, input=stdin, capture_output=True, timeout=self.timeout, env=env, check=False
             )
         except subprocess.TimeoutExpired:
-            raise SlurmUnreachable(f"{command} did not answer within {self.timeout:g} s") from None
+            raise SlurmTimedOut(f"{command} did not answer within {self.timeout:g} s") from None
         except OSError as exc:
             raise SlurmUnreachable(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
         out = done.stdout.decode(errors="replace")

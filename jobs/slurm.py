@@ -32,6 +32,19 @@ def slurm_cluster_named(name: str | None) -> Server | None:
     return Server.objects.filter(name=name, kind=Server.Kind.SLURM).select_related("slurm").first()
 
 
+def slurm_booking_cluster(reservation: Reservation | int | None) -> Server | None:
+    """The Slurm cluster whose whole nodes `reservation` books, or None: a job on such a booking
+    is Slurm's (a GPU count in its reservation), whether or not the cluster is named too."""
+    if reservation is None:
+        return None
+    pk = reservation if isinstance(reservation, int) else reservation.pk
+    return (
+        Server.objects.filter(kind=Server.Kind.SLURM, gpus__allocations__reservation_id=pk)
+        .select_related("slurm")
+        .first()
+    )
+
+
 def slurm_place(
     *,
     user: AbstractBaseUser,
@@ -87,9 +100,15 @@ def _check_gpus(server: Server, gpu_count: int | None) -> int:
 
 
 def _check_minutes(minutes: int | None) -> int | None:
-    if minutes is not None and not 1 <= minutes <= MAX_MINUTES:
+    if minutes is not None and minutes < 1:
         raise Invalid(
             "A time limit is at least 1 minute; leave it empty for the partition's default.",
+            field="time_limit_minutes",
+        )
+    if minutes is not None and minutes > MAX_MINUTES:
+        raise Invalid(
+            f"A time limit is at most {MAX_MINUTES} minutes (a year); leave it empty for the partition's "
+            "default.",
             field="time_limit_minutes",
         )
     return minutes

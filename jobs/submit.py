@@ -29,14 +29,14 @@ from jobs.lending import loans_take_back
 from jobs.models import Job, JobArray
 from jobs.queue.requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
-from jobs.slurm import slurm_cluster_named, slurm_place
+from jobs.slurm import slurm_booking_cluster, slurm_cluster_named, slurm_place
 from portal.changes import JOBS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
 from portal.notifications import job_notify_parse
 from portal.timefmt import format_time
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: `$` lets a final newline in
 MAX_ENV_VARS = 50
 MAX_ENV_VALUE = 4096
 MAX_ARGS = 200
@@ -264,7 +264,7 @@ def _place(
     """Where the job runs: on the booking, or in the queue for the cards it asks for, or on a Slurm
     cluster. Only a queued job may be `preemptible`: stopped and requeued at its old place
     (jobs.preemption)."""
-    cluster = slurm_cluster_named(server)
+    cluster = slurm_cluster_named(server) or slurm_booking_cluster(reservation)
     if cluster is not None:
         booking = _check_slurm_booking(user, reservation, cluster, now) if reservation is not None else None
         if memory_mb is not None or preemptible:

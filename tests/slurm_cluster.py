@@ -111,6 +111,7 @@ SlurmdLogFile={folder}/log/slurmd.log
 NodeName={node} CPUs={cpus} RealMemory=1000 Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=gpu Nodes={node} Default=YES MaxTime=INFINITE State=UP
 PartitionName=other Nodes={node} MaxTime=INFINITE State=UP
+PartitionName=admin Nodes={node} MaxTime=INFINITE State=UP RootOnly=YES
 """
     )
     (folder / "gres.conf").write_text(f"Name=gpu File={folder}/dev/nvidia[0-{GPUS - 1}]\n")

@@ -367,3 +367,12 @@ def test_the_runner_fails_a_job_on_a_mig_card_saying_why(box, alice, settings, t
     GPU.objects.filter(pk=box[0].uuid).update(mig_mode="enabled")
     with pytest.raises(JobSetupError, match=f"MIG mode is enabled on {box[0].uuid}"):
         launch_for(job)
+
+
+def test_a_variable_name_ending_in_a_newline_is_refused():
+    """`$` matches before a final newline: CUDA_VISIBLE_DEVICES\\n passed as a name of its own, and
+    wrote a line of its own in a Slurm job's batch script."""
+    for name in ("CUDA_VISIBLE_DEVICES\n", "MINE\n"):
+        with pytest.raises(Invalid, match="is not a variable name") as error:
+            parse_env({name: "0"})
+        assert error.value.field == "env"

@@ -18,9 +18,9 @@ from django.test import override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.booking import reservation_create, reservation_release
+from gpus.booking import reservation_cancel, reservation_create, reservation_release
 from gpus.inventory import BackendUnavailable
-from gpus.models import GPU, Server, SlurmCluster, SlurmNode
+from gpus.models import GPU, Reservation, Server, SlurmCluster, SlurmNode
 from gpus.services import servers_report_ingest
 from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_cli import SlurmRefused
@@ -134,7 +134,11 @@ def test_a_waiting_job_shows_slurms_reason_and_a_running_one_its_live_log_until_
     alice, bob = people
     first = submit(alice, TICKS, 4)
     follow(first)
-    wait_for(lambda: "tick 3" in job_log(first.pk), 30, what="live lines of the running job")
+    wait_for(  # Slurm's state is asked once a second, the log read five times as often
+        lambda: "tick 3" in job_log(first.pk) and row(first).slurm_state == "RUNNING",
+        30,
+        what="live lines of the running job, and its state",
+    )
     client.force_login(alice)
     page = client.get(reverse("job_detail", args=[first.pk])).content.decode()
     assert f"Slurm job {row(first).slurm_job_id}" in page and "RUNNING" in page
@@ -196,6 +200,40 @@ def test_slurms_refusal_ends_the_job_with_its_words_and_the_portals_is_a_field_e
     assert refused.value.field == "partition"
 
 
+def test_a_partition_only_root_may_use_is_never_reached_through_roots_sbatch(cluster, people):
+    """Slurm takes a RootOnly partition's job from root's sbatch (--uid) and holds it for ever
+    (PartitionConfig): the worker refuses it first, in the cluster's default partition too."""
+    alice, _ = people
+    job = submit(alice, SHOW, 1, partition="admin")
+    follow(job)
+    done = ended(job)
+    assert (done.status, done.slurm_job_id) == ("failed", "")  # nothing was sent to Slurm
+    assert "partition admin takes root's jobs only" in done.message
+    cluster.commands.run("scontrol", ["update", "PartitionName=admin", "Default=YES"])
+    try:
+        default = submit(alice, SHOW, 1)
+        follow(default)
+        assert "partition admin takes root's jobs only" in ended(default).message
+    finally:
+        cluster.commands.run("scontrol", ["update", "PartitionName=gpu", "Default=YES"])
+
+
+def test_a_job_cancelled_while_slurm_keeps_it_waiting_ends_cancelled(cluster, people):
+    alice, bob = people
+    first = submit(alice, TICKS, 4)
+    follow(first)
+    wait_for(lambda: row(first).slurm_state == "RUNNING", 20, what="the first job running")
+    waiting = submit(bob, SHOW, 1)
+    follow(waiting)
+    wait_for(lambda: row(waiting).slurm_reason == "Resources", 20, what="the second one waiting")
+    job_cancel(user=bob, job=waiting)
+    done = ended(waiting)
+    assert (done.status, done.message, done.started_at) == ("cancelled", "Cancelled by bob (scancel).", None)
+    assert row(first).status == "running"
+    job_cancel(user=alice, job=first)
+    assert ended(first).status == "cancelled"
+
+
 def test_a_cluster_that_stops_answering_goes_offline_and_its_jobs_say_so(cluster, people):
     alice, _ = people
     job = submit(
@@ -226,6 +264,9 @@ def test_a_whole_node_booking_keeps_another_users_job_out_until_it_ends(cluster,
     assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
     held = cluster.commands.show("reservation", f"portal-{booking.pk}")
     assert "Users=nobody" in held and f"Nodes={cluster.node}" in held
+    Reservation.objects.filter(pk=booking.pk).update(slurm_reservation="")  # a pass's record lost
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1  # Slurm's is ours
+    assert Reservation.objects.filter(pk=booking.pk, slurm_error="").exclude(slurm_reservation="").exists()
 
     outside = submit(bob, SHOW, 1)
     follow(outside)
@@ -240,6 +281,47 @@ def test_a_whole_node_booking_keeps_another_users_job_out_until_it_ends(cluster,
     reservation_release(user=alice, reservation=booking)
     assert slurm_reservations_sync(server=server, commands=cluster.commands)["removed"] == 1
     assert ended(outside).status == "succeeded"  # the node is everyone's again
+
+
+def test_a_job_in_a_booking_released_early_is_stopped_and_the_reservation_removed(cluster, people):
+    """As on a GPU host: the booking's end is its jobs' end (Slurm also keeps a reservation that
+    a job still runs in)."""
+    alice, _ = people
+    server = Server.objects.get(name="cluster-a")
+    servers_report_ingest(snapshots=[SlurmBackend("cluster-a").snapshot()])
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=[cluster.node], end=timezone.now() + HOUR
+    )
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
+    job = submit(alice, TICKS, 1, reservation=booking.pk)
+    follow(job)
+    wait_for(lambda: "tick 2" in job_log(job.pk), 30, what="the job running in its booking")
+    reservation_release(user=alice, reservation=booking)
+    done = ended(job)
+    assert done.status == "cancelled" and "alice released the booking" in done.message
+    wait_for(
+        lambda: slurm_reservations_sync(server=server, commands=cluster.commands)["removed"],
+        20,
+        what="its Slurm reservation removed",
+    )
+
+
+def test_a_job_waiting_for_its_booking_ends_when_the_booking_is_cancelled(cluster, people):
+    alice, _ = people
+    server = Server.objects.get(name="cluster-a")
+    servers_report_ingest(snapshots=[SlurmBackend("cluster-a").snapshot()])
+    start = timezone.now() + HOUR
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=[cluster.node], start=start, end=start + HOUR
+    )
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
+    job = submit(alice, SHOW, 1, reservation=booking.pk)
+    follow(job)
+    wait_for(lambda: row(job).slurm_state == "PENDING", 20, what="the job waiting for its booking")
+    reservation_cancel(user=alice, reservation=booking)
+    done = ended(job)
+    assert (done.status, done.message) == ("timed_out", "The booking was cancelled; the job was stopped.")
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["removed"] == 1
 
 
 def test_only_whole_nodes_of_a_cluster_are_booked(cluster, people):

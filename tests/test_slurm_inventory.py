@@ -11,7 +11,16 @@ import pytest
 from gpus.inventory import BackendUnavailable, snapshot_from_json, snapshot_to_json
 from gpus.models import GPU, Server, SlurmCluster, SlurmNode
 from gpus.services import servers_report_ingest
-from gpus.slurm_cli import SlurmCommands, SlurmUnreachable, hostnames, indices, job_gres, node_state, pairs
+from gpus.slurm_cli import (
+    JobGres,
+    SlurmCommands,
+    SlurmUnreachable,
+    hostnames,
+    indices,
+    job_gres,
+    node_state,
+    pairs,
+)
 from gpus.slurm_inventory import SlurmBackend, cluster_snapshot, slurm_gpu_uuid
 
 RECORDED = Path(__file__).parent / "slurm"
@@ -33,6 +42,7 @@ def test_it_reads_values_with_spaces_and_repeated_keys():
 
 def test_it_expands_hostlists_and_index_lists():
     assert hostnames("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
+    assert hostnames("node[1-2]-ib,r[1-2]n[1-2]") == ["node1-ib", "node2-ib", "r1n1", "r1n2", "r2n1", "r2n2"]
     assert indices("0-2,5") == [0, 1, 2, 5]
 
 
@@ -59,6 +69,11 @@ def test_it_names_node_states_as_the_portal_shows_them(slurm, portal):
 def test_it_finds_which_job_holds_which_gpu():
     held = {g.job_id: g.held for g in job_gres(JOBS)}
     assert held == {"1": (("vm", 0), ("vm", 1)), "3": (("gpu02", 1), ("gpu02", 2))}
+
+
+def test_a_gres_other_than_gpus_holds_no_gpu():
+    line = "JobId=5 JobState=RUNNING Nodes=vm CPU_IDs=0 Mem=10 GRES=nic:1(IDX:0),gpu:a100:1(IDX:2)"
+    assert job_gres(line) == [JobGres("5", (("vm", 2),))]  # the NIC's IDX 0 is no card
 
 
 def test_it_builds_a_snapshot_of_nodes_cards_and_holders():

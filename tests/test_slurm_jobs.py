@@ -9,20 +9,24 @@ import pwd
 from datetime import timedelta
 
 import pytest
+from django.db import transaction
 from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gpus.booking import reservation_create
+from gpus.booking import reservation_create, reservation_extend
 from gpus.models import Reservation, Server, SlurmCluster
 from gpus.services import servers_report_ingest
 from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
+from gpus.slurm_cli import SlurmRefused, SlurmUnreachable
 from gpus.slurm_inventory import cluster_snapshot
+from jobs.host import slurm_runner
 from jobs.host.executors.base import RunEnd, RunSpec
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from jobs.queue.scheduler import schedule_pass
-from portal.errors import ServiceError
+from jobs.sessions.services import session_start
+from portal.errors import Invalid, ServiceError
 from portal.models import Profile
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, job_form_data, queue_job
 from tests.test_cli import _own_config, gpu, portal  # noqa: F401 - the CLI against a live server
@@ -82,6 +86,7 @@ def test_the_api_sends_a_job_to_the_cluster_with_its_partition(alice, cluster):
         ({}, "gpu_count", "how many GPUs"),
         ({"gpu_count": 1, "array": "0-3"}, "array", "not sent to Slurm"),
         ({"gpu_count": 1, "time_limit_minutes": 0}, "time_limit_minutes", "at least 1 minute"),
+        ({"gpu_count": 1, "time_limit_minutes": 10**9}, "time_limit_minutes", "at most 525600 minutes"),
         ({"gpu_count": 1, "partition": "--uid=0"}, "partition", "not a partition name"),
     ],
 )
@@ -172,6 +177,26 @@ def test_the_api_books_whole_nodes_of_a_cluster_and_nothing_less(alice, cluster)
     assert again.status_code == 409  # its cards are booked: the same rule as any booking
 
 
+def test_a_job_on_a_booking_of_whole_nodes_goes_to_slurm_without_naming_the_cluster(alice, cluster):
+    """The booking says where: its job is Slurm's, with its GPU count and partition, never the
+    portal's run on every card of the booking's nodes."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm", "gpu02"])
+    response = post(alice, reservation=booking.pk, gpu_count=2, partition="long")
+    assert response.status_code == 201, response.json()
+    job = Job.objects.get(pk=response.json()["id"])
+    assert (job.server, job.reservation, job.gpu_count, job.gpu_uuids, job.partition) == (
+        cluster,
+        booking,
+        2,
+        [],
+        "long",
+    )
+    response = post(alice, reservation=booking.pk)
+    assert response.status_code == 400 and "how many GPUs" in response.json()["errors"]["gpu_count"][0]
+    assert Job.objects.count() == 1
+
+
 @pytest.mark.django_db(transaction=True)
 def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(portal, alice, cluster, tmp_path):  # noqa: F811
     script = tmp_path / "train.py"
@@ -193,6 +218,10 @@ def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(portal, alice, c
     assert Reservation.objects.get().allocations.count() == 4
     refused = gpu("book", "--server", "cluster-a", "--node", "vm", "--gpus", "1")
     assert refused.exit_code != 0 and "whole nodes" in refused.output
+    booking = Reservation.objects.get()  # docs/slurm.md's: a job in it, with its GPU count
+    result = gpu("run", str(script), "--server", "cluster-a", "--gpus", "4", "--reservation", str(booking.pk))
+    assert result.exit_code == 0, result.output
+    assert Job.objects.filter(reservation=booking, gpu_count=4, server=cluster).exists()
 
 
 def test_the_output_is_read_only_from_a_plain_file_of_the_jobs_own_account(tmp_path):
@@ -209,6 +238,82 @@ def test_the_output_is_read_only_from_a_plain_file_of_the_jobs_own_account(tmp_p
     assert FileOutput(tmp_path / "not-yet.log").read() == b""  # the job has not started: nothing yet
 
 
+def test_the_output_is_read_again_after_a_truncation_and_never_past_what_the_log_keeps(tmp_path):
+    path = tmp_path / "out.log"
+    path.write_bytes(b"first try, a long line\n")
+    output = FileOutput(path, uid=os.getuid(), keep=1 << 20)
+    assert output.read() == b"first try, a long line\n"
+    path.write_bytes(b"again\n")  # the job's `: > out.log`: cut, and written anew
+    assert output.read() == b"again\n" and "read again from its start" in output.notes.pop()
+    os.truncate(path, 1 << 40)  # a terabyte, sparse: only the last `keep` bytes are read
+    assert len(b"".join(iter(output.read, b""))) == 1 << 20
+    assert output.notes == [
+        f"{(1 << 40) - 6 - (1 << 20):,} bytes of its output skipped: more than its log keeps"
+    ]
+
+
+def test_the_follower_reads_a_slice_of_the_output_each_tick_and_the_rest_at_the_end(
+    alice, cluster, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(slurm_runner, "TAKE_MAX", 4096)  # Slurm is asked between slices
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    path = tmp_path / "out.log"
+    path.write_bytes(b"line\n" * 4096)
+    output, follower = FileOutput(path, uid=os.getuid()), slurm_runner.SlurmFollower(job)
+    follower._take(output)
+    assert output.offset == 4096
+    follower._take(output, to_end=True)
+    assert output.offset == path.stat().st_size
+
+
+def _fake_slurm(folder, squeue_says: str) -> None:  # type: ignore[no-untyped-def]
+    """sbatch that takes the job and then does not answer in time; squeue and scontrol that do."""
+    folder.mkdir()
+    scripts = {
+        "sbatch": f'cat > /dev/null\necho "$@" > {folder}/sbatch.args\nexec sleep 5\n',
+        "squeue": f"echo \"$@\" > {folder}/squeue.args\necho '{squeue_says}'\n",
+        "scontrol": 'case "$2" in\n'
+        "job) echo 'JobId=4242 JobState=COMPLETED Reason=None ExitCode=0:0 NodeList=vm' ;;\n"
+        "partition) echo 'PartitionName=gpu Default=YES RootOnly=NO' ;;\n"
+        "esac\n",
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text("#!/bin/sh\n" + body)
+        (folder / name).chmod(0o755)
+
+
+@pytest.mark.parametrize(("squeue_says", "status"), [("4242", "succeeded"), ("", "failed")])
+def test_a_job_sbatch_took_without_answering_in_time_is_found_and_followed(
+    alice, cluster, tmp_path, squeue_says, status
+):
+    """sbatch's answer lost is not its job lost: Slurm is asked for it by name and account, and a
+    job it took is followed, never left running unseen (and a job it did not take ends failed)."""
+    _fake_slurm(tmp_path / "bin", squeue_says)
+    SlurmCluster.objects.filter(server=cluster).update(
+        bin_dir=str(tmp_path / "bin"), command_timeout_seconds=1
+    )
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    assert slurm_runner.slurm_job_run(job.pk) == status
+    job.refresh_from_db()
+    assert job.slurm_job_id == squeue_says
+    asked = (tmp_path / "bin" / "squeue.args").read_text().split()
+    assert f"--name=portal-{job.pk}" in asked and f"--user={pwd.getpwnam('nobody').pw_uid}" in asked
+    if status == "failed":
+        assert "Slurm did not answer" in job.message
+
+
+def test_no_job_folder_is_made_in_a_jobs_folder_others_may_change(alice, cluster, tmp_path):
+    """There another account could swap <folder>/<account> for a link between root's check and
+    its mkdir: docs/slurm.md's root's 755 is checked before anything is made."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    tmp_path.chmod(0o777)
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    assert slurm_runner.slurm_job_run(job.pk) == "failed"
+    job.refresh_from_db()
+    assert "writable by root only" in job.message and not (tmp_path / "nobody").exists()
+
+
 def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(alice, cluster):
     Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
     booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
@@ -218,6 +323,87 @@ def test_a_booking_is_never_reserved_for_an_account_slurm_would_read_as_several(
     assert slurm_reservations_sync(server=cluster, commands=commands)["refused"] == 1
     booking.refresh_from_db()
     assert not calls and "'alice,root' is no account name" in booking.slurm_error
+
+
+@pytest.mark.parametrize("kind", ["jupyterlab", "shell"])
+def test_no_session_opens_on_a_booking_of_slurm_nodes(alice, cluster, kind):
+    """A lab or a shell would run on the login node, with cards that are on Slurm's nodes."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    with pytest.raises(Invalid, match="gpu run --server cluster-a") as refused:
+        session_start(user=alice, reservation=booking.pk, kind=kind, host="cluster-a", command=["bash"])
+    assert refused.value.field == "reservation" and not InteractiveSession.objects.exists()
+
+
+def test_a_count_or_an_extension_on_a_cluster_is_refused_naming_the_field_and_the_fix(alice, cluster):
+    soon = timezone.now() + timedelta(hours=1)
+    with pytest.raises(Invalid, match="book whole nodes of it") as refused:
+        reservation_create(user=alice, count=1, server="cluster-a", start=soon, end=soon + timedelta(hours=1))
+    assert refused.value.field == "server"
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=["vm"], start=soon, end=soon + timedelta(hours=1)
+    )
+    with pytest.raises(Invalid, match="book the nodes again from its end") as refused:
+        reservation_extend(user=alice, reservation=booking, end=soon + timedelta(hours=2))
+    assert refused.value.field == "end"
+    booking.refresh_from_db()
+    assert booking.end == soon + timedelta(hours=1)
+
+
+class _Scontrol:
+    """scontrol as the worker's pass meets it: each call answers as `says` tells, in turn."""
+
+    def __init__(self, *says: Exception | str) -> None:
+        self.says, self.calls = list(says), []
+
+    def run(self, command, args, **kw):  # type: ignore[no-untyped-def]
+        self.calls.append(args)
+        said = self.says.pop(0) if self.says else ""
+        if isinstance(said, Exception):
+            raise said
+        return said
+
+    def show(self, thing, *args):  # type: ignore[no-untyped-def]
+        return self.run("scontrol", ["show", thing, *args, "-o"])
+
+
+def test_a_reservation_made_stays_recorded_when_slurm_stops_answering_later_in_the_pass(alice, cluster):
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    first = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    second = slurm_nodes_book(user=alice, server="cluster-a", nodes=["gpu02"])
+    scontrol = _Scontrol("", SlurmUnreachable("scontrol did not answer within 10 s"))
+    with transaction.atomic():  # as the worker's pass runs it
+        assert slurm_reservations_sync(server=cluster, commands=scontrol)["made"] == 1
+    first.refresh_from_db(), second.refresh_from_db()
+    made = [b.slurm_reservation == f"portal-{b.pk}" for b in (first, second)]
+    assert sorted(made) == [False, True] and first.slurm_error == second.slurm_error == ""  # one tried again
+
+
+def test_a_reservation_slurm_already_holds_under_its_name_is_the_bookings(alice, cluster):
+    """Made by a pass whose answer or record was lost: ours (the name is the booking's)."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    overlaps = SlurmRefused("Error creating the reservation: Requested reservation overlaps with another")
+    held = f"ReservationName=portal-{booking.pk} StartTime=now Nodes=vm Users=nobody\n"
+    assert slurm_reservations_sync(server=cluster, commands=_Scontrol(overlaps, held))["made"] == 1
+    booking.refresh_from_db()
+    assert (booking.slurm_reservation, booking.slurm_error) == (f"portal-{booking.pk}", "")
+    other = slurm_nodes_book(user=alice, server="cluster-a", nodes=["gpu02"])  # Slurm holds none for it
+    gone = SlurmRefused(f"Reservation portal-{other.pk} not found")
+    assert slurm_reservations_sync(server=cluster, commands=_Scontrol(overlaps, gone))["refused"] == 1
+    other.refresh_from_db()
+    assert other.slurm_reservation == "" and "overlaps with another" in other.slurm_error
+
+
+def test_a_booking_is_never_reserved_for_a_system_account(alice, cluster):
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    Profile.objects.filter(user=alice).update(unix_account="root")
+    scontrol = _Scontrol()
+    assert slurm_reservations_sync(server=cluster, commands=scontrol)["refused"] == 1
+    booking.refresh_from_db()
+    assert not scontrol.calls and "system account" in booking.slurm_error
 
 
 def test_an_admin_adds_a_cluster_and_its_settings_on_the_server_page(client, admin_user, tmp_path):

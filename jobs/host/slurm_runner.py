@@ -29,11 +29,19 @@ from django.conf import settings
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from gpus.booking import released_words
 from gpus.models import Reservation
-from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmUnreachable
+from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmTimedOut, SlurmUnreachable, records
 from gpus.slurm_inventory import commands_for
 from jobs.host.executors.base import RunSpec
-from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmJobState, SlurmRequest, SlurmRun
+from jobs.host.executors.slurm import (
+    READ_MAX,
+    FileOutput,
+    SlurmExecutor,
+    SlurmJobState,
+    SlurmRequest,
+    SlurmRun,
+)
 from jobs.host.launch import LAUNCHER, job_claim
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter
@@ -44,9 +52,11 @@ from portal.accounts import unix_account_name
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.2  # how often the output file is read
+TAKE_MAX = 8 << 20  # the most of it read in one tick: Slurm is still asked, and the job beats
 STATE_SECONDS = 1.0  # how often Slurm is asked, and the job beats
 OUTPUT = "output.log"
 RESERVATION_WAIT_SECONDS = 30
+LOOKUP_SECONDS = 120  # how long a job whose sbatch timed out is looked for while Slurm does not answer
 
 
 class SlurmSetupError(Exception):
@@ -75,15 +85,11 @@ class SlurmFollower:
         self.unreachable_said = ""
         self.running_recorded = False
         self.output_refused = False
+        self.stopped: tuple[str, str] | None = None  # (status, message) of the portal's own stop
 
     def run(self) -> str:
         try:
             account, folder = self._prepare()
-        except SlurmSetupError as exc:
-            return self._end(
-                "failed", None, f"Could not send it to Slurm: {exc}", f"[portal] cannot start: {exc}"
-            )
-        try:
             request = self._request(folder)
         except SlurmSetupError as exc:
             return self._end(
@@ -94,7 +100,7 @@ class SlurmFollower:
             self._argv(folder), self._env(), self.job.workdir or folder, f"portal-{self.job.pk}", account
         )
         try:
-            run = executor.start(spec)
+            run = self._submit(executor, spec)
         except SlurmRefused as exc:
             return self._end(
                 "failed", None, f"Refused by Slurm: {exc}", f"[portal] Slurm refused the job: {exc}"
@@ -109,6 +115,32 @@ class SlurmFollower:
             f" ({self.job.gpu_count} GPU(s), partition {self.job.partition or 'default'})"
         )
         return self._follow(executor, run)
+
+    def _submit(self, executor: SlurmExecutor, spec: RunSpec) -> SlurmRun:
+        """sbatch. Its timeout does not say Slurm did not take the job (the answer may be what
+        was lost): Slurm is asked for a job of its name and account until it answers, for
+        LOOKUP_SECONDS at most, and one it took is followed, never left to run unseen."""
+        try:
+            return executor.start(spec)
+        except SlurmTimedOut as exc:
+            timed_out = exc
+        self._unreachable(str(timed_out))
+        give_up = time.monotonic() + LOOKUP_SECONDS
+        while True:
+            try:
+                found = executor.find(spec)
+            except SlurmUnreachable as exc:
+                if time.monotonic() >= give_up:
+                    raise SlurmUnreachable(
+                        f"{timed_out}, nor since: should it have taken the job, it is {spec.name} in Slurm"
+                    ) from None
+                self._unreachable(str(exc))
+                time.sleep(STATE_SECONDS)
+                continue
+            if found is None:
+                raise timed_out
+            self.writer.write_line(f"[portal] sbatch did not answer, but Slurm took the job: {found.job_id}.")
+            return found
 
     # --- before sbatch -----------------------------------------------------------------
 
@@ -132,9 +164,13 @@ class SlurmFollower:
         mine = Path(self.cluster.job_root) / name
         folder = mine / f"job-{self.job.pk}"
         try:
+            if not _root_only(mine.parent):  # else its account folders could be swapped for links
+                raise SlurmSetupError(
+                    f"the jobs' folder {mine.parent} is not writable by root only; an admin makes it "
+                    "root's, mode 755"
+                )
             mine.mkdir(mode=0o755, exist_ok=True)
-            found = os.lstat(mine)
-            if not stat.S_ISDIR(found.st_mode) or found.st_uid != 0 or found.st_mode & 0o022:
+            if not _root_only(mine):
                 raise SlurmSetupError(f"{mine} is not a folder only root may change; an admin removes it")
             folder.mkdir(mode=0o700)
             shutil.copytree(LAUNCHER.parent, folder / "launcher")
@@ -147,6 +183,7 @@ class SlurmFollower:
         return account, folder
 
     def _request(self, folder: Path) -> SlurmRequest:
+        self._check_partition(self.job.partition)
         return SlurmRequest(
             gpus=self.job.gpu_count or 0,
             minutes=self.job.time_limit_minutes,
@@ -154,7 +191,25 @@ class SlurmFollower:
             output=folder / OUTPUT,
             reservation=self._reservation(),
             jobcomp=self._jobcomp(),
+            output_keep=settings.JOB_LOG_MAX_MB << 20,
         )
+
+    def _check_partition(self, partition: str) -> None:
+        """Slurm takes a RootOnly partition's job from root's sbatch, then holds it for ever
+        (PartitionConfig): it checks the submitter, and the portal submits as root for its users.
+        Refused here, the cluster's default partition too; an unknown one is Slurm's to refuse."""
+        try:
+            found = records(self.commands.show("partition", *([partition] if partition else [])))
+        except SlurmRefused:
+            return
+        except SlurmUnreachable as exc:
+            raise SlurmSetupError(f"Slurm did not answer: {exc}") from None
+        for record in found:
+            if (partition or record.get("Default") == "YES") and record.get("RootOnly") == "YES":
+                raise SlurmSetupError(
+                    f"partition {record.get('PartitionName')} takes root's jobs only (RootOnly): "
+                    "submit to another partition"
+                )
 
     def _reservation(self) -> str:
         """The Slurm reservation of the job's booking of whole nodes, once the cluster's worker has
@@ -227,13 +282,21 @@ class SlurmFollower:
                 asked_at = time.monotonic()
                 state = self._ask(executor, run)
                 if state is not None and (state.ended or state.state == "FORGOTTEN"):
-                    self._take(output)
+                    self._take(output, to_end=True)  # all that is left (FileOutput.keep at most)
                     return self._ended(state, run)
             time.sleep(TICK_SECONDS)
 
-    def _take(self, output: FileOutput) -> None:
-        while data := output.read():
+    def _take(self, output: FileOutput, *, to_end: bool = False) -> None:
+        """What the output file gained, TAKE_MAX bytes at most (`to_end`: all of it)."""
+        budget, taken = None if to_end else TAKE_MAX, 0
+        while budget is None or taken < budget:
+            data = output.read(READ_MAX if budget is None else budget - taken)
+            if not data:
+                break
+            taken += len(data)
             self.writer.feed(data)
+        while output.notes:
+            self.writer.write_line(f"[portal] {output.notes.pop(0)}.")
         if output.refused and not self.output_refused:
             self.output_refused = True
             self.writer.write_line(f"[portal] {output.refused}.")
@@ -256,7 +319,40 @@ class SlurmFollower:
                 self.job.pk, from_=Job.Status.STARTING, to=Job.Status.RUNNING, started_at=timezone.now()
             )
         self._cancel_if_asked(executor, run)
+        self._stop_if_booking_over(executor, run)
         return state
+
+    def _stop_if_booking_over(self, executor: SlurmExecutor, run: SlurmRun) -> None:
+        """A job in a booking ends with it, as on a GPU host (jobs.host.runner): released or
+        cancelled early, Slurm would run it on, and keep the reservation it runs in."""
+        if self.stopped is not None or (why := self._booking_over()) is None:
+            return
+        try:
+            executor.signal(run, signal.SIGTERM)
+        except SlurmError as exc:
+            self.writer.write_line(f"[portal] scancel failed, tried again: {exc}")
+            return
+        self.stopped = why
+        self.writer.write_line(f"[portal] {why[1]} scancel {run.job_id} sent.")
+
+    def _booking_over(self) -> tuple[str, str] | None:
+        if self.job.reservation_id is None:
+            return None
+        row = (
+            Reservation.objects.filter(pk=self.job.reservation_id)
+            .values("end", "cancelled_at", "released_at", "released_by__username", "release_reason")
+            .first()
+        )
+        # Cancelled before its start, a booking keeps its end; its job, pending in Slurm for the
+        # reservation, would wait there for ever once the reservation is removed.
+        if row is None or (row["cancelled_at"] is None and timezone.now() < row["end"]):
+            return None
+        if row["released_at"]:
+            by, reason = row["released_by__username"], row["release_reason"]
+            return "cancelled", f"Cancelled: {released_words(row['released_at'], by, reason)}."
+        if row["cancelled_at"]:
+            return "timed_out", "The booking was cancelled; the job was stopped."
+        return "timed_out", "The booking ended; the job was stopped."
 
     def _cancel_if_asked(self, executor: SlurmExecutor, run: SlurmRun) -> None:
         if (
@@ -290,7 +386,9 @@ class SlurmFollower:
             )
         status = state.status
         by = Job.objects.filter(pk=self.job.pk).values_list("cancelled_by__username", flat=True).first()
-        if status == "cancelled":
+        if status == "cancelled" and self.stopped is not None and not by:  # its booking's end
+            status, message = self.stopped
+        elif status == "cancelled":
             message = f"Cancelled by {by} (scancel)." if by else "Cancelled in Slurm (scancel)."
         elif status == "timed_out":
             message = "Timed out: Slurm ended it at its time limit."
@@ -311,3 +409,9 @@ class SlurmFollower:
         job_end_record(self.job.pk, self.writer, EndRecord(status, code, message[:1000], finished))
         Job.objects.filter(pk=self.job.pk).update(slurm_reason="")
         return status
+
+
+def _root_only(path: Path) -> bool:
+    """A folder itself (not a link) that only root may change."""
+    found = os.lstat(path)
+    return stat.S_ISDIR(found.st_mode) and found.st_uid == 0 and not found.st_mode & 0o022

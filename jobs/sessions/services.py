@@ -221,6 +221,7 @@ def _booking_on_host(
     if not allocations:
         raise Invalid(f"Booking {booking.pk} holds no cards.", field="reservation")
     server = allocations[0].gpu.server
+    _check_not_slurm(booking, server)
     if host is not None and not host_matches(server, host):
         raise Invalid(
             f"Booking {booking.pk} is on {server.name}{_hostname(server)}, not on {host}: "
@@ -228,6 +229,16 @@ def _booking_on_host(
             field="host",
         )
     return booking, allocations
+
+
+def _check_not_slurm(booking: Reservation, server: Server) -> None:
+    """A session would run on the cluster's login node, and the booking's cards are on Slurm's."""
+    if server.kind == Server.Kind.SLURM:
+        raise Invalid(
+            f"Booking {booking.pk} holds nodes of {server.name}, a Slurm cluster: work runs there as a "
+            f"Slurm job (gpu run --server {server.name} --reservation {booking.pk}), not in a session.",
+            field="reservation",
+        )
 
 
 def _servers_named(host: str) -> list[int]:

@@ -87,32 +87,42 @@ def state_of(record: dict[str, str], *, forgotten: bool = False) -> SlurmJobStat
 
 
 def jobcomp_find(path: str, job_id: str) -> dict[str, str] | None:
-    """The job's record in a jobcomp/filetxt log (its last one: a requeued job has several)."""
+    """The job's record in a jobcomp/filetxt log (its last one: a requeued job has several), read
+    a line at a time: Slurm never rotates that log, which grows to gigabytes on a busy cluster."""
+    first, found = f"JobId={job_id}", ""
     try:
-        text = Path(path).read_text(errors="replace")
+        with open(path, errors="replace") as log:
+            for line in log:
+                if line.split(" ", 1)[0] == first:
+                    found = line
     except OSError:
         return None
-    found = [r for r in records(text) if r.get("JobId") == job_id]
-    return found[-1] if found else None
+    return records(found)[0] if found else None
 
 
 class FileOutput:
     """A Slurm job's output file as a `RunOutput`: what was added since the last read; its end is
     the job's end (`finish`), after which what is left is read and then None."""
 
-    def __init__(self, path: Path, *, uid: int | None = None, tick: float = 0.1) -> None:
+    def __init__(
+        self, path: Path, *, uid: int | None = None, tick: float = 0.1, keep: int | None = None
+    ) -> None:
         self.path = path
         self.uid = uid  # the job's account: the file must be its own
         self.tick = tick
+        self.keep = keep  # at most this much unread is read: the log keeps no more (JOB_LOG_MAX_MB)
         self.offset = 0
         self.finished = False
         self.eof = False
         self.refused = ""  # why the file is not read (said once by the caller)
+        self.notes: list[str] = []  # what the caller says in the log: a truncation, a skip
 
-    def read(self) -> bytes:
-        """What was added since the last read. The file is in the job's own folder, which its
-        account may change: a link, a FIFO, or a file that is not the account's own (a hard link
-        to another's) is never read by the root worker (`refused` says why)."""
+    def read(self, limit: int = READ_MAX) -> bytes:
+        """What was added since the last read, `limit` bytes at most. The file is in the job's own
+        folder, which its account may change: a link, a FIFO, or a file that is not the account's
+        own (a hard link to another's) is never read by the root worker (`refused` says why). A
+        file cut shorter is read again from its start; an unread part larger than `keep` (a sparse
+        file of a terabyte) is skipped to its last `keep` bytes, never read only to be dropped."""
         if self.refused:
             return b""
         try:
@@ -127,10 +137,20 @@ class FileOutput:
             if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1 or self.uid not in (None, found.st_uid):
                 self.refused = f"its output {self.path} is not a plain file of the job's account: not read"
                 return b""
+            self._catch_up(found.st_size)
             f.seek(self.offset)
-            data = f.read(READ_MAX)
+            data = f.read(min(limit, READ_MAX))
         self.offset += len(data)
         return data
+
+    def _catch_up(self, size: int) -> None:
+        if size < self.offset:  # truncated (a job's `: > out.log`): what is there now is new
+            self.notes.append(f"its output was cut to {size:,} bytes: read again from its start")
+            self.offset = 0
+        if self.keep is not None and size - self.offset > self.keep:
+            skipped = size - self.offset - self.keep
+            self.notes.append(f"{skipped:,} bytes of its output skipped: more than its log keeps")
+            self.offset += skipped
 
     def finish(self) -> None:
         self.finished = True
@@ -176,6 +196,7 @@ class SlurmRequest:
     output: Path
     reservation: str = ""
     jobcomp: str = ""  # the cluster's JobCompLoc, for jobs it has forgotten
+    output_keep: int | None = None  # the most of its output worth reading (FileOutput.keep)
 
 
 class SlurmExecutor:
@@ -195,7 +216,7 @@ class SlurmExecutor:
 
     def sbatch_args(self, spec: RunSpec) -> list[str]:
         r = self.request
-        args = ["--parsable", f"--job-name={spec.name.lower().replace(' ', '-')}", "--export=NIL"]
+        args = ["--parsable", f"--job-name={_job_name(spec)}", "--export=NIL"]
         if spec.account is not None:  # as its owner: only root may say so (the login node's worker)
             args += [f"--uid={spec.account.pw_uid}", f"--gid={spec.account.pw_gid}"]
         if r.gpus:
@@ -215,10 +236,22 @@ class SlurmExecutor:
         is not taken."""
         script = self.batch_script(spec).encode()
         job_id = self.commands.run("sbatch", self.sbatch_args(spec), stdin=script).strip().split(";")[0]
+        return self._run(spec, job_id)
+
+    def find(self, spec: RunSpec) -> SlurmRun | None:
+        """The job `start` sent for `spec`, should Slurm have taken it though sbatch's answer was
+        lost (SlurmTimedOut): by its name and account, in any state Slurm still remembers."""
+        args = ["--noheader", f"--name={_job_name(spec)}", "--states=all", "--format=%i"]
+        if spec.account is not None:
+            args.append(f"--user={spec.account.pw_uid}")
+        found = self.commands.run("squeue", args).split()
+        return self._run(spec, found[0]) if found else None
+
+    def _run(self, spec: RunSpec, job_id: str) -> SlurmRun:
         # No process of the worker's is the run: pid 0 is never signalled (portal.pids), and the
         # orphan sweep has nothing to find.
         uid = spec.account.pw_uid if spec.account is not None else None
-        output = FileOutput(self.request.output, uid=uid)
+        output = FileOutput(self.request.output, uid=uid, keep=self.request.output_keep)
         return SlurmRun(spec.name, ProcessId(0, -1.0), 0, output, job_id=job_id)
 
     def state(self, run: Run) -> SlurmJobState:
@@ -272,6 +305,10 @@ class SlurmExecutor:
 
     def did_not_start(self, end: RunEnd) -> str:
         return ""
+
+
+def _job_name(spec: RunSpec) -> str:
+    return spec.name.lower().replace(" ", "-")
 
 
 def _slurm(run: Run) -> SlurmRun:
