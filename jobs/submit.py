@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
@@ -194,35 +194,19 @@ def job_submit(
 ) -> Job:
     """Run a job on a booking's server and cards (it starts when the booking does), or, without a
     booking, queue it for `gpu_count` cards (`memory_mb` each, or whole) for its time limit: the
-    scheduler starts it when cards are free (jobs/queue/scheduler.py). An `array` ("0-99%8") queues
-    one job per index; the first is returned. An `image` (a ContainerImage's name) runs it in that
-    container image, on a server that has it and where containers work (`_check_image`). On a
-    Slurm cluster (`server` names one) it goes to Slurm for `gpu_count` GPUs in `partition`
-    (jobs/slurm.py), through the cluster's worker. `notify` ("end,fail", or a list; None: the
-    owner's preference) is what its owner is told of it (jobs/notices.py).
+    scheduler starts it when cards are free (jobs/queue/scheduler.py); or send it to a Slurm
+    cluster (`_place`). An `array` ("0-99%8") queues one job per index; the first is returned. An
+    `image` runs it in that container image (`_check_image`); `notify` is what its owner is told
+    of it (jobs/notices.py).
 
-    One path of named steps for both kinds: where it runs, what it runs, how TensorFlow is set
+    One path of named steps for every kind: where it runs, what it runs, how TensorFlow is set
     up, then the save. Raises a ServiceError (field and fix in the message) and writes nothing on
     bad input: every step before the save only reads.
     """
     now = now or timezone.now()
     errors = Errors()  # every bad field at once: where it runs, what it runs, TensorFlow's settings
-    place = errors.check(
-        _place,
-        user,
-        reservation,
-        gpu_count,
-        memory_mb,
-        server,
-        time_limit_minutes,
-        array,
-        nice,
-        begin_at,
-        team,
-        preemptible,
-        partition,
-        now,
-    )
+    ask = _Ask(gpu_count, memory_mb, server, time_limit_minutes, array, nice, begin_at, team, preemptible)
+    place = errors.check(_place, user, reservation, ask, partition, now)
     program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
     chosen = errors.check(_check_image, image, place)
     told = errors.check(job_notify_parse, notify)
@@ -232,6 +216,11 @@ def job_submit(
     assert place is not None and program is not None and tensorflow is not None
     fields = {"owner": user, "created_at": now, **place.fields, **program, **tensorflow, "image": chosen}
     fields |= {"soft_placement": soft_placement, "log_placement": log_placement, "notify": told}
+    return _save(user, place, fields, now)
+
+
+def _save(user: AbstractBaseUser, place: _Place, fields: dict[str, Any], now: datetime) -> Job:
+    """The checked job saved where `_place` put it: queued, sent to Slurm, or on its booking."""
     if place.request is not None:
         return _save_queued(user, place.request, fields, now)
     job = Job(**fields)
@@ -246,68 +235,60 @@ def job_submit(
     return job
 
 
+@dataclass(frozen=True)
+class _Ask:
+    """What a job asks for beyond a booking: the queue's cards, server, time, array and order."""
+
+    gpu_count: int | None
+    memory_mb: int | None
+    server: str | None
+    time_limit_minutes: int | None
+    array: str
+    nice: int
+    begin_at: datetime | None
+    team: str | None
+    preemptible: bool
+
+
 def _place(
-    user: AbstractBaseUser,
-    reservation: Reservation | int | None,
-    gpu_count: int | None,
-    memory_mb: int | None,
-    server: str | None,
-    time_limit_minutes: int | None,
-    array: str,
-    nice: int,
-    begin_at: datetime | None,
-    team: str | None,
-    preemptible: bool,
-    partition: str,
-    now: datetime,
+    user: AbstractBaseUser, reservation: Reservation | int | None, ask: _Ask, partition: str, now: datetime
 ) -> _Place:
     """Where the job runs: on the booking, or in the queue for the cards it asks for, or on a Slurm
-    cluster. Only a queued job may be `preemptible`: stopped and requeued at its old place
-    (jobs.preemption)."""
-    cluster = slurm_cluster_named(server) or slurm_booking_cluster(reservation)
+    cluster (its `server`, or its booking's), for `gpu_count` GPUs in `partition` (jobs/slurm.py),
+    through the cluster's worker. Only a queued job may be `preemptible`: stopped and requeued
+    at its old place (jobs.preemption)."""
+    cluster = slurm_cluster_named(ask.server) or slurm_booking_cluster(reservation)
     if cluster is not None:
         booking = _check_slurm_booking(user, reservation, cluster, now) if reservation is not None else None
-        if memory_mb is not None or preemptible:
+        if ask.memory_mb is not None or ask.preemptible:
             raise Invalid(
                 "Slurm gives whole cards and never preempts the portal's way: leave memory and "
                 "preemptible empty on a Slurm cluster.",
-                field="memory_mb" if memory_mb is not None else "preemptible",
+                field="memory_mb" if ask.memory_mb is not None else "preemptible",
             )
         fields = slurm_place(
             user=user,
             server=cluster,
-            gpu_count=gpu_count,
-            time_limit_minutes=time_limit_minutes,
+            gpu_count=ask.gpu_count,
+            time_limit_minutes=ask.time_limit_minutes,
             partition=partition,
-            team=team,
+            team=ask.team,
             booking=booking,
-            array=array,
+            array=ask.array,
         )
         return _Place(fields, fields["gpu_count"], None, None, slurm=True)
     if partition:
         raise Invalid("A partition is a Slurm cluster's; name the cluster as the server.", field="partition")
-    if reservation is None and gpu_count is not None:
-        request = QueueRequest.check(
-            user=user,
-            gpu_count=gpu_count,
-            memory_mb=memory_mb,
-            server=server,
-            time_limit_minutes=time_limit_minutes,
-            array=array,
-            nice=nice,
-            begin_at=begin_at,
-            team=team,
-            now=now,
-            preemptible=preemptible,
-        )
+    if reservation is None and ask.gpu_count is not None:
+        request = QueueRequest.check(user=user, now=now, **asdict(ask))
         return _Place(request.job_fields(), request.gpu_count, request.memory_mb, None, request)
-    if preemptible and reservation is not None:
+    if ask.preemptible and reservation is not None:
         raise Invalid(
             "Only a queued job can be preemptible: your booking's cards are yours, nobody takes them "
             "back. Leave the booking empty to queue it, or leave preemptible off.",
             field="preemptible",
         )
-    return _place_on_booking(user, reservation, gpu_count, array, time_limit_minutes, now)
+    return _place_on_booking(user, reservation, ask.gpu_count, ask.array, ask.time_limit_minutes, now)
 
 
 @dataclass(frozen=True)
