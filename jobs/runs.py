@@ -57,9 +57,18 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
     (jobs.preemption.job_requeue), its booking released with it.
 
     An end as LOST is a lost job its worker found alive and stopped: told as a stop is."""
-    writer.flush()
     if record.status == Job.Status.PENDING:  # a preempted job: back to the queue, never an end
-        return job_requeue(job_id, from_=UNFINISHED, message=record.message)
+        # Only if nobody stopped it for good meanwhile: its supervisor reads the row no more once
+        # it has decided (a cancel in its grace, or as its worker shut down, would be undone).
+        stays = Q(cancel_requested_at=None, watchdog_stop="")
+        writer.flush()
+        if job_requeue(job_id, from_=UNFINISHED, message=record.message, where=stays):
+            return True
+        record = _stopped_while_leaving(job_id, record)
+        if record is None:
+            return False
+        writer.write_line(f"[portal] {record.message} It does not go back to the queue.")
+    writer.flush()
     lost = record.status == Job.Status.LOST
     return Job.objects.transition(
         job_id,
@@ -69,6 +78,30 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
         exit_code=record.exit_code,
         finished_at=datetime.fromisoformat(record.finished_at),
         message=record.message,
+    )
+
+
+def _stopped_while_leaving(job_id: int, record: EndRecord) -> EndRecord | None:
+    """A job leaving for the queue that its owner (or a leader, an admin, the leavers' rule)
+    cancelled, or the watchdog stopped, meanwhile: its end as that stop, in the supervisor's
+    words (jobs/host/runner.py); None when its end is recorded already."""
+    row = (
+        Job.objects.filter(pk=job_id, status__in=UNFINISHED)
+        .values("cancel_requested_at", "cancelled_by__username", "watchdog_stop", "message")
+        .first()
+    )
+    if row is None:
+        return None
+    if row["watchdog_stop"]:
+        status, message = Job.Status.FAILED, row["watchdog_stop"]
+    else:
+        who = row["cancelled_by__username"]
+        status, message = (
+            Job.Status.CANCELLED,
+            f"Cancelled by {who}." if who else row["message"] or "Cancelled.",
+        )
+    return EndRecord(
+        status=status, exit_code=record.exit_code, message=message, finished_at=record.finished_at
     )
 
 

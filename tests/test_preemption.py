@@ -31,6 +31,7 @@ from jobs.models import Job
 from jobs.preemption import PREEMPTED, job_preempt
 from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.runs import job_end_record
+from jobs.services import job_cancel
 from portal.errors import Invalid
 from tests.factories import queue_job
 
@@ -150,6 +151,38 @@ def test_a_running_job_is_asked_to_leave_and_its_end_puts_it_back(alice, box, se
     assert job.preempt_requested_at is None and job.finished_at is None
     assert Reservation.objects.get(pk=booking).released_at is not None
     assert not job_end_record(job.pk, LogWriter(job.pk), record)  # once: a replay finds it done
+
+
+def _left(job: Job, message: str = "Preempted: x.") -> bool:
+    """What its supervisor records once the process is gone, having decided to requeue it."""
+    record = EndRecord(
+        status=Job.Status.PENDING, exit_code=-15, message=message, finished_at=timezone.now().isoformat()
+    )
+    return job_end_record(job.pk, LogWriter(job.pk), record)
+
+
+def test_a_cancel_that_came_while_it_was_leaving_is_never_undone_by_its_requeue(alice, box, sent):
+    """Its supervisor had decided to requeue it (preempted, or its worker shutting down) when its
+    owner cancelled it: the cancel stands, it never goes back to the queue."""
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    assert job_preempt(job=job, reason="its cards are wanted back")
+    job_cancel(user=alice, job=job)  # during its grace: the supervisor no longer reads the row
+
+    assert _left(job)
+    job.refresh_from_db()
+    assert (job.status, job.preemptions, job.message) == (Job.Status.CANCELLED, 0, "Cancelled by alice.")
+    assert job.finished_at is not None and job.cancelled_by == alice
+    assert not _left(job)  # once: a replay finds it done
+
+
+def test_a_watchdog_stop_that_came_while_it_was_leaving_ends_it_as_failed(alice, box, sent):
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    assert job_preempt(job=job, reason="its cards are wanted back")
+    Job.objects.filter(pk=job.pk).update(watchdog_stop="Stopped by the watchdog: over its memory.")
+
+    assert _left(job)
+    job.refresh_from_db()
+    assert (job.status, job.message) == (Job.Status.FAILED, "Stopped by the watchdog: over its memory.")
 
 
 def test_a_requeued_job_keeps_its_place_ahead_of_later_submissions(alice, box, sent):
