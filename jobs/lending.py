@@ -37,7 +37,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from gpus.booking import reservation_create
@@ -212,22 +212,24 @@ def loans_take_back(*, booking: Reservation | int, why: str, now: datetime | Non
 
 
 def loans_expire(now: datetime) -> list[int]:
-    """Each scheduler pass: the borrowers whose loan ends with its lent booking within their grace
-    (and EXPIRE_MARGIN) are asked to leave now, back to the queue, rather than run into the end
-    and time out. The jobs asked; safe to repeat (a job asked already is not asked again)."""
+    """Each scheduler pass: the borrowers whose loan ends within their grace (and EXPIRE_MARGIN)
+    before their own time limit would are asked to leave now, back to the queue, rather than run
+    into the loan's end and time out. The loan was cut to its lent booking's end, which may have
+    moved since (extended, released, cancelled): the loan's own end is what binds the job. The
+    jobs asked; safe to repeat (a job asked already is not asked again)."""
     soon = now + timedelta(seconds=settings.LEND_GRACE_SECONDS) + EXPIRE_MARGIN
-    ending = Reservation.objects.loans_live(now).filter(
-        end__lte=soon,
-        end__gte=F("lent_from__end"),
-        lent_from__released_at=None,  # released by its owner: the cards are nobody's, the loan runs on
-        lent_from__cancelled_at=None,
-    )
+    ending = Reservation.objects.loans_live(now).filter(end__lte=soon)
     jobs = Job.objects.filter(reservation__in=ending, status__in=Job.ON_CARDS, preempt_requested_at=None)
     asked = []
-    for job, lender, end in jobs.values_list("pk", "reservation__lent_from_id", "reservation__end"):
-        why = f"booking {lender}, which it borrowed, ends at {timezone.localtime(end):%H:%M}"
-        if job_preempt(job=job, reason=why, grace_seconds=settings.LEND_GRACE_SECONDS, now=now):
-            asked.append(job)
+    for job in jobs.select_related("reservation").only(
+        "pk", "started_at", "time_limit_minutes", "reservation__end", "reservation__lent_from_id"
+    ):
+        loan = job.reservation
+        if job.deadline(loan.end) < loan.end:
+            continue  # its own time limit ends it first: a time-out of its own, not a leave
+        why = f"its loan of booking {loan.lent_from_id} ends at {timezone.localtime(loan.end):%H:%M}"
+        if job_preempt(job=job.pk, reason=why, grace_seconds=settings.LEND_GRACE_SECONDS, now=now):
+            asked.append(job.pk)
     return asked
 
 

@@ -11,7 +11,7 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gpus.booking import reservation_create
+from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation
 from gpus.services import servers_report_ingest
@@ -105,9 +105,42 @@ def test_a_longer_job_borrows_until_the_booking_ends_and_leaves_before_it(idle_b
     assert loans_expire(idle_booking.end - timedelta(seconds=35)) == [job.pk]  # grace and margin
     job.refresh_from_db()
     assert job.preempt_grace_seconds == 20 and job.preempt_reason.startswith(
-        f"booking {idle_booking.pk}, which it borrowed, ends at "
+        f"its loan of booking {idle_booking.pk} ends at "
     )
     assert loans_expire(idle_booking.end - timedelta(seconds=30)) == []  # asked once
+
+
+def _borrowing_longer(idle_booking, bob) -> Job:
+    job = queue_job(bob, minutes=60 * 9, preemptible=True)  # the booking ends in 8 hours
+    assert schedule_pass().get("lent") == 1
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    job.refresh_from_db()
+    return job
+
+
+def test_a_booking_extended_while_lent_still_sends_its_borrower_away_before_the_loan_ends(
+    idle_booking, alice, bob, sent
+):
+    """The owner may extend a lent booking (the loan is beside it, within its old end); the loan
+    still ends there, so its borrower leaves before it, back to the queue, never timed out."""
+    job = _borrowing_longer(idle_booking, bob)
+    reservation_extend(user=alice, reservation=idle_booking, end=idle_booking.end + timedelta(hours=1))
+    assert loans_expire(job.reservation.end - timedelta(seconds=36)) == []
+    assert loans_expire(job.reservation.end - timedelta(seconds=35)) == [job.pk]
+
+
+@pytest.mark.parametrize("how", ["released", "cancelled"])
+def test_a_booking_given_up_while_lent_still_sends_its_borrower_away_before_the_loan_ends(
+    idle_booking, alice, bob, leader, sent, how
+):
+    """The loan runs on to its end on cards nobody else booked; its borrower then leaves for the
+    queue with its checkpoint, rather than time out at an end its time limit never set."""
+    job = _borrowing_longer(idle_booking, bob)
+    if how == "released":
+        reservation_release(user=alice, reservation=idle_booking)
+    else:
+        reservation_cancel(user=leader, reservation=idle_booking, reason="the card is needed")
+    assert loans_expire(job.reservation.end - timedelta(seconds=35)) == [job.pk]
 
 
 def test_a_job_whose_loan_ends_before_the_booking_is_left_to_its_time_limit(idle_booking, bob, sent):
