@@ -17,6 +17,7 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation
 from jobs.forms import JobForm
 from jobs.host.checkpoints import (
+    CHECKPOINT_LOST_KEEP,
     CHECKPOINT_VAR,
     PREEMPTIBLE_VAR,
     checkpoint_name,
@@ -249,6 +250,25 @@ def test_a_checkpoint_folder_stays_while_its_job_is_requeued_and_goes_when_it_en
     assert checkpoints_sweep() == 1
     assert not folder.exists() and other_database.is_dir() and Path(settings.JOB_FOLDERS).is_dir()
     assert checkpoints_sweep() == 0
+
+
+def test_a_lost_jobs_checkpoint_folder_stays_while_its_worker_may_still_requeue_it(alice, box, sent):
+    """Marked lost while its worker was out of touch, a preempted job may still come back to the
+    queue when that worker's spool records its end: its folder stays for CHECKPOINT_LOST_KEEP."""
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    folder = Path(checkpoint_ready(_launch(), job).env[CHECKPOINT_VAR])
+    (folder / "state").write_text("epoch 3")
+    job_preempt(job=job, reason="its cards are wanted back")
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.LOST, finished_at=timezone.now())
+
+    assert checkpoints_sweep() == 0 and (folder / "state").exists()
+    assert _left(job)  # the spool's replay: back to the queue, its checkpoint there to resume from
+    job.refresh_from_db()
+    assert job.status == Job.Status.PENDING and (folder / "state").exists()
+
+    long_ago = timezone.now() - CHECKPOINT_LOST_KEEP - timedelta(minutes=1)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.LOST, finished_at=long_ago)
+    assert checkpoints_sweep() == 1 and not folder.exists()
 
 
 def test_the_supervisor_removes_the_folder_of_a_job_that_ended_for_good(alice, box):
