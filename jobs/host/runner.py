@@ -46,7 +46,7 @@ from jobs.host.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
-from jobs.preemption import preempted_words, shut_down_words
+from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, shut_down_words
 from jobs.runs import LOST_FOUND_ALIVE, queued_job_ended
 from portal.outage import WHAT, outage_of
 
@@ -531,7 +531,7 @@ class Supervisor:
                 f"Cancelled: {released_words(row['reservation__released_at'], by, reason)}.",
             )
         elif why := self._past_deadline(now):
-            self._stop(Job.Status.TIMED_OUT, why)
+            self._stop(*deadline_stop(self.job, why))
 
     def _past_deadline(self, now: datetime) -> str:
         """Why the job must stop now (its time limit, its booking's end), from the last start and
@@ -541,7 +541,7 @@ class Supervisor:
         limit = self.job.time_limit_minutes
         if limit and self.job.started_at and now >= self.job.started_at + timedelta(minutes=limit):
             return f"Time limit of {limit} min reached."
-        return "The booking ended; the job was stopped."
+        return BOOKING_ENDED
 
     def _check_deadline_alone(self) -> None:
         """The database is away or hangs: the last deadline it gave still holds, enforced here
@@ -552,7 +552,7 @@ class Supervisor:
                 "[portal] the database is away: the job is stopped by the last deadline it gave;"
                 " its end is recorded when the database answers."
             )
-            self._stop(Job.Status.TIMED_OUT, why)
+            self._stop(*deadline_stop(self.job, why))
 
     def _check_shutdown(self) -> None:
         if self.shutting_down or not any(flag.exists() for flag in self.stop_flags):
