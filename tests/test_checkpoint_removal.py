@@ -42,6 +42,23 @@ def test_what_its_owner_planted_goes_and_nothing_it_points_to(alice, box, tmp_pa
     assert (outside / "keep").read_text() == "someone else's" and os.stat(outside / "keep").st_nlink == 1
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another account: needs root")
+def test_a_folder_of_another_account_moved_in_is_never_emptied(alice, box, caplog):
+    """Its owner moved in a folder of someone else's (from a group-writable folder on the same
+    disk): its contents are not theirs to remove, so not the worker's either; left for an admin."""
+    job = queue_job(alice, preemptible=True)
+    folder = _folder(job)
+    theirs = folder / "moved-in" / "results"
+    theirs.mkdir(parents=True)
+    (theirs / "model.h5").write_text("someone else's")
+    os.chown(folder / "moved-in", 54321, 54321)
+    (folder / "state").write_text("epoch 3")
+
+    assert not checkpoint_remove(job)
+    assert (theirs / "model.h5").read_text() == "someone else's"
+    assert "moved-in, a folder of uid 54321" in caplog.text
+
+
 def test_a_tree_its_owner_made_deep_is_removed_whole(alice, box):
     """Deeper than Python's recursion limit: removed all the same, with a few descriptors."""
     job = queue_job(alice, preemptible=True)

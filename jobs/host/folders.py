@@ -423,15 +423,17 @@ def _tree_empty(top: int) -> None:
     open: a tree made deeper (beyond the recursion limit, or the descriptors the worker has) is
     flattened as it goes, its deep folders moved up beside the others. A pass ends; another is
     needed only for what its owner added meanwhile."""
+    owner = os.fstat(top).st_uid
     for _ in range(_WALK_ROUNDS):
-        if not _walk_once(top):
+        if not _walk_once(top, owner):
             return
     raise JobFolderError(f"its owner still fills it after {_WALK_ROUNDS} passes; the next sweep tries again")
 
 
-def _walk_once(top: int) -> bool:
+def _walk_once(top: int, owner: int) -> bool:
     """One pass over what it lists: all of it goes; whether another pass is needed (a folder
-    refilled meanwhile)."""
+    refilled meanwhile). Only the folder's `owner`'s folders are emptied: one of another account,
+    moved in, holds what its owner could not remove, and neither may the worker for them."""
     again = False
     stack: list[tuple[int, list[str], str]] = [(top, os.listdir(top), "")]
     try:
@@ -451,6 +453,9 @@ def _walk_once(top: int) -> bool:
                     raise
                 again |= exc.errno != errno.ENOENT and not _unlink_name(fd, name)
                 continue
+            if (uid := os.fstat(sub).st_uid) != owner:
+                os.close(sub)
+                raise JobFolderError(f"{name}, a folder of uid {uid}, not its owner's: left for an admin")
             if len(stack) >= _WALK_DEPTH:  # moved up to the top, and walked from there in this pass
                 os.close(sub)
                 moved = f".deep-{secrets.token_hex(8)}"
