@@ -47,6 +47,7 @@ from jobs.models import InteractiveSession, Job
 from jobs.preemption import job_preempt
 from jobs.queue.rules import Entry
 from portal.access import can_manage
+from portal.accounts import users_by_unix_name
 from portal.errors import Forbidden, ServiceError
 
 log = logging.getLogger(__name__)
@@ -242,23 +243,32 @@ def loan_take_back(*, user: AbstractBaseUser, booking: Reservation, now: datetim
 
 def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> list[int]:
     """Each telemetry round: a process on a lent card that is not its borrower's is the owner
-    coming back (anyone else there is the watchdog's), so the borrower leaves at once."""
+    coming back, so the borrower leaves at once. One whose account is another person's is not:
+    an intruder, the watchdog's, never a way to push a borrower off; one whose account is
+    nobody's known (unreadable, a service account) may be the owner's, so it is taken as theirs."""
     now = now or timezone.now()
     by_card = {c.uuid: c for c in cards if c.processes}
     if not by_card:
         return []
     loans = Allocation.objects.filter(
         gpu_id__in=list(by_card), reservation__in=Reservation.objects.loans_live(now)
-    ).values_list("gpu_id", "reservation_id", "reservation__lent_from_id")
+    ).values_list("gpu_id", "reservation_id", "reservation__lent_from_id", "reservation__lent_from__owner_id")
     loans = list(loans)
+    if not loans:
+        return []  # no lent card shows a process: no read of who runs them
+    people = users_by_unix_name({p.username for card in by_card.values() for p in card.processes or ()})
     borrowers: dict[int, set[int]] = {}
-    for loan, job in Job.objects.filter(reservation_id__in={loan for _, loan, _ in loans}).values_list(
+    for loan, job in Job.objects.filter(reservation_id__in={loan for _, loan, _, _ in loans}).values_list(
         "reservation_id", "pk"
     ):  # every loan's jobs in one read
         borrowers.setdefault(loan, set()).add(job)
     back: dict[int, str] = {}  # lender → why: each taken back once, however many of its cards
-    for uuid, loan, lender in loans:
-        others = [p for p in by_card[uuid].processes or () if p.job_id not in borrowers.get(loan, set())]
+    for uuid, loan, lender, owner in loans:
+        others = [
+            p
+            for p in by_card[uuid].processes or ()
+            if p.job_id not in borrowers.get(loan, set()) and people.get(p.username, owner) == owner
+        ]
         if others and lender not in back:
             pid = others[0].pid
             back[lender] = f"the owner of booking {lender} started using it (process {pid} on its card)"

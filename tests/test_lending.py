@@ -243,6 +243,25 @@ def test_the_owners_first_process_on_the_card_sends_the_borrower_away(idle_booki
     assert "started using it (process 11 on its card)" in job.preempt_reason
 
 
+def test_another_persons_process_on_a_lent_card_does_not_send_the_borrower_away(
+    idle_booking, bob, carol, sent
+):
+    """Only the owner comes first: anyone else's process there is an intruder (the watchdog's),
+    never a way to push a borrower off a card; a process whose account is unknown may be the
+    owner's, so it still does."""
+    job = _lent_job(bob, sent)
+    uuid = job.gpu_uuids[0]
+    borrowers = ProcessInfo(pid=10, username="bob", command="python fit.py", job_id=job.pk)
+    carols = ProcessInfo(pid=12, username="carol", command="python hers.py")
+    assert loans_watch([_card(uuid, borrowers, carols)]) == []
+    job.refresh_from_db()
+    assert job.preempt_requested_at is None
+    unknown = ProcessInfo(pid=13, username="?", command="python")
+    assert loans_watch([_card(uuid, borrowers, carols, unknown)]) == [job.pk]
+    job.refresh_from_db()
+    assert "started using it (process 13 on its card)" in job.preempt_reason
+
+
 def test_take_it_back_on_the_booking_page(idle_booking, alice, bob, sent):
     job = _lent_job(bob, sent)
     outsider = Client()
