@@ -16,8 +16,9 @@ through the web API: a web server down longer than SESSION_LOST_AFTER_SECONDS en
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Q
@@ -81,6 +82,13 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
     )
 
 
+def cancelled_words(row: Mapping[str, Any]) -> str:
+    """A cancelled run's end, from its row's `cancelled_by__username` and `message`: who asked,
+    else what the portal said when it asked (a leaver's work, a released booking)."""
+    who = row["cancelled_by__username"]
+    return f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+
+
 def _stopped_while_leaving(job_id: int, record: EndRecord) -> EndRecord | None:
     """A job leaving for the queue that its owner (or a leader, an admin, the leavers' rule)
     cancelled, or the watchdog stopped, meanwhile: its end as that stop, in the supervisor's
@@ -95,11 +103,7 @@ def _stopped_while_leaving(job_id: int, record: EndRecord) -> EndRecord | None:
     if row["watchdog_stop"]:
         status, message = Job.Status.FAILED, row["watchdog_stop"]
     else:
-        who = row["cancelled_by__username"]
-        status, message = (
-            Job.Status.CANCELLED,
-            f"Cancelled by {who}." if who else row["message"] or "Cancelled.",
-        )
+        status, message = Job.Status.CANCELLED, cancelled_words(row)
     return EndRecord(
         status=status, exit_code=record.exit_code, message=message, finished_at=record.finished_at
     )

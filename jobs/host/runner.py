@@ -47,7 +47,7 @@ from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, shut_down_words
-from jobs.runs import LOST_FOUND_ALIVE, queued_job_ended
+from jobs.runs import LOST_FOUND_ALIVE, cancelled_words, queued_job_ended
 from portal.outage import WHAT, outage_of
 
 log = logging.getLogger(__name__)
@@ -229,8 +229,7 @@ class Supervisor:
             .get()
         )
         if row["cancel_requested_at"]:
-            who = row["cancelled_by__username"]
-            return Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+            return Job.Status.CANCELLED, cancelled_words(row)
         if row["preempt_requested_at"]:
             return Job.Status.PENDING, preempted_words(row["preempt_reason"])
         return "", ""
@@ -514,10 +513,7 @@ class Supervisor:
         elif row["watchdog_stop"]:
             self._stop(Job.Status.FAILED, row["watchdog_stop"])
         elif row["cancel_requested_at"]:
-            who = row["cancelled_by__username"]
-            self._stop(
-                Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled."
-            )
+            self._stop(Job.Status.CANCELLED, cancelled_words(row))
         elif row["preempt_requested_at"]:
             # Asked to leave its cards (jobs.preemption): stopped, then back in the queue, not ended.
             grace = row["preempt_grace_seconds"] or settings.PREEMPT_GRACE_SECONDS
