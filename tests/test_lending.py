@@ -190,6 +190,22 @@ def test_the_owners_job_starts_only_once_the_borrower_has_left(
     assert mine.dispatched_at is not None
 
 
+def test_a_borrower_whose_worker_was_lost_holds_the_owners_job_no_longer(
+    idle_booking, alice, bob, sent, settings
+):
+    """Its worker gone, the borrower never leaves by itself: the reconciler marks it lost after
+    JOB_LOST_AFTER_SECONDS, and that pass sends the owner's job. The owner's wait is bounded."""
+    job = _lent_job(bob, sent)
+    long_ago = timezone.now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 60)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, heartbeat_at=long_ago)
+    mine = job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+    assert Job.objects.get(pk=mine.pk).dispatched_at is None
+    done = jobs_reconcile()
+    assert done["lost"] == 1 and "sent" in schedule_pass()
+    mine.refresh_from_db()
+    assert mine.dispatched_at is not None
+
+
 def test_the_owners_job_goes_at_once_when_the_borrower_was_not_sent_yet(idle_booking, alice, bob, sent):
     job = _lent_job(bob, sent)
     Job.objects.filter(pk=job.pk).update(dispatched_at=None)  # as after a send that failed
