@@ -206,6 +206,22 @@ def test_a_borrower_whose_worker_was_lost_holds_the_owners_job_no_longer(
     assert mine.dispatched_at is not None
 
 
+def test_a_borrower_that_cannot_be_made_to_leave_holds_the_owners_job_for_its_grace_alone(
+    idle_booking, alice, bob, sent, settings
+):
+    """Its supervisor may not signal it (no CAP_KILL): it runs on, its row says running. The owner
+    comes first: once its grace and a margin have passed, the owner's job goes all the same."""
+    settings.LEND_GRACE_SECONDS = 20
+    job = _lent_job(bob, sent)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    mine = job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+    asked = Job.objects.get(pk=job.pk).preempt_requested_at
+    assert "sent" not in schedule_pass(now=asked + timedelta(seconds=20 + 29))
+    assert schedule_pass(now=asked + timedelta(seconds=20 + 31))["sent"] == 1
+    mine.refresh_from_db()
+    assert mine.dispatched_at is not None
+
+
 def test_the_owners_job_goes_at_once_when_the_borrower_was_not_sent_yet(idle_booking, alice, bob, sent):
     job = _lent_job(bob, sent)
     Job.objects.filter(pk=job.pk).update(dispatched_at=None)  # as after a send that failed
