@@ -525,7 +525,9 @@ def reservation_extend(
     allocations = list(reservation.allocations.all())
     memory_mb = allocations[0].memory_mb
     cards = _locked_gpus([a.gpu_id for a in allocations], memory_mb)
-    _check_free(cards, reservation.start, end, memory_mb, exclude=reservation.pk)
+    # Only the added time: what it holds already is its own, and a loan of it (the queue's job on
+    # its idle cards, jobs/lending.py) sits within that, never in its owner's way.
+    _check_free(cards, reservation.end, end, memory_mb, exclude=reservation.pk)
     # Only its end changes: whatever limit it passes, the end is what its owner would move.
     fields = dict.fromkeys(("length", "cards", "memory", "hours"), "end")
     _check_quota(membership, cards, memory_mb, reservation.start, end, fields=fields, exclude=reservation.pk)

@@ -37,7 +37,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from gpus.booking import reservation_create
@@ -47,6 +47,7 @@ from jobs.models import InteractiveSession, Job
 from jobs.preemption import job_preempt
 from jobs.queue.rules import Entry
 from portal.access import can_manage
+from portal.accounts import users_by_unix_name
 from portal.errors import Forbidden, ServiceError
 
 log = logging.getLogger(__name__)
@@ -212,22 +213,24 @@ def loans_take_back(*, booking: Reservation | int, why: str, now: datetime | Non
 
 
 def loans_expire(now: datetime) -> list[int]:
-    """Each scheduler pass: the borrowers whose loan ends with its lent booking within their grace
-    (and EXPIRE_MARGIN) are asked to leave now, back to the queue, rather than run into the end
-    and time out. The jobs asked; safe to repeat (a job asked already is not asked again)."""
+    """Each scheduler pass: the borrowers whose loan ends within their grace (and EXPIRE_MARGIN)
+    before their own time limit would are asked to leave now, back to the queue, rather than run
+    into the loan's end and time out. The loan was cut to its lent booking's end, which may have
+    moved since (extended, released, cancelled): the loan's own end is what binds the job. The
+    jobs asked; safe to repeat (a job asked already is not asked again)."""
     soon = now + timedelta(seconds=settings.LEND_GRACE_SECONDS) + EXPIRE_MARGIN
-    ending = Reservation.objects.loans_live(now).filter(
-        end__lte=soon,
-        end__gte=F("lent_from__end"),
-        lent_from__released_at=None,  # released by its owner: the cards are nobody's, the loan runs on
-        lent_from__cancelled_at=None,
-    )
+    ending = Reservation.objects.loans_live(now).filter(end__lte=soon)
     jobs = Job.objects.filter(reservation__in=ending, status__in=Job.ON_CARDS, preempt_requested_at=None)
     asked = []
-    for job, lender, end in jobs.values_list("pk", "reservation__lent_from_id", "reservation__end"):
-        why = f"booking {lender}, which it borrowed, ends at {timezone.localtime(end):%H:%M}"
-        if job_preempt(job=job, reason=why, grace_seconds=settings.LEND_GRACE_SECONDS, now=now):
-            asked.append(job)
+    for job in jobs.select_related("reservation").only(
+        "pk", "started_at", "time_limit_minutes", "reservation__end", "reservation__lent_from_id"
+    ):
+        loan = job.reservation
+        if job.deadline(loan.end) < loan.end:
+            continue  # its own time limit ends it first: a time-out of its own, not a leave
+        why = f"its loan of booking {loan.lent_from_id} ends at {timezone.localtime(loan.end):%H:%M}"
+        if job_preempt(job=job.pk, reason=why, grace_seconds=settings.LEND_GRACE_SECONDS, now=now):
+            asked.append(job.pk)
     return asked
 
 
@@ -240,23 +243,32 @@ def loan_take_back(*, user: AbstractBaseUser, booking: Reservation, now: datetim
 
 def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> list[int]:
     """Each telemetry round: a process on a lent card that is not its borrower's is the owner
-    coming back (anyone else there is the watchdog's), so the borrower leaves at once."""
+    coming back, so the borrower leaves at once. One whose account is another person's is not:
+    an intruder, the watchdog's, never a way to push a borrower off; one whose account is
+    nobody's known (unreadable, a service account) may be the owner's, so it is taken as theirs."""
     now = now or timezone.now()
     by_card = {c.uuid: c for c in cards if c.processes}
     if not by_card:
         return []
     loans = Allocation.objects.filter(
         gpu_id__in=list(by_card), reservation__in=Reservation.objects.loans_live(now)
-    ).values_list("gpu_id", "reservation_id", "reservation__lent_from_id")
+    ).values_list("gpu_id", "reservation_id", "reservation__lent_from_id", "reservation__lent_from__owner_id")
     loans = list(loans)
+    if not loans:
+        return []  # no lent card shows a process: no read of who runs them
+    people = users_by_unix_name({p.username for card in by_card.values() for p in card.processes or ()})
     borrowers: dict[int, set[int]] = {}
-    for loan, job in Job.objects.filter(reservation_id__in={loan for _, loan, _ in loans}).values_list(
+    for loan, job in Job.objects.filter(reservation_id__in={loan for _, loan, _, _ in loans}).values_list(
         "reservation_id", "pk"
     ):  # every loan's jobs in one read
         borrowers.setdefault(loan, set()).add(job)
     back: dict[int, str] = {}  # lender → why: each taken back once, however many of its cards
-    for uuid, loan, lender in loans:
-        others = [p for p in by_card[uuid].processes or () if p.job_id not in borrowers.get(loan, set())]
+    for uuid, loan, lender, owner in loans:
+        others = [
+            p
+            for p in by_card[uuid].processes or ()
+            if p.job_id not in borrowers.get(loan, set()) and people.get(p.username, owner) == owner
+        ]
         if others and lender not in back:
             pid = others[0].pid
             back[lender] = f"the owner of booking {lender} started using it (process {pid} on its card)"

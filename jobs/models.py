@@ -77,6 +77,11 @@ class RunQuerySet(models.QuerySet):
         return transition(self, pk, from_=from_, to=to, where=where, told=told, published=published, **fields)
 
 
+# How long past its grace a borrower asked to leave may still hold its lender's job (JobQuerySet.
+# borrowers_gone): its supervisor's poll and its end's record fit well within it.
+BORROWER_HOLD_MARGIN = timedelta(seconds=30)
+
+
 class JobQuerySet(RunQuerySet):
     """Job.objects: the named reads and the one status change of a job (issue 32), published once
     it commits (its page, its log streams, the lists of jobs, its server's cards)."""
@@ -113,14 +118,19 @@ class JobQuerySet(RunQuerySet):
             return self
         return self.filter(models.Q(owner=user) | models.Q(team_id__in=teams_led_by(user)))
 
-    def borrowers_gone(self) -> JobQuerySet:
+    def borrowers_gone(self, now: datetime) -> JobQuerySet:
         """The jobs whose booking has no borrower left on its cards (jobs/lending.py): a job of
         the queue on a loan of that booking, still queued, starting or running. The owner's job
         on a lent booking is sent to its host only then, so it never starts beside a borrower
-        that is still leaving (its grace: LEND_GRACE_SECONDS)."""
+        that is still leaving (its grace: LEND_GRACE_SECONDS). A borrower asked to leave (or
+        cancelled) longer ago than its grace and BORROWER_HOLD_MARGIN holds it no longer: its
+        supervisor has killed it by then, or cannot (no CAP_KILL; the database away, its end
+        spooled), and the owner comes first."""
+        grace = max(settings.LEND_GRACE_SECONDS, settings.JOB_KILL_GRACE_SECONDS)
+        overdue = now - timedelta(seconds=grace) - BORROWER_HOLD_MARGIN
         on_cards = Job.objects.filter(
             reservation__lent_from=models.OuterRef("reservation"), status__in=Job.ON_CARDS
-        )
+        ).exclude(models.Q(preempt_requested_at__lt=overdue) | models.Q(cancel_requested_at__lt=overdue))
         return self.exclude(models.Exists(on_cards))
 
 

@@ -36,6 +36,7 @@ from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 log = logging.getLogger(__name__)
 
 PREEMPTED = "Preempted:"  # how a requeued job's message starts while it waits again
+BOOKING_ENDED = "The booking ended; the job was stopped."  # a supervisor's words at its booking's end
 # Where a preemption may still be asked for: the job holds (or is about to hold) cards.
 ON_CARDS = Job.ON_CARDS
 
@@ -49,6 +50,17 @@ def shut_down_words(host: str) -> str:
     """Why a preemptible job left its cards when its worker shut down: not a person's cancel, so
     it goes back to the queue like any preempted job (jobs/host/worker.py, jobs/host/runner.py)."""
     return f"the worker on {host} shut down"
+
+
+def deadline_stop(job: Job, why: str) -> tuple[str, str]:
+    """How a job its supervisor finds past its deadline (`why`) stops: timed out; or, a preemptible
+    job of the queue whose booking ended before its time limit (a loan, cut to the end of the
+    booking it borrowed), back to the queue as if preempted just before. The scheduler asks it
+    to leave a little before that end (jobs.lending.loans_expire), but its pass may be late, or
+    this host's clock ahead of the portal's: a timeout there would throw its checkpoint away."""
+    if why == BOOKING_ENDED and job.preemptible and job.queued:
+        return Job.Status.PENDING, preempted_words("its booking ended before its time limit")
+    return Job.Status.TIMED_OUT, why
 
 
 def job_preempt(

@@ -16,8 +16,9 @@ through the web API: a web server down longer than SESSION_LOST_AFTER_SECONDS en
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Q
@@ -57,9 +58,18 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
     (jobs.preemption.job_requeue), its booking released with it.
 
     An end as LOST is a lost job its worker found alive and stopped: told as a stop is."""
-    writer.flush()
     if record.status == Job.Status.PENDING:  # a preempted job: back to the queue, never an end
-        return job_requeue(job_id, from_=UNFINISHED, message=record.message)
+        # Only if nobody stopped it for good meanwhile: its supervisor reads the row no more once
+        # it has decided (a cancel in its grace, or as its worker shut down, would be undone).
+        stays = Q(cancel_requested_at=None, watchdog_stop="")
+        writer.flush()
+        if job_requeue(job_id, from_=UNFINISHED, message=record.message, where=stays):
+            return True
+        record = _stopped_while_leaving(job_id, record)
+        if record is None:
+            return False
+        writer.write_line(f"[portal] {record.message} It does not go back to the queue.")
+    writer.flush()
     lost = record.status == Job.Status.LOST
     return Job.objects.transition(
         job_id,
@@ -69,6 +79,33 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
         exit_code=record.exit_code,
         finished_at=datetime.fromisoformat(record.finished_at),
         message=record.message,
+    )
+
+
+def cancelled_words(row: Mapping[str, Any]) -> str:
+    """A cancelled run's end, from its row's `cancelled_by__username` and `message`: who asked,
+    else what the portal said when it asked (a leaver's work, a released booking)."""
+    who = row["cancelled_by__username"]
+    return f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+
+
+def _stopped_while_leaving(job_id: int, record: EndRecord) -> EndRecord | None:
+    """A job leaving for the queue that its owner (or a leader, an admin, the leavers' rule)
+    cancelled, or the watchdog stopped, meanwhile: its end as that stop, in the supervisor's
+    words (jobs/host/runner.py); None when its end is recorded already."""
+    row = (
+        Job.objects.filter(pk=job_id, status__in=UNFINISHED)
+        .values("cancel_requested_at", "cancelled_by__username", "watchdog_stop", "message")
+        .first()
+    )
+    if row is None:
+        return None
+    if row["watchdog_stop"]:
+        status, message = Job.Status.FAILED, row["watchdog_stop"]
+    else:
+        status, message = Job.Status.CANCELLED, cancelled_words(row)
+    return EndRecord(
+        status=status, exit_code=record.exit_code, message=message, finished_at=record.finished_at
     )
 
 

@@ -51,7 +51,7 @@ def dispatch(job: Job, now: datetime) -> bool:
     booking waits until its borrowers have left the cards (`JobQuerySet.borrowers_gone`): the
     scheduler's pass woken by their leaving sends it then (`jobs_due_dispatch`)."""
     due = Job.objects.filter(owner_active(), pk=job.pk, status=Job.Status.QUEUED, dispatched_at=None)
-    if not due.borrowers_gone().update(dispatched_at=now):
+    if not due.borrowers_gone(now).update(dispatched_at=now):
         return False
     job.dispatched_at = now
     queue = job.server.queue
@@ -140,7 +140,7 @@ def jobs_due_dispatch(now: datetime) -> int:
         owner_active(), status=Job.Status.QUEUED, dispatched_at=None, not_before__lte=now
     )
     sent = 0
-    for job in due.borrowers_gone().select_related("server"):
+    for job in due.borrowers_gone(now).select_related("server"):
         with transaction.atomic():
             sent += dispatch(job, now)
     return sent

@@ -11,7 +11,7 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gpus.booking import reservation_create
+from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation
 from gpus.services import servers_report_ingest
@@ -105,9 +105,42 @@ def test_a_longer_job_borrows_until_the_booking_ends_and_leaves_before_it(idle_b
     assert loans_expire(idle_booking.end - timedelta(seconds=35)) == [job.pk]  # grace and margin
     job.refresh_from_db()
     assert job.preempt_grace_seconds == 20 and job.preempt_reason.startswith(
-        f"booking {idle_booking.pk}, which it borrowed, ends at "
+        f"its loan of booking {idle_booking.pk} ends at "
     )
     assert loans_expire(idle_booking.end - timedelta(seconds=30)) == []  # asked once
+
+
+def _borrowing_longer(idle_booking, bob) -> Job:
+    job = queue_job(bob, minutes=60 * 9, preemptible=True)  # the booking ends in 8 hours
+    assert schedule_pass().get("lent") == 1
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    job.refresh_from_db()
+    return job
+
+
+def test_a_booking_extended_while_lent_still_sends_its_borrower_away_before_the_loan_ends(
+    idle_booking, alice, bob, sent
+):
+    """The owner may extend a lent booking (the loan is beside it, within its old end); the loan
+    still ends there, so its borrower leaves before it, back to the queue, never timed out."""
+    job = _borrowing_longer(idle_booking, bob)
+    reservation_extend(user=alice, reservation=idle_booking, end=idle_booking.end + timedelta(hours=1))
+    assert loans_expire(job.reservation.end - timedelta(seconds=36)) == []
+    assert loans_expire(job.reservation.end - timedelta(seconds=35)) == [job.pk]
+
+
+@pytest.mark.parametrize("how", ["released", "cancelled"])
+def test_a_booking_given_up_while_lent_still_sends_its_borrower_away_before_the_loan_ends(
+    idle_booking, alice, bob, leader, sent, how
+):
+    """The loan runs on to its end on cards nobody else booked; its borrower then leaves for the
+    queue with its checkpoint, rather than time out at an end its time limit never set."""
+    job = _borrowing_longer(idle_booking, bob)
+    if how == "released":
+        reservation_release(user=alice, reservation=idle_booking)
+    else:
+        reservation_cancel(user=leader, reservation=idle_booking, reason="the card is needed")
+    assert loans_expire(job.reservation.end - timedelta(seconds=35)) == [job.pk]
 
 
 def test_a_job_whose_loan_ends_before_the_booking_is_left_to_its_time_limit(idle_booking, bob, sent):
@@ -153,6 +186,38 @@ def test_the_owners_job_starts_only_once_the_borrower_has_left(
         _leaves(job)
     assert "queue" in woken  # its leaving wakes the scheduler, whose pass sends the owner's job
     assert schedule_pass()["sent"] == 1
+    mine.refresh_from_db()
+    assert mine.dispatched_at is not None
+
+
+def test_a_borrower_whose_worker_was_lost_holds_the_owners_job_no_longer(
+    idle_booking, alice, bob, sent, settings
+):
+    """Its worker gone, the borrower never leaves by itself: the reconciler marks it lost after
+    JOB_LOST_AFTER_SECONDS, and that pass sends the owner's job. The owner's wait is bounded."""
+    job = _lent_job(bob, sent)
+    long_ago = timezone.now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 60)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, heartbeat_at=long_ago)
+    mine = job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+    assert Job.objects.get(pk=mine.pk).dispatched_at is None
+    done = jobs_reconcile()
+    assert done["lost"] == 1 and "sent" in schedule_pass()
+    mine.refresh_from_db()
+    assert mine.dispatched_at is not None
+
+
+def test_a_borrower_that_cannot_be_made_to_leave_holds_the_owners_job_for_its_grace_alone(
+    idle_booking, alice, bob, sent, settings
+):
+    """Its supervisor may not signal it (no CAP_KILL): it runs on, its row says running. The owner
+    comes first: once its grace and a margin have passed, the owner's job goes all the same."""
+    settings.LEND_GRACE_SECONDS = 20
+    job = _lent_job(bob, sent)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    mine = job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+    asked = Job.objects.get(pk=job.pk).preempt_requested_at
+    assert "sent" not in schedule_pass(now=asked + timedelta(seconds=20 + 29))
+    assert schedule_pass(now=asked + timedelta(seconds=20 + 31))["sent"] == 1
     mine.refresh_from_db()
     assert mine.dispatched_at is not None
 
@@ -208,6 +273,25 @@ def test_the_owners_first_process_on_the_card_sends_the_borrower_away(idle_booki
     assert loans_watch([_card(uuid, borrowers, owners)]) == [job.pk]
     job.refresh_from_db()
     assert "started using it (process 11 on its card)" in job.preempt_reason
+
+
+def test_another_persons_process_on_a_lent_card_does_not_send_the_borrower_away(
+    idle_booking, bob, carol, sent
+):
+    """Only the owner comes first: anyone else's process there is an intruder (the watchdog's),
+    never a way to push a borrower off a card; a process whose account is unknown may be the
+    owner's, so it still does."""
+    job = _lent_job(bob, sent)
+    uuid = job.gpu_uuids[0]
+    borrowers = ProcessInfo(pid=10, username="bob", command="python fit.py", job_id=job.pk)
+    carols = ProcessInfo(pid=12, username="carol", command="python hers.py")
+    assert loans_watch([_card(uuid, borrowers, carols)]) == []
+    job.refresh_from_db()
+    assert job.preempt_requested_at is None
+    unknown = ProcessInfo(pid=13, username="?", command="python")
+    assert loans_watch([_card(uuid, borrowers, carols, unknown)]) == [job.pk]
+    job.refresh_from_db()
+    assert "started using it (process 13 on its card)" in job.preempt_reason
 
 
 def test_take_it_back_on_the_booking_page(idle_booking, alice, bob, sent):

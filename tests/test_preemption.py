@@ -17,6 +17,7 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation
 from jobs.forms import JobForm
 from jobs.host.checkpoints import (
+    CHECKPOINT_LOST_KEEP,
     CHECKPOINT_VAR,
     PREEMPTIBLE_VAR,
     checkpoint_name,
@@ -31,6 +32,7 @@ from jobs.models import Job
 from jobs.preemption import PREEMPTED, job_preempt
 from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.runs import job_end_record
+from jobs.services import job_cancel
 from portal.errors import Invalid
 from tests.factories import queue_job
 
@@ -152,6 +154,38 @@ def test_a_running_job_is_asked_to_leave_and_its_end_puts_it_back(alice, box, se
     assert not job_end_record(job.pk, LogWriter(job.pk), record)  # once: a replay finds it done
 
 
+def _left(job: Job, message: str = "Preempted: x.") -> bool:
+    """What its supervisor records once the process is gone, having decided to requeue it."""
+    record = EndRecord(
+        status=Job.Status.PENDING, exit_code=-15, message=message, finished_at=timezone.now().isoformat()
+    )
+    return job_end_record(job.pk, LogWriter(job.pk), record)
+
+
+def test_a_cancel_that_came_while_it_was_leaving_is_never_undone_by_its_requeue(alice, box, sent):
+    """Its supervisor had decided to requeue it (preempted, or its worker shutting down) when its
+    owner cancelled it: the cancel stands, it never goes back to the queue."""
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    assert job_preempt(job=job, reason="its cards are wanted back")
+    job_cancel(user=alice, job=job)  # during its grace: the supervisor no longer reads the row
+
+    assert _left(job)
+    job.refresh_from_db()
+    assert (job.status, job.preemptions, job.message) == (Job.Status.CANCELLED, 0, "Cancelled by alice.")
+    assert job.finished_at is not None and job.cancelled_by == alice
+    assert not _left(job)  # once: a replay finds it done
+
+
+def test_a_watchdog_stop_that_came_while_it_was_leaving_ends_it_as_failed(alice, box, sent):
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    assert job_preempt(job=job, reason="its cards are wanted back")
+    Job.objects.filter(pk=job.pk).update(watchdog_stop="Stopped by the watchdog: over its memory.")
+
+    assert _left(job)
+    job.refresh_from_db()
+    assert (job.status, job.message) == (Job.Status.FAILED, "Stopped by the watchdog: over its memory.")
+
+
 def test_a_requeued_job_keeps_its_place_ahead_of_later_submissions(alice, box, sent):
     """Its submit time, and so its age and its place among equal priorities, are kept (its owner's
     fair share counts the time it ran, as for any booking)."""
@@ -216,6 +250,25 @@ def test_a_checkpoint_folder_stays_while_its_job_is_requeued_and_goes_when_it_en
     assert checkpoints_sweep() == 1
     assert not folder.exists() and other_database.is_dir() and Path(settings.JOB_FOLDERS).is_dir()
     assert checkpoints_sweep() == 0
+
+
+def test_a_lost_jobs_checkpoint_folder_stays_while_its_worker_may_still_requeue_it(alice, box, sent):
+    """Marked lost while its worker was out of touch, a preempted job may still come back to the
+    queue when that worker's spool records its end: its folder stays for CHECKPOINT_LOST_KEEP."""
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    folder = Path(checkpoint_ready(_launch(), job).env[CHECKPOINT_VAR])
+    (folder / "state").write_text("epoch 3")
+    job_preempt(job=job, reason="its cards are wanted back")
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.LOST, finished_at=timezone.now())
+
+    assert checkpoints_sweep() == 0 and (folder / "state").exists()
+    assert _left(job)  # the spool's replay: back to the queue, its checkpoint there to resume from
+    job.refresh_from_db()
+    assert job.status == Job.Status.PENDING and (folder / "state").exists()
+
+    long_ago = timezone.now() - CHECKPOINT_LOST_KEEP - timedelta(minutes=1)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.LOST, finished_at=long_ago)
+    assert checkpoints_sweep() == 1 and not folder.exists()
 
 
 def test_the_supervisor_removes_the_folder_of_a_job_that_ended_for_good(alice, box):

@@ -13,15 +13,20 @@ reset database from ever finding this one's). The job learns it from two variabl
 On another server the folder is only the same one where JOB_FOLDERS is shared storage; otherwise
 a run there starts from the beginning (docs/queue.md, "Preemptible jobs").
 
-The folder goes when the job ends for good (succeeded, failed, cancelled, timed out, lost): at
-once by the supervisor that recorded the end (`checkpoint_remove`), and by each host's sweep
-(`checkpoints_sweep`, every CHECKPOINT_SWEEP_SECONDS in the host's pickup thread) for a job that
-ended while it waited in the queue, or on another host. A requeued job keeps it.
+The folder goes when the job ends for good (succeeded, failed, cancelled, timed out; lost, once
+CHECKPOINT_LOST_KEEP has passed): at once by the supervisor that recorded the end
+(`checkpoint_remove`), and by each host's sweep (`checkpoints_sweep`, every
+CHECKPOINT_SWEEP_SECONDS in the host's pickup thread) for a job that ended while it waited in the
+queue, or on another host. A requeued job keeps it.
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
+
+from django.db.models import Q
+from django.utils import timezone
 
 from jobs.environment import JobSetupError
 from jobs.host.folders import JobFolderError, job_folder_keep, job_folder_names, job_folder_remove
@@ -34,6 +39,9 @@ PREEMPTIBLE_VAR = "PORTAL_PREEMPTIBLE"
 CHECKPOINT_VAR = "PORTAL_CHECKPOINT_DIR"
 PREFIX = "checkpoint-"
 CHECKPOINT_SWEEP_SECONDS = 300  # the hosts' sweep of ended jobs' folders: cheap, and never urgent
+# A job the reconciler marked lost may still come back to the queue: its worker, out of touch,
+# may have preempted it and spooled that end, which its replay records over LOST (jobs.runs).
+CHECKPOINT_LOST_KEEP = timedelta(days=7)
 
 
 def checkpoint_name(job: Job) -> str:
@@ -81,13 +89,16 @@ def checkpoint_remove(job: Job) -> bool:
 
 def checkpoints_sweep() -> int:
     """This host's checkpoint folders of jobs that have ended for good, removed; how many. A job
-    still in the queue or running keeps its folder; a folder no job of this database names (an
-    earlier, reset database's: its submit time differs) is left alone for its admin."""
+    still in the queue or running keeps its folder, and so does one marked lost for
+    CHECKPOINT_LOST_KEEP; a folder no job of this database names (an earlier, reset database's:
+    its submit time differs) is left alone for its admin."""
     names = job_folder_names(PREFIX)
     ids = {int(name.split("-")[1]) for name in names if name.count("-") == 2 and name.split("-")[1].isdigit()}
     if not ids:
         return 0
-    ended = Job.objects.filter(pk__in=ids, status__in=Job.FINISHED).only("pk", "created_at")
+    lost_long_ago = Q(status=Job.Status.LOST, finished_at__lt=timezone.now() - CHECKPOINT_LOST_KEEP)
+    for_good = Q(status__in=set(Job.FINISHED) - {Job.Status.LOST}) | lost_long_ago
+    ended = Job.objects.filter(for_good, pk__in=ids).only("pk", "created_at")
     removed = 0
     for job in ended:
         if checkpoint_name(job) in names:

@@ -38,7 +38,6 @@ import logging
 import os
 import pwd
 import secrets
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,21 +384,110 @@ def job_folder_names(prefix: str) -> list[str]:
 
 
 def job_folder_remove(name: str) -> bool:
-    """`<JOB_FOLDERS>/<name>` and everything in it, removed through descriptors (shutil.rmtree's
-    fd-based walk never follows a link: a link planted inside goes, not what it points to; a link
-    in its place is unlinked alone). Whether anything was there."""
+    """`<JOB_FOLDERS>/<name>` and everything in it, removed through descriptors (`_tree_empty`:
+    a link, a FIFO or a device its owner swaps in mid-walk is unlinked, never opened or followed);
+    a link in its place is unlinked alone. Whether anything was there."""
     if not plain_file_name(name):
         raise JobFolderError(f"{name!r} is not a plain folder name.")
     root_fd = _open_root(Path(settings.JOB_FOLDERS))
     try:
         try:
-            st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+            top = os.open(name, _WALK_FLAGS, dir_fd=root_fd)
         except FileNotFoundError:
             return False
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(name, dir_fd=root_fd)
-        else:
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
             os.unlink(name, dir_fd=root_fd)
+            return True
+        try:
+            _tree_empty(top)
+        finally:
+            os.close(top)
+        os.rmdir(name, dir_fd=root_fd)
         return True
     finally:
         os.close(root_fd)
+
+
+# A job's folder is its account's: anything in it may be swapped while the worker walks it. A
+# folder is entered only as a folder (O_DIRECTORY: a FIFO or a device is refused before its open
+# could block or arm anything), never through a link (O_NOFOLLOW).
+_WALK_FLAGS = _DIR_FLAGS | os.O_NONBLOCK
+_WALK_DEPTH = 32  # folders open at once; a deeper one is moved up to the top first
+_WALK_ROUNDS = 10  # passes over a tree its owner keeps refilling before the removal gives up
+
+
+def _tree_empty(top: int) -> None:
+    """Everything inside the folder `top`, removed. Iterative, with at most _WALK_DEPTH folders
+    open: a tree made deeper (beyond the recursion limit, or the descriptors the worker has) is
+    flattened as it goes, its deep folders moved up beside the others. A pass ends; another is
+    needed only for what its owner added meanwhile."""
+    owner = os.fstat(top).st_uid
+    for _ in range(_WALK_ROUNDS):
+        if not _walk_once(top, owner):
+            return
+    raise JobFolderError(f"its owner still fills it after {_WALK_ROUNDS} passes; the next sweep tries again")
+
+
+def _walk_once(top: int, owner: int) -> bool:
+    """One pass over what it lists: all of it goes; whether another pass is needed (a folder
+    refilled meanwhile). Only the folder's `owner`'s folders are emptied: one of another account,
+    moved in, holds what its owner could not remove, and neither may the worker for them."""
+    again = False
+    stack: list[tuple[int, list[str], str]] = [(top, os.listdir(top), "")]
+    try:
+        while stack:
+            fd, pending, _ = stack[-1]
+            if not pending:
+                _, _, name = stack.pop()
+                if stack:
+                    os.close(fd)
+                    again |= not _rmdir_if_empty(stack[-1][0], name)
+                continue
+            name = pending.pop()
+            try:
+                sub = os.open(name, _WALK_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                    raise
+                again |= exc.errno != errno.ENOENT and not _unlink_name(fd, name)
+                continue
+            if (uid := os.fstat(sub).st_uid) != owner:
+                os.close(sub)
+                raise JobFolderError(f"{name}, a folder of uid {uid}, not its owner's: left for an admin")
+            if len(stack) >= _WALK_DEPTH:  # moved up to the top, and walked from there in this pass
+                os.close(sub)
+                moved = f".deep-{secrets.token_hex(8)}"
+                os.rename(name, moved, src_dir_fd=fd, dst_dir_fd=top)
+                stack[0][1].append(moved)
+                continue
+            stack.append((sub, os.listdir(sub), name))
+    finally:
+        for fd, _, _ in stack[1:]:
+            os.close(fd)
+    return again
+
+
+def _unlink_name(dir_fd: int, name: str) -> bool:
+    """A file, a link, a FIFO: the name alone goes. False if a folder took its place meanwhile."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        return False
+    return True
+
+
+def _rmdir_if_empty(dir_fd: int, name: str) -> bool:
+    """`name` removed if it is an empty folder; False if it was refilled meanwhile."""
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            return False
+        raise
+    return True

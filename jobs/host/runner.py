@@ -46,8 +46,8 @@ from jobs.host.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
-from jobs.preemption import preempted_words, shut_down_words
-from jobs.runs import LOST_FOUND_ALIVE, queued_job_ended
+from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, shut_down_words
+from jobs.runs import LOST_FOUND_ALIVE, cancelled_words, queued_job_ended
 from portal.outage import WHAT, outage_of
 
 log = logging.getLogger(__name__)
@@ -229,8 +229,7 @@ class Supervisor:
             .get()
         )
         if row["cancel_requested_at"]:
-            who = row["cancelled_by__username"]
-            return Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+            return Job.Status.CANCELLED, cancelled_words(row)
         if row["preempt_requested_at"]:
             return Job.Status.PENDING, preempted_words(row["preempt_reason"])
         return "", ""
@@ -514,10 +513,7 @@ class Supervisor:
         elif row["watchdog_stop"]:
             self._stop(Job.Status.FAILED, row["watchdog_stop"])
         elif row["cancel_requested_at"]:
-            who = row["cancelled_by__username"]
-            self._stop(
-                Job.Status.CANCELLED, f"Cancelled by {who}." if who else row["message"] or "Cancelled."
-            )
+            self._stop(Job.Status.CANCELLED, cancelled_words(row))
         elif row["preempt_requested_at"]:
             # Asked to leave its cards (jobs.preemption): stopped, then back in the queue, not ended.
             grace = row["preempt_grace_seconds"] or settings.PREEMPT_GRACE_SECONDS
@@ -531,7 +527,7 @@ class Supervisor:
                 f"Cancelled: {released_words(row['reservation__released_at'], by, reason)}.",
             )
         elif why := self._past_deadline(now):
-            self._stop(Job.Status.TIMED_OUT, why)
+            self._stop(*deadline_stop(self.job, why))
 
     def _past_deadline(self, now: datetime) -> str:
         """Why the job must stop now (its time limit, its booking's end), from the last start and
@@ -541,7 +537,7 @@ class Supervisor:
         limit = self.job.time_limit_minutes
         if limit and self.job.started_at and now >= self.job.started_at + timedelta(minutes=limit):
             return f"Time limit of {limit} min reached."
-        return "The booking ended; the job was stopped."
+        return BOOKING_ENDED
 
     def _check_deadline_alone(self) -> None:
         """The database is away or hangs: the last deadline it gave still holds, enforced here
@@ -552,7 +548,7 @@ class Supervisor:
                 "[portal] the database is away: the job is stopped by the last deadline it gave;"
                 " its end is recorded when the database answers."
             )
-            self._stop(Job.Status.TIMED_OUT, why)
+            self._stop(*deadline_stop(self.job, why))
 
     def _check_shutdown(self) -> None:
         if self.shutting_down or not any(flag.exists() for flag in self.stop_flags):
