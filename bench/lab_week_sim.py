@@ -444,12 +444,12 @@ class Week:
 
     def _start_process(self, run: Run) -> None:
         """As the supervisor does: a stop asked since the claim means it never starts."""
-        from jobs.host.runner import Supervisor
         from jobs.models import Job
+        from jobs.runs import stopped_before_start
 
         if self.runs.get(run.job_id) is not run or run.stopping:
             return
-        status, why = Supervisor._stopped_before_start(_Row(run.job_id))  # type: ignore[arg-type]
+        status, why = stopped_before_start(run.job_id)
         if status:
             self._end(run, status, why)
             return
@@ -573,17 +573,6 @@ class Week:
 
 def now_le(a: datetime, b: datetime) -> bool:
     return a <= b
-
-
-@dataclass
-class _Row:
-    """What Supervisor._stopped_before_start reads of its job: its id."""
-
-    pk: int
-
-    @property
-    def job(self) -> _Row:
-        return self
 
 
 class _NoLog:

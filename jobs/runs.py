@@ -31,7 +31,7 @@ from gpus.models import Reservation
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_append
 from jobs.models import InteractiveSession, Job
-from jobs.preemption import job_requeue
+from jobs.preemption import job_requeue, preempted_words
 from portal.clock import since
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
@@ -87,6 +87,29 @@ def cancelled_words(row: Mapping[str, Any]) -> str:
     else what the portal said when it asked (a leaver's work, a released booking)."""
     who = row["cancelled_by__username"]
     return f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+
+
+def stopped_before_start(job_id: int) -> tuple[str, str]:
+    """A claimed job's stop asked for before its start (jobs/host/runner.py): a cancel (its owner,
+    a leader, the owner's deactivation) means it is not started at all, rather than started and
+    stopped at once; a preemption (jobs.preemption), that it goes back to the queue unstarted.
+    The status to record and why; ("", "") to start it."""
+    row = (
+        Job.objects.filter(pk=job_id)
+        .values(
+            "cancel_requested_at",
+            "cancelled_by__username",
+            "message",
+            "preempt_requested_at",
+            "preempt_reason",
+        )
+        .get()
+    )
+    if row["cancel_requested_at"]:
+        return Job.Status.CANCELLED, cancelled_words(row)
+    if row["preempt_requested_at"]:
+        return Job.Status.PENDING, preempted_words(row["preempt_reason"])
+    return "", ""
 
 
 def _stopped_while_leaving(job_id: int, record: EndRecord) -> EndRecord | None:

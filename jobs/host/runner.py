@@ -47,7 +47,7 @@ from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, shut_down_words
-from jobs.runs import LOST_FOUND_ALIVE, cancelled_words, queued_job_ended
+from jobs.runs import LOST_FOUND_ALIVE, cancelled_words, queued_job_ended, stopped_before_start
 from portal.outage import WHAT, outage_of
 
 log = logging.getLogger(__name__)
@@ -176,9 +176,9 @@ class Supervisor:
         )
 
     def _ended_before_start(self) -> bool:
-        """Whether a cancel or a preemption came before the start (`_stopped_before_start`), and
-        if so the job's end recorded, the job never started."""
-        status, stopped = patiently(self.job.pk, self._stopped_before_start)
+        """Whether a cancel or a preemption came before the start (jobs.runs.stopped_before_start),
+        and if so the job's end recorded, the job never started."""
+        status, stopped = patiently(self.job.pk, lambda: stopped_before_start(self.job.pk))
         if not stopped:
             return False
         again = " this time" if status == Job.Status.PENDING else ""
@@ -211,28 +211,6 @@ class Supervisor:
             heartbeat_at=Now(),  # the database's clock (portal.clock), the reconciler's too
             env_applied=self.env_applied,
         )
-
-    def _stopped_before_start(self) -> tuple[str, str]:
-        """A cancel asked for since the claim (its owner, a leader, or the owner's deactivation):
-        the job is not started at all, rather than started and stopped at once; a preemption
-        (jobs.preemption): it goes back to the queue unstarted. The status to record and why;
-        ("", "") to start it."""
-        row = (
-            Job.objects.filter(pk=self.job.pk)
-            .values(
-                "cancel_requested_at",
-                "cancelled_by__username",
-                "message",
-                "preempt_requested_at",
-                "preempt_reason",
-            )
-            .get()
-        )
-        if row["cancel_requested_at"]:
-            return Job.Status.CANCELLED, cancelled_words(row)
-        if row["preempt_requested_at"]:
-            return Job.Status.PENDING, preempted_words(row["preempt_reason"])
-        return "", ""
 
     def _supervise(self) -> None:
         assert self.session is not None
