@@ -270,8 +270,16 @@ def test_ctrl_c_on_the_terminal_reaches_the_command_on_its_pty(fake_terminal, ch
     code = "import sys; print('ready', flush=True); sys.stdin.read()"
     child, master = spawn_pty([PY, "-c", code], dict(os.environ), None)
     children.append(child)
-    threading.Thread(target=lambda: read_until(typing, b"ready") and os.write(typing, b"\x03")).start()
-    assert interact(child, master, terminal, Notes()) == 130  # SIGINT: 128 + 2
+    # Generous waits, and never a hang: on a loaded machine the child's "ready" once took longer
+    # than read_until's default, the ^C was never typed, and interact waited for ever.
+    threading.Thread(target=lambda: read_until(typing, b"ready", 60) and os.write(typing, b"\x03")).start()
+    rescue = threading.Timer(90, lambda: child.signal(signal.SIGKILL))  # its handle: interact returns
+    rescue.start()
+    try:
+        code = interact(child, master, terminal, Notes())  # the main thread's: it sets signal handlers
+    finally:
+        rescue.cancel()
+    assert code == 130, "the command never got the ^C (see the thread's error above)"  # SIGINT: 128 + 2
 
 
 # --- the watch ------------------------------------------------------------------------------------
