@@ -125,6 +125,9 @@ def job_requeue(
         preempt_reason="",
         preempt_grace_seconds=None,
         preemptions=F("preemptions") + 1,
+        # Its next run's end is an end of its own, to be told (jobs.notices): a job marked lost,
+        # told so, whose worker then preempted it, must not have that end told already.
+        end_noticed_at=None,
     )
     if made:
         log.info("Job %s: back in the queue at its old place (%s)", job_id, message)

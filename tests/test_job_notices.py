@@ -442,6 +442,26 @@ def test_a_database_error_in_a_notice_never_costs_the_end(alice, booking, monkey
     assert Job.objects.get(pk=job.pk).status == Status.FAILED and "notice failed" in caplog.text
 
 
+def test_a_lost_preemptible_job_requeued_by_its_worker_is_told_its_real_end(alice, box, settings):
+    job = queue_job(alice, preemptible=True)
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED)  # as the scheduler booked it
+    _run(job, minutes=30)
+    Job.objects.filter(pk=job.pk).update(
+        heartbeat_at=Now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 5)
+    )
+    assert runs_lost_mark()["lost"] == 1
+    # Its worker was alive after all, and was preempting it: back to the queue (an "end" as PENDING).
+    assert _end(job, Status.PENDING, None)
+    assert Job.objects.get(pk=job.pk).status == Status.PENDING
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED)
+    _run(job, minutes=30)
+    assert _end(job)
+    assert [n.subject for n in _told()] == [
+        f"Job {job.pk} (train.py) was lost",
+        f"Job {job.pk} (train.py) failed (exit code 1)",
+    ]
+
+
 def test_a_change_that_tells_nothing_costs_no_query(alice, booking):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
