@@ -502,3 +502,22 @@ def test_cancelling_a_whole_array_locks_the_array_after_every_running_tasks_row(
     stop_asked = max(i for i, s in enumerate(sql) if '"cancel_requested_at" IS NULL' in s)  # a running one's
     assert Job.objects.get(pk=tasks[0].pk).cancel_requested_at is not None
     assert stop_asked < array_locked
+
+
+def test_an_arrays_lost_task_requeued_by_its_worker_tells_the_arrays_real_end(alice, box, settings):
+    first = queue_job(alice, array="0-1", preemptible=True)
+    done, lost = Job.objects.filter(array_id=first.array_id).order_by("array_index")
+    for task in (done, lost):
+        Job.objects.filter(pk=task.pk).update(status=Status.QUEUED)
+        _run(task, minutes=30)
+    _end(done, Status.SUCCEEDED, 0)
+    Job.objects.filter(pk=lost.pk).update(
+        heartbeat_at=Now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 5)
+    )
+    assert runs_lost_mark()["lost"] == 1
+    assert _end(lost, Status.PENDING, None)  # its worker was alive, and preempting it
+    Job.objects.filter(pk=lost.pk).update(status=Status.QUEUED)
+    _run(lost, minutes=30)
+    assert _end(lost)
+    array = f"Array {first.array_id} (train.py, 2 tasks) ended:"
+    assert [n.subject for n in _told()] == [f"{array} 1 succeeded, 1 lost", f"{array} 1 succeeded, 1 failed"]
