@@ -25,7 +25,7 @@ from urllib.parse import quote, quote_plus
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, transaction
-from django.db.models import Max, Min
+from django.db.models import Max, Min, Sum
 from django.urls import reverse
 from django.utils import timezone
 
@@ -138,7 +138,8 @@ def _end_send(job: Job) -> None:
         subject=subject,
         body="\n".join(lines),
         url=_url(job),
-        key=f"job-end:{job.pk}",
+        # A job requeued after it was told lost ends again: that end's mail is no repeat.
+        key=f"job-end:{job.pk}:{job.preemptions}",
     )
 
 
@@ -156,16 +157,18 @@ def _array_ended(array_id: int) -> None:
         return  # every task cancelled: whoever cancelled them knows
     first = tasks.select_related("owner", "server").order_by("array_index").first()
     assert first is not None
-    span = tasks.aggregate(start=Min("started_at"), end=Max("finished_at"))
+    span = tasks.aggregate(start=Min("started_at"), end=Max("finished_at"), requeued=Sum("preemptions"))
     ran = span["end"] - span["start"] if span["start"] and span["end"] else None
     if not _wants(first, "fail" if failed else "end", ran=ran):
         return
-    _array_send(array, first, counts, failed, ran)
+    _array_send(array, first, counts, failed, ran, key=f"array-end:{array.pk}:{span['requeued'] or 0}")
 
 
 def _array_send(
-    array: JobArray, first: Job, counts: dict[str, int], failed: int, ran: timedelta | None
+    array: JobArray, first: Job, counts: dict[str, int], failed: int, ran: timedelta | None, *, key: str
 ) -> None:
+    """`key`: the array's, and how many times its tasks were requeued (a task told lost, then
+    requeued by its worker, ends the array again: that end's mail is no repeat)."""
     words = [f"{counts[s]} {s.label.lower()}" for s in Job.FINISHED if counts[s]]
     subject = f"Array {array.pk} ({first.name}, {array.size} tasks) ended: {', '.join(words)}"
     lines = [
@@ -185,7 +188,7 @@ def _array_send(
         subject=subject,
         body="\n".join(lines),
         url=f"{reverse('my_jobs')}?array={array.pk}",
-        key=f"array-end:{array.pk}",
+        key=key,
     )
 
 

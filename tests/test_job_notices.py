@@ -465,6 +465,8 @@ def test_a_lost_preemptible_job_requeued_by_its_worker_is_told_its_real_end(alic
         f"Job {job.pk} (train.py) was lost",
         f"Job {job.pk} (train.py) failed (exit code 1)",
     ]
+    # Its real end's mail and chat messages are not held back as a repeat of the lost notice's.
+    assert _told()[1].mail_status == Notification.Mail.QUEUED
 
 
 def test_a_change_that_tells_nothing_costs_no_query(alice, booking):
@@ -521,3 +523,4 @@ def test_an_arrays_lost_task_requeued_by_its_worker_tells_the_arrays_real_end(al
     assert _end(lost)
     array = f"Array {first.array_id} (train.py, 2 tasks) ended:"
     assert [n.subject for n in _told()] == [f"{array} 1 succeeded, 1 lost", f"{array} 1 succeeded, 1 failed"]
+    assert _told()[1].mail_status == Notification.Mail.QUEUED
