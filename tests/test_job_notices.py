@@ -524,3 +524,17 @@ def test_an_arrays_lost_task_requeued_by_its_worker_tells_the_arrays_real_end(al
     array = f"Array {first.array_id} (train.py, 2 tasks) ended:"
     assert [n.subject for n in _told()] == [f"{array} 1 succeeded, 1 lost", f"{array} 1 succeeded, 1 failed"]
     assert _told()[1].mail_status == Notification.Mail.QUEUED
+
+
+def test_me_takes_what_curl_sends_null_for_the_defaults_and_none_in_a_list(alice):
+    api = _api(alice)
+    # curl -X PATCH -d job_notify=start,fail: a form, not JSON ("Value must be valid JSON." before)
+    form = "application/x-www-form-urlencoded"
+    answer = api.patch("/api/v1/me/", "job_notify=start,fail", content_type=form)
+    assert answer.status_code == 200, answer.json()
+    assert answer.json()["job_notify"] == ["start", "fail"]
+    answer = api.patch("/api/v1/me/", {"job_notify": None}, format="json")  # back to the defaults
+    assert answer.status_code == 200 and answer.json()["job_notify"] == ["end", "fail"]
+    # The refusal's own words offer "none": as a list's one value too.
+    answer = api.patch("/api/v1/me/", {"job_notify": ["none"]}, format="json")
+    assert answer.status_code == 200 and answer.json()["job_notify"] == []
