@@ -253,12 +253,25 @@ def secrets_mask(job: Job, text: str) -> str:
         if len(value) >= SECRET_MIN_LENGTH:
             forms |= _forms(value)
     forms = {form for form in forms if len(form) >= SECRET_MIN_LENGTH}
-    if not forms:
-        return text
-    # The longer first: a value inside another is masked as part of the other. A line break
-    # may fall anywhere inside one; the mask keeps it, so the lines stay where they were.
-    pattern = "|".join("\n?".join(map(re.escape, form)) for form in sorted(forms, key=len, reverse=True))
-    return re.sub(pattern, lambda found: MASK + "\n" * found.group().count("\n"), text)
+    # Each form found on its own, a line break allowed anywhere inside it; the spans found are
+    # merged, so two values that overlap ("xab" in "xabcdef12") are masked as one, whole.
+    spans = sorted(
+        (found.start(), found.end())
+        for form in forms
+        for found in re.finditer("\n?".join(map(re.escape, form)), text)
+    )
+    masked, done = [], 0
+    for start, end in spans:
+        if start < done:  # overlaps the span before: it grows
+            masked[-1] = (masked[-1][0], max(masked[-1][1], end))
+        else:
+            masked.append((start, end))
+        done = max(done, end)
+    pieces, at = [], 0
+    for start, end in masked:  # the mask keeps the line breaks: the lines stay where they were
+        pieces += [text[at:start], MASK + "\n" * text.count("\n", start, end)]
+        at = end
+    return "".join(pieces) + text[at:]
 
 
 def _forms(value: str) -> set[str]:

@@ -538,3 +538,9 @@ def test_me_takes_what_curl_sends_null_for_the_defaults_and_none_in_a_list(alice
     # The refusal's own words offer "none": as a list's one value too.
     answer = api.patch("/api/v1/me/", {"job_notify": ["none"]}, format="json")
     assert answer.status_code == 200 and answer.json()["job_notify"] == []
+
+
+def test_two_secrets_that_overlap_in_the_log_are_both_masked_whole(alice, booking):
+    # "xab" matches first, at the left; the longer secret it overlaps must not show its rest.
+    body = _failed_with_log(alice, booking, {"A": "abcdef12", "B": "xab"}, "token xabcdef12 end")
+    assert "cdef12" not in body and "token **** end" in body
