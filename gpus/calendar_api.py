@@ -19,7 +19,7 @@ from typing import Any
 
 from django.conf import settings
 from django.urls import URLPattern, path
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_field
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 from rest_framework.permissions import IsAuthenticated
@@ -67,9 +67,24 @@ class MeSerializer(serializers.Serializer):
     )
 
 
+@extend_schema_field({"oneOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]})
+class JobNotifyField(serializers.Field):
+    """A list, or text such as end,fail (a form: `curl -X PATCH -d job_notify=end,fail`), or null,
+    as sent: portal.notifications.job_notify_parse reads it and refuses it naming the field."""
+
+    def to_internal_value(self, data: object) -> object:
+        return data
+
+    def to_representation(self, value: object) -> object:
+        return value
+
+
 class MeChangeSerializer(serializers.Serializer):
-    job_notify = serializers.JSONField(
-        required=False, help_text='Any of "start", "end", "fail" as a list (or "end,fail"); [] for nothing.'
+    job_notify = JobNotifyField(
+        required=False,
+        allow_null=True,
+        help_text='Any of "start", "end", "fail" as a list (or "end,fail"); [] for nothing; '
+        "null: the defaults.",
     )
 
     # A typo ("jobnotify") is named, rather than answered with "job_notify is required".

@@ -16,13 +16,16 @@ the others' ends only after the other's transaction committed, so one of them se
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import re
 from datetime import timedelta
+from urllib.parse import quote, quote_plus
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
-from django.db.models import Max, Min
+from django.db import InterfaceError, OperationalError, transaction
+from django.db.models import Max, Min, Sum
 from django.urls import reverse
 from django.utils import timezone
 
@@ -51,16 +54,21 @@ _STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT[\d:.]+Z ", re.MULTILINE)  # each log li
 def job_change_notify(job_id: int, status: str) -> None:
     """A job's change just made (inside its transaction): tell its owner what they asked for.
 
-    A notice can never cost the record of a start or an end: a bug in it is logged and rolled
-    back to its savepoint, and the change commits without it. A DatabaseError is the database's
-    (away, or the transaction broken): it goes up, and the change is retried as any would be."""
+    A notice can never cost the record of a start or an end: a bug in it, or a row the database
+    refuses (IntegrityError, DataError: rolled back to its savepoint, the transaction is whole
+    again), is logged, and the change commits without it. Only the database being away or
+    busy (OperationalError, InterfaceError: a lost connection, a deadlock) goes up, and the
+    change is retried as any would be. A change that tells nothing (STARTING, PENDING, QUEUED:
+    the scheduler's and the launcher's) costs no query, not even the savepoint."""
+    if status != Status.RUNNING and status not in ENDS and status != Status.CANCELLED:
+        return
     try:
         with transaction.atomic():
             if status == Status.RUNNING:
                 _started(job_id)
-            elif status in ENDS or status == Status.CANCELLED:
+            else:
                 _ended(job_id, status)
-    except DatabaseError:
+    except (OperationalError, InterfaceError):
         raise
     except Exception:
         log.exception("Job %s: its %s notice failed; the change is recorded without it", job_id, status)
@@ -120,8 +128,8 @@ def _end_send(job: Job) -> None:
         f"Ran: {_length(job.duration)}" + (f", after waiting {_length(_waited(job))}" if job.queued else ""),
         f"Exit code: {'none' if job.exit_code is None else job.exit_code}",
     ]
-    if job.message:
-        lines.append(f"Why: {job.message}")
+    if job.message:  # the supervisor's words may quote what the job was given
+        lines.append(f"Why: {secrets_mask(job, job.message)}")
     if tail := log_tail(job):
         lines += ["", f"The last lines of its log (secrets of its environment masked as {MASK}):", tail]
     notification_send(
@@ -130,7 +138,8 @@ def _end_send(job: Job) -> None:
         subject=subject,
         body="\n".join(lines),
         url=_url(job),
-        key=f"job-end:{job.pk}",
+        # A job requeued after it was told lost ends again: that end's mail is no repeat.
+        key=f"job-end:{job.pk}:{job.preemptions}",
     )
 
 
@@ -148,16 +157,18 @@ def _array_ended(array_id: int) -> None:
         return  # every task cancelled: whoever cancelled them knows
     first = tasks.select_related("owner", "server").order_by("array_index").first()
     assert first is not None
-    span = tasks.aggregate(start=Min("started_at"), end=Max("finished_at"))
+    span = tasks.aggregate(start=Min("started_at"), end=Max("finished_at"), requeued=Sum("preemptions"))
     ran = span["end"] - span["start"] if span["start"] and span["end"] else None
     if not _wants(first, "fail" if failed else "end", ran=ran):
         return
-    _array_send(array, first, counts, failed, ran)
+    _array_send(array, first, counts, failed, ran, key=f"array-end:{array.pk}:{span['requeued'] or 0}")
 
 
 def _array_send(
-    array: JobArray, first: Job, counts: dict[str, int], failed: int, ran: timedelta | None
+    array: JobArray, first: Job, counts: dict[str, int], failed: int, ran: timedelta | None, *, key: str
 ) -> None:
+    """`key`: the array's, and how many times its tasks were requeued (a task told lost, then
+    requeued by its worker, ends the array again: that end's mail is no repeat)."""
     words = [f"{counts[s]} {s.label.lower()}" for s in Job.FINISHED if counts[s]]
     subject = f"Array {array.pk} ({first.name}, {array.size} tasks) ended: {', '.join(words)}"
     lines = [
@@ -177,7 +188,7 @@ def _array_send(
         subject=subject,
         body="\n".join(lines),
         url=f"{reverse('my_jobs')}?array={array.pk}",
-        key=f"array-end:{array.pk}",
+        key=key,
     )
 
 
@@ -202,15 +213,80 @@ def _wants(job: Job, event: str, *, ran: timedelta | None = None) -> bool:
 
 def log_tail(job: Job, lines: int = LOG_LINES) -> str:
     """The last `lines` lines of the job's log, without their timestamps, each value of the job's
-    own environment (an API key, a password) masked: a message may land in a shared chat room."""
-    chunks = list(LogChunk.objects.filter(job_id=job.pk).order_by("-seq").values_list("data", flat=True)[:2])
-    data = b"".join(bytes(chunk) for chunk in reversed(chunks))[-LOG_TAIL_BYTES:]
-    text = _STAMP.sub(b"", data).decode("utf-8", errors="replace")
-    tail = "\n".join(text.rstrip("\n").splitlines()[-lines:])
-    secrets = {str(v) for v in (job.env or {}).values() if len(str(v)) >= SECRET_MIN_LENGTH}
-    for secret in sorted(secrets, key=len, reverse=True):  # a value inside another: the longer first
-        tail = tail.replace(secret, MASK)
-    return tail
+    own environment (an API key, a password) masked: a message may land in a shared chat room.
+
+    Masked over the whole window read, before its last lines are taken: a secret the writer
+    split over two lines (a partial line held too long is stored as a line of its own), or one
+    of many lines (a key file), is masked whole. The window's first line is dropped when the log
+    goes on before it: it may begin inside a secret, whose end alone would not be masked."""
+    chunks = LogChunk.objects.filter(job_id=job.pk)
+    # A worker stores a chunk per flush, often a line or two: as many as the window needs (their
+    # sizes first, so a megabyte's chunk is never read for its last 8 KB's sake).
+    wanted, first_start, size = [], 0, 0
+    for pk, start, length in chunks.order_by("-seq").values_list("pk", "start", "size")[: lines + 1]:
+        wanted.append(pk)
+        first_start, size = start, size + length
+        if size >= LOG_TAIL_BYTES:
+            break
+    if not wanted:
+        return ""
+    data = b"".join(
+        bytes(chunk) for chunk in chunks.filter(pk__in=wanted).order_by("seq").values_list("data", flat=True)
+    )
+    cut = first_start > 0 or len(data) > LOG_TAIL_BYTES
+    data = data[-LOG_TAIL_BYTES:]
+    if cut:
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+    # PostgreSQL refuses NUL in text: the notice's row would fail inside the end's transaction.
+    text = _STAMP.sub(b"", data).replace(b"\0", b"").decode("utf-8", errors="replace")
+    text = secrets_mask(job, text.rstrip("\n"))
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def secrets_mask(job: Job, text: str) -> str:
+    """`text` with each value of the job's environment masked, as written and in the forms a
+    program prints it in (URL-encoded, in JSON, in base64 alone or inside a longer base64 such
+    as an `Authorization: Basic` header), even where the log's writer broke it over two lines.
+    Values shorter than SECRET_MIN_LENGTH stay: masking "1" or "en" would mask every line."""
+    forms: set[str] = set()
+    for value in {str(v) for v in (job.env or {}).values()}:
+        if len(value) >= SECRET_MIN_LENGTH:
+            forms |= _forms(value)
+    forms = {form for form in forms if len(form) >= SECRET_MIN_LENGTH}
+    # Each form found on its own, a line break allowed anywhere inside it; the spans found are
+    # merged, so two values that overlap ("xab" in "xabcdef12") are masked as one, whole.
+    spans = sorted(
+        (found.start(), found.end())
+        for form in forms
+        for found in re.finditer("\n?".join(map(re.escape, form)), text)
+    )
+    masked, done = [], 0
+    for start, end in spans:
+        if start < done:  # overlaps the span before: it grows
+            masked[-1] = (masked[-1][0], max(masked[-1][1], end))
+        else:
+            masked.append((start, end))
+        done = max(done, end)
+    pieces, at = [], 0
+    for start, end in masked:  # the mask keeps the line breaks: the lines stay where they were
+        pieces += [text[at:start], MASK + "\n" * text.count("\n", start, end)]
+        at = end
+    return "".join(pieces) + text[at:]
+
+
+def _forms(value: str) -> set[str]:
+    forms = {value, quote(value, safe=""), quote(value), quote_plus(value), json.dumps(value)[1:-1]}
+    forms |= {line for line in value.splitlines() if line.strip()}  # a key file's lines, each
+    raw = value.encode()
+    whole = base64.b64encode(raw).decode()
+    forms |= {whole, whole.rstrip("="), base64.urlsafe_b64encode(raw).decode().rstrip("=")}
+    for shift in range(3):  # where the value falls in a longer base64 text: its 3 alignments
+        encoded = base64.b64encode(b"\0" * shift + raw).decode()
+        # Only the characters that the value's bits alone decide, whatever comes before and after.
+        core = encoded[-(-8 * shift // 6) : 8 * (shift + len(raw)) // 6]
+        if len(core) >= 4:
+            forms |= {core, core.replace("+", "-").replace("/", "_")}
+    return forms
 
 
 def _outcome(job: Job) -> str:

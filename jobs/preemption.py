@@ -30,7 +30,7 @@ from django.utils import timezone
 from gpus.booking import PORTAL, reservation_release
 from gpus.models import Reservation
 from jobs.logs.store import log_append
-from jobs.models import Job
+from jobs.models import Job, JobArray
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
 log = logging.getLogger(__name__)
@@ -103,11 +103,16 @@ def job_requeue(
     run's facts cleared, `preemptions` counted. `say`: the log's line is written here (no
     supervisor wrote it). Whether this call made the change."""
     now = now or timezone.now()
-    booking = Job.objects.filter(pk=job_id).values_list("reservation_id", flat=True).first()
+    booking, array = Job.objects.filter(pk=job_id).values_list("reservation_id", "array_id").first() or (
+        None,
+        None,
+    )
 
     def told() -> None:
         if booking is not None:
             _booking_give_back(booking, job_id, now)
+        if array is not None:  # its array was told of it as lost: its real end is told again
+            JobArray.objects.filter(pk=array, noticed_at__isnull=False).update(noticed_at=None)
         if say:
             log_append(job_id, f"[portal] {message}", now=now)
         wake_on_commit(QUEUE_SCHEDULER)
@@ -137,6 +142,9 @@ def job_requeue(
         preempt_reason="",
         preempt_grace_seconds=None,
         preemptions=F("preemptions") + 1,
+        # Its next run's end is an end of its own, to be told (jobs.notices): a job marked lost,
+        # told so, whose worker then preempted it, must not have that end told already.
+        end_noticed_at=None,
     )
     if made:
         log.info("Job %s: back in the queue at its old place (%s)", job_id, message)

@@ -79,10 +79,13 @@ def job_cancel(
     if whole_array:
         if job.array_id is None:
             raise Invalid(f"Job {job.pk} is not part of an array; cancel it alone.", field="whole_array")
-        for task in Job.objects.filter(array_id=job.array_id, status__in=Job.ACTIVE).exclude(pk=job.pk):
+        tasks = list(Job.objects.filter(array_id=job.array_id, status__in=Job.ACTIVE).exclude(pk=job.pk))
+        tasks += [] if job.is_finished else [job]
+        # The running tasks' stop requests first: a waiting task's cancel locks the array's row
+        # (jobs.notices), and a running task ending now holds its own row while it waits for
+        # that lock; asking it to stop after would be a deadlock on PostgreSQL.
+        for task in sorted(tasks, key=lambda task: task.status in WAITING):
             _cancel_one(user, task, now)
-        if not job.is_finished:
-            _cancel_one(user, job, now)
         job.refresh_from_db()
         return job
     return _cancel_one(user, job, now)

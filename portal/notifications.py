@@ -150,7 +150,6 @@ def job_notify_parse(value: object, *, field: str = "notify") -> list[str] | Non
         return None
     if isinstance(value, str):
         words = [word.strip().lower() for word in value.split(",") if word.strip()]
-        words = [] if words == ["none"] else words
     elif isinstance(value, list | tuple) and all(isinstance(word, str) for word in value):
         words = [word.strip().lower() for word in value]
     else:
@@ -159,6 +158,7 @@ def job_notify_parse(value: object, *, field: str = "notify") -> list[str] | Non
             f"the values are {', '.join(JOB_NOTIFY_EVENTS)}.",
             field=field,
         )
+    words = [] if words == ["none"] else words  # "none" or ["none"], as the refusal below offers
     if unknown := [word for word in words if word not in JOB_NOTIFY_EVENTS]:
         raise Invalid(
             f"Unknown {field} value {unknown[0]!r}: give any of {', '.join(JOB_NOTIFY_EVENTS)} "

@@ -3,6 +3,7 @@ to its owner as they and the job asked, once per end however late or often it is
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -358,10 +359,188 @@ def test_a_real_array_of_twenty_tasks_sends_one_message(start_worker, alice, set
     tasks = Job.objects.filter(array_id=first.array_id)
     finished = [s.value for s in Job.FINISHED]
     wait_for(lambda: tasks.filter(status__in=finished).count() == 20, timeout=240, what="the 20 tasks")
-    wait_for(lambda: receiver.posts, timeout=15, what="the array's end on the webhook")
-    wait_for(
-        ChannelDelivery.objects.filter(status=ChannelDelivery.Status.SENT).exists, timeout=10, what="sent"
-    )
-    assert ChannelDelivery.objects.count() == 1 and len(receiver.posts) == 1  # every task's end is in
-    title = receiver.posts[0]["json"]["title"]
+    # Only the jobs' kinds: the watchdog may see a task's process outlive its card's allocation
+    # for a moment, and tell this channel (all kinds) of an intruder.
+    deliveries = ChannelDelivery.objects.filter(kind__in=[Kind.JOB_SUCCEEDED, Kind.JOB_FAILED])
+
+    def posts() -> list[dict]:
+        return [post for post in receiver.posts if post["json"]["title"].startswith("Array")]
+
+    wait_for(posts, timeout=15, what="the array's end on the webhook")
+    wait_for(deliveries.filter(status=ChannelDelivery.Status.SENT).exists, timeout=10, what="sent")
+    assert deliveries.count() == 1 and len(posts()) == 1  # every task's end is in
+    title = posts()[0]["json"]["title"]
     assert title == f"Array {first.array_id} (a.py, 20 tasks) ended: 18 succeeded, 2 failed"
+
+
+# --- review (issue 39): what the first cut let through ----------------------------------------
+
+
+def _failed_with_log(alice, booking, env: dict[str, str], *pieces: str, message: str = "") -> str:  # type: ignore[no-untyped-def]
+    """The body told of a job with `env` whose log is `pieces`, each a line as its writer stored it."""
+    job = _job(alice, booking, env=env)
+    _run(job)
+    for piece in pieces:
+        log_append(job.pk, piece)
+    record = EndRecord(Status.FAILED, 1, message, timezone.now().isoformat())
+    assert job_end_record(job.pk, LogWriter(job.pk), record)
+    [notice] = _told()
+    return notice.body
+
+
+def test_a_secret_the_writer_split_across_two_lines_is_masked(alice, booking):
+    # A partial line held too long is stored as a line of its own (LogWriter._take_partial).
+    body = _failed_with_log(alice, booking, {"KEY": SECRET}, f"key={SECRET[:9]}", f"{SECRET[9:]} ok")
+    assert SECRET[:9] not in body and SECRET[9:] not in body and "key=****" in body
+
+
+def test_a_secret_cut_by_the_tails_window_shows_no_part_of_it(alice, booking):
+    # The window is the log's last 8192 bytes: here it starts 10 bytes before the end of the
+    # first line, inside the secret (its last 8 characters were shown).
+    stamped = 24 + 1  # the timestamp before each line, the newline after it
+    body = _failed_with_log(alice, booking, {"KEY": SECRET}, SECRET, "y" * (8192 - 10 - stamped))
+    assert SECRET[-7:] not in body  # "3rSecret" was shown
+
+
+def test_the_encoded_forms_of_a_secret_are_masked(alice, booking):
+    import base64
+    from urllib.parse import quote
+
+    secret = "p@ss/word+1"
+    basic = base64.b64encode(f"alice:{secret}".encode()).decode()
+    body = _failed_with_log(
+        alice,
+        booking,
+        {"PASSWORD": secret},
+        f"url https://alice:{quote(secret, safe='')}@db",
+        f"b64 {base64.b64encode(secret.encode()).decode()}",
+        f"Authorization: Basic {basic}",
+        f"json {json.dumps({'p': secret + chr(34)})}",
+    )
+    assert quote(secret, safe="") not in body and base64.b64encode(secret.encode()).decode() not in body
+    assert basic not in body and basic[:8] in body  # "alice:" stays readable, the password's part not
+    assert "word" not in body
+
+
+def test_a_secret_in_the_jobs_message_is_masked(alice, booking):
+    body = _failed_with_log(alice, booking, {"KEY": SECRET}, "done", message=f"exec failed: KEY={SECRET}")
+    assert SECRET not in body and "Why: exec failed: KEY=****" in body
+
+
+def test_nul_bytes_in_the_log_never_reach_the_notice(alice, booking):
+    # PostgreSQL refuses NUL in text: the notice's insert would fail inside the end's transaction.
+    body = _failed_with_log(alice, booking, {}, "bin\x00ary")
+    assert "\x00" not in body and "binary" in body.replace("\ufffd", "")
+
+
+def test_a_database_error_in_a_notice_never_costs_the_end(alice, booking, monkeypatch, caplog):
+    from django.db import IntegrityError
+
+    job = _job(alice, booking)
+    _run(job)
+
+    def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise IntegrityError("value too long for type character varying(200)")
+
+    monkeypatch.setattr("jobs.notices.notification_send", refused)
+    assert _end(job)
+    assert Job.objects.get(pk=job.pk).status == Status.FAILED and "notice failed" in caplog.text
+
+
+def test_a_lost_preemptible_job_requeued_by_its_worker_is_told_its_real_end(alice, box, settings):
+    job = queue_job(alice, preemptible=True)
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED)  # as the scheduler booked it
+    _run(job, minutes=30)
+    Job.objects.filter(pk=job.pk).update(
+        heartbeat_at=Now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 5)
+    )
+    assert runs_lost_mark()["lost"] == 1
+    # Its worker was alive after all, and was preempting it: back to the queue (an "end" as PENDING).
+    assert _end(job, Status.PENDING, None)
+    assert Job.objects.get(pk=job.pk).status == Status.PENDING
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED)
+    _run(job, minutes=30)
+    assert _end(job)
+    assert [n.subject for n in _told()] == [
+        f"Job {job.pk} (train.py) was lost",
+        f"Job {job.pk} (train.py) failed (exit code 1)",
+    ]
+    # Its real end's mail and chat messages are not held back as a repeat of the lost notice's.
+    assert _told()[1].mail_status == Notification.Mail.QUEUED
+
+
+def test_a_change_that_tells_nothing_costs_no_query(alice, booking):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from jobs import models
+
+    job = _job(alice, booking)
+    with CaptureQueriesContext(connection) as told:
+        Job.objects.transition(job.pk, from_=Status.QUEUED, to=Status.STARTING)
+    hooks, models.JOB_CHANGE_TOLD[:] = list(models.JOB_CHANGE_TOLD), []
+    try:
+        with CaptureQueriesContext(connection) as bare:
+            Job.objects.transition(job.pk, from_=Status.STARTING, to=Status.QUEUED)
+    finally:
+        models.JOB_CHANGE_TOLD[:] = hooks
+    assert len(told) == len(bare), [q["sql"] for q in told]
+
+
+def test_cancelling_a_whole_array_locks_the_array_after_every_running_tasks_row(alice, box):
+    # An ending task's transaction holds its row, then locks the array's (jobs.notices); a cancel
+    # that locked the array first (by cancelling a waiting task) and then asked a running task to
+    # stop would wait on that row: a deadlock on PostgreSQL. The SQL's order shows the locks'.
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    first = queue_job(alice, array="0-3")
+    tasks = list(Job.objects.filter(array_id=first.array_id).order_by("array_index"))
+    Job.objects.filter(pk=tasks[0].pk).update(status=Status.RUNNING)  # the oldest: listed last
+    with CaptureQueriesContext(connection) as done:
+        job_cancel(user=alice, job=tasks[3].pk, whole_array=True)
+    sql = [query["sql"] for query in done]
+    array_locked = min(i for i, s in enumerate(sql) if '"jobs_jobarray"' in s)
+    stop_asked = max(i for i, s in enumerate(sql) if '"cancel_requested_at" IS NULL' in s)  # a running one's
+    assert Job.objects.get(pk=tasks[0].pk).cancel_requested_at is not None
+    assert stop_asked < array_locked
+
+
+def test_an_arrays_lost_task_requeued_by_its_worker_tells_the_arrays_real_end(alice, box, settings):
+    first = queue_job(alice, array="0-1", preemptible=True)
+    done, lost = Job.objects.filter(array_id=first.array_id).order_by("array_index")
+    for task in (done, lost):
+        Job.objects.filter(pk=task.pk).update(status=Status.QUEUED)
+        _run(task, minutes=30)
+    _end(done, Status.SUCCEEDED, 0)
+    Job.objects.filter(pk=lost.pk).update(
+        heartbeat_at=Now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 5)
+    )
+    assert runs_lost_mark()["lost"] == 1
+    assert _end(lost, Status.PENDING, None)  # its worker was alive, and preempting it
+    Job.objects.filter(pk=lost.pk).update(status=Status.QUEUED)
+    _run(lost, minutes=30)
+    assert _end(lost)
+    array = f"Array {first.array_id} (train.py, 2 tasks) ended:"
+    assert [n.subject for n in _told()] == [f"{array} 1 succeeded, 1 lost", f"{array} 1 succeeded, 1 failed"]
+    assert _told()[1].mail_status == Notification.Mail.QUEUED
+
+
+def test_me_takes_what_curl_sends_null_for_the_defaults_and_none_in_a_list(alice):
+    api = _api(alice)
+    # curl -X PATCH -d job_notify=start,fail: a form, not JSON ("Value must be valid JSON." before)
+    form = "application/x-www-form-urlencoded"
+    answer = api.patch("/api/v1/me/", "job_notify=start,fail", content_type=form)
+    assert answer.status_code == 200, answer.json()
+    assert answer.json()["job_notify"] == ["start", "fail"]
+    answer = api.patch("/api/v1/me/", {"job_notify": None}, format="json")  # back to the defaults
+    assert answer.status_code == 200 and answer.json()["job_notify"] == ["end", "fail"]
+    # The refusal's own words offer "none": as a list's one value too.
+    answer = api.patch("/api/v1/me/", {"job_notify": ["none"]}, format="json")
+    assert answer.status_code == 200 and answer.json()["job_notify"] == []
+
+
+def test_two_secrets_that_overlap_in_the_log_are_both_masked_whole(alice, booking):
+    # "xab" matches first, at the left; the longer secret it overlaps must not show its rest.
+    body = _failed_with_log(alice, booking, {"A": "abcdef12", "B": "xab"}, "token xabcdef12 end")
+    assert "cdef12" not in body and "token **** end" in body
