@@ -286,6 +286,13 @@ def spawn_plain(argv: list[str], env: Mapping[str, str]) -> Child:
     return Child(popen.pid, popen)
 
 
+# What the command gets back as the default, whatever gpu's own process ignored: the keys its pty
+# turns into signals (Ctrl-C, Ctrl-\, Ctrl-Z), and SIGPIPE and SIGXFSZ, which Python ignores for
+# itself (subprocess restores them too). A gpu started with SIGINT ignored (a script's
+# `trap '' INT`) otherwise gave a command that no Ctrl-C could stop.
+KEYS_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGPIPE, signal.SIGXFSZ)
+
+
 def spawn_pty(argv: list[str], env: Mapping[str, str], size: bytes | None) -> tuple[Child, int]:
     """The command on a new pseudo-terminal: pty.fork() makes it a session leader with the pty as
     its controlling terminal. Returns it and the pty's master end. The window size is set in the
@@ -297,6 +304,8 @@ def spawn_pty(argv: list[str], env: Mapping[str, str], size: bytes | None) -> tu
         try:
             if size:
                 fcntl.ioctl(0, termios.TIOCSWINSZ, size)
+            for signum in KEYS_SIGNALS:  # an ignored signal stays ignored across exec
+                signal.signal(signum, signal.SIG_DFL)
             os.execvpe(argv[0], argv, env)
         except OSError as exc:
             os.write(failed_write, str(exc.errno or errno.ENOEXEC).encode())

@@ -9,6 +9,7 @@ records each request; no database, no worker."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -264,22 +265,37 @@ def test_on_a_terminal_the_command_gets_a_pty_of_its_own_and_its_size(fake_termi
     assert termios.tcgetattr(terminal_fd) == before  # out of raw mode again
 
 
-def test_ctrl_c_on_the_terminal_reaches_the_command_on_its_pty(fake_terminal, children):
+@pytest.mark.parametrize("in_gpu", ["default", "ignored"])
+def test_ctrl_c_on_the_terminal_reaches_the_command_on_its_pty(fake_terminal, children, in_gpu):
+    """Also where gpu's own process ignores SIGINT (a script's `trap '' INT`): an ignored signal
+    stays ignored across exec, and no Ctrl-C could stop the command."""
     typing, terminal_fd = fake_terminal
     terminal = Terminal(stdin=terminal_fd, stdout=terminal_fd)
     code = "import sys; print('ready', flush=True); sys.stdin.read()"
-    child, master = spawn_pty([PY, "-c", code], dict(os.environ), None)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if in_gpu == "ignored" else signal.SIG_DFL)
+    try:
+        child, master = spawn_pty([PY, "-c", code], dict(os.environ), None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     children.append(child)
-    # Generous waits, and never a hang: on a loaded machine the child's "ready" once took longer
-    # than read_until's default, the ^C was never typed, and interact waited for ever.
+    # Generous waits, and never a hang: a command that never gets the ^C is killed through its
+    # handle after 90 s, and what it ignored is said.
     threading.Thread(target=lambda: read_until(typing, b"ready", 60) and os.write(typing, b"\x03")).start()
-    rescue = threading.Timer(90, lambda: child.signal(signal.SIGKILL))  # its handle: interact returns
-    rescue.start()
+    seen: list[str] = []
+
+    def rescue() -> None:
+        with contextlib.suppress(OSError):
+            seen.append(Path(f"/proc/{child.pid}/status").read_text())
+        child.signal(signal.SIGKILL)
+
+    timer = threading.Timer(90, rescue)
+    timer.start()
     try:
         code = interact(child, master, terminal, Notes())  # the main thread's: it sets signal handlers
     finally:
-        rescue.cancel()
-    assert code == 130, "the command never got the ^C (see the thread's error above)"  # SIGINT: 128 + 2
+        timer.cancel()
+    ignored = [line for status in seen for line in status.splitlines() if line.startswith("Sig")]
+    assert code == 130, f"the command never got the ^C: {ignored}"  # SIGINT: 128 + 2
 
 
 # --- the watch ------------------------------------------------------------------------------------
