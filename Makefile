@@ -26,8 +26,11 @@ $(DEV_STAMP): requirements.txt requirements-dev.txt requirements-ldap.txt $(RUN_
 run: $(RUN_STAMP)
 	$(PY) -m portal.embedded_redis -- $(PY) manage.py runportal
 
-# In parallel, a pytest-xdist worker per core (each its own database, instance id and folders:
-# tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger.
+# In parallel, pytest-xdist workers (each its own database, instance id and folders:
+# tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger. Two a core: most
+# of a test's time is spent waiting on real processes (workers, jobs, PostgreSQL stopped for a
+# minute), so one a core left the CPU half idle (docs/development.md has the figures).
+TEST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
 # Bytecode is written even where the shell sets PYTHONDONTWRITEBYTECODE (this machine's does):
 # without it every test process, Celery worker and portal subprocess compiled the project afresh,
 # and each test process rewrote every test module's asserts again (7 s of CPU each). __pycache__
@@ -35,7 +38,7 @@ run: $(RUN_STAMP)
 test: $(DEV_STAMP)
 	mkdir -p var test-output
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m portal.embedded_redis --socket var/redis-test-$$$$.sock -- \
-	  $(PY) -m pytest -n auto --dist worksteal --durations=25 $(PYTEST_ARGS)
+	  $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
 
 lint: $(DEV_STAMP)
 	.venv/bin/ruff check .
