@@ -316,14 +316,21 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
     cancelled instead, saying why (jobs.leavers.user_work_stop: with the rest of their work, in
     the audit log and to their leaders), and never runs."""
     now = now or timezone.now()
-    claimed = Job.objects.transition(
+    # Patient as the steps after it: the message is acked when the task starts (jobs.tasks), so a
+    # claim that failed with the database away (a restart) left the job queued, taken for sent,
+    # and never sent again. Retrying the one conditional UPDATE is safe: a claim that committed
+    # but whose answer was lost finds 0 rows, and the reconciler marks that start lost.
+    claimed = patiently(
         job_id,
-        from_=Job.Status.QUEUED,
-        to=Job.Status.STARTING,
-        where=owner_active(),
-        worker=socket.gethostname()[:200],
-        # The database's clock, as the reconciler's cut-off (portal.clock): this host's may be off.
-        heartbeat_at=Now(),
+        lambda: Job.objects.transition(
+            job_id,
+            from_=Job.Status.QUEUED,
+            to=Job.Status.STARTING,
+            where=owner_active(),
+            worker=socket.gethostname()[:200],
+            # The database's clock, as the reconciler's cut-off (portal.clock): this host's may be off.
+            heartbeat_at=Now(),
+        ),
     )
     if not claimed:
         left = Job.objects.select_related("owner").filter(pk=job_id, status=Job.Status.QUEUED).first()
