@@ -32,6 +32,7 @@ from django.utils import timezone
 from jobs.models import Job, JobArray, LogChunk
 from portal.models import Notification
 from portal.notifications import job_notify_of, notification_send
+from portal.timefmt import format_duration
 
 log = logging.getLogger(__name__)
 Status = Job.Status
@@ -314,12 +315,5 @@ def _waited(job: Job) -> timedelta | None:
 
 
 def _length(span: timedelta | None) -> str:
-    """1 h 05 min, 4 min 10 s, 12 s: as long as it matters."""
-    if span is None:
-        return "not at all"
-    seconds = max(0, int(span.total_seconds()))
-    hours, rest = divmod(seconds, 3600)
-    minutes, seconds = divmod(rest, 60)
-    if hours:
-        return f"{hours} h {minutes:02d} min"
-    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+    """1 h 05 min, 4 min 10 s, 12 s (portal.timefmt's); "not at all" for a job that never started."""
+    return format_duration(span) if span is not None else "not at all"

@@ -327,13 +327,8 @@ class SlurmFollower:
         cancelled early, Slurm would run it on, and keep the reservation it runs in."""
         if self.stopped is not None or (why := self._booking_over()) is None:
             return
-        try:
-            executor.signal(run, signal.SIGTERM)
-        except SlurmError as exc:
-            self.writer.write_line(f"[portal] scancel failed, tried again: {exc}")
-            return
-        self.stopped = why
-        self.writer.write_line(f"[portal] {why[1]} scancel {run.job_id} sent.")
+        if self._scancel(executor, run, why[1]):
+            self.stopped = why
 
     def _booking_over(self) -> tuple[str, str] | None:
         if self.job.reservation_id is None:
@@ -360,13 +355,17 @@ class SlurmFollower:
             or not Job.objects.filter(pk=self.job.pk, cancel_requested_at__isnull=False).exists()
         ):
             return
+        self.cancel_sent = self._scancel(executor, run, "cancel asked:")
+
+    def _scancel(self, executor: SlurmExecutor, run: SlurmRun, why: str) -> bool:
+        """scancel sent, said in the log with why; False when it failed (tried again next poll)."""
         try:
             executor.signal(run, signal.SIGTERM)
         except SlurmError as exc:
             self.writer.write_line(f"[portal] scancel failed, tried again: {exc}")
-            return
-        self.cancel_sent = True
-        self.writer.write_line(f"[portal] cancel asked: scancel {run.job_id} sent.")
+            return False
+        self.writer.write_line(f"[portal] {why} scancel {run.job_id} sent.")
+        return True
 
     def _unreachable(self, why: str) -> None:
         Job.objects.filter(pk=self.job.pk).update(
