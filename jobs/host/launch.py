@@ -180,6 +180,9 @@ def image_ready_for(
         raise JobSetupError(f"Image {image.name}: {exc}") from None
 
 
+BEAT_JOIN_SECONDS = 10.0
+
+
 @contextlib.contextmanager
 def beating(beat: Callable[[], bool] | None, every: float) -> Iterator[threading.Event]:
     """`beat()` every `every` seconds in a thread of its own while the block runs (none: nothing);
@@ -209,7 +212,10 @@ def beating(beat: Callable[[], bool] | None, every: float) -> Iterator[threading
         yield unwanted
     finally:
         done.set()
-        thread.join()
+        # A beat in flight on a frozen database may hang until the connection gives up: the run
+        # does not wait for it longer than this. A late beat changes nothing: it is conditional
+        # on the run still starting (Supervisor._starting_beat, the lab's).
+        thread.join(BEAT_JOIN_SECONDS)
 
 
 def _job_account(job: Job) -> pwd.struct_passwd | None:
