@@ -144,7 +144,8 @@ def commit() -> str:
     """HEAD's short id, "-dirty" when tracked files differ from it."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        return done.stdout.strip()
 
     name = git("rev-parse", "--short=12", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--untracked-files=no")

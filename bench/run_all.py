@@ -3,6 +3,7 @@ its own process, and print their figures; then keep them (var/bench/<commit>.jso
 them with bench/baseline.json (bench/memory.py). Exits non-zero when a script fails or a figure
 SLIPPED. Names given (`bench/run_all.py bench_inventory bench_queue`) run those alone."""
 
+import json
 import os
 import subprocess
 import sys
@@ -88,8 +89,6 @@ def _compared(path: Path) -> int:
     if baseline is None:
         print("== no bench/baseline.json to compare with: `make bench-baseline` makes one")
         return 0
-    import json
-
     verdicts = memory.compare(json.loads(path.read_text()), baseline)
     print(f"== against bench/baseline.json ({baseline['commit']}, {baseline['at']}):")
     for verdict in verdicts:
