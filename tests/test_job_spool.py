@@ -262,9 +262,17 @@ def test_a_full_spool_disk_drops_output_but_never_the_job(alice, box, outage, fu
     tries: list[str] = []
 
     def feed(writer, data):  # type: ignore[no-untyped-def]
-        if b"line 100" in data:
-            outage.down = True  # the database goes away; the spool's disk fills while it is
-        real_feed(writer, data)
+        start = data.find(b"line 100")
+        at = data.find(b"\n", start) if start >= 0 else -1
+        if outage.down or at < 0:
+            real_feed(writer, data)
+            return
+        # Lines 0 to 100 stored first: on a loaded machine one read held all of them and more, and
+        # the outage came before any was written.
+        real_feed(writer, data[: at + 1])
+        writer.flush()
+        outage.down = True  # the database goes away; the spool's disk fills while it is
+        real_feed(writer, data[at + 1 :])
 
     def end(job_id, writer, record):  # type: ignore[no-untyped-def]
         tries.append(record.status)
