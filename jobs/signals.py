@@ -56,8 +56,8 @@ from jobs.lending import loans_watch
 from jobs.queue.scheduler import Scheduler
 from jobs.services import jobs_usage_record
 from jobs.threads import JobReconciler, SpoolReplay
-from portal.outage import outage_of
 from portal.periodic import start_thread
+from portal.unreachable import outage_of
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ def job_in(alice, box, settings):
 
 
 def _away() -> OperationalError:
-    """What Django raises when the server is gone: an outage (portal.outage.outage_of)."""
+    """What Django raises when the server is gone: an outage (portal.unreachable.outage_of)."""
     error = OperationalError("server closed the connection unexpectedly")
     error.__cause__ = psycopg.OperationalError("server closed the connection unexpectedly")
     return error

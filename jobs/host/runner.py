@@ -48,7 +48,7 @@ from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, shut_down_words
 from jobs.runs import LOST_FOUND_ALIVE, cancelled_words, queued_job_ended, stopped_before_start
-from portal.outage import WHAT, outage_of
+from portal.unreachable import WHAT, outage_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -45,8 +45,8 @@ from jobs.services import cpu_share, default_threads, dispatch, jobs_due_dispatc
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
 from portal.names import redis_key
-from portal.outage import REDIS, WHAT, outage_of
 from portal.periodic import PeriodicThread
+from portal.unreachable import REDIS, WHAT, outage_of
 from portal.wakeups import QUEUE_SCHEDULER, client, wait
 
 log = logging.getLogger(__name__)
