@@ -442,6 +442,7 @@ class ViolationSerializer(serializers.ModelSerializer):
             "ended_at",
             "action",
             "action_at",
+            "warned_at",
             "stopped_at",
             "message",
         ]

@@ -18,6 +18,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from gpus.booking_ends import owner_told_of_cancel
 from gpus.conflicts import Blocked, check_free, explain_conflicts, fitting_cards, gpu_label, held_on
 from gpus.conflicts import Held as Held  # older callers import these from here (tests/test_faults.py)
 from gpus.conflicts import blockers as blockers
@@ -556,38 +557,48 @@ def _end_now(reservation: Reservation, now: datetime) -> None:
         reservation.allocations.update(live=False)
 
 
+def cancel_reason_check(*, user: AbstractBaseUser, reservation: Reservation, reason: object) -> str:
+    """The cancel's reason, normalised: asked by the cancel and by its confirm page before anything
+    stops (read by hand from a form or a body). Someone else's booking needs one: its owner sees it."""
+    if not isinstance(reason, str):
+        raise Invalid("Give the reason as text.", field="reason")
+    if "\x00" in reason:
+        raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
+    if not can_manage(user, reservation):
+        raise Forbidden(ONLY_OWNER_OR_MANAGER_CANCELS)
+    reason = reason.strip()
+    if reservation.owner_id != user.pk and not reason:
+        raise Invalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
+    if len(reason) > 500:
+        raise Invalid("Keep the reason to 500 characters.", field="reason")
+    return reason
+
+
 @transaction.atomic
 def reservation_cancel(
     *, user: AbstractBaseUser, reservation: Reservation | int, reason: str = "", now: datetime | None = None
 ) -> Reservation:
     """Cancel a booking: the owner (their upcoming one; an active one is released), or a
-    leader of its team or an admin (upcoming or active), who must give a reason the owner sees."""
+    leader of its team or an admin (upcoming or active), who must give a reason the owner sees:
+    the owner is told (gpus.booking_ends), and what ran on it ends cancelled, saying who and why."""
     now = now or timezone.now()
-    # Read by hand from a form or a request body: checked here, before anything is written.
-    if not isinstance(reason, str):
-        raise Invalid("Give the reason as text.", field="reason")
-    if "\x00" in reason:
-        raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
     reservation = _locked_reservation(reservation)
-    if not can_manage(user, reservation):
-        raise Forbidden(ONLY_OWNER_OR_MANAGER_CANCELS)
-    is_owner = reservation.owner_id == user.pk
+    reason = cancel_reason_check(user=user, reservation=reservation, reason=reason)
     status = reservation.status_at(now)
     if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
         raise Invalid(f"This booking is already {status.label.lower()}; there is nothing to cancel.")
-    if is_owner and status == Reservation.Status.ACTIVE:
-        return _release(user, reservation, now)
-    reason = reason.strip()
-    if not is_owner and not reason:
-        raise Invalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
-    if len(reason) > 500:
-        raise Invalid("Keep the reason to 500 characters.", field="reason")
+    if reservation.owner_id == user.pk and status == Reservation.Status.ACTIVE:
+        return _release(user, reservation, now, reason)
     return _cancel(user, reservation, now, reason)
 
 
 def _cancel(
     user: AbstractBaseUser | PortalActor, reservation: Reservation, now: datetime, reason: str
 ) -> Reservation:
+    # Someone else's booking (a leader's, an admin's cancel): its owner is told who, why and what
+    # stops, and the audit log says what stops too. The portal's own cancels tell on their own.
+    others = user is not PORTAL and user.pk != reservation.owner_id
+    stopped = owner_told_of_cancel(user, reservation, reason, now) if others else ""
     _end_now(reservation, now)
     reservation.cancelled_at = now
     reservation.cancelled_by = None if user is PORTAL else user
@@ -595,11 +606,12 @@ def _cancel(
     reservation.save(update_fields=["end", "cancelled_at", "cancelled_by", "cancel_reason"])
     wake_on_commit(QUEUE_SCHEDULER)  # its cards are free: pending jobs may start now
     because = f": {reason}" if reason else ""
+    message = f"{user} cancelled reservation {reservation.pk} of {reservation.owner}{because}"
     _audit(
         user,
         reservation,
         AuditEntry.Action.RESERVATION_CANCEL,
-        f"{user} cancelled reservation {reservation.pk} of {reservation.owner}{because}",
+        f"{message}. {stopped}" if stopped else message,
         reason=reason,
     )
     return reservation
@@ -683,10 +695,3 @@ def reservations_cancel_for_leaver(
             _release(PORTAL, reservation, now, reason)
         ended.append((reservation, status))
     return ended
-
-
-def released_words(released_at: datetime, by: str | None, reason: str = "") -> str:
-    """Why what ran on a booking stopped when it was released early (a job, a lab): "alice
-    released the booking at Mon 2026-11-23 14:00 UTC (idle for 2 h)". No user: the portal did."""
-    because = f" ({reason})" if reason else ""
-    return f"{by or 'the portal'} released the booking at {format_time(released_at)}{because}"

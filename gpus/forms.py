@@ -156,7 +156,9 @@ class ExtendForm(forms.Form):
     end = forms.DateTimeField(widget=LocalDateTimeInput(), label="New end")
 
 
-class CancelForm(forms.Form):
+class CancelForm(ServiceErrorsMixin, forms.Form):
+    """A cancel's reason; its rule is the service's (gpus.booking.cancel_reason_check)."""
+
     reason = forms.CharField(
         required=False,
         max_length=500,

@@ -542,7 +542,12 @@ class Violation(models.Model):
     last_seen = models.DateTimeField()
     ended_at = models.DateTimeField(null=True, blank=True, help_text="Gone from the card.")
     action = models.CharField(max_length=12, choices=Action.choices, default=Action.OBSERVED)
-    action_at = models.DateTimeField(null=True, blank=True)
+    action_at = models.DateTimeField(null=True, blank=True, help_text="The watchdog's latest step.")
+    # Kept apart from action_at, which each later step (a note, the stop) moves on: the page says
+    # "Warned at 14:02:03; stopped at 14:07:05", never the stop twice (issue 41).
+    warned_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the people concerned were warned."
+    )
     stopped_at = models.DateTimeField(null=True, blank=True)
     message = models.CharField(max_length=500, blank=True, help_text="What the watchdog did and why.")
 

@@ -5,6 +5,8 @@ ones they caused and the ones on their own bookings (`Violation.objects.restrict
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
@@ -33,6 +35,23 @@ def action_label(violation: Violation) -> str:
     return violation.get_action_display()
 
 
+def action_steps(violation: Violation) -> list[tuple[str, datetime | None]]:
+    """What the watchdog did, each step once with its own time: "Warned" at the warning, then
+    "stopped" or "could not stop" at the stop. `action_at` alone is no record of the warning:
+    each later step moves it on (a row from before `warned_at` shows only its last step)."""
+    label, action = action_label(violation), violation.action
+    steps: list[tuple[str, datetime | None]] = []
+    if violation.warned_at:
+        steps.append((NOBODY_TOLD if label == NOBODY_TOLD else "Warned", violation.warned_at))
+    if action == Violation.Action.STOPPED:
+        steps.append(("Stopped", violation.stopped_at or violation.action_at))
+    elif action == Violation.Action.STOP_FAILED:
+        steps.append(("Could not stop", violation.action_at))
+    elif not steps:
+        steps.append((label, violation.action_at if action == Violation.Action.WARNED else None))
+    return steps
+
+
 def _visible(request: HttpRequest):  # type: ignore[no-untyped-def]
     return Violation.objects.restrict(request.user).select_related(
         "gpu__server", "user", "reservation__owner"
@@ -56,4 +75,5 @@ def violation_detail(request: HttpRequest, pk: int) -> HttpResponse:
     violation = get_object_or_404(_visible(request), pk=pk)  # 404 for what the user may not see
     command = violation_command(violation, request.user)
     violation.action_label = action_label(violation)
-    return render(request, "gpus/violation_detail.html", {"v": violation, "command": command})
+    context = {"v": violation, "command": command, "steps": action_steps(violation)}
+    return render(request, "gpus/violation_detail.html", context)

@@ -396,7 +396,7 @@ class HostWatchdog:
 
     def _warn(self, tracked: Tracked, verdict: Verdict, next_step: str, pids: Sequence[int]) -> None:
         Violation.objects.filter(pk=tracked.violation_id).update(
-            action=Violation.Action.WARNED, action_at=tracked.first_seen
+            action=Violation.Action.WARNED, action_at=tracked.first_seen, warned_at=tracked.first_seen
         )
         if self._silent(verdict):
             return
