@@ -101,6 +101,8 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         self.fields["server"].choices = [("", "any online server")] + [
             (name, name) for name in Server.objects.filter(draining=False).values_list("name", flat=True)
         ]
+        # Said beside the choices, so nobody wonders where a server went (an admin drained it).
+        self.draining = list(Server.objects.filter(draining=True).values_list("name", "drain_reason"))
         teams = list(user.memberships.select_related("team").order_by("team__name"))
         self.fields["team"].choices = [(m.team.slug, m.team.name) for m in teams]
         if len(teams) <= 1:
@@ -163,4 +165,26 @@ class CancelForm(ServiceErrorsMixin, forms.Form):
         required=False,
         max_length=500,
         help_text="Required when you cancel someone else's booking: the owner sees it.",
+    )
+
+
+class ViolationStopForm(ServiceErrorsMixin, forms.Form):
+    """ "Stop it now" on a violation's page (gpus/violations.py checks who and when)."""
+
+    reason = forms.CharField(
+        required=False,
+        max_length=500,
+        label="Why (optional)",
+        help_text="Said to the person behind it, in the job's log and in the audit log.",
+    )
+
+
+class ViolationResolveForm(ServiceErrorsMixin, forms.Form):
+    """ "Mark resolved" on a violation's page: the note is the record of what was done."""
+
+    note = forms.CharField(
+        max_length=500,
+        label="How it was resolved",
+        help_text="E.g. “bob's test run, agreed with alice”. An open one is then left running.",
+        error_messages={"required": "Say how it was resolved, e.g. “bob's test run, agreed with alice”."},
     )

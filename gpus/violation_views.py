@@ -1,21 +1,28 @@
-"""The Violations page: what the GPU watchdog found (jobs/host/watchdog.py writes the rows).
+"""The Violations page: what the GPU watchdog found (jobs/host/watchdog.py writes the rows), and
+what people do about one: stop it now, or mark it resolved (gpus/violations.py).
 
 Admins see every violation; leaders those of their teams' people and bookings; everyone the
-ones they caused and the ones on their own bookings (`Violation.objects.restrict`)."""
+ones they caused and the ones on their own bookings (`Violation.objects.restrict`). A violation
+the user may not see is a 404, its actions included."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, render
-from django.views.decorators.http import require_GET
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_GET, require_POST
 
 from gpus.filters import ViolationFilter
+from gpus.forms import ViolationResolveForm, ViolationStopForm
 from gpus.models import Violation
 from gpus.selectors import violation_command
+from gpus.violations import violation_resolve, violation_stop
+from portal.errors import Forbidden, ServiceError
 from portal.filters import filter_list
 
 PAGE_SIZE = 50
@@ -73,7 +80,61 @@ def violations(request: HttpRequest) -> HttpResponse:
 @login_required
 def violation_detail(request: HttpRequest, pk: int) -> HttpResponse:
     violation = get_object_or_404(_visible(request), pk=pk)  # 404 for what the user may not see
-    command = violation_command(violation, request.user)
+    return _detail(request, violation)
+
+
+def _detail(
+    request: HttpRequest,
+    violation: Violation,
+    stop_form: ViolationStopForm | None = None,
+    resolve_form: ViolationResolveForm | None = None,
+) -> HttpResponse:
+    """The page; a refused action's form (bound, with its error) replaces the blank one."""
     violation.action_label = action_label(violation)
-    context = {"v": violation, "command": command, "steps": action_steps(violation)}
+    resolvable = not violation.why_not_resolvable() and (
+        Violation.objects.resolvable_by(request.user).filter(pk=violation.pk).exists()
+    )
+    context = {
+        "v": violation,
+        "command": violation_command(violation, request.user),
+        "steps": action_steps(violation),
+        "why_not_stop": violation.why_not_stoppable(),
+        "stop_form": stop_form or ViolationStopForm(),
+        "resolve_form": (resolve_form or ViolationResolveForm()) if resolvable else None,
+    }
     return render(request, "gpus/violation_detail.html", context)
+
+
+def _act(request: HttpRequest, pk: int, form_class: type, service, done: str) -> HttpResponse:  # type: ignore[no-untyped-def]
+    violation = get_object_or_404(_visible(request), pk=pk)
+    form = form_class(request.POST)
+    if form.is_valid():
+        try:
+            service(actor=request.user, violation=violation, **form.cleaned_data)
+        except Forbidden as error:
+            raise PermissionDenied(error.message) from None
+        except ServiceError as error:
+            form.add_service_error(error)
+        else:
+            messages.success(request, done)
+            return redirect("violation_detail", pk=violation.pk)
+    messages.error(request, "Nothing was done: see the message beside the field.")
+    forms = {"stop_form": form} if form_class is ViolationStopForm else {"resolve_form": form}
+    return _detail(request, violation, **forms)
+
+
+@require_POST
+@login_required
+def violation_stop_now(request: HttpRequest, pk: int) -> HttpResponse:
+    done = (
+        "Asked: the watchdog on its host stops it at its next round (a job through its own supervisor), "
+        "and everyone concerned is told. It is in the audit log."
+    )
+    return _act(request, pk, ViolationStopForm, violation_stop, done)
+
+
+@require_POST
+@login_required
+def violation_mark_resolved(request: HttpRequest, pk: int) -> HttpResponse:
+    done = "Marked resolved; the people concerned are told, and it is in the audit log."
+    return _act(request, pk, ViolationResolveForm, violation_resolve, done)

@@ -184,6 +184,11 @@ class AuditEntry(models.Model):
         IDENTITY_SYNC = "identity.sync", "Set from the lab's directory"
         JOB_CANCEL = "job.cancel", "Jobs cancelled"
         SESSION_STOP = "session.stop", "Interactive session stopped"
+        TEAM_CREATE = "team.create", "Team created"
+        TEAM_MEMBERS = "team.members", "Team members changed"
+        SERVER_DRAIN = "server.drain", "Server drained or back in service"
+        VIOLATION_STOP = "violation.stop", "Violation: stop asked for"
+        VIOLATION_RESOLVE = "violation.resolve", "Violation marked resolved"
 
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(
