@@ -68,13 +68,14 @@ class ServerAdmin(admin.ModelAdmin):
         "draining",
         "simulated",
         "containers_ok",
+        "jobs_as_root",
         "driver_version",
         "last_seen",
     ]
-    list_filter = ["kind", "draining", "simulated", "containers_ok"]
+    list_filter = ["kind", "draining", "simulated", "containers_ok", "jobs_as_root"]
     search_fields = ["name", "hostname"]
-    # What the host's worker found when it started (jobs.host.worker.containers_report): its word only.
-    readonly_fields = ["last_seen", "last_history_at", "containers_ok", "containers_detail"]
+    # What the host's worker found when it started (jobs.host.worker): its word only.
+    readonly_fields = ["last_seen", "last_history_at", "containers_ok", "containers_detail", "jobs_as_root"]
     inlines = [SlurmClusterInline, SlurmNodeInline, GPUInline]
 
 
