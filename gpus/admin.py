@@ -90,12 +90,14 @@ class ServerAdmin(admin.ModelAdmin):
         "draining",
         "simulated",
         "containers_ok",
+        "jobs_as_root",
         "driver_version",
         "last_seen",
     ]
-    list_filter = ["kind", "draining", "simulated", "containers_ok"]
+    list_filter = ["kind", "draining", "simulated", "containers_ok", "jobs_as_root"]
     search_fields = ["name", "hostname"]
-    # What the host's worker reports (containers_*: what it found when it started): its word only.
+    # What the host's worker reports (containers_*, jobs_as_root: what it found when it started): its
+    # word only.
     readonly_fields = [
         "hostname",
         "simulated",
@@ -111,6 +113,7 @@ class ServerAdmin(admin.ModelAdmin):
         "containers_detail",
         "draining",
         "drain_reason",
+        "jobs_as_root",
     ]
     exclude = ["telemetry_round_seconds", "watchdog_round_seconds"]
     inlines = [SlurmClusterInline, SlurmNodeInline, GPUInline]

@@ -79,6 +79,11 @@ class Server(models.Model):
     containers_detail = models.CharField(
         max_length=500, blank=True, help_text="What the worker found: the runtime, or what is missing."
     )
+    # Shown to admins on the dashboard: a worker run as root with JOB_USER=root (or none, in
+    # development) runs every job as root (jobs.host.worker.jobs_account_check).
+    jobs_as_root = models.BooleanField(
+        "jobs run as root", default=False, help_text="As the host's worker said at its start (JOB_USER=root)."
+    )
 
     objects = ServerQuerySet.as_manager()
 

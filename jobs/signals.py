@@ -1,14 +1,16 @@
 """The jobs app's signal receivers only; what they do lives in named modules.
 
-- worker_init: a GPU host's worker refuses to start where a folder it writes into as root is
-  not safe from the jobs' accounts, or its jobs' account cannot reach JOB_FOLDERS
+- worker_init: a GPU host's worker refuses to start where it would run its jobs as root unasked
+  (jobs.host.worker.jobs_account_check), where a folder it writes into as root is not safe from
+  the jobs' accounts, or its jobs' account cannot reach JOB_FOLDERS
   (jobs.host.worker.host_worker_check).
 - worker_ready: the portal's own worker (the one consuming the default queue, where the telemetry
   collector runs) starts the job reconciler and the queue's scheduler (jobs/threads.py,
   jobs/queue/scheduler.py); a GPU host's worker ends what a previous worker left running
   (jobs.host.worker.kill_orphans), says whether containers work there (containers_report, in a
-  thread of its own), then starts its spool replay, its pickup and its watchdog:
-  one `HostWorker`, which holds what the host's worker keeps for its life.
+  thread of its own) and whether its jobs run as root (jobs_as_root_record), then starts its
+  spool replay, its pickup and its watchdog: one `HostWorker`, which holds what the host's
+  worker keeps for its life.
 - worker_shutting_down: a GPU host's worker asks its running jobs to stop first
   (jobs.host.worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
   (jobs.host.worker.running_jobs_stopped). The HostWorker connects both.
@@ -47,6 +49,7 @@ from jobs.host.worker import (
     containers_leftovers_remove,
     containers_report,
     host_worker_check,
+    jobs_as_root_record,
     kill_orphans,
     running_jobs_stop,
     running_jobs_stopped,
@@ -96,11 +99,13 @@ class HostWorker:
         self.watchdog: HostWatchdog | None = None  # made at the first snapshot: it names the host
         self.mapping = DcgmMapping(server)  # DCGM's job mapping: rebuilt at start, refreshed by the watchdog
         self.database_away = False  # the watchdog's rounds wait for the database: said once
+        self.as_root_recorded = False  # on its server row, once the collector has made it
 
     def start(self, pool_size: int) -> None:
         if settings.GPU_BACKEND == "slurm":  # a Slurm cluster's login node: Slurm owns every process
             start_thread(HostPickup(self.server, pool_size))  # only lost messages to find again
             return
+        self.as_root_recorded = jobs_as_root_record(self.server)
         kill_orphans(self.server)
         containers_leftovers_remove(self.server)  # after kill_orphans, before any job of this worker
         self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
@@ -125,6 +130,8 @@ class HostWorker:
     def watch_cards(self, sender: object, *, snapshot: Snapshot, **kwargs: object) -> None:
         """In its reporter's thread: each snapshot of its cards, judged."""
         close_old_connections()  # a restarted database must not kill the loop
+        if not self.as_root_recorded:  # a new host: its row is made from its first report
+            self.as_root_recorded = jobs_as_root_record(self.server)
         try:
             if self.watchdog is None:
                 self.watchdog = HostWatchdog(

@@ -45,6 +45,9 @@ VAR_DIR = _base / "test-runs" / RUN / WORKER
 OUTPUT = ROOT / "test-output" / f"run-{RUN}" / WORKER
 
 os.environ["PORTAL_VAR_DIR"] = str(VAR_DIR)
+# A developer's checkout, not a deployment (portal/settings_safety.py): the settings make up a
+# secret key and allow localhost's defaults. The tests of what a deployment refuses take it away.
+os.environ["PORTAL_DEVELOPMENT"] = "1"
 os.environ["PORTAL_INSTANCE_ID"] = f"test-{RUN}-{WORKER}"
 # Processes a test declares on simulated cards: where this process's workers look (never a
 # developer's own file from the environment).
