@@ -79,4 +79,4 @@ gpu-check-wheels:
 	  $(foreach p,$(GPU_CHECK_PLATFORMS),--platform $(p)) -d var/gpu-check-wheels -r var/gpu-check-wheels/requirements.txt
 
 clean:
-	rm -rf var/staticfiles var/test*.sqlite3 var/test-runs var/rootless-slots test-output
+	rm -rf var/staticfiles var/test*.sqlite3 var/test-runs var/test-db-templates var/rootless-slots test-output

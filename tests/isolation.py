@@ -41,6 +41,7 @@ _base = Path(
     os.environ.setdefault("PORTAL_TEST_VAR_BASE", os.environ.get("PORTAL_VAR_DIR") or str(ROOT / "var"))
 )
 _base = _base.resolve()
+VAR_BASE = _base  # kept across runs: the container images, the rootless slots, the migrated database
 VAR_DIR = _base / "test-runs" / RUN / WORKER
 OUTPUT = ROOT / "test-output" / f"run-{RUN}" / WORKER
 

@@ -138,10 +138,15 @@ def test_an_empty_secret_key_file_is_refused(tmp_path):
     [
         ("changeme", "SECRET_KEY is a well-known placeholder (it contains 'changeme')"),
         ("CHANGE-ME-" + "to-something-long-enough-for-the-length-check", "it contains 'changeme'"),
-        ("django-insecure-" + secrets.token_urlsafe(50), "it contains 'insecure'"),
+        # Fixed keys, not secrets.token_urlsafe: xdist's workers must collect the same test ids.
+        (
+            "django-insecure-" + "p6xBgNdKZfpc5t68_Lc1vNotrxzkAVtCFQrAdsjQBCjUx7HGEmcecavC",
+            "it contains 'insecure'",
+        ),
         ("a" * 60, "SECRET_KEY is a well-known placeholder:"),
-        (secrets.token_urlsafe(20), "characters, fewer than 50: it could be guessed"),
+        ("RYt0ZJVeUOO8d_fzRM1TIN5h8Ec", "characters, fewer than 50: it could be guessed"),
     ],
+    ids=["changeme", "change-me", "django-insecure", "one-character", "short"],
 )
 def test_a_short_or_well_known_secret_key_is_refused(tmp_path, key, says):
     said = refused(load_settings(tmp_path, SECRET_KEY=key))
