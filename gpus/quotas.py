@@ -31,7 +31,14 @@ from gpus.models import GPU, Allocation, AllocationQuerySet
 from portal.access import can_manage_team, is_admin
 from portal.channels import team_channels_notify
 from portal.errors import Forbidden, Invalid, QuotaExceeded
-from portal.models import AuditEntry, Membership, NotificationChannel, QuotaFields, Team
+from portal.models import (
+    AuditEntry,
+    Membership,
+    NotificationChannel,
+    QuotaFields,
+    Team,
+    members_above_team,
+)
 from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
@@ -497,12 +504,10 @@ def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
 
 QUOTA_MAX = 1_000_000  # any larger limit means "no limit"; keeps values inside the integer column
 QUOTA_FIELDS = ("max_cards", "max_gb", "gpu_hours_per_week")
+# A limit's name in messages: the model's verbose name, as on the pages' forms and in /admin/.
 QUOTA_LABELS = {
-    "max_cards": "cards at once",
-    "max_gb": "GiB at once",
-    "gpu_hours_per_week": "GPU-hours per week",
-    "max_booking_hours": "longest booking (h)",
-    "shares": "fair-share shares",
+    name: str(Membership._meta.get_field(name).verbose_name)
+    for name in (*QUOTA_FIELDS, "max_booking_hours", "shares")
 }
 
 
@@ -564,11 +569,21 @@ def _save_quota(
 
 @transaction.atomic
 def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None) -> Team:
-    """Set a team's limits (admins only). None means no limit. Logged in the audit log."""
+    """Set a team's limits (admins only). None means no limit. Refused, naming them, while a member's
+    own limit is above the new one. Logged in the audit log."""
     if not is_admin(actor):
         raise Forbidden("Only admins set team quotas; ask one.")
     team = Team.objects.select_for_update().get(pk=team.pk)
     changes = _quota_changes(team, limits, (*QUOTA_FIELDS, "shares"))
+    # Members' quotas fit inside the team's: a lower team limit is refused while one is above it
+    # (quota_member_set locks the team's row too, so neither can slip past the other).
+    new = {field: limits.get(field, getattr(team, field)) for field in QUOTA_FIELDS}
+    members = team.memberships.select_related("user").order_by("user__username")
+    own = ((m.user.username, {f: getattr(m, f) for f in QUOTA_FIELDS}) for m in members)
+    above = members_above_team(new, own)
+    if above:
+        field, message = next(iter(above.items()))
+        raise Invalid(message, field=field, errors={f: [m] for f, m in above.items()})
     _save_quota(actor, team, team, changes, AuditEntry.Action.QUOTA_TEAM, f"team {team.slug}", "the quota of")
     return team
 
@@ -581,7 +596,7 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
     locked = Membership.objects.select_for_update(of=("self",)).select_related("team", "user")
     membership = locked.get(pk=membership.pk)
     changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours", "shares"))
-    team = membership.team
+    team = membership.team = Team.objects.select_for_update().get(pk=membership.team_id)
     for field in QUOTA_FIELDS:
         team_limit, value = getattr(team, field), limits.get(field, getattr(membership, field))
         if team_limit is not None and value is not None and value > team_limit:
