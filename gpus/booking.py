@@ -24,7 +24,17 @@ from gpus.conflicts import Held as Held  # older callers import these from here 
 from gpus.conflicts import blockers as blockers
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
-from gpus.quotas import QuotaAsk, Use, has_limits, length_check, peak, quota_check, refusals_told
+from gpus.quotas import (
+    QuotaAsk,
+    Use,
+    default_length,
+    length_check,
+    membership_locked,
+    memberships_for,
+    peak,
+    quota_check,
+    refusals_told,
+)
 from portal.access import can_manage
 from portal.changes import BOOKINGS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
@@ -75,30 +85,6 @@ PORTAL = PortalActor()
 
 
 # --- checks shared by create and extend ---------------------------------------------
-
-
-def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membership:
-    """The user's membership for the booking's team (default: their first team by name), locked,
-    with its team attached; the team's row is locked too when the team has limits."""
-    rows = Membership.objects.select_for_update(of=("self",)).select_related("team").filter(user_id=user.pk)
-    if isinstance(team, Team):
-        rows = rows.filter(team_id=team.pk)
-    elif team:
-        rows = rows.filter(team__slug=team)
-    membership = rows.order_by("team__name").first()
-    if membership is None:
-        if team:
-            raise Forbidden(
-                f"You are not a member of team {team}; book for one of your own teams.", field="team"
-            )
-        raise Forbidden(
-            "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
-        )
-    if has_limits(membership.team):
-        # Two bookings of this team cannot both pass its quota. Teams without limits are not
-        # locked, so their members' bookings of different cards never wait for each other.
-        list(Team.objects.select_for_update().filter(pk=membership.team_id).values_list("pk"))
-    return membership
 
 
 def _check_request(gpus: Sequence[str] | None, count: int | None, memory_mb: int | None, note: str) -> None:
@@ -156,7 +142,7 @@ def request_problems(
     given all the same, so "give cards or a count" would be wrong."""
     now = now or timezone.now()
     start = start or now
-    end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
+    end = end or start + default_length(None)
     errors = Errors()
     errors.check(_check_request, gpus, count, memory_mb, note)
     errors.check(_check_window_limits, start, end, now)
@@ -423,12 +409,14 @@ def reservation_create(
     """
     now = now or timezone.now()
     start = start or now
-    end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
+    # An empty end: the default length within the member's longest booking (read unlocked: the
+    # quota check under the lock judges the booking all the same).
+    end = end or start + default_length(memberships_for(user, team).first())
     errors = Errors()  # every problem of the request at once, before anything is locked
     errors.check(_check_request, gpus, count, memory_mb, note)
     errors.check(_check_window_limits, start, end, now)
     errors.raise_any()
-    membership = _locked_membership(user, team)
+    membership = membership_locked(user, team)
     if gpus:
         cards = _locked_gpus(gpus, memory_mb, whole_nodes=whole_nodes)
         _check_cards_free(cards, start, end, memory_mb, queue_start=queue_start, lent_from=lent_from)
@@ -521,7 +509,7 @@ def reservation_extend(
         raise Invalid(  # its Slurm reservation keeps its end (gpus/slurm_booking.py)
             "A booking of Slurm nodes keeps its end: book the nodes again from its end.", field="end"
         )
-    membership = _locked_membership(user, reservation.team)
+    membership = membership_locked(user, reservation.team)
     _check_window_limits(reservation.start, end, now, new_start=False)
     allocations = list(reservation.allocations.all())
     memory_mb = allocations[0].memory_mb

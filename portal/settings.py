@@ -63,6 +63,7 @@ LAB_RECHECK_SECONDS = env_int("LAB_RECHECK_SECONDS", 15, min_value=1, max_value=
 TIME_ZONE = env_str("TIME_ZONE", "UTC")
 USE_TZ = True
 LANGUAGE_CODE = "en-us"
+FORMAT_MODULE_PATH = ["portal.formats"]  # 24-hour times where Django formats them (the admin)
 USE_I18N = False
 
 INSTALLED_APPS = [
