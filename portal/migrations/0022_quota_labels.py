@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('portal', '0020_job_notices'),
+        ('portal', '0021_audit_teams_drain_violations'),
     ]
 
     operations = [
