@@ -128,6 +128,17 @@ def _own_spool(_job_folders, settings, monkeypatch) -> None:
     settings.JOB_SPOOL_DIR = spool
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _static_files_looked_up_per_request() -> None:
+    """WhiteNoise finds static files as they are asked for (its `autorefresh`, as under DEBUG),
+    instead of scanning every one when its middleware is made: Django's test client makes the
+    middleware anew for each client, and the scan (about 220 files through the finders) was
+    50 ms of each, some 150 s of CPU over the suite. A test of static serving sets it back."""
+    from django.conf import settings
+
+    settings.WHITENOISE_AUTOREFRESH = True
+
+
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix) -> None:
     """A PostgreSQL test database of this run's own (`test_<name>_gw0_r<run>`): two runs on one
