@@ -128,6 +128,29 @@ def _own_spool(_job_folders, settings, monkeypatch) -> None:
     settings.JOB_SPOOL_DIR = spool
 
 
+def _one_default_tls_context() -> None:
+    """httpx makes a new SSL context, loading certifi's CA bundle (45 ms of CPU), for each
+    httpx.get/post and each Client; the tests' polls of their web servers made thousands. The
+    default one (verify=True, no client certificate) is made once here; any other (a test's own
+    CA) as httpx always does. Only this test process's: the portals it starts are untouched."""
+    import functools
+
+    import httpx._transports.default as transport
+
+    made = transport.create_ssl_context
+    default = functools.cache(made)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):  # type: ignore[no-untyped-def]
+        if verify is True and cert is None:
+            return default(verify, cert, trust_env)
+        return made(verify=verify, cert=cert, trust_env=trust_env)
+
+    transport.create_ssl_context = create_ssl_context
+
+
+_one_default_tls_context()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _static_files_looked_up_per_request() -> None:
     """WhiteNoise finds static files as they are asked for (its `autorefresh`, as under DEBUG),
