@@ -6,7 +6,7 @@ the live allocations booked here in gpus, so the rules live beside the bookings.
 
 A whole card counts one card and its full memory; a memory quota counts its GB and,
 for GPU-hours, the fraction of the card it books (GB / card total). Weeks run Monday
-00:00 to Monday 00:00 in the portal's time zone (TIME_ZONE).
+00:00 to Monday 00:00 in the portal's time zone (TIME_ZONE), whoever books or looks.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from gpus.models import GPU, Allocation, AllocationQuerySet
 from portal.access import can_manage_team, is_admin
 from portal.channels import team_channels_notify
 from portal.errors import Forbidden, Invalid, QuotaExceeded
+from portal.figures import figure
 from portal.models import (
     AuditEntry,
     Membership,
@@ -83,9 +84,12 @@ def peak(intervals: Iterable[tuple[datetime, datetime, float]], start: datetime,
 
 
 def week_start(at: datetime) -> datetime:
-    local = timezone.localtime(at)
+    """Monday 00:00 of `at`'s week in TIME_ZONE, whoever asks: a request's current zone is its
+    viewer's (portal/time_zones.py), and a quota's week must not move with who books or looks."""
+    zone = timezone.get_default_timezone()
+    local = timezone.localtime(at, zone)
     monday = local.date() - timedelta(days=local.weekday())
-    return timezone.make_aware(datetime.combine(monday, time.min))
+    return timezone.make_aware(datetime.combine(monday, time.min), zone)
 
 
 def weeks_touching(start: datetime, end: datetime) -> list[tuple[datetime, datetime]]:
@@ -322,15 +326,15 @@ def _hours_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
             room = max(0.0, limit - used)
             said = (
                 f"{who.label} allows {limit} GPU-hours in the week of {week:%a %Y-%m-%d}; {who.holder} "
-                f"{used:.1f} booked, so {room:.1f} more would fit (about {room / per_hour:.1f} h with these "
-                f"cards) and this {ask.what} needs {need:.1f}."
+                f"{figure(used)} booked, so {figure(room)} more would fit (about {room / per_hour:.1f} h "
+                f"with these cards) and this {ask.what} needs {figure(need)}."
             )
             longest = room / per_hour
         else:
             total = gpu_hours(ask.new, ask.start, ask.end)
             said = (
-                f"{who.label} allows {limit} GPU-hours a week; this {ask.what} needs {total:.1f} GPU-hours, "
-                "and one booking can never hold more than twice that, half in each of two weeks."
+                f"{who.label} allows {limit} GPU-hours a week; this {ask.what} needs {figure(total)} "
+                "GPU-hours, and one booking can never hold more than twice that, half in each of two weeks."
             )
             longest = 2 * limit / per_hour
         return (
@@ -436,19 +440,22 @@ def limits_in_words(membership: Membership) -> str:
 class MemberUse:
     cards_now: int
     gb_now: float
-    gpu_hours_week: float
+    gpu_hours_week: float  # booked in this week (this_week), later this week included
 
 
 NO_USE = MemberUse(cards_now=0, gb_now=0.0, gpu_hours_week=0.0)
+# GPU-hours to three decimals, as the usage CSV and API: a few minutes of a share are not "0.0".
+HOURS_DECIMALS = 3
 
 
-def _this_week(now: datetime) -> tuple[datetime, datetime]:
+def this_week(now: datetime) -> tuple[datetime, datetime]:
+    """The week the weekly quota counts now: [Monday 00:00, the next Monday 00:00) in TIME_ZONE."""
     return week_start(now), weeks_touching(now, now + timedelta(seconds=1))[-1][1]
 
 
 def _uses_this_week(rows: AllocationQuerySet, key: str, now: datetime) -> dict[int, MemberUse]:
     """Live allocations overlapping this week, grouped by `key` (a user or team id): use now and this week."""
-    week, following = _this_week(now)
+    week, following = this_week(now)
     grouped: dict[int, list[Use]] = {}
     for group, s, e, memory_mb, total in rows.live_between(week, following).values_list(
         key, "start", "end", "memory_mb", "gpu__memory_total_mb"
@@ -460,9 +467,18 @@ def _uses_this_week(rows: AllocationQuerySet, key: str, now: datetime) -> dict[i
         result[group] = MemberUse(
             cards_now=sum(u.cards for u in current),
             gb_now=round(sum(u.mb for u in current) / 1024, 1),
-            gpu_hours_week=round(gpu_hours(uses, week, following), 1),
+            gpu_hours_week=round(gpu_hours(uses, week, following), HOURS_DECIMALS),
         )
     return result
+
+
+def gpu_hours_booked_this_week(rows: AllocationQuerySet, now: datetime | None = None) -> float:
+    """The "GPU-hours booked this week" of the bookings behind `rows`, whoever shows it: the team
+    page's total (team_use_total over team_use) and the Reports page's line of that name add the
+    same figures in the same way, so the same bookings read the same on both."""
+    return team_use_total(
+        _uses_this_week(rows, "reservation__owner_id", now or timezone.now())
+    ).gpu_hours_week
 
 
 def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
@@ -496,7 +512,7 @@ def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
     return MemberUse(
         cards_now=sum(u.cards_now for u in use.values()),
         gb_now=round(sum(u.gb_now for u in use.values()), 1),
-        gpu_hours_week=round(sum(u.gpu_hours_week for u in use.values()), 1),
+        gpu_hours_week=round(sum(u.gpu_hours_week for u in use.values()), HOURS_DECIMALS),
     )
 
 
