@@ -4,7 +4,7 @@ RUN_STAMP := .venv/.run-installed
 DEV_STAMP := .venv/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format bench bench-baseline clean gpu-check gpu-check-wheels
+.PHONY: run test lint format env-example bench bench-baseline clean gpu-check gpu-check-wheels
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -49,6 +49,11 @@ lint: $(DEV_STAMP)
 format: $(DEV_STAMP)
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
+
+# deploy/env.example's generated part: each setting's default and range as the settings read them,
+# with its help from portal/env_catalogue.py (tests/test_env_example.py fails while the file differs).
+env-example: $(RUN_STAMP)
+	$(PY) -m portal.env_example
 
 # Every figure is kept in var/bench/<commit>.json and compared with bench/baseline.json: one more
 # than 25 % worse (times against the run's calibration) prints SLIPPED and fails (bench/memory.py).

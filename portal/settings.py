@@ -36,7 +36,7 @@ from portal.settings_containers import *  # noqa: F403 - CONTAINER_*: jobs and l
 from portal.settings_lending import *  # noqa: F403 - PREEMPT_*, LEND_*, NO_SHOW_*: preemption and lending
 from portal.settings_notices import *  # noqa: F403 - JOB_END_NOTIFY_*: job notices
 from portal.settings_safety import *  # noqa: F403 - PORTAL_DEVELOPMENT, JOB_USER: what a deployment refuses
-from portal.settings_safety import deployment_refuse, secret_key_read
+from portal.settings_safety import PORTAL_DEVELOPMENT, deployment_refuse, secret_key_read
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
@@ -291,12 +291,15 @@ STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"
 STATIC_ROOT.mkdir(exist_ok=True)  # whitenoise warns on every request without it
 STATICFILES_DIRS = [BASE_DIR / "static"]
+# A deployment's pages name collectstatic's hashed copies (the web unit runs it before it serves),
+# which whitenoise sends compressed and cacheable for ten years; a developer's pages name the
+# sources, served as they are edited, so a missed collectstatic never breaks one (docs/deploy.md).
+_STATIC = "CompressedStaticFilesStorage" if PORTAL_DEVELOPMENT else "CompressedManifestStaticFilesStorage"
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+    "staticfiles": {"BACKEND": f"whitenoise.storage.{_STATIC}"},
 }
-# Serve straight from the source folders too, so a missed collectstatic never breaks a page.
-WHITENOISE_USE_FINDERS = True
+WHITENOISE_USE_FINDERS = PORTAL_DEVELOPMENT
 MEDIA_ROOT = VAR_DIR / "media"
 # The only uploads are job scripts: keep JOB_UPLOAD_MAX_KB + 1 bytes, never spool a huge one.
 FILE_UPLOAD_HANDLERS = ["jobs.uploads.CappedUploadHandler"]
