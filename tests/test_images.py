@@ -407,19 +407,20 @@ def test_the_admin_pulls_on_every_host_now_and_shows_the_last_pulls(client, admi
 @pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
 def test_a_hosts_worker_reports_its_containers_and_takes_its_pulls(start_worker, alice):
-    """A real worker of box1: at its start it writes what the runtime check found, and a pull sent
-    to host.box1 reaches it and is recorded, whatever the pull's outcome on this machine."""
-    server_report_ingest(snapshot=make_snapshot("box1", gpus=1, simulated=True))
+    """A real worker of sim-rtx-4x24 (a server of the simulated inventory: a worker for any other
+    refuses to start): at its start it writes what the runtime check found, and a pull sent to its
+    queue reaches it and is recorded, whatever the pull's outcome on this machine."""
+    server_report_ingest(snapshot=make_snapshot("sim-rtx-4x24", gpus=1, simulated=True))
     image = ContainerImage.objects.create(name="tf-2.17", reference="registry.lab.example/tf:2.17")
-    image.servers.set(Server.objects.filter(name="box1"))
-    start_worker("box1")
+    image.servers.set(Server.objects.filter(name="sim-rtx-4x24"))
+    start_worker("sim-rtx-4x24")
     expected = containers.runtime_status()[1]
-    wait_for(lambda: Server.objects.get(name="box1").containers_detail, what="the containers report")
-    assert Server.objects.get(name="box1").containers_detail == expected
+    wait_for(lambda: Server.objects.get(name="sim-rtx-4x24").containers_detail, what="the containers report")
+    assert Server.objects.get(name="sim-rtx-4x24").containers_detail == expected
     (sent,) = images_pull_send(images=["tf-2.17"])
-    assert (sent.server, sent.queue, sent.error) == ("box1", "host.box1", "")
+    assert (sent.server, sent.queue, sent.error) == ("sim-rtx-4x24", "host.sim-rtx-4x24", "")
     pulled = wait_for(lambda: ImagePull.objects.filter(image=image).first(), timeout=60, what="the pull")
-    assert pulled.server.name == "box1" and pulled.detail
+    assert pulled.server.name == "sim-rtx-4x24" and pulled.detail
 
 
 @pytest.mark.parametrize(
