@@ -184,6 +184,7 @@ class AuditEntry(models.Model):
         IDENTITY_SYNC = "identity.sync", "Set from the lab's directory"
         JOB_CANCEL = "job.cancel", "Jobs cancelled"
         SESSION_STOP = "session.stop", "Interactive session stopped"
+        JOB_LOST = "job.lost", "Job lost: followed no more"
 
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

@@ -37,6 +37,7 @@ from portal.names import instance_keys
 from portal.settings_containers import *  # noqa: F403 - CONTAINER_*: jobs and labs in images
 from portal.settings_lending import *  # noqa: F403 - PREEMPT_*, LEND_*, NO_SHOW_*: preemption and lending
 from portal.settings_notices import *  # noqa: F403 - JOB_END_NOTIFY_*: job notices
+from portal.settings_slurm import *  # noqa: F403 - SLURM_*: Slurm clusters
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
