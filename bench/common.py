@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+os.environ["PORTAL_DEVELOPMENT"] = "1"  # a throwaway portal, not a deployment (portal/settings_safety.py)
 
 from bench import memory  # noqa: E402 - after the path and settings above
 from portal.workers import worker_argv  # noqa: E402

@@ -4,7 +4,7 @@ Start a private portal first (its own var folder, port and Redis socket), then r
 against it, then stop the portal with Ctrl-C:
 
     mkdir -p /tmp/var-docs
-    PORTAL_VAR_DIR=/tmp/var-docs PORT=8765 WORKER_CONCURRENCY=1 \
+    PORTAL_DEVELOPMENT=1 PORTAL_VAR_DIR=/tmp/var-docs PORT=8765 WORKER_CONCURRENCY=1 \
         .venv/bin/python -m portal.embedded_redis --socket /tmp/var-docs/redis.sock -- \
         .venv/bin/python manage.py runportal &
     .venv/bin/python docs/screenshots.py --url http://localhost:8765

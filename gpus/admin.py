@@ -1,3 +1,4 @@
+from django import forms
 from django.contrib import admin
 
 from gpus.models import (
@@ -12,6 +13,7 @@ from gpus.models import (
     Violation,
     WatchdogPolicy,
 )
+from gpus.servers import HOST_JOIN
 
 
 class GPUInline(admin.TabularInline):
@@ -58,8 +60,28 @@ class SlurmNodeInline(admin.TabularInline):
     can_delete = False
 
 
+class SlurmClusterAddForm(forms.ModelForm):
+    """The one server added by hand: a Slurm cluster, whose worker needs its settings before it can
+    report (docs/slurm.md). A GPU host is never added here: its first report registers it."""
+
+    kind = forms.ChoiceField(
+        choices=[(Server.Kind.SLURM, Server.Kind.SLURM.label)],
+        initial=Server.Kind.SLURM,
+        help_text="Only a Slurm cluster is added by hand. A GPU host registers itself with its first report.",
+    )
+
+    class Meta:
+        model = Server
+        fields = ["name", "kind"]
+
+
 @admin.register(Server)
 class ServerAdmin(admin.ModelAdmin):
+    """Servers as their workers report them. A GPU host joins by itself (gpus.servers.HOST_JOIN, shown
+    above the list), so "Add" makes only a Slurm cluster. What a report brings (driver, CPUs, cards)
+    is read-only here, and so is draining: admins drain on the server's page in the portal, which
+    says what it means and writes the audit log (gpus/servers.py)."""
+
     list_display = [
         "name",
         "kind",
@@ -68,14 +90,52 @@ class ServerAdmin(admin.ModelAdmin):
         "draining",
         "simulated",
         "containers_ok",
+        "jobs_as_root",
         "driver_version",
         "last_seen",
     ]
-    list_filter = ["kind", "draining", "simulated", "containers_ok"]
+    list_filter = ["kind", "draining", "simulated", "containers_ok", "jobs_as_root"]
     search_fields = ["name", "hostname"]
-    # What the host's worker found when it started (jobs.host.worker.containers_report): its word only.
-    readonly_fields = ["last_seen", "last_history_at", "containers_ok", "containers_detail"]
+    # What the host's worker reports (containers_*, jobs_as_root: what it found when it started): its
+    # word only.
+    readonly_fields = [
+        "hostname",
+        "simulated",
+        "driver_version",
+        "cuda_version",
+        "cpu_count",
+        "ram_mb",
+        "last_seen",
+        "last_history_at",
+        "job_slots",
+        "job_slots_at",
+        "containers_ok",
+        "containers_detail",
+        "draining",
+        "drain_reason",
+        "jobs_as_root",
+    ]
+    exclude = ["telemetry_round_seconds", "watchdog_round_seconds"]
     inlines = [SlurmClusterInline, SlurmNodeInline, GPUInline]
+    change_list_template = "admin/gpus/server/change_list.html"
+
+    def get_form(self, request, obj=None, change=False, **kwargs):  # type: ignore[no-untyped-def]
+        if obj is None:
+            kwargs["form"] = SlurmClusterAddForm
+        return super().get_form(request, obj, change=change, **kwargs)
+
+    def get_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return ["name", "kind"] if obj is None else super().get_fields(request, obj)
+
+    def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return [] if obj is None else self.readonly_fields
+
+    def get_inlines(self, request, obj):  # type: ignore[no-untyped-def]
+        return [SlurmClusterInline] if obj is None else self.inlines
+
+    def changelist_view(self, request, extra_context=None):  # type: ignore[no-untyped-def]
+        extra = {"host_join": HOST_JOIN, **(extra_context or {})}
+        return super().changelist_view(request, extra_context=extra)
 
 
 # The container images' admin (gpus.models.ContainerImage) is registered by jobs/admin.py: its

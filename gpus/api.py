@@ -442,6 +442,7 @@ class ViolationSerializer(serializers.ModelSerializer):
             "ended_at",
             "action",
             "action_at",
+            "warned_at",
             "stopped_at",
             "message",
         ]
@@ -492,7 +493,9 @@ class UsageRowSerializer(serializers.Serializer):
     idle_hours = serializers.FloatField(help_text="GPU-hours booked while the card was idle.")
     memory_gb_hours_booked = serializers.FloatField()
     peak_memory_mb = serializers.IntegerField(
-        allow_null=True, help_text="The most memory used on a card, MiB."
+        allow_null=True,
+        help_text="The most memory in use on the booked cards meanwhile, MiB: everyone's processes and the "
+        "driver's included, so on a shared card not the booker's own. A job's own: /api/v1/jobs/{id}/.",
     )
     jobs = serializers.IntegerField(help_text="Jobs that finished, on their first card.")
     jobs_succeeded = serializers.IntegerField()

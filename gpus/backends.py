@@ -8,8 +8,9 @@ from pathlib import Path
 from django.conf import settings
 
 from gpus.inventory import Backend
-from gpus.nvml import NvmlBackend, NvmlNotInstalled
+from gpus.nvml import NvmlBackend, NvmlNotInstalled, nvml_library_found
 from gpus.simulated.backend import SimulatedBackend
+from gpus.simulated.inventory import DEFAULT_INVENTORY, InventoryError, server_names
 from gpus.slurm_inventory import SlurmBackend
 
 log = logging.getLogger(__name__)
@@ -37,3 +38,28 @@ def get_backend(kind: str | None = None, server_name: str | None = None) -> Back
             )
     path = Path(settings.SIMULATED_INVENTORY) if settings.SIMULATED_INVENTORY else None
     return SimulatedBackend(server_name, path, processes_file=Path(settings.SIMULATED_PROCESSES_FILE))
+
+
+def simulated_server_problem() -> str:
+    """Why this host's worker cannot report its server from the simulated inventory ("" when it
+    can, or when it reports real cards): WORKER_SERVER names no server there, or the file is
+    malformed. Asked before the worker starts, so a typo stops it, naming the servers it knows,
+    instead of a worker that says it is ready while its reporter fails every round."""
+    simulating = settings.GPU_BACKEND == "simulated" or (
+        settings.GPU_BACKEND == "auto" and not nvml_library_found()
+    )
+    if not simulating:
+        return ""
+    path = Path(settings.SIMULATED_INVENTORY) if settings.SIMULATED_INVENTORY else None
+    try:
+        known = server_names(path)
+    except InventoryError as exc:
+        return f"SIMULATED_INVENTORY: {exc}"
+    if settings.WORKER_SERVER in known:
+        return ""
+    return (
+        f"WORKER_SERVER={settings.WORKER_SERVER!r} is no server of the simulated inventory"
+        f" {path or DEFAULT_INVENTORY}, which knows {', '.join(known)}. Set WORKER_SERVER to one of"
+        " them, or SIMULATED_INVENTORY to a file of your own that names this server (docs/deploy.md,"
+        ' "Trying it on servers without GPUs")'
+    )

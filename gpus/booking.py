@@ -18,12 +18,23 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from gpus.booking_ends import owner_told_of_cancel
 from gpus.conflicts import Blocked, check_free, explain_conflicts, fitting_cards, gpu_label, held_on
 from gpus.conflicts import Held as Held  # older callers import these from here (tests/test_faults.py)
 from gpus.conflicts import blockers as blockers
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Reservation, Server, format_mb
-from gpus.quotas import QuotaAsk, Use, has_limits, length_check, peak, quota_check, refusals_told
+from gpus.quotas import (
+    QuotaAsk,
+    Use,
+    default_length,
+    length_check,
+    membership_locked,
+    memberships_for,
+    peak,
+    quota_check,
+    refusals_told,
+)
 from portal.access import can_manage
 from portal.changes import BOOKINGS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
@@ -74,30 +85,6 @@ PORTAL = PortalActor()
 
 
 # --- checks shared by create and extend ---------------------------------------------
-
-
-def _locked_membership(user: AbstractBaseUser, team: Team | str | None) -> Membership:
-    """The user's membership for the booking's team (default: their first team by name), locked,
-    with its team attached; the team's row is locked too when the team has limits."""
-    rows = Membership.objects.select_for_update(of=("self",)).select_related("team").filter(user_id=user.pk)
-    if isinstance(team, Team):
-        rows = rows.filter(team_id=team.pk)
-    elif team:
-        rows = rows.filter(team__slug=team)
-    membership = rows.order_by("team__name").first()
-    if membership is None:
-        if team:
-            raise Forbidden(
-                f"You are not a member of team {team}; book for one of your own teams.", field="team"
-            )
-        raise Forbidden(
-            "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
-        )
-    if has_limits(membership.team):
-        # Two bookings of this team cannot both pass its quota. Teams without limits are not
-        # locked, so their members' bookings of different cards never wait for each other.
-        list(Team.objects.select_for_update().filter(pk=membership.team_id).values_list("pk"))
-    return membership
 
 
 def _check_request(gpus: Sequence[str] | None, count: int | None, memory_mb: int | None, note: str) -> None:
@@ -155,7 +142,7 @@ def request_problems(
     given all the same, so "give cards or a count" would be wrong."""
     now = now or timezone.now()
     start = start or now
-    end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
+    end = end or start + default_length(None)
     errors = Errors()
     errors.check(_check_request, gpus, count, memory_mb, note)
     errors.check(_check_window_limits, start, end, now)
@@ -422,12 +409,14 @@ def reservation_create(
     """
     now = now or timezone.now()
     start = start or now
-    end = end or start + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)
+    # An empty end: the default length within the member's longest booking (read unlocked: the
+    # quota check under the lock judges the booking all the same).
+    end = end or start + default_length(memberships_for(user, team).first())
     errors = Errors()  # every problem of the request at once, before anything is locked
     errors.check(_check_request, gpus, count, memory_mb, note)
     errors.check(_check_window_limits, start, end, now)
     errors.raise_any()
-    membership = _locked_membership(user, team)
+    membership = membership_locked(user, team)
     if gpus:
         cards = _locked_gpus(gpus, memory_mb, whole_nodes=whole_nodes)
         _check_cards_free(cards, start, end, memory_mb, queue_start=queue_start, lent_from=lent_from)
@@ -520,7 +509,7 @@ def reservation_extend(
         raise Invalid(  # its Slurm reservation keeps its end (gpus/slurm_booking.py)
             "A booking of Slurm nodes keeps its end: book the nodes again from its end.", field="end"
         )
-    membership = _locked_membership(user, reservation.team)
+    membership = membership_locked(user, reservation.team)
     _check_window_limits(reservation.start, end, now, new_start=False)
     allocations = list(reservation.allocations.all())
     memory_mb = allocations[0].memory_mb
@@ -556,38 +545,48 @@ def _end_now(reservation: Reservation, now: datetime) -> None:
         reservation.allocations.update(live=False)
 
 
+def cancel_reason_check(*, user: AbstractBaseUser, reservation: Reservation, reason: object) -> str:
+    """The cancel's reason, normalised: asked by the cancel and by its confirm page before anything
+    stops (read by hand from a form or a body). Someone else's booking needs one: its owner sees it."""
+    if not isinstance(reason, str):
+        raise Invalid("Give the reason as text.", field="reason")
+    if "\x00" in reason:
+        raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
+    if not can_manage(user, reservation):
+        raise Forbidden(ONLY_OWNER_OR_MANAGER_CANCELS)
+    reason = reason.strip()
+    if reservation.owner_id != user.pk and not reason:
+        raise Invalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
+    if len(reason) > 500:
+        raise Invalid("Keep the reason to 500 characters.", field="reason")
+    return reason
+
+
 @transaction.atomic
 def reservation_cancel(
     *, user: AbstractBaseUser, reservation: Reservation | int, reason: str = "", now: datetime | None = None
 ) -> Reservation:
     """Cancel a booking: the owner (their upcoming one; an active one is released), or a
-    leader of its team or an admin (upcoming or active), who must give a reason the owner sees."""
+    leader of its team or an admin (upcoming or active), who must give a reason the owner sees:
+    the owner is told (gpus.booking_ends), and what ran on it ends cancelled, saying who and why."""
     now = now or timezone.now()
-    # Read by hand from a form or a request body: checked here, before anything is written.
-    if not isinstance(reason, str):
-        raise Invalid("Give the reason as text.", field="reason")
-    if "\x00" in reason:
-        raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
     reservation = _locked_reservation(reservation)
-    if not can_manage(user, reservation):
-        raise Forbidden(ONLY_OWNER_OR_MANAGER_CANCELS)
-    is_owner = reservation.owner_id == user.pk
+    reason = cancel_reason_check(user=user, reservation=reservation, reason=reason)
     status = reservation.status_at(now)
     if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
         raise Invalid(f"This booking is already {status.label.lower()}; there is nothing to cancel.")
-    if is_owner and status == Reservation.Status.ACTIVE:
-        return _release(user, reservation, now)
-    reason = reason.strip()
-    if not is_owner and not reason:
-        raise Invalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
-    if len(reason) > 500:
-        raise Invalid("Keep the reason to 500 characters.", field="reason")
+    if reservation.owner_id == user.pk and status == Reservation.Status.ACTIVE:
+        return _release(user, reservation, now, reason)
     return _cancel(user, reservation, now, reason)
 
 
 def _cancel(
     user: AbstractBaseUser | PortalActor, reservation: Reservation, now: datetime, reason: str
 ) -> Reservation:
+    # Someone else's booking (a leader's, an admin's cancel): its owner is told who, why and what
+    # stops, and the audit log says what stops too. The portal's own cancels tell on their own.
+    others = user is not PORTAL and user.pk != reservation.owner_id
+    stopped = owner_told_of_cancel(user, reservation, reason, now) if others else ""
     _end_now(reservation, now)
     reservation.cancelled_at = now
     reservation.cancelled_by = None if user is PORTAL else user
@@ -595,11 +594,12 @@ def _cancel(
     reservation.save(update_fields=["end", "cancelled_at", "cancelled_by", "cancel_reason"])
     wake_on_commit(QUEUE_SCHEDULER)  # its cards are free: pending jobs may start now
     because = f": {reason}" if reason else ""
+    message = f"{user} cancelled reservation {reservation.pk} of {reservation.owner}{because}"
     _audit(
         user,
         reservation,
         AuditEntry.Action.RESERVATION_CANCEL,
-        f"{user} cancelled reservation {reservation.pk} of {reservation.owner}{because}",
+        f"{message}. {stopped}" if stopped else message,
         reason=reason,
     )
     return reservation
@@ -683,10 +683,3 @@ def reservations_cancel_for_leaver(
             _release(PORTAL, reservation, now, reason)
         ended.append((reservation, status))
     return ended
-
-
-def released_words(released_at: datetime, by: str | None, reason: str = "") -> str:
-    """Why what ran on a booking stopped when it was released early (a job, a lab): "alice
-    released the booking at Mon 2026-11-23 14:00 UTC (idle for 2 h)". No user: the portal did."""
-    because = f" ({reason})" if reason else ""
-    return f"{by or 'the portal'} released the booking at {format_time(released_at)}{because}"

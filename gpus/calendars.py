@@ -30,8 +30,6 @@ from django.db import IntegrityError, transaction
 from django.db.models import Prefetch, QuerySet
 from django.urls import reverse
 from django.utils import timezone
-from icalendar import Calendar, Event
-from icalendar.prop import vDuration
 
 from gpus.models import Allocation, CalendarFeed, Reservation, Server, format_mb
 from portal.access import VIEW, is_admin, leads_team
@@ -312,6 +310,11 @@ def calendar_feed_serve(*, feed: CalendarFeed, now: datetime | None = None) -> S
 
 def calendar_ics(served: ServedFeed) -> bytes:
     """The VCALENDAR (RFC 5545: CRLF, folded at 75 octets by icalendar)."""
+    # Here, not at the top: every process imports this module (the profile's calendar slot), few
+    # serve a feed, and icalendar takes 100 ms to import.
+    from icalendar import Calendar, Event
+    from icalendar.prop import vDuration
+
     calendar = Calendar()
     calendar.add("prodid", PRODID)
     calendar.add("version", "2.0")

@@ -14,6 +14,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from gpus.models import GPU, ContainerImage, Reservation, Server, UsageFigures, Violation
+from gpus.usage import portal_today
 from portal.access import VIEW, is_admin, teams_led_by
 from portal.filters import DayFilter, MineFilter, unknown_choice
 from portal.models import Team
@@ -192,11 +193,19 @@ class UsageFilter(django_filters.FilterSet):
     since = DayFilter(
         field_name="start",
         lookup_expr="gte",
+        portal_days=True,
         label="Since",
-        help_text="YYYY-MM-DD, inclusive. With until also empty: the first of this month.",
+        help_text=(
+            "YYYY-MM-DD, inclusive, in the portal's time zone. With until also empty: the first of "
+            "this month."
+        ),
     )
     until = DayFilter(
-        field_name="start", lookup_expr="lte", label="Until", help_text="YYYY-MM-DD, inclusive."
+        field_name="start",
+        lookup_expr="lte",
+        portal_days=True,
+        label="Until",
+        help_text="YYYY-MM-DD, inclusive, in the portal's time zone.",
     )
     team = django_filters.CharFilter(
         field_name="team__slug", label="Team", widget=forms.Select, help_text="A team's slug."
@@ -228,7 +237,7 @@ class UsageFilter(django_filters.FilterSet):
     def __init__(self, data: Any = None, *args: Any, **kwargs: Any) -> None:
         if data is not None and "since" not in data and "until" not in data:
             data = data.copy()
-            data["since"] = timezone.localdate().replace(day=1).isoformat()
+            data["since"] = portal_today().replace(day=1).isoformat()
         super().__init__(data, *args, **kwargs)
         # The menus' options are read only when a page renders them (callables), not in the API.
         user = getattr(self.request, "user", None)

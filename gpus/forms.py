@@ -8,12 +8,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django import forms
-from django.conf import settings
 from django.utils import timezone
 
 from gpus.booking import request_problems
 from gpus.models import GPU, Server, format_mb
+from gpus.quotas import cards_at_once, default_length, limits_in_words
 from portal.forms import ServiceErrorsMixin
+from portal.models import Membership
 
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([GM])(?:I?B)?)?\s*$", re.IGNORECASE)
 LOCAL_INPUT = "%Y-%m-%dT%H:%M"
@@ -53,6 +54,10 @@ class LocalDateTimeInput(forms.DateTimeInput):
         super().__init__(format=LOCAL_INPUT)
 
 
+def _hours(length: timedelta) -> str:
+    return f"{length.total_seconds() / 3600:g} h"
+
+
 def _gpu_choices(gpus: Iterable[GPU]) -> list[tuple[str, list[tuple[str, str]]]]:
     grouped: dict[str, list[tuple[str, str]]] = {}
     for gpu in gpus:
@@ -74,7 +79,8 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         required=False,
         min_value=1,
         max_value=64,
-        help_text="How many cards the portal should pick: the least loaded that fit, kept on one server.",
+        help_text="How many cards the portal should pick: the least loaded that fit, kept on one server. "
+        "Ignored while cards are ticked and it is left at its default.",
     )
     server = forms.ChoiceField(
         required=False, help_text="Where to pick the cards; any online server if empty."
@@ -101,20 +107,37 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         self.fields["server"].choices = [("", "any online server")] + [
             (name, name) for name in Server.objects.filter(draining=False).values_list("name", flat=True)
         ]
+        # Said beside the choices, so nobody wonders where a server went (an admin drained it).
+        self.draining = list(Server.objects.filter(draining=True).values_list("name", "drain_reason"))
         teams = list(user.memberships.select_related("team").order_by("team__name"))
         self.fields["team"].choices = [(m.team.slug, m.team.name) for m in teams]
         if len(teams) <= 1:
             self.fields["team"].widget = forms.HiddenInput()
+        # Each team's limits in words, shown above the fields before anything is submitted.
+        self.limits = [(m.team.name, limits_in_words(m)) for m in teams]
+        self._set_defaults(teams)
+
+    def _set_defaults(self, teams: list[Membership]) -> None:
+        """Defaults that fit the person's limits in any of their teams: the end within their
+        longest booking, one card (unless they may hold no whole card), ticked cards no more than
+        they may hold at once. A count left at its default gives way to ticked cards (clean)."""
+        length = min((default_length(m) for m in teams), default=default_length(None))
         tz = timezone.get_current_timezone_name()
-        self.fields[
-            "end"
-        ].help_text = f"Empty: {settings.BOOKING_DEFAULT_HOURS} h after the start. Times in {tz}."
-        if not self.is_bound:
-            now = timezone.now().replace(second=0, microsecond=0)
-            self.initial.setdefault("start", local_input(now))
-            self.initial.setdefault("end", local_input(now + timedelta(hours=settings.BOOKING_DEFAULT_HOURS)))
-            if teams:
-                self.initial.setdefault("team", teams[0].team.slug)
+        self.fields["end"].help_text = f"Empty: {_hours(length)} after the start. Times in {tz}."
+        most = min((n for n in map(cards_at_once, teams) if n is not None), default=None)
+        if most != 0:
+            self.fields["count"].initial = 1
+        if self.is_bound:
+            return
+        now = timezone.now().replace(second=0, microsecond=0)
+        self.initial.setdefault("start", local_input(now))
+        self.initial.setdefault("end", local_input(now + length))
+        if teams:
+            self.initial.setdefault("team", teams[0].team.slug)
+        preset = list(self.initial.get("gpus") or [])
+        if preset:
+            self.initial["gpus"] = preset if most is None else preset[:most]
+            self.initial["count"] = None
 
     def clean_memory(self) -> int | None:
         return parse_memory_mb(self.cleaned_data["memory"])
@@ -123,6 +146,8 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         """The booking service's own checks of what parsed, beside the parsing errors: one submit
         names every problem (a field that did not parse is not judged again)."""
         data = super().clean() or {}
+        if data.get("gpus") and "count" not in self.changed_data:
+            data["count"] = None  # the count's default, left as it was: the ticked cards say it
         problems = request_problems(
             gpus=data.get("gpus") or None,
             count=data.get("count"),
@@ -156,9 +181,33 @@ class ExtendForm(forms.Form):
     end = forms.DateTimeField(widget=LocalDateTimeInput(), label="New end")
 
 
-class CancelForm(forms.Form):
+class CancelForm(ServiceErrorsMixin, forms.Form):
+    """A cancel's reason; its rule is the service's (gpus.booking.cancel_reason_check)."""
+
     reason = forms.CharField(
         required=False,
         max_length=500,
         help_text="Required when you cancel someone else's booking: the owner sees it.",
+    )
+
+
+class ViolationStopForm(ServiceErrorsMixin, forms.Form):
+    """ "Stop it now" on a violation's page (gpus/violations.py checks who and when)."""
+
+    reason = forms.CharField(
+        required=False,
+        max_length=500,
+        label="Why (optional)",
+        help_text="Said to the person behind it, in the job's log and in the audit log.",
+    )
+
+
+class ViolationResolveForm(ServiceErrorsMixin, forms.Form):
+    """ "Mark resolved" on a violation's page: the note is the record of what was done."""
+
+    note = forms.CharField(
+        max_length=500,
+        label="How it was resolved",
+        help_text="E.g. “bob's test run, agreed with alice”. An open one is then left running.",
+        error_messages={"required": "Say how it was resolved, e.g. “bob's test run, agreed with alice”."},
     )

@@ -27,6 +27,10 @@ gpus works alone (its tests, a portal without the jobs app):
 - `loan_words(loan_ids)`: what a lent card says of each loan (a booking lent to the queue):
   "lent to the queue since 14:02: job 812". Asked by the dashboard's cards
   (gpus.selectors.bookings_now); jobs.lending.loan_words; nothing said.
+- `jobs_peak_memory(visible, since, until, filters)`: the highest memory each person's own jobs
+  held (Job.peak_memory_mb) among those that ran in [since, until), for the Reports page's
+  "Jobs' own peak memory" beside the cards' peak. Asked by gpus.reports;
+  jobs.selectors.jobs_peak_memory; none (the page shows "–").
 
 The other ways up are declared the same way, each in its lower app's one file: what portal asks
 (template slots, the hosts `make run` starts workers for) in portal/hooks.py; the facts that travel
@@ -45,6 +49,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from django.apps import apps
+from django.db.models import Q
 
 
 class JobOutcome(NamedTuple):
@@ -92,6 +97,9 @@ BookingWork = Callable[[int], Sequence[Work]]
 QueueHolds = Callable[[Sequence[str], datetime, datetime], Sequence[QueueHold]]
 # loan booking ids → {loan id: "lent to the queue since 14:02: job 812"}
 LoanWords = Callable[[Iterable[int]], Mapping[int, str]]
+# (visible: a Q on owner_id and team_id, since, until, {"team": slug, "user": username, "server":
+# name} as given) → {username: the highest peak memory (MiB) of their jobs that ran in [since, until)}
+JobsPeakMemory = Callable[[Q, datetime, datetime, Mapping[str, str]], Mapping[str, int]]
 
 
 def _no_sessions(sessions: Mapping[int, set[int]]) -> Mapping[tuple[int, int], int]:
@@ -118,6 +126,10 @@ def _no_loan_words(loan_ids: Iterable[int]) -> Mapping[int, str]:
     return {}
 
 
+def _no_peaks(visible: Q, since: datetime, until: datetime, filters: Mapping[str, str]) -> Mapping[str, int]:
+    return {}
+
+
 def _no_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> Sequence[QueueHold]:
     return ()
 
@@ -134,6 +146,7 @@ class Answers:
     work_on_booking: BookingWork = _no_work
     queue_holds: QueueHolds = _no_holds
     loan_words: LoanWords = _no_loan_words
+    jobs_peak_memory: JobsPeakMemory = _no_peaks
 
 
 NO_ANSWERS = Answers()
@@ -192,3 +205,10 @@ def work_on_booking(reservation_id: int) -> list[Work]:
 def queue_holds(gpu_uuids: Sequence[str], start: datetime, end: datetime) -> list[QueueHold]:
     """The queue's holds on these cards overlapping [start, end) (unsorted: gpus.conflicts sorts)."""
     return list(answers_now().queue_holds(list(gpu_uuids), start, end))
+
+
+def jobs_peak_memory(
+    visible: Q, since: datetime, until: datetime, filters: Mapping[str, str]
+) -> dict[str, int]:
+    """{username: the highest peak memory (MiB) of their visible jobs that ran in [since, until)}."""
+    return dict(answers_now().jobs_peak_memory(visible, since, until, filters))

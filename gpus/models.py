@@ -15,7 +15,6 @@ from django.utils import timezone
 from gpus.inventory import CardState
 from portal.access import CHANGE, VIEW, check_action, is_admin, teams_led_by
 from portal.clock import db_now, since
-from portal.models import WatchdogKind
 
 
 class ServerQuerySet(models.QuerySet):
@@ -54,6 +53,9 @@ class Server(models.Model):
     hostname = models.CharField(max_length=255, blank=True)
     kind = models.CharField(max_length=8, choices=Kind.choices, default=Kind.HOST)
     draining = models.BooleanField(default=False, help_text="No new bookings or jobs; running work goes on.")
+    drain_reason = models.CharField(
+        max_length=200, blank=True, help_text="Why it is draining, as the admin who drained it said."
+    )
     simulated = models.BooleanField(default=False)
     driver_version = models.CharField(max_length=32, blank=True)
     cuda_version = models.CharField("CUDA version", max_length=16, blank=True)
@@ -76,6 +78,11 @@ class Server(models.Model):
     )
     containers_detail = models.CharField(
         max_length=500, blank=True, help_text="What the worker found: the runtime, or what is missing."
+    )
+    # Shown to admins on the dashboard: a worker run as root with JOB_USER=root (or none, in
+    # development) runs every job as root (jobs.host.worker.jobs_account_check).
+    jobs_as_root = models.BooleanField(
+        "jobs run as root", default=False, help_text="As the host's worker said at its start (JOB_USER=root)."
     )
 
     objects = ServerQuerySet.as_manager()
@@ -473,147 +480,6 @@ def format_mb(mb: int) -> str:
     return f"{gb:.0f} GiB" if gb == int(gb) else f"{gb:.1f} GiB"
 
 
-class ViolationQuerySet(models.QuerySet):
-    def restrict(self, user, action: str = VIEW) -> ViolationQuerySet:  # type: ignore[no-untyped-def]
-        """Admins: all. Others: the ones they caused, those on their own bookings, and those of the
-        people and bookings of the teams they lead. Nobody changes a violation: it is a record."""
-        check_action(action)
-        if action != VIEW:
-            return self.none()
-        if is_admin(user):
-            return self
-        led = teams_led_by(user)
-        return self.filter(
-            models.Q(user=user)
-            | models.Q(reservation__owner=user)
-            | models.Q(reservation__team_id__in=led)
-            | models.Q(user__memberships__team_id__in=led)
-        ).distinct()
-
-
-class Violation(models.Model):
-    """One process of one kind that breaks a booking, as the GPU watchdog saw it (jobs/watchdog/rules.py).
-
-    Updated while the process lives (`last_seen`, the most memory measured, the action taken),
-    never created anew each round; `ended_at` is set when the process is gone from the card.
-    Actions: observed → warned (its people were told) → stopped (NVML shows it gone after the
-    stop) or stop_failed (the signal was refused, or it outlived SIGKILL). `job_id` is a plain
-    number, as on GPUProcess: jobs build on gpus, not the reverse.
-    """
-
-    Kind = WatchdogKind  # the one list of the watchdog's kinds, declared in portal
-
-    class Action(models.TextChoices):
-        OBSERVED = "observed", "Observed"
-        WARNED = "warned", "Warned"
-        STOPPED = "stopped", "Stopped"
-        STOP_FAILED = "stop_failed", "Could not stop"
-
-    kind = models.CharField(max_length=20, choices=Kind.choices)
-    gpu = models.ForeignKey(GPU, on_delete=models.CASCADE, related_name="violations")
-    server = models.ForeignKey(Server, on_delete=models.CASCADE, related_name="violations")
-    pid = models.PositiveIntegerField()
-    # With the pid, the process for good (portal.pids): a later process that reuses the pid is
-    # another violation, never this one's continuation, and is never signalled for it.
-    process_started = models.FloatField(null=True, blank=True, help_text="Its start (psutil create_time).")
-    session_id = models.PositiveIntegerField(null=True, blank=True)
-    os_user = models.CharField(max_length=64, blank=True, help_text="The process's OS user.")
-    command = models.CharField(max_length=300, blank=True)
-    user = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="gpu_violations",
-        help_text="The portal user behind the process: the job's owner, or the OS user's account.",
-    )
-    job_id = models.PositiveBigIntegerField(null=True, blank=True, help_text="The portal job, if any.")
-    reservation = models.ForeignKey(
-        "Reservation",
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="violations",
-        help_text="The booking concerned: the job's own, or the one whose card was taken.",
-    )
-    memory_mb = models.PositiveIntegerField(null=True, blank=True, help_text="The most MiB measured.")
-    booked_mb = models.PositiveIntegerField(null=True, blank=True, help_text="over_memory: MiB booked.")
-    first_seen = models.DateTimeField(db_index=True)
-    last_seen = models.DateTimeField()
-    ended_at = models.DateTimeField(null=True, blank=True, help_text="Gone from the card.")
-    action = models.CharField(max_length=12, choices=Action.choices, default=Action.OBSERVED)
-    action_at = models.DateTimeField(null=True, blank=True)
-    stopped_at = models.DateTimeField(null=True, blank=True)
-    message = models.CharField(max_length=500, blank=True, help_text="What the watchdog did and why.")
-
-    objects = ViolationQuerySet.as_manager()
-
-    class Meta:
-        ordering = ["-first_seen", "-id"]
-        indexes = [
-            models.Index(fields=["server", "ended_at"], name="violation_server_open"),
-            models.Index(fields=["user", "-first_seen"], name="violation_user_first_seen"),
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.kind} pid {self.pid} on {self.gpu_id}"
-
-
-class WatchdogPolicy(models.Model):
-    """What the watchdog does about one kind of violation; admins set it in the admin.
-
-    A kind without a row uses the defaults from settings (`policy_defaults`)."""
-
-    class Action(models.TextChoices):
-        OBSERVE = "observe", "Observe: record only"
-        WARN = "warn", "Warn: record and tell the people concerned"
-        STOP = "stop", "Stop: warn at once, stop the process after the grace period"
-
-    kind = models.CharField(max_length=20, choices=Violation.Kind.choices, unique=True)
-    action = models.CharField(max_length=8, choices=Action.choices)
-    grace_seconds = models.PositiveIntegerField(
-        default=60, help_text="Stop: how long after it is first seen the process is stopped."
-    )
-
-    class Meta:
-        ordering = ["kind"]
-        verbose_name_plural = "watchdog policies"
-        constraints = [
-            # Never punished: the owner's own process on their own booking is only shown.
-            models.CheckConstraint(
-                condition=~models.Q(kind="owner_outside_job", action="stop"), name="owner_never_stopped"
-            )
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.kind}: {self.action}"
-
-    @staticmethod
-    def defaults() -> dict[str, tuple[str, int]]:
-        """{kind: (action, grace seconds)} from settings, before any admin's row."""
-        stop_after = settings.WATCHDOG_STOP_AFTER_SECONDS
-        return {
-            Violation.Kind.ESCAPED: (WatchdogPolicy.Action.STOP, stop_after),
-            Violation.Kind.OVER_MEMORY: (WatchdogPolicy.Action.STOP, stop_after),
-            Violation.Kind.INTRUDER: (WatchdogPolicy.Action.STOP, stop_after),
-            Violation.Kind.ZOMBIE: (WatchdogPolicy.Action.STOP, settings.WATCHDOG_ZOMBIE_STOP_AFTER_SECONDS),
-            Violation.Kind.UNBOOKED: (WatchdogPolicy.Action.WARN, stop_after),
-            Violation.Kind.OWNER_OUTSIDE_JOB: (WatchdogPolicy.Action.OBSERVE, stop_after),
-        }
-
-    @classmethod
-    def current(cls) -> dict[str, tuple[str, int]]:
-        """The policy of every kind: the admins' rows over the defaults (one query)."""
-        policies = cls.defaults()
-        policies.update(
-            {
-                kind: (action, grace)
-                for kind, action, grace in cls.objects.values_list("kind", "action", "grace_seconds")
-            }
-        )
-        return policies
-
-
 class CalendarFeed(models.Model):
     """A secret iCalendar address of bookings (gpus/calendars.py; docs "Calendars"): one per owner
     and scope. The scope is the owner's own bookings, a team's (its leaders) or a server's
@@ -674,9 +540,11 @@ class CalendarFeed(models.Model):
         return f"calendar of {self.owner_id} ({self.scope} {what})"
 
 
-# The usage rollups, the container images and Slurm clusters live apart for this module's length
-# (gpus/usage_models.py, gpus/image_models.py, gpus/slurm_models.py); imported here so that Django
-# registers them with the app and callers import every model from gpus.models.
+# The usage rollups, the container images, Slurm clusters and the watchdog's records live apart
+# for this module's length (gpus/usage_models.py, gpus/image_models.py, gpus/slurm_models.py,
+# gpus/violation_models.py); imported here so that Django registers them with the app and callers
+# import every model from gpus.models.
 from gpus.image_models import ContainerImage, ImagePull  # noqa: E402, F401
 from gpus.slurm_models import SlurmCluster, SlurmNode  # noqa: E402, F401
 from gpus.usage_models import UsageDay, UsageFigures, UsageHour, UsageTeamHour  # noqa: E402, F401
+from gpus.violation_models import Violation, WatchdogPolicy  # noqa: E402, F401

@@ -17,6 +17,7 @@ NVML counts memory in bytes; the report carries MiB (the ``*_mb`` fields), as nv
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -71,6 +72,16 @@ _CARD_LOST: tuple[type[Exception], ...] = (pynvml.NVMLError_GpuIsLost, pynvml.NV
 
 class NvmlNotInstalled(BackendUnavailable):
     """No NVML library on this machine at all: it has no NVIDIA driver, so no GPUs to report."""
+
+
+def nvml_library_found() -> bool:
+    """Whether NVML's library loads here, without starting NVML (which may hang on a sick card):
+    the one that pynvml loads, so False exactly where opening the backend raises NvmlNotInstalled."""
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def _text(value: str | bytes) -> str:

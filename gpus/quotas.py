@@ -6,7 +6,7 @@ the live allocations booked here in gpus, so the rules live beside the bookings.
 
 A whole card counts one card and its full memory; a memory quota counts its GB and,
 for GPU-hours, the fraction of the card it books (GB / card total). Weeks run Monday
-00:00 to Monday 00:00 in the portal's time zone (TIME_ZONE).
+00:00 to Monday 00:00 in the portal's time zone (TIME_ZONE), whoever books or looks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import DurationField, ExpressionWrapper, F, Q, Sum, Value
+from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet, Sum, Value
 from django.db.models.functions import Greatest, Least
 from django.urls import reverse
 from django.utils import timezone
@@ -31,7 +31,15 @@ from gpus.models import GPU, Allocation, AllocationQuerySet
 from portal.access import can_manage_team, is_admin
 from portal.channels import team_channels_notify
 from portal.errors import Forbidden, Invalid, QuotaExceeded
-from portal.models import AuditEntry, Membership, NotificationChannel, QuotaFields, Team
+from portal.figures import figure
+from portal.models import (
+    AuditEntry,
+    Membership,
+    NotificationChannel,
+    QuotaFields,
+    Team,
+    members_above_team,
+)
 from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
@@ -76,9 +84,12 @@ def peak(intervals: Iterable[tuple[datetime, datetime, float]], start: datetime,
 
 
 def week_start(at: datetime) -> datetime:
-    local = timezone.localtime(at)
+    """Monday 00:00 of `at`'s week in TIME_ZONE, whoever asks: a request's current zone is its
+    viewer's (portal/time_zones.py), and a quota's week must not move with who books or looks."""
+    zone = timezone.get_default_timezone()
+    local = timezone.localtime(at, zone)
     monday = local.date() - timedelta(days=local.weekday())
-    return timezone.make_aware(datetime.combine(monday, time.min))
+    return timezone.make_aware(datetime.combine(monday, time.min), zone)
 
 
 def weeks_touching(start: datetime, end: datetime) -> list[tuple[datetime, datetime]]:
@@ -224,6 +235,36 @@ def _holders(membership: Membership, exclude_reservation: int | None) -> list[_H
     ]
 
 
+def memberships_for(user: AbstractBaseUser, team: Team | str | None) -> QuerySet[Membership]:
+    """The user's membership for a booking's team (default: their first team by name) first: whose
+    quota the booking counts against."""
+    rows = Membership.objects.select_related("team").filter(user_id=user.pk)
+    if isinstance(team, Team):
+        rows = rows.filter(team_id=team.pk)
+    elif team:
+        rows = rows.filter(team__slug=team)
+    return rows.order_by("team__name")
+
+
+def membership_locked(user: AbstractBaseUser, team: Team | str | None) -> Membership:
+    """The user's membership for the booking's team (default: their first team by name), locked,
+    with its team attached; the team's row is locked too when the team has limits."""
+    membership = memberships_for(user, team).select_for_update(of=("self",)).first()
+    if membership is None:
+        if team:
+            raise Forbidden(
+                f"You are not a member of team {team}; book for one of your own teams.", field="team"
+            )
+        raise Forbidden(
+            "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
+        )
+    if has_limits(membership.team):
+        # Two bookings of this team cannot both pass its quota. Teams without limits are not
+        # locked, so their members' bookings of different cards never wait for each other.
+        list(Team.objects.select_for_update().filter(pk=membership.team_id).values_list("pk"))
+    return membership
+
+
 def _cards_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
     limit = who.limits.max_cards
     need = sum(u.cards for u in ask.new)
@@ -285,15 +326,15 @@ def _hours_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
             room = max(0.0, limit - used)
             said = (
                 f"{who.label} allows {limit} GPU-hours in the week of {week:%a %Y-%m-%d}; {who.holder} "
-                f"{used:.1f} booked, so {room:.1f} more would fit (about {room / per_hour:.1f} h with these "
-                f"cards) and this {ask.what} needs {need:.1f}."
+                f"{figure(used)} booked, so {figure(room)} more would fit (about {room / per_hour:.1f} h "
+                f"with these cards) and this {ask.what} needs {figure(need)}."
             )
             longest = room / per_hour
         else:
             total = gpu_hours(ask.new, ask.start, ask.end)
             said = (
-                f"{who.label} allows {limit} GPU-hours a week; this {ask.what} needs {total:.1f} GPU-hours, "
-                "and one booking can never hold more than twice that, half in each of two weeks."
+                f"{who.label} allows {limit} GPU-hours a week; this {ask.what} needs {figure(total)} "
+                "GPU-hours, and one booking can never hold more than twice that, half in each of two weeks."
             )
             longest = 2 * limit / per_hour
         return (
@@ -329,12 +370,14 @@ def length_check(ask: QuotaAsk) -> None:
 
 
 def quota_check(membership: Membership, ask: QuotaAsk) -> None:
-    """The one quota rule, for bookings and the queue alike: the member's longest booking, then the
-    member's limits, then the team's, each at once (cards, then memory) and per week (GPU-hours).
-    The first the request would pass raises QuotaExceeded (400), saying the limit, the use, what
-    would fit and what to do, beside the request's field its user would change; nothing is raised
+    """The one quota rule, for bookings and the queue alike: the member's longest booking, the
+    member's limits and the team's, each at once (cards, memory) and per week (GPU-hours).
+    Every limit the request would pass is named in one QuotaExceeded (400): each saying the limit,
+    the use, what would fit and what to do, beside the request's field its user would change (its
+    `errors`; `message` is the first), so a person fixes them all in one go. Nothing is raised
     when all fit. The portal's own limits (length_check) are the caller's to check first."""
     team = membership.team
+    refusals: list[tuple[str | None, str]] = []
     refusal = _length_refusal(
         membership.max_booking_hours,
         ask,
@@ -342,7 +385,7 @@ def quota_check(membership: Membership, ask: QuotaAsk) -> None:
         f", or ask a leader of {team} to raise your max_booking_hours",
     )
     if refusal:
-        raise quota_exceeded(membership, refusal, field=ask.fields["length"])
+        refusals.append((ask.fields["length"], refusal))
     checks = (("cards", _cards_refusal), ("memory", _memory_refusal), ("hours", _hours_refusal))
     for who in _holders(membership, ask.exclude_reservation):
         if not has_limits(who.limits):
@@ -350,26 +393,69 @@ def quota_check(membership: Membership, ask: QuotaAsk) -> None:
         for kind, check in checks:
             refusal = check(who, ask)
             if refusal:
-                raise quota_exceeded(membership, refusal, field=ask.fields.get(kind))
+                refusals.append((ask.fields.get(kind), refusal))
+    if refusals:
+        raise quota_exceeded(membership, refusals)
+
+
+def default_length(membership: Membership | None) -> timedelta:
+    """A booking's length when its end is left empty: BOOKING_DEFAULT_HOURS, or the member's
+    longest booking (and the portal's) when shorter, so the default never breaks the person's own
+    limit. A longest booking of 0 (no bookings at all) leaves the default: the refusal says why."""
+    hours = [settings.BOOKING_DEFAULT_HOURS, settings.BOOKING_MAX_HOURS]
+    if membership is not None and membership.max_booking_hours:
+        hours.append(membership.max_booking_hours)
+    return timedelta(hours=min(hours))
+
+
+def cards_at_once(membership: Membership) -> int | None:
+    """The most whole cards the member may hold at once: their own limit and the team's, the
+    lower (None: no limit)."""
+    limits = [v for v in (membership.max_cards, membership.team.max_cards) if v is not None]
+    return min(limits, default=None)
+
+
+def limits_in_words(membership: Membership) -> str:
+    """What a member may book, in words, for the booking form: "4 h a booking, 1 card at once,
+    256 GiB at once for the whole team". The member's own limit where set, else the team's
+    (shared with teammates); a limit set by neither is left out."""
+    longest = min(h for h in (membership.max_booking_hours, settings.BOOKING_MAX_HOURS) if h is not None)
+    words = [f"{longest} h a booking"]
+    units = (
+        ("max_cards", "cards at once"),
+        ("max_gb", "GiB at once"),
+        ("gpu_hours_per_week", "GPU-hours per week"),
+    )
+    for field, unit in units:
+        own = getattr(membership, field)
+        limit = own if own is not None else getattr(membership.team, field)
+        if limit is None:
+            continue
+        unit = "card at once" if unit == "cards at once" and limit == 1 else unit
+        words.append(f"{limit} {unit}" + ("" if own is not None else " for the whole team"))
+    return ", ".join(words)
 
 
 @dataclass(frozen=True)
 class MemberUse:
     cards_now: int
     gb_now: float
-    gpu_hours_week: float
+    gpu_hours_week: float  # booked in this week (this_week), later this week included
 
 
 NO_USE = MemberUse(cards_now=0, gb_now=0.0, gpu_hours_week=0.0)
+# GPU-hours to three decimals, as the usage CSV and API: a few minutes of a share are not "0.0".
+HOURS_DECIMALS = 3
 
 
-def _this_week(now: datetime) -> tuple[datetime, datetime]:
+def this_week(now: datetime) -> tuple[datetime, datetime]:
+    """The week the weekly quota counts now: [Monday 00:00, the next Monday 00:00) in TIME_ZONE."""
     return week_start(now), weeks_touching(now, now + timedelta(seconds=1))[-1][1]
 
 
 def _uses_this_week(rows: AllocationQuerySet, key: str, now: datetime) -> dict[int, MemberUse]:
     """Live allocations overlapping this week, grouped by `key` (a user or team id): use now and this week."""
-    week, following = _this_week(now)
+    week, following = this_week(now)
     grouped: dict[int, list[Use]] = {}
     for group, s, e, memory_mb, total in rows.live_between(week, following).values_list(
         key, "start", "end", "memory_mb", "gpu__memory_total_mb"
@@ -381,9 +467,18 @@ def _uses_this_week(rows: AllocationQuerySet, key: str, now: datetime) -> dict[i
         result[group] = MemberUse(
             cards_now=sum(u.cards for u in current),
             gb_now=round(sum(u.mb for u in current) / 1024, 1),
-            gpu_hours_week=round(gpu_hours(uses, week, following), 1),
+            gpu_hours_week=round(gpu_hours(uses, week, following), HOURS_DECIMALS),
         )
     return result
+
+
+def gpu_hours_booked_this_week(rows: AllocationQuerySet, now: datetime | None = None) -> float:
+    """The "GPU-hours booked this week" of the bookings behind `rows`, whoever shows it: the team
+    page's total (team_use_total over team_use) and the Reports page's line of that name add the
+    same figures in the same way, so the same bookings read the same on both."""
+    return team_use_total(
+        _uses_this_week(rows, "reservation__owner_id", now or timezone.now())
+    ).gpu_hours_week
 
 
 def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
@@ -417,7 +512,7 @@ def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
     return MemberUse(
         cards_now=sum(u.cards_now for u in use.values()),
         gb_now=round(sum(u.gb_now for u in use.values()), 1),
-        gpu_hours_week=round(sum(u.gpu_hours_week for u in use.values()), 1),
+        gpu_hours_week=round(sum(u.gpu_hours_week for u in use.values()), HOURS_DECIMALS),
     )
 
 
@@ -425,12 +520,10 @@ def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
 
 QUOTA_MAX = 1_000_000  # any larger limit means "no limit"; keeps values inside the integer column
 QUOTA_FIELDS = ("max_cards", "max_gb", "gpu_hours_per_week")
+# A limit's name in messages: the model's verbose name, as on the pages' forms and in /admin/.
 QUOTA_LABELS = {
-    "max_cards": "cards at once",
-    "max_gb": "GiB at once",
-    "gpu_hours_per_week": "GPU-hours per week",
-    "max_booking_hours": "longest booking (h)",
-    "shares": "fair-share shares",
+    name: str(Membership._meta.get_field(name).verbose_name)
+    for name in (*QUOTA_FIELDS, "max_booking_hours", "shares")
 }
 
 
@@ -492,11 +585,21 @@ def _save_quota(
 
 @transaction.atomic
 def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None) -> Team:
-    """Set a team's limits (admins only). None means no limit. Logged in the audit log."""
+    """Set a team's limits (admins only). None means no limit. Refused, naming them, while a member's
+    own limit is above the new one. Logged in the audit log."""
     if not is_admin(actor):
         raise Forbidden("Only admins set team quotas; ask one.")
     team = Team.objects.select_for_update().get(pk=team.pk)
     changes = _quota_changes(team, limits, (*QUOTA_FIELDS, "shares"))
+    # Members' quotas fit inside the team's: a lower team limit is refused while one is above it
+    # (quota_member_set locks the team's row too, so neither can slip past the other).
+    new = {field: limits.get(field, getattr(team, field)) for field in QUOTA_FIELDS}
+    members = team.memberships.select_related("user").order_by("user__username")
+    own = ((m.user.username, {f: getattr(m, f) for f in QUOTA_FIELDS}) for m in members)
+    above = members_above_team(new, own)
+    if above:
+        field, message = next(iter(above.items()))
+        raise Invalid(message, field=field, errors={f: [m] for f, m in above.items()})
     _save_quota(actor, team, team, changes, AuditEntry.Action.QUOTA_TEAM, f"team {team.slug}", "the quota of")
     return team
 
@@ -509,7 +612,7 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
     locked = Membership.objects.select_for_update(of=("self",)).select_related("team", "user")
     membership = locked.get(pk=membership.pk)
     changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours", "shares"))
-    team = membership.team
+    team = membership.team = Team.objects.select_for_update().get(pk=membership.team_id)
     for field in QUOTA_FIELDS:
         team_limit, value = getattr(team, field), limits.get(field, getattr(membership, field))
         if team_limit is not None and value is not None and value > team_limit:
@@ -546,10 +649,15 @@ def over_limits(holder: Team | Membership, use: MemberUse) -> list[str]:
 # --- telling the team of a refusal -------------------------------------------------------------
 
 
-def quota_exceeded(membership: Membership, message: str, *, field: str | None = None) -> QuotaExceeded:
-    """The refusal a booking service raises, marked with whose quota refused it, so that
+def quota_exceeded(membership: Membership, refusals: Sequence[tuple[str | None, str]]) -> QuotaExceeded:
+    """The refusal a booking service raises: every (field, message) the request would pass, each
+    beside its field (the first is its `message`). Marked with whose quota refused it, so that
     `refusals_told` can tell the team once the refused request's transaction is rolled back."""
-    refusal = QuotaExceeded(message, field=field)
+    errors: dict[str, list[str]] = {}
+    for field, message in refusals:
+        errors.setdefault(field or "", []).append(message)
+    field, message = refusals[0]
+    refusal = QuotaExceeded(message, field=field, errors=errors)
     refusal.refused = (membership.user_id, membership.team_id)  # type: ignore[attr-defined]
     return refusal
 
@@ -568,7 +676,7 @@ def refusals_told(service: Callable[..., T]) -> Callable[..., T]:
         except QuotaExceeded as refusal:
             refused = getattr(refusal, "refused", None)
             if refused is not None and not kwargs.get("queue_start"):
-                _refusal_tell(*refused, refusal.message)
+                _refusal_tell(*refused, " ".join(m for ms in refusal.errors.values() for m in ms))
             raise
 
     return wrapper

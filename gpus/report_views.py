@@ -15,13 +15,13 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import render
 from django.urls import reverse
-from django.utils import timezone
 from django.utils.http import content_disposition_header
 from django.views.decorators.http import require_GET
 
 from gpus.filters import USAGE_GROUPS, UsageFilter
 from gpus.models import UsageDay
 from gpus.reports import COLUMNS, UsageScope, usage_queryset, usage_report, usage_rows
+from gpus.usage import portal_today
 
 
 def _filters(request: HttpRequest) -> UsageFilter:
@@ -32,7 +32,7 @@ def _filters(request: HttpRequest) -> UsageFilter:
 @login_required
 def reports(request: HttpRequest) -> HttpResponse:
     filters = _filters(request)
-    presets = _presets(filters, timezone.localdate())
+    presets = _presets(filters, portal_today())
     context: dict[str, object] = {"filter_form": filters.form, "presets": presets}
     if filters.is_valid():
         context["report"] = usage_report(filters, UsageScope.of(request.user))
@@ -53,7 +53,7 @@ def reports_csv(request: HttpRequest) -> HttpResponse:
     visible = usage_queryset(UsageScope.of(request.user), group_by)
     rows = usage_rows(filters.filter_queryset(visible), group_by)
     since, until = filters.form.cleaned_data["since"], filters.form.cleaned_data["until"]
-    name = f"usage-{since or 'start'}-{until or timezone.localdate()}-by-{group_by}.csv"
+    name = f"usage-{since or 'start'}-{until or portal_today()}-by-{group_by}.csv"
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=name)
     writer = csv.writer(response)
@@ -63,7 +63,8 @@ def reports_csv(request: HttpRequest) -> HttpResponse:
 
 
 def _presets(filters: UsageFilter, today: date) -> list[tuple[str, str, bool]]:
-    """The period picker: (label, URL, current), each keeping the other filters."""
+    """The period picker: (label, URL, current), each keeping the other filters; `today` is the
+    portal's, as the usage tables' days are: "This week" is the weekly quota's week."""
     month = today.replace(day=1)
     last_month_end = month - timedelta(days=1)
     periods = [

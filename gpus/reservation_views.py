@@ -86,18 +86,23 @@ def my_reservations(request: HttpRequest) -> HttpResponse:
 @login_required
 def reservation_detail(request: HttpRequest, pk: int) -> HttpResponse:
     reservation = _get_reservation_for_user(request.user, pk)
+    return render(
+        request, "gpus/reservation_detail.html", _detail_context(request, reservation, CancelForm())
+    )
+
+
+def _detail_context(request: HttpRequest, reservation: Reservation, cancel_form: CancelForm) -> dict:
     manager = can_manage_team(request.user, reservation.team_id)
     audit = AuditEntry.objects.filter(target=f"reservation {reservation.pk}") if manager else []
-    context = {
+    return {
         "r": reservation,
         "allocations": reservation.allocations.select_related("gpu__server"),
         "is_owner": reservation.owner_id == request.user.pk,
         "can_manage": manager,
         "extend_form": ExtendForm(initial={"end": local_input(reservation.end)}),
-        "cancel_form": CancelForm(),
+        "cancel_form": cancel_form,
         "audit": audit,
     }
-    return render(request, "gpus/reservation_detail.html", context)
 
 
 def _act(request: HttpRequest, pk: int, action, success: str) -> HttpResponse:  # type: ignore[no-untyped-def]
@@ -114,22 +119,56 @@ def _act(request: HttpRequest, pk: int, action, success: str) -> HttpResponse:  
     return redirect_back(request, "reservation_detail", pk)
 
 
-def _confirm_stopping(request: HttpRequest, pk: int, action: str) -> HttpResponse | None:
+def _confirm_stopping(
+    request: HttpRequest, pk: int, action: str, form: CancelForm | None = None
+) -> HttpResponse | None:
     """A release or cancel that would stop jobs or sessions asks first, naming them; None: go on
-    (nothing runs, or the person confirmed)."""
-    if request.POST.get("confirm") == "1":
+    (nothing runs, or the person confirmed). A cancel of someone else's booking asks for its
+    reason there too (`form`, with its refusal beside the field)."""
+    if request.POST.get("confirm") == "1" and not (form and form.errors):
         return None
     reservation = _get_reservation_for_user(request.user, pk)
     if reservation.status != Reservation.Status.ACTIVE or not (work := work_on_booking(reservation.pk)):
         return None
-    context = {"r": reservation, "work": work, "action": action, "post": request.POST}
-    return render(request, "gpus/reservation_confirm.html", context)
+    context = {"r": reservation, "work": work, "action": action, "post": request.POST, "form": form}
+    return render(
+        request, "gpus/reservation_confirm.html", context, status=400 if form and form.errors else 200
+    )
+
+
+def _cancel_reason(request: HttpRequest, pk: int) -> tuple[CancelForm | None, HttpResponse | None]:
+    """The reason of a cancel of someone else's booking, checked before anything stops (the one
+    rule: booking.cancel_reason_check); refused, the page that asked for it again, the refusal
+    beside the field, nothing written. The form is None for the owner's own cancel (no reason)."""
+    reservation = _get_reservation_for_user(request.user, pk)
+    if reservation.owner_id == request.user.pk or not reservation.is_open:
+        return None, None  # the service refuses an ended booking, and says why, as before
+    form = CancelForm(request.POST)
+    form.is_valid()
+    form.errors.pop("reason", None)  # the rule below has its own words for the same checks
+    try:
+        booking.cancel_reason_check(
+            user=request.user, reservation=reservation, reason=request.POST.get("reason", "")
+        )
+    except Forbidden as error:
+        raise PermissionDenied(error.message) from error
+    except ServiceError as error:
+        form.add_service_error(error)
+    if not form.errors:
+        return form, None
+    if asked := _confirm_stopping(request, pk, "cancel", form):
+        return form, asked
+    context = _detail_context(request, reservation, form)
+    return form, render(request, "gpus/reservation_detail.html", context, status=400)
 
 
 @require_POST
 @login_required
 def reservation_cancel(request: HttpRequest, pk: int) -> HttpResponse:
-    if asked := _confirm_stopping(request, pk, "cancel"):
+    form, refused = _cancel_reason(request, pk)
+    if refused:
+        return refused
+    if asked := _confirm_stopping(request, pk, "cancel", form):
         return asked
     reason = request.POST.get("reason", "")
     return _act(

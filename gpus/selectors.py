@@ -140,8 +140,10 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     servers = []
     seen_now = db_now()  # `last_seen` is the database's clock (portal.clock); `now` this host's
     shown = ("id", "name", "kind", "draining", "containers_ok", "containers_detail", *SERVER_LIVE_FIELDS)
+    admin = is_admin(viewer)  # only admins are told where jobs run as root: theirs to change
     nodes = _slurm_nodes()
-    for server in Server.objects.order_by("name").values(*shown):
+    for server in Server.objects.order_by("name").values(*shown, "jobs_as_root"):
+        server["jobs_as_root"] = server["jobs_as_root"] and admin
         server["status"] = Server.status_for(server["last_seen"], server["draining"], seen_now)
         server["ram_gb"] = round(server["ram_mb"] / 1024)
         server["gpus"] = gpus.get(server["id"], ())

@@ -1,7 +1,9 @@
-"""Start the telemetry threads in the workers that need them (see gpus/telemetry.py), and the
-idle-booking checker (gpus/idle.py) in the portal's own worker, beside the collector: one of
-each for the whole portal. The usage rollup (gpus/usage.py) is the collector's: it feeds it,
-and writes what it holds when the worker's shutdown stops it.
+"""Refuse a GPU host's worker whose simulated server does not exist
+(gpus.backends.simulated_server_problem). Start the telemetry threads in the workers that need
+them (see gpus/telemetry.py), and the idle-booking checker (gpus/idle.py) in the portal's own
+worker, beside the collector: one of each for the whole portal. The usage rollup
+(gpus/usage.py) is the collector's: it feeds it, and writes what it holds when the worker's
+shutdown stops it.
 
 The worker's shutdown stops them, with every other periodic thread (portal/periodic.py).
 """
@@ -10,12 +12,24 @@ from __future__ import annotations
 
 import logging
 
-from celery.signals import worker_ready
+from celery.signals import worker_init, worker_ready
 from django.conf import settings
 
 from gpus import idle, slurm_booking, telemetry
+from gpus.backends import simulated_server_problem
 
 log = logging.getLogger(__name__)
+
+
+@worker_init.connect
+def _check_simulated_server(sender, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """Before a GPU host's worker takes anything: the simulated server it would report exists.
+    SystemExit, not an exception: Celery logs and swallows what a signal's receiver raises."""
+    if f"host.{settings.WORKER_SERVER}" not in sender.app.amqp.queues.consume_from:
+        return
+    if problem := simulated_server_problem():
+        log.critical("The worker of %s does not start: %s", settings.WORKER_SERVER, problem)
+        raise SystemExit(f"The worker of {settings.WORKER_SERVER} does not start: {problem}")
 
 
 @worker_ready.connect

@@ -103,8 +103,9 @@ class QuotaUseSerializer(serializers.Serializer):
     # weighted) are /api/v1/usage/'s gpu_hours_used; the same two words mean the same on every page.
     gpu_hours_booked_week = serializers.FloatField(
         source="gpu_hours_week",
-        help_text="GPU-hours booked in this calendar week (Monday to Sunday), including what is booked "
-        "for later this week: what gpu_hours_per_week limits. Used hours: /api/v1/usage/ gpu_hours_used.",
+        help_text="GPU-hours booked in this calendar week (Monday to Sunday in the portal's TIME_ZONE), "
+        "including what is booked for later this week: what gpu_hours_per_week limits, three decimals. "
+        "Used hours: /api/v1/usage/ gpu_hours_used.",
     )
     gpu_hours_week = serializers.FloatField(help_text="Deprecated: the same as gpu_hours_booked_week.")
 

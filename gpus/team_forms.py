@@ -9,22 +9,26 @@ from typing import Any
 
 from django import forms
 from django.conf import settings
+from django.utils.text import capfirst
 
 from gpus.quotas import QUOTA_MAX
 from portal.forms import ServiceErrorsMixin
 from portal.models import Membership, QuotaFields, Team
 
 
-def _limit_field(
-    model: type[QuotaFields], name: str, label: str, unit: str, note: str = ""
-) -> forms.IntegerField:
+def _label(model: type[QuotaFields], name: str) -> str:
+    """The model's verbose name: one label for a limit, here, in messages and in /admin/."""
+    return capfirst(str(model._meta.get_field(name).verbose_name))
+
+
+def _limit_field(model: type[QuotaFields], name: str, unit: str, note: str = "") -> forms.IntegerField:
     # max_value well inside PositiveIntegerField's range, so a typo never reaches the database
     # as an overflow.
     return forms.IntegerField(
         required=False,
         min_value=0,
         max_value=QUOTA_MAX,
-        label=label,
+        label=_label(model, name),
         help_text=f"{model._meta.get_field(name).help_text} {note}".strip(),
         error_messages={
             "invalid": f"Enter a whole number of {unit}, e.g. 4, or leave it empty for no limit.",
@@ -40,7 +44,7 @@ def _shares_field(model: type[QuotaFields]) -> forms.IntegerField:
         required=False,
         min_value=1,
         max_value=QUOTA_MAX,
-        label="Fair-share shares",
+        label=_label(model, "shares"),
         help_text=model._meta.get_field("shares").help_text,
     )
 
@@ -58,9 +62,9 @@ class QuotaForm(ServiceErrorsMixin, forms.Form):
 
 
 class TeamQuotaForm(QuotaForm):
-    max_cards = _limit_field(Team, "max_cards", "Cards at once", "cards")
-    max_gb = _limit_field(Team, "max_gb", "GiB at once", "GiB")
-    gpu_hours_per_week = _limit_field(Team, "gpu_hours_per_week", "GPU-hours per week", "GPU-hours")
+    max_cards = _limit_field(Team, "max_cards", "cards")
+    max_gb = _limit_field(Team, "max_gb", "GiB")
+    gpu_hours_per_week = _limit_field(Team, "gpu_hours_per_week", "GPU-hours")
     shares = _shares_field(Team)
 
     @classmethod
@@ -72,12 +76,10 @@ TEAM_STILL_APPLIES = "At most the team's own limit, which applies as well."
 
 
 class MemberQuotaForm(QuotaForm):
-    max_cards = _limit_field(Membership, "max_cards", "Cards at once", "cards", TEAM_STILL_APPLIES)
-    max_gb = _limit_field(Membership, "max_gb", "GiB at once", "GiB", TEAM_STILL_APPLIES)
-    gpu_hours_per_week = _limit_field(
-        Membership, "gpu_hours_per_week", "GPU-hours per week", "GPU-hours", TEAM_STILL_APPLIES
-    )
-    max_booking_hours = _limit_field(Membership, "max_booking_hours", "Longest booking (hours)", "hours")
+    max_cards = _limit_field(Membership, "max_cards", "cards", TEAM_STILL_APPLIES)
+    max_gb = _limit_field(Membership, "max_gb", "GiB", TEAM_STILL_APPLIES)
+    gpu_hours_per_week = _limit_field(Membership, "gpu_hours_per_week", "GPU-hours", TEAM_STILL_APPLIES)
+    max_booking_hours = _limit_field(Membership, "max_booking_hours", "hours")
     shares = _shares_field(Membership)
 
     @classmethod

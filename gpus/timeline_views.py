@@ -1,4 +1,5 @@
-"""The per-server timeline page (the rows and the axis are gpus/timeline.py's)."""
+"""A server's page: its week of bookings (the rows and the axis are gpus/timeline.py's) and, for
+admins, draining it or putting it back in service (gpus/servers.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ from datetime import datetime, time, timedelta
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_GET, require_POST
 
 from gpus.models import Server
+from gpus.servers import DRAIN_MEANS, bookings_held, server_drain_set
 from gpus.timeline import DAYS, server_timeline_rows, timeline_axis
+from portal.access import is_admin
+from portal.errors import ServiceError
 
 MAX_PAGE_DAYS = 10 * 365
 
@@ -54,5 +59,31 @@ def server_timeline(request: HttpRequest, name: str) -> HttpResponse:
         "next_url": f"{page}?start={day + timedelta(days=DAYS):%Y-%m-%d}",
         "this_url": page if "start" in request.GET else None,
         "reserve_url": f"{reverse('reservation_new')}?server={server.name}",
+        "drain": {"means": DRAIN_MEANS, "held": bookings_held(server)} if is_admin(request.user) else None,
     }
     return render(request, "gpus/timeline.html", context)
+
+
+@require_POST
+@login_required
+def server_drain(request: HttpRequest, name: str) -> HttpResponse:
+    """Admins: `draining=on` drains the server (with `reason`), anything else puts it back."""
+    server = get_object_or_404(Server, name=name)
+    draining = request.POST.get("draining") == "on"
+    try:
+        changed = server_drain_set(
+            actor=request.user, server=server, draining=draining, reason=request.POST.get("reason", "")
+        )
+    except ServiceError as error:
+        if error.status == 403:
+            raise PermissionDenied(error.message) from None
+        messages.error(request, f"{server} was not changed: {error.message}")
+        return redirect("server_timeline", name=server.name)
+    state = "draining" if draining else "in service"
+    if not changed:
+        messages.info(request, f"{server} was {state} already: nothing changed.")
+    elif draining:
+        messages.success(request, f"{server} is draining: {DRAIN_MEANS} It is in the audit log.")
+    else:
+        messages.success(request, f"{server} is back in service: it takes bookings and jobs again.")
+    return redirect("server_timeline", name=server.name)

@@ -10,6 +10,7 @@ urlpatterns = [
     path("gpus/<str:uuid>/", views.gpu_detail, name="gpu_detail"),
     path("gpus/<str:uuid>/history.json", views.gpu_history_json, name="gpu_history"),
     path("servers/<slug:name>/timeline/", timeline_views.server_timeline, name="server_timeline"),
+    path("servers/<slug:name>/drain/", timeline_views.server_drain, name="server_drain"),
     path("reservations/", rv.my_reservations, name="my_reservations"),
     path("reservations/new/", rv.reservation_new, name="reservation_new"),
     path("reservations/<int:pk>/", rv.reservation_detail, name="reservation_detail"),
@@ -18,6 +19,8 @@ urlpatterns = [
     path("reservations/<int:pk>/extend/", rv.reservation_extend, name="reservation_extend"),
     path("violations/", vv.violations, name="violations"),
     path("violations/<int:pk>/", vv.violation_detail, name="violation_detail"),
+    path("violations/<int:pk>/stop/", vv.violation_stop_now, name="violation_stop"),
+    path("violations/<int:pk>/resolve/", vv.violation_mark_resolved, name="violation_resolve"),
     path("reports/", report_views.reports, name="reports"),
     path("reports/usage.csv", report_views.reports_csv, name="reports_csv"),
     # A secret iCalendar address for calendar apps: no sign-in (gpus/calendars.py).

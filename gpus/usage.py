@@ -68,14 +68,20 @@ def hour_of(at: datetime) -> datetime:
     return at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
+def portal_today(now: datetime | None = None) -> date:
+    """Today in TIME_ZONE, whoever asks: the usage tables' days are the portal's, never the viewer's
+    (a request's current zone is its viewer's, portal/time_zones.py)."""
+    return timezone.localdate(now or timezone.now(), timezone.get_default_timezone())
+
+
 def day_start(day: date) -> datetime:
-    """The first moment of a day in TIME_ZONE: what UsageDay.start holds and DayFilter compares."""
-    return datetime.combine(day, time.min, timezone.get_current_timezone())
+    """The first moment of a day in TIME_ZONE: what UsageDay.start holds and the usage filters compare."""
+    return datetime.combine(day, time.min, timezone.get_default_timezone())
 
 
 def hour_of_week(hour: datetime) -> int:
     """Where an hour falls in its week in TIME_ZONE: Monday 00:00 is 0, Sunday 23:00 is 167."""
-    local = hour.astimezone(timezone.get_current_timezone())
+    local = hour.astimezone(timezone.get_default_timezone())
     return local.weekday() * 24 + local.hour
 
 
@@ -226,9 +232,9 @@ class UsageRollup:
                     self._shares.setdefault(share.gpu, []).append(share)
             self._flushed_at = now
             self._forget(now)
-            if self._pruned_on != timezone.localdate(now):
+            if self._pruned_on != portal_today(now):
                 usage_prune(now=now)
-                self._pruned_on = timezone.localdate(now)
+                self._pruned_on = portal_today(now)
 
     def _load(self, now: datetime) -> None:
         """Hold the hours from the last one written (GAP_FILL back at most) to now, with the telemetry
@@ -383,7 +389,7 @@ def usage_sums_rebuild(*, hours: Sequence[datetime]) -> None:
         ),
         batch_size=500,
     )
-    for day in sorted({timezone.localdate(h) for h in hours}):
+    for day in sorted({portal_today(h) for h in hours}):
         since, until = day_start(day), day_start(day + timedelta(days=1))
         UsageDay.objects.filter(start=since).delete()
         of_day = UsageHour.objects.filter(start__gte=since, start__lt=until)
@@ -396,7 +402,7 @@ def usage_sums_rebuild(*, hours: Sequence[datetime]) -> None:
 def usage_prune(*, now: datetime | None = None) -> int:
     """Delete the rollups older than USAGE_RETENTION_DAYS, cut at a day's start so that the day and
     hour tables end together; returns the rows deleted. The rollup runs it once a day."""
-    oldest = timezone.localdate(now or timezone.now()) - timedelta(days=settings.USAGE_RETENTION_DAYS)
+    oldest = portal_today(now) - timedelta(days=settings.USAGE_RETENTION_DAYS)
     cutoff = day_start(oldest)
     return sum(
         model.objects.filter(start__lt=cutoff).delete()[0] for model in (UsageHour, UsageDay, UsageTeamHour)

@@ -56,9 +56,10 @@ class UsageFigures(models.Model):
     @staticmethod
     def utilization_pct(used: float, booked: float, unbooked: float = 0.0) -> float | None:
         """Used ÷ the card time the rows cover: of a booker's rows, their booked GPU-hours; of the
-        unbooked rows, the free card time; of both, the cards'. None when they cover nothing."""
+        unbooked rows, the free card time; of both, the cards'. None when they cover nothing. Three
+        decimals, as the GPU-hours: a card barely used is not "0.0 %" (portal.figures prints it)."""
         covered = booked + unbooked
-        return round(100 * used / covered, 1) if covered > 0 else None
+        return round(100 * used / covered, 3) if covered > 0 else None
 
 
 # The heatmap groups by this in SQL: 168 groups, rather than a moment per hour to load and convert.

@@ -11,11 +11,17 @@ from gpus.calendar_views import calendar_panel
 from gpus.models import GPU
 from gpus.selectors import dashboard_servers as select_dashboard_servers
 from gpus.selectors import gpu_history
+from gpus.servers import HOST_JOIN
 from portal.access import is_admin
 
 
 def _servers_html(request: HttpRequest) -> str:
-    context = {"servers": select_dashboard_servers(request.user), "reserve_url": reverse("reservation_new")}
+    context = {
+        "servers": select_dashboard_servers(request.user),
+        "reserve_url": reverse("reservation_new"),
+        # An admin with no server yet is told what to run on a GPU host (members, to ask one).
+        "host_join": HOST_JOIN if is_admin(request.user) else "",
+    }
     return render_to_string("gpus/_servers.html", context, using="jinja2")
 
 

@@ -19,7 +19,7 @@ class JobsConfig(AppConfig):
         from jobs.models import JOB_CHANGE_TOLD
         from jobs.notices import job_change_notify
         from jobs.queue.scheduler import queue_holds
-        from jobs.selectors import job_images, jobs_finished_between, jobs_owned_by
+        from jobs.selectors import job_images, jobs_finished_between, jobs_owned_by, jobs_peak_memory
         from jobs.services import jobs_by_session
         from jobs.sessions.services import (
             booking_sessions_context,
@@ -40,6 +40,7 @@ class JobsConfig(AppConfig):
                 work_on_booking=work_on,  # what a release or cancel would stop: asked first
                 queue_holds=queue_holds,  # the plan's shadows, which user bookings leave free
                 loan_words=loan_words,  # a lent card's words on the dashboard
+                jobs_peak_memory=jobs_peak_memory,  # Reports: the jobs' own peak beside the cards'
             )
         )
         # A job's start and end told to its owner, with the change itself (jobs/notices.py).

@@ -20,7 +20,7 @@ from gpus.images import runnable_text
 from gpus.models import ContainerImage, Server
 from jobs.tasks import pull_images
 from portal.errors import Invalid
-from portal.outage import outage_of
+from portal.unreachable import outage_of
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ class LentHours:
     used: float  # GPU-hours the borrowers' jobs ran
 
     @property
-    def used_pct(self) -> int | None:
-        return round(100 * self.used / self.lent) if self.lent else None
+    def used_pct(self) -> float | None:
+        return round(100 * self.used / self.lent, 3) if self.lent else None
 
 
 def _overlap(start: datetime, end: datetime | None, since: datetime | None, until: datetime) -> float:

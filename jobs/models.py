@@ -154,6 +154,7 @@ class Job(models.Model):
         QUOTA = "quota", "You or your team are at a quota limit"
         BEGIN_TIME = "begin_time", "It asked for a later start"
         DRAINING = "draining", "The chosen server is draining"
+        OFFLINE = "offline", "The chosen server is offline"
         ARRAY_LIMIT = "array_limit", "Its array already runs as many tasks as it may"
 
     ACTIVE = (Status.PENDING, Status.QUEUED, Status.STARTING, Status.RUNNING)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import Max, Q
 from django.http import Http404
 from django.utils import timezone
 
@@ -49,6 +50,22 @@ def jobs_finished_between(since: datetime, until: datetime) -> list[JobOutcome]:
     return jobs + [
         JobOutcome(at, cards[0], owner, team, SESSION_ENDED) for at, cards, owner, team in ended if cards
     ]
+
+
+def jobs_peak_memory(
+    visible: Q, since: datetime, until: datetime, filters: Mapping[str, str]
+) -> dict[str, int]:
+    """gpus.hooks.jobs_peak_memory: {username: the highest Job.peak_memory_mb} of the `visible` jobs
+    that ran in [since, until), with the usage filters' team, user and server. A job's peak is what
+    its own processes held, summed over its cards (jobs.services.jobs_usage_record): never another
+    person's memory on a shared card, nor the driver's."""
+    jobs = Job.objects.filter(visible, started_at__lt=until, peak_memory_mb__isnull=False).filter(
+        Q(finished_at__isnull=True) | Q(finished_at__gte=since)
+    )
+    fields = {"team": "team__slug", "user": "owner__username", "server": "server__name"}
+    jobs = jobs.filter(**{fields[name]: value for name, value in filters.items() if name in fields})
+    peaks = jobs.values("owner__username").annotate(peak=Max("peak_memory_mb")).order_by()
+    return {row["owner__username"]: row["peak"] for row in peaks}
 
 
 def get_job_for_user(user: AbstractBaseUser, pk: int) -> Job:

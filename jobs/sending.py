@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from celery import Task
 
-from portal.outage import outage_of
+from portal.unreachable import outage_of
 
 
 class HostSender:

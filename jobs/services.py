@@ -11,9 +11,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import partial
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q
+from django.urls import reverse
 from django.utils import timezone
 
 from gpus.inventory import GPUInfo
@@ -27,6 +29,9 @@ from jobs.sessions.services import labs_resend
 from jobs.tasks import run_job
 from portal.access import can_manage
 from portal.errors import Forbidden, Invalid
+from portal.models import AuditEntry, Notification
+from portal.notifications import notification_send
+from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +92,44 @@ def job_cancel(
         for task in sorted(tasks, key=lambda task: task.status in WAITING):
             _cancel_one(user, task, now)
         job.refresh_from_db()
+        _others_cancel_told(user, job, tasks, now)
         return job
-    return _cancel_one(user, job, now)
+    job = _cancel_one(user, job, now)
+    _others_cancel_told(user, job, [job], now)
+    return job
+
+
+def _others_cancel_told(user: AbstractBaseUser, job: Job, tasks: Sequence[Job], now: datetime) -> None:
+    """Someone else's job cancelled (a leader's, an admin's): its owner is told who stopped what,
+    once for a whole array, and the audit log records it. An owner's own cancel tells nobody."""
+    if job.owner_id == user.pk or not tasks:
+        return
+    first = tasks[0]
+    what = (
+        f"job {first.pk} ({first.name})"
+        if len(tasks) == 1
+        else f"{len(tasks)} tasks of job array {job.array_id} ({job.name})"
+    )
+    AuditEntry.objects.create(
+        actor=user,
+        team_id=job.team_id,
+        action=AuditEntry.Action.JOB_CANCEL,
+        target=f"job {first.pk}",
+        message=f"{user} cancelled {what} of {job.owner}",
+        data={"jobs": [task.pk for task in tasks]},
+    )
+    notification_send(
+        user=job.owner,
+        kind=Notification.Kind.JOB_STOPPED,
+        subject=f"{user} cancelled your {what}",
+        body=(
+            f"{user} cancelled your {what} at {format_time(now)}. A running job gets SIGTERM, then "
+            f"SIGKILL after {settings.JOB_KILL_GRACE_SECONDS} s; a waiting one never starts. It ends "
+            f"cancelled, saying {user} cancelled it."
+        ),
+        url=reverse("job_detail", args=[first.pk]),
+        key=f"cancelled-job:{first.pk}",
+    )
 
 
 def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:

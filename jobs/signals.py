@@ -1,16 +1,18 @@
 """The jobs app's signal receivers only; what they do lives in named modules.
 
-- worker_init: a GPU host's worker refuses to start where a folder it writes into as root is
-  not safe from the jobs' accounts, or its jobs' account cannot reach JOB_FOLDERS
+- worker_init: a GPU host's worker refuses to start where it would run its jobs as root unasked
+  (jobs.host.worker.jobs_account_check), where a folder it writes into as root is not safe from
+  the jobs' accounts, or its jobs' account cannot reach JOB_FOLDERS
   (jobs.host.worker.host_worker_check).
 - worker_ready: the portal's own worker (the one consuming the default queue, where the telemetry
   collector runs) starts the job reconciler and the queue's scheduler (jobs/threads.py,
   jobs/queue/scheduler.py); a GPU host's worker ends what a previous worker left running
   (jobs.host.worker.kill_orphans), says whether containers work there (containers_report, in a
-  thread of its own), then starts its spool replay, its pickup and its watchdog:
-  one `HostWorker`, which holds what the host's worker keeps for its life. A Slurm cluster's
-  worker starts its pickup, answers the web's questions before a job is written
-  (jobs/host/slurm_checks.py) and follows again what its previous worker followed.
+  thread of its own) and whether its jobs run as root (jobs_as_root_record), then starts its
+  spool replay, its pickup and its watchdog: one `HostWorker`, which holds what the host's
+  worker keeps for its life. A Slurm cluster's worker starts its pickup, answers the web's
+  questions before a job is written (jobs/host/slurm_checks.py) and follows again what its
+  previous worker followed.
 - worker_shutting_down: a GPU host's worker asks its running jobs to stop first
   (jobs.host.worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
   (jobs.host.worker.running_jobs_stopped). The HostWorker connects both.
@@ -51,6 +53,7 @@ from jobs.host.worker import (
     containers_leftovers_remove,
     containers_report,
     host_worker_check,
+    jobs_as_root_record,
     kill_orphans,
     running_jobs_stop,
     running_jobs_stopped,
@@ -60,8 +63,8 @@ from jobs.lending import loans_watch
 from jobs.queue.scheduler import Scheduler
 from jobs.services import jobs_usage_record
 from jobs.threads import JobReconciler, SpoolReplay
-from portal.outage import outage_of
 from portal.periodic import start_thread
+from portal.unreachable import outage_of
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,7 @@ class HostWorker:
         self.watchdog: HostWatchdog | None = None  # made at the first snapshot: it names the host
         self.mapping = DcgmMapping(server)  # DCGM's job mapping: rebuilt at start, refreshed by the watchdog
         self.database_away = False  # the watchdog's rounds wait for the database: said once
+        self.as_root_recorded = False  # on its server row, once the collector has made it
 
     def start(self, pool_size: int) -> None:
         if settings.GPU_BACKEND == "slurm":  # a Slurm cluster's login node: Slurm owns every process
@@ -107,6 +111,7 @@ class HostWorker:
             start_thread(SlurmSubmitChecks(self.server))  # the web's questions before it writes a job
             self.resume_slurm_jobs()
             return
+        self.as_root_recorded = jobs_as_root_record(self.server)
         kill_orphans(self.server)
         containers_leftovers_remove(self.server)  # after kill_orphans, before any job of this worker
         self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
@@ -142,6 +147,8 @@ class HostWorker:
     def watch_cards(self, sender: object, *, snapshot: Snapshot, **kwargs: object) -> None:
         """In its reporter's thread: each snapshot of its cards, judged."""
         close_old_connections()  # a restarted database must not kill the loop
+        if not self.as_root_recorded:  # a new host: its row is made from its first report
+            self.as_root_recorded = jobs_as_root_record(self.server)
         try:
             if self.watchdog is None:
                 self.watchdog = HostWatchdog(

@@ -22,6 +22,7 @@ from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
@@ -37,7 +38,7 @@ from jobs.rightsizing import REPORT_PERIODS, oversized_report, report_days, size
 from jobs.selectors import get_job_for_user, job_placement, queue_rows
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
-from portal.access import can_manage, team_for_user
+from portal.access import can_manage, is_admin, team_for_user, teams_led_by
 from portal.errors import Forbidden, Invalid, ServiceError
 from portal.filters import filter_list
 from portal.http import redirect_back
@@ -137,11 +138,27 @@ def _job_list(request: HttpRequest, jobs: QuerySet[Job], filterset_class: type[J
     return {"filter_form": filter_form, "page": page, "jobs": _describe(list(page.object_list))}
 
 
+def _job_tabs(request: HttpRequest, current: str) -> list[tuple[str, str, bool]]:
+    """The Jobs pages' tabs, (label, url, shown now): Mine, each team the user leads (its jobs, in
+    History filtered by it) and, for admins, every job. None for a member: Mine is all they see."""
+    teams = list(teams_led_by(request.user).order_by("name"))
+    admin = is_admin(request.user)
+    if not teams and not admin:
+        return []
+    history = reverse("job_history")
+    tabs = [("Mine", reverse("my_jobs"), current == "")]
+    tabs += [(f"{t.name}'s jobs", f"{history}?team={t.slug}", current == t.slug) for t in teams]
+    if admin:
+        tabs.append(("All jobs", history, current == "*"))
+    return tabs
+
+
 @require_GET
 @login_required
 def my_jobs(request: HttpRequest) -> HttpResponse:
     own = Job.objects.filter(owner=request.user).select_related("owner", "server")
     context = _job_list(request, own, MyJobFilter)
+    context["tabs"] = _job_tabs(request, "")
     # Your interactive sessions beside your jobs: the running ones and the last few.
     context["sessions"] = list(
         InteractiveSession.objects.filter(owner=request.user).select_related("server")[:10]
@@ -158,6 +175,7 @@ def job_history(request: HttpRequest) -> HttpResponse:
         Job.objects.restrict(request.user).select_related("owner", "team", "server"),
         JobHistoryFilter,
     )
+    context["tabs"] = _job_tabs(request, request.GET.get("team") or "*")
     return render(request, "jobs/job_history.html", context)
 
 

@@ -9,6 +9,7 @@ from rest_framework.authtoken.models import TokenProxy
 from portal.errors import Invalid
 from portal.identity import unix_account_claim_confirm, unix_account_valid
 from portal.models import (
+    NESTED_LIMITS,
     ApiToken,
     AuditEntry,
     ChannelDelivery,
@@ -18,6 +19,7 @@ from portal.models import (
     NotificationChannel,
     Profile,
     Team,
+    members_above_team,
 )
 from portal.services import api_token_revoke, signin_unlock
 
@@ -145,8 +147,27 @@ class ApiTokenAdmin(admin.ModelAdmin):
         self.message_user(request, f"{revoked} token(s) revoked.", messages.SUCCESS)
 
 
+class MembershipFormSet(forms.BaseInlineFormSet):
+    """A team's members on its admin page, checked against the team's limits as submitted with
+    them (portal.models.members_above_team, the team page's rule): a team quota set below a
+    member's, or a member's above the team's, is refused, naming them; nothing is saved."""
+
+    def clean(self) -> None:
+        super().clean()
+        team = {field: getattr(self.instance, field) for field in NESTED_LIMITS}
+        members = [
+            (data["user"].username, data)
+            for data in (getattr(form, "cleaned_data", None) or {} for form in self.forms)
+            if data.get("user") and not data.get("DELETE")
+        ]
+        above = members_above_team(team, members)
+        if above:
+            raise forms.ValidationError(list(above.values()))
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
+    formset = MembershipFormSet
     extra = 1
     autocomplete_fields = ["user"]
     fields = ["user", "role", "max_cards", "max_gb", "max_booking_hours", "gpu_hours_per_week", "shares"]

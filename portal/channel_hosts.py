@@ -54,11 +54,13 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import apprise
 import urllib3.util.connection
 from django.conf import settings
+
+if TYPE_CHECKING:  # imported where a channel is checked or sent to (portal.channels): 70 ms a process
+    import apprise
 
 # The services that send to the host their URL names. The others (Slack, Discord) send to their
 # vendor's fixed hosts, and their URL's "host" is a token. A Teams workflow URL (`workflow://`,

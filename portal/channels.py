@@ -20,8 +20,8 @@ import logging
 import re
 from datetime import datetime, timedelta
 from functools import lru_cache, partial
+from typing import TYPE_CHECKING
 
-import apprise
 from celery import shared_task
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from cryptography.hazmat.primitives import hashes
@@ -39,6 +39,9 @@ from portal.channel_hosts import GENERIC, destination_check, sending_to, without
 from portal.errors import Errors, Forbidden, Invalid, TooSoon
 from portal.mail import nudge, portal_link, stranded
 from portal.models import ChannelDelivery, Notification, NotificationChannel, Team, WatchdogKind
+
+if TYPE_CHECKING:
+    import apprise
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +175,8 @@ def event_choices(*, team: bool) -> list[tuple[str, str]]:
 def _check_url(url: str) -> apprise.NotifyBase:
     """The service's plugin. Its scheme is apprise's own (a Slack https://hooks.slack.com/...
     webhook is `slack`), so a service's native URL is allowed when its scheme is."""
+    import apprise  # here, not at the top: every worker imports this module, few check a URL (70 ms)
+
     url = url.strip()
     if not url:
         raise Invalid(f"Give the channel's apprise URL, e.g. {EXAMPLES}.", field="url")
@@ -484,6 +489,8 @@ def _send(channel: NotificationChannel, subject: str, body: str, path: str) -> t
     not found may be found later). The host is looked up once, checked, and connected to only at
     the addresses checked (portal.channel_hosts: a name cannot answer the check and the send
     differently)."""
+    import apprise  # here, not at the top: every worker imports this module, few send (70 ms)
+
     url = url_decrypt(channel.url_encrypted)
     if url is None:
         return False, UNREADABLE, True

@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -22,6 +23,43 @@ class ImproperlyConfiguredEnv(ValueError):
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class EnvRead:
+    """A variable a reader below was asked for: its default, spelled as an env file spells it,
+    and the values it takes ("1-5", "one of: a, b"). deploy/env.example is generated from these
+    (portal/env_example.py), so its commented-out lines show what the settings really do."""
+
+    name: str
+    default: str
+    takes: str = ""
+
+
+# Every variable read so far in this process, the first read of each (the settings' own, at load).
+READS: dict[str, EnvRead] = {}
+
+
+def _spelled(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return ",".join(f"{key}={item}" for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(item) for item in value)
+    return "" if value is None else str(value)
+
+
+def _read(name: str, default: object, takes: str = "") -> None:
+    READS.setdefault(name, EnvRead(name, _spelled(default), takes))
+
+
+def _bounds(min_value: int | None, max_value: int | None) -> str:
+    if min_value is not None and max_value is not None:
+        return f"{min_value}-{max_value}"
+    if min_value is not None:
+        return f"at least {min_value}"
+    return "" if max_value is None else f"at most {max_value}"
 
 
 def _raw(name: str) -> str | None:
@@ -36,11 +74,13 @@ def _raw(name: str) -> str | None:
 
 
 def env_str(name: str, default: str = "") -> str:
+    _read(name, default)
     value = _raw(name)
     return default if value is None else value
 
 
 def env_bool(name: str, default: bool = False) -> bool:
+    _read(name, default)
     value = _raw(name)
     if value is None:
         return default
@@ -53,6 +93,7 @@ def env_bool(name: str, default: bool = False) -> bool:
 
 
 def env_int(name: str, default: int, *, min_value: int | None = None, max_value: int | None = None) -> int:
+    _read(name, default, _bounds(min_value, max_value))
     value = _raw(name)
     if value is None or value.strip() == "":
         return default
@@ -72,6 +113,7 @@ def env_int_renamed(
 ) -> int | None:
     """`name` as env_int; None when unset, for the caller to read `was` in its place, the name it
     takes over from, for one release. Where only `was` is set, a warning at start-up says so."""
+    _read(name, None, _bounds(min_value, max_value))
     if not (_raw(name) or "").strip() and (_raw(was) or "").strip():
         warnings.warn(
             f"{was} is read in place of {name}, for this release only: set {name} (docs/configuration.md)",
@@ -82,6 +124,7 @@ def env_int_renamed(
 
 
 def env_list(name: str, default: list[str]) -> list[str]:
+    _read(name, default, "comma-separated")
     value = _raw(name)
     if value is None:
         return default
@@ -90,6 +133,7 @@ def env_list(name: str, default: list[str]) -> list[str]:
 
 def env_pairs(name: str, default: dict[str, str]) -> dict[str, str]:
     """`a=/x,b=/y` → {"a": "/x", "b": "/y"}; names are letters, digits, '.', '_' and '-'."""
+    _read(name, default, "comma-separated name=value pairs")
     value = _raw(name)
     if value is None or not value.strip():
         return dict(default)
@@ -107,6 +151,7 @@ def env_pairs(name: str, default: dict[str, str]) -> dict[str, str]:
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    _read(name, default, f"one of: {', '.join(choices)}")
     value = env_str(name, default).strip().lower()
     if value not in choices:
         raise ImproperlyConfiguredEnv(f"{name}={value!r} must be one of: {', '.join(choices)}")
@@ -116,6 +161,7 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
 def env_origin(name: str, default: str) -> str:
     """A web origin, `scheme://host[:port]` (http or https; no path, query or user), normalised as
     browsers write it in an Origin header: lower case, no default port, no trailing slash."""
+    _read(name, default, "scheme://host[:port]")
     value = env_str(name, default).strip()
     example = f"e.g. {name}=https://labs.portal.example"
     try:
@@ -137,6 +183,7 @@ def env_origin(name: str, default: str) -> str:
 def env_ip(name: str, default: str, *, example: str) -> str:
     """An IP address (IPv6 with or without brackets), never a host name: what it names must not
     change with whoever answers DNS next."""
+    _read(name, default, "an IP address")
     value = env_str(name, default).strip()
     try:
         return str(ipaddress.ip_address(value.strip("[]")))
@@ -147,6 +194,7 @@ def env_ip(name: str, default: str, *, example: str) -> str:
 
 def env_absolute_path(name: str, *, example: str) -> str:
     """An absolute path, or "" when unset: a relative one would depend on the process's folder."""
+    _read(name, "", "an absolute path")
     value = env_str(name, "").strip()
     if value and not Path(value).is_absolute():
         raise ImproperlyConfiguredEnv(f"{name}={value!r} must be an absolute path ({example})")
@@ -155,6 +203,7 @@ def env_absolute_path(name: str, *, example: str) -> str:
 
 def env_secret(name: str, *, min_length: int) -> str:
     """A shared secret (or `NAME_FILE`), "" when unset; a short one is refused: it would be guessed."""
+    _read(name, "", f"at least {min_length} characters")
     value = env_str(name, "").strip()
     if 0 < len(value) < min_length:
         raise ImproperlyConfiguredEnv(

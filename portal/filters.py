@@ -63,12 +63,15 @@ class DayField(forms.DateField):
 
 
 class DayFilter(django_filters.DateFilter):
-    """A day in the portal's time zone, inclusive: lookup_expr="gte" keeps rows from the day's first
-    moment on (since=), "lte" up to its last (until=). field_name is a DateTimeField."""
+    """A day, inclusive: lookup_expr="gte" keeps rows from the day's first moment on (since=), "lte"
+    up to its last (until=). field_name is a DateTimeField. The day is the viewer's (the request's
+    current zone); `portal_days=True` makes it TIME_ZONE's, for tables whose days were written in it
+    (the usage rollups), so that every viewer's day holds the same rows."""
 
     field_class = DayField
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, portal_days: bool = False, **kwargs: Any) -> None:
+        self.portal_days = portal_days
         super().__init__(*args, **kwargs)
         if self.lookup_expr not in ("gte", "lte"):  # at class definition, not at the first query
             raise ImproperlyConfigured(
@@ -78,7 +81,7 @@ class DayFilter(django_filters.DateFilter):
     def filter(self, qs: QuerySet, value: date | None) -> QuerySet:
         if value in EMPTY_VALUES:
             return qs
-        zone = timezone.get_current_timezone()
+        zone = timezone.get_default_timezone() if self.portal_days else timezone.get_current_timezone()
         if self.lookup_expr == "gte":
             return qs.filter(**{f"{self.field_name}__gte": datetime.combine(value, time.min, zone)})
         next_day = datetime.combine(value + timedelta(days=1), time.min, zone)

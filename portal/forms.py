@@ -9,7 +9,7 @@ from __future__ import annotations
 from django import forms
 
 from portal.errors import ServiceError
-from portal.models import Notification
+from portal.models import Membership, Notification
 from portal.time_zones import zone_choices
 
 
@@ -64,3 +64,41 @@ class MailPreferenceForm(forms.Form):
         label="Mail me about",
         help_text="Unticked kinds still appear in your inbox.",
     )
+
+
+def _usernames(value: str) -> list[str]:
+    """ "bob, carol dave" → [bob, carol, dave]: commas or blanks between usernames."""
+    return [name for name in value.replace(",", " ").split() if name]
+
+
+class TeamCreateForm(ServiceErrorsMixin, forms.Form):
+    """A new team (admins; portal.teams.team_create checks the names and the people)."""
+
+    name = forms.CharField(
+        max_length=100,
+        help_text="As people see it, e.g. Vision Lab.",
+        error_messages={"required": "Give the team a name, e.g. Vision Lab."},
+    )
+    slug = forms.CharField(
+        max_length=100,
+        required=False,
+        help_text="Its short name in URLs, e.g. vision-lab. Empty: from the name.",
+    )
+    leaders = forms.CharField(
+        required=False,
+        help_text="Usernames, separated by commas: they set members' quotas and see the team's jobs.",
+    )
+    members = forms.CharField(required=False, help_text="Usernames, separated by commas.")
+
+    def clean_leaders(self) -> list[str]:
+        return _usernames(self.cleaned_data["leaders"])
+
+    def clean_members(self) -> list[str]:
+        return _usernames(self.cleaned_data["members"])
+
+
+class MemberAddForm(ServiceErrorsMixin, forms.Form):
+    """Someone added to a team (admins; portal.teams.team_member_add)."""
+
+    username = forms.CharField(max_length=150, help_text="Their portal username.")
+    role = forms.ChoiceField(choices=Membership.Role.choices, initial=Membership.Role.MEMBER)

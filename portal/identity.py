@@ -29,6 +29,7 @@ from portal.accounts import unix_account_trusted, users_by_unix_name
 from portal.errors import Invalid
 from portal.identity_env import MEMBER, ROLE_RANK, GroupTeams
 from portal.models import AuditEntry, ExternalAccount, Membership, Profile, Team
+from portal.teams import name_from_slug
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +283,7 @@ def _team_for(slug: str, why: list[str], audit: _Audit) -> Team:
     team = Team.objects.filter(slug=slug).first()
     if team:
         return team
-    name = " ".join(word.capitalize() for word in re.split(r"[-_]+", slug) if word) or slug
+    name = name_from_slug(slug)
     if Team.objects.filter(name=name).exists():
         name = f"{name} ({slug})"
     team, created = Team.objects.get_or_create(slug=slug, defaults={"name": name})

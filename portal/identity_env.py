@@ -31,6 +31,10 @@ _OIDC_ALGORITHMS = ("RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "HS256
 logger = logging.getLogger(__name__)
 
 
+class LdapNotInstalled(ImproperlyConfiguredEnv):
+    """LDAP_SERVER_URI is set where python-ldap or django-auth-ldap is not installed."""
+
+
 @dataclass(frozen=True)
 class TeamGrant:
     """What one directory group gives: a role in the team with this slug."""
@@ -108,11 +112,11 @@ def ldap_settings_from_env() -> dict[str, object]:
     without LDAP_SERVER_URI. settings.py and the LDAP tests both build them here.
 
     Each step reads and checks its variables, in this order, so a wrong setup is told its first
-    mistake."""
+    mistake; whether LDAP is installed comes after them (deploy/env.example is generated on
+    machines without it, from what these steps read: portal/env_example.py)."""
     uri = _ldap_uri()
     if not uri:
         return {}
-    ldap, config = _ldap_modules()
     user_base, user_filter = _ldap_user_search()
     start_tls = _ldap_start_tls(uri)
     ca_file = env_str("LDAP_CA_CERT_FILE", "").strip()
@@ -121,11 +125,14 @@ def ldap_settings_from_env() -> dict[str, object]:
     timeout = env_int("LDAP_TIMEOUT_SECONDS", 10, min_value=1, max_value=120)
     username_attr = _ldap_username_attr()
     group_type, group_base, group_filter = _ldap_group_search()
+    bind_dn, bind_password = env_str("LDAP_BIND_DN", "").strip(), env_str("LDAP_BIND_PASSWORD", "")
+    unix_account_attr = env_str("LDAP_UNIX_ACCOUNT_ATTR", "uid").strip()
+    ldap, config = _ldap_modules()
 
     found = {
         "AUTH_LDAP_SERVER_URI": uri,
-        "AUTH_LDAP_BIND_DN": env_str("LDAP_BIND_DN", "").strip(),
-        "AUTH_LDAP_BIND_PASSWORD": env_str("LDAP_BIND_PASSWORD", ""),
+        "AUTH_LDAP_BIND_DN": bind_dn,
+        "AUTH_LDAP_BIND_PASSWORD": bind_password,
         "AUTH_LDAP_START_TLS": start_tls,
         "AUTH_LDAP_USER_SEARCH": config.LDAPSearch(user_base, ldap.SCOPE_SUBTREE, user_filter),
         # The same attributes in OpenLDAP's inetOrgPerson and in Active Directory.
@@ -141,7 +148,7 @@ def ldap_settings_from_env() -> dict[str, object]:
             ldap.OPT_TIMEOUT: timeout,
         },
         "AUTH_LDAP_GLOBAL_OPTIONS": {ldap.OPT_X_TLS_CACERTFILE: ca_file} if ca_file else {},
-        "LDAP_UNIX_ACCOUNT_ATTR": env_str("LDAP_UNIX_ACCOUNT_ATTR", "uid").strip(),
+        "LDAP_UNIX_ACCOUNT_ATTR": unix_account_attr,
         # The portal username is this attribute of the person's entry, lower-cased, not what
         # they typed: "Alice", "alice" and alice@lab.example are one account.
         "LDAP_USERNAME_ATTR": username_attr,
@@ -169,7 +176,7 @@ def _ldap_modules() -> tuple[Any, Any]:
         import ldap
         from django_auth_ldap import config
     except ImportError as exc:
-        raise ImproperlyConfiguredEnv(
+        raise LdapNotInstalled(
             f"LDAP_SERVER_URI is set but LDAP sign-in is not installed ({exc}): run "
             "`apt install libldap2-dev libsasl2-dev`, then `.venv/bin/pip install -r requirements-ldap.txt`"
         ) from exc

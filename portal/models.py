@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -21,21 +22,26 @@ from portal.restrict import CHANGE, VIEW, check_action, is_admin
 class QuotaFields(models.Model):
     """Limits shared by team and member quotas. NULL = unlimited."""
 
+    # The verbose names are the portal's own labels (the team page, the booking form's limits):
+    # Django's admin and every message that names a limit say them the same way.
     max_cards = models.PositiveIntegerField(
-        null=True, blank=True, help_text="Whole cards held at any one time. Empty: no limit."
+        "cards at once", null=True, blank=True, help_text="Whole cards held at any one time. Empty: no limit."
     )
     max_gb = models.PositiveIntegerField(
+        "GiB at once",
         null=True,
         blank=True,
         help_text="GPU memory held at any one time, in GiB (a whole card counts its full memory).",
     )
     gpu_hours_per_week = models.PositiveIntegerField(
+        "GPU-hours per week",
         null=True,
         blank=True,
         help_text="GPU-hours per calendar week (Monday to Sunday); a shared booking counts its "
         "fraction of the card.",
     )
     shares = models.PositiveIntegerField(
+        "fair-share shares",
         default=1,
         help_text="Fair share of the queue: a team's against the other teams', a member's against "
         "their teammates'. Equal by default.",
@@ -43,6 +49,38 @@ class QuotaFields(models.Model):
 
     class Meta:
         abstract = True
+
+
+# The limits a member's quota must hold inside the team's (the longest booking and shares are the
+# member's alone).
+NESTED_LIMITS = ("max_cards", "max_gb", "gpu_hours_per_week")
+
+
+def members_above_team(
+    team: Mapping[str, int | None], members: Iterable[tuple[str, Mapping[str, int | None]]]
+) -> dict[str, str]:
+    """A member's quota fits inside the team's: by limit, the members whose own value is above the
+    team's, in one message naming them, their figures and what to do; empty when all fit. The one
+    rule for the team page, the API (gpus.quotas) and Django's admin (portal/admin.py)."""
+    members = list(members)
+    problems = {}
+    for field in NESTED_LIMITS:
+        limit = team.get(field)
+        if limit is None:
+            continue
+        above = [(name, v) for name, limits in members if (v := limits.get(field)) is not None and v > limit]
+        if not above:
+            continue
+        figures = [f"{name}'s {value}" for name, value in above]
+        named = figures[0] if len(figures) == 1 else f"{', '.join(figures[:-1])} and {figures[-1]}"
+        whose, verb = (f"{above[0][0]}'s quota", "is") if len(above) == 1 else ("their quotas", "are")
+        highest = max(v for _, v in above)
+        problems[field] = (
+            f"{named} {Team._meta.get_field(field).verbose_name} {verb} above the team's {limit}: a "
+            f"member's quota must fit inside the team's. Lower {whose} to at most {limit} first (on the "
+            f"team page), or set the team's to at least {highest}."
+        )
+    return problems
 
 
 class TeamQuerySet(models.QuerySet):
@@ -69,10 +107,12 @@ class Team(QuotaFields):
     slug = models.SlugField(max_length=100, unique=True)
     members = models.ManyToManyField(settings.AUTH_USER_MODEL, through="Membership", related_name="teams")
     auto_release_idle = models.BooleanField(
+        "release idle bookings automatically",
         default=False,
         help_text="Release an idle booking IDLE_RELEASE_MINUTES after its owner was warned. Set by leaders.",
     )
     lend_idle = models.BooleanField(
+        "lend idle bookings to the queue",
         default=True,
         help_text="Lend a booking idle for LEND_AFTER_MINUTES to preemptible queued jobs, which leave as "
         "soon as its owner starts something. Set by leaders.",
@@ -96,6 +136,7 @@ class Membership(QuotaFields):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=10, choices=Role.choices, default=Role.MEMBER)
     max_booking_hours = models.PositiveIntegerField(
+        "longest booking (hours)",
         null=True,
         blank=True,
         help_text="Longest single booking, in hours. Empty: the portal's limit (BOOKING_MAX_HOURS).",
@@ -185,6 +226,11 @@ class AuditEntry(models.Model):
         JOB_CANCEL = "job.cancel", "Jobs cancelled"
         SESSION_STOP = "session.stop", "Interactive session stopped"
         JOB_LOST = "job.lost", "Job lost: followed no more"
+        TEAM_CREATE = "team.create", "Team created"
+        TEAM_MEMBERS = "team.members", "Team members changed"
+        SERVER_DRAIN = "server.drain", "Server drained or back in service"
+        VIOLATION_STOP = "violation.stop", "Violation: stop asked for"
+        VIOLATION_RESOLVE = "violation.resolve", "Violation marked resolved"
 
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey(

@@ -14,7 +14,7 @@ import threading
 from celery.signals import worker_shutdown
 from django.db import connection
 
-from portal.outage import WHAT, outage_of
+from portal.unreachable import WHAT, outage_of
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import socket
 import sys
 from datetime import timedelta
@@ -20,7 +19,6 @@ from portal.env import (
     env_origin,
     env_pairs,
     env_secret,
-    env_secret_kept,
     env_str,
     instance_id,
     lab_origin_problem,
@@ -37,12 +35,14 @@ from portal.names import instance_keys
 from portal.settings_containers import *  # noqa: F403 - CONTAINER_*: jobs and labs in images
 from portal.settings_lending import *  # noqa: F403 - PREEMPT_*, LEND_*, NO_SHOW_*: preemption and lending
 from portal.settings_notices import *  # noqa: F403 - JOB_END_NOTIFY_*: job notices
+from portal.settings_safety import *  # noqa: F403 - PORTAL_DEVELOPMENT, JOB_USER: what a deployment refuses
+from portal.settings_safety import PORTAL_DEVELOPMENT, deployment_refuse, secret_key_read
 from portal.settings_slurm import *  # noqa: F403 - SLURM_*: Slurm clusters
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
-SECRET_KEY = env_secret_kept("SECRET_KEY", VAR_DIR / "secret_key")
+SECRET_KEY = secret_key_read(VAR_DIR / "secret_key")  # made up only under PORTAL_DEVELOPMENT
 DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -64,6 +64,7 @@ LAB_RECHECK_SECONDS = env_int("LAB_RECHECK_SECONDS", 15, min_value=1, max_value=
 TIME_ZONE = env_str("TIME_ZONE", "UTC")
 USE_TZ = True
 LANGUAGE_CODE = "en-us"
+FORMAT_MODULE_PATH = ["portal.formats"]  # 24-hour times where Django formats them (the admin)
 USE_I18N = False
 
 INSTALLED_APPS = [
@@ -291,12 +292,15 @@ STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"
 STATIC_ROOT.mkdir(exist_ok=True)  # whitenoise warns on every request without it
 STATICFILES_DIRS = [BASE_DIR / "static"]
+# A deployment's pages name collectstatic's hashed copies (the web unit runs it before it serves),
+# which whitenoise sends compressed and cacheable for ten years; a developer's pages name the
+# sources, served as they are edited, so a missed collectstatic never breaks one (docs/deploy.md).
+_STATIC = "CompressedStaticFilesStorage" if PORTAL_DEVELOPMENT else "CompressedManifestStaticFilesStorage"
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+    "staticfiles": {"BACKEND": f"whitenoise.storage.{_STATIC}"},
 }
-# Serve straight from the source folders too, so a missed collectstatic never breaks a page.
-WHITENOISE_USE_FINDERS = True
+WHITENOISE_USE_FINDERS = PORTAL_DEVELOPMENT
 MEDIA_ROOT = VAR_DIR / "media"
 # The only uploads are job scripts: keep JOB_UPLOAD_MAX_KB + 1 bytes, never spool a huge one.
 FILE_UPLOAD_HANDLERS = ["jobs.uploads.CappedUploadHandler"]
@@ -476,17 +480,7 @@ DCGM_HPC_JOB_MAPPING_DIR = env_absolute_path(
     example="the folder DCGM exporter reads with --hpc-job-mapping-dir, e.g. /run/dcgm-job-map",
 )
 
-# The OS account jobs run as. Empty: the worker's own, which can read what the worker
-# can (its env file with DATABASE_URL and SECRET_KEY): fine on a one-person machine, not
-# on a shared server. "@owner": each job runs as its owner's Unix account (their profile's, from
-# the directory or set by admins, else their username). Needs a worker with CAP_SETUID,
-# CAP_SETGID, CAP_KILL and CAP_CHOWN, none of which a job keeps (docs/jobs.md, "Who a job runs as").
-JOB_USER = env_str("JOB_USER", "")
-if JOB_USER and JOB_USER != "@owner" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*\$?", JOB_USER):
-    raise ImproperlyConfiguredEnv(
-        f"JOB_USER={JOB_USER!r} is neither an account name (e.g. gpujob) nor @owner (each job as its"
-        " owner's Unix account)"
-    )
+# JOB_USER and JOB_USER_ROOT: portal/settings_safety.py.
 # Accounts below this uid (root, system accounts) never run a job, whatever a profile says.
 JOB_MIN_UID = env_int("JOB_MIN_UID", 1000, min_value=1)
 # Per-job log cap: past it the head and the tail are kept and the middle is dropped.
@@ -698,3 +692,7 @@ LOG_STREAM_KEEPALIVE_SECONDS = env_int("LOG_STREAM_KEEPALIVE_SECONDS", 15, min_v
 # the web server connects per request. The workers keep theirs (docs/design.md, "ASGI").
 if env_bool("PORTAL_ASGI", False):
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+
+# Last, once every setting is read: a deployment refuses to start with DEBUG, a missing or
+# well-known SECRET_KEY, or no ALLOWED_HOSTS / PORTAL_URL (portal/settings_safety.py).
+deployment_refuse(debug=DEBUG, secret_key=SECRET_KEY)

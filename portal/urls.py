@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from portal import channel_views, event_views, notification_views, views
+from portal import channel_views, event_views, notification_views, team_views, views
 
 urlpatterns = [
     path("", include("gpus.urls")),
@@ -20,6 +20,15 @@ urlpatterns = [
     path("profile/channels/<int:pk>/delete/", channel_views.channel_remove, name="channel_delete"),
     path("teams/", views.teams, name="teams"),
     path("teams/<slug:slug>/channels/", channel_views.team_channels, name="team_channels"),
+    path("teams/<slug:slug>/members/", team_views.team_members, name="team_members"),
+    path(
+        "teams/<slug:slug>/members/<str:username>/role/", team_views.team_member_role, name="team_member_role"
+    ),
+    path(
+        "teams/<slug:slug>/members/<str:username>/remove/",
+        team_views.team_member_remove_view,
+        name="team_member_remove",
+    ),
     path("events/", event_views.events, name="events"),
     path("notifications/", notification_views.notifications, name="notifications"),
     path("notifications/bell/", notification_views.notification_bell, name="notification_bell"),

@@ -13,21 +13,23 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import PermissionDenied
 from django.db.models import Count
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils.html import format_html
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_http_methods, require_POST
 
 from portal.access import VIEW, is_admin, roles_of
 from portal.errors import ServiceError
-from portal.forms import JobNotifyForm, MailPreferenceForm, TimeZoneForm
+from portal.forms import JobNotifyForm, MailPreferenceForm, TeamCreateForm, TimeZoneForm
 from portal.http import redirect_back
 from portal.models import ApiToken, Membership, Profile, Team
 from portal.notifications import job_notify_of, job_notify_set, mail_kinds_wanted, mail_preference_set
 from portal.services import api_token_create, api_token_revoke
+from portal.teams import team_create
 from portal.time_zones import profile_time_zone_set, time_zone_offer_answered
 from portal.tokens import ApiTokenForm, api_token_expiry
 
@@ -156,13 +158,30 @@ def _get_token_for_user(user: AbstractBaseUser, pk: int) -> ApiToken:
     return get_object_or_404(ApiToken, pk=pk, user=user)
 
 
+@require_http_methods(["GET", "POST"])
 @login_required
 def teams(request: HttpRequest) -> HttpResponse:
+    """The teams the user sees; admins also create one here (POST: portal.teams.team_create)."""
     admin = is_admin(request.user)
+    create_form = TeamCreateForm() if admin else None
+    if request.method == "POST":
+        if not admin:
+            raise PermissionDenied("Only admins create teams; ask one.")
+        create_form = TeamCreateForm(request.POST)
+        if create_form.is_valid():
+            try:
+                team = team_create(actor=request.user, **create_form.cleaned_data)
+            except ServiceError as error:
+                create_form.add_service_error(error)
+            else:
+                messages.success(
+                    request, f"Team {team} created; it is in its audit log. Set its quota below."
+                )
+                return redirect("team_detail", slug=team.slug)
     roles = roles_of(request.user)
     visible = Team.objects.restrict(request.user, VIEW)
     rows = [
         (team, roles.get(team.pk), admin or roles.get(team.pk) == Membership.Role.LEADER)
         for team in visible.annotate(member_count=Count("memberships")).order_by("name")
     ]
-    return render(request, "portal/teams.html", {"rows": rows})
+    return render(request, "portal/teams.html", {"rows": rows, "create_form": create_form})

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import shutil
@@ -18,7 +19,7 @@ from portal.models import Membership
 from tests.browser import chromium_missing_header, left_out_without_chromium
 from tests.celery_workers import StartWorker
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
-from tests.isolation import OUTPUT, ROOT, RUN  # noqa: F401 - this process's own, for the tests
+from tests.isolation import OUTPUT, ROOT, RUN, VAR_BASE  # noqa: F401 - this process's own, for the tests
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,12 +37,73 @@ def _job_folders() -> Iterator[Path]:
     shutil.rmtree(spool, ignore_errors=True)
 
 
+def sqlite_template() -> Path | None:
+    """Where a migrated SQLite test database is kept across runs, named by everything that shapes
+    it: the project's migrations and the pinned requirements (the third-party apps' migrations).
+    None on PostgreSQL, whose test databases are made on the server."""
+    from django.conf import settings
+
+    if not settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+        return None
+    key = hashlib.sha256()
+    for path in [*sorted(ROOT.glob("*/migrations/*.py")), ROOT / "requirements.txt"]:
+        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return VAR_BASE / "test-db-templates" / f"sqlite-{key.hexdigest()[:16]}.sqlite3"
+
+
 @pytest.fixture(scope="session")
-def django_db_setup(django_db_setup, django_db_blocker) -> Iterator[None]:
-    """At the end, PostgreSQL's sessions on this run's test database closed, so pytest-django
+def django_db_keepdb(request, django_db_modify_db_settings) -> bool:
+    """SQLite: each test process's database starts as a copy of the migrated one (a full migrate
+    is 6 s of CPU a process, every run), and is then kept, not made again: Django's migrate
+    finds nothing to do. The copy lives in the run's own folder, removed when the run ends.
+    After django_db_modify_db_settings: the name is xdist's worker's own by then."""
+    template = sqlite_template()
+    if request.config.getvalue("reuse_db") or template is None or not template.exists():
+        return bool(request.config.getvalue("reuse_db"))
+    from django.conf import settings
+
+    try:
+        shutil.copyfile(template, settings.DATABASES["default"]["TEST"]["NAME"])
+    except FileNotFoundError:  # replaced by a run with other migrations since: migrate, as without
+        return False
+    return True
+
+
+def _sqlite_template_keep(template: Path) -> None:
+    """The just-migrated test database, copied for the next runs (SQLite's online backup: a
+    consistent copy of an open database), and put in place in one rename: processes that race
+    here each write their own file, and the last rename wins with the same content."""
+    import sqlite3
+
+    from django.db import connection
+
+    template.parent.mkdir(parents=True, exist_ok=True)
+    partial = template.with_name(f"{template.name}.{os.getpid()}.partial")
+    connection.ensure_connection()
+    target = sqlite3.connect(partial)
+    try:
+        connection.connection.backup(target)
+    finally:
+        target.close()
+    os.replace(partial, template)
+    for stale in template.parent.glob("sqlite-*.sqlite3"):  # other migrations' (other branches)
+        if stale != template:
+            stale.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker, django_db_keepdb) -> Iterator[None]:
+    """The migrated SQLite database kept for the next runs (django_db_keepdb above), when this
+    process had to make it.
+
+    At the end, PostgreSQL's sessions on this run's test database closed, so pytest-django
     can drop it: the live servers' and uvicorn's threads keep theirs open (Django's persistent
     connections, one per thread), and a database with sessions cannot be dropped. The name is
     this run's own (django_db_modify_db_settings below): every session on it is the run's."""
+    template = sqlite_template()
+    if template is not None and not django_db_keepdb:
+        with django_db_blocker.unblock():
+            _sqlite_template_keep(template)
     yield
     from django.db import connection
 
@@ -64,6 +126,40 @@ def _own_spool(_job_folders, settings, monkeypatch) -> None:
     spool = Path(settings.VAR_DIR) / f"test-spool-{os.getpid()}" / str(next(_spools))
     monkeypatch.setenv("JOB_SPOOL_DIR", str(spool))
     settings.JOB_SPOOL_DIR = spool
+
+
+def _one_default_tls_context() -> None:
+    """httpx makes a new SSL context, loading certifi's CA bundle (45 ms of CPU), for each
+    httpx.get/post and each Client; the tests' polls of their web servers made thousands. The
+    default one (verify=True, no client certificate) is made once here; any other (a test's own
+    CA) as httpx always does. Only this test process's: the portals it starts are untouched."""
+    import functools
+
+    import httpx._transports.default as transport
+
+    made = transport.create_ssl_context
+    default = functools.cache(made)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):  # type: ignore[no-untyped-def]
+        if verify is True and cert is None:
+            return default(verify, cert, trust_env)
+        return made(verify=verify, cert=cert, trust_env=trust_env)
+
+    transport.create_ssl_context = create_ssl_context
+
+
+_one_default_tls_context()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _static_files_looked_up_per_request() -> None:
+    """WhiteNoise finds static files as they are asked for (its `autorefresh`, as under DEBUG),
+    instead of scanning every one when its middleware is made: Django's test client makes the
+    middleware anew for each client, and the scan (about 220 files through the finders) was
+    50 ms of each, some 150 s of CPU over the suite. A test of static serving sets it back."""
+    from django.conf import settings
+
+    settings.WHITENOISE_AUTOREFRESH = True
 
 
 @pytest.fixture(scope="session")

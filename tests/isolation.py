@@ -41,10 +41,14 @@ _base = Path(
     os.environ.setdefault("PORTAL_TEST_VAR_BASE", os.environ.get("PORTAL_VAR_DIR") or str(ROOT / "var"))
 )
 _base = _base.resolve()
+VAR_BASE = _base  # kept across runs: the container images, the rootless slots, the migrated database
 VAR_DIR = _base / "test-runs" / RUN / WORKER
 OUTPUT = ROOT / "test-output" / f"run-{RUN}" / WORKER
 
 os.environ["PORTAL_VAR_DIR"] = str(VAR_DIR)
+# A developer's checkout, not a deployment (portal/settings_safety.py): the settings make up a
+# secret key and allow localhost's defaults. The tests of what a deployment refuses take it away.
+os.environ["PORTAL_DEVELOPMENT"] = "1"
 os.environ["PORTAL_INSTANCE_ID"] = f"test-{RUN}-{WORKER}"
 # Processes a test declares on simulated cards: where this process's workers look (never a
 # developer's own file from the environment).

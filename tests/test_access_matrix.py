@@ -361,6 +361,42 @@ def AUTO_RELEASE_ON(w: World) -> bool:
     return _fresh(w.team).auto_release_idle
 
 
+def DRAINED(w: World) -> bool:
+    return _fresh(w.box[0].server).draining
+
+
+def STOP_ASKED(w: World) -> bool:
+    return _fresh(w.violation).stop_requested_at is not None
+
+
+def RESOLVED(w: World) -> bool:
+    return _fresh(w.violation).resolved_at is not None
+
+
+NEW_TEAM = {"name": "Robotics", "slug": "robotics", "leaders": "", "members": ""}
+
+
+def TEAM_CREATED(w: World) -> bool:
+    return Team.objects.filter(slug="robotics").exists()
+
+
+def NEW_MEMBER(w: World) -> dict:
+    """dave, who has an account and no team yet."""
+    return {"username": UserFactory(username="dave").username, "role": "member"}
+
+
+def MEMBER_ADDED(w: World) -> bool:
+    return Membership.objects.filter(team=w.team, user__username="dave").exists()
+
+
+def MADE_LEADER(w: World) -> bool:
+    return Membership.objects.get(team=w.team, user=w.alice).role == Membership.Role.LEADER
+
+
+def MEMBER_GONE(w: World) -> bool:
+    return not Membership.objects.filter(team=w.team, user=w.alice).exists()
+
+
 def OUTSIDERS_FEED(w: World) -> dict:
     """charlie's calendar: a feed answers whoever holds its secret, anonymous included, so the
     case uses one that holds nothing of alice's (who may have which feed: tests/test_calendar.py)."""
@@ -380,6 +416,7 @@ ALL = "login ok ok ok ok ok"  # a page for everyone who is logged in
 API_ALL = "401 ok ok ok ok ok"  # an API list for everyone who is logged in
 MANAGERS = "login 403 403 404 ok ok"  # the team's leaders and admins; members 403, outsiders 404
 API_MANAGERS = "401 403 403 404 ok ok"
+ADMINS = "login 403 403 404 403 ok"  # a team's admin pages: members 403, outsiders 404
 NO = "405"  # the method is not allowed (before any login check)
 API_NO = "401 405 405 405 405 405"  # DRF authenticates before it looks at the method
 
@@ -398,6 +435,15 @@ MATRIX: dict[str, Url] = {
     "reservation_extend": url(BOOKING, get=NO, post=Do("login ok 403 404 403 403", EXTEND, EXTENDED)),
     "violations": url(get=ALL),
     "violation_detail": url(VIOLATION, get="login ok 404 404 ok ok"),
+    # who may see it may stop it; resolving is the booking owner's, leaders' and admins' (here alice
+    # both caused it and owns the booking: tests/test_violation_actions.py has the offender alone)
+    "violation_stop": url(
+        VIOLATION, get=NO, post=Do("login ok 404 404 ok ok", {"reason": "late"}, STOP_ASKED)
+    ),
+    "violation_resolve": url(
+        VIOLATION, get=NO, post=Do("login ok 404 404 ok ok", {"note": "agreed"}, RESOLVED)
+    ),
+    "server_drain": url(SERVER, get=NO, post=Do("login 403 403 403 403 ok", {"draining": "on"}, DRAINED)),
     "reports": url(get=ALL),
     "reports_csv": url(get=ALL),
     "team_detail": url(TEAM, get=MANAGERS, post=Do(MANAGERS, {"auto_release_idle": "on"}, AUTO_RELEASE_ON)),
@@ -442,7 +488,11 @@ MATRIX: dict[str, Url] = {
     "profile_time_zone": url(get=NO, post=Do(ALL, {"time_zone": "Asia/Tokyo"})),  # one's own
     "profile_job_notify": url(get=NO, post=Do(ALL, {"events": ["fail"]})),  # one's own
     "token_revoke": url(TOKEN, get=NO, post=Do("login ok 404 404 404 404", None, REVOKED)),
-    "teams": url(get=ALL),
+    "teams": url(get=ALL, post=Do("login 403 403 403 403 ok", NEW_TEAM, TEAM_CREATED)),  # admins create
+    # a team's members and leaders: admins only; outsiders never learn the team exists
+    "team_members": url(TEAM, get=ADMINS, post=Do(ADMINS, NEW_MEMBER, MEMBER_ADDED)),
+    "team_member_role": url(MEMBER, get=NO, post=Do(ADMINS, {"role": "leader"}, MADE_LEADER)),
+    "team_member_remove": url(MEMBER, get=NO, post=Do(ADMINS, None, MEMBER_GONE)),
     # chat and webhook channels: one's own (admins: all); a team's, its leaders' and admins'
     "profile_channels": url(get=ALL, post=Do(ALL, NEW_CHANNEL)),
     "channel_test": url(CHANNEL, get=NO, post="login ok 404 404 404 ok"),

@@ -100,6 +100,6 @@ def test_the_reports_page_shows_them_to_whom_the_booking_is_visible(
     page = client.get("/reports/").content.decode()
     assert 'id="lending"' in page
     if sees:
-        assert 'data-server="box1"' in page and "4.0 GPU-hours, of which the borrowers used 3.0" in page
+        assert 'data-server="box1"' in page and "4 GPU-hours, of which the borrowers used 3." in page
     else:
         assert "Nothing was lent to the queue in this period." in page

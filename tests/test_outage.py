@@ -32,8 +32,8 @@ from jobs.paths import roots
 from portal.celery import app as celery_app
 from portal.env import database_url
 from portal.models import ApiToken
-from portal.outage import DATABASE, REDIS, outage_of
 from portal.tasks import prune_signin_failures
+from portal.unreachable import DATABASE, REDIS, outage_of
 from tests.conftest import free_port
 
 # --- helpers ----------------------------------------------------------------------------------

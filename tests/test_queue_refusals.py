@@ -21,6 +21,7 @@ from jobs.services import dispatch, jobs_reconcile
 from jobs.tasks import run_job
 from portal.errors import Conflict, Invalid
 from portal.models import AuditEntry, Membership, Notification
+from portal.timefmt import format_time
 from tests.factories import MembershipFactory, TeamFactory, fresh, make_snapshot, queue_job
 
 H = timedelta(hours=1)
@@ -145,6 +146,28 @@ def test_a_host_whose_worker_went_silent_gets_no_starts_and_its_jobs_say_why(ali
     slots_report("box1", slots=3, now=now)  # it is back
     assert schedule_pass(now=now)["started"] == 3
     assert not waiting.filter(status=Job.Status.PENDING).exclude(message="").exists()  # old words go
+
+
+def test_a_job_that_asked_for_an_offline_server_says_why_it_waits(alice, box, sent, settings):
+    """Issue 42 item 11: it waited with the reason `resources`, "not enough free cards now", and
+    no words, while the cards were free and their host was down."""
+    job = queue_job(alice, server="box1")
+    last = timezone.now() - timedelta(seconds=settings.SERVER_OFFLINE_AFTER_SECONDS + 60)
+    Server.objects.filter(name="box1").update(last_seen=last)
+
+    assert schedule_pass().get("started", 0) == 0
+    job = fresh(job)
+    assert (job.status, job.pending_reason) == (Job.Status.PENDING, "offline")
+    assert job.get_pending_reason_display() == "The chosen server is offline"
+    assert job.message == (
+        f"Waiting: box1 is offline (its worker last reported {format_time(last)}); the job starts there"
+        " once it reports again"
+    )
+    assert [e.estimated_start for e in queue_plan()] == [None]  # when it comes back is anyone's guess
+
+    server_report_ingest(snapshot=make_snapshot("box1"))  # it is back
+    assert schedule_pass()["started"] == 1
+    assert (fresh(job).status, fresh(job).message) == (Job.Status.QUEUED, "")
 
 
 def test_a_host_whose_worker_never_reported_is_planned_nothing_until_it_does(alice, box, sent):

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from gpus import usage
 from gpus.inventory import GPUInfo
+from gpus.reports import user_colours
 from gpus.usage import UsageRollup, hour_of
 from jobs.models import Job
 from tests.browser import log_in, page  # noqa: F401 - the fixture
@@ -88,6 +89,26 @@ def test_a_leader_sees_the_teams_month_at_a_glance(
         page.evaluate("Chart.getChart(document.getElementById('chart-heatmap')).data.datasets[0].data.length")
         == 168
     )
+    # Every axis says its unit, as the server named it; each person is drawn in their own colour.
+    titles = page.evaluate(
+        """() => ["chart-users", "chart-booked-used", "chart-heatmap", "chart-idle"].map((id) => {
+            const scales = Chart.getChart(document.getElementById(id)).options.scales;
+            const title = (axis) => axis.title.display && axis.title.text;
+            return [title(scales.x), title(scales.y)];
+        })"""
+    )
+    zone = settings.TIME_ZONE
+    assert titles == [
+        [f"Day ({zone})", "GPU-hours booked"],
+        [f"Day ({zone})", "GPU-hours"],
+        [f"Hour of the day ({zone})", "Day of the week"],
+        ["Idle hours (h)", "Booking"],
+    ]
+    drawn = page.evaluate(
+        "Chart.getChart(document.getElementById('chart-users'))"
+        ".data.datasets.map((d) => [d.label, d.backgroundColor])"
+    )
+    assert dict(drawn) == user_colours(["alice", "bob"])
     rows = page.locator("table.usage-rows tbody tr")
     assert sorted(rows.nth(i).get_attribute("data-key") for i in range(rows.count())) == ["alice", "bob"]
     assert page.locator("table.idle-bookings tbody tr").count() >= 1

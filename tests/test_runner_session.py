@@ -71,7 +71,7 @@ def job_in(alice, box, settings):
 
 
 def _away() -> OperationalError:
-    """What Django raises when the server is gone: an outage (portal.outage.outage_of)."""
+    """What Django raises when the server is gone: an outage (portal.unreachable.outage_of)."""
     error = OperationalError("server closed the connection unexpectedly")
     error.__cause__ = psycopg.OperationalError("server closed the connection unexpectedly")
     return error
@@ -254,3 +254,19 @@ def test_a_job_on_a_booking_its_owner_released_ends_cancelled_saying_who(job_in,
     assert outcome == [Job.Status.CANCELLED]
     job.refresh_from_db()
     assert job.message.startswith("Cancelled: alice released the booking at")
+
+
+def test_a_job_on_a_booking_a_leader_cancelled_ends_cancelled_saying_who_and_why(job_in, leader):
+    """A leader's cancel is a cancel, not a time-out: the same rule as a release (issue 41)."""
+    from gpus.booking import reservation_cancel
+
+    job = job_in(SLEEPER)
+    thread, outcome = _run_in_thread(job.pk)
+    wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job to run")
+    reservation_cancel(user=leader, reservation=job.reservation_id, reason="paper deadline")
+    thread.join(timeout=30)
+    assert outcome == [Job.Status.CANCELLED]
+    job.refresh_from_db()
+    assert job.message.startswith("Cancelled: leader cancelled the booking at"), job.message
+    assert job.message.endswith("(paper deadline).") and job.exit_code == -15
+    assert "leader cancelled the booking" in job_log(job.pk)

@@ -374,7 +374,8 @@ def test_a_job_waiting_for_its_booking_ends_when_the_booking_is_cancelled(cluste
     wait_for(lambda: row(job).slurm_state == "PENDING", 20, what="the job waiting for its booking")
     reservation_cancel(user=alice, reservation=booking)
     done = ended(job)
-    assert (done.status, done.message) == ("timed_out", "The booking was cancelled; the job was stopped.")
+    # A cancel is no time-out: cancelled, saying who cancelled the booking (issue 41).
+    assert done.status == "cancelled" and done.message.startswith("Cancelled: alice cancelled the booking at")
     assert slurm_reservations_sync(server=server, commands=cluster.commands)["removed"] == 1
 
 

@@ -16,6 +16,7 @@ from gpus.models import GPU
 from gpus.quotas import quota_member_set, quota_team_set, team_use
 from gpus.services import server_report_ingest
 from portal.errors import Forbidden, Invalid
+from portal.figures import figure
 from portal.models import AuditEntry, Membership, Team
 from tests.factories import MembershipFactory, TeamFactory, make_snapshot
 
@@ -154,7 +155,7 @@ def test_it_shows_members_use_bookings_and_the_audit_log_to_a_leader(client, tea
     body = response.content.decode()
     assert response.status_code == 200
     row = body.split('data-member="alice"', 1)[1].split("</tr>", 1)[0]
-    hours = f"{team_use(team)[alice.pk].gpu_hours_week:g}"  # 1 unless the week ends within the hour
+    hours = figure(team_use(team)[alice.pk].gpu_hours_week)  # 1 unless the week ends within the hour
     assert "1 / 2" in row and "24 / 48" in row and f"{hours} / no limit" in row
     assert f'action="{reverse("member_quota", args=[team.slug, "alice"])}"' in row
     open_table = body.split('id="team-open-bookings"', 1)[1].split("</table>", 1)[0]

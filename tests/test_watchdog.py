@@ -124,6 +124,29 @@ def test_an_intruder_is_warned_then_stopped_and_the_stop_confirmed(watchdog, ali
     assert Notification.objects.filter(subject__contains="was stopped").count() == 2
 
 
+def test_the_violation_page_says_each_step_once_with_its_own_24_hour_time(
+    client, watchdog, alices_card, alice, start
+):
+    """ "Warned at 15:04:05; stopped at 15:05:08", never "Stopped at 3:05 p.m.; stopped at 3:05
+    p.m." with the warning's time lost (issue 41)."""
+    policy("intruder", "stop", grace=60)
+    proc = start()
+    t0 = timezone.now().replace(hour=15, minute=4, second=5, microsecond=0)  # p.m. in a 12-hour clock
+    watchdog.round(on_card(0, real(proc, user="bob")), now=t0)
+    watchdog.round(on_card(0, real(proc, user="bob")), now=t0 + timedelta(seconds=61))
+    wait_for(lambda: gone(proc), timeout=10, what="SIGTERM")
+    watchdog.round(on_card(0), now=t0 + timedelta(seconds=63))
+    violation = one()
+    assert (violation.action, violation.warned_at) == ("stopped", t0)
+    client.force_login(alice)
+    page = client.get(reverse("violation_detail", args=[violation.pk])).content.decode()
+    day = t0.strftime("%a %Y-%m-%d")
+    assert "Warned at <time" in page and f">{day} 15:04:05</time>; stopped at <time" in page
+    assert f">{day} 15:05:08</time>" in page and page.count("topped at") == 1
+    assert f"{day} 15:04:05 to {day} 15:05:08" in page  # seen from, to
+    assert "p.m." not in page and "a.m." not in page
+
+
 def test_a_process_that_ignores_sigterm_gets_sigkill_after_the_grace(watchdog, alices_card, start, settings):
     settings.JOB_KILL_GRACE_SECONDS = 5
     policy("intruder", "stop")

@@ -60,7 +60,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from gpus.booking import released_words
+from gpus.booking_ends import ended_early_of
 from gpus.models import Reservation
 from jobs.environment import INHERITED_ENV, BookedCard, JobSetupError, activation, session_environment
 from jobs.host.containers import ContainerError, last_line, podman
@@ -354,10 +354,8 @@ class LabSupervisor:
         if row.status not in InteractiveSession.ACTIVE:
             return f"the session was marked {row.get_status_display().lower()}"
         if booking.status_at(now) != Reservation.Status.ACTIVE:
-            if booking.released_at:
-                by = booking.released_by.username if booking.released_by else None
-                return released_words(booking.released_at, by, booking.release_reason)
-            return f"the booking ended at {format_time(self.ends_at)}"
+            # Released or cancelled early: who and why, as a job says it (gpus.booking_ends).
+            return ended_early_of(booking) or f"the booking ended at {format_time(self.ends_at)}"
         if row.warned_at is None and now >= self.ends_at - timedelta(minutes=settings.SESSION_WARN_MINUTES):
             session_warn_ending(row, self.ends_at, now)
         return None

@@ -17,7 +17,7 @@ from jobs.host.spool import EndRecord, LogSpool, spool_name, spooled_names
 from jobs.logs.store import LogWriter
 from jobs.models import Job
 from jobs.runs import job_end_record, queued_job_ended
-from portal.outage import outage_of
+from portal.unreachable import outage_of
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, close_old_connections, co
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from gpus.booking import released_words
+from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_words
 from gpus.models import Reservation
 from jobs.environment import JobSetupError
 from jobs.host.checkpoints import came_back_words, checkpoint_ready, checkpoint_remove
@@ -48,7 +48,7 @@ from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, shut_down_words
 from jobs.runs import LOST_FOUND_ALIVE, cancelled_words, queued_job_ended, stopped_before_start
-from portal.outage import WHAT, outage_of
+from portal.unreachable import WHAT, outage_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -466,10 +466,7 @@ class Supervisor:
                 "preempt_reason",
                 "preempt_grace_seconds",
                 "reservation__end",
-                "reservation__cancelled_at",
-                "reservation__released_at",
-                "reservation__released_by__username",
-                "reservation__release_reason",
+                *(f"reservation__{field}" for field in ENDED_EARLY_FIELDS),
             )
             .get()
         )
@@ -496,14 +493,10 @@ class Supervisor:
             # Asked to leave its cards (jobs.preemption): stopped, then back in the queue, not ended.
             grace = row["preempt_grace_seconds"] or settings.PREEMPT_GRACE_SECONDS
             self._stop(Job.Status.PENDING, preempted_words(row["preempt_reason"]), grace=grace)
-        elif row["reservation__cancelled_at"] and now >= row["reservation__end"]:
-            self._stop(Job.Status.TIMED_OUT, "The booking was cancelled; the job was stopped.")
-        elif row["reservation__released_at"] and now >= row["reservation__end"]:
-            by, reason = row["reservation__released_by__username"], row["reservation__release_reason"]
-            self._stop(
-                Job.Status.CANCELLED,
-                f"Cancelled: {released_words(row['reservation__released_at'], by, reason)}.",
-            )
+        elif (early := ended_early_words(row, "reservation__")) and now >= row["reservation__end"]:
+            # Released or cancelled early, by its owner, a leader, an admin or the portal: one rule
+            # (gpus.booking_ends). Nobody's time ran out: cancelled, saying who and why.
+            self._stop(Job.Status.CANCELLED, f"Cancelled: {early}.")
         elif why := self._past_deadline(now):
             self._stop(*deadline_stop(self.job, why))
 

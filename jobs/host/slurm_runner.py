@@ -34,7 +34,7 @@ from django.db import connection
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from gpus.booking import released_words
+from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_words
 from gpus.models import Reservation
 from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmTimedOut, SlurmUnreachable
 from gpus.slurm_inventory import commands_for
@@ -418,19 +418,14 @@ class SlurmFollower:
         if self.job.reservation_id is None:
             return None
         row = (
-            Reservation.objects.filter(pk=self.job.reservation_id)
-            .values("end", "cancelled_at", "released_at", "released_by__username", "release_reason")
-            .first()
+            Reservation.objects.filter(pk=self.job.reservation_id).values("end", *ENDED_EARLY_FIELDS).first()
         )
         # Cancelled before its start, a booking keeps its end; its job, pending in Slurm for the
         # reservation, would wait there for ever once the reservation is removed.
         if row is None or (row["cancelled_at"] is None and timezone.now() < row["end"]):
             return None
-        if row["released_at"]:
-            by, reason = row["released_by__username"], row["release_reason"]
-            return "cancelled", f"Cancelled: {released_words(row['released_at'], by, reason)}."
-        if row["cancelled_at"]:
-            return "timed_out", "The booking was cancelled; the job was stopped."
+        if early := ended_early_words(row):  # released or cancelled: one rule (gpus.booking_ends)
+            return "cancelled", f"Cancelled: {early}."
         return "timed_out", "The booking ended; the job was stopped."
 
     def _cancel_if_asked(self, executor: SlurmExecutor, run: SlurmRun) -> None:

@@ -4,8 +4,13 @@ It runs in the host's worker, on the reporter's thread: the reporter reads the c
 WATCHDOG_INTERVAL_SECONDS (gpus/telemetry.py) and hands each snapshot here through the
 `snapshot_read` signal, so the watchdog and the dashboard judge the same processes. A round
 costs two queries (the bookings active on this host's cards, its running and recently ended
-jobs), one more when processes of unknown OS users need their portal accounts, and writes only
-when a violation starts, changes or ends.
+jobs), one more when processes of unknown OS users need their portal accounts, one more while
+it has open violations (what people asked of them: jobs.watchdog.records.asked_of), and writes
+only when a violation starts, changes or ends.
+
+Someone may ask on a violation's page (gpus/violations.py) to stop it now, whatever its policy
+and grace (stopped this round, saying who asked and why), or mark it resolved (never stopped
+from then on; a stop under way goes on).
 
 What happens to a violation is the policy of its kind (gpus.models.WatchdogPolicy): observe
 (record), warn (record and tell: the offender, the owner of the booking whose card was taken,
@@ -49,15 +54,15 @@ from django.db.models import Q
 from django.utils import timezone
 
 from gpus.inventory import ProcessInfo, Snapshot
-from gpus.models import Allocation, Server, Violation, WatchdogPolicy, format_mb
+from gpus.models import Allocation, Server, Violation, WatchdogPolicy
 from gpus.procinfo import is_process_pid, session_of
 from jobs.host.dcgm import DcgmMapping
 from jobs.host.runner import CANCEL_POLL_SECONDS
 from jobs.models import InteractiveSession, Job
 from jobs.watchdog.notify import tell_about
+from jobs.watchdog.records import Asked, announced_step, asked_of, audit, stop_words, summary, violation_of
 from jobs.watchdog.rules import BookingFacts, JobFacts, Kind, SessionFacts, Verdict, classify
 from portal.accounts import users_by_unix_name
-from portal.models import AuditEntry
 from portal.pids import ProcessId, Sent, send
 
 log = logging.getLogger(__name__)
@@ -130,6 +135,7 @@ class Tracked:
     stop_started: datetime | None = None  # the stop was asked for (job) or SIGTERM was sent
     killed: bool = False  # SIGKILL sent (direct stops only)
     finished: bool = False  # stopped, failed or dry-run: nothing more to do but watch
+    asked: Asked | None = None  # what someone asked of it on its page: stop it now, or resolved
 
 
 class HostWatchdog:
@@ -168,6 +174,10 @@ class HostWatchdog:
             self.server_id = server
         if not self.loaded:
             self._load_open(server)
+        # What people asked of the open ones (stop now, resolved): read only while there are some.
+        asked = asked_of(server) if self.tracked else {}
+        for tracked in self.tracked.values():
+            tracked.asked = asked.get(tracked.violation_id)
         # The simulation's invented processes (made-up pids, no session) are scenery: shown on the
         # dashboard, marked simulated, never a violation: a demo is quiet until someone causes one.
         verdicts = [v for v in self._judge(snapshot, server, now) if not self._invented(v)]
@@ -336,7 +346,7 @@ class HostWatchdog:
             with transaction.atomic():
                 tracked = self._record(verdict, server, now)
                 if action != Policy.OBSERVE:
-                    self._warn(tracked, verdict, _next_step(action, grace, now, verdict.process), pids)
+                    self._warn(tracked, verdict, announced_step(action, grace, now, verdict.process), pids)
             self.tracked[key] = tracked
         else:
             tracked.last_bad = now
@@ -353,7 +363,10 @@ class HostWatchdog:
         self, tracked: Tracked, verdict: Verdict, action: str, grace: int, now: datetime, pids: Sequence[int]
     ) -> None:
         """The stop, once the grace has passed since the violation was first seen (a dip under the
-        limit restarts nothing: see HOLD_ROUNDS)."""
+        limit restarts nothing: see HOLD_ROUNDS); at once when someone asked for it, never once
+        someone marked it resolved (a stop under way goes on)."""
+        if tracked.asked is not None and (tracked.asked.resolved is False or tracked.stop_started is None):
+            action, grace = (Policy.OBSERVE, grace) if tracked.asked.resolved else (Policy.STOP, 0)
         if tracked.finished or action != Policy.STOP:
             return
         if tracked.stop_started is None and now - tracked.first_seen >= timedelta(seconds=grace):
@@ -396,7 +409,7 @@ class HostWatchdog:
 
     def _warn(self, tracked: Tracked, verdict: Verdict, next_step: str, pids: Sequence[int]) -> None:
         Violation.objects.filter(pk=tracked.violation_id).update(
-            action=Violation.Action.WARNED, action_at=tracked.first_seen
+            action=Violation.Action.WARNED, action_at=tracked.first_seen, warned_at=tracked.first_seen
         )
         if self._silent(verdict):
             return
@@ -409,7 +422,7 @@ class HostWatchdog:
         of one kind on one card: they are one event, and `pids` lists them."""
         if (tracked.event, event) in self._told:
             return
-        tell_about(_violation(tracked), event=event, next_step=next_step, pids=pids)
+        tell_about(violation_of(tracked.violation_id), event=event, next_step=next_step, pids=pids)
         self._told.add((tracked.event, event))
 
     def _silent(self, verdict: Verdict) -> bool:
@@ -434,7 +447,7 @@ class HostWatchdog:
         if verdict.job_id is not None and verdict.kind in (Kind.ESCAPED, Kind.OVER_MEMORY):
             # A running job is stopped whole, by its own supervisor: the job ends failed with the
             # rule and the measurement, and its log says why.
-            message = f"Stopped by the GPU watchdog: {_measured(verdict)}"
+            message = stop_words(verdict, tracked.asked)
             with transaction.atomic():
                 asked = Job.objects.filter(
                     pk=verdict.job_id, status__in=(Job.Status.STARTING, Job.Status.RUNNING), watchdog_stop=""
@@ -486,8 +499,8 @@ class HostWatchdog:
             Violation.objects.filter(pk=tracked.violation_id).update(
                 action=Violation.Action.STOP_FAILED, action_at=now, message=why[:500]
             )
-            violation = _violation(tracked)
-            _audit(violation, f"The GPU watchdog could not stop pid {violation.pid}: {why}")
+            violation = violation_of(tracked.violation_id)
+            audit(violation, f"The GPU watchdog could not stop pid {violation.pid}: {why}")
             self._tell(tracked, "stop_failed", [violation.pid])
         tracked.finished = True
 
@@ -515,8 +528,8 @@ class HostWatchdog:
                 Violation.objects.filter(pk=tracked.violation_id).update(
                     action=Violation.Action.STOPPED, action_at=now, stopped_at=now, ended_at=now
                 )
-                violation = _violation(tracked)
-                _audit(violation, f"The GPU watchdog stopped pid {violation.pid}: {_summary(violation)}")
+                violation = violation_of(tracked.violation_id)
+                audit(violation, f"The GPU watchdog stopped pid {violation.pid}: {summary(violation)}")
                 self._tell(tracked, "stopped", pids)
             else:
                 Violation.objects.filter(pk=tracked.violation_id).update(ended_at=now)
@@ -642,58 +655,3 @@ def _rebuild(tracked: Tracked, action: str, message: str, at: datetime | None) -
     elif message.startswith(JOB_ASKED_NOTE) or message.startswith(SENT_NOTE):
         tracked.stop_started = at
         tracked.killed = message.startswith(f"{SENT_NOTE}SIGKILL")
-
-
-# --- what is written and said ------------------------------------------------------------------
-
-
-def _violation(tracked: Tracked) -> Violation:
-    return Violation.objects.select_related("gpu__server", "user", "reservation__owner").get(
-        pk=tracked.violation_id
-    )
-
-
-def _next_step(action: str, grace: int, now: datetime, process: ProcessInfo) -> str:
-    if action != Policy.STOP:
-        return "The policy for this kind is to warn: nothing will be stopped."
-    if settings.WATCHDOG_DRY_RUN:
-        return "The watchdog runs dry (WATCHDOG_DRY_RUN): it will not stop it."
-    if process.session_id is not None and process.started is None:
-        return "It will not be stopped: its start time could not be read, so it cannot be proven to be it."
-    at = timezone.localtime(now + timedelta(seconds=grace))
-    return f"Unless it ends first, it will be stopped at {at:%H:%M:%S} (the policy: stop after {grace} s)."
-
-
-def _measured(verdict: Verdict) -> str:
-    card = verdict.gpu_uuid
-    if verdict.kind == Kind.OVER_MEMORY:
-        whose = f"job {verdict.job_id}" if verdict.job_id is not None else "the owner's processes"
-        return (
-            f"over_memory: {whose} used {format_mb(verdict.memory_mb or 0)} on {card}, "
-            f"above its booked {format_mb(verdict.booked_mb or 0)} + "
-            f"{settings.WATCHDOG_MEMORY_TOLERANCE_MB} MiB tolerance."
-        )
-    pid = verdict.process.pid
-    return f"escaped: job {verdict.job_id} ran pid {pid} on {card}, which its booking does not hold."
-
-
-def _summary(violation: Violation) -> str:
-    memory = f", {format_mb(violation.memory_mb)}" if violation.memory_mb is not None else ""
-    return f"{violation.get_kind_display()} (pid {violation.pid} of {violation.os_user or '?'}{memory})"
-
-
-def _audit(violation: Violation, message: str) -> None:
-    AuditEntry.objects.create(
-        actor=None,
-        team_id=violation.reservation.team_id if violation.reservation else None,
-        action=AuditEntry.Action.WATCHDOG_STOP,
-        target=f"violation {violation.pk}",
-        message=message,
-        data={
-            "kind": violation.kind,
-            "gpu": violation.gpu_id,
-            "pid": violation.pid,
-            "job": violation.job_id,
-            "memory_mb": violation.memory_mb,
-        },
-    )

@@ -51,8 +51,13 @@ ORPHAN_LOOKBACK = timedelta(days=1)  # lost jobs older than this have long been 
 CLOCK_SLACK_SECONDS = 5  # boot_time() is derived from the clock, which may have been adjusted since
 
 
+class JobsAsRootRefused(Exception):
+    """A worker run as root that would run every job as root, and nobody said it should."""
+
+
 def host_worker_check() -> None:
-    """Before a GPU host's worker takes anything: the folders it writes into as root (JOB_FOLDERS,
+    """Before a GPU host's worker takes anything: its jobs would not run as root unasked
+    (`jobs_account_check`); the folders it writes into as root (JOB_FOLDERS,
     JOB_SPOOL_DIR, DCGM_HPC_JOB_MAPPING_DIR) and every folder above them are root's or the
     worker's and writable by nobody else, and the account jobs run as can pass through to
     JOB_FOLDERS (jobs/host/folders.py). Otherwise the worker refuses to start, and says which folder,
@@ -61,12 +66,57 @@ def host_worker_check() -> None:
 
     SystemExit, not an exception: Celery logs and swallows what a signal's receiver raises."""
     try:
+        jobs_account_check()
         job_folders_check(job_user=settings.JOB_USER)
         spool_check()
         mapping_check()
-    except FolderError as exc:
+    except (FolderError, JobsAsRootRefused) as exc:
         log.critical("The worker of %s does not start: %s", settings.WORKER_SERVER, exc)
         raise SystemExit(f"The worker of {settings.WORKER_SERVER} does not start: {exc}") from None
+
+
+def jobs_as_root() -> bool:
+    """Whether this host's jobs run as root: its worker does, and JOB_USER names no other account
+    (JOB_USER=root, or none under PORTAL_DEVELOPMENT). A Slurm cluster's run as their owners."""
+    return os.geteuid() == 0 and not settings.JOB_USER and settings.GPU_BACKEND != "slurm"
+
+
+def jobs_account_check() -> None:
+    """A worker run as root with no JOB_USER would run every job as root: a job could read the env
+    file (the database password, SECRET_KEY) and do anything on the host. Refused, unless the
+    admin said JOB_USER=root, which is said loudly in the log (and on the admins' dashboard:
+    `jobs_as_root_record`); under PORTAL_DEVELOPMENT (`make run`, which says so once itself, and
+    the tests) it is allowed."""
+    if not jobs_as_root():
+        return
+    host = socket.gethostname()
+    if settings.JOB_USER_ROOT:
+        log.warning(
+            "JOB_USER=root: EVERY JOB ON %s (%s) RUNS AS ROOT, and can read and change anything on this"
+            " host, the env file's database password and SECRET_KEY among them. Set JOB_USER to an"
+            ' account (e.g. gpujob) or @owner to end it (docs/jobs.md, "Who a job runs as").',
+            settings.WORKER_SERVER,
+            host,
+        )
+    elif not settings.PORTAL_DEVELOPMENT:
+        raise JobsAsRootRefused(
+            "it runs as root and JOB_USER is empty, so every job would run as root too, able to read"
+            " the env file's database password and SECRET_KEY. Set JOB_USER=gpujob (one account for"
+            " every job: useradd --system --create-home --shell /usr/sbin/nologin gpujob),"
+            " JOB_USER=@owner (each job as its owner's Unix account), or JOB_USER=root to run jobs as"
+            ' root all the same, said in the log and on the dashboard (docs/jobs.md, "Who a job runs as").'
+        )
+
+
+def jobs_as_root_record(server: str) -> bool:
+    """Whether this host's jobs run as root, written on its server for the admins' dashboard; False
+    while the server has no row yet (the collector makes it from the first report) or the database
+    is away: the caller asks again with the next snapshot."""
+    try:
+        return bool(Server.objects.filter(name=server).update(jobs_as_root=jobs_as_root()))
+    except DatabaseError as exc:
+        log.debug("Could not record whether jobs run as root on %s yet: %s", server, exc)
+        return False
 
 
 def containers_report(server: str) -> tuple[bool, str]:

@@ -18,7 +18,8 @@ delay any of those (conservative backfill), and a wide job waiting for a whole s
 place while short jobs run in front of it. No more jobs start on a server than its worker has
 free slots, where the worker said how many it runs at once (`Calendar.slots`); none on a server
 whose worker said so once but has since gone silent (`Calendar.silent`): such a server gets no
-estimate either, and a job that would fit there now says why it waits (`Entry.note`). Whether a job fits
+estimate either, and a job that would fit there now says why it waits (`Entry.note`); so does a
+job that asked for a server that is offline (reason `offline`). Whether a job fits
 a card is the booking service's own rule (gpus.conflicts.fits_on_card), over the window the
 scheduler will book (`Request.booked`: the time limit and START_SLACK).
 """
@@ -338,11 +339,14 @@ def plan(
     draining: set[int],
     array_room: dict[int, int],
     not_now: Collection[int] = (),
+    offline: dict[int, str] | None = None,
 ) -> list[Entry]:
     """Every pending job in priority order, with what to do about it now (see the module's text).
 
     `array_room`: how many more tasks each array may run now. `not_now`: jobs that wait this pass
     whatever the calendar says, but keep their place: their shadows bind the jobs after them.
+    `offline`: the servers jobs asked for by name that are not online, with the words that say so:
+    such a job waits, saying why, and gets no estimate (when a host comes back is anyone's guess).
     Mutates `calendar` (the starts and the shadows), so the caller can book exactly what the plan
     chose."""
     now = calendar.now
@@ -358,14 +362,7 @@ def plan(
     room = dict(array_room)
     for entry in entries:
         r = entry.request
-        if r.begin_at is not None and r.begin_at > now:
-            entry.reason, entry.estimated_start, entry.basis = "begin_time", r.begin_at, "begin_time"
-            continue
-        if r.server_id is not None and r.server_id in draining:
-            entry.reason = "draining"
-            continue
-        if r.array_id is not None and room.get(r.array_id, 1) <= 0:
-            entry.reason = "array_limit"
+        if _waits_regardless(entry, now, draining, offline or {}, room):
             continue
         if r.job_id in not_now:
             # Its start was refused this pass (a card taken since the plan read them): it starts on a
@@ -401,6 +398,25 @@ def plan(
                 entry.held = held
                 shadows += 1
     return entries
+
+
+def _waits_regardless(
+    entry: Entry, now: datetime, draining: set[int], offline: dict[int, str], room: dict[int, int]
+) -> bool:
+    """Whether the job waits whatever the calendar says, its reason (and words) set: it asked for
+    a later start, its chosen server is offline or draining, or its array runs all it may."""
+    r = entry.request
+    if r.begin_at is not None and r.begin_at > now:
+        entry.reason, entry.estimated_start, entry.basis = "begin_time", r.begin_at, "begin_time"
+    elif r.server_id is not None and r.server_id in offline:
+        entry.reason, entry.note = "offline", offline[r.server_id]
+    elif r.server_id is not None and r.server_id in draining:
+        entry.reason = "draining"
+    elif r.array_id is not None and room.get(r.array_id, 1) <= 0:
+        entry.reason = "array_limit"
+    else:
+        return False
+    return True
 
 
 def _dominated(shape: tuple, refused: list[tuple]) -> bool:

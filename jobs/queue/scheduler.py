@@ -45,8 +45,9 @@ from jobs.services import cpu_share, default_threads, dispatch, jobs_due_dispatc
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded, ServiceError
 from portal.models import Membership, Team
 from portal.names import redis_key
-from portal.outage import REDIS, WHAT, outage_of
 from portal.periodic import PeriodicThread
+from portal.timefmt import format_time
+from portal.unreachable import REDIS, WHAT, outage_of
 from portal.wakeups import QUEUE_SCHEDULER, client, wait
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ def queue_plan(
         draining={pk for pk, draining in online if draining},
         array_room=_array_room({r.array_id for r in requests if r.array_id}),
         not_now=not_now,
+        offline=_offline(requests, set(servers)),
     )
     if expected:
         with_lending(entries, now)
@@ -425,6 +427,20 @@ def _pending() -> list[Request]:
         )
         for pk, owner, team, count, memory, server, minutes, created, nice, begin, array, image in rows
     ]  # fmt: skip
+
+
+def _offline(requests: Sequence[Request], online: set[int]) -> dict[int, str]:
+    """The servers that pending jobs asked for by name and that are not online now (no report for
+    SERVER_OFFLINE_AFTER_SECONDS, or none ever), with the words their jobs show: the same from
+    pass to pass while the server stays away, so a job's message is written once."""
+    asked = {r.server_id for r in requests if r.server_id is not None} - online
+    words = {}
+    for pk, name, seen in (
+        Server.objects.filter(pk__in=asked).portal_scheduled().values_list("pk", "name", "last_seen")
+    ):
+        last = f"last reported {format_time(seen)}" if seen else "has never reported"
+        words[pk] = f"{name} is offline (its worker {last}); the job starts there once it reports again"
+    return words
 
 
 def _free_slots(now: datetime, servers: list[int]) -> tuple[dict[int, int], dict[int, str]]:

@@ -184,6 +184,10 @@ def _body(violation: Violation, event: str, role: str, next_step: str, pids: Seq
             f"until {format_time(violation.reservation.end)}"
         )
     lines.append(f"It {EVENTS[event]} ({format_time(timezone.now())}).")
+    if violation.stop_requested_at is not None and event != "seen":
+        by = violation.stop_requested_by.username if violation.stop_requested_by else "someone"
+        why = f": {violation.stop_reason}" if violation.stop_reason else ""
+        lines.append(f"Its stop was asked for by {by} on the portal{why}.")
     if violation.message:
         lines.append(violation.message)
     if next_step:

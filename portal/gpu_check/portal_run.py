@@ -122,6 +122,8 @@ class Portal:
             "GPU_CHECK_PASSWORD": self.password,
             "GPU_CHECK_OS_USER": self.os_user,
             "PYTHONUNBUFFERED": "1",
+            # `make run`'s, on a throwaway var folder: no deployment (portal/settings_safety.py).
+            "PORTAL_DEVELOPMENT": "1",
         }
 
     def start(self, deadline: Deadline) -> None:

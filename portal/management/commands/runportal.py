@@ -96,6 +96,8 @@ def _root_note() -> str:
         return ""
     if settings.JOB_USER:
         jobs = f"jobs run as JOB_USER={settings.JOB_USER}, never as root (JOB_MIN_UID)."
+    elif settings.JOB_USER_ROOT:
+        jobs = "JOB_USER=root, so jobs run as root too, as asked."
     else:
         jobs = (
             "JOB_USER is not set, so jobs run as root too: on a shared server set JOB_USER=gpujob"

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0012_job_notices'),
+        ('jobs', '0013_job_reason_offline'),
     ]
 
     operations = [
