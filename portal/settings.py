@@ -624,7 +624,8 @@ EMAIL_SUBJECT_PREFIX = env_str("EMAIL_SUBJECT_PREFIX", "[GPU lab] ")
 PORTAL_URL = env_str("PORTAL_URL", f"http://localhost:{PORT}").rstrip("/")
 if not PORTAL_URL.startswith(("http://", "https://")):
     raise ImproperlyConfiguredEnv(f"PORTAL_URL={PORTAL_URL!r} must start with http:// or https://")
-if HTTPS and not PORTAL_URL.startswith("https://"):
+# A deployment without PORTAL_URL is told so by deployment_refuse (below), not about localhost's default.
+if HTTPS and not PORTAL_URL.startswith("https://") and (PORTAL_DEVELOPMENT or env_str("PORTAL_URL", "")):
     raise ImproperlyConfiguredEnv(
         f"HTTPS=true but PORTAL_URL={PORTAL_URL!r}: set PORTAL_URL to the https:// address people use"
     )
