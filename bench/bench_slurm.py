@@ -10,7 +10,8 @@ What is measured
        rounds, with the holders moving every round. Goal: parse + store ≤ 100 ms a round.
     2. First log line, on a real single-node Slurm 22.05 cluster (tests/slurm_cluster.py: needs
        slurm-wlm and root; skipped, saying why, elsewhere): 10 jobs one after another, each
-       submitted by `job_submit` and followed by the cluster worker's follower
+       submitted by `job_submit` (Slurm asked first: `sbatch --test-only`, answered by the
+       worker's thread) and followed by the cluster worker's follower
        (jobs/host/slurm_runner.py) in a thread. The job's first line is its own start time
        (`time.time()`, printed as the launcher hands over to the script: Slurm's start and the
        launcher's own cost); the bench polls the database every 10 ms for that line: what a page
@@ -94,6 +95,7 @@ def bench_first_line() -> None:
     from django.test import override_settings
 
     from gpus.models import Server, SlurmCluster
+    from jobs.host.slurm_checks import SlurmSubmitChecks
     from jobs.host.slurm_runner import slurm_job_run
     from jobs.logs.store import log_stream
     from jobs.models import Job
@@ -107,6 +109,8 @@ def bench_first_line() -> None:
     except ClusterUnavailable as exc:
         print(f"Slurm first line: skipped ({exc})")
         return
+    checks = SlurmSubmitChecks("bench-slurm")  # the worker's answer to job_submit's question
+    checks.start()
     try:
         server = Server.objects.create(name="bench-slurm", kind=Server.Kind.SLURM)
         SlurmCluster.objects.create(
@@ -139,6 +143,8 @@ def bench_first_line() -> None:
                 wait_for(lambda pk=job.pk: Job.objects.get(pk=pk).is_finished, 60, what="the job's end")
                 follower.join(30)
     finally:
+        checks.stop()
+        checks.join(10)
         cluster_stop(cluster)
     print(f"Slurm first log line ({TRIALS} jobs on a real single-node cluster)")
     report("script's start -> line stored, median", statistics.median(over), "s", "(none)", True)

@@ -15,7 +15,8 @@ twice what was asked:
 Never a POST, DELETE or PUT that reached the portal: a 503 says the work could not be done, not
 that none of it was (a connection lost while committing leaves it unknown), and the API's answer
 to a repeated DELETE is not the first one's (a token already revoked: 401). Those stop with exit
-code 3 and say to check before trying again.
+code 3 and say to check before trying again; but a 503 whose code is `unavailable` is a part of
+the lab that did not answer (a Slurm cluster) and says nothing was done: its detail is shown.
 """
 
 from __future__ import annotations
@@ -216,6 +217,8 @@ def _check(response: httpx.Response) -> None:
         raise Unreachable(f"The portal refused the token ({detail}): run `gpu login URL` again.")
     if status == 404:
         raise NotFound(f"{detail} ({where})")
+    if status == 503 and body.get("code") == "unavailable":  # a service's own: nothing was done
+        raise Unreachable(f"{detail} ({where})")
     if status == 503:
         # Only a safe method's 503 is retried; another's work may or may not have been done.
         check = "" if response.request.method in SAFE_METHODS else f" {MAYBE_DONE}"

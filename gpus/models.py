@@ -53,8 +53,14 @@ class Server(models.Model):
     hostname = models.CharField(max_length=255, blank=True)
     kind = models.CharField(max_length=8, choices=Kind.choices, default=Kind.HOST)
     draining = models.BooleanField(default=False, help_text="No new bookings or jobs; running work goes on.")
+    # Columns added since the previous release have a database default (db_default): that release's
+    # collector and workers insert servers without them during an upgrade (docs/deploy.md, "Upgrading").
     drain_reason = models.CharField(
-        max_length=200, blank=True, help_text="Why it is draining, as the admin who drained it said."
+        max_length=200,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="Why it is draining, as the admin who drained it said.",
     )
     simulated = models.BooleanField(default=False)
     driver_version = models.CharField(max_length=32, blank=True)
@@ -82,7 +88,10 @@ class Server(models.Model):
     # Shown to admins on the dashboard: a worker run as root with JOB_USER=root (or none, in
     # development) runs every job as root (jobs.host.worker.jobs_account_check).
     jobs_as_root = models.BooleanField(
-        "jobs run as root", default=False, help_text="As the host's worker said at its start (JOB_USER=root)."
+        "jobs run as root",
+        default=False,
+        db_default=False,
+        help_text="As the host's worker said at its start (JOB_USER=root).",
     )
 
     objects = ServerQuerySet.as_manager()

@@ -229,10 +229,15 @@ def _unreachable(message: str) -> bool:
 
 
 def slurm_message(text: str) -> str:
-    """Slurm's error as one line a person reads: its `error:` lines, without the command's prefix."""
+    """Slurm's error as one line a person reads: its `error:` lines and the controller's
+    `allocation failure:` (what `sbatch --test-only` says), without their prefixes."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [re.sub(r"^\w+: error: ", "", line) for line in lines if "error:" in line] or lines
-    return " ".join(errors)[:SLURM_MESSAGE_MAX]
+    errors = [
+        re.sub(r"^(\w+: error: |allocation failure: )", "", line)
+        for line in lines
+        if "error:" in line or line.startswith("allocation failure:")
+    ]
+    return "; ".join(errors or lines)[:SLURM_MESSAGE_MAX]
 
 
 def first(values: Iterable[str], default: str = "") -> str:

@@ -110,14 +110,20 @@ class Violation(models.Model):
     stop_requested_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
-    stop_reason = models.CharField(max_length=500, blank=True, help_text="Why it was stopped by hand.")
+    # A database default on the columns added since the previous release: its GPU hosts' watchdogs
+    # insert violations without them during an upgrade (docs/deploy.md, "Upgrading").
+    stop_reason = models.CharField(
+        max_length=500, blank=True, default="", db_default="", help_text="Why it was stopped by hand."
+    )
     # "Resolved": dealt with, in the words of who did; an open one is never stopped from then on
     # (a stop already under way goes on).
     resolved_at = models.DateTimeField(null=True, blank=True)
     resolved_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
-    resolution = models.CharField(max_length=500, blank=True, help_text="How it was resolved.")
+    resolution = models.CharField(
+        max_length=500, blank=True, default="", db_default="", help_text="How it was resolved."
+    )
 
     objects = ViolationQuerySet.as_manager()
 

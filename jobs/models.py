@@ -272,6 +272,9 @@ class Job(models.Model):
     slurm_state = models.CharField(max_length=32, blank=True)
     slurm_reason = models.CharField(max_length=200, blank=True)
     partition = models.CharField(max_length=64, blank=True)
+    # How much of its output file the log holds, stored with the log's bytes: where a restarted
+    # cluster worker reads on from.
+    slurm_output_offset = models.PositiveBigIntegerField(default=0, db_default=0)
 
     objects = JobQuerySet.as_manager()
 

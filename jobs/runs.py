@@ -27,7 +27,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_release
-from gpus.models import Reservation
+from gpus.models import Reservation, Server
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_append
 from jobs.models import InteractiveSession, Job
@@ -189,14 +189,21 @@ def runs_lost_mark(*, now: datetime | None = None, heard_for: float | None = Non
 def _jobs_lost_mark(now: datetime) -> int:
     # Beats are the database's time (portal.clock), so is the cut-off: `now` may be another
     # host's clock, minutes off. Never judged by equality with the value read: on SQLite, Now()
-    # (milliseconds) and Django's text differ.
-    unheard = Q(heartbeat_at__lt=since(settings.JOB_LOST_AFTER_SECONDS))
+    # (milliseconds) and Django's text differ. A Slurm job runs on in Slurm while its cluster's
+    # worker is away, and a restarted worker follows it again: it gets SLURM_LOST_AFTER_SECONDS.
+    slurm = Q(server__kind=Server.Kind.SLURM)
+    slurm_cut = max(settings.JOB_LOST_AFTER_SECONDS, settings.SLURM_LOST_AFTER_SECONDS)
+    unheard = (~slurm & Q(heartbeat_at__lt=since(settings.JOB_LOST_AFTER_SECONDS))) | (
+        slurm & Q(heartbeat_at__lt=since(slurm_cut))
+    )
     marked = 0
     for job in Job.objects.filter(unheard, status__in=(Job.Status.STARTING, Job.Status.RUNNING)):
-        message = (
-            f"Lost: no heartbeat from worker {job.worker or '?'} since {format_time(job.heartbeat_at)}; "
-            "the worker or its host died. The booking's cards are free for a new job."
-        )
+        if job.slurm_job_id:  # Slurm runs it on; the cards are Slurm's, never the portal's to free
+            gone = f"Slurm job {job.slurm_job_id} may still run there; the portal follows it no more."
+        else:
+            gone = "the worker or its host died. The booking's cards are free for a new job."
+        beat = format_time(job.heartbeat_at)
+        message = f"Lost: no heartbeat from worker {job.worker or '?'} since {beat}; {gone}"
         # Its end too: the same clock as the beat it is judged by (finished - last beat >= the cut-off).
         if Job.objects.transition(
             job.pk, from_=job.status, to=Job.Status.LOST, where=unheard, finished_at=Now(), message=message

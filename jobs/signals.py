@@ -10,7 +10,9 @@
   (jobs.host.worker.kill_orphans), says whether containers work there (containers_report, in a
   thread of its own) and whether its jobs run as root (jobs_as_root_record), then starts its
   spool replay, its pickup and its watchdog: one `HostWorker`, which holds what the host's
-  worker keeps for its life.
+  worker keeps for its life. A Slurm cluster's worker starts its pickup, answers the web's
+  questions before a job is written (jobs/host/slurm_checks.py) and follows again what its
+  previous worker followed.
 - worker_shutting_down: a GPU host's worker asks its running jobs to stop first
   (jobs.host.worker.running_jobs_stop); worker_shutdown: its stop flag goes once they have
   (jobs.host.worker.running_jobs_stopped). The HostWorker connects both.
@@ -44,6 +46,8 @@ from gpus.telemetry import snapshot_read
 from jobs.host.dcgm import DcgmMapping
 from jobs.host.lab import lab_orphans_end
 from jobs.host.pickup import HostPickup
+from jobs.host.slurm_checks import SlurmSubmitChecks
+from jobs.host.slurm_runner import slurm_jobs_resume
 from jobs.host.watchdog import HostWatchdog
 from jobs.host.worker import (
     containers_leftovers_remove,
@@ -104,6 +108,8 @@ class HostWorker:
     def start(self, pool_size: int) -> None:
         if settings.GPU_BACKEND == "slurm":  # a Slurm cluster's login node: Slurm owns every process
             start_thread(HostPickup(self.server, pool_size))  # only lost messages to find again
+            start_thread(SlurmSubmitChecks(self.server))  # the web's questions before it writes a job
+            self.resume_slurm_jobs()
             return
         self.as_root_recorded = jobs_as_root_record(self.server)
         kill_orphans(self.server)
@@ -119,6 +125,17 @@ class HostWorker:
         _connect(worker_shutting_down, self.stop_running_jobs, "jobs_host_stop")
         _connect(worker_shutdown, self.lower_stop_flag, "jobs_host_stopped")
         log.info("GPU watchdog every %ss%s", settings.WATCHDOG_INTERVAL_SECONDS, _dry_run())
+
+    def resume_slurm_jobs(self) -> None:
+        """Before this worker takes a message (worker_ready comes first): the jobs its previous
+        worker followed, followed again (jobs.host.slurm_runner.slurm_jobs_resume). Not later: a
+        job this worker claims would be followed twice. With the database away now, they turn
+        lost after SLURM_LOST_AFTER_SECONDS (the reconciler), as the log says."""
+        try:
+            if ids := slurm_jobs_resume(self.server):
+                log.warning("Following job(s) %s again: their Slurm jobs run on", ", ".join(map(str, ids)))
+        except DatabaseError as exc:
+            log.error("Could not look for the Slurm jobs of the previous worker to follow again: %s", exc)
 
     def report_containers(self) -> None:
         """In a thread of its own, once: whether containers work on this host, on its server."""

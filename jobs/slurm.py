@@ -7,22 +7,40 @@ Slurm picks the node and the cards. The portal books nothing for it, never plans
 queue, and never places other work on the cluster's cards (`GPU.objects.portal_scheduled`). What
 the portal knows of the cluster (its partitions, its nodes' GPUs) is checked at submit, each
 refusal naming its field; what only Slurm knows (an account's access, a reservation's users) is
-Slurm's to refuse, and its words end the job, on its page.
+asked of Slurm before the job is written (`slurm_submit_check`): the cluster's worker, which holds
+the operator credential on the login node, runs `sbatch --test-only` as the job's owner
+(jobs/host/slurm_checks.py), and a refusal is Slurm's words beside the field they are about.
 """
 
 from __future__ import annotations
 
+import json
+import secrets
 from typing import Any
 
+import redis
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Max
 
 from gpus.models import Reservation, Server, SlurmCluster, SlurmNode
 from gpus.slurm_models import NAME_HELP, SLURM_NAME
 from jobs.queue.requests import membership_check
-from portal.errors import Invalid
+from portal.errors import Invalid, Unavailable
+from portal.names import redis_key
 
 MAX_MINUTES = 60 * 24 * 365  # what Slurm's --time takes in minutes, and then some
+CHECK_MARGIN_SECONDS = 2  # a check's wait beyond the cluster's command timeout: the worker's turn
+CHECKS_KEPT = 100  # waiting checks a cluster's list keeps (its worker away: they are stale anyway)
+# What to do about a refusal, by the field Slurm's words are about (`refusal_field`).
+FIXES = {
+    "reservation": "Submit it outside the booking, or ask an admin to look at its Slurm reservation.",
+    "account": "Ask an admin to give your Unix account access to this cluster in Slurm.",
+    "partition": "Choose another partition.",
+    "gpu_count": "Ask for fewer GPUs, or choose a partition whose nodes have them.",
+    "time_limit_minutes": "Ask for less time, or leave it empty for the partition's default.",
+    "server": "Ask an admin, quoting Slurm's words.",
+}
 
 
 def slurm_cluster_named(name: str | None) -> Server | None:
@@ -127,3 +145,89 @@ def _check_partition(cluster: SlurmCluster, partition: str) -> str:
             field="partition",
         )
     return partition
+
+
+# --- Slurm's word before the job is written ------------------------------------------------
+
+
+def check_key(server: str) -> str:
+    """The list of `server`'s checks, which its worker takes (jobs/host/slurm_checks.py)."""
+    return redis_key("slurm-check", server)
+
+
+def reply_key(token: str) -> str:
+    return redis_key("slurm-check-reply", token)
+
+
+def refusal_field(said: str) -> str:
+    """The submit field Slurm's refusal is about: its words name it (`Access denied to requested
+    reservation`, `Invalid partition name specified`, `Invalid account or account/partition
+    combination specified`, `Invalid generic resource (gres) specification`)."""
+    words = said.lower()
+    for needle, field in (
+        ("reservation", "reservation"),
+        ("qos", "server"),  # a QOS's limits (`Job violates accounting/QOS policy`): an admin's
+        ("account", "account"),
+        ("partition", "partition"),
+        ("time limit", "time_limit_minutes"),
+        ("gres", "gpu_count"),
+    ):
+        if needle in words:
+            return field
+    return "server"
+
+
+def slurm_submit_check(*, user: AbstractBaseUser, fields: dict[str, Any]) -> None:
+    """Would the cluster's Slurm take this job (`slurm_place`'s fields) from `user`? Asked of the
+    cluster's worker, which answers with `sbatch --test-only` as the user, within the cluster's
+    command timeout and CHECK_MARGIN_SECONDS. Invalid (Slurm's words, beside the field they are
+    about) when Slurm refuses it; Unavailable (503) naming the server when the cluster or its
+    worker does not answer. Writes no row: nothing is written before Slurm said yes."""
+    server: Server = fields["server"]
+    wait = int(server.slurm.command_timeout_seconds + CHECK_MARGIN_SECONDS)  # whole seconds: Redis < 6
+    token = secrets.token_hex(16)
+    booking = fields.get("reservation")
+    conn = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=wait + 5, socket_connect_timeout=5)
+    with conn:
+        now, _ = conn.time()  # Redis' clock, the one the worker judges the deadline by
+        request = {
+            "token": token,
+            "user": user.pk,
+            "gpus": fields["gpu_count"],
+            "minutes": fields["time_limit_minutes"],
+            "partition": fields["partition"],
+            "booking": booking.pk if booking is not None else None,
+            "until": now + wait,
+        }
+        key = check_key(server.name)
+        pipe = conn.pipeline()
+        pipe.rpush(key, json.dumps(request))
+        pipe.ltrim(key, -CHECKS_KEPT, -1)
+        pipe.expire(key, wait + 60)
+        pipe.execute()
+        got = conn.blpop([reply_key(token)], timeout=wait)
+    if got is None:
+        raise Unavailable(
+            f"The worker of {server.name} did not answer within {wait} s, so the job was not sent: Slurm "
+            "is asked before a job is taken. Try again in a while, or ask an admin whether its worker runs.",
+            field="server",
+        )
+    answer_check(server, json.loads(got[1]))
+
+
+def answer_check(server: Server, answer: dict[str, Any]) -> None:
+    """The worker's answer (jobs.host.slurm_checks.slurm_submit_answer) as the submit's outcome:
+    nothing for a yes, else the ServiceError it means."""
+    if "unreachable" in answer:
+        raise Unavailable(
+            f"Slurm cluster {server.name} does not answer ({answer['unreachable']}), so the job was not "
+            "sent. Try again in a while.",
+            field="server",
+        )
+    if "refused" not in answer:
+        return
+    said = str(answer["refused"])
+    if not answer.get("slurm"):  # the worker's own check (an account, a RootOnly partition)
+        raise Invalid(f"Not sent to Slurm: {said}.", field=answer.get("field") or "server")
+    field = refusal_field(said)
+    raise Invalid(f"Slurm on {server.name} refused the job: {said}. {FIXES[field]}", field=field)

@@ -29,7 +29,7 @@ from jobs.lending import loans_take_back
 from jobs.models import Job, JobArray
 from jobs.queue.requests import QueueRequest
 from jobs.services import cpu_share, default_threads, dispatch
-from jobs.slurm import slurm_booking_cluster, slurm_cluster_named, slurm_place
+from jobs.slurm import slurm_booking_cluster, slurm_cluster_named, slurm_place, slurm_submit_check
 from portal.changes import JOBS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
 from portal.notifications import job_notify_parse
@@ -214,6 +214,8 @@ def job_submit(
     tensorflow = errors.check(_check_tensorflow, place, memory_mode, mirrored, threads) if place else None
     errors.raise_any()
     assert place is not None and program is not None and tensorflow is not None
+    if place.slurm:  # what only Slurm knows, asked last: every check of the portal's passed
+        slurm_submit_check(user=user, fields=place.fields)
     fields = {"owner": user, "created_at": now, **place.fields, **program, **tensorflow, "image": chosen}
     fields |= {"soft_placement": soft_placement, "log_placement": log_placement, "notify": told}
     return _save(user, place, fields, now)

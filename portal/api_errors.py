@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from portal.errors import ServiceError
+from portal.errors import ServiceError, Unavailable
 
 
 def _first_message(errors: Any) -> str:
@@ -36,7 +37,12 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         body: dict[str, Any] = {"detail": exc.message, "code": exc.code}
         if exc.errors:
             body["errors"] = {field or "non_field_errors": list(msgs) for field, msgs in exc.errors.items()}
-        return Response(body, status=exc.status)
+        headers = (
+            {"Retry-After": str(settings.OUTAGE_RETRY_AFTER_SECONDS)}
+            if isinstance(exc, Unavailable)
+            else None
+        )
+        return Response(body, status=exc.status, headers=headers)
     if isinstance(exc, exceptions.ValidationError):
         errors = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
         return Response(

@@ -148,6 +148,8 @@ JOB_UPLOAD_MAX_KB: Largest script upload, KB.
 JOB_HEARTBEAT_SECONDS: Heartbeat of a running job, s.
 JOB_LOST_AFTER_SECONDS: A running job with no heartbeat this long is lost, s; at least 3 heartbeats.
 JOB_RECONCILE_SECONDS: How often the job reconciler (in the portal host's worker) runs, s.
+SLURM_LOST_AFTER_SECONDS: A Slurm job without news this long (its cluster silent, a state the portal
+    does not know) ends lost, saying what Slurm last said, s (docs/slurm.md).
 """,
 )
 

@@ -48,6 +48,14 @@ class TooSoon(ServiceError):
     code = "too_soon"
 
 
+class Unavailable(ServiceError):
+    """What the request needs does not answer now (a Slurm cluster, its worker): 503, with
+    Retry-After (OUTAGE_RETRY_AFTER_SECONDS); nothing was written, and it may be sent again."""
+
+    status = 503
+    code = "unavailable"
+
+
 class Forbidden(ServiceError):
     """Not this user's to do: 403."""
 

@@ -225,6 +225,7 @@ class AuditEntry(models.Model):
         IDENTITY_SYNC = "identity.sync", "Set from the lab's directory"
         JOB_CANCEL = "job.cancel", "Jobs cancelled"
         SESSION_STOP = "session.stop", "Interactive session stopped"
+        JOB_LOST = "job.lost", "Job lost: followed no more"
         TEAM_CREATE = "team.create", "Team created"
         TEAM_MEMBERS = "team.members", "Team members changed"
         SERVER_DRAIN = "server.drain", "Server drained or back in service"

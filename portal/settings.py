@@ -37,6 +37,7 @@ from portal.settings_lending import *  # noqa: F403 - PREEMPT_*, LEND_*, NO_SHOW
 from portal.settings_notices import *  # noqa: F403 - JOB_END_NOTIFY_*: job notices
 from portal.settings_safety import *  # noqa: F403 - PORTAL_DEVELOPMENT, JOB_USER: what a deployment refuses
 from portal.settings_safety import PORTAL_DEVELOPMENT, deployment_refuse, secret_key_read
+from portal.settings_slurm import *  # noqa: F403 - SLURM_*: Slurm clusters
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
@@ -623,7 +624,8 @@ EMAIL_SUBJECT_PREFIX = env_str("EMAIL_SUBJECT_PREFIX", "[GPU lab] ")
 PORTAL_URL = env_str("PORTAL_URL", f"http://localhost:{PORT}").rstrip("/")
 if not PORTAL_URL.startswith(("http://", "https://")):
     raise ImproperlyConfiguredEnv(f"PORTAL_URL={PORTAL_URL!r} must start with http:// or https://")
-if HTTPS and not PORTAL_URL.startswith("https://"):
+# A deployment without PORTAL_URL is told so by deployment_refuse (below), not about localhost's default.
+if HTTPS and not PORTAL_URL.startswith("https://") and (PORTAL_DEVELOPMENT or env_str("PORTAL_URL", "")):
     raise ImproperlyConfiguredEnv(
         f"HTTPS=true but PORTAL_URL={PORTAL_URL!r}: set PORTAL_URL to the https:// address people use"
     )

@@ -315,21 +315,25 @@ class ThrowawayPostgres(_Throwaway):
 
 
 class ThrowawayRedis(_Throwaway):
-    """A `redis-server` of its own on a free port of 127.0.0.1 that saves nothing: started again
-    after `kill()`, it is empty, as after the OOM killer."""
+    """A `redis-server` of its own on a free port of 127.0.0.1 that saves nothing: started again after
+    `kill()`, it is empty, as after the OOM killer. A `password` goes in its config file (requirepass)."""
 
     what = "redis-server"
 
-    def __init__(self, *, tag: str, name: str = "redis", logs: Path | None = None) -> None:
+    def __init__(
+        self, *, tag: str, name: str = "redis", logs: Path | None = None, password: str = ""
+    ) -> None:
         super().__init__(tag=tag, name=name, logs=logs)
+        self.password = password
+        (self.folder / "redis.conf").write_text(f"requirepass {password}\n" if password else "")
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def _argv(self) -> list:
-        argv = ["redis-server", "--port", self.port, "--bind", "127.0.0.1", "--save", ""]
-        return [*argv, "--appendonly", "no", "--dir", self.folder]
+        argv = ["redis-server", self.folder / "redis.conf", "--port", self.port, "--bind", "127.0.0.1"]
+        return [*argv, "--save", "", "--appendonly", "no", "--dir", self.folder]
 
     def _popen_kwargs(self) -> dict:
         return {"cwd": self.folder, "env": {**os.environ, TAG_VAR: self.tag}}
@@ -624,13 +628,15 @@ class Portal:
 
 
 class Api:
-    """The portal's API over HTTP as one of the seeded users, with a token of theirs. Every
-    answer is kept in `answers` (method, path, status, Retry-After) for the no-500 checks."""
+    """The portal's API over HTTP as a seeded user (or another, by `password`; through a proxy: `via`,
+    an httpx transport), with a token of theirs. Every answer is kept in `answers` for the no-500 checks."""
 
-    def __init__(self, base: str, username: str, *, timeout: float = 15) -> None:
-        self.client = httpx.Client(base_url=base, timeout=timeout)
+    def __init__(
+        self, base: str, username: str, *, password: str = PASSWORD, via: httpx.BaseTransport | None = None
+    ) -> None:
+        self.client = httpx.Client(base_url=base, timeout=15, transport=via)
         self.answers: list[tuple[str, str, int, str | None]] = []
-        token = self.call("POST", "/api/v1/token/", data={"username": username, "password": PASSWORD})
+        token = self.call("POST", "/api/v1/token/", data={"username": username, "password": password})
         assert token.status_code == 200, token.text
         self.client.headers["Authorization"] = f"Token {token.json()['token']}"
 

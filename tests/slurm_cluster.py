@@ -55,6 +55,30 @@ class Cluster:
     def jobs(self) -> list[str]:
         return self.commands.run("squeue", ["-h", "-o", "%i"]).split()
 
+    def controller_stop(self) -> None:
+        """The controller stopped (its state saved): every command fails; the node and its jobs
+        run on under slurmd, as on a cluster whose controller is down."""
+        self.ctld.terminate()
+        self.ctld.wait(10)
+
+    def controller_start(self) -> None:
+        """The controller again, from its saved state (its jobs with it), once it answers."""
+        if self.ctld.poll() is None:
+            return
+        env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        with open(self.folder / "log" / "daemons.out", "ab") as out:
+            self.ctld = subprocess.Popen(
+                ["slurmctld", "-D", "-i"], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        wait_for(self._answers, START_SECONDS, what="the Slurm controller answering again")
+
+    def _answers(self) -> bool:
+        try:
+            self.commands.run("scontrol", ["ping"])
+        except SlurmError:
+            return False
+        return True
+
     def cancel_all(self) -> None:
         """Every job cancelled, and gone from squeue."""
         if ids := self.jobs():
@@ -190,6 +214,8 @@ def _idle(cluster: Cluster) -> bool:
 def cluster_stop(cluster: Cluster) -> None:
     """Every job cancelled, then the daemons, then what a job left, each by its handle."""
     cluster.ctld.send_signal(signal.SIGCONT)  # a test that froze it and failed
+    with contextlib.suppress(AssertionError):
+        cluster.controller_start()  # a test that stopped it and failed: its jobs are cancelled first
     with contextlib.suppress(SlurmError, AssertionError):  # what is left is killed below, by its handles
         cluster.cancel_all()
     for daemon in (cluster.slurmd, cluster.ctld):

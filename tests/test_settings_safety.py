@@ -68,8 +68,9 @@ def unit(path: Path) -> tuple[dict[str, str], list[str], str]:
 
 
 def command(line: str, env: dict[str, str]) -> list[str]:
-    """A unit's command line as systemd runs it: ${NAME} from `env`; the checkout's venv for /opt's."""
-    line = re.sub(r"\$\{(\w+)\}", lambda m: env[m[1]], line)
+    """A unit's command line as systemd runs it: ${NAME} from `env`, `%%` as `%` (Celery's own `%h`);
+    the checkout's venv for /opt's."""
+    line = re.sub(r"\$\{(\w+)\}", lambda m: env[m[1]], line).replace("%%", "%")
     argv = shlex.split(line)
     venv = Path(sys.executable).parent
     return [str(venv / Path(argv[0]).name), *argv[1:]]

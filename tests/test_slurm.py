@@ -1,5 +1,6 @@
 """The Slurm tier (issue 37): jobs on a real single-node Slurm 22.05 cluster (tests/slurm_cluster.py,
-started once per test process), submitted by the portal's service as two users, followed by the
+started once per test process), submitted by the portal's service as two users (Slurm asked
+first by the cluster worker's check, jobs/host/slurm_checks.py, a thread here), followed by the
 cluster worker's follower (jobs/host/slurm_runner.py, in a thread here), read back from the
 portal's pages. Every test cancels its Slurm jobs before it ends; the cluster's teardown cancels
 whatever is left before it stops the daemons."""
@@ -26,12 +27,13 @@ from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_cli import SlurmRefused
 from gpus.slurm_inventory import SlurmBackend
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, SlurmRun
+from jobs.host.slurm_checks import SlurmSubmitChecks
 from jobs.host.slurm_runner import slurm_job_run
 from jobs.models import Job
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
-from portal.errors import Invalid
-from portal.models import Profile
+from portal.errors import Invalid, Unavailable
+from portal.models import AuditEntry, Notification, Profile
 from portal.pids import ProcessId
 from tests.factories import MembershipFactory, TeamFactory, UserFactory
 from tests.job_helpers import job_log
@@ -44,6 +46,11 @@ HOUR = timedelta(hours=1)
 FOLLOWERS: list[threading.Thread] = []
 SHOW = b"""import os, pwd
 print("who", pwd.getpwuid(os.getuid()).pw_name, "gpus", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
+"""
+COUNT = b"""import time
+for i in range(60):
+    print("line", i, flush=True)
+    time.sleep(0.1)
 """
 TICKS = b"""import sys, time
 for i in range(600):
@@ -61,9 +68,16 @@ def cluster(slurm_cluster: Cluster) -> Iterator[Cluster]:  # noqa: F811
         job_root=str(slurm_cluster.job_root),
         command_timeout_seconds=2,
     )
-    with override_settings(JOB_INTERPRETERS={"default": "/usr/bin/python3"}):
-        yield slurm_cluster
+    checks = SlurmSubmitChecks("cluster-a")  # the worker's answers to job_submit's question
+    checks.start()
+    try:
+        with override_settings(JOB_INTERPRETERS={"default": "/usr/bin/python3"}):
+            yield slurm_cluster
+    finally:
+        checks.stop()
+        checks.join(10)
     slurm_cluster.ctld.send_signal(signal.SIGCONT)
+    slurm_cluster.controller_start()
     slurm_cluster.cancel_all()
     for thread in FOLLOWERS:  # each ends with its job, before the database is emptied
         thread.join(30)
@@ -187,35 +201,51 @@ def _forgotten(commands, job_id: str) -> bool:  # type: ignore[no-untyped-def]
     return False
 
 
-def test_slurms_refusal_ends_the_job_with_its_words_and_the_portals_is_a_field_error(cluster, people):
-    alice, _ = people
-    job = submit(alice, SHOW, 1, partition="nosuch")
-    follow(job)
-    done = ended(job)
-    assert done.status == "failed" and "Refused by Slurm" in done.message
-    assert "Invalid partition name" in done.message
-    SlurmCluster.objects.filter(server__name="cluster-a").update(partitions="gpu,other")
+def test_slurms_refusal_is_a_field_error_in_its_own_words_and_nothing_is_written(cluster, people):
+    """Slurm is asked before the job is written (sbatch --test-only as its owner, by the
+    cluster's worker): an unknown partition, a booking whose reservation is not the account's."""
+    alice, bob = people
     with pytest.raises(Invalid) as refused:
         submit(alice, SHOW, 1, partition="nosuch")
-    assert refused.value.field == "partition"
+    assert refused.value.field == "partition" and "Invalid partition name specified" in refused.value.message
+    server = Server.objects.get(name="cluster-a")
+    servers_report_ingest(snapshots=[SlurmBackend("cluster-a").snapshot()])
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=[cluster.node], end=timezone.now() + HOUR
+    )
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1  # for nobody
+    try:
+        Profile.objects.filter(user=bob).update(unix_account=None)
+        Profile.objects.filter(user=alice).update(unix_account="slurm")  # her account changed since
+        with pytest.raises(Invalid) as refused:
+            submit(alice, SHOW, 1, reservation=booking.pk)
+        assert refused.value.field == "reservation"
+        assert "refused the job: Access denied to requested reservation" in refused.value.message
+        assert not Job.objects.exists()
+    finally:
+        reservation_release(user=alice, reservation=booking)
+        assert slurm_reservations_sync(server=server, commands=cluster.commands)["removed"] == 1
+    SlurmCluster.objects.filter(server__name="cluster-a").update(partitions="gpu,other")
+    with pytest.raises(Invalid) as refused:  # the portal's own, before Slurm is asked
+        submit(alice, SHOW, 1, partition="nosuch")
+    assert refused.value.field == "partition" and "choose one of gpu, other" in refused.value.message
 
 
-def test_a_partition_only_root_may_use_is_never_reached_through_roots_sbatch(cluster, people):
+def test_a_partition_only_root_may_use_is_refused_before_roots_sbatch_could_take_it(cluster, people):
     """Slurm takes a RootOnly partition's job from root's sbatch (--uid) and holds it for ever
-    (PartitionConfig): the worker refuses it first, in the cluster's default partition too."""
+    (PartitionConfig), and its --test-only says yes: the worker refuses it first, in the
+    cluster's default partition too."""
     alice, _ = people
-    job = submit(alice, SHOW, 1, partition="admin")
-    follow(job)
-    done = ended(job)
-    assert (done.status, done.slurm_job_id) == ("failed", "")  # nothing was sent to Slurm
-    assert "partition admin takes root's jobs only" in done.message
+    with pytest.raises(Invalid, match="partition admin takes root's jobs only") as refused:
+        submit(alice, SHOW, 1, partition="admin")
+    assert refused.value.field == "partition"
     cluster.commands.run("scontrol", ["update", "PartitionName=admin", "Default=YES"])
     try:
-        default = submit(alice, SHOW, 1)
-        follow(default)
-        assert "partition admin takes root's jobs only" in ended(default).message
+        with pytest.raises(Invalid, match="partition admin takes root's jobs only"):
+            submit(alice, SHOW, 1)
     finally:
         cluster.commands.run("scontrol", ["update", "PartitionName=gpu", "Default=YES"])
+    assert not Job.objects.exists()
 
 
 def test_a_job_cancelled_while_slurm_keeps_it_waiting_ends_cancelled(cluster, people):
@@ -252,6 +282,30 @@ def test_a_cluster_that_stops_answering_goes_offline_and_its_jobs_say_so(cluster
     done = ended(job, 40)
     assert done.status == "succeeded"
     assert "the cluster answers again" in job_log(job.pk) and "done" in job_log(job.pk)
+
+
+def test_a_cluster_stopped_past_its_cut_off_ends_its_jobs_lost_and_takes_no_new_one(cluster, people):
+    """Its controller stopped (the job runs on under slurmd): new jobs are a 503 naming the
+    cluster, and a job followed gets SLURM_LOST_AFTER_SECONDS before it ends lost, saying what
+    Slurm last said and when, in its log, its owner's notice and the audit log."""
+    alice, _ = people
+    job = submit(alice, TICKS, 1)
+    follow(job)
+    wait_for(lambda: "tick 2" in job_log(job.pk) and row(job).status == "running", 30, what="the job running")
+    cluster.controller_stop()
+    try:
+        with override_settings(SLURM_LOST_AFTER_SECONDS=2):
+            with pytest.raises(Unavailable, match="Slurm cluster cluster-a does not answer") as refused:
+                submit(alice, SHOW, 1)
+            assert refused.value.field == "server" and refused.value.status == 503
+            done = ended(job)
+    finally:
+        cluster.controller_start()
+    assert done.status == "lost" and Job.objects.count() == 1
+    assert done.message.startswith("Lost: Slurm cluster cluster-a has not answered since")
+    assert "Slurm last said RUNNING at" in done.message and done.message in job_log(job.pk)
+    assert AuditEntry.objects.filter(action=AuditEntry.Action.JOB_LOST, target=f"job {job.pk}").exists()
+    assert Notification.objects.filter(user=alice, kind=Notification.Kind.JOB_FAILED).exists()
 
 
 def test_a_whole_node_booking_keeps_another_users_job_out_until_it_ends(cluster, people):
@@ -336,15 +390,28 @@ def test_only_whole_nodes_of_a_cluster_are_booked(cluster, people):
         reservation_create(user=alice, gpus=list(one_card))
 
 
-def test_the_clusters_own_worker_reports_it_and_runs_a_job_sent_to_it(cluster, people, start_worker):
+def test_the_clusters_own_worker_runs_a_job_sent_to_it_and_follows_it_again_after_a_restart(
+    cluster, people, start_worker
+):
     """The login node's worker as deployed (GPU_BACKEND=slurm, queue host.cluster-a), the portal's
-    worker collecting its telemetry: the job's message reaches it as job_submit sends it."""
+    worker collecting its telemetry: the job's message reaches it as job_submit sends it. Killed
+    (SIGKILL) while a job runs, its next start follows the job on: its end, and its whole log."""
     alice, _ = people
     start_worker(None)
     env = {"GPU_BACKEND": "slurm", "JOB_INTERPRETERS": "default=/usr/bin/python3"}
-    start_worker("cluster-a", extra_env=env)
+    worker = start_worker("cluster-a", extra_env=env)
     wait_for(lambda: Server.objects.online().filter(name="cluster-a").exists(), 30, what="the cluster online")
     assert SlurmNode.objects.get(server__name="cluster-a").gpus == 4
     job = submit(alice, SHOW, 2)
     assert ended(job).status == "succeeded"
     assert re.search(r"who nobody gpus \d,\d\n", job_log(job.pk))
+
+    counting = submit(alice, COUNT, 1)
+    wait_for(lambda: "line 5\n" in job_log(counting.pk), 30, what="the job's first lines")
+    worker.kill()  # its follower with it, mid-job
+    worker.wait()
+    start_worker("cluster-a", extra_env=env)
+    done = ended(counting, 60)
+    log = job_log(counting.pk)
+    assert done.status == "succeeded" and "started again: it follows Slurm job" in log
+    assert [int(n) for n in re.findall(r"line (\d+)\n", log)] == list(range(60))  # each line once

@@ -4,12 +4,16 @@ reads. The real cluster's tier is tests/test_slurm.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 from datetime import timedelta
 
 import pytest
+import redis
+from django.conf import settings
 from django.db import transaction
+from django.test import override_settings
 from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -25,10 +29,13 @@ from jobs.host.executors.base import RunEnd, RunSpec
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
 from jobs.models import InteractiveSession, Job
 from jobs.queue.scheduler import schedule_pass
+from jobs.runs import runs_lost_mark
 from jobs.sessions.services import session_start
+from jobs.slurm import FIXES, answer_check, check_key, slurm_submit_check
 from portal.errors import Invalid, ServiceError
-from portal.models import Profile
+from portal.models import AuditEntry, Notification, Profile
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, job_form_data, queue_job
+from tests.job_helpers import job_log
 from tests.test_cli import _own_config, gpu, portal  # noqa: F401 - the CLI against a live server
 from tests.test_slurm_inventory import JOBS, NODES
 
@@ -43,7 +50,10 @@ def alice():
 
 
 @pytest.fixture
-def cluster(tmp_path):
+def cluster(tmp_path, monkeypatch):
+    # Slurm's word before a job is written is its worker's to give (jobs/host/slurm_checks.py):
+    # yes here, with no cluster to ask (tests/test_slurm.py asks a real one).
+    monkeypatch.setattr("jobs.submit.slurm_submit_check", lambda **kwargs: None)
     server = Server.objects.create(name="cluster-a", kind=Server.Kind.SLURM)
     SlurmCluster.objects.create(server=server, job_root=str(tmp_path), partitions="gpu,long")
     servers_report_ingest(snapshots=[cluster_snapshot("cluster-a", NODES, JOBS)])  # online, 3 nodes
@@ -198,7 +208,13 @@ def test_a_job_on_a_booking_of_whole_nodes_goes_to_slurm_without_naming_the_clus
 
 
 @pytest.mark.django_db(transaction=True)
-def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(portal, alice, cluster, tmp_path):  # noqa: F811
+def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(
+    portal,  # noqa: F811
+    alice,
+    cluster,
+    tmp_path,
+    monkeypatch,
+):
     script = tmp_path / "train.py"
     script.write_text("print('training')\n")
     result = gpu(
@@ -222,6 +238,13 @@ def test_gpu_run_and_book_reach_a_cluster_as_the_cli_sends_them(portal, alice, c
     result = gpu("run", str(script), "--server", "cluster-a", "--gpus", "4", "--reservation", str(booking.pk))
     assert result.exit_code == 0, result.output
     assert Job.objects.filter(reservation=booking, gpu_count=4, server=cluster).exists()
+    monkeypatch.setattr("jobs.submit.slurm_submit_check", slurm_submit_check)  # no worker to answer
+    monkeypatch.setattr("jobs.slurm.CHECK_MARGIN_SECONDS", 1)
+    SlurmCluster.objects.filter(server=cluster).update(command_timeout_seconds=0)
+    result = gpu("run", str(script), "--server", "cluster-a", "--gpus", "1")
+    assert result.exit_code == 3 and "The worker of cluster-a did not answer within 1 s" in result.output
+    assert "may or may not be done" not in result.output and Job.objects.count() == 2
+    redis.Redis.from_url(settings.REDIS_URL).delete(check_key("cluster-a"))
 
 
 def test_the_output_is_read_only_from_a_plain_file_of_the_jobs_own_account(tmp_path):
@@ -266,14 +289,17 @@ def test_the_follower_reads_a_slice_of_the_output_each_tick_and_the_rest_at_the_
     assert output.offset == path.stat().st_size
 
 
-def _fake_slurm(folder, squeue_says: str) -> None:  # type: ignore[no-untyped-def]
-    """sbatch that takes the job and then does not answer in time; squeue and scontrol that do."""
+def _fake_slurm(  # type: ignore[no-untyped-def]
+    folder, squeue_says: str = "", *, sbatch: str = "exec sleep 5", state: str = "COMPLETED"
+) -> None:
+    """sbatch that takes the job and then (by default) does not answer in time; squeue and
+    scontrol that do, the job in `state`."""
     folder.mkdir()
     scripts = {
-        "sbatch": f'cat > /dev/null\necho "$@" > {folder}/sbatch.args\nexec sleep 5\n',
+        "sbatch": f'cat > /dev/null\necho "$@" > {folder}/sbatch.args\n{sbatch}\n',
         "squeue": f"echo \"$@\" > {folder}/squeue.args\necho '{squeue_says}'\n",
         "scontrol": 'case "$2" in\n'
-        "job) echo 'JobId=4242 JobState=COMPLETED Reason=None ExitCode=0:0 NodeList=vm' ;;\n"
+        f"job) echo 'JobId=4242 JobState={state} Reason=None ExitCode=0:0 NodeList=vm' ;;\n"
         "partition) echo 'PartitionName=gpu Default=YES RootOnly=NO' ;;\n"
         "esac\n",
     }
@@ -301,6 +327,101 @@ def test_a_job_sbatch_took_without_answering_in_time_is_found_and_followed(
     assert f"--name=portal-{job.pk}" in asked and f"--user={pwd.getpwnam('nobody').pw_uid}" in asked
     if status == "failed":
         assert "Slurm did not answer" in job.message
+
+
+def test_a_job_slurm_keeps_in_a_state_the_portal_does_not_know_ends_lost_saying_so(alice, cluster, tmp_path):
+    """Not followed for ever: after SLURM_LOST_AFTER_SECONDS it is lost, with what Slurm last
+    said and when, in its log, its owner's end notice and the audit log."""
+    _fake_slurm(tmp_path / "bin", sbatch="echo 4242", state="REVOKED")
+    SlurmCluster.objects.filter(server=cluster).update(bin_dir=str(tmp_path / "bin"))
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    with override_settings(SLURM_LOST_AFTER_SECONDS=1):
+        assert slurm_runner.slurm_job_run(job.pk) == "lost"
+    job.refresh_from_db()
+    assert job.message.startswith("Lost: Slurm has named a state the portal does not know for")
+    assert "Slurm last said REVOKED at" in job.message and "Slurm job 4242 may still run there" in job.message
+    log = job_log(job.pk)
+    assert "Slurm says the job is REVOKED, a state the portal does not know" in log and job.message in log
+    assert AuditEntry.objects.get(action=AuditEntry.Action.JOB_LOST).data["slurm_job"] == "4242"
+    assert job.message in Notification.objects.get(user=alice, kind=Notification.Kind.JOB_FAILED).body
+
+
+def test_the_reconciler_gives_a_slurm_job_the_clusters_cut_off_before_it_is_lost(alice, cluster):
+    """Slurm runs the job on while its cluster's worker is away, and a restarted worker follows
+    it again: only after SLURM_LOST_AFTER_SECONDS without a beat is it lost."""
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    beat = timezone.now() - timedelta(seconds=settings.JOB_LOST_AFTER_SECONDS + 30)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, slurm_job_id="77", heartbeat_at=beat)
+    assert runs_lost_mark()["lost"] == 0
+    beat = timezone.now() - timedelta(seconds=settings.SLURM_LOST_AFTER_SECONDS + 30)
+    Job.objects.filter(pk=job.pk).update(heartbeat_at=beat)
+    assert runs_lost_mark()["lost"] == 1
+    job.refresh_from_db()
+    assert job.status == "lost" and "Slurm job 77 may still run there" in job.message
+
+
+@pytest.mark.parametrize(
+    ("said", "field"),
+    [
+        ("Access denied to requested reservation", "reservation"),
+        ("invalid partition specified: debug; Invalid partition name specified", "partition"),
+        ("Invalid account or account/partition combination specified", "account"),
+        ("Invalid generic resource (gres) specification", "gpu_count"),
+        ("Requested time limit is invalid (missing or exceeds some limit)", "time_limit_minutes"),
+        ("Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)", "server"),
+    ],
+)
+def test_slurms_refusal_goes_beside_the_field_its_words_are_about(cluster, said, field):
+    with pytest.raises(Invalid) as refused:
+        answer_check(cluster, {"refused": said, "slurm": True})
+    assert refused.value.field == field
+    assert refused.value.message == f"Slurm on cluster-a refused the job: {said}. {FIXES[field]}"
+
+
+def test_a_cluster_whose_worker_does_not_answer_is_a_503_naming_the_server_and_nothing_is_written(
+    alice, cluster, client, monkeypatch
+):
+    monkeypatch.setattr("jobs.submit.slurm_submit_check", slurm_submit_check)  # asked for real
+    monkeypatch.setattr("jobs.slurm.CHECK_MARGIN_SECONDS", 1)
+    SlurmCluster.objects.filter(server=cluster).update(command_timeout_seconds=0)  # 1 s in all
+    questions = redis.Redis.from_url(settings.REDIS_URL)
+    questions.delete(check_key("cluster-a"))
+    response = post(alice, server="cluster-a", gpu_count=2, partition="long")
+    assert response.status_code == 503 and response["Retry-After"] == str(settings.OUTAGE_RETRY_AFTER_SECONDS)
+    assert "The worker of cluster-a did not answer within 1 s" in response.json()["errors"]["server"][0]
+    asked = json.loads(questions.lpop(check_key("cluster-a")))  # as the worker would take it
+    assert (asked["user"], asked["gpus"], asked["partition"], asked["booking"]) == (alice.pk, 2, "long", None)
+    client.force_login(alice)
+    form = {**job_form_data(None), "reservation": "", "server": "cluster-a", "gpu_count": "1"}
+    page = client.post(
+        reverse("job_new"), {**form, "script": _upload("t.py", b"print(1)\n", "text/x-python")}
+    )
+    assert page.status_code == 200 and "did not answer" in page.context["form"].errors["server"][0]
+    assert not Job.objects.exists()
+    questions.delete(check_key("cluster-a"))
+
+
+@pytest.mark.parametrize(("squeue_says", "status"), [("4242", "succeeded"), ("", "lost")])
+def test_a_restarted_worker_finds_a_job_whose_sbatch_it_did_not_see_answered(
+    alice, cluster, tmp_path, squeue_says, status
+):
+    """Its previous worker died between sbatch and its answer: Slurm is asked for the job by its
+    name, and a job it has is followed to its end; none, and the job is lost, saying so."""
+    _fake_slurm(tmp_path / "bin", squeue_says)
+    SlurmCluster.objects.filter(server=cluster).update(bin_dir=str(tmp_path / "bin"))
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.STARTING)  # claimed by the worker that died
+    assert slurm_runner.slurm_jobs_resume("cluster-b") == []
+    assert slurm_runner.SlurmFollower(Job.objects.get(pk=job.pk)).resume() == status
+    job.refresh_from_db()
+    assert (job.status, job.slurm_job_id) == (status, squeue_says)
+    if status == "lost":
+        assert (
+            job.message
+            == f"Lost: its worker stopped while sending it to Slurm, which has no portal-{job.pk}."
+        )
 
 
 def test_no_job_folder_is_made_in_a_jobs_folder_others_may_change(alice, cluster, tmp_path):

@@ -5,33 +5,38 @@ its output file into the job's log as it grows, a cancel as `scancel`, and its e
 (jobs.runs.job_end_record), as a GPU host's supervisor records one.
 
 The worker runs on the cluster's login node (GPU_BACKEND=slurm, WORKER_SERVER = the cluster's
-server name), as root: `sbatch --uid` is root's. It beats for the job while it follows it, so a
-worker that dies has its jobs marked lost by the reconciler, as on a GPU host; the job itself runs
-on in Slurm. A cluster that stops answering is said once in the job's log and on its page
-(`slurm_reason`); the worker keeps trying, and the job's end is read when Slurm answers again,
-from its completion log if Slurm has forgotten the job meanwhile.
+server name), as root: `sbatch --uid` is root's. It beats for the job while it follows it. A
+worker that restarts follows its jobs again (`slurm_jobs_resume`), their output from where their
+log had it (`Job.slurm_output_offset`, stored with the log's bytes); the reconciler marks a Slurm
+job lost only after SLURM_LOST_AFTER_SECONDS without a beat, and Slurm runs it on meanwhile.
+
+A cluster that stops answering is said once in the job's log and on its page (`slurm_reason`); the
+worker keeps trying, and the job's end is read when Slurm answers again, from its completion log
+if Slurm has forgotten the job meanwhile. Not for ever: a cluster silent, or a job in a state the
+portal does not know, for SLURM_LOST_AFTER_SECONDS ends the job lost, saying what Slurm last said
+and when (its log, its owner's end notice, the audit log).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import pwd
-import shutil
 import signal
-import stat
+import threading
 import time
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
+from django.db import connection
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_words
 from gpus.models import Reservation
-from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmTimedOut, SlurmUnreachable, records
+from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmTimedOut, SlurmUnreachable
 from gpus.slurm_inventory import commands_for
 from jobs.host.executors.base import RunSpec
 from jobs.host.executors.slurm import (
@@ -43,11 +48,20 @@ from jobs.host.executors.slurm import (
     SlurmRun,
 )
 from jobs.host.launch import LAUNCHER, job_claim
+from jobs.host.slurm_setup import (
+    SlurmSetupError,
+    job_account,
+    job_folder,
+    job_folder_make,
+    jobcomp_location,
+    partition_check,
+)
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter
 from jobs.models import Job
 from jobs.runs import job_end_record
-from portal.accounts import unix_account_name
+from portal.models import AuditEntry
+from portal.timefmt import format_duration, format_time
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +71,7 @@ STATE_SECONDS = 1.0  # how often Slurm is asked, and the job beats
 OUTPUT = "output.log"
 RESERVATION_WAIT_SECONDS = 30
 LOOKUP_SECONDS = 120  # how long a job whose sbatch timed out is looked for while Slurm does not answer
-
-
-class SlurmSetupError(Exception):
-    """The job cannot be sent to Slurm: its message says why and what to do."""
+FOLLOWED = (Job.Status.STARTING, Job.Status.RUNNING)
 
 
 def slurm_job_run(job_id: int) -> str | None:
@@ -73,6 +84,70 @@ def slurm_job_run(job_id: int) -> str | None:
     return SlurmFollower(job).run()
 
 
+def slurm_jobs_resume(server: str) -> list[int]:
+    """At the start of a cluster's worker, before it takes any message: the jobs its previous
+    worker was following (starting or running on `server`: one worker serves one server, and a
+    stopped worker's leftovers are ended with it, by systemd or runportal), each followed again
+    in a thread of its own. Their ids."""
+    ids = list(Job.objects.filter(server__name=server, status__in=FOLLOWED).values_list("pk", flat=True))
+    for pk in ids:
+        threading.Thread(target=_resume, args=(pk,), name=f"slurm-resume-{pk}", daemon=True).start()
+    return ids
+
+
+def _resume(job_id: int) -> None:
+    try:
+        job = (
+            Job.objects.select_related("reservation", "server").filter(pk=job_id, status__in=FOLLOWED).first()
+        )
+        if job is not None:
+            SlurmFollower(job).resume()
+    except Exception:  # a thread's end: said, and the reconciler's cut-off still holds for the job
+        log.exception("Job %s: following it again failed", job_id)
+    finally:
+        connection.close()  # this thread's own
+
+
+@dataclass
+class SlurmNews:
+    """What Slurm last said of a followed job, and when: what a follower gives up on."""
+
+    heard: float = field(default_factory=time.monotonic)  # Slurm's last answer
+    known: float = field(default_factory=time.monotonic)  # the last state the portal knows
+    said: str = ""  # e.g. "PENDING (Resources)"
+    said_at: datetime | None = None
+    silent_since: datetime | None = None  # the first question unanswered since its last answer
+
+    def answered(self, state: SlurmJobState) -> None:
+        self.heard, self.silent_since = time.monotonic(), None
+        if state.known:
+            self.known = self.heard
+        self.said = state.state + (f" ({state.reason})" if state.reason else "")
+        self.said_at = timezone.now()
+
+    def silent(self) -> None:
+        self.silent_since = self.silent_since or timezone.now()
+
+    def given_up(self, server: str, why_silent: str) -> str:
+        """Why the job is followed no more, "" while it is: its cluster silent, or Slurm naming a
+        state the portal does not know, for SLURM_LOST_AFTER_SECONDS."""
+        limit, now = settings.SLURM_LOST_AFTER_SECONDS, time.monotonic()
+        if now - self.heard >= limit:
+            since = format_time(self.silent_since or timezone.now())
+            why = f"Slurm cluster {server} has not answered since {since} ({why_silent})"
+        elif now - self.known >= limit:
+            unknown_for = format_duration(timedelta(seconds=now - self.known))
+            why = f"Slurm has named a state the portal does not know for {unknown_for}"
+        else:
+            return ""
+        last = (
+            f"Slurm last said {self.said} at {format_time(self.said_at)}"
+            if self.said_at
+            else "Slurm said nothing of it since this worker followed it"
+        )
+        return f"{why}; {last}"
+
+
 class SlurmFollower:
     """One claimed job, from sbatch to its end."""
 
@@ -83,9 +158,11 @@ class SlurmFollower:
         self.writer = LogWriter(job.pk)
         self.cancel_sent = False
         self.unreachable_said = ""
+        self.unknown_said = ""
         self.running_recorded = False
         self.output_refused = False
         self.stopped: tuple[str, str] | None = None  # (status, message) of the portal's own stop
+        self.news = SlurmNews()
 
     def run(self) -> str:
         try:
@@ -109,10 +186,51 @@ class SlurmFollower:
             return self._end(
                 "failed", None, f"Slurm did not answer: {exc}", f"[portal] Slurm did not answer: {exc}"
             )
+        self.job.slurm_job_id = run.job_id
         Job.objects.filter(pk=self.job.pk).update(slurm_job_id=run.job_id, slurm_state="PENDING")
         self.writer.write_line(
             f"[portal] job {self.job.pk} is Slurm job {run.job_id} on {self.job.server.name}"
             f" ({self.job.gpu_count} GPU(s), partition {self.job.partition or 'default'})"
+        )
+        return self._follow(executor, run)
+
+    def resume(self) -> str:
+        """Follow again a job the cluster's previous worker followed, its output from where the
+        job's log has it (`Job.slurm_output_offset`), its end recorded once. Without a Slurm job
+        id, its sbatch was cut short: Slurm is asked for a job of its name."""
+        try:
+            account = job_account(self.job.owner)
+        except SlurmSetupError as exc:
+            return self._lost(f"its cluster's worker restarted and cannot follow it again: {exc}")
+        folder = job_folder(self.cluster, account, self.job.pk)
+        request = SlurmRequest(
+            gpus=self.job.gpu_count or 0,
+            minutes=self.job.time_limit_minutes,
+            partition=self.job.partition,
+            output=folder / OUTPUT,
+            jobcomp=jobcomp_location(self.commands),
+            output_keep=settings.JOB_LOG_MAX_MB << 20,
+        )
+        executor = SlurmExecutor(self.commands, request)
+        spec = RunSpec([], {}, folder, f"portal-{self.job.pk}", account)
+        job_id = self.job.slurm_job_id
+        if not job_id:
+            try:
+                found = executor.find(spec)
+            except SlurmError as exc:
+                return self._lost(
+                    f"its worker stopped while sending it to Slurm, which does not answer ({exc})"
+                )
+            if found is None:
+                return self._lost(f"its worker stopped while sending it to Slurm, which has no {spec.name}")
+            job_id = self.job.slurm_job_id = found.job_id
+            Job.objects.filter(pk=self.job.pk).update(slurm_job_id=job_id)
+        offset = self.job.slurm_output_offset
+        run = executor.attach(spec, job_id, offset=offset)
+        self.running_recorded = self.job.status == Job.Status.RUNNING
+        self.writer.write_line(
+            f"[portal] the worker of {self.job.server.name} started again: it follows Slurm job {job_id}"
+            f" again (its output from byte {offset:,})."
         )
         return self._follow(executor, run)
 
@@ -145,71 +263,27 @@ class SlurmFollower:
     # --- before sbatch -----------------------------------------------------------------
 
     def _prepare(self) -> tuple[pwd.struct_passwd, Path]:
-        """The owner's account and the job's own folder, made by root and handed to the account
-        only once the script and the launcher are in it: nothing can be planted there first. The
-        account's folder above it stays root's, so the account can never swap its job folder for
-        a link while root writes there."""
-        name = unix_account_name(self.job.owner)
-        if name is None:
-            raise SlurmSetupError(
-                f"{self.job.owner} has no Unix account the portal can vouch for: an admin sets theirs"
-                " on their profile."
-            )
-        try:
-            account = pwd.getpwnam(name)
-        except KeyError:
-            raise SlurmSetupError(f"there is no account {name!r} on the login node") from None
-        if account.pw_uid < settings.JOB_MIN_UID:
-            raise SlurmSetupError(f"account {name!r} is a system account (uid below JOB_MIN_UID)")
-        mine = Path(self.cluster.job_root) / name
-        folder = mine / f"job-{self.job.pk}"
-        try:
-            if not _root_only(mine.parent):  # else its account folders could be swapped for links
-                raise SlurmSetupError(
-                    f"the jobs' folder {mine.parent} is not writable by root only; an admin makes it "
-                    "root's, mode 755"
-                )
-            mine.mkdir(mode=0o755, exist_ok=True)
-            if not _root_only(mine):
-                raise SlurmSetupError(f"{mine} is not a folder only root may change; an admin removes it")
-            folder.mkdir(mode=0o700)
-            shutil.copytree(LAUNCHER.parent, folder / "launcher")
-            if not self.job.script_path:
-                (folder / self.job.name).write_text(self.job.script_source)
-            for path in [folder, *folder.rglob("*")]:
-                os.lchown(path, account.pw_uid, account.pw_gid)
-        except OSError as exc:
-            raise SlurmSetupError(f"cannot make its folder {folder}: {exc.strerror or exc}") from None
+        """The owner's account and the job's own folder (jobs/host/slurm_setup.py)."""
+        account = job_account(self.job.owner)
+        folder = job_folder(self.cluster, account, self.job.pk)
+        script = None if self.job.script_path else (self.job.name, self.job.script_source)
+        job_folder_make(folder, account, script)
         return account, folder
 
     def _request(self, folder: Path) -> SlurmRequest:
-        self._check_partition(self.job.partition)
+        try:
+            partition_check(self.commands, self.job.partition)
+        except SlurmUnreachable as exc:
+            raise SlurmSetupError(f"Slurm did not answer: {exc}") from None
         return SlurmRequest(
             gpus=self.job.gpu_count or 0,
             minutes=self.job.time_limit_minutes,
             partition=self.job.partition,
             output=folder / OUTPUT,
             reservation=self._reservation(),
-            jobcomp=self._jobcomp(),
+            jobcomp=jobcomp_location(self.commands),
             output_keep=settings.JOB_LOG_MAX_MB << 20,
         )
-
-    def _check_partition(self, partition: str) -> None:
-        """Slurm takes a RootOnly partition's job from root's sbatch, then holds it for ever
-        (PartitionConfig): it checks the submitter, and the portal submits as root for its users.
-        Refused here, the cluster's default partition too; an unknown one is Slurm's to refuse."""
-        try:
-            found = records(self.commands.show("partition", *([partition] if partition else [])))
-        except SlurmRefused:
-            return
-        except SlurmUnreachable as exc:
-            raise SlurmSetupError(f"Slurm did not answer: {exc}") from None
-        for record in found:
-            if (partition or record.get("Default") == "YES") and record.get("RootOnly") == "YES":
-                raise SlurmSetupError(
-                    f"partition {record.get('PartitionName')} takes root's jobs only (RootOnly): "
-                    "submit to another partition"
-                )
 
     def _reservation(self) -> str:
         """The Slurm reservation of the job's booking of whole nodes, once the cluster's worker has
@@ -231,18 +305,6 @@ class SlurmFollower:
                     or f"its booking's Slurm reservation was not made within {RESERVATION_WAIT_SECONDS} s"
                 )
             time.sleep(0.5)
-
-    def _jobcomp(self) -> str:
-        """The cluster's completion log (jobcomp/filetxt), where forgotten jobs are looked up."""
-        try:
-            config = self.commands.run("scontrol", ["show", "config"])
-        except SlurmError:
-            return ""
-        for line in config.splitlines():
-            key, _, value = line.partition("=")
-            if key.strip() == "JobCompLoc" and value.strip().startswith("/"):
-                return value.strip()
-        return ""
 
     def _argv(self, folder: Path) -> list[str]:
         job = self.job
@@ -275,6 +337,10 @@ class SlurmFollower:
     def _follow(self, executor: SlurmExecutor, run: SlurmRun) -> str:
         output = run.output
         assert isinstance(output, FileOutput)
+        # Stored with the log's bytes, in their transaction: where a restarted worker reads on from.
+        self.writer.stored_fields = lambda: {
+            "slurm_output_offset": max(0, output.offset - len(self.writer.partial))
+        }
         asked_at = 0.0
         while True:
             self._take(output)
@@ -284,7 +350,18 @@ class SlurmFollower:
                 if state is not None and (state.ended or state.state == "FORGOTTEN"):
                     self._take(output, to_end=True)  # all that is left (FileOutput.keep at most)
                     return self._ended(state, run)
+                if why := self._given_up(state, run):
+                    self._take(output, to_end=True)
+                    return self._lost(why)
             time.sleep(TICK_SECONDS)
+
+    def _given_up(self, state: SlurmJobState | None, run: SlurmRun) -> str:
+        if state is not None and state.name and state.name != run.name:  # its id reused by Slurm
+            return f"Slurm job {run.job_id} is another job now ({state.name}): Slurm has forgotten this one"
+        why = self.news.given_up(self.job.server.name, self.unreachable_said)
+        return (
+            f"{why}. Slurm job {run.job_id} may still run there: the portal follows it no more" if why else ""
+        )
 
     def _take(self, output: FileOutput, *, to_end: bool = False) -> None:
         """What the output file gained, TAKE_MAX bytes at most (`to_end`: all of it)."""
@@ -312,6 +389,13 @@ class SlurmFollower:
         if self.unreachable_said:
             self.writer.write_line("[portal] the cluster answers again.")
             self.unreachable_said = ""
+        self.news.answered(state)
+        if not state.known and state.state not in ("FORGOTTEN", self.unknown_said):
+            self.unknown_said = state.state
+            self.writer.write_line(
+                f"[portal] Slurm says the job is {state.state}, a state the portal does not know; it is"
+                f" followed for {settings.SLURM_LOST_AFTER_SECONDS} s at most unless Slurm says more."
+            )
         fields = {"slurm_state": state.state[:32], "slurm_reason": state.reason[:200], "heartbeat_at": Now()}
         Job.objects.filter(pk=self.job.pk).update(**fields)
         if state.state == "RUNNING" and not self.running_recorded:
@@ -363,6 +447,7 @@ class SlurmFollower:
         return True
 
     def _unreachable(self, why: str) -> None:
+        self.news.silent()
         Job.objects.filter(pk=self.job.pk).update(
             slurm_reason=f"The cluster does not answer: {why}"[:200], heartbeat_at=Now()
         )
@@ -373,10 +458,8 @@ class SlurmFollower:
     def _ended(self, state: SlurmJobState, run: SlurmRun) -> str:
         exit_ = state.exit
         if state.state == "FORGOTTEN":
-            return self._end(
-                "lost",
-                None,
-                f"Slurm job {run.job_id} is gone from Slurm and from its completion log: its end is unknown.",
+            return self._lost(
+                f"Slurm job {run.job_id} is gone from Slurm and from its completion log: its end is unknown"
             )
         status = state.status
         by = Job.objects.filter(pk=self.job.pk).values_list("cancelled_by__username", flat=True).first()
@@ -404,8 +487,31 @@ class SlurmFollower:
         Job.objects.filter(pk=self.job.pk).update(slurm_reason="")
         return status
 
+    def _lost(self, why: str) -> str:
+        """The job followed no more, as lost: why, in its log, its message (its owner's end notice
+        quotes it: jobs.notices) and the audit log. Slurm may run it on: nothing is stopped."""
+        message = f"Lost: {why}."[:1000]
+        self.writer.write_line(f"[portal] {message}")
+        self.writer.close()
+        job = self.job
+        Job.objects.transition(
+            job.pk,
+            from_=FOLLOWED,
+            to=Job.Status.LOST,
+            told=lambda: _lost_audit(job, message),
+            finished_at=timezone.now(),
+            message=message,
+            slurm_reason="",
+        )
+        return Job.Status.LOST
 
-def _root_only(path: Path) -> bool:
-    """A folder itself (not a link) that only root may change."""
-    found = os.lstat(path)
-    return stat.S_ISDIR(found.st_mode) and found.st_uid == 0 and not found.st_mode & 0o022
+
+def _lost_audit(job: Job, message: str) -> None:
+    AuditEntry.objects.create(
+        actor=None,
+        team_id=job.team_id,
+        action=AuditEntry.Action.JOB_LOST,
+        target=f"job {job.pk}",
+        message=f"Job {job.pk} ({job.name}) of {job.owner} on {job.server.name}: {message}",
+        data={"job": job.pk, "slurm_job": job.slurm_job_id, "server": job.server.name},
+    )

@@ -16,8 +16,9 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
@@ -94,6 +95,9 @@ class LogWriter:
         self.partial_since = 0.0
         self.last_flush = time.monotonic()
         self.in_sync = not (spool is not None and (spool.size or spool.dropped))
+        # More of the job's row, written with every store in its transaction (a Slurm job's place
+        # in its output file: jobs/host/slurm_runner.py).
+        self.stored_fields: Callable[[], dict[str, Any]] | None = None
 
     def _add(self, data: bytes) -> None:
         """Output taken: pending for the next flush, and out to live watchers now."""
@@ -238,7 +242,10 @@ class LogWriter:
             LogChunk.objects.bulk_create(rows)
             if drop:
                 LogChunk.objects.filter(job_id=self.job_id, seq__in=drop).delete()
-            Job.objects.filter(pk=self.job_id).update(log_bytes=self.total, log_dropped_bytes=self.dropped)
+            more = self.stored_fields() if self.stored_fields is not None else {}
+            Job.objects.filter(pk=self.job_id).update(
+                log_bytes=self.total, log_dropped_bytes=self.dropped, **more
+            )
 
     def _chunks(self, data: bytes) -> list[LogChunk]:
         """Store `data`, splitting it where the head ends; tail chunks join the drop queue."""

@@ -42,22 +42,49 @@ ENDS = {
     "TIMEOUT": "timed_out",
     "CANCELLED": "cancelled",
 }
+# The states a job waits or runs in (squeue(1), "JOB STATE CODES"): any other is one the portal
+# does not know, and a job that stays in one is not followed for ever (jobs/host/slurm_runner.py).
+LIVE = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "STOPPED",
+        "SIGNALING",
+        "STAGE_OUT",
+        "RESIZING",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "SPECIAL_EXIT",
+        "RESV_DEL_HOLD",
+    }
+)
 
 
 @dataclass(frozen=True)
 class SlurmJobState:
     """A job as Slurm last described it: its state (RUNNING), why it waits (Resources), its exit
-    code or signal once it ended, and its nodes. `forgotten`: found only in the completion log."""
+    code or signal once it ended, its nodes, and its name. `forgotten`: found only in the
+    completion log."""
 
     state: str
     reason: str = ""
     exit: RunEnd | None = None
     nodes: str = ""
     forgotten: bool = False
+    name: str = ""
 
     @property
     def ended(self) -> bool:
         return self.state in ENDS
+
+    @property
+    def known(self) -> bool:
+        """A state the portal knows: one a job waits or runs in, or an end."""
+        return self.state in ENDS or self.state in LIVE
 
     @property
     def status(self) -> str:
@@ -83,6 +110,7 @@ def state_of(record: dict[str, str], *, forgotten: bool = False) -> SlurmJobStat
         exit=exit_of(record.get("ExitCode", "0:0")) if state in ENDS else None,
         nodes=record.get("NodeList", ""),
         forgotten=forgotten,
+        name=record.get("JobName", ""),
     )
 
 
@@ -236,7 +264,14 @@ class SlurmExecutor:
         is not taken."""
         script = self.batch_script(spec).encode()
         job_id = self.commands.run("sbatch", self.sbatch_args(spec), stdin=script).strip().split(";")[0]
-        return self._run(spec, job_id)
+        return self.attach(spec, job_id)
+
+    def test(self, spec: RunSpec) -> None:
+        """`sbatch --test-only` with the same options as `start`: Slurm checks the job as its owner
+        would submit it (the partition, the reservation's users, the account's limits) and runs
+        nothing. SlurmRefused (Slurm's words) or SlurmUnreachable when it would not be taken."""
+        script = self.batch_script(spec).encode()
+        self.commands.run("sbatch", ["--test-only", *self.sbatch_args(spec)], stdin=script)
 
     def find(self, spec: RunSpec) -> SlurmRun | None:
         """The job `start` sent for `spec`, should Slurm have taken it though sbatch's answer was
@@ -245,13 +280,16 @@ class SlurmExecutor:
         if spec.account is not None:
             args.append(f"--user={spec.account.pw_uid}")
         found = self.commands.run("squeue", args).split()
-        return self._run(spec, found[0]) if found else None
+        return self.attach(spec, found[0]) if found else None
 
-    def _run(self, spec: RunSpec, job_id: str) -> SlurmRun:
+    def attach(self, spec: RunSpec, job_id: str, *, offset: int = 0) -> SlurmRun:
+        """The run of Slurm job `job_id`, its output read from `offset` on (what the job's log
+        holds already, when a restarted worker follows it again)."""
         # No process of the worker's is the run: pid 0 is never signalled (portal.pids), and the
         # orphan sweep has nothing to find.
         uid = spec.account.pw_uid if spec.account is not None else None
         output = FileOutput(self.request.output, uid=uid, keep=self.request.output_keep)
+        output.offset = offset
         return SlurmRun(spec.name, ProcessId(0, -1.0), 0, output, job_id=job_id)
 
     def state(self, run: Run) -> SlurmJobState:
