@@ -10,7 +10,6 @@ from datetime import timedelta
 import pytest
 from django.core.management import call_command
 from django.db import connection
-from django.db.migrations.executor import MigrationExecutor
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
@@ -18,6 +17,7 @@ from rest_framework.test import APIClient
 
 from portal.models import ApiToken, AuditEntry
 from portal.services import api_token_create, api_token_revoke
+from tests.migrating import fresh_database, migrate, models_at
 
 pytestmark = pytest.mark.django_db
 
@@ -201,26 +201,23 @@ def test_an_admin_revokes_tokens_in_the_admin(client, alice, admin_user):
 @pytest.mark.django_db(transaction=True)
 def test_the_migration_hashes_existing_plaintext_tokens():
     key = "0123456789abcdef0123456789abcdef01234567"
-    executor = MigrationExecutor(connection)
-    try:
-        executor.migrate([("portal", "0007_queue")])
-        before = [("portal", "0007_queue"), ("authtoken", "0004_alter_tokenproxy_options")]
-        old = MigrationExecutor(connection).loader.project_state(before).apps
+    before = [("portal", "0007_queue"), ("authtoken", "0004_alter_tokenproxy_options")]
+    with fresh_database():  # tests/migrating.py: forwards from nothing, not the test database back
+        migrate(before)
+        old = models_at(before)
         user = old.get_model("auth", "User").objects.create(username="dana", password="!")
         old.get_model("authtoken", "Token").objects.create(key=key, user_id=user.pk)
 
-        executor = MigrationExecutor(connection)
-        executor.migrate([("portal", "0008_api_tokens")])
-        new = executor.loader.project_state([("portal", "0008_api_tokens")]).apps
+        migrate([("portal", "0008_api_tokens")])
+        new = models_at([("portal", "0008_api_tokens")])
         assert not new.get_model("authtoken", "Token").objects.exists()
         migrated = new.get_model("portal", "ApiToken").objects.get()
         assert migrated.prefix == key[:8] and migrated.key_hash == ApiToken.hash_key(key)
-    finally:
-        executor = MigrationExecutor(connection)
-        executor.migrate(executor.loader.graph.leaf_nodes())
-    response = _api(key).get("/api/v1/teams/")
-    assert response.status_code == 200
-    assert key not in _database_dump()
+
+        migrate()
+        response = _api(key).get("/api/v1/teams/")
+        assert response.status_code == 200
+        assert key not in _database_dump()
 
 
 def test_a_token_revokes_itself_and_only_a_token_can(client, alice):

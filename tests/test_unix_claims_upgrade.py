@@ -9,11 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import connection
-from django.db.migrations.executor import MigrationExecutor
 
 from portal.accounts import unix_account_name, users_by_unix_name
 from portal.models import AuditEntry, Profile
+from tests.migrating import fresh_database, migrate, models_at
 
 pytestmark = pytest.mark.django_db(transaction=True)
 User = get_user_model()
@@ -63,13 +62,11 @@ class Old:
 
 @pytest.fixture
 def old() -> Iterator[Old]:
-    executor = MigrationExecutor(connection)
-    try:
-        executor.migrate([BEFORE])
-        yield Old(MigrationExecutor(connection).loader.project_state([BEFORE]).apps)
-    finally:
-        executor = MigrationExecutor(connection)
-        executor.migrate(executor.loader.graph.leaf_nodes())
+    """A database of its own at 0012 (tests/migrating.py: forwards from nothing, not the test
+    database backwards), which the test upgrades."""
+    with fresh_database():
+        migrate([BEFORE])
+        yield Old(models_at([BEFORE]))
 
 
 @pytest.fixture(autouse=True)
@@ -80,8 +77,7 @@ def _defaults(settings) -> None:
 
 def upgrade() -> None:
     """0013, and the migrations since (none touches these rows): the models below are today's."""
-    executor = MigrationExecutor(connection)
-    executor.migrate(executor.loader.graph.leaf_nodes())
+    migrate()
 
 
 def accounts(username: str) -> tuple[str | None, str | None]:
@@ -207,8 +203,8 @@ def test_nothing_is_held_from_a_trusted_source_and_backwards_changes_nothing(old
     assert not AuditEntry.objects.filter(data__migration=AFTER[1]).exists()
 
     settings.OIDC_UNIX_ACCOUNT_TRUSTED = False
-    MigrationExecutor(connection).migrate([BEFORE])
+    migrate([BEFORE])
     upgrade()
     assert accounts("alice") == (None, "asmith") and accounts("bob") == (None, "bob")
-    MigrationExecutor(connection).migrate([BEFORE])
+    migrate([BEFORE])
     assert accounts("alice") == (None, "asmith") and accounts("bob") == (None, "bob")
