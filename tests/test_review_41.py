@@ -19,6 +19,7 @@ from gpus.models import Server, Violation
 from jobs.models import Job
 from jobs.services import job_cancel, jobs_reconcile
 from jobs.submit import ScriptUpload, job_submit
+from portal.errors import Conflict
 from portal.models import AuditEntry, Notification, Team
 from tests.factories import UserFactory
 from tests.test_booking_form_limits import rendered_defaults
@@ -89,10 +90,11 @@ def test_a_leaders_job_cancel_tells_the_owner_why(alice, leader, booking, sent):
 def test_a_second_cancel_of_a_running_job_is_not_told_or_audited_again(alice, leader, admin, booking, sent):
     job = job_submit(user=alice, reservation=booking, script=SCRIPT)
     Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, started_at=timezone.now())
-    job_cancel(user=leader, job=job.pk)
-    job_cancel(user=admin, job=job.pk)  # nothing changes: cancel_requested_at was set already
+    job_cancel(user=leader, job=job.pk, reason="blocking the demo")
+    with pytest.raises(Conflict, match="already being cancelled by leader"):
+        job_cancel(user=admin, job=job.pk, reason="maintenance")  # cancel_requested_at was set already
     job.refresh_from_db()
-    assert job.cancelled_by == leader  # the job's log and page say leader
+    assert (job.cancelled_by, job.cancel_reason) == (leader, "blocking the demo")  # what its end says
     actors = list(AuditEntry.objects.filter(action="job.cancel").values_list("actor__username", flat=True))
     told = list(Notification.objects.filter(user=alice).values_list("subject", flat=True))
     assert (actors, len(told)) == (["leader"], 1), (actors, told)
