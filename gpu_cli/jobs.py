@@ -350,21 +350,29 @@ def _cancelled(job: dict[str, Any]) -> str:
 
 @click.command()
 @click.option("--whole-array", is_flag=True, help="Cancel every task of each job's array.")
+@click.option(
+    "--reason",
+    default="",
+    help="Why: required to cancel someone else's job (a leader's, an admin's); its owner is told.",
+)
 @json_option
 @click.argument("job_ids", metavar="ID...", nargs=-1, required=True, type=int)
-def cancel(whole_array: bool, as_json: bool, job_ids: tuple[int, ...]) -> None:
+def cancel(whole_array: bool, reason: str, as_json: bool, job_ids: tuple[int, ...]) -> None:
     """Cancel jobs: a waiting one at once, a running one is stopped (scancel). A job that cannot be
     cancelled is reported and the others are still cancelled; the exit code is the first failure's.
 
     \b
       gpu cancel 42 43
       gpu cancel --whole-array 50
+      gpu cancel --reason "blocking the demo" 61   # someone else's job
     """
     portal = connect()
     answers, failed = [], None
+    body = {"whole_array": True} if whole_array else {}
+    body |= {"reason": reason} if reason else {}
     for job_id in job_ids:
         try:
-            job = portal.post(f"jobs/{job_id}/cancel/", json={"whole_array": True} if whole_array else None)
+            job = portal.post(f"jobs/{job_id}/cancel/", json=body or None)
         except (Refused, NotFound) as exc:
             click.echo(f"Error: job {job_id}: {exc.format_message()}", err=True)
             failed = failed or exc

@@ -35,7 +35,7 @@ from gpus.quotas import (
     quota_check,
     refusals_told,
 )
-from portal.access import can_manage
+from portal.access import owner_reason_check
 from portal.changes import BOOKINGS, change_publish
 from portal.errors import Conflict, Errors, Forbidden, Invalid
 from portal.models import AuditEntry, Membership, Team
@@ -547,19 +547,11 @@ def _end_now(reservation: Reservation, now: datetime) -> None:
 
 def cancel_reason_check(*, user: AbstractBaseUser, reservation: Reservation, reason: object) -> str:
     """The cancel's reason, normalised: asked by the cancel and by its confirm page before anything
-    stops (read by hand from a form or a body). Someone else's booking needs one: its owner sees it."""
-    if not isinstance(reason, str):
-        raise Invalid("Give the reason as text.", field="reason")
-    if "\x00" in reason:
-        raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
-    if not can_manage(user, reservation):
-        raise Forbidden(ONLY_OWNER_OR_MANAGER_CANCELS)
-    reason = reason.strip()
-    if reservation.owner_id != user.pk and not reason:
-        raise Invalid(f"Give a reason: {reservation.owner} will see it.", field="reason")
-    if len(reason) > 500:
-        raise Invalid("Keep the reason to 500 characters.", field="reason")
-    return reason
+    stops (read by hand from a form or a body). Someone else's booking needs one: its owner sees it
+    (the rule is portal.access.owner_reason_check, a job cancel's too)."""
+    return owner_reason_check(
+        user=user, obj=reservation, reason=reason, refused=ONLY_OWNER_OR_MANAGER_CANCELS
+    )
 
 
 @transaction.atomic

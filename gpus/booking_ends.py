@@ -9,14 +9,14 @@ released the booking at ...". Never *timed out*: nobody's time ran out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.urls import reverse
 
-from gpus.hooks import work_on_booking
+from gpus.hooks import Work, work_on_booking
 from gpus.models import Reservation
 from portal.models import Notification
 from portal.notifications import notification_send
@@ -55,6 +55,15 @@ def ended_early_words(row: Mapping[str, Any], prefix: str = "") -> str:
     return ""
 
 
+def not_started_words(early: str, end: datetime) -> str:
+    """Why a job no worker started ends with its booking (the reconciler's pass over queued jobs,
+    a worker that claims one too late): `early`, the booking's ended_early_words, by the one rule
+    ("Cancelled: leader cancelled the booking at ... (paper deadline)."), else its end."""
+    if early:
+        return f"Cancelled: {early}."
+    return f"Cancelled: the booking ended at {format_time(end)}, before a worker started the job."
+
+
 def ended_early_of(booking: Reservation) -> str:
     """The same words for a booking already loaded (a lab's supervisor holds it)."""
     return ended_early_words(
@@ -69,16 +78,28 @@ def ended_early_of(booking: Reservation) -> str:
     )
 
 
+def _how_it_stops(work: Sequence[Work]) -> str:
+    """What the owner is told happens to each: a running one is signalled, a queued one never
+    starts (it has no process to signal)."""
+    if not work:
+        return ""
+    running, waiting = any(not w.waiting for w in work), any(w.waiting for w in work)
+    how = {
+        (True, False): "Each gets SIGTERM, then SIGKILL after the grace period, and",
+        (False, True): "A queued job never starts: it",
+        (True, True): "A running one gets SIGTERM, then SIGKILL after the grace period; a queued one "
+        "never starts. Each",
+    }[running, waiting]
+    return f" {how} ends cancelled, saying who cancelled the booking and why."
+
+
 def owner_told_of_cancel(by: AbstractBaseUser, booking: Reservation, reason: str, now: datetime) -> str:
     """The owner of a booking someone else cancelled (a leader, an admin) is told, in the inbox,
     by mail as they prefer and on their channels: who, why, and what it stops. Inside the cancel's
     transaction: told if and only if it commits. Returns what it stops, in words, for the audit log."""
-    work = [w.label for w in work_on_booking(booking.pk)]
-    stopping = f"It stops what runs on it: {'; '.join(work)}." if work else "Nothing ran on it."
-    how = (
-        " Each gets SIGTERM, then SIGKILL after the grace period, and ends cancelled, saying who "
-        "cancelled the booking and why."
-    )
+    work = work_on_booking(booking.pk)
+    labels = "; ".join(w.label for w in work)
+    stopping = f"It stops what runs on it: {labels}." if work else "Nothing ran on it."
     was = "active" if booking.start <= now else "upcoming"
     notification_send(
         user=booking.owner,
@@ -87,7 +108,7 @@ def owner_told_of_cancel(by: AbstractBaseUser, booking: Reservation, reason: str
         body=(
             f"{by} cancelled your {was} booking {booking.pk} ({booking.summary}, "
             f"{format_time(booking.start)} – {format_time(booking.booked_end)}) at {format_time(now)}.\n"
-            f"Why: {reason}\n\n{stopping}{how if work else ''}"
+            f"Why: {reason}\n\n{stopping}{_how_it_stops(work)}"
         ),
         url=reverse("reservation_detail", args=[booking.pk]),
         key=f"cancelled:{booking.pk}",

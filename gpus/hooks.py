@@ -64,10 +64,12 @@ SESSION_ENDED = "session"  # an interactive session's outcome (gpu exec, Jupyter
 
 
 class Work(NamedTuple):
-    """Something a release or cancel of its booking would stop: "job 12 (train.py), running"."""
+    """Something a release or cancel of its booking would stop: "job 12 (train.py), running".
+    `waiting`: a queued job, no process yet: it never starts (nothing gets SIGTERM)."""
 
     label: str
     url: str
+    waiting: bool = False
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from jobs.models import Job
 from jobs.queue.scheduler import queue_plan
 from jobs.rightsizing import size_hint_for
 from jobs.selectors import queue_rows
-from jobs.services import job_cancel
+from jobs.services import ONLY_MANAGERS_CANCEL, job_cancel
 from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Invalid
 from portal.pagination import PagePagination
@@ -51,6 +51,9 @@ class JobSerializer(serializers.ModelSerializer):
     command = serializers.SerializerMethodField()
     duration_seconds = serializers.SerializerMethodField()
     mean_utilization_pct = serializers.FloatField(read_only=True)
+    cancelled_by = serializers.CharField(
+        source="cancelled_by.username", read_only=True, default=None, help_text="Who asked to cancel it."
+    )
 
     class Meta:
         model = Job
@@ -97,6 +100,9 @@ class JobSerializer(serializers.ModelSerializer):
             "duration_seconds",
             "exit_code",
             "message",
+            "cancel_requested_at",
+            "cancelled_by",
+            "cancel_reason",
             "worker",
             "peak_memory_mb",
             "mean_utilization_pct",
@@ -265,10 +271,18 @@ class JobCancelSerializer(serializers.Serializer):
     whole_array = serializers.BooleanField(
         required=False, default=False, help_text="Every task of its array."
     )
+    # Checked by the service (jobs.services.job_cancel_reason_check), the page's rule too.
+    reason = serializers.CharField(
+        required=False,
+        default="",
+        allow_blank=True,
+        trim_whitespace=False,
+        help_text="Why; required to cancel someone else's job (its owner sees it). At most 500 characters.",
+    )
 
 
 class MayCancelJob(IsOwnerOrTeamManager):
-    message = "Only the job's owner, leaders of its team and admins can cancel it."
+    message = ONLY_MANAGERS_CANCEL
 
 
 class JobViewSet(
@@ -292,7 +306,7 @@ class JobViewSet(
             return Job.objects.none()
         return (
             Job.objects.restrict(self.request.user)
-            .select_related("owner", "team", "server", "request_server", "image")
+            .select_related("owner", "team", "server", "request_server", "image", "cancelled_by")
             .order_by("-created_at", "-id")
         )
 

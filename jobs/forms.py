@@ -257,3 +257,14 @@ class JobForm(ServiceErrorsMixin, forms.Form):
             "mirrored": data["mirrored"],
             "notify": data["notify"] or None,
         }
+
+
+class JobCancelForm(ServiceErrorsMixin, forms.Form):
+    """The reason asked on the confirm step of a cancel of someone else's job; its rule is the
+    service's (jobs.services.job_cancel_reason_check)."""
+
+    reason = forms.CharField(
+        required=False,
+        max_length=500,
+        help_text="Required: the job's owner sees it, in their inbox and in the job's log.",
+    )

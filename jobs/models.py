@@ -247,6 +247,10 @@ class Job(models.Model):
     cancelled_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # Why someone cancelled it, as its owner is told (required when it is someone else's job:
+    # jobs.services.job_cancel); its end says it. A database default: an older release's
+    # processes insert jobs without it.
+    cancel_reason = models.CharField(max_length=500, blank=True, default="", db_default="")
     worker = models.CharField(max_length=200, blank=True, help_text="The worker host that ran it.")
     pid = models.PositiveIntegerField(null=True, blank=True)
     # The job's session leader's start (psutil create_time): pid and start time together name

@@ -82,11 +82,19 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
     )
 
 
-def cancelled_words(row: Mapping[str, Any]) -> str:
-    """A cancelled run's end, from its row's `cancelled_by__username` and `message`: who asked,
-    else what the portal said when it asked (a leaver's work, a released booking)."""
+# What a run's supervisor reads of its row to say who cancelled it and why (cancelled_words).
+CANCELLED_FIELDS = ("cancelled_by__username", "cancel_reason", "message")
+
+
+def cancelled_words(row: Mapping[str, Any], how: str = "") -> str:
+    """A cancelled run's end, from its row's CANCELLED_FIELDS: who asked and why ("Cancelled by
+    leader: blocking the demo."; `how`, e.g. " (scancel)", after the name), else what the portal
+    said when it asked (a leaver's work, a released booking)."""
     who = row["cancelled_by__username"]
-    return f"Cancelled by {who}." if who else row["message"] or "Cancelled."
+    if not who:
+        return row["message"] or "Cancelled."
+    why = f": {row['cancel_reason']}" if row["cancel_reason"] else ""
+    return f"Cancelled by {who}{how}{why}."
 
 
 def stopped_before_start(job_id: int) -> tuple[str, str]:
@@ -98,8 +106,7 @@ def stopped_before_start(job_id: int) -> tuple[str, str]:
         Job.objects.filter(pk=job_id)
         .values(
             "cancel_requested_at",
-            "cancelled_by__username",
-            "message",
+            *CANCELLED_FIELDS,
             "preempt_requested_at",
             "preempt_reason",
         )
@@ -118,7 +125,7 @@ def _stopped_while_leaving(job_id: int, record: EndRecord) -> EndRecord | None:
     words (jobs/host/runner.py); None when its end is recorded already."""
     row = (
         Job.objects.filter(pk=job_id, status__in=UNFINISHED)
-        .values("cancel_requested_at", "cancelled_by__username", "watchdog_stop", "message")
+        .values("cancel_requested_at", "watchdog_stop", *CANCELLED_FIELDS)
         .first()
     )
     if row is None:
@@ -213,10 +220,10 @@ def _jobs_lost_mark(now: datetime) -> int:
     return marked
 
 
-def waiting_job_cancel(pk: int, *, by: object | None, message: str, now: datetime) -> bool:
+def waiting_job_cancel(pk: int, *, by: object | None, message: str, now: datetime, reason: str = "") -> bool:
     """A job no worker has started (pending in the queue, or queued for its host) cancelled with
-    `message`, by a person (`by`) or by the portal (None); whether it was still waiting. A job
-    a worker took meanwhile is its worker's to stop (cancel_requested_at)."""
+    `message`, by a person (`by`, who gave `reason`) or by the portal (None); whether it was still
+    waiting. A job a worker took meanwhile is its worker's to stop (cancel_requested_at)."""
     return Job.objects.transition(
         pk,
         from_=(Job.Status.PENDING, Job.Status.QUEUED),
@@ -224,6 +231,7 @@ def waiting_job_cancel(pk: int, *, by: object | None, message: str, now: datetim
         finished_at=now,
         cancel_requested_at=now,
         cancelled_by=by,
+        cancel_reason=reason,
         pending_reason="",
         message=message,
     )

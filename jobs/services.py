@@ -18,17 +18,19 @@ from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
+from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_words, not_started_words
 from gpus.inventory import GPUInfo
 from gpus.models import GPU, Allocation, Server
 from jobs.leavers import WAITING, leavers_stop, owner_active, team_leavers_stop
 from jobs.logs.live import job_changed
+from jobs.logs.store import log_append
 from jobs.models import Job
 from jobs.runs import runs_lost_mark, waiting_job_cancel
 from jobs.sending import HostSender
 from jobs.sessions.services import labs_resend
 from jobs.tasks import run_job
-from portal.access import can_manage
-from portal.errors import Forbidden, Invalid
+from portal.access import can_manage, owner_reason_check
+from portal.errors import Conflict, Forbidden, Invalid, ServiceError
 from portal.models import AuditEntry, Notification
 from portal.notifications import notification_send
 from portal.timefmt import format_time
@@ -71,86 +73,154 @@ def _undispatch(job_id: int) -> None:
 send = HostSender(run_job, "job", log, undo=_undispatch)
 
 
+ONLY_MANAGERS_CANCEL = "Only the job's owner, leaders of its team and admins can cancel it."
+ENDED, ASKED = "ended", "asked"  # how _cancel_one cancelled a job: it never started, or asked its worker
+
+
+def job_cancel_reason_check(*, user: AbstractBaseUser, job: Job, reason: object) -> str:
+    """The cancel's reason, normalised: asked by the cancel and by the job page's confirm step
+    before anything stops. Someone else's job needs one: its owner sees it (the rule of a
+    booking's cancel too: portal.access.owner_reason_check)."""
+    return owner_reason_check(user=user, obj=job, reason=reason, refused=ONLY_MANAGERS_CANCEL)
+
+
 @transaction.atomic
 def job_cancel(
-    *, user: AbstractBaseUser, job: Job | int, whole_array: bool = False, now: datetime | None = None
+    *,
+    user: AbstractBaseUser,
+    job: Job | int,
+    whole_array: bool = False,
+    reason: object = "",
+    now: datetime | None = None,
 ) -> Job:
     """Cancel a job: a pending or queued one at once; a running one is stopped by its worker
     (SIGTERM to its process group, SIGKILL after JOB_KILL_GRACE_SECONDS). With `whole_array`, every
-    task of the job's array that has not finished."""
+    task of the job's array that has not finished. Someone else's job (a leader's, an admin's
+    cancel) needs a `reason`: its end says who and why, its owner is told, the audit log records
+    it. A job already being cancelled is a Conflict naming who asked; nothing is written again."""
     now = now or timezone.now()
     pk = job if isinstance(job, int) else job.pk
     job = Job.objects.select_for_update(of=("self",)).get(pk=pk)
     if whole_array:
-        if job.array_id is None:
-            raise Invalid(f"Job {job.pk} is not part of an array; cancel it alone.", field="whole_array")
-        tasks = list(Job.objects.filter(array_id=job.array_id, status__in=Job.ACTIVE).exclude(pk=job.pk))
-        tasks += [] if job.is_finished else [job]
-        # The running tasks' stop requests first: a waiting task's cancel locks the array's row
-        # (jobs.notices), and a running task ending now holds its own row while it waits for
-        # that lock; asking it to stop after would be a deadlock on PostgreSQL.
-        for task in sorted(tasks, key=lambda task: task.status in WAITING):
-            _cancel_one(user, task, now)
-        job.refresh_from_db()
-        _others_cancel_told(user, job, tasks, now)
-        return job
-    job = _cancel_one(user, job, now)
-    _others_cancel_told(user, job, [job], now)
+        tasks = _array_tasks(job)
+    else:
+        _check_cancellable(user, job)
+        if job.cancel_requested_at:
+            raise _nothing_to_cancel(job)
+        tasks = [job]
+    reason = job_cancel_reason_check(user=user, job=job, reason=reason)
+    # The running tasks' stop requests first: a waiting task's cancel locks the array's row
+    # (jobs.notices), and a running task ending now holds its own row while it waits for
+    # that lock; asking it to stop after would be a deadlock on PostgreSQL.
+    done = {}
+    for task in sorted(tasks, key=lambda task: task.status in WAITING):
+        if how := _cancel_one(user, task, now, reason):
+            done[task] = how
+    job.refresh_from_db()
+    if tasks and not done:
+        raise _nothing_to_cancel(job)
+    _others_cancel_told(user, job, done, reason, now)
     return job
 
 
-def _others_cancel_told(user: AbstractBaseUser, job: Job, tasks: Sequence[Job], now: datetime) -> None:
-    """Someone else's job cancelled (a leader's, an admin's): its owner is told who stopped what,
-    once for a whole array, and the audit log records it. An owner's own cancel tells nobody."""
-    if job.owner_id == user.pk or not tasks:
+def _array_tasks(job: Job) -> list[Job]:
+    """Every unfinished task of the job's array, the job itself among them."""
+    if job.array_id is None:
+        raise Invalid(f"Job {job.pk} is not part of an array; cancel it alone.", field="whole_array")
+    tasks = list(Job.objects.filter(array_id=job.array_id, status__in=Job.ACTIVE).exclude(pk=job.pk))
+    return tasks + ([] if job.is_finished else [job])
+
+
+def _check_cancellable(user: AbstractBaseUser, job: Job) -> None:
+    if not can_manage(user, job):
+        raise Forbidden(ONLY_MANAGERS_CANCEL)
+    if job.is_finished:
+        raise Invalid(
+            f"Job {job.pk} is already {job.get_status_display().lower()}; there is nothing to cancel."
+        )
+
+
+def _nothing_to_cancel(job: Job) -> ServiceError:
+    """A cancel that changed nothing: someone asked already (or, for an array, every task has
+    finished or is being stopped). Told and audited once, by the first."""
+    job = Job.objects.select_related("cancelled_by").get(pk=job.pk)
+    if job.array_id is not None and job.is_finished:
+        return Conflict(f"Every task of job array {job.array_id} has finished or is being cancelled already.")
+    if job.is_finished:
+        return Invalid(
+            f"Job {job.pk} is already {job.get_status_display().lower()}; there is nothing to cancel."
+        )
+    who = job.cancelled_by or "the portal"
+    at = format_time(job.cancel_requested_at) if job.cancel_requested_at else "a moment ago"
+    return Conflict(f"Job {job.pk} is already being cancelled by {who} (asked at {at}); nothing more to do.")
+
+
+def _others_cancel_told(
+    user: AbstractBaseUser, job: Job, done: Mapping[Job, str], reason: str, now: datetime
+) -> None:
+    """Someone else's job cancelled (a leader's, an admin's): its owner is told who stopped what
+    and why, once for a whole array, and the audit log records it. Only what this cancel changed:
+    a second cancel of a job being stopped tells nothing. An owner's own cancel tells nobody."""
+    if job.owner_id == user.pk or not done:
         return
-    first = tasks[0]
+    first = job if job in done else min(done, key=lambda task: task.pk)  # the one named, else the first
     what = (
         f"job {first.pk} ({first.name})"
-        if len(tasks) == 1
-        else f"{len(tasks)} tasks of job array {job.array_id} ({job.name})"
+        if len(done) == 1
+        else f"{len(done)} tasks of job array {job.array_id} ({job.name})"
     )
     AuditEntry.objects.create(
         actor=user,
         team_id=job.team_id,
         action=AuditEntry.Action.JOB_CANCEL,
         target=f"job {first.pk}",
-        message=f"{user} cancelled {what} of {job.owner}",
-        data={"jobs": [task.pk for task in tasks]},
+        message=f"{user} cancelled {what} of {job.owner}: {reason}",
+        data={"jobs": [task.pk for task in done], "reason": reason},
     )
     notification_send(
         user=job.owner,
         kind=Notification.Kind.JOB_STOPPED,
-        subject=f"{user} cancelled your {what}",
+        subject=f"{user} cancelled your {what}: {reason}",
         body=(
-            f"{user} cancelled your {what} at {format_time(now)}. A running job gets SIGTERM, then "
-            f"SIGKILL after {settings.JOB_KILL_GRACE_SECONDS} s; a waiting one never starts. It ends "
-            f"cancelled, saying {user} cancelled it."
+            f"{user} cancelled your {what} at {format_time(now)}.\nWhy: {reason}\n\n"
+            f"{_how_it_ends(done, user)}"
         ),
         url=reverse("job_detail", args=[first.pk]),
         key=f"cancelled-job:{first.pk}",
     )
 
 
-def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime) -> Job:
+def _how_it_ends(done: Mapping[Job, str], user: AbstractBaseUser) -> str:
+    """What happens to what was cancelled: a waiting job never started, a running one is stopped."""
+    stop = f"gets SIGTERM, then SIGKILL after {settings.JOB_KILL_GRACE_SECONDS} s"
+    ends = f"ends cancelled, saying {user} cancelled it and why."
+    ways = set(done.values())
+    if ways == {ENDED}:
+        return f"It never started: it {ends}" if len(done) == 1 else f"None had started: each {ends}"
+    if ways == {ASKED}:
+        return f"It {stop}, and {ends}" if len(done) == 1 else f"Each {stop}, and {ends}"
+    return f"A running task {stop}; a waiting one never starts. Each {ends}"
+
+
+def _cancel_one(user: AbstractBaseUser, job: Job, now: datetime, reason: str) -> str:
+    """Cancel one job (pk and status as locked); how: ENDED, ASKED, or "" when it changed nothing
+    (a cancel asked already, or it ended meanwhile)."""
     pk = job.pk
-    if not can_manage(user, job):
-        raise Forbidden("Only the job's owner, leaders of its team and admins can cancel it.")
-    if job.is_finished:
-        raise Invalid(
-            f"Job {job.pk} is already {job.get_status_display().lower()}; there is nothing to cancel."
-        )
+    _check_cancellable(user, job)
     # A pending or queued job is cancelled here; a running one (or one a worker claimed a moment
     # ago: SQLite takes no row lock) is stopped by its worker, which watches for this request.
-    cancelled_here = job.status in WAITING and waiting_job_cancel(
-        pk, by=user, message=f"Cancelled by {user} before it started.", now=now
+    message = f"Cancelled by {user} before it started{f': {reason}' if reason else ''}."
+    if job.status in WAITING and waiting_job_cancel(pk, by=user, message=message, now=now, reason=reason):
+        log_append(pk, f"[portal] {message}", now=now)  # no worker has it: the log is free to write
+        return ENDED
+    # No status change: the request its worker acts on (jobs.host.runner), shown on the job's page.
+    asked = Job.objects.filter(pk=pk, status__in=Job.ACTIVE, cancel_requested_at=None).update(
+        cancel_requested_at=now, cancelled_by=user, cancel_reason=reason
     )
-    if not cancelled_here:
-        # No status change: the request its worker acts on (jobs.host.runner), shown on the job's page.
-        Job.objects.filter(pk=pk, cancel_requested_at=None).update(cancel_requested_at=now, cancelled_by=user)
-        job_changed([pk], server=job.server_id)
-    job.refresh_from_db()
-    return job
+    if not asked:
+        return ""
+    job_changed([pk], server=job.server_id)
+    return ASKED
 
 
 def jobs_reconcile(
@@ -191,17 +261,19 @@ def jobs_due_dispatch(now: datetime) -> int:
 
 
 def _expired_cancel(now: datetime) -> int:
-    """Queued jobs whose booking ended or was cancelled before a worker took them: cancelled."""
+    """Queued jobs whose booking ended or was cancelled before a worker took them: cancelled,
+    saying who ended the booking early and why, by the one rule (gpus.booking_ends)."""
     over = Q(reservation__end__lte=now) | Q(reservation__cancelled_at__isnull=False)
+    fields = ("pk", "reservation__end", *(f"reservation__{field}" for field in ENDED_EARLY_FIELDS))
     expired = 0
-    for pk in Job.objects.filter(over, status=Job.Status.QUEUED).values_list("pk", flat=True):
-        expired += Job.objects.transition(
-            pk,
-            from_=Job.Status.QUEUED,
-            to=Job.Status.CANCELLED,
-            finished_at=now,
-            message="Cancelled: the booking ended or was cancelled before a worker started the job.",
-        )
+    for row in Job.objects.filter(over, status=Job.Status.QUEUED).values(*fields):
+        early = ended_early_words(row, "reservation__")
+        message = not_started_words(early, row["reservation__end"])
+        if Job.objects.transition(
+            row["pk"], from_=Job.Status.QUEUED, to=Job.Status.CANCELLED, finished_at=now, message=message
+        ):
+            log_append(row["pk"], f"[portal] {message}", now=now)  # no worker has it
+            expired += 1
     return expired
 
 

@@ -28,7 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from gpus.models import GPU, Reservation, format_mb
 from jobs.filters import JobFilter, JobHistoryFilter, MyJobFilter
-from jobs.forms import JobForm
+from jobs.forms import JobCancelForm, JobForm
 from jobs.lending import loan_take_back
 from jobs.logs.store import log_response, parse_offset
 from jobs.metrics import job_card_usage, metrics_csv_response
@@ -36,7 +36,7 @@ from jobs.models import InteractiveSession, Job
 from jobs.queue.scheduler import queue_plan
 from jobs.rightsizing import REPORT_PERIODS, oversized_report, report_days, size_hint_for
 from jobs.selectors import get_job_for_user, job_placement, queue_rows
-from jobs.services import job_cancel
+from jobs.services import job_cancel, job_cancel_reason_check
 from jobs.submit import ScriptUpload, job_submit
 from portal.access import can_manage, is_admin, team_for_user, teams_led_by
 from portal.errors import Forbidden, Invalid, ServiceError
@@ -260,8 +260,10 @@ def job_usage_json(request: HttpRequest, pk: int) -> JsonResponse:
 @login_required
 def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_job_for_user(request.user, pk)
+    if asked := _cancel_confirm(request, job):
+        return asked
     try:
-        job = job_cancel(user=request.user, job=job)
+        job = job_cancel(user=request.user, job=job, reason=request.POST.get("reason", ""))
     except Forbidden as error:
         raise PermissionDenied(error.message) from error
     except ServiceError as error:
@@ -276,6 +278,32 @@ def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
                 f"{settings.JOB_KILL_GRACE_SECONDS} s if it is still running.",
             )
     return redirect("job_detail", pk=pk)
+
+
+def _cancel_confirm(request: HttpRequest, job: Job) -> HttpResponse | None:
+    """Someone else's job asks first: what stops, and the reason its owner will read, checked by
+    the service's rule before anything stops (refused: asked again, the refusal beside the field,
+    400, nothing written). None: go on (one's own job; confirmed with a reason; or nothing left to
+    confirm, which the service then says)."""
+    if job.owner_id == request.user.pk or job.is_finished or job.cancel_requested_at:
+        return None
+    reason = request.POST.get("reason", "")
+    if request.POST.get("confirm") != "1":  # from the job's page: asked, nothing refused yet
+        form = JobCancelForm(initial={"reason": reason})
+    else:
+        form = JobCancelForm(request.POST)
+        form.is_valid()
+        form.errors.pop("reason", None)  # the rule below has its own words for the same checks
+        try:
+            job_cancel_reason_check(user=request.user, job=job, reason=reason)
+        except Forbidden as error:
+            raise PermissionDenied(error.message) from error
+        except ServiceError as error:
+            form.add_service_error(error)
+        if not form.errors:
+            return None
+    context = {"job": job, "form": form, "grace": settings.JOB_KILL_GRACE_SECONDS}
+    return render(request, "jobs/job_cancel_confirm.html", context, status=400 if form.errors else 200)
 
 
 @require_POST

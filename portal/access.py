@@ -9,6 +9,7 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import Http404
 
+from portal.errors import Forbidden, Invalid
 from portal.models import Membership, Team
 from portal.restrict import ACTIONS as ACTIONS
 from portal.restrict import CHANGE as CHANGE
@@ -39,6 +40,25 @@ def can_manage(user: AbstractBaseUser, obj: Any) -> bool:
     """The owner of a team's object (a booking, a job, a session), leaders of its team and admins:
     cancel it, stop it. The rule is each model's `restrict(user, "change")`."""
     return permits(user, CHANGE, obj)
+
+
+def owner_reason_check(*, user: AbstractBaseUser, obj: Any, reason: object, refused: str) -> str:
+    """The reason given for cancelling a team's object (a booking, a job), normalised; asked by the
+    service and by its confirm page before anything stops. Someone else's needs one: its owner
+    sees it. One rule for bookings (gpus.booking.cancel_reason_check) and jobs
+    (jobs.services.job_cancel_reason_check); Forbidden(`refused`) for who may not cancel it."""
+    if not isinstance(reason, str):
+        raise Invalid("Give the reason as text.", field="reason")
+    if "\x00" in reason:
+        raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
+    if not can_manage(user, obj):
+        raise Forbidden(refused)
+    reason = reason.strip()
+    if obj.owner_id != user.pk and not reason:
+        raise Invalid(f"Give a reason: {obj.owner} will see it.", field="reason")
+    if len(reason) > 500:
+        raise Invalid("Keep the reason to 500 characters.", field="reason")
+    return reason
 
 
 def teams_led_by(user: AbstractBaseUser | None) -> QuerySet[Team]:

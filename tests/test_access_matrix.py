@@ -291,6 +291,7 @@ def MEMBER(w: World) -> dict:
 
 # bodies
 REASON = {"reason": "needed for the deadline"}
+CANCEL_REASON = {"reason": "needed for the deadline", "confirm": "1"}  # a confirm step with its reason
 NEW_CHANNEL = {"url": "json://127.0.0.1:9/hooks/new"}
 QUOTA = {"max_cards": 1}
 
@@ -468,7 +469,8 @@ MATRIX: dict[str, Url] = {
     "job_metrics_csv": url(JOB, get="login ok 404 404 ok ok"),
     "job_usage_json": url(JOB, get="login ok 404 404 ok ok"),
     "booking_take_back": url(BOOKING, get=NO, post=Do("login ok 403 404 ok ok", None, None)),
-    "job_cancel": url(JOB, get=NO, post=Do("login ok 404 404 ok ok", None, JOB_CANCELLED)),
+    # Someone else's job: confirmed, with the reason its owner is told (the owner's own needs none)
+    "job_cancel": url(JOB, get=NO, post=Do("login ok 404 404 ok ok", CANCEL_REASON, JOB_CANCELLED)),
     "session_new": url(get=NO, post=Do("login ok refused refused refused refused", OPEN_LAB, LAB_OPENED)),
     "session_detail": url(SESSION, get="login ok 404 404 ok ok"),
     "session_end": url(SESSION, get=NO, post=Do("login ok 404 404 ok ok", None, SESSION_END_ASKED)),
@@ -542,7 +544,7 @@ MATRIX: dict[str, Url] = {
     "job-list": url(get=API_ALL, post="401 400 400 400 400 400"),  # allowed; {} is no job
     "job-size-hint": url(get=API_ALL),
     "job-detail": url(JOB, get="401 ok 404 404 ok ok", delete=API_NO),
-    "job-cancel": url(JOB, post=Do("401 ok 404 404 ok ok", None, JOB_CANCELLED)),
+    "job-cancel": url(JOB, post=Do("401 ok 404 404 ok ok", REASON, JOB_CANCELLED)),
     "job-log": url(JOB, get="401 ok 404 404 ok ok"),
     "job-metrics": url(JOB, get="401 ok 404 404 ok ok"),
     "queue-list": url(get=API_ALL),

@@ -9,17 +9,23 @@ import html
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_cancel
 from gpus.models import Reservation
+from jobs.host.runner import job_run
 from jobs.models import Job
+from jobs.runs import CANCELLED_FIELDS, cancelled_words
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
+from portal.errors import Conflict
 from portal.models import AuditEntry, Notification
+from tests.job_helpers import job_log
 
 pytestmark = pytest.mark.django_db
 Kind = Notification.Kind
+JOB_CANCEL = AuditEntry.Action.JOB_CANCEL
 
 
 def _job(alice, booking, name: str = "train.py") -> Job:
@@ -66,16 +72,135 @@ def test_the_owners_own_cancel_tells_nobody(alice, booking, sent):
 
 def test_a_leaders_job_cancel_tells_the_owner_and_the_audit_log(alice, leader, booking, sent):
     job = _job(alice, booking)
-    job_cancel(user=leader, job=job)
+    job_cancel(user=leader, job=job, reason="blocking the demo")
     told = Notification.objects.get(user=alice)
     assert told.kind == Kind.JOB_STOPPED and told.url == f"/jobs/{job.pk}/"
-    assert told.subject == f"leader cancelled your job {job.pk} (train.py)"
+    assert told.subject == f"leader cancelled your job {job.pk} (train.py): blocking the demo"
+    assert "Why: blocking the demo" in told.body
+    assert "It never started" in told.body and "SIGTERM" not in told.body  # it was queued
     audit = AuditEntry.objects.get(action=AuditEntry.Action.JOB_CANCEL)
     assert (audit.actor, audit.target) == (leader, f"job {job.pk}")
-    assert audit.message == f"leader cancelled job {job.pk} (train.py) of alice"
+    assert audit.message == f"leader cancelled job {job.pk} (train.py) of alice: blocking the demo"
+    job.refresh_from_db()
+    assert job.message == "Cancelled by leader before it started: blocking the demo."
+    assert job.message in job_log(job.pk)
     Notification.objects.all().delete()
     job_cancel(user=alice, job=_job(alice, booking, "mine.py"))
     assert not Notification.objects.exists()
+
+
+def test_a_running_job_a_leader_cancels_ends_saying_who_and_why(alice, leader, booking, sent):
+    job = _job(alice, booking)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, started_at=timezone.now())
+    job_cancel(user=leader, job=job, reason="blocking the demo")
+    told = Notification.objects.get(user=alice)
+    assert "gets SIGTERM, then SIGKILL" in told.body and "saying leader cancelled it and why" in told.body
+    # What its supervisor reads and records as it stops it (jobs.host.runner).
+    row = Job.objects.filter(pk=job.pk).values(*CANCELLED_FIELDS).get()
+    assert cancelled_words(row) == "Cancelled by leader: blocking the demo."
+
+
+@pytest.mark.parametrize("first", ["alice", "leader"])
+def test_a_second_cancel_of_a_running_job_says_who_asked_first(
+    request, first, alice, leader, admin_user, booking, sent
+):
+    job = _job(alice, booking)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, started_at=timezone.now())
+    job_cancel(user=request.getfixturevalue(first), job=job, reason="first")
+    told = list(Notification.objects.values_list("pk", flat=True))
+    audited = AuditEntry.objects.count()
+    second = leader if first == "alice" else admin_user
+    api = APIClient()
+    api.force_authenticate(second)
+    answer = api.post(f"/api/v1/jobs/{job.pk}/cancel/", {"reason": "second"}, format="json")
+    assert answer.status_code == 409 and f"already being cancelled by {first}" in answer.json()["detail"]
+    with pytest.raises(Conflict, match=f"already being cancelled by {first}"):
+        job_cancel(user=second, job=job, reason="second")
+    assert list(Notification.objects.values_list("pk", flat=True)) == told
+    assert AuditEntry.objects.count() == audited
+    job.refresh_from_db()
+    assert (job.cancelled_by.username, job.cancel_reason) == (first, "first")  # what its end says
+
+
+def test_a_queued_jobs_booking_cancel_says_it_never_starts(alice, leader, booking, sent):
+    _job(alice, booking)
+    reservation_cancel(user=leader, reservation=booking, reason="paper deadline")
+    body = Notification.objects.get(user=alice).body
+    assert "A queued job never starts: it ends cancelled, saying who cancelled the booking and why." in body
+    assert "SIGTERM" not in body
+
+
+def test_a_job_a_worker_claims_after_its_booking_was_cancelled_says_who_and_why(
+    alice, leader, booking, sent, settings
+):
+    settings.GPU_BACKEND = "simulated"
+    job = _job(alice, booking)
+    reservation_cancel(user=leader, reservation=booking, reason="paper deadline")
+    assert job_run(job.pk) == Job.Status.CANCELLED  # sent to its host before the cancel, claimed after
+    job.refresh_from_db()
+    assert job.message.startswith("Cancelled: leader cancelled the booking at"), job.message
+    assert job.message.endswith("(paper deadline).")
+
+
+# --- a job's cancel: the reason asked before anything stops ----------------------------------------
+
+
+def test_the_job_page_asks_a_leader_for_the_reason_and_refuses_an_empty_one(
+    client, alice, leader, booking, sent
+):
+    job = _job(alice, booking)
+    client.force_login(leader)
+    url = f"/jobs/{job.pk}/cancel/"
+    assert "Cancel alice's job…" in client.get(f"/jobs/{job.pk}/").content.decode()
+
+    # From the job's page: the confirm step names the job and asks for the reason, refusing nothing yet.
+    asked = client.post(url)
+    page = html.unescape(asked.content.decode())
+    assert asked.status_code == 200 and f"Cancel alice's job {job.pk}?" in page
+    assert f"job {job.pk} (train.py), queued" in page and 'name="reason"' in page
+    assert "It has not started: it never will" in page and "Give a reason" not in page
+
+    # Confirmed with no reason: refused beside the field, nothing stopped, nobody told.
+    for empty in ("", "  "):
+        refused = client.post(url, {"reason": empty, "confirm": "1"})
+        assert refused.status_code == 400 and "Give a reason: alice will see it." in refused.content.decode()
+        assert 'id="id_reason_error"' in refused.content.decode() or "errorlist" in refused.content.decode()
+    assert Job.objects.get(pk=job.pk).status == Job.Status.QUEUED
+    assert not Notification.objects.exists() and not AuditEntry.objects.filter(action=JOB_CANCEL).exists()
+
+    done = client.post(url, {"reason": "blocking the demo", "confirm": "1"})
+    assert done.status_code == 302
+    job.refresh_from_db()
+    assert (job.status, job.cancelled_by, job.cancel_reason) == (
+        Job.Status.CANCELLED,
+        leader,
+        "blocking the demo",
+    )
+    assert "blocking the demo" in Notification.objects.get(user=alice).body
+
+
+def test_the_job_page_says_who_asked_first_and_offers_no_second_cancel(client, alice, leader, booking, sent):
+    job = _job(alice, booking)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, started_at=timezone.now())
+    job_cancel(user=alice, job=job)
+    client.force_login(leader)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "cancel requested" in page and "Cancel alice's job" not in page
+    again = client.post(f"/jobs/{job.pk}/cancel/", {"reason": "x", "confirm": "1"}, follow=True)
+    assert f"Job {job.pk} is already being cancelled by alice" in again.content.decode()
+    assert not Notification.objects.exists() and not AuditEntry.objects.filter(action=JOB_CANCEL).exists()
+
+
+def test_the_api_refuses_a_job_cancel_without_a_reason_naming_the_field(alice, leader, booking, sent):
+    job = _job(alice, booking)
+    api = APIClient()
+    api.force_authenticate(leader)
+    for body in ({}, {"reason": " "}):
+        answer = api.post(f"/api/v1/jobs/{job.pk}/cancel/", body, format="json")
+        assert answer.status_code == 400, answer.json()
+        assert answer.json()["errors"]["reason"] == ["Give a reason: alice will see it."]
+    assert Job.objects.get(pk=job.pk).status == Job.Status.QUEUED
+    assert not Notification.objects.exists() and not AuditEntry.objects.filter(action=JOB_CANCEL).exists()
 
 
 # --- the reason, asked before anything stops ----------------------------------------------------

@@ -36,7 +36,7 @@ from gpus.simulated.inventory import server_names
 from jobs.logs.store import log_append
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
-from portal.models import ApiToken
+from portal.models import ApiToken, Notification
 from portal.services import api_token_create
 from tests.conftest import Clock, free_port
 from tests.factories import make_snapshot
@@ -396,6 +396,21 @@ def test_cancel_cancels_each_job_and_reports_the_ones_it_cannot(portal, alice, b
     assert Job.objects.get(pk=job.pk).status == Job.Status.CANCELLED
     result = gpu("cancel", str(job.pk))
     assert result.exit_code == 1 and "already cancelled" in result.stderr
+
+
+def test_cancel_of_someone_elses_job_takes_a_reason_and_the_owner_reads_it(
+    portal, alice, leader, booking, sent, monkeypatch
+):
+    job = _job(alice, booking)
+    monkeypatch.setenv(config.TOKEN_ENV, api_token_create(user=leader, name="tests", expires_at=None)[1])
+    refused = gpu("cancel", str(job.pk))
+    assert refused.exit_code == 1 and "Give a reason: alice will see it." in refused.stderr
+    assert Job.objects.get(pk=job.pk).status == Job.Status.QUEUED  # nothing stopped
+    result = gpu("cancel", "--reason", "blocking the demo", str(job.pk))
+    assert result.exit_code == 0 and f"Job {job.pk} is cancelled." in result.stdout
+    job.refresh_from_db()
+    assert job.message == "Cancelled by leader before it started: blocking the demo."
+    assert "Why: blocking the demo" in Notification.objects.get(user=alice).body
 
 
 # --- usage, reachability --------------------------------------------------------------------------

@@ -200,11 +200,13 @@ def test_it_cancels_a_queued_job_at_once_and_a_running_one_through_its_worker(
         job_cancel(user=alice, job=job)
     running = _submit(alice, booking)
     Job.objects.filter(pk=running.pk).update(status=Job.Status.RUNNING)
-    running = job_cancel(user=leader, job=running)
+    with pytest.raises(Invalid, match="Give a reason: alice will see it"):
+        job_cancel(user=leader, job=running)  # someone else's job: its owner is told why
+    running = job_cancel(user=leader, job=running, reason="the demo")
     assert (
         running.status == Job.Status.RUNNING
         and running.cancel_requested_at
-        and running.cancelled_by == leader
+        and (running.cancelled_by, running.cancel_reason) == (leader, "the demo")
     )
 
 
@@ -355,7 +357,12 @@ def test_it_shows_jobs_to_the_owner_leaders_and_admins_only(
     client.force_authenticate(bob)
     assert client.post(f"/api/v1/jobs/{job.pk}/cancel/").status_code == 404
     client.force_authenticate(leader)
-    assert client.post(f"/api/v1/jobs/{job.pk}/cancel/").json()["status"] == "cancelled"
+    cancel = client.post(f"/api/v1/jobs/{job.pk}/cancel/", {"reason": "the demo"}, format="json").json()
+    assert (cancel["status"], cancel["cancelled_by"], cancel["cancel_reason"]) == (
+        "cancelled",
+        "leader",
+        "the demo",
+    )
 
 
 def test_it_streams_the_log_as_text_from_an_offset(api, alice, booking, sent):

@@ -270,3 +270,19 @@ def test_a_job_on_a_booking_a_leader_cancelled_ends_cancelled_saying_who_and_why
     assert job.message.startswith("Cancelled: leader cancelled the booking at"), job.message
     assert job.message.endswith("(paper deadline).") and job.exit_code == -15
     assert "leader cancelled the booking" in job_log(job.pk)
+
+
+def test_a_running_job_a_leader_cancels_ends_saying_who_and_why(job_in, leader):
+    """Someone else's job cancel: its end, its message and its log name the leader and the reason
+    the owner is told (issue 41, bug 2)."""
+    from jobs.services import job_cancel
+
+    job = job_in(SLEEPER)
+    thread, outcome = _run_in_thread(job.pk)
+    wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job to run")
+    job_cancel(user=leader, job=job.pk, reason="blocking the demo")
+    thread.join(timeout=30)
+    assert outcome == [Job.Status.CANCELLED]
+    job.refresh_from_db()
+    assert job.message == "Cancelled by leader: blocking the demo.", job.message
+    assert "Cancelled by leader: blocking the demo." in job_log(job.pk)

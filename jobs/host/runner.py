@@ -32,7 +32,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, close_old_connections, co
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_words
+from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_of, ended_early_words, not_started_words
 from gpus.models import Reservation
 from jobs.environment import JobSetupError
 from jobs.host.checkpoints import came_back_words, checkpoint_ready, checkpoint_remove
@@ -47,7 +47,13 @@ from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
 from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, shut_down_words
-from jobs.runs import LOST_FOUND_ALIVE, cancelled_words, queued_job_ended, stopped_before_start
+from jobs.runs import (
+    CANCELLED_FIELDS,
+    LOST_FOUND_ALIVE,
+    cancelled_words,
+    queued_job_ended,
+    stopped_before_start,
+)
 from portal.unreachable import WHAT, outage_of
 
 log = logging.getLogger(__name__)
@@ -459,9 +465,8 @@ class Supervisor:
                 "status",
                 "started_at",
                 "cancel_requested_at",
-                "cancelled_by__username",
+                *CANCELLED_FIELDS,
                 "watchdog_stop",
-                "message",
                 "preempt_requested_at",
                 "preempt_reason",
                 "preempt_grace_seconds",
@@ -653,13 +658,19 @@ def job_run(job_id: int) -> str | None:
     if job is None:
         log.info("Job %s is not queued (already claimed, cancelled or gone): nothing to do", job_id)
         return None
-    if job.reservation.status_at(timezone.now()) != Reservation.Status.ACTIVE:
+    if (status := job.reservation.status_at(timezone.now())) != Reservation.Status.ACTIVE:
+        # Ended or ended early before its start: who ended it and why, by the one rule.
+        why = (
+            "Cancelled: the booking had not started when the worker took the job."
+            if status == Reservation.Status.UPCOMING
+            else not_started_words(ended_early_of(job.reservation), job.reservation.end)
+        )
         Job.objects.transition(
             job_id,
             from_=Job.Status.STARTING,
             to=Job.Status.CANCELLED,
             finished_at=timezone.now(),
-            message="Cancelled: the booking is not active (ended or cancelled before the job started).",
+            message=why,
         )
         return Job.Status.CANCELLED
     supervisor = patiently(job_id, lambda: Supervisor(job))

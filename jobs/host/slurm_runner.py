@@ -59,7 +59,7 @@ from jobs.host.slurm_setup import (
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter
 from jobs.models import Job
-from jobs.runs import job_end_record
+from jobs.runs import CANCELLED_FIELDS, cancelled_words, job_end_record
 from portal.models import AuditEntry
 from portal.timefmt import format_duration, format_time
 
@@ -429,12 +429,12 @@ class SlurmFollower:
         return "timed_out", "The booking ended; the job was stopped."
 
     def _cancel_if_asked(self, executor: SlurmExecutor, run: SlurmRun) -> None:
-        if (
-            self.cancel_sent
-            or not Job.objects.filter(pk=self.job.pk, cancel_requested_at__isnull=False).exists()
-        ):
+        if self.cancel_sent:
             return
-        self.cancel_sent = self._scancel(executor, run, "cancel asked:")
+        asked = Job.objects.filter(pk=self.job.pk, cancel_requested_at__isnull=False)
+        if (row := asked.values(*CANCELLED_FIELDS).first()) is None:
+            return
+        self.cancel_sent = self._scancel(executor, run, f"cancel asked ({cancelled_words(row)})")
 
     def _scancel(self, executor: SlurmExecutor, run: SlurmRun, why: str) -> bool:
         """scancel sent, said in the log with why; False when it failed (tried again next poll)."""
@@ -462,11 +462,13 @@ class SlurmFollower:
                 f"Slurm job {run.job_id} is gone from Slurm and from its completion log: its end is unknown"
             )
         status = state.status
-        by = Job.objects.filter(pk=self.job.pk).values_list("cancelled_by__username", flat=True).first()
+        asked = Job.objects.filter(pk=self.job.pk).values(*CANCELLED_FIELDS).first() or {}
+        by = asked.get("cancelled_by__username")
         if status == "cancelled" and self.stopped is not None and not by:  # its booking's end
             status, message = self.stopped
         elif status == "cancelled":
-            message = f"Cancelled by {by} (scancel)." if by else "Cancelled in Slurm (scancel)."
+            # Who asked and why, as a host's job says it (jobs.runs.cancelled_words).
+            message = cancelled_words(asked, " (scancel)") if by else "Cancelled in Slurm (scancel)."
         elif status == "timed_out":
             message = "Timed out: Slurm ended it at its time limit."
         elif status == "failed":

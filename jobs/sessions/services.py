@@ -499,6 +499,9 @@ def work_on(reservation_id: int) -> list[Work]:
     ).values_list("pk", "kind", "status")
     kinds = dict(InteractiveSession.Kind.choices)
     return [
-        *(Work(f"job {pk} ({name}), {status}", f"/jobs/{pk}/") for pk, name, status in jobs),
+        *(
+            Work(f"job {pk} ({name}), {status}", f"/jobs/{pk}/", waiting=status == Job.Status.QUEUED)
+            for pk, name, status in jobs
+        ),
         *(Work(f"{kinds[kind]} session {pk}, {status}", f"/sessions/{pk}/") for pk, kind, status in sessions),
     ]
