@@ -70,7 +70,7 @@ def share_within(memberships: Sequence[Membership], cards: Sequence[GPU], count:
     what the roomiest card can take. None too when nothing would fit (a limit of 0, no card known):
     the default stays, and the refusal says why."""
     limit = gib_at_once(memberships)
-    if limit is None or not limit or not cards or count < 1:
+    if not limit or not cards or count < 1:
         return None
     limit_mb = limit * 1024
     if count * max(g.memory_total_mb for g in cards) <= limit_mb:
@@ -133,9 +133,9 @@ def form_defaults(
 ) -> FormDefaults:
     """Defaults for `count` cards (the ticked ones, or any of those offered when `cards` are all
     the form offers) that fit every limit of every team of the person's."""
-    share = share_within(memberships, cards, count)
     if not count:
         return FormDefaults(length=empty_end(memberships), memory_mb=None)
+    share = share_within(memberships, cards, count)
     return FormDefaults(
         length=length_within(memberships, gpu_hours_an_hour(cards, count, share), now), memory_mb=share
     )

@@ -139,9 +139,8 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         if self.is_bound:
             return  # a submit is judged by the service: no use is read for defaults nobody sees
         now = timezone.now().replace(second=0, microsecond=0)
-        preset = list(self.initial.get("gpus") or [])
-        if preset and most is not None:
-            preset = preset[:most]
+        asked = list(self.initial.get("gpus") or [])  # a card's Reserve button (?gpu=)
+        preset = asked if most is None else asked[:most]
         count = len(preset) or (1 if most != 0 else 0)
         cards = [g for g in self.offered if g.uuid in preset] if preset else self.offered
         defaults = form_defaults(teams, cards, count, now)
@@ -151,7 +150,7 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
             self.initial.setdefault("memory", format_memory_input(defaults.memory_mb))
         if teams:
             self.initial.setdefault("team", teams[0].team.slug)
-        if preset:
+        if asked:
             self.initial["gpus"] = preset
             self.initial["count"] = None
 
