@@ -227,3 +227,10 @@ def test_with_no_gpu_hours_left_the_default_stays_and_the_refusal_says_why(clien
     response = client.post(reverse("reservation_new"), data)
     said = " ".join(m for ms in response.context["form"].errors.values() for m in ms)
     assert "allows 0 GPU-hours" in said and '"GPU-hours per week" limit' in said, said
+
+
+def test_a_reserve_button_ticks_no_card_for_someone_who_may_hold_no_whole_card(client, bob, box):
+    bob.memberships.update(max_cards=0)
+    client.force_login(bob)
+    data = rendered_defaults(client, reverse("reservation_new") + f"?server=box1&gpu={box[2].uuid}")
+    assert "gpus" not in data and data.get("count", [""]) == [""], data
