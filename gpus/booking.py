@@ -18,6 +18,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from gpus.booking_defaults import default_length
 from gpus.booking_ends import owner_told_of_cancel
 from gpus.conflicts import Blocked, check_free, explain_conflicts, fitting_cards, gpu_label, held_on
 from gpus.conflicts import Held as Held  # older callers import these from here (tests/test_faults.py)
@@ -27,7 +28,6 @@ from gpus.models import GPU, Allocation, Reservation, Server, format_mb
 from gpus.quotas import (
     QuotaAsk,
     Use,
-    default_length,
     length_check,
     membership_locked,
     memberships_for,

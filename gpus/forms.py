@@ -1,4 +1,5 @@
-"""Booking forms. They normalise input; every rule lives in gpus/booking.py."""
+"""Booking forms (and the violation and drain actions'). They normalise input; every rule lives in
+the services (gpus/booking.py, gpus/violations.py, gpus/servers.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from django import forms
 from django.utils import timezone
 
 from gpus.booking import request_problems
+from gpus.booking_defaults import cards_at_once, empty_end, form_defaults, limits_in_words
 from gpus.models import GPU, Server, format_mb
-from gpus.quotas import cards_at_once, default_length, limits_in_words
+from gpus.servers import REASON_MAX
 from portal.forms import ServiceErrorsMixin
 from portal.models import Membership
 
@@ -41,6 +43,11 @@ def parse_memory_mb(text: str) -> int | None:
     if mb <= 0:
         raise forms.ValidationError("Memory must be more than 0; leave it empty to book whole cards.")
     return mb
+
+
+def format_memory_input(mb: int) -> str:
+    """A memory per card as the field reads it back (parse_memory_mb): '16G', else '16000M'."""
+    return f"{mb // 1024}G" if mb % 1024 == 0 else f"{mb}M"
 
 
 def local_input(at: datetime) -> str:
@@ -103,7 +110,8 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         gpus = GPU.objects.select_related("server").filter(server__draining=False)
         if server_name:
             gpus = gpus.filter(server__name=server_name)
-        self.fields["gpus"].choices = _gpu_choices(gpus.order_by("server__name", "index"))
+        self.offered = list(gpus.order_by("server__name", "index"))
+        self.fields["gpus"].choices = _gpu_choices(self.offered)
         self.fields["server"].choices = [("", "any online server")] + [
             (name, name) for name in Server.objects.filter(draining=False).values_list("name", flat=True)
         ]
@@ -118,25 +126,32 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         self._set_defaults(teams)
 
     def _set_defaults(self, teams: list[Membership]) -> None:
-        """Defaults that fit the person's limits in any of their teams: the end within their
-        longest booking, one card (unless they may hold no whole card), ticked cards no more than
-        they may hold at once. A count left at its default gives way to ticked cards (clean)."""
-        length = min((default_length(m) for m in teams), default=default_length(None))
-        tz = timezone.get_current_timezone_name()
-        self.fields["end"].help_text = f"Empty: {_hours(length)} after the start. Times in {tz}."
+        """Defaults that fit the person's limits in any of their teams (gpus/booking_defaults.py):
+        one card (unless they may hold no whole card), ticked cards no more than they may hold at
+        once, a share of each card when whole ones would pass their GiB at once, the end within
+        their longest booking and the GPU-hours left this week. A count left at its default gives
+        way to ticked cards (clean)."""
         most = min((n for n in map(cards_at_once, teams) if n is not None), default=None)
         if most != 0:
             self.fields["count"].initial = 1
+        tz = timezone.get_current_timezone_name()
+        self.fields["end"].help_text = f"Empty: {_hours(empty_end(teams))} after the start. Times in {tz}."
         if self.is_bound:
-            return
+            return  # a submit is judged by the service: no use is read for defaults nobody sees
         now = timezone.now().replace(second=0, microsecond=0)
+        asked = list(self.initial.get("gpus") or [])  # a card's Reserve button (?gpu=)
+        preset = asked if most is None else asked[:most]
+        count = len(preset) or (1 if most != 0 else 0)
+        cards = [g for g in self.offered if g.uuid in preset] if preset else self.offered
+        defaults = form_defaults(teams, cards, count, now)
         self.initial.setdefault("start", local_input(now))
-        self.initial.setdefault("end", local_input(now + length))
+        self.initial.setdefault("end", local_input(now + defaults.length))
+        if defaults.memory_mb is not None:
+            self.initial.setdefault("memory", format_memory_input(defaults.memory_mb))
         if teams:
             self.initial.setdefault("team", teams[0].team.slug)
-        preset = list(self.initial.get("gpus") or [])
-        if preset:
-            self.initial["gpus"] = preset if most is None else preset[:most]
+        if asked:
+            self.initial["gpus"] = preset
             self.initial["count"] = None
 
     def clean_memory(self) -> int | None:
@@ -211,3 +226,22 @@ class ViolationResolveForm(ServiceErrorsMixin, forms.Form):
         help_text="E.g. “bob's test run, agreed with alice”. An open one is then left running.",
         error_messages={"required": "Say how it was resolved, e.g. “bob's test run, agreed with alice”."},
     )
+
+
+class ServerDrainForm(ServiceErrorsMixin, forms.Form):
+    """Drain a server or put it back (admins; gpus/servers.py has the rules). `draining=on`
+    drains, anything else puts it back, as the server page's two buttons send."""
+
+    draining = forms.CharField(required=False)
+    reason = forms.CharField(
+        required=False,
+        max_length=REASON_MAX,
+        label="Why",
+        error_messages={
+            "null_characters_not_allowed": "The reason holds a NUL character; write it without one.",
+            "max_length": f"Keep the reason to {REASON_MAX} characters at most.",
+        },
+    )
+
+    def clean_draining(self) -> bool:
+        return self.cleaned_data["draining"] == "on"

@@ -1,5 +1,5 @@
 """Quotas: what a member or a team holds at once and per week, against their limits, and
-the services that set those limits.
+the services that set those limits. The use the pages show is read in gpus/quota_usage.py.
 
 The limits are fields on portal's Team and Membership rows; what counts against them is
 the live allocations booked here in gpus, so the rules live beside the bookings.
@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -165,6 +165,20 @@ def _gb(mb: float) -> str:
     return f"{mb / 1024:.1f}".removesuffix(".0")
 
 
+QUOTA_FIELDS = ("max_cards", "max_gb", "gpu_hours_per_week")
+# A limit's name in messages: the model's verbose name, as on the pages' forms and in /admin/
+# (a refusal names the limit a person sees on the team page, never its column).
+QUOTA_LABELS = {
+    name: str(Membership._meta.get_field(name).verbose_name)
+    for name in (*QUOTA_FIELDS, "max_booking_hours", "shares")
+}
+
+
+def limit_named(field: str) -> str:
+    """A limit as a refusal's fix names it: 'the "GiB at once" limit'."""
+    return f'"{QUOTA_LABELS[field]}" limit'
+
+
 TOLERANCE = 1e-6  # GPU-hours are float sums of card fractions: a request exactly at its limit fits
 # Where the queue's "could it ever fit" check places a request: centred on a Monday 00:00 far from
 # any DST change, so a week's part of it is the least any booking of it could hold (half of it,
@@ -283,7 +297,7 @@ def _cards_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
     )
     return (
         f"{who.label} allows {limit} whole card(s) at once{use} and this {ask.what} asks for {need}. "
-        f"Ask for fewer cards or a share of each card (memory_mb), or {who.fix} max_cards."
+        f"Ask for fewer cards or a share of each card, or {who.fix} {limit_named('max_cards')}."
     )
 
 
@@ -306,7 +320,8 @@ def _memory_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
     )
     return (
         f"{who.label} allows {limit} GiB of GPU memory at once{use} and this {ask.what} asks for "
-        f"{_gb(need_mb)} GiB. Ask for fewer cards or less memory per card, or {who.fix} max_gb."
+        f"{_gb(need_mb)} GiB. Ask for fewer cards or less memory per card, or {who.fix} "
+        f"{limit_named('max_gb')}."
     )
 
 
@@ -338,7 +353,8 @@ def _hours_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
             )
             longest = 2 * limit / per_hour
         return (
-            f"{said} Ask for fewer cards or {ask.advise_shorter(longest)}, or {who.fix} gpu_hours_per_week."
+            f"{said} Ask for fewer cards or {ask.advise_shorter(longest)}, or {who.fix} "
+            f"{limit_named('gpu_hours_per_week')}."
         )
     return None
 
@@ -382,7 +398,7 @@ def quota_check(membership: Membership, ask: QuotaAsk) -> None:
         membership.max_booking_hours,
         ask,
         f"Your quota in {team}",
-        f", or ask a leader of {team} to raise your max_booking_hours",
+        f", or ask a leader of {team} to raise your {limit_named('max_booking_hours')}",
     )
     if refusal:
         refusals.append((ask.fields["length"], refusal))
@@ -398,133 +414,14 @@ def quota_check(membership: Membership, ask: QuotaAsk) -> None:
         raise quota_exceeded(membership, refusals)
 
 
-def default_length(membership: Membership | None) -> timedelta:
-    """A booking's length when its end is left empty: BOOKING_DEFAULT_HOURS, or the member's
-    longest booking (and the portal's) when shorter, so the default never breaks the person's own
-    limit. A longest booking of 0 (no bookings at all) leaves the default: the refusal says why."""
-    hours = [settings.BOOKING_DEFAULT_HOURS, settings.BOOKING_MAX_HOURS]
-    if membership is not None and membership.max_booking_hours:
-        hours.append(membership.max_booking_hours)
-    return timedelta(hours=min(hours))
-
-
-def cards_at_once(membership: Membership) -> int | None:
-    """The most whole cards the member may hold at once: their own limit and the team's, the
-    lower (None: no limit)."""
-    limits = [v for v in (membership.max_cards, membership.team.max_cards) if v is not None]
-    return min(limits, default=None)
-
-
-def limits_in_words(membership: Membership) -> str:
-    """What a member may book, in words, for the booking form: "4 h a booking, 1 card at once,
-    256 GiB at once for the whole team". The member's own limit where set, else the team's
-    (shared with teammates); a limit set by neither is left out."""
-    longest = min(h for h in (membership.max_booking_hours, settings.BOOKING_MAX_HOURS) if h is not None)
-    words = [f"{longest} h a booking"]
-    units = (
-        ("max_cards", "cards at once"),
-        ("max_gb", "GiB at once"),
-        ("gpu_hours_per_week", "GPU-hours per week"),
-    )
-    for field, unit in units:
-        own = getattr(membership, field)
-        limit = own if own is not None else getattr(membership.team, field)
-        if limit is None:
-            continue
-        unit = "card at once" if unit == "cards at once" and limit == 1 else unit
-        words.append(f"{limit} {unit}" + ("" if own is not None else " for the whole team"))
-    return ", ".join(words)
-
-
-@dataclass(frozen=True)
-class MemberUse:
-    cards_now: int
-    gb_now: float
-    gpu_hours_week: float  # booked in this week (this_week), later this week included
-
-
-NO_USE = MemberUse(cards_now=0, gb_now=0.0, gpu_hours_week=0.0)
-# GPU-hours to three decimals, as the usage CSV and API: a few minutes of a share are not "0.0".
-HOURS_DECIMALS = 3
-
-
 def this_week(now: datetime) -> tuple[datetime, datetime]:
     """The week the weekly quota counts now: [Monday 00:00, the next Monday 00:00) in TIME_ZONE."""
     return week_start(now), weeks_touching(now, now + timedelta(seconds=1))[-1][1]
 
 
-def _uses_this_week(rows: AllocationQuerySet, key: str, now: datetime) -> dict[int, MemberUse]:
-    """Live allocations overlapping this week, grouped by `key` (a user or team id): use now and this week."""
-    week, following = this_week(now)
-    grouped: dict[int, list[Use]] = {}
-    for group, s, e, memory_mb, total in rows.live_between(week, following).values_list(
-        key, "start", "end", "memory_mb", "gpu__memory_total_mb"
-    ):
-        grouped.setdefault(group, []).append(Use.of(s, e, memory_mb, total))
-    result = {}
-    for group, uses in grouped.items():
-        current = [u for u in uses if u.start <= now < u.end]
-        result[group] = MemberUse(
-            cards_now=sum(u.cards for u in current),
-            gb_now=round(sum(u.mb for u in current) / 1024, 1),
-            gpu_hours_week=round(gpu_hours(uses, week, following), HOURS_DECIMALS),
-        )
-    return result
-
-
-def gpu_hours_booked_this_week(rows: AllocationQuerySet, now: datetime | None = None) -> float:
-    """The "GPU-hours booked this week" of the bookings behind `rows`, whoever shows it: the team
-    page's total (team_use_total over team_use) and the Reports page's line of that name add the
-    same figures in the same way, so the same bookings read the same on both."""
-    return team_use_total(
-        _uses_this_week(rows, "reservation__owner_id", now or timezone.now())
-    ).gpu_hours_week
-
-
-def team_use(team: Team, now: datetime | None = None) -> dict[int, MemberUse]:
-    """Per member (user id): cards and GB held now, and GPU-hours booked this week (the weekly quota)."""
-    rows = Allocation.objects.filter(reservation__team=team)
-    return _uses_this_week(rows, "reservation__owner_id", now or timezone.now())
-
-
-class MemberQuota(NamedTuple):
-    membership: Membership
-    use: MemberUse  # the member's own, in this team
-    may_manage: bool  # leads the team, or an admin: the team page is theirs to open
-
-
-def member_quotas(user: AbstractBaseUser, now: datetime | None = None) -> list[MemberQuota]:
-    """The user's quota in each of their teams with their own use (not the team's): "My quotas".
-
-    Two queries however many teams and teammates: the memberships, and the user's allocations.
-    """
-    rows = Allocation.objects.filter(reservation__owner=user)
-    use = _uses_this_week(rows, "reservation__team_id", now or timezone.now())
-    admin = is_admin(user)
-    return [
-        MemberQuota(m, use.get(m.team_id, NO_USE), admin or m.is_leader)
-        for m in Membership.objects.filter(user=user).select_related("team").order_by("team__name")
-    ]
-
-
-def team_use_total(use: dict[int, MemberUse]) -> MemberUse:
-    """The whole team's use: the sum over everyone who booked for it (former members included)."""
-    return MemberUse(
-        cards_now=sum(u.cards_now for u in use.values()),
-        gb_now=round(sum(u.gb_now for u in use.values()), 1),
-        gpu_hours_week=round(sum(u.gpu_hours_week for u in use.values()), HOURS_DECIMALS),
-    )
-
-
 # --- setting the limits ------------------------------------------------------------------
 
 QUOTA_MAX = 1_000_000  # any larger limit means "no limit"; keeps values inside the integer column
-QUOTA_FIELDS = ("max_cards", "max_gb", "gpu_hours_per_week")
-# A limit's name in messages: the model's verbose name, as on the pages' forms and in /admin/.
-QUOTA_LABELS = {
-    name: str(Membership._meta.get_field(name).verbose_name)
-    for name in (*QUOTA_FIELDS, "max_booking_hours", "shares")
-}
 
 
 def _quota_changes(
@@ -632,18 +529,6 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
         f"{membership.user}'s quota in",
     )
     return membership
-
-
-def over_limits(holder: Team | Membership, use: MemberUse) -> list[str]:
-    """What the holder already uses above its (new) limits: "2 cards at once (limit 1)". A limit
-    set below use takes nothing away; it refuses new bookings until use is under it."""
-    used = {"max_cards": use.cards_now, "max_gb": use.gb_now, "gpu_hours_per_week": use.gpu_hours_week}
-    over = []
-    for field in QUOTA_FIELDS:
-        limit = getattr(holder, field)
-        if limit is not None and used[field] > limit:
-            over.append(f"{used[field]:g} {QUOTA_LABELS[field]} (limit {limit:g})")
-    return over
 
 
 # --- telling the team of a refusal -------------------------------------------------------------

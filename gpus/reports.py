@@ -24,7 +24,8 @@ from django.utils import timezone
 from gpus.filters import UsageFilter
 from gpus.hooks import jobs_peak_memory
 from gpus.models import Allocation, Reservation, UsageDay, UsageFigures, UsageHour, UsageTeamHour
-from gpus.quotas import gpu_hours_booked_this_week, this_week
+from gpus.quota_usage import gpu_hours_booked_this_week
+from gpus.quotas import this_week
 from gpus.usage import day_start, figure_sums, portal_today
 from portal.access import is_admin, roles_of
 from portal.models import Membership
@@ -257,7 +258,7 @@ def _totals(groups: list[tuple[Any, str, dict[str, Any]]]) -> dict[str, dict[str
 def week_booked(filters: UsageFilter, scope: UsageScope, now: datetime | None = None) -> dict[str, Any]:
     """This week's booked GPU-hours as the team page and the weekly quota count them, for the
     bookings the viewer sees with the page's team, user and server: the one selector
-    (gpus.quotas.gpu_hours_booked_this_week), the whole week in TIME_ZONE, later this week included."""
+    (gpus.quota_usage.gpu_hours_booked_this_week), the whole week in TIME_ZONE, later this week included."""
     now = now or timezone.now()
     fields = {
         "team": "reservation__team__slug",

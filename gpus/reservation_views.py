@@ -20,7 +20,7 @@ from gpus.filters import MyReservationFilter
 from gpus.forms import CancelForm, ExtendForm, ReservationForm, local_input
 from gpus.hooks import work_on_booking
 from gpus.models import Reservation
-from gpus.quotas import member_quotas
+from gpus.quota_usage import member_quotas
 from portal.access import can_manage_team
 from portal.errors import Forbidden, ServiceError
 from portal.filters import filter_list

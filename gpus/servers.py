@@ -45,6 +45,8 @@ def server_drain_set(*, actor: AbstractBaseUser, server: Server, draining: bool,
     Audited; False, with nothing written, when it is so already."""
     if not is_admin(actor):
         raise Forbidden("Only admins drain a server or put it back in service; ask one.")
+    if "\x00" in reason:  # PostgreSQL text cannot hold it (a 500 there); SQLite would keep it
+        raise Invalid("The reason holds a NUL character; write it without one.", field="reason")
     reason = " ".join(reason.split()) if draining else ""
     if len(reason) > REASON_MAX:
         raise Invalid(f"Keep the reason to {REASON_MAX} characters at most.", field="reason")

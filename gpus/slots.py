@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.template import Context
 
-from gpus.quotas import member_quotas
+from gpus.quota_usage import member_quotas
 from portal.hooks import PROFILE_QUOTAS, slot_fill
 
 

@@ -28,7 +28,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from gpus.idle import team_auto_release_set, team_lend_idle_set
-from gpus.quotas import QUOTA_FIELDS, QUOTA_MAX, quota_member_set, quota_team_set, team_use, team_use_total
+from gpus.quota_usage import team_use, team_use_total
+from gpus.quotas import QUOTA_FIELDS, QUOTA_MAX, quota_member_set, quota_team_set
 from portal.access import VIEW, can_manage_team, is_admin, only_managers, roles_of
 from portal.api import TeamSerializer
 from portal.models import Membership, Team

@@ -27,7 +27,8 @@ from django.views.decorators.http import require_http_methods, require_POST
 from gpus.calendar_views import calendar_panel
 from gpus.idle import team_auto_release_set, team_lend_idle_set
 from gpus.models import Reservation
-from gpus.quotas import NO_USE, over_limits, quota_member_set, quota_team_set, team_use, team_use_total
+from gpus.quota_usage import NO_USE, over_limits, team_use, team_use_total
+from gpus.quotas import quota_member_set, quota_team_set
 from gpus.team_forms import AutoReleaseForm, LendIdleForm, MemberQuotaForm, QuotaForm, TeamQuotaForm
 from portal.access import is_admin, leads_team, team_for_user
 from portal.errors import ServiceError

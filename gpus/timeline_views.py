@@ -14,8 +14,9 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from gpus.forms import ServerDrainForm
 from gpus.models import Server
-from gpus.servers import DRAIN_MEANS, bookings_held, server_drain_set
+from gpus.servers import DRAIN_MEANS, REASON_MAX, bookings_held, server_drain_set
 from gpus.timeline import DAYS, server_timeline_rows, timeline_axis
 from portal.access import is_admin
 from portal.errors import ServiceError
@@ -59,7 +60,11 @@ def server_timeline(request: HttpRequest, name: str) -> HttpResponse:
         "next_url": f"{page}?start={day + timedelta(days=DAYS):%Y-%m-%d}",
         "this_url": page if "start" in request.GET else None,
         "reserve_url": f"{reverse('reservation_new')}?server={server.name}",
-        "drain": {"means": DRAIN_MEANS, "held": bookings_held(server)} if is_admin(request.user) else None,
+        "drain": (
+            {"means": DRAIN_MEANS, "held": bookings_held(server), "reason_max": REASON_MAX}
+            if is_admin(request.user)
+            else None
+        ),
     }
     return render(request, "gpus/timeline.html", context)
 
@@ -69,11 +74,14 @@ def server_timeline(request: HttpRequest, name: str) -> HttpResponse:
 def server_drain(request: HttpRequest, name: str) -> HttpResponse:
     """Admins: `draining=on` drains the server (with `reason`), anything else puts it back."""
     server = get_object_or_404(Server, name=name)
-    draining = request.POST.get("draining") == "on"
+    form = ServerDrainForm(request.POST)
+    if not form.is_valid():  # e.g. a NUL in the reason: nothing is written
+        said = " ".join(m for ms in form.errors.values() for m in ms)
+        messages.error(request, f"{server} was not changed: {said}")
+        return redirect("server_timeline", name=server.name)
+    draining = form.cleaned_data["draining"]
     try:
-        changed = server_drain_set(
-            actor=request.user, server=server, draining=draining, reason=request.POST.get("reason", "")
-        )
+        changed = server_drain_set(actor=request.user, server=server, **form.cleaned_data)
     except ServiceError as error:
         if error.status == 403:
             raise PermissionDenied(error.message) from None

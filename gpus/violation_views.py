@@ -91,18 +91,38 @@ def _detail(
 ) -> HttpResponse:
     """The page; a refused action's form (bound, with its error) replaces the blank one."""
     violation.action_label = action_label(violation)
-    resolvable = not violation.why_not_resolvable() and (
-        Violation.objects.resolvable_by(request.user).filter(pk=violation.pk).exists()
-    )
     context = {
         "v": violation,
         "command": violation_command(violation, request.user),
         "steps": action_steps(violation),
         "why_not_stop": violation.why_not_stoppable(),
         "stop_form": stop_form or ViolationStopForm(),
-        "resolve_form": (resolve_form or ViolationResolveForm()) if resolvable else None,
+        "resolve_form": (resolve_form or ViolationResolveForm()) if _resolvable(request, violation) else None,
     }
     return render(request, "gpus/violation_detail.html", context)
+
+
+def _resolvable(request: HttpRequest, violation: Violation) -> bool:
+    """Whether the page shows "Mark resolved": not resolved already, and the user may."""
+    return not violation.why_not_resolvable() and (
+        Violation.objects.resolvable_by(request.user).filter(pk=violation.pk).exists()
+    )
+
+
+def _refused(
+    request: HttpRequest, violation: Violation, form: ViolationStopForm | ViolationResolveForm
+) -> None:
+    """Why nothing was done: beside the field when the page shows the form again; said in full
+    when it does not (resolved or stopped meanwhile: the page then has no such form)."""
+    if isinstance(form, ViolationStopForm):
+        shown = not violation.why_not_stoppable()
+    else:
+        shown = _resolvable(request, violation)
+    if shown:
+        messages.error(request, "Nothing was done: see the message beside the field.")
+    else:
+        said = " ".join(m for ms in form.errors.values() for m in ms)
+        messages.error(request, f"Nothing was done: {said}")
 
 
 def _act(request: HttpRequest, pk: int, form_class: type, service, done: str) -> HttpResponse:  # type: ignore[no-untyped-def]
@@ -118,9 +138,9 @@ def _act(request: HttpRequest, pk: int, form_class: type, service, done: str) ->
         else:
             messages.success(request, done)
             return redirect("violation_detail", pk=violation.pk)
-    messages.error(request, "Nothing was done: see the message beside the field.")
-    forms = {"stop_form": form} if form_class is ViolationStopForm else {"resolve_form": form}
-    return _detail(request, violation, **forms)
+    _refused(request, violation, form)
+    kind = {"stop_form": form} if form_class is ViolationStopForm else {"resolve_form": form}
+    return _detail(request, violation, **kind)
 
 
 @require_POST

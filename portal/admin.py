@@ -182,6 +182,16 @@ class TeamAdmin(admin.ModelAdmin):
     search_fields = ["name"]
     inlines = [MembershipInline]
 
+    def get_object(self, request: HttpRequest, object_id: str, from_field: str | None = None) -> Team | None:
+        """On a POST, the team's row locked (changeform_view and delete_view run in a transaction)
+        and read again, before the members are checked against its limits: as quota_team_set and
+        quota_member_set lock it, so a member's quota set on the team page meanwhile cannot slip
+        past this form's check (MembershipFormSet), nor this save past theirs."""
+        team = super().get_object(request, object_id, from_field)
+        if team is None or request.method != "POST":
+            return team
+        return Team.objects.select_for_update().get(pk=team.pk)
+
 
 @admin.register(AuditEntry)
 class AuditEntryAdmin(admin.ModelAdmin):

@@ -8,6 +8,7 @@ class PortalConfig(AppConfig):
     def ready(self) -> None:
         from django.contrib.auth.signals import user_logged_in
 
+        import portal.checks  # noqa: F401 - registers the portal's system checks
         from portal.log_filters import redact_request_logs
         from portal.time_zones import remember_on_sign_in
 

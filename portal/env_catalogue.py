@@ -366,7 +366,7 @@ SECTIONS = (
 # Read by the settings, but never a deployment's: said at the file's end, with why.
 LEFT_OUT = {
     "PORTAL_DEVELOPMENT": "a developer's machine (make run and the tests set it); a server refuses none of"
-    " the unsafe settings with it.",
+    " the unsafe settings with it, so the web unit's check --deploy stops on it (portal.W001).",
     "PORTAL_ASGI": "set by portal/asgi.py for the web server's own process.",
     "RUNPORTAL_STOP_GRACE_SECONDS": "`make run`'s Ctrl-C.",
     "PORTAL_DEMO_PASSWORD": "the demo accounts of `make run` and `manage.py seed_demo`.",

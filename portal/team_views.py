@@ -103,7 +103,8 @@ def team_member_remove_view(request: HttpRequest, slug: str, username: str) -> H
     )
     messages.success(
         request,
-        f"{username} is no longer in {team}; their bookings and jobs stay, and new bookings for {team} "
-        f"are refused them. It is in the audit log.{left}",
+        f"{username} is no longer in {team}: their queued jobs of {team} that had not started are "
+        "cancelled (they and the leaders are told); their bookings and the jobs running or waiting on "
+        f"them stay, and new bookings for {team} are refused them. It is in the audit log.{left}",
     )
     return redirect("team_members", slug=team.slug)

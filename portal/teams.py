@@ -25,6 +25,7 @@ User = get_user_model()
 
 SLUG = re.compile(r"[a-z0-9]+(?:[-_][a-z0-9]+)*\Z")
 NAME_MAX = Team._meta.get_field("name").max_length
+SLUG_MAX = Team._meta.get_field("slug").max_length
 ROLES = {Membership.Role.MEMBER: "member", Membership.Role.LEADER: "leader"}
 
 
@@ -74,12 +75,16 @@ def _check_name(name: str, slug: str) -> tuple[str, str]:
         errors.add("name", f"Keep the name to {NAME_MAX} characters at most.")
     elif Team.objects.filter(name__iexact=name).exists():
         errors.add("name", f"A team named {name!r} exists already: pick another name, or change its members.")
-    if name and not SLUG.match(slug):
+    if name and not slug:  # slugify keeps only the letters a URL can use (Latin ones, digits)
+        errors.add("slug", "The name has no letters a URL can use: give a slug, e.g. vision-lab.")
+    elif name and not SLUG.match(slug):
         errors.add(
             "slug",
             f"{slug!r} cannot be a slug: use lower-case letters, digits and single '-' or '_' "
             "between them, e.g. vision-lab.",
         )
+    elif len(slug) > SLUG_MAX:
+        errors.add("slug", f"The slug has {len(slug)} characters: keep it to {SLUG_MAX} at most.")
     elif slug and Team.objects.filter(slug=slug).exists():
         errors.add("slug", f"A team with the slug {slug!r} exists already: pick another slug.")
     errors.raise_any()
@@ -147,7 +152,15 @@ def team_member_add(*, actor: AbstractBaseUser, team: Team, username: str, role:
             "change their role instead.",
             field="username",
         )
-    membership = Membership.objects.create(team=team, user=user, role=role)
+    try:
+        with transaction.atomic():  # a savepoint: the refusal below leaves the transaction usable
+            membership = Membership.objects.create(team=team, user=user, role=role)
+    except IntegrityError:  # another admin added them between the check and now
+        raise Invalid(
+            f"{user} is in {team} already: someone added them just now. Reload the page to see "
+            "their role, and change it there if need be.",
+            field="username",
+        ) from None
     _audit(
         actor,
         team,
@@ -161,9 +174,11 @@ def team_member_add(*, actor: AbstractBaseUser, team: Team, username: str, role:
 
 @transaction.atomic
 def team_member_remove(*, actor: AbstractBaseUser, membership: Membership) -> None:
-    """Take someone out of the team. Their member quota goes with the membership; their bookings
-    and jobs stay as they are (a leader or admin cancels them if need be), and new bookings for
-    this team are refused."""
+    """Take someone out of the team. Their member quota goes with the membership, and new bookings
+    for this team are refused them. Their queued jobs of this team that have not started are
+    cancelled at once, saying why (jobs.leavers.membership_deleted, on this delete: the queue
+    could never start them); their bookings and the jobs running or waiting on their own
+    bookings stay as they are (a leader or admin cancels them if need be)."""
     team, user, role = membership.team, membership.user, membership.role
     membership.delete()
     _audit(

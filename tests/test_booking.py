@@ -16,7 +16,8 @@ from gpus.booking import (
     reservation_release,
 )
 from gpus.models import GPU, Allocation, Reservation, Server
-from gpus.quotas import peak, team_use
+from gpus.quota_usage import team_use
+from gpus.quotas import peak
 from gpus.services import server_report_ingest
 from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.models import AuditEntry
@@ -246,8 +247,8 @@ def test_member_card_quota_names_limit_use_and_room(alice, box, t0):
         book(alice, box[1:3], t0 + H)
     assert err.value.message == (
         "Your quota in Vision Lab allows 2 whole card(s) at once; you already have 1 in that window, "
-        "so 1 more would fit and this booking asks for 2. Ask for fewer cards or a share of each card "
-        "(memory_mb), or ask a leader of Vision Lab to raise your max_cards."
+        "so 1 more would fit and this booking asks for 2. Ask for fewer cards or a share of each card, "
+        'or ask a leader of Vision Lab to raise your "cards at once" limit.'
     )
     assert err.value.status == 400 and err.value.field == "gpus"
     book(alice, box[1:3], t0 + 2 * H)  # after the first booking ends: fits

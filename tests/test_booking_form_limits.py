@@ -3,7 +3,7 @@ shown before a submit, and every quota problem at once, in the form as in the AP
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from html.parser import HTMLParser
 
 import pytest
@@ -12,8 +12,9 @@ from django.utils.datastructures import MultiValueDict
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
-from gpus.forms import ReservationForm, local_input
+from gpus.forms import LOCAL_INPUT, ReservationForm, local_input
 from gpus.models import Reservation
+from gpus.quotas import this_week
 from portal.errors import QuotaExceeded
 from portal.models import AuditEntry
 
@@ -176,3 +177,60 @@ def test_the_member_and_team_limits_are_named_together(student, team, box, t0):
 def test_an_empty_end_is_the_members_longest_booking_when_shorter(student, box, t0):
     reservation = reservation_create(user=student, gpus=[box[0].uuid], start=t0)
     assert reservation.end - reservation.start == 4 * H
+
+
+def test_a_gib_limit_below_a_card_defaults_to_a_share_of_one(client, bob, box):
+    """16 GiB at once and 24 GiB cards: the form offers a 16G share of one card, which books."""
+    bob.memberships.update(max_gb=16)
+    client.force_login(bob)
+    data = rendered_defaults(client, reverse("reservation_new"))
+    assert data["memory"] == ["16G"] and data["count"] == ["1"]
+    assert client.post(reverse("reservation_new"), data).status_code == 302
+    assert [a.memory_mb for a in Reservation.objects.get().allocations.all()] == [16 * 1024]
+
+
+def test_the_teams_gib_limit_splits_among_the_ticked_cards(client, bob, team, box):
+    team.max_gb = 30
+    team.save()
+    client.force_login(bob)
+    url = reverse("reservation_new") + f"?server=box1&gpu={box[0].uuid}&gpu={box[1].uuid}"
+    data = rendered_defaults(client, url)
+    assert data["memory"] == ["15G"], data  # two whole 24 GiB cards would be 48
+    assert client.post(reverse("reservation_new"), data).status_code == 302
+
+
+def test_whole_cards_stay_the_default_within_the_gib_limit(client, bob, box):
+    bob.memberships.update(max_gb=24)
+    client.force_login(bob)
+    assert rendered_defaults(client, reverse("reservation_new"))["memory"] == [""]
+
+
+def test_the_default_end_fits_the_gpu_hours_left_this_week(client, alice, bob, team, box, t0, settings):
+    """The team's 10 GPU-hours, 7.5 of them booked by alice: bob's default end is 2 h 30 later
+    (more, when part of alice's booking falls in next week)."""
+    settings.BOOKING_DEFAULT_HOURS = 8
+    team.gpu_hours_per_week = 10
+    team.save()
+    reservation_create(user=alice, gpus=[box[0].uuid], start=t0, end=t0 + 7.5 * H)
+    held_this_week = min(7.5 * H, max(this_week(t0)[1] - t0, 0 * H))
+    client.force_login(bob)
+    data = rendered_defaults(client, reverse("reservation_new"))
+    length = datetime.strptime(data["end"][0], LOCAL_INPUT) - datetime.strptime(data["start"][0], LOCAL_INPUT)
+    assert length == min(8 * H, 10 * H - held_this_week), length
+    assert client.post(reverse("reservation_new"), data).status_code == 302
+
+
+def test_with_no_gpu_hours_left_the_default_stays_and_the_refusal_says_why(client, bob, box):
+    bob.memberships.update(gpu_hours_per_week=0)
+    client.force_login(bob)
+    data = rendered_defaults(client, reverse("reservation_new"))
+    response = client.post(reverse("reservation_new"), data)
+    said = " ".join(m for ms in response.context["form"].errors.values() for m in ms)
+    assert "allows 0 GPU-hours" in said and '"GPU-hours per week" limit' in said, said
+
+
+def test_a_reserve_button_ticks_no_card_for_someone_who_may_hold_no_whole_card(client, bob, box):
+    bob.memberships.update(max_cards=0)
+    client.force_login(bob)
+    data = rendered_defaults(client, reverse("reservation_new") + f"?server=box1&gpu={box[2].uuid}")
+    assert "gpus" not in data and data.get("count", [""]) == [""], data

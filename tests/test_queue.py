@@ -285,7 +285,8 @@ def test_a_booking_and_a_queued_job_too_long_for_the_member_are_refused_alike(al
     for refusal in (booked.value, queued.value):
         assert refusal.message.startswith(f"Your quota in {alice.memberships.get().team} allows bookings of")
         assert refusal.message.endswith(
-            "or ask a leader of " + str(alice.memberships.get().team) + " to raise your max_booking_hours."
+            f"or ask a leader of {alice.memberships.get().team} to raise your "
+            '"longest booking (hours)" limit.'
         )
 
 

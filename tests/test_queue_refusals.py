@@ -243,7 +243,7 @@ def test_more_cards_of_a_size_than_any_server_has_are_refused_at_submit(alice, b
             {"max_gb": 4},
             {"gpus": 2, "memory_mb": 4096},
             "memory_mb",
-            r"allows 4 GiB of GPU memory at once.*max_gb",
+            r'allows 4 GiB of GPU memory at once.*"GiB at once" limit',
         ),
     ],
 )
@@ -430,7 +430,7 @@ def test_the_form_shows_a_refusal_beside_the_field_it_names(client, alice, box):
     }
     response = client.post(reverse("job_new"), data)
     assert response.status_code == 200 and not Job.objects.exists()
-    assert "max_gb" in " ".join(response.context["form"].errors["memory"])
+    assert '"GiB at once" limit' in " ".join(response.context["form"].errors["memory"])
 
 
 def test_the_api_answers_an_impossible_request_with_the_field_and_writes_nothing(alice, box):

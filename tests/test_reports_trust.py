@@ -21,7 +21,8 @@ from django.utils import timezone
 from gpus import usage
 from gpus.inventory import ProcessInfo
 from gpus.models import Allocation
-from gpus.quotas import gpu_hours_booked_this_week, this_week
+from gpus.quota_usage import gpu_hours_booked_this_week
+from gpus.quotas import this_week
 from gpus.reports import PALETTE, user_colours
 from gpus.usage import UsageRollup, hour_of
 from jobs.models import Job

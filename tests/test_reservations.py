@@ -12,7 +12,7 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.forms import local_input, parse_memory_mb
 from gpus.models import Reservation, Server
-from gpus.quotas import NO_USE, member_quotas
+from gpus.quota_usage import NO_USE, member_quotas
 from portal.models import AuditEntry
 from tests.factories import MembershipFactory, TeamFactory
 

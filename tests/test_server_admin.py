@@ -14,7 +14,7 @@ from django.urls import reverse
 from gpus.booking import reservation_create
 from gpus.models import Server
 from gpus.servers import HOST_JOIN_START, HOST_JOIN_UNIT, server_drain_set
-from portal.errors import Forbidden
+from portal.errors import Forbidden, Invalid
 from portal.models import AuditEntry
 from tests.factories import UserFactory
 
@@ -135,3 +135,17 @@ def test_the_booking_form_says_why_a_draining_server_is_not_offered(admin_user, 
     assert f'value="{box[0].uuid}"' not in page
     timeline = client_for(alice).get(reverse("server_timeline", args=["box1"])).content.decode()
     assert "box1 is draining (driver upgrade)" in timeline
+
+
+def test_a_drain_reason_with_a_nul_says_why_and_the_service_refuses_it_too(admin_user, box):
+    client = client_for(admin_user)
+    answer = client.post(
+        reverse("server_drain", args=["box1"]), {"draining": "on", "reason": "a\x00b"}, follow=True
+    )
+    said = " ".join(str(m) for m in answer.context["messages"])
+    assert "box1 was not changed: The reason holds a NUL character" in said, said
+    with pytest.raises(Invalid, match="NUL"):
+        server_drain_set(actor=admin_user, server=box[0].server, draining=True, reason="a\x00b")
+    assert not Server.objects.get(name="box1").draining and not AuditEntry.objects.exists()
+    html = client.get(reverse("server_timeline", args=["box1"])).content.decode()
+    assert 'name="reason" maxlength="200"' in html  # the column's length, from the form's source

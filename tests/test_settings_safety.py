@@ -204,6 +204,37 @@ def test_the_web_unit_checks_the_deployment_before_it_migrates_or_serves(tmp_pat
     assert "DEBUG is on" in refused(fails)
 
 
+def test_a_deployment_env_file_with_portal_development_stops_the_web_unit(tmp_path):
+    """PORTAL_DEVELOPMENT=1 would switch every refusal above off in silence: the web unit's own
+    `check --deploy` at WARNING names it (portal/checks.py) and stops the unit, the one problem."""
+    environment, before, _ = unit(WEB_UNIT)
+    env = {**production_env(tmp_path, SECRET_KEY=""), **environment, **env_file(ENV_EXAMPLE)}
+    secret = tmp_path / "secret_key"
+    secret.write_text(secrets.token_urlsafe(50))
+    env.update(SECRET_KEY_FILE=str(secret), PORTAL_VAR_DIR=str(tmp_path / "var"), PORTAL_DEVELOPMENT="1")
+
+    result = run(command(before[0], env), env, timeout=120)
+
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "(portal.W001) PORTAL_DEVELOPMENT is on" in result.stderr, result.stderr
+    assert "identified 1 issue" in result.stderr, result.stderr
+    assert "Remove PORTAL_DEVELOPMENT from the deployment's env file" in result.stderr
+
+
+def test_the_development_check_is_a_deployment_warning_only(settings):
+    """The suite runs with PORTAL_DEVELOPMENT (tests/isolation.py) and never with --deploy: the
+    check is deploy-only, so `manage.py check` and `make run` stay quiet."""
+    from django.core import checks
+
+    from portal.checks import DEVELOPMENT_IN_DEPLOYMENT, development_mode_check
+
+    assert [m.id for m in checks.run_checks(include_deployment_checks=False)] == []
+    found = development_mode_check()
+    assert [(m.id, m.level) for m in found] == [(DEVELOPMENT_IN_DEPLOYMENT, checks.WARNING)]
+    settings.PORTAL_DEVELOPMENT = False
+    assert development_mode_check() == []
+
+
 # --- item 6: the web unit's workers ------------------------------------------------------------------------
 
 

@@ -171,7 +171,10 @@ def test_an_admin_adds_makes_leader_and_takes_out_members(people, admin_user):
     )
     assert roles(team.slug) == {"alice": "leader", "bob": "leader"}
     answer = client.post(reverse("team_member_remove", args=[team.slug, "alice"]), follow=True)
-    assert "alice is no longer in Vision Lab; their bookings and jobs stay" in answer.content.decode()
+    assert (
+        "alice is no longer in Vision Lab: their queued jobs of Vision Lab that had not started are cancelled"
+        in (answer.content.decode())
+    )
     assert roles(team.slug) == {"bob": "leader"}
     said = list(
         AuditEntry.objects.filter(action="team.members").order_by("id").values_list("message", flat=True)

@@ -113,3 +113,29 @@ def test_django_admin_refuses_a_member_above_the_team_and_saves_what_fits(client
     assert client.post(url, data).status_code == 302
     team.refresh_from_db()
     assert team.max_gb == 20 and Membership.objects.get(user=bob).max_gb == 20
+
+
+def test_django_admin_locks_the_teams_row_before_it_checks_the_members(
+    client, team, bob, admin_user, monkeypatch
+):
+    """As quota_team_set and quota_member_set do: the admin's save and a leader's member quota on
+    the team page take the same row lock, so neither slips past the other's check. (SQLite takes
+    no row locks: the call inside the form's transaction is what is checked here.)"""
+    from django.db import connection
+
+    locked = []
+    real = Team.objects.select_for_update
+
+    def select_for_update(*args, **kwargs):  # type: ignore[no-untyped-def]
+        locked.append(connection.in_atomic_block)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(Team.objects, "select_for_update", select_for_update)
+    client.force_login(admin_user)
+    url = reverse("admin:portal_team_change", args=[team.pk])
+    client.get(url)
+    assert locked == []  # showing the form locks nothing
+    assert (
+        client.post(url, _admin_team_post(team, list(team.memberships.all()), max_gb="20")).status_code == 302
+    )
+    assert locked == [True]

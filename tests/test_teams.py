@@ -13,7 +13,8 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import GPU
-from gpus.quotas import quota_member_set, quota_team_set, team_use
+from gpus.quota_usage import team_use
+from gpus.quotas import quota_member_set, quota_team_set
 from gpus.services import server_report_ingest
 from portal.errors import Forbidden, Invalid
 from portal.figures import figure
