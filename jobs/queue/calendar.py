@@ -20,7 +20,7 @@ and nearly every answer is no:
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
+from bisect import insort
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -79,15 +79,18 @@ class Calendar:
             for uuid, held in self.busy.items()
         }
         self._never = datetime.max.replace(tzinfo=now.tzinfo)  # a card too small for the request
-        # Kept until a start changes what is held now: per server and memory asked, from when each
-        # card could take it (`_from`); per memory, the servers with room now (`roomy`); per count
-        # and memory, the servers by how soon they could (`soonest`). Per server, the times
-        # `earliest` tries, as of the server's version.
+        # Kept until a start changes what is held now: per server, its cards no whole-card hold
+        # takes now and when the first hold on each of the others ends (`_held_now`); per server
+        # and memory asked, how many cards could take it now (`room_cards`) and from when each
+        # could (`_card_bounds`); per memory, the servers with room now (`roomy`); per count and
+        # memory, the servers by how soon they could (`soonest`). Per server, the times `earliest`
+        # tries, as of the server's version.
+        self._held_now: dict[int, tuple[list[str], list[datetime]]] = {}
+        self._room: dict[int, dict[int | None, int]] = defaultdict(dict)
         self._from: dict[int, dict[int | None, list[datetime]]] = defaultdict(dict)
         self._roomy: dict[int | None, list[tuple[int, int]]] = {}
         self._soonest: dict[tuple[int, int | None], list[tuple[datetime, int, int]]] = {}
         self._ends: dict[int, tuple[int, datetime, list[datetime]]] = {}
-        self._held_until: dict[str, datetime] = {}  # per card: the first end of what it holds now
 
     def add(
         self,
@@ -108,8 +111,8 @@ class Calendar:
                     self.taken_now.add(uuid)
                 else:
                     self.shared_now[uuid] += memory_mb
-                self._from.pop(server, None)
-                self._held_until.pop(uuid, None)
+                for kept in (self._held_now, self._room, self._from):
+                    kept.pop(server, None)
                 self._roomy.clear()
                 self._soonest.clear()
 
@@ -177,7 +180,11 @@ class Calendar:
 
     def room_cards(self, server: int, memory_mb: int | None) -> int:
         """`room_now` by the cards alone, whatever the worker's slots (a silent worker's server)."""
-        return bisect_right(self._card_bounds(server, memory_mb), self.now)
+        known = self._room[server]
+        if memory_mb not in known:
+            open_now, _ = self._now_on(server)
+            known[memory_mb] = sum(1 for uuid in open_now if self.could_fit_now(uuid, memory_mb))
+        return known[memory_mb]
 
     def roomy(self, memory_mb: int | None) -> list[tuple[int, int]]:
         """(server, `room_now`) of every server with room for the request now, in the servers' order:
@@ -240,16 +247,24 @@ class Calendar:
         could not with nothing on it (it asks more than the card has)."""
         known = self._from[server]
         if memory_mb not in known:
-            known[memory_mb] = sorted(self._card_from(c.uuid, memory_mb) for c in self.by_server[server])
+            open_now, taken_until = self._now_on(server)
+            bounds = [self.now if self.could_fit_now(u, memory_mb) else self._held_until(u) for u in open_now]
+            known[memory_mb] = sorted(bounds + taken_until)
         return known[memory_mb]
 
-    def _card_from(self, uuid: str, memory_mb: int | None) -> datetime:
-        if self.could_fit_now(uuid, memory_mb):
-            return self.now
-        if uuid not in self._held_until:
-            ends = (b[1] for b in self.busy[uuid] if b[0] <= self.now < b[1])
-            self._held_until[uuid] = min(ends, default=self._never)
-        return self._held_until[uuid]
+    def _now_on(self, server: int) -> tuple[list[str], list[datetime]]:
+        """The server's cards that no whole-card hold takes right now, and when the first hold on
+        each of the others ends, sorted: on a full cluster nearly every card is taken whole, and
+        such a card has no room for any request (fits_at_once's rule)."""
+        if server not in self._held_now:
+            cards = [c.uuid for c in self.by_server[server]]
+            taken_until = sorted(self._held_until(u) for u in cards if u in self.taken_now)
+            self._held_now[server] = ([u for u in cards if u not in self.taken_now], taken_until)
+        return self._held_now[server]
+
+    def _held_until(self, uuid: str) -> datetime:
+        ends = (b[1] for b in self.busy[uuid] if b[0] <= self.now < b[1])
+        return min(ends, default=self._never)
 
 
 def _whole_now(booking: Busy, now: datetime) -> bool:

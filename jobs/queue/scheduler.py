@@ -70,7 +70,7 @@ REFUSAL_REASONS: dict[type[ServiceError], str] = {
 }
 # A worker's pool size older than this many reconcile intervals means its worker has gone silent
 # (stopped, or cut off from the database while Redis works): nothing starts on that host until it
-# reports again. A host whose worker never reported is planned by its cards alone.
+# reports again. Nor on a host whose worker never reported (it has not started yet).
 SLOTS_STALE_INTERVALS = 4
 REFUSED = "Waiting: "  # a refused job's message starts so: the booking service's words follow
 
@@ -246,13 +246,16 @@ def _release_ended(now: datetime) -> int:
     """Bookings of queued jobs that ended without their worker releasing them (lost, cancelled
     before a worker took them): released here."""
     released = 0
-    for job in Job.objects.filter(
+    ended = Job.objects.filter(
         queued=True,
         status__in=Job.FINISHED,
         reservation__released_at=None,
         reservation__cancelled_at=None,
         reservation__end__gt=now,
-    ).select_related("reservation"):
+    )
+    if not ended.exists():  # nearly every pass: asked without building whole rows
+        return 0
+    for job in ended.select_related("reservation"):
         with transaction.atomic():
             queued_job_ended(job, now=now)
         released += 1
