@@ -23,14 +23,15 @@ from __future__ import annotations
 from bisect import insort
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from gpus.conflicts import fits_at_once, fits_on_card
 
 
-@dataclass(frozen=True)
-class Card:
+class Card(NamedTuple):
+    """A card the plan may use: a plain value, one per card of every online server each pass."""
+
     uuid: str
     server_id: int
     bookable_mb: int

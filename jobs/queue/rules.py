@@ -32,6 +32,7 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from jobs.queue.calendar import Calendar
 from portal.errors import Invalid
@@ -130,8 +131,10 @@ def _factor(key: object, shares: dict, usage: dict) -> float:
 # --- the plan -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
+    """A pending job as the plan takes it: a plain value, a thousand of them made every pass (a
+    NamedTuple, which is made several times faster than a frozen dataclass)."""
+
     job_id: int
     user_id: int
     team_id: int
