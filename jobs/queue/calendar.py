@@ -20,7 +20,7 @@ and nearly every answer is no:
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
@@ -221,10 +221,14 @@ class Calendar:
         self, server: int, count: int, length: timedelta, memory_mb: int | None, not_before: datetime
     ) -> datetime | None:
         """The first time ≥ not_before at which `count` cards of `server` are free for `length`:
-        only the end of a booking or a shadow can free a card, so those are the times worth trying."""
+        only the end of a booking or a shadow can free a card, so those are the times worth trying,
+        from the first at which what the cards hold now lets enough of them (`free_from`)."""
         if len(self.by_server[server]) < count:
             return None
-        for at in self._candidates(server, not_before):
+        if (bound := self.free_from(server, count, memory_mb)) is None:
+            return None  # not enough of its cards could ever take it
+        times = self._candidates(server, not_before)
+        for at in times[bisect_left(times, bound) :]:
             if self.horizon is not None and at + length > self.horizon:
                 return None  # later than the calendar reaches
             if len(self.free_cards(server, at, at + length, memory_mb, need=count)) >= count:
