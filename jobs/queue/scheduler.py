@@ -444,6 +444,8 @@ def _offline(requests: Sequence[Request], online: set[int]) -> dict[int, str]:
     SERVER_OFFLINE_AFTER_SECONDS, or none ever), with the words their jobs show: the same from
     pass to pass while the server stays away, so a job's message is written once."""
     asked = {r.server_id for r in requests if r.server_id is not None} - online
+    if not asked:  # nearly every pass: no query to build
+        return {}
     words = {}
     for pk, name, seen in (
         Server.objects.filter(pk__in=asked).portal_scheduled().values_list("pk", "name", "last_seen")
