@@ -89,7 +89,7 @@ class Calendar:
         self._held_now: dict[int, tuple[list[str], list[datetime]]] = {}
         self._room: dict[int, dict[int | None, int]] = defaultdict(dict)
         self._from: dict[int, dict[int | None, list[datetime]]] = defaultdict(dict)
-        self._roomy: dict[int | None, list[tuple[int, int]]] = {}
+        self._roomy: dict[tuple[int | None, bool], list[tuple[int, int]]] = {}
         self._soonest: dict[tuple[int, int | None], list[tuple[datetime, int, int]]] = {}
         self._ends: dict[int, tuple[int, datetime, list[datetime]]] = {}
 
@@ -187,13 +187,19 @@ class Calendar:
             known[memory_mb] = sum(1 for uuid in open_now if self.could_fit_now(uuid, memory_mb))
         return known[memory_mb]
 
-    def roomy(self, memory_mb: int | None) -> list[tuple[int, int]]:
+    def roomy(self, memory_mb: int | None, *, silent: bool = False) -> list[tuple[int, int]]:
         """(server, `room_now`) of every server with room for the request now, in the servers' order:
-        on a full cluster a short list, so a job that fits nowhere is known without asking each."""
-        if memory_mb not in self._roomy:
-            rooms = ((server, self.room_now(server, memory_mb)) for server in self.by_server)
-            self._roomy[memory_mb] = [(server, room) for server, room in rooms if room > 0]
-        return self._roomy[memory_mb]
+        on a full cluster a short list, so a job that fits nowhere is known without asking each.
+        `silent`: the silent workers' servers instead, by their cards alone (`room_cards`)."""
+        key = (memory_mb, silent)
+        if key not in self._roomy:
+            if silent:
+                servers = [server for server in self.by_server if server in self.silent]
+                rooms = ((server, self.room_cards(server, memory_mb)) for server in servers)
+            else:
+                rooms = ((server, self.room_now(server, memory_mb)) for server in self.by_server)
+            self._roomy[key] = [(server, room) for server, room in rooms if room > 0]
+        return self._roomy[key]
 
     def free_from(self, server: int, count: int, memory_mb: int | None) -> datetime | None:
         """A time before which `count` of the server's cards cannot take the request (None: never):
@@ -208,12 +214,12 @@ class Calendar:
 
     def soonest(self, count: int, memory_mb: int | None) -> list[tuple[datetime, int, int]]:
         """(`free_from`, place in the servers' order, server) of every server that could ever take
-        `count` cards of the request, soonest first (in the servers' order among equals)."""
+        `count` cards of the request, soonest first (in the servers' order among equals). Not a
+        silent worker's: when it comes back is anyone's guess, so no estimate counts on it."""
         key = (count, memory_mb)
         if key not in self._soonest:
-            bounds = [
-                (self.free_from(s, count, memory_mb), place, s) for place, s in enumerate(self.by_server)
-            ]
+            servers = [(place, s) for place, s in enumerate(self.by_server) if s not in self.silent]
+            bounds = [(self.free_from(s, count, memory_mb), place, s) for place, s in servers]
             self._soonest[key] = sorted((b, place, s) for b, place, s in bounds if b is not None)
         return self._soonest[key]
 

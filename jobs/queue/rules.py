@@ -349,14 +349,14 @@ def _silence(calendar: Calendar, r: Request, draining: set[int], cache: dict[tup
     if key not in cache:
         end = calendar.now + r.booked
 
-        def fits(server: int) -> bool:
-            if calendar.room_cards(server, r.memory_mb) < r.gpu_count:
+        def fits(server: int, room: int) -> bool:
+            if room < r.gpu_count or not _may_use(r, server, draining):
                 return False
             free = calendar.free_cards(server, calendar.now, end, r.memory_mb, need=r.gpu_count)
             return len(free) >= r.gpu_count
 
-        silent = [s for s in _servers(calendar, r, draining) if s in calendar.silent]
-        cache[key] = "; ".join(sorted(calendar.silent[s] for s in silent if fits(s)))
+        roomy = calendar.roomy(r.memory_mb, silent=True)
+        cache[key] = "; ".join(sorted(calendar.silent[s] for s, room in roomy if fits(s, room)))
     return cache[key]
 
 
@@ -373,8 +373,8 @@ def _estimate(
             if bound > best[0]:
                 break
             continue  # it could only tie, behind the best in the servers' order
-        if server in calendar.silent or not _may_use(r, server, draining):
-            continue  # a silent worker's: when it comes back is anyone's guess
+        if not _may_use(r, server, draining):
+            continue
         key = (server, calendar.version[server], r.gpu_count, r.memory_mb, r.minutes)
         if key not in cache:
             cache[key] = calendar.earliest(server, r.gpu_count, r.booked, r.memory_mb, calendar.now)
