@@ -231,14 +231,16 @@ def plan(
         else:
             shape = (r.gpu_count, r.memory_mb, r.server_id, r.minutes)
             where = (r.server_id, r.servers)  # shapes compare only among jobs that may use the same servers
-            cards = [] if _dominated(shape, refused[where]) else _fit_now(calendar, r, draining)
+            dominated = _dominated(shape, refused[where])
+            cards = [] if dominated else _fit_now(calendar, r, draining)
             if cards:
                 entry.start_now = cards
                 calendar.start(cards, now + r.holds, r.memory_mb)
                 if r.array_id is not None:
                     room[r.array_id] = room.get(r.array_id, 1) - 1
                 continue
-            refused[where].append(shape)
+            if not dominated:  # what a refused shape dominates, it dominates too: kept once
+                refused[where].append(shape)
             if (shape, where) not in blocked_by_shadows:
                 # It would fit now but for the room held for jobs before it: it waits for priority.
                 blocked_by_shadows[(shape, where)] = bool(_fit_now(calendar, r, draining, shadows=False))
