@@ -247,15 +247,24 @@ def plan(
             entry.reason = "priority" if blocked_by_shadows[(shape, where)] else "resources"
             entry.note = _note(calendar, r, draining, silences)
         if shadows < depth:
-            at, server = _estimate(calendar, r, draining, estimates)
-            entry.estimated_start, entry.basis = at, ("plan" if at is not None else "")
-            if at is not None and server is not None:
-                # The shadow: the jobs after this one must leave room for it at its estimate.
-                held = calendar.free_cards(server, at, at + r.booked, r.memory_mb)[: r.gpu_count]
-                calendar.add(held, at, at + r.holds, r.memory_mb, shadow=True)
-                entry.held = held
-                shadows += 1
+            shadows += _shadow(calendar, entry, draining, estimates)
     return entries
+
+
+def _shadow(
+    calendar: Calendar, entry: Entry, draining: set[int], estimates: dict[tuple, datetime | None]
+) -> int:
+    """A waiting job's estimated start, and its shadow there: the jobs after it must leave room
+    for it at its estimate. 1 when a shadow was placed."""
+    r = entry.request
+    at, server = _estimate(calendar, r, draining, estimates)
+    entry.estimated_start, entry.basis = at, ("plan" if at is not None else "")
+    if at is None or server is None:
+        return 0
+    held = calendar.free_cards(server, at, at + r.booked, r.memory_mb)[: r.gpu_count]
+    calendar.add(held, at, at + r.holds, r.memory_mb, shadow=True)
+    entry.held = held
+    return 1
 
 
 def _waits_regardless(
