@@ -3,8 +3,10 @@ pending job runs once a card frees up.
 
 What is measured
     1. A scheduler pass (`jobs.queue.scheduler.schedule_pass`) in the bench process, on a full cluster: 64
-       servers × 8 cards of 24 GiB (`servers_report_ingest`, last_seen refreshed before each pass,
-       outside the timing, so all stay online); 8 teams of 4 users with unequal shares; about 10,100
+       servers × 8 cards of 24 GiB (`servers_report_ingest`; before each pass, outside the timing,
+       last_seen refreshed and each host's worker's pool size reported, 8 slots as deploy's
+       WORKER_CONCURRENCY, as a running worker does every round, so all stay online and take work);
+       8 teams of 4 users with unequal shares; about 10,100
        live bookings, bulk-created as bench_booking does: one running now on every card (a whole card;
        on one card in six, two 10 GiB shares, which leave less room than any pending job asks for) and
        9,488 more over the next three weeks (`bench_booking.existing_windows`); 2,048 ended bookings
@@ -18,7 +20,9 @@ What is measured
        interleaved with 20 with it warm (the other passes). Goal: median ≤ 100 ms (target 50 ms),
        either cache. Also, without a goal: a pass after one server's 8 cards were released, which books
        and dispatches jobs on them (inside `transaction.atomic()` with `set_rollback(True)`: the starts
-       are undone and no message is sent; the release is outside the timing), and the pass's parts
+       are undone and no message is sent; the release is outside the timing); a warm pass with every
+       host's worker silent (none has said how many jobs it runs: nothing starts, and each waiting
+       job that would fit says why); the queries of a warm and a cold pass; and the pass's parts
        timed one by one (the same calls `queue_plan` makes). `--profile` adds a cProfile of 10 cold and
        10 warm passes.
     2. A 1,000-task array through the API: POST /api/v1/jobs/ (multipart, a .py upload, no
@@ -39,8 +43,8 @@ What is measured
 
 Runs on the configured database (SQLite under PORTAL_VAR_DIR by default; set DATABASE_URL for
 PostgreSQL: the bench creates test_<name>_bench_queue and drops it). Needs Redis (`make bench`
-provides it). `--no-end-to-end` skips 3. A missed goal prints MISSED; the exit code is non-zero
-only on errors.
+provides it). `--no-end-to-end` skips 3; `--pass-only` skips 2 and 3. A missed goal prints MISSED;
+the exit code is non-zero only on errors.
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ HISTORY_PER_CARD = 4  # ended bookings per card over the last four weeks: usage 
 SINGLE_JOBS, ARRAYS, ARRAY_TASKS = 800, 5, 40
 PASSES, PASS_WARMUP, FREED_PASSES, PARTS_REPEAT, PROFILE_PASSES = 20, 2, 10, 5, 10
 PASS_GOAL_MS, PASS_TARGET_MS = 100.0, 50.0
+WORKER_SLOTS = 8  # each host's worker's pool: deploy/gpu-portal-worker.service's WORKER_CONCURRENCY
+STEADY_QUERIES, USAGE_QUERIES = 14, 3  # the most a steady pass takes (tests/test_queue_queries.py)
 
 ARRAY_SPEC, ARRAY_POSTS, ARRAY_GOAL_S = "0-999", 3, 20.0
 TASK_SOURCE = b"import os\nprint('task', os.environ.get('PORTAL_ARRAY_INDEX'))\n"
@@ -273,20 +279,26 @@ def build_cluster() -> tuple[list[Any], float]:
 # --- 1. the passes ------------------------------------------------------------------------------------
 
 
-def keep_online() -> None:
+def keep_online(*, slots: int | None = WORKER_SLOTS) -> None:
+    """Every server reporting, and its worker saying how many jobs it runs at once, as a running
+    host's worker does every round (jobs.host.pickup.slots_report); `slots=None`: no worker ever
+    said so (none has started yet), so the queue starts nothing there."""
     from django.utils import timezone
 
     from gpus.models import Server
 
-    Server.objects.update(last_seen=timezone.now())
+    now = timezone.now()
+    Server.objects.update(last_seen=now, job_slots=slots, job_slots_at=now if slots is not None else None)
 
 
-def timed_pass(*, cold: bool, memory: PassMemory) -> tuple[float, dict[str, int]]:
+def timed_pass(
+    *, cold: bool, memory: PassMemory, slots: int | None = WORKER_SLOTS
+) -> tuple[float, dict[str, int]]:
     """One real pass, in ms (wall, database included), with the scheduler's `memory` as its thread
-    keeps it from pass to pass."""
+    keeps it from pass to pass; `slots`: what each host's worker said (keep_online)."""
     from jobs.queue.scheduler import schedule_pass
 
-    keep_online()
+    keep_online(slots=slots)
     if cold:
         memory.forget_usage()
     began = time.perf_counter()
@@ -294,7 +306,7 @@ def timed_pass(*, cold: bool, memory: PassMemory) -> tuple[float, dict[str, int]
     return (time.perf_counter() - began) * 1000, done
 
 
-def freed_pass(server_id: int) -> tuple[float, int]:
+def freed_pass(server_id: int, memory: PassMemory) -> tuple[float, int]:
     """A pass just after every booking running on one server was released: it books and
     dispatches jobs there. Rolled back, so the next one finds the cluster as before."""
     from django.db import transaction
@@ -313,7 +325,7 @@ def freed_pass(server_id: int) -> tuple[float, int]:
         for booking in running:
             reservation_release(user=PORTAL, reservation=booking, now=now, reason="bench")
         began = time.perf_counter()
-        done = schedule_pass()
+        done = schedule_pass(memory=memory)
         elapsed = (time.perf_counter() - began) * 1000
         transaction.set_rollback(True)
     return elapsed, done.get("started", 0)
@@ -410,8 +422,46 @@ def steady_passes() -> tuple[float, list[float], list[float]]:
     return first_ms, cold, warm
 
 
+def silent_passes() -> list[float]:
+    """Warm passes with every host's worker silent (none has said how many jobs it runs), in ms:
+    nothing starts, and each waiting job that would fit says why. The first writes those words;
+    a pass with the workers back (outside the timing) clears them again."""
+    from jobs.queue.scheduler import PassMemory
+
+    memory = PassMemory()
+    timed_pass(cold=True, memory=memory, slots=None)
+    samples = [timed_pass(cold=False, memory=memory, slots=None)[0] for _ in range(PASSES)]
+    timed_pass(cold=False, memory=memory)
+    return samples
+
+
+def pass_queries() -> dict[str, int]:
+    """The queries of one steady pass, with the usage cache warm and cold: a fixed number, whatever
+    the jobs, cards and servers (tests/test_queue_queries.py holds it)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from jobs.queue.scheduler import PassMemory, schedule_pass
+
+    memory = PassMemory()
+    timed_pass(cold=True, memory=memory)
+    counts = {}
+    for label, cold in (("warm", False), ("cold", True)):
+        keep_online()
+        if cold:
+            memory.forget_usage()
+        with CaptureQueriesContext(connection) as queries:
+            schedule_pass(memory=memory)
+        counts[label] = len(queries)
+    return counts
+
+
 def freed_passes() -> list[tuple[float, int]]:
     from gpus.models import Server
+    from jobs.queue.scheduler import PassMemory
+
+    memory = PassMemory()
+    timed_pass(cold=True, memory=memory)  # the usage cache warm, as the figure says
 
     rng = random.Random(SEED + 3)
     server_ids = list(Server.objects.values_list("pk", flat=True))
@@ -419,7 +469,7 @@ def freed_passes() -> list[tuple[float, int]]:
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # each start logs a line
     try:
-        return [freed_pass(rng.choice(server_ids)) for _ in range(FREED_PASSES)]
+        return [freed_pass(rng.choice(server_ids), memory) for _ in range(FREED_PASSES)]
     finally:
         quiet.setLevel(level)
 
@@ -448,6 +498,8 @@ def cluster_line(setup_s: float) -> str:
 def bench_pass(*, profile: bool, setup_s: float) -> None:
     first_ms, cold, warm = steady_passes()
     freed = freed_passes()
+    silent = silent_passes()
+    queries = pass_queries()
     parts = pass_parts()
 
     print(cluster_line(setup_s))
@@ -470,6 +522,16 @@ def bench_pass(*, profile: bool, setup_s: float) -> None:
     report("  its p90", quantile(freed_ms, 0.9), "ms", "(none)", True)
     started = ", ".join(str(f[1]) for f in freed)
     print(f"    jobs started per such pass: {started} (rolled back; the usage cache warm)")
+    report(
+        f"pass, every worker silent, warm, median of {PASSES}",
+        statistics.median(silent),
+        "ms",
+        "(none)",
+        True,
+    )
+    for label, count in queries.items():
+        most = STEADY_QUERIES + (USAGE_QUERIES if label == "cold" else 0)  # what the test holds
+        report(f"queries of a steady pass, usage cache {label}", count, "", f"<= {most}", count <= most)
     print(
         f"    parts of a pass, each timed alone (median of {PARTS_REPEAT}, ms): "
         + "; ".join(f"{name} {statistics.median(values):.1f}" for name, values in parts.items())
@@ -756,8 +818,9 @@ def main() -> int:
         check_redis()
         users, setup_s = build_cluster()
         bench_pass(profile="--profile" in sys.argv[1:], setup_s=setup_s)
-        bench_array(users[-1], scratch)
-        if "--no-end-to-end" not in sys.argv[1:]:
+        if "--pass-only" not in sys.argv[1:]:
+            bench_array(users[-1], scratch)
+        if not {"--no-end-to-end", "--pass-only"} & set(sys.argv[1:]):
             bench_end_to_end(scratch)
     finally:
         from django.db import connections

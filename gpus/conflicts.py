@@ -3,7 +3,7 @@ this card" (fits_at_once, fits_on_card), the live allocations on cards (held_on)
 for its waiting jobs (queue_holds_on), the checks a booking passes (check_free, fitting_cards),
 what blocks it (blockers), the earliest slot that fits, and the refusal message, built after the
 locked transaction has rolled back (Blocked, explain_conflicts). The booking services
-(gpus/booking.py) and the queue's plan (jobs.queue.rules.Calendar) decide with the same two functions,
+(gpus/booking.py) and the queue's plan (jobs.queue.calendar.Calendar) decide with the same two functions,
 so the plan never starts a job the booking service then refuses; the idle checker and the tests
 read them too.
 """

@@ -11,7 +11,8 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create
 from gpus.models import Reservation, Server
 from jobs.models import Job
-from jobs.queue.rules import Calendar, Card, Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
+from jobs.queue.calendar import Calendar, Card
+from jobs.queue.rules import Request, Shares, Usage, Weights, decayed_hours, parse_array, plan
 from jobs.queue.scheduler import fairshare_state, queue_plan, schedule_pass
 from jobs.runs import queued_job_ended
 from jobs.services import job_cancel

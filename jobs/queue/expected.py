@@ -18,7 +18,6 @@ past its typical time ends "any minute now". Each estimate says its basis (`Entr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime, timedelta
 
 from jobs.lending import loans_preview
@@ -55,7 +54,7 @@ def expected_requests(requests: Sequence[Request]) -> list[Request]:
     names = dict(Job.objects.filter(pk__in=[r.job_id for r in requests]).values_list("pk", "name"))
     typical = typical_minutes({(r.user_id, names[r.job_id]) for r in requests if r.job_id in names})
     return [
-        replace(r, expected_minutes=minutes)
+        r._replace(expected_minutes=minutes)
         if (minutes := typical.get((r.user_id, names.get(r.job_id, "")))) is not None
         else r
         for r in requests

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 import re
-from bisect import insort
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
-from gpus.conflicts import fits_at_once, fits_on_card
+from jobs.queue.calendar import Calendar
 from portal.errors import Invalid
 
 MAX_ARRAY = 10_000
@@ -131,15 +131,10 @@ def _factor(key: object, shares: dict, usage: dict) -> float:
 # --- the plan -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Card:
-    uuid: str
-    server_id: int
-    bookable_mb: int
+class Request(NamedTuple):
+    """A pending job as the plan takes it: a plain value, a thousand of them made every pass (a
+    NamedTuple, which is made several times faster than a frozen dataclass)."""
 
-
-@dataclass(frozen=True)
-class Request:
     job_id: int
     user_id: int
     team_id: int
@@ -195,139 +190,6 @@ class Entry:
     basis: str = ""  # what its estimated start rests on (jobs/queue/expected.py): begin_time, plan, lending
 
 
-Busy = tuple[datetime, datetime, int | None]  # a booking on a card: [start, end), MiB (None: whole)
-
-
-class Calendar:
-    """Every card's bookings from now on, and the shadows the plan adds, with "does it fit" checks.
-
-    Kept cheap for a full cluster, where most checks fail: each card's lists are sorted by start,
-    so a check reads only the bookings that begin before the window ends, and a card taken whole
-    right now is known without reading any (`taken_now`), so a server without enough such cards is
-    passed over at once."""
-
-    def __init__(
-        self,
-        cards: Iterable[Card],
-        busy: dict[str, list[Busy]],
-        now: datetime,
-        horizon: datetime | None = None,
-        *,
-        slots: dict[int, int] | None = None,
-        silent: dict[int, str] | None = None,
-    ) -> None:
-        self.now = now
-        # Free job slots of the servers whose worker's pool size is known: no more jobs start
-        # there now than it can run at once (the rest would wait in Celery on running bookings).
-        self.slots = dict(slots or {})
-        # Servers whose worker reported its slots once but not lately, with the words that say so:
-        # nothing starts there (no slots), and no estimate counts on them until the worker is back.
-        self.silent = dict(silent or {})
-        for server in self.silent:
-            self.slots[server] = 0
-        # Bookings are known up to here (the caller read no further): no estimate goes past it.
-        self.horizon = horizon
-        self.cards = {c.uuid: c for c in cards}
-        self.by_server: dict[int, list[Card]] = defaultdict(list)
-        for card in sorted(self.cards.values(), key=lambda c: (c.server_id, c.uuid)):
-            self.by_server[card.server_id].append(card)
-        self.busy = {uuid: sorted(busy.get(uuid, ())) for uuid in self.cards}
-        self.shadows: dict[str, list[Busy]] = defaultdict(list)
-        self.version: dict[int, int] = defaultdict(int)  # per server: bumped on every change
-        # What is held right now on each card: a whole booking, or the MiB of the shares. Any
-        # window from now overlaps these, so a check can fail on them before reading a list.
-        self.taken_now = {uuid for uuid, held in self.busy.items() if any(_whole_now(b, now) for b in held)}
-        self.shared_now = {
-            uuid: sum(b[2] or 0 for b in held if b[2] is not None and b[0] <= now < b[1])
-            for uuid, held in self.busy.items()
-        }
-
-    def add(
-        self,
-        uuids: Sequence[str],
-        start: datetime,
-        end: datetime,
-        memory_mb: int | None,
-        *,
-        shadow: bool = False,
-    ) -> None:
-        for uuid in uuids:
-            insort((self.shadows if shadow else self.busy)[uuid], (start, end, memory_mb))
-            self.version[self.cards[uuid].server_id] += 1
-            if not shadow and start <= self.now < end:
-                if memory_mb is None:
-                    self.taken_now.add(uuid)
-                else:
-                    self.shared_now[uuid] += memory_mb
-
-    def fits(
-        self, uuid: str, start: datetime, end: datetime, memory_mb: int | None, *, shadows: bool = True
-    ) -> bool:
-        """The booking service's rule (gpus.conflicts.fits_on_card) over the bookings, and the
-        shadows unless told not to, that overlap [start, end)."""
-        if start <= self.now < end and not self.could_fit_now(uuid, memory_mb):
-            return False
-        overlapping = _overlapping(self.busy[uuid], start, end)
-        if shadows and self.shadows:
-            overlapping += _overlapping(self.shadows[uuid], start, end)
-        return fits_on_card(self.cards[uuid].bookable_mb, memory_mb, overlapping, start, end)
-
-    def free_cards(
-        self, server: int, start: datetime, end: datetime, memory_mb: int | None, *, shadows: bool = True
-    ) -> list[str]:
-        cards = self.by_server[server]
-        return [c.uuid for c in cards if self.fits(c.uuid, start, end, memory_mb, shadows=shadows)]
-
-    def could_fit_now(self, uuid: str, memory_mb: int | None) -> bool:
-        """False when what the card holds right now already rules the request out: the same rule
-        (gpus.conflicts.fits_at_once) over the whole-card hold or the sum of the shares now."""
-        held_now: list[int | None] = [None] if uuid in self.taken_now else []
-        if self.shared_now[uuid]:
-            held_now.append(self.shared_now[uuid])
-        return fits_at_once(self.cards[uuid].bookable_mb, memory_mb, held_now)
-
-    def room_now(self, server: int, memory_mb: int | None) -> int:
-        """How many of the server's cards could take the request from now: an upper bound (0 when
-        its worker has no free slot)."""
-        if self.slots.get(server, 1) <= 0:
-            return 0
-        return sum(1 for c in self.by_server[server] if self.could_fit_now(c.uuid, memory_mb))
-
-    def earliest(
-        self, server: int, count: int, length: timedelta, memory_mb: int | None, not_before: datetime
-    ) -> datetime | None:
-        """The first time ≥ not_before at which `count` cards of `server` are free for `length`:
-        only the end of a booking or a shadow can free a card, so those are the times worth trying."""
-        if len(self.by_server[server]) < count:
-            return None
-        times = {not_before}
-        for card in self.by_server[server]:
-            times.update(b[1] for b in self.busy[card.uuid] if b[1] > not_before)
-            times.update(b[1] for b in self.shadows[card.uuid] if b[1] > not_before)
-        for at in sorted(times):
-            if self.horizon is not None and at + length > self.horizon:
-                return None  # later than the calendar reaches
-            if len(self.free_cards(server, at, at + length, memory_mb)) >= count:
-                return at
-        return None
-
-
-def _whole_now(booking: Busy, now: datetime) -> bool:
-    return booking[2] is None and booking[0] <= now < booking[1]
-
-
-def _overlapping(held: list[Busy], start: datetime, end: datetime) -> list[Busy]:
-    """The bookings of a start-sorted list that overlap [start, end): stop at the first that begins
-    after the window."""
-    found = []
-    for booking in held:
-        if booking[0] >= end:
-            break
-        if booking[1] > start:
-            found.append(booking)
-    return found
-
-
 def plan(
     requests: Sequence[Request],
     calendar: Calendar,
@@ -350,10 +212,7 @@ def plan(
     Mutates `calendar` (the starts and the shadows), so the caller can book exactly what the plan
     chose."""
     now = calendar.now
-    entries = sorted(
-        (_entry(r, now, shares, usage, weights) for r in requests),
-        key=lambda e: (-e.priority, e.request.submitted_at, e.request.job_id),
-    )
+    entries = _ordered(requests, now, shares, usage, weights)
     refused: dict[tuple, list[tuple]] = defaultdict(list)  # shapes that did not fit now, by where they may go
     blocked_by_shadows: dict[tuple, bool] = {}
     estimates: dict[tuple, datetime | None] = {}
@@ -372,32 +231,40 @@ def plan(
         else:
             shape = (r.gpu_count, r.memory_mb, r.server_id, r.minutes)
             where = (r.server_id, r.servers)  # shapes compare only among jobs that may use the same servers
-            cards = [] if _dominated(shape, refused[where]) else _fit_now(calendar, r, draining)
+            dominated = _dominated(shape, refused[where])
+            cards = [] if dominated else _fit_now(calendar, r, draining)
             if cards:
                 entry.start_now = cards
-                calendar.add(cards, now, now + r.holds, r.memory_mb)
-                server = calendar.cards[cards[0]].server_id
-                if server in calendar.slots:
-                    calendar.slots[server] -= 1
+                calendar.start(cards, now + r.holds, r.memory_mb)
                 if r.array_id is not None:
                     room[r.array_id] = room.get(r.array_id, 1) - 1
                 continue
-            refused[where].append(shape)
+            if not dominated:  # what a refused shape dominates, it dominates too: kept once
+                refused[where].append(shape)
             if (shape, where) not in blocked_by_shadows:
                 # It would fit now but for the room held for jobs before it: it waits for priority.
                 blocked_by_shadows[(shape, where)] = bool(_fit_now(calendar, r, draining, shadows=False))
             entry.reason = "priority" if blocked_by_shadows[(shape, where)] else "resources"
             entry.note = _note(calendar, r, draining, silences)
         if shadows < depth:
-            at, server = _estimate(calendar, r, draining, estimates)
-            entry.estimated_start, entry.basis = at, ("plan" if at is not None else "")
-            if at is not None and server is not None:
-                # The shadow: the jobs after this one must leave room for it at its estimate.
-                held = calendar.free_cards(server, at, at + r.booked, r.memory_mb)[: r.gpu_count]
-                calendar.add(held, at, at + r.holds, r.memory_mb, shadow=True)
-                entry.held = held
-                shadows += 1
+            shadows += _shadow(calendar, entry, draining, estimates)
     return entries
+
+
+def _shadow(
+    calendar: Calendar, entry: Entry, draining: set[int], estimates: dict[tuple, datetime | None]
+) -> int:
+    """A waiting job's estimated start, and its shadow there: the jobs after it must leave room
+    for it at its estimate. 1 when a shadow was placed."""
+    r = entry.request
+    at, server = _estimate(calendar, r, draining, estimates)
+    entry.estimated_start, entry.basis = at, ("plan" if at is not None else "")
+    if at is None or server is None:
+        return 0
+    held = calendar.free_cards(server, at, at + r.booked, r.memory_mb)[: r.gpu_count]
+    calendar.add(held, at, at + r.holds, r.memory_mb, shadow=True)
+    entry.held = held
+    return 1
 
 
 def _waits_regardless(
@@ -430,32 +297,50 @@ def _dominated(shape: tuple, refused: list[tuple]) -> bool:
     return False
 
 
-def _entry(r: Request, now: datetime, shares: Shares, usage: Usage, weights: Weights) -> Entry:
-    fair = fairshare_factor(r.team_id, r.user_id, shares, usage)
+def _ordered(
+    requests: Sequence[Request], now: datetime, shares: Shares, usage: Usage, weights: Weights
+) -> list[Entry]:
+    """The entries in priority order, the oldest first among equals. The fair-share factor is
+    worked out once per team and member: a thousand jobs, a few dozen people."""
+    factors: dict[tuple[int, int], float] = {}
+    entries = []
+    for r in requests:
+        if (r.team_id, r.user_id) not in factors:
+            factors[(r.team_id, r.user_id)] = fairshare_factor(r.team_id, r.user_id, shares, usage)
+        entries.append(_entry(r, now, factors[(r.team_id, r.user_id)], weights))
+    return sorted(entries, key=lambda e: (-e.priority, e.request.submitted_at, e.request.job_id))
+
+
+def _entry(r: Request, now: datetime, fair: float, weights: Weights) -> Entry:
     age = min(1.0, max(0.0, (now - r.submitted_at) / weights.age_max)) if weights.age_max else 0.0
     priority = fair * weights.fairshare + age * weights.age - r.nice
     return Entry(request=r, priority=round(priority, 3), fairshare=round(fair, 4), age=round(age, 4))
 
 
 def _servers(calendar: Calendar, r: Request, draining: set[int]) -> list[int]:
-    """The servers the job may start on: the one it asked for, else any not draining; for a job in
-    an image, only those of `r.servers`."""
+    """The servers the job may start on (`_may_use`), in the calendar's order."""
     if r.server_id is not None:
-        found = [r.server_id] if r.server_id in calendar.by_server else []
-    else:
-        found = [s for s in calendar.by_server if s not in draining]
-    return found if r.servers is None else [s for s in found if s in r.servers]
+        return (
+            [r.server_id] if r.server_id in calendar.by_server and _may_use(r, r.server_id, draining) else []
+        )
+    return [s for s in calendar.by_server if _may_use(r, s, draining)]
+
+
+def _may_use(r: Request, server: int, draining: set[int]) -> bool:
+    """The one it asked for, else any not draining; for a job in an image, only those of `r.servers`."""
+    chosen = server == r.server_id if r.server_id is not None else server not in draining
+    return chosen and (r.servers is None or server in r.servers)
 
 
 def _fit_now(calendar: Calendar, r: Request, draining: set[int], *, shadows: bool = True) -> list[str]:
     """`gpu_count` cards of the first server where they are free for the job from now, or []."""
     end = calendar.now + r.booked
-    for server in _servers(calendar, r, draining):
-        if calendar.room_now(server, r.memory_mb) < r.gpu_count:
-            continue  # most of a full cluster: no need to look at any booking
-        free = calendar.free_cards(server, calendar.now, end, r.memory_mb, shadows=shadows)
+    for server, room in calendar.roomy(r.memory_mb):  # most of a full cluster has no room: not asked
+        if room < r.gpu_count or not _may_use(r, server, draining):
+            continue
+        free = calendar.free_cards(server, calendar.now, end, r.memory_mb, shadows=shadows, need=r.gpu_count)
         if len(free) >= r.gpu_count:
-            return free[: r.gpu_count]
+            return free
     return []
 
 
@@ -468,33 +353,43 @@ def _note(calendar: Calendar, r: Request, draining: set[int], silences: dict[tup
 
 
 def _silence(calendar: Calendar, r: Request, draining: set[int], cache: dict[tuple, str]) -> str:
-    """The words of the silent servers where the job would fit now but for their worker, or ""."""
-    servers = [s for s in _servers(calendar, r, draining) if s in calendar.silent]
-    key = (r.gpu_count, r.memory_mb, r.minutes, *((s, calendar.version[s]) for s in servers))
+    """The words of the silent servers where the job would fit now but for their worker, or "".
+    Worked out once per shape and set of servers it may use, while the silent servers' cards stay
+    as they are; a server whose cards cannot take it now is passed over without reading a booking."""
+    key = (r.gpu_count, r.memory_mb, r.minutes, r.server_id, r.servers, calendar.silent_version)
     if key not in cache:
         end = calendar.now + r.booked
-        cache[key] = "; ".join(
-            sorted(
-                calendar.silent[s]
-                for s in servers
-                if len(calendar.free_cards(s, calendar.now, end, r.memory_mb)) >= r.gpu_count
-            )
-        )
+
+        def fits(server: int, room: int) -> bool:
+            if room < r.gpu_count or not _may_use(r, server, draining):
+                return False
+            free = calendar.free_cards(server, calendar.now, end, r.memory_mb, need=r.gpu_count)
+            return len(free) >= r.gpu_count
+
+        roomy = calendar.roomy(r.memory_mb, silent=True)
+        cache[key] = "; ".join(sorted(calendar.silent[s] for s, room in roomy if fits(s, room)))
     return cache[key]
 
 
 def _estimate(
     calendar: Calendar, r: Request, draining: set[int], cache: dict[tuple, datetime | None]
 ) -> tuple[datetime | None, int | None]:
-    """The earliest start over the servers the job may use, and where (shadows included)."""
-    best: tuple[datetime, int] | None = None
-    for server in _servers(calendar, r, draining):
-        if server in calendar.silent:
-            continue  # when its worker comes back is anyone's guess
+    """The earliest start over the servers the job may use, and where (shadows included): among
+    equal starts, the first server in the servers' order. The servers are tried from the soonest
+    what their cards hold now lets them take it (`Calendar.soonest`, a lower bound of their
+    earliest start), so the search stops at the first that cannot beat the best found."""
+    best: tuple[datetime, int, int] | None = None  # (start, place in the servers' order, server)
+    for bound, place, server in calendar.soonest(r.gpu_count, r.memory_mb):
+        if best is not None and (bound, place) > best[:2]:
+            if bound > best[0]:
+                break
+            continue  # it could only tie, behind the best in the servers' order
+        if not _may_use(r, server, draining):
+            continue
         key = (server, calendar.version[server], r.gpu_count, r.memory_mb, r.minutes)
         if key not in cache:
             cache[key] = calendar.earliest(server, r.gpu_count, r.booked, r.memory_mb, calendar.now)
         at = cache[key]
-        if at is not None and (best is None or at < best[0]):
-            best = (at, server)
-    return best if best else (None, None)
+        if at is not None and (best is None or (at, place) < best[:2]):
+            best = (at, place, server)
+    return (best[0], best[2]) if best else (None, None)
