@@ -114,3 +114,22 @@ def test_it_redescribes_a_card_whose_hardware_facts_change():
     other = make_snapshot("box2", gpus=0)
     server_report_ingest(snapshot=replace(other, gpus=(moved,)))
     assert GPU.objects.get(uuid="GPU-box1-01").server.name == "box2"
+
+
+def test_a_process_row_an_admin_deletes_comes_back_with_the_next_round(client, admin_user):
+    """A round rewrites only the process lists that changed (GPU.processes_digest): one an admin
+    deleted a row of is rewritten whole at the next round, not left short; none is added or
+    changed in the admin."""
+    from django.urls import reverse
+
+    snapshot = make_snapshot("box1", gpus=1, processes=2)
+    server_report_ingest(snapshot=snapshot)
+    client.force_login(admin_user)
+    gone = GPUProcess.objects.order_by("pid").first()
+    answer = client.post(reverse("admin:gpus_gpuprocess_delete", args=[gone.pk]), {"post": "yes"})
+    assert answer.status_code == 302 and GPUProcess.objects.count() == 1
+    server_report_ingest(snapshot=snapshot)
+    assert sorted(GPUProcess.objects.values_list("pid", flat=True)) == [1000, 1001]
+    assert client.get(reverse("admin:gpus_gpuprocess_add")).status_code == 403
+    page = client.get(reverse("admin:gpus_gpuprocess_change", args=[GPUProcess.objects.first().pk]))
+    assert page.status_code == 200 and "Save" not in page.content.decode()  # shown, not changed
