@@ -29,8 +29,8 @@ def _seed_year(users, gpus, now) -> int:  # type: ignore[no-untyped-def]
     """A year of UsageHour rows, a day at a time, and their sums."""
     from django.db import connection, transaction
 
+    from gpus.bulk import rows_insert
     from gpus.models import UsageFigures, UsageHour
-    from gpus.services import _bulk_insert
     from gpus.usage import HOUR, hour_of, hour_of_week, usage_sums_rebuild
 
     fields = ["start", "hour_of_week", "gpu", "server", "team", "user", *UsageFigures.SUMMED[:5]]
@@ -56,7 +56,7 @@ def _seed_year(users, gpus, now) -> int:  # type: ignore[no-untyped-def]
                 jobs = (1, int(card % 3 == 0), 0, 0) if hour == 17 else (0, 0, 0, 0)  # and no sessions
                 rows.append((*at, uuid, server, teams[user], user, 1.0, used, 0.0, idle, 80.0, 60_000, *jobs))
         with transaction.atomic():  # one commit a day: SQLite's autocommit would sync every row
-            _bulk_insert(UsageHour, fields, rows)
+            rows_insert(UsageHour, fields, rows)
         written += len(rows)
     with transaction.atomic():
         usage_sums_rebuild(hours=[first + n * HOUR for n in range(DAYS * 24)])

@@ -36,7 +36,8 @@ What is measured
        (so the 10 s policy cache is refreshed every 5 rounds): `time.process_time()` (this
        process's CPU: the ORM, the classification and the database driver; PostgreSQL's own server
        time is not in it) and wall time. Goal: median CPU ≤ 5 ms. `--profile` prints where the
-       time of 20 more rounds goes (cProfile).
+       time of 20 more rounds goes (cProfile). Its queries, against the bound
+       tests/test_hot_path_queries.py holds (tests/query_bounds.py).
 
 Runs on the configured database (SQLite under PORTAL_VAR_DIR by default; set DATABASE_URL for
 PostgreSQL: the bench creates test_<name> and drops it). Needs Redis (`make bench` provides it).
@@ -234,6 +235,7 @@ def bench_round_cpu(sleepers: Sleepers, *, profile: bool) -> None:
     from gpus.models import Violation, WatchdogPolicy
     from jobs.host.watchdog import HostWatchdog
     from jobs.models import Job
+    from tests import query_bounds
 
     snapshot = cpu_fixture(sleepers)
     step = timedelta(seconds=settings.WATCHDOG_INTERVAL_SECONDS)
@@ -287,6 +289,8 @@ def bench_round_cpu(sleepers: Sleepers, *, profile: bool) -> None:
     report("watchdog round, CPU, p90", quantile(cpu, 0.9), "ms", "(none)", True)
     report("watchdog round, wall, median", statistics.median(wall), "ms", "(none)", True)
     report("watchdog round, wall, p90", quantile(wall, 0.9), "ms", "(none)", True)
+    bound = query_bounds.WATCHDOG_ROUND  # held at two sizes by tests/test_hot_path_queries.py
+    report("watchdog round, queries", len(queries), "", f"<= {bound}", len(queries) <= bound)
     print(
         f"    {processes} processes: "
         + ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))

@@ -151,8 +151,28 @@ class GPUAdmin(admin.ModelAdmin):
 
 @admin.register(GPUProcess)
 class GPUProcessAdmin(admin.ModelAdmin):
+    """The telemetry round writes these rows, and rewrites a card's only when its reported list
+    changes (GPU.processes_digest): a row added or changed here would stay wrong, so neither is
+    offered; a deletion (a card's or a server's takes them along) makes the round rewrite the
+    card's list."""
+
     list_display = ["pid", "gpu", "username", "used_memory_mb", "command"]
     search_fields = ["username", "command"]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def delete_model(self, request, obj) -> None:  # type: ignore[no-untyped-def]
+        super().delete_model(request, obj)
+        GPU.objects.filter(uuid=obj.gpu_id).update(processes_digest="")
+
+    def delete_queryset(self, request, queryset) -> None:  # type: ignore[no-untyped-def]
+        cards = set(queryset.values_list("gpu_id", flat=True))
+        super().delete_queryset(request, queryset)
+        GPU.objects.filter(uuid__in=cards).update(processes_digest="")
 
 
 class AllocationInline(admin.TabularInline):

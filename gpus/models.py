@@ -157,6 +157,9 @@ class GPU(models.Model):
     # job holding it, as the cluster last said; blank on a GPU host.
     node = models.CharField(max_length=64, blank=True)
     slurm_job = models.CharField("Slurm job", max_length=32, blank=True)
+    # What the card's stored process rows are (gpus.services._digest): a telemetry round rewrites a
+    # card's processes only when their digest moved, not every card's every second. "" is unknown.
+    processes_digest = models.CharField(max_length=24, blank=True, editable=False)
 
     objects = GPUQuerySet.as_manager()
 
@@ -247,9 +250,15 @@ class GPUProcess(models.Model):
 
     @property
     def job_label(self) -> str:
-        if self.job_id:
-            return f"job {self.job_id}"
-        return f"session {self.interactive_id}" if self.interactive_id else "unmanaged"
+        return self.label(self.job_id, self.interactive_id)
+
+    @staticmethod
+    def label(job_id: int | None, interactive_id: int | None) -> str:
+        """What runs it, in words: a static method so the API's plain rows (gpus/api_rows.py) say
+        it as the model does."""
+        if job_id:
+            return f"job {job_id}"
+        return f"session {interactive_id}" if interactive_id else "unmanaged"
 
 
 class TelemetrySample(models.Model):

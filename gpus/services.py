@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -10,18 +11,17 @@ from typing import NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models.functions import Now
-from django.db.models.sql import Query
 from django.dispatch import Signal
 from django.utils import timezone
 
+from gpus.bulk import rows_insert, rows_update
 from gpus.hooks import interactive_sessions, job_sessions
 from gpus.inventory import CardState, GPUInfo, Snapshot
 from gpus.models import GPU, GPUProcess, Server, SlurmNode, TelemetrySample
 from gpus.sanitize import checked_snapshot
 from gpus.selectors import GPU_LIVE_FIELDS, SERVER_LIVE_FIELDS
 from gpus.usage import UsageRollup, usage_observe
-from portal.changes import TELEMETRY, change_publish
+from portal.changes import TELEMETRY, changes_publish
 
 # Sent once per telemetry round, inside its transaction, with `cards`: every reported card
 # (GPUInfo, its processes carrying the job ids resolved from their sessions). A signal because
@@ -38,68 +38,10 @@ _GPU_STATIC_FIELDS = [
     "mig_mode",
     "node",
 ]
-_GPU_LIVE_FIELDS = [*GPU_LIVE_FIELDS, "updated_at"]  # the values below are written in this order
+# The values below are written in this order.
+_GPU_LIVE_FIELDS = [*GPU_LIVE_FIELDS, "processes_digest", "updated_at"]
 # The values below are written in this order; `last_seen` apart, as the database's `Now()`.
 _SERVER_LIVE_FIELDS = [f for f in SERVER_LIVE_FIELDS if f != "last_seen"]
-
-
-def _bulk_update(
-    model: type, fields: list[str], key: str, rows: list[tuple], *, now_fields: Sequence[str] = ()
-) -> None:
-    """UPDATE many rows by `key` (each row: the fields' values, then the key's): raw SQL,
-    because the ORM misses the ingest goal by ten times. `now_fields` are set to the database's
-    `Now()` (compiled by Django for the backend), in the same statement.
-
-    `make bench` (bench_inventory, one round of 64 reports / 512 GPUs, goal ≤ 50 ms): with
-    `bulk_update` (a CASE per column and row) the round took 445 ms on SQLite and 570-750 ms on
-    PostgreSQL; with this and `_bulk_insert`, 9-17 ms and 30-49 ms. Both are tested on both
-    databases through the telemetry tests (`make test` on SQLite, CI on PostgreSQL).
-    """
-    if not rows:
-        return
-    quote, table = connection.ops.quote_name, connection.ops.quote_name(model._meta.db_table)
-    columns = [model._meta.get_field(f) for f in [*fields, key]]
-    now_sql, _ = Query(model).get_compiler(connection=connection).compile(Now())
-    now_set = "".join(f", {quote(model._meta.get_field(f).column)} = {now_sql}" for f in now_fields)
-    if connection.vendor == "postgresql":
-        # One statement over arrays: PostgreSQL parses and plans it once for all rows.
-        sources = ", ".join(f"unnest(%s::{c.db_type(connection)}[]) AS {quote(c.column)}" for c in columns)
-        assignments = ", ".join(f"{quote(c.column)} = v.{quote(c.column)}" for c in columns[:-1])
-        key_column = quote(columns[-1].column)
-        sql = f"UPDATE {table} AS t SET {assignments}{now_set} FROM (SELECT {sources}) AS v"
-        sql += f" WHERE t.{key_column} = v.{key_column}"
-        with connection.cursor() as cursor:
-            cursor.execute(sql, [list(values) for values in zip(*rows, strict=True)])
-        return
-    assignments = ", ".join(f"{quote(c.column)} = %s" for c in columns[:-1])
-    with connection.cursor() as cursor:  # sqlite3 runs executemany in a C loop
-        cursor.executemany(
-            f"UPDATE {table} SET {assignments}{now_set} WHERE {quote(columns[-1].column)} = %s", rows
-        )
-
-
-def _bulk_insert(model: type, fields: list[str], rows: list[tuple]) -> None:
-    """INSERT many rows (each row: the fields' values) in one statement over arrays on PostgreSQL.
-
-    Raw for the same reason as `_bulk_update`: the process lists (1,024 rows a round in the
-    bench) through `bulk_create` took the PostgreSQL round to 54-73 ms against 42-49 ms with
-    this (goal ≤ 50 ms, measured side by side, 40 rounds each).
-    """
-    if not rows:
-        return
-    quote, table = connection.ops.quote_name, connection.ops.quote_name(model._meta.db_table)
-    columns = [model._meta.get_field(f) for f in fields]
-    names = ", ".join(quote(c.column) for c in columns)
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            sources = ", ".join(f"unnest(%s::{c.db_type(connection)}[])" for c in columns)
-            cursor.execute(
-                f"INSERT INTO {table} ({names}) SELECT {sources}", [list(v) for v in zip(*rows, strict=True)]
-            )
-        else:
-            cursor.executemany(
-                f"INSERT INTO {table} ({names}) VALUES ({', '.join(['%s'] * len(columns))})", rows
-            )
 
 
 @transaction.atomic
@@ -108,15 +50,16 @@ def servers_report_ingest(
 ) -> None:
     """Record one telemetry round of many hosts in one transaction of bulk statements.
 
-    The collector calls this with every host's latest report. Its cost is what the
-    round's data costs: cards are created or re-described only when they are new or their
-    hardware facts changed; the numbers that move every round are one set-based UPDATE per
-    table (`_bulk_update`); process lists and chart points are one INSERT each (`_bulk_insert`).
-    Re-running it with the same snapshots only moves `last_seen`; process lists are
-    replaced, never appended to; `draining` belongs to the admins and is never touched.
-    Every number is range-checked first (gpus.sanitize): one host's garbage costs that value,
-    never the round. A lost or unresponsive card keeps its stored hardware facts. `rollup`: the
-    collector's usage rollup (gpus/usage.py), which counts the round; none elsewhere.
+    The collector calls this with every host's latest report. Its cost is what the round's data
+    costs, in a fixed number of statements however many hosts and cards (gpus/bulk.py): cards are
+    created or re-described only when they are new or their hardware facts changed; the numbers
+    that move every round are one UPDATE per table; a card's process list is written only when it
+    differs from the stored one (`GPU.processes_digest`), and then replaced, never appended to.
+    Re-running it with the same snapshots only moves `last_seen` and `updated_at`; `draining`
+    belongs to the admins and is never touched. Every number is range-checked first
+    (gpus.sanitize): one host's garbage costs that value, never the round. A lost or unresponsive
+    card keeps its stored hardware facts. `rollup`: the collector's usage rollup (gpus/usage.py),
+    which counts the round; none elsewhere.
     """
     checked = [c for c in map(checked_snapshot, snapshots) if c is not None]
     if not checked:
@@ -127,19 +70,21 @@ def servers_report_ingest(
     known = _servers_register(latest)
     _servers_update_live(latest)
     cards = [(known[name].pk, g) for name, s in latest.items() for g in s.gpus]
-    stored = _gpus_describe(cards)
-    cards = _jobs_attribute([(server_id, g) for server_id, g in cards if g.uuid in stored])
-    _gpus_update_live(cards, db_now)
-    _processes_replace([k.pk for k in known.values()], cards)
+    stored = _gpus_describe(cards, [k.pk for k in known.values()])
+    cards = _jobs_attribute([(server_id, g) for server_id, g in cards if g.uuid in stored.digests])
+    processes = {g.uuid: _process_rows(g) for _, g in cards}
+    digests = {uuid: _digest(rows) for uuid, rows in processes.items()}
+    _gpus_update_live(cards, digests, db_now)
+    _processes_replace(processes, digests, stored)
     _slurm_nodes_replace(latest, known, now)
     # Inside the transaction: the jobs app records its running jobs' memory and utilization.
     telemetry_ingested.send(sender=GPUProcess, cards=[g for _, g in cards])
-    _history_record(latest, known, now, stored)
+    _history_record(latest, known, now, stored.digests)
     usage_observe(
         rollup=rollup, cards=cards, now=now
     )  # the usage rollup (gpus/usage.py): memory, a write a minute
-    for server in known.values():  # once committed: open pages read the round (those of its server)
-        change_publish(TELEMETRY, server=server.pk)
+    # Once committed: open pages read the round (those of its servers), in one message batch.
+    changes_publish(TELEMETRY, servers=[server.pk for server in known.values()])
 
 
 class _Known(NamedTuple):
@@ -164,7 +109,7 @@ def _servers_register(latest: dict[str, Snapshot]) -> dict[str, _Known]:
 
 def _servers_update_live(latest: dict[str, Snapshot]) -> None:
     """The host facts every report carries, and `last_seen`: one UPDATE for all hosts."""
-    _bulk_update(
+    rows_update(
         Server,
         _SERVER_LIVE_FIELDS,
         "name",
@@ -200,19 +145,24 @@ def _card_facts(server_id: int, g: GPUInfo) -> tuple:
     )
 
 
-def _gpus_describe(cards: list[tuple[int, GPUInfo]]) -> set[str]:
-    """Create new cards and re-describe changed ones (moved, renumbered, MIG mode changed):
-    one SELECT, and an upsert only when something differs. Returns the UUIDs that have a row.
+class _Stored(NamedTuple):
+    digests: dict[str, str]  # each reported card that has a row: its process list's stored digest
+    unreported: dict[str, str]  # the reporting servers' other cards (not in their reports): the same
+
+
+def _gpus_describe(cards: list[tuple[int, GPUInfo]], server_ids: list[int]) -> _Stored:
+    """Create new cards and re-describe changed ones (moved, renumbered, MIG mode changed): one
+    SELECT of the reporting servers' cards (one more for cards not found there: new or moved), and
+    an upsert only when something differs.
 
     A lost or unresponsive card reports placeholders, not facts: it is never created or
     re-described from them, so a card that fell off the bus keeps its name, memory and PCI id.
     """
-    described = {
-        row[0]: row[1:]
-        for row in GPU.objects.filter(uuid__in=[g.uuid for _, g in cards]).values_list(
-            "uuid", *_GPU_STATIC_FIELDS
-        )
-    }
+    fields = ("uuid", *_GPU_STATIC_FIELDS, "processes_digest")
+    described = {row[0]: row[1:] for row in GPU.objects.filter(server_id__in=server_ids).values_list(*fields)}
+    reported = {g.uuid for _, g in cards}
+    if missing := reported - described.keys():
+        described |= {row[0]: row[1:] for row in GPU.objects.filter(uuid__in=missing).values_list(*fields)}
     changed = [
         GPU(
             uuid=g.uuid,
@@ -226,13 +176,18 @@ def _gpus_describe(cards: list[tuple[int, GPUInfo]]) -> set[str]:
             node=g.node,
         )
         for server_id, g in cards
-        if g.state == CardState.OK and described.get(g.uuid) != _card_facts(server_id, g)
+        if g.state == CardState.OK and described.get(g.uuid, ())[:-1] != _card_facts(server_id, g)
     ]
     if changed:
         GPU.objects.bulk_create(
             changed, update_conflicts=True, unique_fields=["uuid"], update_fields=_GPU_STATIC_FIELDS
         )
-    return set(described) | {g.uuid for g in changed}
+    digests = {uuid: row[-1] for uuid, row in described.items()}
+    created = {card.uuid for card in changed} - digests.keys()  # a new row's digest is "" (unknown)
+    return _Stored(
+        digests={uuid: digests.get(uuid, "") for uuid in reported if uuid in digests or uuid in created},
+        unreported={uuid: digest for uuid, digest in digests.items() if uuid not in reported},
+    )
 
 
 def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo]]:
@@ -267,9 +222,9 @@ def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo
     ]
 
 
-def _gpus_update_live(cards: list[tuple[int, GPUInfo]], db_now: object) -> None:
-    """The numbers that move every round: one UPDATE for all cards."""
-    _bulk_update(
+def _gpus_update_live(cards: list[tuple[int, GPUInfo]], digests: dict[str, str], db_now: object) -> None:
+    """The numbers that move every round, and each card's process-list digest: one UPDATE."""
+    rows_update(
         GPU,
         _GPU_LIVE_FIELDS,
         "uuid",
@@ -283,6 +238,7 @@ def _gpus_update_live(cards: list[tuple[int, GPUInfo]], db_now: object) -> None:
                 g.state,
                 g.processes is not None,
                 g.slurm_job,
+                digests[g.uuid],
                 db_now,
                 g.uuid,
             )
@@ -305,44 +261,57 @@ def _slurm_nodes_replace(latest: dict[str, Snapshot], known: dict[str, _Known], 
     )
 
 
-def _processes_replace(server_ids: list[int], cards: list[tuple[int, GPUInfo]]) -> None:
-    """The reporting hosts' process lists, replaced (never appended to): a delete and a bulk insert."""
-    GPUProcess.objects.filter(gpu__server_id__in=server_ids).delete()
-    _bulk_insert(
+# A process row's columns after its card's (`gpu`), in the order `_process_rows` gives them.
+# `started` with the pid is the process's identity (portal.pids): what a later look at the row
+# may compare with before it acts on that pid.
+_PROCESS_FIELDS = [
+    "pid",
+    "username",
+    "command",
+    "used_memory_mb",
+    "session_id",
+    "started",
+    "job_id",
+    "interactive_id",
+]
+_NO_PROCESSES = "none"  # the digest of an empty list (or an unreadable one: no rows either)
+
+
+def _process_rows(g: GPUInfo) -> list[tuple]:
+    return [
+        (p.pid, p.username, p.command, p.used_memory_mb, p.session_id, p.started, p.job_id, p.interactive_id)
+        for p in g.processes or ()
+    ]
+
+
+def _digest(rows: list[tuple]) -> str:
+    """What a card's stored process rows are, in 24 characters: equal digests, equal rows. ""
+    (a new card's, or one from before digests) is no digest: its rows are written afresh."""
+    if not rows:
+        return _NO_PROCESSES
+    return hashlib.blake2b(repr(rows).encode(), digest_size=12).hexdigest()
+
+
+def _processes_replace(processes: dict[str, list[tuple]], digests: dict[str, str], stored: _Stored) -> None:
+    """The process lists that changed, replaced (never appended to): a DELETE and a COPY of those
+    cards' rows, none at all when no list changed (a steady lab's usual round). The reporting
+    servers' cards missing from their reports lose their rows, once."""
+    changed = [uuid for uuid, digest in digests.items() if digest != stored.digests[uuid]]
+    gone = [uuid for uuid, digest in stored.unreported.items() if digest != _NO_PROCESSES]
+    if not changed and not gone:
+        return
+    GPUProcess.objects.filter(gpu_id__in=changed + gone).delete()
+    if gone:
+        GPU.objects.filter(uuid__in=gone).update(processes_digest=_NO_PROCESSES)
+    rows_insert(
         GPUProcess,
-        # `started` with the pid is the process's identity (portal.pids): what a later look at
-        # the row may compare with before it acts on that pid.
-        [
-            "gpu",
-            "pid",
-            "username",
-            "command",
-            "used_memory_mb",
-            "session_id",
-            "started",
-            "job_id",
-            "interactive_id",
-        ],
-        [
-            (
-                g.uuid,
-                p.pid,
-                p.username,
-                p.command,
-                p.used_memory_mb,
-                p.session_id,
-                p.started,
-                p.job_id,
-                p.interactive_id,
-            )
-            for _, g in cards
-            for p in g.processes or ()
-        ],
+        ["gpu", *_PROCESS_FIELDS],
+        [(uuid, *row) for uuid in changed for row in processes[uuid]],
     )
 
 
 def _history_record(
-    latest: dict[str, Snapshot], known: dict[str, _Known], now: datetime, stored: set[str]
+    latest: dict[str, Snapshot], known: dict[str, _Known], now: datetime, stored: dict[str, str]
 ) -> None:
     """A chart point per card of the hosts whose last one is TELEMETRY_HISTORY_SECONDS old."""
     history_every = timedelta(seconds=settings.TELEMETRY_HISTORY_SECONDS)
@@ -350,7 +319,7 @@ def _history_record(
     if not due:
         return
     db_now = connection.ops.adapt_datetimefield_value(now)
-    _bulk_insert(
+    rows_insert(
         TelemetrySample,
         ["gpu", "at", "memory_used_mb", "utilization_pct", "temperature_c", "power_w"],
         [

@@ -257,10 +257,17 @@ def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> lis
     by_card = {c.uuid: c for c in cards if c.processes}
     if not by_card:
         return []
-    loans = Allocation.objects.filter(
-        gpu_id__in=list(by_card), reservation__in=Reservation.objects.loans_live(now)
-    ).values_list("gpu_id", "reservation_id", "reservation__lent_from_id", "reservation__lent_from__owner_id")
-    loans = list(loans)
+    # Every live loan's cards, kept to the cards reported: the lab's few loans are fewer values
+    # than the round's 512 cards would be as a list in the query (issue 40).
+    loans = [
+        loan
+        for loan in Allocation.objects.filter(
+            reservation__in=Reservation.objects.loans_live(now)
+        ).values_list(
+            "gpu_id", "reservation_id", "reservation__lent_from_id", "reservation__lent_from__owner_id"
+        )
+        if loan[0] in by_card
+    ]
     if not loans:
         return []  # no lent card shows a process: no read of who runs them
     people = users_by_unix_name({p.username for card in by_card.values() for p in card.processes or ()})

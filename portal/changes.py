@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from functools import partial
 
 import redis
@@ -70,15 +71,21 @@ class Publisher:
         self._quiet_until = 0.0
 
     def publish(self, channel: str, payload: bytes | str) -> None:
+        self.publish_many(channel, [payload])
+
+    def publish_many(self, channel: str, payloads: Sequence[bytes | str]) -> None:
+        """Each of `payloads` on `channel`, in order, in one round trip (a telemetry round tells
+        its 64 servers' pages at once: 64 round trips took 10 ms of the round)."""
         now = time.monotonic()
-        if now < self._quiet_until:
+        if now < self._quiet_until or not payloads:
             return
         try:
-            if self.counted:  # one round trip for both; counted first, so no message outruns its count
-                pipe = self._redis().pipeline(transaction=False)
-                pipe.incr(count_key()).publish(channel, payload).execute()
-            else:
-                self._redis().publish(channel, payload)
+            pipe = self._redis().pipeline(transaction=False)
+            if self.counted:  # counted first, so no message outruns its count
+                pipe.incrby(count_key(), len(payloads))
+            for payload in payloads:
+                pipe.publish(channel, payload)
+            pipe.execute()
         except redis.RedisError as exc:
             self._failed(exc, now)
             return
@@ -150,10 +157,16 @@ def _is_page(path: str) -> bool:
 
 def change_publish(topic: str, *, server: int | None = None) -> None:
     """Tell every open page that `topic` changed (on `server`, when one), once this commits."""
+    changes_publish(topic, servers=[server])
+
+
+def changes_publish(topic: str, *, servers: Sequence[int | None]) -> None:
+    """`change_publish` for each of `servers`, once this commits: one message each, all sent in
+    one round trip."""
     if topic not in (TELEMETRY, BOOKINGS, JOBS):
         raise ValueError(f"unknown change topic {topic!r}")
-    message = {"topic": topic, "server": server}
-    transaction.on_commit(lambda: publisher.publish(channel(), json.dumps(message)))
+    messages = [json.dumps({"topic": topic, "server": server}) for server in servers]
+    transaction.on_commit(lambda: publisher.publish_many(channel(), messages))
 
 
 def user_change_publish(user_id: int, topic: str = NOTIFICATIONS) -> None:

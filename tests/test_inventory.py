@@ -78,23 +78,27 @@ def test_it_writes_a_round_of_many_hosts_in_a_fixed_number_of_queries():
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    one = [make_snapshot("box00", gpus=1)]
-    many = [make_snapshot(f"box{s:02d}", gpus=8, processes=3) for s in range(64)]
-    servers_report_ingest(snapshots=one)
-    servers_report_ingest(snapshots=many)
-    with CaptureQueriesContext(connection) as small:
-        servers_report_ingest(snapshots=one)
-    with CaptureQueriesContext(connection) as large:
-        servers_report_ingest(snapshots=many)
-    # 6 statements, the test's own savepoint around the service, and the jobs app's two
-    # receivers' savepoints (a failure there must not cost the round's telemetry): usage's, and
-    # the lent cards' watch with its one read (jobs.lending.loans_watch).
-    assert len(small) <= 13
-    # Bulk statements: PostgreSQL sends each in one query; SQLite splits big ones into
-    # batches under its bound-parameter limit. Never one query per GPU (512 here).
-    assert len(large) == len(small) if connection.vendor == "postgresql" else len(large) < 32
-    assert GPU.objects.count() == 1 + 63 * 8 + 7
-    assert GPUProcess.objects.count() == 64 * 8 * 3
+    def rounds(servers: int, gpus: int) -> tuple[int, int]:
+        """The queries of a round whose process lists all changed, then of the same round again."""
+        moved = [make_snapshot(f"s{servers}-{s:02d}", gpus=gpus, processes=3) for s in range(servers)]
+        steady = [make_snapshot(f"s{servers}-{s:02d}", gpus=gpus, processes=2) for s in range(servers)]
+        servers_report_ingest(snapshots=moved)
+        with CaptureQueriesContext(connection) as changed:
+            servers_report_ingest(snapshots=steady)
+        with CaptureQueriesContext(connection) as same:
+            servers_report_ingest(snapshots=steady)
+        return len(changed), len(same)
+
+    small, large = rounds(1, 1), rounds(64, 8)
+    # Bulk statements (gpus/bulk.py), the test's own savepoint around the service, and the jobs
+    # app's two receivers' savepoints (a failure there must not cost the round's telemetry):
+    # usage's, and the lent cards' watch with its one read (jobs.lending.loans_watch). A round
+    # whose process lists did not change writes none (GPU.processes_digest).
+    assert large == small, (small, large)
+    assert small[1] == small[0] - 2  # no DELETE and no INSERT of processes
+    assert small[0] <= (17 if connection.vendor == "postgresql" else 13)
+    assert GPU.objects.count() == 1 + 64 * 8
+    assert GPUProcess.objects.count() == (1 + 64 * 8) * 2
 
 
 def test_it_redescribes_a_card_whose_hardware_facts_change():
@@ -110,3 +114,22 @@ def test_it_redescribes_a_card_whose_hardware_facts_change():
     other = make_snapshot("box2", gpus=0)
     server_report_ingest(snapshot=replace(other, gpus=(moved,)))
     assert GPU.objects.get(uuid="GPU-box1-01").server.name == "box2"
+
+
+def test_a_process_row_an_admin_deletes_comes_back_with_the_next_round(client, admin_user):
+    """A round rewrites only the process lists that changed (GPU.processes_digest): one an admin
+    deleted a row of is rewritten whole at the next round, not left short; none is added or
+    changed in the admin."""
+    from django.urls import reverse
+
+    snapshot = make_snapshot("box1", gpus=1, processes=2)
+    server_report_ingest(snapshot=snapshot)
+    client.force_login(admin_user)
+    gone = GPUProcess.objects.order_by("pid").first()
+    answer = client.post(reverse("admin:gpus_gpuprocess_delete", args=[gone.pk]), {"post": "yes"})
+    assert answer.status_code == 302 and GPUProcess.objects.count() == 1
+    server_report_ingest(snapshot=snapshot)
+    assert sorted(GPUProcess.objects.values_list("pid", flat=True)) == [1000, 1001]
+    assert client.get(reverse("admin:gpus_gpuprocess_add")).status_code == 403
+    page = client.get(reverse("admin:gpus_gpuprocess_change", args=[GPUProcess.objects.first().pk]))
+    assert page.status_code == 200 and "Save" not in page.content.decode()  # shown, not changed

@@ -39,7 +39,7 @@ def test_the_tests_and_the_bench_wait_with_the_same_helper_and_the_bench_needs_n
 
 
 def test_the_ingest_writes_the_live_figures_the_dashboard_reads():
-    assert [*selectors.GPU_LIVE_FIELDS, "updated_at"] == services._GPU_LIVE_FIELDS
+    assert [*selectors.GPU_LIVE_FIELDS, "processes_digest", "updated_at"] == services._GPU_LIVE_FIELDS
 
 
 def test_what_a_booking_costs_is_one_rule_and_how_full_it_makes_a_card_another():

@@ -61,6 +61,20 @@ def test_it_renders_the_dashboard_in_a_constant_number_of_queries(client, alice)
     assert len(large) == len(small), [q["sql"] for q in large.captured_queries]
 
 
+def test_the_dashboards_links_are_the_paths_reverse_gives():
+    """url_maker (one reverse, then the value put in its place) for the dashboard's hundreds of
+    links says what reverse says."""
+    from gpus.selectors import URL_PK, url_maker
+
+    for name, sample, values in (
+        ("gpu_detail", "UUID", ["GPU-8f6c-00", "MIG-1"]),
+        ("server_timeline", "SERVER", ["box1", "rtx-4x24_b"]),
+        ("job_detail", URL_PK, [1, 812, URL_PK - 1]),
+        ("session_detail", URL_PK, [3, 2024]),
+    ):
+        assert [url_maker(name, sample)(v) for v in values] == [reverse(name, args=[v]) for v in values]
+
+
 def test_it_shows_a_gpu_page_and_its_history(client, alice):
     _seed(1, 2)
     client.force_login(alice)

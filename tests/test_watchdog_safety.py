@@ -23,7 +23,7 @@ from gpus.booking import reservation_create
 from gpus.inventory import ProcessInfo
 from gpus.models import GPUProcess, Violation
 from gpus.procinfo import describe_process, session_of
-from gpus.services import _processes_replace
+from gpus.services import servers_report_ingest
 from jobs.host import watchdog as watchdog_host
 from jobs.host.watchdog import HostWatchdog, ended_booking_grace
 from jobs.models import Job
@@ -120,7 +120,7 @@ def test_a_new_process_with_an_old_pid_is_a_new_violation(watchdog, alices_card,
 
 def test_the_ingest_stores_each_processs_start(box):
     info = describe_process(os.getpid(), 100)
-    _processes_replace([box[0].server_id], [(box[0].server_id, replace(on_card(0, info).gpus[0]))])
+    servers_report_ingest(snapshots=[on_card(0, info)])
     assert GPUProcess.objects.get().started == info.started
 
 

@@ -3,10 +3,12 @@
 It runs in the host's worker, on the reporter's thread: the reporter reads the cards every
 WATCHDOG_INTERVAL_SECONDS (gpus/telemetry.py) and hands each snapshot here through the
 `snapshot_read` signal, so the watchdog and the dashboard judge the same processes. A round
-costs two queries (the bookings active on this host's cards, its running and recently ended
-jobs), one more when processes of unknown OS users need their portal accounts, one more while
-it has open violations (what people asked of them: jobs.watchdog.records.asked_of), and writes
-only when a violation starts, changes or ends.
+costs its server's row (the UPDATE of the last round's time, which finds it: `_server`), three
+queries of facts (the bookings active on this host's cards, its running and recently ended jobs,
+its running sessions), one more when processes of unknown OS users need their portal accounts,
+two more while it has open violations (what people asked of them: jobs.watchdog.records.asked_of;
+the UPDATE of their `last_seen`), and writes otherwise only when a violation starts, changes or
+ends: six statements a steady round, however many processes (tests/test_hot_path_queries.py).
 
 Someone may ask on a violation's page (gpus/violations.py) to stop it now, whatever its policy
 and grace (stopped this round, saying who asked and why), or mark it resolved (never stopped
@@ -144,6 +146,7 @@ class HostWatchdog:
         self.mapping = mapping or DcgmMapping(server)  # DCGM's hpc_job files: the host worker's, if given
         self.simulated = simulated
         self.server_id: int | None = None
+        self._round_seconds: float | None = None  # the last round's time, recorded by the next one
         self._forget()
 
     def _forget(self) -> None:
@@ -165,8 +168,7 @@ class HostWatchdog:
         began = monotonic()
         self.mapping.refresh()  # DCGM's hpc_job files, from the database (jobs/host/dcgm.py)
         now = now or timezone.now()
-        # Every round (one lookup by a unique name): the row may have been deleted and made again.
-        server = Server.objects.filter(name=self.server_name).values_list("pk", flat=True).first()
+        server, steady = self._server()
         if server is None:
             return []  # not ingested yet: the cards have no rows to hang violations on
         if server != self.server_id:
@@ -184,25 +186,24 @@ class HostWatchdog:
         policies = self.policies(now)
         self._told = set()
         readable = {g.uuid for g in snapshot.gpus if g.processes is not None}
-        held, ending = self._held_and_ending(verdicts, readable, now)
+        keyed = [(key_of(v.gpu_uuid, v.process.pid, v.process.started, v.kind), v) for v in verdicts]
+        held, ending = self._held_and_ending(keyed, readable, now)
         held_processes = {_process_of(k) for k in held}
         # Ends first: a process that follows another of the same job (or person) on the card is a
         # new event once the first has ended, and is counted and told as one.
         self._end_gone(ending, now)
+        watched = [(key, v, _event(v)) for key, v in keyed if v.kind is not Kind.OK]
         pids: dict[Event, list[int]] = {}
-        for verdict in verdicts:
+        for _, verdict, event in watched:
             if verdict.kind not in HARMLESS:
-                pids.setdefault(_event(verdict), []).append(verdict.process.pid)
+                pids.setdefault(event, []).append(verdict.process.pid)
         seen: set[Key] = set()
-        for verdict in verdicts:
+        for key, verdict, event in watched:
             process = verdict.process
-            if verdict.kind is Kind.OK:
-                continue
-            key = key_of(verdict.gpu_uuid, process.pid, process.started, verdict.kind)
             if verdict.kind in HARMLESS and _process_of(key) in held_processes:
                 continue  # within its budget for now, but its violation is held open: no new one
             seen.add(key)
-            event_pids = pids.get(_event(verdict), [process.pid])
+            event_pids = pids.get(event, [process.pid])
             self._step(key, self._watch, key, verdict, policies[verdict.kind], server, now, event_pids)
         for key, verdict in held.items():
             self._step(key, self._hold, key, verdict, now)
@@ -212,8 +213,22 @@ class HostWatchdog:
             held_ids = [self.tracked[k].violation_id for k in held if k in self.tracked]
             opened = Violation.objects.filter(server_id=server, ended_at=None, gpu_id__in=readable)
             opened.exclude(pk__in=held_ids).update(last_seen=now)
-        self._took(monotonic() - began)
+        self._round_seconds = monotonic() - began
+        if not steady:
+            self._took(self._round_seconds)
         return verdicts
+
+    def _server(self) -> tuple[int | None, bool]:
+        """This host's server row (None before its first report), and whether it is the one of the
+        last round. Looked up every round by its unique name: the row may have been deleted and
+        made again. While it stays the same, the look is the UPDATE that records the last round's
+        time for /metrics (jobs/prometheus/metrics.py): one statement a round, not two; the first
+        round, after a lookup, records its own at its end."""
+        if self.server_id is not None and self._round_seconds is not None:
+            same = Server.objects.filter(pk=self.server_id, name=self.server_name)
+            if same.update(watchdog_round_seconds=self._round_seconds):
+                return self.server_id, True
+        return Server.objects.filter(name=self.server_name).values_list("pk", flat=True).first(), False
 
     def _took(self, seconds: float) -> None:
         """The round's time, for /metrics (jobs/prometheus/metrics.py); never the round's failure."""
@@ -223,15 +238,13 @@ class HostWatchdog:
             log.debug("GPU watchdog: could not record its round time: %s", exc)
 
     def _held_and_ending(
-        self, verdicts: list[Verdict], readable: set[str], now: datetime
+        self, keyed: list[tuple[Key, Verdict]], readable: set[str], now: datetime
     ) -> tuple[dict[Key, Verdict], list[Key]]:
         """The tracked violations not seen as their kind this round, on readable cards: those held
         open through a dip (their process still listed, harmless for now: within HOLD_ROUNDS
         rounds, or its stop under way), with the process's verdict now; and those that end (the
         process gone, harmless for longer than the hold, or now another kind of violation)."""
-        now_kind: dict[tuple[str, int, float | None], Verdict] = {}
-        for v in verdicts:
-            now_kind[_process_of(key_of(v.gpu_uuid, v.process.pid, v.process.started, v.kind))] = v
+        now_kind = {_process_of(key): v for key, v in keyed}
         hold = timedelta(seconds=HOLD_ROUNDS * settings.WATCHDOG_INTERVAL_SECONDS)
         held: dict[Key, Verdict] = {}
         ending: list[Key] = []

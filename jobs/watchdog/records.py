@@ -36,6 +36,7 @@ def asked_of(server: int) -> dict[int, Asked]:
     rows = (
         Violation.objects.filter(server_id=server, ended_at=None)
         .exclude(stop_requested_at=None, resolved_at=None)
+        .order_by()  # a dict by id: no order to sort for (the watchdog asks every round)
         .values_list("pk", "stop_requested_by__username", "stop_reason", "resolved_at")
     )
     return {pk: Asked(by or "someone", reason, resolved is not None) for pk, by, reason, resolved in rows}

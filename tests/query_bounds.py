@@ -1,0 +1,24 @@
+"""How many queries each hot path takes, however many servers, cards and processes (issue 40):
+held at two sizes by tests/test_hot_path_queries.py, and printed beside the timings by the
+benches (bench/bench_inventory.py, bench/bench_watchdog.py), which compare their counts with
+these. A bound that has to move moves here, once, with the reason in the commit."""
+
+from __future__ import annotations
+
+# GET / (the dashboard page, signed in, no time zone chosen): the session, the user, the open
+# violations, the processes, the viewer's Unix account (three: unix_account_name), their teams,
+# the bookings now, the cards, the database's clock, Slurm nodes, the servers, the bell.
+DASHBOARD = 14
+# GET /api/v1/gpus/: the session, the user, the processes, the viewer's Unix account (three), the
+# jobs' images, their teams, the bookings now, the cards.
+GPU_LIST = 9
+# One telemetry round whose process lists did not change, in its transaction: the servers (read,
+# write), the cards (read, write), the jobs app's two receivers in savepoints, the lent cards'
+# read. On PostgreSQL each write is three (gpus/bulk.py: the staging table, COPY, UPDATE).
+INGEST_STEADY = {"sqlite": 11, "postgresql": 15}
+# The same round when every process list changed: a DELETE and an INSERT (COPY) more.
+INGEST_CHANGED = {"sqlite": 13, "postgresql": 17}
+# One steady watchdog round on a host (jobs/host/watchdog.py): its server (the UPDATE of the last
+# round's time), what people asked of its open violations, its jobs, bookings and sessions, and
+# the UPDATE of the open violations' `last_seen`.
+WATCHDOG_ROUND = 6
