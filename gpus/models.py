@@ -159,7 +159,7 @@ class GPU(models.Model):
     slurm_job = models.CharField("Slurm job", max_length=32, blank=True)
     # What the card's stored process rows are (gpus.services._digest): a telemetry round rewrites a
     # card's processes only when their digest moved, not every card's every second. "" is unknown.
-    processes_digest = models.CharField(max_length=24, blank=True, editable=False)
+    processes_digest = models.CharField(max_length=24, blank=True, editable=False, default="", db_default="")
 
     objects = GPUQuerySet.as_manager()
 

@@ -30,14 +30,14 @@ def _fillfactor(apps, schema_editor, change: str) -> None:  # type: ignore[no-un
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('gpus', '0022_server_jobs_as_root'),
+        ('gpus', '0023_columns_default_for_old_workers'),
     ]
 
     operations = [
         migrations.AddField(
             model_name='gpu',
             name='processes_digest',
-            field=models.CharField(blank=True, editable=False, max_length=24),
+            field=models.CharField(blank=True, db_default='', default='', editable=False, max_length=24),
         ),
         migrations.RunPython(half_empty_pages, packed_pages),
     ]
