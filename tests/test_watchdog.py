@@ -23,7 +23,7 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.inventory import ProcessInfo, Snapshot
-from gpus.models import Violation, WatchdogPolicy
+from gpus.models import Allocation, Reservation, Violation, WatchdogPolicy
 from gpus.procinfo import describe_process
 from jobs.host.watchdog import HostWatchdog
 from jobs.models import Job
@@ -132,6 +132,10 @@ def test_the_violation_page_says_each_step_once_with_its_own_24_hour_time(
     policy("intruder", "stop", grace=60)
     proc = start()
     t0 = timezone.now().replace(hour=15, minute=4, second=5, microsecond=0)  # p.m. in a 12-hour clock
+    # alice's booking moved to hold t0, whenever the test runs (it starts now, made by the fixture).
+    window = {"start": t0 - timedelta(hours=1), "end": t0 + timedelta(hours=1)}
+    Reservation.objects.filter(pk=alices_card.pk).update(**window)
+    Allocation.objects.filter(reservation=alices_card).update(**window)
     watchdog.round(on_card(0, real(proc, user="bob")), now=t0)
     watchdog.round(on_card(0, real(proc, user="bob")), now=t0 + timedelta(seconds=61))
     wait_for(lambda: gone(proc), timeout=10, what="SIGTERM")
