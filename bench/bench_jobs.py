@@ -99,9 +99,15 @@ RSS_SAMPLE_S = 0.02
 
 
 def start_worker(server: str, db_url: str, scratch: Path) -> tuple[subprocess.Popen, Path]:
+    from django.conf import settings
+
     log_path = scratch / "worker.log"
     env = {
         **os.environ,
+        # The bench's own instance: left to the worker, it is derived from the test database's URL,
+        # not the database the bench's settings were read with, so its Celery keys differed and every
+        # job's message went unheard until the worker's pickup sent it again, 15 s later.
+        "PORTAL_INSTANCE_ID": settings.PORTAL_INSTANCE_ID,
         "DATABASE_URL": db_url,
         "GPU_BACKEND": "simulated",
         "WORKER_SERVER": server,
