@@ -9,7 +9,8 @@ support that query on this card (``NVMLError_NotSupported``), which the UI shows
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import operator
+from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
 
@@ -33,6 +34,12 @@ class ProcessInfo:
     # The interactive session (`gpu exec`, a JupyterLab kernel) whose session the process is in,
     # resolved at ingest as job_id is (jobs.sessions.services.sessions_by_session).
     interactive_id: int | None = None
+
+
+# A process's fields in their declared order: the columns of its stored row (gpus.services) and
+# what a checked report compares (gpus.sanitize), one list for both.
+PROCESS_FIELDS = tuple(f.name for f in fields(ProcessInfo))
+process_values = operator.attrgetter(*PROCESS_FIELDS)
 
 
 class CardState:

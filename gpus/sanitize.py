@@ -15,7 +15,7 @@ import operator
 import re
 from dataclasses import replace
 
-from gpus.inventory import CardState, GPUInfo, HostInfo, NodeInfo, ProcessInfo, Snapshot
+from gpus.inventory import CardState, GPUInfo, HostInfo, NodeInfo, ProcessInfo, Snapshot, process_values
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +130,6 @@ _CARD_FIELDS = (
     "slurm_job",
 )
 _card_values = operator.attrgetter(*_CARD_FIELDS)
-_PROCESS_FIELDS = (
-    "pid",
-    "username",
-    "command",
-    "used_memory_mb",
-    "session_id",
-    "started",
-    "job_id",
-    "interactive_id",
-)
-_process_values = operator.attrgetter(*_PROCESS_FIELDS)
 
 
 def _checked_node(n: NodeInfo) -> NodeInfo | None:
@@ -174,6 +163,6 @@ def _checked_process(p: ProcessInfo) -> ProcessInfo | None:
         None,  # job_id and interactive_id: never taken from a report, the ingest resolves them
         None,
     )
-    if all(map(operator.is_, checked, _process_values(p))):
+    if all(map(operator.is_, checked, process_values(p))):
         return p
     return ProcessInfo(*checked)

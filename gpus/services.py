@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from gpus.bulk import rows_insert, rows_update
 from gpus.hooks import interactive_sessions, job_sessions
-from gpus.inventory import CardState, GPUInfo, Snapshot
+from gpus.inventory import PROCESS_FIELDS, CardState, GPUInfo, Snapshot, process_values
 from gpus.models import GPU, GPUProcess, Server, SlurmNode, TelemetrySample
 from gpus.sanitize import checked_snapshot
 from gpus.selectors import GPU_LIVE_FIELDS, SERVER_LIVE_FIELDS
@@ -261,27 +261,13 @@ def _slurm_nodes_replace(latest: dict[str, Snapshot], known: dict[str, _Known], 
     )
 
 
-# A process row's columns after its card's (`gpu`), in the order `_process_rows` gives them.
-# `started` with the pid is the process's identity (portal.pids): what a later look at the row
-# may compare with before it acts on that pid.
-_PROCESS_FIELDS = [
-    "pid",
-    "username",
-    "command",
-    "used_memory_mb",
-    "session_id",
-    "started",
-    "job_id",
-    "interactive_id",
-]
 _NO_PROCESSES = "none"  # the digest of an empty list (or an unreadable one: no rows either)
 
 
 def _process_rows(g: GPUInfo) -> list[tuple]:
-    return [
-        (p.pid, p.username, p.command, p.used_memory_mb, p.session_id, p.started, p.job_id, p.interactive_id)
-        for p in g.processes or ()
-    ]
+    """Its processes' rows: the columns of PROCESS_FIELDS after the card's (`gpu`). `started` with
+    the pid is the process's identity (portal.pids), what a later look may compare before it acts."""
+    return [process_values(p) for p in g.processes or ()]
 
 
 def _digest(rows: list[tuple]) -> str:
@@ -305,7 +291,7 @@ def _processes_replace(processes: dict[str, list[tuple]], digests: dict[str, str
         GPU.objects.filter(uuid__in=gone).update(processes_digest=_NO_PROCESSES)
     rows_insert(
         GPUProcess,
-        ["gpu", *_PROCESS_FIELDS],
+        ["gpu", *PROCESS_FIELDS],
         [(uuid, *row) for uuid in changed for row in processes[uuid]],
     )
 
