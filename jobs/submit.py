@@ -161,7 +161,6 @@ def parse_env(env: str | Mapping[str, Any] | None) -> dict[str, str]:
 # --- the service ----------------------------------------------------------------------
 
 
-@transaction.atomic
 def job_submit(
     *,
     user: AbstractBaseUser,
@@ -204,21 +203,33 @@ def job_submit(
     bad input: every step before the save only reads.
     """
     now = now or timezone.now()
-    errors = Errors()  # every bad field at once: where it runs, what it runs, TensorFlow's settings
     ask = _Ask(gpu_count, memory_mb, server, time_limit_minutes, array, nice, begin_at, team, preemptible)
-    place = errors.check(_place, user, reservation, ask, partition, now)
-    program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
-    chosen = errors.check(_check_image, image, place)
-    told = errors.check(job_notify_parse, notify)
-    threads = (intra_op_threads, inter_op_threads)
-    tensorflow = errors.check(_check_tensorflow, place, memory_mode, mirrored, threads) if place else None
-    errors.raise_any()
-    assert place is not None and program is not None and tensorflow is not None
-    if place.slurm:  # what only Slurm knows, asked last: every check of the portal's passed
+
+    def checked() -> tuple[_Place, dict[str, Any]]:
+        errors = Errors()  # every bad field at once: where it runs, what it runs, TensorFlow's settings
+        place = errors.check(_place, user, reservation, ask, partition, now)
+        program = errors.check(_check_program, script, script_path, args, workdir, interpreter, env)
+        chosen = errors.check(_check_image, image, place)
+        told = errors.check(job_notify_parse, notify)
+        threads = (intra_op_threads, inter_op_threads)
+        tensorflow = errors.check(_check_tensorflow, place, memory_mode, mirrored, threads) if place else None
+        errors.raise_any()
+        assert place is not None and program is not None and tensorflow is not None
+        fields = {"owner": user, "created_at": now, **place.fields, **program, **tensorflow, "image": chosen}
+        fields |= {"soft_placement": soft_placement, "log_placement": log_placement, "notify": told}
+        return place, fields
+
+    if slurm_cluster_named(server) or slurm_booking_cluster(reservation):
+        # What only Slurm knows, asked once every check of the portal's passed, and outside any
+        # transaction: Slurm may take seconds to answer, and a transaction open that long holds
+        # SQLite's one write lock (every booking and job of the portal waits) or a PostgreSQL one.
+        place, _ = checked()
         slurm_submit_check(user=user, fields=place.fields)
-    fields = {"owner": user, "created_at": now, **place.fields, **program, **tensorflow, "image": chosen}
-    fields |= {"soft_placement": soft_placement, "log_placement": log_placement, "notify": told}
-    return _save(user, place, fields, now)
+    # The checks again under the transaction that saves: what they read (bookings, quotas) may have
+    # moved while Slurm answered; a Slurm cluster gives the same answer, so it is not asked twice.
+    with transaction.atomic():
+        place, fields = checked()
+        return _save(user, place, fields, now)
 
 
 def _save(user: AbstractBaseUser, place: _Place, fields: dict[str, Any], now: datetime) -> Job:

@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 import redis
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.test import override_settings
 from django.urls import reverse
 from django.utils import timezone
@@ -86,6 +86,21 @@ def test_the_api_sends_a_job_to_the_cluster_with_its_partition(alice, cluster):
     )
     assert job.dispatched_at is not None and not job.queued  # to the cluster's worker, not the queue
     assert response.json()["partition"] == "long"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_slurm_is_asked_outside_any_transaction_and_the_job_saved_after(alice, cluster, monkeypatch):
+    # Slurm may take seconds to answer; a transaction held open meanwhile would hold SQLite's one
+    # write lock (every booking and job of the portal waiting) or a PostgreSQL transaction.
+    asked = []
+
+    def slurm_says_yes(**kwargs):  # type: ignore[no-untyped-def]
+        asked.append((connection.in_atomic_block, Job.objects.count()))
+
+    monkeypatch.setattr("jobs.submit.slurm_submit_check", slurm_says_yes)
+    response = post(alice, server="cluster-a", gpu_count=1)
+    assert response.status_code == 201, response.json()
+    assert asked == [(False, 0)] and Job.objects.count() == 1
 
 
 @pytest.mark.parametrize(
