@@ -39,7 +39,7 @@ from jobs.selectors import get_job_for_user, job_placement, queue_rows
 from jobs.services import job_cancel, job_cancel_reason_check
 from jobs.submit import ScriptUpload, job_submit
 from portal.access import can_manage, is_admin, team_for_user, teams_led_by
-from portal.errors import Forbidden, Invalid, ServiceError
+from portal.errors import Conflict, Forbidden, Invalid, ServiceError
 from portal.filters import filter_list
 from portal.http import redirect_back
 from portal.timefmt import format_duration, format_time, short_time
@@ -266,6 +266,12 @@ def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
         job = job_cancel(user=request.user, job=job, reason=request.POST.get("reason", ""))
     except Forbidden as error:
         raise PermissionDenied(error.message) from error
+    except Conflict as error:
+        # A double click on Cancel: the first click's cancel stands, so the second is news, not a
+        # failure; someone else's earlier cancel is still said as a refusal of this one.
+        job.refresh_from_db(fields=["cancelled_by"])
+        own = job.cancelled_by_id == request.user.pk
+        (messages.info if own else messages.error)(request, error.message)
     except ServiceError as error:
         messages.error(request, error.message)
     else:
