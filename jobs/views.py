@@ -189,12 +189,14 @@ def _status_context(request: HttpRequest, job: Job) -> dict[str, Any]:
         entry = next((e for e in entries if e.request.job_id == job.pk), None)
         if entry is not None:
             entry.reason_label = Job.Reason(entry.reason).label if entry.reason else "starting now"
-    may_cancel = job.is_active and can_manage(request.user, job)
+    may_manage = can_manage(request.user, job)
     peak = format_mb(job.peak_memory_mb) if job.peak_memory_mb is not None else ""
     env_applied = sorted(job.env_applied.items())
     return {
         "job": job,
-        "may_cancel": may_cancel,
+        "may_cancel": job.is_active and may_manage,
+        # An array's tasks are cancelled together from any task's page (the API's whole_array).
+        "array_unfinished": _array_unfinished(job) if may_manage else 0,
         "peak_memory": peak,
         "env_applied": env_applied,
         "queue_entry": entry,
@@ -256,12 +258,23 @@ def job_usage_json(request: HttpRequest, pk: int) -> JsonResponse:
     return JsonResponse(job_card_usage(job) | {"status": job.status}, headers={"Cache-Control": "no-store"})
 
 
+def _array_unfinished(job: Job) -> int:
+    """How many of the job's array's tasks have not finished and are not being cancelled."""
+    if job.array_id is None:
+        return 0
+    tasks = Job.objects.filter(array_id=job.array_id, status__in=Job.ACTIVE, cancel_requested_at=None)
+    return tasks.count()
+
+
 @require_POST
 @login_required
 def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_job_for_user(request.user, pk)
-    if asked := _cancel_confirm(request, job):
+    whole_array = request.POST.get("whole_array") == "1" and job.array_id is not None
+    if asked := _cancel_confirm(request, job, whole_array):
         return asked
+    if whole_array:
+        return _array_cancel(request, job)
     try:
         job = job_cancel(user=request.user, job=job, reason=request.POST.get("reason", ""))
     except Forbidden as error:
@@ -286,12 +299,35 @@ def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
     return redirect("job_detail", pk=pk)
 
 
-def _cancel_confirm(request: HttpRequest, job: Job) -> HttpResponse | None:
+def _array_cancel(request: HttpRequest, job: Job) -> HttpResponse:
+    """Every unfinished task of the job's array, cancelled as the API's whole_array does."""
+    count = _array_unfinished(job)
+    try:
+        job_cancel(user=request.user, job=job, whole_array=True, reason=request.POST.get("reason", ""))
+    except Forbidden as error:
+        raise PermissionDenied(error.message) from error
+    except ServiceError as error:
+        messages.error(request, error.message)
+    else:
+        messages.success(
+            request,
+            f"Cancel requested for {count} task{'s' if count != 1 else ''} of job array {job.array_id}: "
+            f"waiting ones never start, running ones get SIGTERM now and SIGKILL after "
+            f"{settings.JOB_KILL_GRACE_SECONDS} s.",
+        )
+    return redirect("job_detail", pk=job.pk)
+
+
+def _cancel_confirm(request: HttpRequest, job: Job, whole_array: bool = False) -> HttpResponse | None:
     """Someone else's job asks first: what stops, and the reason its owner will read, checked by
     the service's rule before anything stops (refused: asked again, the refusal beside the field,
     400, nothing written). None: go on (one's own job; confirmed with a reason; or nothing left to
     confirm, which the service then says)."""
-    if job.owner_id == request.user.pk or job.is_finished or job.cancel_requested_at:
+    if job.owner_id == request.user.pk:
+        return None
+    if not whole_array and (job.is_finished or job.cancel_requested_at):
+        return None
+    if whole_array and not _array_unfinished(job):
         return None
     reason = request.POST.get("reason", "")
     if request.POST.get("confirm") != "1":  # from the job's page: asked, nothing refused yet
@@ -309,6 +345,7 @@ def _cancel_confirm(request: HttpRequest, job: Job) -> HttpResponse | None:
         if not form.errors:
             return None
     context = {"job": job, "form": form, "grace": settings.JOB_KILL_GRACE_SECONDS}
+    context |= {"whole_array": whole_array, "array_unfinished": _array_unfinished(job) if whole_array else 0}
     return render(request, "jobs/job_cancel_confirm.html", context, status=400 if form.errors else 200)
 
 

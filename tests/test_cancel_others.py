@@ -269,3 +269,38 @@ def test_the_api_refuses_an_empty_reason_naming_the_field(alice, leader, booking
         assert response.status_code == 400, response.json()
         assert response.json()["errors"]["reason"] == ["Give a reason: alice will see it."]
     _nothing_written(booking)
+
+
+# --- a whole array from its page ---------------------------------------------------------------------
+
+
+def test_the_owner_cancels_a_whole_array_from_a_tasks_page(client, alice, box):
+    from tests.factories import queue_job
+
+    first = queue_job(alice, array="0-2")
+    client.force_login(alice)
+    page = client.get(f"/jobs/{first.pk}/").content.decode()
+    assert f"Cancel all 3 unfinished tasks of array {first.array_id}" in page
+    done = client.post(f"/jobs/{first.pk}/cancel/", {"whole_array": "1"}, follow=True).content.decode()
+    assert f"Cancel requested for 3 tasks of job array {first.array_id}" in done
+    assert set(Job.objects.filter(array_id=first.array_id).values_list("status", flat=True)) == {"cancelled"}
+
+
+def test_a_leader_cancels_someones_array_only_with_a_reason_the_owner_reads(client, alice, leader, box):
+    from tests.factories import queue_job
+
+    first = queue_job(alice, array="0-2")
+    client.force_login(leader)
+    page = client.get(f"/jobs/{first.pk}/").content.decode()
+    assert f"Cancel alice's 3 unfinished tasks of array {first.array_id}…" in page
+    asked = client.post(f"/jobs/{first.pk}/cancel/", {"whole_array": "1"})
+    assert asked.status_code == 200
+    assert f"Cancel alice's job array {first.array_id}?" in asked.content.decode()
+    refused = client.post(f"/jobs/{first.pk}/cancel/", {"whole_array": "1", "confirm": "1", "reason": ""})
+    assert refused.status_code == 400 and 'name="whole_array"' in refused.content.decode()
+    assert not Job.objects.filter(status="cancelled").exists()  # nothing stopped before the reason
+    why = "the cluster is needed for the demo"
+    client.post(f"/jobs/{first.pk}/cancel/", {"whole_array": "1", "confirm": "1", "reason": why})
+    tasks = Job.objects.filter(array_id=first.array_id)
+    assert {(t.status, t.cancel_reason) for t in tasks} == {("cancelled", why)}
+    assert why in Notification.objects.get(user=alice).body
