@@ -5,7 +5,9 @@ resumes from its checkpoint, and succeeds."""
 
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -21,13 +23,27 @@ from tests.waiting import wait_for
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 EPOCHS = 6
-# A tiny fit with a checkpoint after every epoch (keras.callbacks.BackupAndRestore, as
-# jobs/examples/keras_example.py), slowed after each so that the test can preempt it mid-run.
+EXAMPLE = Path(__file__).resolve().parent.parent / "jobs" / "examples" / "keras_example.py"
+
+
+def _examples(name: str) -> str:
+    """The example's own code for `name` (read, not imported: that would start TensorFlow here)."""
+    source = EXAMPLE.read_text()
+    node = next(node for node in ast.parse(source).body if getattr(node, "name", "") == name)
+    return ast.get_source_segment(source, node) or ""
+
+
+# A tiny fit with a checkpoint after every epoch and the example's way of taking SIGTERM between
+# batches (jobs/examples/keras_example.py), slowed after each epoch so that the test can preempt it
+# mid-run. Without the example's stop, a SIGTERM in the middle of a checkpoint's write left it cut
+# short, or came between the checkpoint and the "finished" line, and the resumed run differed.
 SCRIPT = f"""
-import os, time
+import os, signal, time
 import keras, numpy as np
 
 print("preemptible:", os.environ.get("PORTAL_PREEMPTIBLE"), flush=True)
+
+{_examples("StopBetweenBatches")}
 
 class Slow(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
@@ -39,8 +55,9 @@ x = rng.normal(size=(256, 8)).astype("float32")
 y = (x.sum(axis=1) > 0).astype("float32")
 model = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(1, activation="sigmoid")])
 model.compile(optimizer="adam", loss="binary_crossentropy")
-backup = keras.callbacks.BackupAndRestore(os.environ["PORTAL_CHECKPOINT_DIR"])
-model.fit(x, y, epochs={EPOCHS}, batch_size=64, verbose=2, callbacks=[backup, Slow()])
+backup = keras.callbacks.BackupAndRestore(os.environ["PORTAL_CHECKPOINT_DIR"], double_checkpoint=True)
+callbacks = [StopBetweenBatches(), backup, Slow()]
+model.fit(x, y, epochs={EPOCHS}, batch_size=64, verbose=2, callbacks=callbacks)
 print("done", flush=True)
 """.encode()
 
@@ -88,6 +105,7 @@ def test_a_preempted_keras_job_goes_back_to_the_queue_and_resumes_from_its_check
     left = log.index("[portal] Preempted: its cards are wanted back.")
     back = log.index("[portal] back from the queue: this job was preempted once")
     assert left < back < log.index("done")
+    assert "SIGTERM: stopping before the next batch" in log[left:back]  # the example's stop, taken
     epochs = [int(n) for n in re.findall(r"Epoch (\d+)/6", log[back:])]
     done_before = max(int(n) for n in re.findall(r"finished epoch (\d+)", log[:back]))  # its first run
     # It resumed after the last epoch it checkpointed, and ran each remaining epoch once.
