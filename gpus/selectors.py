@@ -16,7 +16,7 @@ from gpus.models import GPU, Allocation, GPUProcess, Server, SlurmNode, Telemetr
 from portal.access import display_name, is_admin, team_ids_of
 from portal.accounts import unix_account_name
 from portal.clock import db_now
-from portal.jinja2 import na
+from portal.figures import na
 from portal.timefmt import short_time
 
 # A card's live figures: what each telemetry round writes (gpus.services, with `updated_at`) and
