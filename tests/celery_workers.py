@@ -52,6 +52,10 @@ class Worker:
         return self.log_path.read_text(errors="replace")
 
 
+# A program no PATH holds: the worker's containers check then finds no Podman, as on such a host.
+NO_PODMAN = "podman-not-on-this-test-host"
+
+
 class StartWorker:
     """`start_worker("name")` is a GPU host's worker for a simulated server (queue host.name);
     `start_worker(None)` is the portal's own worker (queue `portal`), which runs the collector.
@@ -64,7 +68,13 @@ class StartWorker:
         redis_forget()
         SIMULATED_PROCESSES_FILE.unlink(missing_ok=True)
 
-    def __call__(self, server: str | None, *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    def __call__(
+        self, server: str | None, *, extra_env: dict[str, str] | None = None, containers: bool = False
+    ) -> subprocess.Popen:
+        """`containers`: the host's Podman is asked at the start, as on a host that has one (the
+        container tier's tests); otherwise the worker is a host without Podman, whose start asks
+        nothing (`podman info` and `podman ps` cost 0.5 s of CPU a start, and a worker SIGKILLed
+        meanwhile left them running outside the test's handle)."""
         queue, node = (f"host.{server}", server) if server else ("portal", "portal")
         env = {
             **os.environ,
@@ -74,6 +84,7 @@ class StartWorker:
             "TELEMETRY_INTERVAL_SECONDS": "1",
             # This test process's own (tests/isolation.py), emptied before each worker test.
             "SIMULATED_PROCESSES_FILE": str(SIMULATED_PROCESSES_FILE),
+            **({} if containers else {"CONTAINER_PODMAN": NO_PODMAN}),
             **(extra_env or {}),
         }
         StartWorker.started += 1

@@ -78,7 +78,7 @@ def test_a_killed_workers_container_is_ended_and_removed_when_it_starts_again(al
         "CONTAINER_CDI_DIRS": str(tmp_path / "no-cdi"),
     }
     start_worker(None, extra_env=FAST_LOST)  # the portal's worker: it marks the job lost
-    worker = start_worker(name, extra_env=env)
+    worker = start_worker(name, extra_env=env, containers=True)
     wait_for(lambda: Server.objects.get(pk=server.pk).containers_ok, timeout=30, what="the containers report")
     api = APIClient()
     api.force_authenticate(alice)
@@ -100,7 +100,7 @@ def test_a_killed_workers_container_is_ended_and_removed_when_it_starts_again(al
     assert _names(job) and all(p.is_running() for p in inside)  # conmon kept the container
     wait_for(lambda: Job.objects.get(pk=job_id).status == Job.Status.LOST, timeout=30, what="the job lost")
 
-    start_worker(name, extra_env=env)  # its start ends and removes what the last one left
+    start_worker(name, extra_env=env, containers=True)  # its start ends and removes what the last one left
     wait_for(lambda: not _names(job), timeout=30, what="the container removed")
     wait_for(lambda: not any(p.is_running() for p in inside), timeout=10, what="its processes gone")
     log = job_log(job_id)

@@ -413,7 +413,7 @@ def test_a_hosts_worker_reports_its_containers_and_takes_its_pulls(start_worker,
     server_report_ingest(snapshot=make_snapshot("sim-rtx-4x24", gpus=1, simulated=True))
     image = ContainerImage.objects.create(name="tf-2.17", reference="registry.lab.example/tf:2.17")
     image.servers.set(Server.objects.filter(name="sim-rtx-4x24"))
-    start_worker("sim-rtx-4x24")
+    start_worker("sim-rtx-4x24", containers=True)
     expected = containers.runtime_status()[1]
     wait_for(lambda: Server.objects.get(name="sim-rtx-4x24").containers_detail, what="the containers report")
     assert Server.objects.get(name="sim-rtx-4x24").containers_detail == expected
