@@ -8,33 +8,48 @@ added. An empty database migrated forwards to the old state is 0.4 s, and on to 
 `fresh_database()` points the default connection at an empty database for the block (SQLite: a
 file of its own; PostgreSQL: a database made beside the test database) and back after it, and
 drops it. Only the test's own connection sees it: no live server or worker may run meanwhile.
+
+A module whose tests all start at one old state migrates there once: `migrated_template(targets)`
+is a module-scoped fixture holding an empty database at `targets`, and
+`fresh_database(template=...)` starts each test on a copy of it (SQLite: the file, copied;
+PostgreSQL: `CREATE DATABASE ... TEMPLATE`), the rows of one test never seen by the next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import shutil
+import sqlite3
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
+from django.db.migrations.loader import MigrationLoader
 
 Target = tuple[str, str]
 
 
 @contextlib.contextmanager
-def fresh_database() -> Iterator[None]:
+def fresh_database(template: str | None = None) -> Iterator[None]:
+    """The default connection on an empty database for the block, or on a copy of `template` (a
+    name `migrated_template` gave)."""
     settings = connection.settings_dict
     original = settings["NAME"]
     connection.close()
     with tempfile.TemporaryDirectory(prefix="migrating-") as folder:
         if connection.vendor == "sqlite":
             name = str(Path(folder) / "db.sqlite3")
+            if template is not None:
+                _sqlite_copy(template, name)
         else:
             name = f"{original}_migrating"
             _execute(f'DROP DATABASE IF EXISTS "{name}"')
-            _execute(f'CREATE DATABASE "{name}"')
+            _execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
         settings["NAME"] = name
         try:
             yield
@@ -43,6 +58,59 @@ def fresh_database() -> Iterator[None]:
             settings["NAME"] = original
             if connection.vendor != "sqlite":
                 _execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def migrated_template(targets: list[Target]) -> Callable[..., Iterator[str]]:
+    """A module-scoped fixture: an empty database migrated forwards to `targets`, made once for
+    the module's tests to copy (`fresh_database(template=...)`), dropped after them. The
+    database is reached only while making and dropping it."""
+
+    @pytest.fixture(scope="module")
+    def fixture(django_db_setup, django_db_blocker) -> Iterator[str]:  # type: ignore[no-untyped-def]
+        with django_db_blocker.unblock():
+            name = _template_make(targets)
+        try:
+            yield name
+        finally:
+            with django_db_blocker.unblock():
+                _template_drop(name)
+
+    return fixture
+
+
+def _template_make(targets: list[Target]) -> str:
+    settings = connection.settings_dict
+    if connection.vendor == "sqlite":
+        name = str(Path(tempfile.mkdtemp(prefix="migrating-template-")) / "db.sqlite3")
+    else:
+        suffix = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:8]
+        name = f"{settings['NAME']}_template_{suffix}"
+    with fresh_database():
+        migrate(targets)
+        connection.close()
+        if connection.vendor == "sqlite":
+            _sqlite_copy(settings["NAME"], name)
+        else:  # the migrated database becomes the template: renamed, not copied
+            _execute(f'DROP DATABASE IF EXISTS "{name}"')
+            _execute(f'ALTER DATABASE "{settings["NAME"]}" RENAME TO "{name}"')
+    return name
+
+
+def _template_drop(name: str) -> None:
+    if connection.vendor == "sqlite":
+        shutil.rmtree(Path(name).parent, ignore_errors=True)
+    else:
+        _execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def _sqlite_copy(source: str, target: str) -> None:
+    """SQLite's online backup: the whole database, whatever is still in its write-ahead log."""
+    read, write = sqlite3.connect(source), sqlite3.connect(target)
+    try:
+        read.backup(write)
+    finally:
+        read.close()
+        write.close()
 
 
 def _execute(sql: str) -> None:
@@ -57,6 +125,18 @@ def migrate(targets: list[Target] | None = None) -> MigrationExecutor:
     return executor
 
 
+def leaves(*apps: str) -> list[Target]:
+    """Today's newest migration of each of `apps`: a target that migrates those apps (and what
+    they depend on) to today and leaves the others where they are."""
+    return [node for node in MigrationLoader(None).graph.leaf_nodes() if node[0] in apps]
+
+
 def models_at(targets: list[Target]):  # type: ignore[no-untyped-def]
-    """The historical models (an Apps) at `targets`."""
-    return MigrationExecutor(connection).loader.project_state(targets).apps
+    """The historical models (an Apps) at `targets`. Rendered once per process for each
+    `targets`: a test writes rows with them, never changes them."""
+    return _models_at(tuple(targets))
+
+
+@functools.cache
+def _models_at(targets: tuple[Target, ...]):  # type: ignore[no-untyped-def]
+    return MigrationLoader(None).project_state(list(targets)).apps
