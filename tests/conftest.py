@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import shutil
@@ -20,6 +19,7 @@ from tests.browser import chromium_missing_header, left_out_without_chromium
 from tests.celery_workers import StartWorker
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
 from tests.isolation import OUTPUT, ROOT, RUN, VAR_BASE  # noqa: F401 - this process's own, for the tests
+from tests.migrating import migrations_digest
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,10 +45,7 @@ def sqlite_template() -> Path | None:
 
     if not settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):
         return None
-    key = hashlib.sha256()
-    for path in [*sorted(ROOT.glob("*/migrations/*.py")), ROOT / "requirements.txt"]:
-        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
-    return VAR_BASE / "test-db-templates" / f"sqlite-{key.hexdigest()[:16]}.sqlite3"
+    return VAR_BASE / "test-db-templates" / f"sqlite-{migrations_digest()}.sqlite3"
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,11 @@ added. An empty database migrated forwards to the old state is 0.4 s, and on to 
 file of its own; PostgreSQL: a database made beside the test database) and back after it, and
 drops it. Only the test's own connection sees it: no live server or worker may run meanwhile.
 
-A module whose tests all start at one old state migrates there once: `migrated_template(targets)`
+A module whose tests start at one old state migrates there once: `migrated_template(targets)`
 is a module-scoped fixture holding an empty database at `targets`, and
-`fresh_database(template=...)` starts each test on a copy of it (SQLite: the file, copied;
-PostgreSQL: `CREATE DATABASE ... TEMPLATE`), the rows of one test never seen by the next.
+`fresh_database(template=...)` starts each test on a copy of it (SQLite: the file, copied, and
+kept across runs as conftest keeps the migrated test database; PostgreSQL: `CREATE DATABASE
+... TEMPLATE`, made once a module), the rows of one test never seen by the next.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import shutil
+import os
 import sqlite3
 import tempfile
 from collections.abc import Callable, Iterator
@@ -31,7 +32,10 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
 
+from tests.isolation import ROOT, VAR_BASE
+
 Target = tuple[str, str]
+_KEPT = VAR_BASE / "test-db-templates"
 
 
 @contextlib.contextmanager
@@ -78,28 +82,52 @@ def migrated_template(targets: list[Target]) -> Callable[..., Iterator[str]]:
     return fixture
 
 
+def migrations_digest() -> str:
+    """A digest of everything that shapes a migrated database: the project's migrations and the
+    pinned requirements (the third-party apps' migrations)."""
+    key = hashlib.sha256()
+    for path in [*sorted(ROOT.glob("*/migrations/*.py")), ROOT / "requirements.txt"]:
+        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return key.hexdigest()[:16]
+
+
 def _template_make(targets: list[Target]) -> str:
+    """SQLite: kept across runs beside conftest's migrated test database, named by the
+    migrations and the targets (made again when either changes); PostgreSQL: made for the
+    module on the server, beside the test database."""
     settings = connection.settings_dict
+    suffix = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:8]
     if connection.vendor == "sqlite":
-        name = str(Path(tempfile.mkdtemp(prefix="migrating-template-")) / "db.sqlite3")
+        name = str(_KEPT / f"migrated-{suffix}-{migrations_digest()}.sqlite3")
+        if Path(name).exists():
+            return name
     else:
-        suffix = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:8]
         name = f"{settings['NAME']}_template_{suffix}"
     with fresh_database():
         migrate(targets)
         connection.close()
         if connection.vendor == "sqlite":
-            _sqlite_copy(settings["NAME"], name)
+            _sqlite_keep(settings["NAME"], Path(name))
         else:  # the migrated database becomes the template: renamed, not copied
             _execute(f'DROP DATABASE IF EXISTS "{name}"')
             _execute(f'ALTER DATABASE "{settings["NAME"]}" RENAME TO "{name}"')
     return name
 
 
+def _sqlite_keep(source: str, kept: Path) -> None:
+    """Put in place in one rename (processes racing here each write their own file; the last
+    rename wins, with the same content); the same targets' files of other migrations removed."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+    _sqlite_copy(source, str(partial))
+    os.replace(partial, kept)
+    for stale in kept.parent.glob(kept.name.rsplit("-", 1)[0] + "-*.sqlite3"):
+        if stale != kept:
+            stale.unlink(missing_ok=True)
+
+
 def _template_drop(name: str) -> None:
-    if connection.vendor == "sqlite":
-        shutil.rmtree(Path(name).parent, ignore_errors=True)
-    else:
+    if connection.vendor != "sqlite":  # SQLite's is kept for the next runs
         _execute(f'DROP DATABASE IF EXISTS "{name}"')
 
 
