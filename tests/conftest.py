@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import shutil
@@ -19,7 +18,9 @@ from portal.models import Membership
 from tests.browser import chromium_missing_header, left_out_without_chromium
 from tests.celery_workers import StartWorker
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
+from tests.flushing import registry_restored_after_flush
 from tests.isolation import OUTPUT, ROOT, RUN, VAR_BASE  # noqa: F401 - this process's own, for the tests
+from tests.migrating import migrations_digest
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,10 +46,7 @@ def sqlite_template() -> Path | None:
 
     if not settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):
         return None
-    key = hashlib.sha256()
-    for path in [*sorted(ROOT.glob("*/migrations/*.py")), ROOT / "requirements.txt"]:
-        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
-    return VAR_BASE / "test-db-templates" / f"sqlite-{key.hexdigest()[:16]}.sqlite3"
+    return VAR_BASE / "test-db-templates" / f"sqlite-{migrations_digest()}.sqlite3"
 
 
 @pytest.fixture(scope="session")
@@ -99,12 +97,16 @@ def django_db_setup(django_db_setup, django_db_blocker, django_db_keepdb) -> Ite
     At the end, PostgreSQL's sessions on this run's test database closed, so pytest-django
     can drop it: the live servers' and uvicorn's threads keep theirs open (Django's persistent
     connections, one per thread), and a database with sessions cannot be dropped. The name is
-    this run's own (django_db_modify_db_settings below): every session on it is the run's."""
+    this run's own (django_db_modify_db_settings below): every session on it is the run's.
+
+    Meanwhile a transactional test's flush puts the content types and permissions back from a
+    copy instead of making them again (tests/flushing.py)."""
     template = sqlite_template()
     if template is not None and not django_db_keepdb:
         with django_db_blocker.unblock():
             _sqlite_template_keep(template)
-    yield
+    with registry_restored_after_flush(django_db_blocker):
+        yield
     from django.db import connection
 
     if connection.vendor != "postgresql":

@@ -8,33 +8,52 @@ added. An empty database migrated forwards to the old state is 0.4 s, and on to 
 `fresh_database()` points the default connection at an empty database for the block (SQLite: a
 file of its own; PostgreSQL: a database made beside the test database) and back after it, and
 drops it. Only the test's own connection sees it: no live server or worker may run meanwhile.
+
+A module whose tests start at one old state migrates there once: `migrated_template(targets)`
+is a module-scoped fixture holding an empty database at `targets`, and
+`fresh_database(template=...)` starts each test on a copy of it (SQLite: the file, copied, and
+kept across runs as conftest keeps the migrated test database; PostgreSQL: `CREATE DATABASE
+... TEMPLATE`, made once a module), the rows of one test never seen by the next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import os
+import sqlite3
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
+from django.db.migrations.loader import MigrationLoader
+
+from tests.isolation import ROOT, VAR_BASE
 
 Target = tuple[str, str]
+_KEPT = VAR_BASE / "test-db-templates"
 
 
 @contextlib.contextmanager
-def fresh_database() -> Iterator[None]:
+def fresh_database(template: str | None = None) -> Iterator[None]:
+    """The default connection on an empty database for the block, or on a copy of `template` (a
+    name `migrated_template` gave)."""
     settings = connection.settings_dict
     original = settings["NAME"]
     connection.close()
     with tempfile.TemporaryDirectory(prefix="migrating-") as folder:
         if connection.vendor == "sqlite":
             name = str(Path(folder) / "db.sqlite3")
+            if template is not None:
+                _sqlite_copy(template, name)
         else:
             name = f"{original}_migrating"
             _execute(f'DROP DATABASE IF EXISTS "{name}"')
-            _execute(f'CREATE DATABASE "{name}"')
+            _execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
         settings["NAME"] = name
         try:
             yield
@@ -43,6 +62,83 @@ def fresh_database() -> Iterator[None]:
             settings["NAME"] = original
             if connection.vendor != "sqlite":
                 _execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def migrated_template(targets: list[Target]) -> Callable[..., Iterator[str]]:
+    """A module-scoped fixture: an empty database migrated forwards to `targets`, made once for
+    the module's tests to copy (`fresh_database(template=...)`), dropped after them. The
+    database is reached only while making and dropping it."""
+
+    @pytest.fixture(scope="module")
+    def fixture(django_db_setup, django_db_blocker) -> Iterator[str]:  # type: ignore[no-untyped-def]
+        with django_db_blocker.unblock():
+            name = _template_make(targets)
+        try:
+            yield name
+        finally:
+            with django_db_blocker.unblock():
+                _template_drop(name)
+
+    return fixture
+
+
+def migrations_digest() -> str:
+    """A digest of everything that shapes a migrated database: the project's migrations and the
+    pinned requirements (the third-party apps' migrations)."""
+    key = hashlib.sha256()
+    for path in [*sorted(ROOT.glob("*/migrations/*.py")), ROOT / "requirements.txt"]:
+        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return key.hexdigest()[:16]
+
+
+def _template_make(targets: list[Target]) -> str:
+    """SQLite: kept across runs beside conftest's migrated test database, named by the
+    migrations and the targets (made again when either changes); PostgreSQL: made for the
+    module on the server, beside the test database."""
+    settings = connection.settings_dict
+    suffix = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:8]
+    if connection.vendor == "sqlite":
+        name = str(_KEPT / f"migrated-{suffix}-{migrations_digest()}.sqlite3")
+        if Path(name).exists():
+            return name
+    else:
+        name = f"{settings['NAME']}_template_{suffix}"
+    with fresh_database():
+        migrate(targets)
+        connection.close()
+        if connection.vendor == "sqlite":
+            _sqlite_keep(settings["NAME"], Path(name))
+        else:  # the migrated database becomes the template: renamed, not copied
+            _execute(f'DROP DATABASE IF EXISTS "{name}"')
+            _execute(f'ALTER DATABASE "{settings["NAME"]}" RENAME TO "{name}"')
+    return name
+
+
+def _sqlite_keep(source: str, kept: Path) -> None:
+    """Put in place in one rename (processes racing here each write their own file; the last
+    rename wins, with the same content); the same targets' files of other migrations removed."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+    _sqlite_copy(source, str(partial))
+    os.replace(partial, kept)
+    for stale in kept.parent.glob(kept.name.rsplit("-", 1)[0] + "-*.sqlite3"):
+        if stale != kept:
+            stale.unlink(missing_ok=True)
+
+
+def _template_drop(name: str) -> None:
+    if connection.vendor != "sqlite":  # SQLite's is kept for the next runs
+        _execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+def _sqlite_copy(source: str, target: str) -> None:
+    """SQLite's online backup: the whole database, whatever is still in its write-ahead log."""
+    read, write = sqlite3.connect(source), sqlite3.connect(target)
+    try:
+        read.backup(write)
+    finally:
+        read.close()
+        write.close()
 
 
 def _execute(sql: str) -> None:
@@ -57,6 +153,18 @@ def migrate(targets: list[Target] | None = None) -> MigrationExecutor:
     return executor
 
 
+def leaves(*apps: str) -> list[Target]:
+    """Today's newest migration of each of `apps`: a target that migrates those apps (and what
+    they depend on) to today and leaves the others where they are."""
+    return [node for node in MigrationLoader(None).graph.leaf_nodes() if node[0] in apps]
+
+
 def models_at(targets: list[Target]):  # type: ignore[no-untyped-def]
-    """The historical models (an Apps) at `targets`."""
-    return MigrationExecutor(connection).loader.project_state(targets).apps
+    """The historical models (an Apps) at `targets`. Rendered once per process for each
+    `targets`: a test writes rows with them, never changes them."""
+    return _models_at(tuple(targets))
+
+
+@functools.cache
+def _models_at(targets: tuple[Target, ...]):  # type: ignore[no-untyped-def]
+    return MigrationLoader(None).project_state(list(targets)).apps

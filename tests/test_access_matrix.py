@@ -20,7 +20,9 @@ A case with an `effect` (did the write happen?) checks it happened exactly when 
 that no answer to someone who may not see them may contain. A DRF router route's `.json` variant
 must answer as the route itself.
 
-Objects are made on first use (World), so a case builds only what it touches.
+The people, their teams and their signed-in sessions are made once for the file (Cast, rolled
+back after each case); the rest of alice's things are made on first use (World), so a case
+builds only what it touches (tests/access_world.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import cached_property
 from typing import Any
 
 import pytest
@@ -36,153 +37,24 @@ from django.conf import settings
 from django.contrib import admin
 from django.test import Client
 from django.urls import NoReverseMatch, URLPattern, URLResolver, get_resolver, reverse
-from django.utils import timezone
 from rest_framework.test import APIClient
 
-from gpus.booking import reservation_create
 from gpus.calendars import calendar_feed_get
 from gpus.forms import local_input
-from gpus.models import GPU, CalendarFeed, ContainerImage, Reservation, Violation
-from gpus.services import server_report_ingest
+from gpus.models import CalendarFeed
 from jobs.models import InteractiveSession, Job
-from jobs.sessions.services import session_start
-from jobs.submit import ScriptUpload, job_submit
-from portal.channels import channel_create
-from portal.models import ApiToken, Membership, Notification, NotificationChannel, Team
-from portal.notifications import notification_send
-from portal.services import api_token_create
-from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
+from portal.models import Membership, NotificationChannel, Team
+from tests.access_world import PRIVATE_FROM, ROLES, Cast, World, cast_held
+from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
 
-ROLES = ("anonymous", "owner", "teammate", "outsider", "leader", "admin")
 
-# Markers in the owner's private things; PRIVATE_FROM says who must never see each.
-BOOKING_NOTE = "note-of-alices-booking"
-JOB_NAME = "alices_private_run.py"
-QUEUED_JOB_NAME = "alices_queued_run.py"
-VIOLATION_COMMAND = "alices-violating-command"
-NOTIFICATION_SUBJECT = "alices-private-notification"
-SESSION_COMMAND = "alices_private_session.py"
-CHANNEL_SECRET = "alicesChannelHookKey42"
-PRIVATE_FROM = {
-    BOOKING_NOTE: {"anonymous", "outsider"},  # teammates see the team's bookings
-    JOB_NAME: {"anonymous", "teammate", "outsider"},  # owner, leaders, admins
-    QUEUED_JOB_NAME: {"anonymous", "outsider"},  # the queue names teammates' jobs (docs/queue.md)
-    VIOLATION_COMMAND: {"anonymous", "teammate", "outsider"},  # caused, own booking, leaders, admins
-    NOTIFICATION_SUBJECT: {"anonymous", "teammate", "outsider", "leader", "admin"},  # hers alone
-    SESSION_COMMAND: {"anonymous", "teammate", "outsider"},  # owner, leaders, admins (as jobs)
-    CHANNEL_SECRET: set(ROLES),  # a channel URL's key: stored encrypted, shown masked to everyone
-}
-
-
-class World:
-    """alice (the owner) in Vision Lab with bob (teammate) and its leader; charlie in another
-    team; an admin. alice's active booking of box1 GPU 0, her job on it, a violation of hers
-    on it and a notification: each made on first use."""
-
-    @cached_property
-    def team(self) -> Team:
-        return TeamFactory(name="Vision Lab", slug="vision-lab")
-
-    @cached_property
-    def alice(self) -> Any:
-        return MembershipFactory(team=self.team, user=UserFactory(username="alice")).user
-
-    def user(self, role: str) -> Any:
-        return getattr(self, role)
-
-    @property
-    def anonymous(self) -> None:
-        return None
-
-    @property
-    def owner(self) -> Any:
-        return self.alice
-
-    @cached_property
-    def teammate(self) -> Any:
-        return MembershipFactory(team=self.team, user=UserFactory(username="bob")).user
-
-    @cached_property
-    def outsider(self) -> Any:
-        return MembershipFactory(user=UserFactory(username="charlie")).user
-
-    @cached_property
-    def leader(self) -> Any:
-        role = Membership.Role.LEADER
-        return MembershipFactory(team=self.team, user=UserFactory(username="leader"), role=role).user
-
-    @cached_property
-    def admin(self) -> Any:
-        return UserFactory(username="admin", is_staff=True, is_superuser=True)
-
-    @cached_property
-    def box(self) -> list[GPU]:
-        server_report_ingest(snapshot=make_snapshot("box1", gpus=2))
-        return list(GPU.objects.filter(server__name="box1").order_by("index"))
-
-    @cached_property
-    def image(self) -> ContainerImage:
-        """A container image on box1 (the catalogue: every member reads it, nobody writes it)."""
-        image = ContainerImage.objects.create(name="tf-2.17", reference="registry.lab.example/tf:2.17")
-        image.servers.set([self.box[0].server])
-        return image
-
-    @cached_property
-    def booking(self) -> Reservation:
-        """alice's active 8 GiB booking of box1 GPU 0 (active: the owner can release it)."""
-        return reservation_create(user=self.alice, gpus=[self.box[0].uuid], memory_mb=8192, note=BOOKING_NOTE)
-
-    @cached_property
-    def job(self) -> Job:
-        script = ScriptUpload(name=JOB_NAME, content=b"print('hello')\n")
-        return job_submit(user=self.alice, reservation=self.booking, script=script)
-
-    @cached_property
-    def queued_job(self) -> Job:
-        script = ScriptUpload(name=QUEUED_JOB_NAME, content=b"print('hello')\n")
-        self.box  # noqa: B018 - a server to queue for
-        return job_submit(user=self.alice, gpu_count=1, time_limit_minutes=60, script=script)
-
-    @cached_property
-    def violation(self) -> Violation:
-        now = timezone.now()
-        gpu = self.box[0]
-        return Violation.objects.create(
-            kind=Violation.Kind.OVER_MEMORY, gpu=gpu, server=gpu.server, pid=4242, user=self.alice,
-            job_id=self.job.pk, reservation=self.booking, command=VIOLATION_COMMAND, memory_mb=9000,
-            booked_mb=8192, first_seen=now, last_seen=now,
-        )  # fmt: skip
-
-    @cached_property
-    def notification(self) -> Notification:
-        kind = Notification.Kind.OVER_MEMORY
-        return notification_send(user=self.alice, kind=kind, subject=NOTIFICATION_SUBJECT, body="-", url="/")
-
-    @cached_property
-    def session(self) -> InteractiveSession:
-        """alice's `gpu exec` on her booking, starting (its command not recorded yet)."""
-        command = ["python", SESSION_COMMAND]
-        return session_start(
-            user=self.alice, reservation=self.booking.pk, kind="exec", host="box1", command=command
-        )[0]
-
-    @cached_property
-    def token(self) -> ApiToken:
-        return api_token_create(user=self.alice, name="laptop", expires_at=None)[0]
-
-    @cached_property
-    def channel(self) -> NotificationChannel:
-        """alice's own webhook; nothing listens there, so a test send fails at once. Loopback is
-        inside the portal's network: allowed here (`_channels_to_loopback`)."""
-        return channel_create(by=self.alice, url=f"json://127.0.0.1:9/hooks/{CHANNEL_SECRET}")
-
-    def populate(self) -> None:
-        """Everything of alice's, for the pages that list what someone may see."""
-        names = ("violation", "notification", "queued_job", "session", "channel")  # a violation: booking, job
-        for name in names:
-            getattr(self, name)
+@pytest.fixture(scope="module")
+def cast(django_db_setup, django_db_blocker) -> Iterator[Cast]:
+    """The people, made once for the file (tests/access_world.py)."""
+    with cast_held(django_db_blocker) as made:
+        yield made
 
 
 # --- the table ------------------------------------------------------------------------------
@@ -652,13 +524,12 @@ _API_CLIENT = APIClient()
 
 
 def _client(world: World, role: str, api: bool) -> Client | APIClient:
-    user = world.user(role)
     client = _API_CLIENT if api else _PAGE_CLIENT
     client.cookies.clear()
     if api:
-        client.force_authenticate(user)
-    elif user is not None:
-        client.force_login(user)
+        client.force_authenticate(world.user(role))
+    elif role != "anonymous":  # the session cookie the person's browser holds (the Cast's)
+        client.cookies[settings.SESSION_COOKIE_NAME] = world.cast.sessions[role]
     return client
 
 
@@ -754,8 +625,8 @@ CASES = [
 
 
 @pytest.mark.parametrize(("key", "method", "role"), CASES)
-def test_access(key, method, role):
-    run_case(World(), key, MATRIX[key], method, role)
+def test_access(key, method, role, cast):
+    run_case(World(cast), key, MATRIX[key], method, role)
 
 
 # --- the admin: its rule, on each model's list and each app's page -------------------------
@@ -778,5 +649,5 @@ def _admin_path(name: str) -> str:
 
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("name", admin_sample())
-def test_admin_access(name, role):
-    run_case(World(), "admin:*", MATRIX["admin:*"], "get", role, path=_admin_path(name))
+def test_admin_access(name, role, cast):
+    run_case(World(cast), "admin:*", MATRIX["admin:*"], "get", role, path=_admin_path(name))

@@ -91,12 +91,15 @@ time.sleep(1)
 print("ready", flush=True)
 """
 
+# Past the heartbeat, drain and kill grace (1 s each in job_in). The worker reads it flat out,
+# so its CPU is the flood's length; an unbounded reader queue held 7,168 chunks (448 MiB) in
+# 1.5 s when tried, against the 64 allowed.
 FLOOD = """
 import sys, time
 w = sys.stdout.buffer.write
 block = b"x\\n" * 32768
 t = time.time()
-while time.time() - t < 6:
+while time.time() - t < 1.5:
     w(block)
 """
 

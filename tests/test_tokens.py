@@ -17,7 +17,7 @@ from rest_framework.test import APIClient
 
 from portal.models import ApiToken, AuditEntry
 from portal.services import api_token_create, api_token_revoke
-from tests.migrating import fresh_database, migrate, models_at
+from tests.migrating import fresh_database, leaves, migrate, models_at
 
 pytestmark = pytest.mark.django_db
 
@@ -32,9 +32,9 @@ def _create(client, **data):  # type: ignore[no-untyped-def]
     return client.post(reverse("token_create"), {"expires_in_days": "", **data}, follow=True)
 
 
-def _database_dump() -> str:
+def _database_dump(*apps: str) -> str:
     out = io.StringIO()
-    call_command("dumpdata", stdout=out)
+    call_command("dumpdata", *apps, stdout=out)
     return out.getvalue()
 
 
@@ -214,10 +214,12 @@ def test_the_migration_hashes_existing_plaintext_tokens():
         migrated = new.get_model("portal", "ApiToken").objects.get()
         assert migrated.prefix == key[:8] and migrated.key_hash == ApiToken.hash_key(key)
 
-        migrate()
+        # Today's portal (its token check) and what it needs: the other apps' 60 migrations, 4 s
+        # of CPU, write no token, and their tables, empty here, are left out of the dump.
+        migrate(leaves("portal", "authtoken"))
         response = _api(key).get("/api/v1/teams/")
         assert response.status_code == 200
-        assert key not in _database_dump()
+        assert key not in _database_dump("auth", "authtoken", "portal")
 
 
 def test_a_token_revokes_itself_and_only_a_token_can(client, alice):

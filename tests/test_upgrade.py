@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from gpus.models import Server, Violation
 from jobs.models import Job
+from tests.migrating import Target, fresh_database, leaves, migrated_template, models_at
 
 PREVIOUS_RELEASE = [
     ("portal", "0020_job_notices"),
@@ -105,15 +106,23 @@ class PreviousRelease:
         jobs.update(log_bytes=start + len(data))
 
 
+def _installed_then() -> list[Target]:
+    """The previous release's migrations, and the other apps' (Django's, third parties') today's:
+    they came with the same pinned requirements."""
+    apps_then = {app for app, _ in PREVIOUS_RELEASE}
+    others = [app for app in MigrationLoader(None).migrated_apps if app not in apps_then]
+    return [*PREVIOUS_RELEASE, *leaves(*others)]
+
+
+at_previous_release = migrated_template(_installed_then())
+
+
 @pytest.fixture
-def previous() -> Iterator[PreviousRelease]:
-    """The database at the previous release's schema; at the latest again after the test."""
-    executor = MigrationExecutor(connection)
-    try:
-        executor.migrate(PREVIOUS_RELEASE)
-        yield PreviousRelease(executor.loader.project_state(PREVIOUS_RELEASE).apps)
-    finally:
-        _latest()
+def previous(at_previous_release) -> Iterator[PreviousRelease]:
+    """A database of its own at the previous release's schema (tests/migrating.py: a copy of one
+    migrated forwards from nothing, not the test database backwards and forwards again)."""
+    with fresh_database(template=at_previous_release):
+        yield PreviousRelease(models_at(PREVIOUS_RELEASE))
 
 
 def _client(username: str) -> Client:
