@@ -17,11 +17,15 @@ Connecting has its own deadline, libpq's `connect_timeout` (portal.env.POSTGRES_
 
 from __future__ import annotations
 
+import datetime
+from functools import lru_cache
 from typing import Any
 
 import psycopg
 from django.conf import settings
 from django.db.backends.postgresql import base
+from psycopg.adapt import AdaptersMap
+from psycopg.pq import Format
 
 DEADLINE_MARGIN_SECONDS = 1.0
 
@@ -62,11 +66,43 @@ class _Driver:
         return connection
 
 
+# psycopg's own loader of timestamptz text: its C one where psycopg has its C module.
+_PSYCOPG_TIMESTAMPTZ = psycopg.adapters.get_loader(psycopg.postgres.types["timestamptz"].oid, Format.TEXT)
+
+
+class UtcTimestamptzLoader:
+    """Times read as psycopg's own loader reads them, where Django wants them in UTC.
+
+    Django's loader subclasses psycopg's pure-Python one and then replaces each value's tzinfo:
+    about 4.5 µs a value against 0.4 µs for psycopg's C loader, which gives the same aware
+    datetime in `datetime.timezone.utc` on a connection whose TimeZone is UTC (Django sets it to
+    its zone as it connects). 512 cards' `updated_at` on each `GET /api/v1/gpus/`, 20,000 booking
+    times a scheduler pass (issue 40). `timezone` is what Django's `create_cursor` compares with
+    the zone it wants: where they differ (USE_TZ off, a database TIME_ZONE) it registers its own
+    loader on the cursor, as it does without this class. Making one makes psycopg's loader, so
+    psycopg's C row loading sees its own class."""
+
+    timezone = datetime.UTC
+    format = Format.TEXT
+
+    def __new__(cls, oid: int, context: Any = None) -> Any:
+        return _PSYCOPG_TIMESTAMPTZ(oid, context)
+
+
+@lru_cache
+def _adapters(django_template: AdaptersMap) -> AdaptersMap:
+    """Django's adapters (one map per USE_TZ and zone), with UtcTimestamptzLoader."""
+    adapters = AdaptersMap(django_template)
+    adapters.register_loader("timestamptz", UtcTimestamptzLoader)
+    return adapters
+
+
 class DatabaseWrapper(base.DatabaseWrapper):
     Database = _Driver()
 
     def get_connection_params(self) -> dict[str, Any]:
         params = super().get_connection_params()
+        params["context"] = _adapters(params["context"])
         if seconds := statement_timeout_seconds():
             options = params.get("options", "")
             params["options"] = f"{options} -c statement_timeout={seconds * 1000}".strip()
