@@ -5,16 +5,19 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import Any
 
 from django.db.models import Prefetch, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
+from gpus.card_rows import Booked, CardRow, ProcessRow
 from gpus.hooks import job_images, loan_words, own_jobs
+from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, GPUProcess, Server, SlurmNode, TelemetrySample, Violation, format_mb
 from portal.access import display_name, is_admin, team_ids_of
-from portal.accounts import unix_account_name
+from portal.accounts import unix_account_candidate, unix_account_name
 from portal.clock import db_now
 from portal.figures import na
 from portal.timefmt import short_time
@@ -65,15 +68,25 @@ class CommandLines:
     any other is the portal user's whose Unix account runs it (portal.accounts)."""
 
     def __init__(self, viewer: Any, *, job_ids: Iterable[int]) -> None:
+        self.viewer = viewer
         self.everything = is_admin(viewer)
-        self.unix_name = None if self.everything else unix_account_name(viewer)
+        # Whether a username stands in for the viewer's Unix account is a query, asked only when
+        # a process runs as that name (most pages show none of the viewer's own).
+        self.candidate = None if self.everything else unix_account_candidate(viewer)
         self.jobs = frozenset() if self.everything else frozenset(own_jobs(viewer, job_ids))
+
+    @cached_property
+    def unix_name(self) -> str | None:
+        return None if self.everything else unix_account_name(self.viewer)
 
     def shown(self, command: str, *, username: str, job_id: int | None) -> str:
         if self.everything:
             return command
         # A job's processes may run as a shared account (JOB_USER): the job says whose they are.
-        own = job_id in self.jobs if job_id else bool(self.unix_name) and username == self.unix_name
+        if job_id:
+            own = job_id in self.jobs
+        else:
+            own = username == self.candidate and bool(self.unix_name) and username == self.unix_name
         return command if own else program_name(command)
 
 
@@ -130,14 +143,14 @@ def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
 
 
 def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
-    """Every server with its GPUs, processes and current bookings as plain dicts, in a fixed
-    number of queries (the viewer's Unix account and jobs for the command lines among them).
+    """Every server, as a plain dict, with its cards as `CardRow`s (gpus.card_rows: what each row
+    shows, processes and current bookings included), in a fixed number of queries (the viewer's
+    Unix account and jobs for the command lines among them).
 
     Plain rows rather than model instances: this page is polled every few seconds for
     up to hundreds of cards, and building 2,000 model objects per poll dominated its cost.
     """
     now = timezone.now()
-    gpus = _dashboard_gpus(processes=_dashboard_processes(viewer), booked=bookings_now(viewer, now))
     servers = []
     seen_now = db_now()  # `last_seen` is the database's clock (portal.clock); `now` this host's
     shown = ("id", "name", "kind", "draining", "containers_ok", "containers_detail", *SERVER_LIVE_FIELDS)
@@ -149,9 +162,14 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
         server["jobs_as_root"] = server["jobs_as_root"] and admin
         server["status"] = Server.status_for(server["last_seen"], server["draining"], seen_now)
         server["ram_gb"] = round(server["ram_mb"] / 1024)
-        server["gpus"] = gpus.get(server["id"], ())
+        server["gpus"] = []
         server["nodes"] = nodes.get(server["id"], ())  # a Slurm cluster's, as its last round read them
         servers.append(server)
+    _dashboard_cards(
+        {server["id"]: server for server in servers},
+        processes=_dashboard_processes(viewer),
+        booked=bookings_now(viewer, now),
+    )
     return servers
 
 
@@ -163,7 +181,7 @@ def _slurm_nodes() -> dict[int, list[dict[str, Any]]]:
     return nodes
 
 
-def _dashboard_processes(viewer: Any) -> dict[str, list[dict[str, Any]]]:
+def _dashboard_processes(viewer: Any) -> dict[str, list[ProcessRow]]:
     """Each card's processes, biggest first, with their command lines as the viewer may see them
     and the watchdog's open finding on each (a red badge)."""
     breaking: dict[tuple[str, int], str] = dict(
@@ -172,34 +190,42 @@ def _dashboard_processes(viewer: Any) -> dict[str, list[dict[str, Any]]]:
         .exclude(kind=Violation.Kind.OWNER_OUTSIDE_JOB)
         .values_list("gpu_id", "pid", "kind")
     )
-    processes: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    processes: dict[str, list[ProcessRow]] = defaultdict(list)
     rows = list(
-        GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values(
+        GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values_list(
             "gpu_id", "pid", "username", "command", "used_memory_mb", "job_id", "interactive_id", "session_id"
         )
     )
-    job_ids = {row["job_id"] for row in rows if row["job_id"]}
+    job_ids = {row[5] for row in rows if row[5]}
     commands = CommandLines(viewer, job_ids=job_ids)
     images = job_images(job_ids)  # "job 12 · image tf-2.17"
     job_url, session_url = url_maker("job_detail", URL_PK), url_maker("session_detail", URL_PK)
-    for row in rows:
-        row["job_url"] = job_url(row["job_id"]) if row["job_id"] else ""
-        row["session_url"] = session_url(row["interactive_id"]) if row["interactive_id"] else ""
-        row["command"] = commands.shown(row["command"], username=row["username"], job_id=row["job_id"])
-        row["image"] = images.get(row["job_id"])
-        row["violation"] = breaking.get((row["gpu_id"], row["pid"]))
-        # Its figures in one text, escaped once rather than three times (the page's largest cost).
-        row["summary"] = f"{row['username'] or '?'} · pid {row['pid']} · {na(row['used_memory_mb'], ' MiB')}"
-        processes[row["gpu_id"]].append(row)
+    for gpu, pid, username, command, memory, job, interactive, session in rows:
+        processes[gpu].append(
+            ProcessRow(
+                # Its figures in one text, escaped once rather than three times.
+                summary=f"{username or '?'} · pid {pid} · {na(memory, ' MiB')}",
+                command=commands.shown(command, username=username, job_id=job),
+                violation=breaking.get((gpu, pid)),
+                job_id=job,
+                job_url=job_url(job) if job else "",
+                image=images.get(job),
+                interactive_id=interactive,
+                session_url=session_url(interactive) if interactive else "",
+                session_id=session,
+            )
+        )
     return processes
 
 
-def _dashboard_gpus(
-    *, processes: dict[str, list[dict[str, Any]]], booked: dict[str, list[dict[str, Any]]]
-) -> dict[int, list[dict[str, Any]]]:
-    """Each server's cards (by server id, in index order) with their figures, processes and bookings."""
+def _dashboard_cards(
+    servers: dict[int, dict[str, Any]],
+    *,
+    processes: dict[str, list[ProcessRow]],
+    booked: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Each server's cards (in index order) as CardRows, onto its "gpus"."""
     detail_url = url_maker("gpu_detail", "UUID")
-    gpus: dict[int, list[dict[str, Any]]] = defaultdict(list)
     bookable_mb = _remembered(GPU.bookable_mb)  # a lab has a few models of card
     for gpu in GPU.objects.order_by("server_id", "node", "index").values(
         "uuid",
@@ -212,23 +238,38 @@ def _dashboard_gpus(
         "memory_reserved_mb",
         *GPU_LIVE_FIELDS,
     ):
+        server = servers[gpu["server_id"]]
         total = gpu["memory_total_mb"] or 0
         bookable = bookable_mb(total, gpu["memory_reserved_mb"])
         used = gpu["memory_used_mb"]
-        gpu["memory_bookable_mb"] = bookable
-        gpu["used_pct"] = round(100 * used / total, 1) if total and used is not None else 0
-        gpu["bookable_pct"] = round(100 * bookable / total, 1) if total else 0
-        # The figures as the row shows them, each one text escaped once (see _dashboard_texts).
-        gpu.update(_dashboard_texts(gpu))
-        gpu["processes"] = processes.get(gpu["uuid"], ())
-        gpu["violations"] = sum(1 for p in gpu["processes"] if p["violation"])
-        gpu["url"] = detail_url(gpu["uuid"])
-        gpu["booked"] = booked.get(gpu["uuid"], ())
-        gpus[gpu["server_id"]].append(gpu)
-    return gpus
+        on_card = tuple(processes.get(gpu["uuid"], ()))
+        slurm = server["kind"] == Server.Kind.SLURM
+        server["gpus"].append(
+            CardRow(
+                uuid=gpu["uuid"],
+                number=f"{gpu['node']}:{gpu['index']}" if gpu["node"] else str(gpu["index"]),
+                url=detail_url(gpu["uuid"]),
+                name=gpu["name"],
+                mig=gpu["mig_mode"] == "enabled",
+                state=gpu["state"],
+                violations=sum(1 for p in on_card if p.violation),
+                used_pct=round(100 * used / total, 1) if total and used is not None else 0,
+                bookable_pct=round(100 * bookable / total, 1) if total else 0,
+                # The figures as the row shows them, each one text escaped once.
+                **_dashboard_texts(gpu, bookable),
+                processes=on_card,
+                slurm_job=gpu["slurm_job"],
+                processes_known=gpu["processes_known"],
+                booked=tuple(Booked(**held) for held in booked.get(gpu["uuid"], ())),
+                server=server["name"],
+                simulated=server["simulated"],
+                slurm=slurm,
+                reservable=not server["draining"] and gpu["state"] == CardState.OK and not slurm,
+            )
+        )
 
 
-def _dashboard_texts(gpu: dict[str, Any]) -> dict[str, str]:
+def _dashboard_texts(gpu: dict[str, Any], bookable: int) -> dict[str, str]:
     """A card's figures in words, as its row on the dashboard says them: a few texts, each escaped
     once, rather than a dozen values and filters (rendering 512 rows was half the page's time)."""
     used_of = f"{na(gpu['memory_used_mb'])} / {gpu['memory_total_mb']} MiB"
@@ -238,7 +279,7 @@ def _dashboard_texts(gpu: dict[str, Any]) -> dict[str, str]:
         watts = f"{round(power)} / {round(limit)} W" if limit else f"{round(power)} W"
     return {
         "memory_text": used_of,
-        "memory_title": f"{used_of} used, {gpu['memory_bookable_mb']} MiB bookable",
+        "memory_title": f"{used_of} used, {bookable} MiB bookable",
         "utilization_text": na(gpu["utilization_pct"], "%"),
         "temperature_text": na(gpu["temperature_c"], " °C"),
         "power_text": watts,

@@ -8,6 +8,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET
 
 from gpus.calendar_views import calendar_panel
+from gpus.card_rows import card_rows_html
 from gpus.models import GPU
 from gpus.selectors import dashboard_servers as select_dashboard_servers
 from gpus.selectors import gpu_history
@@ -16,9 +17,12 @@ from portal.access import is_admin
 
 
 def _servers_html(request: HttpRequest) -> str:
+    servers = select_dashboard_servers(request.user)
+    reserve_url = reverse("reservation_new")
+    for server in servers:
+        server["rows_html"] = card_rows_html(server["gpus"], reserve_url=reserve_url)
     context = {
-        "servers": select_dashboard_servers(request.user),
-        "reserve_url": reverse("reservation_new"),
+        "servers": servers,
         # An admin with no server yet is told what to run on a GPU host (members, to ask one).
         "host_join": HOST_JOIN if is_admin(request.user) else "",
     }

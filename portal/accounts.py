@@ -33,14 +33,25 @@ def unix_account_name(user: AbstractBaseUser) -> str | None:
     directory, or set or confirmed by admins), else their portal username where that stands in
     for one (`users_by_unix_name`'s rule); None otherwise, so that nothing runs as, or is blamed
     on, the wrong person."""
-    try:
-        own = user.profile.unix_account
-    except Profile.DoesNotExist:
-        own = None
+    own = _profile_unix_account(user)
     if own:
         return own
     username = user.get_username()
     return username if users_by_unix_name([username]).get(username) == user.pk else None
+
+
+def unix_account_candidate(user: AbstractBaseUser) -> str:
+    """The only name `unix_account_name` can answer for the person (their profile's Unix account,
+    else their username), without asking whether a username stands in: a process run by any
+    other OS user is not theirs, and that is told without the question (gpus.selectors)."""
+    return _profile_unix_account(user) or user.get_username()
+
+
+def _profile_unix_account(user: AbstractBaseUser) -> str | None:
+    try:
+        return user.profile.unix_account
+    except Profile.DoesNotExist:
+        return None
 
 
 def users_by_unix_name(names: Iterable[str]) -> dict[str, int]:

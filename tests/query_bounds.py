@@ -6,11 +6,13 @@ these. A bound that has to move moves here, once, with the reason in the commit.
 from __future__ import annotations
 
 # GET / (the dashboard page, signed in, no time zone chosen): the session, the user, the open
-# violations, the processes, the viewer's Unix account (three: unix_account_name), their teams,
-# the bookings now, the cards, the database's clock, Slurm nodes, the servers, the bell.
+# violations, the processes, the viewer's profile (their Unix account), their teams, the bookings
+# now, the cards, the database's clock, Slurm nodes, the servers, the bell; and two more when a
+# process runs as the viewer's username (whether it stands in for their Unix account:
+# unix_account_name), as it does at these bounds. Two fewer (12) with none.
 DASHBOARD = 14
-# GET /api/v1/gpus/: the session, the user, the processes, the viewer's Unix account (three), the
-# jobs' images, their teams, the bookings now, the cards.
+# GET /api/v1/gpus/: the session, the user, the processes, the viewer's profile, the jobs' images,
+# their teams, the bookings now, the cards; and the same two more (7 without them).
 GPU_LIST = 9
 # One telemetry round whose process lists did not change, in its transaction: the servers (read,
 # write), the cards (read, write), the jobs app's two receivers in savepoints, the lent cards'
