@@ -1,22 +1,26 @@
-"""The dashboard's card rows: what each row shows, as one hashable value, and its HTML rendered
-once for each such value.
+"""The dashboard's card rows: what each row is made from, as one hashable value, and its HTML
+rendered once for each such value.
 
 The dashboard is polled every few seconds by everyone who has it open, and rendering 512 rows
-(about 10,000 escaped outputs) took a quarter of each request (issue 40). A row is a `CardRow`,
-the row template's only input besides the reserve link: every text already in the words this
-viewer may see (command lines, who holds the card), so two requests that would render the same
-row share one rendering, and any change in what it shows (a telemetry round's figures, a booking,
-a viewer allowed more) is a different value, rendered anew. What is kept is bounded (`KEPT`) and
-forgotten when the row template changes (a development server's reload).
+(about 10,000 escaped outputs) took a quarter of each request (issue 40). A row is made from a
+`CardFacts`: the card's columns, its server's, its processes and bookings already in the words
+this viewer may see (command lines, who holds the card), and the few values read elsewhere; the
+row template's only input is the `CardRow` that `card_row` makes from it alone. So two requests
+that would render the same row share one rendering, and any change in what it shows (a telemetry
+round's figures, a booking, a viewer allowed more) is a different value, rendered anew. What is
+kept is bounded (`KEPT`) and forgotten when the row template changes (a development reload).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from django.template import engines
 from markupsafe import Markup
+
+from gpus.inventory import CardState
+from portal.jinja2 import na
 
 ROW_TEMPLATE = "gpus/_gpu_row.html"
 # Rows kept per process: 8 views of a 512-card lab, about 1.5 KB each.
@@ -69,12 +73,67 @@ class CardRow(NamedTuple):
     reservable: bool  # a Reserve link: the card answers and its server takes bookings
 
 
-_rendered: dict[tuple[CardRow, str], str] = {}
+class ServerFacts(NamedTuple):
+    name: str
+    slurm: bool  # a Slurm cluster
+    draining: bool
+    simulated: bool  # its inventory is simulated
+
+
+class CardFacts(NamedTuple):
+    """What one row is made from (`card_row`), and what its HTML is kept by."""
+
+    card: Any  # the card's columns by name (a named row: gpus.selectors.DASHBOARD_CARD_COLUMNS)
+    url: str  # its page
+    bookable_mb: int  # GPU.bookable_mb of its memory
+    server: ServerFacts
+    processes: tuple[ProcessRow, ...]
+    booked: tuple[Booked, ...]
+
+
+def card_row(facts: CardFacts) -> CardRow:
+    """The row's values as it shows them, from `facts` alone: its figures a few texts, each
+    escaped once, rather than a dozen values and filters."""
+    card, server, bookable = facts.card, facts.server, facts.bookable_mb
+    total = card.memory_total_mb or 0
+    used = card.memory_used_mb
+    used_of = f"{na(used)} / {card.memory_total_mb} MiB"
+    power, limit = card.power_w, card.power_limit_w
+    watts = "n/a"
+    if power is not None:
+        watts = f"{round(power)} / {round(limit)} W" if limit else f"{round(power)} W"
+    return CardRow(
+        uuid=card.uuid,
+        number=f"{card.node}:{card.index}" if card.node else str(card.index),
+        url=facts.url,
+        name=card.name,
+        mig=card.mig_mode == "enabled",
+        state=card.state,
+        violations=sum(1 for p in facts.processes if p.violation),
+        memory_title=f"{used_of} used, {bookable} MiB bookable",
+        used_pct=round(100 * used / total, 1) if total and used is not None else 0,
+        bookable_pct=round(100 * bookable / total, 1) if total else 0,
+        memory_text=used_of,
+        utilization_text=na(card.utilization_pct, "%"),
+        temperature_text=na(card.temperature_c, " °C"),
+        power_text=watts,
+        processes=facts.processes,
+        slurm_job=card.slurm_job,
+        processes_known=card.processes_known,
+        booked=facts.booked,
+        server=server.name,
+        simulated=server.simulated,
+        slurm=server.slurm,
+        reservable=not server.draining and card.state == CardState.OK and not server.slurm,
+    )
+
+
+_rendered: dict[tuple[CardFacts, str], str] = {}
 _rendered_by: list[object] = [None]  # the row template they came from
 
 
-def card_rows_html(cards: Sequence[CardRow], *, reserve_url: str) -> Markup:
-    """The rows of `cards`, in order, each rendered by the row template's `row` macro once."""
+def card_rows_html(cards: Sequence[CardFacts], *, reserve_url: str) -> Markup:
+    """The rows of `cards`, in order, each made and rendered (the row template's `row` macro) once."""
     template = engines["jinja2"].env.get_template(ROW_TEMPLATE)  # its own cache; a reload is anew
     if _rendered_by[0] is not template:
         _rendered.clear()
@@ -86,7 +145,7 @@ def card_rows_html(cards: Sequence[CardRow], *, reserve_url: str) -> Markup:
         if html is None:
             if len(_rendered) >= KEPT:
                 _rendered.clear()
-            html = _rendered[key] = str(template.module.row(card, reserve_url))
+            html = _rendered[key] = str(template.module.row(card_row(card), reserve_url))
         parts.append(html)
     return Markup("".join(parts))
 

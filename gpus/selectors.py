@@ -9,16 +9,15 @@ from functools import cached_property
 from typing import Any
 
 from django.db.models import Prefetch, QuerySet
+from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.card_rows import Booked, CardRow, ProcessRow
+from gpus.card_rows import Booked, CardFacts, ProcessRow, ServerFacts
 from gpus.hooks import job_images, loan_words, own_jobs
-from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, GPUProcess, Server, SlurmNode, TelemetrySample, Violation, format_mb
 from portal.access import display_name, is_admin, team_ids_of
 from portal.accounts import unix_account_candidate, unix_account_name
-from portal.clock import db_now
 from portal.figures import na
 from portal.timefmt import short_time
 
@@ -143,26 +142,27 @@ def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
 
 
 def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
-    """Every server, as a plain dict, with its cards as `CardRow`s (gpus.card_rows: what each row
-    shows, processes and current bookings included), in a fixed number of queries (the viewer's
-    Unix account and jobs for the command lines among them).
+    """Every server, as a plain dict, with what its cards' rows are made from (`cards`: CardFacts,
+    gpus.card_rows; processes and current bookings included), in a fixed number of queries (the
+    viewer's Unix account and jobs for the command lines among them).
 
     Plain rows rather than model instances: this page is polled every few seconds for
     up to hundreds of cards, and building 2,000 model objects per poll dominated its cost.
     """
     now = timezone.now()
     servers = []
-    seen_now = db_now()  # `last_seen` is the database's clock (portal.clock); `now` this host's
     shown = ("id", "name", "kind", "draining", "containers_ok", "containers_detail", *SERVER_LIVE_FIELDS)
     admin = is_admin(viewer)  # only admins are told where jobs run as root: theirs to change
     nodes = _slurm_nodes()
     timeline_url = url_maker("server_timeline", "SERVER")
-    for server in Server.objects.order_by("name").values(*shown, "jobs_as_root"):
+    # `last_seen` is the database's clock (portal.clock), read with the rows rather than apart.
+    rows = Server.objects.order_by("name").annotate(seen_now=Now()).values(*shown, "jobs_as_root", "seen_now")
+    for server in rows:
         server["timeline_url"] = timeline_url(server["name"])
         server["jobs_as_root"] = server["jobs_as_root"] and admin
-        server["status"] = Server.status_for(server["last_seen"], server["draining"], seen_now)
+        server["status"] = Server.status_for(server["last_seen"], server["draining"], server.pop("seen_now"))
         server["ram_gb"] = round(server["ram_mb"] / 1024)
-        server["gpus"] = []
+        server["cards"] = []
         server["nodes"] = nodes.get(server["id"], ())  # a Slurm cluster's, as its last round read them
         servers.append(server)
     _dashboard_cards(
@@ -218,72 +218,50 @@ def _dashboard_processes(viewer: Any) -> dict[str, list[ProcessRow]]:
     return processes
 
 
+# The columns of a card that its dashboard row is made from (gpus.card_rows.card_row).
+DASHBOARD_CARD_COLUMNS = (
+    "uuid",
+    "server_id",
+    "node",
+    "index",
+    "name",
+    "mig_mode",
+    "memory_total_mb",
+    "memory_reserved_mb",
+    *GPU_LIVE_FIELDS,
+)
+
+
 def _dashboard_cards(
     servers: dict[int, dict[str, Any]],
     *,
     processes: dict[str, list[ProcessRow]],
     booked: dict[str, list[dict[str, Any]]],
 ) -> None:
-    """Each server's cards (in index order) as CardRows, onto its "gpus"."""
+    """Each server's cards (in index order), as what their rows are made from, onto its "cards"."""
     detail_url = url_maker("gpu_detail", "UUID")
     bookable_mb = _remembered(GPU.bookable_mb)  # a lab has a few models of card
-    for gpu in GPU.objects.order_by("server_id", "node", "index").values(
-        "uuid",
-        "server_id",
-        "node",
-        "index",
-        "name",
-        "mig_mode",
-        "memory_total_mb",
-        "memory_reserved_mb",
-        *GPU_LIVE_FIELDS,
-    ):
-        server = servers[gpu["server_id"]]
-        total = gpu["memory_total_mb"] or 0
-        bookable = bookable_mb(total, gpu["memory_reserved_mb"])
-        used = gpu["memory_used_mb"]
-        on_card = tuple(processes.get(gpu["uuid"], ()))
-        slurm = server["kind"] == Server.Kind.SLURM
-        server["gpus"].append(
-            CardRow(
-                uuid=gpu["uuid"],
-                number=f"{gpu['node']}:{gpu['index']}" if gpu["node"] else str(gpu["index"]),
-                url=detail_url(gpu["uuid"]),
-                name=gpu["name"],
-                mig=gpu["mig_mode"] == "enabled",
-                state=gpu["state"],
-                violations=sum(1 for p in on_card if p.violation),
-                used_pct=round(100 * used / total, 1) if total and used is not None else 0,
-                bookable_pct=round(100 * bookable / total, 1) if total else 0,
-                # The figures as the row shows them, each one text escaped once.
-                **_dashboard_texts(gpu, bookable),
-                processes=on_card,
-                slurm_job=gpu["slurm_job"],
-                processes_known=gpu["processes_known"],
-                booked=tuple(Booked(**held) for held in booked.get(gpu["uuid"], ())),
-                server=server["name"],
-                simulated=server["simulated"],
-                slurm=slurm,
-                reservable=not server["draining"] and gpu["state"] == CardState.OK and not slurm,
+    facts = {
+        server["id"]: ServerFacts(
+            name=server["name"],
+            slurm=server["kind"] == Server.Kind.SLURM,
+            draining=server["draining"],
+            simulated=server["simulated"],
+        )
+        for server in servers.values()
+    }
+    rows = GPU.objects.order_by("server_id", "node", "index").values_list(*DASHBOARD_CARD_COLUMNS, named=True)
+    for card in rows:
+        servers[card.server_id]["cards"].append(
+            CardFacts(
+                card=card,
+                url=detail_url(card.uuid),
+                bookable_mb=bookable_mb(card.memory_total_mb or 0, card.memory_reserved_mb),
+                server=facts[card.server_id],
+                processes=tuple(processes.get(card.uuid, ())),
+                booked=tuple(Booked(**held) for held in booked.get(card.uuid, ())),
             )
         )
-
-
-def _dashboard_texts(gpu: dict[str, Any], bookable: int) -> dict[str, str]:
-    """A card's figures in words, as its row on the dashboard says them: a few texts, each escaped
-    once, rather than a dozen values and filters (rendering 512 rows was half the page's time)."""
-    used_of = f"{na(gpu['memory_used_mb'])} / {gpu['memory_total_mb']} MiB"
-    power, limit = gpu["power_w"], gpu["power_limit_w"]
-    watts = "n/a"
-    if power is not None:
-        watts = f"{round(power)} / {round(limit)} W" if limit else f"{round(power)} W"
-    return {
-        "memory_text": used_of,
-        "memory_title": f"{used_of} used, {bookable} MiB bookable",
-        "utilization_text": na(gpu["utilization_pct"], "%"),
-        "temperature_text": na(gpu["temperature_c"], " °C"),
-        "power_text": watts,
-    }
 
 
 URL_PK = 2147483647  # a number no path holds otherwise, for url_maker and paths of a pk

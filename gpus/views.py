@@ -20,7 +20,7 @@ def _servers_html(request: HttpRequest) -> str:
     servers = select_dashboard_servers(request.user)
     reserve_url = reverse("reservation_new")
     for server in servers:
-        server["rows_html"] = card_rows_html(server["gpus"], reserve_url=reserve_url)
+        server["rows_html"] = card_rows_html(server["cards"], reserve_url=reserve_url)
     context = {
         "servers": servers,
         # An admin with no server yet is told what to run on a GPU host (members, to ask one).
