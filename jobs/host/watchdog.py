@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from time import monotonic
 
@@ -270,7 +270,7 @@ class HostWatchdog:
         """A violation held through a dip: a stop under way goes on (SIGKILL, or its failure)."""
         tracked = self.tracked[key]
         if tracked.stop_started is not None and not tracked.finished:
-            self._escalate(tracked, replace(verdict, kind=Kind(tracked.kind)), now)
+            self._escalate(tracked, verdict._replace(kind=Kind(tracked.kind)), now)
 
     def _step(self, key: Key, step: Callable[..., None], *args: object) -> None:
         """Run one violation's step; its error is its own (logged once), never the round's."""

@@ -42,9 +42,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import NamedTuple
 
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Violation
@@ -101,8 +102,11 @@ class SessionFacts:
     reservation_id: int
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
+    """A NamedTuple, not a frozen dataclass: one is made for every process on the host's cards
+    each round (512 in bench_watchdog), and a frozen dataclass costs several times as much to
+    make (issue 40). Changed only through `_replace`."""
+
     gpu_uuid: str
     process: ProcessInfo
     kind: Kind
@@ -269,7 +273,7 @@ def _owners_within_booking(
             continue
         for i, v in enumerate(result):
             if _outside_jobs(v) and v.user_id == owner:
-                result[i] = replace(v, kind=Kind.OVER_MEMORY, memory_mb=used, booked_mb=booked)
+                result[i] = v._replace(kind=Kind.OVER_MEMORY, memory_mb=used, booked_mb=booked)
     return result
 
 
