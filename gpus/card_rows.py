@@ -27,16 +27,42 @@ ROW_TEMPLATE = "gpus/_gpu_row.html"
 KEPT = 4096
 
 
-class ProcessRow(NamedTuple):
-    summary: str  # "alice · pid 812 · 2048 MiB"
+class ProcessFacts(NamedTuple):
+    """A process on the card as the viewer may see it: what its line in the row is made from."""
+
+    pid: int
+    username: str
+    memory_mb: int | None
     command: str  # as the viewer may see it (gpus.selectors.CommandLines)
     violation: str | None  # the watchdog's open finding on it (a Violation.Kind)
     job_id: int | None
-    job_url: str
     image: str | None  # the job's container image
     interactive_id: int | None
+    session_id: int | None
+
+
+class ProcessRow(NamedTuple):
+    """A process's line as the row shows it."""
+
+    summary: str  # "alice · pid 812 · 2048 MiB": one text, escaped once rather than three times
+    command: str
+    violation: str | None
+    job_id: int | None
+    job_url: str
+    image: str | None
+    interactive_id: int | None
     session_url: str
-    session_id: str | None
+    session_id: int | None
+
+
+class Links(NamedTuple):
+    """The paths of a job's and a session's page (this request's), `URL_PK` where the pk goes."""
+
+    job: str
+    session: str
+
+
+URL_PK = 2147483647  # a number no path holds otherwise, for paths of a pk (gpus.selectors.url_maker)
 
 
 class Booked(NamedTuple):
@@ -87,8 +113,9 @@ class CardFacts(NamedTuple):
     url: str  # its page
     bookable_mb: int  # GPU.bookable_mb of its memory
     server: ServerFacts
-    processes: tuple[ProcessRow, ...]
+    processes: tuple[ProcessFacts, ...]
     booked: tuple[Booked, ...]
+    links: Links
 
 
 def card_row(facts: CardFacts) -> CardRow:
@@ -117,7 +144,7 @@ def card_row(facts: CardFacts) -> CardRow:
         utilization_text=na(card.utilization_pct, "%"),
         temperature_text=na(card.temperature_c, " °C"),
         power_text=watts,
-        processes=facts.processes,
+        processes=tuple(_process_row(p, facts.links) for p in facts.processes),
         slurm_job=card.slurm_job,
         processes_known=card.processes_known,
         booked=facts.booked,
@@ -125,6 +152,21 @@ def card_row(facts: CardFacts) -> CardRow:
         simulated=server.simulated,
         slurm=server.slurm,
         reservable=not server.draining and card.state == CardState.OK and not server.slurm,
+    )
+
+
+def _process_row(p: ProcessFacts, links: Links) -> ProcessRow:
+    pk = str(URL_PK)
+    return ProcessRow(
+        summary=f"{p.username or '?'} · pid {p.pid} · {na(p.memory_mb, ' MiB')}",
+        command=p.command,
+        violation=p.violation,
+        job_id=p.job_id,
+        job_url=links.job.replace(pk, str(p.job_id)) if p.job_id else "",
+        image=p.image,
+        interactive_id=p.interactive_id,
+        session_url=links.session.replace(pk, str(p.interactive_id)) if p.interactive_id else "",
+        session_id=p.session_id,
     )
 
 

@@ -13,12 +13,11 @@ from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.card_rows import Booked, CardFacts, ProcessRow, ServerFacts
+from gpus.card_rows import URL_PK, Booked, CardFacts, Links, ProcessFacts, ServerFacts
 from gpus.hooks import job_images, loan_words, own_jobs
 from gpus.models import GPU, Allocation, GPUProcess, Server, SlurmNode, TelemetrySample, Violation, format_mb
 from portal.access import display_name, is_admin, team_ids_of
 from portal.accounts import unix_account_candidate, unix_account_name
-from portal.figures import na
 from portal.timefmt import short_time
 
 # A card's live figures: what each telemetry round writes (gpus.services, with `updated_at`) and
@@ -181,7 +180,7 @@ def _slurm_nodes() -> dict[int, list[dict[str, Any]]]:
     return nodes
 
 
-def _dashboard_processes(viewer: Any) -> dict[str, list[ProcessRow]]:
+def _dashboard_processes(viewer: Any) -> dict[str, list[ProcessFacts]]:
     """Each card's processes, biggest first, with their command lines as the viewer may see them
     and the watchdog's open finding on each (a red badge)."""
     breaking: dict[tuple[str, int], str] = dict(
@@ -190,7 +189,7 @@ def _dashboard_processes(viewer: Any) -> dict[str, list[ProcessRow]]:
         .exclude(kind=Violation.Kind.OWNER_OUTSIDE_JOB)
         .values_list("gpu_id", "pid", "kind")
     )
-    processes: dict[str, list[ProcessRow]] = defaultdict(list)
+    processes: dict[str, list[ProcessFacts]] = defaultdict(list)
     rows = list(
         GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values_list(
             "gpu_id", "pid", "username", "command", "used_memory_mb", "job_id", "interactive_id", "session_id"
@@ -199,19 +198,17 @@ def _dashboard_processes(viewer: Any) -> dict[str, list[ProcessRow]]:
     job_ids = {row[5] for row in rows if row[5]}
     commands = CommandLines(viewer, job_ids=job_ids)
     images = job_images(job_ids)  # "job 12 · image tf-2.17"
-    job_url, session_url = url_maker("job_detail", URL_PK), url_maker("session_detail", URL_PK)
     for gpu, pid, username, command, memory, job, interactive, session in rows:
         processes[gpu].append(
-            ProcessRow(
-                # Its figures in one text, escaped once rather than three times.
-                summary=f"{username or '?'} · pid {pid} · {na(memory, ' MiB')}",
+            ProcessFacts(
+                pid=pid,
+                username=username,
+                memory_mb=memory,
                 command=commands.shown(command, username=username, job_id=job),
                 violation=breaking.get((gpu, pid)),
                 job_id=job,
-                job_url=job_url(job) if job else "",
                 image=images.get(job),
                 interactive_id=interactive,
-                session_url=session_url(interactive) if interactive else "",
                 session_id=session,
             )
         )
@@ -235,11 +232,12 @@ DASHBOARD_CARD_COLUMNS = (
 def _dashboard_cards(
     servers: dict[int, dict[str, Any]],
     *,
-    processes: dict[str, list[ProcessRow]],
+    processes: dict[str, list[ProcessFacts]],
     booked: dict[str, list[dict[str, Any]]],
 ) -> None:
     """Each server's cards (in index order), as what their rows are made from, onto its "cards"."""
     detail_url = url_maker("gpu_detail", "UUID")
+    links = Links(job=reverse("job_detail", args=[URL_PK]), session=reverse("session_detail", args=[URL_PK]))
     bookable_mb = _remembered(GPU.bookable_mb)  # a lab has a few models of card
     facts = {
         server["id"]: ServerFacts(
@@ -260,11 +258,9 @@ def _dashboard_cards(
                 server=facts[card.server_id],
                 processes=tuple(processes.get(card.uuid, ())),
                 booked=tuple(Booked(**held) for held in booked.get(card.uuid, ())),
+                links=links,
             )
         )
-
-
-URL_PK = 2147483647  # a number no path holds otherwise, for url_maker and paths of a pk
 
 
 def url_maker(name: str, sample: object) -> Callable[[object], str]:
