@@ -68,12 +68,14 @@ def teams_led_by(user: AbstractBaseUser | None) -> QuerySet[Team]:
 
 
 def team_ids_of(user: AbstractBaseUser) -> set[int]:
-    return set(Membership.objects.filter(user=user).values_list("team_id", flat=True))
+    # Unordered: Membership's ordering joins the teams and users only to sort a set (asked by
+    # every page and poll that names booking owners).
+    return set(Membership.objects.filter(user=user).order_by().values_list("team_id", flat=True))
 
 
 def roles_of(user: AbstractBaseUser) -> dict[int, str]:
     """The user's role in each of their teams, by team id."""
-    return dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
+    return dict(Membership.objects.filter(user=user).order_by().values_list("team_id", "role"))
 
 
 def display_name(
