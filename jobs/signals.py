@@ -191,6 +191,8 @@ def _dry_run() -> str:
 def _record_job_usage(sender: object, *, cards: list[GPUInfo], **kwargs: object) -> None:
     """Sent inside the round's transaction: a failure here costs the jobs' usage figures of this
     round only (its own savepoint rolls back), never the telemetry of every host."""
+    if not any(p.job_id for card in cards for p in card.processes or ()):
+        return  # no job's process this round: nothing to record, and no savepoint (two statements)
     try:
         with transaction.atomic():
             jobs_usage_record(cards=cards)
