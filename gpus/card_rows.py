@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from django.template import engines
-from markupsafe import Markup
+from django.utils.safestring import SafeString, mark_safe
 
 from gpus.inventory import CardState
-from portal.jinja2 import na
+from portal.figures import na
 
 ROW_TEMPLATE = "gpus/_gpu_row.html"
 # Rows kept per process: 8 views of a 512-card lab, about 1.5 KB each.
@@ -174,7 +174,7 @@ _rendered: dict[tuple[CardFacts, str], str] = {}
 _rendered_by: list[object] = [None]  # the row template they came from
 
 
-def card_rows_html(cards: Sequence[CardFacts], *, reserve_url: str) -> Markup:
+def card_rows_html(cards: Sequence[CardFacts], *, reserve_url: str) -> SafeString:
     """The rows of `cards`, in order, each made and rendered (the row template's `row` macro) once."""
     template = engines["jinja2"].env.get_template(ROW_TEMPLATE)  # its own cache; a reload is anew
     if _rendered_by[0] is not template:
@@ -189,7 +189,7 @@ def card_rows_html(cards: Sequence[CardFacts], *, reserve_url: str) -> Markup:
                 _rendered.clear()
             html = _rendered[key] = str(template.module.row(card_row(card), reserve_url))
         parts.append(html)
-    return Markup("".join(parts))
+    return mark_safe("".join(parts))  # each part the row template's escaped HTML
 
 
 def forget() -> None:
