@@ -8,9 +8,10 @@ a reason, no process left. Only those throwaway servers are ever stopped; the sh
 and Redis of the rest of the suite are never touched.
 
 The PostgreSQL cluster is the test session's (one per xdist worker, started by the first test that
-needs it): each test's database is a copy of its migrated template, and after each test the
-cluster runs, thawed, again, whatever the test did to it (TemplateCluster). The redis-server is
-the test's own (it starts in milliseconds). Each test's logs are its own folder under OUTPUT.
+needs it, as a copy of one kept across runs): each test's database is a copy of its migrated
+template, and after each test the cluster runs, thawed, again, whatever the test did to it
+(tests/fault_cluster.py). The redis-server is the test's own (it starts in milliseconds). Each
+test's logs are its own folder under OUTPUT.
 
 Where this machine cannot run them (no PostgreSQL server binaries, no redis-server, root without a
 `postgres` account) they skip, saying why; on CI (CI=true) they fail instead.
@@ -38,6 +39,7 @@ from gpus.booking import Held, blockers
 from gpus.models import Allocation, Reservation
 from jobs.models import Job
 from portal.env import parse_database_url
+from tests.fault_cluster import TemplateCluster
 from tests.fault_servers import (
     FINISHED,
     HOLD,
@@ -46,7 +48,6 @@ from tests.fault_servers import (
     TAG_VAR,
     Api,
     Portal,
-    TemplateCluster,
     ThrowawayPostgres,
     ThrowawayRedis,
     leftovers,
