@@ -5,8 +5,8 @@
 127.0.0.1, fsync off, trust), `ThrowawayRedis` a `redis-server` on a free port with nothing saved.
 Neither is ever the shared PostgreSQL or Redis the rest of the suite uses: stopping, killing and
 restarting them is the point. `Portal` runs a real web server and real Celery workers against them.
-`TemplateCluster` is one ThrowawayPostgres for a whole test session with a migrated template
-database, of which each test gets a copy: initdb and migrate once, not once a test.
+tests/fault_cluster.py keeps one ThrowawayPostgres for a whole test session with a migrated template
+database, of which each test gets a copy.
 
 Every process started here is a child of the caller, started with a parent-death signal
 (portal.processes.die_with_parent), so that not even a SIGKILLed test run leaves one behind, and
@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from portal.names import instance_keys
 from portal.processes import die_with_parent
 from portal.workers import worker_argv
 from tests.conftest import OUTPUT, ROOT, free_port
-from tests.waiting import WaitTimedOut, wait_for
+from tests.waiting import wait_for
 
 PG_VERSIONS = Path("/usr/lib/postgresql")  # Debian's and Ubuntu's <version>/bin
 PG_ACCOUNT = "postgres"
@@ -219,7 +218,10 @@ class ThrowawayPostgres(_Throwaway):
     what = "PostgreSQL"
     death_signal = signal.SIGQUIT  # an immediate shutdown, in which the postmaster takes its backends along
 
-    def __init__(self, *, tag: str, name: str = "postgres", logs: Path | None = None) -> None:
+    def __init__(
+        self, *, tag: str, name: str = "postgres", logs: Path | None = None, copy_of: Path | None = None
+    ) -> None:
+        """A new cluster (initdb), or a copy of the stopped one whose data directory is `copy_of`."""
         if why := _postgres_unavailable():
             raise RuntimeError(f"cannot run a throwaway PostgreSQL: {why}")
         super().__init__(tag=tag, name=name, logs=logs)
@@ -231,20 +233,11 @@ class ThrowawayPostgres(_Throwaway):
         )
         if account:
             os.chown(self.folder, account.pw_uid, account.pw_gid)
-        self._run(
-            [
-                self.bin / "initdb",
-                "-D",
-                self.data,
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "--no-sync",
-                "-E",
-                "UTF8",
-                "--no-locale",
-            ]
-        )
+        if copy_of is not None:  # -a: its owner (the postgres account, as root) and mode 0700 kept
+            subprocess.run(["cp", "-a", str(copy_of), str(self.data)], check=True, capture_output=True)
+            return
+        initdb = [self.bin / "initdb", "-D", self.data, "-U", "postgres", "--auth=trust", "--no-sync"]
+        self._run([*initdb, "-E", "UTF8", "--no-locale"])
 
     def _run(self, argv: list) -> None:
         with open(self.log_path, "a") as log:
@@ -362,63 +355,6 @@ class ThrowawayRedis(_Throwaway):
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-class TemplateCluster:
-    """One ThrowawayPostgres for a whole test session (an xdist worker's), holding a migrated
-    template database with the demo users: each test gets a copy of its own (`database`, a file
-    copy in the server), instead of initdb and a migrate (a Django start-up) of its own.
-
-    Tests stop, restart and freeze the cluster under their portal: `recover` makes it running,
-    thawed and answering again after each, and replaces it with a new one (initdb, template) when
-    it cannot. `close` stops and reaps it, and deletes it."""
-
-    TEMPLATE = "portal_template"
-
-    def __init__(self, *, tag: str, logs: Path) -> None:
-        self.tag = tag
-        self.logs = own_logs(logs, tag)
-        self.replaced = 0
-        self.server = self._new()
-
-    def _new(self) -> ThrowawayPostgres:
-        # A replacement logs beside the one it replaces (postgres-1.log, ...), which keeps its log.
-        name = f"postgres-{self.replaced}" if self.replaced else "postgres"
-        server = ThrowawayPostgres(tag=self.tag, name=name, logs=self.logs)
-        try:
-            server.start()
-            Portal.prepare(server.create_database(self.TEMPLATE), self.logs)
-            server.seal_template(self.TEMPLATE)
-        except BaseException:
-            server.close()
-            raise
-        return server
-
-    def database(self, name: str) -> str:
-        """A new database `name`, a copy of the template: its URL."""
-        return self.server.create_database(name, template=self.TEMPLATE)
-
-    def recover(self) -> None:
-        """The cluster running, thawed and answering, whatever a test left it as; else a new one."""
-        try:
-            self.server.thaw()
-            if not self.server.running:
-                self.server.start()
-            wait_for(self.server._ready, timeout=START_TIMEOUT, interval=0.05, what="PostgreSQL to answer")
-        except (RuntimeError, OSError, WaitTimedOut) as exc:
-            # Said, not hidden: a test that breaks the cluster is worth a look.
-            warnings.warn(f"the fault suite's PostgreSQL was replaced: {exc}", stacklevel=2)
-            self.server.close()
-            self.replaced += 1
-            self.server = self._new()
-
-    def drop(self, name: str) -> None:
-        """The test's database gone (its portal stopped first: nobody may be connected to it)."""
-        self.recover()
-        self.server.drop_database(name)
-
-    def close(self) -> None:
-        self.server.close()
 
 
 @contextlib.contextmanager
@@ -560,10 +496,10 @@ class Portal:
         self.procs[role] = proc
         return proc
 
-    def start_web(self) -> str:
+    def start_web(self, *, workers: int = 2) -> str:
         port = free_port()
         argv = [sys.executable, "-m", "gunicorn", "portal.wsgi", "-b", f"127.0.0.1:{port}"]
-        argv += ["--workers", "2", "--threads", "4", "--access-logfile", "-", "--no-control-socket"]
+        argv += ["--workers", str(workers), "--threads", "4", "--access-logfile", "-", "--no-control-socket"]
         self._start("web", argv)
         self.base = f"http://127.0.0.1:{port}"
         return self.base
@@ -597,9 +533,11 @@ class Portal:
         wait_for(ready, timeout=timeout, what="the Celery workers")
         wait_for(self._answers, timeout=timeout, what=f"the web server ({self.log_path('web')})")
 
-    def start(self, *, host_pool: str = "prefork") -> Api:
-        """Everything, up and ready, SERVER's cards reported; the API as alice."""
-        self.start_web()
+    def start(self, *, host_pool: str = "prefork", web_workers: int = 2) -> Api:
+        """Everything, up and ready, SERVER's cards reported; the API as alice. Web workers of 4
+        threads, runportal's 2 by default; 1 where many requests at once are not what is tested
+        (each imports the whole portal: about 1.1 s of CPU from its start to its stop)."""
+        self.start_web(workers=web_workers)
         self.start_workers(host_pool=host_pool)
         self.wait_ready()
         api = Api(self.base, "alice")

@@ -1,15 +1,17 @@
 """Nothing lost when the database or the broker goes away: the fault suite.
 
 Each test runs the real portal (a gunicorn web server, the portal's Celery worker and a GPU host's)
-on a database and a redis-server of its own (tests/fault_servers.py), takes one of them away in
+on a database and a redis-server of its own (tests/fault_servers.py), with one web worker process
+where many requests at once are not what it tests (Portal.start), takes one of them away in
 the middle of the work, and checks afterwards: no 500, no lost log line, no job left open without
 a reason, no process left. Only those throwaway servers are ever stopped; the shared PostgreSQL
 and Redis of the rest of the suite are never touched.
 
 The PostgreSQL cluster is the test session's (one per xdist worker, started by the first test that
-needs it): each test's database is a copy of its migrated template, and after each test the
-cluster runs, thawed, again, whatever the test did to it (TemplateCluster). The redis-server is
-the test's own (it starts in milliseconds). Each test's logs are its own folder under OUTPUT.
+needs it, as a copy of one kept across runs): each test's database is a copy of its migrated
+template, and after each test the cluster runs, thawed, again, whatever the test did to it
+(tests/fault_cluster.py). The redis-server is the test's own (it starts in milliseconds). Each
+test's logs are its own folder under OUTPUT.
 
 Where this machine cannot run them (no PostgreSQL server binaries, no redis-server, root without a
 `postgres` account) they skip, saying why; on CI (CI=true) they fail instead.
@@ -37,6 +39,7 @@ from gpus.booking import Held, blockers
 from gpus.models import Allocation, Reservation
 from jobs.models import Job
 from portal.env import parse_database_url
+from tests.fault_cluster import TemplateCluster
 from tests.fault_servers import (
     FINISHED,
     HOLD,
@@ -45,7 +48,6 @@ from tests.fault_servers import (
     TAG_VAR,
     Api,
     Portal,
-    TemplateCluster,
     ThrowawayPostgres,
     ThrowawayRedis,
     leftovers,
@@ -207,7 +209,7 @@ def _assert_nothing_left(portal: Portal, tag: str, *servers: ThrowawayPostgres |
 
 
 def test_database_stopped_while_a_job_ends(portal, postgres, broker, tag):
-    api = portal.start(host_pool="solo")
+    api = portal.start(host_pool="solo", web_workers=1)
     job_id = api.run(LINES, tag=tag, reservation=api.book_now())
     wait_for(lambda: "line 05" in api.log(job_id), timeout=60, what="the job's fifth line")
 
@@ -238,7 +240,7 @@ def test_database_stopped_while_a_job_ends(portal, postgres, broker, tag):
 def test_sigterm_during_a_database_outage_ends_everything_in_time(portal, postgres, broker, tag):
     """systemctl stop in the middle of an outage: the worker stops its job by the flag alone, waits
     for no database, and its end waits in the host's spool."""
-    api = portal.start(host_pool="solo")
+    api = portal.start(host_pool="solo", web_workers=1)
     never = portal.scratch / "never"  # its flag never comes: it runs until stopped
     job_id = api.run(HOLD, tag=tag, reservation=api.book_now(), args=str(never))
     wait_for(lambda: "started" in api.log(job_id), timeout=60, what="the job to run")
@@ -267,7 +269,7 @@ def test_database_away_for_a_minute_under_a_job_that_prints_steadily(portal, pos
     # Out of touch for the whole minute, and not lost for it: the settings, not a sleep, say so.
     portal.env["JOB_LOST_AFTER_SECONDS"] = str(LONG_OUTAGE_SECONDS + 30)
     count = 450  # ~90 s at 0.2 s a line: it prints before, during and after the outage
-    api = portal.start(host_pool="solo")
+    api = portal.start(host_pool="solo", web_workers=1)
     job_id = api.run(lines_script(count, every=0.2), tag=tag, reservation=api.book_now())
     wait_for(lambda: "line 10\n" in api.log(job_id), timeout=60, what="the job's tenth line")
 
@@ -305,7 +307,7 @@ def test_spool_disk_full_while_the_database_is_away(portal, postgres, broker, ta
     if why := small_disk_unavailable():
         pytest.skip(why)
     with small_disk(portal.scratch / "spool", size="64k"):
-        api = portal.start(host_pool="solo")
+        api = portal.start(host_pool="solo", web_workers=1)
         job_id = api.run(WIDE, tag=tag, reservation=api.book_now())
         wait_for(lambda: "line 010" in api.log(job_id), timeout=60, what="the job's tenth line")
         postgres.stop("fast")
@@ -333,7 +335,7 @@ def test_spool_disk_full_while_the_database_is_away(portal, postgres, broker, ta
 
 
 def test_redis_killed_with_messages_waiting(portal, postgres, broker, tag, tmp_path):
-    api = portal.start(host_pool="solo")  # one job at a time: the other two wait in Redis
+    api = portal.start(host_pool="solo", web_workers=1)  # one job at a time: the other two wait in Redis
     flag = tmp_path / "free-the-slot"
     running = api.run(HOLD, tag=tag, reservation=api.book_now(), args=str(flag))
     wait_for(lambda: "started" in api.log(running), timeout=60, what="the first job to run")
@@ -448,7 +450,7 @@ class Storm:
 # not found yet: run once more before failing.
 @pytest.mark.flaky(reruns=1)
 def test_database_restarted_under_concurrent_bookings_and_submits(portal, postgres, broker, tag, rows):
-    api = portal.start(host_pool="prefork")
+    api = portal.start(host_pool="prefork", web_workers=2)  # 20 clients at once: runportal's two
     with Storm(portal.base, tag) as storm:
         storm.wait_for_more(bookings=10, jobs=3)
         postgres.restart("fast")
@@ -515,8 +517,8 @@ def _with_deadlines(portal: Portal) -> None:
 
 def test_a_request_while_the_database_is_frozen_answers_503_in_seconds(portal, postgres, broker, tag):
     _with_deadlines(portal)
-    api = portal.start(host_pool="solo")
-    for _ in range(8):  # every web thread holds a pooled connection now, or most of them do
+    api = portal.start(host_pool="solo", web_workers=1)
+    for _ in range(8):  # each of the 4 web threads holds a pooled connection now, or most of them do
         api.get("/api/v1/jobs/")
     with postgres.frozen():
         began = time.monotonic()
@@ -533,7 +535,7 @@ def test_sigterm_with_the_database_frozen_ends_the_host_worker_in_time(portal, p
     """Ctrl-C of a host worker waits for no frozen database: its job is stopped by the flag, its
     end goes to the spool after the query deadline, and the worker is gone within a bound."""
     _with_deadlines(portal)
-    api = portal.start(host_pool="solo")
+    api = portal.start(host_pool="solo", web_workers=1)
     never = portal.scratch / "never"
     job_id = api.run(HOLD, tag=tag, reservation=api.book_now(), args=str(never))
     wait_for(lambda: "started" in api.log(job_id), timeout=60, what="the job to run")
@@ -557,7 +559,7 @@ def test_a_submit_and_a_booking_while_redis_is_frozen_answer_at_once(portal, pos
     """The row is the record: a job whose message cannot be sent is answered 201 at once, and
     runs once Redis is back (pickup sends it again)."""
     _with_deadlines(portal)
-    api = portal.start(host_pool="solo")
+    api = portal.start(host_pool="solo", web_workers=1)
     booking = api.book_now()
     later = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) + timedelta(hours=3)
     with broker.frozen():
