@@ -219,17 +219,38 @@ def job_submit(
         fields |= {"soft_placement": soft_placement, "log_placement": log_placement, "notify": told}
         return place, fields
 
+    asked = None
     if slurm_cluster_named(server) or slurm_booking_cluster(reservation):
         # What only Slurm knows, asked once every check of the portal's passed, and outside any
         # transaction: Slurm may take seconds to answer, and a transaction open that long holds
         # SQLite's one write lock (every booking and job of the portal waits) or a PostgreSQL one.
         place, _ = checked()
         slurm_submit_check(user=user, fields=place.fields)
+        asked = _slurm_asked(place)
     # The checks again under the transaction that saves: what they read (bookings, quotas) may have
-    # moved while Slurm answered; a Slurm cluster gives the same answer, so it is not asked twice.
+    # moved while Slurm answered; a Slurm cluster gives the same answer, so it is not asked twice,
+    # unless what it would be asked moved too (an admin's partitions, a server made a cluster).
     with transaction.atomic():
         place, fields = checked()
+        if place.slurm and _slurm_asked(place) != asked:
+            raise Conflict(
+                "Where the job would go changed while Slurm was asked about it (the cluster's "
+                "partitions or nodes, or the booking); submit it again."
+            )
         return _save(user, place, fields, now)
+
+
+def _slurm_asked(place: _Place) -> tuple[object, ...]:
+    """What Slurm is asked about a job (jobs.slurm.slurm_submit_check sends these)."""
+    fields = place.fields
+    booking = fields.get("reservation")
+    return (
+        fields["server"].pk,
+        fields["gpu_count"],
+        fields["time_limit_minutes"],
+        fields["partition"],
+        booking.pk if booking is not None else None,
+    )
 
 
 def _save(user: AbstractBaseUser, place: _Place, fields: dict[str, Any], now: datetime) -> Job:

@@ -279,11 +279,12 @@ def job_cancel_view(request: HttpRequest, pk: int) -> HttpResponse:
         job = job_cancel(user=request.user, job=job, reason=request.POST.get("reason", ""))
     except Forbidden as error:
         raise PermissionDenied(error.message) from error
-    except Conflict as error:
+    except (Conflict, Invalid) as error:
         # A double click on Cancel: the first click's cancel stands, so the second is news, not a
-        # failure; someone else's earlier cancel is still said as a refusal of this one.
-        job.refresh_from_db(fields=["cancelled_by"])
-        own = job.cancelled_by_id == request.user.pk
+        # failure: a running job's is being cancelled (Conflict), a waiting one's ended at once
+        # (Invalid: already cancelled). Someone else's earlier cancel is still said as a refusal.
+        job.refresh_from_db(fields=["cancelled_by", "cancel_requested_at"])
+        own = job.cancel_requested_at is not None and job.cancelled_by_id == request.user.pk
         (messages.info if own else messages.error)(request, error.message)
     except ServiceError as error:
         messages.error(request, error.message)

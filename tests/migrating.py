@@ -132,8 +132,12 @@ def _template_drop(name: str) -> None:
 
 
 def _sqlite_copy(source: str, target: str) -> None:
-    """SQLite's online backup: the whole database, whatever is still in its write-ahead log."""
-    read, write = sqlite3.connect(source), sqlite3.connect(target)
+    """SQLite's online backup: the whole database, whatever is still in its write-ahead log. The
+    source opened without creating it (mode=rw, not read-only: that would leave its WAL files
+    behind): one gone meanwhile is an error, not an empty file made in its place, which
+    `_template_make` would take as the template from then on."""
+    read = sqlite3.connect(f"{Path(source).resolve().as_uri()}?mode=rw", uri=True)
+    write = sqlite3.connect(target)
     try:
         read.backup(write)
     finally:

@@ -304,3 +304,25 @@ def test_a_leader_cancels_someones_array_only_with_a_reason_the_owner_reads(clie
     tasks = Job.objects.filter(array_id=first.array_id)
     assert {(t.status, t.cancel_reason) for t in tasks} == {("cancelled", why)}
     assert why in Notification.objects.get(user=alice).body
+
+
+def test_a_double_click_on_a_waiting_jobs_cancel_is_news_not_a_failure(client, alice, booking, sent):
+    # The first click ends a job no worker has started at once; the second finds it cancelled.
+    job = _job(alice, booking)
+    client.force_login(alice)
+    first = client.post(f"/jobs/{job.pk}/cancel/", follow=True).content.decode()
+    second = client.post(f"/jobs/{job.pk}/cancel/", follow=True).content.decode()
+    assert 'class="message success"' in first and Job.objects.get(pk=job.pk).status == Job.Status.CANCELLED
+    assert f'class="message info" role="status">Job {job.pk} is already cancelled' in second
+    assert 'class="message error"' not in second
+
+
+def test_a_tasks_page_offers_the_arrays_other_task_while_its_own_cancel_is_under_way(client, alice, box):
+    from tests.factories import queue_job
+
+    first = queue_job(alice, array="0-1")
+    now = timezone.now()
+    Job.objects.filter(pk=first.pk).update(status=Job.Status.RUNNING, started_at=now, cancel_requested_at=now)
+    client.force_login(alice)
+    page = client.get(f"/jobs/{first.pk}/").content.decode()
+    assert f"Cancel all 1 unfinished task of array {first.array_id}" in page

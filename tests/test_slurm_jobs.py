@@ -103,6 +103,22 @@ def test_slurm_is_asked_outside_any_transaction_and_the_job_saved_after(alice, c
     assert asked == [(False, 0)] and Job.objects.count() == 1
 
 
+def test_a_job_is_never_saved_otherwise_than_slurm_was_asked_about_it(alice, cluster, monkeypatch):
+    # An admin's change while Slurm answers (here the partitions, so the default is another):
+    # the checks under the transaction place the job elsewhere than the one Slurm said yes to.
+    asked = []
+
+    def slurm_says_yes(*, user, fields):  # type: ignore[no-untyped-def]
+        asked.append(fields["partition"])
+        SlurmCluster.objects.filter(server=cluster).update(partitions="long,gpu")
+
+    monkeypatch.setattr("jobs.submit.slurm_submit_check", slurm_says_yes)
+    response = post(alice, server="cluster-a", gpu_count=1)
+    assert asked == ["gpu"]
+    assert response.status_code == 409 and "changed while" in response.json()["detail"], response.json()
+    assert not Job.objects.exists()
+
+
 @pytest.mark.parametrize(
     ("data", "field", "words"),
     [

@@ -10,6 +10,7 @@ is tagged, PREVIOUS_RELEASE becomes that tag's newest migrations.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -198,3 +199,16 @@ def test_columns_added_since_the_previous_release_have_a_database_default():
         " previous release's processes, still running during an upgrade, cannot insert rows. Give each"
         " a db_default (or null=True)."
     )
+
+
+@pytest.mark.django_db
+def test_a_kept_sqlite_template_gone_meanwhile_is_an_error_never_an_empty_template(tmp_path):
+    # Removed between the module's fixture and a test (`make clean`, or another run at other
+    # migrations replacing the same targets' file): copying it must not make it an empty file,
+    # which the next runs would then take as the migrated template.
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's kept templates")
+    gone = tmp_path / "migrated-gone.sqlite3"
+    with pytest.raises(sqlite3.OperationalError), fresh_database(template=str(gone)):
+        pass
+    assert not gone.exists()
