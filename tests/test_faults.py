@@ -440,7 +440,10 @@ class Storm:
                 else:
                     api.call("GET", chance.choice(("/api/v1/jobs/?mine=1", "/api/v1/reservations/?mine=1")))
             except Exception as exc:  # a timeout, a reset connection, an answer that is no JSON
-                self.errors.append(f"client {n}: {exc!r}")
+                # Which request, and when: the one reset seen under load (below) is not found yet.
+                asked = getattr(exc, "_request", None)  # httpx's, where the error has one
+                what = f"{asked.method} {asked.url.path}" if asked is not None else "?"
+                self.errors.append(f"client {n} at {datetime.now(UTC):%H:%M:%S.%f}: {what}: {exc!r}")
             self.stop.wait(chance.uniform(0.05, 0.2))
 
 
