@@ -80,6 +80,24 @@ def test_a_jobs_cards_name_it_while_it_runs_and_not_after(alice, box, folder, se
     assert sorted(os.listdir(folder)) == [dcgm.LOCK_NAME]  # no temporary file left behind
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_cards_are_named_before_the_process_starts_and_not_after_a_failed_start(
+    alice, box, folder, sent, monkeypatch
+):
+    from jobs.host.executors.local import LocalProcess
+
+    seen = []
+
+    def start_refused(self, spec):  # type: ignore[no-untyped-def]
+        seen.append(files(folder))  # what DCGM would read as the process starts
+        raise OSError(8, "Exec format error")
+
+    monkeypatch.setattr(LocalProcess, "start", start_refused)
+    job = submit(alice, reservation_create(user=alice, gpus=[box[2].uuid], memory_mb=4096))
+    assert job_run(job.pk) == Job.Status.FAILED
+    assert seen == [{"2": f"job-{job.pk}\n"}] and files(folder) == {}
+
+
 def test_two_jobs_on_one_shared_card_are_two_lines(alice, bob, box, folder, sent):
     first = submit(alice, reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=4096))
     second = submit(bob, reservation_create(user=bob, gpus=[box[0].uuid, box[1].uuid], memory_mb=4096))

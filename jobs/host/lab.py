@@ -129,13 +129,15 @@ class LabSupervisor:
         self.reader: threading.Thread | None = None
 
     def run(self) -> str:
+        # DCGM's hpc_job label (jobs/host/dcgm.py), before the process starts: its first use of
+        # the card is already the lab's. _finish takes it away again, a failed start too.
+        work_started(session_name(self.pk), self.session.gpu_uuids)
         try:
             self.proc = self._start()
         except (JobSetupError, OSError) as exc:
             # An end asked for meanwhile (a pull it stopped): that is why, not the stopped pull.
             why = self._check_row() or f"JupyterLab could not start: {exc}"
             return self._finish(Session.FAILED, why, None)
-        work_started(session_name(self.pk), self.session.gpu_uuids)  # DCGM's hpc_job (jobs/host/dcgm.py)
         InteractiveSession.objects.filter(pk=self.pk).update(
             pid=self.proc.leader.pid, pid_started=self.proc.leader.started
         )

@@ -154,14 +154,16 @@ class Supervisor:
         )
         # As JOB_USER's account (launch.account): jobs run as one that cannot read the worker's secrets.
         spec = launch.spec(f"Job {job.pk}", job.gpu_uuids)
+        # DCGM's hpc_job label (jobs/host/dcgm.py), written before the process starts: a job's
+        # first use of its cards is already its (after the start, a quick job could run unnamed).
+        work_started(job_name(job.pk), job.gpu_uuids)
         try:
             self.session = self.executor.start(spec)  # its identity, taken before anything can reap it
-        except OSError as exc:
+        except OSError as exc:  # _finish takes the label away again
             self.writer.write_line(f"[portal] cannot start: {exc}")
             self.writer.close()
             self._finish(Job.Status.FAILED, None, f"Could not start {launch.argv[0]}: {exc}")
             return
-        work_started(job_name(job.pk), job.gpu_uuids)  # DCGM's hpc_job label (jobs/host/dcgm.py)
         job.started_at = timezone.now()
         self.env_applied = launch.env_applied
         # Its process runs now, whatever the database says: watched from here on, and the row
