@@ -369,7 +369,9 @@ def run(scratch: Path, procs: list[subprocess.Popen]) -> int:
             ).fetchone()[0]
 
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
+    # The portal's own origin: 127.0.0.1 is the labs' (LAB_ORIGIN's default), which answers only
+    # for JupyterLab sessions (a 404 for the API: the bench waited out its minute on it).
+    base = f"http://localhost:{port}"
     env = {
         **os.environ,
         "DATABASE_URL": database_url_for_subprocess(),
