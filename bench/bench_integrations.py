@@ -8,11 +8,9 @@ the scrape's must not grow with the cards, the feed's not with its bookings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 
-from bench.common import lab, median_ms, report, setup_django_test_db
+from bench.common import counted, lab, median_ms, report, setup_django_test_db
 
 SERVERS, GPUS, USERS, TEAMS = 64, 8, 50, 5
 FEED_BOOKINGS = 1000
@@ -64,7 +62,7 @@ def main() -> None:
         handler, factory = WSGIHandler(), RequestFactory()
 
         auth = {"authorization": f"Bearer {TOKEN}"}
-        with _counted() as scrape_queries:
+        with counted() as scrape_queries:
             text = _serve(handler, factory, "/metrics", "200", **auth).decode()
         series = sum(len(family.samples) for family in text_string_to_metric_families(text))
         scrape_ms = median_ms(lambda: _serve(handler, factory, "/metrics", "200", **auth), repeat=15)
@@ -73,7 +71,7 @@ def main() -> None:
         report("/metrics queries", len(scrape_queries), "", "<= 12", len(scrape_queries) <= 12)
 
         path = f"/calendar/{calendar_feed_get(user=owner).secret}.ics"
-        with _counted() as feed_queries:
+        with counted() as feed_queries:
             ics = _serve(handler, factory, path, "200")
         events = ics.count(b"BEGIN:VEVENT")
         feed_ms = median_ms(lambda: _serve(handler, factory, path, "200"), repeat=7, warmup=1)
@@ -85,21 +83,6 @@ def main() -> None:
         report("calendar feed queries", len(feed_queries), "", "<= 8", len(feed_queries) <= 8)
     finally:
         teardown()
-
-
-@contextmanager
-def _counted() -> Iterator[list[str]]:
-    """The queries run meanwhile (a request resets Django's own query log as it starts)."""
-    from django.db import connection
-
-    queries: list[str] = []
-
-    def count(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
-        queries.append(sql)
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(count):
-        yield queries
 
 
 def _etag(handler, factory, path: str) -> str:  # type: ignore[no-untyped-def]

@@ -3,28 +3,11 @@ queries each takes, against the bounds tests/test_hot_path_queries.py holds (tes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
-from bench.common import median_ms, report, setup_django_test_db
+from bench.common import counted, median_ms, report, setup_django_test_db
 
 SERVERS, GPUS, REQUESTS = 64, 8, 60
-
-
-@contextmanager
-def counted() -> Iterator[list[str]]:
-    """The statements run meanwhile, through an execute wrapper: a request empties Django's own
-    query log as it starts. (No COPY here: those are the ingest's, counted from the query log.)"""
-    from django.db import connection
-
-    queries: list[str] = []
-
-    def count(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
-        queries.append(sql)
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(count):
-        yield queries
 
 
 def ingest_figures(rounds: list[list], changing: list[list]) -> None:

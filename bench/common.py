@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +40,22 @@ def setup_django_test_db() -> Callable[[], None]:
 
 def median_ms(fn: Callable[[], object], *, repeat: int, warmup: int = 3) -> float:
     return memory.median_ms(fn, repeat=repeat, warmup=warmup)
+
+
+@contextlib.contextmanager
+def counted() -> Iterator[list[str]]:
+    """The statements run meanwhile, through an execute wrapper: a request empties Django's own
+    query log as it starts. (No COPY among them: the ingest's are counted from the query log.)"""
+    from django.db import connection
+
+    queries: list[str] = []
+
+    def count(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
+        queries.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(count):
+        yield queries
 
 
 def report(name: str, value: float, unit: str, goal: str, ok: bool) -> None:
