@@ -15,12 +15,12 @@ from django.utils import timezone
 
 from portal.env import database_url
 from portal.models import Membership
+from tests import kept_database
 from tests.browser import chromium_missing_header, left_out_without_chromium
 from tests.celery_workers import StartWorker
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
 from tests.flushing import registry_restored_after_flush
 from tests.isolation import OUTPUT, ROOT, RUN, VAR_BASE  # noqa: F401 - this process's own, for the tests
-from tests.migrating import migrations_digest
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,60 +38,21 @@ def _job_folders() -> Iterator[Path]:
     shutil.rmtree(spool, ignore_errors=True)
 
 
-def sqlite_template() -> Path | None:
-    """Where a migrated SQLite test database is kept across runs, named by everything that shapes
-    it: the project's migrations and the pinned requirements (the third-party apps' migrations).
-    None on PostgreSQL, whose test databases are made on the server."""
-    from django.conf import settings
-
-    if not settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-        return None
-    return VAR_BASE / "test-db-templates" / f"sqlite-{migrations_digest()}.sqlite3"
-
-
 @pytest.fixture(scope="session")
 def django_db_keepdb(request, django_db_modify_db_settings) -> bool:
-    """SQLite: each test process's database starts as a copy of the migrated one (a full migrate
-    is 6 s of CPU a process, every run), and is then kept, not made again: Django's migrate
-    finds nothing to do. The copy lives in the run's own folder, removed when the run ends.
-    After django_db_modify_db_settings: the name is xdist's worker's own by then."""
-    template = sqlite_template()
-    if request.config.getvalue("reuse_db") or template is None or not template.exists():
-        return bool(request.config.getvalue("reuse_db"))
+    """Each test process's database starts as a copy of the migrated one, made by the first
+    process to need it and kept across runs (tests/kept_database.py): a full migrate is 6 s of
+    CPU a process. After django_db_modify_db_settings: the name is xdist's worker's own by then."""
+    if request.config.getvalue("reuse_db"):
+        return True
     from django.conf import settings
 
-    try:
-        shutil.copyfile(template, settings.DATABASES["default"]["TEST"]["NAME"])
-    except FileNotFoundError:  # replaced by a run with other migrations since: migrate, as without
-        return False
-    return True
-
-
-def _sqlite_template_keep(template: Path) -> None:
-    """The just-migrated test database, copied for the next runs (SQLite's online backup: a
-    consistent copy of an open database), and put in place in one rename: processes that race
-    here each write their own file, and the last rename wins with the same content."""
-    import sqlite3
-
-    from django.db import connection
-
-    template.parent.mkdir(parents=True, exist_ok=True)
-    partial = template.with_name(f"{template.name}.{os.getpid()}.partial")
-    connection.ensure_connection()
-    target = sqlite3.connect(partial)
-    try:
-        connection.connection.backup(target)
-    finally:
-        target.close()
-    os.replace(partial, template)
-    for stale in template.parent.glob("sqlite-*.sqlite3"):  # other migrations' (other branches)
-        if stale != template:
-            stale.unlink(missing_ok=True)
+    return kept_database.copy_or_make(settings.DATABASES["default"])
 
 
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup, django_db_blocker, django_db_keepdb) -> Iterator[None]:
-    """The migrated SQLite database kept for the next runs (django_db_keepdb above), when this
+    """The migrated test database kept for the others (tests/kept_database.py), when this
     process had to make it.
 
     At the end, PostgreSQL's sessions on this run's test database closed, so pytest-django
@@ -101,10 +62,10 @@ def django_db_setup(django_db_setup, django_db_blocker, django_db_keepdb) -> Ite
 
     Meanwhile a transactional test's flush puts the content types and permissions back from a
     copy instead of making them again (tests/flushing.py)."""
-    template = sqlite_template()
-    if template is not None and not django_db_keepdb:
-        with django_db_blocker.unblock():
-            _sqlite_template_keep(template)
+    from django.conf import settings
+
+    with django_db_blocker.unblock():
+        kept_database.keep(settings.DATABASES["default"])
     with registry_restored_after_flush(django_db_blocker):
         yield
     from django.db import connection

@@ -38,7 +38,7 @@ SHAPED_BY = (
 
 def kept_cluster() -> Path:
     """Where the stopped cluster with the migrated template is kept, named by everything that
-    shapes it (as tests/conftest.py's sqlite_template) and by the PostgreSQL server's version."""
+    shapes it (as tests/kept_database.py's) and by the PostgreSQL server's version."""
     key = hashlib.sha256(str(postgres_bin()).encode())
     for path in [*sorted(ROOT.glob("*/migrations/*.py")), *(ROOT / name for name in SHAPED_BY)]:
         key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())

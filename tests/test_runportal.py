@@ -32,7 +32,8 @@ from portal.supervisor import (
     ProcessSupervisor,
     exit_status,
 )
-from tests.conftest import OUTPUT, ROOT, free_port, sqlite_template
+from tests.conftest import OUTPUT, ROOT, free_port
+from tests.kept_database import sqlite_template
 from tests.waiting import wait_for
 
 # --- the backoff, on an injected clock ----------------------------------------------------
@@ -306,7 +307,7 @@ def runportal(tmp_path) -> Iterator[tuple[subprocess.Popen, Api, Path]]:
     inventory.write_text(INVENTORY)
     # The suite's migrated database, where it has one: runportal's migrate then finds nothing to
     # do (a migrate from nothing is 6 s of CPU; `make gpu-check`'s test still runs one).
-    if (template := sqlite_template()) is not None and template.exists():
+    if (template := sqlite_template()).exists():
         shutil.copyfile(template, tmp_path / "portal.sqlite3")
     port = free_port()
     log_path = OUTPUT / "runportal.log"

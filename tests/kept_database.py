@@ -1,0 +1,188 @@
+"""The migrated test database, made once and copied by every test process (conftest's
+`django_db_keepdb` and `django_db_setup`).
+
+A full migrate is about 6 s of CPU (12 s of a loaded machine's wall time), and every test
+process of a run used to make its own: four migrates at the start of each `make test`, all but
+one for nothing. Now the first process to get there migrates while the others wait on a lock,
+and everyone else copies what it made:
+
+- **SQLite**: the migrated file, kept across runs under VAR_BASE, named by the migrations and
+  the pinned requirements (`migrations_digest`); copied into each process's own folder. The
+  lock is a file lock beside it.
+- **PostgreSQL**: a database on the server, `<name>_migrated_<digest>` (`test_migrated_…` in
+  CI), kept across runs on that server; each process's own test database is made from it with
+  `CREATE DATABASE … TEMPLATE`, which Django's test set-up does when TEST["TEMPLATE"] is set
+  (its migrate then finds nothing to do). The lock is an advisory lock on the server, so two
+  checkouts sharing one server share it too. The template is made under a name of its own and
+  renamed when whole: a name that exists is a finished template.
+
+Whoever makes it holds the lock from before its migrate until the copy is in place, so no
+process copies half a database or migrates while another does. A process waits for it at most
+LOCK_WAIT_SECONDS (a maker whose set-up failed holds it until its run ends), then migrates its
+own as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from tests.isolation import VAR_BASE
+from tests.migrating import migrations_digest
+
+LOCK_WAIT_SECONDS = 120
+
+# Held by the process that is making the template, from the decision to its end.
+_making: dict[str, object] = {}
+
+
+def sqlite_template() -> Path:
+    return VAR_BASE / "test-db-templates" / f"sqlite-{migrations_digest()}.sqlite3"
+
+
+def _postgres_prefix(database: dict) -> str:
+    """The kept templates' names start with the configured database's (read before Django's
+    set-up puts the test database's name there), so two projects' tests on one server never
+    share one."""
+    return f"{database['NAME']}_migrated_"
+
+
+def copy_or_make(database: dict) -> bool:
+    """Before Django's test set-up: True when the test database was copied from the kept one
+    (set up with keepdb, nothing to migrate); False when Django must make it, from the kept
+    PostgreSQL template where there is one, or migrated (this process then keeps it: `keep`)."""
+    if database["ENGINE"].endswith("sqlite3"):
+        return _sqlite_copy_or_make(database)
+    _postgres_template_or_make(database)
+    return False
+
+
+def keep(database: dict) -> None:
+    """After Django's test set-up, in the process that migrated: its database becomes the kept
+    one, and the others waiting on the lock go on."""
+    if "sqlite" in _making:
+        _sqlite_keep(sqlite_template())
+        lock = _making.pop("sqlite")
+        lock.close()  # type: ignore[attr-defined]
+    elif "postgres" in _making:
+        server, prefix = _making.pop("postgres")  # type: ignore[misc]
+        try:
+            _postgres_keep(server, prefix, database)
+        finally:
+            server.close()
+
+
+# --- SQLite ------------------------------------------------------------------------------------
+
+
+def _sqlite_copy_or_make(database: dict) -> bool:
+    template = sqlite_template()
+    template.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(template.with_name(template.name + ".lock"), "a")  # noqa: SIM115 - held until keep()
+    deadline = time.monotonic() + LOCK_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                lock.close()
+                return False  # migrate this process's own, keep nothing
+            time.sleep(0.1)
+    if template.exists():
+        lock.close()
+        try:
+            shutil.copyfile(template, database["TEST"]["NAME"])
+        except FileNotFoundError:  # removed by a run with other migrations since: migrate
+            return False
+        return True
+    _making["sqlite"] = lock
+    return False
+
+
+def _sqlite_keep(template: Path) -> None:
+    """The just-migrated test database copied with SQLite's online backup (a consistent copy of
+    an open database), put in place in one rename."""
+    from django.db import connection
+
+    partial = template.with_name(f"{template.name}.{os.getpid()}.partial")
+    connection.ensure_connection()
+    target = sqlite3.connect(partial)
+    try:
+        connection.connection.backup(target)
+    finally:
+        target.close()
+    os.replace(partial, template)
+    for stale in template.parent.glob("sqlite-*.sqlite3"):  # other migrations' (other branches)
+        if stale != template:
+            stale.unlink(missing_ok=True)
+
+
+# --- PostgreSQL --------------------------------------------------------------------------------
+
+
+def _server(database: dict) -> psycopg.Connection:
+    """A connection to the server's maintenance database, as the test database's user."""
+    return psycopg.connect(
+        dbname="postgres",
+        user=database.get("USER") or None,
+        password=database.get("PASSWORD") or None,
+        host=database.get("HOST") or None,
+        port=database.get("PORT") or None,
+        autocommit=True,
+        connect_timeout=10,
+    )
+
+
+def _exists(server: psycopg.Connection, name: str) -> bool:
+    return server.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone() is not None
+
+
+def _postgres_template_or_make(database: dict) -> None:
+    prefix = _postgres_prefix(database)
+    name = prefix + migrations_digest()
+    server = _server(database)
+    # One lock for this template, across every process and checkout using the server.
+    server.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{LOCK_WAIT_SECONDS}s")))
+    try:
+        server.execute("SELECT pg_advisory_lock(hashtext(%s))", [name])
+    except psycopg.errors.LockNotAvailable:
+        server.close()
+        return  # migrate this process's own, keep nothing
+    if _exists(server, name):
+        server.close()  # the lock with it
+        database["TEST"]["TEMPLATE"] = name
+        return
+    _making["postgres"] = (server, prefix)
+
+
+def _postgres_keep(server: psycopg.Connection, prefix: str, database: dict) -> None:
+    from django.db import connections
+
+    name = prefix + migrations_digest()
+    partial = f"{name}_partial"
+    # CREATE DATABASE … TEMPLATE needs the source without sessions: this process's own.
+    for alias in connections:
+        connections[alias].close()
+    own = database["TEST"]["NAME"]
+    server.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(partial)))
+    server.execute(
+        sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(partial), sql.Identifier(own))
+    )
+    rename = sql.SQL("ALTER DATABASE {} RENAME TO {}")
+    server.execute(rename.format(sql.Identifier(partial), sql.Identifier(name)))
+    # Other migrations' templates (older commits, other branches): dropped where nobody uses them.
+    for (stale,) in server.execute(
+        "SELECT datname FROM pg_database WHERE starts_with(datname, %s) AND datname <> %s", [prefix, name]
+    ).fetchall():
+        # One being copied by another checkout's run is that run's to keep.
+        with contextlib.suppress(psycopg.Error):
+            server.execute(sql.SQL("DROP DATABASE {}").format(sql.Identifier(stale)))
