@@ -26,33 +26,56 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 from psycopg import sql
 
-from tests.isolation import VAR_BASE
-from tests.migrating import migrations_digest
+from tests.isolation import ROOT, VAR_BASE
 
 LOCK_WAIT_SECONDS = 120
 
 # Held by the process that is making the template, from the decision to its end.
 _making: dict[str, object] = {}
+# The configured PostgreSQL database's name, read before Django's test set-up puts the test
+# database's name in its place: every kept template's name starts with it.
+_configured: dict[str, str] = {}
+
+
+def migrations_digest() -> str:
+    """A digest of everything that shapes a migrated database: the project's migrations and the
+    pinned requirements (the third-party apps' migrations)."""
+    key = hashlib.sha256()
+    for path in [*sorted(ROOT.glob("*/migrations/*.py")), ROOT / "requirements.txt"]:
+        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return key.hexdigest()[:16]
 
 
 def sqlite_template() -> Path:
     return VAR_BASE / "test-db-templates" / f"sqlite-{migrations_digest()}.sqlite3"
 
 
-def _postgres_prefix(database: dict) -> str:
-    """The kept templates' names start with the configured database's (read before Django's
-    set-up puts the test database's name there), so two projects' tests on one server never
-    share one."""
-    return f"{database['NAME']}_migrated_"
+def postgres_kept_name(suffix: str = "") -> str:
+    """A kept PostgreSQL template's name: the migrated test database's, or with `suffix` a
+    migration test module's (tests/migrating.py). It starts with the configured database's name,
+    so two projects' tests on one server never share one."""
+    return f"{_configured['name']}_migrated_{migrations_digest()}" + (f"_{suffix}" if suffix else "")
+
+
+@contextlib.contextmanager
+def postgres_lock(database: dict, name: str) -> Iterator[bool]:
+    """Holding the advisory lock on the kept template `name` (for every process and checkout
+    using the server): whether it is made. Made by the block if not, under that name, renamed
+    into it when whole. Raises LockNotAvailable after LOCK_WAIT_SECONDS."""
+    with _server(database) as server:
+        _advisory_lock(server, name)
+        yield _exists(server, name)
 
 
 def copy_or_make(database: dict) -> bool:
@@ -73,11 +96,11 @@ def keep(database: dict) -> None:
         lock = _making.pop("sqlite")
         lock.close()  # type: ignore[attr-defined]
     elif "postgres" in _making:
-        server, prefix = _making.pop("postgres")  # type: ignore[misc]
+        server = _making.pop("postgres")
         try:
-            _postgres_keep(server, prefix, database)
+            _postgres_keep(server, database)  # type: ignore[arg-type]
         finally:
-            server.close()
+            server.close()  # type: ignore[attr-defined]
 
 
 # --- SQLite ------------------------------------------------------------------------------------
@@ -146,14 +169,18 @@ def _exists(server: psycopg.Connection, name: str) -> bool:
     return server.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone() is not None
 
 
-def _postgres_template_or_make(database: dict) -> None:
-    prefix = _postgres_prefix(database)
-    name = prefix + migrations_digest()
-    server = _server(database)
-    # One lock for this template, across every process and checkout using the server.
+def _advisory_lock(server: psycopg.Connection, name: str) -> None:
+    """Held until `server` closes."""
     server.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{LOCK_WAIT_SECONDS}s")))
+    server.execute("SELECT pg_advisory_lock(hashtext(%s))", [name])
+
+
+def _postgres_template_or_make(database: dict) -> None:
+    _configured.setdefault("name", database["NAME"])
+    name = postgres_kept_name()
+    server = _server(database)
     try:
-        server.execute("SELECT pg_advisory_lock(hashtext(%s))", [name])
+        _advisory_lock(server, name)
     except psycopg.errors.LockNotAvailable:
         server.close()
         return  # migrate this process's own, keep nothing
@@ -161,13 +188,13 @@ def _postgres_template_or_make(database: dict) -> None:
         server.close()  # the lock with it
         database["TEST"]["TEMPLATE"] = name
         return
-    _making["postgres"] = (server, prefix)
+    _making["postgres"] = server
 
 
-def _postgres_keep(server: psycopg.Connection, prefix: str, database: dict) -> None:
+def _postgres_keep(server: psycopg.Connection, database: dict) -> None:
     from django.db import connections
 
-    name = prefix + migrations_digest()
+    name = postgres_kept_name()
     partial = f"{name}_partial"
     # CREATE DATABASE … TEMPLATE needs the source without sessions: this process's own.
     for alias in connections:
@@ -179,9 +206,12 @@ def _postgres_keep(server: psycopg.Connection, prefix: str, database: dict) -> N
     )
     rename = sql.SQL("ALTER DATABASE {} RENAME TO {}")
     server.execute(rename.format(sql.Identifier(partial), sql.Identifier(name)))
-    # Other migrations' templates (older commits, other branches): dropped where nobody uses them.
+    # Other migrations' templates (older commits, other branches), the migration test modules'
+    # included: dropped where nobody uses them.
+    prefix = f"{_configured['name']}_migrated_"
     for (stale,) in server.execute(
-        "SELECT datname FROM pg_database WHERE starts_with(datname, %s) AND datname <> %s", [prefix, name]
+        "SELECT datname FROM pg_database WHERE starts_with(datname, %s) AND NOT starts_with(datname, %s)",
+        [prefix, name],
     ).fetchall():
         # One being copied by another checkout's run is that run's to keep.
         with contextlib.suppress(psycopg.Error):

@@ -11,9 +11,10 @@ drops it. Only the test's own connection sees it: no live server or worker may r
 
 A module whose tests start at one old state migrates there once: `migrated_template(targets)`
 is a module-scoped fixture holding an empty database at `targets`, and
-`fresh_database(template=...)` starts each test on a copy of it (SQLite: the file, copied, and
-kept across runs as conftest keeps the migrated test database; PostgreSQL: `CREATE DATABASE
-... TEMPLATE`, made once a module), the rows of one test never seen by the next.
+`fresh_database(template=...)` starts each test on a copy of it (SQLite: the file, copied;
+PostgreSQL: `CREATE DATABASE ... TEMPLATE`), the rows of one test never seen by the next. The
+template is kept across runs as the migrated test database is (tests/kept_database.py), named
+by the migrations and the targets.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
 
-from tests.isolation import ROOT, VAR_BASE
+from tests import kept_database
+from tests.isolation import VAR_BASE
+from tests.kept_database import migrations_digest
 
 Target = tuple[str, str]
 _KEPT = VAR_BASE / "test-db-templates"
@@ -66,51 +69,40 @@ def fresh_database(template: str | None = None) -> Iterator[None]:
 
 def migrated_template(targets: list[Target]) -> Callable[..., Iterator[str]]:
     """A module-scoped fixture: an empty database migrated forwards to `targets`, made once for
-    the module's tests to copy (`fresh_database(template=...)`), dropped after them. The
-    database is reached only while making and dropping it."""
+    the module's tests to copy (`fresh_database(template=...)`), and kept. The database is
+    reached only while making it."""
 
     @pytest.fixture(scope="module")
     def fixture(django_db_setup, django_db_blocker) -> Iterator[str]:  # type: ignore[no-untyped-def]
         with django_db_blocker.unblock():
             name = _template_make(targets)
-        try:
-            yield name
-        finally:
-            with django_db_blocker.unblock():
-                _template_drop(name)
+        yield name
 
     return fixture
 
 
-def migrations_digest() -> str:
-    """A digest of everything that shapes a migrated database: the project's migrations and the
-    pinned requirements (the third-party apps' migrations)."""
-    key = hashlib.sha256()
-    for path in [*sorted(ROOT.glob("*/migrations/*.py")), ROOT / "requirements.txt"]:
-        key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
-    return key.hexdigest()[:16]
-
-
 def _template_make(targets: list[Target]) -> str:
-    """SQLite: kept across runs beside conftest's migrated test database, named by the
-    migrations and the targets (made again when either changes); PostgreSQL: made for the
-    module on the server, beside the test database."""
+    """Kept across runs beside the migrated test database, named by the migrations and the
+    targets (made again when either changes): SQLite's a file, PostgreSQL's a database on the
+    server, made by one process while the others wait on its lock."""
     settings = connection.settings_dict
     suffix = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:8]
     if connection.vendor == "sqlite":
         name = str(_KEPT / f"migrated-{suffix}-{migrations_digest()}.sqlite3")
-        if Path(name).exists():
-            return name
-    else:
-        name = f"{settings['NAME']}_template_{suffix}"
-    with fresh_database():
-        migrate(targets)
-        connection.close()
-        if connection.vendor == "sqlite":
-            _sqlite_keep(settings["NAME"], Path(name))
-        else:  # the migrated database becomes the template: renamed, not copied
-            _execute(f'DROP DATABASE IF EXISTS "{name}"')
-            _execute(f'ALTER DATABASE "{settings["NAME"]}" RENAME TO "{name}"')
+        if not Path(name).exists():
+            with fresh_database():
+                migrate(targets)
+                connection.close()
+                _sqlite_keep(settings["NAME"], Path(name))
+        return name
+    name = kept_database.postgres_kept_name(suffix)
+    with kept_database.postgres_lock(settings, name) as made:
+        if not made:
+            with fresh_database():
+                migrate(targets)
+                connection.close()
+                # The migrated database becomes the template, whole: renamed, not copied.
+                _execute(f'ALTER DATABASE "{settings["NAME"]}" RENAME TO "{name}"')
     return name
 
 
@@ -124,11 +116,6 @@ def _sqlite_keep(source: str, kept: Path) -> None:
     for stale in kept.parent.glob(kept.name.rsplit("-", 1)[0] + "-*.sqlite3"):
         if stale != kept:
             stale.unlink(missing_ok=True)
-
-
-def _template_drop(name: str) -> None:
-    if connection.vendor != "sqlite":  # SQLite's is kept for the next runs
-        _execute(f'DROP DATABASE IF EXISTS "{name}"')
 
 
 def _sqlite_copy(source: str, target: str) -> None:
