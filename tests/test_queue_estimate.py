@@ -16,15 +16,13 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation
 from gpus.services import servers_report_ingest
 from jobs.models import Job
-from jobs.queue.forecast import UsageForecast
-from jobs.queue.rules import START_SLACK, Shares, Usage, decayed_hours
+from jobs.queue.rules import START_SLACK
 from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.submit import ScriptUpload
 from tests.factories import MembershipFactory, UserFactory, make_snapshot, queue_job
 from tests.test_cli import gpu, portal  # noqa: F401 - the live server and the CLI as a user runs it
 
 M = timedelta(minutes=1)
-H = timedelta(hours=1)
 
 
 @pytest.fixture
@@ -92,56 +90,6 @@ def test_the_estimate_counts_on_the_typical_run_of_the_jobs_ahead_too(alice, box
     # The scheduler's own plan: the time limits.
     entries = {e.request.job_id: e for e in queue_plan()}
     assert entries[behind.pk].estimated_start == entries[ahead.pk].estimated_start + ahead_booked(ahead)
-
-
-def test_the_estimate_foresees_fair_share_turning_as_the_work_runs(api, alice, bob, box, sent):
-    """alice's two jobs sit above bob's today (he used a GPU-hour yesterday, she nothing yet), but
-    once her running job has run she has used 4 GPU-hours: the pass at that moment takes bob's job
-    before her second. The shown plan says so; the scheduler's own plan, and the priorities shown,
-    keep today's order."""
-    used = reservation_create(user=bob, gpus=[box[0].uuid], end=timezone.now() + H)
-    yesterday = {"start": timezone.now() - 25 * H, "end": timezone.now() - 24 * H}
-    Reservation.objects.filter(pk=used.pk).update(**yesterday)
-    used.allocations.update(**yesterday)
-    running = _running_wide_job(alice, minutes=60)
-    first = queue_job(alice, gpus=4, minutes=60)
-    second = queue_job(alice, gpus=4, minutes=60)
-    bobs = queue_job(bob, gpus=4, minutes=60)
-    schedule_pass()
-    shown = queue_plan(expected=True)
-    assert [e.request.job_id for e in shown] == [first.pk, second.pk, bobs.pk]  # today's priority order
-    at = {e.request.job_id: e.estimated_start for e in shown}
-    booked = timedelta(minutes=60) + START_SLACK
-    assert at[first.pk] == running.reservation.end
-    assert at[bobs.pk] == at[first.pk] + booked
-    assert at[second.pk] == at[bobs.pk] + booked
-    rows = {r["job"]: r for r in api.get("/api/v1/queue/").json()["results"]}
-    assert _at(rows[bobs.pk]) < _at(rows[second.pk])
-    passes = {e.request.job_id: e.estimated_start for e in queue_plan()}
-    assert passes[first.pk] < passes[second.pk] < passes[bobs.pk]
-
-
-def test_the_usage_forecast_counts_each_hour_as_fair_share_decays_it():
-    """Usage kept in today's units compares as the decayed usage would at the forecast's moment."""
-    now = timezone.now()
-    half_life = timedelta(days=7)
-    usage = Usage(team={1: 0.0, 2: 10.0}, member={(1, 1): 0.0, (2, 2): 10.0})
-    shares = Shares(team={1: 1, 2: 1}, member={(1, 1): 1, (2, 2): 1})
-    forecast = UsageForecast(shares, usage, now, half_life, [(now - M, now + 2 * H, 2.0, 1, 1)])
-    forecast.move_to(now + 3 * H)
-    later = forecast.usage()
-    ran = decayed_hours(now, now + 2 * H, 2.0, now + 3 * H, half_life)
-    before = 10.0 * 0.5 ** ((3 * H) / half_life)
-    assert later.team[1] / later.team[2] == pytest.approx(ran / before)
-    assert later.member[(1, 1)] == pytest.approx(later.team[1])
-    # A job placed from an hour ago (the moment is past its start) counts its hours so far at once.
-    version = forecast.version
-    forecast.add(now + 2 * H, now + 4 * H, 1.0, 2, 2)
-    assert forecast.version > version
-    grown = forecast.usage().team[2] - later.team[2]
-    assert grown / later.team[2] == pytest.approx(
-        decayed_hours(now + 2 * H, now + 3 * H, 1.0, now + 3 * H, half_life) / before
-    )
 
 
 def ahead_booked(job: Job) -> timedelta:

@@ -11,8 +11,7 @@ past its typical time ends "any minute now". Each estimate says its basis (`Entr
 - `lending`: a preemptible job that fits on an idle booking lent to the queue: the next pass;
 - `plan`: the calendar: bookings, the running jobs' expected ends, and the jobs ahead's shadows
   (each for its expected run, `expected_requests`; a job's own start still needs room for its
-  whole time limit, as the scheduler books it), the jobs taken in the order the passes to come
-  will take them, fair share turning as the work runs (`usage_forecast`, jobs/queue/forecast.py);
+  whole time limit, as the scheduler books it);
 - empty, with no estimate: beyond QUEUE_BACKFILL_DEPTH, or no server it may use takes work now.
 """
 
@@ -21,13 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from django.conf import settings
-
-from gpus.models import GPU, Allocation
 from jobs.lending import loans_preview
 from jobs.models import Job
-from jobs.queue.forecast import UsageForecast
-from jobs.queue.rules import START_SLACK, Entry, Request, Shares, Usage
+from jobs.queue.rules import START_SLACK, Entry, Request
 from jobs.rightsizing import typical_minutes
 
 
@@ -64,23 +59,6 @@ def expected_requests(requests: Sequence[Request]) -> list[Request]:
         else r
         for r in requests
     ]
-
-
-def usage_forecast(
-    now: datetime, horizon: datetime, shares: Shares, usage: Usage, ends: dict[int, datetime]
-) -> UsageForecast:
-    """Fair share as the plan's moment moves on (jobs/queue/forecast.py): today's usage, and every
-    live booking's cards until its end (a running queued job's until its expected end, `ends`)."""
-    rows = Allocation.objects.live_between(now, horizon).values_list(
-        "start", "end", "memory_mb", "gpu__memory_total_mb", "reservation__team_id", "reservation__owner_id",
-        "reservation_id",
-    )  # fmt: skip
-    streams = [
-        (start, ends.get(booking, end), GPU.charged_share(memory_mb, total), team, owner)
-        for start, end, memory_mb, total, team, owner, booking in rows
-    ]
-    half_life = timedelta(days=settings.FAIRSHARE_HALF_LIFE_DAYS)
-    return UsageForecast(shares, usage, now, half_life, streams)
 
 
 def with_lending(entries: Sequence[Entry], now: datetime) -> None:

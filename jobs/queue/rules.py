@@ -29,16 +29,13 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from jobs.queue.calendar import Calendar
 from portal.errors import Invalid
-
-if TYPE_CHECKING:
-    from jobs.queue.forecast import UsageForecast
 
 MAX_ARRAY = 10_000
 # The booking of a queued job outlasts its time limit by this much, so the limit (not the
@@ -114,27 +111,11 @@ class Usage:
 def fairshare_factor(team: int, user: int, shares: Shares, usage: Usage) -> float:
     """2^(−U/S) for the team among the teams, times the same for the member within the team: 1 for
     who used nothing, ½ for who used exactly their share, less for more."""
-    return fairshare_factors([(team, user)], shares, usage)[(team, user)]
-
-
-def fairshare_factors(
-    pairs: Iterable[tuple[int, int]], shares: Shares, usage: Usage
-) -> dict[tuple[int, int], float]:
-    """`fairshare_factor` of each (team, user), each team's members read once: a thousand jobs
-    are a few dozen people, and the shown plan asks again as its forecast moves (forecast.py)."""
-    teams: dict[int, tuple[dict, dict]] = {}
-    factors = {}
-    for team, user in pairs:
-        if team not in teams:
-            teams[team] = (
-                {k: v for k, v in shares.member.items() if k[0] == team},
-                {k: v for k, v in usage.member.items() if k[0] == team},
-            )
-        member_shares, member_usage = teams[team]
-        factors[(team, user)] = _factor(team, shares.team, usage.team) * _factor(
-            (team, user), member_shares, member_usage
-        )
-    return factors
+    return _factor(team, shares.team, usage.team) * _factor(
+        (team, user),
+        {k: v for k, v in shares.member.items() if k[0] == team},
+        {k: v for k, v in usage.member.items() if k[0] == team},
+    )
 
 
 def _factor(key: object, shares: dict, usage: dict) -> float:
@@ -221,7 +202,6 @@ def plan(
     array_room: dict[int, int],
     not_now: Collection[int] = (),
     offline: dict[int, str] | None = None,
-    forecast: UsageForecast | None = None,
 ) -> list[Entry]:
     """Every pending job in priority order, with what to do about it now (see the module's text).
 
@@ -229,10 +209,8 @@ def plan(
     whatever the calendar says, but keep their place: their shadows bind the jobs after them.
     `offline`: the servers jobs asked for by name that are not online, with the words that say so:
     such a job waits, saying why, and gets no estimate (when a host comes back is anyone's guess).
-    `forecast` (the shown plan's only, never a pass's): the jobs are walked in the order the passes
-    to come will take them, fair share turning as the placed jobs run (jobs/queue/forecast.py);
-    the entries still come back in today's priority order. Mutates `calendar` (the starts and the
-    shadows), so the caller can book exactly what the plan chose."""
+    Mutates `calendar` (the starts and the shadows), so the caller can book exactly what the plan
+    chose."""
     now = calendar.now
     entries = _ordered(requests, now, shares, usage, weights)
     refused: dict[tuple, list[tuple]] = defaultdict(list)  # shapes that did not fit now, by where they may go
@@ -241,7 +219,7 @@ def plan(
     silences: dict[tuple, str] = {}
     shadows = 0
     room = dict(array_room)
-    for entry in entries if forecast is None else forecast.order(entries, weights):
+    for entry in entries:
         r = entry.request
         if _waits_regardless(entry, now, draining, offline or {}, room):
             continue
@@ -258,8 +236,6 @@ def plan(
             if cards:
                 entry.start_now = cards
                 calendar.start(cards, now + r.holds, r.memory_mb)
-                if forecast is not None:
-                    forecast.placed(r, now, now + r.holds, calendar, cards)
                 if r.array_id is not None:
                     room[r.array_id] = room.get(r.array_id, 1) - 1
                 continue
@@ -272,12 +248,6 @@ def plan(
             entry.note = _note(calendar, r, draining, silences)
         if shadows < depth:
             shadows += _shadow(calendar, entry, draining, estimates)
-            if forecast is not None and entry.estimated_start is not None:
-                at = entry.estimated_start
-                forecast.placed(r, at, at + r.holds, calendar, entry.held)
-                forecast.move_to(at)  # the next job is the one the pass at its start will take
-                if shadows >= depth:
-                    forecast.freeze()
     return entries
 
 
@@ -332,20 +302,17 @@ def _ordered(
 ) -> list[Entry]:
     """The entries in priority order, the oldest first among equals. The fair-share factor is
     worked out once per team and member: a thousand jobs, a few dozen people."""
-    factors = fairshare_factors({(r.team_id, r.user_id) for r in requests}, shares, usage)
+    factors: dict[tuple[int, int], float] = {}
     entries = []
     for r in requests:
+        if (r.team_id, r.user_id) not in factors:
+            factors[(r.team_id, r.user_id)] = fairshare_factor(r.team_id, r.user_id, shares, usage)
         entries.append(_entry(r, now, factors[(r.team_id, r.user_id)], weights))
     return sorted(entries, key=lambda e: (-e.priority, e.request.submitted_at, e.request.job_id))
 
 
-def age_factor(submitted_at: datetime, now: datetime, weights: Weights) -> float:
-    """From 0 when submitted to 1 after QUEUE_AGE_MAX_HOURS of waiting."""
-    return min(1.0, max(0.0, (now - submitted_at) / weights.age_max)) if weights.age_max else 0.0
-
-
 def _entry(r: Request, now: datetime, fair: float, weights: Weights) -> Entry:
-    age = age_factor(r.submitted_at, now, weights)
+    age = min(1.0, max(0.0, (now - r.submitted_at) / weights.age_max)) if weights.age_max else 0.0
     priority = fair * weights.fairshare + age * weights.age - r.nice
     return Entry(request=r, priority=round(priority, 3), fairshare=round(fair, 4), age=round(age, 4))
 

@@ -39,7 +39,7 @@ from jobs.lending import loans_expire, loans_place
 from jobs.logs.live import job_changed
 from jobs.models import InteractiveSession, Job, JobArray
 from jobs.queue.calendar import Calendar, Card
-from jobs.queue.expected import expected_ends, expected_requests, usage_forecast, with_lending
+from jobs.queue.expected import expected_ends, expected_requests, with_lending
 from jobs.queue.rules import Entry, Request, Shares, Usage, Weights, decayed_hours, plan
 from jobs.runs import queued_job_ended
 from jobs.services import cpu_share, default_threads, dispatch, jobs_due_dispatch
@@ -134,7 +134,6 @@ def queue_plan(
     servers = [pk for pk, *_ in online]
     slots, silent = _free_slots(now, [(pk, name, n, at) for pk, _, name, n, at in online])
     ends = expected_ends(now) if expected else {}
-    forecast = usage_forecast(now, horizon, shares, usage, ends) if expected else None
     entries = plan(
         requests,
         _calendar(now, servers, horizon, slots=slots, silent=silent, ends=ends),
@@ -150,7 +149,6 @@ def queue_plan(
         array_room=_array_room({r.array_id for r in requests if r.array_id}),
         not_now=not_now,
         offline=_offline(requests, set(servers)),
-        forecast=forecast,
     )
     if expected:
         with_lending(entries, now)
