@@ -30,8 +30,11 @@ What is measured
 
 The two weeks run at once, each in a process of its own, on a throw-away database of its own
 (SQLite in memory by default; with DATABASE_URL, PostgreSQL's test_<name>_bench_lab_week_on and
-_off). Needs no Redis and no worker: the hosts are simulated. `--params FILE` replays another
-lab's habits. A missed goal prints MISSED; the exit code is non-zero only on errors.
+_off). Needs no Redis and no worker: the hosts are simulated, and the scheduler's holds for
+waiting jobs are kept in the week's own memory, so a Redis, if any, changes nothing.
+`--params FILE` replays another lab's habits; `--estimates-csv FILE` writes every sampled
+estimate beside the start it met. A missed goal prints MISSED; the exit code is non-zero only on
+errors.
 """
 
 from __future__ import annotations
