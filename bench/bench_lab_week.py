@@ -30,13 +30,17 @@ What is measured
 
 The two weeks run at once, each in a process of its own, on a throw-away database of its own
 (SQLite in memory by default; with DATABASE_URL, PostgreSQL's test_<name>_bench_lab_week_on and
-_off). Needs no Redis and no worker: the hosts are simulated. `--params FILE` replays another
-lab's habits. A missed goal prints MISSED; the exit code is non-zero only on errors.
+_off). Needs no Redis and no worker: the hosts are simulated, and the scheduler's holds for
+waiting jobs are kept in the week's own memory, so a Redis, if any, changes nothing.
+`--params FILE` replays another lab's habits; `--estimates-csv FILE` writes every sampled
+estimate beside the start it met. A missed goal prints MISSED; the exit code is non-zero only on
+errors.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import logging
 import signal
@@ -157,12 +161,13 @@ class Estimates:
     unresolved: int  # samples of jobs still waiting at the week's end
     short: list[float]  # the errors of samples whose job started within 2 hours
     ordinary: list[float]  # the errors of ordinary (not preemptible) jobs' samples
+    per_job: dict[int, list[float]]  # each job's samples' errors (a long wait is sampled more often)
 
 
 def estimate_errors(rec: Any, floor: timedelta) -> Estimates:
     """Each sampled estimate's error against the job's next start."""
     starts = first_starts(rec)
-    done = Estimates([], 0, 0, [], [])
+    done = Estimates([], 0, 0, [], [], defaultdict(list))
     for job, when, estimate in rec.samples:
         actual = next((t for t in starts.get(job, []) if t >= when), None)
         if actual is None:
@@ -171,12 +176,45 @@ def estimate_errors(rec: Any, floor: timedelta) -> Estimates:
         wait = max(actual - when, floor)
         error = abs((actual - estimate).total_seconds()) / wait.total_seconds()
         done.errors.append(error)
+        done.per_job[job].append(error)
         done.later += actual > estimate
         if actual - when <= timedelta(hours=2):
             done.short.append(error)
         if job in rec.submitted and not rec.submitted[job][0].preemptible:
             done.ordinary.append(error)
     return done
+
+
+def estimates_write(rec: Any, path: Path) -> None:
+    """Each sampled estimate (the week with lending) beside the job's next start, for a closer look:
+    job, person, preemptible, cards, limit and typical minutes, submitted, sampled, estimate, start."""
+    starts = first_starts(rec)
+    with path.open("w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(
+            [
+                "job",
+                "person",
+                "preemptible",
+                "cards",
+                "limit",
+                "minutes",
+                "submitted",
+                "when",
+                "estimate",
+                "start",
+            ]
+        )
+        for job, when, estimate in rec.samples:
+            planned, submitted = rec.submitted.get(job, (None, None))
+            if planned is None:
+                continue
+            actual = next((t for t in starts.get(job, []) if t >= when), None)
+            writer.writerow([
+                job, planned.person, int(planned.preemptible), planned.cards, planned.limit,
+                round(planned.minutes, 1), submitted.isoformat(), when.isoformat(), estimate.isoformat(),
+                actual.isoformat() if actual else "",
+            ])  # fmt: skip
 
 
 def queue_waits(rec: Any, *, preemptible: bool) -> list[float]:
@@ -242,6 +280,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=Path, default=PARAMS)
     parser.add_argument(
+        "--estimates-csv",
+        type=Path,
+        help="write each sampled estimate of the week with lending, and the start it met",
+    )
+    parser.add_argument(
         "--without-lending-to", type=Path, help=argparse.SUPPRESS
     )  # the second week's process
     args = parser.parse_args()
@@ -273,6 +316,8 @@ def main() -> None:
     print(off["line"])
     print(f"  both weeks: {time.perf_counter() - began:.1f} s")
     figures(params, on, off)
+    if args.estimates_csv:
+        estimates_write(on, args.estimates_csv)
 
 
 def figures(params: dict[str, Any], on: Any, off: dict[str, Any]) -> None:
@@ -307,6 +352,8 @@ def figures(params: dict[str, Any], on: Any, off: dict[str, Any]) -> None:
     report(f"  of jobs that started within 2 h ({len(est.short)}), median", short, "%", "", True)
     ordinary = 100 * statistics.median(est.ordinary or [0])
     report(f"  of ordinary jobs ({len(est.ordinary)}), median", ordinary, "%", "", True)
+    per_job = 100 * statistics.median([statistics.median(e) for e in est.per_job.values()] or [0])
+    report(f"  each job once ({len(est.per_job)}: its samples' median), median", per_job, "%", "", True)
     without = 100 * statistics.median(off["estimate_errors"] or [0])
     report("  the same week without lending, median", without, "%", "", True)
     w_on, w_off = queue_waits(on, preemptible=False), off["ordinary"]

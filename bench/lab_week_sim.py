@@ -552,23 +552,45 @@ class Week:
         self.rec.preemptions.append(progress - kept)
 
     def attach(self) -> list[Callable[[], None]]:
-        """The seams: the clock, the hosts' messages and the scheduler's wake-ups; what undoes them."""
+        """The seams: the clock, the hosts' messages, the scheduler's wake-ups and the store of its
+        holds; what undoes them."""
         import django.utils.timezone as tz
 
+        import jobs.queue.scheduler
         import jobs.services
         import portal.wakeups
-        from jobs.queue.scheduler import PassMemory
 
-        self.memory = PassMemory()
-        saved = (tz.now, jobs.services.send, portal.wakeups.wake)
+        holds = _HoldsStore()
+        self.memory = jobs.queue.scheduler.PassMemory(redis=holds)  # type: ignore[arg-type]
+        saved = (tz.now, jobs.services.send, portal.wakeups.wake, jobs.queue.scheduler.client)
         tz.now = self.clock  # type: ignore[assignment]
         jobs.services.send = lambda pk, queue: self.sent.append(pk)  # type: ignore[assignment]
         portal.wakeups.wake = lambda name: setattr(self, "woken", True)  # type: ignore[assignment]
+        jobs.queue.scheduler.client = lambda timeout: holds  # type: ignore[assignment]
 
         def undo() -> None:
-            tz.now, jobs.services.send, portal.wakeups.wake = saved  # type: ignore[assignment]
+            tz.now, jobs.services.send, portal.wakeups.wake, jobs.queue.scheduler.client = saved  # type: ignore[assignment]
 
         return [undo]
+
+
+class _HoldsStore:
+    """The scheduler's holds for waiting jobs (jobs.queue.scheduler: `_store_holds` writes them,
+    the booking service reads them through `queue_holds`), kept in the week's own memory rather
+    than in Redis. In Redis they made the week depend on where it ran: without a Redis (the bench
+    alone) no booking was ever checked against them; with one (`make bench`) they expired on the
+    real clock (30 s, hours of the simulated week) and the two weeks, running at once under one
+    key, read each other's. Here the last pass's holds stand until the next pass, as they do in a
+    lab whose scheduler passes every 2 s (between the week's passes only time moves)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str, ex: int | None = None) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> str | None:
+        return self.values.get(key)
 
 
 def now_le(a: datetime, b: datetime) -> bool:
