@@ -110,20 +110,7 @@ def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
     .loan_words), and its loan, the queue's booking on the same card, is not listed apart."""
     viewer_teams = team_ids_of(viewer)
     held: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    rows = list(
-        Allocation.objects.live_at(now)
-        .order_by("gpu_id", "start")
-        .values_list(
-            "gpu_id",
-            "memory_mb",
-            "end",
-            "reservation__owner_id",
-            "reservation__owner__username",
-            "reservation__team_id",
-            "reservation_id",
-            "reservation__lent_from_id",
-        )
-    )
+    rows = list(_BOOKING_ROWS.all().live_at(now))
     loans = {(gpu_id, lender): loan for gpu_id, *_, loan, lender in rows if lender is not None}
     words = loan_words(set(loans.values()))
     for gpu_id, memory_mb, end, owner_id, owner_name, team_id, booking, lender in rows:
@@ -259,17 +246,17 @@ def _dashboard_cards(
                     bookable_mb(card.memory_total_mb or 0, card.memory_reserved_mb),
                     facts[card.server_id],
                     tuple(processes.get(uuid, ())),
-                    tuple(Booked(**held) for held in booked.get(uuid, ())),
+                    tuple(Booked(**held) for held in booked[uuid]) if uuid in booked else (),
                     links,
                 )
             )
         )
 
 
-# The dashboard's reads that take no parameter, built once: building a queryset (its filters,
-# columns and ordering) was a third of each one's CPU on a page polled every few seconds by each
-# viewer (issue 40). Each request runs a clone (`.all()`), compiled then: `Now()` is the
-# database's clock at that request.
+# The dashboard's reads, built once (but for what changes, the moment of the bookings): building a
+# queryset (its filters, columns, joins and ordering) was a third of each one's CPU on a page
+# polled every few seconds by each viewer (issue 40). Each request runs a clone (`.all()`),
+# compiled then: `Now()` is the database's clock at that request.
 _SERVER_ROWS = (
     Server.objects.order_by("name")
     # `last_seen` is the database's clock (portal.clock), read with the rows rather than apart.
@@ -285,6 +272,17 @@ _SERVER_ROWS = (
         "jobs_as_root",
         "seen_now",
     )
+)
+# Its columns and joins built once; the moment (Allocation.objects.live_at) each request.
+_BOOKING_ROWS = Allocation.objects.order_by("gpu_id", "start").values_list(
+    "gpu_id",
+    "memory_mb",
+    "end",
+    "reservation__owner_id",
+    "reservation__owner__username",
+    "reservation__team_id",
+    "reservation_id",
+    "reservation__lent_from_id",
 )
 _BREAKING = (
     Violation.objects.filter(ended_at=None)
