@@ -391,7 +391,7 @@ class Week:
         from django.conf import settings
 
         from gpus.models import Server
-        from jobs.host.watchdog import _bookings_now, _jobs_of
+        from jobs.host.watchdog import round_facts
         from jobs.watchdog.rules import classify
 
         now = self.clock.now
@@ -401,10 +401,11 @@ class Week:
             if not any(g.processes for g in snap.gpus):
                 continue
             server = servers[snap.host.name]
+            facts = round_facts(server, now)
             for verdict in classify(
                 snap.gpus,
-                bookings=_bookings_now(server, now),
-                jobs=_jobs_of(server, now),
+                bookings=facts.bookings,
+                jobs=facts.jobs,
                 users_by_os_name=users,
                 tolerance_mb=settings.WATCHDOG_MEMORY_TOLERANCE_MB,
             ):

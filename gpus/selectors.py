@@ -110,20 +110,7 @@ def bookings_now(viewer: Any, now: datetime) -> dict[str, list[dict[str, Any]]]:
     .loan_words), and its loan, the queue's booking on the same card, is not listed apart."""
     viewer_teams = team_ids_of(viewer)
     held: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    rows = list(
-        Allocation.objects.live_at(now)
-        .order_by("gpu_id", "start")
-        .values_list(
-            "gpu_id",
-            "memory_mb",
-            "end",
-            "reservation__owner_id",
-            "reservation__owner__username",
-            "reservation__team_id",
-            "reservation_id",
-            "reservation__lent_from_id",
-        )
-    )
+    rows = list(_BOOKING_ROWS.all().live_at(now))
     loans = {(gpu_id, lender): loan for gpu_id, *_, loan, lender in rows if lender is not None}
     words = loan_words(set(loans.values()))
     for gpu_id, memory_mb, end, owner_id, owner_name, team_id, booking, lender in rows:
@@ -150,12 +137,11 @@ def dashboard_servers(viewer: Any) -> list[dict[str, Any]]:
     """
     now = timezone.now()
     servers = []
-    shown = ("id", "name", "kind", "draining", "containers_ok", "containers_detail", *SERVER_LIVE_FIELDS)
     admin = is_admin(viewer)  # only admins are told where jobs run as root: theirs to change
-    nodes = _slurm_nodes()
     timeline_url = url_maker("server_timeline", "SERVER")
-    # `last_seen` is the database's clock (portal.clock), read with the rows rather than apart.
-    rows = Server.objects.order_by("name").annotate(seen_now=Now()).values(*shown, "jobs_as_root", "seen_now")
+    rows = list(_SERVER_ROWS.all())
+    # Slurm nodes belong to Slurm clusters only: a lab without one is not asked for them.
+    nodes = _slurm_nodes() if any(server["kind"] == Server.Kind.SLURM for server in rows) else {}
     for server in rows:
         server["timeline_url"] = timeline_url(server["name"])
         server["jobs_as_root"] = server["jobs_as_root"] and admin
@@ -183,33 +169,34 @@ def _slurm_nodes() -> dict[int, list[dict[str, Any]]]:
 def _dashboard_processes(viewer: Any) -> dict[str, list[ProcessFacts]]:
     """Each card's processes, biggest first, with their command lines as the viewer may see them
     and the watchdog's open finding on each (a red badge)."""
-    breaking: dict[tuple[str, int], str] = dict(
-        ((gpu, pid), kind)
-        for gpu, pid, kind in Violation.objects.filter(ended_at=None)
-        .exclude(kind=Violation.Kind.OWNER_OUTSIDE_JOB)
-        .values_list("gpu_id", "pid", "kind")
-    )
+    breaking: dict[tuple[str, int], str] = {(gpu, pid): kind for gpu, pid, kind in _BREAKING.all()}
     processes: dict[str, list[ProcessFacts]] = defaultdict(list)
-    rows = list(
-        GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values_list(
-            "gpu_id", "pid", "username", "command", "used_memory_mb", "job_id", "interactive_id", "session_id"
-        )
-    )
+    rows = list(_PROCESS_ROWS.all())
     job_ids = {row[5] for row in rows if row[5]}
     commands = CommandLines(viewer, job_ids=job_ids)
     images = job_images(job_ids)  # "job 12 · image tf-2.17"
+    # A thousand processes a page, of a few programs and people: each command line as shown is
+    # worked out once per (command, user, job), and the facts made by `_make` (a tuple in the
+    # fields' order, its length checked), which costs half a call with arguments.
+    shown: dict[tuple[str, str, int | None], str] = {}
+    make = ProcessFacts._make
     for gpu, pid, username, command, memory, job, interactive, session in rows:
+        seen = shown.get((command, username, job))
+        if seen is None:
+            seen = shown[command, username, job] = commands.shown(command, username=username, job_id=job)
         processes[gpu].append(
-            ProcessFacts(
-                pid=pid,
-                username=username,
-                memory_mb=memory,
-                command=commands.shown(command, username=username, job_id=job),
-                violation=breaking.get((gpu, pid)),
-                job_id=job,
-                image=images.get(job),
-                interactive_id=interactive,
-                session_id=session,
+            make(
+                (
+                    pid,
+                    username,
+                    memory,
+                    seen,
+                    breaking.get((gpu, pid)),
+                    job,
+                    images.get(job),
+                    interactive,
+                    session,
+                )
             )
         )
     return processes
@@ -248,19 +235,66 @@ def _dashboard_cards(
         )
         for server in servers.values()
     }
-    rows = GPU.objects.order_by("server_id", "node", "index").values_list(*DASHBOARD_CARD_COLUMNS, named=True)
-    for card in rows:
+    make = CardFacts._make
+    for card in _CARD_ROWS.all():
+        uuid = card.uuid
         servers[card.server_id]["cards"].append(
-            CardFacts(
-                card=card,
-                url=detail_url(card.uuid),
-                bookable_mb=bookable_mb(card.memory_total_mb or 0, card.memory_reserved_mb),
-                server=facts[card.server_id],
-                processes=tuple(processes.get(card.uuid, ())),
-                booked=tuple(Booked(**held) for held in booked.get(card.uuid, ())),
-                links=links,
+            make(  # in CardFacts' order, as ProcessFacts in _dashboard_processes
+                (
+                    card,
+                    detail_url(uuid),
+                    bookable_mb(card.memory_total_mb or 0, card.memory_reserved_mb),
+                    facts[card.server_id],
+                    tuple(processes.get(uuid, ())),
+                    tuple(Booked(**held) for held in booked[uuid]) if uuid in booked else (),
+                    links,
+                )
             )
         )
+
+
+# The dashboard's reads, built once (but for what changes, the moment of the bookings): building a
+# queryset (its filters, columns, joins and ordering) was a third of each one's CPU on a page
+# polled every few seconds by each viewer (issue 40). Each request runs a clone (`.all()`),
+# compiled then: `Now()` is the database's clock at that request.
+_SERVER_ROWS = (
+    Server.objects.order_by("name")
+    # `last_seen` is the database's clock (portal.clock), read with the rows rather than apart.
+    .annotate(seen_now=Now())
+    .values(
+        "id",
+        "name",
+        "kind",
+        "draining",
+        "containers_ok",
+        "containers_detail",
+        *SERVER_LIVE_FIELDS,
+        "jobs_as_root",
+        "seen_now",
+    )
+)
+# Its columns and joins built once; the moment (Allocation.objects.live_at) each request.
+_BOOKING_ROWS = Allocation.objects.order_by("gpu_id", "start").values_list(
+    "gpu_id",
+    "memory_mb",
+    "end",
+    "reservation__owner_id",
+    "reservation__owner__username",
+    "reservation__team_id",
+    "reservation_id",
+    "reservation__lent_from_id",
+)
+_BREAKING = (
+    Violation.objects.filter(ended_at=None)
+    .exclude(kind=Violation.Kind.OWNER_OUTSIDE_JOB)
+    .values_list("gpu_id", "pid", "kind")
+)
+_PROCESS_ROWS = GPUProcess.objects.order_by("gpu_id", "-used_memory_mb", "pid").values_list(
+    "gpu_id", "pid", "username", "command", "used_memory_mb", "job_id", "interactive_id", "session_id"
+)
+_CARD_ROWS = GPU.objects.order_by("server_id", "node", "index").values_list(
+    *DASHBOARD_CARD_COLUMNS, named=True
+)
 
 
 def url_maker(name: str, sample: object) -> Callable[[object], str]:

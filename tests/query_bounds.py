@@ -7,10 +7,11 @@ from __future__ import annotations
 
 # GET / (the dashboard page, signed in, no time zone chosen): the session, the user, the open
 # violations, the processes, the viewer's profile (their Unix account), their teams, the bookings
-# now, the cards, Slurm nodes, the servers (with the database's clock), the bell; and two more
-# when a process runs as the viewer's username (whether it stands in for their Unix account:
-# unix_account_name), as it does at these bounds. Two fewer (11) with none.
-DASHBOARD = 13
+# now, the cards, the servers (with the database's clock), the bell; and two more when a process
+# runs as the viewer's username (whether it stands in for their Unix account: unix_account_name),
+# as it does at these bounds. Two fewer (10) with none. One more (the Slurm nodes) where a server
+# is a Slurm cluster, as none is at these bounds.
+DASHBOARD = 12
 # GET /api/v1/gpus/: the session, the user, the processes, the viewer's profile, the jobs' images,
 # their teams, the bookings now, the cards; and the same two more (7 without them).
 GPU_LIST = 9

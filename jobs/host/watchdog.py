@@ -6,9 +6,10 @@ WATCHDOG_INTERVAL_SECONDS (gpus/telemetry.py) and hands each snapshot here throu
 costs its server's row (the UPDATE of the last round's time, which finds it: `_server`), three
 queries of facts (the bookings active on this host's cards, its running and recently ended jobs,
 its running sessions), one more when processes of unknown OS users need their portal accounts,
-two more while it has open violations (what people asked of them: jobs.watchdog.records.asked_of;
-the UPDATE of their `last_seen`), and writes otherwise only when a violation starts, changes or
-ends: six statements a steady round, however many processes (tests/test_hot_path_queries.py).
+two more while it has open violations (what people asked of them; the UPDATE of their
+`last_seen`), and writes otherwise only when a violation starts, changes or ends: six statements
+a steady round, however many processes (tests/test_hot_path_queries.py). The four reads are SQL
+(jobs/host/watchdog_sql.py: the ORM's building of them missed bench_watchdog's figure).
 
 Someone may ask on a violation's page (gpus/violations.py) to stop it now, whatever its policy
 and grace (stopped this round, saying who asked and why), or mark it resolved (never stopped
@@ -52,18 +53,18 @@ from time import monotonic
 
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from gpus.inventory import ProcessInfo, Snapshot
-from gpus.models import Allocation, Server, Violation, WatchdogPolicy
+from gpus.models import Server, Violation, WatchdogPolicy
 from gpus.procinfo import is_process_pid, session_of
 from jobs.host.dcgm import DcgmMapping
 from jobs.host.runner import CANCEL_POLL_SECONDS
-from jobs.models import InteractiveSession, Job
+from jobs.host.watchdog_sql import Facts, SessionRow, facts_read
+from jobs.models import Job
 from jobs.watchdog.notify import tell_about
-from jobs.watchdog.records import Asked, announced_step, asked_of, audit, stop_words, summary, violation_of
-from jobs.watchdog.rules import BookingFacts, JobFacts, Kind, SessionFacts, Verdict, classify
+from jobs.watchdog.records import Asked, announced_step, audit, stop_words, summary, violation_of
+from jobs.watchdog.rules import JobFacts, Kind, SessionFacts, Verdict, classify
 from portal.accounts import users_by_unix_name
 from portal.pids import ProcessId, Sent, send
 
@@ -177,12 +178,12 @@ class HostWatchdog:
         if not self.loaded:
             self._load_open(server)
         # What people asked of the open ones (stop now, resolved): read only while there are some.
-        asked = asked_of(server) if self.tracked else {}
+        facts = round_facts(server, now, asked=bool(self.tracked))
         for tracked in self.tracked.values():
-            tracked.asked = asked.get(tracked.violation_id)
+            tracked.asked = facts.asked.get(tracked.violation_id)
         # The simulation's invented processes (made-up pids, no session) are scenery: shown on the
         # dashboard, marked simulated, never a violation: a demo is quiet until someone causes one.
-        verdicts = [v for v in self._judge(snapshot, server, now) if not self._invented(v)]
+        verdicts = [v for v in self._judge(snapshot, facts, now) if not self._invented(v)]
         policies = self.policies(now)
         self._told = set()
         readable = {g.uuid for g in snapshot.gpus if g.processes is not None}
@@ -289,7 +290,7 @@ class HostWatchdog:
         else:
             self._failing.discard(key)
 
-    def _judge(self, snapshot: Snapshot, server: int, now: datetime) -> list[Verdict]:
+    def _judge(self, snapshot: Snapshot, facts: Facts, now: datetime) -> list[Verdict]:
         sessions: dict[int, float] = {}  # session → its oldest process start seen on the cards
         for process in (p for g in snapshot.gpus for p in g.processes or ()):
             if process.session_id and process.started is not None:
@@ -299,15 +300,15 @@ class HostWatchdog:
                 )
         # An ended job's recorded pid may head someone else's session by now: that session is
         # the job's only if one of its processes is older than the job's end.
-        jobs = [j for j in _jobs_of(server, now) if j.running or _predates_end(j, sessions)]
+        jobs = [j for j in facts.jobs if j.running or _predates_end(j, sessions)]
         names = {p.username for g in snapshot.gpus for p in g.processes or ()}
         return classify(
             snapshot.gpus,
-            bookings=_bookings_now(server, now),
+            bookings=facts.bookings,
             jobs=jobs,
             users_by_os_name=self.users(names, now),
             tolerance_mb=settings.WATCHDOG_MEMORY_TOLERANCE_MB,
-            sessions=_sessions_of(server, sessions),
+            sessions=_sessions_in(facts.sessions, sessions),
         )
 
     def _load_open(self, server: int) -> None:
@@ -570,7 +571,7 @@ def kill_grace() -> int:
     return settings.WATCHDOG_KILL_GRACE_SECONDS or settings.JOB_KILL_GRACE_SECONDS
 
 
-# --- facts, one query each ----------------------------------------------------------------------
+# --- facts (read by jobs/host/watchdog_sql.py) ---------------------------------------------------
 
 
 def ended_booking_grace() -> timedelta:
@@ -586,43 +587,20 @@ def ended_booking_grace() -> timedelta:
     )
 
 
-def _bookings_now(server: int, now: datetime) -> list[BookingFacts]:
-    """The bookings active now on this host's cards, and those that ended (or were released)
-    within `ended_booking_grace()`: their jobs' supervisors are stopping them, which takes up to
-    that long, and a job on its card meanwhile has not escaped."""
-    window = ended_booking_grace()
-    cards: dict[int, dict[str, int | None]] = {}
-    owners: dict[int, int] = {}
-    ended: dict[int, bool] = {}
-    rows = Allocation.objects.filter(live=True, start__lte=now, end__gt=now - window, gpu__server_id=server)
-    for reservation, owner, gpu, memory, end in rows.values_list(
-        "reservation_id", "reservation__owner_id", "gpu_id", "memory_mb", "end"
-    ):
-        cards.setdefault(reservation, {})[gpu] = memory
-        owners[reservation] = owner
-        ended[reservation] = end <= now
-    return [BookingFacts(pk, owners[pk], held, ended=ended[pk]) for pk, held in cards.items()]
+def round_facts(server: int, now: datetime, *, asked: bool = False) -> Facts:
+    """The facts a round judges by (jobs/host/watchdog_sql.py): bookings within
+    `ended_booking_grace()` of their end, jobs ended within ZOMBIE_LOOKBACK; and, when `asked`,
+    what people asked of the open violations."""
+    return facts_read(
+        server, now, booking_grace=ended_booking_grace(), zombie_lookback=ZOMBIE_LOOKBACK, asked=asked
+    )
 
 
-def _jobs_of(server: int, now: datetime) -> list[JobFacts]:
-    rows = Job.objects.filter(
-        Q(status__in=(Job.Status.STARTING, Job.Status.RUNNING)) | Q(finished_at__gte=now - ZOMBIE_LOOKBACK),
-        server_id=server,
-        pid__isnull=False,
-    ).values_list("pk", "pid", "owner_id", "reservation_id", "status", "finished_at")
-    return [
-        JobFacts(pk, pid, owner, reservation, status in (Job.Status.STARTING, Job.Status.RUNNING), finished)
-        for pk, pid, owner, reservation, status, finished in rows
-    ]
-
-
-def _sessions_of(server: int, sessions: dict[int, float]) -> list[SessionFacts]:
-    """The running `gpu exec`/`gpu shell` sessions of this host. A recorded pid that heads a
-    session whose processes are older than the command's start is not the command's (the pid was
-    taken by another session leader since): it stays out, and its processes are judged as any."""
-    rows = InteractiveSession.objects.filter(
-        server_id=server, status=InteractiveSession.Status.RUNNING, pid__isnull=False
-    ).values_list("pk", "pid", "owner_id", "reservation_id", "pid_started", "kernels")
+def _sessions_in(rows: Sequence[SessionRow], sessions: dict[int, float]) -> list[SessionFacts]:
+    """The running `gpu exec`/`gpu shell` sessions of this host (`rows`, from facts_read). A
+    recorded pid that heads a session whose processes are older than the command's start is not
+    the command's (the pid was taken by another session leader since): it stays out, and its
+    processes are judged as any."""
     facts = []
     for pk, pid, owner, reservation, started, kernels in rows:
         # A lab's kernels lead sessions of their own (jobs.host.lab records them): each is the lab's.

@@ -30,18 +30,6 @@ class Asked:
     resolved: bool
 
 
-def asked_of(server: int) -> dict[int, Asked]:
-    """The open violations of `server` that someone asked a stop of or marked resolved, by id: one
-    query by the open violations' index."""
-    rows = (
-        Violation.objects.filter(server_id=server, ended_at=None)
-        .exclude(stop_requested_at=None, resolved_at=None)
-        .order_by()  # a dict by id: no order to sort for (the watchdog asks every round)
-        .values_list("pk", "stop_requested_by__username", "stop_reason", "resolved_at")
-    )
-    return {pk: Asked(by or "someone", reason, resolved is not None) for pk, by, reason, resolved in rows}
-
-
 def violation_of(pk: int) -> Violation:
     return Violation.objects.select_related("gpu__server", "user", "reservation__owner").get(pk=pk)
 
