@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 
 from gpus.models import GPU
-from gpus.quotas import gpu_hours_between, this_week
+from gpus.quotas import gpu_hours_between, weeks_touching
 from portal.models import Membership
 
 
@@ -79,10 +79,9 @@ def share_within(memberships: Sequence[Membership], cards: Sequence[GPU], count:
     return share if share > 0 else None
 
 
-def hours_left_this_week(membership: Membership, now: datetime) -> float | None:
-    """The GPU-hours the member may still book for this team this week: the lower of their own
-    weekly room and the team's (None: neither has a weekly limit). Booked later this week counts."""
-    week, following = this_week(now)
+def hours_left_in_week(membership: Membership, week: datetime, following: datetime) -> float | None:
+    """The GPU-hours the member may still book for this team in the week [week, following): the
+    lower of their own weekly room and the team's (None: neither has a weekly limit)."""
     rooms = []
     for limits, owner_id in ((membership, membership.user_id), (membership.team, None)):
         if limits.gpu_hours_per_week is not None:
@@ -103,14 +102,25 @@ def gpu_hours_an_hour(cards: Sequence[GPU], count: int, share_mb: int | None) ->
 
 def length_within(memberships: Sequence[Membership], per_hour: float, now: datetime) -> timedelta:
     """The form's default length: `default_length` in every team, shortened to the GPU-hours left
-    this week at `per_hour`, to the minute below (the form's precision). Left as it is when no
-    GPU-hour is left: the refusal says why, and when the week's hours come back."""
+    at `per_hour` in each week it reaches (a default booking on a Sunday evening also spends next
+    week's hours), to the minute below (the form's precision). Left as it is when no GPU-hour is
+    left this week: the refusal says why, and when the week's hours come back."""
     length = empty_end(memberships)
-    rooms = [r for m in memberships if (r := hours_left_this_week(m, now)) is not None]
-    if not rooms or per_hour <= 0 or min(rooms) <= 0:
+    if per_hour <= 0:
         return length
-    minutes = int(min(rooms) / per_hour * 60)
-    return min(length, timedelta(minutes=minutes)) if minutes >= 1 else length
+    end = now + length
+    for week, following in weeks_touching(now, end):
+        rooms = [r for m in memberships if (r := hours_left_in_week(m, week, following)) is not None]
+        if not rooms:
+            continue
+        if min(rooms) <= 0 and week <= now:
+            return length
+        begins = max(now, week)
+        end = min(end, begins + timedelta(hours=max(min(rooms), 0) / per_hour))
+        if end < following:
+            break  # the booking ends in this week: the later ones are not reached
+    minutes = int((end - now).total_seconds() // 60)
+    return timedelta(minutes=minutes) if minutes >= 1 else length
 
 
 def empty_end(memberships: Sequence[Membership]) -> timedelta:

@@ -8,10 +8,12 @@ from html.parser import HTMLParser
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.datastructures import MultiValueDict
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
+from gpus.booking_defaults import length_within
 from gpus.forms import LOCAL_INPUT, ReservationForm, local_input
 from gpus.models import Reservation
 from gpus.quotas import this_week
@@ -206,18 +208,38 @@ def test_whole_cards_stay_the_default_within_the_gib_limit(client, bob, box):
 
 
 def test_the_default_end_fits_the_gpu_hours_left_this_week(client, alice, bob, team, box, t0, settings):
-    """The team's 10 GPU-hours, 7.5 of them booked by alice: bob's default end is 2 h 30 later
-    (more, when part of alice's booking falls in next week)."""
+    """The team's 10 GPU-hours, 7.5 of them booked by alice: bob's default end is the latest that
+    fits every week the two bookings reach (2 h 30 within one week; on a Sunday evening next
+    week's hours count too), so it is taken as it stands, and a minute more is not."""
     settings.BOOKING_DEFAULT_HOURS = 8
     team.gpu_hours_per_week = 10
     team.save()
     reservation_create(user=alice, gpus=[box[0].uuid], start=t0, end=t0 + 7.5 * H)
-    held_this_week = min(7.5 * H, max(this_week(t0)[1] - t0, 0 * H))
     client.force_login(bob)
     data = rendered_defaults(client, reverse("reservation_new"))
-    length = datetime.strptime(data["end"][0], LOCAL_INPUT) - datetime.strptime(data["start"][0], LOCAL_INPUT)
-    assert length == min(8 * H, 10 * H - held_this_week), length
+    start, end = (datetime.strptime(data[field][0], LOCAL_INPUT) for field in ("start", "end"))
+    if this_week(t0)[1] > t0 + 7.5 * H:  # both in one week
+        assert end - start == 2.5 * H
+    if end - start < 8 * H:
+        longer = dict(data, end=[(end + timedelta(minutes=1)).strftime(LOCAL_INPUT)])
+        assert client.post(reverse("reservation_new"), longer).status_code == 200  # refused
     assert client.post(reverse("reservation_new"), data).status_code == 302
+
+
+@pytest.mark.parametrize("evening", ["20:00", "23:00"])
+def test_a_default_booking_on_sunday_evening_fits_next_weeks_hours_too(
+    alice, bob, team, box, evening, settings
+):
+    """Alice holds 6 of the team's 10 GPU-hours of next week from Monday 00:00; bob's default
+    (8 h, from Sunday evening) may spend only 4 of next week's: it ends at Monday 04:00."""
+    settings.BOOKING_DEFAULT_HOURS = 8
+    team.gpu_hours_per_week = 10
+    team.save()
+    zone = timezone.get_default_timezone()
+    now = datetime.fromisoformat(f"2026-11-29 {evening}").replace(tzinfo=zone)  # a Sunday
+    monday = datetime(2026, 11, 30, tzinfo=zone)
+    reservation_create(user=alice, gpus=[box[0].uuid], start=monday, end=monday + 6 * H, now=now)
+    assert length_within(list(bob.memberships.all()), 1.0, now) == monday + 4 * H - now
 
 
 def test_with_no_gpu_hours_left_the_default_stays_and_the_refusal_says_why(client, bob, box):
