@@ -157,9 +157,18 @@ def _gpus_describe(cards: list[tuple[int, GPUInfo]], server_ids: list[int]) -> _
 
     A lost or unresponsive card reports placeholders, not facts: it is never created or
     re-described from them, so a card that fell off the bus keeps its name, memory and PCI id.
+
+    The read row-locks the reporting servers' cards in UUID order, the order every booking locks
+    them in (gpus.booking._locked_gpus): the round's UPDATEs lock the rows they change in
+    whatever order the plan meets them, and a booking holding one card and waiting for another
+    deadlocked with the round holding the second (PostgreSQL's "deadlock detected", a 500 on
+    the booking, seen under concurrent bookings in the fault suite). FOR NO KEY UPDATE, what an
+    UPDATE of these columns takes anyway: no stronger. Nothing on SQLite, whose writers take the
+    whole database at once.
     """
     fields = ("uuid", *_GPU_STATIC_FIELDS, "processes_digest")
-    described = {row[0]: row[1:] for row in GPU.objects.filter(server_id__in=server_ids).values_list(*fields)}
+    ours = GPU.objects.select_for_update(no_key=True).filter(server_id__in=server_ids).order_by("uuid")
+    described = {row[0]: row[1:] for row in ours.values_list(*fields)}
     reported = {g.uuid for _, g in cards}
     if missing := reported - described.keys():
         described |= {row[0]: row[1:] for row in GPU.objects.filter(uuid__in=missing).values_list(*fields)}

@@ -3,13 +3,14 @@ connection, post to /api/v1/reservations/ at the same instant (PostgreSQL in CI)
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -18,6 +19,7 @@ from gpus.models import GPU, Allocation
 from gpus.quotas import peak
 from gpus.services import server_report_ingest
 from tests.factories import MembershipFactory, UserFactory, make_snapshot
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CLIENTS = 32
@@ -126,3 +128,48 @@ def test_whole_and_shared_requests_racing_for_one_card_never_mix(users, card):
     assert len(kinds) == 1, "a whole card and a memory booking overlap"
     wins = sum(1 for status, _ in results if status == 201)
     assert wins == (1 if kinds.get(True) else kinds[False])
+
+
+@pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="row locks: SQLite's writers take the whole database"
+)
+def test_a_telemetry_round_locks_the_cards_in_the_order_bookings_do(db):
+    """A booking locks its cards in UUID order (gpus.booking._locked_gpus); a round that locked
+    them in its UPDATE's order could hold the second while the booking held the first and waited
+    for it: PostgreSQL's "deadlock detected", a 500 on the booking (seen in the fault suite).
+    Here a booking holds the first card; the round must wait there, holding nothing after it."""
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=2))
+    first, second = "GPU-box1-00", "GPU-box1-01"
+    # A host reports its cards in its own order (NVML's indexes), not by UUID: here the second
+    # first, as a host whose UUIDs sort against its indexes does.
+    later = make_snapshot("box1", gpus=2, util=50)
+    later = dataclasses.replace(later, gpus=later.gpus[::-1])
+    failed: list[BaseException] = []
+
+    def round_() -> None:
+        try:
+            server_report_ingest(snapshot=later)
+        except BaseException as exc:  # reported by the test, not lost in the thread
+            failed.append(exc)
+        finally:
+            connection.close()
+
+    with transaction.atomic():
+        list(GPU.objects.select_for_update(of=("self",)).filter(uuid=first))  # a booking, half-way
+        thread = threading.Thread(target=round_)
+        thread.start()
+        wait_for(_someone_waits_on_a_lock, timeout=10, what="the round to wait for the first card")
+        # The booking's next lock: free, since the round took nothing past the card it waits on.
+        assert list(GPU.objects.select_for_update(nowait=True, of=("self",)).filter(uuid=second))
+    thread.join(timeout=30)
+    assert not thread.is_alive() and not failed, failed
+    assert GPU.objects.get(uuid=second).utilization_pct == 50
+
+
+def _someone_waits_on_a_lock() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")  # else read once per transaction
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        )
+        return cursor.fetchone()[0] > 0
