@@ -133,6 +133,7 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix) -
 
     for database in settings.DATABASES.values():
         if not database["ENGINE"].endswith("sqlite3"):
+            kept_database.remember(database)
             test = database.setdefault("TEST", {})
             test["NAME"] = f"{test.get('NAME') or 'test_' + database['NAME']}_r{RUN}"
 

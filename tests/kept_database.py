@@ -19,13 +19,16 @@ and everyone else copies what it made:
 Whoever makes it holds the lock from before its migrate until the copy is in place, so no
 process copies half a database or migrates while another does. A process waits for it at most
 LOCK_WAIT_SECONDS (a maker whose set-up failed holds it until its run ends), then migrates its
-own as before.
+own as before. A process copying a PostgreSQL template holds a shared "use" lock on it
+meanwhile; templates of other migrations (other branches, older commits) are dropped when a new
+one is made, but never one somebody is copying.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -48,6 +51,7 @@ _making: dict[str, object] = {}
 _configured: dict[str, str] = {}
 
 
+@functools.cache  # one per process: a migration edited during a run never renames its template
 def migrations_digest() -> str:
     """A digest of everything that shapes a migrated database: the project's migrations and the
     pinned requirements (the third-party apps' migrations)."""
@@ -61,11 +65,25 @@ def sqlite_template() -> Path:
     return VAR_BASE / "test-db-templates" / f"sqlite-{migrations_digest()}.sqlite3"
 
 
+def remember(database: dict) -> None:
+    """The configured PostgreSQL database's name, before Django's test set-up replaces it with
+    the test database's (conftest's django_db_modify_db_settings)."""
+    _configured.setdefault("name", database["NAME"])
+
+
+def _prefix() -> str:
+    # At most 20 characters of the configured name: with the digest, a module's suffix and
+    # "_partial", 63 bytes, PostgreSQL's limit (a longer name is cut, silently).
+    return f"{_configured['name'][:20]}_migrated_"
+
+
 def postgres_kept_name(suffix: str = "") -> str:
-    """A kept PostgreSQL template's name: the migrated test database's, or with `suffix` a
-    migration test module's (tests/migrating.py). It starts with the configured database's name,
-    so two projects' tests on one server never share one."""
-    return f"{_configured['name']}_migrated_{migrations_digest()}" + (f"_{suffix}" if suffix else "")
+    """A kept PostgreSQL template's name: the migrated test database's, or with `suffix` (8
+    characters) a migration test module's (tests/migrating.py). It starts with the configured
+    database's name, so two projects' tests on one server never share one."""
+    name = _prefix() + migrations_digest() + (f"_{suffix}" if suffix else "")
+    assert len(f"{name}_partial".encode()) <= 63, name
+    return name
 
 
 @contextlib.contextmanager
@@ -76,6 +94,14 @@ def postgres_lock(database: dict, name: str) -> Iterator[bool]:
     with _server(database) as server:
         _advisory_lock(server, name)
         yield _exists(server, name)
+
+
+def postgres_use(database: dict, name: str) -> psycopg.Connection:
+    """A connection holding the shared "use" lock on the template `name`: no run drops it while
+    the connection is open (close it once the copies are made)."""
+    server = _server(database)
+    server.execute("SELECT pg_advisory_lock_shared(hashtext(%s))", [f"use:{name}"])
+    return server
 
 
 def copy_or_make(database: dict) -> bool:
@@ -91,10 +117,14 @@ def copy_or_make(database: dict) -> bool:
 def keep(database: dict) -> None:
     """After Django's test set-up, in the process that migrated: its database becomes the kept
     one, and the others waiting on the lock go on."""
+    if using := _making.pop("using", None):
+        using.close()  # type: ignore[attr-defined] - the copy is made
     if "sqlite" in _making:
-        _sqlite_keep(sqlite_template())
         lock = _making.pop("sqlite")
-        lock.close()  # type: ignore[attr-defined]
+        try:
+            _sqlite_keep(sqlite_template())
+        finally:
+            lock.close()  # type: ignore[attr-defined]
     elif "postgres" in _making:
         server = _making.pop("postgres")
         try:
@@ -176,7 +206,7 @@ def _advisory_lock(server: psycopg.Connection, name: str) -> None:
 
 
 def _postgres_template_or_make(database: dict) -> None:
-    _configured.setdefault("name", database["NAME"])
+    remember(database)
     name = postgres_kept_name()
     server = _server(database)
     try:
@@ -185,7 +215,8 @@ def _postgres_template_or_make(database: dict) -> None:
         server.close()
         return  # migrate this process's own, keep nothing
     if _exists(server, name):
-        server.close()  # the lock with it
+        _making["using"] = postgres_use(database, name)  # until Django's set-up has copied it
+        server.close()  # the make lock with it
         database["TEST"]["TEMPLATE"] = name
         return
     _making["postgres"] = server
@@ -207,12 +238,14 @@ def _postgres_keep(server: psycopg.Connection, database: dict) -> None:
     rename = sql.SQL("ALTER DATABASE {} RENAME TO {}")
     server.execute(rename.format(sql.Identifier(partial), sql.Identifier(name)))
     # Other migrations' templates (older commits, other branches), the migration test modules'
-    # included: dropped where nobody uses them.
-    prefix = f"{_configured['name']}_migrated_"
+    # included: dropped where nobody is copying one (its "use" lock free) nor making one.
     for (stale,) in server.execute(
-        "SELECT datname FROM pg_database WHERE starts_with(datname, %s) AND NOT starts_with(datname, %s)",
-        [prefix, name],
+        "SELECT datname FROM pg_database WHERE starts_with(datname, %s) AND NOT starts_with(datname, %s)"
+        " AND NOT datname LIKE '%%\\_partial'",
+        [_prefix(), name],
     ).fetchall():
-        # One being copied by another checkout's run is that run's to keep.
-        with contextlib.suppress(psycopg.Error):
-            server.execute(sql.SQL("DROP DATABASE {}").format(sql.Identifier(stale)))
+        use = f"use:{stale}"
+        if server.execute("SELECT pg_try_advisory_lock(hashtext(%s))", [use]).fetchone()[0]:
+            with contextlib.suppress(psycopg.Error):
+                server.execute(sql.SQL("DROP DATABASE {}").format(sql.Identifier(stale)))
+            server.execute("SELECT pg_advisory_unlock(hashtext(%s))", [use])
