@@ -1,7 +1,7 @@
 """Live log streams under load (issue 21, item 6; docs/live.md, docs/benchmarks.md "Live log streams").
 
 The real web server as `make run` starts it (gunicorn + portal.asgi_worker.Worker, two workers,
-runportal's `_web_argv`) on a throw-away database (PostgreSQL by default, like bench_booking:
+portal.workers.web_argv) on a throw-away database (PostgreSQL by default, like bench_booking:
 DATABASE_URL wins; SQLite when no PostgreSQL answers) and the bench's Redis. One job is RUNNING.
 
 1. **Print → on screen, no load.** Chromium opens the job page (templates/jobs/job_detail.html,
@@ -351,7 +351,7 @@ def run(scratch: Path, procs: list[subprocess.Popen]) -> int:
     import psutil
     from django.db import connection
 
-    from portal.management.commands.runportal import _web_argv
+    from portal.workers import web_argv
     from tests.browser import CHROMIUM, CHROMIUM_ARGS, log_in
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of the API probe
@@ -382,7 +382,11 @@ def run(scratch: Path, procs: list[subprocess.Popen]) -> int:
     web_log = scratch / "gunicorn.log"
     with open(web_log, "w") as out:
         web = subprocess.Popen(
-            _web_argv(f"127.0.0.1:{port}"), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            web_argv(f"127.0.0.1:{port}", access_log=False),
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     procs.append(web)
 

@@ -1,5 +1,5 @@
-"""The one `celery worker` command line: `make run`, the tests and the benchmarks start workers
-with it (the systemd unit in deploy/ spells the same options out)."""
+"""The one `celery worker` and the one web server command line: `make run`, the tests and the
+benchmarks start them with these (the systemd units in deploy/ spell the same options out)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,16 @@ def worker_argv(
     if beat_schedule:
         argv += ["-B", "-s", beat_schedule]
     return argv
+
+
+def web_argv(bind: str, *, workers: int = 2, access_log: bool = True) -> list[str]:
+    """gunicorn with uvicorn's worker: ASGI, so a live log stream waits on Redis in the event loop
+    instead of holding a thread (docs/design.md, "One ASGI server"); sync views run in threads.
+    No control socket: nothing here uses it, and the default ~/.gunicorn/gunicorn.ctl would be
+    fought over by two portals on one machine (a test's and `make run`)."""
+    argv = [sys.executable, "-m", "gunicorn", "portal.asgi", "-k", "portal.asgi_worker.Worker", "-b", bind]
+    argv += ["--workers", str(workers)]
+    # `make run` shows no access line unless LOG_LEVEL=debug: every page polls or streams, and a
+    # line each would drown the terminal.
+    argv += ["--access-logfile", "-"] if access_log else ["--log-level", "warning"]
+    return [*argv, "--no-control-socket"]

@@ -41,7 +41,7 @@ from psycopg import sql
 from jobs.models import Job
 from portal.names import instance_keys
 from portal.processes import die_with_parent
-from portal.workers import worker_argv
+from portal.workers import web_argv, worker_argv
 from tests.conftest import OUTPUT, ROOT, free_port
 from tests.waiting import wait_for
 
@@ -462,6 +462,9 @@ class Portal:
             **INTERVALS,
             TAG_VAR: tag,
         }
+        # Set with the port (start_web), as `make run` has them: never the developer's own.
+        for origin in ("PORTAL_URL", "LAB_ORIGIN"):
+            self.env.pop(origin, None)
         self.procs: dict[str, subprocess.Popen] = {}
         self.base = ""
 
@@ -497,11 +500,13 @@ class Portal:
         return proc
 
     def start_web(self, *, workers: int = 2) -> str:
+        """The web server as `make run` and the systemd unit run it (ASGI, uvicorn's worker)."""
         port = free_port()
-        argv = [sys.executable, "-m", "gunicorn", "portal.wsgi", "-b", f"127.0.0.1:{port}"]
-        argv += ["--workers", str(workers), "--threads", "4", "--access-logfile", "-", "--no-control-socket"]
-        self._start("web", argv)
-        self.base = f"http://127.0.0.1:{port}"
+        # The portal's origin as a browser on this machine has it; 127.0.0.1 is the labs' own,
+        # where the ASGI app serves labs and nothing else.
+        self.base = f"http://localhost:{port}"
+        self.env |= {"PORTAL_URL": self.base, "LAB_ORIGIN": f"http://127.0.0.1:{port}"}
+        self._start("web", web_argv(f"127.0.0.1:{port}", workers=workers))
         return self.base
 
     def start_workers(self, *, host_pool: str = "prefork", host_concurrency: int = 2) -> None:
@@ -534,9 +539,9 @@ class Portal:
         wait_for(self._answers, timeout=timeout, what=f"the web server ({self.log_path('web')})")
 
     def start(self, *, host_pool: str = "prefork", web_workers: int = 2) -> Api:
-        """Everything, up and ready, SERVER's cards reported; the API as alice. Web workers of 4
-        threads, runportal's 2 by default; 1 where many requests at once are not what is tested
-        (each imports the whole portal: about 1.1 s of CPU from its start to its stop)."""
+        """Everything, up and ready, SERVER's cards reported; the API as alice. Web workers as
+        runportal's, 2 by default; 1 where many requests at once are not what is tested (each
+        imports the whole portal: about 1.1 s of CPU from its start to its stop)."""
         self.start_web(workers=web_workers)
         self.start_workers(host_pool=host_pool)
         self.wait_ready()

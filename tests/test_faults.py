@@ -521,7 +521,7 @@ def _with_deadlines(portal: Portal) -> None:
 def test_a_request_while_the_database_is_frozen_answers_503_in_seconds(portal, postgres, broker, tag):
     _with_deadlines(portal)
     api = portal.start(host_pool="solo", web_workers=1)
-    for _ in range(8):  # each of the 4 web threads holds a pooled connection now, or most of them do
+    for _ in range(8):  # the portal answers; under ASGI each request connects (CONN_MAX_AGE=0)
         api.get("/api/v1/jobs/")
     with postgres.frozen():
         began = time.monotonic()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
-import sys
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -26,7 +25,7 @@ from portal.env import env_int, env_str
 from portal.hooks import HostDiscoveryError, worker_hosts
 from portal.services import demo_data_seed
 from portal.supervisor import ChildSpec, ProcessSupervisor
-from portal.workers import worker_argv
+from portal.workers import web_argv, worker_argv
 
 
 def _worker_servers() -> tuple[list[str], bool]:
@@ -40,28 +39,6 @@ def _worker_servers() -> tuple[list[str], bool]:
 def _chatty() -> bool:
     """LOG_LEVEL=debug: Celery's banners and every request in the terminal, as they come."""
     return env_str("LOG_LEVEL", "INFO").upper() == "DEBUG"
-
-
-def _web_argv(bind: str) -> list[str]:
-    """gunicorn with uvicorn's worker: ASGI, so a live log stream waits on Redis in the event loop
-    instead of holding a thread (docs/design.md, "One ASGI server"); sync views run in threads.
-    No control socket: nothing here uses it, and the default ~/.gunicorn/gunicorn.ctl would be
-    fought over by two portals on one machine (a test's and `make run`)."""
-    return [
-        sys.executable,
-        "-m",
-        "gunicorn",
-        "portal.asgi",
-        "-k",
-        "portal.asgi_worker.Worker",
-        "-b",
-        bind,
-        "--workers",
-        "2",
-        # Every page polls or streams: an access line each would drown the terminal.
-        *(["--access-logfile", "-"] if _chatty() else ["--log-level", "warning"]),
-        "--no-control-socket",
-    ]
 
 
 def _lab_note(bind: str, port: int) -> str:
@@ -152,7 +129,8 @@ class Command(BaseCommand):
             argv = worker_argv(f"host.{name}", f"{name}@%h", concurrency=concurrency, quiet=quiet)
             children.append(ChildSpec(f"worker host.{name}", argv, env))
         bind = env_str("BIND_ADDRESS", "127.0.0.1")
-        children.append(ChildSpec("web server", _web_argv(f"{bind}:{settings.PORT}"), _worker_env()))
+        web = web_argv(f"{bind}:{settings.PORT}", access_log=_chatty())
+        children.append(ChildSpec("web server", web, _worker_env()))
         self._greet(
             bind,
             servers if simulated else [],
