@@ -287,3 +287,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return next((i for i, name in enumerate(_FIRST) if name in marks), len(_FIRST))
 
     items.sort(key=rank)
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers and workers > 1:
+        items[:] = _long_ones_at_each_start(items, [rank(item) < len(_FIRST) for item in items], workers)
+
+
+def _long_ones_at_each_start(items: list[pytest.Item], long: list[bool], workers: int) -> list[pytest.Item]:
+    """The order that gives each xdist worker its share of the long tests first. worksteal hands
+    each worker one contiguous slice of the collection at the start (its sizes below, as
+    xdist's `check_schedule` works them out) and later moves tests from the end of a busy
+    worker's slice to an idle one: with every long test at the front of the collection, all of
+    them fell in the first worker's slice, which ran them one after the other while the others
+    took its short ones, and the last minutes of a run were one worker's long tests. Dealt
+    round-robin here, each slice starts with a quarter of them (on 4 workers), the short tests
+    after them in their order. Every worker computes the same order (xdist checks it)."""
+    first = [item for item, is_long in zip(items, long, strict=True) if is_long]
+    rest = [item for item, is_long in zip(items, long, strict=True) if not is_long]
+    shares: list[list[pytest.Item]] = [first[w::workers] for w in range(workers)]
+    ordered: list[pytest.Item] = []
+    remaining = len(items)
+    for w in range(workers):
+        size = remaining // (workers - w)
+        remaining -= size
+        ordered += shares[w]
+        fill = max(size - len(shares[w]), 0)
+        ordered += rest[:fill]
+        del rest[:fill]
+    return ordered + rest
