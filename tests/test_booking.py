@@ -298,7 +298,9 @@ def test_weekly_gpu_hours_clip_bookings_that_cross_the_week_boundary(alice, box)
     alice.memberships.update(gpu_hours_per_week=5)
     monday = timezone.localtime(timezone.now()).replace(hour=0, minute=0, second=0, microsecond=0)
     monday += timedelta(days=7 - monday.weekday())
-    # Sunday 22:00 → Monday 04:00: 4 of its 6 h fall in this week.
+    if monday - 2 * H <= timezone.now():  # run on a Sunday evening: the Sunday a week on
+        monday += timedelta(days=7)
+    # Sunday 22:00 → Monday 04:00: 4 of its 6 h fall in that Sunday's week.
     book(alice, box[:1], monday - 2 * H, hours=6)
     with pytest.raises(QuotaExceeded, match=r"you already have 4 booked, so 1 more would fit"):
         book(alice, box[1:2], monday + 10 * H, hours=2)
