@@ -18,6 +18,7 @@ backend as the ORM adapts them.
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -56,77 +57,23 @@ def facts_read(
     come and whose end is after `now - booking_grace` (`ended` when it is at or before `now`), its
     jobs with a pid that are starting or running or finished since `now - zombie_lookback`, its
     running sessions with a pid, and (when `asked`) what was asked of its open violations."""
-    q = connection.ops.quote_name
-
-    def table(model: type[Model]) -> str:
-        return q(model._meta.db_table)
-
-    def column(model: type[Model], field: str) -> str:
-        return q(model._meta.get_field(field).column)
-
-    def at(moment: datetime) -> Any:
-        return connection.ops.adapt_datetimefield_value(moment)
-
-    a, g, r = Allocation, GPU, Reservation
-    bookings_sql = (
-        f"SELECT a.{column(a, 'reservation')}, r.{column(r, 'owner')}, a.{column(a, 'gpu')},"
-        f" a.{column(a, 'memory_mb')}, a.{column(a, 'end')} <= %s"
-        f" FROM {table(a)} a"
-        f" INNER JOIN {table(g)} g ON a.{column(a, 'gpu')} = g.{column(g, 'uuid')}"
-        f" INNER JOIN {table(r)} r ON a.{column(a, 'reservation')} = r.{column(r, 'id')}"
-        f" WHERE a.{column(a, 'live')} AND a.{column(a, 'start')} <= %s AND a.{column(a, 'end')} > %s"
-        f" AND g.{column(g, 'server')} = %s"
-        f" ORDER BY a.{column(a, 'gpu')}"  # Allocation's ordering
-    )
-    j = Job
-    jobs_sql = (
-        f"SELECT {column(j, 'id')}, {column(j, 'pid')}, {column(j, 'owner')}, {column(j, 'reservation')},"
-        f" {column(j, 'status')}, {column(j, 'finished_at')}"
-        f" FROM {table(j)}"
-        f" WHERE ({column(j, 'status')} IN (%s, %s) OR {column(j, 'finished_at')} >= %s)"
-        f" AND {column(j, 'pid')} IS NOT NULL AND {column(j, 'server')} = %s"
-        f" ORDER BY {column(j, 'created_at')} DESC, {column(j, 'id')} DESC"  # Job's ordering
-    )
-    s = InteractiveSession
-    sessions_sql = (
-        f"SELECT {column(s, 'id')}, {column(s, 'pid')}, {column(s, 'owner')}, {column(s, 'reservation')},"
-        f" {column(s, 'pid_started')}, {column(s, 'kernels')}"
-        f" FROM {table(s)}"
-        f" WHERE {column(s, 'server')} = %s AND {column(s, 'status')} = %s AND {column(s, 'pid')} IS NOT NULL"
-        f" ORDER BY {column(s, 'created_at')} DESC, {column(s, 'id')} DESC"  # InteractiveSession's
-    )
-    v, u = Violation, get_user_model()
-    asked_sql = (
-        f"SELECT v.{column(v, 'id')}, u.{column(u, 'username')}, v.{column(v, 'stop_reason')},"
-        f" v.{column(v, 'resolved_at')} IS NOT NULL"
-        f" FROM {table(v)} v"
-        f" LEFT OUTER JOIN {table(u)} u ON v.{column(v, 'stop_requested_by')} = u.{column(u, 'id')}"
-        f" WHERE v.{column(v, 'server')} = %s AND v.{column(v, 'ended_at')} IS NULL"
-        f" AND NOT (v.{column(v, 'stop_requested_at')} IS NULL AND v.{column(v, 'resolved_at')} IS NULL)"
-    )
+    sql = _statements(connection.vendor)
+    at = connection.ops.adapt_datetimefield_value
     running = (Job.Status.STARTING, Job.Status.RUNNING)
     with connection.cursor() as cursor:
-        cursor.execute(bookings_sql, [at(now), at(now), at(now - booking_grace), server])
+        cursor.execute(sql.bookings, [at(now), at(now), at(now - booking_grace), server])
         allocations = cursor.fetchall()
-        cursor.execute(jobs_sql, [*running, at(now - zombie_lookback), server])
+        cursor.execute(sql.jobs, [*running, at(now - zombie_lookback), server])
         jobs = cursor.fetchall()
-        cursor.execute(sessions_sql, [server, InteractiveSession.Status.RUNNING])
+        cursor.execute(sql.sessions, [server, InteractiveSession.Status.RUNNING])
         sessions = cursor.fetchall()
         asks = []
         if asked:
-            cursor.execute(asked_sql, [server])
+            cursor.execute(sql.asked, [server])
             asks = cursor.fetchall()
-
-    cards: dict[int, dict[str, int | None]] = {}
-    owners: dict[int, int] = {}
-    ended: dict[int, bool] = {}
-    for reservation, owner, gpu, memory, over in allocations:
-        cards.setdefault(reservation, {})[gpu] = memory
-        owners[reservation] = owner
-        ended[reservation] = bool(over)
     kernels = InteractiveSession._meta.get_field("kernels")
     return Facts(
-        bookings=[BookingFacts(pk, owners[pk], held, ended=ended[pk]) for pk, held in cards.items()],
+        bookings=_bookings(allocations),
         jobs=[
             JobFacts(pk, pid, owner, reservation, status in running, _aware(finished))
             for pk, pid, owner, reservation, status, finished in jobs
@@ -136,6 +83,76 @@ def facts_read(
             for pk, pid, owner, reservation, started, found in sessions
         ],
         asked={pk: Asked(by or "someone", reason, bool(resolved)) for pk, by, reason, resolved in asks},
+    )
+
+
+def _bookings(allocations: list[tuple]) -> list[BookingFacts]:
+    """One BookingFacts a booking, from its allocation rows (reservation, owner, gpu, memory, over)."""
+    cards: dict[int, dict[str, int | None]] = {}
+    owners: dict[int, int] = {}
+    ended: dict[int, bool] = {}
+    for reservation, owner, gpu, memory, over in allocations:
+        cards.setdefault(reservation, {})[gpu] = memory
+        owners[reservation] = owner
+        ended[reservation] = bool(over)
+    return [BookingFacts(pk, owners[pk], held, ended=ended[pk]) for pk, held in cards.items()]
+
+
+class _Statements(NamedTuple):
+    bookings: str
+    jobs: str
+    sessions: str
+    asked: str
+
+
+@functools.cache
+def _statements(vendor: str) -> _Statements:
+    """The four statements, made once per database vendor (its quoting) instead of every round:
+    table and column names from the models."""
+    q = connection.ops.quote_name
+
+    def table(model: type[Model]) -> str:
+        return q(model._meta.db_table)
+
+    def column(model: type[Model], field: str) -> str:
+        return q(model._meta.get_field(field).column)
+
+    a, g, r, j, s, v, u = Allocation, GPU, Reservation, Job, InteractiveSession, Violation, get_user_model()
+    return _Statements(
+        bookings=(
+            f"SELECT a.{column(a, 'reservation')}, r.{column(r, 'owner')}, a.{column(a, 'gpu')},"
+            f" a.{column(a, 'memory_mb')}, a.{column(a, 'end')} <= %s"
+            f" FROM {table(a)} a"
+            f" INNER JOIN {table(g)} g ON a.{column(a, 'gpu')} = g.{column(g, 'uuid')}"
+            f" INNER JOIN {table(r)} r ON a.{column(a, 'reservation')} = r.{column(r, 'id')}"
+            f" WHERE a.{column(a, 'live')} AND a.{column(a, 'start')} <= %s AND a.{column(a, 'end')} > %s"
+            f" AND g.{column(g, 'server')} = %s"
+            f" ORDER BY a.{column(a, 'gpu')}"  # Allocation's ordering
+        ),
+        jobs=(
+            f"SELECT {column(j, 'id')}, {column(j, 'pid')}, {column(j, 'owner')}, {column(j, 'reservation')},"
+            f" {column(j, 'status')}, {column(j, 'finished_at')}"
+            f" FROM {table(j)}"
+            f" WHERE ({column(j, 'status')} IN (%s, %s) OR {column(j, 'finished_at')} >= %s)"
+            f" AND {column(j, 'pid')} IS NOT NULL AND {column(j, 'server')} = %s"
+            f" ORDER BY {column(j, 'created_at')} DESC, {column(j, 'id')} DESC"  # Job's ordering
+        ),
+        sessions=(
+            f"SELECT {column(s, 'id')}, {column(s, 'pid')}, {column(s, 'owner')}, {column(s, 'reservation')},"
+            f" {column(s, 'pid_started')}, {column(s, 'kernels')}"
+            f" FROM {table(s)}"
+            f" WHERE {column(s, 'server')} = %s AND {column(s, 'status')} = %s"
+            f" AND {column(s, 'pid')} IS NOT NULL"
+            f" ORDER BY {column(s, 'created_at')} DESC, {column(s, 'id')} DESC"  # InteractiveSession's
+        ),
+        asked=(
+            f"SELECT v.{column(v, 'id')}, u.{column(u, 'username')}, v.{column(v, 'stop_reason')},"
+            f" v.{column(v, 'resolved_at')} IS NOT NULL"
+            f" FROM {table(v)} v"
+            f" LEFT OUTER JOIN {table(u)} u ON v.{column(v, 'stop_requested_by')} = u.{column(u, 'id')}"
+            f" WHERE v.{column(v, 'server')} = %s AND v.{column(v, 'ended_at')} IS NULL"
+            f" AND NOT (v.{column(v, 'stop_requested_at')} IS NULL AND v.{column(v, 'resolved_at')} IS NULL)"
+        ),
     )
 
 
