@@ -3,7 +3,7 @@ shown before a submit, and every quota problem at once, in the form as in the AP
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime, time, timedelta
 from html.parser import HTMLParser
 
 import pytest
@@ -235,9 +235,12 @@ def test_a_default_booking_on_sunday_evening_fits_next_weeks_hours_too(
     settings.BOOKING_DEFAULT_HOURS = 8
     team.gpu_hours_per_week = 10
     team.save()
+    # The coming Monday, and the Sunday evening before it: in the future whenever the test runs.
+    today = timezone.localdate()
+    monday_date = today + timedelta(days=7 - today.weekday() + 7)
     zone = timezone.get_default_timezone()
-    now = datetime.fromisoformat(f"2026-11-29 {evening}").replace(tzinfo=zone)  # a Sunday
-    monday = datetime(2026, 11, 30, tzinfo=zone)
+    monday = datetime.combine(monday_date, datetime.min.time(), tzinfo=zone)
+    now = datetime.combine(monday_date - timedelta(days=1), time.fromisoformat(evening), tzinfo=zone)
     reservation_create(user=alice, gpus=[box[0].uuid], start=monday, end=monday + 6 * H, now=now)
     assert length_within(list(bob.memberships.all()), 1.0, now) == monday + 4 * H - now
 
