@@ -100,6 +100,8 @@ def postgres_use(database: dict, name: str) -> psycopg.Connection:
     """A connection holding the shared "use" lock on the template `name`: no run drops it while
     the connection is open (close it once the copies are made)."""
     server = _server(database)
+    # Held exclusively only for a moment, by a run dropping the template; never waited on forever.
+    server.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{LOCK_WAIT_SECONDS}s")))
     server.execute("SELECT pg_advisory_lock_shared(hashtext(%s))", [f"use:{name}"])
     return server
 
