@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
+from django.db import connection
 from psycopg import sql
 
 from tests.isolation import ROOT, VAR_BASE
@@ -124,7 +125,7 @@ def keep(database: dict) -> None:
     if "sqlite" in _making:
         lock = _making.pop("sqlite")
         try:
-            _sqlite_keep(sqlite_template())
+            sqlite_keep(connection.settings_dict["NAME"], sqlite_template())
         finally:
             lock.close()  # type: ignore[attr-defined]
     elif "postgres" in _making:
@@ -163,22 +164,31 @@ def _sqlite_copy_or_make(database: dict) -> bool:
     return False
 
 
-def _sqlite_keep(template: Path) -> None:
-    """The just-migrated test database copied with SQLite's online backup (a consistent copy of
-    an open database), put in place in one rename."""
-    from django.db import connection
-
-    partial = template.with_name(f"{template.name}.{os.getpid()}.partial")
-    connection.ensure_connection()
-    target = sqlite3.connect(partial)
-    try:
-        connection.connection.backup(target)
-    finally:
-        target.close()
-    os.replace(partial, template)
-    for stale in template.parent.glob("sqlite-*.sqlite3"):  # other migrations' (other branches)
-        if stale != template:
+def sqlite_keep(source: str, kept: Path) -> None:
+    """The SQLite database `source` copied to `kept`, put in place in one rename (processes racing
+    here each write their own file; the last rename wins, with the same content); the files of
+    other migrations of the same name's stem removed."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+    sqlite_copy(source, str(partial))
+    os.replace(partial, kept)
+    for stale in kept.parent.glob(kept.name.rsplit("-", 1)[0] + "-*.sqlite3"):
+        if stale != kept:
             stale.unlink(missing_ok=True)
+
+
+def sqlite_copy(source: str, target: str) -> None:
+    """SQLite's online backup: the whole database, whatever is still in its write-ahead log. The
+    source opened without creating it (mode=rw, not read-only: that would leave its WAL files
+    behind): one gone meanwhile is an error, not an empty file made in its place, which
+    the next runs would take as the template from then on."""
+    read = sqlite3.connect(f"{Path(source).resolve().as_uri()}?mode=rw", uri=True)
+    write = sqlite3.connect(target)
+    try:
+        read.backup(write)
+    finally:
+        read.close()
+        write.close()
 
 
 # --- PostgreSQL --------------------------------------------------------------------------------

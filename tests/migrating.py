@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import os
-import sqlite3
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,7 +33,7 @@ from django.db.migrations.loader import MigrationLoader
 
 from tests import kept_database
 from tests.isolation import VAR_BASE
-from tests.kept_database import migrations_digest
+from tests.kept_database import migrations_digest, sqlite_copy, sqlite_keep
 
 Target = tuple[str, str]
 _KEPT = VAR_BASE / "test-db-templates"
@@ -52,7 +50,7 @@ def fresh_database(template: str | None = None) -> Iterator[None]:
         if connection.vendor == "sqlite":
             name = str(Path(folder) / "db.sqlite3")
             if template is not None:
-                _sqlite_copy(template, name)
+                sqlite_copy(template, name)
         else:
             name = f"{original}_migrating"
             _execute(f'DROP DATABASE IF EXISTS "{name}"')
@@ -98,7 +96,7 @@ def _template_make(targets: list[Target]) -> str:
             with fresh_database():
                 migrate(targets)
                 connection.close()
-                _sqlite_keep(settings["NAME"], Path(name))
+                sqlite_keep(settings["NAME"], Path(name))
         return name
     name = kept_database.postgres_kept_name(suffix)
     with kept_database.postgres_lock(settings, name) as made:
@@ -109,32 +107,6 @@ def _template_make(targets: list[Target]) -> str:
                 # The migrated database becomes the template, whole: renamed, not copied.
                 _execute(f'ALTER DATABASE "{settings["NAME"]}" RENAME TO "{name}"')
     return name
-
-
-def _sqlite_keep(source: str, kept: Path) -> None:
-    """Put in place in one rename (processes racing here each write their own file; the last
-    rename wins, with the same content); the same targets' files of other migrations removed."""
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
-    _sqlite_copy(source, str(partial))
-    os.replace(partial, kept)
-    for stale in kept.parent.glob(kept.name.rsplit("-", 1)[0] + "-*.sqlite3"):
-        if stale != kept:
-            stale.unlink(missing_ok=True)
-
-
-def _sqlite_copy(source: str, target: str) -> None:
-    """SQLite's online backup: the whole database, whatever is still in its write-ahead log. The
-    source opened without creating it (mode=rw, not read-only: that would leave its WAL files
-    behind): one gone meanwhile is an error, not an empty file made in its place, which
-    `_template_make` would take as the template from then on."""
-    read = sqlite3.connect(f"{Path(source).resolve().as_uri()}?mode=rw", uri=True)
-    write = sqlite3.connect(target)
-    try:
-        read.backup(write)
-    finally:
-        read.close()
-        write.close()
 
 
 def _execute(sql: str) -> None:
