@@ -218,7 +218,10 @@ def test_the_default_end_fits_the_gpu_hours_left_this_week(client, alice, bob, t
     client.force_login(bob)
     data = rendered_defaults(client, reverse("reservation_new"))
     start, end = (datetime.strptime(data[field][0], LOCAL_INPUT) for field in ("start", "end"))
-    if this_week(t0)[1] > t0 + 7.5 * H:  # both in one week
+    # Bob's default starts now, alice's booking an hour on: they count against one week's hours
+    # only where both, and bob's 2 h 30, end within the week that bob's starts in.
+    week_end = this_week(timezone.make_aware(start))[1]
+    if t0 + 7.5 * H <= week_end and timezone.make_aware(start) + 2.5 * H <= week_end:
         assert end - start == 2.5 * H
     if end - start < 8 * H:
         longer = dict(data, end=[(end + timedelta(minutes=1)).strftime(LOCAL_INPUT)])
