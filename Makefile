@@ -73,13 +73,14 @@ gpu-check:
 	$(GPU_CHECK_PYTHON) -m portal.gpu_check
 
 # Every wheel the check needs, for a GPU machine without internet: requirements.txt less the frameworks
-# (the check uses the machine's own) and this checkout (it runs from it). Copy var/gpu-check-wheels/ there.
+# (the check uses the machine's own), this checkout (it runs from it) and JupyterLab's server and kernel
+# (no check opens a lab; with them the folder is 82 MB, without 3x smaller). Copy var/gpu-check-wheels/ there.
 GPU_CHECK_PYTHON_VERSION ?= $(shell $(GPU_CHECK_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 # pip expands no manylinux_2_x tag to older ones: name each (glibc 2.28 and older, e.g. Ubuntu 20.04).
 GPU_CHECK_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 gpu-check-wheels:
 	mkdir -p var/gpu-check-wheels
-	grep -v -i -E '^(tensorflow|torch|jax|jaxlib)([=<>~ ]|$$)|^-e ' requirements.txt > var/gpu-check-wheels/requirements.txt
+	grep -v -i -E '^(tensorflow|torch|jax|jaxlib|jupyterlab|jupyter_server|ipykernel)([=<>~ ]|$$)|^-e ' requirements.txt > var/gpu-check-wheels/requirements.txt
 	$(GPU_CHECK_PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_CHECK_PYTHON_VERSION) \
 	  $(foreach p,$(GPU_CHECK_PLATFORMS),--platform $(p)) -d var/gpu-check-wheels -r var/gpu-check-wheels/requirements.txt
 

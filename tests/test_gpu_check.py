@@ -105,3 +105,20 @@ def test_it_passes_every_check_on_a_fake_gpu_machine(tmp_path):
     assert skipped["seen"].startswith(
         "skipped: no TensorFlow (ImportError: no TensorFlow on this fake GPU machine"
     )
+
+
+def test_the_checks_venv_sees_the_frameworks_of_a_python_that_is_itself_a_venv(tmp_path):
+    """A GPU image's python3 is often a venv (/opt/torch/.venv): a venv made from it with
+    --system-site-packages reaches the base interpreter's packages, not its frameworks. This
+    test's own Python is such a venv, and Django one of its packages."""
+    from portal.gpu_check import bootstrap
+
+    venv = tmp_path / "venv"
+    made = [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv]
+    subprocess.run(made, check=True)
+    python = venv / "bin" / "python"
+    probe = [python, "-c", "import django; print(django.__file__)"]
+    assert subprocess.run(probe, capture_output=True).returncode != 0  # what the .pth is for
+    bootstrap._see_this_pythons_packages(python)
+    seen = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+    assert seen.startswith(str(Path(sys.prefix)))

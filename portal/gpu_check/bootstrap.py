@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,7 @@ def ensure_requirements(argv: list[str]) -> None:
     try:
         print(f"gpu-check: installing the portal's requirements from {WHEELS} into {venv}", flush=True)
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        _see_this_pythons_packages(python)
         pip = [str(python), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(WHEELS)]
         subprocess.run([*pip, "-r", str(wanted)], check=True)
     except (OSError, subprocess.CalledProcessError) as exc:
@@ -68,6 +70,22 @@ def ensure_requirements(argv: list[str]) -> None:
         ) from exc
     env = {**os.environ, VENV_ENV: str(venv)}
     os.execve(python, [str(python), "-m", "portal.gpu_check", *argv], env)
+
+
+def _see_this_pythons_packages(python: Path) -> None:
+    """Where this Python is itself a venv (an image's /opt/torch/.venv), `--system-site-packages`
+    reaches the base interpreter's packages, not this one's frameworks: a .pth file in the new venv
+    adds this Python's own site folders after the venv's, so its PyTorch and JAX stay importable
+    and what the wheels install comes first."""
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    ours = [*site.getsitepackages(), site.getusersitepackages()]
+    folders = [folder for folder in dict.fromkeys(ours) if Path(folder).is_dir()]
+    (Path(purelib) / "gpu_check_machine.pth").write_text("".join(f"{f}\n" for f in folders))
 
 
 def remove_venv() -> None:
