@@ -79,7 +79,16 @@ def test_a_leader_sees_the_teams_month_at_a_glance(
     log_in(page, "leader")
     page.click("nav >> text=Reports")
     page.wait_for_url("**/reports/")
-    expect(page.locator("nav.report-periods strong")).to_have_text("This month")
+    # The default period is this month; the presets that name the same days today are marked too
+    # (on the 30th of November, "Last 30 days"; all January, "This year").
+    today = usage.portal_today()
+    month = today.replace(day=1)
+    same = {"This week": today - timedelta(days=today.weekday()), "Last 30 days": today - timedelta(days=29)}
+    same["This year"] = today.replace(month=1, day=1)
+    marked = ["This month", *(label for label, since in same.items() if since == month)]
+    current = page.locator("nav.report-periods strong")
+    expect(current).to_have_count(len(marked))
+    assert sorted(current.all_inner_texts()) == sorted(marked)
     expect(page.locator("#report-totals")).to_be_visible()
     for canvas in CHARTS:
         expect(page.locator(f"#{canvas}")).to_be_visible()
