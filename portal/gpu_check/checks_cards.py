@@ -93,6 +93,8 @@ def check_attribution(ctx: Context, deadline: Deadline) -> list[Row]:
         last.update(process=process, nvml=nvml)
         if process is None or nvml is None or abs(process["used_memory_mb"] - nvml) > 0.05 * nvml:
             return None
+        if detail["updated_at"] is None:  # a row no round has written: not a round's word yet
+            return None
         return process, _stored_at(detail), nvml
 
     try:
