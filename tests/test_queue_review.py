@@ -66,7 +66,9 @@ def test_up_to_twice_the_weekly_limit_is_accepted_because_a_booking_across_monda
         queue_job(alice, gpus=4, minutes=30)
     Job.objects.filter(pk=accepted.pk).delete()  # its start is not the point here
 
-    monday = week_start(timezone.now() + timedelta(days=7))
+    # A Monday 00:00 at least a day away, so that its 16 minutes before are in the future at any
+    # moment the test runs (the coming Monday is 10 minutes away on a Sunday at 23:50).
+    monday = week_start(timezone.now() + timedelta(days=8))
     cards = [gpu.uuid for gpu in box]
     with pytest.raises(QuotaExceeded):  # one minute more, however it straddles the week's turn
         reservation_create(user=alice, gpus=cards, start=monday - 15 * M - M, end=monday + 15 * M)
