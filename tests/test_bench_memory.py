@@ -51,6 +51,19 @@ def test_a_time_without_a_goal_is_better_lower():
     assert _said(_run(FAST, api=(130.0, "ms", "(none)")), baseline)["api"][0]
 
 
+def test_a_tail_without_a_goal_is_shown_not_judged_and_one_with_a_goal_is():
+    baseline = _run(FAST, **{"pass, warm, p90": (47.0, "ms", "(none)"), "wait, max": (2.0, "s", "<= 3 s")})
+    said = _said(
+        _run(FAST, **{"pass, warm, p90": (104.0, "ms", "(none)"), "wait, max": (2.6, "s", "<= 3 s")}),
+        baseline,
+    )
+    assert said["pass, warm, p90"] == (
+        False,
+        "pass, warm, p90: 104.00 ms, baseline 47.00 ms (a tail, no goal: not judged)",
+    )
+    assert said["wait, max"][0]  # 1.3x: a promise, judged
+
+
 def test_figures_are_recorded_under_their_script_and_the_last_value_wins(tmp_path, monkeypatch):
     record = tmp_path / "figures.jsonl"
     monkeypatch.setenv(memory.RECORD_ENV, str(record))
