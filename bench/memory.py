@@ -105,9 +105,10 @@ class Verdict:
 
 
 def _lower_is_better(unit: str, goal: str) -> bool | None:
-    if goal.startswith("<"):
+    goal = goal.strip()
+    if goal.startswith(("<", "≤")) or goal in ("0", "= 0"):  # "= 0": none is the goal, more is worse
         return True
-    if goal.startswith(">"):
+    if goal.startswith((">", "≥")):
         return False
     return True if unit in TIME_UNITS else None
 

@@ -46,6 +46,17 @@ def test_a_count_with_no_goal_is_shown_not_judged_and_a_new_figure_has_no_baseli
     assert said["fresh"] == (False, "fresh: 3.00 ms (new: no baseline)")
 
 
+def test_goals_written_with_unicode_signs_or_as_zero_are_judged():
+    baseline = _run(FAST, wrong=(0.0, "", "0"), double=(0.0, "", "= 0"), lab=(4.0, "s", "≤ 5 s"))
+    baseline["figures"]["lent"] = {"value": 56.0, "unit": "%", "goal": "≥ 50 %"}
+    run = _run(FAST, wrong=(1.0, "", "0"), double=(0.0, "", "= 0"), lab=(5.5, "s", "≤ 5 s"))
+    run["figures"]["lent"] = {"value": 40.0, "unit": "%", "goal": "≥ 50 %"}
+    said = _said(run, baseline)
+    assert said["wrong"][0] and not said["double"][0] and said["lab"][0] and said["lent"][0]
+    equal = _said(_run(FAST, mib=(900.0, "MB", "= 1024")), _run(FAST, mib=(1024.0, "MB", "= 1024")))
+    assert not equal["mib"][0] and "not judged" in equal["mib"][1]
+
+
 def test_a_time_without_a_goal_is_better_lower():
     baseline = _run(FAST, api=(100.0, "ms", "(none)"))
     assert _said(_run(FAST, api=(130.0, "ms", "(none)")), baseline)["api"][0]
