@@ -72,13 +72,17 @@ def migrated_template(targets: list[Target]) -> Callable[..., Iterator[str]]:
 
     @pytest.fixture(scope="module")
     def fixture(django_db_setup, django_db_blocker) -> Iterator[str]:  # type: ignore[no-untyped-def]
-        with django_db_blocker.unblock():
-            name = _template_make(targets)
         if connection.vendor == "sqlite":
+            with django_db_blocker.unblock():
+                name = _template_make(targets)
             yield name
             return
-        # The module's tests copy it: no other run drops it meanwhile.
+        # Its "use" lock from before it is made or found until the module's tests have copied it:
+        # no other run drops it meanwhile, not even between the make lock and the first copy.
+        name = kept_database.postgres_kept_name(_suffix(targets))
         with kept_database.postgres_use(connection.settings_dict, name):
+            with django_db_blocker.unblock():
+                _template_make(targets)
             yield name
 
     return fixture
@@ -89,7 +93,7 @@ def _template_make(targets: list[Target]) -> str:
     targets (made again when either changes): SQLite's a file, PostgreSQL's a database on the
     server, made by one process while the others wait on its lock."""
     settings = connection.settings_dict
-    suffix = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:8]
+    suffix = _suffix(targets)
     if connection.vendor == "sqlite":
         name = str(_KEPT / f"migrated-{suffix}-{migrations_digest()}.sqlite3")
         if not Path(name).exists():
@@ -107,6 +111,10 @@ def _template_make(targets: list[Target]) -> str:
                 # The migrated database becomes the template, whole: renamed, not copied.
                 _execute(f'ALTER DATABASE "{settings["NAME"]}" RENAME TO "{name}"')
     return name
+
+
+def _suffix(targets: list[Target]) -> str:
+    return hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:8]
 
 
 def _execute(sql: str) -> None:
