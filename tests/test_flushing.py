@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
+from django.contrib.contenttypes.models import ContentType
+from django.core.management import call_command
 from django.core.management.color import no_style
 from django.core.management.commands import flush
 from django.db import connection
 
 from gpus.models import Reservation
-from portal.models import Team
-from tests.factories import TeamFactory
+from portal.models import Membership, Team
+from tests.factories import MembershipFactory, TeamFactory, UserFactory
 
 
 @pytest.mark.django_db
@@ -29,16 +33,17 @@ def test_on_postgresql_it_deletes_under_a_lock_and_leaves_the_rest_to_django():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_transactional_test_commits_rows_with_foreign_keys():
-    """With the next one, in either order: the flush between them emptied the tables (parents
-    and children, whatever their order) and put the content types back."""
-    TeamFactory(name="flushed-team")
-    assert Team.objects.filter(name="flushed-team").exists()
-
-
-@pytest.mark.django_db(transaction=True)
-def test_the_flush_left_nothing_of_the_other_test():
-    from django.contrib.contenttypes.models import ContentType
-
-    assert not Team.objects.filter(name="flushed-team").exists()
-    assert ContentType.objects.get_for_model(Team).model == "team"
+def test_the_flush_a_transactional_test_ends_with_empties_every_table_and_keeps_the_registry():
+    """The flush as TransactionTestCase's teardown calls it, on committed rows whose foreign keys
+    point at a table that sorts, and so is emptied, before theirs (auth_user < portal_membership)."""
+    user = UserFactory(username="flushed")
+    membership = MembershipFactory(team=TeamFactory(name="flushed-team"), user=user)
+    team_type = ContentType.objects.get_for_model(Team)
+    call_command("flush", verbosity=0, interactive=False, reset_sequences=False, allow_cascade=False)
+    assert not Team.objects.exists() and not Membership.objects.exists()
+    assert not get_user_model().objects.exists()
+    ContentType.objects.clear_cache()
+    assert ContentType.objects.get_for_model(Team) == team_type  # put back, its id kept
+    assert Permission.objects.filter(content_type=team_type).exists()
+    later = TeamFactory(name="after-the-flush")
+    assert later.pk > membership.team.pk  # sequences go on counting, as after TRUNCATE
