@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from gpus.models import Reservation
 from gpus.services import server_report_ingest
-from tests.browser import ASYNC_UNSAFE, chromium, log_in, page  # noqa: F401 - the fixtures
+from tests.browser import ASYNC_UNSAFE, POLL_MS, chromium, log_in, page  # noqa: F401 - the fixtures
 from tests.factories import make_snapshot
 from tests.isolation import OUTPUT
 
@@ -33,6 +33,7 @@ def test_it_shows_gpus_and_updates_them_without_reload(page, alice):  # noqa: F8
         """() => document.querySelector('[data-gpu-uuid="GPU-box1-02"] [data-field="utilization"]')
                  .innerText === '87%'""",
         timeout=10_000,
+        polling=POLL_MS,
     )
     assert page.evaluate("window.__notReloaded") is True  # swapped in place, no page load
     page.screenshot(path=str(OUTPUT / "dashboard.png"), full_page=True)

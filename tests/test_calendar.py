@@ -22,7 +22,7 @@ from gpus.calendars import calendar_feed_get, calendar_feed_renew
 from gpus.models import CalendarFeed, Reservation
 from portal.errors import Forbidden
 from portal.models import Membership, Profile
-from tests.browser import log_in, page  # noqa: F401 - the fixture
+from tests.browser import POLL_MS, log_in, page  # noqa: F401 - the fixture
 from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -419,7 +419,8 @@ def test_the_copy_button_copies_the_address_and_a_new_link_asks_first(page, alic
     address = page.input_value("#calendar input[readonly]")
     page.click("#calendar button[data-copy]")
     page.wait_for_function(
-        "() => document.querySelector('#calendar button[data-copy]').textContent === 'Copied'"
+        "() => document.querySelector('#calendar button[data-copy]').textContent === 'Copied'",
+        polling=POLL_MS,
     )
     assert page.evaluate("navigator.clipboard.readText()") == address
     page.once("dialog", lambda dialog: dialog.dismiss())  # "Make a new link?" — no

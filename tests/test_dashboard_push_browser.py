@@ -11,7 +11,7 @@ import pytest
 from gpus.models import Reservation
 from gpus.services import server_report_ingest
 from portal.notifications import notification_send
-from tests.browser import asgi_page, log_in, page  # noqa: F401 - the fixtures
+from tests.browser import POLL_MS, asgi_page, log_in, page  # noqa: F401 - the fixtures
 from tests.factories import make_snapshot
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -37,7 +37,9 @@ def _open_dashboard(tab) -> None:  # type: ignore[no-untyped-def]
 
 
 def _wait_for_util(tab, util: int, timeout: int = 5_000) -> None:  # type: ignore[no-untyped-def]
-    tab.wait_for_function(f"() => document.querySelector('{UTIL}').innerText === '{util}%'", timeout=timeout)
+    tab.wait_for_function(
+        f"() => document.querySelector('{UTIL}').innerText === '{util}%'", timeout=timeout, polling=POLL_MS
+    )
 
 
 def _tab_to(tab, selector: str, presses: int = 80) -> None:  # type: ignore[no-untyped-def]
@@ -122,7 +124,7 @@ def test_a_new_server_waits_until_focus_leaves_the_list(asgi_page, alice):  # no
     asgi_page.evaluate("window.__focused = document.activeElement")
     server_report_ingest(snapshot=make_snapshot("box2", gpus=1, simulated=True))
     asgi_page.wait_for_function(
-        "() => document.getElementById('servers').liveWaiting === true"
+        "() => document.getElementById('servers').liveWaiting === true", polling=POLL_MS
     )  # read, held back
     assert asgi_page.evaluate(STILL_FOCUSED)
     assert asgi_page.locator('[data-server="box2"]').count() == 0

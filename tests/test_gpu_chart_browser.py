@@ -13,7 +13,7 @@ from django.utils import timezone
 from gpus.models import GPU, TelemetrySample
 from gpus.services import server_report_ingest
 from portal.models import Profile
-from tests.browser import chromium, log_in  # noqa: F401 - the fixture
+from tests.browser import POLL_MS, chromium, log_in  # noqa: F401 - the fixture
 from tests.factories import make_snapshot
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -39,6 +39,8 @@ def test_the_charts_times_are_the_persons_24_hour_clock_in_their_zone(chromium, 
         log_in(tab, "alice")
         tab.goto(f"/gpus/{gpu.uuid}/")
         assert tab.evaluate("navigator.language") == "en-US"
-        tab.wait_for_function("() => (Chart.getChart('gpu-chart')?.data.labels || []).length >= 2")
+        tab.wait_for_function(
+            "() => (Chart.getChart('gpu-chart')?.data.labels || []).length >= 2", polling=POLL_MS
+        )
         labels = tab.evaluate("Chart.getChart('gpu-chart').data.labels")
     assert labels == expected, labels  # en-US in New York would say e.g. "1:04:05 AM"

@@ -40,7 +40,7 @@ def test_the_job_page_shows_each_line_as_printed_over_one_stream(asgi_page, job,
     for n in range(1, 21):
         printed = time.perf_counter()
         writer.feed(f"epoch {n}\n".encode())
-        asgi_page.wait_for_function(
+        asgi_page.wait_for_function(  # every frame (not POLL_MS): the delay is what is measured
             f"() => document.getElementById('job-log').textContent.includes('epoch {n}\\n')"
         )
         delays.append(time.perf_counter() - printed)

@@ -14,7 +14,7 @@ from jobs.logs import live as log_live
 from jobs.logs.live import job_changed
 from jobs.models import Job, JobMetric
 from jobs.submit import ScriptUpload, job_submit
-from tests.browser import asgi_page, log_in  # noqa: F401 - the fixtures
+from tests.browser import POLL_MS, asgi_page, log_in  # noqa: F401 - the fixtures
 from tests.factories import make_snapshot, queue_job
 from tests.job_helpers import job_page_open
 
@@ -41,7 +41,7 @@ def _stream_up(page) -> None:  # type: ignore[no-untyped-def]
     """The page's stream said `ready` (static/js/live.js): a change published from now on reaches
     it. One published before, between the page's render and its subscription, is not pushed; the
     page shows it with the next change."""
-    page.wait_for_function("() => window.portalLive && window.portalLive.up === true")
+    page.wait_for_function("() => window.portalLive && window.portalLive.up === true", polling=POLL_MS)
 
 
 def _not_the_stream(requests: list[str]) -> list[str]:

@@ -12,7 +12,7 @@ from gpus.inventory import GPUInfo
 from gpus.reports import user_colours
 from gpus.usage import UsageRollup, hour_of
 from jobs.models import Job
-from tests.browser import log_in, page  # noqa: F401 - the fixture
+from tests.browser import POLL_MS, log_in, page  # noqa: F401 - the fixture
 from tests.isolation import OUTPUT
 from tests.test_usage import book, card
 
@@ -93,7 +93,9 @@ def test_a_leader_sees_the_teams_month_at_a_glance(
     for canvas in CHARTS:
         expect(page.locator(f"#{canvas}")).to_be_visible()
     # Chart.js drew each one (the vendored file, served by the portal itself).
-    page.wait_for_function(f"() => {list(CHARTS)}.every((id) => Chart.getChart(document.getElementById(id)))")
+    page.wait_for_function(
+        f"() => {list(CHARTS)}.every((id) => Chart.getChart(document.getElementById(id)))", polling=POLL_MS
+    )
     assert (
         page.evaluate("Chart.getChart(document.getElementById('chart-heatmap')).data.datasets[0].data.length")
         == 168
