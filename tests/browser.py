@@ -31,14 +31,14 @@ if TYPE_CHECKING:
 CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
 # Site isolation (a renderer process for each site, kept apart) guards a person's browser against
 # the pages of other sites; the tests open the portal's own pages, and the per-site processes were
-# a quarter of the renderers Chromium started (147 → 105 over the browser tests).
+# a quarter of the renderers Chromium started (147 → 105 over the browser tests). Not through
+# --disable-features: Playwright passes its own list in that switch, and Chromium keeps the last.
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
     "--disable-gpu",
     "--disable-background-networking",
     "--disable-site-isolation-trials",
-    "--disable-features=site-per-process,IsolateOrigins",
 ]
 # wait_for_function's default polls on every animation frame, which keeps Chromium drawing 60
 # frames a second for as long as a test waits: most of its CPU in the waits. A test measuring how
