@@ -191,7 +191,7 @@ def test_the_zone_field_is_the_html_djangos_select_writes(value):
 
 
 def test_the_many_options_select_escapes_as_django_does():
-    choices = [("a&b", "<x> \"q\" 'y'"), ("", "none"), ("2", "two")]
+    choices = [("a&b", "<x> \"q\" 'y'"), ("", "none"), ("2", "two"), ("2", "two again")]
     for value in ("a&b", "2", None):
         ours = ManyOptionsSelect(choices=choices).render("f", value, attrs={"id": "f", "data-x": "<'>"})
         django_s = forms.Select(choices=choices).render("f", value, attrs={"id": "f", "data-x": "<'>"})
