@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,10 @@ from portal.supervisor import (
 from tests.conftest import OUTPUT, ROOT, free_port
 from tests.kept_database import sqlite_template
 from tests.waiting import wait_for
+
+# A line of the portal's own logging (portal/settings.py LOGGING: "%(asctime)s %(levelname)s %(name)s: ...").
+PORTAL_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: ")
+
 
 # --- the backoff, on an injected clock ----------------------------------------------------
 
@@ -394,9 +399,10 @@ def _check_the_greeting(output: str, port: str) -> None:
     """What `make run` leaves on screen once its workers are up (issue 38): the URL and the demo
     logins last; as root (a container, a first try on a lab server), why, said once before them,
     and none of Celery's own warnings, one per worker, after them."""
-    # The web server's lines about the test's own requests (a 404 while rp1 had not reported yet)
-    # are the portal in use, not its start.
-    lines = [line for line in output.splitlines() if line.strip() and " django.request: " not in line]
+    # The portal's own log lines (its format: a time, a level, the logger) are the portal in use,
+    # not its start: the web server's about the test's own requests (a 404 while rp1 had not
+    # reported yet), and the GPU watchdog's. Celery's own warnings have a format of their own.
+    lines = [line for line in output.splitlines() if line.strip() and not PORTAL_LOG_LINE.match(line)]
     assert lines[-3].startswith("GPU lab portal: http://localhost:"), lines[-6:]
     assert lines[-2].startswith(f"JupyterLab sessions: http://127.0.0.1:{port}/")
     assert lines[-1].startswith(f"Demo logins: admin, leader, alice, bob / password {PASSWORD!r}")
