@@ -11,6 +11,7 @@ from html import escape
 from typing import Any
 
 from django import forms
+from django.utils.html import conditional_escape
 from django.utils.safestring import SafeString, mark_safe
 
 from portal.errors import ServiceError
@@ -62,15 +63,15 @@ def _attrs(attrs: dict[str, Any]) -> str:
 
 
 def _options(choices: Iterable[tuple[Any, Any]], chosen: set[str]) -> str:
-    """Each value and label escaped as Django's templates do (the same five characters); a
+    """Each value escaped, and each label unless it is safe already, as Django's templates do; a
     format_html for each option was still 20 ms for the zones. As Django's, only the first option
     of a chosen value is selected."""
-    written = []
+    written, has_selected = [], False
     for value, label in choices:
-        selected = str(value) in chosen
-        chosen = chosen - {str(value)} if selected else chosen
+        selected = not has_selected and str(value) in chosen
+        has_selected = has_selected or selected
         mark = " selected" if selected else ""
-        written.append(f'<option value="{escape(str(value))}"{mark}>{escape(str(label))}</option>')
+        written.append(f'<option value="{escape(str(value))}"{mark}>{conditional_escape(label)}</option>')
     return "".join(written)
 
 

@@ -72,9 +72,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         sums[2] += float(row["wall_s"])
     write = terminalreporter.write_line
     terminalreporter.section("CPU by test (tests/cpu_profile.py)")
-    own = sum(float(row["self_cpu_s"]) for row in rows)
-    reaped = sum(float(row["children_cpu_s"]) for row in rows)
-    wall = sum(float(row["wall_s"]) for row in rows)
+    own, reaped, wall = (sum(sums[n] for sums in by_file.values()) for n in range(3))
     write(f"{len(rows)} tests: own CPU {own:.0f} s, their processes' {reaped:.0f} s, wall {wall:.0f} s")
     write(f"rows: {OUTPUT.parent}/*/{NAME}")
     for test, seconds in sorted(cost.items(), key=lambda item: -item[1])[:SHOWN]:
