@@ -30,6 +30,7 @@ answers through gpus/hooks.py, registered in JobsConfig.ready().
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -151,8 +152,12 @@ class HostWorker:
             self.as_root_recorded = jobs_as_root_record(self.server)
         try:
             if self.watchdog is None:
+                # This process is the worker: its pool processes start the host's runs.
                 self.watchdog = HostWatchdog(
-                    snapshot.host.name, simulated=snapshot.host.simulated, mapping=self.mapping
+                    snapshot.host.name,
+                    simulated=snapshot.host.simulated,
+                    mapping=self.mapping,
+                    worker=os.getpid(),
                 )
             self.watchdog.round(snapshot)
         except DatabaseError as exc:

@@ -430,6 +430,8 @@ def test_it_restarts_a_killed_host_worker_and_keeps_serving(runportal):
     # Its card shows it as the job's: the worker gave it this portal's PORTAL_INSTANCE, and the
     # simulated backend shows only processes that carry it (gpus/simulated/local_jobs.py).
     wait_for(lambda: f"job {job_id}" in _jobs_on_cards(api, "rp1"), timeout=30, what="the job on its card")
+    # Never its owner's intruder, even at its start, before its pid was recorded (jobs/host/watchdog.py).
+    assert "GPU watchdog: intruder" not in output()
 
     worker, web = _child(proc, queue="host.rp1"), _child(proc, web=True)
     old = worker.children(recursive=True)  # its pool process and, below that, the job

@@ -24,6 +24,13 @@ failed with the rule and the measurement), any other process by SIGTERM, then SI
 watchdog's own grace (WATCHDOG_KILL_GRACE_SECONDS, `kill_grace`). The violation is `stopped` once
 NVML no longer lists the process.
 
+A run this host's worker has just started (a job, a lab) is judged from the round its row names
+its session, and not before: its supervisor records the session's pid right after the start, and
+a round in between would take the owner's own job for an intruder. Such a session is known by
+its leader's parent, which no process can choose: the worker itself, or one of its pool
+processes (`started_by`). Only the worker's rounds know that (`worker`); a round anywhere else
+judges every process it sees.
+
 Only the process that was seen is ever signalled: by pid *and* start time through a pidfd
 (`portal.pids.send`), and only while the pid is still in the session the backend saw. A pid
 reused by a later process (even in the same login session), a process whose start could not be
@@ -47,15 +54,16 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from time import monotonic
 
+import psutil
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
-from gpus.inventory import ProcessInfo, Snapshot
+from gpus.inventory import GPUInfo, ProcessInfo, Snapshot
 from gpus.models import Server, Violation, WatchdogPolicy
 from gpus.procinfo import is_process_pid, session_of
 from jobs.host.dcgm import DcgmMapping
@@ -142,10 +150,24 @@ class Tracked:
 
 
 class HostWatchdog:
-    def __init__(self, server: str, *, simulated: bool, mapping: DcgmMapping | None = None) -> None:
+    def __init__(
+        self,
+        server: str,
+        *,
+        simulated: bool,
+        mapping: DcgmMapping | None = None,
+        worker: int | None = None,
+    ) -> None:
         self.server_name = server
         self.mapping = mapping or DcgmMapping(server)  # DCGM's hpc_job files: the host worker's, if given
         self.simulated = simulated
+        # The pid of the host's worker, whose pool processes start its runs (`started_by`); None
+        # where the round runs outside it (a test, a bench): then no session is taken for a run.
+        self.worker = worker
+        # Sessions on the cards found not to be the worker's runs, with their oldest process's
+        # start: each is looked at once, not every round (a session's id is not reused while any
+        # of its processes lives, and a later session of the same id has a later start).
+        self._others: dict[int, float] = {}
         self.server_id: int | None = None
         self._round_seconds: float | None = None  # the last round's time, recorded by the next one
         self._forget()
@@ -301,15 +323,41 @@ class HostWatchdog:
         # An ended job's recorded pid may head someone else's session by now: that session is
         # the job's only if one of its processes is older than the job's end.
         jobs = [j for j in facts.jobs if j.running or _predates_end(j, sessions)]
-        names = {p.username for g in snapshot.gpus for p in g.processes or ()}
+        known = _sessions_in(facts.sessions, sessions)
+        cards = snapshot.gpus
+        if starting := self._runs_starting(
+            sessions, {j.session_id for j in jobs} | {s.session_id for s in known}
+        ):
+            cards = tuple(_without_sessions(card, starting) for card in cards)
+        names = {p.username for g in cards for p in g.processes or ()}
         return classify(
-            snapshot.gpus,
+            cards,
             bookings=facts.bookings,
             jobs=jobs,
             users_by_os_name=self.users(names, now),
             tolerance_mb=settings.WATCHDOG_MEMORY_TOLERANCE_MB,
-            sessions=_sessions_in(facts.sessions, sessions),
+            sessions=known,
         )
+
+    def _runs_starting(self, sessions: dict[int, float], named: set[int]) -> set[int]:
+        """The sessions on the cards that no job's or session's row names, but that the worker
+        started: runs whose supervisors have not recorded their pids yet. They are left out of
+        the round, as NVML leaves out a process that has not opened its context yet: the next
+        round, with the row written, judges them as their run's."""
+        if self.worker is None:
+            return set()
+        starting: set[int] = set()
+        others: dict[int, float] = {}
+        for session, oldest in sessions.items():
+            if session in named:
+                continue
+            if self._others.get(session) != oldest and started_by(session, self.worker):
+                starting.add(session)
+                log.debug("GPU watchdog: session %s is a run of this worker not recorded yet", session)
+            else:
+                others[session] = oldest
+        self._others = others
+        return starting
 
     def _load_open(self, server: int) -> None:
         """A restarted worker picks up the violations it was watching, rather than starting anew:
@@ -611,6 +659,32 @@ def _sessions_in(rows: Sequence[SessionRow], sessions: dict[int, float]) -> list
             ):
                 facts.append(SessionFacts(pk, leader, owner, reservation))
     return facts
+
+
+def started_by(leader: int, worker: int) -> bool:
+    """Whether session leader `leader` was started by the process `worker` or by one of its
+    children (a prefork pool process runs each job's supervisor). A parent cannot be chosen or
+    claimed, unlike an environment or a command line. The leader's parent is read again after
+    the grandparent: a parent that died in between had its children adopted elsewhere before
+    its pid could be given to a new pool process, so a stranger's parent never passes for one."""
+    if not is_process_pid(leader) or leader == worker:
+        return False
+    try:
+        process = psutil.Process(leader)
+        parent = process.ppid()
+        if parent == worker:
+            return True
+        if not is_process_pid(parent) or parent == leader:
+            return False
+        return psutil.Process(parent).ppid() == worker and process.ppid() == parent
+    except psutil.Error:
+        return False
+
+
+def _without_sessions(card: GPUInfo, sessions: set[int]) -> GPUInfo:
+    if not card.processes or not any(p.session_id in sessions for p in card.processes):
+        return card
+    return replace(card, processes=tuple(p for p in card.processes if p.session_id not in sessions))
 
 
 def _predates_end(job: JobFacts, sessions: dict[int, float]) -> bool:
