@@ -181,7 +181,9 @@ def test_ended_by_its_owner_it_leaves_no_server_or_kernel_behind(lab_session, al
     session_end_request(session=session, by=alice)
     thread.join(timeout=30)
     assert outcome == ["ended"]
-    assert len(procs) == 2 and not any(alive(proc) for proc in procs) and not kernel.is_running()
+    # A killed kernel whose server exited first is reaped by init, whenever init gets to it: a
+    # zombie then (psutil's is_running() says True for one), holding nothing.
+    assert len(procs) == 2 and not any(alive(proc) for proc in [*procs, kernel])
     session.refresh_from_db()
     assert session.message == "Ended from the portal." and session.kernels == []
     assert session.address == ""  # the relay stopped before its port was let go
