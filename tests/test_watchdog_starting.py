@@ -25,8 +25,9 @@ from gpus.models import Violation
 from gpus.procinfo import describe_process
 from gpus.simulated.local_jobs import local_job_processes
 from jobs.host import runner
+from jobs.host import watchdog as host_watchdog
 from jobs.host.runner import job_run
-from jobs.host.watchdog import HostWatchdog, started_by
+from jobs.host.watchdog import HostWatchdog, run_started
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import Notification
@@ -52,11 +53,17 @@ SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
 class Starter:
-    """A process that started a session leader of its own; `end()` ends both, each by its handle."""
+    """A process that started a session leader of its own; `end()` ends both, each by its handle.
+    `leader`: the starter leads a session of its own too (as a job does), else it is in the
+    test's (as a pool process is in its worker's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, leader: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", STARTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", STARTER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=leader,
         )
         assert self.proc.stdout is not None
         self.child = int(self.proc.stdout.readline())
@@ -72,8 +79,8 @@ class Starter:
 def starters():
     made: list[Starter] = []
 
-    def make() -> Starter:
-        made.append(Starter())
+    def make(*, leader: bool = False) -> Starter:
+        made.append(Starter(leader=leader))
         return made[-1]
 
     yield make
@@ -82,20 +89,29 @@ def starters():
             starter.end()
 
 
-def test_started_by_knows_the_worker_s_children_and_its_pool_processes_children(starters, procs):
+def test_a_run_is_the_worker_s_child_or_its_pool_process_s(starters, procs):
     pool = starters()
     other = starters()
-    assert started_by(pool.child, pool.proc.pid)  # the worker's own child (a solo pool)
-    assert started_by(pool.child, os.getpid())  # a child of one of its children (prefork)
-    assert not started_by(other.child, pool.proc.pid)  # started by someone else
-    assert not started_by(pool.proc.pid, pool.child)  # its parent is not its child
+    assert run_started(pool.child, pool.proc.pid) is not None  # the worker's own child (a solo pool)
+    assert run_started(pool.child, os.getpid()) is not None  # a child of one of its pool processes
+    assert run_started(other.child, pool.proc.pid) is None  # started by someone else
+    assert run_started(pool.proc.pid, pool.child) is None  # its parent is not its child
     stranger = subprocess.Popen(SLEEP, start_new_session=True)
     procs.append(stranger)
-    assert not started_by(stranger.pid, pool.proc.pid)
+    assert run_started(stranger.pid, pool.proc.pid) is None
     for never in (0, 1, os.getpid()):
-        assert not started_by(never, os.getpid())
+        assert run_started(never, os.getpid()) is None
     pool.end()
-    assert not started_by(pool.child, os.getpid())  # gone
+    assert run_started(pool.child, os.getpid()) is None  # gone
+
+
+def test_a_process_a_solo_worker_s_job_starts_in_a_session_of_its_own_is_no_run(starters):
+    """Under a solo pool the job's leader is the worker's child: a process the job starts in a
+    session of its own has the worker as its grandparent, as a prefork run has, but its parent
+    is in no session of the worker's (the review's case: it went unjudged for the job's life)."""
+    job = starters(leader=True)  # the worker's child in a session of its own: a job's leader
+    assert run_started(job.proc.pid, os.getpid()) is not None
+    assert run_started(job.child, os.getpid()) is None
 
 
 def on_card(index: int, *processes: ProcessInfo) -> Snapshot:
@@ -121,6 +137,19 @@ def test_a_run_of_the_worker_that_no_row_names_yet_is_left_out_and_a_stranger_be
     # The same round outside a worker (a test, a bench) knows of no run: it judges both.
     verdicts = HostWatchdog("box1", simulated=False).round(on_card(0, run, intruder), now=timezone.now())
     assert {v.process.pid for v in verdicts} == {pool.child, stranger.child}
+
+
+def test_a_run_no_row_names_long_after_its_start_is_judged_as_any(alice, box, starters, monkeypatch):
+    """Left out only for RUN_RECORD_SECONDS after its start: a run whose row lost it later (marked
+    lost while it lives, say) is watched as any process, never out of sight for good."""
+    reservation_create(user=alice, gpus=[box[0].uuid])
+    pool = starters()
+    run = replace(describe_process(pool.child, 2048), username="gpujobs")
+    watchdog = HostWatchdog("box1", simulated=False, worker=pool.proc.pid)
+    assert watchdog.round(on_card(0, run), now=timezone.now()) == []
+    monkeypatch.setattr(host_watchdog, "RUN_RECORD_SECONDS", 0)
+    verdicts = watchdog.round(on_card(0, run), now=timezone.now())
+    assert [(v.process.pid, v.kind.value) for v in verdicts] == [(pool.child, "intruder")]
 
 
 @pytest.mark.django_db(transaction=True)

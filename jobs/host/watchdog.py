@@ -24,12 +24,13 @@ failed with the rule and the measurement), any other process by SIGTERM, then SI
 watchdog's own grace (WATCHDOG_KILL_GRACE_SECONDS, `kill_grace`). The violation is `stopped` once
 NVML no longer lists the process.
 
-A run this host's worker has just started (a job, a lab) is judged from the round its row names
-its session, and not before: its supervisor records the session's pid right after the start, and
-a round in between would take the owner's own job for an intruder. Such a session is known by
-its leader's parent, which no process can choose: the worker itself, or one of its pool
-processes (`started_by`). Only the worker's rounds know that (`worker`); a round anywhere else
-judges every process it sees.
+A run this host's worker has just started (a job, a lab, as a process of its own; not in a
+container, whose processes are conmon's) is judged from the round its row names its session, and
+not before: its supervisor records the session's pid right after the start, and a round in
+between would take the owner's own job for an intruder. Such a session is known by its leader's
+parent, which no process can choose: the worker itself, or one of its pool processes, which share
+its session (`run_started`); and only for RUN_RECORD_SECONDS after its start. Only the worker's
+rounds know that (`worker`); a round anywhere else judges every process it sees.
 
 Only the process that was seen is ever signalled: by pid *and* start time through a pidfd
 (`portal.pids.send`), and only while the pid is still in the session the backend saw. A pid
@@ -56,7 +57,7 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from time import monotonic
+from time import monotonic, time
 
 import psutil
 from django.conf import settings
@@ -87,6 +88,11 @@ CLOCK_SLACK_SECONDS = 2
 # open this many rounds: a dip under the limit neither ends it (and its grace) nor, on the next
 # crossing, opens a new one with a new message.
 HOLD_ROUNDS = 3
+# How long after its start a run of the worker's that no row names yet is left out of the rounds
+# (`_runs_starting`). Its supervisor records its pid at once and tries again every
+# CANCEL_POLL_SECONDS; a process still unnamed later (its row marked lost meanwhile, say) is
+# judged as any, so nothing the worker started goes unwatched for longer.
+RUN_RECORD_SECONDS = 30
 
 Policy = WatchdogPolicy.Action
 
@@ -161,7 +167,7 @@ class HostWatchdog:
         self.server_name = server
         self.mapping = mapping or DcgmMapping(server)  # DCGM's hpc_job files: the host worker's, if given
         self.simulated = simulated
-        # The pid of the host's worker, whose pool processes start its runs (`started_by`); None
+        # The pid of the host's worker, whose pool processes start its runs (`run_started`); None
         # where the round runs outside it (a test, a bench): then no session is taken for a run.
         self.worker = worker
         # Sessions on the cards found not to be the worker's runs, with their oldest process's
@@ -341,21 +347,25 @@ class HostWatchdog:
 
     def _runs_starting(self, sessions: dict[int, float], named: set[int]) -> set[int]:
         """The sessions on the cards that no job's or session's row names, but that the worker
-        started: runs whose supervisors have not recorded their pids yet. They are left out of
-        the round, as NVML leaves out a process that has not opened its context yet: the next
-        round, with the row written, judges them as their run's."""
+        started less than RUN_RECORD_SECONDS ago: runs whose supervisors have not recorded their
+        pids yet. They are left out of the round, as NVML leaves out a process that has not
+        opened its context yet: the next round, with the row written, judges them as their run's."""
         if self.worker is None:
             return set()
         starting: set[int] = set()
         others: dict[int, float] = {}
         for session, oldest in sessions.items():
-            if session in named:
+            if session in named or self._others.get(session) == oldest:
                 continue
-            if self._others.get(session) != oldest and started_by(session, self.worker):
+            started = run_started(session, self.worker)
+            if started is not None and time() - started < RUN_RECORD_SECONDS:
                 starting.add(session)
                 log.debug("GPU watchdog: session %s is a run of this worker not recorded yet", session)
-            else:
-                others[session] = oldest
+            elif started is None:
+                others[session] = oldest  # never the worker's: not looked at again
+        # Those found before and still seen stay known; a run past its time is looked at each
+        # round (two reads of /proc), rare: its row should have named it by then.
+        others.update((s, o) for s, o in sessions.items() if self._others.get(s) == o)
         self._others = others
         return starting
 
@@ -661,27 +671,32 @@ def _sessions_in(rows: Sequence[SessionRow], sessions: dict[int, float]) -> list
     return facts
 
 
-def started_by(leader: int, worker: int) -> bool:
-    """Whether session leader `leader` was started by the process `worker` or by one of its
-    children (a prefork pool process runs each job's supervisor). A parent cannot be chosen or
-    claimed, unlike an environment or a command line. The leader's parent is read again after
-    the grandparent: a parent that died in between had its children adopted elsewhere before
-    its pid could be given to a new pool process, so a stranger's parent never passes for one."""
+def run_started(leader: int, worker: int) -> float | None:
+    """When session leader `leader` started, if the process `worker` started it, itself (a solo
+    pool) or through one of its pool processes (prefork: each job's supervisor runs in one);
+    None otherwise. A parent cannot be chosen or claimed, unlike an environment or a command
+    line. A pool process is the worker's child *in the worker's session*: a run's leader never
+    is (it has a session of its own), so a process a solo worker's job starts in a session of
+    its own never passes for a run. The leader's parent is read again after the pool process:
+    a parent that died in between had its children adopted elsewhere before its pid could be
+    given to a new pool process, so a stranger's parent never passes for one."""
     if not is_process_pid(leader) or leader == worker:
-        return False
+        return None
     try:
         process = psutil.Process(leader)
         parent = process.ppid()
-        if parent == worker:
-            return True
-        if not is_process_pid(parent) or parent == leader:
-            return False
-        return psutil.Process(parent).ppid() == worker and process.ppid() == parent
+        if parent != worker:
+            if not is_process_pid(parent) or psutil.Process(parent).ppid() != worker:
+                return None
+            if session_of(parent) != session_of(worker) or process.ppid() != parent:
+                return None
+        return process.create_time()
     except psutil.Error:
-        return False
+        return None
 
 
 def _without_sessions(card: GPUInfo, sessions: set[int]) -> GPUInfo:
+    """The card as the round judges it: without the processes of these sessions."""
     if not card.processes or not any(p.session_id in sessions for p in card.processes):
         return card
     return replace(card, processes=tuple(p for p in card.processes if p.session_id not in sessions))
