@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 
 import httpx
@@ -24,13 +25,16 @@ from django.utils import timezone
 from websockets.sync.client import connect
 
 from gpus.booking import reservation_create
-from gpus.models import Reservation
+from gpus.models import Reservation, Violation
+from gpus.simulated.local_jobs import local_job_processes
 from jobs.host import lab
 from jobs.host.lab import lab_orphans_end, lab_run
+from jobs.host.watchdog import HostWatchdog
 from jobs.models import InteractiveSession
 from jobs.sessions.services import session_end_request, session_start
 from portal.models import AuditEntry, Notification
 from portal.pids import started_at
+from tests.factories import make_snapshot
 from tests.job_helpers import alive, kill_quietly, recorded_process
 from tests.waiting import wait_for
 
@@ -172,6 +176,42 @@ def test_each_kernel_gets_the_launchers_caps_and_card_guard(lab_session, box):
     card, hooks, leftover = [line for line in output.splitlines() if not line.startswith("[portal]")][:3]
     assert card == box[0].uuid
     assert "ImportHook" in hooks and leftover == "False"
+
+
+def test_the_watchdog_takes_the_labs_server_and_a_kernel_not_recorded_yet_for_the_lab(
+    lab_session, box, settings, monkeypatch
+):
+    """A lab runs as JOB_USER's account (here the worker's own), not its owner's: its processes are
+    the booking's all the same, as a job's are (its pid is the worker's record, not the owner's
+    word), and so is a kernel in the seconds before the lab's supervisor records it (the lab's
+    server is its ancestor). Both used to be intruders, stopped after the policy's grace."""
+    session, _, _ = lab_session
+    monkeypatch.setattr(lab, "KERNEL_CHECK_SECONDS", 600)  # the kernel stays unrecorded
+    wait_for(lambda: not _refreshed(session).kernels, timeout=10, what="no kernel yet")
+    _api(session, "kernels", "POST")
+    server = psutil.Process(session.pid)
+    kernel = wait_for(
+        lambda: next((c for c in server.children(recursive=True) if os.getsid(c.pid) == c.pid), None),
+        timeout=60,
+        what="the kernel",
+    )
+    assert isinstance(kernel, psutil.Process)
+
+    def on_card() -> tuple:  # what the simulated driver shows on the booked card, as the reporter reads it
+        found = local_job_processes(settings.WORKER_SERVER, settings.PORTAL_INSTANCE_ID)
+        return tuple(found.get(box[0].uuid, ()))
+
+    processes = on_card()
+    assert {p.pid for p in processes} == {session.pid, kernel.pid}, processes
+    assert _refreshed(session).kernels == []  # not recorded yet
+    snapshot = make_snapshot("box1", gpus=4, processes=0)
+    cards = (replace(snapshot.gpus[0], processes=processes), *snapshot.gpus[1:])
+    watchdog = HostWatchdog("box1", simulated=False, worker=os.getpid())
+    verdicts = watchdog.round(replace(snapshot, gpus=cards), now=timezone.now())
+    assert sorted((v.process.pid, v.kind.value, v.session_pk) for v in verdicts) == sorted(
+        [(session.pid, "ok", session.pk), (kernel.pid, "ok", session.pk)]
+    )
+    assert not Violation.objects.exists()
 
 
 def test_ended_by_its_owner_it_leaves_no_server_or_kernel_behind(lab_session, alice):

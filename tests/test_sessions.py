@@ -279,6 +279,27 @@ def test_someone_elses_process_in_that_session_is_not_the_bookings():
     assert verdict.kind == Kind.INTRUDER and verdict.session_pk is None
 
 
+def test_a_labs_processes_are_the_bookings_whatever_account_runs_them():
+    """A lab's pid is the worker's record, not its owner's word: its processes run as JOB_USER's
+    account and are the booking's all the same, held to the share with the owner's others; on a
+    card the booking does not hold they are judged as any."""
+    lab = SessionFacts(session_pk=9, session_id=600, owner_id=ALICE, reservation_id=50, lab=True)
+
+    def judge_lab(*cards: GPUInfo):  # type: ignore[no-untyped-def]
+        return classify(
+            cards, bookings=BOOKINGS, jobs=(), users_by_os_name=USERS, tolerance_mb=256, sessions=[lab]
+        )
+
+    (verdict,) = judge_lab(card(B, proc(601, session=600, user="gpujob", mb=4000)))
+    assert (verdict.kind, verdict.session_pk, verdict.user_id) == (Kind.OK, 9, ALICE)
+    kernel, notebook = judge_lab(
+        card(B, proc(601, session=600, user="gpujob", mb=5000), proc(7, session=7, mb=4000))
+    )
+    assert kernel.kind == Kind.OVER_MEMORY and notebook.kind == Kind.OVER_MEMORY  # 9000 MiB > 8192
+    (elsewhere,) = judge_lab(card("GPU-c", proc(601, session=600, user="gpujob")))
+    assert elsewhere.kind == Kind.UNBOOKED
+
+
 def test_a_sessions_process_on_a_card_its_booking_does_not_hold_is_judged_as_any():
     (verdict,) = judge(card("GPU-c", proc(501, session=500)))
     assert verdict.kind == Kind.UNBOOKED

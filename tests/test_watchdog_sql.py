@@ -58,7 +58,7 @@ def orm_sessions(server: int) -> list[tuple]:
     return list(
         InteractiveSession.objects.filter(
             server_id=server, status=InteractiveSession.Status.RUNNING, pid__isnull=False
-        ).values_list("pk", "pid", "owner_id", "reservation_id", "pid_started", "kernels")
+        ).values_list("pk", "pid", "owner_id", "reservation_id", "pid_started", "kernels", "kind")
     )
 
 

@@ -70,12 +70,12 @@ from gpus.procinfo import is_process_pid, session_of
 from jobs.host.dcgm import DcgmMapping
 from jobs.host.runner import CANCEL_POLL_SECONDS
 from jobs.host.watchdog_sql import Facts, SessionRow, facts_read
-from jobs.models import Job
+from jobs.models import InteractiveSession, Job
 from jobs.watchdog.notify import tell_about
 from jobs.watchdog.records import Asked, announced_step, audit, stop_words, summary, violation_of
 from jobs.watchdog.rules import JobFacts, Kind, SessionFacts, Verdict, classify
 from portal.accounts import users_by_unix_name
-from portal.pids import ProcessId, Sent, send
+from portal.pids import ProcessId, Sent, same_start, send
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,14 @@ CLOCK_SLACK_SECONDS = 2
 # crossing, opens a new one with a new message.
 HOLD_ROUNDS = 3
 # How long after its start a run of the worker's that no row names yet is left out of the rounds
-# (`_runs_starting`). Its supervisor records its pid at once and tries again every
+# (`_unnamed`). Its supervisor records its pid at once and tries again every
 # CANCEL_POLL_SECONDS; a process still unnamed later (its row marked lost meanwhile, say) is
 # judged as any, so nothing the worker started goes unwatched for longer.
 RUN_RECORD_SECONDS = 30
+# How far up from a kernel's session leader its lab's server may be (`lab_of`): a kernel is the
+# server's child, a terminal's shell its grandchild, what they start in sessions of their own
+# a level or two below.
+LAB_DEPTH = 8
 
 Policy = WatchdogPolicy.Action
 
@@ -330,10 +334,12 @@ class HostWatchdog:
         # the job's only if one of its processes is older than the job's end.
         jobs = [j for j in facts.jobs if j.running or _predates_end(j, sessions)]
         known = _sessions_in(facts.sessions, sessions)
+        labs = {row.pid: row for row in facts.sessions if row.kind == InteractiveSession.Kind.JUPYTERLAB}
+        named = {j.session_id for j in jobs} | {s.session_id for s in known}
+        starting, kernels = self._unnamed(sessions, named, labs)
+        known += kernels
         cards = snapshot.gpus
-        if starting := self._runs_starting(
-            sessions, {j.session_id for j in jobs} | {s.session_id for s in known}
-        ):
+        if starting:
             cards = tuple(_without_sessions(card, starting) for card in cards)
         names = {p.username for g in cards for p in g.processes or ()}
         return classify(
@@ -345,29 +351,38 @@ class HostWatchdog:
             sessions=known,
         )
 
-    def _runs_starting(self, sessions: dict[int, float], named: set[int]) -> set[int]:
-        """The sessions on the cards that no job's or session's row names, but that the worker
-        started less than RUN_RECORD_SECONDS ago: runs whose supervisors have not recorded their
-        pids yet. They are left out of the round, as NVML leaves out a process that has not
-        opened its context yet: the next round, with the row written, judges them as their run's."""
-        if self.worker is None:
-            return set()
+    def _unnamed(
+        self, sessions: dict[int, float], named: set[int], labs: dict[int, SessionRow]
+    ) -> tuple[set[int], list[SessionFacts]]:
+        """The sessions on the cards that no job's or session's row names yet, that are a lab's or
+        the worker's: a running lab's kernels and terminals, which its supervisor records only
+        every KERNEL_CHECK_SECONDS (`lab_of`: the lab's, as recorded ones are); and the runs the
+        worker started less than RUN_RECORD_SECONDS ago, whose supervisors have not recorded
+        their pids yet (`run_started`). Those runs are left out of the round, as NVML leaves out
+        a process that has not opened its context yet: the next round, with the row written,
+        judges them as their run's. Any other session is looked at once, not every round."""
         starting: set[int] = set()
+        kernels: list[SessionFacts] = []
         others: dict[int, float] = {}
         for session, oldest in sessions.items():
             if session in named or self._others.get(session) == oldest:
                 continue
-            started = run_started(session, self.worker)
+            if (lab := lab_of(session, labs)) is not None:
+                kernels.append(SessionFacts(lab.pk, session, lab.owner_id, lab.reservation_id, lab=True))
+                continue
+            started = None if self.worker is None else run_started(session, self.worker)
             if started is not None and time() - started < RUN_RECORD_SECONDS:
                 starting.add(session)
                 log.debug("GPU watchdog: session %s is a run of this worker not recorded yet", session)
             elif started is None:
-                others[session] = oldest  # never the worker's: not looked at again
+                # Neither, for good: a process's ancestors never change but by its adoption, and
+                # a lab's server is never an older process's ancestor.
+                others[session] = oldest
         # Those found before and still seen stay known; a run past its time is looked at each
         # round (two reads of /proc), rare: its row should have named it by then.
         others.update((s, o) for s, o in sessions.items() if self._others.get(s) == o)
         self._others = others
-        return starting
+        return starting, kernels
 
     def _load_open(self, server: int) -> None:
         """A restarted worker picks up the violations it was watching, rather than starting anew:
@@ -660,15 +675,41 @@ def _sessions_in(rows: Sequence[SessionRow], sessions: dict[int, float]) -> list
     the command's (the pid was taken by another session leader since): it stays out, and its
     processes are judged as any."""
     facts = []
-    for pk, pid, owner, reservation, started, kernels in rows:
+    for pk, pid, owner, reservation, started, kernels, kind in rows:
+        lab = kind == InteractiveSession.Kind.JUPYTERLAB
         # A lab's kernels lead sessions of their own (jobs.host.lab records them): each is the lab's.
         for leader, leader_started in [(pid, started), *((int(k), s) for k, s in kernels)]:
             if (
                 leader_started is None
                 or sessions.get(leader, leader_started) >= leader_started - CLOCK_SLACK_SECONDS
             ):
-                facts.append(SessionFacts(pk, leader, owner, reservation))
+                facts.append(SessionFacts(pk, leader, owner, reservation, lab=lab))
     return facts
+
+
+def lab_of(leader: int, labs: dict[int, SessionRow]) -> SessionRow | None:
+    """The running lab (of `labs`, by its server's pid) whose server session leader `leader`
+    descends from: a kernel or a terminal it started, each in a session of its own, as the lab's
+    supervisor finds and records them (jobs.host.lab._kernel_sessions); None for any other. The
+    server is proven by its recorded start, and each process up the line started no earlier than
+    its parent: a parent that died and whose pid went to a younger process breaks the line, so
+    a stranger's process never passes for a kernel."""
+    if not labs or not is_process_pid(leader):
+        return None
+    try:
+        child = psutil.Process(leader)
+        for _ in range(LAB_DEPTH):
+            parent = psutil.Process(child.ppid())
+            if not is_process_pid(parent.pid) or parent.create_time() > child.create_time():
+                return None
+            row = labs.get(parent.pid)
+            if row is not None:
+                proven = row.pid_started is None or same_start(parent.create_time(), row.pid_started)
+                return row if proven else None
+            child = parent
+    except psutil.Error:
+        return None
+    return None
 
 
 def run_started(leader: int, worker: int) -> float | None:

@@ -41,6 +41,7 @@ class SessionRow(NamedTuple):
     reservation_id: int
     pid_started: float | None
     kernels: list[Any]
+    kind: str
 
 
 class Facts(NamedTuple):
@@ -71,7 +72,7 @@ def facts_read(
         if asked:
             cursor.execute(sql.asked, [server])
             asks = cursor.fetchall()
-    kernels = InteractiveSession._meta.get_field("kernels")
+    from_db = InteractiveSession._meta.get_field("kernels").from_db_value
     return Facts(
         bookings=_bookings(allocations),
         jobs=[
@@ -79,8 +80,8 @@ def facts_read(
             for pk, pid, owner, reservation, status, finished in jobs
         ],
         sessions=[
-            SessionRow(pk, pid, owner, reservation, started, kernels.from_db_value(found, None, connection))
-            for pk, pid, owner, reservation, started, found in sessions
+            SessionRow(pk, pid, owner, reservation, started, from_db(found, None, connection), kind)
+            for pk, pid, owner, reservation, started, found, kind in sessions
         ],
         asked={pk: Asked(by or "someone", reason, bool(resolved)) for pk, by, reason, resolved in asks},
     )
@@ -139,7 +140,7 @@ def _statements(vendor: str) -> _Statements:
         ),
         sessions=(
             f"SELECT {column(s, 'id')}, {column(s, 'pid')}, {column(s, 'owner')}, {column(s, 'reservation')},"
-            f" {column(s, 'pid_started')}, {column(s, 'kernels')}"
+            f" {column(s, 'pid_started')}, {column(s, 'kernels')}, {column(s, 'kind')}"
             f" FROM {table(s)}"
             f" WHERE {column(s, 'server')} = %s AND {column(s, 'status')} = %s"
             f" AND {column(s, 'pid')} IS NOT NULL"

@@ -100,6 +100,9 @@ class SessionFacts:
     session_id: int  # the pid `gpu` recorded: the command's session
     owner_id: int
     reservation_id: int
+    # A JupyterLab's: its pid was recorded by the host's worker, which started it, not by its
+    # owner, so every process of it is the booking's, whatever account runs it (JOB_USER's).
+    lab: bool = False
 
 
 class Verdict(NamedTuple):
@@ -208,7 +211,7 @@ def _session_verdict(
     """`ok` for a session's process of its owner's on one of its booking's cards (within the grace
     after the booking's end too: `gpu` is stopping it); None, judged as any other process, for the
     rest. Its memory is held to the booking with the owner's others (`_owners_within_booking`)."""
-    if session is None or users_by_os_name.get(process.username) != session.owner_id:
+    if session is None or (not session.lab and users_by_os_name.get(process.username) != session.owner_id):
         return None
     booking = booking_of.get(session.reservation_id)
     if booking is None or card.uuid not in booking.cards:
