@@ -181,37 +181,43 @@ def test_each_kernel_gets_the_launchers_caps_and_card_guard(lab_session, box):
 def test_the_watchdog_takes_the_labs_server_and_a_kernel_not_recorded_yet_for_the_lab(
     lab_session, box, settings, monkeypatch
 ):
-    """A lab runs as JOB_USER's account (here the worker's own), not its owner's: its processes are
-    the booking's all the same, as a job's are (its pid is the worker's record, not the owner's
-    word), and so is a kernel in the seconds before the lab's supervisor records it (the lab's
-    server is its ancestor). Both used to be intruders, stopped after the policy's grace."""
+    """A lab runs as the worker's own account where JOB_USER is unset (here, as in `make run`), not
+    its owner's: its processes are the booking's all the same, as a job's are (its pid is the
+    worker's record, not the owner's word), and so is a kernel in the seconds before the lab's
+    supervisor records it (the lab's server is its ancestor). Both used to be intruders, stopped
+    after the policy's grace."""
     session, _, _ = lab_session
-    monkeypatch.setattr(lab, "KERNEL_CHECK_SECONDS", 600)  # the kernel stays unrecorded
-    wait_for(lambda: not _refreshed(session).kernels, timeout=10, what="no kernel yet")
-    _api(session, "kernels", "POST")
     server = psutil.Process(session.pid)
-    kernel = wait_for(
-        lambda: next((c for c in server.children(recursive=True) if os.getsid(c.pid) == c.pid), None),
-        timeout=60,
-        what="the kernel",
-    )
-    assert isinstance(kernel, psutil.Process)
-
-    def on_card() -> tuple:  # what the simulated driver shows on the booked card, as the reporter reads it
-        found = local_job_processes(settings.WORKER_SERVER, settings.PORTAL_INSTANCE_ID)
-        return tuple(found.get(box[0].uuid, ()))
-
-    processes = on_card()
+    with monkeypatch.context() as unrecorded:
+        # The supervisor finds no kernel meanwhile (it looks every tick here): the round's moment.
+        unrecorded.setattr(lab, "_kernel_sessions", lambda leader: [])
+        _api(session, "kernels", "POST")
+        kernel = wait_for(
+            lambda: next((c for c in server.children(recursive=True) if os.getsid(c.pid) == c.pid), None),
+            timeout=60,
+            what="the kernel",
+        )
+        assert isinstance(kernel, psutil.Process)
+        verdicts, processes = _watchdog_round(session, box, settings)
     assert {p.pid for p in processes} == {session.pid, kernel.pid}, processes
-    assert _refreshed(session).kernels == []  # not recorded yet
-    snapshot = make_snapshot("box1", gpus=4, processes=0)
-    cards = (replace(snapshot.gpus[0], processes=processes), *snapshot.gpus[1:])
-    watchdog = HostWatchdog("box1", simulated=False, worker=os.getpid())
-    verdicts = watchdog.round(replace(snapshot, gpus=cards), now=timezone.now())
     assert sorted((v.process.pid, v.kind.value, v.session_pk) for v in verdicts) == sorted(
         [(session.pid, "ok", session.pk), (kernel.pid, "ok", session.pk)]
     )
     assert not Violation.objects.exists()
+    # Recorded since (and so ended with the lab, by identity).
+    wait_for(lambda: _refreshed(session).kernels, timeout=30, what="the kernel to be recorded")
+
+
+def _watchdog_round(session: InteractiveSession, box: list, settings) -> tuple[list, tuple]:  # type: ignore[no-untyped-def]
+    """A worker's watchdog round on what the simulated driver shows on box1 GPU 0 now, with the
+    lab's kernels not recorded yet."""
+    assert _refreshed(session).kernels == []
+    found = local_job_processes(settings.WORKER_SERVER, settings.PORTAL_INSTANCE_ID)
+    processes = tuple(found.get(box[0].uuid, ()))
+    snapshot = make_snapshot("box1", gpus=4, processes=0)
+    cards = (replace(snapshot.gpus[0], processes=processes), *snapshot.gpus[1:])
+    watchdog = HostWatchdog("box1", simulated=False, worker=os.getpid())
+    return watchdog.round(replace(snapshot, gpus=cards), now=timezone.now()), processes
 
 
 def test_ended_by_its_owner_it_leaves_no_server_or_kernel_behind(lab_session, alice):

@@ -280,9 +280,9 @@ def test_someone_elses_process_in_that_session_is_not_the_bookings():
 
 
 def test_a_labs_processes_are_the_bookings_whatever_account_runs_them():
-    """A lab's pid is the worker's record, not its owner's word: its processes run as JOB_USER's
-    account and are the booking's all the same, held to the share with the owner's others; on a
-    card the booking does not hold they are judged as any."""
+    """A lab's pid is the worker's record, not its owner's word: its processes, run as the worker's
+    own account where JOB_USER is unset, are the booking's all the same, held to the share with
+    the owner's others; on a card the booking does not hold they are judged as any."""
     lab = SessionFacts(session_pk=9, session_id=600, owner_id=ALICE, reservation_id=50, lab=True)
 
     def judge_lab(*cards: GPUInfo):  # type: ignore[no-untyped-def]
@@ -290,13 +290,13 @@ def test_a_labs_processes_are_the_bookings_whatever_account_runs_them():
             cards, bookings=BOOKINGS, jobs=(), users_by_os_name=USERS, tolerance_mb=256, sessions=[lab]
         )
 
-    (verdict,) = judge_lab(card(B, proc(601, session=600, user="gpujob", mb=4000)))
+    (verdict,) = judge_lab(card(B, proc(601, session=600, user="portal", mb=4000)))
     assert (verdict.kind, verdict.session_pk, verdict.user_id) == (Kind.OK, 9, ALICE)
     kernel, notebook = judge_lab(
-        card(B, proc(601, session=600, user="gpujob", mb=5000), proc(7, session=7, mb=4000))
+        card(B, proc(601, session=600, user="portal", mb=5000), proc(7, session=7, mb=4000))
     )
     assert kernel.kind == Kind.OVER_MEMORY and notebook.kind == Kind.OVER_MEMORY  # 9000 MiB > 8192
-    (elsewhere,) = judge_lab(card("GPU-c", proc(601, session=600, user="gpujob")))
+    (elsewhere,) = judge_lab(card("GPU-c", proc(601, session=600, user="portal")))
     assert elsewhere.kind == Kind.UNBOOKED
 
 

@@ -16,6 +16,7 @@ import sys
 from dataclasses import replace
 from typing import cast
 
+import psutil
 import pytest
 from django.utils import timezone
 
@@ -27,7 +28,8 @@ from gpus.simulated.local_jobs import local_job_processes
 from jobs.host import runner
 from jobs.host import watchdog as host_watchdog
 from jobs.host.runner import job_run
-from jobs.host.watchdog import HostWatchdog, run_started
+from jobs.host.watchdog import HostWatchdog, lab_of, run_started
+from jobs.host.watchdog_sql import SessionRow
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import Notification
@@ -212,3 +214,22 @@ def test_the_host_worker_s_rounds_know_the_worker(box):
     host = HostWorker("box1")
     host.watch_cards(None, snapshot=make_snapshot("box1", gpus=4, processes=0))
     assert host.watchdog is not None and host.watchdog.worker == os.getpid()
+
+
+def test_a_labs_kernel_not_recorded_yet_is_found_by_its_server_proven_by_its_start(starters, monkeypatch):
+    """`lab_of`: a session led by a descendant of a running lab's server is the lab's (a kernel the
+    lab records within seconds), but only the server the row names: by pid and start."""
+    server = starters(leader=True)  # a lab's server leads a session; its kernel leads another
+    started = psutil.Process(server.proc.pid).create_time()
+
+    def labs(pid: int, start: float | None) -> dict[int, SessionRow]:
+        return {pid: SessionRow(7, pid, 1, 50, start, [], "jupyterlab")}
+
+    row = labs(server.proc.pid, started)
+    assert lab_of(server.child, row) == row[server.proc.pid]
+    assert lab_of(server.child, labs(server.proc.pid, started + 100)) is None  # the pid is another's now
+    other = starters(leader=True)
+    assert lab_of(server.child, labs(other.proc.pid, None)) is None  # another lab's server
+    assert lab_of(server.child, {}) is None
+    monkeypatch.setattr(host_watchdog, "LAB_DEPTH", 0)
+    assert lab_of(server.child, row) is None  # farther up than LAB_DEPTH

@@ -101,7 +101,8 @@ class SessionFacts:
     owner_id: int
     reservation_id: int
     # A JupyterLab's: its pid was recorded by the host's worker, which started it, not by its
-    # owner, so every process of it is the booking's, whatever account runs it (JOB_USER's).
+    # owner, so every process of it is the booking's, whatever account runs it: the owner's
+    # (JOB_USER=@owner), or the worker's own where JOB_USER is unset (development, `make run`).
     lab: bool = False
 
 
