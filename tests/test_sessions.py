@@ -16,7 +16,8 @@ from gpus.booking import reservation_create
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation, Server
 from gpus.services import server_report_ingest
-from jobs.host.watchdog import _sessions_in, round_facts
+from jobs.host.watchdog import round_facts
+from jobs.host.watchdog_sessions import sessions_in
 from jobs.models import InteractiveSession
 from jobs.services import jobs_reconcile
 from jobs.sessions.services import host_matches
@@ -35,7 +36,7 @@ def api(user) -> APIClient:  # type: ignore[no-untyped-def]
 
 def _sessions_of(server: int, sessions: dict[int, float]) -> list[SessionFacts]:
     """What the watchdog's round makes of the host's running sessions, given its processes."""
-    return _sessions_in(round_facts(server, timezone.now()).sessions, sessions)
+    return sessions_in(round_facts(server, timezone.now()).sessions, sessions)
 
 
 def beat_ago(pk: int, seconds: int) -> None:

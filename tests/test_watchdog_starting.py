@@ -25,10 +25,10 @@ from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Violation
 from gpus.procinfo import describe_process
 from gpus.simulated.local_jobs import local_job_processes
-from jobs.host import runner
-from jobs.host import watchdog as host_watchdog
+from jobs.host import runner, watchdog_sessions
 from jobs.host.runner import job_run
-from jobs.host.watchdog import HostWatchdog, lab_of, run_started
+from jobs.host.watchdog import HostWatchdog
+from jobs.host.watchdog_sessions import lab_of, run_started
 from jobs.host.watchdog_sql import SessionRow
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
@@ -149,7 +149,7 @@ def test_a_run_no_row_names_long_after_its_start_is_judged_as_any(alice, box, st
     run = replace(describe_process(pool.child, 2048), username="gpujobs")
     watchdog = HostWatchdog("box1", simulated=False, worker=pool.proc.pid)
     assert watchdog.round(on_card(0, run), now=timezone.now()) == []
-    monkeypatch.setattr(host_watchdog, "RUN_RECORD_SECONDS", 0)
+    monkeypatch.setattr(watchdog_sessions, "RUN_RECORD_SECONDS", 0)
     verdicts = watchdog.round(on_card(0, run), now=timezone.now())
     assert [(v.process.pid, v.kind.value) for v in verdicts] == [(pool.child, "intruder")]
 
@@ -213,7 +213,7 @@ def test_the_host_worker_s_rounds_know_the_worker(box):
 
     host = HostWorker("box1")
     host.watch_cards(None, snapshot=make_snapshot("box1", gpus=4, processes=0))
-    assert host.watchdog is not None and host.watchdog.worker == os.getpid()
+    assert host.watchdog is not None and host.watchdog.sessions.worker == os.getpid()
 
 
 def test_a_labs_kernel_not_recorded_yet_is_found_by_its_server_proven_by_its_start(starters, monkeypatch):
@@ -231,5 +231,5 @@ def test_a_labs_kernel_not_recorded_yet_is_found_by_its_server_proven_by_its_sta
     other = starters(leader=True)
     assert lab_of(server.child, labs(other.proc.pid, None)) is None  # another lab's server
     assert lab_of(server.child, {}) is None
-    monkeypatch.setattr(host_watchdog, "LAB_DEPTH", 0)
+    monkeypatch.setattr(watchdog_sessions, "LAB_DEPTH", 0)
     assert lab_of(server.child, row) is None  # farther up than LAB_DEPTH

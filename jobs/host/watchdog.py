@@ -24,13 +24,9 @@ failed with the rule and the measurement), any other process by SIGTERM, then SI
 watchdog's own grace (WATCHDOG_KILL_GRACE_SECONDS, `kill_grace`). The violation is `stopped` once
 NVML no longer lists the process.
 
-A run this host's worker has just started (a job, a lab, as a process of its own; not in a
-container, whose processes are conmon's) is judged from the round its row names its session, and
-not before: its supervisor records the session's pid right after the start, and a round in
-between would take the owner's own job for an intruder. Such a session is known by its leader's
-parent, which no process can choose: the worker itself, or one of its pool processes, which share
-its session (`run_started`); and only for RUN_RECORD_SECONDS after its start. Only the worker's
-rounds know that (`worker`); a round anywhere else judges every process it sees.
+Whose each process is, by its session, jobs/host/watchdog_sessions.py says: a lab's kernel not
+recorded yet is the lab's, and a run this host's worker has just started, whose row does not name
+it yet, is judged from the round it does, never as its owner's intruder before.
 
 Only the process that was seen is ever signalled: by pid *and* start time through a pidfd
 (`portal.pids.send`), and only while the pid is still in the session the backend saw. A pid
@@ -55,27 +51,27 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from time import monotonic, time
+from time import monotonic
 
-import psutil
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
-from gpus.inventory import GPUInfo, ProcessInfo, Snapshot
+from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Server, Violation, WatchdogPolicy
 from gpus.procinfo import is_process_pid, session_of
 from jobs.host.dcgm import DcgmMapping
 from jobs.host.runner import CANCEL_POLL_SECONDS
-from jobs.host.watchdog_sql import Facts, SessionRow, facts_read
-from jobs.models import InteractiveSession, Job
+from jobs.host.watchdog_sessions import SessionsOnCards
+from jobs.host.watchdog_sql import Facts, facts_read
+from jobs.models import Job
 from jobs.watchdog.notify import tell_about
 from jobs.watchdog.records import Asked, announced_step, audit, stop_words, summary, violation_of
-from jobs.watchdog.rules import JobFacts, Kind, SessionFacts, Verdict, classify
+from jobs.watchdog.rules import Kind, Verdict, classify
 from portal.accounts import users_by_unix_name
-from portal.pids import ProcessId, Sent, same_start, send
+from portal.pids import ProcessId, Sent, send
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +79,10 @@ ZOMBIE_LOOKBACK = timedelta(hours=1)  # a job ended longer ago has no processes 
 STOP_CONFIRM_SECONDS = 10  # after SIGKILL, how long NVML may still list the process
 POLICY_CACHE_SECONDS = 10
 USERS_CACHE_SECONDS = 30
-CLOCK_SLACK_SECONDS = 2
 # A violation whose process is within its budget again (or its verdict otherwise harmless) stays
 # open this many rounds: a dip under the limit neither ends it (and its grace) nor, on the next
 # crossing, opens a new one with a new message.
 HOLD_ROUNDS = 3
-# How long after its start a run of the worker's that no row names yet is left out of the rounds
-# (`_unnamed`). Its supervisor records its pid at once and tries again every
-# CANCEL_POLL_SECONDS; a process still unnamed later (its row marked lost meanwhile, say) is
-# judged as any, so nothing the worker started goes unwatched for longer.
-RUN_RECORD_SECONDS = 30
-# How far up from a kernel's session leader its lab's server may be (`lab_of`): a kernel is the
-# server's child, a terminal's shell its grandchild, what they start in sessions of their own
-# a level or two below.
-LAB_DEPTH = 8
-
 Policy = WatchdogPolicy.Action
 
 # How a violation's message begins once its stop has begun: what a restarted worker reads back
@@ -171,13 +156,9 @@ class HostWatchdog:
         self.server_name = server
         self.mapping = mapping or DcgmMapping(server)  # DCGM's hpc_job files: the host worker's, if given
         self.simulated = simulated
-        # The pid of the host's worker, whose pool processes start its runs (`run_started`); None
-        # where the round runs outside it (a test, a bench): then no session is taken for a run.
-        self.worker = worker
-        # Sessions on the cards found not to be the worker's runs, with their oldest process's
-        # start: each is looked at once, not every round (a session's id is not reused while any
-        # of its processes lives, and a later session of the same id has a later start).
-        self._others: dict[int, float] = {}
+        # Whose session each process is; `worker`, the host worker's pid (whose pool processes
+        # start its runs), None where the round runs outside it (a test, a bench).
+        self.sessions = SessionsOnCards(worker)
         self.server_id: int | None = None
         self._round_seconds: float | None = None  # the last round's time, recorded by the next one
         self._forget()
@@ -323,66 +304,16 @@ class HostWatchdog:
             self._failing.discard(key)
 
     def _judge(self, snapshot: Snapshot, facts: Facts, now: datetime) -> list[Verdict]:
-        sessions: dict[int, float] = {}  # session → its oldest process start seen on the cards
-        for process in (p for g in snapshot.gpus for p in g.processes or ()):
-            if process.session_id and process.started is not None:
-                oldest = sessions.get(process.session_id)
-                sessions[process.session_id] = (
-                    process.started if oldest is None else min(oldest, process.started)
-                )
-        # An ended job's recorded pid may head someone else's session by now: that session is
-        # the job's only if one of its processes is older than the job's end.
-        jobs = [j for j in facts.jobs if j.running or _predates_end(j, sessions)]
-        known = _sessions_in(facts.sessions, sessions)
-        labs = {row.pid: row for row in facts.sessions if row.kind == InteractiveSession.Kind.JUPYTERLAB}
-        named = {j.session_id for j in jobs} | {s.session_id for s in known}
-        starting, kernels = self._unnamed(sessions, named, labs)
-        known += kernels
-        cards = snapshot.gpus
-        if starting:
-            cards = tuple(_without_sessions(card, starting) for card in cards)
-        names = {p.username for g in cards for p in g.processes or ()}
+        owned = self.sessions.owned(snapshot.gpus, facts)
+        names = {p.username for g in owned.cards for p in g.processes or ()}
         return classify(
-            cards,
+            owned.cards,
             bookings=facts.bookings,
-            jobs=jobs,
+            jobs=owned.jobs,
             users_by_os_name=self.users(names, now),
             tolerance_mb=settings.WATCHDOG_MEMORY_TOLERANCE_MB,
-            sessions=known,
+            sessions=owned.sessions,
         )
-
-    def _unnamed(
-        self, sessions: dict[int, float], named: set[int], labs: dict[int, SessionRow]
-    ) -> tuple[set[int], list[SessionFacts]]:
-        """The sessions on the cards that no job's or session's row names yet, that are a lab's or
-        the worker's: a running lab's kernels and terminals, which its supervisor records only
-        every KERNEL_CHECK_SECONDS (`lab_of`: the lab's, as recorded ones are); and the runs the
-        worker started less than RUN_RECORD_SECONDS ago, whose supervisors have not recorded
-        their pids yet (`run_started`). Those runs are left out of the round, as NVML leaves out
-        a process that has not opened its context yet: the next round, with the row written,
-        judges them as their run's. Any other session is looked at once, not every round."""
-        starting: set[int] = set()
-        kernels: list[SessionFacts] = []
-        others: dict[int, float] = {}
-        for session, oldest in sessions.items():
-            if session in named or self._others.get(session) == oldest:
-                continue
-            if (lab := lab_of(session, labs)) is not None:
-                kernels.append(SessionFacts(lab.pk, session, lab.owner_id, lab.reservation_id, lab=True))
-                continue
-            started = None if self.worker is None else run_started(session, self.worker)
-            if started is not None and time() - started < RUN_RECORD_SECONDS:
-                starting.add(session)
-                log.debug("GPU watchdog: session %s is a run of this worker not recorded yet", session)
-            elif started is None:
-                # Neither, for good: a process's ancestors never change but by its adoption, and
-                # a lab's server is never an older process's ancestor.
-                others[session] = oldest
-        # Those found before and still seen stay known; a run past its time is looked at each
-        # round (two reads of /proc), rare: its row should have named it by then.
-        others.update((s, o) for s, o in sessions.items() if self._others.get(s) == o)
-        self._others = others
-        return starting, kernels
 
     def _load_open(self, server: int) -> None:
         """A restarted worker picks up the violations it was watching, rather than starting anew:
@@ -667,89 +598,6 @@ def round_facts(server: int, now: datetime, *, asked: bool = False) -> Facts:
     return facts_read(
         server, now, booking_grace=ended_booking_grace(), zombie_lookback=ZOMBIE_LOOKBACK, asked=asked
     )
-
-
-def _sessions_in(rows: Sequence[SessionRow], sessions: dict[int, float]) -> list[SessionFacts]:
-    """The running `gpu exec`/`gpu shell` sessions of this host (`rows`, from facts_read). A
-    recorded pid that heads a session whose processes are older than the command's start is not
-    the command's (the pid was taken by another session leader since): it stays out, and its
-    processes are judged as any."""
-    facts = []
-    for pk, pid, owner, reservation, started, kernels, kind in rows:
-        lab = kind == InteractiveSession.Kind.JUPYTERLAB
-        # A lab's kernels lead sessions of their own (jobs.host.lab records them): each is the lab's.
-        for leader, leader_started in [(pid, started), *((int(k), s) for k, s in kernels)]:
-            if (
-                leader_started is None
-                or sessions.get(leader, leader_started) >= leader_started - CLOCK_SLACK_SECONDS
-            ):
-                facts.append(SessionFacts(pk, leader, owner, reservation, lab=lab))
-    return facts
-
-
-def lab_of(leader: int, labs: dict[int, SessionRow]) -> SessionRow | None:
-    """The running lab (of `labs`, by its server's pid) whose server session leader `leader`
-    descends from: a kernel or a terminal it started, each in a session of its own, as the lab's
-    supervisor finds and records them (jobs.host.lab._kernel_sessions); None for any other. The
-    server is proven by its recorded start, and each process up the line started no earlier than
-    its parent: a parent that died and whose pid went to a younger process breaks the line, so
-    a stranger's process never passes for a kernel."""
-    if not labs or not is_process_pid(leader):
-        return None
-    try:
-        child = psutil.Process(leader)
-        for _ in range(LAB_DEPTH):
-            parent = psutil.Process(child.ppid())
-            if not is_process_pid(parent.pid) or parent.create_time() > child.create_time():
-                return None
-            row = labs.get(parent.pid)
-            if row is not None:
-                proven = row.pid_started is None or same_start(parent.create_time(), row.pid_started)
-                return row if proven else None
-            child = parent
-    except psutil.Error:
-        return None
-    return None
-
-
-def run_started(leader: int, worker: int) -> float | None:
-    """When session leader `leader` started, if the process `worker` started it, itself (a solo
-    pool) or through one of its pool processes (prefork: each job's supervisor runs in one);
-    None otherwise. A parent cannot be chosen or claimed, unlike an environment or a command
-    line. A pool process is the worker's child *in the worker's session*: a run's leader never
-    is (it has a session of its own), so a process a solo worker's job starts in a session of
-    its own never passes for a run. The leader's parent is read again after the pool process:
-    a parent that died in between had its children adopted elsewhere before its pid could be
-    given to a new pool process, so a stranger's parent never passes for one."""
-    if not is_process_pid(leader) or leader == worker:
-        return None
-    try:
-        process = psutil.Process(leader)
-        parent = process.ppid()
-        if parent != worker:
-            if not is_process_pid(parent) or psutil.Process(parent).ppid() != worker:
-                return None
-            if session_of(parent) != session_of(worker) or process.ppid() != parent:
-                return None
-        return process.create_time()
-    except psutil.Error:
-        return None
-
-
-def _without_sessions(card: GPUInfo, sessions: set[int]) -> GPUInfo:
-    """The card as the round judges it: without the processes of these sessions."""
-    if not card.processes or not any(p.session_id in sessions for p in card.processes):
-        return card
-    return replace(card, processes=tuple(p for p in card.processes if p.session_id not in sessions))
-
-
-def _predates_end(job: JobFacts, sessions: dict[int, float]) -> bool:
-    """True when any process seen in the ended job's session (its oldest) was created before the
-    job ended; a younger one beside it changes nothing."""
-    oldest = sessions.get(job.session_id)
-    if oldest is None or job.finished_at is None:
-        return False  # no start that could be read proves nothing: no zombie
-    return oldest <= job.finished_at.timestamp() + CLOCK_SLACK_SECONDS
 
 
 def _unprovable(process: ProcessInfo) -> str | None:

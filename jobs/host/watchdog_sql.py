@@ -33,7 +33,7 @@ from jobs.watchdog.rules import BookingFacts, JobFacts
 
 
 class SessionRow(NamedTuple):
-    """A running session of the host, as recorded (jobs.host.watchdog._sessions_in judges it)."""
+    """A running session of the host, as recorded (jobs.host.watchdog_sessions.sessions_in judges it)."""
 
     pk: int
     pid: int
