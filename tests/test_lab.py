@@ -20,6 +20,8 @@ from datetime import timedelta
 import httpx
 import psutil
 import pytest
+from django.db import OperationalError
+from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 from websockets.sync.client import connect
@@ -218,6 +220,25 @@ def _watchdog_round(session: InteractiveSession, box: list, settings) -> tuple[l
     cards = (replace(snapshot.gpus[0], processes=processes), *snapshot.gpus[1:])
     watchdog = HostWatchdog("box1", simulated=False, worker=os.getpid())
     return watchdog.round(replace(snapshot, gpus=cards), now=timezone.now()), processes
+
+
+def test_a_kernels_record_that_failed_is_written_at_the_next_look(lab_session, monkeypatch):
+    """The row is what the watchdog and a restarted worker know a kernel by: a write the database
+    refused is tried again, not forgotten until another kernel comes."""
+    session, _, _ = lab_session
+    refused: list[object] = []
+    update = QuerySet.update
+
+    def once(self, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("kernels") and not refused:
+            refused.append(kwargs["kernels"])
+            raise OperationalError("server closed the connection unexpectedly")
+        return update(self, **kwargs)
+
+    monkeypatch.setattr(QuerySet, "update", once)
+    _api(session, "kernels", "POST")
+    wait_for(lambda: refused, timeout=60, what="the refused write")
+    wait_for(lambda: _refreshed(session).kernels, timeout=10, what="the kernel written after all")
 
 
 def test_ended_by_its_owner_it_leaves_no_server_or_kernel_behind(lab_session, alice):

@@ -119,6 +119,7 @@ class LabSupervisor:
         self.address = ""
         self.ends_at = session.reservation.end  # the last the database said
         self.kernels: list[list[float]] = []
+        self.kernels_stored = True  # `kernels` is on the row (a failed write is tried again)
         self.last_kernel_activity = time.time()
         self.database_away = False
         self.ran = False  # it answered once: RUNNING
@@ -366,10 +367,14 @@ class LabSupervisor:
         """Record the kernels' sessions; why to end when no kernel was active for too long."""
         assert self.proc is not None
         kernels = _kernel_sessions(self.proc.leader.pid)
-        if kernels != self.kernels:
-            self.kernels = kernels
-            with contextlib.suppress(DatabaseError):  # recorded next round
+        if kernels != self.kernels or not self.kernels_stored:
+            self.kernels = kernels  # ended by `_stop` whether the row has them or not
+            try:
                 InteractiveSession.objects.filter(pk=self.pk).update(kernels=kernels)
+            except DatabaseError:
+                self.kernels_stored = False  # the watchdog and a restarted worker read them there
+            else:
+                self.kernels_stored = True
         listed = self._api("kernels")
         if not isinstance(listed, list):
             return None
