@@ -34,9 +34,11 @@ def _examples(name: str) -> str:
 
 
 # A tiny fit with a checkpoint after every epoch and the example's way of taking SIGTERM between
-# batches (jobs/examples/keras_example.py), slowed after each epoch so that the test can preempt it
-# mid-run. Without the example's stop, a SIGTERM in the middle of a checkpoint's write left it cut
-# short, or came between the checkpoint and the "finished" line, and the resumed run differed.
+# batches (jobs/examples/keras_example.py). Without the example's stop, a SIGTERM in the middle of
+# a checkpoint's write left it cut short, or came between the checkpoint and the "finished" line,
+# and the resumed run differed. Its first run waits after its second epoch until the SIGTERM
+# comes (the resumed run starts at the third), so the preemption lands mid-run however loaded the
+# machine is (a fixed pause after each epoch only made that likely, and cost 9 s a run).
 SCRIPT = f"""
 import os, signal, time
 import keras, numpy as np
@@ -45,10 +47,12 @@ print("preemptible:", os.environ.get("PORTAL_PREEMPTIBLE"), flush=True)
 
 {_examples("StopBetweenBatches")}
 
-class Slow(keras.callbacks.Callback):
+class HoldAfterEpochTwo(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         print(f"finished epoch {{epoch + 1}}", flush=True)
-        time.sleep(1.5)
+        deadline = time.monotonic() + 120
+        while epoch == 1 and not stop.asked and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 8)).astype("float32")
@@ -56,7 +60,8 @@ y = (x.sum(axis=1) > 0).astype("float32")
 model = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(1, activation="sigmoid")])
 model.compile(optimizer="adam", loss="binary_crossentropy")
 backup = keras.callbacks.BackupAndRestore(os.environ["PORTAL_CHECKPOINT_DIR"], double_checkpoint=True)
-callbacks = [StopBetweenBatches(), backup, Slow()]
+stop = StopBetweenBatches()
+callbacks = [stop, backup, HoldAfterEpochTwo()]
 model.fit(x, y, epochs={EPOCHS}, batch_size=64, verbose=2, callbacks=callbacks)
 print("done", flush=True)
 """.encode()
@@ -105,7 +110,7 @@ def test_a_preempted_keras_job_goes_back_to_the_queue_and_resumes_from_its_check
     left = log.index("[portal] Preempted: its cards are wanted back.")
     back = log.index("[portal] back from the queue: this job was preempted once")
     assert left < back < log.index("done")
-    assert "SIGTERM: stopping before the next batch" in log[left:back]  # the example's stop, taken
+    assert "SIGTERM: stopping before the next batch" in log[left:back], log  # the example's stop, taken
     epochs = [int(n) for n in re.findall(r"Epoch (\d+)/6", log[back:])]
     done_before = max(int(n) for n in re.findall(r"finished epoch (\d+)", log[:back]))  # its first run
     # It resumed after the last epoch it checkpointed, and ran each remaining epoch once.

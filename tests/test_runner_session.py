@@ -101,6 +101,33 @@ def test_it_ends_a_child_in_its_own_process_group_when_the_job_ends(job_in, tmp_
     assert not alive(child)
 
 
+# Says at once that SIGTERM came, then takes its time to end.
+ANSWERS_SIGTERM = """
+import signal, sys, time
+def answer(signum, frame):
+    print("SIGTERM came", flush=True)
+    time.sleep(0.5)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, answer)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_portals_why_comes_before_the_jobs_answer_to_its_signal(job_in, alice, monkeypatch):
+    # The supervisor's loop writes the portal's lines on its tick: a long one, as on a loaded
+    # machine, where the job's answer came first (the preemption test, under the whole suite).
+    monkeypatch.setattr(runner, "TICK_SECONDS", 2.0)
+    job = job_in(ANSWERS_SIGTERM)
+    thread, outcome = _run_in_thread(job.pk)
+    wait_for(lambda: "ready" in job_log(job.pk), timeout=30, what="the job to run")
+    Job.objects.filter(pk=job.pk).update(cancel_requested_at=timezone.now(), cancelled_by=alice)
+    thread.join(timeout=30)
+    assert outcome == [Job.Status.CANCELLED]
+    log = job_log(job.pk)
+    assert log.index("Sending SIGTERM") < log.index("SIGTERM came"), log
+
+
 def test_it_ends_a_child_in_its_own_process_group_on_cancel_by_identity(
     job_in, alice, tmp_path, leftover, monkeypatch
 ):

@@ -392,7 +392,10 @@ class Supervisor:
         self._guarded(self.metrics.flush)
 
     def _take_output(self, data: bytes) -> None:
-        """The job's training records to their table (jobs/metrics.py), the rest of its output to the log."""
+        """The job's training records to their table (jobs/metrics.py), the rest of its output to the log.
+        The portal's lines waiting to be written go first: a line says why before the signal it
+        announces is sent (`_stop`), so the job's answer to that signal comes after it in the log."""
+        self._write_notes()
         if rest := self.metrics.feed(data):
             self.writer.feed(rest)
         if note := self.metrics.full_note():
