@@ -4,7 +4,7 @@ RUN_STAMP := .venv/.run-installed
 DEV_STAMP := .venv/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format env-example bench bench-baseline clean gpu-check gpu-check-wheels
+.PHONY: run test test-durations lint format env-example bench bench-baseline clean gpu-check gpu-check-wheels
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -41,6 +41,12 @@ test: $(DEV_STAMP)
 	mkdir -p var test-output
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m portal.embedded_redis --socket var/redis-test-$$$$.sock -- \
 	  $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS)
+
+# tests/durations.json anew: the slow tests' wall times, which the order of a parallel run
+# deals out (tests/conftest.py). Worth running after adding or speeding up slow tests.
+test-durations: $(DEV_STAMP)
+	$(MAKE) test PYTEST_ARGS="-p tests.cpu_profile $(PYTEST_ARGS)"
+	$(PY) -m tests.durations "$$(ls -td test-output/run-* | head -1)"
 
 lint: $(DEV_STAMP)
 	.venv/bin/ruff check .

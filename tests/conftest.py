@@ -15,12 +15,20 @@ from django.utils import timezone
 
 from portal.env import database_url
 from portal.models import Membership
-from tests import kept_database
+from tests import durations, kept_database
 from tests.browser import chromium_missing_header, left_out_without_chromium
-from tests.celery_workers import StartWorker
+from tests.celery_workers import StartWorker, fork_server_close
 from tests.factories import MembershipFactory, TeamFactory, UserFactory, make_snapshot
 from tests.flushing import registry_restored_after_flush
 from tests.isolation import OUTPUT, ROOT, RUN, VAR_BASE  # noqa: F401 - this process's own, for the tests
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server_ended() -> Iterator[None]:
+    """The fork server of the session's Celery workers (tests/forkserver.py), if one started,
+    ended through its handle."""
+    yield
+    fork_server_close()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -269,48 +277,67 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return chromium_missing_header()
 
 
-# The long tests first, so that under xdist none of them starts last and runs alone at the end
-# while the other workers have nothing left (worksteal balances what remains; it cannot split a
-# test). Most of their time is waiting on real processes, which is what parallel runs overlap.
-_FIRST = ("faults", "worker", "browser")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if left_out := left_out_without_chromium(items):  # the header said why, once
         config.hook.pytest_deselected(items=left_out)
         items[:] = [item for item in items if item not in left_out]
-
-    def rank(item: pytest.Item) -> int:
-        if item.path.name == "test_runportal.py":
-            return 0  # whole portals started and restarted: the longest after the fault suite
-        marks = {mark.name for mark in item.iter_markers()}
-        return next((i for i, name in enumerate(_FIRST) if name in marks), len(_FIRST))
-
-    items.sort(key=rank)
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers and workers > 1:
-        items[:] = _long_ones_at_each_start(items, [rank(item) < len(_FIRST) for item in items], workers)
+        items[:] = _slow_ones_spread(items, _walls(items), workers)
 
 
-def _long_ones_at_each_start(items: list[pytest.Item], long: list[bool], workers: int) -> list[pytest.Item]:
-    """The order that gives each xdist worker its share of the long tests first. worksteal hands
-    each worker one contiguous slice of the collection at the start (its sizes below, as
-    xdist's `check_schedule` works them out) and later moves tests from the end of a busy
-    worker's slice to an idle one: with every long test at the front of the collection, all of
-    them fell in the first worker's slice, which ran them one after the other while the others
-    took its short ones, and the last minutes of a run were one worker's long tests. Dealt
-    round-robin here, each slice starts with a quarter of them (on 4 workers), the short tests
-    after them in their order. Every worker computes the same order (xdist checks it)."""
-    first = [item for item, is_long in zip(items, long, strict=True) if is_long]
-    rest = [item for item, is_long in zip(items, long, strict=True) if not is_long]
-    shares: list[list[pytest.Item]] = [first[w::workers] for w in range(workers)]
+def _walls(items: list[pytest.Item]) -> dict[str, float]:
+    """The slow tests' wall times: measured (tests/durations.py), else guessed from the markers."""
+    measured = durations.load()
+    walls: dict[str, float] = {}
+    for item in items:
+        if item.nodeid in measured:
+            walls[item.nodeid] = measured[item.nodeid]
+        elif durations.SLOW_MARKS & {mark.name for mark in item.iter_markers()}:
+            walls[item.nodeid] = durations.GUESSED_SECONDS
+    return walls
+
+
+def _slow_ones_spread(items: list[pytest.Item], walls: dict[str, float], workers: int) -> list[pytest.Item]:
+    """The order that gives each xdist worker an equal share of the slow tests, longest first and
+    spread through the front of its slice, and leaves the short ones for the end.
+
+    worksteal hands each worker one contiguous slice of the collection at the start (its sizes
+    below, as xdist's `check_schedule` works them out) and later moves tests from the end of a
+    busy worker's slice to an idle one; it cannot split a test. So a slow test must never be near
+    the end of a slice: one started last ran alone while the others had nothing left (with every
+    slow test at the front of the collection, all fell in the first worker's slice). The slow
+    tests are 240 of 3,950 but most of the run's wall time, mostly waiting on real processes;
+    the short ones are the CPU's work. Dealt longest first to the worker with the least so far
+    (LPT), each worker's shares interleaved with its short tests over the first three quarters
+    of its slice, the CPU has short tests to run while slow ones wait, and the run ends on short
+    tests that any idle worker can take. Every worker computes the same order (xdist checks it)."""
+    slow = sorted((item for item in items if item.nodeid in walls), key=lambda item: -walls[item.nodeid])
+    rest = [item for item in items if item.nodeid not in walls]
+    loads, shares = [0.0] * workers, [[] for _ in range(workers)]
+    for item in slow:
+        least = loads.index(min(loads))
+        shares[least].append(item)
+        loads[least] += walls[item.nodeid]
     ordered: list[pytest.Item] = []
     remaining = len(items)
     for w in range(workers):
         size = remaining // (workers - w)
         remaining -= size
-        ordered += shares[w]
         fill = max(size - len(shares[w]), 0)
-        ordered += rest[:fill]
+        ordered += _interleaved(shares[w], rest[:fill])
         del rest[:fill]
     return ordered + rest
+
+
+def _interleaved(slow: list[pytest.Item], short: list[pytest.Item]) -> list[pytest.Item]:
+    """`slow` in its order, spread evenly over the first three quarters of `short`."""
+    gap = 0.75 * len(short) / max(len(slow), 1)
+    out: list[pytest.Item] = []
+    taken = 0
+    for n, item in enumerate(slow):
+        upto = int(n * gap)
+        out += short[taken:upto]
+        taken = max(taken, upto)
+        out.append(item)
+    return out + short[taken:]
