@@ -6,7 +6,9 @@ start-up grace, the watchdog's open violations, the simulated backend's invented
 a worker kept from an earlier test carries them, with ids and names of rows that test's flush
 deleted. Tried and measured (issue 33): workers parked between tests with SIGSTOP leaked a
 telemetry report into the next test's empty database, cancelled its running job with their
-shutdown, and took its messages. A new worker costs about a second and a half of start-up.
+shutdown, and took its messages. A new worker is forked from a pre-imported Python
+(tests/forkserver.py): 0.3-0.4 s of CPU to `ready`, against 0.8-0.9 s for an interpreter of
+its own.
 
 What used to cost more is the end: the warm shutdown (SIGTERM, the worker winds its threads
 down, 1.5–6 s). After the test:
@@ -37,6 +39,7 @@ from portal.env import database_url
 from portal.names import redis_key
 from portal.processes import die_with_parent
 from portal.workers import worker_argv
+from tests.forkserver import Forked, ForkServer
 from tests.isolation import OUTPUT, ROOT, SIMULATED_PROCESSES_FILE
 
 STOP_GRACE_SECONDS = 15.0
@@ -45,7 +48,7 @@ STOP_GRACE_SECONDS = 15.0
 @dataclass(eq=False)
 class Worker:
     queue: str
-    proc: subprocess.Popen
+    proc: Forked
     log_path: Path
 
     def log(self) -> str:
@@ -59,7 +62,8 @@ NO_PODMAN = "podman-not-on-this-test-host"
 class StartWorker:
     """`start_worker("name")` is a GPU host's worker for a simulated server (queue host.name);
     `start_worker(None)` is the portal's own worker (queue `portal`), which runs the collector.
-    Both return the worker's Popen; `start_worker.log(...)` is what it printed."""
+    Both return the worker's handle (as much of a Popen as the tests use: tests/forkserver.py);
+    `start_worker.log(...)` is what it printed."""
 
     started = 0  # this test process's workers so far: each its own log file
 
@@ -70,7 +74,7 @@ class StartWorker:
 
     def __call__(
         self, server: str | None, *, extra_env: dict[str, str] | None = None, containers: bool = False
-    ) -> subprocess.Popen:
+    ) -> Forked:
         """`containers`: the host's Podman is asked at the start, as on a host that has one (the
         container tier's tests); otherwise the worker is a host without Podman, whose start asks
         nothing (`podman info` and `podman ps` cost 0.5 s of CPU a start, and a worker SIGKILLed
@@ -90,21 +94,13 @@ class StartWorker:
         StartWorker.started += 1
         log_path = OUTPUT / f"worker-{node}-{StartWorker.started}.log"
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                worker_argv(queue, f"{node}@test", pool="solo"),
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # A test process that dies (a crashed xdist worker, a SIGKILL) leaves no worker
-                # consuming its queues: its jobs die with it in turn (their own PDEATHSIG).
-                preexec_fn=die_with_parent(signal.SIGKILL),
-            )
+            argv = worker_argv(queue, f"{node}@test", pool="solo")
+            proc = fork_server().spawn(argv, env=env, cwd=ROOT, log=log)
         self.workers.append(Worker(queue, proc, log_path))
         return proc
 
-    def log(self, which: subprocess.Popen | str | None) -> str:
-        """A worker's output: by its Popen, or its server (None: the portal's); the last started."""
+    def log(self, which: Forked | str | None) -> str:
+        """A worker's output: by its handle, or its server (None: the portal's); the last started."""
         queue = "portal" if which is None else f"host.{which}" if isinstance(which, str) else None
         return next(w for w in reversed(self.workers) if w.proc is which or w.queue == queue).log()
 
@@ -124,13 +120,37 @@ class StartWorker:
                 proc.wait()
 
 
-def _busy(proc: subprocess.Popen) -> bool:
+def _busy(proc: Forked) -> bool:
     """Running a job or a lab: the worker's process has children (a solo pool runs no others).
-    Asked while the Popen is unreaped, so the pid is still this worker's."""
+    The fork server may reap the worker at any moment, so the pid counts only if the handle
+    still says it runs after the look: then it was this worker's throughout."""
     try:
-        return bool(psutil.Process(proc.pid).children(recursive=True))
+        children = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return False
+    return bool(children) and proc.poll() is None
+
+
+_server: ForkServer | None = None
+
+
+def fork_server() -> ForkServer:
+    """This test process's fork server, started at its first worker."""
+    global _server
+    if _server is None:
+        # A test process that dies (a crashed xdist worker, a SIGKILL) leaves no worker consuming
+        # its queues: the server dies with it, its workers with the server, and their jobs in turn.
+        tied = die_with_parent(signal.SIGKILL)
+        _server = ForkServer(cwd=ROOT, log=OUTPUT / "forkserver.log", preexec_fn=tied)
+    return _server
+
+
+def fork_server_close() -> None:
+    """The session's end (tests/conftest.py)."""
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
 
 
 def redis_forget() -> None:
