@@ -137,6 +137,9 @@ _server: ForkServer | None = None
 def fork_server() -> ForkServer:
     """This test process's fork server, started at its first worker."""
     global _server
+    if _server is not None and not _server.usable():  # ended (a crash, given up on): a new one
+        _server.close()
+        _server = None
     if _server is None:
         # A test process that dies (a crashed xdist worker, a SIGKILL) leaves no worker consuming
         # its queues: the server dies with it, its workers with the server, and their jobs in turn.

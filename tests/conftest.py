@@ -277,6 +277,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return chromium_missing_header()
 
 
+@pytest.hookimpl(trylast=True)  # after -k, -m and --deselect: the slices are of what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if left_out := left_out_without_chromium(items):  # the header said why, once
         config.hook.pytest_deselected(items=left_out)

@@ -111,6 +111,11 @@ class ForkServer:
         theirs.close()
         self.ended: dict[int, int] = {}  # exit statuses the server sent before anyone asked
         self.interpreter = _interpreter_variables(os.environ)
+        self.requests = 0
+        self.gone = False  # ended, or given up on: its children died with it
+
+    def usable(self) -> bool:
+        return not self.gone and self.proc.poll() is None
 
     def spawn(self, argv: list[str], *, env: dict[str, str], cwd: Path, log: BinaryIO) -> Forked:
         """`argv` is `[python, "-m", module, *args]`; `log` takes its stdout and stderr."""
@@ -120,36 +125,62 @@ class ForkServer:
             # Read at an interpreter's start, which a forked child does not have: start such a
             # process with subprocess.Popen instead.
             raise ForkServerError(f"other PYTHON* variables than the server's: {asked} != {self.interpreter}")
-        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd)}).encode()
-        socket.send_fds(self.sock, [request], [log.fileno()])
-        reply = self._next(lambda message: "pid" in message)
+        self.requests += 1
+        number = self.requests
+        request = json.dumps({"id": number, "argv": argv, "env": env, "cwd": str(cwd)}).encode()
+        try:
+            socket.send_fds(self.sock, [request], [log.fileno()])
+        except OSError as exc:
+            self._give_up()
+            raise ForkServerError(f"the fork server does not take requests: {exc}") from None
+        reply = self._next(lambda message: message.get("id") == number)
+        if reply is None:
+            raise ForkServerError(f"the fork server ended (exit status {self.proc.poll()})")
         pidfd = reply["fds"][0]
+        os.set_inheritable(pidfd, False)
         return Forked(self, reply["pid"], pidfd, argv)
 
     def status(self, pid: int) -> int:
-        """The exit status of a child that has ended (its pidfd said so)."""
-        if pid not in self.ended:
+        """The exit status of a child that has ended (its pidfd said so). A server that has ended
+        sent every status it had first; a child it never reported was killed with it (its
+        PR_SET_PDEATHSIG)."""
+        if pid not in self.ended and not self.gone:
             self._next(lambda message: message.get("exited") == pid)
-        return self.ended.pop(pid)
+        return self.ended.pop(pid, -signal.SIGKILL)
 
-    def _next(self, wanted: Callable[[dict], bool]) -> dict:
+    def _next(self, wanted: Callable[[dict], bool]) -> dict | None:
+        """The next message `wanted`; None once the server has ended. A server that does not
+        answer in time is given up on (killed, its children with it): a late answer would be
+        taken for the next request's."""
         deadline = time.monotonic() + REPLY_SECONDS
-        while True:
+        while not self.gone:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.sock], [], [], left)[0]:
-                raise ForkServerError(f"no answer from the fork server in {REPLY_SECONDS:.0f} s")
+                self._give_up()
+                raise ForkServerError(f"no answer from the fork server in {REPLY_SECONDS:.0f} s: ended it")
             data, fds, _flags, _addr = socket.recv_fds(self.sock, MESSAGE_BYTES, 1)
             if not data:
-                raise ForkServerError(f"the fork server ended (exit status {self.proc.poll()})")
+                self._give_up()
+                return None
             message = json.loads(data)
             message["fds"] = fds
             if "exited" in message:
                 self.ended[message["exited"]] = message["code"]
             if wanted(message):
                 return message
+            for fd in fds:
+                os.close(fd)
+        return None
+
+    def _give_up(self) -> None:
+        self.gone = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
     def close(self) -> None:
         """End of session: the server reads end-of-file and exits; its handle reaps it."""
+        self.gone = True
         self.sock.close()
         try:
             self.proc.wait(timeout=10)
@@ -171,17 +202,23 @@ class Forked:
         self._server, self._pidfd = server, pidfd
 
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+        if self.returncode is None and self._exited(0):
             self._ended()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            if not select.select([self._pidfd], [], [], timeout)[0]:
+            if not self._exited(timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
             self._ended()
         assert self.returncode is not None
         return self.returncode
+
+    def _exited(self, timeout: float | None) -> bool:
+        """The pidfd is readable once the child has ended (poll(2): any fd number, unlike select)."""
+        watch = select.poll()
+        watch.register(self._pidfd, select.POLLIN)
+        return bool(watch.poll(None if timeout is None else max(0.0, timeout) * 1000))
 
     def _ended(self) -> None:
         self.returncode = self._server.status(self.pid)
@@ -239,6 +276,9 @@ def serve(sock: socket.socket) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # Ctrl-C reaches the whole process group: the workers take it as they would (a warm
+    # shutdown), and the server ends when the test process closes its socket or dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     pipes = (wake_r, wake_w)
     while True:
         ready = select.select([sock, wake_r], [], [])[0]
@@ -276,16 +316,18 @@ def _fork(sock: socket.socket, request: dict, log_fd: int, pipes: tuple[int, int
         _child(request, log_fd, [sock.fileno(), *pipes], server)
     os.close(log_fd)
     pidfd = os.pidfd_open(pid)  # before any reap: the pid is still this child's
-    socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [pidfd])
+    socket.send_fds(sock, [json.dumps({"id": request["id"], "pid": pid}).encode()], [pidfd])
     os.close(pidfd)
 
 
 def _child(request: dict, log_fd: int, server_fds: list[int], server: int) -> NoReturn:
     code: int = 1
+    interrupted = False
     server_cwd = os.getcwd()
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         _die_with(server)
         for fd in server_fds:
             os.close(fd)
@@ -306,6 +348,9 @@ def _child(request: dict, log_fd: int, server_fds: list[int], server: int) -> No
         code = 0
     except SystemExit as exit:
         code = _exit_code(exit.code)
+    except KeyboardInterrupt:  # the interpreter prints it, then dies of SIGINT
+        traceback.print_exc()
+        interrupted = True
     except BaseException:  # printed to the log, as the interpreter would
         traceback.print_exc()
     finally:
@@ -314,6 +359,9 @@ def _child(request: dict, log_fd: int, server_fds: list[int], server: int) -> No
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
+            if interrupted:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
         finally:
             os._exit(code)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -13,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from portal.processes import die_with_parent
+from tests import forkserver
 from tests.forkserver import Forked, ForkServer, ForkServerError
 from tests.isolation import ROOT
+from tests.waiting import wait_for
 
 PROBE = """
 import os, sys, time
@@ -76,15 +77,38 @@ def test_its_handle_signals_waits_and_times_out_as_a_popens(server, tmp_path) ->
     assert other.wait(timeout=30) == -signal.SIGKILL
 
 
-def test_a_child_dies_with_the_server(server, tmp_path) -> None:
+def test_a_child_dies_with_the_server_and_its_handle_says_so(server, tmp_path) -> None:
     child, _ = spawn(server, tmp_path, "sleep", "0")
     server.proc.kill()
     server.proc.wait()
-    # Its pidfd becomes readable once it has ended (the status went with the server).
-    assert select.select([child._pidfd], [], [], 30)[0]
+    assert child.wait(timeout=30) == -signal.SIGKILL  # its PR_SET_PDEATHSIG
+    assert not server.usable()
+    with pytest.raises(ForkServerError):
+        spawn(server, tmp_path, "exit", "0")
     server.proc.returncode = 0  # for the fixture: killed here on purpose
+
+
+def test_ctrl_c_reaches_the_children_not_the_server(server, tmp_path) -> None:
+    child, log = spawn(server, tmp_path, "sleep", "0")
+    wait_for(lambda: "settings read" in log.read_text(), timeout=30, what="the child to start")
+    server.proc.send_signal(signal.SIGINT)
+    child.send_signal(signal.SIGINT)  # as the terminal sends it to the whole process group
+    assert child.wait(timeout=30) == -signal.SIGINT  # as a fresh interpreter ends
+    assert "KeyboardInterrupt" in log.read_text()
+    again, _ = spawn(server, tmp_path, "exit", "5")
+    assert again.wait(timeout=30) == 5 and server.usable()
 
 
 def test_it_refuses_other_interpreter_variables(server, tmp_path) -> None:
     with pytest.raises(ForkServerError, match="PYTHONWARNINGS"):
         spawn(server, tmp_path, "exit", "0", PYTHONWARNINGS="error")
+
+
+def test_a_server_that_does_not_answer_is_ended_not_waited_for(server, tmp_path, monkeypatch) -> None:
+    # Its late answer would have been taken for the next start's: the next worker the wrong one.
+    monkeypatch.setattr(forkserver, "REPLY_SECONDS", 0.5)
+    server.proc.send_signal(signal.SIGSTOP)
+    with pytest.raises(ForkServerError, match="no answer"):
+        spawn(server, tmp_path, "exit", "0")
+    assert not server.usable() and server.proc.returncode == -signal.SIGKILL
+    server.proc.returncode = 0  # for the fixture: ended here on purpose
