@@ -5,8 +5,10 @@ the lost session, and how the watchdog counts the command's processes as the boo
 from __future__ import annotations
 
 import json
+import subprocess
 from datetime import timedelta
 
+import psutil
 import pytest
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -16,6 +18,7 @@ from gpus.booking import reservation_create
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation, Server
 from gpus.services import server_report_ingest
+from jobs.host import watchdog_sessions
 from jobs.host.watchdog import round_facts
 from jobs.host.watchdog_sessions import sessions_in
 from jobs.models import InteractiveSession
@@ -306,7 +309,9 @@ def test_a_sessions_process_on_a_card_its_booking_does_not_hold_is_judged_as_any
     assert verdict.kind == Kind.UNBOOKED
 
 
-def test_a_recorded_pid_that_now_heads_an_older_session_is_not_the_commands(alice, booking):
+def test_a_recorded_pid_that_now_heads_an_older_session_is_not_the_commands(alice, booking, monkeypatch):
+    # Its leader has ended (no process has the pid): its session's processes are the proof.
+    monkeypatch.setattr(watchdog_sessions, "started_at", lambda pid: None)
     pk = start(alice, reservation=booking.pk).json()["id"]
     api(alice).patch(f"/api/v1/sessions/{pk}/", {"pid": 4242, "pid_started": 2000.0}, format="json")
     server = booking.allocations.get().gpu.server_id
@@ -535,3 +540,22 @@ def test_someone_elses_claim_on_a_pid_takes_nothing_from_its_owner():
         sessions=[bobs, SESSION],
     )
     assert (verdict.kind, verdict.session_pk) == (Kind.OK, SESSION.session_pk)
+
+
+def test_a_recorded_pid_now_another_live_process_is_not_the_commands(alice, booking):
+    """The command ended and its pid went to a younger process that leads a session of its own
+    (a stranger's, its processes all younger than the command's start): it is not the command's."""
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        real = psutil.Process(stranger.pid).create_time()
+        server = booking.allocations.get().gpu.server_id
+        on_card = {stranger.pid: real + 1}
+        for recorded, counted in ((real - 3600, False), (real, True)):  # an hour before; itself
+            pk = start(alice, reservation=booking.pk).json()["id"]
+            body = {"pid": stranger.pid, "pid_started": recorded}
+            assert api(alice).patch(f"/api/v1/sessions/{pk}/", body, format="json").status_code == 200
+            assert [s.session_pk for s in _sessions_of(server, on_card)] == ([pk] if counted else [])
+            InteractiveSession.objects.filter(pk=pk).update(status=InteractiveSession.Status.ENDED)
+    finally:
+        stranger.kill()
+        stranger.wait()

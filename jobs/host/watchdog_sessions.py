@@ -31,7 +31,7 @@ from gpus.procinfo import is_process_pid, session_of
 from jobs.host.watchdog_sql import Facts, SessionRow
 from jobs.models import InteractiveSession
 from jobs.watchdog.rules import JobFacts, SessionFacts
-from portal.pids import same_start
+from portal.pids import same_start, started_at
 
 log = logging.getLogger(__name__)
 
@@ -123,20 +123,27 @@ def _oldest_starts(cards: tuple[GPUInfo, ...]) -> dict[int, float]:
 
 def sessions_in(rows: Sequence[SessionRow], sessions: dict[int, float]) -> list[SessionFacts]:
     """The running sessions of this host (`rows`, from facts_read): `gpu exec`/`gpu shell`, and
-    labs with the kernels they recorded. A recorded pid that heads a session whose processes are
-    older than the command's start is not the command's (the pid was taken by another session
-    leader since): it stays out, and its processes are judged as any."""
+    labs with the kernels they recorded. A recorded pid is the command's only while it can be:
+    its process, if it still runs, started when recorded, and its session has no process older
+    than that start. Otherwise the pid was taken by another process since (a younger leader, or
+    an older session's): it stays out, and its processes are judged as any."""
     facts = []
     for pk, pid, owner, reservation, started, kernels, kind in rows:
         lab = kind == InteractiveSession.Kind.JUPYTERLAB
         # A lab's kernels lead sessions of their own (jobs.host.lab records them): each is the lab's.
         for leader, leader_started in [(pid, started), *((int(k), s) for k, s in kernels)]:
-            if (
-                leader_started is None
-                or sessions.get(leader, leader_started) >= leader_started - CLOCK_SLACK_SECONDS
-            ):
+            if leader_started is None or _still_recorded(leader, leader_started, sessions):
                 facts.append(SessionFacts(pk, leader, owner, reservation, lab=lab))
     return facts
+
+
+def _still_recorded(leader: int, recorded: float, sessions: dict[int, float]) -> bool:
+    # The leader itself where it runs; where it has ended, its session's processes (they keep
+    # its id from being given to another process while any of them lives).
+    live = started_at(leader)
+    if live is not None and not same_start(live, recorded):
+        return False
+    return sessions.get(leader, recorded) >= recorded - CLOCK_SLACK_SECONDS
 
 
 def lab_of(leader: int, labs: dict[int, SessionRow]) -> SessionRow | None:
