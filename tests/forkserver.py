@@ -244,7 +244,9 @@ _libc: ctypes.CDLL | None = None  # loaded before the first fork, never in a chi
 
 
 def _die_with(parent: int) -> None:
-    """PR_SET_PDEATHSIG SIGKILL on `parent`; exit at once if it has already gone."""
+    """PR_SET_PDEATHSIG SIGKILL on `parent`; exit at once if it has already gone. As
+    `portal.processes.die_with_parent`, which this server cannot import: importing `portal`
+    makes the Celery app, and every child would share it."""
     assert _libc is not None
     _libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:
