@@ -235,11 +235,13 @@ class JobForm(ServiceErrorsMixin, forms.Form):
                 "memory_mb": data["memory"],
                 "server": data["server"] or None,
                 "array": data["array"],
-                "preemptible": data["preemptible"],
                 "partition": data["partition"],
             }
         return {
             **queued,
+            # Always passed: on a booking the service refuses it beside the field (a job on a
+            # booking is never preemptible), where dropping it ran an ordinary job unasked.
+            "preemptible": data["preemptible"],
             "reservation": data["reservation"],
             "script": ScriptUpload.from_file(data["script"]) if data["script"] is not None else None,
             "script_path": data["script_path"],

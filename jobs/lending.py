@@ -32,16 +32,17 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
 from gpus.booking import reservation_create
-from gpus.inventory import GPUInfo
+from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Allocation, GPUProcess, Reservation
 from jobs.models import InteractiveSession, Job
 from jobs.preemption import job_preempt
@@ -74,25 +75,7 @@ class Lendable:
 
 def lendable(now: datetime) -> list[Lendable]:
     """The bookings that may be lent now (see the module's text), oldest idle first."""
-    cutoff = now - timedelta(minutes=settings.LEND_AFTER_MINUTES)
-    busy_jobs = Job.objects.filter(reservation=OuterRef("pk"), status__in=Job.ACTIVE)
-    busy_sessions = InteractiveSession.objects.filter(
-        reservation=OuterRef("pk"), status__in=InteractiveSession.ACTIVE
-    )
-    lent = Reservation.objects.loans_live(now).filter(lent_from=OuterRef("pk"))
-    # The idle clock moves once a round (IDLE_CHECK_SECONDS); the last telemetry round is fresher:
-    # an owner whose process just took a borrower's place must not see the card lent again.
-    in_use = GPUProcess.objects.filter(gpu__allocations__reservation=OuterRef("pk"))
-    bookings = (
-        Reservation.objects.with_status("active", now)
-        .filter(lent_from=None, team__lend_idle=True, idle_since__lte=cutoff)
-        .exclude(Exists(busy_jobs))
-        .exclude(Exists(busy_sessions))
-        .exclude(Exists(lent))
-        .exclude(Exists(in_use))
-        .order_by("idle_since", "pk")
-    )
-    bookings = list(bookings)
+    bookings = list(_lendable_bookings(now).order_by("idle_since", "pk"))
     cards: dict[int, dict[str, int | None]] = {}
     servers: dict[int, int] = {}
     rows = Allocation.objects.filter(reservation__in=bookings).values_list(
@@ -102,6 +85,36 @@ def lendable(now: datetime) -> list[Lendable]:
         cards.setdefault(booking, {})[uuid] = mb
         servers[booking] = server
     return [Lendable(b, cards[b.pk], servers[b.pk]) for b in bookings if b.pk in cards]
+
+
+def _lendable_bookings(now: datetime) -> QuerySet[Reservation]:
+    """The one rule of what may be lent now: `lendable`'s read, and `_lend`'s check again."""
+    cutoff = now - timedelta(minutes=settings.LEND_AFTER_MINUTES)
+    busy_jobs = Job.objects.filter(reservation=OuterRef("pk"), status__in=Job.ACTIVE)
+    busy_sessions = InteractiveSession.objects.filter(
+        reservation=OuterRef("pk"), status__in=InteractiveSession.ACTIVE
+    )
+    lent = Reservation.objects.loans_live(now).filter(lent_from=OuterRef("pk"))
+    # The idle clock moves once a round (IDLE_CHECK_SECONDS); the last telemetry round is fresher:
+    # an owner whose process just took a borrower's place must not see the card lent again.
+    in_use = GPUProcess.objects.filter(gpu__allocations__reservation=OuterRef("pk"))
+    return (
+        Reservation.objects.with_status("active", now)
+        .filter(lent_from=None, team__lend_idle=True, idle_since__lte=cutoff)
+        .exclude(Exists(busy_jobs))
+        .exclude(Exists(busy_sessions))
+        .exclude(Exists(lent))
+        .exclude(Exists(in_use))
+    )
+
+
+def _booking_lock(pk: int) -> None:
+    """The lent (or lendable) booking's row, locked until the transaction ends: a loan (`_lend`)
+    and its owner coming back (`loans_take_back`, inside the owner's job or session start) take it
+    in turn, so either the loan sees the owner's job or session and is not made, or the owner's
+    take-back sees the loan and preempts it. Read apart, both went ahead: the owner's job was sent
+    at once and the borrower beside it. (SQLite's writers take the whole database in turn.)"""
+    list(Reservation.objects.select_for_update().filter(pk=pk).values_list("pk", flat=True))
 
 
 def _fits(entry: Entry, lent: Lendable) -> list[str]:
@@ -125,35 +138,46 @@ def _fits(entry: Entry, lent: Lendable) -> list[str]:
 Bind = Callable[[Job, Reservation, datetime], None]
 
 
-def loans_place(entries: Sequence[Entry], now: datetime, *, bind: Bind) -> int:
+def loans_place(entries: Sequence[Entry], now: datetime, *, bind: Bind, slots: dict[int, int]) -> int:
     """Start preemptible jobs that still wait, in plan order, on idle bookings lent to the queue
     (one loan per booking); how many started. `bind`: the scheduler's start of a job on a booking
-    (PENDING → QUEUED, then sent to its host), as it starts every job; it calls here. A refusal
-    of the booking service is that job's alone, as in the scheduler's own starts."""
-    placed = _matches(entries, now, lambda entry, lent, cards: _lend(entry, lent, cards, now, bind))
+    (PENDING → QUEUED, then sent to its host), as it starts every job; it calls here. `slots`:
+    each server's free job slots now, of the servers whose worker said so lately (the scheduler's
+    `_free_slots`): a loan is a start like any, so a silent worker's or a full one's cards are
+    not lent. A refusal of the booking service is that job's alone, as in the scheduler's own
+    starts."""
+    lend = partial(_lend, now=now, bind=bind)
+    placed = _matches(entries, now, dict(slots), lambda entry, lent, cards: lend(entry, lent, cards))
     return sum(1 for _ in placed)
 
 
-def loans_preview(entries: Sequence[Entry], now: datetime) -> list[int]:
+def loans_preview(entries: Sequence[Entry], now: datetime, *, slots: dict[int, int]) -> list[int]:
     """The jobs `loans_place` would place now, booking nothing (the queue's estimated start)."""
-    return [entry.request.job_id for entry in _matches(entries, now, lambda *_: True)]
+    return [entry.request.job_id for entry in _matches(entries, now, dict(slots), lambda *_: True)]
 
 
 def _matches(
-    entries: Sequence[Entry], now: datetime, take: Callable[[Entry, Lendable, list[str]], bool]
+    entries: Sequence[Entry],
+    now: datetime,
+    slots: dict[int, int],
+    take: Callable[[Entry, Lendable, list[str]], bool],
 ) -> Iterable[Entry]:
-    """Each waiting preemptible job, in plan order, with the first lent booking it fits; `take`
-    books it (or not: a refusal leaves the booking for the next job)."""
+    """Each waiting preemptible job, in plan order, with the first lent booking it fits on a
+    server with a free job slot (`slots`, counted down here); `take` books it (or not: a refusal
+    leaves the booking for the next job)."""
     preemptible = _preemptible(entries)  # one read for the whole plan
     waiting = [e for e in entries if e.request.job_id in preemptible and e.reason in LENDING_HELPS]
     free = lendable(now) if waiting else []
     for entry in waiting:
         for lent in free:
+            if slots.get(lent.server_id, 0) < 1:
+                continue
             cards = _fits(entry, lent)
             if not cards or lent.booking.end - now < timedelta(minutes=LOAN_MIN_MINUTES):
                 continue
             if take(entry, lent, cards):
                 free.remove(lent)
+                slots[lent.server_id] -= 1
                 yield entry
             break
 
@@ -175,6 +199,9 @@ def _lend(entry: Entry, lent: Lendable, cards: list[str], now: datetime, bind: B
     r = entry.request
     try:
         with transaction.atomic():
+            _booking_lock(lent.booking.pk)
+            if not _lendable_bookings(now).filter(pk=lent.booking.pk).exists():
+                return False  # its owner came back (or it ended) since `lendable` read it
             job = Job.objects.select_related("owner", "team").get(pk=r.job_id)
             if job.status != Job.Status.PENDING or not job.owner.is_active:
                 return False
@@ -205,15 +232,17 @@ def loans_take_back(*, booking: Reservation | int, why: str, now: datetime | Non
     grace; the jobs asked. Safe to repeat: a job asked already is not asked again."""
     now = now or timezone.now()
     pk = booking if isinstance(booking, int) else booking.pk
-    loans = Reservation.objects.loans_live(now).filter(lent_from_id=pk)
-    jobs = Job.objects.filter(
-        reservation__in=loans, status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
-    )
-    asked = [
-        job
-        for job in jobs.values_list("pk", flat=True)
-        if job_preempt(job=job, reason=why, grace_seconds=settings.LEND_GRACE_SECONDS, now=now)
-    ]
+    with transaction.atomic():  # within the owner's start, the lock lasts until that commits
+        _booking_lock(pk)
+        loans = Reservation.objects.loans_live(now).filter(lent_from_id=pk)
+        jobs = Job.objects.filter(
+            reservation__in=loans, status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
+        )
+        asked = [
+            job
+            for job in jobs.values_list("pk", flat=True)
+            if job_preempt(job=job, reason=why, grace_seconds=settings.LEND_GRACE_SECONDS, now=now)
+        ]
     if asked:
         log.info("Booking %s taken back from jobs %s: %s", pk, asked, why)
     return asked
@@ -276,12 +305,23 @@ def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> lis
         "reservation_id", "pk"
     ):  # every loan's jobs in one read
         borrowers.setdefault(loan, set()).add(job)
+    # A process that names its job is that job's owner's, whatever account it runs as: under a
+    # service account (JOB_USER=gpujob) every job's process has the same unknown name, and a
+    # share-holder's own job on their share of the card must not push the borrower off.
+    named = {p.job_id for uuid, *_ in loans for p in by_card[uuid].processes or () if p.job_id is not None}
+    job_owners = dict(Job.objects.filter(pk__in=named).values_list("pk", "owner_id")) if named else {}
+
+    def whose(process: ProcessInfo, owner: int) -> int | None:
+        if process.job_id is not None and process.job_id in job_owners:
+            return job_owners[process.job_id]
+        return people.get(process.username, owner)
+
     back: dict[int, str] = {}  # lender → why: each taken back once, however many of its cards
     for uuid, loan, lender, owner in loans:
         others = [
             p
             for p in by_card[uuid].processes or ()
-            if p.job_id not in borrowers.get(loan, set()) and people.get(p.username, owner) == owner
+            if p.job_id not in borrowers.get(loan, set()) and whose(p, owner) == owner
         ]
         if others and lender not in back:
             pid = others[0].pid

@@ -13,13 +13,14 @@ from rest_framework.test import APIClient
 
 from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
 from gpus.inventory import GPUInfo, ProcessInfo
-from gpus.models import Reservation
+from gpus.models import Reservation, Server
 from gpus.services import servers_report_ingest
+from jobs.host.pickup import slots_report
 from jobs.host.spool import EndRecord
 from jobs.lending import lendable, lent_words, loans_expire, loans_watch
 from jobs.logs.store import LogWriter
 from jobs.models import Job
-from jobs.queue.scheduler import schedule_pass
+from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.runs import job_end_record
 from jobs.services import jobs_reconcile
 from jobs.sessions.services import session_start
@@ -351,3 +352,84 @@ def test_the_dashboard_card_says_when_it_was_lent_and_to_which_job(alice, bob, b
     gpus = api.get("/api/v1/gpus/").json()  # not paginated
     (row,) = next(g for g in gpus if g["uuid"] == box[0].uuid)["booked"]
     assert row["lent"] == words and row["who"] == "you"
+
+
+# --- found by a review (2026-11-30) ------------------------------------------------------------------
+
+
+def test_an_owners_job_committed_between_the_read_and_the_loan_is_never_sent_beside_a_borrower(
+    idle_booking, alice, bob, sent, monkeypatch
+):
+    """The pass read the booking as lendable; the owner's job committed before its loan did. The
+    loan now checks again under the booking's lock, as the owner's start takes the same lock."""
+    import jobs.lending as lending
+
+    real, mine = lending.lendable, {}
+
+    def read_then_the_owner_submits(now):  # type: ignore[no-untyped-def]
+        found = real(now)
+        mine["job"] = job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
+        return found
+
+    monkeypatch.setattr(lending, "lendable", read_then_the_owner_submits)
+    borrower = queue_job(bob, minutes=60, preemptible=True)
+    done = schedule_pass()
+    borrower.refresh_from_db()
+    assert not done.get("lent") and borrower.status == Job.Status.PENDING, done
+    assert Job.objects.get(pk=mine["job"].pk).dispatched_at is not None  # the owner's, at once
+    assert not Reservation.objects.filter(lent_from=idle_booking).exists()
+
+
+def test_a_share_holders_own_job_under_a_service_account_does_not_push_the_borrower_off(
+    alice, bob, carol, box, sent
+):
+    """Jobs under JOB_USER=gpujob all run as one account nobody is: the process's job names whose
+    it is. carol's job on her share of the card is hers, not alice's coming back."""
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])
+    card, end = box[0].uuid, timezone.now() + timedelta(hours=8)
+    reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=end)
+    alices = reservation_create(user=alice, gpus=[card], memory_mb=8000, end=end)
+    carols = reservation_create(user=carol, gpus=[card], memory_mb=8000, end=end)
+    Reservation.objects.filter(pk=alices.pk).update(idle_since=timezone.now() - timedelta(minutes=20))
+    borrower = queue_job(bob, minutes=60, preemptible=True, memory_mb=8000)
+    assert schedule_pass().get("lent") == 1
+    borrower.refresh_from_db()
+    assert borrower.reservation.lent_from_id == alices.pk
+    carols_job = job_submit(user=carol, reservation=carols, script=ScriptUpload("c.py", b"1\n"))
+    alices_job = Job.objects.create(owner=alice, team=alices.team, name="a.py", status=Job.Status.SUCCEEDED)
+
+    def card_with(*processes: ProcessInfo) -> GPUInfo:
+        return GPUInfo(
+            uuid=card, index=0, name="card", pci_bus_id="0", memory_total_mb=24576, memory_reserved_mb=300,
+            memory_used_mb=0, utilization_pct=0, temperature_c=30, power_w=50, power_limit_w=300,
+            mig_mode="disabled", processes=processes,
+        )  # fmt: skip
+
+    theirs = ProcessInfo(pid=10, username="gpujob", command="python fit.py", job_id=borrower.pk)
+    carols = ProcessInfo(pid=20, username="gpujob", command="python c.py", job_id=carols_job.pk)
+    assert loans_watch([card_with(theirs, carols)]) == []
+    # alice's own job's process under the same account is alice's: she is back.
+    alices = ProcessInfo(pid=30, username="gpujob", command="python a.py", job_id=alices_job.pk)
+    assert loans_watch([card_with(theirs, carols, alices)]) == [borrower.pk]
+
+
+@pytest.mark.parametrize("worker", ["silent", "full"])
+def test_no_loan_on_a_server_whose_worker_is_silent_or_has_no_free_slot(idle_booking, bob, sent, worker):
+    """A loan is a start like any: the plan starts nothing where the worker has not said lately
+    how many jobs it runs, or has none free (docs/queue.md)."""
+    if worker == "silent":
+        Server.objects.filter(name="box1").update(job_slots_at=timezone.now() - timedelta(days=1))
+    else:
+        slots_report("box1", slots=0, now=timezone.now())
+    borrower = queue_job(bob, minutes=60, preemptible=True)
+    done = schedule_pass()
+    borrower.refresh_from_db()
+    assert not done.get("lent") and borrower.status == Job.Status.PENDING, done
+    assert not lendable_now_shown(borrower)
+    slots_report("box1", slots=2, now=timezone.now())
+    assert schedule_pass().get("lent") == 1
+
+
+def lendable_now_shown(job: Job) -> bool:
+    """Whether the Queue page shows the job starting now on a lent booking."""
+    return any(e.request.job_id == job.pk and e.basis == "lending" for e in queue_plan(expected=True))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -84,6 +85,22 @@ def test_it_refuses_a_preemptible_job_on_a_booking_and_writes_nothing(alice, box
     )
     assert response.status_code == 400
     assert "Only a queued job can be preemptible" in response.json()["errors"]["preemptible"][0]
+    assert not Job.objects.exists()
+
+
+def test_the_form_refuses_preemptible_on_a_booking_beside_the_field_and_writes_nothing(alice, box):
+    # The form used to drop the box on a booking and run an ordinary job unasked (as a browser
+    # posts it: the checkbox's "on" with the booking chosen).
+    booking = reservation_create(user=alice, gpus=[box[0].uuid])
+    client = Client()
+    client.force_login(alice)
+    response = client.post(
+        "/jobs/new/",
+        {"reservation": booking.pk, "interpreter": "default", "preemptible": "on",
+         "script": SimpleUploadedFile("t.py", b"print(1)\n")},
+    )  # fmt: skip
+    assert response.status_code == 200
+    assert "Only a queued job can be preemptible" in response.context["form"].errors["preemptible"][0]
     assert not Job.objects.exists()
 
 

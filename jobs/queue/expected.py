@@ -61,8 +61,9 @@ def expected_requests(requests: Sequence[Request]) -> list[Request]:
     ]
 
 
-def with_lending(entries: Sequence[Entry], now: datetime) -> None:
-    """A preemptible job that the next pass would place on a lent booking starts then."""
-    for job in loans_preview(entries, now):
+def with_lending(entries: Sequence[Entry], now: datetime, *, slots: dict[int, int]) -> None:
+    """A preemptible job that the next pass would place on a lent booking starts then (`slots`:
+    the servers' free job slots, as the plan read them)."""
+    for job in loans_preview(entries, now, slots=slots):
         entry = next(e for e in entries if e.request.job_id == job)
         entry.estimated_start, entry.basis = now, "lending"

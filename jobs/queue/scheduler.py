@@ -151,7 +151,7 @@ def queue_plan(
         offline=_offline(requests, set(servers)),
     )
     if expected:
-        with_lending(entries, now)
+        with_lending(entries, now, slots=slots)
     return entries
 
 
@@ -195,7 +195,8 @@ def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = No
     # where a borrower whose lent booking is about to end leaves first.
     if expiring := loans_expire(now):
         done["expired_loans"] = len(expiring)
-    if lent := loans_place([e for e in entries if e.request.job_id not in refused], now, bind=_bind_and_send):
+    waiting = [e for e in entries if e.request.job_id not in refused]
+    if lent := loans_place(waiting, now, bind=_bind_and_send, slots=_slots_now(now)):
         done["lent"] = lent
     _record_reasons(entries, refused)
     _store_holds(entries, memory)
@@ -453,6 +454,13 @@ def _offline(requests: Sequence[Request], online: set[int]) -> dict[int, str]:
         last = f"last reported {format_time(seen)}" if seen else "has never reported"
         words[pk] = f"{name} is offline (its worker {last}); the job starts there once it reports again"
     return words
+
+
+def _slots_now(now: datetime) -> dict[int, int]:
+    """The online servers' free job slots after this pass's own starts (for its loans)."""
+    servers = Server.objects.online().portal_scheduled().filter(draining=False)
+    online = servers.values_list("pk", "name", "job_slots", "job_slots_at")
+    return _free_slots(now, list(online))[0]
 
 
 def _free_slots(
