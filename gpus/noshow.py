@@ -40,6 +40,14 @@ def lent_now(bookings: Iterable[Reservation], now: datetime) -> set[int]:
     return set(loans.values_list("lent_from_id", flat=True))
 
 
+def reservation_mark_used(pk: int, now: datetime) -> None:
+    """The owner came back to their lent booking (jobs/lending.py's take-back: their job, session
+    or process on it): that is use, which the idle round cannot tell from the borrower's while the
+    borrower is still on the cards, so a return in the last minutes before the verdict was judged
+    a no-show and, where the team asked, released under the owner."""
+    Reservation.objects.filter(pk=pk, used_at=None).update(used_at=now)
+
+
 def no_show_due(reservation: Reservation, now: datetime) -> bool:
     """Unused from its start for NO_SHOW_MINUTES, not told yet, and a person's booking."""
     return (

@@ -44,6 +44,7 @@ from django.utils import timezone
 from gpus.booking import reservation_create
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Allocation, GPUProcess, Reservation
+from gpus.noshow import reservation_mark_used
 from jobs.models import InteractiveSession, Job
 from jobs.preemption import job_preempt
 from jobs.queue.rules import Entry
@@ -227,13 +228,18 @@ def _lend(entry: Entry, lent: Lendable, cards: list[str], now: datetime, bind: B
 # --- the owner comes back ----------------------------------------------------------------------------
 
 
-def loans_take_back(*, booking: Reservation | int, why: str, now: datetime | None = None) -> list[int]:
+def loans_take_back(
+    *, booking: Reservation | int, why: str, now: datetime | None = None, owner_back: bool = True
+) -> list[int]:
     """Every borrower on `booking`'s cards is preempted at once, with LEND_GRACE_SECONDS as its
-    grace; the jobs asked. Safe to repeat: a job asked already is not asked again."""
+    grace; the jobs asked. `owner_back`: the owner's own work is why, which counts as their use of
+    the booking (never a no-show). Safe to repeat: a job asked already is not asked again."""
     now = now or timezone.now()
     pk = booking if isinstance(booking, int) else booking.pk
     with transaction.atomic():  # within the owner's start, the lock lasts until that commits
         _booking_lock(pk)
+        if owner_back:
+            reservation_mark_used(pk, now)
         loans = Reservation.objects.loans_live(now).filter(lent_from_id=pk)
         jobs = Job.objects.filter(
             reservation__in=loans, status__in=(Job.Status.QUEUED, Job.Status.STARTING, Job.Status.RUNNING)
@@ -274,7 +280,8 @@ def loan_take_back(*, user: AbstractBaseUser, booking: Reservation, now: datetim
     """*Take it back* on the booking's page: its owner (or a leader of its team, an admin)."""
     if not can_manage(user, booking):
         raise Forbidden("Only the booking's owner, its team's leaders and admins can take it back.")
-    return loans_take_back(booking=booking, why=f"{user} took booking {booking.pk} back", now=now)
+    why = f"{user} took booking {booking.pk} back"
+    return loans_take_back(booking=booking, why=why, now=now, owner_back=user.pk == booking.owner_id)
 
 
 def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> list[int]:

@@ -12,6 +12,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
+from gpus.idle import idle_check
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation, Server
 from gpus.services import servers_report_ingest
@@ -433,3 +434,30 @@ def test_no_loan_on_a_server_whose_worker_is_silent_or_has_no_free_slot(idle_boo
 def lendable_now_shown(job: Job) -> bool:
     """Whether the Queue page shows the job starting now on a lent booking."""
     return any(e.request.job_id == job.pk and e.basis == "lending" for e in queue_plan(expected=True))
+
+
+def test_an_owner_back_while_the_borrower_leaves_is_no_no_show(alice, bob, carol, box, team, sent):
+    """The idle round takes a lent booking's cards for the borrower's: an owner whose process
+    came in the last seconds before the no-show verdict, the borrower still in its grace, was
+    judged a no-show and released under them. Their coming back is their use."""
+    Team.objects.filter(pk=team.pk).update(auto_release_idle=True)
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])
+    now = timezone.now()
+    then = now - timedelta(minutes=29, seconds=50)
+    reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=now + timedelta(hours=8))
+    booking = reservation_create(
+        user=alice, gpus=[box[0].uuid], start=then, end=now + timedelta(hours=8), now=then
+    )
+    Reservation.objects.filter(pk=booking.pk).update(
+        idle_since=then, idle_counted_until=now - timedelta(seconds=30)
+    )
+    borrower = queue_job(bob, minutes=60, preemptible=True)
+    assert schedule_pass().get("lent") == 1
+    Job.objects.filter(pk=borrower.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=now)
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=1)])  # alice's process
+    borrower.refresh_from_db()
+    assert borrower.preempt_requested_at is not None
+    done = idle_check(now=now + timedelta(seconds=15))  # the borrower still in its grace
+    booking.refresh_from_db()
+    assert (booking.no_show_at, booking.released_at, done.no_shows) == (None, None, [])
+    assert booking.used_at is not None
