@@ -139,28 +139,30 @@ def _fits(entry: Entry, lent: Lendable) -> list[str]:
 Bind = Callable[[Job, Reservation, datetime], None]
 
 
-def loans_place(entries: Sequence[Entry], now: datetime, *, bind: Bind, slots: dict[int, int]) -> int:
+def loans_place(
+    entries: Sequence[Entry], now: datetime, *, bind: Bind, slots: Callable[[], dict[int, int]]
+) -> int:
     """Start preemptible jobs that still wait, in plan order, on idle bookings lent to the queue
     (one loan per booking); how many started. `bind`: the scheduler's start of a job on a booking
     (PENDING → QUEUED, then sent to its host), as it starts every job; it calls here. `slots`:
     each server's free job slots now, of the servers whose worker said so lately (the scheduler's
-    `_free_slots`): a loan is a start like any, so a silent worker's or a full one's cards are
-    not lent. A refusal of the booking service is that job's alone, as in the scheduler's own
-    starts."""
+    `_free_slots`), read only where a booking may be lent: a loan is a start like any, so a
+    silent worker's or a full one's cards are not lent. A refusal of the booking service is that
+    job's alone, as in the scheduler's own starts."""
     lend = partial(_lend, now=now, bind=bind)
-    placed = _matches(entries, now, dict(slots), lambda entry, lent, cards: lend(entry, lent, cards))
+    placed = _matches(entries, now, slots, lambda entry, lent, cards: lend(entry, lent, cards))
     return sum(1 for _ in placed)
 
 
 def loans_preview(entries: Sequence[Entry], now: datetime, *, slots: dict[int, int]) -> list[int]:
     """The jobs `loans_place` would place now, booking nothing (the queue's estimated start)."""
-    return [entry.request.job_id for entry in _matches(entries, now, dict(slots), lambda *_: True)]
+    return [entry.request.job_id for entry in _matches(entries, now, lambda: slots, lambda *_: True)]
 
 
 def _matches(
     entries: Sequence[Entry],
     now: datetime,
-    slots: dict[int, int],
+    slots: Callable[[], dict[int, int]],
     take: Callable[[Entry, Lendable, list[str]], bool],
 ) -> Iterable[Entry]:
     """Each waiting preemptible job, in plan order, with the first lent booking it fits on a
@@ -169,16 +171,17 @@ def _matches(
     preemptible = _preemptible(entries)  # one read for the whole plan
     waiting = [e for e in entries if e.request.job_id in preemptible and e.reason in LENDING_HELPS]
     free = lendable(now) if waiting else []
+    room = dict(slots()) if free else {}  # a steady pass with nothing to lend reads no slots
     for entry in waiting:
         for lent in free:
-            if slots.get(lent.server_id, 0) < 1:
+            if room.get(lent.server_id, 0) < 1:
                 continue
             cards = _fits(entry, lent)
             if not cards or lent.booking.end - now < timedelta(minutes=LOAN_MIN_MINUTES):
                 continue
             if take(entry, lent, cards):
                 free.remove(lent)
-                slots[lent.server_id] -= 1
+                room[lent.server_id] -= 1
                 yield entry
             break
 

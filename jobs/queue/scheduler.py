@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 
 import redis
 from django.conf import settings
@@ -196,7 +197,7 @@ def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = No
     if expiring := loans_expire(now):
         done["expired_loans"] = len(expiring)
     waiting = [e for e in entries if e.request.job_id not in refused]
-    if lent := loans_place(waiting, now, bind=_bind_and_send, slots=_slots_now(now)):
+    if lent := loans_place(waiting, now, bind=_bind_and_send, slots=partial(_slots_now, now)):
         done["lent"] = lent
     _record_reasons(entries, refused)
     _store_holds(entries, memory)
