@@ -74,33 +74,23 @@ def test_it_submits_a_preemptible_queued_job_through_the_api(alice, box):
     assert Job.objects.get(pk=body["id"]).preemptible
 
 
-def test_it_refuses_a_preemptible_job_on_a_booking_and_writes_nothing(alice, box):
+def test_a_preemptible_job_on_a_booking_is_refused_beside_the_field_and_nothing_is_written(alice, box):
+    """The API's multipart and the form as a browser posts it (the checkbox's "on" with the booking
+    chosen): the form used to drop the box on a booking and run an ordinary job unasked."""
     booking = reservation_create(user=alice, gpus=[box[0].uuid])
+    refused = "Only a queued job can be preemptible"
     api = APIClient()
     api.force_authenticate(alice)
-    response = api.post(
-        "/api/v1/jobs/",
-        {"reservation": booking.pk, "script": SimpleUploadedFile("t.py", b"1\n"), "preemptible": "true"},
-        format="multipart",
-    )
-    assert response.status_code == 400
-    assert "Only a queued job can be preemptible" in response.json()["errors"]["preemptible"][0]
-    assert not Job.objects.exists()
-
-
-def test_the_form_refuses_preemptible_on_a_booking_beside_the_field_and_writes_nothing(alice, box):
-    # The form used to drop the box on a booking and run an ordinary job unasked (as a browser
-    # posts it: the checkbox's "on" with the booking chosen).
-    booking = reservation_create(user=alice, gpus=[box[0].uuid])
-    client = Client()
-    client.force_login(alice)
-    response = client.post(
-        "/jobs/new/",
-        {"reservation": booking.pk, "interpreter": "default", "preemptible": "on",
-         "script": SimpleUploadedFile("t.py", b"print(1)\n")},
-    )  # fmt: skip
-    assert response.status_code == 200
-    assert "Only a queued job can be preemptible" in response.context["form"].errors["preemptible"][0]
+    script = SimpleUploadedFile("t.py", b"1\n")
+    asked = {"reservation": booking.pk, "script": script, "preemptible": "true"}
+    answer = api.post("/api/v1/jobs/", asked, format="multipart")
+    assert answer.status_code == 400 and refused in answer.json()["errors"]["preemptible"][0]
+    browser = Client()
+    browser.force_login(alice)
+    script = SimpleUploadedFile("t.py", b"print(1)\n")
+    form = {"reservation": booking.pk, "interpreter": "default", "preemptible": "on", "script": script}
+    page = browser.post("/jobs/new/", form)
+    assert page.status_code == 200 and refused in page.context["form"].errors["preemptible"][0]
     assert not Job.objects.exists()
 
 
