@@ -414,19 +414,22 @@ def test_a_share_holders_own_job_under_a_service_account_does_not_push_the_borro
     assert loans_watch([card_with(theirs, carols, alices)]) == [borrower.pk]
 
 
-@pytest.mark.parametrize("worker", ["silent", "full"])
-def test_no_loan_on_a_server_whose_worker_is_silent_or_has_no_free_slot(idle_booking, bob, sent, worker):
+@pytest.mark.parametrize("worker", ["silent", "full", "draining"])
+def test_no_loan_on_a_server_whose_worker_is_silent_full_or_draining(idle_booking, bob, sent, worker):
     """A loan is a start like any: the plan starts nothing where the worker has not said lately
-    how many jobs it runs, or has none free (docs/queue.md)."""
+    how many jobs it runs, or has none free, or on a draining server (docs/queue.md)."""
     if worker == "silent":
         Server.objects.filter(name="box1").update(job_slots_at=timezone.now() - timedelta(days=1))
-    else:
+    elif worker == "full":
         slots_report("box1", slots=0, now=timezone.now())
+    else:
+        Server.objects.filter(name="box1").update(draining=True)
     borrower = queue_job(bob, minutes=60, preemptible=True)
     done = schedule_pass()
     borrower.refresh_from_db()
     assert not done.get("lent") and borrower.status == Job.Status.PENDING, done
     assert not lendable_now_shown(borrower)
+    Server.objects.filter(name="box1").update(draining=False)
     slots_report("box1", slots=2, now=timezone.now())
     assert schedule_pass().get("lent") == 1
 

@@ -123,17 +123,14 @@ def queue_plan(
     if expected:
         requests = expected_requests(requests)
     shares, usage = fairshare_state(now, memory, shared=shared_usage)
-    online = list(
-        Server.objects.online()
-        .portal_scheduled()
-        .values_list("pk", "draining", "name", "job_slots", "job_slots_at")
-    )
+    online = _online()
     # The calendar as far as the longest pending job reaches, and QUEUE_ESTIMATE_HORIZON_HOURS on:
     # enough to start any of them safely now, and to estimate starts within the horizon.
     longest = max(r.minutes for r in requests)
     horizon = now + timedelta(minutes=longest, hours=settings.QUEUE_ESTIMATE_HORIZON_HOURS)
     servers = [pk for pk, *_ in online]
     slots, silent = _free_slots(now, [(pk, name, n, at) for pk, _, name, n, at in online])
+    draining = {pk for pk, is_draining, *_ in online if is_draining}
     ends = expected_ends(now) if expected else {}
     entries = plan(
         requests,
@@ -146,13 +143,13 @@ def queue_plan(
             age_max=timedelta(hours=settings.QUEUE_AGE_MAX_HOURS),
         ),
         depth=settings.QUEUE_BACKFILL_DEPTH,
-        draining={pk for pk, draining, *_ in online if draining},
+        draining=draining,
         array_room=_array_room({r.array_id for r in requests if r.array_id}),
         not_now=not_now,
         offline=_offline(requests, set(servers)),
     )
     if expected:
-        with_lending(entries, now, slots=slots)
+        with_lending(entries, now, slots=_taking_work(slots, draining))
     return entries
 
 
@@ -457,11 +454,23 @@ def _offline(requests: Sequence[Request], online: set[int]) -> dict[int, str]:
     return words
 
 
+def _online() -> list[tuple[int, bool, str, int | None, datetime | None]]:
+    """The online servers the portal schedules: (pk, draining, name, job_slots, job_slots_at)."""
+    servers = Server.objects.online().portal_scheduled()
+    return list(servers.values_list("pk", "draining", "name", "job_slots", "job_slots_at"))
+
+
 def _slots_now(now: datetime) -> dict[int, int]:
-    """The online servers' free job slots after this pass's own starts (for its loans)."""
-    servers = Server.objects.online().portal_scheduled().filter(draining=False)
-    online = servers.values_list("pk", "name", "job_slots", "job_slots_at")
-    return _free_slots(now, list(online))[0]
+    """The free job slots after this pass's own starts, of the servers that take new work (its
+    loans')."""
+    online = _online()
+    slots, _silent = _free_slots(now, [(pk, name, n, at) for pk, _, name, n, at in online])
+    return _taking_work(slots, {pk for pk, is_draining, *_ in online if is_draining})
+
+
+def _taking_work(slots: dict[int, int], draining: set[int]) -> dict[int, int]:
+    """A draining server takes no new work, loans included: the pass's and the Queue page's."""
+    return {pk: n for pk, n in slots.items() if pk not in draining}
 
 
 def _free_slots(
