@@ -149,8 +149,7 @@ def loans_place(
     `_free_slots`), read only where a booking may be lent: a loan is a start like any, so a
     silent worker's or a full one's cards are not lent. A refusal of the booking service is that
     job's alone, as in the scheduler's own starts."""
-    lend = partial(_lend, now=now, bind=bind)
-    placed = _matches(entries, now, slots, lambda entry, lent, cards: lend(entry, lent, cards))
+    placed = _matches(entries, now, slots, partial(_lend, now=now, bind=bind))
     return sum(1 for _ in placed)
 
 
@@ -322,7 +321,7 @@ def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> lis
     job_owners = dict(Job.objects.filter(pk__in=named).values_list("pk", "owner_id")) if named else {}
 
     def whose(process: ProcessInfo, owner: int) -> int | None:
-        if process.job_id is not None and process.job_id in job_owners:
+        if process.job_id in job_owners:
             return job_owners[process.job_id]
         return people.get(process.username, owner)
 
