@@ -87,7 +87,7 @@ class Week:
         self.queue: list[tuple[datetime, int, Callable[[], None]]] = []
         self.seq = itertools.count()
         self.rec = Record()
-        self.sent: list[int] = []
+        self.sent: list[tuple[int, str]] = []  # (job, the queue its message went to)
         self.woken = False
         self.stops_due = False  # a step that may have asked a job to stop (a take-back, a release)
         self.passes_due: set[datetime] = set()  # the passes already set for later
@@ -126,8 +126,9 @@ class Week:
         """What the step set off: messages to hosts, a woken scheduler, stops asked of jobs."""
         now = self.clock.now
         p = self.p["host"]
-        for pk in self.sent:
-            self.at(now + timedelta(seconds=p["claim_seconds"]), lambda pk=pk: self._claim(pk))
+        for pk, queue in self.sent:
+            at = now + timedelta(seconds=p["claim_seconds"])
+            self.at(at, lambda pk=pk, queue=queue: self._claim(pk, queue.removeprefix("host.")))
         self.sent.clear()
         if self.woken:
             self.woken = False
@@ -413,16 +414,23 @@ class Week:
 
     # --- the hosts ----------------------------------------------------------------------
 
-    def _claim(self, job_id: int) -> None:
-        """The job's message reaches its worker: claimed, then its process starts."""
+    def _claim(self, job_id: int, server: str) -> None:
+        """The job's message reaches `server`'s worker: claimed, then its process starts; a
+        borrower whose loan ended meanwhile goes back to the queue (jobs.host.runner.job_run)."""
+        from django.conf import settings
+
         from jobs.host.launch import job_claim
         from jobs.models import Job
+        from jobs.preemption import requeue_unstarted
 
+        settings.WORKER_SERVER = server  # this process plays every host's worker in turn
         job = job_claim(job_id)
         if job is None:
             return
         now = self.clock.now
         if job.reservation.status_at(now) != job.reservation.Status.ACTIVE:
+            if requeue_unstarted(job):
+                return
             Job.objects.transition(
                 job_id,
                 from_=Job.Status.STARTING,
@@ -565,7 +573,7 @@ class Week:
         self.memory = jobs.queue.scheduler.PassMemory(redis=holds)  # type: ignore[arg-type]
         saved = (tz.now, jobs.services.send, portal.wakeups.wake, jobs.queue.scheduler.client)
         tz.now = self.clock  # type: ignore[assignment]
-        jobs.services.send = lambda pk, queue: self.sent.append(pk)  # type: ignore[assignment]
+        jobs.services.send = lambda pk, queue: self.sent.append((pk, queue))  # type: ignore[assignment]
         portal.wakeups.wake = lambda name: setattr(self, "woken", True)  # type: ignore[assignment]
         jobs.queue.scheduler.client = lambda timeout: holds  # type: ignore[assignment]
 

@@ -286,6 +286,22 @@ def loan_take_back(*, user: AbstractBaseUser, booking: Reservation, now: datetim
     return loans_take_back(booking=booking, why=why, now=now, owner_back=user.pk == booking.owner_id)
 
 
+def taken_back_words(asked: Sequence[int]) -> str:
+    """What *Take it back* tells the owner of the jobs `loan_take_back` asked to leave: a job no
+    worker had taken went back to the queue at once; one that runs gets its grace."""
+    back = set(Job.objects.filter(pk__in=asked, status=Job.Status.PENDING).values_list("pk", flat=True))
+    words = []
+    if gone := [pk for pk in asked if pk in back]:
+        words.append(f"{_jobs(gone)} had not started and went back to the queue")
+    if leaving := [pk for pk in asked if pk not in back]:
+        words.append(f"{_jobs(leaving)} gets SIGTERM now and leaves within {settings.LEND_GRACE_SECONDS} s")
+    return f"Taken back: {'; '.join(words)}."
+
+
+def _jobs(pks: Sequence[int]) -> str:
+    return ", ".join(f"job {pk}" for pk in pks)
+
+
 def loans_watch(cards: Iterable[GPUInfo], *, now: datetime | None = None) -> list[int]:
     """Each telemetry round: a process on a lent card that is not its borrower's is the owner
     coming back, so the borrower leaves at once. One whose account is another person's is not:

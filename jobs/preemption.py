@@ -12,9 +12,11 @@ kept: the scheduler starts it again as soon as cards are free, where it resumes 
 checkpoint it kept in PORTAL_CHECKPOINT_DIR (jobs/host/checkpoints.py). It never counts as
 failed; its log says each time why it left and, when it runs again, that it came back.
 
-A job that was booked but not yet sent to a worker (QUEUED, not dispatched) is put back at once:
-no process of it exists. One already sent is left to the worker that claims it, which puts it
-back before starting it (a message in flight must find the job where it was sent).
+A job that was booked but not yet taken by a worker (QUEUED, sent or not) is put back at once: no
+process of it exists. A message already sent for it then finds it no longer queued, or queued on
+another server, which a worker does not claim (jobs.host.launch.job_claim); sent to the same
+server again, the first of the two messages runs it and the other finds it taken. One a worker
+took already (STARTING, RUNNING) is asked to leave; its worker puts it back.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_release
+from gpus.booking_ends import ended_early_of
 from gpus.models import Reservation
 from jobs.logs.store import log_append
 from jobs.models import Job, JobArray
+from portal.timefmt import format_time
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,24 @@ ON_CARDS = Job.ON_CARDS
 def preempted_words(reason: str) -> str:
     """The line a preempted job's log and message carry: why it left, and what happens next."""
     return f"{PREEMPTED} {reason.rstrip('.')}. It goes back to the queue at its old place."
+
+
+def not_started_back_words(early: str, end: datetime) -> str:
+    """Why a preemptible job of the queue goes back to it when its booking ended before a worker
+    started it (a loan's end, its lent booking taken back or cancelled): `early`, the booking's
+    ended_early_words (gpus.booking_ends), else its end. Cancelling it would lose a job its owner
+    was promised would only ever be interrupted."""
+    return preempted_words(early or f"its booking ended at {format_time(end)}, before a worker started it")
+
+
+def requeue_unstarted(job: Job) -> bool:
+    """A preemptible job of the queue that its worker took after its booking ended (a borrower
+    whose loan ended, or whose lent booking was cancelled, meanwhile): back to the queue without
+    starting, as the reconciler puts back one no worker took (jobs.services). Whether it went."""
+    if not (job.preemptible and job.queued):
+        return False
+    back = not_started_back_words(ended_early_of(job.reservation), job.reservation.end)
+    return job_requeue(job.pk, from_=(Job.Status.STARTING,), message=back, say=True)
 
 
 def shut_down_words(host: str) -> str:
@@ -68,7 +90,7 @@ def job_preempt(
 ) -> bool:
     """Ask a preemptible job on cards to leave them, with `reason` (its log's and owner's words)
     and `grace_seconds` between SIGTERM and SIGKILL (default PREEMPT_GRACE_SECONDS). Whether it
-    was asked (or, booked but not yet sent to a worker, put back at once); False for a job that is
+    was asked (or, booked but not yet taken by a worker, put back at once); False for a job that is
     not preemptible, not on cards, or asked already (the first request stands). Safe to repeat."""
     now = now or timezone.now()
     pk = job if isinstance(job, int) else job.pk
@@ -77,7 +99,7 @@ def job_preempt(
         pk,
         from_=(Job.Status.QUEUED,),
         message=preempted_words(reason),
-        where=Q(preemptible=True, dispatched_at=None),
+        where=Q(preemptible=True),
         now=now,
         say=True,
     ):

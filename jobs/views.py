@@ -29,7 +29,7 @@ from django.views.decorators.http import require_GET, require_POST
 from gpus.models import GPU, Reservation, format_mb
 from jobs.filters import JobFilter, JobHistoryFilter, MyJobFilter
 from jobs.forms import JobCancelForm, JobForm
-from jobs.lending import loan_take_back
+from jobs.lending import loan_take_back, taken_back_words
 from jobs.logs.store import log_response, parse_offset
 from jobs.metrics import job_card_usage, metrics_csv_response
 from jobs.models import InteractiveSession, Job
@@ -360,11 +360,7 @@ def booking_take_back(request: HttpRequest, pk: int) -> HttpResponse:
     except Forbidden as error:
         raise PermissionDenied(error.message) from error
     if asked:
-        jobs = ", ".join(f"job {pk}" for pk in asked)
-        messages.success(
-            request,
-            f"Taken back: {jobs} gets SIGTERM now and leaves within {settings.LEND_GRACE_SECONDS} s.",
-        )
+        messages.success(request, taken_back_words(asked))
     else:
         messages.info(request, "Nothing of the queue's runs on this booking now.")
     return redirect("reservation_detail", pk=pk)

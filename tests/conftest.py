@@ -189,8 +189,9 @@ def charlie(db):
 
 
 @pytest.fixture
-def box(db) -> list:
-    """A reporting server `box1` with four 24 GB cards, by index."""
+def box(db, settings) -> list:
+    """A reporting server `box1` with four 24 GB cards, by index; this process is its host (a job
+    run here in-process is claimed as box1's worker claims it, jobs.host.launch.job_claim)."""
     from gpus.models import GPU
     from gpus.services import server_report_ingest
     from jobs.host.pickup import slots_report
@@ -199,6 +200,7 @@ def box(db) -> list:
     # Its worker said how many jobs it runs at once, as a running host worker does each round:
     # the queue plans nothing on a host that never did.
     slots_report("box1", slots=64, now=timezone.now())
+    settings.WORKER_SERVER = "box1"
     return list(GPU.objects.filter(server__name="box1").order_by("index"))
 
 

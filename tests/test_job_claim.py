@@ -31,3 +31,17 @@ def test_a_claim_while_the_database_is_away_is_tried_again_and_taken(alice, box,
     monkeypatch.setattr(launch.time, "sleep", lambda seconds: None)  # the retry's 2 s
     claimed = launch.job_claim(job.pk)
     assert failures == [1] and claimed is not None and claimed.status == Job.Status.STARTING
+
+
+@pytest.mark.django_db
+def test_a_worker_claims_only_a_job_of_its_own_server(alice, box, sent, settings):
+    """A message that reached another server's worker late (its job was put back in the queue
+    and sent elsewhere meanwhile, jobs.preemption) runs nothing there: the job stays queued for
+    the server its row names."""
+    booking = reservation_create(user=alice, gpus=[box[0].uuid])
+    job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="a.py", content=b"print(1)\n"))
+    settings.WORKER_SERVER = "box2"
+    assert launch.job_claim(job.pk) is None
+    assert Job.objects.get(pk=job.pk).status == Job.Status.QUEUED
+    settings.WORKER_SERVER = "box1"
+    assert launch.job_claim(job.pk).status == Job.Status.STARTING

@@ -16,7 +16,9 @@ from gpus.idle import idle_check
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation, Server
 from gpus.services import servers_report_ingest
+from jobs.host.launch import job_claim
 from jobs.host.pickup import slots_report
+from jobs.host.runner import job_run
 from jobs.host.spool import EndRecord
 from jobs.lending import lendable, lent_words, loans_expire, loans_watch
 from jobs.logs.store import LogWriter
@@ -28,6 +30,7 @@ from jobs.sessions.services import session_start
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import AuditEntry, Team
 from tests.factories import MembershipFactory, UserFactory, make_snapshot, queue_job
+from tests.job_helpers import job_log
 
 pytestmark = pytest.mark.django_db
 
@@ -55,6 +58,14 @@ def _lent_job(bob, sent) -> Job:
     done = schedule_pass()
     job.refresh_from_db()
     assert done.get("lent") == 1 and job.status == Job.Status.QUEUED, (done, job.pending_reason)
+    return job
+
+
+def _taken(job: Job) -> Job:
+    """The borrower as its host's worker took it: running there. Such a job is asked to leave (a
+    job no worker took yet goes back to the queue at once)."""
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=timezone.now())
+    job.refresh_from_db()
     return job
 
 
@@ -153,7 +164,7 @@ def test_a_job_whose_loan_ends_before_the_booking_is_left_to_its_time_limit(idle
 
 def test_the_owners_job_on_the_booking_sends_the_borrower_away(idle_booking, alice, bob, sent, settings):
     settings.LEND_GRACE_SECONDS = 7
-    job = _lent_job(bob, sent)
+    job = _taken(_lent_job(bob, sent))
     job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
     job.refresh_from_db()
     assert job.preempt_requested_at is not None and job.preempt_grace_seconds == 7
@@ -224,14 +235,64 @@ def test_a_borrower_that_cannot_be_made_to_leave_holds_the_owners_job_for_its_gr
     assert mine.dispatched_at is not None
 
 
-def test_the_owners_job_goes_at_once_when_the_borrower_was_not_sent_yet(idle_booking, alice, bob, sent):
+@pytest.mark.parametrize("sent_yet", [True, False])
+def test_the_owners_job_goes_at_once_when_no_worker_took_the_borrower_yet(
+    idle_booking, alice, bob, sent, sent_yet
+):
+    """Sent to its host or not, a borrower no worker has taken has no process: it goes back to the
+    queue at once, and its message, should it come, finds it gone (jobs.host.launch.job_claim)."""
     job = _lent_job(bob, sent)
-    Job.objects.filter(pk=job.pk).update(dispatched_at=None)  # as after a send that failed
+    if not sent_yet:
+        Job.objects.filter(pk=job.pk).update(dispatched_at=None)  # as after a send that failed
     mine = job_submit(user=alice, reservation=idle_booking, script=ScriptUpload("mine.py", b"1\n"))
     job.refresh_from_db()
     mine.refresh_from_db()
     assert job.status == Job.Status.PENDING and job.preemptions == 1  # put back, never started
+    assert job.dispatched_at is None and job.reservation is None and not job.server_id
+    assert (
+        job.message
+        == f"Preempted: alice started job {mine.pk} on it. It goes back to the queue at its old place."
+    )
     assert mine.dispatched_at is not None
+    assert job_claim(job.pk) is None  # the borrower's message, late: nothing runs
+
+
+@pytest.mark.parametrize("how", ["its end", "its lent booking cancelled"])
+def test_a_borrower_no_worker_took_before_its_loan_ended_goes_back_to_the_queue(
+    idle_booking, bob, leader, sent, how
+):
+    """Its host's worker was busy or away until the loan was over: the reconciler puts it back in
+    the queue, as if preempted, never cancelled (it was promised it would only be interrupted)."""
+    job = _lent_job(bob, sent)
+    loan = job.reservation
+    if how == "its end":
+        now = loan.end + timedelta(seconds=1)
+        expect = "Preempted: its booking ended at "
+    else:
+        reservation_cancel(user=leader, reservation=loan, reason="maintenance")
+        now = timezone.now()
+        expect = "Preempted: leader cancelled the booking at "
+    assert jobs_reconcile(now=now)["expired"] == 0  # none cancelled
+    job.refresh_from_db()
+    assert job.status == Job.Status.PENDING and job.preemptions == 1 and job.message.startswith(expect)
+    assert job.message.endswith("It goes back to the queue at its old place.")
+    assert expect in job_log(job.pk)
+    assert job_claim(job.pk) is None  # its message, late
+
+
+def test_a_borrower_claimed_after_its_loan_ended_goes_back_to_the_queue(idle_booking, bob, sent):
+    """Its worker took it just after the loan's end, before the reconciler came: back to the
+    queue too, not started, not cancelled."""
+    job = _lent_job(bob, sent)
+    now = timezone.now()
+    Reservation.objects.filter(pk=job.reservation_id).update(start=now - timedelta(hours=1), end=now)
+    assert job_run(job.pk) == Job.Status.PENDING
+    job.refresh_from_db()
+    assert job.status == Job.Status.PENDING and job.preemptions == 1 and not job.worker
+    assert (
+        job.message.startswith("Preempted: its booking ended at ")
+        and "before a worker started it" in job.message
+    )
 
 
 def test_a_card_taken_back_by_its_owners_process_is_not_lent_again(idle_booking, bob, box, sent):
@@ -250,7 +311,7 @@ def test_a_card_taken_back_by_its_owners_process_is_not_lent_again(idle_booking,
 
 
 def test_the_owners_gpu_exec_sends_the_borrower_away(idle_booking, alice, bob, sent):
-    job = _lent_job(bob, sent)
+    job = _taken(_lent_job(bob, sent))
     session_start(
         user=alice, reservation=idle_booking.pk, kind="exec", host="box1", command=["python", "x.py"]
     )
@@ -267,7 +328,7 @@ def _card(uuid: str, *processes: ProcessInfo) -> GPUInfo:
 
 
 def test_the_owners_first_process_on_the_card_sends_the_borrower_away(idle_booking, bob, sent):
-    job = _lent_job(bob, sent)
+    job = _taken(_lent_job(bob, sent))
     uuid = job.gpu_uuids[0]
     borrowers = ProcessInfo(pid=10, username="bob", command="python fit.py", job_id=job.pk)
     assert loans_watch([_card(uuid, borrowers)]) == []  # its own processes: nothing happens
@@ -283,7 +344,7 @@ def test_another_persons_process_on_a_lent_card_does_not_send_the_borrower_away(
     """Only the owner comes first: anyone else's process there is an intruder (the watchdog's),
     never a way to push a borrower off a card; a process whose account is unknown may be the
     owner's, so it still does."""
-    job = _lent_job(bob, sent)
+    job = _taken(_lent_job(bob, sent))
     uuid = job.gpu_uuids[0]
     borrowers = ProcessInfo(pid=10, username="bob", command="python fit.py", job_id=job.pk)
     carols = ProcessInfo(pid=12, username="carol", command="python hers.py")
@@ -296,8 +357,11 @@ def test_another_persons_process_on_a_lent_card_does_not_send_the_borrower_away(
     assert "started using it (process 13 on its card)" in job.preempt_reason
 
 
-def test_take_it_back_on_the_booking_page(idle_booking, alice, bob, sent):
+@pytest.mark.parametrize("running", [True, False])
+def test_take_it_back_on_the_booking_page(idle_booking, alice, bob, sent, running):
     job = _lent_job(bob, sent)
+    if running:
+        job = _taken(job)
     outsider = Client()
     outsider.force_login(UserFactory(username="charlie"))
     assert outsider.post(f"/reservations/{idle_booking.pk}/take-back/").status_code == 404
@@ -306,9 +370,18 @@ def test_take_it_back_on_the_booking_page(idle_booking, alice, bob, sent):
     page = owner.get(f"/reservations/{idle_booking.pk}/").content.decode()
     assert "lent to the queue since" in page and "Take it back" in page
     response = owner.post(f"/reservations/{idle_booking.pk}/take-back/", follow=True)
-    assert f"Taken back: job {job.pk} gets SIGTERM now" in response.content.decode()
     job.refresh_from_db()
-    assert job.preempt_reason == f"alice took booking {idle_booking.pk} back"
+    if running:
+        assert (
+            f"Taken back: job {job.pk} gets SIGTERM now and leaves within 20 s." in response.content.decode()
+        )
+        assert job.preempt_reason == f"alice took booking {idle_booking.pk} back"
+    else:
+        said = f"Taken back: job {job.pk} had not started and went back to the queue."
+        assert said in response.content.decode()
+        assert job.status == Job.Status.PENDING and job.message.startswith(
+            f"Preempted: alice took booking {idle_booking.pk} back."
+        )
 
 
 def test_leaders_turn_lending_off_for_their_team(team, leader, alice):

@@ -71,7 +71,8 @@ def cluster(slurm_cluster: Cluster) -> Iterator[Cluster]:  # noqa: F811
     checks = SlurmSubmitChecks("cluster-a")  # the worker's answers to job_submit's question
     checks.start()
     try:
-        with override_settings(JOB_INTERPRETERS={"default": "/usr/bin/python3"}):
+        # This process is the cluster's worker (its claim: jobs.host.launch.job_claim).
+        with override_settings(JOB_INTERPRETERS={"default": "/usr/bin/python3"}, WORKER_SERVER="cluster-a"):
             yield slurm_cluster
     finally:
         checks.stop()

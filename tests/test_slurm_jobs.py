@@ -50,13 +50,14 @@ def alice():
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
+def cluster(tmp_path, monkeypatch, settings):
     # Slurm's word before a job is written is its worker's to give (jobs/host/slurm_checks.py):
     # yes here, with no cluster to ask (tests/test_slurm.py asks a real one).
     monkeypatch.setattr("jobs.submit.slurm_submit_check", lambda **kwargs: None)
     server = Server.objects.create(name="cluster-a", kind=Server.Kind.SLURM)
     SlurmCluster.objects.create(server=server, job_root=str(tmp_path), partitions="gpu,long")
     servers_report_ingest(snapshots=[cluster_snapshot("cluster-a", NODES, JOBS)])  # online, 3 nodes
+    settings.WORKER_SERVER = "cluster-a"  # this process is its worker (jobs.host.launch.job_claim)
     return server
 
 

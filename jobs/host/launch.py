@@ -22,10 +22,11 @@ from typing import TypeVar
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, close_old_connections, connection
+from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from gpus.models import GPU, Allocation, ContainerImage
+from gpus.models import GPU, Allocation, ContainerImage, Server
 from jobs import paths
 from jobs.environment import BookedCard, JobSetupError, job_environment
 from jobs.host.containers import ContainerError, account_status, card_minors, image_pull, runtime_status
@@ -315,8 +316,19 @@ def patiently(job_id: int, step: Callable[[], T]) -> T:
             time.sleep(2)
 
 
+def this_server() -> Q:
+    """Jobs of this worker's server (WORKER_SERVER). A subquery on the server's id, not a join,
+    for the reason `owner_active` gives: every condition of a claim stays in the UPDATE's WHERE."""
+    return Q(server__in=Server.objects.filter(name=settings.WORKER_SERVER).values("pk"))
+
+
 def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
     """QUEUED → STARTING, once: a re-delivered message finds 0 rows and does nothing.
+
+    Only a job of this worker's server (WORKER_SERVER, whose queue brought the message): a job
+    sent here, then put back in the queue before any worker took it (a preemptible one whose loan
+    ended, jobs.preemption) and sent to another server, is not run here when the old message
+    comes late.
 
     Only while its owner's account is active, in the same UPDATE: a deactivated owner's job is
     cancelled instead, saying why (jobs.leavers.user_work_stop: with the rest of their work, in
@@ -332,7 +344,7 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
             job_id,
             from_=Job.Status.QUEUED,
             to=Job.Status.STARTING,
-            where=owner_active(),
+            where=owner_active() & this_server(),
             worker=socket.gethostname()[:200],
             # The database's clock, as the reconciler's cut-off (portal.clock): this host's may be off.
             heartbeat_at=Now(),

@@ -46,7 +46,7 @@ from jobs.host.spool import EndRecord, job_spool, stop_flag, worker_stopping
 from jobs.logs.store import LogWriter
 from jobs.metrics import MetricsRecorder
 from jobs.models import Job
-from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, shut_down_words
+from jobs.preemption import BOOKING_ENDED, deadline_stop, preempted_words, requeue_unstarted, shut_down_words
 from jobs.runs import (
     CANCELLED_FIELDS,
     LOST_FOUND_ALIVE,
@@ -665,6 +665,8 @@ def job_run(job_id: int) -> str | None:
         return None
     if (status := job.reservation.status_at(timezone.now())) != Reservation.Status.ACTIVE:
         # Ended or ended early before its start: who ended it and why, by the one rule.
+        if status != Reservation.Status.UPCOMING and requeue_unstarted(job):  # a borrower's loan ended
+            return Job.Status.PENDING
         why = (
             "Cancelled: the booking had not started when the worker took the job."
             if status == Reservation.Status.UPCOMING
