@@ -429,7 +429,7 @@ class Week:
             return
         now = self.clock.now
         if job.reservation.status_at(now) != job.reservation.Status.ACTIVE:
-            if requeue_unstarted(job):
+            if requeue_unstarted(job, now):
                 return
             Job.objects.transition(
                 job_id,

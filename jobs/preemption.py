@@ -50,22 +50,31 @@ def preempted_words(reason: str) -> str:
     return f"{PREEMPTED} {reason.rstrip('.')}. It goes back to the queue at its old place."
 
 
-def not_started_back_words(early: str, end: datetime) -> str:
-    """Why a preemptible job of the queue goes back to it when its booking ended before a worker
-    started it (a loan's end, its lent booking taken back or cancelled): `early`, the booking's
-    ended_early_words (gpus.booking_ends), else its end. Cancelling it would lose a job its owner
-    was promised would only ever be interrupted."""
-    return preempted_words(early or f"its booking ended at {format_time(end)}, before a worker started it")
+def ended_unstarted_words(end: datetime) -> str:
+    """Why a preemptible job of the queue goes back to it when its booking reached its end before
+    a worker started it (a borrower whose loan ended while its host's worker was busy or away).
+    It ran into that end, as a running one would (`deadline_stop`): back to the queue, not
+    cancelled. A booking a person released or cancelled early cancels it, running or not."""
+    return preempted_words(f"its booking ended at {format_time(end)}, before a worker started it")
 
 
-def requeue_unstarted(job: Job) -> bool:
-    """A preemptible job of the queue that its worker took after its booking ended (a borrower
-    whose loan ended, or whose lent booking was cancelled, meanwhile): back to the queue without
-    starting, as the reconciler puts back one no worker took (jobs.services). Whether it went."""
-    if not (job.preemptible and job.queued):
+def requeue_unstarted(job: Job, now: datetime | None = None) -> bool:
+    """A preemptible job of the queue that its worker took after its booking reached its end:
+    back to the queue without starting, as the reconciler puts back one no worker took
+    (jobs.services). Not when the booking was ended early (cancelled, as by its supervisor), nor
+    once a cancel was asked meanwhile (the caller then cancels it). Whether it went."""
+    now = now or timezone.now()
+    booking = job.reservation
+    if not (job.preemptible and job.queued) or now < booking.end or ended_early_of(booking):
         return False
-    back = not_started_back_words(ended_early_of(job.reservation), job.reservation.end)
-    return job_requeue(job.pk, from_=(Job.Status.STARTING,), message=back, say=True)
+    return job_requeue(
+        job.pk,
+        from_=(Job.Status.STARTING,),
+        message=ended_unstarted_words(booking.end),
+        where=Q(cancel_requested_at=None),
+        now=now,
+        say=True,
+    )
 
 
 def shut_down_words(host: str) -> str:

@@ -25,7 +25,7 @@ from jobs.leavers import WAITING, leavers_stop, owner_active, team_leavers_stop
 from jobs.logs.live import job_changed
 from jobs.logs.store import log_append
 from jobs.models import Job
-from jobs.preemption import job_requeue, not_started_back_words
+from jobs.preemption import ended_unstarted_words, job_requeue
 from jobs.runs import runs_lost_mark, waiting_job_cancel
 from jobs.sending import HostSender
 from jobs.sessions.services import labs_resend
@@ -263,9 +263,10 @@ def jobs_due_dispatch(now: datetime) -> int:
 
 def _expired_cancel(now: datetime) -> int:
     """Queued jobs whose booking ended or was cancelled before a worker took them: cancelled,
-    saying who ended the booking early and why, by the one rule (gpus.booking_ends); a preemptible
-    job of the queue (a borrower whose loan ended) goes back to the queue instead, as if
-    preempted. How many were cancelled."""
+    saying who ended the booking early and why, by the one rule (gpus.booking_ends). A preemptible
+    job of the queue whose booking reached its end (a borrower whose loan ended while its host's
+    worker was busy or away) goes back to the queue instead, as a running one would. How many
+    were cancelled."""
     over = Q(reservation__end__lte=now) | Q(reservation__cancelled_at__isnull=False)
     fields = (
         "pk",
@@ -277,8 +278,8 @@ def _expired_cancel(now: datetime) -> int:
     expired = 0
     for row in Job.objects.filter(over, status=Job.Status.QUEUED).values(*fields):
         early = ended_early_words(row, "reservation__")
-        if row["queued"] and row["preemptible"]:
-            back = not_started_back_words(early, row["reservation__end"])
+        if row["queued"] and row["preemptible"] and not early:
+            back = ended_unstarted_words(row["reservation__end"])
             job_requeue(row["pk"], from_=(Job.Status.QUEUED,), message=back, now=now, say=True)
             continue
         message = not_started_words(early, row["reservation__end"])

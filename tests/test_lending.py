@@ -16,6 +16,7 @@ from gpus.idle import idle_check
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Reservation, Server
 from gpus.services import servers_report_ingest
+from jobs.host import runner
 from jobs.host.launch import job_claim
 from jobs.host.pickup import slots_report
 from jobs.host.runner import job_run
@@ -25,7 +26,7 @@ from jobs.logs.store import LogWriter
 from jobs.models import Job
 from jobs.queue.scheduler import queue_plan, schedule_pass
 from jobs.runs import job_end_record
-from jobs.services import jobs_reconcile
+from jobs.services import job_cancel, jobs_reconcile
 from jobs.sessions.services import session_start
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import AuditEntry, Team
@@ -257,27 +258,33 @@ def test_the_owners_job_goes_at_once_when_no_worker_took_the_borrower_yet(
     assert job_claim(job.pk) is None  # the borrower's message, late: nothing runs
 
 
-@pytest.mark.parametrize("how", ["its end", "its lent booking cancelled"])
-def test_a_borrower_no_worker_took_before_its_loan_ended_goes_back_to_the_queue(
-    idle_booking, bob, leader, sent, how
-):
+def test_a_borrower_no_worker_took_before_its_loan_ended_goes_back_to_the_queue(idle_booking, bob, sent):
     """Its host's worker was busy or away until the loan was over: the reconciler puts it back in
-    the queue, as if preempted, never cancelled (it was promised it would only be interrupted)."""
+    the queue, as a running borrower would go at that end, never cancelled for it."""
     job = _lent_job(bob, sent)
-    loan = job.reservation
-    if how == "its end":
-        now = loan.end + timedelta(seconds=1)
-        expect = "Preempted: its booking ended at "
-    else:
-        reservation_cancel(user=leader, reservation=loan, reason="maintenance")
-        now = timezone.now()
-        expect = "Preempted: leader cancelled the booking at "
-    assert jobs_reconcile(now=now)["expired"] == 0  # none cancelled
+    assert jobs_reconcile(now=job.reservation.end + timedelta(seconds=1))["expired"] == 0  # none cancelled
     job.refresh_from_db()
+    expect = "Preempted: its booking ended at "
     assert job.status == Job.Status.PENDING and job.preemptions == 1 and job.message.startswith(expect)
-    assert job.message.endswith("It goes back to the queue at its old place.")
+    assert job.message.endswith("before a worker started it. It goes back to the queue at its old place.")
     assert expect in job_log(job.pk)
     assert job_claim(job.pk) is None  # its message, late
+
+
+@pytest.mark.parametrize("who", ["bob", "leader"])
+def test_a_preemptible_job_whose_booking_a_person_ended_before_it_started_is_cancelled(
+    idle_booking, bob, leader, sent, who
+):
+    """Released by its owner, or cancelled by a leader: cancelled, saying who, as a running one
+    is (the supervisor's rule); going back to the queue would undo what they did."""
+    job = _lent_job(bob, sent)
+    if who == "bob":
+        reservation_release(user=bob, reservation=job.reservation)
+    else:
+        reservation_cancel(user=leader, reservation=job.reservation, reason="maintenance")
+    assert jobs_reconcile()["expired"] == 1
+    job.refresh_from_db()
+    assert job.status == Job.Status.CANCELLED and job.message.startswith(f"Cancelled: {who} ")
 
 
 def test_a_borrower_claimed_after_its_loan_ended_goes_back_to_the_queue(idle_booking, bob, sent):
@@ -293,6 +300,24 @@ def test_a_borrower_claimed_after_its_loan_ended_goes_back_to_the_queue(idle_boo
         job.message.startswith("Preempted: its booking ended at ")
         and "before a worker started it" in job.message
     )
+
+
+def test_a_cancel_between_a_late_claim_and_its_check_is_kept(idle_booking, bob, sent, monkeypatch):
+    """Its owner cancelled it just as its worker took it, after its loan ended: cancelled, never
+    put back in the queue to be booked and sent again."""
+    job = _lent_job(bob, sent)
+    now = timezone.now()
+    Reservation.objects.filter(pk=job.reservation_id).update(start=now - timedelta(hours=1), end=now)
+    claim = runner.job_claim
+
+    def claim_then_cancel(pk: int) -> Job | None:
+        claimed = claim(pk)
+        job_cancel(user=bob, job=Job.objects.get(pk=pk))
+        return claimed
+
+    monkeypatch.setattr(runner, "job_claim", claim_then_cancel)
+    assert job_run(job.pk) == Job.Status.CANCELLED
+    assert Job.objects.get(pk=job.pk).status == Job.Status.CANCELLED
 
 
 def test_a_card_taken_back_by_its_owners_process_is_not_lent_again(idle_booking, bob, box, sent):

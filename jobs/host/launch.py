@@ -351,8 +351,18 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
         ),
     )
     if not claimed:
-        left = Job.objects.select_related("owner").filter(pk=job_id, status=Job.Status.QUEUED).first()
-        if left is not None and not left.owner.is_active:
+        queued = Job.objects.filter(pk=job_id, status=Job.Status.QUEUED)
+        left = queued.select_related("owner", "server").first()
+        if left is not None and left.server.name != settings.WORKER_SERVER:
+            # Sent here before it went back to the queue and elsewhere; or this worker serves
+            # another server's queue than WORKER_SERVER names, a set-up to mend: say which.
+            log.warning(
+                "Job %s is queued for server %s, not this worker's (WORKER_SERVER=%s): not run here",
+                job_id,
+                left.server.name,
+                settings.WORKER_SERVER,
+            )
+        elif left is not None and not left.owner.is_active:
             log.warning("Job %s not started: %s", job_id, deactivated(left.owner))
             user_work_stop(user=left.owner, reason=deactivated(left.owner), now=now)
         return None

@@ -665,7 +665,7 @@ def job_run(job_id: int) -> str | None:
         return None
     if (status := job.reservation.status_at(timezone.now())) != Reservation.Status.ACTIVE:
         # Ended or ended early before its start: who ended it and why, by the one rule.
-        if status != Reservation.Status.UPCOMING and requeue_unstarted(job):  # a borrower's loan ended
+        if requeue_unstarted(job):  # a borrower whose loan ended meanwhile
             return Job.Status.PENDING
         why = (
             "Cancelled: the booking had not started when the worker took the job."
