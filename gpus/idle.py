@@ -126,7 +126,7 @@ def idle_check(*, now: datetime | None = None) -> IdleRound:
         if idle:
             done.idle.append(reservation.pk)
         moved = _advance(reservation, idle, now)
-        if not idle and reservation.used_at is None and reservation.pk not in lent:
+        if reservation.used_at is None and _used(reservation, idle, lent.get(reservation.pk), now):
             reservation.used_at = now  # gpus/noshow.py: the owner's use, or cards it cannot see
             moved = True
         if moved:
@@ -146,6 +146,28 @@ def idle_check(*, now: datetime | None = None) -> IdleRound:
         if due and due <= now and _release(reservation, now):
             done.released.append(reservation.pk)
     return done
+
+
+def _used(reservation: Reservation, idle: bool, lent: set[str] | None, now: datetime) -> bool:
+    """Not idle on a card nothing is lent from (`lent`: the booking's cards lent to the queue now):
+    its owner's use. A borrower's work on the lent cards is not; the owner's on a card of the
+    booking that was not lent is, though a borrower runs beside it."""
+    if lent is None:
+        return not idle
+    return any(
+        not card_idle(a.gpu, has_processes=a.has_processes, now=now)
+        for a in reservation.allocations.all()
+        if a.gpu_id not in lent
+    )
+
+
+def idle_clock_restart(pk: int) -> None:
+    """The queue's borrowers were sent off the booking's cards (jobs/lending.py, its owner or a
+    leader taking it back): its idle stretch ends, as when a round sees the owner's use, so it is
+    lent again only after LEND_AFTER_MINUTES more of it. A take-back before the borrower ever ran,
+    or for a process of the owner's between two rounds, left the clock where it was, and the next
+    pass lent the cards again at once."""
+    Reservation.objects.filter(pk=pk).update(idle_since=None, idle_counted_until=None, idle_warned_at=None)
 
 
 def _forget_ended(now: datetime) -> None:

@@ -1,8 +1,8 @@
 """No-shows: a booking its owner never used, from its start, for NO_SHOW_MINUTES.
 
 The idle round (gpus/idle.py) marks a booking *used* (`Reservation.used_at`) the first time it
-finds it not idle while nothing is lent from it: the owner's process, job or session on its cards,
-or anything it cannot see (an offline server, an unreadable process list). Unknown counts as used
+finds one of its cards that nothing is lent from not idle: the owner's process, job or session on
+its cards, or anything it cannot see (an offline server, an unreadable process list). Unknown counts as used
 on purpose: a no-show is a verdict on a person, so the portal gives it only on cards it saw unused
 all along. A borrower's work on a lent booking (jobs/lending.py) is not the owner's use.
 
@@ -34,10 +34,14 @@ from portal.timefmt import format_time
 log = logging.getLogger(__name__)
 
 
-def lent_now(bookings: Iterable[Reservation], now: datetime) -> set[int]:
-    """The ids among `bookings` with a live loan on them: their cards' work is a borrower's."""
+def lent_now(bookings: Iterable[Reservation], now: datetime) -> dict[int, set[str]]:
+    """The bookings among `bookings` with a live loan on them, each with its lent cards' UUIDs:
+    the work on those cards is a borrower's."""
     loans = Reservation.objects.loans_live(now).filter(lent_from__in=[b.pk for b in bookings])
-    return set(loans.values_list("lent_from_id", flat=True))
+    lent: dict[int, set[str]] = {}
+    for booking, card in loans.values_list("lent_from_id", "allocations__gpu_id"):
+        lent.setdefault(booking, set()).add(card)
+    return lent
 
 
 def reservation_mark_used(pk: int, now: datetime) -> None:

@@ -42,6 +42,7 @@ from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
 from gpus.booking import reservation_create
+from gpus.idle import idle_clock_restart
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Allocation, GPUProcess, Reservation
 from gpus.noshow import reservation_mark_used
@@ -139,39 +140,50 @@ def _fits(entry: Entry, lent: Lendable) -> list[str]:
 Bind = Callable[[Job, Reservation, datetime], None]
 
 
-def loans_place(
-    entries: Sequence[Entry], now: datetime, *, bind: Bind, slots: Callable[[], dict[int, int]]
-) -> int:
+Rooms = Callable[[], dict[int, int]]
+
+
+def loans_place(entries: Sequence[Entry], now: datetime, *, bind: Bind, slots: Rooms, arrays: Rooms) -> int:
     """Start preemptible jobs that still wait, in plan order, on idle bookings lent to the queue
     (one loan per booking); how many started. `bind`: the scheduler's start of a job on a booking
     (PENDING → QUEUED, then sent to its host), as it starts every job; it calls here. `slots`:
     each server's free job slots now, of the servers whose worker said so lately (the scheduler's
     `_free_slots`), read only where a booking may be lent: a loan is a start like any, so a
-    silent worker's or a full one's cards are not lent. A refusal of the booking service is that
-    job's alone, as in the scheduler's own starts."""
-    placed = _matches(entries, now, slots, partial(_lend, now=now, bind=bind))
+    silent worker's or a full one's cards are not lent. `arrays`: how many more tasks each array
+    may run now, so a loan keeps an array's limit as a start does. A refusal of the booking
+    service is that job's alone, as in the scheduler's own starts."""
+    placed = _matches(entries, now, (slots, arrays), partial(_lend, now=now, bind=bind))
     return sum(1 for _ in placed)
 
 
-def loans_preview(entries: Sequence[Entry], now: datetime, *, slots: dict[int, int]) -> list[int]:
+def loans_preview(
+    entries: Sequence[Entry], now: datetime, *, slots: dict[int, int], arrays: dict[int, int]
+) -> list[int]:
     """The jobs `loans_place` would place now, booking nothing (the queue's estimated start)."""
-    return [entry.request.job_id for entry in _matches(entries, now, lambda: slots, lambda *_: True)]
+    rooms = (lambda: slots, lambda: arrays)
+    return [entry.request.job_id for entry in _matches(entries, now, rooms, lambda *_: True)]
 
 
 def _matches(
     entries: Sequence[Entry],
     now: datetime,
-    slots: Callable[[], dict[int, int]],
+    rooms: tuple[Rooms, Rooms],
     take: Callable[[Entry, Lendable, list[str]], bool],
 ) -> Iterable[Entry]:
     """Each waiting preemptible job, in plan order, with the first lent booking it fits on a
-    server with a free job slot (`slots`, counted down here); `take` books it (or not: a refusal
-    leaves the booking for the next job)."""
+    server with a free job slot, while its array may run one more task (`rooms`: the servers'
+    free slots and the arrays' room, read only when something is lendable and counted down here);
+    `take` books it (or not: a refusal leaves the booking for the next job)."""
     preemptible = _preemptible(entries)  # one read for the whole plan
     waiting = [e for e in entries if e.request.job_id in preemptible and e.reason in LENDING_HELPS]
     free = lendable(now) if waiting else []
-    room = dict(slots()) if free else {}  # a steady pass with nothing to lend reads no slots
+    if not free:
+        return  # a steady pass with nothing to lend reads no slots
+    room, arrays = dict(rooms[0]()), dict(rooms[1]())
     for entry in waiting:
+        array = entry.request.array_id
+        if array is not None and arrays.get(array, 1) < 1:
+            continue  # its array runs all the tasks it may at once
         for lent in free:
             if room.get(lent.server_id, 0) < 1:
                 continue
@@ -181,6 +193,8 @@ def _matches(
             if take(entry, lent, cards):
                 free.remove(lent)
                 room[lent.server_id] -= 1
+                if array is not None:
+                    arrays[array] = arrays.get(array, 1) - 1
                 yield entry
             break
 
@@ -240,6 +254,7 @@ def loans_take_back(
     pk = booking if isinstance(booking, int) else booking.pk
     with transaction.atomic():  # within the owner's start, the lock lasts until that commits
         _booking_lock(pk)
+        idle_clock_restart(pk)  # lent again only after a new idle stretch, not by the next pass
         if owner_back:
             reservation_mark_used(pk, now)
         loans = Reservation.objects.loans_live(now).filter(lent_from_id=pk)

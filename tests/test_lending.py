@@ -328,11 +328,51 @@ def test_a_card_taken_back_by_its_owners_process_is_not_lent_again(idle_booking,
     job.refresh_from_db()
     assert job.preempt_requested_at is not None
     _leaves(job)
-    # The idle clock still says idle (its round has not come), but the card shows her process.
-    assert Reservation.objects.get(pk=idle_booking.pk).idle_since is not None
+    # Her return ended the idle stretch at once; the idle round has not come.
+    assert Reservation.objects.get(pk=idle_booking.pk).idle_since is None
     assert "lent" not in schedule_pass()
     job.refresh_from_db()
     assert job.status == Job.Status.PENDING
+
+
+@pytest.mark.parametrize("how", ["take it back", "a brief process of hers"])
+def test_a_booking_taken_back_is_not_lent_again_before_a_new_idle_stretch(
+    idle_booking, alice, bob, sent, settings, how
+):
+    """Taken back before its borrower ran, or by a process of hers that ended before any round saw
+    it: the next pass does not lend the cards again at once, only after LEND_AFTER_MINUTES of a
+    new idle stretch."""
+    job = _lent_job(bob, sent)
+    if how == "take it back":
+        owner = Client()
+        owner.force_login(alice)
+        owner.post(f"/reservations/{idle_booking.pk}/take-back/")
+    else:
+        servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=1)])
+        servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])  # gone again
+    assert Job.objects.get(pk=job.pk).status == Job.Status.PENDING
+    assert "lent" not in schedule_pass()
+    assert Job.objects.get(pk=job.pk).status == Job.Status.PENDING
+    assert Reservation.objects.get(pk=idle_booking.pk).idle_since is None  # a new stretch to come
+    # Once the idle rounds have seen a new stretch long enough, it is lent again.
+    stretch = timezone.now() - timedelta(minutes=settings.LEND_AFTER_MINUTES + 1)
+    Reservation.objects.filter(pk=idle_booking.pk).update(idle_since=stretch)
+    assert schedule_pass().get("lent") == 1
+
+
+def test_loans_keep_an_arrays_limit_of_tasks_at_once(alice, bob, carol, box, sent):
+    """An array limited to one task at a time borrows one idle booking, not one per task."""
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])
+    end = timezone.now() + timedelta(hours=8)
+    for owner, card in ((alice, box[0]), (carol, box[1])):
+        booking = reservation_create(user=owner, gpus=[card.uuid], end=end)
+        Reservation.objects.filter(pk=booking.pk).update(idle_since=timezone.now() - timedelta(minutes=20))
+    reservation_create(user=carol, gpus=[g.uuid for g in box[2:]], end=end)
+    first = queue_job(bob, minutes=60, preemptible=True, array="0-3%1")
+    preview = queue_plan(expected=True)
+    assert sum(1 for e in preview if e.basis == "lending") == 1  # the Queue page shows one starting
+    assert schedule_pass().get("lent") == 1
+    assert Job.objects.filter(array_id=first.array_id, status__in=Job.ON_CARDS).count() == 1
 
 
 def test_the_owners_gpu_exec_sends_the_borrower_away(idle_booking, alice, bob, sent):

@@ -105,3 +105,18 @@ def test_the_setting_moves_the_verdict(alice, cards, t0, settings):
     assert not any(r.no_shows for r in rounds(1, 9, t0))
     assert check(t0 + 10 * M).no_shows == [booking.pk]
     assert timezone.localtime(booking.start).strftime("%H:%M") in Notification.objects.get().body
+
+
+def test_the_owners_use_of_the_card_not_lent_of_a_partly_lent_booking_is_use(alice, bob, cards, t0):
+    """Her booking of two cards, one lent to the queue: her process on the other is her use, though
+    the borrower runs beside it, so the booking is no no-show (nor released as one)."""
+    booking = book(alice, cards[:2], t0)
+    rounds(1, 16, t0)
+    reservation_create(
+        user=bob, gpus=[cards[0].uuid], start=t0 + 16 * M, end=t0 + 76 * M, now=t0 + 16 * M, lent_from=booking
+    )
+    rounds(17, 24, t0, busy={0})  # the borrower alone
+    assert fresh(booking).used_at is None
+    check(t0 + 25 * M, busy={0, 1})  # and hers, on the card not lent
+    assert fresh(booking).used_at == t0 + 25 * M
+    assert not any(r.no_shows for r in rounds(26, 40, t0, busy={0}))

@@ -61,9 +61,16 @@ def expected_requests(requests: Sequence[Request]) -> list[Request]:
     ]
 
 
-def with_lending(entries: Sequence[Entry], now: datetime, *, slots: dict[int, int]) -> None:
+def with_lending(
+    entries: Sequence[Entry], now: datetime, *, slots: dict[int, int], arrays: dict[int, int]
+) -> None:
     """A preemptible job that the next pass would place on a lent booking starts then (`slots`:
-    the servers' free job slots, as the plan read them)."""
-    for job in loans_preview(entries, now, slots=slots):
+    the servers' free job slots, as the plan read them; `arrays`: each array's room before the
+    plan's own starts, which take theirs here)."""
+    room = dict(arrays)
+    for entry in entries:
+        if entry.start_now and entry.request.array_id is not None:
+            room[entry.request.array_id] = room.get(entry.request.array_id, 1) - 1
+    for job in loans_preview(entries, now, slots=slots, arrays=room):
         entry = next(e for e in entries if e.request.job_id == job)
         entry.estimated_start, entry.basis = now, "lending"

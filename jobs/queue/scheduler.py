@@ -132,6 +132,7 @@ def queue_plan(
     slots, silent = _free_slots(now, [(pk, name, n, at) for pk, _, name, n, at in online])
     draining = {pk for pk, is_draining, *_ in online if is_draining}
     ends = expected_ends(now) if expected else {}
+    array_room = _array_room({r.array_id for r in requests if r.array_id})
     entries = plan(
         requests,
         _calendar(now, servers, horizon, slots=slots, silent=silent, ends=ends),
@@ -144,12 +145,12 @@ def queue_plan(
         ),
         depth=settings.QUEUE_BACKFILL_DEPTH,
         draining=draining,
-        array_room=_array_room({r.array_id for r in requests if r.array_id}),
+        array_room=array_room,
         not_now=not_now,
         offline=_offline(requests, set(servers)),
     )
     if expected:
-        with_lending(entries, now, slots=_taking_work(slots, draining))
+        with_lending(entries, now, slots=_taking_work(slots, draining), arrays=array_room)
     return entries
 
 
@@ -194,7 +195,9 @@ def schedule_pass(*, now: datetime | None = None, memory: PassMemory | None = No
     if expiring := loans_expire(now):
         done["expired_loans"] = len(expiring)
     waiting = [e for e in entries if e.request.job_id not in refused]
-    if lent := loans_place(waiting, now, bind=_bind_and_send, slots=partial(_slots_now, now)):
+    # The arrays' room read again when something is lendable: the pass's starts took theirs.
+    arrays = partial(_array_room, {e.request.array_id for e in waiting if e.request.array_id})
+    if lent := loans_place(waiting, now, bind=_bind_and_send, slots=partial(_slots_now, now), arrays=arrays):
         done["lent"] = lent
     _record_reasons(entries, refused)
     _store_holds(entries, memory)
