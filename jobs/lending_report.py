@@ -3,7 +3,9 @@ the lending team and server. Read by the Reports page (portal.hooks.REPORTS_LEND
 (jobs/prometheus/metrics.py).
 
 *Lent*: the loans' windows (a loan is the queue's booking on a lent booking's cards, jobs/lending.py),
-from their start to their end or release. *Used*: the time the borrowers' jobs ran within them.
+from their start to their end or release. *Used*: the time the borrowers' jobs ran within them,
+a run that left for the queue included (kept as a LoanRun: its job's row forgets it), so the
+figures, and /metrics' counters, never go down.
 Both count on the side of the booking that was lent: its team is the one whose idle cards were put
 to work. A memory share counts its fraction of the card, as the usage reports do. Loans are few
 beside all bookings, so the figures are summed here from three reads, not rolled up.
@@ -22,7 +24,7 @@ from django.utils import timezone
 from gpus.models import GPU, Allocation, Reservation
 from gpus.reports import UsageScope
 from gpus.usage import day_start
-from jobs.models import Job
+from jobs.models import Job, LoanRun
 
 HOUR = 3600.0
 
@@ -71,9 +73,11 @@ def lending_hours(
         bookable = GPU.bookable_mb(total, reserved)
         cards[loan].append((server, 1.0 if memory is None or not bookable else min(1.0, memory / bookable)))
     ran: dict[int, float] = defaultdict(float)
-    for loan, started, finished in Job.objects.filter(
-        reservation_id__in=list(windows), started_at__isnull=False
-    ).values_list("reservation_id", "started_at", "finished_at"):
+    runs = Job.objects.filter(reservation_id__in=list(windows), started_at__isnull=False).values_list(
+        "reservation_id", "started_at", "finished_at"
+    )
+    left = LoanRun.objects.filter(loan_id__in=list(windows)).values_list("loan_id", "started_at", "ended_at")
+    for loan, started, finished in [*runs, *left]:  # the runs still on their loans, and those that left
         start, end, _ = windows[loan]
         ran[loan] += _overlap(max(started, start), min(finished, end) if finished else end, since, until)
     lent: dict[tuple[str, str], float] = defaultdict(float)

@@ -330,6 +330,21 @@ class Job(models.Model):
         return booking_end
 
 
+class LoanRun(models.Model):
+    """A borrower's run on a loan (jobs/lending.py) that it left for the queue (jobs.preemption):
+    kept, since the job's row forgets its run when it goes back, and the loan's cards were put to
+    work all the same (jobs/lending_report.py counts it as used). A run that ends for good stays
+    on the job's row."""
+
+    loan = models.ForeignKey("gpus.Reservation", on_delete=models.CASCADE, related_name="+")
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="loan_runs")
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} on loan {self.loan_id}"
+
+
 class LogChunk(models.Model):
     """A piece of a job's log as the worker flushed it (≤ 1 MB each).
 

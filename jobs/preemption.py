@@ -33,7 +33,7 @@ from gpus.booking import PORTAL, reservation_release
 from gpus.booking_ends import ended_early_of
 from gpus.models import Reservation
 from jobs.logs.store import log_append
-from jobs.models import Job, JobArray
+from jobs.models import Job, JobArray, LoanRun
 from portal.timefmt import format_time
 from portal.wakeups import QUEUE_SCHEDULER, wake_on_commit
 
@@ -129,17 +129,23 @@ def job_requeue(
     where: Q | None = None,
     now: datetime | None = None,
     say: bool = False,
+    ended_at: datetime | None = None,
 ) -> bool:
     """Back to PENDING at its old place, by the one transition: its booking released with it, its
-    run's facts cleared, `preemptions` counted. `say`: the log's line is written here (no
-    supervisor wrote it). Whether this call made the change."""
+    run's facts cleared, `preemptions` counted; a run on a loan kept as a LoanRun, until
+    `ended_at` (its end as its worker saw it; default `now`). `say`: the log's line is written
+    here (no supervisor wrote it). Whether this call made the change."""
     now = now or timezone.now()
-    booking, array = Job.objects.filter(pk=job_id).values_list("reservation_id", "array_id").first() or (
-        None,
-        None,
-    )
+    fields = ("reservation_id", "array_id", "started_at", "reservation__lent_from")
+    was = Job.objects.filter(pk=job_id).values(*fields).first() or {}
+    booking, array = was.get("reservation_id"), was.get("array_id")
 
     def told() -> None:
+        if was.get("reservation__lent_from") and was.get("started_at"):
+            began = was["started_at"]
+            LoanRun.objects.create(
+                loan_id=booking, job_id=job_id, started_at=began, ended_at=max(began, ended_at or now)
+            )
         if booking is not None:
             _booking_give_back(booking, job_id, now)
         if array is not None:  # its array was told of it as lost: its real end is told again

@@ -57,15 +57,20 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
     An "end" as PENDING is a preempted job leaving its cards: it goes back to the queue
     (jobs.preemption.job_requeue), its booking released with it.
 
-    An end as LOST is a lost job its worker found alive and stopped: told as a stop is."""
+    An end as LOST is a lost job its worker found alive and stopped: told as a stop is.
+
+    A record that names its run (`EndRecord.run`) ends that run only: a preempted job's earlier
+    run, recorded again, never ends the run it is in now."""
+    this_run = Q(dispatched_at=datetime.fromisoformat(record.run)) if record.run else Q()
     if record.status == Job.Status.PENDING:  # a preempted job: back to the queue, never an end
         # Only if nobody stopped it for good meanwhile: its supervisor reads the row no more once
         # it has decided (a cancel in its grace, or as its worker shut down, would be undone).
-        stays = Q(cancel_requested_at=None, watchdog_stop="")
+        stays = Q(cancel_requested_at=None, watchdog_stop="") & this_run
         writer.flush()
-        if job_requeue(job_id, from_=UNFINISHED, message=record.message, where=stays):
+        finished = datetime.fromisoformat(record.finished_at)
+        if job_requeue(job_id, from_=UNFINISHED, message=record.message, where=stays, ended_at=finished):
             return True
-        record = _stopped_while_leaving(job_id, record)
+        record = _stopped_while_leaving(job_id, record, this_run)
         if record is None:
             return False
         writer.write_line(f"[portal] {record.message} It does not go back to the queue.")
@@ -75,6 +80,7 @@ def job_end_record(job_id: int, writer: LogWriter, record: EndRecord) -> bool:
         job_id,
         from_=UNFINISHED,
         to=record.status,
+        where=this_run,
         told=(lambda: job_lost_stopped_tell(job_id, record.message)) if lost else None,
         exit_code=record.exit_code,
         finished_at=datetime.fromisoformat(record.finished_at),
@@ -119,12 +125,12 @@ def stopped_before_start(job_id: int) -> tuple[str, str]:
     return "", ""
 
 
-def _stopped_while_leaving(job_id: int, record: EndRecord) -> EndRecord | None:
+def _stopped_while_leaving(job_id: int, record: EndRecord, this_run: Q) -> EndRecord | None:
     """A job leaving for the queue that its owner (or a leader, an admin, the leavers' rule)
     cancelled, or the watchdog stopped, meanwhile: its end as that stop, in the supervisor's
-    words (jobs/host/runner.py); None when its end is recorded already."""
+    words (jobs/host/runner.py); None when its end is recorded already (or the job runs again)."""
     row = (
-        Job.objects.filter(pk=job_id, status__in=UNFINISHED)
+        Job.objects.filter(this_run, pk=job_id, status__in=UNFINISHED)
         .values("cancel_requested_at", "watchdog_stop", *CANCELLED_FIELDS)
         .first()
     )
@@ -135,7 +141,11 @@ def _stopped_while_leaving(job_id: int, record: EndRecord) -> EndRecord | None:
     else:
         status, message = Job.Status.CANCELLED, cancelled_words(row)
     return EndRecord(
-        status=status, exit_code=record.exit_code, message=message, finished_at=record.finished_at
+        status=status,
+        exit_code=record.exit_code,
+        message=message,
+        finished_at=record.finished_at,
+        run=record.run,
     )
 
 

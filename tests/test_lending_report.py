@@ -103,3 +103,36 @@ def test_the_reports_page_shows_them_to_whom_the_booking_is_visible(
         assert 'data-server="box1"' in page and "4 GPU-hours, of which the borrowers used 3." in page
     else:
         assert "Nothing was lent to the queue in this period." in page
+
+
+def test_a_borrowers_run_still_counts_as_used_once_it_went_back_to_the_queue(alice, bob, box):
+    """Preempted, its job's row forgets the run (back to pending, no booking, no start): the loan's
+    use is kept, so the Reports figure and /metrics' counter never go down."""
+    from jobs.host.spool import EndRecord
+    from jobs.logs.store import LogWriter
+    from jobs.preemption import job_preempt
+    from jobs.runs import job_end_record
+
+    now = timezone.now()
+    booking = reservation_create(
+        user=alice, gpus=[g.uuid for g in box[:2]], start=now - 4 * H, end=now + 4 * H, now=now - 4 * H
+    )
+    loan = reservation_create(
+        user=bob, gpus=[g.uuid for g in box[:2]], start=now - H, end=now + H, now=now - H, lent_from=booking
+    )
+    job = queue_job(bob, gpus=2, minutes=120, preemptible=True)
+    Job.objects.filter(pk=job.pk).update(
+        status=Job.Status.RUNNING, reservation=loan, started_at=now - H, pid=4242
+    )
+    assert round(lending_hours(until=now)[0].used, 2) == 2.0
+    metric = ("gpu_portal_lent_used_gpu_seconds", "gpu_portal_lent_used_gpu_seconds_total")
+    before = value(scrape()[metric[0]], metric[1])
+    assert job_preempt(job=job.pk, reason="its owner came back", grace_seconds=20, now=now)
+    left = EndRecord(
+        status=Job.Status.PENDING, exit_code=-15, message="Preempted: x.", finished_at=now.isoformat()
+    )
+    assert job_end_record(job.pk, LogWriter(job.pk), left)
+    assert Job.objects.get(pk=job.pk).status == Job.Status.PENDING
+    (row,) = lending_hours(until=timezone.now())
+    assert round(row.used, 2) == 2.0  # its hour on two cards, kept
+    assert value(scrape()[metric[0]], metric[1]) >= before

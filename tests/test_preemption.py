@@ -21,6 +21,7 @@ from jobs.host.checkpoints import (
     CHECKPOINT_LOST_KEEP,
     CHECKPOINT_VAR,
     PREEMPTIBLE_VAR,
+    checkpoint_after,
     checkpoint_name,
     checkpoint_ready,
     checkpoint_remove,
@@ -193,6 +194,26 @@ def test_a_watchdog_stop_that_came_while_it_was_leaving_ends_it_as_failed(alice,
     assert (job.status, job.message) == (Job.Status.FAILED, "Stopped by the watchdog: over its memory.")
 
 
+def test_an_earlier_runs_end_recorded_again_never_ends_the_run_after_it(alice, box, sent):
+    """Its first run's end (back to the queue) stored twice, as after a retry whose answer was
+    lost or a replay after a crash, while the job already runs again: the second run goes on."""
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    assert job_preempt(job=job, reason="its cards are wanted back")
+    record = EndRecord(
+        status=Job.Status.PENDING,
+        exit_code=-15,
+        message="Preempted: x.",
+        finished_at=timezone.now().isoformat(),
+        run=job.dispatched_at.isoformat(),  # as its supervisor writes it (jobs/host/runner.py)
+    )
+    assert job_end_record(job.pk, LogWriter(job.pk), record)
+    again = _running(_started(Job.objects.get(pk=job.pk)))
+    assert again.dispatched_at != job.dispatched_at
+    assert not job_end_record(job.pk, LogWriter(job.pk), record)
+    again.refresh_from_db()
+    assert (again.status, again.preemptions) == (Job.Status.RUNNING, 1) and again.reservation is not None
+
+
 def test_a_requeued_job_keeps_its_place_ahead_of_later_submissions(alice, box, sent):
     """Its submit time, and so its age and its place among equal priorities, are kept (its owner's
     fair share counts the time it ran, as for any booking)."""
@@ -283,6 +304,26 @@ def test_the_supervisor_removes_the_folder_of_a_job_that_ended_for_good(alice, b
     folder = Path(checkpoint_ready(_launch(), job).env[CHECKPOINT_VAR])
     assert checkpoint_remove(job) and not folder.exists()
     assert not checkpoint_remove(job)  # nothing left: said, never raised
+
+
+def test_a_job_cancelled_while_it_was_leaving_loses_its_folder_at_once(alice, box, sent):
+    """Its supervisor sent it back to the queue, but its owner's cancel in the grace made the
+    stored end a cancel: its folder goes with the end, not at the next sweep."""
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    folder = Path(checkpoint_ready(_launch(), job).env[CHECKPOINT_VAR])
+    assert job_preempt(job=job, reason="its cards are wanted back")
+    job_cancel(user=alice, job=job)
+    assert _left(job)
+    checkpoint_after(job, Job.Status.PENDING)  # what the supervisor decided
+    assert Job.objects.get(pk=job.pk).status == Job.Status.CANCELLED and not folder.exists()
+
+
+def test_a_requeued_jobs_folder_stays(alice, box, sent):
+    job = _running(_started(queue_job(alice, preemptible=True)))
+    folder = Path(checkpoint_ready(_launch(), job).env[CHECKPOINT_VAR])
+    assert job_preempt(job=job, reason="its cards are wanted back") and _left(job)
+    checkpoint_after(job, Job.Status.PENDING)
+    assert folder.is_dir()
 
 
 def test_the_service_refuses_preemptible_on_a_booking(alice, box):

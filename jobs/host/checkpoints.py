@@ -87,6 +87,18 @@ def checkpoint_remove(job: Job) -> bool:
         return False
 
 
+def checkpoint_after(job: Job, status: str) -> None:
+    """Once its end is stored: a preemptible job that ended for good loses its folder at once;
+    one back in the queue keeps it. A job its supervisor sent back (`status` PENDING) may have
+    been stored as ended all the same (cancelled in its grace, jobs.runs): its row says which."""
+    if not job.preemptible:
+        return
+    if status == Job.Status.PENDING:
+        status = Job.objects.filter(pk=job.pk).values_list("status", flat=True).first() or status
+    if status in Job.FINISHED:
+        checkpoint_remove(job)
+
+
 def checkpoints_sweep() -> int:
     """This host's checkpoint folders of jobs that have ended for good, removed; how many. A job
     still in the queue or running keeps its folder, and so does one marked lost for

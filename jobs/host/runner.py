@@ -35,7 +35,7 @@ from django.utils import timezone
 from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_of, ended_early_words, not_started_words
 from gpus.models import Reservation
 from jobs.environment import JobSetupError
-from jobs.host.checkpoints import came_back_words, checkpoint_ready, checkpoint_remove
+from jobs.host.checkpoints import came_back_words, checkpoint_after, checkpoint_ready
 from jobs.host.dcgm import job_name, work_ended, work_started
 from jobs.host.end import job_end_keep
 from jobs.host.executors import Run, RunEnd, RunOutput, executor_for
@@ -633,8 +633,13 @@ class Supervisor:
         The worker's word is final even over LOST (marked while it was out of touch)."""
         self.final_status = status
         work_ended(job_name(self.job.pk))
+        sent = self.job.dispatched_at
         record = EndRecord(
-            status=status, exit_code=code, message=message[:1000], finished_at=timezone.now().isoformat()
+            status=status,
+            exit_code=code,
+            message=message[:1000],
+            finished_at=timezone.now().isoformat(),
+            run=sent.isoformat() if sent else "",
         )
         stored = job_end_keep(
             self.job.pk,
@@ -647,8 +652,8 @@ class Supervisor:
         work_ended(job_name(self.job.pk))  # again: a refresh may have read the row before its end
         if stored:
             self._guarded(lambda: queued_job_ended(self.job))
-        if stored and self.job.preemptible and status in Job.FINISHED:
-            checkpoint_remove(self.job)  # ended for good; a requeued job (PENDING) keeps it
+        if stored:  # ended for good, its checkpoint folder goes; a requeued job keeps it
+            self._guarded(lambda: checkpoint_after(self.job, status))
 
     def _stopping(self) -> bool:
         self.shutting_down = self.shutting_down or worker_stopping()

@@ -94,6 +94,10 @@ class EndRecord:
     exit_code: int | None
     message: str
     finished_at: str  # ISO 8601: when the worker saw the end, not when the database took it
+    # Which run ended: its dispatch (Job.dispatched_at, ISO 8601). A preempted job runs again under
+    # the same spool name; a record of its earlier run, stored twice (a retry whose answer was
+    # lost, a replay after a crash), must not end the next one. "": a record from before it.
+    run: str = ""
 
     def write(self, name: str) -> None:
         """Atomically: a replay reads the whole record or none."""
