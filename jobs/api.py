@@ -414,7 +414,7 @@ class QueueEntrySerializer(serializers.Serializer):
     time_limit_minutes = serializers.IntegerField()
     priority = serializers.FloatField()
     factors = serializers.DictField(child=serializers.FloatField(), help_text="fairshare, age and nice.")
-    reason = serializers.CharField(help_text="resources, priority, quota, begin_time, draining, array_limit.")
+    reason = serializers.CharField(help_text=f"Why it waits: {', '.join(Job.Reason.values)}.")
     estimated_start = serializers.DateTimeField(
         allow_null=True,
         help_text="When it should start, as far as the portal can tell; null: beyond QUEUE_BACKFILL_DEPTH "
