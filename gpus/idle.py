@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 MINUTE = timedelta(minutes=1)
 CLOCK_FIELDS = ["idle_since", "idle_minutes", "idle_counted_until", "idle_warned_at"]
+COUNT_FIELDS = ["idle_minutes", "idle_counted_until"]  # a stretch going on: its start left alone
+STRETCH, COUNTED, USED = "stretch", "counted", "used"  # how a round moved a booking
 
 
 # --- the rule ----------------------------------------------------------------------------------
@@ -108,8 +110,11 @@ def idle_check(*, now: datetime | None = None) -> IdleRound:
 
     A fixed handful of queries for the clocks, whatever the number of bookings: one UPDATE for
     bookings that stopped being active, three reads (bookings; their cards with a process flag;
-    which are lent), one bulk UPDATE. No-show notices (gpus/noshow.py), warnings and releases
-    cost their own statements, and are rare.
+    which are lent), at most three bulk UPDATEs, each of the fields it moved: a stretch started or
+    ended, minutes counted, a first use. So a take-back committed meanwhile (jobs/lending.py: the
+    clock restarted, the owner's use marked) is never written over with what this round read:
+    counting minutes leaves `idle_since` alone, and only a first use writes `used_at`. No-show
+    notices (gpus/noshow.py), warnings and releases cost their own statements, and are rare.
 
     A re-run, or a second checker, is harmless: a warning (once per stretch) or a no-show notice
     is claimed with a conditional UPDATE, and a release goes through `reservation_release`,
@@ -119,19 +124,19 @@ def idle_check(*, now: datetime | None = None) -> IdleRound:
     _forget_ended(now)
     bookings = _active_bookings(now)
     done = IdleRound()
-    changed = []
+    moved: dict[str, list[Reservation]] = {STRETCH: [], COUNTED: [], USED: []}
     lent = lent_now(bookings, now)
     for reservation in bookings:
         idle = booking_idle(reservation, now)
         if idle:
             done.idle.append(reservation.pk)
-        moved = _advance(reservation, idle, now)
+        if how := _advance(reservation, idle, now):
+            moved[how].append(reservation)
         if reservation.used_at is None and _used(reservation, idle, lent.get(reservation.pk), now):
             reservation.used_at = now  # gpus/noshow.py: the owner's use, or cards it cannot see
-            moved = True
-        if moved:
-            changed.append(reservation)
-    Reservation.objects.bulk_update(changed, [*CLOCK_FIELDS, "used_at"])
+            moved[USED].append(reservation)
+    for how, fields in ((STRETCH, CLOCK_FIELDS), (COUNTED, COUNT_FIELDS), (USED, ["used_at"])):
+        Reservation.objects.bulk_update(moved[how], fields)  # none moved: no statement
     for reservation in bookings:
         if no_show_due(reservation, now):
             told, released = no_show_handle(reservation, now)
@@ -191,24 +196,25 @@ def _lapse() -> timedelta:
     return MINUTE + 3 * timedelta(seconds=settings.IDLE_CHECK_SECONDS)
 
 
-def _advance(reservation: Reservation, idle: bool, now: datetime) -> bool:
-    """Move the booking's clock in memory; True when it changed."""
+def _advance(reservation: Reservation, idle: bool, now: datetime) -> str:
+    """Move the booking's clock in memory; how it moved (STRETCH: started or ended, COUNTED:
+    minutes counted), "" when it did not."""
     r = reservation
     if not idle:
         if r.idle_since is None:
-            return False
+            return ""
         r.idle_since = r.idle_counted_until = r.idle_warned_at = None
-        return True
+        return STRETCH
     if r.idle_since is None or r.idle_counted_until is None or now - r.idle_counted_until > _lapse():
         r.idle_since = r.idle_counted_until = now
         r.idle_warned_at = None
-        return True
+        return STRETCH
     minutes = max(0, (now - r.idle_counted_until) // MINUTE)
     if not minutes:
-        return False
+        return ""
     r.idle_minutes += minutes
     r.idle_counted_until += minutes * MINUTE  # the rest of a minute counts next round
-    return True
+    return COUNTED
 
 
 def _warning_due(reservation: Reservation, now: datetime) -> bool:

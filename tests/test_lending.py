@@ -11,6 +11,7 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from gpus import idle as gpus_idle
 from gpus.booking import reservation_cancel, reservation_create, reservation_extend, reservation_release
 from gpus.idle import idle_check
 from gpus.inventory import GPUInfo, ProcessInfo
@@ -21,7 +22,7 @@ from jobs.host.launch import job_claim
 from jobs.host.pickup import slots_report
 from jobs.host.runner import job_run
 from jobs.host.spool import EndRecord
-from jobs.lending import lendable, lent_words, loans_expire, loans_watch
+from jobs.lending import lendable, lent_words, loan_take_back, loans_expire, loans_watch
 from jobs.logs.store import LogWriter
 from jobs.models import Job
 from jobs.queue.scheduler import queue_plan, schedule_pass
@@ -317,7 +318,8 @@ def test_a_cancel_between_a_late_claim_and_its_check_is_kept(idle_booking, bob, 
 
     monkeypatch.setattr(runner, "job_claim", claim_then_cancel)
     assert job_run(job.pk) == Job.Status.CANCELLED
-    assert Job.objects.get(pk=job.pk).status == Job.Status.CANCELLED
+    job.refresh_from_db()
+    assert (job.status, job.message) == (Job.Status.CANCELLED, "Cancelled by bob.")
 
 
 def test_a_card_taken_back_by_its_owners_process_is_not_lent_again(idle_booking, bob, box, sent):
@@ -602,3 +604,40 @@ def test_an_owner_back_while_the_borrower_leaves_is_no_no_show(alice, bob, carol
     booking.refresh_from_db()
     assert (booking.no_show_at, booking.released_at, done.no_shows) == (None, None, [])
     assert booking.used_at is not None
+
+
+@pytest.mark.parametrize("started_minutes_ago", [20, 40])
+def test_an_idle_round_racing_a_take_back_keeps_what_the_take_back_wrote(
+    alice, bob, carol, box, team, sent, monkeypatch, started_minutes_ago
+):
+    """*Take it back* commits between the idle round's read and its write: the round does not put
+    back the idle stretch it read (the next pass lent the cards again at once), nor the owner's
+    use it did not see (a booking started 40 minutes ago was judged a no-show and released)."""
+    Team.objects.filter(pk=team.pk).update(auto_release_idle=True)
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0, util=0)])
+    now = timezone.now()
+    then = now - timedelta(minutes=started_minutes_ago)
+    reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=now + timedelta(hours=8))
+    booking = reservation_create(
+        user=alice, gpus=[box[0].uuid], start=then, end=now + timedelta(hours=8), now=then
+    )
+    Reservation.objects.filter(pk=booking.pk).update(
+        idle_since=then, idle_counted_until=now - timedelta(minutes=2)
+    )
+    job = queue_job(bob, minutes=60, preemptible=True)
+    assert schedule_pass().get("lent") == 1
+    read = gpus_idle.lent_now
+
+    def take_back_meanwhile(bookings, at):  # type: ignore[no-untyped-def]
+        found = read(bookings, at)
+        loan_take_back(user=alice, booking=booking)
+        return found
+
+    monkeypatch.setattr(gpus_idle, "lent_now", take_back_meanwhile)
+    done = idle_check(now=now)
+    monkeypatch.undo()
+    booking.refresh_from_db()
+    assert booking.idle_since is None and booking.used_at is not None
+    assert booking.no_show_at is None and booking.released_at is None and not done.no_shows
+    assert Job.objects.get(pk=job.pk).status == Job.Status.PENDING
+    assert "lent" not in schedule_pass()

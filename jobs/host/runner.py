@@ -672,8 +672,11 @@ def job_run(job_id: int) -> str | None:
         # Ended or ended early before its start: who ended it and why, by the one rule.
         if requeue_unstarted(job):  # a borrower whose loan ended meanwhile
             return Job.Status.PENDING
+        asked, cancelled = stopped_before_start(job_id)  # a person's cancel meanwhile says who
         why = (
-            "Cancelled: the booking had not started when the worker took the job."
+            cancelled
+            if asked == Job.Status.CANCELLED
+            else "Cancelled: the booking had not started when the worker took the job."
             if status == Reservation.Status.UPCOMING
             else not_started_words(ended_early_of(job.reservation), job.reservation.end)
         )
