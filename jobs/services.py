@@ -21,6 +21,7 @@ from django.utils import timezone
 from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_words, not_started_words
 from gpus.inventory import GPUInfo
 from gpus.models import GPU, Allocation, Server
+from gpus.noshow import reservation_mark_used
 from jobs.leavers import WAITING, leavers_stop, owner_active, team_leavers_stop
 from jobs.logs.live import job_changed
 from jobs.logs.store import log_append
@@ -62,6 +63,9 @@ def dispatch(job: Job, now: datetime) -> bool:
     if not due.borrowers_gone(now).update(dispatched_at=now):
         return False
     job.dispatched_at = now
+    # Its owner's use of the booking (gpus/noshow.py), though no process shows on the cards yet (an
+    # image pulled, data loaded, a job sent at a booking's start): never a no-show under it.
+    reservation_mark_used(job.reservation_id, now)
     queue = job.server.queue
     transaction.on_commit(partial(send, job.pk, queue))
     return True

@@ -641,3 +641,22 @@ def test_an_idle_round_racing_a_take_back_keeps_what_the_take_back_wrote(
     assert booking.no_show_at is None and booking.released_at is None and not done.no_shows
     assert Job.objects.get(pk=job.pk).status == Job.Status.PENDING
     assert "lent" not in schedule_pass()
+
+
+def test_the_queue_page_shows_no_loan_for_the_last_slot_the_pass_starts_a_job_in(
+    alice, bob, carol, box, sent
+):
+    """One free job slot on box1: the pass starts the ordinary job there first and lends nothing,
+    so the page does not show the preemptible job starting on the idle booking as well."""
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])
+    slots_report("box1", slots=1, now=timezone.now())
+    end = timezone.now() + timedelta(hours=8)
+    reservation_create(user=carol, gpus=[box[1].uuid, box[2].uuid], end=end)
+    idle = reservation_create(user=alice, gpus=[box[0].uuid], end=end)
+    Reservation.objects.filter(pk=idle.pk).update(idle_since=timezone.now() - timedelta(minutes=20))
+    ordinary = queue_job(bob, minutes=60)
+    borrower = queue_job(bob, minutes=60, preemptible=True)
+    shown = {e.request.job_id: e for e in queue_plan(expected=True)}
+    assert shown[ordinary.pk].start_now and shown[borrower.pk].basis != "lending"
+    assert "lent" not in schedule_pass()
+    assert Job.objects.get(pk=borrower.pk).status == Job.Status.PENDING

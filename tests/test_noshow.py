@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from gpus.booking import held_on, reservation_create
 from gpus.models import GPU
+from jobs.models import Job
 from portal.models import AuditEntry, Notification
 from tests.test_idle import M, book, check, fresh, report, turn_on_auto_release
 
@@ -120,3 +121,20 @@ def test_the_owners_use_of_the_card_not_lent_of_a_partly_lent_booking_is_use(ali
     check(t0 + 25 * M, busy={0, 1})  # and hers, on the card not lent
     assert fresh(booking).used_at == t0 + 25 * M
     assert not any(r.no_shows for r in rounds(26, 40, t0, busy={0}))
+
+
+def test_a_job_sent_to_the_booking_at_its_start_is_its_owners_use(alice, cards, t0, team, admin_user, sent):
+    """Submitted before the booking starts, sent at its start, and showing no process for a while
+    (an image pulled, data loaded): she came, so it is no no-show, nor released under her job."""
+    from jobs.services import jobs_due_dispatch
+    from jobs.submit import ScriptUpload, job_submit
+
+    turn_on_auto_release(team, admin_user)
+    start = t0 + 5 * M
+    booking = book(alice, cards[:1], start)
+    job = job_submit(user=alice, reservation=booking, script=ScriptUpload("mine.py", b"1\n"))
+    assert jobs_due_dispatch(start) == 1  # sent once this commits
+    assert Job.objects.get(pk=job.pk).dispatched_at == start
+    assert not any(r.no_shows or r.released for r in rounds(5, 40, t0))
+    r = fresh(booking)
+    assert r.used_at == start and r.no_show_at is None and r.released_at is None

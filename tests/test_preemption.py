@@ -259,6 +259,7 @@ def test_an_ordinary_job_gets_no_checkpoint_folder(alice, box):
 
 def test_a_checkpoint_folder_that_is_a_link_is_never_followed(alice, box, tmp_path, settings):
     job = queue_job(alice, preemptible=True)
+    Path(settings.JOB_FOLDERS).mkdir(parents=True, exist_ok=True)  # made by the first job folder
     (Path(settings.JOB_FOLDERS) / checkpoint_name(job)).symlink_to(tmp_path)
     with pytest.raises(Exception, match="checkpoint folder"):
         checkpoint_ready(_launch(), job)

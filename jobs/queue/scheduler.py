@@ -133,9 +133,10 @@ def queue_plan(
     draining = {pk for pk, is_draining, *_ in online if is_draining}
     ends = expected_ends(now) if expected else {}
     array_room = _array_room({r.array_id for r in requests if r.array_id})
+    calendar = _calendar(now, servers, horizon, slots=slots, silent=silent, ends=ends)
     entries = plan(
         requests,
-        _calendar(now, servers, horizon, slots=slots, silent=silent, ends=ends),
+        calendar,
         shares=shares,
         usage=usage,
         weights=Weights(
@@ -150,7 +151,9 @@ def queue_plan(
         offline=_offline(requests, set(servers)),
     )
     if expected:
-        with_lending(entries, now, slots=_taking_work(slots, draining), arrays=array_room)
+        # The slots the plan's own starts left (the calendar counts them down), as the pass lends
+        # only after its starts: the last free slot of a server is not shown lent as well.
+        with_lending(entries, now, slots=_taking_work(calendar.slots, draining), arrays=array_room)
     return entries
 
 
