@@ -292,10 +292,22 @@ def _tell_team(reservation: Reservation, what: str, body: str, key: str) -> None
 
 
 def _release(reservation: Reservation, now: datetime) -> bool:
-    """Release it as the portal and tell the owner; False when it is no longer active."""
+    """Release it as the portal and tell the owner; False when it is no longer active, or no longer
+    the stretch this round read: its owner came back meanwhile (a job or session on it restarted
+    the clock, jobs/lending.py), checked under the row's lock, as a take-back takes it."""
     minutes = idle_for(reservation, now)
     try:
         with transaction.atomic():
+            same = Reservation.objects.select_for_update().filter(
+                pk=reservation.pk,
+                idle_since=reservation.idle_since,
+                idle_warned_at=reservation.idle_warned_at,
+            )
+            if not list(same.values_list("pk", flat=True)):
+                log.info(
+                    "Reservation %s not auto-released: in use again since this round read it", reservation.pk
+                )
+                return False
             reservation_release(
                 user=PORTAL, reservation=reservation.pk, now=now, reason=f"idle for {minutes} minutes"
             )

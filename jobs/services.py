@@ -65,7 +65,8 @@ def dispatch(job: Job, now: datetime) -> bool:
     job.dispatched_at = now
     # Its owner's use of the booking (gpus/noshow.py), though no process shows on the cards yet (an
     # image pulled, data loaded, a job sent at a booking's start): never a no-show under it.
-    reservation_mark_used(job.reservation_id, now)
+    if job.reservation_id is not None:  # a Slurm cluster's job has none
+        reservation_mark_used(job.reservation_id, now)
     queue = job.server.queue
     transaction.on_commit(partial(send, job.pk, queue))
     return True

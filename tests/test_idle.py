@@ -307,6 +307,28 @@ def test_it_does_not_release_a_booking_whose_cards_were_used_after_the_warning(
     assert fresh(booking).released_at is None
 
 
+def test_it_does_not_release_a_booking_its_owner_came_back_to_during_the_round(
+    alice, cards, t0, team, admin_user, sent, monkeypatch
+):
+    """Her job on it committed after the round read the booking, before the release: the release
+    finds its stretch gone (the job restarted the clock) and leaves it to her."""
+    from jobs.submit import ScriptUpload, job_submit
+
+    turn_on_auto_release(team, admin_user)
+    booking = book(alice, cards[:1], t0)
+    idle_until(60, t0)  # warned at 31, released at 61
+    read = idle.lent_now
+
+    def owner_back(bookings, at):  # type: ignore[no-untyped-def]
+        found = read(bookings, at)
+        job_submit(user=alice, reservation=booking, script=ScriptUpload("mine.py", b"1\n"), now=at)
+        return found
+
+    monkeypatch.setattr(idle, "lent_now", owner_back)
+    assert check(t0 + 61 * M).released == []
+    assert fresh(booking).released_at is None
+
+
 def test_it_warns_again_with_the_release_time_when_a_leader_turns_auto_release_on(
     alice, cards, t0, team, leader
 ):
