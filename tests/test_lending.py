@@ -579,23 +579,32 @@ def lendable_now_shown(job: Job) -> bool:
     return any(e.request.job_id == job.pk and e.basis == "lending" for e in queue_plan(expected=True))
 
 
-def test_an_owner_back_while_the_borrower_leaves_is_no_no_show(alice, bob, carol, box, team, sent):
-    """The idle round takes a lent booking's cards for the borrower's: an owner whose process
-    came in the last seconds before the no-show verdict, the borrower still in its grace, was
-    judged a no-show and released under them. Their coming back is their use."""
+def _lent_unused(alice, bob, carol, box, team, *, started: timedelta, counted: timedelta) -> tuple:  # type: ignore[no-untyped-def]
+    """alice's booking of card 0, unused and idle since its start `started` ago (its clock last
+    counted `counted` ago), in a team that releases idle bookings, lent to bob's preemptible job;
+    carol holds the other cards. (booking, the borrower)."""
     Team.objects.filter(pk=team.pk).update(auto_release_idle=True)
-    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0)])
+    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0, util=0)])
     now = timezone.now()
-    then = now - timedelta(minutes=29, seconds=50)
+    then = now - started
     reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=now + timedelta(hours=8))
     booking = reservation_create(
         user=alice, gpus=[box[0].uuid], start=then, end=now + timedelta(hours=8), now=then
     )
-    Reservation.objects.filter(pk=booking.pk).update(
-        idle_since=then, idle_counted_until=now - timedelta(seconds=30)
-    )
+    Reservation.objects.filter(pk=booking.pk).update(idle_since=then, idle_counted_until=now - counted)
     borrower = queue_job(bob, minutes=60, preemptible=True)
     assert schedule_pass().get("lent") == 1
+    return booking, borrower
+
+
+def test_an_owner_back_while_the_borrower_leaves_is_no_no_show(alice, bob, carol, box, team, sent):
+    """The idle round takes a lent booking's cards for the borrower's: an owner whose process
+    came in the last seconds before the no-show verdict, the borrower still in its grace, was
+    judged a no-show and released under them. Their coming back is their use."""
+    now = timezone.now()
+    booking, borrower = _lent_unused(
+        alice, bob, carol, box, team, started=timedelta(minutes=29, seconds=50), counted=timedelta(seconds=30)
+    )
     Job.objects.filter(pk=borrower.pk).update(status=Job.Status.RUNNING, pid=4242, started_at=now)
     servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=1)])  # alice's process
     borrower.refresh_from_db()
@@ -613,19 +622,9 @@ def test_an_idle_round_racing_a_take_back_keeps_what_the_take_back_wrote(
     """*Take it back* commits between the idle round's read and its write: the round does not put
     back the idle stretch it read (the next pass lent the cards again at once), nor the owner's
     use it did not see (a booking started 40 minutes ago was judged a no-show and released)."""
-    Team.objects.filter(pk=team.pk).update(auto_release_idle=True)
-    servers_report_ingest(snapshots=[make_snapshot("box1", gpus=4, processes=0, util=0)])
     now = timezone.now()
-    then = now - timedelta(minutes=started_minutes_ago)
-    reservation_create(user=carol, gpus=[g.uuid for g in box[1:]], end=now + timedelta(hours=8))
-    booking = reservation_create(
-        user=alice, gpus=[box[0].uuid], start=then, end=now + timedelta(hours=8), now=then
-    )
-    Reservation.objects.filter(pk=booking.pk).update(
-        idle_since=then, idle_counted_until=now - timedelta(minutes=2)
-    )
-    job = queue_job(bob, minutes=60, preemptible=True)
-    assert schedule_pass().get("lent") == 1
+    started = timedelta(minutes=started_minutes_ago)
+    booking, job = _lent_unused(alice, bob, carol, box, team, started=started, counted=timedelta(minutes=2))
     read = gpus_idle.lent_now
 
     def take_back_meanwhile(bookings, at):  # type: ignore[no-untyped-def]
