@@ -378,6 +378,19 @@ def _open_jobs(portal: Portal, rows: str) -> list[tuple]:
     return list(open_.values_list("pk", "status", "pending_reason", "dispatched_at", "worker", "message"))
 
 
+def _said_of(portal: Portal, jobs: list[tuple]) -> str:
+    """What the workers' logs say of these jobs (the storm's one known failure, a queued job never
+    claimed nor sent again, left no trace a CI run keeps): their lines, and the outage's."""
+    words = [f"Job {job[0]}" for job in jobs] + [f"job {job[0]}" for job in jobs] + ["database", "Traceback"]
+    lines = [
+        f"{role}: {line}"
+        for role in ("worker-host", "worker-portal")
+        for line in portal.output(role).splitlines()
+        if any(word in line for word in words)
+    ]
+    return "\n".join(lines[-80:])
+
+
 class Storm:
     """CLIENTS threads, each with its own token, booking cards in the future, submitting jobs to
     the queue and reading lists, until `stop` is set; every answer and transport error is kept."""
@@ -471,7 +484,8 @@ def test_database_restarted_under_concurrent_bookings_and_submits(portal, postgr
     # Every job answered 201 runs to its end; none is left open.
     with contextlib.suppress(AssertionError):
         wait_for(lambda: not _open_jobs(portal, rows), timeout=60, what="every job to end")
-    assert not _open_jobs(portal, rows), "open without a reason, 60 s after the outage"
+    still = _open_jobs(portal, rows)
+    assert not still, f"open without a reason, 60 s after the outage: {still}\n{_said_of(portal, still)}"
     connections[rows].close()
     jobs = {job.pk: job for job in Job.objects.using(rows).all()}
     assert set(storm.jobs) <= set(jobs), f"lost jobs: {set(storm.jobs) - set(jobs)}"
