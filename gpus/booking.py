@@ -482,7 +482,10 @@ def _check_loan(
             )
 
 
-def _locked_reservation(reservation: Reservation | int) -> Reservation:
+def reservation_locked(reservation: Reservation | int) -> Reservation:
+    """The booking's row, locked until the transaction ends (SQLite's writers take the whole
+    database in turn): its changes here, a loan and its owner's return (jobs/lending.py), an idle
+    round's release (gpus/idle.py) take it one at a time."""
     pk = reservation if isinstance(reservation, int) else reservation.pk
     return Reservation.objects.select_for_update(of=("self",)).select_related("owner", "team").get(pk=pk)
 
@@ -495,7 +498,7 @@ def reservation_extend(
 ) -> Reservation:
     """Move an open booking's end later, if its cards are free until then and quotas allow."""
     now = now or timezone.now()
-    reservation = _locked_reservation(reservation)
+    reservation = reservation_locked(reservation)
     if reservation.owner_id != user.pk:
         raise Forbidden(ONLY_OWNER_EXTENDS)
     status = reservation.status_at(now)
@@ -562,7 +565,7 @@ def reservation_cancel(
     leader of its team or an admin (upcoming or active), who must give a reason the owner sees:
     the owner is told (gpus.booking_ends), and what ran on it ends cancelled, saying who and why."""
     now = now or timezone.now()
-    reservation = _locked_reservation(reservation)
+    reservation = reservation_locked(reservation)
     reason = cancel_reason_check(user=user, reservation=reservation, reason=reason)
     status = reservation.status_at(now)
     if status not in (Reservation.Status.UPCOMING, Reservation.Status.ACTIVE):
@@ -633,7 +636,7 @@ def reservation_release(
     for the audit log; no user but the owner can ever pass the check below.
     """
     now = now or timezone.now()
-    reservation = _locked_reservation(reservation)
+    reservation = reservation_locked(reservation)
     if user is not PORTAL and reservation.owner_id != user.pk:
         raise Forbidden(ONLY_OWNER_RELEASES)
     status = reservation.status_at(now)

@@ -35,7 +35,7 @@ from django.db.models import Exists, OuterRef, Prefetch
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.booking import PORTAL, reservation_release
+from gpus.booking import PORTAL, reservation_locked, reservation_release
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, GPUProcess, Reservation
 from gpus.noshow import lent_now, no_show_due, no_show_handle
@@ -298,12 +298,9 @@ def _release(reservation: Reservation, now: datetime) -> bool:
     minutes = idle_for(reservation, now)
     try:
         with transaction.atomic():
-            same = Reservation.objects.select_for_update().filter(
-                pk=reservation.pk,
-                idle_since=reservation.idle_since,
-                idle_warned_at=reservation.idle_warned_at,
-            )
-            if not list(same.values_list("pk", flat=True)):
+            locked = reservation_locked(reservation.pk)
+            read = (reservation.idle_since, reservation.idle_warned_at)
+            if (locked.idle_since, locked.idle_warned_at) != read:
                 log.info(
                     "Reservation %s not auto-released: in use again since this round read it", reservation.pk
                 )

@@ -41,7 +41,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
-from gpus.booking import reservation_create
+from gpus.booking import reservation_create, reservation_locked
 from gpus.idle import idle_clock_restart
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Allocation, GPUProcess, Reservation
@@ -108,15 +108,6 @@ def _lendable_bookings(now: datetime) -> QuerySet[Reservation]:
         .exclude(Exists(lent))
         .exclude(Exists(in_use))
     )
-
-
-def _booking_lock(pk: int) -> None:
-    """The lent (or lendable) booking's row, locked until the transaction ends: a loan (`_lend`)
-    and its owner coming back (`loans_take_back`, inside the owner's job or session start) take it
-    in turn, so either the loan sees the owner's job or session and is not made, or the owner's
-    take-back sees the loan and preempts it. Read apart, both went ahead: the owner's job was sent
-    at once and the borrower beside it. (SQLite's writers take the whole database in turn.)"""
-    list(Reservation.objects.select_for_update().filter(pk=pk).values_list("pk", flat=True))
 
 
 def _fits(entry: Entry, lent: Lendable) -> list[str]:
@@ -216,7 +207,8 @@ def _lend(entry: Entry, lent: Lendable, cards: list[str], now: datetime, bind: B
     r = entry.request
     try:
         with transaction.atomic():
-            _booking_lock(lent.booking.pk)
+            # The lent booking's row: the loan and its owner's return (`loans_take_back`) take turns on it.
+            reservation_locked(lent.booking.pk)
             if not _lendable_bookings(now).filter(pk=lent.booking.pk).exists():
                 return False  # its owner came back (or it ended) since `lendable` read it
             job = Job.objects.select_related("owner", "team").get(pk=r.job_id)
@@ -253,7 +245,7 @@ def loans_take_back(
     now = now or timezone.now()
     pk = booking if isinstance(booking, int) else booking.pk
     with transaction.atomic():  # within the owner's start, the lock lasts until that commits
-        _booking_lock(pk)
+        reservation_locked(pk)  # as `_lend` takes it: either sees the other
         idle_clock_restart(pk)  # lent again only after a new idle stretch, not by the next pass
         if owner_back:
             reservation_mark_used(pk, now)

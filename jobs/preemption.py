@@ -50,30 +50,44 @@ def preempted_words(reason: str) -> str:
     return f"{PREEMPTED} {reason.rstrip('.')}. It goes back to the queue at its old place."
 
 
-def ended_unstarted_words(end: datetime) -> str:
-    """Why a preemptible job of the queue goes back to it when its booking reached its end before
-    a worker started it (a borrower whose loan ended while its host's worker was busy or away).
-    It ran into that end, as a running one would (`deadline_stop`): back to the queue, not
-    cancelled. A booking a person released or cancelled early cancels it, running or not."""
-    return preempted_words(f"its booking ended at {format_time(end)}, before a worker started it")
+def back_at_its_end(
+    job_id: int,
+    *,
+    preemptible: bool,
+    queued: bool,
+    early: str,
+    end: datetime,
+    from_: Collection[str],
+    now: datetime,
+    where: Q | None = None,
+) -> bool:
+    """The one rule for a job whose booking is over before a worker started it: a preemptible job
+    of the queue whose booking reached its end (a borrower whose loan ended while its host's worker
+    was busy or away) goes back to the queue, as a running one would (`deadline_stop`); not when a
+    person ended the booking early (`early`, its ended_early_words): that cancels it, running or
+    not. Whether it went back (the reconciler's pass, jobs.services; a late claim, below)."""
+    if not (preemptible and queued) or early:
+        return False
+    why = f"its booking ended at {format_time(end)}, before a worker started it"
+    return job_requeue(job_id, from_=from_, message=preempted_words(why), where=where, now=now, say=True)
 
 
 def requeue_unstarted(job: Job, now: datetime | None = None) -> bool:
-    """A preemptible job of the queue that its worker took after its booking reached its end:
-    back to the queue without starting, as the reconciler puts back one no worker took
-    (jobs.services). Not when the booking was ended early (cancelled, as by its supervisor), nor
-    once a cancel was asked meanwhile (the caller then cancels it). Whether it went."""
+    """A job its worker took after its booking reached its end, by `back_at_its_end`; not once a
+    cancel was asked meanwhile (the caller then cancels it). Whether it went back."""
     now = now or timezone.now()
     booking = job.reservation
-    if not (job.preemptible and job.queued) or now < booking.end or ended_early_of(booking):
-        return False
-    return job_requeue(
+    if not (job.preemptible and job.queued) or now < booking.end:
+        return False  # before reading who ended the booking early
+    return back_at_its_end(
         job.pk,
+        preemptible=True,
+        queued=True,
+        early=ended_early_of(booking),
+        end=booking.end,
         from_=(Job.Status.STARTING,),
-        message=ended_unstarted_words(booking.end),
-        where=Q(cancel_requested_at=None),
         now=now,
-        say=True,
+        where=Q(cancel_requested_at=None),
     )
 
 

@@ -26,7 +26,7 @@ from jobs.leavers import WAITING, leavers_stop, owner_active, team_leavers_stop
 from jobs.logs.live import job_changed
 from jobs.logs.store import log_append
 from jobs.models import Job
-from jobs.preemption import ended_unstarted_words, job_requeue
+from jobs.preemption import back_at_its_end
 from jobs.runs import runs_lost_mark, waiting_job_cancel
 from jobs.sending import HostSender
 from jobs.sessions.services import labs_resend
@@ -283,11 +283,18 @@ def _expired_cancel(now: datetime) -> int:
     expired = 0
     for row in Job.objects.filter(over, status=Job.Status.QUEUED).values(*fields):
         early = ended_early_words(row, "reservation__")
-        if row["queued"] and row["preemptible"] and not early:
-            back = ended_unstarted_words(row["reservation__end"])
-            job_requeue(row["pk"], from_=(Job.Status.QUEUED,), message=back, now=now, say=True)
+        end = row["reservation__end"]
+        if back_at_its_end(
+            row["pk"],
+            preemptible=row["preemptible"],
+            queued=row["queued"],
+            early=early,
+            end=end,
+            from_=(Job.Status.QUEUED,),
+            now=now,
+        ):
             continue
-        message = not_started_words(early, row["reservation__end"])
+        message = not_started_words(early, end)
         if Job.objects.transition(
             row["pk"], from_=Job.Status.QUEUED, to=Job.Status.CANCELLED, finished_at=now, message=message
         ):

@@ -1,5 +1,5 @@
 """A loan and the owner's return at the same instant, each in its own thread with its own
-database connection (PostgreSQL in CI): the lent booking's row lock (jobs.lending._booking_lock)
+database connection (PostgreSQL in CI): the lent booking's row lock (gpus.booking.reservation_locked)
 makes them take turns, so the owner never finds a borrower left on the card. Without it, the loan
 re-checked the booking, the owner's job was submitted and saw no loan yet, and the loan was made
 beside it."""
