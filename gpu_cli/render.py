@@ -242,7 +242,8 @@ def queue_table(entries: Iterable[dict[str, Any]]) -> Table:
             job_name(e),
             e["owner"],
             e["team"],
-            str(e["gpu_count"]),
+            # A job that may be preempted (a portal from before lending sends no such field).
+            f"{e['gpu_count']} (preemptible)" if e.get("preemptible") else str(e["gpu_count"]),
             "whole cards" if e["memory_mb"] is None else mib(e["memory_mb"]),
             e["server"] or "any",
             elapsed(e["time_limit_minutes"] * 60) if e["time_limit_minutes"] else "—",

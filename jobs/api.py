@@ -412,6 +412,10 @@ class QueueEntrySerializer(serializers.Serializer):
     memory_mb = serializers.IntegerField(allow_null=True, help_text="MiB per card; null: whole cards.")
     server = serializers.CharField(help_text="The server asked for; empty: any.")
     time_limit_minutes = serializers.IntegerField()
+    preemptible = serializers.BooleanField(
+        help_text="It may be preempted: it can run on an idle booking lent to the queue, and leaves "
+        "when the booking's owner comes back."
+    )
     priority = serializers.FloatField()
     factors = serializers.DictField(child=serializers.FloatField(), help_text="fairshare, age and nice.")
     reason = serializers.CharField(help_text=f"Why it waits: {', '.join(Job.Reason.values)}.")

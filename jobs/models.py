@@ -224,6 +224,8 @@ class Job(models.Model):
         default=False, help_text="Queued only: may be stopped and requeued; it resumes from its checkpoint."
     )
     preemptions = models.PositiveIntegerField(default=0, help_text="Times it was preempted and requeued.")
+    # When it last went back to the queue: its next run's wait counts from here (jobs.notices).
+    requeued_at = models.DateTimeField(null=True, blank=True)
     # A preemption asked for and not yet done: the job's supervisor stops it (runner), after this grace.
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     preempt_reason = models.CharField(max_length=500, blank=True)

@@ -20,7 +20,7 @@ import base64
 import json
 import logging
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta
 from urllib.parse import quote, quote_plus
 
 from django.conf import settings
@@ -86,7 +86,7 @@ def _started(job_id: int) -> None:
     others = Job.objects.filter(array_id=job.array_id, started_at__isnull=False).exclude(pk=job_id)
     if job.array_id and others.exists():
         return  # an array starts once, with its first task
-    waited = (job.started_at or timezone.now()) - job.created_at
+    waited = _waited(job) or timezone.now() - _queued_at(job)
     what = f"Array {job.array_id}" if job.array_id else f"Job {job.pk}"
     notification_send(
         user=job.owner,
@@ -96,7 +96,7 @@ def _started(job_id: int) -> None:
             [
                 f"{what} ({job.name}) started on {_server(job)}, cards {', '.join(job.gpu_uuids) or '?'}.",
                 f"Script: {_script(job)}",
-                f"Waited in the queue: {_length(waited)}",
+                f"Waited in the queue: {_length(waited)}{_since_preempted(job)}",
             ]
         ),
         url=_url(job),
@@ -127,6 +127,11 @@ def _end_send(job: Job) -> None:
         f"Script: {_script(job)}",
         f"Server: {_server(job)}",
         f"Ran: {_length(job.duration)}" + (f", after waiting {_length(_waited(job))}" if job.queued else ""),
+        *(
+            [f"Preempted and requeued: {_times(job.preemptions)}; these figures are its last run's"]
+            if job.preemptions
+            else []
+        ),
         f"Exit code: {'none' if job.exit_code is None else job.exit_code}",
     ]
     if job.message:  # the supervisor's words may quote what the job was given
@@ -310,8 +315,25 @@ def _url(job: Job) -> str:
     return reverse("job_detail", args=[job.pk])
 
 
+def _queued_at(job: Job) -> datetime:
+    """Since when its run waited: its submission, or its last return to the queue (a preempted job
+    waits again, and its earlier runs are no wait)."""
+    return job.requeued_at or job.created_at
+
+
 def _waited(job: Job) -> timedelta | None:
-    return job.started_at - job.created_at if job.started_at else None
+    return job.started_at - _queued_at(job) if job.started_at else None
+
+
+def _since_preempted(job: Job) -> str:
+    if not job.requeued_at:
+        return ""
+    submitted = _length(timezone.now() - job.created_at)
+    return f" since it was preempted ({_times(job.preemptions)}; submitted {submitted} ago)"
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
 
 
 def _length(span: timedelta | None) -> str:

@@ -193,6 +193,7 @@ def job_requeue(
         preempt_reason="",
         preempt_grace_seconds=None,
         preemptions=F("preemptions") + 1,
+        requeued_at=now,
         # Its next run's end is an end of its own, to be told (jobs.notices): a job marked lost,
         # told so, whose worker then preempted it, must not have that end told already.
         end_noticed_at=None,

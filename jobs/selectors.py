@@ -97,6 +97,7 @@ def queue_rows(viewer: AbstractBaseUser, entries: Sequence[Entry]) -> list[dict[
             "team__slug",
             "request_server__name",
             "array_index",
+            "preemptible",
         )
     }
     teams = team_ids_of(viewer)
@@ -116,6 +117,7 @@ def queue_rows(viewer: AbstractBaseUser, entries: Sequence[Entry]) -> list[dict[
                 "memory_mb": r.memory_mb,
                 "server": job["request_server__name"] or "",
                 "time_limit_minutes": r.minutes,
+                "preemptible": job["preemptible"],
                 "priority": entry.priority,
                 "factors": {"fairshare": entry.fairshare, "age": entry.age, "nice": r.nice},
                 "reason": entry.reason or ("starting" if entry.start_now else ""),

@@ -248,7 +248,8 @@ def test_run_without_a_booking_queues_the_job_pending(portal, alice, box, script
     assert job.request_server.name == "box1"
 
     queue = json.loads(gpu("queue", "--json").output)
-    assert [(e["job"], e["gpu_count"], e["memory_mb"]) for e in queue] == [(job.pk, 2, 8192)]
+    listed = [(e["job"], e["gpu_count"], e["memory_mb"], e["preemptible"]) for e in queue]
+    assert listed == [(job.pk, 2, 8192, False)]
     result = gpu("queue")
     assert result.exit_code == 0 and "train.py" in result.output and "you" in result.output
 
@@ -258,6 +259,9 @@ def test_run_preemptible_queues_a_job_that_may_be_preempted(portal, alice, box, 
     assert result.exit_code == 0, result.output
     submitted = json.loads(result.output)
     assert submitted["preemptible"] is True and Job.objects.get(pk=submitted["id"]).preemptible
+    queue = json.loads(gpu("queue", "--json").output)
+    assert [(e["job"], e["preemptible"]) for e in queue] == [(submitted["id"], True)]
+    assert "1 (preemptible)" in gpu("queue").output
     result = gpu("run", str(script), "--reservation", str(booking.pk), "--preemptible")
     assert result.exit_code != 0 and "drop --preemptible" in result.output  # a booking's cards are its own
 

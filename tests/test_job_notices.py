@@ -23,6 +23,7 @@ from jobs.host.runner import job_run
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_append
 from jobs.models import Job
+from jobs.preemption import job_requeue
 from jobs.runs import job_end_record, runs_lost_mark
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
@@ -129,6 +130,28 @@ def test_a_queued_jobs_start_is_told_only_when_asked(alice, box):
         _run(job)
     [notice] = _told(Kind.JOB_STARTED)
     assert notice.subject.startswith(f"Job {asked.pk} (train.py) started on") and "Waited" in notice.body
+
+
+def test_a_preempted_jobs_next_start_and_end_count_its_wait_from_its_return(alice, box):
+    """Its earlier run is no wait: the wait told is since it went back to the queue."""
+    job = queue_job(alice, notify="start,end,fail", preemptible=True)
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED, created_at=timezone.now() - timedelta(hours=5))
+    _run(job, minutes=240)  # waited an hour, then ran four
+    assert job_requeue(job.pk, message="Preempted.", from_=(Status.RUNNING,))
+    Job.objects.filter(pk=job.pk).update(
+        status=Status.QUEUED, requeued_at=timezone.now() - timedelta(minutes=3)
+    )
+    _run(job, minutes=0)  # back for 3 minutes, then started again
+    first, again = _told(Kind.JOB_STARTED)
+    assert "Waited in the queue: 1 h" in first.body and "preempted" not in first.body
+    assert "started on" in again.subject and "after 3 min 0" in again.subject
+    assert (
+        "Waited in the queue: 3 min 00 s since it was preempted (once; submitted 5 h 00 min ago)"
+        in again.body
+    )
+    assert _end(job)
+    [end] = _told(Kind.JOB_FAILED)
+    assert "after waiting 3 min" in end.body and "Preempted and requeued: once" in end.body
 
 
 # --- once per end -----------------------------------------------------------------------------

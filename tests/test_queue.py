@@ -375,9 +375,12 @@ def test_the_queue_page_and_a_pending_jobs_page_say_why_it_waits(client, alice, 
 
     reservation_create(user=bob, gpus=[g.uuid for g in box], end=timezone.now() + H)
     job = queue_job(alice, gpus=4)
+    other = queue_job(alice, gpus=4, preemptible=True)
     schedule_pass()
     client.force_login(alice)
     page = client.get(reverse("queue")).content.decode()
     assert f'data-job="{job.pk}"' in page and "resources" in page
+    rows = {row.split('"')[0]: row for row in page.split('data-job="')[1:]}
+    assert "preemptible</span>" in rows[str(other.pk)] and "preemptible</span>" not in rows[str(job.pk)]
     detail = client.get(reverse("job_detail", args=[job.pk])).content.decode()
     assert "Not enough free cards now" in detail and "estimated start" in detail
