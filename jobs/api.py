@@ -50,6 +50,12 @@ class JobSerializer(serializers.ModelSerializer):
     script = serializers.SerializerMethodField()
     command = serializers.SerializerMethodField()
     duration_seconds = serializers.SerializerMethodField()
+    requeued_at = serializers.DateTimeField(
+        read_only=True,
+        allow_null=True,
+        help_text="When it last went back to the queue from a run (preempted); its started_at, "
+        "finished_at and duration_seconds are its last run's. Null: it never did.",
+    )
     mean_utilization_pct = serializers.FloatField(read_only=True)
     cancelled_by = serializers.CharField(
         source="cancelled_by.username", read_only=True, default=None, help_text="Who asked to cancel it."
@@ -74,6 +80,7 @@ class JobSerializer(serializers.ModelSerializer):
             "begin_at",
             "preemptible",
             "preemptions",
+            "requeued_at",
             "reason",
             "array_id",
             "array_index",

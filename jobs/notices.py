@@ -25,7 +25,7 @@ from urllib.parse import quote, quote_plus
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, transaction
-from django.db.models import Max, Min, Sum
+from django.db.models import Max, Min, Q, Sum
 from django.urls import reverse
 from django.utils import timezone
 
@@ -83,10 +83,11 @@ def _started(job_id: int) -> None:
     job = Job.objects.select_related("owner", "server").get(pk=job_id)
     if not job.queued or not _wants(job, "start"):
         return
-    others = Job.objects.filter(array_id=job.array_id, started_at__isnull=False).exclude(pk=job_id)
-    if job.array_id and others.exists():
+    ran = Q(started_at__isnull=False) & ~Q(pk=job_id) | Q(requeued_at__isnull=False)  # a task ran before
+    if job.array_id and Job.objects.filter(ran, array_id=job.array_id).exists():
         return  # an array starts once, with its first task
-    waited = _waited(job) or timezone.now() - _queued_at(job)
+    waited = _waited(job)
+    waited = timezone.now() - _queued_at(job) if waited is None else waited
     what = f"Array {job.array_id}" if job.array_id else f"Job {job.pk}"
     notification_send(
         user=job.owner,
@@ -128,8 +129,8 @@ def _end_send(job: Job) -> None:
         f"Server: {_server(job)}",
         f"Ran: {_length(job.duration)}" + (f", after waiting {_length(_waited(job))}" if job.queued else ""),
         *(
-            [f"Preempted and requeued: {_times(job.preemptions)}; these figures are its last run's"]
-            if job.preemptions
+            [f"Preempted: back in the queue {_times(job.preemptions)}; these are its last run's"]
+            if job.requeued_at
             else []
         ),
         f"Exit code: {'none' if job.exit_code is None else job.exit_code}",
@@ -210,7 +211,8 @@ def _wants(job: Job, event: str, *, ran: timedelta | None = None) -> bool:
         return False
     if event != "end":
         return True
-    ran = ran if ran is not None else job.duration
+    if ran is None:  # a job that went back to the queue ran before its last run: its whole life counts
+        ran = (job.finished_at or timezone.now()) - job.created_at if job.requeued_at else job.duration
     return ran is not None and ran >= timedelta(minutes=settings.JOB_END_NOTIFY_MIN_MINUTES)
 
 
@@ -329,7 +331,7 @@ def _since_preempted(job: Job) -> str:
     if not job.requeued_at:
         return ""
     submitted = _length(timezone.now() - job.created_at)
-    return f" since it was preempted ({_times(job.preemptions)}; submitted {submitted} ago)"
+    return f" since its last run was preempted (submitted {submitted} ago)"
 
 
 def _times(n: int) -> str:

@@ -26,7 +26,7 @@ from collections.abc import Collection
 from datetime import datetime
 
 from django.conf import settings
-from django.db.models import F, Q
+from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
 from gpus.booking import PORTAL, reservation_release
@@ -193,7 +193,9 @@ def job_requeue(
         preempt_reason="",
         preempt_grace_seconds=None,
         preemptions=F("preemptions") + 1,
-        requeued_at=now,
+        # Only a job that ran goes back from a run: one sent back before it started waited all along
+        # (the UPDATE reads the row's started_at as it was, before it is cleared above).
+        requeued_at=Case(When(started_at__isnull=False, then=Value(now)), default=F("requeued_at")),
         # Its next run's end is an end of its own, to be told (jobs.notices): a job marked lost,
         # told so, whose worker then preempted it, must not have that end told already.
         end_noticed_at=None,

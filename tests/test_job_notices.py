@@ -23,7 +23,7 @@ from jobs.host.runner import job_run
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_append
 from jobs.models import Job
-from jobs.preemption import job_requeue
+from jobs.preemption import job_preempt, job_requeue
 from jobs.runs import job_end_record, runs_lost_mark
 from jobs.services import job_cancel
 from jobs.submit import ScriptUpload, job_submit
@@ -41,6 +41,7 @@ pytestmark = pytest.mark.django_db
 Kind = Notification.Kind
 Status = Job.Status
 SECRET = "hunter2-Sup3rSecret"
+H = timedelta(hours=1)
 
 
 def _job(alice, booking, **kwargs) -> Job:  # type: ignore[no-untyped-def]
@@ -146,12 +147,51 @@ def test_a_preempted_jobs_next_start_and_end_count_its_wait_from_its_return(alic
     assert "Waited in the queue: 1 h" in first.body and "preempted" not in first.body
     assert "started on" in again.subject and "after 3 min 0" in again.subject
     assert (
-        "Waited in the queue: 3 min 00 s since it was preempted (once; submitted 5 h 00 min ago)"
+        "Waited in the queue: 3 min 00 s since its last run was preempted (submitted 5 h 00 min ago)"
         in again.body
     )
     assert _end(job)
     [end] = _told(Kind.JOB_FAILED)
-    assert "after waiting 3 min" in end.body and "Preempted and requeued: once" in end.body
+    assert "after waiting 3 min" in end.body and "Preempted: back in the queue once" in end.body
+
+
+def test_a_job_sent_back_before_it_ever_ran_waited_since_its_submission(alice, box):
+    """Booked onto a loan (QUEUED), its lender came back before a worker took it: it never ran,
+    so it waited all along; it was not 'preempted' out of a run."""
+    job = queue_job(alice, notify="start", preemptible=True)
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED, created_at=timezone.now() - 2 * H)
+    assert job_preempt(job=job.pk, reason="the lender came back")  # QUEUED: back at once
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED)  # booked again a moment later
+    _run(job, minutes=0)
+    [notice] = _told(Kind.JOB_STARTED)
+    assert "Waited in the queue: 2 h 00 min" in notice.body, notice.body
+
+
+def test_a_preempted_jobs_success_after_hours_of_work_is_told(alice, box, settings):
+    """Four hours of work, preempted, then 2 minutes to finish: by default a success is told when
+    the job ran JOB_END_NOTIFY_MIN_MINUTES; only its last run (2 min) is counted."""
+    settings.JOB_END_NOTIFY_MIN_MINUTES = 10
+    job = queue_job(alice, preemptible=True)
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED, created_at=timezone.now() - 5 * H)
+    _run(job, minutes=240)
+    assert job_requeue(job.pk, message="Preempted.", from_=(Status.RUNNING,))
+    Job.objects.filter(pk=job.pk).update(status=Status.QUEUED)
+    _run(job, minutes=2)
+    assert _end(job, Status.SUCCEEDED, 0)
+    assert len(_told(Kind.JOB_SUCCEEDED)) == 1
+
+
+def test_an_array_is_told_started_once_even_when_its_first_task_is_preempted(alice, box, settings):
+    """Its only started task preempted and started again: a second 'Array N started' in the inbox
+    (the key holds back only the mail, and only within NOTIFY_MAIL_EVERY_MINUTES)."""
+    first = queue_job(alice, array="0-1", notify="start", preemptible=True)
+    task = Job.objects.filter(array_id=first.array_id).order_by("array_index").first()
+    Job.objects.filter(pk=task.pk).update(status=Status.QUEUED)
+    _run(task, minutes=30)
+    assert job_requeue(task.pk, message="Preempted.", from_=(Status.RUNNING,))
+    Job.objects.filter(pk=task.pk).update(status=Status.QUEUED)
+    _run(task, minutes=0)
+    assert len(_told(Kind.JOB_STARTED)) == 1
 
 
 # --- once per end -----------------------------------------------------------------------------

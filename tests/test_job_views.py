@@ -467,3 +467,17 @@ def test_an_invented_process_of_the_simulation_is_marked_so(client, alice):
     client.force_login(alice)
     html = client.get(reverse("dashboard_servers")).content.decode()
     assert '<span class="badge simulated" title="Invented by the simulated inventory' in html
+
+
+def test_a_preempted_jobs_page_says_its_times_are_its_last_runs(client, alice, box):
+    from tests.factories import queue_job
+
+    job = queue_job(alice, preemptible=True)
+    now = timezone.now()
+    Job.objects.filter(pk=job.pk).update(preemptions=2, requeued_at=now - timedelta(minutes=5))
+    client.force_login(alice)
+    page = client.get(reverse("job_detail", args=[job.pk])).content.decode()
+    assert "preempted 2 times so far (the times below are its last run's)" in page
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.SUCCEEDED, started_at=now, finished_at=now)
+    page = client.get(reverse("job_detail", args=[job.pk])).content.decode()
+    assert "preempted 2 times (the times below are its last run's)" in page

@@ -71,7 +71,7 @@ def test_it_submits_a_preemptible_queued_job_through_the_api(alice, box):
     )
     assert response.status_code == 201, response.json()
     body = response.json()
-    assert (body["preemptible"], body["preemptions"]) == (True, 0)
+    assert (body["preemptible"], body["preemptions"], body["requeued_at"]) == (True, 0, None)
     assert Job.objects.get(pk=body["id"]).preemptible
 
 
@@ -126,6 +126,7 @@ def test_a_booked_job_not_yet_sent_goes_back_at_once_keeping_its_place(alice, bo
     job.refresh_from_db()
     assert (job.status, job.reservation, job.server, job.gpu_uuids) == (Job.Status.PENDING, None, None, [])
     assert job.preemptions == 1 and job.created_at == submitted  # its old place: its age is kept
+    assert job.requeued_at is None  # it never ran: it waited all along
     assert job.message.startswith(f"{PREEMPTED} the owner of booking 7 came back.")
     assert Reservation.objects.get(pk=booking).released_at is not None
     assert "[portal] Preempted: the owner of booking 7 came back." in _log(job.pk)
@@ -157,7 +158,7 @@ def test_a_running_job_is_asked_to_leave_and_its_end_puts_it_back(alice, box, se
         None,
         None,
     )
-    assert job.preempt_requested_at is None and job.finished_at is None
+    assert job.preempt_requested_at is None and job.finished_at is None and job.requeued_at is not None
     assert Reservation.objects.get(pk=booking).released_at is not None
     assert not job_end_record(job.pk, LogWriter(job.pk), record)  # once: a replay finds it done
 

@@ -220,6 +220,16 @@ def test_an_empty_queue_has_waited_nothing(db):
     assert value(m["gpu_portal_queue_oldest_wait_seconds"]) == 0
 
 
+def test_the_metrics_oldest_wait_of_a_requeued_job_counts_from_its_return(alice, box):
+    """Ran four hours, preempted three minutes ago: the notices say it waited 3 min, /metrics 5 h."""
+    job = queue_job(alice, preemptible=True)
+    now = timezone.now()
+    Job.objects.filter(pk=job.pk).update(
+        created_at=now - timedelta(hours=5), requeued_at=now - timedelta(minutes=3), preemptions=1
+    )
+    assert value(scrape()["gpu_portal_queue_oldest_wait_seconds"]) < 600
+
+
 def test_sessions_and_violations_by_kind(alice, box):
     booking = reservation_create(user=alice, gpus=[box[0].uuid], memory_mb=8192)
     InteractiveSession.objects.create(

@@ -214,7 +214,10 @@ def job_metrics(now: datetime) -> Iterator[Metric]:
     pending = Job.objects.filter(status=Job.Status.PENDING)
     queue = pending.aggregate(
         length=Count("pk"),
-        oldest=Min(Coalesce("begin_at", "created_at"), filter=Q(begin_at=None) | Q(begin_at__lte=now)),
+        # A requeued job waits again from its return (jobs.notices), not from its submission.
+        oldest=Min(
+            Coalesce("requeued_at", "begin_at", "created_at"), filter=Q(begin_at=None) | Q(begin_at__lte=now)
+        ),
     )
     yield GaugeMetricFamily(
         "gpu_portal_queue_length", "Jobs waiting in the queue (pending).", value=queue["length"]
