@@ -25,6 +25,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.utils import html
 from rest_framework.views import APIView
 
 from gpus.calendars import (
@@ -71,6 +72,11 @@ class MeSerializer(serializers.Serializer):
 class JobNotifyField(serializers.Field):
     """A list, or text such as end,fail (a form: `curl -X PATCH -d job_notify=end,fail`), or null,
     as sent: portal.notifications.job_notify_parse reads it and refuses it naming the field."""
+
+    def get_value(self, dictionary):  # type: ignore[no-untyped-def]
+        if html.is_html_input(dictionary) and len(dictionary.getlist(self.field_name)) > 1:
+            return ",".join(dictionary.getlist(self.field_name))  # -d job_notify=end -d job_notify=fail
+        return super().get_value(dictionary)
 
     def to_internal_value(self, data: object) -> object:
         return data

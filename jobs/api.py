@@ -15,11 +15,12 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.utils import html
 
 from jobs.filters import JobFilter
 from jobs.logs.store import log_response, parse_offset
@@ -32,6 +33,7 @@ from jobs.services import ONLY_MANAGERS_CANCEL, job_cancel
 from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Invalid
 from portal.pagination import PagePagination
+from portal.parsers import JSONParser
 from portal.permissions import ActionPermissionsMixin, IsOwnerOrTeamManager
 
 
@@ -135,6 +137,12 @@ class JobSerializer(serializers.ModelSerializer):
 class PassThroughField(serializers.Field):
     """A string or a structure as sent; the service parses and checks it (args, env)."""
 
+    def get_value(self, dictionary):  # type: ignore[no-untyped-def]
+        # A form field given twice (-F notify=end -F notify=fail) is both, not the last.
+        if html.is_html_input(dictionary) and len(dictionary.getlist(self.field_name)) > 1:
+            return ",".join(dictionary.getlist(self.field_name))
+        return super().get_value(dictionary)
+
     def to_internal_value(self, data: object) -> object:
         return data
 
@@ -190,7 +198,15 @@ class JobCreateSerializer(serializers.Serializer):
     """Types only; jobs.submit.job_submit checks every rule."""
 
     reservation = serializers.IntegerField(
-        required=False, allow_null=True, help_text="The booking to run on; leave it out to queue the job."
+        required=False,
+        allow_null=True,
+        min_value=1,
+        max_value=2**63 - 1,
+        help_text="The booking to run on; leave it out to queue the job.",
+        error_messages={
+            "min_value": "Give the id of one of your bookings (GET /api/v1/reservations/), or leave it out.",
+            "max_value": "Give the id of one of your bookings (GET /api/v1/reservations/), or leave it out.",
+        },
     )
     gpu_count = serializers.IntegerField(required=False, allow_null=True, help_text="Queued: how many cards.")
     memory_mb = serializers.IntegerField(
@@ -246,6 +262,16 @@ class JobCreateSerializer(serializers.Serializer):
         help_text='Of "start", "end", "fail": what you are told of it (e.g. ["end", "fail"]); [] nothing; '
         "left out: your preference.",
     )
+
+    def to_internal_value(self, data):  # type: ignore[no-untyped-def]
+        # A typo ("time", "mem") is named, not dropped: the job would run with the default.
+        if hasattr(data, "keys"):
+            unknown = sorted(set(data.keys()) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError(
+                    {unknown[0]: [f"Unknown field; use {', '.join(self.fields)} (GET /api/v1/schema/)."]}
+                )
+        return super().to_internal_value(data)
 
     def service_kwargs(self) -> dict:
         data = dict(self.validated_data)

@@ -12,7 +12,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from gpus.filters import server_choices
 from jobs.models import InteractiveSession, Job
 from portal.access import CHANGE
-from portal.filters import DayFilter, MineFilter, unknown_choice
+from portal.filters import DayFilter, MineFilter, QueryForm, unknown_choice
 from portal.models import Team
 
 
@@ -54,6 +54,7 @@ class JobFilter(django_filters.FilterSet):
     class Meta:
         model = Job
         fields: list[str] = []
+        form = QueryForm
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

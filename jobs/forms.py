@@ -228,15 +228,15 @@ class JobForm(ServiceErrorsMixin, forms.Form):
 
     def service_kwargs(self) -> dict[str, Any]:
         data = self.cleaned_data
-        queued = {}
-        if data["reservation"] is None:
-            queued = {
-                "gpu_count": data["gpu_count"] or 1,
-                "memory_mb": data["memory"],
-                "server": data["server"] or None,
-                "array": data["array"],
-                "partition": data["partition"],
-            }
+        # Always passed: beside a booking the service refuses each, by its field, where dropping
+        # them ran one plain job for an array of ten (as `preemptible` below).
+        queued = {
+            "gpu_count": data["gpu_count"] or 1 if data["reservation"] is None else data["gpu_count"],
+            "memory_mb": data["memory"],
+            "server": data["server"] or None,
+            "array": data["array"],
+            "partition": data["partition"],
+        }
         return {
             **queued,
             # Always passed: on a booking the service refuses it beside the field (a job on a

@@ -289,6 +289,8 @@ def loan_take_back(*, user: AbstractBaseUser, booking: Reservation, now: datetim
     """*Take it back* on the booking's page: its owner (or a leader of its team, an admin)."""
     if not can_manage(user, booking):
         raise Forbidden("Only the booking's owner, its team's leaders and admins can take it back.")
+    if not Reservation.objects.loans_live(now or timezone.now()).filter(lent_from=booking).exists():
+        return []  # nothing lent (a stale page): no idle clock restarted, no use recorded
     why = f"{user} took booking {booking.pk} back"
     return loans_take_back(booking=booking, why=why, now=now, owner_back=user.pk == booking.owner_id)
 

@@ -322,6 +322,19 @@ def _place(
             "back. Leave the booking empty to queue it, or leave preemptible off.",
             field="preemptible",
         )
+    if reservation is not None:  # what only a queued job asks for, refused as gpu_count and array are
+        queued = {
+            "server": ask.server,
+            "memory_mb": ask.memory_mb,
+            "begin_at": ask.begin_at,
+            "nice": ask.nice,
+        }
+        if given := [name for name, value in (queued | {"team": ask.team}).items() if value]:
+            raise Invalid(
+                f"{given[0]} is for a queued job; a booking already fixes where, when and for which team "
+                f"it runs. Leave {given[0]} out, or leave the booking out to queue the job.",
+                field=given[0],
+            )
     return _place_on_booking(user, reservation, ask.gpu_count, ask.array, ask.time_limit_minutes, now)
 
 

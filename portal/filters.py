@@ -62,6 +62,45 @@ class DayField(forms.DateField):
         return day
 
 
+class QueryForm(forms.Form):
+    """A list's filter form: each parameter once, and `until` not before `since`."""
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        for name in self.fields:
+            given = self.data.getlist(name) if hasattr(self.data, "getlist") else []
+            if len(given) > 1:
+                self.add_error(name, f"{name} is given {len(given)} times; give it once.")
+        since, until = data.get("since"), data.get("until")
+        if since and until and since > until:
+            self.add_error("until", f"until ({until}) is before since ({since}); swap them.")
+        return data
+
+
+class MineField(forms.NullBooleanField):
+    """?mine=: 1/true/yes/on, 0/false/no/off or empty; anything else is refused, not read as "everyone's"."""
+
+    def to_python(self, value: Any) -> bool | None:
+        text = str(value).strip().lower() if value is not None else ""
+        if text in ("", "none"):
+            return None
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValidationError(
+            "%(value)r: write mine=1 for only your own, or leave it out.",
+            code="invalid",
+            params={"value": value},
+        )
+
+
+class RawBooleanWidget(BooleanWidget):
+    def value_from_datadict(self, data: Any, files: Any, name: str) -> Any:
+        value = super().value_from_datadict(data, files, name)
+        return data.get(name) if value is None else value
+
+
 class DayFilter(django_filters.DateFilter):
     """A day, inclusive: lookup_expr="gte" keeps rows from the day's first moment on (since=), "lte"
     up to its last (until=). field_name is a DateTimeField. The day is the viewer's (the request's
@@ -91,8 +130,10 @@ class DayFilter(django_filters.DateFilter):
 class MineFilter(django_filters.BooleanFilter):
     """?mine=1 (or true): only the requesting user's own rows; field_name is the owner's foreign key."""
 
+    field_class = MineField
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("widget", BooleanWidget)
+        kwargs.setdefault("widget", RawBooleanWidget)
         kwargs.setdefault("help_text", "1 or true: only your own.")
         super().__init__(*args, **kwargs)
 

@@ -200,8 +200,7 @@ globals().update(oidc_settings_from_env())
 # django-axes counts failed sign-ins (the login form, the admin's, POST /api/v1/token/) per
 # account and, separately, per client address: LOGIN_FAILURE_LIMIT failures of either within
 # LOGIN_FAILURE_WINDOW_MINUTES lock it. Every try while locked fails, the right password too,
-# and starts the window again; the lock lifts a window after the last try, or when an admin
-# unlocks it.
+# and starts the window again; the lock lifts a window after the last try, or an admin lifts it.
 LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, min_value=1, max_value=1000)
 LOGIN_FAILURE_WINDOW_MINUTES = env_int("LOGIN_FAILURE_WINDOW_MINUTES", 15, min_value=1, max_value=7 * 24 * 60)
 # Reverse proxies in front of the portal (nginx: 1). 0 trusts no X-Forwarded-For: the client is
@@ -439,8 +438,7 @@ JOB_KILL_GRACE_SECONDS = env_int("JOB_KILL_GRACE_SECONDS", 10, min_value=1, max_
 WATCHDOG_KILL_GRACE_SECONDS = env_int_renamed(
     "WATCHDOG_KILL_GRACE_SECONDS", was="JOB_KILL_GRACE_SECONDS", min_value=1, max_value=100
 )
-# --- The queue (docs/queue.md) ---
-# The scheduler's pass, and at once when a card frees up.
+# --- The queue (docs/queue.md) --- The scheduler's pass, and at once when a card frees up.
 QUEUE_SCHEDULE_SECONDS = env_int("QUEUE_SCHEDULE_SECONDS", 2, min_value=1, max_value=60)
 # A queued job's time limit when it gives none (its booking lasts that long).
 QUEUE_DEFAULT_TIME_LIMIT_MINUTES = env_int("QUEUE_DEFAULT_TIME_LIMIT_MINUTES", 60, min_value=1)
@@ -544,6 +542,7 @@ MAIL_REQUEUE_MINUTES = env_int("MAIL_REQUEUE_MINUTES", 10, min_value=1, max_valu
 # --- Demo data and API ---------------------------------------------------------------
 PORTAL_DEMO_PASSWORD = env_str("PORTAL_DEMO_PASSWORD", "gpu-lab-demo")
 
+DRF_FORM_PARSERS = ["rest_framework.parsers.FormParser", "rest_framework.parsers.MultiPartParser"]
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "portal.tokens.TokenAuthentication",
@@ -555,6 +554,8 @@ REST_FRAMEWORK = {
     # Each list's FilterSet (filterset_class): the same filters as its page, documented in the schema.
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "EXCEPTION_HANDLER": "portal.api_errors.exception_handler",
+    # portal.parsers: JSON nested too deep is a 400 as any bad JSON is, not a RecursionError's 500.
+    "DEFAULT_PARSER_CLASSES": ["portal.parsers.JSONParser", *DRF_FORM_PARSERS],
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "GPU lab portal API",

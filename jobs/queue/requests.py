@@ -232,6 +232,13 @@ def _check_minutes(minutes: int | None) -> int:
             f"A queued job's time limit is at least 1 minute; {minutes} will not do.",
             field="time_limit_minutes",
         )
+    if minutes > settings.BOOKING_MAX_HOURS * 60:  # said here: 2**31 minutes is no window at all
+        longest = settings.BOOKING_MAX_HOURS * 60 - int(START_SLACK.total_seconds() // 60)
+        raise Invalid(
+            f"The portal allows bookings of at most {settings.BOOKING_MAX_HOURS} h; this job needs "
+            f"{minutes // 60:,} h or more. Ask for a time limit of at most {longest} minutes.",
+            field="time_limit_minutes",
+        )
     return minutes
 
 
