@@ -91,7 +91,13 @@ def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
     """The page; a POST is one of its switches for idle bookings."""
     team = team_for_user(request.user, slug, manage=True)
     if request.method == "POST":  # one of the two switches; an old form without `what` is auto-release's
-        return _switch(request, team, "lend" if request.POST.get("what") == "lend" else "release")
+        which = request.POST.get("what") or "release"
+        if which not in _SWITCHES:  # a typo must not turn auto-release off
+            messages.error(
+                request, f"what={which[:40]!r} names no switch: give release or lend. Nothing changed."
+            )
+            return redirect(f"{reverse('team_detail', args=[team.slug])}#idle")
+        return _switch(request, team, which)
     return _team_page(request, team)
 
 

@@ -416,6 +416,18 @@ def test_the_team_page_turns_it_off_with_the_box_unticked_and_shows_who_released
     assert not team.auto_release_idle
 
 
+def test_a_switch_the_team_page_does_not_have_changes_nothing(client, team, leader):
+    team_auto_release_set(actor=leader, team=team, on=True)
+    client.force_login(leader)
+    response = client.post(reverse("team_detail", args=[team.slug]), {"what": "lnd"}, follow=True)
+    assert (
+        "what=&#x27;lnd&#x27; names no switch: give release or lend. Nothing changed."
+        in response.content.decode()
+    )
+    team.refresh_from_db()
+    assert team.auto_release_idle
+
+
 def test_anonymous_users_go_to_login_from_the_auto_release_form(client, team):
     response = client.post(reverse("team_detail", args=[team.slug]), {"auto_release_idle": "on"})
     assert response.status_code == 302 and response.url.startswith(reverse("login"))
