@@ -242,6 +242,9 @@ class Job(models.Model):
         null=True, blank=True, help_text="The booking's start: the job waits until then."
     )
     dispatched_at = models.DateTimeField(null=True, blank=True)
+    # Written by the claim (jobs.host.launch.job_claim): a claim whose COMMIT went through but
+    # whose answer was lost knows its own row on the retry.
+    claim_token = models.UUIDField(null=True, blank=True, editable=False)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)

@@ -32,10 +32,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
+from celery.worker import state as worker_state
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.db.models.signals import post_save, pre_save
@@ -112,11 +114,8 @@ class HostWorker:
             start_thread(SlurmSubmitChecks(self.server))  # the web's questions before it writes a job
             self.resume_slurm_jobs()
             return
-        self.as_root_recorded = jobs_as_root_record(self.server)
-        kill_orphans(self.server)
-        containers_leftovers_remove(self.server)  # after kill_orphans, before any job of this worker
-        self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
-        lab_orphans_end(self.server)
+        if not self.sweep_patiently():
+            return  # asked to stop while the database was away: nothing of this worker ran
         # Off the start's path: asking the container runtime can take seconds (jobs.host.worker).
         threading.Thread(target=self.report_containers, name="containers-report", daemon=True).start()
         start_thread(SpoolReplay())
@@ -126,6 +125,47 @@ class HostWorker:
         _connect(worker_shutting_down, self.stop_running_jobs, "jobs_host_stop")
         _connect(worker_shutdown, self.lower_stop_flag, "jobs_host_stopped")
         log.info("GPU watchdog every %ss%s", settings.WATCHDOG_INTERVAL_SECONDS, _dry_run())
+
+    def sweep(self) -> None:
+        """What a previous worker left: its processes, containers and labs ended, DCGM's mapping
+        rebuilt. Each step is safe to run again."""
+        self.as_root_recorded = jobs_as_root_record(self.server)
+        kill_orphans(self.server)
+        containers_leftovers_remove(self.server)  # after kill_orphans, before any job of this worker
+        self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
+        lab_orphans_end(self.server)
+
+    def sweep_patiently(self) -> bool:
+        """The sweep, retried every JOB_RECONCILE_SECONDS while the database is away (a host that
+        boots beside a restarting database): worker_ready blocks, so no job is taken before it, and
+        the pickup, spool replay and watchdog start after it instead of never (a raising receiver
+        is only logged by Celery). Any other error is logged, and the worker starts all the same.
+        False: the worker was asked to stop meanwhile."""
+        said = False
+        while not (worker_state.should_stop is not None or worker_state.should_terminate is not None):
+            try:
+                self.sweep()
+                if said:
+                    log.warning("The database answers again: %s's worker takes work now", self.server)
+                return True
+            except Exception as exc:
+                if outage_of(exc) is None:  # a fault of its own: the pickup, replay and watchdog still start
+                    log.exception(
+                        "Could not end what the last worker of %s left; starting all the same", self.server
+                    )
+                    return True
+                connection.close()  # a broken connection is not reused
+                if not said:
+                    log.warning(
+                        "The database is away (%s): %s's worker ends what its last worker left before it"
+                        " takes work, and waits for it, trying every %s s",
+                        exc,
+                        self.server,
+                        settings.JOB_RECONCILE_SECONDS,
+                    )
+                    said = True
+                time.sleep(settings.JOB_RECONCILE_SECONDS)
+        return False
 
     def resume_slurm_jobs(self) -> None:
         """Before this worker takes a message (worker_ready comes first): the jobs its previous

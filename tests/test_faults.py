@@ -381,12 +381,16 @@ def _open_jobs(portal: Portal, rows: str) -> list[tuple]:
 def _said_of(portal: Portal, jobs: list[tuple]) -> str:
     """What the workers' logs say of these jobs (the storm's one known failure, a queued job never
     claimed nor sent again, left no trace a CI run keeps): their lines, and the outage's."""
-    words = [f"Job {job[0]}" for job in jobs] + [f"job {job[0]}" for job in jobs] + ["database", "Traceback"]
+    # "Job 7", "job 7", and the pickup's "Job(s) 3, 7 of fault1 ... sent again"; the outage's lines,
+    # and a receiver that raised (Celery only logs it).
+    ids = "|".join(str(job[0]) for job in jobs) or "0"
+    named = re.compile(rf"\b[Jj]ob(?:\(s\))? (?:\d+, )*(?:{ids})\b")
+    words = ["database", "Traceback", "sent again", "Signal handler"]
     lines = [
         f"{role}: {line}"
         for role in ("worker-host", "worker-portal")
         for line in portal.output(role).splitlines()
-        if any(word in line for word in words)
+        if named.search(line) or any(word in line for word in words)
     ]
     return "\n".join(lines[-80:])
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 from django.conf import settings
-from django.db import OperationalError
+from django.db import InterfaceError, OperationalError, ProgrammingError
 
 from gpus.booking import reservation_create
 from jobs import signals
@@ -106,3 +106,48 @@ def test_the_shutdown_handler_writes_its_flag_and_survives_a_database_outage(mon
     assert flag.exists() and closed == [True]
     assert "its jobs stop by the flag alone" in caplog.text
     assert settings.WORKER_SERVER  # the handler ran as a host's worker would
+
+
+# --- a start with the database away ----------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)  # it closes its connection after each failure, as a worker does
+def test_a_host_worker_that_starts_with_the_database_away_waits_for_it_then_sweeps(box, monkeypatch, caplog):
+    """A raising worker_ready receiver is only logged by Celery: the worker would take work with no
+    pickup, spool replay or watchdog. It waits for the database instead, then sweeps once."""
+    from celery.worker import state
+
+    tries: list[int] = []
+
+    def away_twice(server: str) -> int:
+        tries.append(1)
+        if len(tries) <= 2:
+            raise InterfaceError("connection already closed")
+        return 0
+
+    monkeypatch.setattr(signals, "kill_orphans", away_twice)
+    slept: list[float] = []
+    monkeypatch.setattr(signals.time, "sleep", slept.append)
+    host = signals.HostWorker("box1")
+    assert host.sweep_patiently()
+    assert len(tries) == 3 and slept == [settings.JOB_RECONCILE_SECONDS] * 2
+    said = [r.getMessage() for r in caplog.records if r.name == "jobs.signals"]
+    assert len([m for m in said if m.startswith("The database is away")]) == 1  # said once
+    assert "The database answers again: box1's worker takes work now" in said
+
+    # Another error is no outage: said with its traceback, and the worker starts all the same.
+    def broken(server: str) -> int:
+        raise ProgrammingError('relation "jobs_job" does not exist')
+
+    monkeypatch.setattr(signals, "kill_orphans", broken)
+    assert host.sweep_patiently() and len(slept) == 2
+    assert (
+        caplog.records[-1].getMessage()
+        == "Could not end what the last worker of box1 left; starting all the same"
+    )
+
+    # Asked to stop while it waits: it stops waiting, and starts nothing.
+    monkeypatch.setattr(signals, "kill_orphans", away_twice)
+    tries.clear()
+    monkeypatch.setattr(state, "should_stop", 0)
+    assert not host.sweep_patiently() and tries == []

@@ -13,6 +13,7 @@ import pwd
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -336,20 +337,28 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
     now = now or timezone.now()
     # Patient as the steps after it: the message is acked when the task starts (jobs.tasks), so a
     # claim that failed with the database away (a restart) left the job queued, taken for sent,
-    # and never sent again. Retrying the one conditional UPDATE is safe: a claim that committed
-    # but whose answer was lost finds 0 rows, and the reconciler marks that start lost.
-    claimed = patiently(
-        job_id,
-        lambda: Job.objects.transition(
+    # and never sent again. Retrying the one conditional UPDATE is safe; a claim that committed
+    # but whose answer was lost is known by its token (a second message for the job has another).
+    token, tried = uuid.uuid4(), []
+
+    def claim() -> bool:
+        # A try that raised may have committed all the same (its answer lost in a restart): the
+        # row then carries this claim's token, and the job is ours to run.
+        if tried and Job.objects.filter(pk=job_id, status=Job.Status.STARTING, claim_token=token).exists():
+            return True
+        tried.append(True)
+        return Job.objects.transition(
             job_id,
             from_=Job.Status.QUEUED,
             to=Job.Status.STARTING,
             where=owner_active() & this_server(),
             worker=socket.gethostname()[:200],
+            claim_token=token,
             # The database's clock, as the reconciler's cut-off (portal.clock): this host's may be off.
             heartbeat_at=Now(),
-        ),
-    )
+        )
+
+    claimed = patiently(job_id, claim)
     if not claimed:
         queued = Job.objects.filter(pk=job_id, status=Job.Status.QUEUED)
         left = queued.select_related("owner", "server").first()
