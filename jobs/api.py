@@ -137,10 +137,12 @@ class JobSerializer(serializers.ModelSerializer):
 class PassThroughField(serializers.Field):
     """A string or a structure as sent; the service parses and checks it (args, env)."""
 
+    joiner = ","  # a form field given twice, as its text joins it (notify: "end,fail")
+
     def get_value(self, dictionary):  # type: ignore[no-untyped-def]
         # A form field given twice (-F notify=end -F notify=fail) is both, not the last.
         if html.is_html_input(dictionary) and len(dictionary.getlist(self.field_name)) > 1:
-            return ",".join(dictionary.getlist(self.field_name))
+            return self.joiner.join(dictionary.getlist(self.field_name))
         return super().get_value(dictionary)
 
     def to_internal_value(self, data: object) -> object:
@@ -154,12 +156,16 @@ class PassThroughField(serializers.Field):
 class ArgsField(PassThroughField):
     """The script's arguments: a list of strings, or one string split like a shell."""
 
+    joiner = " "  # -F args=--lr -F args=0.1: each part split like a shell, in order
+
 
 @extend_schema_field(
     {"oneOf": [{"type": "object", "additionalProperties": {"type": "string"}}, {"type": "string"}]}
 )
 class EnvField(PassThroughField):
     """Extra environment variables: {"NAME": "value"}, or NAME=value lines (multipart forms)."""
+
+    joiner = "\n"  # -F env=A=1 -F env=B=2: two lines, not A="1,B=2"
 
 
 @extend_schema_field(
@@ -266,7 +272,8 @@ class JobCreateSerializer(serializers.Serializer):
     def to_internal_value(self, data):  # type: ignore[no-untyped-def]
         # A typo ("time", "mem") is named, not dropped: the job would run with the default.
         if hasattr(data, "keys"):
-            unknown = sorted(set(data.keys()) - set(self.fields))
+            # A session's HTML form posts Django's CSRF token beside the fields (SessionAuthentication).
+            unknown = sorted(set(data.keys()) - set(self.fields) - {"csrfmiddlewaretoken"})
             if unknown:
                 raise serializers.ValidationError(
                     {unknown[0]: [f"Unknown field; use {', '.join(self.fields)} (GET /api/v1/schema/)."]}

@@ -289,10 +289,17 @@ def loan_take_back(*, user: AbstractBaseUser, booking: Reservation, now: datetim
     """*Take it back* on the booking's page: its owner (or a leader of its team, an admin)."""
     if not can_manage(user, booking):
         raise Forbidden("Only the booking's owner, its team's leaders and admins can take it back.")
-    if not Reservation.objects.loans_live(now or timezone.now()).filter(lent_from=booking).exists():
-        return []  # nothing lent (a stale page): no idle clock restarted, no use recorded
+    now = now or timezone.now()
     why = f"{user} took booking {booking.pk} back"
-    return loans_take_back(booking=booking, why=why, now=now, owner_back=user.pk == booking.owner_id)
+    with transaction.atomic():
+        reservation_locked(booking.pk)  # as `_lend` takes it: a loan being made now is seen, not missed
+        if not Reservation.objects.loans_live(now).filter(lent_from=booking).exists():
+            # Nothing lent (a stale page, between two loans): no use recorded, but she is back, so
+            # the next pass must not lend the cards again at once (gpus.idle.idle_clock_restart).
+            if booking.status_at(now) == Reservation.Status.ACTIVE:
+                idle_clock_restart(booking.pk)
+            return []
+        return loans_take_back(booking=booking, why=why, now=now, owner_back=user.pk == booking.owner_id)
 
 
 def taken_back_words(asked: Sequence[int]) -> str:

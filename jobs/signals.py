@@ -67,7 +67,7 @@ from jobs.queue.scheduler import Scheduler
 from jobs.services import jobs_usage_record
 from jobs.threads import JobReconciler, SpoolReplay
 from portal.periodic import start_thread
-from portal.unreachable import outage_of
+from portal.unreachable import WHAT, outage_of
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +146,12 @@ class HostWorker:
             try:
                 self.sweep()
                 if said:
-                    log.warning("The database answers again: %s's worker takes work now", self.server)
+                    log.warning("It answers again: %s's worker takes work now", self.server)
                 return True
             except Exception as exc:
-                if outage_of(exc) is None:  # a fault of its own: the pickup, replay and watchdog still start
+                if (
+                    away := outage_of(exc)
+                ) is None:  # a fault of its own: the pickup, replay and watchdog still start
                     log.exception(
                         "Could not end what the last worker of %s left; starting all the same", self.server
                     )
@@ -157,8 +159,9 @@ class HostWorker:
                 connection.close()  # a broken connection is not reused
                 if not said:
                     log.warning(
-                        "The database is away (%s): %s's worker ends what its last worker left before it"
+                        "%s is away (%s): %s's worker ends what its last worker left before it"
                         " takes work, and waits for it, trying every %s s",
+                        WHAT[away].capitalize(),
                         exc,
                         self.server,
                         settings.JOB_RECONCILE_SECONDS,

@@ -139,7 +139,7 @@ def test_a_host_worker_that_starts_with_the_database_away_waits_for_it_then_swee
     assert len(tries) == 3 and slept == [settings.JOB_RECONCILE_SECONDS] * 2
     said = [r.getMessage() for r in caplog.records if r.name == "jobs.signals"]
     assert len([m for m in said if m.startswith("The database is away")]) == 1  # said once
-    assert "The database answers again: box1's worker takes work now" in said
+    assert "It answers again: box1's worker takes work now" in said
 
     # Another error is no outage: said with its traceback, and the worker starts all the same.
     def broken(server: str) -> int:

@@ -359,6 +359,11 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
         )
 
     claimed = patiently(job_id, claim)
+    if not claimed and len(tried) > 1:
+        # A try that raised may commit after the retry's UPDATE (a COMMIT whose answer never came,
+        # still waiting, e.g. for a synchronous standby, with the row locked): that UPDATE then
+        # found 0 rows, and the row carries this claim's token all the same.
+        claimed = Job.objects.filter(pk=job_id, status=Job.Status.STARTING, claim_token=token).exists()
     if not claimed:
         queued = Job.objects.filter(pk=job_id, status=Job.Status.QUEUED)
         left = queued.select_related("owner", "server").first()
