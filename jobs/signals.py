@@ -128,12 +128,24 @@ class HostWorker:
 
     def sweep(self) -> None:
         """What a previous worker left: its processes, containers and labs ended, DCGM's mapping
-        rebuilt. Each step is safe to run again."""
+        rebuilt. Each step is safe to run again. An outage ends the sweep (it is tried again
+        whole); any other error of one step is logged, and the next steps still run."""
         self.as_root_recorded = jobs_as_root_record(self.server)
-        kill_orphans(self.server)
-        containers_leftovers_remove(self.server)  # after kill_orphans, before any job of this worker
-        self.mapping.start()  # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
-        lab_orphans_end(self.server)
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("end its jobs' processes", lambda: kill_orphans(self.server)),
+            # after kill_orphans, before any job of this worker
+            ("remove its containers", lambda: containers_leftovers_remove(self.server)),
+            # nor DCGM's job mapping of what a previous worker left (jobs/host/dcgm.py)
+            ("rebuild DCGM's job mapping", self.mapping.start),
+            ("end its labs", lambda: lab_orphans_end(self.server)),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                if outage_of(exc) is not None:
+                    raise
+                log.exception("Could not %s (what the last worker of %s left); going on", what, self.server)
 
     def sweep_patiently(self) -> bool:
         """The sweep, retried every JOB_RECONCILE_SECONDS while the database is away (a host that
@@ -149,9 +161,8 @@ class HostWorker:
                     log.warning("It answers again: %s's worker takes work now", self.server)
                 return True
             except Exception as exc:
-                if (
-                    away := outage_of(exc)
-                ) is None:  # a fault of its own: the pickup, replay and watchdog still start
+                away = outage_of(exc)
+                if away is None:  # a fault of its own: the pickup, replay and watchdog still start
                     log.exception(
                         "Could not end what the last worker of %s left; starting all the same", self.server
                     )

@@ -141,16 +141,16 @@ def test_a_host_worker_that_starts_with_the_database_away_waits_for_it_then_swee
     assert len([m for m in said if m.startswith("The database is away")]) == 1  # said once
     assert "It answers again: box1's worker takes work now" in said
 
-    # Another error is no outage: said with its traceback, and the worker starts all the same.
+    # Another error is no outage: said with its traceback, and the next steps still run.
     def broken(server: str) -> int:
         raise ProgrammingError('relation "jobs_job" does not exist')
 
+    labs: list[str] = []
     monkeypatch.setattr(signals, "kill_orphans", broken)
-    assert host.sweep_patiently() and len(slept) == 2
-    assert (
-        caplog.records[-1].getMessage()
-        == "Could not end what the last worker of box1 left; starting all the same"
-    )
+    monkeypatch.setattr(signals, "lab_orphans_end", labs.append)
+    assert host.sweep_patiently() and len(slept) == 2 and labs == ["box1"]
+    said = [r.getMessage() for r in caplog.records if r.name == "jobs.signals"]
+    assert "Could not end its jobs' processes (what the last worker of box1 left); going on" in said
 
     # Asked to stop while it waits: it stops waiting, and starts nothing.
     monkeypatch.setattr(signals, "kill_orphans", away_twice)
