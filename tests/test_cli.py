@@ -557,6 +557,28 @@ def test_it_asks_again_while_the_portal_answers_503(fake_portal, waits):
     assert retries(result)[1].endswith("); retrying in 2 s…")
 
 
+def test_a_list_that_shrinks_while_it_is_paged_gives_what_was_read(fake_portal, waits):
+    """Jobs left the queue between two pages: the portal says the next page is gone (400, naming
+    `page`); the rows read stand."""
+    row = {
+        "job": 7, "name": "train.py", "owner": "alice", "team": "vision", "gpu_count": 1, "memory_mb": None,
+        "server": "", "time_limit_minutes": 60, "preemptible": False, "priority": 1.0, "factors": {},
+        "reason": "resources", "estimated_start": None, "estimate_basis": "",
+        "submitted_at": "2026-11-30T10:00:00Z", "array_id": None, "array_index": None,
+    }  # fmt: skip
+    gone = {
+        "detail": "Invalid input.",
+        "errors": {"page": ["There is no page '2'; give a whole number from 1 to 1."]},
+    }
+    fake = fake_portal(
+        [(200, {"count": 2, "next": "x?page=2", "previous": None, "results": [row]}), (400, gone)]
+    )
+    result = gpu("queue", "--json", "--limit", "1000")
+    assert result.exit_code == 0, result.output
+    assert [e["job"] for e in json.loads(result.stdout)] == [7]
+    assert fake.requests == [("GET", "/api/v1/queue/")] * 2
+
+
 def test_it_keeps_trying_for_at_most_a_minute(fake_portal, waits):
     fake = fake_portal([(503, PORTAL_503)])
 
