@@ -308,20 +308,37 @@ def calendar_feed_serve(*, feed: CalendarFeed, now: datetime | None = None) -> S
     return ServedFeed(name=name, events=events, etag=etag, changed_at=changed_at)
 
 
+# RFC 5545 3.3.11: TEXT holds no CONTROL character but HTAB; a line break is written `\n`.
+_NOT_TEXT = {c: None for c in [*range(0x20), 0x7F] if c not in (0x09, 0x0A)}
+
+
+def ics_text(text: str) -> str:
+    r"""`text` escaped as RFC 5545 TEXT, every character as written: icalendar's own escape reads
+    a `\N` in it as a line break (`D:\New` would arrive as `D:`, a new line, `ew`)."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").translate(_NOT_TEXT)
+    return text.replace("\\", "\\\\").replace(";", "\\;").replace(",", "\\,").replace("\n", "\\n")
+
+
 def calendar_ics(served: ServedFeed) -> bytes:
     """The VCALENDAR (RFC 5545: CRLF, folded at 75 octets by icalendar)."""
     # Here, not at the top: every process imports this module (the profile's calendar slot), few
     # serve a feed, and icalendar takes 100 ms to import.
     from icalendar import Calendar, Event
-    from icalendar.prop import vDuration
+    from icalendar.prop import vDuration, vText
+
+    class Text(vText):
+        __slots__ = ()
+
+        def to_ical(self) -> bytes:
+            return ics_text(self).encode(self.encoding)
 
     calendar = Calendar()
     calendar.add("prodid", PRODID)
     calendar.add("version", "2.0")
     calendar.add("calscale", "GREGORIAN")
     calendar.add("method", "PUBLISH")
-    calendar.add("x-wr-calname", served.name)
-    calendar.add("x-wr-caldesc", f"{served.name}, from the GPU lab portal ({settings.PORTAL_URL})")
+    calendar.add("x-wr-calname", Text(served.name))
+    calendar.add("x-wr-caldesc", Text(f"{served.name}, from the GPU lab portal ({settings.PORTAL_URL})"))
     calendar.add("x-published-ttl", vDuration(REFRESH))  # an X- property: icalendar cannot tell its type
     calendar.add("refresh-interval", REFRESH, parameters={"VALUE": "DURATION"})
     for item in served.events:
@@ -332,10 +349,10 @@ def calendar_ics(served: ServedFeed) -> bytes:
         event.add("created", item.created)
         event.add("dtstart", item.start)
         event.add("dtend", item.end)
-        event.add("summary", item.summary)
-        event.add("description", item.description)
+        event.add("summary", Text(item.summary))
+        event.add("description", Text(item.description))
         if item.location:
-            event.add("location", item.location)
+            event.add("location", Text(item.location))
         event.add("url", item.url, parameters={"VALUE": "URI"})
         event.add("status", "CANCELLED" if item.cancelled else "CONFIRMED")
         event.add("transp", "TRANSPARENT" if item.cancelled else "OPAQUE")

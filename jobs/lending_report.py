@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from gpus.models import GPU, Allocation, Reservation
@@ -53,7 +53,10 @@ def lending_hours(
 ) -> list[LentHours]:
     """The figures for [since, until) (since None: from the first loan), by lending team and
     server, largest lent first. `visible`: a filter on the loans (the viewer's scope)."""
-    loans = Reservation.objects.filter(lent_from__isnull=False, start__lt=until, cancelled_at=None)
+    # A loan cancelled once it ran (a leader's or an admin's cancel) keeps the part it held, as a
+    # release does (its end is the cancel): dropping it would take its hours off the counters.
+    held = Q(cancelled_at=None) | Q(cancelled_at__gt=F("start"))
+    loans = Reservation.objects.filter(held, lent_from__isnull=False, start__lt=until)
     if since is not None:
         loans = loans.filter(end__gt=since)
     if visible is not None:
@@ -73,9 +76,16 @@ def lending_hours(
         bookable = GPU.bookable_mb(total, reserved)
         cards[loan].append((server, 1.0 if memory is None or not bookable else min(1.0, memory / bookable)))
     ran: dict[int, float] = defaultdict(float)
-    runs = Job.objects.filter(reservation_id__in=list(windows), started_at__isnull=False).values_list(
-        "reservation_id", "started_at", "finished_at"
-    )
+    # A run still going counts to its last beat, not to `until`: its end, written later by its
+    # worker (a record replayed after an outage, a host clock behind this one), may be earlier
+    # than a scrape's now, and the counter must not go down; it never ends before that beat. (No
+    # beat yet: to `until`.)
+    runs = [
+        (loan, started, max(finished, beat) if finished and beat else finished or beat)
+        for loan, started, finished, beat in Job.objects.filter(
+            reservation_id__in=list(windows), started_at__isnull=False
+        ).values_list("reservation_id", "started_at", "finished_at", "heartbeat_at")
+    ]
     left = LoanRun.objects.filter(loan_id__in=list(windows)).values_list("loan_id", "started_at", "ended_at")
     for loan, started, finished in [*runs, *left]:  # the runs still on their loans, and those that left
         start, end, _ = windows[loan]

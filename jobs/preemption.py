@@ -150,7 +150,7 @@ def job_requeue(
     `ended_at` (its end as its worker saw it; default `now`). `say`: the log's line is written
     here (no supervisor wrote it). Whether this call made the change."""
     now = now or timezone.now()
-    fields = ("reservation_id", "array_id", "started_at", "reservation__lent_from")
+    fields = ("reservation_id", "array_id", "started_at", "heartbeat_at", "reservation__lent_from")
     was = Job.objects.filter(pk=job_id).values(*fields).first() or {}
     booking, array = was.get("reservation_id"), was.get("array_id")
 
@@ -158,7 +158,11 @@ def job_requeue(
         if was.get("reservation__lent_from") and was.get("started_at"):
             began = was["started_at"]
             LoanRun.objects.create(
-                loan_id=booking, job_id=job_id, started_at=began, ended_at=max(began, ended_at or now)
+                # Never before its last beat: /metrics counted it that far (jobs.lending_report).
+                loan_id=booking,
+                job_id=job_id,
+                started_at=began,
+                ended_at=max(began, ended_at or now, was.get("heartbeat_at") or began),
             )
         if booking is not None:
             _booking_give_back(booking, job_id, now)

@@ -28,7 +28,7 @@ Once RUNNING, every TICK_SECONDS this supervisor (the Celery task, holding a poo
 does) reads the row and ends the lab:
 - when someone ends the session (DELETE, the End button);
 - when the booking ends (its owner warned SESSION_WARN_MINUTES before, in the inbox);
-- after SESSION_IDLE_MINUTES without kernel activity (no kernel busy, none active since);
+- after SESSION_IDLE_MINUTES without kernel or terminal activity (no kernel busy, none active since);
 - when the server exits by itself.
 Its kernels run in sessions of their own (jupyter_client starts each with start_new_session),
 so they are recorded on the row (`kernels`, each by pid and start) as they come: the watchdog
@@ -379,7 +379,12 @@ class LabSupervisor:
         if not isinstance(listed, list):
             return None
         busy = any(k.get("execution_state") == "busy" for k in listed)
-        latest = max((_parsed(k.get("last_activity")) for k in listed), default=None)
+        # Its terminals too (jupyter_server_terminals: each with its last input or output): work
+        # typed and run there (`python train.py`) is no idleness.
+        terminals = self._api("terminals")
+        listed = [*listed, *(terminals if isinstance(terminals, list) else [])]
+        activity = (_parsed(k.get("last_activity")) for k in listed if isinstance(k, dict))
+        latest = max((a for a in activity if a is not None), default=None)
         if busy or latest is None:
             self.last_kernel_activity = time.time() if busy else self.last_kernel_activity
         else:
