@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pwd
 import shutil
@@ -29,6 +30,8 @@ from django.conf import settings
 
 from jobs.host import pulls, rootless
 from portal.accounts import JOB_USER_OWNER
+
+log = logging.getLogger(__name__)
 
 # Podman 4.3 on Debian 12 (docs/containers.md, "Install"): crun 1.8 refuses the hybrid cgroup
 # layout, and Podman's default ulimits are above the hard limits a worker without
@@ -449,8 +452,27 @@ def leftovers_remove(account: pwd.struct_passwd | None = None) -> list[tuple[str
         "--filter", f"label={LABEL_SERVER}={settings.WORKER_SERVER}",
         "--format", f'{{{{.Names}}}}\t{{{{index .Labels "{LABEL_WORK}"}}}}\t{{{{.State}}}}', account=account,
     )  # fmt: skip
+    if done.returncode != 0:
+        raise ContainerError(f"podman ps failed on {socket.gethostname()}: {last_line(done.stderr)}")
     found = [tuple(line.split("\t")) for line in done.stdout.splitlines() if line.count("\t") == 2]
-    removed = list(found)
-    for name, _work, _state in removed:
-        podman("rm", "--force", "--ignore", "--time", "0", "--", name, account=account)
-    return removed  # type: ignore[return-value]
+    removed = []
+    for name, work, state in found:
+        # Only what Podman did remove is said removed; one it fails or hangs on is left to the
+        # next start, and never keeps the others' removal (a kill) from being said.
+        try:
+            gone = podman("rm", "--force", "--ignore", "--time", "0", "--", name, account=account)
+        except ContainerError as exc:
+            why = str(exc)
+        else:
+            why = "" if gone.returncode == 0 else last_line(gone.stderr)
+        if why:
+            log.error(
+                "Could not remove container %s (%s, %s), left by a previous worker: %s",
+                name,
+                work,
+                state,
+                why,
+            )
+            continue
+        removed.append((name, work, state))
+    return removed

@@ -26,6 +26,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import close_old_connections, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from gpus.models import Server
@@ -52,15 +53,15 @@ def stranded_jobs(server: str, *, slots: int, now: datetime) -> list[Job]:
     if free <= 0:
         return []
     sent_before = now - timedelta(seconds=settings.JOB_RECONCILE_SECONDS)
+    # A Slurm cluster's job without a booking has no reservation: due once its not_before is.
+    in_window = Q(reservation__start__lte=now, reservation__end__gt=now, reservation__cancelled_at=None)
     waiting = Job.objects.filter(
+        Q(reservation=None) | in_window,
         owner_active(),
         server__name=server,
         status=Job.Status.QUEUED,
         dispatched_at__lt=sent_before,
         not_before__lte=now,
-        reservation__start__lte=now,
-        reservation__end__gt=now,
-        reservation__cancelled_at=None,
     )
     return list(waiting.select_related("server").order_by("dispatched_at", "pk")[:free])
 

@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, close_old_connections, connection
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -47,7 +47,7 @@ from jobs.host.executors.slurm import (
     SlurmRequest,
     SlurmRun,
 )
-from jobs.host.launch import LAUNCHER, job_claim
+from jobs.host.launch import LAUNCHER, job_claim, patiently
 from jobs.host.slurm_setup import (
     SlurmSetupError,
     job_account,
@@ -161,6 +161,8 @@ class SlurmFollower:
         self.unknown_said = ""
         self.running_recorded = False
         self.output_refused = False
+        self.lost_said = ""
+        self.database_away = False  # the follower's last pass met a database outage
         self.stopped: tuple[str, str] | None = None  # (status, message) of the portal's own stop
         self.news = SlurmNews()
 
@@ -187,7 +189,11 @@ class SlurmFollower:
                 "failed", None, f"Slurm did not answer: {exc}", f"[portal] Slurm did not answer: {exc}"
             )
         self.job.slurm_job_id = run.job_id
-        Job.objects.filter(pk=self.job.pk).update(slurm_job_id=run.job_id, slurm_state="PENDING")
+        # Slurm has the job now: its id must reach the row, or nobody would ever follow it.
+        patiently(
+            self.job.pk,
+            lambda: Job.objects.filter(pk=self.job.pk).update(slurm_job_id=run.job_id, slurm_state="PENDING"),
+        )
         self.writer.write_line(
             f"[portal] job {self.job.pk} is Slurm job {run.job_id} on {self.job.server.name}"
             f" ({self.job.gpu_count} GPU(s), partition {self.job.partition or 'default'})"
@@ -343,16 +349,31 @@ class SlurmFollower:
         }
         asked_at = 0.0
         while True:
-            self._take(output)
-            if time.monotonic() - asked_at >= STATE_SECONDS:
-                asked_at = time.monotonic()
-                state = self._ask(executor, run)
-                if state is not None and (state.ended or state.state == "FORGOTTEN"):
-                    self._take(output, to_end=True)  # all that is left (FileOutput.keep at most)
-                    return self._ended(state, run)
-                if why := self._given_up(state, run):
-                    self._take(output, to_end=True)
-                    return self._lost(why)
+            try:
+                self._take(output)
+                if time.monotonic() - asked_at >= STATE_SECONDS:
+                    asked_at = time.monotonic()
+                    state = self._ask(executor, run)
+                    # Another job's id first (a wiped controller reuses ids): never its end as ours.
+                    if why := self._given_up(state, run):
+                        self._take(output, to_end=True)
+                        return self._lost(why)
+                    if state is not None and (state.ended or state.state == "FORGOTTEN"):
+                        self._take(output, to_end=True)  # all that is left (FileOutput.keep at most)
+                        return self._ended(state, run)
+            except DatabaseError as exc:  # a restart of the database: Slurm runs the job on
+                close_old_connections()  # a broken connection is not reused
+                if not self.database_away:  # said once an outage, not every tick
+                    log.warning(
+                        "Job %s: the database is away (%s); following Slurm job %s on",
+                        self.job.pk,
+                        exc,
+                        run.job_id,
+                    )
+                self.database_away = True
+                asked_at = 0.0
+            else:
+                self.database_away = False
             time.sleep(TICK_SECONDS)
 
     def _given_up(self, state: SlurmJobState | None, run: SlurmRun) -> str:
@@ -386,6 +407,8 @@ class SlurmFollower:
         except SlurmError as exc:
             self._unreachable(str(exc))
             return None
+        if state.name and state.name != run.name:  # not ours (its id reused): nothing is sent to it
+            return state
         if self.unreachable_said:
             self.writer.write_line("[portal] the cluster answers again.")
             self.unreachable_said = ""
@@ -462,17 +485,28 @@ class SlurmFollower:
                 f"Slurm job {run.job_id} is gone from Slurm and from its completion log: its end is unknown"
             )
         status = state.status
-        asked = Job.objects.filter(pk=self.job.pk).values(*CANCELLED_FIELDS).first() or {}
+        asked = (
+            Job.objects.filter(pk=self.job.pk).values(*CANCELLED_FIELDS, "cancel_requested_at").first() or {}
+        )
         by = asked.get("cancelled_by__username")
         if status == "cancelled" and self.stopped is not None and not by:  # its booking's end
             status, message = self.stopped
         elif status == "cancelled":
-            # Who asked and why, as a host's job says it (jobs.runs.cancelled_words).
-            message = cancelled_words(asked, " (scancel)") if by else "Cancelled in Slurm (scancel)."
+            # Who asked and why, as a host's job says it (jobs.runs.cancelled_words): a person, or
+            # the portal itself (a leaver's work: its reason is the row's message).
+            message = (
+                cancelled_words(asked, " (scancel)")
+                if asked.get("cancel_requested_at")
+                else "Cancelled in Slurm (scancel)."
+            )
         elif status == "timed_out":
             message = "Timed out: Slurm ended it at its time limit."
         elif status == "failed":
-            message = f"Slurm: {state.state}; {exit_.describe() if exit_ else ''}".strip()
+            said = state.state + (f" ({state.reason})" if state.reason else "")
+            if state.reason == "JobLaunchFailure":  # slurmd's error code, never a signal the job got
+                exit_ = None
+                said += ": Slurm could not start it on its node (its working directory or folder there?)"
+            message = f"Slurm: {said}; {exit_.describe() if exit_ else ''}".strip(" ;")
         else:
             message = ""
         if state.forgotten:
@@ -493,7 +527,9 @@ class SlurmFollower:
         """The job followed no more, as lost: why, in its log, its message (its owner's end notice
         quotes it: jobs.notices) and the audit log. Slurm may run it on: nothing is stopped."""
         message = f"Lost: {why}."[:1000]
-        self.writer.write_line(f"[portal] {message}")
+        if message != self.lost_said:  # once, though the database's outage makes it tried again
+            self.writer.write_line(f"[portal] {message}")
+            self.lost_said = message
         self.writer.close()
         job = self.job
         Job.objects.transition(

@@ -110,7 +110,7 @@ def state_of(record: dict[str, str], *, forgotten: bool = False) -> SlurmJobStat
         exit=exit_of(record.get("ExitCode", "0:0")) if state in ENDS else None,
         nodes=record.get("NodeList", ""),
         forgotten=forgotten,
-        name=record.get("JobName", ""),
+        name=record.get("JobName") or record.get("Name", ""),  # jobcomp/filetxt says Name=
     )
 
 
