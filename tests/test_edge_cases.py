@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - the fixture py, imported from tests.test_bad_input
 """Edge cases a hostile review found (2026-11-30): a form field given twice for env and args, the
 CSRF token of a session's form post, Take it back between two loans and while a loan is being
 made, and a claim whose first try commits after its retry's UPDATE."""
@@ -9,7 +10,6 @@ from datetime import timedelta
 import pytest
 from django.test import Client
 from django.utils import timezone
-from rest_framework.test import APIClient
 
 from gpus.booking import reservation_create
 from gpus.models import Reservation
@@ -17,21 +17,9 @@ from gpus.services import servers_report_ingest
 from jobs.models import Job
 from jobs.queue.scheduler import schedule_pass
 from tests.factories import MembershipFactory, UserFactory, make_snapshot, queue_job
+from tests.test_bad_input import api, py  # noqa: F401
 
 pytestmark = pytest.mark.django_db
-
-
-def api(user) -> APIClient:  # type: ignore[no-untyped-def]
-    client = APIClient(raise_request_exception=False)
-    client.force_authenticate(user)
-    return client
-
-
-@pytest.fixture
-def py(settings, tmp_path) -> str:
-    settings.JOB_ROOTS = [tmp_path]
-    (tmp_path / "train.py").write_text("print(1)\n")
-    return str(tmp_path / "train.py")
 
 
 # --- PassThroughField joins every repeated form field with "," -------------------------------------
