@@ -21,12 +21,13 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 from django.urls import reverse
 from django.utils import timezone
 
-from gpus.booking import PORTAL, reservation_release
+from gpus.booking import PORTAL, reservation_locked, reservation_release
 from gpus.models import Reservation, Server
 from jobs.host.spool import EndRecord
 from jobs.logs.store import LogWriter, log_append
@@ -178,11 +179,16 @@ def queued_job_ended(job: Job, *, now: datetime | None = None) -> None:
     if not job.queued or job.reservation_id is None:
         return
     now = now or timezone.now()
-    booking = Reservation.objects.get(pk=job.reservation_id)
-    if booking.status_at(now) == Reservation.Status.ACTIVE:
-        reservation_release(user=PORTAL, reservation=booking, now=now, reason=f"queued job {job.pk} ended")
-    else:
-        wake_on_commit(QUEUE_SCHEDULER)
+    with transaction.atomic():
+        # Read under the booking's lock: the job's supervisor and the scheduler's pass (an end it
+        # found unreleased) may both get here at once, and the second must find it released, not
+        # fail the release (a supervisor's end, or a whole pass, would go with it).
+        booking = reservation_locked(job.reservation_id)
+        if booking.status_at(now) == Reservation.Status.ACTIVE:
+            why = f"queued job {job.pk} ended"
+            reservation_release(user=PORTAL, reservation=booking, now=now, reason=why)
+        else:
+            wake_on_commit(QUEUE_SCHEDULER)
 
 
 def runs_lost_mark(*, now: datetime | None = None, heard_for: float | None = None) -> dict[str, int]:

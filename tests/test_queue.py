@@ -61,6 +61,20 @@ def test_its_booking_is_released_when_it_ends(alice, box, sent):
     assert Reservation.objects.get(pk=job.reservation_id).released_at is not None
 
 
+def test_its_end_released_meanwhile_by_the_other_path_is_no_error(alice, box, sent, monkeypatch):
+    """The supervisor and the scheduler's pass may both release an ended job's booking at once
+    (seen in the fault suite's storm): the second finds it released under the lock, not a stale
+    read, and fails nothing (a pass, or the supervisor's run, would go with it)."""
+    job = queue_job(alice)
+    schedule_pass()
+    job.refresh_from_db()
+    stale = Reservation.objects.get(pk=job.reservation_id)  # read as active, a moment before
+    queued_job_ended(job)  # the other path
+    monkeypatch.setattr(Reservation.objects, "get", lambda **kwargs: stale)
+    queued_job_ended(job)
+    assert Reservation.objects.filter(pk=job.reservation_id).values_list("released_at", flat=True)[0]
+
+
 def test_a_lost_queued_job_has_its_booking_released_by_the_next_pass(alice, box, sent):
     job = queue_job(alice)
     schedule_pass()
