@@ -16,7 +16,7 @@ from django.utils import timezone
 from gpus.models import GPU, ContainerImage, Reservation, Server, UsageFigures, Violation
 from gpus.usage import portal_today
 from portal.access import VIEW, is_admin, teams_led_by
-from portal.filters import DayFilter, MineFilter, unknown_choice
+from portal.filters import DayFilter, MineFilter, SpanForm, unknown_choice
 from portal.models import Team
 
 # The derived statuses (Reservation.Status), and "open" for upcoming or active; the rules are
@@ -161,15 +161,6 @@ USAGE_GROUPS = [
 ]
 
 
-class UsageFilterForm(forms.Form):
-    def clean(self) -> dict[str, Any]:
-        data = super().clean()
-        since, until = data.get("since"), data.get("until")
-        if since and until and since > until:
-            self.add_error("until", f"until ({until}) is before since ({since}); swap them.")
-        return data
-
-
 def _usage_user_choices(user: AbstractBaseUser | None) -> list[tuple[str, str]]:
     """The people whose usage the viewer sees: themselves and the members of the teams they lead;
     admins everyone (gpus.reports.UsageScope)."""
@@ -232,7 +223,7 @@ class UsageFilter(django_filters.FilterSet):
     class Meta:
         model = UsageFigures  # abstract: the filters serve every usage table
         fields: list[str] = []
-        form = UsageFilterForm
+        form = SpanForm
 
     def __init__(self, data: Any = None, *args: Any, **kwargs: Any) -> None:
         if data is not None and "since" not in data and "until" not in data:

@@ -62,8 +62,19 @@ class DayField(forms.DateField):
         return day
 
 
-class QueryForm(forms.Form):
-    """A list's filter form: each parameter once, and `until` not before `since`."""
+class SpanForm(forms.Form):
+    """A filter form whose `until` may not come before its `since` (the usage reports, the jobs)."""
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        since, until = data.get("since"), data.get("until")
+        if since and until and since > until:
+            self.add_error("until", f"until ({until}) is before since ({since}); swap them.")
+        return data
+
+
+class QueryForm(SpanForm):
+    """A list's filter form: the span's rule, and each parameter given once."""
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
@@ -71,9 +82,6 @@ class QueryForm(forms.Form):
             given = self.data.getlist(name) if hasattr(self.data, "getlist") else []
             if len(given) > 1:
                 self.add_error(name, f"{name} is given {len(given)} times; give it once.")
-        since, until = data.get("since"), data.get("until")
-        if since and until and since > until:
-            self.add_error("until", f"until ({until}) is before since ({since}); swap them.")
         return data
 
 

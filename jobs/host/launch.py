@@ -339,14 +339,10 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
     # claim that failed with the database away (a restart) left the job queued, taken for sent,
     # and never sent again. Retrying the one conditional UPDATE is safe; a claim that committed
     # but whose answer was lost is known by its token (a second message for the job has another).
-    token, tried = uuid.uuid4(), []
+    token, tries = uuid.uuid4(), []
 
     def claim() -> bool:
-        # A try that raised may have committed all the same (its answer lost in a restart): the
-        # row then carries this claim's token, and the job is ours to run.
-        if tried and Job.objects.filter(pk=job_id, status=Job.Status.STARTING, claim_token=token).exists():
-            return True
-        tried.append(True)
+        tries.append(1)
         return Job.objects.transition(
             job_id,
             from_=Job.Status.QUEUED,
@@ -359,11 +355,12 @@ def job_claim(job_id: int, now: datetime | None = None) -> Job | None:
         )
 
     claimed = patiently(job_id, claim)
-    if not claimed and len(tried) > 1:
-        # A try that raised may commit after the retry's UPDATE (a COMMIT whose answer never came,
-        # still waiting, e.g. for a synchronous standby, with the row locked): that UPDATE then
-        # found 0 rows, and the row carries this claim's token all the same.
-        claimed = Job.objects.filter(pk=job_id, status=Job.Status.STARTING, claim_token=token).exists()
+    if not claimed and len(tries) > 1:
+        # A try that raised may have committed all the same (its answer lost in a restart, or a
+        # COMMIT still waiting with the row locked while the retry's UPDATE found 0 rows): the row
+        # then carries this claim's token, and the job is ours to run.
+        mine = Job.objects.filter(pk=job_id, status=Job.Status.STARTING, claim_token=token)
+        claimed = patiently(job_id, mine.exists)
     if not claimed:
         queued = Job.objects.filter(pk=job_id, status=Job.Status.QUEUED)
         left = queued.select_related("owner", "server").first()
