@@ -231,7 +231,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
         # Always passed: beside a booking the service refuses each, by its field, where dropping
         # them ran one plain job for an array of ten (as `preemptible` below).
         queued = {
-            "gpu_count": data["gpu_count"] or 1 if data["reservation"] is None else data["gpu_count"],
+            "gpu_count": (data["gpu_count"] or 1) if data["reservation"] is None else data["gpu_count"],
             "memory_mb": data["memory"],
             "server": data["server"] or None,
             "array": data["array"],

@@ -328,8 +328,9 @@ def _place(
             "memory_mb": ask.memory_mb,
             "begin_at": ask.begin_at,
             "nice": ask.nice,
+            "team": ask.team,
         }
-        if given := [name for name, value in (queued | {"team": ask.team}).items() if value]:
+        if given := [name for name, value in queued.items() if value]:
             raise Invalid(
                 f"{given[0]} is for a queued job; a booking already fixes where, when and for which team "
                 f"it runs. Leave {given[0]} out, or leave the booking out to queue the job.",
