@@ -3,7 +3,7 @@
 Slurm 22.05 reserves whole nodes, not a GPU count, so a booking on a cluster is every card of some
 of its nodes (`slurm_nodes_book`): an ordinary portal booking (quotas, reports, the calendar count
 it as any other), which Slurm then holds as a reservation for its owner's Unix account,
-`portal-<booking id>`. Jobs submitted in the booking go with `--reservation`; nobody else's job
+`portal-<instance>-<booking id>`. Jobs submitted in the booking go with `--reservation`; nobody else's job
 runs on those nodes while it lasts.
 
 The reservation is made and removed by the cluster's worker on its login node, which holds the
@@ -33,17 +33,20 @@ from gpus.slurm_cli import SlurmCommands, SlurmError, SlurmRefused, SlurmUnreach
 from gpus.slurm_inventory import commands_for
 from portal.accounts import unix_account_name
 from portal.errors import Invalid
+from portal.names import instance_label
 from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
 
-PREFIX = "portal-"
 NOT_FOUND = "Reservation not found"  # what scontrol says of a reservation already gone
 ACCOUNT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")  # a POSIX login name
 
 
 def reservation_name(booking_id: int) -> str:
-    return f"{PREFIX}{booking_id}"
+    """`portal-<instance>-<booking id>`: with this portal's instance (portal.names.instance_label),
+    since two portals on one cluster number their bookings alike, and one would take the other's
+    reservation for its own (`_held`), then delete it at its own booking's end."""
+    return f"portal-{instance_label()}-{booking_id}"
 
 
 def slurm_nodes_book(

@@ -87,6 +87,10 @@ class SlurmCluster(models.Model):
         _absolute(self.slurm_conf, "slurm_conf", "/etc/slurm/slurm.conf")
         _absolute(self.jwt_key_file, "jwt_key_file", "/etc/slurm/jwt_hs256.key")
         _absolute(self.job_root, "job_root", "/shared/portal-jobs")
+        if "\\" in self.job_root:  # sbatch's --output pattern drops it (jobs/host/executors/slurm.py)
+            raise ValidationError(
+                {"job_root": "Slurm drops a backslash from a job's output path; pick a folder without one."}
+            )
         for name in self.partition_list:
             if not SLURM_NAME.match(name):
                 raise ValidationError({"partitions": f"{name!r} is not a partition name ({NAME_HELP})."})

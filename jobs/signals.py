@@ -110,11 +110,13 @@ class HostWorker:
 
     def start(self, pool_size: int) -> None:
         if settings.GPU_BACKEND == "slurm":  # a Slurm cluster's login node: Slurm owns every process
+            again = "follows again the Slurm jobs its last worker followed"
+            if not self.patiently(self.resume_slurm_jobs, again):
+                return  # asked to stop while the database was away: nothing of this worker ran
             start_thread(HostPickup(self.server, pool_size))  # only lost messages to find again
             start_thread(SlurmSubmitChecks(self.server))  # the web's questions before it writes a job
-            self.resume_slurm_jobs()
             return
-        if not self.sweep_patiently():
+        if not self.patiently(self.sweep, "ends what its last worker left"):
             return  # asked to stop while the database was away: nothing of this worker ran
         # Off the start's path: asking the container runtime can take seconds (jobs.host.worker).
         threading.Thread(target=self.report_containers, name="containers-report", daemon=True).start()
@@ -147,34 +149,34 @@ class HostWorker:
                     raise
                 log.exception("Could not %s (what the last worker of %s left); going on", what, self.server)
 
-    def sweep_patiently(self) -> bool:
-        """The sweep, retried every JOB_RECONCILE_SECONDS while the database is away (a host that
-        boots beside a restarting database): worker_ready blocks, so no job is taken before it, and
-        the pickup, spool replay and watchdog start after it instead of never (a raising receiver
-        is only logged by Celery). Any other error is logged, and the worker starts all the same.
+    def patiently(self, step: Callable[[], None], what: str) -> bool:
+        """`step` (the sweep, or following a Slurm cluster's jobs again), retried every
+        JOB_RECONCILE_SECONDS while the database is away (a host that boots beside a restarting
+        database): worker_ready blocks, so no job is taken before it, and what starts after it
+        (the pickup, spool replay, watchdog) starts late instead of never (a raising receiver is
+        only logged by Celery). Any other error is logged, and the worker starts all the same.
         False: the worker was asked to stop meanwhile."""
         said = False
         while not (worker_state.should_stop is not None or worker_state.should_terminate is not None):
             try:
-                self.sweep()
+                step()
                 if said:
                     log.warning("It answers again: %s's worker takes work now", self.server)
                 return True
             except Exception as exc:
                 away = outage_of(exc)
-                if away is None:  # a fault of its own: the pickup, replay and watchdog still start
-                    log.exception(
-                        "Could not end what the last worker of %s left; starting all the same", self.server
-                    )
+                if away is None:  # a fault of its own: what comes after still starts
+                    log.exception("%s's worker could not start cleanly; starting all the same", self.server)
                     return True
                 connection.close()  # a broken connection is not reused
                 if not said:
                     log.warning(
-                        "%s is away (%s): %s's worker ends what its last worker left before it"
-                        " takes work, and waits for it, trying every %s s",
+                        "%s is away (%s): %s's worker %s before it takes work, and waits for it,"
+                        " trying every %s s",
                         WHAT[away].capitalize(),
                         exc,
                         self.server,
+                        what,
                         settings.JOB_RECONCILE_SECONDS,
                     )
                     said = True
@@ -184,13 +186,10 @@ class HostWorker:
     def resume_slurm_jobs(self) -> None:
         """Before this worker takes a message (worker_ready comes first): the jobs its previous
         worker followed, followed again (jobs.host.slurm_runner.slurm_jobs_resume). Not later: a
-        job this worker claims would be followed twice. With the database away now, they turn
-        lost after SLURM_LOST_AFTER_SECONDS (the reconciler), as the log says."""
-        try:
-            if ids := slurm_jobs_resume(self.server):
-                log.warning("Following job(s) %s again: their Slurm jobs run on", ", ".join(map(str, ids)))
-        except DatabaseError as exc:
-            log.error("Could not look for the Slurm jobs of the previous worker to follow again: %s", exc)
+        job this worker claims would be followed twice. An outage raises (`patiently` waits it
+        out): a job not followed again would turn lost while Slurm runs it on."""
+        if ids := slurm_jobs_resume(self.server):
+            log.warning("Following job(s) %s again: their Slurm jobs run on", ", ".join(map(str, ids)))
 
     def report_containers(self) -> None:
         """In a thread of its own, once: whether containers work on this host, on its server."""

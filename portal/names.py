@@ -4,6 +4,8 @@ look-alikes must count as one, and the one shape of a Redis key or channel."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 import unicodedata
 
 from django.conf import settings
@@ -25,6 +27,16 @@ def redis_key(*parts: object) -> str:
     without the instance in the name, one takes the other's telemetry, wake-ups and queue holds,
     whose server names, card uuids and job ids collide."""
     return instance_keys(settings.PORTAL_INSTANCE_ID, *parts)
+
+
+def instance_label() -> str:
+    """This portal in names other programs keep (its containers, its Slurm jobs and
+    reservations): PORTAL_INSTANCE_ID in a name's characters, and a short digest of it as given,
+    so that two instances the characters alone would merge ("a b", "a-b") never share a name
+    (`podman run --replace` would remove the other's container, `scontrol delete` its reservation)."""
+    instance = settings.PORTAL_INSTANCE_ID
+    digest = hashlib.sha256(instance.encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', instance)}-{digest}"
 
 
 def signin_name(username: str) -> str:

@@ -22,11 +22,11 @@ from gpus.booking import reservation_create
 from gpus.models import ContainerImage, Server
 from jobs.host import lab
 from jobs.host.containers import image_pull, leftovers_remove, local_name, podman
-from jobs.host.executors import container_instance
 from jobs.host.lab import lab_orphans_end, lab_run
 from jobs.models import InteractiveSession
 from jobs.sessions.services import session_start
 from portal.models import Profile
+from portal.names import instance_label
 from tests.container_image import fake_gpu_nodes, lab_rootfs, need_containers, rootfs, rootless_account
 from tests.job_helpers import alive, kill_quietly, recorded_process
 from tests.test_containers import _pause_process_ends  # noqa: F401 (a fixture, used by name)
@@ -113,7 +113,7 @@ def _api(session: InteractiveSession, path: str, method: str = "GET", token: boo
 
 
 def _containers(session: InteractiveSession, mode: tuple[str, pwd.struct_passwd]) -> list[str]:
-    name = f"portal-{container_instance()}-session-{session.pk}"
+    name = f"portal-{instance_label()}-session-{session.pk}"
     found = podman("ps", "-a", "--filter", f"name={name}", "--format", "{{.Names}}", account=_podman_of(mode))
     return found.stdout.split()
 
@@ -181,7 +181,7 @@ def test_a_restarted_worker_removes_a_lab_container_its_owners_rootless_podman_k
     booking = reservation_create(user=alice, gpus=[box[1].uuid], memory_mb=8192)
     session, _ = session_start(user=alice, reservation=booking.pk, kind="jupyterlab", image="lab-img")
     image_pull(image.reference, lambda line: None, account=account)
-    left = f"portal-{container_instance()}-session-{session.pk}"  # as its dead worker named it
+    left = f"portal-{instance_label()}-session-{session.pk}"  # as its dead worker named it
     made = podman(
         "create", "--name", left, "--", local_name(image.reference, account), "true", account=account
     )

@@ -559,3 +559,33 @@ def test_a_recorded_pid_now_another_live_process_is_not_the_commands(alice, book
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_gpu_that_beats_on_past_its_bookings_end_is_told_to_stop_and_then_ended(alice, booking, settings):
+    """An old or changed `gpu` that ignores the end: before, its beats kept the session running for
+    ever. Past the end each beat says stop; past the grace and a beat's cut-off, the portal ends
+    the session on its row, and tells its owner and the audit log."""
+    client = api(alice)
+    pk = start(alice, reservation=booking.pk).json()["id"]
+    client.patch(f"/api/v1/sessions/{pk}/", {"pid": 4242}, format="json")
+    just_over = timezone.now() - timedelta(seconds=5)
+    Reservation.objects.filter(pk=booking.pk).update(
+        start=just_over - timedelta(hours=1), end=just_over, booked_end=just_over
+    )
+    beat = client.post(f"/api/v1/sessions/{pk}/beat/").json()
+    assert (beat["end_requested"], beat["status"]) == (True, "running")
+    assert beat["message"].startswith("its booking ended at ")
+    long_over = timezone.now() - timedelta(
+        seconds=settings.JOB_KILL_GRACE_SECONDS + settings.SESSION_LOST_AFTER_SECONDS + 5
+    )
+    Reservation.objects.filter(pk=booking.pk).update(
+        start=long_over - timedelta(hours=1), end=long_over, booked_end=long_over
+    )
+    beat = client.post(f"/api/v1/sessions/{pk}/beat/").json()
+    assert (beat["end_requested"], beat["status"]) == (True, "ended")
+    assert "had not ended it" in beat["message"] and "unbooked" in beat["message"]
+    audited = AuditEntry.objects.filter(action=AuditEntry.Action.SESSION_STOP, target=f"session {pk}")
+    assert audited.count() == 1
+    assert Notification.objects.filter(user=alice, kind=Notification.Kind.JOB_STOPPED).count() == 1
+    client.post(f"/api/v1/sessions/{pk}/beat/")  # told once
+    assert Notification.objects.filter(user=alice, kind=Notification.Kind.JOB_STOPPED).count() == 1

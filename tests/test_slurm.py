@@ -23,7 +23,7 @@ from gpus.booking import reservation_cancel, reservation_create, reservation_rel
 from gpus.inventory import BackendUnavailable
 from gpus.models import GPU, Reservation, Server, SlurmCluster, SlurmNode
 from gpus.services import servers_report_ingest
-from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
+from gpus.slurm_booking import reservation_name, slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_cli import SlurmRefused
 from gpus.slurm_inventory import SlurmBackend
 from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, SlurmRun
@@ -317,7 +317,7 @@ def test_a_whole_node_booking_keeps_another_users_job_out_until_it_ends(cluster,
         user=alice, server="cluster-a", nodes=[cluster.node], end=timezone.now() + HOUR
     )
     assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
-    held = cluster.commands.show("reservation", f"portal-{booking.pk}")
+    held = cluster.commands.show("reservation", reservation_name(booking.pk))
     assert "Users=nobody" in held and f"Nodes={cluster.node}" in held
     Reservation.objects.filter(pk=booking.pk).update(slurm_reservation="")  # a pass's record lost
     assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1  # Slurm's is ours
@@ -416,3 +416,18 @@ def test_the_clusters_own_worker_runs_a_job_sent_to_it_and_follows_it_again_afte
     log = job_log(counting.pk)
     assert done.status == "succeeded" and "started again: it follows Slurm job" in log
     assert [int(n) for n in re.findall(r"line (\d+)\n", log)] == list(range(60))  # each line once
+
+
+def test_a_percent_sign_in_the_jobs_folder_is_no_symbol_to_sbatch(cluster, people):
+    """sbatch reads --output as a filename pattern: a folder named `lab%j` had Slurm write the
+    output to `lab<job id>/…`, and the portal read nothing. `%%` is a `%` to it."""
+    alice, _ = people
+    root = cluster.job_root / "lab%j"
+    root.mkdir(mode=0o755, exist_ok=True)
+    SlurmCluster.objects.filter(server__name="cluster-a").update(job_root=str(root))
+    job = submit(alice, SHOW, 1)
+    follow(job)
+    done = ended(job)
+    assert done.status == "succeeded", done.message
+    assert re.search(r"who nobody gpus \d\n", job_log(done.pk))
+    assert (root / "nobody" / f"job-{done.pk}" / "output.log").exists()

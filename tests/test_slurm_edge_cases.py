@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from gpus.models import SlurmCluster
 from jobs.host import slurm_runner
+from jobs.host.executors.slurm import slurm_job_name
 from jobs.models import Job
 from portal.models import Profile
 from tests.job_helpers import job_log
@@ -44,6 +45,12 @@ def _running(alice, cluster, tmp_path, job_line: str, **fields) -> Job:  # type:
         status=Job.Status.RUNNING, slurm_job_id="4242", heartbeat_at=timezone.now(), **fields
     )
     return Job.objects.get(pk=job.pk)
+
+
+def _says(tmp_path, job_line: str) -> None:  # type: ignore[no-untyped-def]
+    """scontrol says `job_line` of the job from now on."""
+    script = f"#!/bin/sh\ncase \"$2\" in\njob) echo '{job_line}' ;;\nesac\n"
+    (tmp_path / "bin" / "scontrol").write_text(script)
 
 
 def test_a_reused_slurm_job_id_whose_job_ended_is_never_taken_for_this_jobs_end(
@@ -82,7 +89,7 @@ def test_a_database_blip_while_following_does_not_abandon_the_slurm_job(
         tmp_path,
         "placeholder",
     )
-    line = f"JobId=4242 JobName=portal-{job.pk} JobState=COMPLETED Reason=None ExitCode=0:0"
+    line = f"JobId=4242 JobName={slurm_job_name(job.pk)} JobState=COMPLETED Reason=None ExitCode=0:0"
     (tmp_path / "bin" / "scontrol").write_text(
         "#!/bin/sh\n" + f"case \"$2\" in\njob) echo '{line}' ;;\nesac\n"
     )
@@ -110,7 +117,7 @@ def test_a_portal_cancel_without_a_person_ends_with_the_portals_reason_not_as_sl
     its message; the follower's scancel ends it. Its end must keep that reason, not say someone
     cancelled it in Slurm behind the portal's back."""
     job = _running(alice, cluster, tmp_path, "placeholder")
-    line = f"JobId=4242 JobName=portal-{job.pk} JobState=CANCELLED Reason=None ExitCode=0:15"
+    line = f"JobId=4242 JobName={slurm_job_name(job.pk)} JobState=CANCELLED Reason=None ExitCode=0:15"
     (tmp_path / "bin" / "scontrol").write_text(
         "#!/bin/sh\n" + f"case \"$2\" in\njob) echo '{line}' ;;\nesac\n"
     )
@@ -159,7 +166,8 @@ def test_a_job_slurm_could_not_launch_says_so_and_is_not_killed_by_a_signal_53(a
     missing on the compute node), as the real 22.05 cluster of tests/slurm_cluster.py prints it:
     `JobState=FAILED Reason=JobLaunchFailure ExitCode=0:53`. 53 is no signal the job got."""
     job = _running(alice, cluster, tmp_path, "placeholder")
-    line = f"JobId=4242 JobName=portal-{job.pk} JobState=FAILED Reason=JobLaunchFailure ExitCode=0:53"
+    name = slurm_job_name(job.pk)
+    line = f"JobId=4242 JobName={name} JobState=FAILED Reason=JobLaunchFailure ExitCode=0:53"
     (tmp_path / "bin" / "scontrol").write_text(
         "#!/bin/sh\n" + f"case \"$2\" in\njob) echo '{line}' ;;\nesac\n"
     )
@@ -167,3 +175,40 @@ def test_a_job_slurm_could_not_launch_says_so_and_is_not_killed_by_a_signal_53(a
     job.refresh_from_db()
     assert "JobLaunchFailure" in job.message and "signal 53" not in job.message, job.message
     assert job.exit_code is None
+
+
+def test_another_portals_job_under_this_jobs_slurm_id_is_not_this_ones(alice, cluster, tmp_path, settings):
+    """Two portals on one cluster both have a job 1: before, both named theirs `portal-1` in Slurm,
+    so a reused id (or the lookup of a job whose sbatch answer was lost) took the other's for ours.
+    The name carries the instance now."""
+    job = _running(alice, cluster, tmp_path, "placeholder")
+    settings.PORTAL_INSTANCE_ID = "the-other-lab"
+    theirs = slurm_job_name(job.pk)
+    settings.PORTAL_INSTANCE_ID = "this-lab"
+    assert theirs != slurm_job_name(job.pk) and theirs.startswith("portal-the-other-lab-")
+    line = f"JobId=4242 JobName={theirs} JobState=COMPLETED Reason=None ExitCode=0:0"
+    _says(tmp_path, line)
+    assert slurm_runner.SlurmFollower(Job.objects.get(pk=job.pk)).resume() == "lost"
+    assert "another job now" in Job.objects.get(pk=job.pk).message
+
+
+def test_a_job_the_release_before_sent_is_followed_again_after_the_upgrade(alice, cluster, tmp_path):
+    """Sent as `portal-<id>` (the name before the instance was in it); its Slurm id on the row says
+    it is ours: its end is recorded, not called another job's."""
+    job = _running(alice, cluster, tmp_path, "placeholder")
+    line = f"JobId=4242 JobName=portal-{job.pk} JobState=COMPLETED Reason=None ExitCode=0:0"
+    _says(tmp_path, line)
+    assert slurm_runner.SlurmFollower(Job.objects.get(pk=job.pk)).resume() == "succeeded"
+
+
+def test_a_slurm_job_out_of_memory_says_so_and_not_a_signal_125(alice, cluster, tmp_path):
+    """Slurm 22.05 ends a job over its memory as `JobState=OUT_OF_MEMORY Reason=OutOfMemory
+    ExitCode=0:125`: 125 is Slurm's mark, no signal. The kernel's OOM killer sent SIGKILL."""
+    job = _running(alice, cluster, tmp_path, "placeholder")
+    name = slurm_job_name(job.pk)
+    line = f"JobId=4242 JobName={name} JobState=OUT_OF_MEMORY Reason=OutOfMemory ExitCode=0:125"
+    _says(tmp_path, line)
+    assert slurm_runner.SlurmFollower(Job.objects.get(pk=job.pk)).resume() == "failed"
+    job.refresh_from_db()
+    assert "went over the memory Slurm gives it" in job.message and "125" not in job.message, job.message
+    assert job.exit_code == -9

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import subprocess
 from datetime import timedelta
 
 import pytest
@@ -21,12 +22,20 @@ from rest_framework.test import APIClient
 from gpus.booking import reservation_create, reservation_extend
 from gpus.models import Reservation, Server, SlurmCluster
 from gpus.services import servers_report_ingest
-from gpus.slurm_booking import slurm_nodes_book, slurm_reservations_sync
+from gpus.slurm_booking import reservation_name, slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_cli import SlurmRefused, SlurmUnreachable
 from gpus.slurm_inventory import cluster_snapshot
 from jobs.host import slurm_runner
 from jobs.host.executors.base import RunEnd, RunSpec
-from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, exit_of, jobcomp_find, state_of
+from jobs.host.executors.slurm import (
+    FileOutput,
+    SlurmExecutor,
+    SlurmRequest,
+    exit_of,
+    jobcomp_find,
+    slurm_job_name,
+    state_of,
+)
 from jobs.models import InteractiveSession, Job
 from jobs.queue.scheduler import schedule_pass
 from jobs.runs import runs_lost_mark
@@ -173,6 +182,18 @@ def test_the_batch_script_quotes_every_word_and_carries_nothing_of_the_workers(t
     assert "--export=NIL" in args and f"--uid={nobody.pw_uid}" in args
     assert {"--gres=gpu:2", "--time=30", "--partition=gpu", "--reservation=r1"} <= set(args)
     assert args[-1] == "--open-mode=append"  # the script comes on stdin, never from a file
+
+
+def test_a_carriage_return_in_an_env_value_or_argument_reaches_the_job_without_sbatch_refusing_it(tmp_path):
+    """sbatch refuses a script with CR LF in it ("Batch script contains DOS line breaks"), and the
+    submit's own check let such a value through (a value pasted from a Windows editor): the job
+    failed in sbatch. The script holds no CR now, and the job gets the value as it was given."""
+    executor = SlurmExecutor(None, SlurmRequest(1, None, "", tmp_path / "out.log"))  # type: ignore[arg-type]
+    argv = ["sh", "-c", 'printf "%s|%s" "$X" "$1"', "sh", "x\ry\r"]
+    script = executor.batch_script(RunSpec(argv, {"X": "a\r\nb'c"}, tmp_path, "portal-7", None))
+    assert "\r" not in script
+    ran = subprocess.run(["/bin/sh"], input=script.encode(), capture_output=True, check=True)
+    assert ran.stdout == b"a\r\nb'c|x\ry\r"
 
 
 def test_it_reads_slurms_exit_codes_states_and_completion_log(tmp_path):
@@ -356,7 +377,7 @@ def test_a_job_sbatch_took_without_answering_in_time_is_found_and_followed(
     job.refresh_from_db()
     assert job.slurm_job_id == squeue_says
     asked = (tmp_path / "bin" / "squeue.args").read_text().split()
-    assert f"--name=portal-{job.pk}" in asked and f"--user={pwd.getpwnam('nobody').pw_uid}" in asked
+    assert f"--name={slurm_job_name(job.pk)}" in asked and f"--user={pwd.getpwnam('nobody').pw_uid}" in asked
     if status == "failed":
         assert "Slurm did not answer" in job.message
 
@@ -452,7 +473,7 @@ def test_a_restarted_worker_finds_a_job_whose_sbatch_it_did_not_see_answered(
     if status == "lost":
         assert (
             job.message
-            == f"Lost: its worker stopped while sending it to Slurm, which has no portal-{job.pk}."
+            == f"Lost: its worker stopped while sending it to Slurm, which has no {slurm_job_name(job.pk)}."
         )
 
 
@@ -529,7 +550,7 @@ def test_a_reservation_made_stays_recorded_when_slurm_stops_answering_later_in_t
     with transaction.atomic():  # as the worker's pass runs it
         assert slurm_reservations_sync(server=cluster, commands=scontrol)["made"] == 1
     first.refresh_from_db(), second.refresh_from_db()
-    made = [b.slurm_reservation == f"portal-{b.pk}" for b in (first, second)]
+    made = [b.slurm_reservation == reservation_name(b.pk) for b in (first, second)]
     assert sorted(made) == [False, True] and first.slurm_error == second.slurm_error == ""  # one tried again
 
 
@@ -538,12 +559,12 @@ def test_a_reservation_slurm_already_holds_under_its_name_is_the_bookings(alice,
     Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
     booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
     overlaps = SlurmRefused("Error creating the reservation: Requested reservation overlaps with another")
-    held = f"ReservationName=portal-{booking.pk} StartTime=now Nodes=vm Users=nobody\n"
+    held = f"ReservationName={reservation_name(booking.pk)} StartTime=now Nodes=vm Users=nobody\n"
     assert slurm_reservations_sync(server=cluster, commands=_Scontrol(overlaps, held))["made"] == 1
     booking.refresh_from_db()
-    assert (booking.slurm_reservation, booking.slurm_error) == (f"portal-{booking.pk}", "")
+    assert (booking.slurm_reservation, booking.slurm_error) == (reservation_name(booking.pk), "")
     other = slurm_nodes_book(user=alice, server="cluster-a", nodes=["gpu02"])  # Slurm holds none for it
-    gone = SlurmRefused(f"Reservation portal-{other.pk} not found")
+    gone = SlurmRefused(f"Reservation {reservation_name(other.pk)} not found")
     assert slurm_reservations_sync(server=cluster, commands=_Scontrol(overlaps, gone))["refused"] == 1
     other.refresh_from_db()
     assert other.slurm_reservation == "" and "overlaps with another" in other.slurm_error
@@ -582,6 +603,11 @@ def test_an_admin_adds_a_cluster_and_its_settings_on_the_server_page(client, adm
     refused = client.post("/admin/gpus/server/add/", form)
     assert refused.status_code == 200 and "Give an absolute path, e.g. /usr/bin." in refused.content.decode()
     assert not Server.objects.filter(name="cluster-b").exists()
+    slashed = client.post(
+        "/admin/gpus/server/add/", {**form, "slurm-0-bin_dir": "/usr/bin", "slurm-0-job_root": "/shared/a\\b"}
+    )
+    assert "Slurm drops a backslash from a job&#x27;s output path" in slashed.content.decode()
+    assert not Server.objects.filter(name="cluster-b").exists()
     made = client.post("/admin/gpus/server/add/", {**form, "slurm-0-bin_dir": "/usr/bin"})
     assert made.status_code == 302, made.content.decode()[-3000:]
     cluster = SlurmCluster.objects.get(server__name="cluster-b")
@@ -616,3 +642,19 @@ def test_the_job_form_sends_a_job_to_a_cluster_and_shows_refusals_beside_their_f
             "form"
         ].errors
     assert Job.objects.count() == 1
+
+
+def test_two_portals_on_one_cluster_never_take_each_others_reservation(alice, cluster, settings):
+    """Both number their bookings from 1. Before, the second's create was refused as an overlap,
+    `_held` found `portal-1` and took it for its own, then deleted it at its own booking's end."""
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    settings.PORTAL_INSTANCE_ID = "the-other-lab"
+    theirs = reservation_name(booking.pk)
+    settings.PORTAL_INSTANCE_ID = "this-lab"
+    assert theirs != reservation_name(booking.pk)
+    overlaps = SlurmRefused("Error creating the reservation: Requested reservation overlaps with another")
+    held = f"ReservationName={theirs} StartTime=now Nodes=vm Users=nobody\n"
+    assert slurm_reservations_sync(server=cluster, commands=_Scontrol(overlaps, held))["refused"] == 1
+    booking.refresh_from_db()
+    assert booking.slurm_reservation == "" and "overlaps with another" in booking.slurm_error

@@ -132,7 +132,7 @@ def test_a_host_worker_that_starts_with_the_database_away_waits_for_it_then_swee
     # and the suite's other threads keep sleeping as they do.
     monkeypatch.setattr(signals, "time", SimpleNamespace(sleep=slept.append))
     host = signals.HostWorker("box1")
-    assert host.sweep_patiently()
+    assert host.patiently(host.sweep, "ends what its last worker left")
     assert len(tries) == 3 and slept == [settings.JOB_RECONCILE_SECONDS] * 2
     said = [r.getMessage() for r in caplog.records if r.name == "jobs.signals"]
     assert len([m for m in said if m.startswith("The database is away")]) == 1  # said once
@@ -145,7 +145,8 @@ def test_a_host_worker_that_starts_with_the_database_away_waits_for_it_then_swee
     labs: list[str] = []
     monkeypatch.setattr(signals, "kill_orphans", broken)
     monkeypatch.setattr(signals, "lab_orphans_end", labs.append)
-    assert host.sweep_patiently() and len(slept) == 2 and labs == ["box1"]
+    assert host.patiently(host.sweep, "ends what its last worker left")
+    assert len(slept) == 2 and labs == ["box1"]
     said = [r.getMessage() for r in caplog.records if r.name == "jobs.signals"]
     assert "Could not end its jobs' processes (what the last worker of box1 left); going on" in said
 
@@ -153,4 +154,31 @@ def test_a_host_worker_that_starts_with_the_database_away_waits_for_it_then_swee
     monkeypatch.setattr(signals, "kill_orphans", away_twice)
     tries.clear()
     monkeypatch.setattr(state, "should_stop", 0)
-    assert not host.sweep_patiently() and tries == []
+    assert not host.patiently(host.sweep, "ends what its last worker left") and tries == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slurm_worker_that_starts_with_the_database_away_follows_its_jobs_again_later(monkeypatch, caplog):
+    """Before, the lookup's DatabaseError was logged and the jobs its last worker followed were
+    never followed again: the reconciler called them lost while Slurm ran them on."""
+    tries: list[int] = []
+
+    def away_twice(server: str) -> list[int]:
+        tries.append(1)
+        if len(tries) <= 2:
+            raise InterfaceError("connection already closed")
+        return [7]
+
+    monkeypatch.setattr(signals, "slurm_jobs_resume", away_twice)
+    slept: list[float] = []
+    monkeypatch.setattr(signals, "time", SimpleNamespace(sleep=slept.append))
+    host = signals.HostWorker("cluster-a")
+    assert host.patiently(host.resume_slurm_jobs, "follows again the Slurm jobs its last worker followed")
+    assert len(tries) == 3 and slept == [settings.JOB_RECONCILE_SECONDS] * 2
+    said = [r.getMessage() for r in caplog.records if r.name == "jobs.signals"]
+    assert [m for m in said if m.startswith("The database is away")] == [
+        "The database is away (connection already closed): cluster-a's worker follows"
+        f" again the Slurm jobs its last worker followed before it takes work, and waits for it, trying"
+        f" every {settings.JOB_RECONCILE_SECONDS} s"
+    ]
+    assert "Following job(s) 7 again: their Slurm jobs run on" in said

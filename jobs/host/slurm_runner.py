@@ -38,7 +38,7 @@ from gpus.booking_ends import ENDED_EARLY_FIELDS, ended_early_words
 from gpus.models import Reservation
 from gpus.slurm_cli import SlurmError, SlurmRefused, SlurmTimedOut, SlurmUnreachable
 from gpus.slurm_inventory import commands_for
-from jobs.host.executors.base import RunSpec
+from jobs.host.executors.base import RunEnd, RunSpec
 from jobs.host.executors.slurm import (
     READ_MAX,
     FileOutput,
@@ -46,6 +46,7 @@ from jobs.host.executors.slurm import (
     SlurmJobState,
     SlurmRequest,
     SlurmRun,
+    slurm_job_name,
 )
 from jobs.host.launch import LAUNCHER, job_claim, patiently
 from jobs.host.slurm_setup import (
@@ -176,7 +177,7 @@ class SlurmFollower:
             )
         executor = SlurmExecutor(self.commands, request)
         spec = RunSpec(
-            self._argv(folder), self._env(), self.job.workdir or folder, f"portal-{self.job.pk}", account
+            self._argv(folder), self._env(), self.job.workdir or folder, slurm_job_name(self.job.pk), account
         )
         try:
             run = self._submit(executor, spec)
@@ -218,7 +219,7 @@ class SlurmFollower:
             output_keep=settings.JOB_LOG_MAX_MB << 20,
         )
         executor = SlurmExecutor(self.commands, request)
-        spec = RunSpec([], {}, folder, f"portal-{self.job.pk}", account)
+        spec = RunSpec([], {}, folder, slurm_job_name(self.job.pk), account)
         job_id = self.job.slurm_job_id
         if not job_id:
             try:
@@ -232,7 +233,8 @@ class SlurmFollower:
             job_id = self.job.slurm_job_id = found.job_id
             Job.objects.filter(pk=self.job.pk).update(slurm_job_id=job_id)
         offset = self.job.slurm_output_offset
-        run = executor.attach(spec, job_id, offset=offset)
+        # A job the release before sent is `portal-<id>` in Slurm: its id on the row says it is ours.
+        run = executor.attach(spec, job_id, offset=offset, former=f"portal-{self.job.pk}")
         self.running_recorded = self.job.status == Job.Status.RUNNING
         self.writer.write_line(
             f"[portal] the worker of {self.job.server.name} started again: it follows Slurm job {job_id}"
@@ -377,7 +379,7 @@ class SlurmFollower:
             time.sleep(TICK_SECONDS)
 
     def _given_up(self, state: SlurmJobState | None, run: SlurmRun) -> str:
-        if state is not None and state.name and state.name != run.name:  # its id reused by Slurm
+        if state is not None and not run.ours(state):  # its id reused by Slurm
             return f"Slurm job {run.job_id} is another job now ({state.name}): Slurm has forgotten this one"
         why = self.news.given_up(self.job.server.name, self.unreachable_said)
         return (
@@ -407,7 +409,7 @@ class SlurmFollower:
         except SlurmError as exc:
             self._unreachable(str(exc))
             return None
-        if state.name and state.name != run.name:  # not ours (its id reused): nothing is sent to it
+        if not run.ours(state):  # its id reused: nothing is sent to it
             return state
         if self.unreachable_said:
             self.writer.write_line("[portal] the cluster answers again.")
@@ -506,6 +508,9 @@ class SlurmFollower:
             if state.reason == "JobLaunchFailure":  # slurmd's error code, never a signal the job got
                 exit_ = None
                 said += ": Slurm could not start it on its node (its working directory or folder there?)"
+            elif state.state == "OUT_OF_MEMORY":  # ExitCode=0:125, Slurm's mark; the OOM killer's SIGKILL
+                exit_ = RunEnd(signal=int(signal.SIGKILL))
+                said += ": it went over the memory Slurm gives it on its node, and was killed"
             message = f"Slurm: {said}; {exit_.describe() if exit_ else ''}".strip(" ;")
         else:
             message = ""

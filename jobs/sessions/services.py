@@ -44,6 +44,7 @@ from jobs.sending import HostSender
 from jobs.sessions.notices import session_stopped_tell, session_warn_ending
 from jobs.tasks import run_session
 from portal.access import can_manage
+from portal.clock import db_now
 from portal.errors import Forbidden, Invalid
 from portal.timefmt import format_time
 
@@ -332,18 +333,49 @@ def session_beat(*, session: InteractiveSession, now: datetime | None = None) ->
     ends_at, warn_at = session_times(session)
     if session.is_active and now >= warn_at and session.warned_at is None:
         session_warn_ending(session, ends_at, now)
+    # Judged by the database's clock, as the lost cut-off is: a web server's clock may be off.
+    if session.is_active and now >= ends_at and db_now() >= ends_at + overrun_allowed():
+        session = _overrun_end(session, ends_at)
     message = ""
     if session.end_requested_at:
         message = "the session was ended from the portal"
+    elif session.is_active and now >= ends_at:
+        message = f"its booking ended at {format_time(ends_at)}"
     elif not session.is_active:
         message = session.message or f"the session is {session.get_status_display().lower()}"
     return {
         "status": session.status,
         "ends_at": ends_at,
         "warn_at": warn_at,
-        "end_requested": bool(session.end_requested_at) or not session.is_active,
+        "end_requested": bool(session.end_requested_at) or not session.is_active or now >= ends_at,
         "message": message,
     }
+
+
+def overrun_allowed() -> timedelta:
+    """How long past its booking's end a session may still beat: `gpu` stops its command at the end,
+    SIGKILL after the grace, and says so at its next beat at the latest."""
+    return timedelta(seconds=settings.JOB_KILL_GRACE_SECONDS + settings.SESSION_LOST_AFTER_SECONDS)
+
+
+def _overrun_end(session: InteractiveSession, ends_at: datetime) -> InteractiveSession:
+    """A `gpu` that beats on long after its booking's end (an old or changed client that ignores
+    the end): the session is ended on its row, told to its owner and the audit log. What it left
+    running on the cards is the watchdog's, which sees it unbooked from the end on."""
+    why = (
+        f"its booking ended at {format_time(ends_at)} and gpu on {session.server.name} had not ended it "
+        f"{int(overrun_allowed().total_seconds())} s later; processes it left on the cards are unbooked"
+    )
+    InteractiveSession.objects.transition(
+        session.pk,
+        from_=InteractiveSession.ACTIVE,
+        to=InteractiveSession.Status.ENDED,
+        told=lambda: session_stopped_tell(session, why),
+        finished_at=timezone.now(),
+        message=f"Ended: {why}."[:MESSAGE_MAX],
+    )
+    session.refresh_from_db()
+    return session
 
 
 def session_times(session: InteractiveSession) -> tuple[datetime, datetime]:

@@ -45,14 +45,10 @@ What a new executor must guarantee:
 
 from __future__ import annotations
 
-import hashlib
-import re
-
-from django.conf import settings
-
 from jobs.host.executors.base import Executor, Run, RunEnd, RunOutput, RunSpec, Signalled
 from jobs.host.executors.local import LocalProcess
 from jobs.host.executors.podman import Podman
+from portal.names import instance_label
 
 __all__ = [
     "Executor",
@@ -74,13 +70,4 @@ def executor_for(work: object) -> Executor:
     if getattr(work, "image_id", None) is None:
         return LocalProcess()
     kind = "session" if type(work).__name__ == "InteractiveSession" else "job"
-    return Podman(f"portal-{container_instance()}-{kind}-{work.pk}")  # type: ignore[attr-defined]
-
-
-def container_instance() -> str:
-    """This portal in its containers' names: PORTAL_INSTANCE_ID in a name's characters, and a
-    short digest of it as given, so that two instances the characters alone would merge ("a b",
-    "a-b") never name one container (`podman run --replace` would remove the other's)."""
-    instance = settings.PORTAL_INSTANCE_ID
-    digest = hashlib.sha256(instance.encode()).hexdigest()[:8]
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', instance)}-{digest}"
+    return Podman(f"portal-{instance_label()}-{kind}-{work.pk}")  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from gpus.slurm_cli import SlurmCommands, SlurmRefused, records
 from jobs.host.executors.base import Run, RunEnd, RunSpec, Signalled
+from portal.names import instance_label
 from portal.pids import ProcessId
 
 READ_MAX = 1 << 20  # one read of the output file at most
@@ -212,6 +213,12 @@ class SlurmRun(Run):
 
     job_id: str = field(kw_only=True)
     last: SlurmJobState | None = field(default=None, kw_only=True)
+    former: str = field(default="", kw_only=True)  # its name as the release before named jobs
+
+    def ours(self, state: SlurmJobState) -> bool:
+        """Whether the job Slurm describes under this run's id is this run's, by its name: a job
+        id is reused once Slurm has forgotten the job (a controller whose state was wiped)."""
+        return not state.name or state.name in (self.name, self.former or self.name)
 
 
 @dataclass(frozen=True)
@@ -238,8 +245,8 @@ class SlurmExecutor:
         """The job's own variables, then its command in place of the shell: nothing of the
         worker's (sbatch --export=NIL), no shell syntax of the user's (every word quoted)."""
         lines = ["#!/bin/sh", f"# {spec.name}, written by the GPU lab portal"]
-        lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.items())]
-        lines.append("exec " + " ".join(shlex.quote(word) for word in spec.argv))
+        lines += [f"export {name}={_sh_word(value)}" for name, value in sorted(spec.env.items())]
+        lines.append("exec " + " ".join(_sh_word(word) for word in spec.argv))
         return "\n".join(lines) + "\n"
 
     def sbatch_args(self, spec: RunSpec) -> list[str]:
@@ -255,7 +262,7 @@ class SlurmExecutor:
             args.append(f"--partition={r.partition}")
         if r.reservation:
             args.append(f"--reservation={r.reservation}")
-        args += [f"--chdir={spec.cwd}", f"--output={r.output}", "--open-mode=append"]
+        args += [f"--chdir={spec.cwd}", f"--output={_filename_pattern(r.output)}", "--open-mode=append"]
         return args  # the script comes on stdin (`start`)
 
     def start(self, spec: RunSpec) -> SlurmRun:
@@ -282,15 +289,16 @@ class SlurmExecutor:
         found = self.commands.run("squeue", args).split()
         return self.attach(spec, found[0]) if found else None
 
-    def attach(self, spec: RunSpec, job_id: str, *, offset: int = 0) -> SlurmRun:
+    def attach(self, spec: RunSpec, job_id: str, *, offset: int = 0, former: str = "") -> SlurmRun:
         """The run of Slurm job `job_id`, its output read from `offset` on (what the job's log
-        holds already, when a restarted worker follows it again)."""
+        holds already, when a restarted worker follows it again); `former`: another name it may
+        have in Slurm (SlurmRun.former)."""
         # No process of the worker's is the run: pid 0 is never signalled (portal.pids), and the
         # orphan sweep has nothing to find.
         uid = spec.account.pw_uid if spec.account is not None else None
         output = FileOutput(self.request.output, uid=uid, keep=self.request.output_keep)
         output.offset = offset
-        return SlurmRun(spec.name, ProcessId(0, -1.0), 0, output, job_id=job_id)
+        return SlurmRun(_job_name(spec), ProcessId(0, -1.0), 0, output, job_id=job_id, former=former)
 
     def state(self, run: Run) -> SlurmJobState:
         """As Slurm says now, or as its completion log says once it has forgotten the job."""
@@ -343,6 +351,27 @@ class SlurmExecutor:
 
     def did_not_start(self, end: RunEnd) -> str:
         return ""
+
+
+def _sh_word(value: str) -> str:
+    """One word for /bin/sh, quoted, with no carriage return in the script's text: sbatch refuses a
+    script with a CR before a newline ("Batch script contains DOS line breaks"), and a value may
+    hold one (an env value pasted from a Windows editor). Each CR is printf's, inside the word."""
+    return "\"$(printf '\\r')\"".join(shlex.quote(part) for part in value.split("\r"))
+
+
+def _filename_pattern(path: Path) -> str:
+    """`path` as sbatch reads --output, a filename pattern: `%%` is a `%` (else `%j` in a folder's
+    name would be the job id). A backslash would turn the symbols off and be dropped: the
+    cluster's jobs' folder may hold none (gpus.slurm_models.SlurmCluster.clean)."""
+    return str(path).replace("%", "%%")
+
+
+def slurm_job_name(job_id: int) -> str:
+    """`portal-<instance>-job-<id>`: the portal job's name in Slurm, by which a job whose sbatch
+    answer was lost is found again and a reused Slurm id told apart. With this portal's instance
+    (portal.names.instance_label): two portals on one cluster number their jobs alike."""
+    return f"portal-{instance_label()}-job-{job_id}".lower()
 
 
 def _job_name(spec: RunSpec) -> str:
