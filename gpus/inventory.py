@@ -34,6 +34,11 @@ class ProcessInfo:
     # The interactive session (`gpu exec`, a JupyterLab kernel) whose session the process is in,
     # resolved at ingest as job_id is (jobs.sessions.services.sessions_by_session).
     interactive_id: int | None = None
+    # For a process that left the session it was started in (a job's child that called setsid):
+    # the session of its nearest ancestor in another session, while the line of parents holds
+    # (gpus.procinfo.parent_session_of). A run is found by its session, else by this one, so such
+    # a child stays its job's. None where the line broke, or could not be read.
+    parent_session_id: int | None = None
 
 
 # A process's fields in their declared order: the columns of its stored row (gpus.services) and

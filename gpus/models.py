@@ -239,6 +239,9 @@ class GPUProcess(models.Model):
     interactive_id = models.PositiveBigIntegerField(
         null=True, blank=True, help_text="The interactive session (gpu exec, JupyterLab) it belongs to."
     )
+    parent_session_id = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The session it left (setsid): its nearest ancestor's in another."
+    )
 
     class Meta:
         ordering = ["gpu", "-used_memory_mb", "pid"]

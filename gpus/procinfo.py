@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 COMMAND_MAX_CHARS = 300
 USERNAME_MAX_CHARS = 64
 UNKNOWN_USER = "?"
+ANCESTRY_DEPTH = 32  # parents read up from a process to find the session it left, at most
 
 
 def is_process_pid(pid: int) -> bool:
@@ -65,14 +66,41 @@ def describe_process(pid: int, used_memory_mb: int | None) -> ProcessInfo:
         username = _guarded(proc, lambda p: p.username(), UNKNOWN_USER)
         command = _guarded(proc, lambda p: " ".join(p.cmdline()) or p.name(), "")
         started = _started(proc)
+    session = session_of(pid)
     return ProcessInfo(
         pid=pid,
         username=_printable(username)[:USERNAME_MAX_CHARS] or UNKNOWN_USER,
         command=_printable(command)[:COMMAND_MAX_CHARS],
         used_memory_mb=used_memory_mb,
-        session_id=session_of(pid),
+        session_id=session,
         started=started,
+        parent_session_id=None if proc is None or session is None else parent_session_of(proc, session),
     )
+
+
+def parent_session_of(proc: psutil.Process, session: int) -> int | None:
+    """The session of `proc`'s nearest ancestor outside `session`: for a job's child that called
+    setsid, the job's. Each parent up the line must have started no later than its child: a
+    parent that died and whose pid went to a younger process breaks the line, so no stranger's
+    session is ever named. None where the line breaks, reaches init, or cannot be read (another
+    user's process under hidepid). A process cannot choose its parent: only what a run started
+    is ever taken for the run's."""
+    child = proc
+    try:
+        for _ in range(ANCESTRY_DEPTH):
+            parent_pid = child.ppid()
+            if not is_process_pid(parent_pid):
+                return None  # init (or a subreaper that is): an orphan's line is broken
+            parent = psutil.Process(parent_pid)
+            if parent.create_time() > child.create_time():
+                return None
+            found = session_of(parent_pid)
+            if found is None or found != session:
+                return found
+            child = parent
+    except (psutil.Error, OverflowError, ValueError):
+        return None
+    return None
 
 
 def describe_processes(listed: Iterable[tuple[int, int | None]]) -> tuple[ProcessInfo, ...]:

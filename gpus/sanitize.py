@@ -163,6 +163,7 @@ def _checked_process(p: ProcessInfo) -> ProcessInfo | None:
         float_in(p.started, 0, 2**40),  # with the pid, the process's identity
         None,  # job_id and interactive_id: never taken from a report, the ingest resolves them
         None,
+        int_in(p.parent_session_id, 1, INT_MAX),
     )
     if all(map(operator.is_, checked, process_values(p))):
         return p

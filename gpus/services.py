@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from gpus.bulk import rows_insert, rows_update
 from gpus.hooks import interactive_sessions, job_sessions
-from gpus.inventory import PROCESS_FIELDS, CardState, GPUInfo, Snapshot, process_values
+from gpus.inventory import PROCESS_FIELDS, CardState, GPUInfo, ProcessInfo, Snapshot, process_values
 from gpus.models import GPU, GPUProcess, Server, SlurmNode, TelemetrySample
 from gpus.sanitize import checked_snapshot
 from gpus.selectors import GPU_LIVE_FIELDS, SERVER_LIVE_FIELDS
@@ -203,7 +203,8 @@ def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo
     """Each process's job, from its session (see gpus.procinfo): one question for the round."""
     sessions: dict[int, set[int]] = defaultdict(set)
     for server_id, g in cards:
-        sessions[server_id].update(p.session_id for p in g.processes or () if p.session_id)
+        for p in g.processes or ():
+            sessions[server_id].update(s for s in (p.session_id, p.parent_session_id) if s)
     if not any(sessions.values()):
         return cards
     jobs = job_sessions(dict(sessions))  # jobs knows its jobs, gpus only asks (gpus.hooks)
@@ -220,8 +221,8 @@ def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo
                 processes=tuple(
                     replace(
                         p,
-                        job_id=jobs.get((server_id, p.session_id)),
-                        interactive_id=interactive.get((server_id, p.session_id)),
+                        job_id=_by_session(jobs, server_id, p),
+                        interactive_id=_by_session(interactive, server_id, p),
                     )
                     for p in g.processes
                 ),
@@ -229,6 +230,14 @@ def _jobs_attribute(cards: list[tuple[int, GPUInfo]]) -> list[tuple[int, GPUInfo
         )
         for server_id, g in cards
     ]
+
+
+def _by_session(runs: dict[tuple[int, int], int], server_id: int, p: ProcessInfo) -> int | None:
+    """The run of the process's session, else of the session it left (setsid: gpus.procinfo)."""
+    found = runs.get((server_id, p.session_id)) if p.session_id else None
+    if found is None and p.parent_session_id:
+        found = runs.get((server_id, p.parent_session_id))
+    return found
 
 
 def _gpus_update_live(cards: list[tuple[int, GPUInfo]], digests: dict[str, str], db_now: object) -> None:

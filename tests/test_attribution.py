@@ -177,6 +177,63 @@ def test_another_portals_jobs_on_this_machine_are_neither_shown_nor_stopped(proc
     assert {v.pid for v in Violation.objects.filter(gpu_id=card)} & set(pids) == {started["ours"].pid}
 
 
+CHILD_IN_ITS_OWN_SESSION = [
+    sys.executable,
+    "-c",
+    "import subprocess, sys, time; sleep = [sys.executable, '-c', 'import time; time.sleep(60)']; "
+    "child = subprocess.Popen(sleep, start_new_session=True); print(child.pid, flush=True); time.sleep(60)",
+]
+
+
+def _job_and_setsid_child(env: dict[str, str], procs: list) -> tuple[subprocess.Popen, int]:  # type: ignore[type-arg]
+    """A job's leader (a session of its own, as the worker starts it) and the child it started with
+    setsid (`start_new_session`, as TensorBoard, Ray or a data loader's server may): its pid."""
+    job = subprocess.Popen(CHILD_IN_ITS_OWN_SESSION, env=env, start_new_session=True, stdout=subprocess.PIPE)
+    procs.append(job)
+    child = int(job.stdout.readline())  # type: ignore[union-attr]
+    wait_for(lambda: "time.sleep" in " ".join(psutil.Process(child).cmdline()), timeout=10, what="exec")
+    return job, child
+
+
+def test_a_child_that_called_setsid_names_the_session_it_left(procs):
+    job, child = _job_and_setsid_child(dict(os.environ), procs)
+    info = describe_process(child, 100)
+    assert (info.session_id, info.parent_session_id) == (child, job.pid)
+    assert describe_process(job.pid, 100).parent_session_id == os.getsid(0)  # the starter's: no run
+    job.kill(), job.wait()  # its parent gone: the line is broken, the job's session never named again
+    wait_for(lambda: psutil.Process(child).ppid() != job.pid, timeout=10, what="the child's adoption")
+    assert describe_process(child, 100).parent_session_id != job.pid
+    os.kill(child, 9)
+
+
+@pytest.mark.django_db
+def test_a_jobs_child_that_called_setsid_is_still_its_jobs_not_an_intruder(procs, alice, sent):
+    """Under a shared account (JOB_USER=gpujob: no person's name), a job's child in a session of its
+    own was judged an intruder on its own booking's card, which a `stop` policy kills, and on a lent
+    card it was taken for the owner coming back. It is found by the session it left now."""
+    from gpus.booking import reservation_create
+    from jobs.submit import ScriptUpload, job_submit
+
+    server, card = _simulated_server()
+    servers_report_ingest(snapshots=[SimulatedBackend(server, seed=1).snapshot()])
+    booking = reservation_create(user=alice, gpus=[card])
+    job = job_submit(user=alice, reservation=booking, script=ScriptUpload(name="t.py", content=b"pass\n"))
+    leader, child = _job_and_setsid_child(_job_env(server, card), procs)
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING, pid=leader.pid, started_at=timezone.now())
+
+    snapshot = SimulatedBackend(server, seed=1).snapshot()
+    assert child in {p.pid for gpu in snapshot.gpus for p in gpu.processes or ()}
+    servers_report_ingest(snapshots=[snapshot])
+    row = GPUProcess.objects.get(gpu_id=card, pid=child)
+    assert (row.job_id, row.session_id, row.parent_session_id) == (job.pk, child, leader.pid)
+
+    WatchdogPolicy.objects.create(kind="intruder", action="stop", grace_seconds=0)
+    HostWatchdog(server, simulated=True).round(snapshot, now=timezone.now())
+    assert not Violation.objects.filter(pid=child).exists()
+    assert psutil.Process(child).is_running()
+    os.kill(child, 9)
+
+
 # --- hostile reports ------------------------------------------------------------------------
 
 
@@ -201,6 +258,7 @@ def _hostile_card(card: GPUInfo) -> GPUInfo:
                 used_memory_mb=2**40,
                 session_id=10**15,
                 job_id=10**25,
+                parent_session_id=-(10**15),
             ),
         ),
     )
@@ -219,6 +277,7 @@ def test_it_range_checks_every_number_it_stores():
     assert card.memory_reserved_mb == 0 and card.name == "evil card"
     (process,) = GPUProcess.objects.filter(gpu=card)
     assert (process.pid, process.used_memory_mb, process.session_id, process.job_id) == (77, None, None, None)
+    assert process.parent_session_id is None
     assert "\x00" not in process.username + process.command and len(process.command) == 300
     assert Server.objects.filter(name="box2").exists()  # the other host's telemetry stands
 

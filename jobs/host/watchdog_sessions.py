@@ -26,7 +26,7 @@ from time import time
 
 import psutil
 
-from gpus.inventory import GPUInfo
+from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.procinfo import is_process_pid, session_of
 from jobs.host.watchdog_sql import Facts, SessionRow
 from jobs.models import InteractiveSession
@@ -196,10 +196,15 @@ def run_started(leader: int, worker: int) -> float | None:
 
 
 def _without_sessions(card: GPUInfo, sessions: set[int]) -> GPUInfo:
-    """The card as the round judges it: without the processes of these sessions."""
-    if not card.processes or not any(p.session_id in sessions for p in card.processes):
+    """The card as the round judges it: without the processes of these sessions, nor those that
+    left one of them (a child that called setsid: rules.run_of would take it for the run's)."""
+
+    def of_them(p: ProcessInfo) -> bool:
+        return p.session_id in sessions or (p.parent_session_id or 0) in sessions
+
+    if not card.processes or not any(map(of_them, card.processes)):
         return card
-    return replace(card, processes=tuple(p for p in card.processes if p.session_id not in sessions))
+    return replace(card, processes=tuple(p for p in card.processes if not of_them(p)))
 
 
 def _predates_end(job: JobFacts, sessions: dict[int, float]) -> bool:

@@ -31,11 +31,15 @@ not one per process, so an allowance per extra context would promise neighbours 
 not there. The launcher's cap keeps one context's headroom (jobs.environment.booked_memory); a
 job that opens more processes on a shared card must fit them in what it booked.
 
-The booking owner's own processes outside their jobs (a notebook, or a job's child that called
-setsid and so left the job's session) are the owner's business only while the owner stays within
-the booking: on a shared card the watchdog adds up *all* the owner's processes there (inside and
-outside jobs) against the owner's booked MiB there. Within it they are `owner_outside_job`, never
-stopped; above it the ones outside jobs are `over_memory`, which the policy may stop.
+Jobs and `gpu exec` sessions are found by the session a process is in, else by the session it
+left (a child that called setsid, while its parent line holds: `run_of`).
+
+The booking owner's own processes outside their jobs (a notebook, or what a job left behind in a
+session of its own once the job's processes were gone) are the owner's business only while the
+owner stays within the booking: on a shared card the watchdog adds up *all* the owner's
+processes there (inside and outside jobs) against the owner's booked MiB there. Within it they are
+`owner_outside_job`, never stopped; above it the ones outside jobs are `over_memory`, which the
+policy may stop.
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Violation
+
+T = TypeVar("T")
 
 
 class Kind(StrEnum):
@@ -150,11 +156,11 @@ def classify(
         job_memory = _job_memory_on(card, by_session)
         here = []
         for process in card.processes:
-            job = by_session.get(process.session_id) if process.session_id else None
+            job = run_of(process, by_session)
             if job is not None:
                 here.append(_job_verdict(card, process, job, booking_of, job_memory, tolerance_mb))
                 continue
-            claims = interactive.get(process.session_id, []) if process.session_id else []
+            claims = run_of(process, interactive) or []
             booked = next(
                 (
                     v
@@ -168,10 +174,19 @@ def classify(
     return verdicts
 
 
+def run_of(process: ProcessInfo, by_session: Mapping[int, T]) -> T | None:
+    """The run whose session the process is in, else the one whose session it left (a child that
+    called setsid: its parent's line, gpus.procinfo.parent_session_of)."""
+    for session in (process.session_id, process.parent_session_id):
+        if session and (found := by_session.get(session)) is not None:
+            return found
+    return None
+
+
 def _job_memory_on(card: GPUInfo, by_session: Mapping[int, JobFacts]) -> dict[int, int]:
     total: dict[int, int] = defaultdict(int)
     for process in card.processes or ():
-        job = by_session.get(process.session_id) if process.session_id else None
+        job = run_of(process, by_session)
         if job is not None:
             total[job.job_id] += process.used_memory_mb or 0
     return total
