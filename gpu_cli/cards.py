@@ -11,6 +11,7 @@ import click
 
 from gpu_cli import render
 from gpu_cli.api import connect
+from gpu_cli.errors import NotFound
 from gpu_cli.params import DURATION, MEMORY, WHEN
 from gpu_cli.render import json_option
 
@@ -26,7 +27,11 @@ def status(server: str | None, as_json: bool) -> None:
       gpu status --server sim-rtx-4x24 --json
     """
     portal = connect()
-    servers = [s for s in portal.get("servers/") if server in (None, s["name"])]
+    every = portal.get("servers/")
+    servers = [s for s in every if server in (None, s["name"])]
+    if server is not None and not servers:  # a typo is no empty server: say so, and fail as a 404 does
+        names = ", ".join(s["name"] for s in every) or "none yet"
+        raise NotFound(f"No server {server!r}; the servers are: {names}.")
     gpus = portal.get("gpus/", server=server)
     violations = portal.rows("violations/", limit=100, open="true", server=server).rows
     bookings = portal.rows("reservations/", limit=100, status="open", mine=1, server=server).rows
@@ -43,7 +48,7 @@ def status(server: str | None, as_json: bool) -> None:
         out.print(render.server_table(entry, sorted(by_server[entry["name"]], key=lambda g: g["index"])))
         out.print()
     if not servers:
-        out.print("No servers." if server is None else f"No server {server!r}.")
+        out.print("No servers.")
     if violations:
         cards = {g["uuid"]: render.card_name(g) for g in gpus}
         out.print(render.violations_table(violations, cards))
@@ -119,7 +124,10 @@ def book(
         render.print_json(reservation)
         return
     out = render.console()
-    out.print(f"Booked reservation {reservation['id']}.")
+    # The team says whose quota it counts against: for someone in several teams, the first by
+    # name unless --team says otherwise.
+    team = f" for team {reservation['team']}" if reservation.get("team") else ""
+    out.print(f"Booked reservation {reservation['id']}{team}.")
     out.print(render.reservations_table([reservation]))
     out.print(f"Run in it: gpu run --reservation {reservation['id']} train.py")
 

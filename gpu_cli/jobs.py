@@ -146,7 +146,9 @@ def _queue_request(options: dict[str, Any], reservation: int | None) -> dict[str
 @click.option("--array", metavar="0-99[%8]", help="An array of tasks, at most %N at once.")
 @click.option("--nice", type=click.IntRange(min=0), help="Lower the job's priority by N.")
 @click.option("--begin", type=WHEN, help="Not before this time: 14:00, now+1h, 2025-06-01 09:00.")
-@click.option("--team", help="The team whose share it counts against, by slug [your first].")
+@click.option(
+    "--team", help="The team whose share it counts against, by slug: needed when you are in several."
+)
 @click.option(
     "--preemptible",
     is_flag=True,
@@ -374,7 +376,9 @@ def cancel(whole_array: bool, reason: str, as_json: bool, job_ids: tuple[int, ..
         try:
             job = portal.post(f"jobs/{job_id}/cancel/", json=body or None)
         except (Refused, NotFound) as exc:
-            click.echo(f"Error: job {job_id}: {exc.format_message()}", err=True)
+            said = exc.format_message()  # named already ("Job 3 is already cancelled"), or not
+            named = said.startswith(f"Job {job_id} ")
+            click.echo(f"Error: {said}" if named else f"Error: job {job_id}: {said}", err=True)
             failed = failed or exc
             continue
         answers.append(job)

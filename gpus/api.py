@@ -48,6 +48,7 @@ from gpus.selectors import (
 )
 from gpus.slurm_booking import slurm_nodes_book
 from portal.errors import Invalid
+from portal.forms import CARDS_ERRORS, MIB_ERRORS
 from portal.pagination import PagePagination
 from portal.permissions import ActionPermissionsMixin, IsOwner, IsOwnerOrTeamManager
 
@@ -271,10 +272,13 @@ class ReservationCreateSerializer(serializers.Serializer):
     """Types only; the rules are checked by gpus.booking.reservation_create."""
 
     gpus = serializers.ListField(child=serializers.CharField(max_length=64), required=False, max_length=64)
-    count = serializers.IntegerField(required=False, allow_null=True)
+    count = serializers.IntegerField(required=False, allow_null=True, error_messages=CARDS_ERRORS)
     server = serializers.CharField(required=False, allow_null=True, allow_blank=True)
     memory_mb = serializers.IntegerField(
-        required=False, allow_null=True, help_text="MiB per card (NVML's unit); null: whole cards"
+        required=False,
+        allow_null=True,
+        error_messages=MIB_ERRORS,
+        help_text="MiB per card (NVML's unit); null: whole cards",
     )
     start = serializers.DateTimeField(required=False, allow_null=True, help_text="Default: now")
     end = serializers.DateTimeField(

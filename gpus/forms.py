@@ -15,7 +15,7 @@ from gpus.booking import request_problems
 from gpus.booking_defaults import cards_at_once, empty_end, form_defaults, limits_in_words
 from gpus.models import GPU, Server, format_mb
 from gpus.servers import REASON_MAX
-from portal.forms import ServiceErrorsMixin
+from portal.forms import CARDS_ERRORS, SERVER_ERRORS, ServiceErrorsMixin
 from portal.models import Membership
 
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([GM])(?:I?B)?)?\s*$", re.IGNORECASE)
@@ -86,11 +86,14 @@ class ReservationForm(ServiceErrorsMixin, forms.Form):
         required=False,
         min_value=1,
         max_value=64,
+        error_messages=CARDS_ERRORS,
         help_text="How many cards the portal should pick: the least loaded that fit, kept on one server. "
         "Ignored while cards are ticked and it is left at its default.",
     )
     server = forms.ChoiceField(
-        required=False, help_text="Where to pick the cards; any online server if empty."
+        required=False,
+        error_messages=SERVER_ERRORS,
+        help_text="Where to pick the cards; any online server if empty.",
     )
     memory = forms.CharField(
         required=False,

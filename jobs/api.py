@@ -32,6 +32,7 @@ from jobs.selectors import queue_rows
 from jobs.services import ONLY_MANAGERS_CANCEL, job_cancel
 from jobs.submit import ScriptUpload, job_submit
 from portal.errors import Invalid
+from portal.forms import CARDS_ERRORS, MIB_ERRORS
 from portal.pagination import PagePagination
 from portal.parsers import JSONParser
 from portal.permissions import ActionPermissionsMixin, IsOwnerOrTeamManager
@@ -214,9 +215,14 @@ class JobCreateSerializer(serializers.Serializer):
             "max_value": "Give the id of one of your bookings (GET /api/v1/reservations/), or leave it out.",
         },
     )
-    gpu_count = serializers.IntegerField(required=False, allow_null=True, help_text="Queued: how many cards.")
+    gpu_count = serializers.IntegerField(
+        required=False, allow_null=True, error_messages=CARDS_ERRORS, help_text="Queued: how many cards."
+    )
     memory_mb = serializers.IntegerField(
-        required=False, allow_null=True, help_text="Queued: MiB per card; null: whole cards."
+        required=False,
+        allow_null=True,
+        error_messages=MIB_ERRORS,
+        help_text="Queued: MiB per card; null: whole cards.",
     )
     server = serializers.CharField(
         required=False,

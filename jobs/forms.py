@@ -13,7 +13,7 @@ from gpus.forms import parse_memory_mb
 from gpus.models import ContainerImage, Reservation
 from jobs.models import Job
 from jobs.submit import ScriptUpload
-from portal.forms import ServiceErrorsMixin
+from portal.forms import CARDS_ERRORS, SERVER_ERRORS, ServiceErrorsMixin
 from portal.timefmt import short_time
 
 
@@ -76,6 +76,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
     gpu_count = forms.IntegerField(
         required=False,
         min_value=1,
+        error_messages=CARDS_ERRORS,
         label="Queue: cards",
         help_text="Without a booking: how many cards, all on one server. The portal books them for the "
         "time limit when they are free, and releases them when the job ends.",
@@ -87,6 +88,7 @@ class JobForm(ServiceErrorsMixin, forms.Form):
     )
     server = forms.ChoiceField(
         required=False,
+        error_messages=SERVER_ERRORS,
         label="Queue: server",
         help_text="Empty: any server. A Slurm cluster sends the job to Slurm, which picks node and cards.",
     )

@@ -20,6 +20,7 @@ Status transitions:
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from typing import Any
@@ -30,6 +31,18 @@ from django.utils import timezone
 
 from jobs.lifecycle import job_published, transition
 from portal.access import VIEW, check_action, is_admin, teams_led_by
+
+
+def exit_words(code: int | None) -> str:
+    """An exit code as recorded, "-15 (SIGTERM)" for one a signal ended; "" for none."""
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"{code} (signal {-code})"
+    return str(code)
 
 
 class JobArray(models.Model):
@@ -321,6 +334,12 @@ class Job(models.Model):
         if not self.started_at:
             return None
         return (self.finished_at or timezone.now()) - self.started_at
+
+    @property
+    def exit_label(self) -> str:
+        """The exit code as recorded (minus N after signal N, as Popen's), with the signal named:
+        "-15 (SIGTERM)" reads as the cancel it was, where a bare -15 looked like a fault."""
+        return exit_words(self.exit_code)
 
     @property
     def mean_utilization_pct(self) -> float | None:

@@ -18,6 +18,21 @@ from portal.errors import ServiceError
 from portal.models import Membership, Notification
 from portal.time_zones import zone_choices
 
+# Django's and DRF's words for a bad number or choice ("Ensure this value is greater than or equal
+# to 1.", "A valid integer is required.", "Select a valid choice.") name no fix: these do, shared
+# by the web forms and the API's serializers that take the same fields.
+CARDS_ERRORS = {
+    "invalid": "Give how many cards as a whole number, e.g. 2.",
+    "min_value": "Ask for 1 card or more.",
+    "max_value": "Ask for %(limit_value)s cards at most.",
+}
+MIB_ERRORS = {
+    "invalid": "Give MiB per card as a whole number, e.g. 16384 for 16 GiB; leave it out for whole cards.",
+}
+SERVER_ERRORS = {
+    "invalid_choice": "There is no server %(value)s; pick one of the list, or leave it empty for any.",
+}
+
 
 class ServiceErrorsMixin:
     """For every form whose data goes to a service: the service's refusal (a ServiceError)

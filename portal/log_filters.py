@@ -21,6 +21,17 @@ def redact(text: str) -> str:
     return _SECRET_PATH.sub(r"\1\2…", text)
 
 
+class NoTracebackForClientErrors(logging.Filter):
+    """Django logs a 403 (PermissionDenied: a member asking for what only a leader may do) with
+    the exception's whole traceback, as if the code had failed. A 4xx is the request's fault and
+    its line says which; only a 5xx keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and getattr(record, "status_code", 500) < 500:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 class RedactSecretPaths(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -30,8 +41,12 @@ class RedactSecretPaths(logging.Filter):
 
 
 def redact_request_logs() -> None:
-    """The loggers that name request paths: Django's, gunicorn's and uvicorn's access logs."""
+    """The loggers that name request paths: Django's, gunicorn's and uvicorn's access logs; and
+    Django's request log, without a traceback for a client's error."""
     for name in ("django.request", "django.server", "uvicorn.access", "gunicorn.access"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactSecretPaths) for f in logger.filters):
             logger.addFilter(RedactSecretPaths())
+    request = logging.getLogger("django.request")
+    if not any(isinstance(f, NoTracebackForClientErrors) for f in request.filters):
+        request.addFilter(NoTracebackForClientErrors())

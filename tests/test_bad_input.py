@@ -191,3 +191,40 @@ def test_a_bad_page_is_a_400_naming_page(alice, box, query):
 def test_a_bad_page_size_is_refused_not_read_as_50(alice, box, query):
     response = api(alice).get(f"/api/v1/queue/?{query}")
     assert response.status_code == 400 and "page_size" in response.json()["errors"], response.content
+
+
+# --- a new user's first hour (a walk through README's set-up, 2026-11-30) ----------------------
+
+
+def test_the_booking_forms_count_and_server_refusals_say_what_to_do(alice, box):
+    """Django's own words named no fix: "Ensure this value is greater than or equal to 1.", "Select
+    a valid choice. sim-a100-nope is not one of the available choices."."""
+    for field, value, words in (
+        ("count", "-2", "Ask for 1 card or more."),
+        ("count", "two", "Give how many cards as a whole number, e.g. 2."),
+        ("server", "box7", "There is no server box7; pick one of the list, or leave it empty for any."),
+    ):
+        response = web(alice).post("/reservations/new/", {field: value})
+        assert response.status_code == 200
+        assert words in response.context["form"].errors[field], response.context["form"].errors
+    assert not Reservation.objects.exists()
+
+
+def test_the_jobs_form_count_and_server_refusals_say_what_to_do(alice, box, py):
+    data = job_form_data(None, script_path=py, gpu_count="-1", server="box7")
+    errors = web(alice).post("/jobs/new/", data).context["form"].errors
+    assert "Ask for 1 card or more." in errors["gpu_count"]
+    assert "There is no server box7" in errors["server"][0]
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.parametrize("path, body", [("/api/v1/reservations/", {}), ("/api/v1/jobs/", {"gpu_count": 1})])
+def test_memory_in_the_api_with_a_unit_says_it_is_mib(alice, box, py, path, body):
+    """`{"memory_mb": "16GB"}` was answered "A valid integer is required.", which does not say the
+    field is in MiB."""
+    response = api(alice).post(path, {**body, "script_path": py, "memory_mb": "16GB"}, format="json")
+    assert response.status_code == 400
+    assert response.json()["errors"]["memory_mb"] == [
+        "Give MiB per card as a whole number, e.g. 16384 for 16 GiB; leave it out for whole cards."
+    ]
+    assert not Reservation.objects.exists() and Job.objects.count() == 0

@@ -162,6 +162,32 @@ def test_status_shows_each_servers_cards_and_open_violations(portal, alice, box)
     assert [v["pid"] for v in data["violations"]] == [4242]
 
 
+def test_status_of_a_server_that_does_not_exist_fails_and_names_those_that_do(portal, alice, box):
+    """A typo in --server printed "No server ..." and exited 0 (and empty lists with --json)."""
+    for args in (("status", "--server", "box7"), ("status", "--server", "box7", "--json")):
+        result = CliRunner().invoke(cli, list(args), prog_name="gpu")
+        assert result.exit_code == 4, result.output
+        assert "No server 'box7'; the servers are: box1." in result.output
+
+
+def test_a_cancelled_jobs_exit_code_names_its_signal_in_the_history_and_on_its_page(
+    portal, alice, booking, client
+):
+    """A bare -15 read as a fault; docs/cli.md speaks of 143 for a cancel. The code stays Popen's."""
+    job = _job(alice, booking)
+    _finish(job.pk, Job.Status.CANCELLED, -15)
+    assert "-15 (SIGTERM)" in gpu("history").output
+    client.force_login(alice)
+    assert "-15 (SIGTERM)" in client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "-15 (SIGTERM)" in client.get("/jobs/").content.decode()
+
+
+def test_book_says_which_teams_quota_the_booking_counts_against(portal, alice, box):
+    result = gpu("book", "--gpus", "1", "--time", "1h")
+    assert result.exit_code == 0, result.output
+    assert f"Booked reservation {Reservation.objects.get().pk} for team vision-lab." in result.output
+
+
 def test_it_books_and_releases_cards(portal, alice, box):
     result = gpu(
         "book", "--gpus", "2", "--server", "box1", "--mem", "8G", "--time", "2h", "--note", "ablation"

@@ -576,3 +576,15 @@ def test_a_quota_saved_below_what_is_in_use_says_so(client, team, alice, leader,
     )
     page = answer.content.decode()
     assert "alice already uses 2 cards at once (limit 1)" in page and "new bookings are refused" in page
+
+
+def test_a_leader_refused_the_team_quota_reads_why_and_the_log_has_no_traceback(client, team, leader, caplog):
+    """The 403 page said only "Not yours to see ... needs a leader or an admin" to a leader, and
+    Django logged the PermissionDenied with its whole traceback, as if the code had failed."""
+    client.force_login(leader)
+    answer = client.post(f"/teams/{team.slug}/quota/", {"max_cards": "4"})
+    assert answer.status_code == 403
+    assert "Only admins set team quotas; ask one." in answer.content.decode()
+    (record,) = [r for r in caplog.records if r.name == "django.request"]
+    assert record.getMessage().startswith("Forbidden (Permission denied)")
+    assert record.exc_info is None and "Traceback" not in caplog.text

@@ -258,5 +258,9 @@ def membership_check(user: AbstractBaseUser, slug: str | None) -> Membership:
         )
     if len(teams) > 1:
         names = ", ".join(t.slug for t in teams)
-        raise Invalid(f"You are in several teams ({names}); say which one the job is for.", field="team")
+        raise Invalid(
+            f"You are in several teams ({names}); say which one the job is for "
+            f"(gpu run --team {teams[0].slug}).",
+            field="team",
+        )
     return memberships[0]
