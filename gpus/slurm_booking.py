@@ -33,7 +33,7 @@ from gpus.slurm_cli import SlurmCommands, SlurmError, SlurmRefused, SlurmUnreach
 from gpus.slurm_inventory import commands_for
 from portal.accounts import unix_account_name
 from portal.errors import Invalid
-from portal.names import instance_label
+from portal.names import SLURM_NAME_INSTANCE, instance_label
 from portal.periodic import PeriodicThread, start_thread
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,9 @@ ACCOUNT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")  # a POSIX login name
 def reservation_name(booking_id: int) -> str:
     """`portal-<instance>-<booking id>`: with this portal's instance (portal.names.instance_label),
     since two portals on one cluster number their bookings alike, and one would take the other's
-    reservation for its own (`_held`), then delete it at its own booking's end."""
-    return f"portal-{instance_label()}-{booking_id}"
+    reservation for its own (`_held`), then delete it at its own booking's end. The instance's
+    characters are cut to SLURM_NAME_INSTANCE: the name fits `Reservation.slurm_reservation`."""
+    return f"portal-{instance_label(SLURM_NAME_INSTANCE)}-{booking_id}"
 
 
 def slurm_nodes_book(

@@ -29,14 +29,21 @@ def redis_key(*parts: object) -> str:
     return instance_keys(settings.PORTAL_INSTANCE_ID, *parts)
 
 
-def instance_label() -> str:
+# PORTAL_INSTANCE_ID's characters in a Slurm name (gpus.slurm_booking.reservation_name): `portal-`
+# 7, these 32, `-<digest>-` 10, a booking id of up to 15 digits: Reservation.slurm_reservation's 64.
+SLURM_NAME_INSTANCE = 32
+
+
+def instance_label(readable: int | None = None) -> str:
     """This portal in names other programs keep (its containers, its Slurm jobs and
     reservations): PORTAL_INSTANCE_ID in a name's characters, and a short digest of it as given,
     so that two instances the characters alone would merge ("a b", "a-b") never share a name
-    (`podman run --replace` would remove the other's container, `scontrol delete` its reservation)."""
+    (`podman run --replace` would remove the other's container, `scontrol delete` its reservation).
+    `readable`: at most that many of its characters before the digest (a name kept in a column of
+    a bounded length: the digest of the whole still keeps two instances apart)."""
     instance = settings.PORTAL_INSTANCE_ID
     digest = hashlib.sha256(instance.encode()).hexdigest()[:8]
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', instance)}-{digest}"
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', instance)[:readable]}-{digest}"
 
 
 def signin_name(username: str) -> str:

@@ -31,6 +31,7 @@ from jobs.services import jobs_reconcile
 from jobs.sessions import services as interactive
 from jobs.submit import ScriptUpload, job_submit
 from tests.factories import make_snapshot
+from tests.test_sessions import start
 from tests.waiting import wait_for
 
 SKEWS = [
@@ -186,3 +187,24 @@ def test_a_server_that_stopped_reporting_goes_offline_whatever_the_clock(
     wait_for(lambda: _server_views(alice)["up"] == 0, timeout=15, what="box9 shown offline")
     seen = _server_views(alice)
     assert seen["dashboard"] == Server.Status.OFFLINE and not seen["online"] and seen["age"] >= 5, seen
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("offset", "over", "asked"),
+    [
+        pytest.param(timedelta(minutes=5), timedelta(minutes=-2), False, id="web-5-min-ahead-2-min-left"),
+        pytest.param(timedelta(minutes=-5), timedelta(seconds=1), True, id="web-5-min-behind-ended"),
+    ],
+)
+def test_a_beat_asks_the_end_by_the_databases_clock(alice, booking, monkeypatch, offset, over, asked):
+    """The overrun is judged by the database's clock ("a web server's clock may be off"), the end
+    itself was by the web server's: one 5 minutes ahead told `gpu` to stop 5 minutes early, and
+    `gpu` keeps to an end once asked (gpu_cli/interactive.py Watch.update), extended or not."""
+    pk = start(alice, reservation=booking.pk).json()["id"]
+    api(alice).patch(f"/api/v1/sessions/{pk}/", {"pid": 4242}, format="json")
+    end = timezone.now() + (-over)
+    Reservation.objects.filter(pk=booking.pk).update(start=end - timedelta(hours=1), end=end, booked_end=end)
+    skew(monkeypatch, offset, interactive)
+    answer = api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()
+    assert (answer["end_requested"], answer["status"]) == (asked, "running"), answer

@@ -583,9 +583,31 @@ def test_a_gpu_that_beats_on_past_its_bookings_end_is_told_to_stop_and_then_ende
     )
     beat = client.post(f"/api/v1/sessions/{pk}/beat/").json()
     assert (beat["end_requested"], beat["status"]) == (True, "ended")
-    assert "had not ended it" in beat["message"] and "unbooked" in beat["message"]
+    assert "its booking ended at" in beat["message"] and "had not ended it" in beat["message"]
     audited = AuditEntry.objects.filter(action=AuditEntry.Action.SESSION_STOP, target=f"session {pk}")
     assert audited.count() == 1
     assert Notification.objects.filter(user=alice, kind=Notification.Kind.JOB_STOPPED).count() == 1
     client.post(f"/api/v1/sessions/{pk}/beat/")  # told once
     assert Notification.objects.filter(user=alice, kind=Notification.Kind.JOB_STOPPED).count() == 1
+
+
+def test_a_gpu_that_ignores_an_end_asked_on_the_portal_is_ended_after_the_grace(
+    alice, leader, booking, settings
+):
+    """Before, only the booking's end counted: a session ended on the portal whose `gpu` beat on
+    stayed running for the rest of the booking, hours maybe."""
+    pk = start(alice, reservation=booking.pk).json()["id"]
+    api(alice).patch(f"/api/v1/sessions/{pk}/", {"pid": 4242}, format="json")
+    assert api(leader).delete(f"/api/v1/sessions/{pk}/").status_code == 200
+    assert api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()["status"] == "running"  # within its grace
+    long_ago = timezone.now() - timedelta(
+        seconds=settings.JOB_KILL_GRACE_SECONDS + settings.SESSION_LOST_AFTER_SECONDS + 5
+    )
+    InteractiveSession.objects.filter(pk=pk).update(end_requested_at=long_ago)
+    beat = api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()
+    assert (beat["end_requested"], beat["status"]) == (True, "ended")
+    session = InteractiveSession.objects.get(pk=pk)
+    assert (
+        session.message.startswith("Ended: it was ended from the portal at ")
+        and "had not ended it" in session.message
+    )

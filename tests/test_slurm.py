@@ -26,7 +26,7 @@ from gpus.services import servers_report_ingest
 from gpus.slurm_booking import reservation_name, slurm_nodes_book, slurm_reservations_sync
 from gpus.slurm_cli import SlurmRefused
 from gpus.slurm_inventory import SlurmBackend
-from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, SlurmRun
+from jobs.host.executors.slurm import FileOutput, SlurmExecutor, SlurmRequest, SlurmRun, slurm_job_name
 from jobs.host.slurm_checks import SlurmSubmitChecks
 from jobs.host.slurm_runner import slurm_job_run
 from jobs.models import Job
@@ -431,3 +431,30 @@ def test_a_percent_sign_in_the_jobs_folder_is_no_symbol_to_sbatch(cluster, peopl
     assert done.status == "succeeded", done.message
     assert re.search(r"who nobody gpus \d\n", job_log(done.pk))
     assert (root / "nobody" / f"job-{done.pk}" / "output.log").exists()
+
+
+ECHO = b"""import os, sys
+print("X=" + repr(os.environ.get("X")), "ARGS=" + repr(sys.argv[1:]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("instance", ["Lab.A_b c", "portal-two"])
+def test_names_with_the_instance_and_a_cr_in_env_and_args_on_real_slurm(cluster, people, settings, instance):
+    settings.PORTAL_INSTANCE_ID = instance
+    alice, _ = people
+    values = ["\r", "", "a\r", 'it\'s "q" $HOME `id` \\ \r\n\r']
+    job = submit(alice, ECHO, 1, env={"X": "v\r\n'\r"}, args=values)
+    follow(job)
+    done = ended(job)
+    log = job_log(done.pk)
+    assert done.status == "succeeded", (done.message, log)
+    assert "X=" + repr("v\r\n'\r") in log and f"ARGS={values!r}" in log, log
+    assert slurm_job_name(job.pk).startswith("portal-")
+    server = Server.objects.get(name="cluster-a")
+    servers_report_ingest(snapshots=[SlurmBackend("cluster-a").snapshot()])
+    booking = slurm_nodes_book(
+        user=alice, server="cluster-a", nodes=[cluster.node], end=timezone.now() + HOUR
+    )
+    assert slurm_reservations_sync(server=server, commands=cluster.commands)["made"] == 1
+    assert "Users=nobody" in cluster.commands.show("reservation", reservation_name(booking.pk))
+    cluster.commands.run("scontrol", ["delete", f"ReservationName={reservation_name(booking.pk)}"])

@@ -4,17 +4,20 @@ and a real outage do (fakes of scontrol/scancel, no cluster)."""
 
 from __future__ import annotations
 
+import pwd
+
 import pytest
 from django.db import OperationalError
 from django.utils import timezone
 
-from gpus.models import SlurmCluster
+from gpus.models import Reservation, SlurmCluster
+from gpus.slurm_booking import reservation_name, slurm_nodes_book, slurm_reservations_sync
 from jobs.host import slurm_runner
 from jobs.host.executors.slurm import slurm_job_name
 from jobs.models import Job
 from portal.models import Profile
 from tests.job_helpers import job_log
-from tests.test_slurm_jobs import alice, cluster, post  # noqa: F401 - fixtures
+from tests.test_slurm_jobs import _Scontrol, alice, cluster, post  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db
 
@@ -212,3 +215,88 @@ def test_a_slurm_job_out_of_memory_says_so_and_not_a_signal_125(alice, cluster, 
     job.refresh_from_db()
     assert "went over the memory Slurm gives it" in job.message and "125" not in job.message, job.message
     assert job.exit_code == -9
+
+
+def test_a_pre_upgrade_job_whose_sbatch_answer_was_lost_is_found_by_its_former_name(alice, cluster, tmp_path):
+    """The release before sent the job as `portal-<id>`, and its worker stopped before sbatch's
+    answer reached the row. After the upgrade the worker asks Slurm only for the new name: the
+    job is called lost while Slurm runs it on, unfollowed."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    job = Job.objects.get(pk=post(alice, server="cluster-a", gpu_count=1).json()["id"])
+    scripts = {  # Slurm holds the job under the name the release before gave it
+        "squeue": f'case "$*" in *--name=portal-{job.pk}\\ *) echo 4242 ;; esac\n',
+        "scontrol": 'case "$2" in\n'
+        f"job) echo 'JobId=4242 JobName=portal-{job.pk} JobState=COMPLETED Reason=None ExitCode=0:0' ;;\n"
+        "esac\n",
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text("#!/bin/sh\n" + body)
+        (folder / name).chmod(0o755)
+    SlurmCluster.objects.filter(server=cluster).update(bin_dir=str(folder))
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.STARTING)  # claimed by the worker that died
+    assert slurm_runner.SlurmFollower(Job.objects.get(pk=job.pk)).resume() == "succeeded", Job.objects.get(
+        pk=job.pk
+    ).message
+
+
+def test_a_long_instance_id_still_fits_the_bookings_slurm_reservation_column(alice, cluster, settings):
+    """`Reservation.slurm_reservation` holds 64 characters; `portal-<instance>-<id>` with a
+    PORTAL_INSTANCE_ID of 50 characters is longer. PostgreSQL refuses the pass's UPDATE (the
+    reservation made in Slurm is never recorded, every pass again); SQLite stores it."""
+    settings.PORTAL_INSTANCE_ID = "physics-department-gpu-portal.cluster.example.org"
+    Profile.objects.update_or_create(user=alice, defaults={"unix_account": "nobody"})
+    booking = slurm_nodes_book(user=alice, server="cluster-a", nodes=["vm"])
+    column = Reservation._meta.get_field("slurm_reservation").max_length
+    assert len(reservation_name(booking.pk)) <= column, reservation_name(booking.pk)
+    assert slurm_reservations_sync(server=cluster, commands=_Scontrol(""))["made"] == 1
+
+
+def test_a_job_name_with_a_long_instance_id_stays_bounded(settings):
+    """Bounded as the reservation's: a readable part, then the digest that keeps it apart."""
+    settings.PORTAL_INSTANCE_ID = "x" * 2000  # slurmctld refuses a job name over 1024 characters
+    assert len(slurm_job_name(123456)) <= 64
+
+
+def test_another_portals_job_of_the_former_name_is_not_taken_for_ours(alice, cluster, tmp_path):
+    """`portal-<id>` carries no instance: another portal on the cluster, a release behind, names
+    its job 1 so too. Under a reused Slurm id it was taken for ours (its end recorded as this
+    job's); as its own account's only, now."""
+    job = _running(alice, cluster, tmp_path, "placeholder")  # runs as `nobody`
+    theirs = f"JobId=4242 JobName=portal-{job.pk} UserId=someone(4001) JobState=COMPLETED ExitCode=0:0"
+    _says(tmp_path, theirs)
+    assert slurm_runner.SlurmFollower(Job.objects.get(pk=job.pk)).resume() == "lost"
+    assert "another job now" in Job.objects.get(pk=job.pk).message
+    nobody = pwd.getpwnam("nobody").pw_uid
+    (tmp_path / "again").mkdir()
+    job = _running(alice, cluster, tmp_path / "again", "placeholder")
+    ours = f"JobId=4242 JobName=portal-{job.pk} UserId=nobody({nobody}) JobState=COMPLETED ExitCode=0:0"
+    _says(tmp_path / "again", ours)
+    assert slurm_runner.SlurmFollower(Job.objects.get(pk=job.pk)).resume() == "succeeded"
+
+
+def test_a_job_followed_again_waits_for_a_database_that_goes_away_just_after_the_workers_start(
+    alice, cluster, tmp_path, monkeypatch
+):
+    """The start's listing found the database (HostWorker.patiently); the job's own thread met
+    it away a moment later (a restarting database): logged, and never followed again."""
+    job = _running(alice, cluster, tmp_path, "placeholder")
+    real, tries, followed = slurm_runner.SlurmFollower, [], []
+
+    class Follower(real):  # type: ignore[misc, valid-type]
+        def __init__(self, job):  # type: ignore[no-untyped-def]
+            tries.append(1)
+            if len(tries) == 1:
+                raise OperationalError("server closed the connection unexpectedly")
+            super().__init__(job)
+
+        def resume(self) -> str:
+            followed.append(self.job.pk)
+            return "running"
+
+    monkeypatch.setattr(slurm_runner, "SlurmFollower", Follower)
+    monkeypatch.setattr(slurm_runner.connection, "close", lambda: None)  # the test's own connection
+    monkeypatch.setattr("jobs.host.launch.time.sleep", lambda s: None)
+    slurm_runner._resume(job.pk)
+    assert followed == [job.pk]

@@ -176,24 +176,26 @@ def test_the_batch_script_quotes_every_word_and_carries_nothing_of_the_workers(t
         ["python3", "-u", "x.py", "$(rm -rf ~)", "a b"], {"X": "it's"}, tmp_path, "portal-7", nobody
     )
     script = executor.batch_script(spec)
-    assert "export X='it'\"'\"'s'" in script
-    assert script.endswith("exec python3 -u x.py '$(rm -rf ~)' 'a b'\n")
+    assert script.endswith("exec /usr/bin/env 'X=it'\"'\"'s' python3 -u x.py '$(rm -rf ~)' 'a b'\n")
     args = executor.sbatch_args(spec)
     assert "--export=NIL" in args and f"--uid={nobody.pw_uid}" in args
     assert {"--gres=gpu:2", "--time=30", "--partition=gpu", "--reservation=r1"} <= set(args)
     assert args[-1] == "--open-mode=append"  # the script comes on stdin, never from a file
 
 
-def test_a_carriage_return_in_an_env_value_or_argument_reaches_the_job_without_sbatch_refusing_it(tmp_path):
+@pytest.mark.parametrize("shell", [["/bin/sh"], ["bash", "--posix"]], ids=["sh", "bash-posix"])
+def test_a_carriage_return_or_a_shells_own_name_in_the_env_reaches_the_job(tmp_path, shell):
     """sbatch refuses a script with CR LF in it ("Batch script contains DOS line breaks"), and the
     submit's own check let such a value through (a value pasted from a Windows editor): the job
-    failed in sbatch. The script holds no CR now, and the job gets the value as it was given."""
+    failed in sbatch. And where /bin/sh is bash (RHEL's), `export UID=5` ended the script before
+    its command: UID is read-only there. The script holds no CR and assigns nothing now (env(1)
+    sets the variables), and the job gets every value as it was given."""
     executor = SlurmExecutor(None, SlurmRequest(1, None, "", tmp_path / "out.log"))  # type: ignore[arg-type]
-    argv = ["sh", "-c", 'printf "%s|%s" "$X" "$1"', "sh", "x\ry\r"]
-    script = executor.batch_script(RunSpec(argv, {"X": "a\r\nb'c"}, tmp_path, "portal-7", None))
+    argv = ["/bin/sh", "-c", 'printf "%s|%s|%s" "$X" "$UID" "$1"', "sh", "x\ry\r"]
+    script = executor.batch_script(RunSpec(argv, {"X": "a\r\nb'c", "UID": "5"}, tmp_path, "portal-7", None))
     assert "\r" not in script
-    ran = subprocess.run(["/bin/sh"], input=script.encode(), capture_output=True, check=True)
-    assert ran.stdout == b"a\r\nb'c|x\ry\r"
+    ran = subprocess.run(shell, input=script.encode(), capture_output=True, check=True)
+    assert ran.stdout == b"a\r\nb'c|5|x\ry\r"
 
 
 def test_it_reads_slurms_exit_codes_states_and_completion_log(tmp_path):

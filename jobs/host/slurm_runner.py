@@ -25,7 +25,7 @@ import pwd
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -97,12 +97,16 @@ def slurm_jobs_resume(server: str) -> list[int]:
 
 
 def _resume(job_id: int) -> None:
+    def follower() -> SlurmFollower | None:
+        related = Job.objects.select_related("reservation", "server", "server__slurm")
+        job = related.filter(pk=job_id, status__in=FOLLOWED).first()
+        return SlurmFollower(job) if job is not None else None
+
     try:
-        job = (
-            Job.objects.select_related("reservation", "server").filter(pk=job_id, status__in=FOLLOWED).first()
-        )
-        if job is not None:
-            SlurmFollower(job).resume()
+        # The database may go away again just after the worker's start found it (a restart):
+        # waited for, as the start waited, or the job would turn lost while Slurm runs it on.
+        if (found := patiently(job_id, follower)) is not None:
+            found.resume()
     except Exception:  # a thread's end: said, and the reconciler's cut-off still holds for the job
         log.exception("Job %s: following it again failed", job_id)
     finally:
@@ -220,10 +224,12 @@ class SlurmFollower:
         )
         executor = SlurmExecutor(self.commands, request)
         spec = RunSpec([], {}, folder, slurm_job_name(self.job.pk), account)
+        # A job the release before sent is `portal-<id>` in Slurm (its owner's: `find` asks by account).
+        former = f"portal-{self.job.pk}"
         job_id = self.job.slurm_job_id
         if not job_id:
             try:
-                found = executor.find(spec)
+                found = executor.find(spec) or executor.find(replace(spec, name=former))
             except SlurmError as exc:
                 return self._lost(
                     f"its worker stopped while sending it to Slurm, which does not answer ({exc})"
@@ -233,8 +239,7 @@ class SlurmFollower:
             job_id = self.job.slurm_job_id = found.job_id
             Job.objects.filter(pk=self.job.pk).update(slurm_job_id=job_id)
         offset = self.job.slurm_output_offset
-        # A job the release before sent is `portal-<id>` in Slurm: its id on the row says it is ours.
-        run = executor.attach(spec, job_id, offset=offset, former=f"portal-{self.job.pk}")
+        run = executor.attach(spec, job_id, offset=offset, former=former)
         self.running_recorded = self.job.status == Job.Status.RUNNING
         self.writer.write_line(
             f"[portal] the worker of {self.job.server.name} started again: it follows Slurm job {job_id}"
@@ -508,9 +513,10 @@ class SlurmFollower:
             if state.reason == "JobLaunchFailure":  # slurmd's error code, never a signal the job got
                 exit_ = None
                 said += ": Slurm could not start it on its node (its working directory or folder there?)"
-            elif state.state == "OUT_OF_MEMORY":  # ExitCode=0:125, Slurm's mark; the OOM killer's SIGKILL
-                exit_ = RunEnd(signal=int(signal.SIGKILL))
+            elif state.state == "OUT_OF_MEMORY":
                 said += ": it went over the memory Slurm gives it on its node, and was killed"
+                if exit_ is None or exit_.signal == 125:  # Slurm's mark (0:125): the OOM killer's SIGKILL
+                    exit_ = RunEnd(signal=int(signal.SIGKILL))
             message = f"Slurm: {said}; {exit_.describe() if exit_ else ''}".strip(" ;")
         else:
             message = ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import shlex
 import signal
 import stat
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from gpus.slurm_cli import SlurmCommands, SlurmRefused, records
 from jobs.host.executors.base import Run, RunEnd, RunSpec, Signalled
-from portal.names import instance_label
+from portal.names import SLURM_NAME_INSTANCE, instance_label
 from portal.pids import ProcessId
 
 READ_MAX = 1 << 20  # one read of the output file at most
@@ -77,6 +78,7 @@ class SlurmJobState:
     nodes: str = ""
     forgotten: bool = False
     name: str = ""
+    uid: int | None = None  # its account's, where Slurm says (`UserId=nobody(65534)`)
 
     @property
     def ended(self) -> bool:
@@ -112,6 +114,7 @@ def state_of(record: dict[str, str], *, forgotten: bool = False) -> SlurmJobStat
         nodes=record.get("NodeList", ""),
         forgotten=forgotten,
         name=record.get("JobName") or record.get("Name", ""),  # jobcomp/filetxt says Name=
+        uid=int(uid.group(1)) if (uid := re.search(r"\((\d+)\)\Z", record.get("UserId", ""))) else None,
     )
 
 
@@ -214,11 +217,16 @@ class SlurmRun(Run):
     job_id: str = field(kw_only=True)
     last: SlurmJobState | None = field(default=None, kw_only=True)
     former: str = field(default="", kw_only=True)  # its name as the release before named jobs
+    uid: int | None = field(default=None, kw_only=True)  # the account it runs as
 
     def ours(self, state: SlurmJobState) -> bool:
         """Whether the job Slurm describes under this run's id is this run's, by its name: a job
-        id is reused once Slurm has forgotten the job (a controller whose state was wiped)."""
-        return not state.name or state.name in (self.name, self.former or self.name)
+        id is reused once Slurm has forgotten the job (a controller whose state was wiped). The
+        former name carries no instance (another portal's job of the same id had it too): it is
+        ours only as our job's account's."""
+        if not state.name or state.name == self.name:
+            return True
+        return bool(self.former) and state.name == self.former and state.uid in (None, self.uid)
 
 
 @dataclass(frozen=True)
@@ -242,11 +250,13 @@ class SlurmExecutor:
         self.request = request
 
     def batch_script(self, spec: RunSpec) -> str:
-        """The job's own variables, then its command in place of the shell: nothing of the
-        worker's (sbatch --export=NIL), no shell syntax of the user's (every word quoted)."""
+        """Its command in place of the shell, the job's own variables set by env(1): nothing of
+        the worker's (sbatch --export=NIL), no shell syntax of the user's (every word quoted), and
+        no assignment by the shell, which a name the shell keeps read-only would make fatal
+        (`UID`, `PPID`, `SHELLOPTS`: where /bin/sh is bash, `export UID=5` ends the script)."""
+        words = [f"{name}={value}" for name, value in sorted(spec.env.items())] + list(spec.argv)
         lines = ["#!/bin/sh", f"# {spec.name}, written by the GPU lab portal"]
-        lines += [f"export {name}={_sh_word(value)}" for name, value in sorted(spec.env.items())]
-        lines.append("exec " + " ".join(_sh_word(word) for word in spec.argv))
+        lines.append("exec /usr/bin/env " + " ".join(_sh_word(word) for word in words))
         return "\n".join(lines) + "\n"
 
     def sbatch_args(self, spec: RunSpec) -> list[str]:
@@ -298,7 +308,7 @@ class SlurmExecutor:
         uid = spec.account.pw_uid if spec.account is not None else None
         output = FileOutput(self.request.output, uid=uid, keep=self.request.output_keep)
         output.offset = offset
-        return SlurmRun(_job_name(spec), ProcessId(0, -1.0), 0, output, job_id=job_id, former=former)
+        return SlurmRun(_job_name(spec), ProcessId(0, -1.0), 0, output, job_id=job_id, former=former, uid=uid)
 
     def state(self, run: Run) -> SlurmJobState:
         """As Slurm says now, or as its completion log says once it has forgotten the job."""
@@ -371,7 +381,7 @@ def slurm_job_name(job_id: int) -> str:
     """`portal-<instance>-job-<id>`: the portal job's name in Slurm, by which a job whose sbatch
     answer was lost is found again and a reused Slurm id told apart. With this portal's instance
     (portal.names.instance_label): two portals on one cluster number their jobs alike."""
-    return f"portal-{instance_label()}-job-{job_id}".lower()
+    return f"portal-{instance_label(SLURM_NAME_INSTANCE)}-job-{job_id}".lower()
 
 
 def _job_name(spec: RunSpec) -> str:
