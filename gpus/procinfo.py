@@ -98,7 +98,7 @@ def parent_session_of(proc: psutil.Process, session: int) -> int | None:
             if found is None or found != session:
                 return found
             child = parent
-    except (psutil.Error, OverflowError, ValueError):
+    except (psutil.Error, OSError, OverflowError, ValueError):  # OSError: an errno psutil lets through
         return None
     return None
 

@@ -396,3 +396,18 @@ def test_it_forgets_jobs_lost_long_ago(lost_job):
         assert alive(child)
     finally:
         kill_quietly([child])
+
+
+def test_an_unexpected_proc_error_on_a_parent_costs_only_the_parent_session(procs, monkeypatch):
+    """Every other detail describe_process reads is best effort (`_started` takes OSError too, which
+    psutil lets through for an errno it does not map): the parent line's read must be as well, or
+    one odd /proc entry fails the host's whole round."""
+    _job, child = _job_and_setsid_child(dict(os.environ), procs)
+
+    def broken(self):  # type: ignore[no-untyped-def]
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(psutil.Process, "ppid", broken)
+    info = describe_process(child, 100)
+    assert (info.session_id, info.parent_session_id) == (child, None)
+    os.kill(child, 9)

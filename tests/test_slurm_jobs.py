@@ -8,6 +8,7 @@ import json
 import os
 import pwd
 import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -660,3 +661,19 @@ def test_two_portals_on_one_cluster_never_take_each_others_reservation(alice, cl
     assert slurm_reservations_sync(server=cluster, commands=_Scontrol(overlaps, held))["refused"] == 1
     booking.refresh_from_db()
     assert booking.slurm_reservation == "" and "overlaps with another" in booking.slurm_error
+
+
+def test_a_command_whose_path_has_an_equals_sign_is_refused_not_misread_by_env(tmp_path):
+    """env(1) takes every leading word with '=' for a variable: `env X=1 /opt/py=3/bin/python -u
+    ...` ran `-u` ("env: '-u': No such file or directory", 127) where `export X=1; exec ...` ran the
+    interpreter. JOB_INTERPRETERS=default=/opt/py=3/bin/python is a valid setting (env_pairs splits
+    at the first '='). The script is refused rather than written to run something else."""
+    folder = tmp_path / "py=3"
+    folder.mkdir()
+    (folder / "python3").symlink_to(sys.executable)
+    executor = SlurmExecutor(None, SlurmRequest(1, None, "", tmp_path / "out.log"))  # type: ignore[arg-type]
+    spec = RunSpec([str(folder / "python3"), "-c", "print('ran')"], {"X": "1"}, tmp_path, "portal-7", None)
+    before = subprocess.run(["/usr/bin/env", "X=1", *spec.argv], capture_output=True)  # the script's line
+    assert before.returncode == 127 and b"ran" not in before.stdout, before
+    with pytest.raises(ValueError, match="'='"):
+        executor.batch_script(spec)

@@ -7,6 +7,7 @@ starts), with the clock passed in rather than waited for.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -543,3 +544,102 @@ def test_owner_outside_job_under_observe_and_warn(watchdog, scene, action):
         watchdog.round(snapshot, now=t0 + timedelta(seconds=seconds))
     assert one().action == ("observed" if action == "observe" else "warned")
     assert not gone(proc)
+
+
+# --- a job's child that called setsid (review of 1ab5ded) -------------------------------------------
+
+
+def _setsid_parent(child_code: str) -> list[str]:
+    """A job's leader that starts `child_code` in a session of its own and prints its pid."""
+    return [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time; "
+        f"child = subprocess.Popen([sys.executable, '-c', {child_code!r}], start_new_session=True); "
+        "print(child.pid, flush=True); time.sleep(120)",
+    ]
+
+
+def _job_with_setsid_child(
+    procs, child_code: str = "import time; time.sleep(120)"
+) -> tuple[subprocess.Popen, int]:
+    leader = subprocess.Popen(_setsid_parent(child_code), start_new_session=True, stdout=subprocess.PIPE)
+    procs.append(leader)
+    child = int(leader.stdout.readline())
+    wait_for(lambda: "time.sleep" in " ".join(psutil.Process(child).cmdline()), timeout=10, what="exec")
+    return leader, child
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_jobs_setsid_child_over_the_jobs_memory_is_signalled_itself(watchdog, job_on, procs):
+    """The child is the job's (parent_session_id), so its memory makes the job over_memory, whose stop
+    is the job's supervisor's: it ends the job's session, which the child left. The child, the one
+    holding the memory, must get the stop itself."""
+    policy("over_memory", "stop", grace=0)
+    leader, child = _job_with_setsid_child(procs)
+    try:
+        job = job_on([0], 1024, leader.pid)
+        hog = replace(describe_process(child, 4096), username="gpujob")  # a shared JOB_USER
+        assert hog.parent_session_id == leader.pid
+        t0 = timezone.now()
+        watchdog.round(on_card(0, hog), now=t0)
+        watchdog.round(on_card(0, hog), now=t0 + timedelta(seconds=1))
+        job.refresh_from_db()
+        assert job.watchdog_stop.startswith("Stopped by the GPU watchdog: over_memory")
+        wait_for(lambda: not _alive(child), timeout=10, what="the child's SIGTERM")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_setsid_childs_job_stop_is_not_recorded_as_its_stop_while_it_runs(watchdog, job_on, procs):
+    """Under a shared JOB_USER, once the job's session has ended, its setsid child (which ignores
+    SIGTERM here) is adopted and judged again: an intruder. Its over_memory violation must not be
+    recorded as stopped (audit: "stopped pid …") while the process still holds the card."""
+    policy("over_memory", "stop", grace=0)
+    policy("intruder", "warn")
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    leader, child = _job_with_setsid_child(procs, stubborn)
+    try:
+        job = job_on([0], 1024, leader.pid)
+        t0 = timezone.now()
+        hog = replace(describe_process(child, 4096), username="gpujob")
+        watchdog.round(on_card(0, hog), now=t0)
+        watchdog.round(on_card(0, hog), now=t0 + timedelta(seconds=1))
+        # The job's supervisor ends the job's session (jobs.host.executors.local): its group, its members.
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+        wait_for(lambda: psutil.Process(child).ppid() != leader.pid, timeout=10, what="adoption")
+        Job.objects.filter(pk=job.pk).update(status=Job.Status.FAILED, finished_at=timezone.now())
+        adopted = replace(describe_process(child, 4096), username="gpujob")
+        watchdog.round(on_card(0, adopted), now=t0 + timedelta(seconds=2))
+        assert _alive(child)
+        over = Violation.objects.get(kind="over_memory")
+        assert over.action != "stopped", "recorded as stopped while the process still runs"
+        assert not AuditEntry.objects.filter(action="watchdog.stop", target=f"violation {over.pk}").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_an_ended_jobs_setsid_child_is_a_zombie_while_its_parent_line_holds(watchdog, job_on, procs):
+    """The job ended, but its sweep could not end its session (the worker may not signal JOB_USER's
+    processes, say): its leader still runs, holding nothing on the card, and the child it started
+    with setsid holds the card. The child is still the job's by the session it left, as it was while
+    the job ran: a zombie, not the owner's own process (never stopped) nor, under a shared account,
+    a stranger."""
+    leader, child = _job_with_setsid_child(procs)
+    try:
+        job = job_on([0], None, leader.pid, status=Job.Status.SUCCEEDED)
+        watchdog.round(on_card(0, describe_process(child, 2048)), now=timezone.now())
+        violation = one()
+        assert (violation.kind, violation.job_id) == ("zombie", job.pk)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

@@ -153,3 +153,45 @@ def test_every_cuda_context_a_job_opens_counts_against_its_booking():
     context, so each further process's context (~300-500 MiB) comes out of the job's booking."""
     three = card(B, proc(100, mb=3000), proc(101, session=100, mb=3000), proc(102, session=100, mb=3000))
     assert kinds(three) == [Kind.OVER_MEMORY] * 3
+
+
+# --- a process's own session before the one it left (review of 1ab5ded) ---------------------------
+
+
+def test_a_gpu_exec_started_inside_a_job_is_its_sessions_not_the_jobs_escape():
+    """alice's job 7 (session 100, booking 50) runs `gpu exec` on her other booking 60, card C: the
+    command leads session 400, which `gpu` recorded, and left the job's session. Its own session
+    says whose it is (OK on booking 60); the session it left (the job's) must not make it job 7's
+    process on a card booking 50 does not hold (escaped: the job stopped), nor count in job 7's sum."""
+    from jobs.watchdog.rules import SessionFacts
+
+    bookings = [*BOOKINGS, BookingFacts(reservation_id=60, owner_id=ALICE, cards={C: None})]
+    command = replace(proc(401, session=400), parent_session_id=100)
+    session = SessionFacts(session_pk=9, session_id=400, owner_id=ALICE, reservation_id=60)
+    (verdict,) = classify(
+        [card(C, command)],
+        bookings=bookings,
+        jobs=[JOB],
+        users_by_os_name=USERS,
+        tolerance_mb=TOLERANCE,
+        sessions=[session],
+    )
+    assert (verdict.kind, verdict.job_id, verdict.session_pk) == (Kind.OK, None, 9)
+
+
+def test_a_claim_on_a_jobs_child_by_someone_else_leaves_it_the_jobs():
+    """A `gpu exec` pid is its owner's word: bob naming the session of alice's job's setsid child
+    must not take the child from the job (it would be judged an intruder on alice's own card)."""
+    from jobs.watchdog.rules import SessionFacts
+
+    child = replace(proc(501, session=501, user="gpujob"), parent_session_id=100)
+    claim = SessionFacts(session_pk=9, session_id=501, owner_id=BOB, reservation_id=50)
+    (verdict,) = classify(
+        [card(A, child)],
+        bookings=BOOKINGS,
+        jobs=[JOB],
+        users_by_os_name=USERS,
+        tolerance_mb=0,
+        sessions=[claim],
+    )
+    assert (verdict.kind, verdict.job_id) == (Kind.OK, 7)

@@ -175,14 +175,13 @@ class SlurmFollower:
         try:
             account, folder = self._prepare()
             request = self._request(folder)
+            argv = self._argv(folder)
         except SlurmSetupError as exc:
             return self._end(
                 "failed", None, f"Could not send it to Slurm: {exc}", f"[portal] cannot start: {exc}"
             )
         executor = SlurmExecutor(self.commands, request)
-        spec = RunSpec(
-            self._argv(folder), self._env(), self.job.workdir or folder, slurm_job_name(self.job.pk), account
-        )
+        spec = RunSpec(argv, self._env(), self.job.workdir or folder, slurm_job_name(self.job.pk), account)
         try:
             run = self._submit(executor, spec)
         except SlurmRefused as exc:
@@ -323,6 +322,12 @@ class SlurmFollower:
         job = self.job
         interpreter = settings.JOB_INTERPRETERS.get(job.interpreter) or settings.JOB_INTERPRETERS["default"]
         script = job.script_path or str(folder / job.name)
+        if "=" in interpreter:  # the batch script's env(1) would take it for a variable
+            raise SlurmSetupError(
+                f"its interpreter {interpreter} has '=' in its path, which the batch script's env(1) "
+                "reads as a variable: an admin names it by a path without one (JOB_INTERPRETERS)",
+                field="interpreter",
+            )
         return [interpreter, "-u", str(folder / "launcher" / LAUNCHER.name), script, *job.args]
 
     def _env(self) -> dict[str, str]:

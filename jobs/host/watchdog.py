@@ -270,10 +270,11 @@ class HostWatchdog:
                 continue  # seen as itself
             harmless = verdict is not None and verdict.kind in HARMLESS
             stopping = tracked.stop_started is not None and not tracked.finished
-            if (
-                harmless
-                and tracked.kind != Kind.OWNER_OUTSIDE_JOB
-                and (stopping or now - tracked.last_bad < hold)
+            # A stop under way goes on while its process is still listed, whatever it is judged
+            # now (a job's setsid child adopted once the job's session ended is another kind):
+            # it is `stopped` once gone, or `stop_failed`, never stopped while it still runs.
+            if (verdict is not None and stopping) or (
+                harmless and tracked.kind != Kind.OWNER_OUTSIDE_JOB and now - tracked.last_bad < hold
             ):
                 held[key] = verdict
             else:
@@ -474,13 +475,18 @@ class HostWatchdog:
             tracked.stop_started = now
             if not asked:
                 log.info("Job %s already stopping or ended", verdict.job_id)
+            if verdict.left_session:
+                # A child that left the job's session (setsid): the supervisor's stop, which ends
+                # the job's session, never reaches it. It is signalled itself, as any process.
+                self._signal(tracked, verdict, signal.SIGTERM, now)
             return
         if self._signal(tracked, verdict, signal.SIGTERM, now):
             tracked.stop_started = now
 
     def _escalate(self, tracked: Tracked, verdict: Verdict, now: datetime) -> None:
         waited = (now - tracked.stop_started).total_seconds()
-        direct = verdict.job_id is None or verdict.kind == Kind.ZOMBIE  # no supervisor stops it
+        # No supervisor stops it: not a job's, a zombie, or a job's child that left its session.
+        direct = verdict.job_id is None or verdict.kind == Kind.ZOMBIE or verdict.left_session
         # A job's supervisor sends its SIGKILL after the job's grace; the watchdog, after its own.
         grace = kill_grace() if direct else settings.JOB_KILL_GRACE_SECONDS
         if direct and not tracked.killed and waited >= grace:

@@ -112,12 +112,17 @@ class SessionsOnCards:
 
 
 def _oldest_starts(cards: tuple[GPUInfo, ...]) -> dict[int, float]:
-    """Each session on the cards → its oldest process start seen there."""
+    """Each session on the cards → its oldest process start seen there; a session a process there
+    left (setsid: `parent_session_id`) counts with that process's start. Its parent line is proven
+    by start times (gpus.procinfo.parent_session_of), so no process older than the session's own
+    processes names it: an ended job's session is still told from a later one of its pid."""
     sessions: dict[int, float] = {}
     for process in (p for g in cards for p in g.processes or ()):
-        if process.session_id and process.started is not None:
-            oldest = sessions.get(process.session_id)
-            sessions[process.session_id] = process.started if oldest is None else min(oldest, process.started)
+        if process.started is None:
+            continue
+        for session in {process.session_id, process.parent_session_id} - {None, 0}:
+            oldest = sessions.get(session)
+            sessions[session] = process.started if oldest is None else min(oldest, process.started)
     return sessions
 
 
@@ -197,7 +202,7 @@ def run_started(leader: int, worker: int) -> float | None:
 
 def _without_sessions(card: GPUInfo, sessions: set[int]) -> GPUInfo:
     """The card as the round judges it: without the processes of these sessions, nor those that
-    left one of them (a child that called setsid: rules.run_of would take it for the run's)."""
+    left one of them (a child that called setsid: rules._whose would take it for the run's)."""
 
     def of_them(p: ProcessInfo) -> bool:
         return p.session_id in sessions or (p.parent_session_id or 0) in sessions

@@ -260,7 +260,7 @@ def membership_check(user: AbstractBaseUser, slug: str | None) -> Membership:
         names = ", ".join(t.slug for t in teams)
         raise Invalid(
             f"You are in several teams ({names}); say which one the job is for "
-            f"(gpu run --team {teams[0].slug}).",
+            f"(the Team field; with gpu: --team {teams[0].slug}).",
             field="team",
         )
     return memberships[0]

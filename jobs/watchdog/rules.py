@@ -32,7 +32,7 @@ not there. The launcher's cap keeps one context's headroom (jobs.environment.boo
 job that opens more processes on a shared card must fit them in what it booked.
 
 Jobs and `gpu exec` sessions are found by the session a process is in, else by the session it
-left (a child that called setsid, while its parent line holds: `run_of`).
+left (a child that called setsid, while its parent line holds: `_whose`), its own first.
 
 The booking owner's own processes outside their jobs (a notebook, or what a job left behind in a
 session of its own once the job's processes were gone) are the owner's business only while the
@@ -49,12 +49,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 from gpus.inventory import GPUInfo, ProcessInfo
 from gpus.models import Violation
-
-T = TypeVar("T")
 
 
 class Kind(StrEnum):
@@ -126,6 +124,9 @@ class Verdict(NamedTuple):
     reservation_id: int | None = None  # the booking concerned: the job's, or the one whose card was taken
     booked_mb: int | None = None  # over_memory and ok on a shared card: the job's booked MiB there
     session_pk: int | None = None  # a `gpu exec`/`gpu shell` session's process (SessionFacts)
+    # A job's process found by the session it left (setsid: `_whose`): the job's supervisor, which
+    # signals the job's session, never reaches it, so a stop signals it itself as well.
+    left_session: bool = False
 
 
 def classify(
@@ -153,43 +154,46 @@ def classify(
     for card in cards:
         if card.processes is None:
             continue  # unknown is not empty, but there is nothing to judge
-        job_memory = _job_memory_on(card, by_session)
+        whose = [
+            _whose(card, p, by_session, interactive, booking_of, users_by_os_name) for p in card.processes
+        ]
+        job_memory: dict[int, int] = defaultdict(int)
+        for process, (job, _) in zip(card.processes, whose, strict=True):
+            if job is not None:
+                job_memory[job.job_id] += process.used_memory_mb or 0
         here = []
-        for process in card.processes:
-            job = run_of(process, by_session)
+        for process, (job, booked) in zip(card.processes, whose, strict=True):
             if job is not None:
                 here.append(_job_verdict(card, process, job, booking_of, job_memory, tolerance_mb))
-                continue
-            claims = run_of(process, interactive) or []
-            booked = next(
-                (
-                    v
-                    for s in claims
-                    if (v := _session_verdict(card, process, s, booking_of, users_by_os_name))
-                ),
-                None,
-            )
-            here.append(booked or _foreign_verdict(card, process, on_card[card.uuid], users_by_os_name))
+            else:
+                here.append(booked or _foreign_verdict(card, process, on_card[card.uuid], users_by_os_name))
         verdicts.extend(_owners_within_booking(here, on_card[card.uuid], tolerance_mb))
     return verdicts
 
 
-def run_of(process: ProcessInfo, by_session: Mapping[int, T]) -> T | None:
-    """The run whose session the process is in, else the one whose session it left (a child that
-    called setsid: its parent's line, gpus.procinfo.parent_session_of)."""
+def _whose(
+    card: GPUInfo,
+    process: ProcessInfo,
+    by_session: Mapping[int, JobFacts],
+    interactive: Mapping[int, list[SessionFacts]],
+    booking_of: Mapping[int, BookingFacts],
+    users_by_os_name: Mapping[str, int],
+) -> tuple[JobFacts | None, Verdict | None]:
+    """The job, or the `gpu exec`/lab session's verdict, of the process's own session; else of the
+    session it left (a child that called setsid: its parent's line, gpus.procinfo.parent_session_of).
+    Its own session comes first: a `gpu exec` a job started is that session's, not the job's. A
+    session's claim counts only where it holds (`_session_verdict`: its owner's process, on its
+    booking's card), so a claim on someone else's session never takes a process from its job."""
     for session in (process.session_id, process.parent_session_id):
-        if session and (found := by_session.get(session)) is not None:
-            return found
-    return None
-
-
-def _job_memory_on(card: GPUInfo, by_session: Mapping[int, JobFacts]) -> dict[int, int]:
-    total: dict[int, int] = defaultdict(int)
-    for process in card.processes or ():
-        job = run_of(process, by_session)
+        if not session:
+            continue
+        job = by_session.get(session)
         if job is not None:
-            total[job.job_id] += process.used_memory_mb or 0
-    return total
+            return job, None
+        for claim in interactive.get(session, ()):
+            if (booked := _session_verdict(card, process, claim, booking_of, users_by_os_name)) is not None:
+                return None, booked
+    return None, None
 
 
 def _job_verdict(
@@ -200,9 +204,19 @@ def _job_verdict(
     job_memory: Mapping[int, int],
     tolerance_mb: int,
 ) -> Verdict:
+    left = process.session_id != job.session_id
+
     def verdict(kind: Kind, memory_mb: int | None, booked_mb: int | None = None) -> Verdict:
         return Verdict(
-            card.uuid, process, kind, memory_mb, job.job_id, job.owner_id, job.reservation_id, booked_mb
+            card.uuid,
+            process,
+            kind,
+            memory_mb,
+            job.job_id,
+            job.owner_id,
+            job.reservation_id,
+            booked_mb,
+            left_session=left,
         )
 
     if not job.running:

@@ -254,6 +254,10 @@ class SlurmExecutor:
         the worker's (sbatch --export=NIL), no shell syntax of the user's (every word quoted), and
         no assignment by the shell, which a name the shell keeps read-only would make fatal
         (`UID`, `PPID`, `SHELLOPTS`: where /bin/sh is bash, `export UID=5` ends the script)."""
+        if spec.argv and "=" in spec.argv[0]:
+            # env(1) takes every leading word with '=' for a variable: the command would be the
+            # next word ("env: '-u': No such file or directory"). No quoting helps; refused.
+            raise ValueError(f"env(1) cannot run a command whose name has '=' in it: {spec.argv[0]!r}")
         words = [f"{name}={value}" for name, value in sorted(spec.env.items())] + list(spec.argv)
         lines = ["#!/bin/sh", f"# {spec.name}, written by the GPU lab portal"]
         lines.append("exec /usr/bin/env " + " ".join(_sh_word(word) for word in words))
