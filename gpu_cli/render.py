@@ -4,7 +4,6 @@ times are shown in this machine's local time."""
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from collections.abc import Iterable
 from datetime import datetime
@@ -220,22 +219,11 @@ def jobs_table(jobs: Iterable[dict[str, Any]], *, owners: bool = False) -> Table
             str(len(job["gpu_uuids"]) or job["gpu_count"] or "—"),
             when(job["created_at"]),
             elapsed(job["duration_seconds"]),
-            _exit_words(exit_code),
+            job.get("exit_label")
+            or ("—" if exit_code is None else str(exit_code)),  # older portals: the code
             _job_note(job),
         )
     return table
-
-
-def _exit_words(code: int | None) -> str:
-    """As the job's page says it (jobs.models.exit_words): "-15 (SIGTERM)" for a signal's end."""
-    if code is None:
-        return "—"
-    if code < 0:
-        try:
-            return f"{code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return f"{code} (signal {-code})"
-    return str(code)
 
 
 def _estimate(entry: dict[str, Any]) -> str:

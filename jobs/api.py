@@ -60,6 +60,9 @@ class JobSerializer(serializers.ModelSerializer):
         "finished_at and duration_seconds are its last run's. Null: it never did.",
     )
     mean_utilization_pct = serializers.FloatField(read_only=True)
+    exit_label = serializers.CharField(
+        read_only=True, help_text='exit_code in words: "-15 (SIGTERM)" for one a signal ended; "" for none.'
+    )
     cancelled_by = serializers.CharField(
         source="cancelled_by.username", read_only=True, default=None, help_text="Who asked to cancel it."
     )
@@ -109,6 +112,7 @@ class JobSerializer(serializers.ModelSerializer):
             "finished_at",
             "duration_seconds",
             "exit_code",
+            "exit_label",
             "message",
             "cancel_requested_at",
             "cancelled_by",
