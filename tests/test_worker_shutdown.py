@@ -112,6 +112,18 @@ def test_the_shutdown_handler_writes_its_flag_and_survives_a_database_outage(mon
 # --- a start with the database away ----------------------------------------------------------------
 
 
+def _away_twice(tries: list[int], answer: object):  # type: ignore[no-untyped-def]
+    """A step whose first two tries meet the database away (a closed connection), then `answer`."""
+
+    def step(server: str) -> object:
+        tries.append(1)
+        if len(tries) <= 2:
+            raise InterfaceError("connection already closed")
+        return answer
+
+    return step
+
+
 @pytest.mark.django_db(transaction=True)  # it closes its connection after each failure, as a worker does
 def test_a_host_worker_that_starts_with_the_database_away_waits_for_it_then_sweeps(box, monkeypatch, caplog):
     """A raising worker_ready receiver is only logged by Celery: the worker would take work with no
@@ -119,13 +131,7 @@ def test_a_host_worker_that_starts_with_the_database_away_waits_for_it_then_swee
     from celery.worker import state
 
     tries: list[int] = []
-
-    def away_twice(server: str) -> int:
-        tries.append(1)
-        if len(tries) <= 2:
-            raise InterfaceError("connection already closed")
-        return 0
-
+    away_twice = _away_twice(tries, 0)
     monkeypatch.setattr(signals, "kill_orphans", away_twice)
     slept: list[float] = []
     # jobs.signals' own name for the module, not time.sleep itself: the steps' subprocesses (podman)
@@ -163,13 +169,7 @@ def test_a_slurm_worker_that_starts_with_the_database_away_follows_its_jobs_agai
     never followed again: the reconciler called them lost while Slurm ran them on."""
     tries: list[int] = []
 
-    def away_twice(server: str) -> list[int]:
-        tries.append(1)
-        if len(tries) <= 2:
-            raise InterfaceError("connection already closed")
-        return [7]
-
-    monkeypatch.setattr(signals, "slurm_jobs_resume", away_twice)
+    monkeypatch.setattr(signals, "slurm_jobs_resume", _away_twice(tries, [7]))
     slept: list[float] = []
     monkeypatch.setattr(signals, "time", SimpleNamespace(sleep=slept.append))
     host = signals.HostWorker("cluster-a")
