@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -26,7 +27,7 @@ from gpus.booking import reservation_create
 from gpus.inventory import ProcessInfo, Snapshot
 from gpus.models import Allocation, Reservation, Violation, WatchdogPolicy
 from gpus.procinfo import describe_process
-from jobs.host.watchdog import HostWatchdog
+from jobs.host.watchdog import HostWatchdog, kill_grace
 from jobs.models import Job
 from jobs.submit import ScriptUpload, job_submit
 from portal.models import AuditEntry, Membership, Notification, Profile
@@ -643,3 +644,158 @@ def test_an_ended_jobs_setsid_child_is_a_zombie_while_its_parent_line_holds(watc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+# --- a job's setsid child: its stop recorded once, and only where due (a review, 2026-11-30) ---
+
+# A job's leader that starts a child in a session of its own, prints its pid and reaps it.
+_REAPING_PARENT = [
+    sys.executable,
+    "-c",
+    "import subprocess, sys, time; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+    "start_new_session=True); "
+    "print(child.pid, flush=True); child.wait(); time.sleep(120)",
+]
+STUBBORN_CODE = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as status:
+        ignored = next(line for line in status if line.startswith("SigIgn:")).split()[1]
+    return bool(int(ignored, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_setsid_childs_job_stop_is_recorded_even_when_the_child_cannot_be_signalled(
+    watchdog, job_on, procs
+):
+    """The child is the only process of the job over its memory: its violation asks the job's
+    supervisor to stop the job (which fails it with the watchdog's words), then signals the child.
+    The child ended in between (or its session cannot be proven): that must not turn the job's stop
+    into "Not signalled", finished: the job was stopped by the watchdog, so its violation must end
+    `stopped`, with its audit entry and its notification, as a job process's does."""
+    policy("over_memory", "stop", grace=0)
+    leader = subprocess.Popen(_REAPING_PARENT, start_new_session=True, stdout=subprocess.PIPE)
+    procs.append(leader)
+    child = int(leader.stdout.readline())
+    wait_for(lambda: "time.sleep" in " ".join(psutil.Process(child).cmdline()), timeout=10, what="exec")
+    job = job_on([0], 1024, leader.pid)
+    hog = replace(describe_process(child, 4096), username="gpujob")
+    assert hog.parent_session_id == leader.pid
+    os.kill(child, signal.SIGKILL)  # it ends between the snapshot and the stop
+    wait_for(lambda: not psutil.pid_exists(child), timeout=10, what="the child's end, reaped")
+    t0 = timezone.now()
+    watchdog.round(on_card(0, hog), now=t0)
+    job.refresh_from_db()
+    assert job.watchdog_stop.startswith("Stopped by the GPU watchdog: over_memory")  # the job is stopped
+    watchdog.round(on_card(0), now=t0 + timedelta(seconds=2))  # gone from the card
+    violation = Violation.objects.get()
+    assert violation.action == "stopped", (violation.action, violation.message)
+    assert AuditEntry.objects.filter(action="watchdog.stop", target=f"violation {violation.pk}").exists()
+    assert Notification.objects.filter(subject__contains="was stopped").exists()
+
+
+def test_a_process_whose_stop_is_under_way_is_not_stopped_and_recorded_again_as_another_kind(
+    watchdog, job_on, procs
+):
+    """The job's setsid child ignores SIGTERM; the job's session ends and the child, adopted, is
+    judged again (an intruder under a shared JOB_USER). Its over_memory stop goes on (SIGKILL after
+    the watchdog's grace): one process, one stop. A second violation of the same process that is
+    warned, signalled and recorded `stopped` as well makes one death two stops (two audit entries,
+    two "was stopped" notifications)."""
+    policy("over_memory", "stop", grace=0)
+    policy("intruder", "stop", grace=0)
+    leader, child = _job_with_setsid_child(procs, STUBBORN_CODE)
+    wait_for(lambda: _ignores_sigterm(child), timeout=10, what="SIG_IGN")
+    try:
+        job = job_on([0], 1024, leader.pid)
+        t0 = timezone.now()
+        hog = replace(describe_process(child, 4096), username="gpujob")
+        watchdog.round(on_card(0, hog), now=t0)
+        os.killpg(leader.pid, signal.SIGKILL)  # the job's supervisor ends the job's session
+        leader.wait()
+        wait_for(lambda: psutil.Process(child).ppid() != leader.pid, timeout=10, what="adoption")
+        Job.objects.filter(pk=job.pk).update(status=Job.Status.FAILED, finished_at=timezone.now())
+        adopted = replace(describe_process(child, 4096), username="gpujob")
+        for seconds in (1, 2, 12):
+            watchdog.round(on_card(0, adopted), now=t0 + timedelta(seconds=seconds))
+        wait_for(lambda: not _alive(child), timeout=10, what="SIGKILL")
+        watchdog.round(on_card(0), now=t0 + timedelta(seconds=14))
+        stops = AuditEntry.objects.filter(action="watchdog.stop").count()
+        kinds = list(Violation.objects.order_by("pk").values_list("kind", "action"))
+        assert stops == 1, kinds
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_process_that_ended_on_sigterm_while_nvml_still_lists_it_is_recorded_stopped(
+    watchdog, alices_card, bob, start
+):
+    """SIGTERM ends the intruder; NVML lists it for a few seconds more (STOP_CONFIRM_SECONDS). The
+    SIGKILL round finds no such process: that is the stop done, not "Not signalled" (finished, so
+    its end is never recorded `stopped`, nor audited, nor told)."""
+    policy("intruder", "stop", grace=0)
+    proc = start()
+    seen = real(proc, user="bob")
+    t0 = timezone.now()
+    watchdog.round(on_card(0, seen), now=t0)
+    wait_for(lambda: gone(proc), timeout=10, what="SIGTERM")
+    watchdog.round(on_card(0, seen), now=t0 + timedelta(seconds=kill_grace()))  # NVML's lag
+    watchdog.round(on_card(0), now=t0 + timedelta(seconds=kill_grace() + 2))
+    violation = Violation.objects.get()
+    assert violation.action == "stopped", (violation.action, violation.message)
+    assert AuditEntry.objects.filter(action="watchdog.stop", target=f"violation {violation.pk}").exists()
+
+
+def test_a_setsid_child_of_a_job_that_just_ended_by_itself_is_not_signalled_for_the_job(
+    watchdog, job_on, procs, monkeypatch
+):
+    """The round read the job as running (over its memory through its setsid child); it ended by
+    itself before the stop's UPDATE (asked: 0, "already stopping or ended"). Its child is an ended
+    job's process now, a zombie, whose policy here is warn: the watchdog must not signal it as the
+    job's over_memory, which nobody stops any more."""
+    policy("over_memory", "stop", grace=0)
+    policy("zombie", "warn")
+    leader, child = _job_with_setsid_child(procs)
+    try:
+        job = job_on([0], 1024, leader.pid)
+        import jobs.host.watchdog as module
+
+        read = module.round_facts
+
+        def racing(*args, **kwargs):
+            facts = read(*args, **kwargs)
+            Job.objects.filter(pk=job.pk).update(status=Job.Status.SUCCEEDED, finished_at=timezone.now())
+            return facts
+
+        monkeypatch.setattr(module, "round_facts", racing)
+        hog = replace(describe_process(child, 4096), username="gpujob")
+        watchdog.round(on_card(0, hog), now=timezone.now())
+        job.refresh_from_db()
+        assert job.watchdog_stop == ""  # the job ended by itself
+        time.sleep(0.5)
+        assert _alive(child), "the ended job's child was signalled for the job's over_memory"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_worker_restarted_in_dry_run_mode_sends_no_sigkill_to_a_stop_begun_before(
+    watchdog, alices_card, bob, start, settings
+):
+    """WATCHDOG_DRY_RUN "records and notifies but never signals". A worker restarted with it set
+    (an admin turning it on mid-incident) rebuilds a stop begun before (Sent SIGTERM) and carries
+    it on: SIGKILL."""
+    policy("intruder", "stop", grace=0)
+    proc = start(STUBBORN)
+    wait_for(lambda: _ignores_sigterm(proc.pid), timeout=10, what="SIG_IGN")
+    seen = real(proc, user="bob")
+    t0 = timezone.now()
+    watchdog.round(on_card(0, seen), now=t0)
+    assert Violation.objects.get().message.startswith("Sent SIGTERM")
+    settings.WATCHDOG_DRY_RUN = True
+    restarted = type(watchdog)("box1", simulated=False)
+    restarted.round(on_card(0, seen), now=t0 + timedelta(seconds=kill_grace()))
+    time.sleep(0.5)
+    assert not gone(proc), "SIGKILL sent in dry-run mode"

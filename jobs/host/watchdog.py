@@ -203,6 +203,10 @@ class HostWatchdog:
         keyed = [(key_of(v.gpu_uuid, v.process.pid, v.process.started, v.kind), v) for v in verdicts]
         held, ending = self._held_and_ending(keyed, readable, now)
         held_processes = {_process_of(k) for k in held}
+        # A process whose stop is under way is that stop's until it ends (stopped, or stop_failed):
+        # judged another kind meanwhile, it is not a new violation warned, stopped and recorded
+        # stopped again (one death, two stops).
+        stopping = {_process_of(k) for k in held if not self.tracked[k].finished}
         # Ends first: a process that follows another of the same job (or person) on the card is a
         # new event once the first has ended, and is counted and told as one.
         self._end_gone(ending, now)
@@ -216,6 +220,8 @@ class HostWatchdog:
             process = verdict.process
             if verdict.kind in HARMLESS and _process_of(key) in held_processes:
                 continue  # within its budget for now, but its violation is held open: no new one
+            if key not in self.tracked and _process_of(key) in stopping:
+                continue  # its stop under way goes on (`_hold`): no second violation of it
             seen.add(key)
             event_pids = pids.get(event, [process.pid])
             self._step(key, self._watch, key, verdict, policies[verdict.kind], server, now, event_pids)
@@ -475,10 +481,19 @@ class HostWatchdog:
             tracked.stop_started = now
             if not asked:
                 log.info("Job %s already stopping or ended", verdict.job_id)
-            if verdict.left_session:
+            if verdict.left_session and (asked or _job_active(verdict.job_id)):
                 # A child that left the job's session (setsid): the supervisor's stop, which ends
-                # the job's session, never reaches it. It is signalled itself, as any process.
-                self._signal(tracked, verdict, signal.SIGTERM, now)
+                # the job's session, never reaches it. It is signalled itself, as any process; not
+                # once the job has ended by itself (its child is an ended job's, its own policy's),
+                # and a child that cannot be proven leaves the job's stop as it stands (recorded).
+                if _unprovable(verdict.process) is None:
+                    self._signal(tracked, verdict, signal.SIGTERM, now)
+                else:
+                    log.warning(
+                        "Job %s: its setsid child pid %s cannot be proven, not signalled",
+                        verdict.job_id,
+                        verdict.process.pid,
+                    )
             return
         if self._signal(tracked, verdict, signal.SIGTERM, now):
             tracked.stop_started = now
@@ -489,7 +504,9 @@ class HostWatchdog:
         direct = verdict.job_id is None or verdict.kind == Kind.ZOMBIE or verdict.left_session
         # A job's supervisor sends its SIGKILL after the job's grace; the watchdog, after its own.
         grace = kill_grace() if direct else settings.JOB_KILL_GRACE_SECONDS
-        if direct and not tracked.killed and waited >= grace:
+        # WATCHDOG_DRY_RUN never signals, a stop begun before it was set (a restart) included: its
+        # SIGKILL is not sent, and it is stopped once gone or stop_failed after the grace as any.
+        if direct and not tracked.killed and waited >= grace and not settings.WATCHDOG_DRY_RUN:
             if self._signal(tracked, verdict, signal.SIGKILL, now):
                 tracked.killed = True
             return
@@ -501,6 +518,8 @@ class HostWatchdog:
         process is gone already (the next round records the stop)."""
         process = verdict.process
         why_not = _unprovable(process)
+        if why_not is not None and _gone(process):
+            return True  # the process seen has ended (NVML may list it a while): the stop is done
         if why_not is None and process.started is not None:  # _unprovable checked the start
             outcome = send(ProcessId(process.pid, process.started), sig)
             if outcome is Sent.SENT:
@@ -619,6 +638,17 @@ def _unprovable(process: ProcessInfo) -> str | None:
     if session_of(process.pid) != process.session_id:
         return "the pid is no longer the process that was seen (another session)."
     return None
+
+
+def _gone(process: ProcessInfo) -> bool:
+    """The process seen (pid and start) no longer runs: its pid is free, or another process's."""
+    if not is_process_pid(process.pid) or process.session_id is None or process.started is None:
+        return False  # never proven to be one process: nothing says it ended
+    return not ProcessId(process.pid, process.started).is_alive()
+
+
+def _job_active(job_id: int | None) -> bool:
+    return Job.objects.filter(pk=job_id, status__in=Job.ACTIVE).exists()
 
 
 def _rebuild(tracked: Tracked, action: str, message: str, at: datetime | None) -> None:
