@@ -208,3 +208,16 @@ def test_a_beat_asks_the_end_by_the_databases_clock(alice, booking, monkeypatch,
     skew(monkeypatch, offset, interactive)
     answer = api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()
     assert (answer["end_requested"], answer["status"]) == (asked, "running"), answer
+
+
+@pytest.mark.django_db
+def test_an_end_asked_on_a_web_server_behind_is_not_taken_for_a_past_one(alice, leader, booking, monkeypatch):
+    """The end asked on the portal was stamped by the web server's clock and judged by the
+    database's: a web server 5 minutes behind made a fresh *End session* look 5 minutes old, so
+    the next beat ended the row while `gpu` was still within its grace."""
+    pk = start(alice, reservation=booking.pk).json()["id"]
+    api(alice).patch(f"/api/v1/sessions/{pk}/", {"pid": 4242}, format="json")
+    skew(monkeypatch, timedelta(minutes=-5), interactive)
+    assert api(leader).delete(f"/api/v1/sessions/{pk}/").status_code == 200
+    answer = api(alice).post(f"/api/v1/sessions/{pk}/beat/").json()
+    assert (answer["end_requested"], answer["status"]) == (True, "running"), answer

@@ -459,7 +459,7 @@ def session_end_request(*, session: InteractiveSession, by: AbstractBaseUser) ->
     command; a lab's supervisor within a second."""
     InteractiveSession.objects.filter(
         pk=session.pk, status__in=InteractiveSession.ACTIVE, end_requested_at=None
-    ).update(end_requested_at=timezone.now(), end_requested_by=by)
+    ).update(end_requested_at=Now(), end_requested_by=by)
     session.refresh_from_db()
     return session
 
