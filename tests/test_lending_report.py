@@ -97,7 +97,9 @@ def test_the_reports_page_shows_them_to_whom_the_booking_is_visible(
 ):
     client = Client()
     client.force_login({"alice": alice, "leader": leader, "admin": admin_user, "charlie": charlie}[who])
-    page = client.get("/reports/").content.decode()
+    # From the loan's day: on a month's first hours it began last month, before the default period.
+    since = timezone.localdate(timezone.now() - 4 * H)
+    page = client.get("/reports/", {"since": since.isoformat()}).content.decode()
     assert 'id="lending"' in page
     if sees:
         assert 'data-server="box1"' in page and "4 GPU-hours, of which the borrowers used 3." in page
