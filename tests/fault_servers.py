@@ -521,6 +521,29 @@ class Portal:
     def output(self, role: str) -> str:
         return self.log_path(role).read_text(errors="replace")
 
+    def stacks(self, role: str) -> str:
+        """Every thread's stack in a Celery worker's main process, as it logs them on SIGUSR1
+        (Celery's own handler, `install_cry_handler`): what a hung thread waits on. Signalled by
+        its own handle, never its pool's children (they die of SIGUSR1)."""
+        proc = self.procs.get(role)
+        if proc is None or proc.poll() is not None:
+            return f"{role}: not running"
+        before = self.log_path(role).stat().st_size
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        with open(self.log_path(role), errors="replace") as log:
+            log.seek(before)
+            dump = log.read().splitlines()
+        kept, in_locals = [], False  # each thread's name and frames; not its local variables
+        for line in dump:
+            if line == "LOCAL VARIABLES":
+                in_locals = True
+            elif in_locals and line and line[0] not in " {'=":
+                in_locals = False  # the next thread's name
+            if not in_locals and not line.startswith("====="):
+                kept.append(f"{role}: {line}")
+        return "\n".join(kept[-250:])
+
     def check_alive(self) -> None:
         for role, proc in self.procs.items():
             if proc.poll() is not None:

@@ -395,6 +395,21 @@ def _said_of(portal: Portal, jobs: list[tuple]) -> str:
     return "\n".join(lines[-80:])
 
 
+def _activity(rows: str) -> str:
+    """The server's sessions other than idle ones, and who waits on whose lock: a queued job
+    neither claimed nor sent again may be a worker's query waiting on a transaction left open."""
+    connections[rows].close()
+    with connections[rows].cursor() as cursor:
+        cursor.execute(
+            "SELECT pid, state, wait_event_type, wait_event, pg_blocking_pids(pid),"
+            " now() - xact_start, left(query, 160) FROM pg_stat_activity"
+            " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() AND state <> 'idle'"
+        )
+        found = cursor.fetchall()
+    connections[rows].close()
+    return "\n".join(f"backend: {row}" for row in found) or "backend: none but idle ones"
+
+
 class Storm:
     """CLIENTS threads, each with its own token, booking cards in the future, submitting jobs to
     the queue and reading lists, until `stop` is set; every answer and transport error is kept."""
@@ -489,7 +504,10 @@ def test_database_restarted_under_concurrent_bookings_and_submits(portal, postgr
     with contextlib.suppress(AssertionError):
         wait_for(lambda: not _open_jobs(portal, rows), timeout=60, what="every job to end")
     still = _open_jobs(portal, rows)
-    assert not still, f"open without a reason, 60 s after the outage: {still}\n{_said_of(portal, still)}"
+    assert not still, (
+        f"open without a reason, 60 s after the outage: {still}\n{_activity(rows)}\n{_said_of(portal, still)}"
+        f"\n{portal.stacks('worker-host')}"
+    )
     connections[rows].close()
     jobs = {job.pk: job for job in Job.objects.using(rows).all()}
     assert set(storm.jobs) <= set(jobs), f"lost jobs: {set(storm.jobs) - set(jobs)}"
