@@ -73,8 +73,11 @@ class When(click.ParamType):
             return now + timedelta(minutes=Duration().convert(text[4:], param, ctx))
         clock = _CLOCK.match(text)
         if clock and int(clock[1]) < 24 and int(clock[2]) < 60:
-            at = now.replace(hour=int(clock[1]), minute=int(clock[2]), second=0, microsecond=0)
-            return at if at > now else at + timedelta(days=1)
+            # On the local wall clock, then given the offset of that day: `now`'s is a fixed one,
+            # an hour off for a time past tonight's change of the clocks.
+            local = now.replace(tzinfo=None)
+            at = local.replace(hour=int(clock[1]), minute=int(clock[2]), second=0, microsecond=0)
+            return (at if at > local else at + timedelta(days=1)).astimezone()
         try:
             return datetime.fromisoformat(value.strip()).astimezone()
         except ValueError:

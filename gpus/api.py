@@ -47,6 +47,7 @@ from gpus.selectors import (
     violation_command,
 )
 from gpus.slurm_booking import slurm_nodes_book
+from portal.api_fields import LocalDateTimeField
 from portal.errors import Invalid
 from portal.forms import CARDS_ERRORS, MIB_ERRORS
 from portal.pagination import PagePagination
@@ -280,10 +281,8 @@ class ReservationCreateSerializer(serializers.Serializer):
         error_messages=MIB_ERRORS,
         help_text="MiB per card (NVML's unit); null: whole cards",
     )
-    start = serializers.DateTimeField(required=False, allow_null=True, help_text="Default: now")
-    end = serializers.DateTimeField(
-        required=False, allow_null=True, help_text="Default: start + default length"
-    )
+    start = LocalDateTimeField(required=False, allow_null=True, help_text="Default: now")
+    end = LocalDateTimeField(required=False, allow_null=True, help_text="Default: start + default length")
     note = serializers.CharField(required=False, allow_blank=True, max_length=500)
     team = serializers.SlugField(required=False, allow_null=True, help_text="Default: your first team")
     nodes = serializers.ListField(
@@ -296,7 +295,7 @@ class ReservationCreateSerializer(serializers.Serializer):
 
 
 class ExtendSerializer(serializers.Serializer):
-    end = serializers.DateTimeField()
+    end = LocalDateTimeField()
 
 
 class ReservationCancelSerializer(serializers.Serializer):

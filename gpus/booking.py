@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -87,6 +87,13 @@ PORTAL = PortalActor()
 # --- checks shared by create and extend ---------------------------------------------
 
 
+def _utc(at: datetime | None) -> datetime | None:
+    """A requested time in UTC. A form or the API hands times over in the person's zone, and Python
+    subtracts and adds two times of one zone by the wall clock: a booking across the night the
+    clocks go back would measure 24 h where it holds 25 (and its quotas count 24)."""
+    return at.astimezone(UTC) if at is not None else None
+
+
 def _check_request(gpus: Sequence[str] | None, count: int | None, memory_mb: int | None, note: str) -> None:
     """What a booking request must say, before anything is read or locked: every problem at once."""
     found = Errors()
@@ -141,8 +148,8 @@ def request_problems(
     an unread start stood in as "now", so the end is not judged against it; an unread count was
     given all the same, so "give cards or a count" would be wrong."""
     now = now or timezone.now()
-    start = start or now
-    end = end or start + default_length(None)
+    start = _utc(start) or now
+    end = _utc(end) or start + default_length(None)
     errors = Errors()
     errors.check(_check_request, gpus, count, memory_mb, note)
     errors.check(_check_window_limits, start, end, now)
@@ -408,7 +415,7 @@ def reservation_create(
     Raises a ServiceError subclass, naming the field and the fix, and writes nothing.
     """
     now = now or timezone.now()
-    start = start or now
+    start, end = _utc(start) or now, _utc(end)
     # An empty end: the default length within the member's longest booking (read unlocked: the
     # quota check under the lock judges the booking all the same).
     end = end or start + default_length(memberships_for(user, team).first())
@@ -498,6 +505,7 @@ def reservation_extend(
 ) -> Reservation:
     """Move an open booking's end later, if its cards are free until then and quotas allow."""
     now = now or timezone.now()
+    end = end.astimezone(UTC)  # as a new booking's (_utc)
     reservation = reservation_locked(reservation)
     if reservation.owner_id != user.pk:
         raise Forbidden(ONLY_OWNER_EXTENDS)

@@ -105,7 +105,10 @@ def weeks_touching(start: datetime, end: datetime) -> list[tuple[datetime, datet
 def gpu_hours(uses: Iterable[Use], start: datetime, end: datetime) -> float:
     total = 0.0
     for use in uses:
-        overlap = (min(use.end, end) - max(use.start, start)).total_seconds()
+        # Timestamps, not `end - start`: a week's ends are in TIME_ZONE, and Python subtracts two
+        # times of one zone by the wall clock (a booking over a whole DST week would count 168 h,
+        # not 167 or 169).
+        overlap = min(use.end, end).timestamp() - max(use.start, start).timestamp()
         if overlap > 0:
             total += use.card_fraction * overlap / 3600
     return total

@@ -31,6 +31,7 @@ from jobs.rightsizing import size_hint_for
 from jobs.selectors import queue_rows
 from jobs.services import ONLY_MANAGERS_CANCEL, job_cancel
 from jobs.submit import ScriptUpload, job_submit
+from portal.api_fields import LocalDateTimeField
 from portal.errors import Invalid
 from portal.forms import CARDS_ERRORS, MIB_ERRORS
 from portal.pagination import PagePagination
@@ -240,9 +241,7 @@ class JobCreateSerializer(serializers.Serializer):
     )
     array = serializers.CharField(required=False, allow_blank=True, help_text='Queued: "0-99" or "0-99%8".')
     nice = serializers.IntegerField(required=False, default=0, help_text="Queued: lowers its priority.")
-    begin_at = serializers.DateTimeField(
-        required=False, allow_null=True, help_text="Queued: not before this."
-    )
+    begin_at = LocalDateTimeField(required=False, allow_null=True, help_text="Queued: not before this.")
     team = serializers.CharField(
         required=False, allow_blank=True, help_text="Queued: your team's slug, if several."
     )

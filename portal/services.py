@@ -17,6 +17,7 @@ from portal.access import is_admin
 from portal.errors import Forbidden, Invalid
 from portal.models import ApiToken, AuditEntry, Membership, Team
 from portal.names import signin_name
+from portal.timefmt import format_time
 
 User = get_user_model()
 
@@ -43,7 +44,8 @@ def api_token_create(
         key_hash=ApiToken.hash_key(key),
         expires_at=expires_at,
     )
-    until = f"until {expires_at:%Y-%m-%d %H:%M}" if expires_at else "with no expiry"
+    # format_time, as every audit line: the expiry's own zone (UTC, or the API caller's) unnamed misleads.
+    until = f"until {format_time(expires_at)}" if expires_at else "with no expiry"
     _audit(user, token, AuditEntry.Action.API_TOKEN_CREATE, f"{user} created API token {token}, {until}")
     return token, key
 

@@ -343,7 +343,8 @@ class LabSupervisor:
                     "Session %s: the database is away (%s); its booking's end still holds", self.pk, exc
                 )
             self.database_away = True
-            return f"the booking ended at {self.ends_at:%H:%M}" if now >= self.ends_at else None
+            # As the database's own answer says it (below): ends_at is UTC, not the portal's zone.
+            return f"the booking ended at {format_time(self.ends_at)}" if now >= self.ends_at else None
         self.session = row
         if session_is_lost(row):
             # Marked lost while this supervisor could not reach the database: a lost run is

@@ -42,7 +42,8 @@ def announced_step(action: str, grace: int, now: datetime, process: ProcessInfo)
     if process.session_id is not None and process.started is None:
         return "It will not be stopped: its start time could not be read, so it cannot be proven to be it."
     at = timezone.localtime(now + timedelta(seconds=grace))
-    return f"Unless it ends first, it will be stopped at {at:%H:%M:%S} (the policy: stop after {grace} s)."
+    # %Z: the worker writes in TIME_ZONE, and its reader may live in another zone (portal/time_zones.py).
+    return f"Unless it ends first, it will be stopped at {at:%H:%M:%S %Z} (the policy: stop after {grace} s)."
 
 
 def stop_words(verdict: Verdict, asked: Asked | None) -> str:

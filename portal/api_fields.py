@@ -1,0 +1,26 @@
+"""Fields the REST API's serializers share."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.utils import timezone
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
+
+
+class LocalDateTimeField(serializers.DateTimeField):
+    """A moment; one written without an offset is read in the request's zone (its person's). A time
+    that zone skips or repeats the night its clocks change is refused, naming the field, as the
+    booking form refuses it: DRF's own check lets a skipped one through, read an hour off."""
+
+    def enforce_timezone(self, value: datetime) -> datetime:
+        zone = self.timezone if hasattr(self, "timezone") else self.default_timezone()
+        if zone is not None and timezone.is_naive(value):
+            offsets = {value.replace(tzinfo=zone, fold=fold).utcoffset() for fold in (0, 1)}
+            if len(offsets) > 1:
+                raise ValidationError(
+                    f"{value:%Y-%m-%d %H:%M} does not exist, or happens twice, in {zone}: the clocks "
+                    "change then. Give another time, or add its UTC offset (e.g. +01:00)."
+                )
+        return super().enforce_timezone(value)
