@@ -47,7 +47,7 @@ from gpus.selectors import (
     violation_command,
 )
 from gpus.slurm_booking import slurm_nodes_book
-from portal.api_fields import LocalDateTimeField
+from portal.api_fields import KnownFieldsOnly, LocalDateTimeField
 from portal.errors import Invalid
 from portal.forms import CARDS_ERRORS, MIB_ERRORS
 from portal.pagination import PagePagination
@@ -269,7 +269,7 @@ class ReservationSerializer(serializers.ModelSerializer):
         read_only_fields = ["idle_since", "idle_minutes", "slurm_reservation", "slurm_error"]
 
 
-class ReservationCreateSerializer(serializers.Serializer):
+class ReservationCreateSerializer(KnownFieldsOnly):
     """Types only; the rules are checked by gpus.booking.reservation_create."""
 
     gpus = serializers.ListField(child=serializers.CharField(max_length=64), required=False, max_length=64)
@@ -294,11 +294,11 @@ class ReservationCreateSerializer(serializers.Serializer):
     )
 
 
-class ExtendSerializer(serializers.Serializer):
+class ExtendSerializer(KnownFieldsOnly):
     end = LocalDateTimeField()
 
 
-class ReservationCancelSerializer(serializers.Serializer):
+class ReservationCancelSerializer(KnownFieldsOnly):
     reason = serializers.CharField(required=False, allow_blank=True, max_length=500)
 
 
@@ -385,7 +385,10 @@ class ReservationViewSet(
     )
     def destroy(self, request: Request, pk: str | None = None, format: str | None = None) -> Response:
         reservation = self.get_object()
-        reason = request.query_params.get("reason") or request.data.get("reason", "")
+        # The body is read as POST cancel/ reads it: a list, a number or a misspelt key is a 400.
+        data = ReservationCancelSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        reason = request.query_params.get("reason") or data.validated_data.get("reason", "")
         reservation_cancel(user=request.user, reservation=reservation, reason=reason)
         return Response(self._show(reservation.pk))
 
@@ -547,7 +550,10 @@ class UsageViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
 
 def _every_problem(data: ReservationCreateSerializer, raw: Any) -> dict[str, Any]:
     """A request's parsing errors and the booking rules' problems with what did parse (as the
-    booking form shows them): one 400 names every bad field."""
+    booking form shows them): one 400 names every bad field. A body that is no object (a list, a
+    number) has no fields to read: DRF's own answer says an object is expected."""
+    if not isinstance(raw, dict):  # a QueryDict (a form) is a dict too
+        return dict(data.errors)
     parsed: dict[str, Any] = {}
     for name, field in data.fields.items():
         if name not in data.errors:

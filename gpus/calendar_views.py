@@ -21,7 +21,7 @@ from django.http import (
 from django.shortcuts import redirect
 from django.template import Context
 from django.urls import reverse
-from django.utils.http import http_date, parse_etags, parse_http_date_safe, url_has_allowed_host_and_scheme
+from django.utils.http import http_date, parse_etags, parse_http_date_safe
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
@@ -36,6 +36,7 @@ from gpus.calendars import (
 )
 from gpus.models import CalendarFeed, Server
 from portal.errors import ServiceError
+from portal.http import is_local_path
 from portal.models import Team
 
 
@@ -77,7 +78,7 @@ def _not_modified(request: HttpRequest, etag: str, changed: int) -> bool:
 def calendar_renew(request: HttpRequest) -> HttpResponse:
     """A new secret for one of the user's feeds (own; `team`: a team they lead; `server`: admins)."""
     back = request.POST.get("next") or ""
-    if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}):
+    if not is_local_path(back, request):
         back = reverse("profile")
     try:
         team, server = calendar_scope_from(request.user, request.POST)

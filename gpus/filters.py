@@ -16,7 +16,7 @@ from django.utils import timezone
 from gpus.models import GPU, ContainerImage, Reservation, Server, UsageFigures, Violation
 from gpus.usage import portal_today
 from portal.access import VIEW, is_admin, teams_led_by
-from portal.filters import DayFilter, MineFilter, SpanForm, unknown_choice
+from portal.filters import DayFilter, MineFilter, SpanForm, YesNoFilter, unknown_choice
 from portal.models import Team
 
 # The derived statuses (Reservation.Status), and "open" for upcoming or active; the rules are
@@ -118,7 +118,7 @@ class ViolationFilter(django_filters.FilterSet):
     server = django_filters.CharFilter(
         field_name="server__name", label="Server", widget=forms.Select, help_text="A server's name."
     )
-    open = django_filters.BooleanFilter(
+    open = YesNoFilter(
         field_name="ended_at",
         lookup_expr="isnull",
         label="Still running",

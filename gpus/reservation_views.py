@@ -19,7 +19,7 @@ from gpus import booking
 from gpus.filters import MyReservationFilter
 from gpus.forms import CancelForm, ExtendForm, ReservationForm, local_input
 from gpus.hooks import work_on_booking
-from gpus.models import Reservation
+from gpus.models import Reservation, Server
 from gpus.quota_usage import member_quotas
 from portal.access import can_manage_team
 from portal.errors import Forbidden, ServiceError
@@ -59,6 +59,9 @@ def reservation_new(request: HttpRequest) -> HttpResponse:
     else:
         initial = {"gpus": preset, "server": server_name or ""}
         form = ReservationForm(user=request.user, server_name=server_name, initial=initial)
+    # The page links to the server's timeline: only for a server there is (?server=1.5 has no URL).
+    if server_name and not Server.objects.filter(name=server_name).exists():
+        server_name = None
     return render(request, "gpus/reservation_form.html", {"form": form, "server_name": server_name})
 
 

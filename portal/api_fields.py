@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from django.utils import timezone
 from rest_framework import serializers
@@ -24,3 +25,24 @@ class LocalDateTimeField(serializers.DateTimeField):
                     "change then. Give another time, or add its UTC offset (e.g. +01:00)."
                 )
         return super().enforce_timezone(value)
+
+
+class KnownFieldsOnly(serializers.Serializer):
+    """An input serializer that names a key it has no field for, rather than dropping it: a typo
+    ({"memory": "8G"}, {"lable": …}) would otherwise be answered as done, with the default."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        # A session's HTML form posts Django's CSRF token beside the fields (SessionAuthentication).
+        unknown = (
+            sorted(set(data.keys()) - set(self.fields) - {"csrfmiddlewaretoken"})
+            if hasattr(data, "keys")
+            else []
+        )
+        if not unknown:
+            return super().to_internal_value(data)
+        errors = {unknown[0]: [f"Unknown field; use {', '.join(self.fields)} (GET /api/v1/schema/)."]}
+        try:  # the known fields' own errors too: one 400 names every bad field
+            super().to_internal_value(data)
+        except ValidationError as error:
+            errors = {**error.detail, **errors} if isinstance(error.detail, dict) else errors
+        raise ValidationError(errors)

@@ -24,6 +24,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from portal.access import VIEW
+from portal.api_fields import KnownFieldsOnly
 from portal.channels import (
     channel_create,
     channel_delete,
@@ -66,7 +67,7 @@ class ChannelSerializer(serializers.ModelSerializer):
         return url_readable(channel.url_encrypted)
 
 
-class ChannelCreateSerializer(serializers.Serializer):
+class ChannelCreateSerializer(KnownFieldsOnly):
     url = serializers.CharField(
         write_only=True,
         trim_whitespace=True,
@@ -81,7 +82,7 @@ class ChannelCreateSerializer(serializers.Serializer):
     )
 
 
-class ChannelUpdateSerializer(serializers.Serializer):
+class ChannelUpdateSerializer(KnownFieldsOnly):
     events = serializers.ListField(child=serializers.CharField(), required=False)
     label = serializers.CharField(required=False, allow_blank=True, max_length=100)
 
@@ -133,8 +134,9 @@ class NotificationChannelViewSet(
     @extend_schema(request=ChannelUpdateSerializer, responses=ChannelSerializer)
     def partial_update(self, request: Request, pk: str | None = None, format: str | None = None) -> Response:
         channel = self.get_object()
-        if "url" in request.data or "team" in request.data:
-            field = "url" if "url" in request.data else "team"
+        given = request.data if isinstance(request.data, dict) else {}  # a list or a number: DRF's 400 below
+        if "url" in given or "team" in given:
+            field = "url" if "url" in given else "team"
             raise ValidationError(
                 {field: [f"A channel's {field} cannot change: delete it and add a new one."]}
             )

@@ -85,8 +85,11 @@ class QueryForm(SpanForm):
         return data
 
 
-class MineField(forms.NullBooleanField):
-    """?mine=: 1/true/yes/on, 0/false/no/off or empty; anything else is refused, not read as "everyone's"."""
+class YesNoField(forms.NullBooleanField):
+    """1/true/yes/on, 0/false/no/off or empty; anything else is refused, not read as "either way"
+    (django-filter's BooleanWidget turns an unknown word into None: the unfiltered list)."""
+
+    refusal = "%(value)r: write true or false, or leave it out."
 
     def to_python(self, value: Any) -> bool | None:
         text = str(value).strip().lower() if value is not None else ""
@@ -96,11 +99,13 @@ class MineField(forms.NullBooleanField):
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ValidationError(
-            "%(value)r: write mine=1 for only your own, or leave it out.",
-            code="invalid",
-            params={"value": value},
-        )
+        raise ValidationError(self.refusal, code="invalid", params={"value": value})
+
+
+class MineField(YesNoField):
+    """?mine=: as YesNoField; anything else is refused, not read as "everyone's"."""
+
+    refusal = "%(value)r: write mine=1 for only your own, or leave it out."
 
 
 class RawBooleanWidget(BooleanWidget):
@@ -133,6 +138,16 @@ class DayFilter(django_filters.DateFilter):
             return qs.filter(**{f"{self.field_name}__gte": datetime.combine(value, time.min, zone)})
         next_day = datetime.combine(value + timedelta(days=1), time.min, zone)
         return qs.filter(**{f"{self.field_name}__lt": next_day})
+
+
+class YesNoFilter(django_filters.BooleanFilter):
+    """A true/false filter whose unknown value is an error naming it (YesNoField)."""
+
+    field_class = YesNoField
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("widget", RawBooleanWidget)
+        super().__init__(*args, **kwargs)
 
 
 class MineFilter(django_filters.BooleanFilter):

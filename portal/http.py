@@ -13,8 +13,14 @@ def redirect_back(request: HttpRequest, fallback: str, *args: object) -> HttpRes
     Only a path on this site is followed: a `next` pointing elsewhere (an open redirect) is ignored.
     """
     next_url = request.POST.get("next", "")
-    if next_url and url_has_allowed_host_and_scheme(
-        next_url, allowed_hosts={request.get_host()}, require_https=request.is_secure()
-    ):
-        return redirect(next_url)
+    if is_local_path(next_url, request):
+        return HttpResponseRedirect(next_url)
     return redirect(fallback, *args)
+
+
+def is_local_path(url: str, request: HttpRequest) -> bool:
+    """`url` is an absolute path on this site ("/reservations/12/"). Anything else, "abc" included,
+    is not: redirect() would read a bare word as a URL name to reverse, a NoReverseMatch (a 500)."""
+    return url.startswith("/") and url_has_allowed_host_and_scheme(
+        url, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    )

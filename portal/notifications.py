@@ -19,12 +19,11 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
-from django_filters.widgets import BooleanWidget
 
 from portal.changes import user_change_publish
 from portal.channels import notification_channels_queue
 from portal.errors import Invalid
-from portal.filters import unknown_choice
+from portal.filters import RawBooleanWidget, YesNoFilter, unknown_choice
 from portal.mail import mail_queue
 from portal.models import JOB_NOTIFY_EVENTS, MailPreference, Notification, Profile, job_notify_default
 
@@ -187,8 +186,9 @@ def job_notify_set(*, user: AbstractBaseUser, events: object) -> list[str]:
 # --- the inbox's filters ---------------------------------------------------------------------
 
 
-class UnreadWidget(BooleanWidget):
-    """BooleanWidget's values (1/true, 0/false) with words for the inbox's menu."""
+class UnreadWidget(RawBooleanWidget):
+    """BooleanWidget's values (1/true, 0/false) with words for the inbox's menu; any other word is
+    passed on, to be refused (YesNoFilter)."""
 
     def __init__(self, attrs: dict | None = None) -> None:
         super().__init__(attrs)
@@ -199,7 +199,7 @@ class NotificationFilter(django_filters.FilterSet):
     """The inbox: /notifications/ and /api/v1/notifications/ (portal/filters.py says how pages and
     the API share a FilterSet)."""
 
-    unread = django_filters.BooleanFilter(
+    unread = YesNoFilter(
         field_name="read_at",
         lookup_expr="isnull",
         widget=UnreadWidget,

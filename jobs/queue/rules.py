@@ -42,6 +42,8 @@ MAX_ARRAY = 10_000
 # booking's end) stops it, and says so (jobs.queue.scheduler). The plan checks that whole window.
 START_SLACK = timedelta(minutes=1)
 ARRAY_SPEC_MAX_CHARS = 50  # JobArray.spec's max_length
+# Job.array_index and JobArray.max_running are PositiveIntegerFields: PostgreSQL's integer.
+MAX_ARRAY_NUMBER = 2**31 - 1
 # Why a job in a container image waits when no server it may use is up (its note, `Entry.note`).
 NO_IMAGE_SERVER = (
     "no online server that has its image has working containers now; it starts once one does "
@@ -60,6 +62,12 @@ def parse_array(spec: str) -> tuple[list[int], int | None]:
     if not match:
         raise Invalid(
             f"{spec!r} is not an array: write it like 0-99, or 0-99%8 for at most 8 at once.", field="array"
+        )
+    numbers = [int(number) for number in match.groups() if number is not None]
+    if max(numbers) > MAX_ARRAY_NUMBER:  # else the database refuses the row: a 500
+        raise Invalid(
+            f"{spec!r}: indices and the % limit go up to {MAX_ARRAY_NUMBER}; write smaller numbers.",
+            field="array",
         )
     if match[4] is not None:
         return [int(match[4])], None

@@ -26,6 +26,7 @@ from jobs.sessions.services import (
     session_start,
     session_times,
 )
+from portal.api_fields import KnownFieldsOnly
 from portal.pagination import PagePagination
 from portal.permissions import ActionPermissionsMixin, IsOwner, IsOwnerOrTeamManager
 
@@ -66,7 +67,7 @@ class SessionSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class SessionStartSerializer(serializers.Serializer):
+class SessionStartSerializer(KnownFieldsOnly):
     reservation = serializers.IntegerField(
         required=False, allow_null=True, help_text="The booking; none: your one booking active now on `host`."
     )
@@ -115,7 +116,7 @@ class SessionStartedSerializer(SessionSerializer):
 PID_MAX = 2**22  # Linux's pid_max ceiling (PID_MAX_LIMIT)
 
 
-class SessionPidSerializer(serializers.Serializer):
+class SessionPidSerializer(KnownFieldsOnly):
     pid = serializers.IntegerField(min_value=2, max_value=PID_MAX, help_text="Linux pids are below 2**22.")
     pid_started = serializers.FloatField(
         required=False, allow_null=True, default=None, min_value=0, max_value=2**40
@@ -130,7 +131,7 @@ class SessionBeatSerializer(serializers.Serializer):
     message = serializers.CharField(allow_blank=True)
 
 
-class SessionFinishSerializer(serializers.Serializer):
+class SessionFinishSerializer(KnownFieldsOnly):
     exit_code = serializers.IntegerField(allow_null=True, min_value=-(2**31), max_value=2**31 - 1)
     message = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
 
