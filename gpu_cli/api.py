@@ -22,6 +22,7 @@ the lab that did not answer (a Slurm cluster) and says nothing was done: its det
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import click
 import httpx
 
 from gpu_cli import config
-from gpu_cli.errors import NotFound, Refused, Unreachable
+from gpu_cli.errors import Failed, NotFound, Refused, Unreachable
 
 API_ROOT = "/api/v1/"
 MAX_PAGE_SIZE = 500  # portal/pagination.py's max_page_size
@@ -85,10 +86,10 @@ class Portal:
         return self._send(method, path, stream=False, **kwargs)
 
     def get(self, path: str, **params: Any) -> Any:
-        return _json(self.request("GET", path, params=_present(params)))
+        return answer_json(self.request("GET", path, params=_present(params)))
 
     def post(self, path: str, **kwargs: Any) -> Any:
-        return _json(self.request("POST", path, **kwargs))
+        return answer_json(self.request("POST", path, **kwargs))
 
     def rows(self, path: str, *, limit: int, **params: Any) -> Page:
         """A list's rows, following its pages up to `limit` rows. Plain lists (servers, GPUs)
@@ -132,7 +133,9 @@ class Portal:
                     response.read()  # an error's body is small; this also closes a stream
             except httpx.TransportError as exc:
                 safe, sent = method in SAFE_METHODS, not isinstance(exc, NOT_SENT)
-                resend = not sent or (safe and isinstance(exc, DROPPED))
+                # A TLS handshake that failed (https to a plain port, an untrusted certificate)
+                # fails the same way a minute later: say so at once.
+                resend = not _tls_failure(exc) and (not sent or (safe and isinstance(exc, DROPPED)))
                 if resend and retry.wait(f"cannot reach the portal at {self.url} ({_reason(exc)})"):
                     continue
                 raise self._unreachable(exc, maybe_done=sent and not safe) from None
@@ -194,7 +197,8 @@ def _present(params: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in params.items() if value is not None}
 
 
-def _json(response: httpx.Response) -> Any:
+def answer_json(response: httpx.Response) -> Any:
+    """The answer's JSON; an answer that is none (a proxy's login page) is exit code 3, said so."""
     try:
         return response.json()
     except ValueError:
@@ -229,7 +233,7 @@ def _check(response: httpx.Response) -> None:
         check = "" if response.request.method in SAFE_METHODS else f" {MAYBE_DONE}"
         raise Unreachable(f"The portal is unavailable ({where}: {_unavailable(response)}).{check}")
     if status >= 500:
-        raise Unreachable(f"The portal failed ({where}: HTTP {status}); try again, or tell its admins.")
+        raise Failed(f"The portal failed ({where}: HTTP {status}); try again, or tell its admins.")
     errors = body.get("errors") if isinstance(body.get("errors"), dict) else {}
     raise Refused(detail, {field: [str(m) for m in _as_list(messages)] for field, messages in errors.items()})
 
@@ -246,6 +250,17 @@ def _unavailable(response: httpx.Response) -> str:
         body = None
     service = body.get("service") if isinstance(body, dict) else None
     return f"{service} unavailable" if isinstance(service, str) and service else "service unavailable"
+
+
+def _tls_failure(exc: BaseException) -> bool:
+    """Whether the connection failed in its TLS handshake: httpx wraps httpcore's error, which
+    wraps the ssl module's."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _reason(exc: httpx.TransportError) -> str:

@@ -107,7 +107,10 @@ def book(
         raise click.UsageError("Give --end or --time, not both.")
     if minutes:
         # From the start asked for; from now when it is "now", which the portal sets for a missing start.
-        end = (start or datetime.now().astimezone()) + timedelta(minutes=minutes)
+        try:
+            end = (start or datetime.now().astimezone()) + timedelta(minutes=minutes)
+        except OverflowError:  # an end past the year 9999
+            raise click.BadParameter("it ends past the year 9999.", param_hint="'--time'") from None
     request = {
         "gpus": list(uuids) or None,
         "count": None if uuids or nodes else count or 1,

@@ -50,7 +50,11 @@ def _stored() -> dict[str, str]:
         return {}
     except (OSError, ValueError) as exc:
         raise Unreachable(f"Cannot read {path} ({exc}); run `gpu login URL` again.") from None
-    return data if isinstance(data, dict) else {}
+    data = data if isinstance(data, dict) else {}
+    # Edited by hand ({"url": 8000}): said as a file that cannot be read, not an AttributeError.
+    if not all(isinstance(data.get(key, ""), str) for key in ("url", "token")):
+        raise Unreachable(f"Cannot read {path} (its url and token must be text); run `gpu login URL` again.")
+    return data
 
 
 def stored_login() -> Login | None:
@@ -87,6 +91,9 @@ def save(login: Login, username: str) -> Path:
 
 def forget() -> str | None:
     """Delete the stored login; the URL it was for, or None if there was none."""
-    url = _stored().get("url")
+    try:
+        url = _stored().get("url")
+    except Unreachable:  # unreadable or corrupt: deleting it is what was asked
+        url = None
     config_path().unlink(missing_ok=True)
-    return url
+    return url if isinstance(url, str) else None

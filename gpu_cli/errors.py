@@ -39,6 +39,11 @@ class Unreachable(click.ClickException):
     exit_code = UNREACHABLE
 
 
+class Failed(Unreachable):
+    """The portal answered, with a 5xx of its own (not an outage's 503): this request failed, the
+    next may not (`gpu cancel` of several jobs goes on)."""
+
+
 class NotFound(click.ClickException):
     """404: no such job or booking, or not yours to see."""
 

@@ -13,8 +13,8 @@ from typing import Any
 import click
 
 from gpu_cli import live, render
-from gpu_cli.api import MAX_PAGE_SIZE, Portal, connect
-from gpu_cli.errors import INTERRUPTED, NotFound, Refused
+from gpu_cli.api import MAX_PAGE_SIZE, Portal, answer_json, connect
+from gpu_cli.errors import INTERRUPTED, Failed, NotFound, Refused, Unreachable
 from gpu_cli.params import DAY, DURATION, ENV_PAIR, MEMORY, WHEN
 from gpu_cli.render import json_option
 
@@ -100,7 +100,7 @@ def _size_hint(portal: Portal, script: str, mem: int | None) -> str | None:
         return None
     if response.status_code == 204:
         return None
-    hint = response.json()
+    hint = answer_json(response)  # a proxy's login page: said as for any other request
     mb = hint["suggested_mb"]
     if mem == mb:
         return None
@@ -372,14 +372,20 @@ def cancel(whole_array: bool, reason: str, as_json: bool, job_ids: tuple[int, ..
     answers, failed = [], None
     body = {"whole_array": True} if whole_array else {}
     body |= {"reason": reason} if reason else {}
-    for job_id in job_ids:
+    for index, job_id in enumerate(job_ids):
         try:
             job = portal.post(f"jobs/{job_id}/cancel/", json=body or None)
-        except (Refused, NotFound) as exc:
+        except (Refused, NotFound, Unreachable) as exc:  # Unreachable: Failed (a 5xx) too
             said = exc.format_message()  # named already ("Job 3 is already cancelled"), or not
             named = said.startswith(f"Job {job_id} ")
             click.echo(f"Error: {said}" if named else f"Error: job {job_id}: {said}", err=True)
             failed = failed or exc
+            # A 5xx was this job's: the next may go through. No answer at all (after the retries):
+            # the next would wait as long for the same, so stop; what was cancelled is still told.
+            if isinstance(exc, Unreachable) and not isinstance(exc, Failed):
+                if rest := job_ids[index + 1 :]:
+                    click.echo(f"Not tried: {', '.join(map(str, rest))}.", err=True)
+                break
             continue
         answers.append(job)
         if not as_json:

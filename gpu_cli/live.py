@@ -62,12 +62,24 @@ def follow_log(portal: Portal, job_id: int, out: BinaryIO) -> None:
     """Copy the job's log to `out` until the job has ended and its last byte is out."""
     offset = 0
     budget = retry_budget()
-    heard = monotonic()  # when the stream last moved on
+    # When the stream last moved on or said it was alive (a keep-alive comment, every 15 s on a
+    # live stream): a quiet job's stream closed by a portal's restart is taken up again, however
+    # long ago the job last printed. Not the `retry:` each stream opens with, which one that
+    # breaks at once also sends.
+    heard = monotonic()
+
+    def alive(lines: Iterable[str]) -> Iterator[str]:
+        nonlocal heard
+        for line in lines:
+            if line.startswith(":"):
+                heard = monotonic()
+            yield line
+
     while True:
         before = offset
         with portal.stream(f"jobs/{job_id}/log/stream/", offset=offset) as response:
             try:
-                for event in iter_events(response.iter_lines()):
+                for event in iter_events(alive(response.iter_lines())):
                     if event.event == "end":
                         return
                     if event.id is None or not event.id.isdigit():

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from contextlib import suppress
 
 import click
 
 from gpu_cli import cards, config, interactive, jobs
 from gpu_cli.api import Portal
-from gpu_cli.errors import Refused
+from gpu_cli.errors import Refused, Unreachable
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -56,7 +57,14 @@ def login(url: str, username: str, password_stdin: bool) -> None:
         )
     if not token:
         raise Refused(f"{url} answered without a token: is it the GPU lab portal?")
-    path = config.save(config.Login(url=url, token=token), username)
+    try:
+        path = config.save(config.Login(url=url, token=token), username)
+    except OSError as exc:  # config.json a folder, a read-only home: no token left live and unkept
+        with suppress(click.ClickException), Portal(url, token, retry_seconds=0) as portal:
+            portal.request("DELETE", "token/current/")
+        raise Unreachable(
+            f"Cannot write {config.config_path()} ({exc.strerror or exc}): not logged in."
+        ) from None
     click.echo(f"Logged in to {url} as {username}; the token is in {path}.")
     if os.environ.get(config.TOKEN_ENV):
         click.echo(f"Note: {config.TOKEN_ENV} is set, and overrides this login while it is.", err=True)
@@ -66,7 +74,11 @@ def login(url: str, username: str, password_stdin: bool) -> None:
 def logout() -> None:
     """Revoke the stored login's token at the portal and forget the login. Where the portal cannot
     be reached the login is forgotten all the same: revoke the token on your profile page then."""
-    stored = config.stored_login()
+    try:
+        stored = config.stored_login()
+    except Unreachable as exc:  # a corrupt or unreadable file: forgetting it is what was asked
+        click.echo(f"{exc.format_message()} Deleting it; revoke its token on your profile page.", err=True)
+        stored = None
     if stored is not None:
         try:
             with Portal(stored.url, stored.token) as portal:

@@ -70,7 +70,10 @@ class When(click.ParamType):
         if text == "now":
             return now
         if text.startswith("now+"):
-            return now + timedelta(minutes=Duration().convert(text[4:], param, ctx))
+            try:
+                return now + timedelta(minutes=Duration().convert(text[4:], param, ctx))
+            except OverflowError:  # past the year 9999: a mistyped number, not a traceback
+                self.fail(f"{value!r} is too far ahead.", param, ctx)
         clock = _CLOCK.match(text)
         if clock and int(clock[1]) < 24 and int(clock[2]) < 60:
             # On the local wall clock, then given the offset of that day: `now`'s is a fixed one,
@@ -80,7 +83,7 @@ class When(click.ParamType):
             return (at if at > local else at + timedelta(days=1)).astimezone()
         try:
             return datetime.fromisoformat(value.strip()).astimezone()
-        except ValueError:
+        except (ValueError, OverflowError):  # Overflow: the local offset moves it past year 1 or 9999
             self.fail(f"{value!r}: write a time like 2025-06-01 14:00, 14:00 or now+2h.", param, ctx)
 
 
@@ -99,7 +102,10 @@ class Day(click.ParamType):
         if text == "yesterday":
             return (today - timedelta(days=1)).isoformat()
         if ago:
-            return (today - timedelta(days=int(ago[1]) * (7 if ago[2] == "w" else 1))).isoformat()
+            try:
+                return (today - timedelta(days=int(ago[1]) * (7 if ago[2] == "w" else 1))).isoformat()
+            except OverflowError:  # before the year 1: a mistyped number, not a traceback
+                self.fail(f"{value!r} is too long ago.", param, ctx)
         try:
             return date.fromisoformat(text).isoformat()
         except ValueError:

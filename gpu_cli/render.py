@@ -3,6 +3,7 @@ times are shown in this machine's local time."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from collections.abc import Iterable
@@ -41,11 +42,25 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the AP
 
 def console() -> Console:
     terminal = sys.stdout.isatty()
+    # A terminal in latin-1 or ascii cannot show jürgen's em dash: a "?" there, not a traceback.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="replace")
     return Console(highlight=False, width=None if terminal else PIPE_WIDTH)
 
 
 def print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, ensure_ascii=False))
+    text = json.dumps(data, indent=2, ensure_ascii=False)
+    if not _encodable(text):  # \u escapes where stdout cannot carry a name: the same JSON
+        text = json.dumps(data, indent=2)
+    click.echo(text)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
 
 
 def mib(mb: int | None) -> str:
