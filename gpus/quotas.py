@@ -30,7 +30,7 @@ from django.utils import timezone
 from gpus.models import GPU, Allocation, AllocationQuerySet
 from portal.access import can_manage_team, is_admin
 from portal.channels import team_channels_notify
-from portal.errors import Forbidden, Invalid, QuotaExceeded
+from portal.errors import Conflict, Forbidden, Invalid, QuotaExceeded
 from portal.figures import figure
 from portal.models import (
     AuditEntry,
@@ -510,7 +510,13 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
     if not can_manage_team(actor, membership.team_id):
         raise Forbidden(f"Only leaders of {membership.team} and admins set its members' quotas.")
     locked = Membership.objects.select_for_update(of=("self",)).select_related("team", "user")
-    membership = locked.get(pk=membership.pk)
+    found = locked.filter(pk=membership.pk).first()
+    if found is None:  # removed from the team since the page or the API read it (another tab)
+        raise Conflict(
+            f"{membership.user} is no longer in {membership.team}: someone removed them just now, "
+            "and their quota went with them."
+        )
+    membership = found
     changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours", "shares"))
     team = membership.team = Team.objects.select_for_update().get(pk=membership.team_id)
     for field in QUOTA_FIELDS:

@@ -231,6 +231,7 @@ def job_submit(
     # moved while Slurm answered; a Slurm cluster gives the same answer, so it is not asked twice,
     # unless what it would be asked moved too (an admin's partitions, a server made a cluster).
     with transaction.atomic():
+        _booking_locked(reservation)
         place, fields = checked()
         if place.slurm and _slurm_asked(place) != asked:
             raise Conflict(
@@ -238,6 +239,17 @@ def job_submit(
                 "partitions or nodes, or the booking); submit it again."
             )
         return _save(user, place, fields, now)
+
+
+def _booking_locked(reservation: Reservation | int | None) -> None:
+    """The booking's row locked before it is checked, first, as every booking service locks it
+    (gpus.booking): a release, a cancel or an extend of it at the same moment either waits for this
+    submit or is read by it. Unlocked, a release committed between the check and the save left a
+    job accepted and queued on a booking released early (PostgreSQL; SQLite serialises anyway)."""
+    if reservation is None:
+        return
+    pk = reservation if isinstance(reservation, int) else reservation.pk
+    list(Reservation.objects.select_for_update(of=("self",)).filter(pk=pk).values_list("pk", flat=True))
 
 
 def _slurm_asked(place: _Place) -> tuple[object, ...]:

@@ -97,7 +97,9 @@ def team_member_role(request: HttpRequest, slug: str, username: str) -> HttpResp
 def team_member_remove_view(request: HttpRequest, slug: str, username: str) -> HttpResponse:
     team = _team_for_admin(request, slug)
     membership = _membership(team, username)
-    team_member_remove(actor=request.user, membership=membership)
+    if not team_member_remove(actor=request.user, membership=membership):
+        messages.info(request, f"{username} was no longer in {team} (removed just now): nothing changed.")
+        return redirect("team_members", slug=team.slug)
     left = (
         "" if team.memberships.filter(role=Membership.Role.LEADER).exists() else f" {team} has no leader now."
     )

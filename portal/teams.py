@@ -173,13 +173,17 @@ def team_member_add(*, actor: AbstractBaseUser, team: Team, username: str, role:
 
 
 @transaction.atomic
-def team_member_remove(*, actor: AbstractBaseUser, membership: Membership) -> None:
+def team_member_remove(*, actor: AbstractBaseUser, membership: Membership) -> bool:
     """Take someone out of the team. Their member quota goes with the membership, and new bookings
     for this team are refused them. Their queued jobs of this team that have not started are
     cancelled at once, saying why (jobs.leavers.membership_deleted, on this delete: the queue
     could never start them); their bookings and the jobs running or waiting on their own
-    bookings stay as they are (a leader or admin cancels them if need be)."""
-    team, user, role = membership.team, membership.user, membership.role
+    bookings stay as they are (a leader or admin cancels them if need be). False (and nothing
+    written) when they are out already: another admin's tab, or a second click, removed them."""
+    role = _membership_locked(membership)
+    if role is None:
+        return False
+    team, user = membership.team, membership.user
     membership.delete()
     _audit(
         actor,
@@ -189,12 +193,20 @@ def team_member_remove(*, actor: AbstractBaseUser, membership: Membership) -> No
         user=user.username,
         was=role,
     )
+    return True
 
 
 @transaction.atomic
 def team_member_role_set(*, actor: AbstractBaseUser, membership: Membership, role: str) -> bool:
     """Make a member a leader or a leader a member; False (and nothing written) when it is so already."""
     role = _check_role(role)
+    current = _membership_locked(membership)
+    if current is None:
+        raise Conflict(
+            f"{membership.user} is no longer in {membership.team}: someone removed them just now. "
+            "Add them again to give them a role."
+        )
+    membership.role = current  # as it is now: another tab may have changed it since this page was read
     if membership.role == role:
         return False
     old, membership.role = membership.role, role
@@ -209,6 +221,14 @@ def team_member_role_set(*, actor: AbstractBaseUser, membership: Membership, rol
         was=old,
     )
     return True
+
+
+def _membership_locked(membership: Membership) -> str | None:
+    """The membership's role as its row stands now, the row locked until the transaction ends; None
+    when it is gone. A page read it a moment ago, and two admins' tabs (or a double click) act on
+    it at once: each change is judged on the row, never on what the page read."""
+    rows = Membership.objects.select_for_update(of=("self",)).filter(pk=membership.pk)
+    return rows.values_list("role", flat=True).first()
 
 
 def _check_role(role: str) -> str:

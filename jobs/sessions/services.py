@@ -201,6 +201,10 @@ def _booking_on_host(
                 field="reservation",
             )
         reservation = found[0]
+    # Its row locked before it is read, as the booking services lock it (gpus.booking): a release
+    # or a cancel at the same moment either waits or is read here, and two starts of a lab on it
+    # (a double click) take turns, so the second sees the first's lab (`active_lab`).
+    list(Reservation.objects.select_for_update(of=("self",)).filter(pk=reservation).values_list("pk"))
     booking = Reservation.objects.restrict(user).filter(pk=reservation).first()
     if booking is None:
         raise Invalid(
