@@ -1,5 +1,6 @@
 import asyncio
 import os
+import re
 from contextlib import suppress
 from datetime import timedelta
 
@@ -82,6 +83,52 @@ def test_it_reserves_a_card_from_the_dashboard_shows_it_on_the_timeline_and_canc
     page.goto("/")
     assert "free" in page.locator('[data-gpu-uuid="GPU-box1-01"] td.booked').inner_text()
     assert Reservation.objects.get().status == Reservation.Status.CANCELLED
+
+
+def test_a_second_click_on_book_while_it_is_sent_sends_nothing(page, alice):  # noqa: F811
+    """A second submit while the first is on its way (portal.js) is not sent: before, a person who
+    clicked Book again while the portal answered booked a second card (by count), and a second
+    click on Submit queued the job twice. The portal's answer to the first is held meanwhile."""
+    server_report_ingest(snapshot=make_snapshot("box1", gpus=4, simulated=True))
+    log_in(page, "alice")
+    page.goto("/reservations/new/")
+    posts, held = [], []
+
+    def hold_the_first(route) -> None:  # type: ignore[no-untyped-def]
+        if route.request.method != "POST":
+            route.continue_()
+            return
+        posts.append(route.request.url)
+        if len(posts) == 1:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route(re.compile(r"/reservations/new/$"), hold_the_first)
+    # Two submits 0.1 s apart, as a second click while the first is on its way (in the page: the
+    # test's own calls wait for the navigation the first began).
+    page.evaluate(
+        """() => new Promise((done) => {
+            const form = document.querySelector("form.booking-form");
+            form.requestSubmit();
+            setTimeout(() => { form.requestSubmit(); done(form.getAttribute("aria-busy")); }, 100);
+        })"""
+    )
+    for route in held:
+        with suppress(Exception):  # a first request its browser gave up for the second
+            route.continue_()
+    booked = re.compile(r"/reservations/\d+/$")
+    page.wait_for_url(booked)
+    assert len(posts) == 1, posts
+    assert Reservation.objects.count() == 1
+    first = page.url
+    # Back to the form (the browser may keep the page, its script's state with it): it books again.
+    page.unroute_all()
+    page.go_back()
+    page.wait_for_url("**/reservations/new/")
+    page.click("form.booking-form button[type=submit]")
+    page.wait_for_url(lambda url: booked.search(url) is not None and url != first)
+    assert Reservation.objects.count() == 2
 
 
 def test_each_tab_is_a_fresh_context_of_the_one_chromium(chromium, live_server, alice):  # noqa: F811

@@ -8,7 +8,9 @@
  * - <input data-select-on-focus>: selects its text when focused (addresses to copy);
  * - <button data-fill="#input" data-value="8G">: puts the value in that input and focuses it;
  * - an htmx part marked data-script-name (the job form's size hint) asks with script=<the chosen
- *   upload's file name, else the path typed> (htmx's hx-vals="js:…" would need eval).
+ *   upload's file name, else the path typed> (htmx's hx-vals="js:…" would need eval);
+ * - every <form method="post"> is sent once: a second submit while the first is on its way (a
+ *   double click, Enter pressed twice) would book a second set of cards or queue the job twice.
  */
 (function () {
   "use strict";
@@ -25,6 +27,31 @@
   document.addEventListener("submit", function (event) {
     const form = event.target.closest("form[data-confirm]");
     if (form && !window.confirm(form.dataset.confirm)) event.preventDefault();
+  });
+
+  // After the confirm's listener: a submit it stopped was never sent. Not its buttons disabled: a
+  // disabled button's name and value would not be sent with the form. Sent again after a while
+  // all the same, where no page came (a download, a connection that hung): the person decides.
+  const SEND_AGAIN_AFTER_MS = 15000;
+  document.addEventListener("submit", function (event) {
+    const form = event.target;
+    if (event.defaultPrevented || !form || form.method !== "post") return;
+    const sentAt = Number(form.dataset.sentAt || 0);
+    if (sentAt && Date.now() - sentAt < SEND_AGAIN_AFTER_MS) {
+      event.preventDefault();
+      return;
+    }
+    form.dataset.sentAt = String(Date.now());
+    form.setAttribute("aria-busy", "true");
+  });
+
+  // Back to a page the browser kept (its back-forward cache): its forms may be sent anew.
+  window.addEventListener("pageshow", function (event) {
+    if (!event.persisted) return;
+    document.querySelectorAll("form[data-sent-at]").forEach(function (form) {
+      delete form.dataset.sentAt;
+      form.removeAttribute("aria-busy");
+    });
   });
 
   document.addEventListener("focusin", function (event) {
