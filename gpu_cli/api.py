@@ -254,11 +254,12 @@ def _unavailable(response: httpx.Response) -> str:
 
 def _tls_failure(exc: BaseException) -> bool:
     """Whether the connection failed in its TLS handshake: httpx wraps httpcore's error, which
-    wraps the ssl module's."""
+    wraps the ssl module's. Not a connection closed before TLS answered (SSLEOFError): a proxy
+    that passes TLS through closes it so while the portal behind it restarts."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, ssl.SSLError):
-            return True
+            return not isinstance(seen, ssl.SSLEOFError)
         seen = seen.__cause__ or seen.__context__
     return False
 

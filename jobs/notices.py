@@ -50,6 +50,9 @@ SECRET_MIN_LENGTH = 3  # an environment value this long is masked in the log's l
 MASK = "****"
 ARRAY_LISTED = 10  # an array's failed tasks named one by one, at most
 _STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT[\d:.]+Z ", re.MULTILINE)  # each log line's timestamp
+# What a terminal acts on and does not show: colours and cursor moves (CSI), titles (OSC), the rest
+# of ESC's two-character sequences, and backspaces (Keras's progress bar writes all of them).
+_TERMINAL_CODES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -/]*[0-~])|\x08")
 
 
 def job_change_notify(job_id: int, status: str) -> None:
@@ -247,8 +250,18 @@ def log_tail(job: Job, lines: int = LOG_LINES) -> str:
         data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
     # PostgreSQL refuses NUL in text: the notice's row would fail inside the end's transaction.
     text = _STAMP.sub(b"", data).replace(b"\0", b"").decode("utf-8", errors="replace")
-    text = secrets_mask(job, text.rstrip("\n"))
-    return "\n".join(text.splitlines()[-lines:])
+    # Masked before a redraw hides part of a secret; its lines as a terminal shows them (a
+    # progress bar that redraws itself with \r is one line, not one a redraw).
+    text = secrets_mask(job, _TERMINAL_CODES.sub("", text).rstrip("\n"))
+    return "\n".join(_as_shown(line) for line in text.split("\n")[-lines:])
+
+
+def _as_shown(line: str) -> str:
+    """A line as a terminal leaves it: each carriage return starts writing over it again."""
+    shown = ""
+    for part in line.split("\r"):
+        shown = part + shown[len(part) :]
+    return shown.rstrip()
 
 
 def secrets_mask(job: Job, text: str) -> str:

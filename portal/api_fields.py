@@ -28,8 +28,10 @@ class LocalDateTimeField(serializers.DateTimeField):
 
 
 class KnownFieldsOnly(serializers.Serializer):
-    """An input serializer that names a key it has no field for, rather than dropping it: a typo
-    ({"memory": "8G"}, {"lable": …}) would otherwise be answered as done, with the default."""
+    # An input serializer that names a key it has no field for, rather than dropping it: a typo
+    # ({"memory": "8G"}, {"lable": …}) would otherwise be answered as done, with the default.
+    # A comment, not a docstring: drf-spectacular describes each subclass's body in the schema
+    # by the first docstring up its classes, and this one is no words for the API's users.
 
     def to_internal_value(self, data: Any) -> Any:
         # A session's HTML form posts Django's CSRF token beside the fields (SessionAuthentication).

@@ -45,6 +45,19 @@ def timestamp(at: float | None = None) -> bytes:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.").encode() + f"{moment.microsecond // 1000:03d}Z ".encode()
 
 
+def utf8_incomplete(data: bytes | bytearray) -> int:
+    """How many bytes at the end of `data` begin a UTF-8 character that has not ended (0 to 3).
+    Bytes that are no UTF-8 (a numpy array's raw bytes) count 0: nothing is held for them."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # the character's first byte: how long is it?
+            length = (
+                2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            )
+            return back if length > back else 0
+    return 0
+
+
 def dropped_marker(dropped: int) -> bytes:
     return (
         f"\n[portal] … {dropped:,} bytes of this log were dropped here: the log cap "
@@ -130,9 +143,16 @@ class LogWriter:
             self.total += excess
             self.dropped += excess
 
-    def _take_partial(self) -> None:
-        self._add(timestamp() + bytes(self.partial) + b"\n")
-        self.partial.clear()
+    def _take_partial(self, *, whole: bool = False) -> None:
+        """The partial line as a line of its own, but for a character the pipe's last read ended
+        inside (kept for the next line, else each half reads as U+FFFD); `whole`: all of it."""
+        keep = 0 if whole else utf8_incomplete(self.partial)
+        if keep == len(self.partial):
+            self.partial_since = time.monotonic()  # only that character's start: wait for the rest
+            return
+        self._add(timestamp() + bytes(self.partial[: len(self.partial) - keep]) + b"\n")
+        del self.partial[: len(self.partial) - keep]
+        self.partial_since = time.monotonic()
         self._cap_pending()
 
     def write_line(self, text: str) -> None:
@@ -163,7 +183,7 @@ class LogWriter:
     def close(self) -> None:
         try:
             if self.partial:
-                self._take_partial()
+                self._take_partial(whole=True)
             self.flush()
         finally:
             # Watchers read the job's status now rather than at their next keep-alive.
