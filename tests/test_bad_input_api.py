@@ -5,35 +5,15 @@ One test per finding."""
 from __future__ import annotations
 
 import pytest
-from django.test import Client
-from rest_framework.test import APIClient
 
 from gpus.models import Reservation, Violation
 from jobs.models import Job, JobArray
 from portal.channels import channel_create
 from portal.models import NotificationChannel
 from tests.factories import fresh
+from tests.test_bad_input import api, py, web  # noqa: F401 - the helpers and fixture
 
 pytestmark = pytest.mark.django_db
-
-
-def api(user) -> APIClient:  # type: ignore[no-untyped-def]
-    client = APIClient(raise_request_exception=False)
-    client.force_authenticate(user)
-    return client
-
-
-def web(user) -> Client:  # type: ignore[no-untyped-def]
-    client = Client(raise_request_exception=False)
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
-def py(settings, tmp_path) -> str:
-    settings.JOB_ROOTS = [tmp_path]
-    (tmp_path / "train.py").write_text("print(1)\n")
-    return str(tmp_path / "train.py")
 
 
 @pytest.fixture
@@ -77,7 +57,7 @@ def test_a_lone_surrogate_in_a_session_request_is_a_400_naming_the_field(alice, 
 @pytest.mark.parametrize(
     "extra", ['"args": ["\\ud800"]', '"env": {"A": "\\ud800"}', '"memory_mode": "\\ud800"']
 )
-def test_a_lone_surrogate_in_a_job_is_a_400_and_no_job_is_written(alice, booking, py, extra):
+def test_a_lone_surrogate_in_a_job_is_a_400_and_no_job_is_written(alice, booking, py, extra):  # noqa: F811
     """The job was written and sent, then its answer could not be rendered: a 500 that a client
     retries, running the job twice."""
     body = f'{{"reservation": {booking.pk}, "script_path": "{py}", {extra}}}'
@@ -88,7 +68,7 @@ def test_a_lone_surrogate_in_a_job_is_a_400_and_no_job_is_written(alice, booking
 
 
 @pytest.mark.parametrize("array", ["9223372036854775808", "2147483647-2147483648", "0-1%99999999999"])
-def test_a_job_array_index_past_what_the_database_holds_is_a_400(alice, box, py, array):
+def test_a_job_array_index_past_what_the_database_holds_is_a_400(alice, box, py, array):  # noqa: F811
     """SQLite overflows at 2**63; PostgreSQL's integer columns (array_index, max_running) at 2**31."""
     body = {"gpu_count": 1, "script_path": py, "time_limit_minutes": 10, "array": array}
     response = api(alice).post("/api/v1/jobs/", body, format="json")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import threading
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,32 +13,10 @@ from gpu_cli.live import follow_log
 from jobs.logs.store import LogWriter, log_stream
 from jobs.models import Job
 from jobs.notices import log_tail
-from jobs.submit import ScriptUpload, job_submit
 from portal.services import api_token_create
-from tests.asgi_server import asgi_server
+from tests.test_log_stream import _setup, job, server  # noqa: F401 - the stream's fixtures
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _setup(settings, monkeypatch) -> None:
-    monkeypatch.setattr("jobs.tasks.run_job.apply_async", lambda *args, **kwargs: None)
-    settings.LOG_STREAM_KEEPALIVE_SECONDS = 0.3
-    settings.PORTAL_INSTANCE_ID = f"test-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    with asgi_server() as url:
-        yield url
-
-
-@pytest.fixture
-def job(alice, booking) -> Job:
-    script = ScriptUpload(name="train.py", content=b"print(1)\n")
-    job = job_submit(user=alice, reservation=booking, script=script)
-    Job.objects.filter(pk=job.pk).update(status=Job.Status.RUNNING)
-    return job
 
 
 def keras_bar(steps: int, *, width: int = 20) -> bytes:
@@ -59,11 +35,11 @@ def keras_bar(steps: int, *, width: int = 20) -> bytes:
     return out + b"\n"
 
 
-def stored_text(job: Job) -> str:
+def stored_text(job: Job) -> str:  # noqa: F811
     return b"".join(log_stream(job.pk)).decode("utf-8")  # strict: a cut character raises
 
 
-def test_a_character_split_by_the_pipe_is_never_cut_when_a_long_partial_line_is_taken(job):
+def test_a_character_split_by_the_pipe_is_never_cut_when_a_long_partial_line_is_taken(job):  # noqa: F811
     # The worker reads the job's pipe in pieces of its own size: a read may end inside a
     # character. A line that has no newline yet is stored once it reaches the writer's chunk size;
     # the piece must not end inside that character (each half would read as U+FFFD).
@@ -75,7 +51,7 @@ def test_a_character_split_by_the_pipe_is_never_cut_when_a_long_partial_line_is_
     assert stored_text(job).count("━") == 1000
 
 
-def test_a_character_split_by_the_pipe_is_never_cut_when_a_quiet_partial_line_is_taken(job, monkeypatch):
+def test_a_character_split_by_the_pipe_is_never_cut_when_a_quiet_partial_line_is_taken(job, monkeypatch):  # noqa: F811
     # The same when the partial line is taken because it waited LOG_FLUSH_SECONDS (a progress bar).
     writer = LogWriter(job.pk)
     line = ("━" * 10).encode()
@@ -87,7 +63,7 @@ def test_a_character_split_by_the_pipe_is_never_cut_when_a_quiet_partial_line_is
     assert stored_text(job).count("━") == 10
 
 
-def test_the_notices_log_tail_shows_a_progress_bar_as_a_terminal_does(job):
+def test_the_notices_log_tail_shows_a_progress_bar_as_a_terminal_does(job):  # noqa: F811
     # The owner's notification quotes "the last lines of its log". A Keras evaluate() bar is one
     # line on a terminal; in the notice it was one line per redraw, with the raw escape codes and
     # backspaces, and crowded out what the script printed before it.
@@ -105,7 +81,7 @@ def test_the_notices_log_tail_shows_a_progress_bar_as_a_terminal_does(job):
     assert lines[-1] == "Test accuracy: 0.98"
 
 
-def follow(server: str, job: Job, alice) -> bytes:
+def follow(server: str, job: Job, alice) -> bytes:  # noqa: F811
     _, key = api_token_create(user=alice, name="cli", expires_at=None)
     out = io.BytesIO()
     follower = threading.Thread(target=follow_log, args=(Portal(server, key, retry_seconds=5), job.pk, out))
@@ -120,7 +96,7 @@ def follow(server: str, job: Job, alice) -> bytes:
     reason="known, left open: the live stream's events cannot carry a \\r, and its clients guess an "
     "event's last newline from lengths (jobs/logs/stream.py event(), gpu_cli/live.py, job_log.js)",
 )
-def test_gpu_logs_follow_writes_a_progress_bar_as_the_job_printed_it(server, job, alice):
+def test_gpu_logs_follow_writes_a_progress_bar_as_the_job_printed_it(server, job, alice):  # noqa: F811
     # `gpu logs` writes the log's bytes; `gpu logs -f` turned every `\r` into a newline: on the
     # terminal, one line per redraw of the bar (thousands an epoch) instead of one bar.
     writer = LogWriter(job.pk)
@@ -135,7 +111,7 @@ def test_gpu_logs_follow_writes_a_progress_bar_as_the_job_printed_it(server, job
     reason="known, left open: the live stream's events cannot carry a \\r, and its clients guess an "
     "event's last newline from lengths (jobs/logs/stream.py event(), gpu_cli/live.py, job_log.js)",
 )
-def test_gpu_logs_follow_keeps_lines_apart_with_crlf_and_a_stray_byte(server, job, alice):
+def test_gpu_logs_follow_keeps_lines_apart_with_crlf_and_a_stray_byte(server, job, alice):  # noqa: F811
     # A CRLF line and a Latin-1 byte in one event: the decoded text is as long as the bytes, so the
     # client took the event for one without its final newline, and glued the next line onto it.
     writer = LogWriter(job.pk)
