@@ -605,8 +605,10 @@ def test_a_setsid_childs_job_stop_is_not_recorded_as_its_stop_while_it_runs(watc
     recorded as stopped (audit: "stopped pid …") while the process still holds the card."""
     policy("over_memory", "stop", grace=0)
     policy("intruder", "warn")
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
-    leader, child = _job_with_setsid_child(procs, stubborn)
+    leader, child = _job_with_setsid_child(procs, STUBBORN_CODE)
+    # Its SIGTERM ignored before the first round: else the round's stop can land first (under
+    # load it did: the child died and the test failed, its subject untried).
+    wait_for(lambda: _ignores_sigterm(child), timeout=10, what="SIG_IGN")
     try:
         job = job_on([0], 1024, leader.pid)
         t0 = timezone.now()
