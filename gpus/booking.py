@@ -497,6 +497,14 @@ def reservation_locked(reservation: Reservation | int) -> Reservation:
     return Reservation.objects.select_for_update(of=("self",)).select_related("owner", "team").get(pk=pk)
 
 
+def reservation_lock(reservation: Reservation | int) -> None:
+    """The booking's row locked as `reservation_locked` locks it, first, for work on it that only
+    needs its turn (a job submitted to it, a session started on it): a release at the same moment
+    waits, or is read. None there (a wrong id): nothing locked, the caller's checks name it."""
+    pk = reservation if isinstance(reservation, int) else reservation.pk
+    list(Reservation.objects.select_for_update(of=("self",)).filter(pk=pk).values_list("pk", flat=True))
+
+
 @refusals_told
 @explain_conflicts
 @transaction.atomic

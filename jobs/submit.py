@@ -21,6 +21,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from gpus.booking import reservation_lock
 from gpus.models import Allocation, ContainerImage, Reservation, Server, format_mb
 from jobs import paths
 from jobs.environment import RESERVED_ENV, RESERVED_PREFIXES
@@ -231,7 +232,10 @@ def job_submit(
     # moved while Slurm answered; a Slurm cluster gives the same answer, so it is not asked twice,
     # unless what it would be asked moved too (an admin's partitions, a server made a cluster).
     with transaction.atomic():
-        _booking_locked(reservation)
+        if reservation is not None:
+            # First, in the booking services' order: a release committed between the checks and
+            # the save left a job queued on a booking released early (PostgreSQL).
+            reservation_lock(reservation)
         place, fields = checked()
         if place.slurm and _slurm_asked(place) != asked:
             raise Conflict(
@@ -239,17 +243,6 @@ def job_submit(
                 "partitions or nodes, or the booking); submit it again."
             )
         return _save(user, place, fields, now)
-
-
-def _booking_locked(reservation: Reservation | int | None) -> None:
-    """The booking's row locked before it is checked, first, as every booking service locks it
-    (gpus.booking): a release, a cancel or an extend of it at the same moment either waits for this
-    submit or is read by it. Unlocked, a release committed between the check and the save left a
-    job accepted and queued on a booking released early (PostgreSQL; SQLite serialises anyway)."""
-    if reservation is None:
-        return
-    pk = reservation if isinstance(reservation, int) else reservation.pk
-    list(Reservation.objects.select_for_update(of=("self",)).filter(pk=pk).values_list("pk", flat=True))
 
 
 def _slurm_asked(place: _Place) -> tuple[object, ...]:

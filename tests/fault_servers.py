@@ -529,11 +529,17 @@ class Portal:
         if proc is None or proc.poll() is not None:
             return f"{role}: not running"
         before = self.log_path(role).stat().st_size
+
+        def dumped() -> list[str]:
+            with open(self.log_path(role), errors="replace") as log:
+                log.seek(before)
+                return log.read().splitlines()
+
         proc.send_signal(signal.SIGUSR1)
-        time.sleep(1)
-        with open(self.log_path(role), errors="replace") as log:
-            log.seek(before)
-            dump = log.read().splitlines()
+        # The main thread's stack is in the dump (its threads in any order): wait for its last frame.
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: any("MainThread" in line for line in dumped()), timeout=5, what="the stacks")
+        dump = dumped()
         kept, in_locals = [], False  # each thread's name and frames; not its local variables
         for line in dump:
             if line == "LOCAL VARIABLES":

@@ -571,6 +571,23 @@ def _job_with_setsid_child(
     return leader, child
 
 
+STUBBORN_CODE = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as status:
+        ignored = next(line for line in status if line.startswith("SigIgn:")).split()[1]
+    return bool(int(ignored, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def _job_with_stubborn_setsid_child(procs) -> tuple[subprocess.Popen, int]:
+    """As `_job_with_setsid_child`, the child ignoring SIGTERM before it is returned: else a
+    round's stop can land first (under load it did, and the child died, the test's subject untried)."""
+    leader, child = _job_with_setsid_child(procs, STUBBORN_CODE)
+    wait_for(lambda: _ignores_sigterm(child), timeout=10, what="SIG_IGN")
+    return leader, child
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -605,10 +622,7 @@ def test_a_setsid_childs_job_stop_is_not_recorded_as_its_stop_while_it_runs(watc
     recorded as stopped (audit: "stopped pid …") while the process still holds the card."""
     policy("over_memory", "stop", grace=0)
     policy("intruder", "warn")
-    leader, child = _job_with_setsid_child(procs, STUBBORN_CODE)
-    # Its SIGTERM ignored before the first round: else the round's stop can land first (under
-    # load it did: the child died and the test failed, its subject untried).
-    wait_for(lambda: _ignores_sigterm(child), timeout=10, what="SIG_IGN")
+    leader, child = _job_with_stubborn_setsid_child(procs)
     try:
         job = job_on([0], 1024, leader.pid)
         t0 = timezone.now()
@@ -659,13 +673,6 @@ _REAPING_PARENT = [
     "start_new_session=True); "
     "print(child.pid, flush=True); child.wait(); time.sleep(120)",
 ]
-STUBBORN_CODE = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
-
-
-def _ignores_sigterm(pid: int) -> bool:
-    with open(f"/proc/{pid}/status") as status:
-        ignored = next(line for line in status if line.startswith("SigIgn:")).split()[1]
-    return bool(int(ignored, 16) & (1 << (signal.SIGTERM - 1)))
 
 
 def test_a_setsid_childs_job_stop_is_recorded_even_when_the_child_cannot_be_signalled(
@@ -707,8 +714,7 @@ def test_a_process_whose_stop_is_under_way_is_not_stopped_and_recorded_again_as_
     two "was stopped" notifications)."""
     policy("over_memory", "stop", grace=0)
     policy("intruder", "stop", grace=0)
-    leader, child = _job_with_setsid_child(procs, STUBBORN_CODE)
-    wait_for(lambda: _ignores_sigterm(child), timeout=10, what="SIG_IGN")
+    leader, child = _job_with_stubborn_setsid_child(procs)
     try:
         job = job_on([0], 1024, leader.pid)
         t0 = timezone.now()

@@ -32,6 +32,7 @@ from django.db.models.functions import Now
 from django.template import Context
 from django.utils import timezone
 
+from gpus.booking import reservation_lock
 from gpus.hooks import Work
 from gpus.images import runnable_text
 from gpus.models import Allocation, ContainerImage, Reservation, Server
@@ -204,7 +205,7 @@ def _booking_on_host(
     # Its row locked before it is read, as the booking services lock it (gpus.booking): a release
     # or a cancel at the same moment either waits or is read here, and two starts of a lab on it
     # (a double click) take turns, so the second sees the first's lab (`active_lab`).
-    list(Reservation.objects.select_for_update(of=("self",)).filter(pk=reservation).values_list("pk"))
+    reservation_lock(reservation)
     booking = Reservation.objects.restrict(user).filter(pk=reservation).first()
     if booking is None:
         raise Invalid(
