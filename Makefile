@@ -29,10 +29,11 @@ run: $(RUN_STAMP)
 	PORTAL_DEVELOPMENT=1 $(PY) -m portal.embedded_redis -- $(PY) manage.py runportal
 
 # In parallel, pytest-xdist workers (each its own database, instance id and folders:
-# tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger. Two a core: most
+# tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger. Three a core: most
 # of a test's time is spent waiting on real processes (workers, jobs, PostgreSQL stopped for a
-# minute), so one a core left the CPU half idle (docs/development.md has the figures).
-TEST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
+# minute), so one a core left the CPU half idle, and two a core a third of it
+# (docs/development.md has the figures).
+TEST_WORKERS ?= $(shell echo $$(( 3 * $$(nproc) )))
 # Bytecode is written even where the shell sets PYTHONDONTWRITEBYTECODE (this machine's does):
 # without it every test process, Celery worker and portal subprocess compiled the project afresh,
 # and each test process rewrote every test module's asserts again (7 s of CPU each). __pycache__

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from gpus.models import ContainerImage
 from jobs.host import containers
-from jobs.host.executors import executor_for
+from jobs.host.executors import executor_for, podman
 from jobs.host.runner import job_run
 from jobs.models import Job
 from tests.job_helpers import job_log
@@ -148,6 +148,20 @@ def test_a_podman_client_that_outlives_its_container_does_not_hold_the_jobs_end(
     job = in_image("print('done', flush=True)")
     started = time.monotonic()
     job_run(job.pk)  # the script ended; its client, stuck, is killed a second later
+    assert time.monotonic() - started < 20 and "done" in job_log(job.pk)
+    assert _run_folders(job, settings.VAR_DIR) == []
+
+
+def test_a_container_that_ended_before_it_was_seen_does_not_wait_on_its_stuck_client(
+    in_image, settings, tmp_path, monkeypatch  # noqa: F811
+):  # fmt: skip
+    # Under load a short script's container can start and end between two looks for its init.
+    monkeypatch.setattr(podman, "_conmon_child", lambda folder: None)
+    monkeypatch.setattr(containers, "COMMAND_SECONDS", 4.0)
+    _podman_that(settings, tmp_path, lingers="run")
+    job = in_image("print('done', flush=True)")
+    started = time.monotonic()
+    job_run(job.pk)  # its client, stuck, is killed once its conmon is gone and a grace has passed
     assert time.monotonic() - started < 20 and "done" in job_log(job.pk)
     assert _run_folders(job, settings.VAR_DIR) == []
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -238,9 +240,14 @@ def racer(settings) -> Iterator[Callable[[], Racer]]:
         started.append(Racer(settings.SESSION_BIND_ADDRESS, f"--ServerApp.root_dir={settings.JOB_ROOTS[0]}"))
         return started[-1]
 
-    yield start
-    for one in started:
-        one.stop()
+    # One racer on the machine at a time. A racer takes every port that starts listening after
+    # it, as an attacker would; two at once (this file's tests in two test processes) both bound
+    # one lab's port (SO_REUSEPORT, one account), and the worker's poll reached the other racer.
+    with open(Path(tempfile.gettempdir()) / "portal-tests-port-racer.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield start
+        for one in started:
+            one.stop()
 
 
 def _status(session: InteractiveSession) -> str:

@@ -136,7 +136,9 @@ class Podman:
         container's id come from files Podman writes in the run's own folder, and conmon's command
         line names that id), read without a `podman` per look, which would contend for Podman's
         lock with the start itself. A container that ended before it was seen keeps the client as
-        its leader: nothing of it is left to attribute."""
+        its leader: nothing of it is left to attribute, and a client that outlives it is stuck as
+        one that outlives a container seen (a short script under load ended between two looks,
+        and its stuck client held the job's end until CONTAINER_START_SECONDS)."""
         assert run.folder is not None
         give_up = time.monotonic() + settings.CONTAINER_START_SECONDS
         while run.proc.poll() is None:
@@ -144,6 +146,9 @@ class Podman:
             if found is not None:
                 run.container_id, run.leader = found
                 run.sid = run.leader.pid
+                return
+            if _conmon_gone(run.folder):
+                run.init_gone_at = time.monotonic()  # it ran and ended unseen: only its client is left
                 return
             if time.monotonic() > give_up:
                 limit = settings.CONTAINER_START_SECONDS
@@ -294,11 +299,11 @@ def _run(run: Run) -> PodmanRun:
 def _client_stuck(run: PodmanRun) -> bool:
     """Whether the `podman run` client has outlived the container's init by COMMAND_SECONDS
     (stuck on Podman's lock): the job has ended, whatever the client says."""
-    if not run.container_id or run.leader.is_alive():
-        return False
-    now = time.monotonic()
-    run.init_gone_at = run.init_gone_at or now
-    return now - run.init_gone_at > containers.COMMAND_SECONDS
+    if run.init_gone_at is None:
+        if not run.container_id or run.leader.is_alive():
+            return False
+        run.init_gone_at = time.monotonic()
+    return time.monotonic() - run.init_gone_at > containers.COMMAND_SECONDS
 
 
 def _client_end(run: PodmanRun) -> int:
@@ -413,6 +418,16 @@ def _read(path: Path) -> str:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd) as opened:
         return opened.read(4096).strip()
+
+
+def _conmon_gone(folder: Path) -> bool:
+    """Whether the container's conmon came and went: Podman wrote the container's id, conmon its
+    pid, and no process has that pid now (conmon stays until its container has ended and its exit
+    is written). A pid taken again since reads as not gone, and the look goes on."""
+    try:
+        return bool(_read(folder / "cid")) and not psutil.pid_exists(int(_read(folder / "conmon.pid")))
+    except (OSError, ValueError):
+        return False
 
 
 def _conmon_child(folder: Path) -> tuple[str, ProcessId] | None:
