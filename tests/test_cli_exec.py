@@ -627,11 +627,18 @@ def test_on_a_terminal_gpu_exec_gives_the_command_a_terminal_and_gives_the_termi
     env = environment(portal, tmp_path)
     fds = {"stdin": terminal_fd, "stdout": terminal_fd, "stderr": terminal_fd}
     with subprocess.Popen(command, env=env, start_new_session=True, **fds) as proc:
-        assert b"leader True tty True" in read_until(typing, b"size 80 24")
-        os.write(typing, b"typed\r")
-        assert b"got typed" in read_until(typing, b"got typed")
-        os.write(typing, b"\x03")  # Ctrl-C, to the command's foreground job on its own pty
-        assert proc.wait(10) == 130
+        try:
+            assert b"leader True tty True" in read_until(typing, b"size 80 24")
+            os.write(typing, b"typed\r")
+            assert b"got typed" in read_until(typing, b"got typed")
+            os.write(typing, b"\x03")  # Ctrl-C, to the command's foreground job on its own pty
+            assert proc.wait(10) == 130
+        finally:
+            # After a failure above, Popen's exit would wait on gpu for ever (a run hung 14
+            # minutes here): its group is killed through the handle, its unreaped child's pid;
+            # the command, in a session of its own on gpu's pty, is hung up with it.
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     assert termios.tcgetattr(terminal_fd) == before
     assert portal.called("finish") == [{"exit_code": 130, "message": ""}]
 
