@@ -227,6 +227,13 @@ def set_size(fd: int, rows: int, columns: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
 
 
+# A command waiting for its ^C. Not a blocking sys.stdin.read(): CPython acts on a signal only
+# between bytecodes or when a system call returns EINTR, so a SIGINT that lands after print()
+# and before read() starts is noted and never acted on, and the command reads for ever (a suite
+# run hung on it: the test types ^C as soon as the command has printed). A sleep in a loop acts
+# on it at once, or at the next turn.
+WAITS_FOR_CTRL_C = "import time\nwhile True:\n    time.sleep(0.05)"
+
 CHILD_ON_A_PTY = """
 import os, sys
 print("leader", os.getsid(0) == os.getpid(), "tty", os.isatty(0) and os.isatty(1), flush=True)
@@ -271,7 +278,7 @@ def test_ctrl_c_on_the_terminal_reaches_the_command_on_its_pty(fake_terminal, ch
     stays ignored across exec, and no Ctrl-C could stop the command."""
     typing, terminal_fd = fake_terminal
     terminal = Terminal(stdin=terminal_fd, stdout=terminal_fd)
-    code = "import sys; print('ready', flush=True); sys.stdin.read()"
+    code = f"print('ready', flush=True); {WAITS_FOR_CTRL_C}"
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN if in_gpu == "ignored" else signal.SIG_DFL)
     try:
         child, master = spawn_pty([PY, "-c", code], dict(os.environ), None)
@@ -622,7 +629,7 @@ def test_on_a_terminal_gpu_exec_gives_the_command_a_terminal_and_gives_the_termi
     typing, terminal_fd = fake_terminal
     set_size(terminal_fd, 24, 80)
     before = termios.tcgetattr(terminal_fd)
-    code = CHILD_ON_A_PTY.replace("sys.exit(4)", "sys.stdin.read()")
+    code = CHILD_ON_A_PTY.replace("sys.exit(4)", WAITS_FOR_CTRL_C)
     command = [GPU_BIN, "exec", "--", PY, "-c", code]
     env = environment(portal, tmp_path)
     fds = {"stdin": terminal_fd, "stdout": terminal_fd, "stderr": terminal_fd}
