@@ -243,11 +243,26 @@ def racer(settings) -> Iterator[Callable[[], Racer]]:
     # One racer on the machine at a time. A racer takes every port that starts listening after
     # it, as an attacker would; two at once (this file's tests in two test processes) both bound
     # one lab's port (SO_REUSEPORT, one account), and the worker's poll reached the other racer.
-    with open(Path(tempfile.gettempdir()) / "portal-tests-port-racer.lock", "w") as lock:
+    lock = _machine_lock(Path(tempfile.gettempdir()) / "portal-tests-port-racer.lock")
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield start
         for one in started:
             one.stop()
+    finally:
+        os.close(lock)
+
+
+def _machine_lock(path: Path) -> int:
+    """A file to flock, shared by every account's test runs: opened for reading (another
+    account's file in /tmp cannot be opened for writing, nor with O_CREAT where the kernel
+    protects regular files in sticky folders), made only where missing."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        lock = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        os.fchmod(lock, 0o644)  # whatever the umask: readable by every account
+        return lock
 
 
 def _status(session: InteractiveSession) -> str:
