@@ -32,8 +32,10 @@ run: $(RUN_STAMP)
 # tests/isolation.py); PYTEST_ARGS=-n0 runs it in one process, for a debugger. Three a core: most
 # of a test's time is spent waiting on real processes (workers, jobs, PostgreSQL stopped for a
 # minute), so one a core left the CPU half idle, and two a core a third of it
-# (docs/development.md has the figures).
-TEST_WORKERS ?= $(shell echo $$(( 3 * $$(nproc) )))
+# (docs/development.md has the figures). At most 16: each process starts its own Chromium, fault
+# cluster and Celery workers (the largest peaked at 0.6 GB here), and a big machine's run is short
+# long before that.
+TEST_WORKERS ?= $(shell n=$$(( 3 * $$(nproc) )); echo $$(( n > 16 ? 16 : n )))
 # Bytecode is written even where the shell sets PYTHONDONTWRITEBYTECODE (this machine's does):
 # without it every test process, Celery worker and portal subprocess compiled the project afresh,
 # and each test process rewrote every test module's asserts again (7 s of CPU each). __pycache__
