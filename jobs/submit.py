@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -220,14 +220,7 @@ def job_submit(
         fields |= {"soft_placement": soft_placement, "log_placement": log_placement, "notify": told}
         return place, fields
 
-    asked = None
-    if slurm_cluster_named(server) or slurm_booking_cluster(reservation):
-        # What only Slurm knows, asked once every check of the portal's passed, and outside any
-        # transaction: Slurm may take seconds to answer, and a transaction open that long holds
-        # SQLite's one write lock (every booking and job of the portal waits) or a PostgreSQL one.
-        place, _ = checked()
-        slurm_submit_check(user=user, fields=place.fields)
-        asked = _slurm_asked(place)
+    asked = _asked_of_slurm(user, server, reservation, checked)
     # The checks again under the transaction that saves: what they read (bookings, quotas) may have
     # moved while Slurm answered; a Slurm cluster gives the same answer, so it is not asked twice,
     # unless what it would be asked moved too (an admin's partitions, a server made a cluster).
@@ -243,6 +236,23 @@ def job_submit(
                 "partitions or nodes, or the booking); submit it again."
             )
         return _save(user, place, fields, now)
+
+
+def _asked_of_slurm(
+    user: AbstractBaseUser,
+    server: str | None,
+    reservation: Reservation | int | None,
+    checked: Callable[[], tuple[_Place, dict[str, Any]]],
+) -> tuple[object, ...] | None:
+    """For a job that goes to a Slurm cluster, what only Slurm knows, asked once every check of
+    the portal's passed (`checked`), and outside any transaction: Slurm may take seconds to
+    answer, and a transaction open that long holds SQLite's one write lock (every booking and job
+    of the portal waits) or a PostgreSQL one. What it was asked (`_slurm_asked`); None elsewhere."""
+    if not (slurm_cluster_named(server) or slurm_booking_cluster(reservation)):
+        return None
+    place, _ = checked()
+    slurm_submit_check(user=user, fields=place.fields)
+    return _slurm_asked(place)
 
 
 def _slurm_asked(place: _Place) -> tuple[object, ...]:
