@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -40,6 +40,7 @@ from portal.models import ApiToken, Notification
 from portal.services import api_token_create
 from tests.conftest import Clock, free_port
 from tests.factories import make_snapshot
+from tests.http_stub import serving
 from tests.test_outage import DatabaseDown
 from tests.waiting import wait_for
 
@@ -522,10 +523,7 @@ class FakePortal:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serving(Handler, port)
 
     def close(self) -> None:
         self.released.set()

@@ -8,9 +8,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from click.testing import CliRunner, Result
 from gpu_cli import api, config
 from gpu_cli.main import cli
 from tests.conftest import Clock
+from tests.http_stub import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each answer: (status, content type, body bytes), or a callable given the handler (a stream).
@@ -71,10 +71,7 @@ class Stand:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serving(Handler)
 
     def close(self) -> None:
         self.server.shutdown()

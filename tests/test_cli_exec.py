@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from gpu_cli.interactive import (
     spawn_plain,
     spawn_pty,
 )
+from tests.http_stub import serving
 from tests.waiting import wait_for
 
 GPU_BIN = Path(sys.executable).parent / "gpu"
@@ -457,10 +458,7 @@ class FakeSessions:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serving(Handler)
 
     def times(self) -> dict[str, Any]:
         warn_at = self.ends_at - timedelta(minutes=10)
