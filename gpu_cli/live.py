@@ -2,11 +2,14 @@
 
 Each event carries whole log lines and, as its id, the byte offset just after them. A dropped
 connection is taken up again from the last id, so nothing is printed twice or left out; the
-portal reads what was missed from its database.
+portal reads what was missed from its database. The stream is asked for `?encoding=json`: each
+event's bytes exactly, so a progress bar's carriage returns reach the terminal as the job printed
+them (the text form ends a line at each), and what `gpu logs -f` writes is what `gpu logs` does.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from time import monotonic, sleep
@@ -49,9 +52,13 @@ def iter_events(lines: Iterable[str]) -> Iterator[Event]:
             current.event = value
 
 
-def event_bytes(event: Event, before: int) -> bytes:
-    """The log's bytes an event stands for: its lines, each with the newline SSE takes off;
-    the last one only when the offsets say the text had it."""
+def event_bytes(event: Event, before: int, *, exact: bool = False) -> bytes:
+    """The log's bytes an event stands for. `exact` (the stream said X-Log-Encoding: json): its
+    data is one JSON string of them. Otherwise (an older portal) its lines, each with the newline
+    SSE takes off, the last one only when the offsets say the text had it; a carriage return
+    arrives as a line's end."""
+    if exact:
+        return json.loads("\n".join(event.data)).encode("utf-8", "surrogateescape")
     text = "\n".join(event.data).encode()
     if event.id is not None and int(event.id) - before == len(text):
         return text
@@ -77,14 +84,15 @@ def follow_log(portal: Portal, job_id: int, out: BinaryIO) -> None:
 
     while True:
         before = offset
-        with portal.stream(f"jobs/{job_id}/log/stream/", offset=offset) as response:
+        with portal.stream(f"jobs/{job_id}/log/stream/", offset=offset, encoding="json") as response:
+            exact = response.headers.get("X-Log-Encoding") == "json"
             try:
                 for event in iter_events(alive(response.iter_lines())):
                     if event.event == "end":
                         return
                     if event.id is None or not event.id.isdigit():
                         continue
-                    out.write(event_bytes(event, offset))
+                    out.write(event_bytes(event, offset, exact=exact))
                     out.flush()
                     offset, heard = int(event.id), monotonic()
             except (*DROPPED, httpx.ReadTimeout):

@@ -38,12 +38,13 @@ async def job_events(request: HttpRequest, pk: int) -> HttpResponseBase:
         raise Http404("The job page's stream needs the portal served over ASGI (portal.asgi).")
     try:
         offset = log_stream.resume_offset(request.headers.get("Last-Event-ID"), request.GET.get("offset"))
+        exact = log_stream.stream_encoding(request.GET.get("encoding")) == "json"
     except Invalid as error:
         return HttpResponseBadRequest(error.message, content_type="text/plain; charset=utf-8")
     user = await request.auser()
     if not await sync_to_async(_visible)(user, pk):
         raise Http404("No such job.")
-    stream = merged(relay(user.pk), _log(pk, offset))
+    stream = merged(relay(user.pk), _log(pk, offset, exact))
     response = StreamingHttpResponse(stream, content_type="text/event-stream; charset=utf-8")
     response["Cache-Control"] = "no-store"
     response["X-Accel-Buffering"] = "no"
@@ -57,11 +58,12 @@ def _visible(user: object, pk: int) -> bool:
         connection.close()  # this thread's: the stream may last for days
 
 
-async def _log(job_id: int, offset: int) -> AsyncIterator[bytes]:
+async def _log(job_id: int, offset: int, exact: bool) -> AsyncIterator[bytes]:
     """The log's events with the page's; after `end` it waits, for the feed goes on. Ending
-    otherwise (Redis or the database away) ends the whole stream: the page reconnects."""
+    otherwise (Redis or the database away) ends the whole stream: the page reconnects. The page
+    asks `?encoding=json` (`exact`), so that a progress bar's carriage returns reach it."""
     ended = False
-    async for chunk in log_stream.events(job_id, offset, page=True):
+    async for chunk in log_stream.events(job_id, offset, page=True, exact=exact):
         ended = chunk.endswith(log_stream.END)
         yield chunk
     if ended:

@@ -19,7 +19,7 @@ from gpu_cli.live import Event, iter_events
 from gpus.services import server_report_ingest
 from jobs.logs import live as log_live
 from jobs.logs.live import job_changed
-from jobs.logs.store import LogWriter, log_end
+from jobs.logs.store import LogWriter, log_end, log_stream
 from jobs.models import Job
 from portal import subscriptions
 from portal.notifications import notification_send
@@ -237,3 +237,24 @@ def test_the_page_reads_the_final_status_with_the_logs_end(server, job, alice): 
     with page_stream(server, job, session_of(alice)) as response:
         names = [ev.event for ev in until_end(iter_events(response.iter_lines()))]
     assert names[-2:] == ["job", "end"]
+
+
+def test_the_pages_stream_carries_the_log_exactly_when_asked_and_refuses_an_unknown_encoding(
+    server,
+    job,  # noqa: F811 - the fixture
+    alice,
+):
+    import json
+
+    from tests.test_log_stream import PRINTED
+
+    writer = LogWriter(job.pk)
+    writer.feed(PRINTED)
+    finish(job, writer)
+    with page_stream(server, job, session_of(alice), encoding="json") as response:
+        logged = [ev for ev in until_end(iter_events(response.iter_lines())) if ev.id is not None]
+    exact = b"".join(json.loads(ev.data[0]).encode("utf-8", "surrogateescape") for ev in logged)
+    assert exact == b"".join(log_stream(job.pk)) and int(logged[-1].id) == len(exact)
+    with page_stream(server, job, session_of(alice), encoding="utf-7") as response:
+        response.read()
+    assert response.status_code == 400 and "encoding must be text" in response.text

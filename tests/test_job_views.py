@@ -250,7 +250,8 @@ def test_it_shows_what_the_job_runs_and_reads_the_status_while_active(client, al
     assert "GPU 0" in html and box[0].uuid in html
     assert f'data-log-url="{reverse("job_log_tail", args=[job.pk])}"' in html and 'id="job-log"' in html
     assert "js/job_log.js" in html and reverse("job_log_download", args=[job.pk]) in html
-    assert f'data-events-url="{reverse("job_events", args=[job.pk])}"' in html  # the page's one stream
+    # The page's one stream, its log in the exact form (docs/live.md)
+    assert f'data-events-url="{reverse("job_events", args=[job.pk])}?encoding=json"' in html
     part = client.get(reverse("job_detail", args=[job.pk]) + "?part=status").content.decode()
     assert part.lstrip().startswith('<section id="job-status"') and 'data-live="job telemetry"' in part
     assert 'hx-trigger="every 2s" data-poll-fallback' in part  # when not pushed

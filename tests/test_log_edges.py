@@ -91,14 +91,10 @@ def follow(server: str, job: Job, alice) -> bytes:  # noqa: F811
     return out.getvalue()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, left open: the live stream's events cannot carry a \\r, and its clients guess an "
-    "event's last newline from lengths (jobs/logs/stream.py event(), gpu_cli/live.py, job_log.js)",
-)
 def test_gpu_logs_follow_writes_a_progress_bar_as_the_job_printed_it(server, job, alice):  # noqa: F811
     # `gpu logs` writes the log's bytes; `gpu logs -f` turned every `\r` into a newline: on the
-    # terminal, one line per redraw of the bar (thousands an epoch) instead of one bar.
+    # terminal, one line per redraw of the bar (thousands an epoch) instead of one bar. It asks
+    # for the stream's exact form now (?encoding=json).
     writer = LogWriter(job.pk)
     writer.feed(b"Epoch 1/1\n" + keras_bar(5))
     writer.close()
@@ -106,14 +102,10 @@ def test_gpu_logs_follow_writes_a_progress_bar_as_the_job_printed_it(server, job
     assert follow(server, job, alice) == b"".join(log_stream(job.pk))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, left open: the live stream's events cannot carry a \\r, and its clients guess an "
-    "event's last newline from lengths (jobs/logs/stream.py event(), gpu_cli/live.py, job_log.js)",
-)
 def test_gpu_logs_follow_keeps_lines_apart_with_crlf_and_a_stray_byte(server, job, alice):  # noqa: F811
     # A CRLF line and a Latin-1 byte in one event: the decoded text is as long as the bytes, so the
     # client took the event for one without its final newline, and glued the next line onto it.
+    # The exact form needs no guess: the bytes are the log's, the Latin-1 one included.
     writer = LogWriter(job.pk)
     writer.feed(b"read data.csv\r\n" + "caf\u00e9".encode("latin-1") + b"\n")
     writer.flush()
@@ -122,3 +114,27 @@ def test_gpu_logs_follow_keeps_lines_apart_with_crlf_and_a_stray_byte(server, jo
     Job.objects.filter(pk=job.pk).update(status=Job.Status.SUCCEEDED)
     out = follow(server, job, alice)
     assert out.count(b"\n") == b"".join(log_stream(job.pk)).count(b"\n")
+    assert out == b"".join(log_stream(job.pk))
+
+
+def test_gpu_logs_follow_still_reads_an_older_portals_text_stream(server, job, alice, monkeypatch):  # noqa: F811
+    # A portal from before ?encoding= sends plain lines (and no X-Log-Encoding): the client reads
+    # them as it did, a carriage return arriving as a line's end.
+    from jobs.logs import stream
+
+    monkeypatch.setattr(stream, "stream_encoding", lambda raw: "text")
+    monkeypatch.setattr(stream, "log_event_response", _without_the_header(stream.log_event_response))
+    writer = LogWriter(job.pk)
+    writer.feed(b"epoch 1\nloss 0.5\n")
+    writer.close()
+    Job.objects.filter(pk=job.pk).update(status=Job.Status.SUCCEEDED)
+    assert follow(server, job, alice) == b"".join(log_stream(job.pk))
+
+
+def _without_the_header(respond):  # type: ignore[no-untyped-def]
+    def older(*args, **kwargs):  # type: ignore[no-untyped-def]
+        response = respond(*args, **kwargs)
+        del response["X-Log-Encoding"]
+        return response
+
+    return older

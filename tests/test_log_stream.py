@@ -309,3 +309,58 @@ def test_without_redis_the_writer_goes_on_and_the_stream_sends_what_is_stored(
     with stream(server, job, token_for(alice)) as response:
         data, _, ended = read_all(response)
     assert data == b"".join(log_stream(job.pk)) and not ended  # closed: the client comes back later
+
+
+PRINTED = (
+    b"Epoch 1/1\n"
+    + b"\r1/2 \x1b[32m\xe2\x94\x81\x1b[0m\x08\x08\x08\x08\x08\r2/2 \x1b[32m\xe2\x94\x81\xe2\x94\x81\x1b[0m\n"
+    + b"read data.csv\r\n"
+    + "caf\u00e9".encode("latin-1")
+    + b"\n"
+)
+
+
+def test_with_encoding_json_curl_gets_every_byte_of_the_log_exactly(server, job, alice):
+    # A progress bar's carriage returns and backspaces, a CRLF line and a byte that is no UTF-8:
+    # the text form ends a line at each \r and shows the byte as U+FFFD; the JSON form carries
+    # them all, each event one `data:` line (curl, as docs/live.md shows it).
+    import json
+    import subprocess
+
+    writer = LogWriter(job.pk)
+    writer.feed(PRINTED)
+    writer.close()
+    finish(job)
+    (key,) = token_for(alice).values()
+    done = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-N",
+            "-D",
+            "-",
+            "-H",
+            f"Authorization: {key}",
+            "-H",
+            "Accept: text/event-stream",
+            f"{server}/api/v1/jobs/{job.pk}/log/stream/?encoding=json",
+        ],
+        capture_output=True,
+        timeout=30,
+        check=True,
+    )
+    head, _, body = done.stdout.partition(b"\r\n\r\n")
+    assert b"x-log-encoding: json" in head.lower()
+    received = list(iter_events(body.decode().split("\n")))
+    data = [ev for ev in received if ev.id is not None]
+    assert data and all(len(ev.data) == 1 for ev in data)
+    exact = b"".join(json.loads(ev.data[0]).encode("utf-8", "surrogateescape") for ev in data)
+    assert exact == b"".join(log_stream(job.pk)) and PRINTED.split(b"\n")[1] in exact
+    assert int(data[-1].id) == len(exact) and received[-1].event == "end"
+
+
+def test_a_stream_in_an_unknown_encoding_is_refused_naming_the_field(server, job, alice):
+    with stream(server, job, token_for(alice), encoding="base64") as response:
+        response.read()
+    assert response.status_code == 400
+    assert "encoding must be text" in response.text and "?encoding=json" in response.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 
@@ -12,6 +13,7 @@ from jobs.logs.store import LogWriter
 from jobs.models import Job
 from tests.browser import asgi_page, log_in, page  # noqa: F401 - the fixtures
 from tests.job_helpers import job_page_open
+from tests.test_log_edges import keras_bar
 from tests.test_log_stream import job  # noqa: F401 - the fixture: a running job of alice's
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -91,3 +93,60 @@ def test_without_the_stream_the_page_polls_and_says_so(page, job, alice):  # noq
     writer.feed(b"epoch 1\n")
     writer.flush()
     expect(page.locator("#job-log")).to_contain_text("epoch 1")
+
+
+STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ")
+
+
+def _bar_printed(writer: LogWriter) -> None:
+    """A Keras 3 evaluate() bar of six redraws (escape codes, backspaces, carriage returns) after
+    a line, stored as the worker stores it: the bar's line taken after its first redraw, as the
+    half-second flush takes a line still being drawn, and the rest once its newline came; then a
+    CRLF line."""
+    writer.feed(b"Epoch 1/1\n")
+    bar = keras_bar(6)
+    redrawn = bar.index(b"\x08")  # the second redraw begins by backspacing over the first
+    writer.feed(bar[:redrawn])
+    writer.partial_since -= 1.0  # it has waited
+    writer.maybe_flush()
+    writer.feed(bar[redrawn:] + b"Test accuracy: 0.98\r\n")
+
+
+def _as_shown(log) -> list[str]:  # type: ignore[no-untyped-def]
+    text = log.text_content()
+    assert not set(text) & {"\x1b", "\x08", "\r"}, repr(text)
+    return [STAMP.sub("", line) for line in text.split("\n")]
+
+
+SHOWN = [
+    "epoch 0",
+    "Epoch 1/1",
+    "1/6 ━━━━━━━━━━━━━━━━━━━━ 0s 2ms/step - accuracy: 0.9001",  # the line taken while being drawn
+    "6/6 ━━━━━━━━━━━━━━━━━━━━ 0s 2ms/step - accuracy: 0.9006",
+    "Test accuracy: 0.98",
+    "",
+]
+
+
+def test_a_progress_bar_shows_as_a_terminal_shows_it_over_the_stream(asgi_page, job, alice):  # noqa: F811
+    """Each redraw used to be a line of its own, with its escape codes: thousands an epoch."""
+    from playwright.sync_api import expect
+
+    writer = job_page_open(asgi_page, job.pk)
+    expect(asgi_page.locator("#job-log-status")).to_have_text("live")
+    _bar_printed(writer)
+    log = asgi_page.locator("#job-log")
+    expect(log).to_contain_text("Test accuracy: 0.98")
+    assert _as_shown(log) == SHOWN
+
+
+def test_a_progress_bar_shows_as_a_terminal_shows_it_when_polled(page, job, alice):  # noqa: F811 - the fixtures
+    from playwright.sync_api import expect
+
+    writer = job_page_open(page, job.pk)
+    expect(page.locator("#job-log-status")).to_contain_text("polling once a second")
+    _bar_printed(writer)
+    writer.flush()
+    log = page.locator("#job-log")
+    expect(log).to_contain_text("Test accuracy: 0.98")
+    assert _as_shown(log) == SHOWN

@@ -1,10 +1,13 @@
 """GET /api/v1/jobs/<id>/log/stream/: a job's log as server-sent events, live (docs/live.md).
 
 Each event is whole lines of the log: one `data:` line per log line (its raw text, without the
-newline), and `id:` the byte offset just after them. A client that reconnects with that id in
-`Last-Event-ID` (or `?offset=`) gets exactly the bytes after it. `event: end` follows the last
-bytes once the job has ended. A comment line every LOG_STREAM_KEEPALIVE_SECONDS keeps proxies
-from closing a quiet stream.
+newline), and `id:` the byte offset just after them. SSE cannot carry a carriage return inside a
+line, so with `?encoding=json` an event's data is instead one JSON string holding its bytes
+exactly (a progress bar's carriage returns, every newline; a byte that is no UTF-8 as the
+escape of Python's surrogateescape stand-in): what `gpu logs -f` and the job page ask for. A
+client that reconnects with that id in `Last-Event-ID` (or `?offset=`) gets exactly the bytes
+after it. `event: end` follows the last bytes once the job has ended. A comment line every
+LOG_STREAM_KEEPALIVE_SECONDS keeps proxies from closing a quiet stream.
 
 The database is the record, Redis the nudge (jobs/logs/live.py). The stream subscribes first,
 then reads what is stored from its offset, then relays what is published, skipping by offset
@@ -22,6 +25,7 @@ before sending anything.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import re
@@ -47,6 +51,7 @@ from rest_framework.request import Request
 from jobs.logs import live as log_live
 from jobs.logs.store import log_end, log_pieces, parse_offset
 from jobs.models import Job
+from portal.errors import Invalid
 from portal.subscriptions import Lost, Subscription, hub
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,8 @@ RETRY_MS = 2000
 END_SETTLE_SECONDS = 1.0  # EventSource's reconnection delay, e.g. while Redis is away
 STATE_SHARE_SECONDS = 0.5  # one read of a job's status serves its streams that ask this soon after
 _LINE_BREAK = re.compile("\r\n|\r|\n")
+_ESCAPED = re.compile("[\udc80-\udcff]")  # surrogateescape's stand-ins for bytes that are no UTF-8
+ENCODINGS = ("text", "json")
 
 
 class EventStreamRenderer(BaseRenderer):
@@ -94,6 +101,14 @@ class JobLogStream(GenericAPIView):
         parameters=[
             OpenApiParameter("offset", int, required=False, description="Bytes after this offset."),
             OpenApiParameter(
+                "encoding",
+                str,
+                required=False,
+                enum=ENCODINGS,
+                description="text (default): one data line per log line. json: each event's data is"
+                " one JSON string of its bytes exactly, carriage returns included.",
+            ),
+            OpenApiParameter(
                 "Last-Event-ID", str, OpenApiParameter.HEADER, required=False, description="Wins over offset."
             ),
         ],
@@ -108,7 +123,8 @@ class JobLogStream(GenericAPIView):
                 f" deploy/ do); read /api/v1/jobs/{job.pk}/log/?offset= instead."
             )
         offset = resume_offset(request.headers.get("Last-Event-ID"), request.query_params.get("offset"))
-        return log_event_response(job, offset=offset)
+        exact = stream_encoding(request.query_params.get("encoding")) == "json"
+        return log_event_response(job, offset=offset, exact=exact)
 
 
 def resume_offset(last_event_id: str | None, offset: str | None) -> int:
@@ -116,21 +132,49 @@ def resume_offset(last_event_id: str | None, offset: str | None) -> int:
     return parse_offset(last_event_id if last_event_id not in (None, "") else offset)
 
 
-def log_event_response(job: Job, *, offset: int) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(events(job.pk, offset), content_type="text/event-stream; charset=utf-8")
+def stream_encoding(raw: str | None) -> str:
+    """`?encoding=` of a log stream, or Invalid naming the field."""
+    encoding = (raw or "text").strip()
+    if encoding not in ENCODINGS:
+        raise Invalid(
+            "encoding must be text (one data line per log line, the default) or json (each event's"
+            " bytes exactly, as one JSON string), e.g. ?encoding=json.",
+            field="encoding",
+        )
+    return encoding
+
+
+def log_event_response(job: Job, *, offset: int, exact: bool = False) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(
+        events(job.pk, offset, exact=exact), content_type="text/event-stream; charset=utf-8"
+    )
     response["Cache-Control"] = "no-store"
     response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
+    # What the events' data is: a client that asked for JSON knows it got it (an older portal
+    # ignores ?encoding= and sends text).
+    response["X-Log-Encoding"] = "json" if exact else "text"
     return response
 
 
-def event(text: bytes, end: int) -> bytes:
+def event(text: bytes, end: int, *, exact: bool = False) -> bytes:
     """One event: the lines of `text`, one `data:` line each, and the offset after them. SSE has no
-    way to carry a carriage return inside a line: it ends a `data:` line as a newline does."""
+    way to carry a carriage return inside a line: it ends a `data:` line as a newline does.
+    `exact`: one `data:` line, `text` as a JSON string that gives back its very bytes."""
+    if exact:
+        return f"data: {exact_json(text)}\nid: {end}\n\n".encode()
     body = text.decode("utf-8", "replace")
     if body.endswith("\n"):
         body = body[:-1]
     lines = "".join(f"data: {line}\n" for line in _LINE_BREAK.split(body))
     return f"{lines}id: {end}\n\n".encode()
+
+
+def exact_json(text: bytes) -> str:
+    """`text` as a JSON string, UTF-8 as it is (a bar's "━" one character, not six), each byte that
+    is no UTF-8 as the escape of its surrogateescape stand-in: `json.loads(it).encode("utf-8",
+    "surrogateescape") == text`. JSON has the escape for a lone surrogate; JSON.parse keeps it."""
+    dumped = json.dumps(text.decode("utf-8", "surrogateescape"), ensure_ascii=False)
+    return _ESCAPED.sub(lambda found: f"\\u{ord(found.group()):04x}", dumped)
 
 
 END = b"event: end\ndata: \n\n"
@@ -143,6 +187,7 @@ class Cursor:
     them wait for their line's end. `ahead` holds live output past a gap, by offset."""
 
     sent: int
+    exact: bool = False  # events as `event(exact=True)` writes them
     have: int = -1
     held: bytearray = field(default_factory=bytearray)
     ahead: list[tuple[int, bytes]] = field(default_factory=list)
@@ -158,7 +203,7 @@ class Cursor:
         if len(piece) != end - start:  # a marker: the reader resumes after what it stands for
             out = self.flush()
             self.sent = self.have = end
-            return out + event(piece, end)
+            return out + event(piece, end, exact=self.exact)
         if start < self.have:  # a repeat in part
             piece = piece[self.have - start :]
         self.held += piece
@@ -167,7 +212,7 @@ class Cursor:
         if not cut and len(self.held) < READ_BYTES:
             return b""
         cut = cut or len(self.held)
-        out = event(bytes(self.held[:cut]), self.sent + cut)
+        out = event(bytes(self.held[:cut]), self.sent + cut, exact=self.exact)
         del self.held[:cut]
         self.sent += cut
         return out
@@ -176,7 +221,7 @@ class Cursor:
         """Whatever is held, though its line has not ended (the log's end, a marker next)."""
         if not self.held:
             return b""
-        out = event(bytes(self.held), self.have)
+        out = event(bytes(self.held), self.have, exact=self.exact)
         self.held.clear()
         self.sent = self.have
         return out
@@ -293,14 +338,16 @@ async def _catch_up(cursor: Cursor, job_id: int, until: int) -> AsyncIterator[by
         yield cursor.drain_ahead()
 
 
-async def events(job_id: int, offset: int, *, page: bool = False) -> AsyncIterator[bytes]:
+async def events(
+    job_id: int, offset: int, *, page: bool = False, exact: bool = False
+) -> AsyncIterator[bytes]:
     """The stream (module docstring). Ends after `event: end`, or when Redis is away: the client
     reconnects after RETRY_MS with its Last-Event-ID, and reads on from the database. `page`: the
     job page's stream (jobs/page_events.py) also says when the job's row or its training curves
-    changed (`event: job`, `event: metrics`)."""
+    changed (`event: job`, `event: metrics`). `exact`: the log's events as JSON (`event`)."""
     # The view's connection, held by this request's thread, serves the first read (`_opening`),
     # which then closes it.
-    cursor = Cursor(offset)
+    cursor = Cursor(offset, exact)
     yield f"retry: {RETRY_MS}\n\n".encode()
     try:
         subscription = await hub().listen([log_live.channel(job_id)])

@@ -1,15 +1,22 @@
 // The live log viewer of a job page: <pre id="job-log" data-log-url=… data-page-stream
 // data-offset="0">.
 //
-// The page's one event stream (static/js/live.js; GET /jobs/<id>/events/, docs/live.md) brings
-// each line as the job prints it: an event's data is whole lines, its id the byte offset after
-// them, and a reconnect resumes after the last one. At `end` one fetch of the log's endpoint
+// The page's one event stream (static/js/live.js; GET /jobs/<id>/events/?encoding=json,
+// docs/live.md) brings each line as the job prints it: an event's data is whole lines, as one JSON
+// string of their exact text (carriage returns included), its id the byte offset after them, and
+// a reconnect resumes after the last one. At `end` one fetch of the log's endpoint
 // brings the final status and any last byte; when the page gives the stream up (refused, or
 // failing) the polling below takes over from the same offset, saying so.
 //
 // Polls `logUrl?offset=N` once a second while the job is active (X-Job-Status queued,
 // starting or running), appends the new bytes as text (never as HTML: the log is
-// whatever the script printed), and continues at X-Log-Next-Offset. When the status is
+// whatever the script printed), and continues at X-Log-Next-Offset.
+//
+// The text is shown as a terminal shows it, line by line: a carriage return goes back to the
+// line's start (after the worker's timestamp) and what follows writes over it, a backspace steps
+// back, and colour codes are left out. A Keras or tqdm progress bar is then one bar a stored line
+// (the worker stores a bar's line every half second), not one line per redraw with its escape
+// codes; the download keeps the bytes as printed. When the status is
 // final it fetches once more (lines written between the last poll and the end), then
 // stops and sets data-done="1" on the <pre>. No libraries.
 (function () {
@@ -18,6 +25,11 @@
   var ACTIVE = { queued: true, starting: true, running: true };
   var POLL_MS = 1000;
   var RETRY_MS = 3000;
+  // ESC sequences (colours, cursor moves) and one that a read cut off at the end of the text.
+  var TERMINAL_CODES = /\x1b(?:\[[0-?]*[ -\/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -\/]*[0-~])/g;
+  var CUT_CODE = /\x1b(?:\[[0-?]*[ -\/]*|\][^\x07\x1b]*|[ -\/]*)$/;
+  var CONTROLS = /(\r|\n|\x08)/;
+  var STAMP = /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z /;
   var LABELS = {
     queued: "queued: waiting for the worker",
     starting: "starting",
@@ -46,12 +58,57 @@
       return pre.scrollHeight - pre.scrollTop - pre.clientHeight < 8;
     }
 
+    // The line being written (after the last newline) as shown, where the next character goes,
+    // its text node, and an ESC sequence waiting for the rest of it.
+    var line = "";
+    var column = 0;
+    var lineNode = null;
+    var cut = "";
+
+    function lineStart() {
+      var stamp = STAMP.exec(line);
+      return stamp ? stamp[0].length : 0;
+    }
+
+    // `text` as a terminal writes it; returns the lines it finished, each with its newline.
+    function write(text) {
+      var finished = "";
+      var parts = text.split(CONTROLS);
+      for (var i = 0; i < parts.length; i++) {
+        var part = parts[i];
+        if (part === "\n") {
+          finished += line + "\n";
+          line = "";
+          column = 0;
+        } else if (part === "\r") {
+          column = lineStart();
+        } else if (part === "\x08") {
+          column = Math.max(lineStart(), column - 1);
+        } else if (part) {
+          line = line.slice(0, column) + part + line.slice(column + part.length);
+          column += part.length;
+        }
+      }
+      return finished;
+    }
+
     function append(text) {
+      text = cut + (text || "");
+      var held = CUT_CODE.exec(text);
+      cut = held ? held[0] : "";
+      if (held) text = text.slice(0, held.index);
       if (!text) return;
       var follow = atBottom();
-      // A text node is the textContent of the <pre> grown by `text`: no markup is parsed,
-      // and unlike `textContent +=` the text already shown is not copied again each second.
-      pre.appendChild(document.createTextNode(text));
+      // Text nodes, so no markup is parsed; the lines finished here go in one node, and only the
+      // unfinished line's node is rewritten as a bar redraws it.
+      var finished = write(text.replace(TERMINAL_CODES, ""));
+      if (finished) {
+        if (lineNode) lineNode.data = finished;
+        else pre.appendChild(document.createTextNode(finished));
+        lineNode = null;
+      }
+      if (line && !lineNode) lineNode = pre.appendChild(document.createTextNode(line));
+      else if (lineNode) lineNode.data = line;
       if (follow) pre.scrollTop = pre.scrollHeight;
     }
 
@@ -98,17 +155,27 @@
         });
     }
 
+    // An event's text: the JSON string the page asked for (?encoding=json). A portal that sent
+    // plain lines instead lost its carriage returns, and its last newline is guessed from the
+    // offsets.
+    function exactText(data, bytes) {
+      if (data.charAt(0) === '"') {
+        try {
+          return JSON.parse(data);
+        } catch (error) {
+          // not JSON after all: plain lines
+        }
+      }
+      return new TextEncoder().encode(data).length === bytes ? data : data + "\n";
+    }
+
     // The page's one stream (static/js/live.js) carries the log: unnamed events, ids the offsets.
     function follow(live) {
-      var encoder = new TextEncoder();
       var ended = false;
       live.on("message", function (event) {
         var next = parseInt(event.lastEventId, 10);
         if (ended || isNaN(next) || next <= offset) return; // a repeat after a reconnect: had it
-        // SSE takes each line's newline off; the last one is back if the offsets count it.
-        var text = event.data;
-        if (encoder.encode(text).length !== next - offset) text += "\n";
-        append(text);
+        append(exactText(event.data, next - offset));
         offset = next;
         pre.setAttribute("data-offset", String(offset));
         say("live");
