@@ -10,6 +10,7 @@ them (the text form ends a line at each), and what `gpu logs -f` writes is what 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from time import monotonic, sleep
@@ -28,6 +29,24 @@ class Event:
     data: list[str] = field(default_factory=list)
     id: str | None = None
     event: str = "message"
+
+
+_SSE_LINE_END = re.compile("\r\n|\r|\n")
+
+
+def sse_lines(chunks: Iterable[str]) -> Iterator[str]:
+    """The body's lines as SSE has them: ended by CR, LF or CRLF only. httpx's `iter_lines` also
+    ends a line at a form feed, U+0085, U+2028 and the like (str.splitlines), which a log line
+    may hold: its text would be cut and the rest read as a field of its own, and lost."""
+    held = ""
+    for chunk in chunks:
+        held += chunk
+        cr = held.endswith("\r")  # perhaps half a CRLF: the next chunk says
+        *lines, held = _SSE_LINE_END.split(held[:-1] if cr else held)
+        held += "\r" if cr else ""
+        yield from lines
+    if held:
+        yield held.removesuffix("\r")
 
 
 def iter_events(lines: Iterable[str]) -> Iterator[Event]:
@@ -87,7 +106,7 @@ def follow_log(portal: Portal, job_id: int, out: BinaryIO) -> None:
         with portal.stream(f"jobs/{job_id}/log/stream/", offset=offset, encoding="json") as response:
             exact = response.headers.get("X-Log-Encoding") == "json"
             try:
-                for event in iter_events(alive(response.iter_lines())):
+                for event in iter_events(alive(sse_lines(response.iter_text()))):
                     if event.event == "end":
                         return
                     if event.id is None or not event.id.isdigit():

@@ -9,8 +9,9 @@ import threading
 import pytest
 
 from gpu_cli.api import Portal
-from gpu_cli.live import follow_log
+from gpu_cli.live import event_bytes, follow_log, iter_events, sse_lines
 from jobs.logs.store import LogWriter, log_stream
+from jobs.logs.stream import event, exact_json
 from jobs.models import Job
 from jobs.notices import log_tail
 from portal.services import api_token_create
@@ -138,3 +139,32 @@ def _without_the_header(respond):  # type: ignore[no-untyped-def]
         return response
 
     return older
+
+
+NASTY = [
+    b"a\r\nb\rc\n",
+    bytes(range(256)),  # every byte, most of them no UTF-8
+    "x\u2028y\u2029z\x85\x0c\x1c\ufeff\U0001f600\n".encode(),  # what str.splitlines ends a line at
+    "━".encode()[:2],  # a character cut off
+    b'q"\\\n',
+]
+
+
+@pytest.mark.parametrize("text", NASTY)
+def test_the_exact_form_gives_back_every_byte_however_the_body_is_cut(text):
+    # One `data:` line whatever the bytes, even for a client that ends lines where
+    # str.splitlines does (httpx's iter_lines); gpu's own reader ends them where SSE does, also
+    # when a read ends between a CR and its LF.
+    body = event(text, len(text), exact=True).decode()
+    assert "\n" not in exact_json(text) and not set(exact_json(text)) & set("\r\x85\u2028\u2029")
+    for size in (1, 2, 3, 7, len(body)):
+        pieces = [body[at : at + size] for at in range(0, len(body), size)]
+        (received,) = iter_events(sse_lines(pieces))
+        assert event_bytes(received, 0, exact=True) == text
+    (received,) = iter_events(body.splitlines())
+    assert event_bytes(received, 0, exact=True) == text
+
+
+def test_gpus_reader_ends_lines_where_sse_does():
+    assert list(sse_lines(["a\r", "\nb\r", "c\n", "d\x0ce\u2028f\n"])) == ["a", "b", "c", "d\x0ce\u2028f"]
+    assert list(sse_lines(["data: x\r", "\r", "\n"])) == ["data: x", ""]

@@ -65,7 +65,9 @@ RETRY_MS = 2000
 END_SETTLE_SECONDS = 1.0  # EventSource's reconnection delay, e.g. while Redis is away
 STATE_SHARE_SECONDS = 0.5  # one read of a job's status serves its streams that ask this soon after
 _LINE_BREAK = re.compile("\r\n|\r|\n")
-_ESCAPED = re.compile("[\udc80-\udcff]")  # surrogateescape's stand-ins for bytes that are no UTF-8
+# Escaped in the exact form: surrogateescape's stand-ins for bytes that are no UTF-8, and what
+# clients that split lines as str.splitlines does (httpx's iter_lines) would take for a line's end.
+_ESCAPED = re.compile("[\udc80-\udcff\x85\u2028\u2029]")
 ENCODINGS = ("text", "json")
 
 
@@ -172,7 +174,8 @@ def event(text: bytes, end: int, *, exact: bool = False) -> bytes:
 def exact_json(text: bytes) -> str:
     """`text` as a JSON string, UTF-8 as it is (a bar's "━" one character, not six), each byte that
     is no UTF-8 as the escape of its surrogateescape stand-in: `json.loads(it).encode("utf-8",
-    "surrogateescape") == text`. JSON has the escape for a lone surrogate; JSON.parse keeps it."""
+    "surrogateescape") == text`. JSON has the escape for a lone surrogate; JSON.parse keeps it.
+    U+0085, U+2028 and U+2029 are escaped too (`_ESCAPED`); json escapes the other controls."""
     dumped = json.dumps(text.decode("utf-8", "surrogateescape"), ensure_ascii=False)
     return _ESCAPED.sub(lambda found: f"\\u{ord(found.group()):04x}", dumped)
 
