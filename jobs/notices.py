@@ -51,8 +51,9 @@ MASK = "****"
 ARRAY_LISTED = 10  # an array's failed tasks named one by one, at most
 _STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT[\d:.]+Z ", re.MULTILINE)  # each log line's timestamp
 # What a terminal acts on and does not show: colours and cursor moves (CSI), titles (OSC), the rest
-# of ESC's two-character sequences, and backspaces (Keras's progress bar writes all of them).
-_TERMINAL_CODES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -/]*[0-~])|\x08")
+# of ESC's two-character sequences, and backspaces (Keras's progress bar writes all of them). A
+# title left unended ends with its line: else it hid every line after it.
+_TERMINAL_CODES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b\n]*(?:\x07|\x1b\\)?|[ -/]*[0-~])|\x08")
 
 
 def job_change_notify(job_id: int, status: str) -> None:

@@ -102,7 +102,7 @@ def _bar_printed(writer: LogWriter) -> None:
     """A Keras 3 evaluate() bar of six redraws (escape codes, backspaces, carriage returns) after
     a line, stored as the worker stores it: the bar's line taken after its first redraw, as the
     half-second flush takes a line still being drawn, and the rest once its newline came; then a
-    CRLF line."""
+    CRLF line, and a line written over and erased to its end (ESC [ K)."""
     writer.feed(b"Epoch 1/1\n")
     bar = keras_bar(6)
     redrawn = bar.index(b"\x08")  # the second redraw begins by backspacing over the first
@@ -110,6 +110,7 @@ def _bar_printed(writer: LogWriter) -> None:
     writer.partial_since -= 1.0  # it has waited
     writer.maybe_flush()
     writer.feed(bar[redrawn:] + b"Test accuracy: 0.98\r\n")
+    writer.feed(b"Downloading 100 MB/s\rDone\x1b[K\n")  # erased to the line's end
 
 
 def _as_shown(log) -> list[str]:  # type: ignore[no-untyped-def]
@@ -124,6 +125,7 @@ SHOWN = [
     "1/6 ━━━━━━━━━━━━━━━━━━━━ 0s 2ms/step - accuracy: 0.9001",  # the line taken while being drawn
     "6/6 ━━━━━━━━━━━━━━━━━━━━ 0s 2ms/step - accuracy: 0.9006",
     "Test accuracy: 0.98",
+    "Done",
     "",
 ]
 
@@ -136,7 +138,7 @@ def test_a_progress_bar_shows_as_a_terminal_shows_it_over_the_stream(asgi_page, 
     expect(asgi_page.locator("#job-log-status")).to_have_text("live")
     _bar_printed(writer)
     log = asgi_page.locator("#job-log")
-    expect(log).to_contain_text("Test accuracy: 0.98")
+    expect(log).to_contain_text("Done\n")
     assert _as_shown(log) == SHOWN
 
 
@@ -148,5 +150,5 @@ def test_a_progress_bar_shows_as_a_terminal_shows_it_when_polled(page, job, alic
     _bar_printed(writer)
     writer.flush()
     log = page.locator("#job-log")
-    expect(log).to_contain_text("Test accuracy: 0.98")
+    expect(log).to_contain_text("Done\n")
     assert _as_shown(log) == SHOWN

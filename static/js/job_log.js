@@ -14,7 +14,7 @@
 //
 // The text is shown as a terminal shows it, line by line: a carriage return goes back to the
 // line's start (after the worker's timestamp) and what follows writes over it, a backspace steps
-// back, and colour codes are left out. A Keras or tqdm progress bar is then one bar a stored line
+// back, erasing and moving along the line are done, and colour codes are left out. A Keras or tqdm progress bar is then one bar a stored line
 // (the worker stores a bar's line every half second), not one line per redraw with its escape
 // codes; the download keeps the bytes as printed. When the status is
 // final it fetches once more (lines written between the last poll and the end), then
@@ -25,10 +25,14 @@
   var ACTIVE = { queued: true, starting: true, running: true };
   var POLL_MS = 1000;
   var RETRY_MS = 3000;
-  // ESC sequences (colours, cursor moves) and one that a read cut off at the end of the text.
-  var TERMINAL_CODES = /\x1b(?:\[[0-?]*[ -\/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -\/]*[0-~])/g;
-  var CUT_CODE = /\x1b(?:\[[0-?]*[ -\/]*|\][^\x07\x1b]*|[ -\/]*)$/;
-  var CONTROLS = /(\r|\n|\x08)/;
+  // ESC sequences other than CSI (a title's OSC, which ends at the line's end at the latest; a
+  // charset's), and a lone ESC: left out. CSI ones (ESC [ …) are `write`'s: a colour is left out,
+  // erasing and moving along the line are done. One that a read cut off at the end of the text
+  // waits for the rest, at most CUT_MAX characters of it.
+  var OTHER_CODES = /\x1b(?:\][^\x07\x1b\n]*(?:\x07|\x1b\\)?|(?!\[)[ -\/]*[0-~]|(?!\[))/g;
+  var CUT_CODE = /\x1b(?:\[[0-?]*[ -\/]*|\][^\x07\x1b\n]*|[ -\/]*)$/;
+  var CUT_MAX = 256;
+  var CONTROLS = /(\r|\n|\x08|\x1b\[[0-?]*[ -\/]*[@-~])/;
   var STAMP = /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z /;
   var LABELS = {
     queued: "queued: waiting for the worker",
@@ -70,6 +74,26 @@
       return stamp ? stamp[0].length : 0;
     }
 
+    function blanks(count) {
+      return count > 0 ? new Array(count + 1).join(" ") : "";
+    }
+
+    // A CSI sequence within the line: erase in it (K), move back (D), on (C) or to a column (G);
+    // any other (a colour) shows nothing. The worker's timestamp is never erased. Columns count
+    // UTF-16 units, not a terminal's cells (a wide or astral character is off by one).
+    function csi(code) {
+      var start = lineStart();
+      var n = parseInt(code.slice(2, -1), 10);
+      var kind = code.charAt(code.length - 1);
+      var at = Math.max(column, start);
+      if (kind === "K" && !(n > 0)) line = line.slice(0, at);
+      else if (kind === "K" && n === 1) line = line.slice(0, start) + blanks(at + 1 - start) + line.slice(at + 1);
+      else if (kind === "K" && n === 2) line = line.slice(0, start);
+      else if (kind === "D") column = Math.max(start, column - (n || 1));
+      else if (kind === "C") column += n || 1;
+      else if (kind === "G") column = start + Math.max(n || 1, 1) - 1;
+    }
+
     // `text` as a terminal writes it; returns the lines it finished, each with its newline.
     function write(text) {
       var finished = "";
@@ -84,7 +108,10 @@
           column = lineStart();
         } else if (part === "\x08") {
           column = Math.max(lineStart(), column - 1);
+        } else if (part.charAt(0) === "\x1b") {
+          csi(part);
         } else if (part) {
+          if (column > line.length) line += blanks(column - line.length);
           line = line.slice(0, column) + part + line.slice(column + part.length);
           column += part.length;
         }
@@ -95,13 +122,14 @@
     function append(text) {
       text = cut + (text || "");
       var held = CUT_CODE.exec(text);
+      if (held && held[0].length > CUT_MAX) held = null; // not a code after all: shown
       cut = held ? held[0] : "";
       if (held) text = text.slice(0, held.index);
       if (!text) return;
       var follow = atBottom();
       // Text nodes, so no markup is parsed; the lines finished here go in one node, and only the
       // unfinished line's node is rewritten as a bar redraws it.
-      var finished = write(text.replace(TERMINAL_CODES, ""));
+      var finished = write(text.replace(OTHER_CODES, ""));
       if (finished) {
         if (lineNode) lineNode.data = finished;
         else pre.appendChild(document.createTextNode(finished));
