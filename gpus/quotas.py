@@ -277,8 +277,10 @@ def membership_locked(user: AbstractBaseUser, team: Team | str | None) -> Member
         )
     if has_limits(membership.team):
         # Two bookings of this team cannot both pass its quota. Teams without limits are not
-        # locked, so their members' bookings of different cards never wait for each other.
-        list(Team.objects.select_for_update().filter(pk=membership.team_id).values_list("pk"))
+        # locked, so their members' bookings of different cards never wait for each other. NO KEY:
+        # a commit whose rows refer to the team (a job, a booking, a member) checks their keys
+        # with FOR KEY SHARE, which FOR UPDATE would hold up, and in a cycle (tests/test_lock_modes.py).
+        list(Team.objects.select_for_update(no_key=True).filter(pk=membership.team_id).values_list("pk"))
     return membership
 
 
@@ -489,7 +491,7 @@ def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None)
     own limit is above the new one. Logged in the audit log."""
     if not is_admin(actor):
         raise Forbidden("Only admins set team quotas; ask one.")
-    team = Team.objects.select_for_update().get(pk=team.pk)
+    team = Team.objects.select_for_update(no_key=True).get(pk=team.pk)
     changes = _quota_changes(team, limits, (*QUOTA_FIELDS, "shares"))
     # Members' quotas fit inside the team's: a lower team limit is refused while one is above it
     # (quota_member_set locks the team's row too, so neither can slip past the other).
@@ -518,7 +520,7 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
         )
     membership = found
     changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours", "shares"))
-    team = membership.team = Team.objects.select_for_update().get(pk=membership.team_id)
+    team = membership.team = Team.objects.select_for_update(no_key=True).get(pk=membership.team_id)
     for field in QUOTA_FIELDS:
         team_limit, value = getattr(team, field), limits.get(field, getattr(membership, field))
         if team_limit is not None and value is not None and value > team_limit:
