@@ -50,10 +50,6 @@ SECRET_MIN_LENGTH = 3  # an environment value this long is masked in the log's l
 MASK = "****"
 ARRAY_LISTED = 10  # an array's failed tasks named one by one, at most
 _STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT[\d:.]+Z ", re.MULTILINE)  # each log line's timestamp
-# A line the worker stored while it was still being drawn (one every half second), whose next piece
-# begins with a backspace, as a Keras bar's redraw does: the same line, as on a terminal (and on
-# the job page, static/js/job_log.js).
-_GOES_ON = re.compile(rb"\n\d{4}-\d\d-\d\dT[\d:.]+Z (?=\x08)")
 # What a terminal acts on and does not show: colours and cursor moves (CSI), titles (OSC), the rest
 # of ESC's two-character sequences, and backspaces (Keras's progress bar writes all of them). A
 # title left unended ends with its line: else it hid every line after it.
@@ -254,7 +250,7 @@ def log_tail(job: Job, lines: int = LOG_LINES) -> str:
     if cut:
         data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
     # PostgreSQL refuses NUL in text: the notice's row would fail inside the end's transaction.
-    text = _STAMP.sub(b"", _GOES_ON.sub(b"", data)).replace(b"\0", b"").decode("utf-8", errors="replace")
+    text = _STAMP.sub(b"", data).replace(b"\0", b"").decode("utf-8", errors="replace")
     # Masked before a redraw hides part of a secret; its lines as a terminal shows them (a
     # progress bar that redraws itself with \r is one line, not one a redraw).
     text = secrets_mask(job, _TERMINAL_CODES.sub("", text).rstrip("\n"))

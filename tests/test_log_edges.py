@@ -82,23 +82,6 @@ def test_the_notices_log_tail_shows_a_progress_bar_as_a_terminal_does(job):  # n
     assert lines[-1] == "Test accuracy: 0.98"
 
 
-def test_the_notices_log_tail_shows_a_bar_stored_in_pieces_as_one_line(job):  # noqa: F811
-    # The worker stores a line still being drawn every half second, with a newline of its own; a
-    # Keras bar's next piece begins with a backspace, and goes on with the same line.
-    writer = LogWriter(job.pk)
-    bar = keras_bar(30)
-    for piece in (bar[: bar.index(b"\x08")], bar[bar.index(b"\x08") : len(bar) // 2]):
-        writer.feed(piece)
-        writer.partial_since -= 1.0  # it has waited
-        writer.maybe_flush()
-    writer.feed(bar[len(bar) // 2 :] + keras_bar(2))  # then evaluate()'s own bar
-    writer.close()
-    assert log_tail(job).split("\n") == [
-        "30/30 ━━━━━━━━━━━━━━━━━━━━ 0s 2ms/step - accuracy: 0.9030",
-        "2/2 ━━━━━━━━━━━━━━━━━━━━ 0s 2ms/step - accuracy: 0.9002",
-    ]
-
-
 def test_the_notices_log_tail_ends_a_title_left_unended_with_its_line(job):  # noqa: F811
     writer = LogWriter(job.pk)
     writer.feed(b"step 1 \x1b]0;training\nstep 2\nstep 3\n")

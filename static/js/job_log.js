@@ -10,17 +10,15 @@
 //
 // Polls `logUrl?offset=N` once a second while the job is active (X-Job-Status queued,
 // starting or running), appends the new bytes as text (never as HTML: the log is
-// whatever the script printed), and continues at X-Log-Next-Offset. When the status is
-// final it fetches once more (lines written between the last poll and the end), then
-// stops and sets data-done="1" on the <pre>. No libraries.
+// whatever the script printed), and continues at X-Log-Next-Offset.
 //
 // The text is shown as a terminal shows it, line by line: a carriage return goes back to the
 // line's start (after the worker's timestamp) and what follows writes over it, a backspace steps
-// back, erasing and moving along the line are done, and colour codes are left out. A Keras bar is
-// one line, as on a terminal: the worker stores a line still being drawn every half second, and
-// the piece that goes on with it (it begins with a backspace) is written on. A tqdm bar, whose
-// pieces begin with a carriage return, is one line a piece. The download keeps the bytes as
-// printed.
+// back, erasing and moving along the line are done, and colour codes are left out. A Keras or tqdm progress bar is then one bar a stored line
+// (the worker stores a bar's line every half second), not one line per redraw with its escape
+// codes; the download keeps the bytes as printed. When the status is
+// final it fetches once more (lines written between the last poll and the end), then
+// stops and sets data-done="1" on the <pre>. No libraries.
 (function () {
   "use strict";
 
@@ -36,12 +34,6 @@
   var CUT_MAX = 256;
   var CONTROLS = /(\r|\n|\x08|\x1b\[[0-?]*[ -\/]*[@-~])/;
   var STAMP = /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z /;
-  var STAMP_LENGTH = 25;
-  // A line the worker stored while it was still being drawn (it takes one every half second,
-  // with a newline of its own), whose next piece begins with a backspace, as a Keras bar's
-  // redraw does: the same line going on, as on a terminal. A line never begins with one.
-  var GOES_ON = /\n\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (?=\x08)/g;
-  var GOES_ON_HERE = /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (?=\x08)/; // the same, at a piece's start
   var LABELS = {
     queued: "queued: waiting for the worker",
     starting: "starting",
@@ -76,10 +68,6 @@
     var column = 0;
     var lineNode = null;
     var cut = "";
-    // The last line finished, while nothing came after its newline: its node, and the line and
-    // column it ended with, for a piece that goes on with it (GOES_ON) to write on.
-    var endedNode = null;
-    var ended = { line: "", column: 0 };
 
     function lineStart() {
       var stamp = STAMP.exec(line);
@@ -114,7 +102,6 @@
         var part = parts[i];
         if (part === "\n") {
           finished += line + "\n";
-          ended = { line: line, column: column };
           line = "";
           column = 0;
         } else if (part === "\r") {
@@ -132,70 +119,29 @@
       return finished;
     }
 
-    // A piece that goes on with the line that ended last (its newline already shown): that line
-    // is written on again, its newline taken back.
-    function reopen() {
-      line = ended.line;
-      column = ended.column;
-      lineNode = endedNode;
-      lineNode.data = line;
-      endedNode = null;
-    }
-
-    // `text` shown; `last`: nothing follows it (the job has ended), so nothing is held back.
-    function append(text, last) {
+    function append(text) {
       text = cut + (text || "");
-      cut = "";
-      if (endedNode && !line) {
-        if (text.length <= STAMP_LENGTH && !last) {
-          cut = text; // perhaps the start of a piece that goes on with that line: the rest says
-          return;
-        }
-        if (GOES_ON_HERE.test(text)) {
-          reopen();
-          text = text.slice(STAMP_LENGTH);
-        }
-      }
-      text = text.replace(GOES_ON, "");
-      if (!last) {
-        // A line's start cut off by a read (polling): the next piece of it says whether it goes on.
-        var end = text.lastIndexOf("\n");
-        var held = CUT_CODE.exec(text);
-        if (end >= 0 && end + 1 < text.length && text.length - end - 1 <= STAMP_LENGTH) {
-          held = { 0: text.slice(end + 1), index: end + 1 };
-        }
-        if (held && held[0].length <= CUT_MAX) {
-          cut = held[0];
-          text = text.slice(0, held.index);
-        }
-      }
+      var held = CUT_CODE.exec(text);
+      if (held && held[0].length > CUT_MAX) held = null; // not a code after all: shown
+      cut = held ? held[0] : "";
+      if (held) text = text.slice(0, held.index);
       if (!text) return;
       var follow = atBottom();
-      // Text nodes, so no markup is parsed. The lines finished here go in one node but the last,
-      // which keeps its own until more comes after it (it may go on); only the unfinished line's
-      // node is rewritten as a bar redraws it.
+      // Text nodes, so no markup is parsed; the lines finished here go in one node, and only the
+      // unfinished line's node is rewritten as a bar redraws it.
       var finished = write(text.replace(OTHER_CODES, ""));
       if (finished) {
-        var lastLine = ended.line + "\n";
-        var before = finished.slice(0, finished.length - lastLine.length);
-        if (lineNode && !before) {
-          endedNode = lineNode;
-        } else {
-          if (lineNode) lineNode.data = before;
-          else if (before) pre.appendChild(document.createTextNode(before));
-          endedNode = pre.appendChild(document.createTextNode(""));
-        }
-        endedNode.data = lastLine;
+        if (lineNode) lineNode.data = finished;
+        else pre.appendChild(document.createTextNode(finished));
         lineNode = null;
       }
-      if (line) endedNode = null; // a new line began: the last one is over
       if (line && !lineNode) lineNode = pre.appendChild(document.createTextNode(line));
       else if (lineNode) lineNode.data = line;
       if (follow) pre.scrollTop = pre.scrollHeight;
     }
 
     function finish(status) {
-      append(decoder.decode(), true);
+      append(decoder.decode());
       pre.setAttribute("data-done", "1");
       say("finished: " + (LABELS[status] || status) + " · " + offset.toLocaleString() + " bytes");
     }
