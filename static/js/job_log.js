@@ -10,15 +10,16 @@
 //
 // Polls `logUrl?offset=N` once a second while the job is active (X-Job-Status queued,
 // starting or running), appends the new bytes as text (never as HTML: the log is
-// whatever the script printed), and continues at X-Log-Next-Offset.
+// whatever the script printed), and continues at X-Log-Next-Offset. When the status is
+// final it fetches once more (lines written between the last poll and the end), then
+// stops and sets data-done="1" on the <pre>. No libraries.
 //
 // The text is shown as a terminal shows it, line by line: a carriage return goes back to the
 // line's start (after the worker's timestamp) and what follows writes over it, a backspace steps
-// back, erasing and moving along the line are done, and colour codes are left out. A Keras or tqdm progress bar is then one bar a stored line
-// (the worker stores a bar's line every half second), not one line per redraw with its escape
-// codes; the download keeps the bytes as printed. When the status is
-// final it fetches once more (lines written between the last poll and the end), then
-// stops and sets data-done="1" on the <pre>. No libraries.
+// back, erasing and moving along the line are done, and colour codes are left out. A Keras or
+// tqdm progress bar is then one bar a stored line (the worker stores a line still being drawn
+// every half second, with a newline of its own), not one line per redraw with its escape codes;
+// the download keeps the bytes as printed.
 (function () {
   "use strict";
 
