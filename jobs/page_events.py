@@ -38,7 +38,7 @@ async def job_events(request: HttpRequest, pk: int) -> HttpResponseBase:
         raise Http404("The job page's stream needs the portal served over ASGI (portal.asgi).")
     try:
         offset = log_stream.resume_offset(request.headers.get("Last-Event-ID"), request.GET.get("offset"))
-        exact = log_stream.stream_encoding(request.GET.get("encoding")) == "json"
+        exact = log_stream.exact_asked(request.GET.get("encoding"))
     except Invalid as error:
         return HttpResponseBadRequest(error.message, content_type="text/plain; charset=utf-8")
     user = await request.auser()

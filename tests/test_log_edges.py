@@ -130,7 +130,7 @@ def test_gpu_logs_follow_still_reads_an_older_portals_text_stream(server, job, a
     # them as it did, a carriage return arriving as a line's end.
     from jobs.logs import stream
 
-    monkeypatch.setattr(stream, "stream_encoding", lambda raw: "text")
+    monkeypatch.setattr(stream, "exact_asked", lambda raw: False)
     monkeypatch.setattr(stream, "log_event_response", _without_the_header(stream.log_event_response))
     writer = LogWriter(job.pk)
     writer.feed(b"epoch 1\nloss 0.5\n")

@@ -125,7 +125,7 @@ class JobLogStream(GenericAPIView):
                 f" deploy/ do); read /api/v1/jobs/{job.pk}/log/?offset= instead."
             )
         offset = resume_offset(request.headers.get("Last-Event-ID"), request.query_params.get("offset"))
-        exact = stream_encoding(request.query_params.get("encoding")) == "json"
+        exact = exact_asked(request.query_params.get("encoding"))
         return log_event_response(job, offset=offset, exact=exact)
 
 
@@ -134,8 +134,9 @@ def resume_offset(last_event_id: str | None, offset: str | None) -> int:
     return parse_offset(last_event_id if last_event_id not in (None, "") else offset)
 
 
-def stream_encoding(raw: str | None) -> str:
-    """`?encoding=` of a log stream, or Invalid naming the field."""
+def exact_asked(raw: str | None) -> bool:
+    """Whether `?encoding=` of a log stream asks for the exact form (json); Invalid, naming the
+    field, for anything but text or json."""
     encoding = raw or "text"
     if encoding not in ENCODINGS:
         raise Invalid(
@@ -143,7 +144,7 @@ def stream_encoding(raw: str | None) -> str:
             " bytes exactly, as one JSON string), e.g. ?encoding=json.",
             field="encoding",
         )
-    return encoding
+    return encoding == "json"
 
 
 def log_event_response(job: Job, *, offset: int, exact: bool = False) -> StreamingHttpResponse:
