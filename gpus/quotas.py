@@ -40,6 +40,7 @@ from portal.models import (
     Team,
     members_above_team,
 )
+from portal.teams import team_locked_with_members
 from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,11 @@ def memberships_for(user: AbstractBaseUser, team: Team | str | None) -> QuerySet
 
 def membership_locked(user: AbstractBaseUser, team: Team | str | None) -> Membership:
     """The user's membership for the booking's team (default: their first team by name), locked,
-    with its team attached; the team's row is locked too when the team has limits."""
+    with its team attached as it stands once locked; the team's row is locked too when the team has
+    limits.
+
+    The one lock order for a team's quota, everywhere (here, quota_member_set, quota_team_set, the
+    admin's team form): its members' rows first, then the team's."""
     membership = memberships_for(user, team).select_for_update(of=("self",)).first()
     if membership is None:
         if team:
@@ -275,6 +280,12 @@ def membership_locked(user: AbstractBaseUser, team: Team | str | None) -> Member
         raise Forbidden(
             "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
         )
+    # The team's limits read again, after the lock: the query above may have read them before it
+    # waited for the lock (PostgreSQL re-reads only the rows it locks). Whoever sets them
+    # (quota_team_set, the admin's team form) holds every member's row until it commits, so what is
+    # read now stands until this booking commits. Read before, a team's first limits set while
+    # this booking waited would go unlocked here while a teammate's booking checked them.
+    membership.team = Team.objects.get(pk=membership.team_id)
     if has_limits(membership.team):
         # Two bookings of this team cannot both pass its quota. Teams without limits are not
         # locked, so their members' bookings of different cards never wait for each other. NO KEY:
@@ -491,7 +502,7 @@ def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None)
     own limit is above the new one. Logged in the audit log."""
     if not is_admin(actor):
         raise Forbidden("Only admins set team quotas; ask one.")
-    team = Team.objects.select_for_update(no_key=True).get(pk=team.pk)
+    team = team_locked_with_members(team.pk)
     changes = _quota_changes(team, limits, (*QUOTA_FIELDS, "shares"))
     # Members' quotas fit inside the team's: a lower team limit is refused while one is above it
     # (quota_member_set locks the team's row too, so neither can slip past the other).

@@ -22,6 +22,7 @@ from portal.models import (
     members_above_team,
 )
 from portal.services import api_token_revoke, signin_unlock
+from portal.teams import team_locked_with_members
 
 
 class ProfileForm(forms.ModelForm):
@@ -186,11 +187,14 @@ class TeamAdmin(admin.ModelAdmin):
         """On a POST, the team's row locked (changeform_view and delete_view run in a transaction)
         and read again, before the members are checked against its limits: as quota_team_set and
         quota_member_set lock it, so a member's quota set on the team page meanwhile cannot slip
-        past this form's check (MembershipFormSet), nor this save past theirs."""
+        past this form's check (MembershipFormSet), nor this save past theirs. Its members' rows
+        are locked first, in the order bookings take them (team_locked_with_members): the other
+        way round, a booking holding a member's row and waiting for the team's deadlocked with
+        this form's save of that member."""
         team = super().get_object(request, object_id, from_field)
         if team is None or request.method != "POST":
             return team
-        return Team.objects.select_for_update().get(pk=team.pk)
+        return team_locked_with_members(team.pk, no_key=False)
 
 
 @admin.register(AuditEntry)
