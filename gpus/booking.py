@@ -159,9 +159,11 @@ def request_problems(
 
 def _locked_gpus(uuids: Sequence[str], memory_mb: int | None, *, whole_nodes: bool = False) -> list[GPU]:
     """The cards, row-locked in UUID order: the one lock order every booking uses. A Slurm
-    cluster's only as `whole_nodes` (gpus/slurm_booking.py: every card of the nodes booked)."""
+    cluster's only as `whole_nodes` (gpus/slurm_booking.py: every card of the nodes booked).
+    NO KEY, as every booking lock here: two bookings still take turns, while a commit that only
+    refers to a card (a telemetry round's processes) is not held up (tests/test_lock_modes.py)."""
     gpus = list(
-        GPU.objects.select_for_update(of=("self",))
+        GPU.objects.select_for_update(of=("self",), no_key=True)
         .select_related("server")
         .only(*_LOCKED_GPU_FIELDS)
         .filter(uuid__in=uuids)
@@ -494,7 +496,8 @@ def reservation_locked(reservation: Reservation | int) -> Reservation:
     database in turn): its changes here, a loan and its owner's return (jobs/lending.py), an idle
     round's release (gpus/idle.py) take it one at a time."""
     pk = reservation if isinstance(reservation, int) else reservation.pk
-    return Reservation.objects.select_for_update(of=("self",)).select_related("owner", "team").get(pk=pk)
+    rows = Reservation.objects.select_for_update(of=("self",), no_key=True)
+    return rows.select_related("owner", "team").get(pk=pk)
 
 
 def reservation_lock(reservation: Reservation | int) -> None:
@@ -502,7 +505,11 @@ def reservation_lock(reservation: Reservation | int) -> None:
     needs its turn (a job submitted to it, a session started on it): a release at the same moment
     waits, or is read. None there (a wrong id): nothing locked, the caller's checks name it."""
     pk = reservation if isinstance(reservation, int) else reservation.pk
-    list(Reservation.objects.select_for_update(of=("self",)).filter(pk=pk).values_list("pk", flat=True))
+    list(
+        Reservation.objects.select_for_update(of=("self",), no_key=True)
+        .filter(pk=pk)
+        .values_list("pk", flat=True)
+    )
 
 
 @refusals_told
@@ -681,7 +688,7 @@ def reservations_cancel_for_leaver(
     open_ = (
         Reservation.objects.filter(owner_id=user.pk)
         .with_status("open", now)
-        .select_for_update(of=("self",))
+        .select_for_update(of=("self",), no_key=True)
         .select_related("owner", "team")
         .order_by("pk")
     )

@@ -102,7 +102,7 @@ def user_work_stop(*, user: AbstractBaseUser, reason: str, now: datetime | None 
     """
     now = now or timezone.now()
     message = f"Cancelled: {reason}."[:1000]
-    mine = Job.objects.filter(owner_id=user.pk).select_for_update(of=("self",)).order_by("pk")
+    mine = Job.objects.filter(owner_id=user.pk).select_for_update(of=("self",), no_key=True).order_by("pk")
     # Locked: a worker's claim of one of these waits for this transaction, then finds it
     # cancelled (on SQLite, BEGIN IMMEDIATE already serialises every writer).
     stopped = WorkStopped(cancelled=_cancel_waiting(mine.filter(status__in=WAITING), message, now))
@@ -165,7 +165,7 @@ def team_leaver_jobs_cancel(
     message = f"Cancelled: {reason}."[:1000]
     waiting = (
         Job.objects.filter(owner_id=user.pk, team_id=team.pk, queued=True, status__in=WAITING)
-        .select_for_update(of=("self",))
+        .select_for_update(of=("self",), no_key=True)
         .order_by("pk")
     )
     stopped = WorkStopped(cancelled=_cancel_waiting(waiting, message, now))

@@ -156,7 +156,7 @@ def _end_send(job: Job) -> None:
 
 def _array_ended(array_id: int) -> None:
     """One of an array's tasks ended: the array is told once, when its last task has."""
-    array = JobArray.objects.select_for_update().get(pk=array_id)  # see the module's docstring
+    array = JobArray.objects.select_for_update(no_key=True).get(pk=array_id)  # see the module's docstring
     tasks = Job.objects.filter(array_id=array_id)
     if tasks.exclude(status__in=Job.FINISHED).exists() or array.noticed_at is not None:
         return

@@ -106,7 +106,7 @@ def job_cancel(
     it. A job already being cancelled is a Conflict naming who asked; nothing is written again."""
     now = now or timezone.now()
     pk = job if isinstance(job, int) else job.pk
-    job = Job.objects.select_for_update(of=("self",)).get(pk=pk)
+    job = Job.objects.select_for_update(of=("self",), no_key=True).get(pk=pk)
     if whole_array:
         tasks = _array_tasks(job)
     else:

@@ -291,7 +291,7 @@ class LogWriter:
 def log_append(job_id: int, text: str, *, now: datetime | None = None) -> None:
     """Append one portal line to a job's log from outside its worker (e.g. the reconciler)."""
     with transaction.atomic():
-        job = Job.objects.select_for_update().filter(pk=job_id).values("log_bytes").get()
+        job = Job.objects.select_for_update(no_key=True).filter(pk=job_id).values("log_bytes").get()
         seq = (LogChunk.objects.filter(job_id=job_id).aggregate(seq=Max("seq"))["seq"] or 0) + 1
         at = (now or timezone.now()).timestamp()
         data = timestamp(at) + text.rstrip("\n").encode() + b"\n"
