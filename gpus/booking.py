@@ -505,11 +505,8 @@ def reservation_lock(reservation: Reservation | int) -> None:
     needs its turn (a job submitted to it, a session started on it): a release at the same moment
     waits, or is read. None there (a wrong id): nothing locked, the caller's checks name it."""
     pk = reservation if isinstance(reservation, int) else reservation.pk
-    list(
-        Reservation.objects.select_for_update(of=("self",), no_key=True)
-        .filter(pk=pk)
-        .values_list("pk", flat=True)
-    )
+    rows = Reservation.objects.select_for_update(of=("self",), no_key=True).filter(pk=pk)
+    list(rows.values_list("pk", flat=True))
 
 
 @refusals_told
