@@ -10,19 +10,23 @@ twice what was asked:
 
 - any request whose connection was refused or timed out connecting: none of it was sent;
 - a GET, HEAD or OPTIONS answered 503 (the database or Redis is away), or whose connection was
-  dropped before an answer: reading twice changes nothing.
+  dropped before an answer: reading twice changes nothing;
+- a change (POST, DELETE, PUT) likewise, to a portal that keeps Idempotency-Keys (it says so on
+  every answer of its API, `Idempotency-Keys: kept`; asked once where no answer came yet): each
+  change carries a key of its own, the same in every try, and the portal does it once and sends
+  its first answer again (portal/idempotency.py).
 
-Never a POST, DELETE or PUT that reached the portal: a 503 says the work could not be done, not
-that none of it was (a connection lost while committing leaves it unknown), and the API's answer
-to a repeated DELETE is not the first one's (a token already revoked: 401). Those stop with exit
-code 3 and say to check before trying again; but a 503 whose code is `unavailable` is a part of
-the lab that did not answer (a Slurm cluster) and says nothing was done: its detail is shown.
+A change to an older portal is never sent again once it reached it: a 503 says the work could not
+be done, not that none of it was (a connection lost while committing leaves it unknown). It stops
+with exit code 3 and says to check before trying again; but a 503 whose code is `unavailable` is a
+part of the lab that did not answer (a Slurm cluster) and says nothing was done: its detail is shown.
 """
 
 from __future__ import annotations
 
 import os
 import ssl
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +54,8 @@ NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # The connection was dropped before any answer: safe to send again only for a safe method.
 DROPPED = (httpx.RemoteProtocolError, httpx.ReadError)
 MAYBE_DONE = "It may or may not be done: check before you try again."
+KEY_HEADER = "Idempotency-Key"  # a change's own, the same in each of its tries
+KEPT_HEADER = "Idempotency-Keys"  # "kept": the portal does a change sent again with its key once
 
 
 def _user_agent() -> str:
@@ -75,6 +81,9 @@ class Portal:
         self.url = url
         self.retry_seconds = retry_budget() if retry_seconds is None else retry_seconds
         self.http = httpx.Client(base_url=url + API_ROOT, headers=headers, timeout=TIMEOUT)
+        self.signed_in = bool(token)
+        self.keys_kept = False  # the portal said it keeps Idempotency-Keys (portal/idempotency.py)
+        self.keys_asked = False
 
     def __enter__(self) -> Portal:
         return self
@@ -124,26 +133,47 @@ class Portal:
             response.close()
 
     def _send(self, method: str, path: str, *, stream: bool, **kwargs: Any) -> httpx.Response:
-        """One request, sent again while the portal is away where that is safe (module docstring)."""
+        """One request, sent again while the portal is away where that is safe (module docstring).
+        A change carries an Idempotency-Key of its own, the same in each of its tries."""
         retry = Retry(self.retry_seconds)
+        safe = method in SAFE_METHODS
+        # A key belongs to a token (portal/idempotency.py): `login`, which has none yet, sends none.
+        keyed = not safe and self.signed_in
+        if keyed:
+            kwargs["headers"] = {**(kwargs.get("headers") or {}), KEY_HEADER: uuid.uuid4().hex}
         while True:
             try:
                 response = self.http.send(self.http.build_request(method, path, **kwargs), stream=stream)
                 if not response.is_success:
                     response.read()  # an error's body is small; this also closes a stream
             except httpx.TransportError as exc:
-                safe, sent = method in SAFE_METHODS, not isinstance(exc, NOT_SENT)
+                sent = not isinstance(exc, NOT_SENT)
                 # A TLS handshake that failed (https to a plain port, an untrusted certificate)
                 # fails the same way a minute later: say so at once.
-                resend = not _tls_failure(exc) and (not sent or (safe and isinstance(exc, DROPPED)))
+                dropped = isinstance(exc, DROPPED) and (safe or (keyed and self._keeps_keys(retry)))
+                resend = not _tls_failure(exc) and (not sent or dropped)
                 if resend and retry.wait(f"cannot reach the portal at {self.url} ({_reason(exc)})"):
                     continue
                 raise self._unreachable(exc, maybe_done=sent and not safe) from None
-            away = response.status_code == 503 and method in SAFE_METHODS
+            self.keys_kept = self.keys_kept or response.headers.get(KEPT_HEADER) == "kept"
+            away = response.status_code == 503 and (safe or (keyed and self.keys_kept))
             if away and retry.wait(f"the portal answered 503 ({_unavailable(response)})"):
                 continue
             _check(response)
             return response
+
+    def _keeps_keys(self, retry: Retry) -> bool:
+        """Whether the portal keeps Idempotency-Keys, so a change whose answer was lost may be sent
+        again: said on each of its API's answers, asked (once) where none came yet. An older
+        portal would do the change twice."""
+        while not self.keys_kept and not self.keys_asked:
+            try:
+                self.keys_kept = self.http.get("").headers.get(KEPT_HEADER) == "kept"
+                self.keys_asked = True
+            except httpx.TransportError as exc:
+                if not retry.wait(f"cannot reach the portal at {self.url} ({_reason(exc)})"):
+                    return False
+        return self.keys_kept
 
     def _unreachable(self, exc: httpx.TransportError, *, maybe_done: bool = False) -> Unreachable:
         check = f" {MAYBE_DONE}" if maybe_done else ""

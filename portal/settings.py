@@ -32,6 +32,8 @@ from portal.identity_env import (
     oidc_settings_from_env,
 )
 from portal.names import instance_keys
+from portal.settings_api import *  # noqa: F403 - IDEMPOTENCY_KEY_HOURS: the API's
+from portal.settings_api import API_BEAT_SCHEDULE
 from portal.settings_containers import *  # noqa: F403 - CONTAINER_*: jobs and labs in images
 from portal.settings_lending import *  # noqa: F403 - PREEMPT_*, LEND_*, NO_SHOW_*: preemption and lending
 from portal.settings_notices import *  # noqa: F403 - JOB_END_NOTIFY_*: job notices
@@ -89,11 +91,11 @@ INSTALLED_APPS = [
     "jobs",
 ]
 
-# While the database or Redis is away, requests answer 503 with this Retry-After, never a 500
-# (portal/outage.py; docs/api.md).
+# While the database or Redis is away, requests answer 503 with this Retry-After (portal/outage.py).
 OUTAGE_RETRY_AFTER_SECONDS = env_int("OUTAGE_RETRY_AFTER_SECONDS", 10, min_value=1, max_value=3600)
 
 MIDDLEWARE = [
+    "portal.idempotency.IdempotencyMiddleware",  # first: a change's transaction holds all it does
     # Its process_exception answers a view's outage; portal.urls' handler500 a middleware's.
     "portal.outage.OutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
@@ -405,9 +407,8 @@ BOOKING_HORIZON_DAYS = env_int("BOOKING_HORIZON_DAYS", 60, min_value=1)
 BOOKING_PAST_GRACE_MINUTES = env_int("BOOKING_PAST_GRACE_MINUTES", 5, min_value=0)
 # Idle bookings (gpus/idle.py): a card is idle with fresh telemetry, a readable and empty process
 # list and utilization below IDLE_UTIL_PCT (0: no card is ever idle, which turns warnings off).
-# An active booking idle for IDLE_WARN_MINUTES warns its owner; where its team turned
-# auto-release on, it is released IDLE_RELEASE_MINUTES after the warning. The portal's worker
-# checks every IDLE_CHECK_SECONDS.
+# An active booking idle for IDLE_WARN_MINUTES warns its owner; where its team turned auto-release
+# on, it is released IDLE_RELEASE_MINUTES after the warning (checked every IDLE_CHECK_SECONDS).
 IDLE_UTIL_PCT = env_int("IDLE_UTIL_PCT", 5, min_value=0, max_value=100)
 IDLE_WARN_MINUTES = env_int("IDLE_WARN_MINUTES", 30, min_value=1, max_value=7 * 24 * 60)
 IDLE_RELEASE_MINUTES = env_int("IDLE_RELEASE_MINUTES", 30, min_value=1, max_value=7 * 24 * 60)
@@ -425,8 +426,7 @@ if any(root == JOB_FOLDERS or root in JOB_FOLDERS.parents for root in JOB_ROOTS)
         f"JOB_FOLDERS={str(JOB_FOLDERS)!r} is inside the job roots (JOB_ROOTS), where jobs may write:"
         " give it a folder of its own that only the worker can write, e.g. /var/lib/gpu-portal/job-folders"
     )
-# Named Python environments jobs may run in: "name=/path/to/python,..."; "default" is
-# the worker's own interpreter unless given.
+# Named Python environments jobs may run in: "name=/path/to/python,..."; "default": the worker's own.
 JOB_INTERPRETERS = env_pairs("JOB_INTERPRETERS", {"default": sys.executable})
 JOB_INTERPRETERS.setdefault("default", sys.executable)
 # Cancel and time limits: SIGTERM to the job's process group, SIGKILL this much later.
@@ -535,6 +535,7 @@ CELERY_BEAT_SCHEDULE = {
     "prune-signin-failures": {"task": "portal.tasks.prune_signin_failures", "schedule": 24 * 3600.0},
     # A lost tick of beat is sent again next period; this one finds mails whose message was lost.
     "requeue-stranded-mail": {"task": "portal.tasks.requeue_stranded_mail", "schedule": 60.0},
+    **API_BEAT_SCHEDULE,
 }
 # A QUEUED mail with no message out for this long is sent again (its message was lost with Redis).
 MAIL_REQUEUE_MINUTES = env_int("MAIL_REQUEUE_MINUTES", 10, min_value=1, max_value=24 * 60)
@@ -634,8 +635,7 @@ if HTTPS and not PORTAL_URL.startswith("https://") and (PORTAL_DEVELOPMENT or en
 NOTIFY_MAIL_EVERY_MINUTES = env_int("NOTIFY_MAIL_EVERY_MINUTES", 10, min_value=0)
 
 # --- JupyterLab's own origin: LAB_ORIGIN (above) may not share anything with the portal's ----
-# Host-only, as Django's default: a Domain would hand the portal's cookies to its sibling hosts,
-# the labs' among them.
+# Host-only, as Django's default: a Domain would hand the portal's cookies to its (labs') hosts.
 SESSION_COOKIE_DOMAIN = None
 CSRF_COOKIE_DOMAIN = None
 

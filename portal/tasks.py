@@ -11,6 +11,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from portal.channels import channel_deliver, requeue_stranded_channel_deliveries
+from portal.idempotency import idempotency_keys_prune
 from portal.mail import MAIL_RETRIES, mail_notification, requeue_stranded_mail
 from portal.services import signin_failures_prune
 
@@ -18,6 +19,7 @@ __all__ = [
     "MAIL_RETRIES",
     "channel_deliver",
     "mail_notification",
+    "prune_idempotency_keys",
     "prune_signin_failures",
     "requeue_stranded_channel_deliveries",
     "requeue_stranded_mail",
@@ -28,3 +30,9 @@ __all__ = [
 def prune_signin_failures() -> int:
     """Drop failed sign-in records older than LOGIN_FAILURE_LOG_DAYS. Re-running it deletes nothing more."""
     return signin_failures_prune()
+
+
+@shared_task(ignore_result=True, soft_time_limit=120, time_limit=180)
+def prune_idempotency_keys() -> int:
+    """Forget the Idempotency-Keys older than IDEMPOTENCY_KEY_HOURS. Re-running it deletes nothing more."""
+    return idempotency_keys_prune()

@@ -646,13 +646,17 @@ def test_it_sends_a_post_again_only_when_its_connection_was_refused(fake_portal,
 
 @pytest.mark.parametrize("answer", [(503, PORTAL_503), "drop", "hang"], ids=["503", "dropped", "timed out"])
 def test_it_never_sends_a_post_again_that_may_have_been_done(fake_portal, waits, monkeypatch, answer):
+    """To a portal that does not keep Idempotency-Keys (an older one: its answers do not say
+    `Idempotency-Keys: kept`; asked once where the answer was lost). tests/test_idempotency.py has
+    the portal that does."""
     monkeypatch.setattr("gpu_cli.api.TIMEOUT", httpx.Timeout(1.0))
-    fake = fake_portal([answer])
+    fake = fake_portal([answer, (404, {"detail": "Not found."})])
 
     result = gpu("release", "7")
 
     assert result.exit_code == 3
-    assert fake.requests == [("POST", "/api/v1/reservations/7/release/")]
+    asked = [("GET", "/api/v1/")] if answer == "drop" else []
+    assert fake.requests == [("POST", "/api/v1/reservations/7/release/"), *asked]
     assert waits == [] and retries(result) == []
     assert "It may or may not be done: check before you try again." in result.stderr
 

@@ -1,0 +1,14 @@
+"""The REST API's own settings (the rest sit in portal/settings.py's REST_FRAMEWORK)."""
+
+from __future__ import annotations
+
+from portal.env import env_int
+
+__all__ = ["API_BEAT_SCHEDULE", "IDEMPOTENCY_KEY_HOURS"]
+
+# How long a change made under an Idempotency-Key is remembered (portal.idempotency): a client
+# that sends it again later gets it done again. Pruned daily by the portal's worker.
+IDEMPOTENCY_KEY_HOURS = env_int("IDEMPOTENCY_KEY_HOURS", 24, min_value=1, max_value=24 * 30)
+API_BEAT_SCHEDULE = {
+    "prune-idempotency-keys": {"task": "portal.tasks.prune_idempotency_keys", "schedule": 24 * 3600.0},
+}
