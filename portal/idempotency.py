@@ -37,6 +37,8 @@ from django.utils import timezone
 
 from portal.api_errors import api_error_response
 from portal.models import IdempotentRequest
+from portal.outage import service_unavailable
+from portal.unreachable import outage_of
 
 KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -59,7 +61,16 @@ class IdempotencyMiddleware:
         if key is None or request.method not in CHANGES or owner is None:
             response = self.get_response(request)  # nobody's (no credentials): nothing to keep
         else:
-            response = _refused(key) or _once(request, key, owner, self.get_response)
+            try:
+                response = _refused(key) or _once(request, key, owner, self.get_response)
+            except Exception as exc:
+                # The database away while the key was claimed, or at the commit (its outcome then
+                # unknown): the outage's 503, answered here so it says that keys are kept, and a
+                # try after it finds the change either done and kept or not done.
+                service = outage_of(exc)
+                if service is None:
+                    raise
+                response = service_unavailable(request, service, exc)
         response.headers[KEPT_HEADER] = "kept"
         return response
 

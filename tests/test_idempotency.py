@@ -27,6 +27,7 @@ from portal.idempotency import idempotency_keys_prune
 from portal.models import IdempotentRequest
 from portal.services import api_token_create
 from portal.tasks import prune_idempotency_keys
+from tests.test_outage import DatabaseDown
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -293,3 +294,23 @@ def test_the_key_the_cli_sends_is_new_for_each_change(live_server, token, box, m
         assert result.exit_code == 0, result.output
     keys = list(IdempotentRequest.objects.values_list("key", flat=True))
     assert len(set(keys)) == 2 and all(uuid.UUID(k) for k in keys)
+
+
+def test_gpu_book_waits_out_a_database_outage_and_books_once(live_server, token, box, monkeypatch, tmp_path):
+    """The database away when the booking comes: the portal's 503 says it keeps keys (the outage
+    met while claiming the key), so `gpu` sends the booking again once it is back."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv(config.URL_ENV, live_server.url)
+    monkeypatch.setenv(config.TOKEN_ENV, token)
+    monkeypatch.delenv(api.RETRY_ENV, raising=False)
+    outage = DatabaseDown(tmp_path)
+    try:
+        monkeypatch.setattr("gpu_cli.api.sleep", lambda seconds: outage.end())
+        result = CliRunner().invoke(
+            cli, ["book", "--gpu", box[0].uuid, "--time", "1h", "--json"], prog_name="gpu"
+        )
+    finally:
+        outage.end()
+    assert result.exit_code == 0, result.output
+    assert "gpu: the portal answered 503 (database unavailable); retrying in 1 s…" in result.stderr
+    assert json.loads(result.stdout)["id"] == Reservation.objects.get().pk
