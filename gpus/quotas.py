@@ -40,7 +40,6 @@ from portal.models import (
     Team,
     members_above_team,
 )
-from portal.teams import team_locked_with_members
 from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
@@ -266,11 +265,13 @@ def memberships_for(user: AbstractBaseUser, team: Team | str | None) -> QuerySet
 
 def membership_locked(user: AbstractBaseUser, team: Team | str | None) -> Membership:
     """The user's membership for the booking's team (default: their first team by name), locked,
-    with its team attached as it stands once locked; the team's row is locked too when the team has
-    limits.
+    and its team's row, locked after it and attached as it stands once locked (team_locked).
 
-    The one lock order for a team's quota, everywhere (here, quota_member_set, quota_team_set, the
-    admin's team form): its members' rows first, then the team's."""
+    Every booking locks its team's row, limits or none: whoever changes the team's limits locks it
+    too, so a booking is judged by the limits in force when it gets its turn and a teammate's
+    booking after it counts it. Bookings of one team take turns (each a few milliseconds of the
+    database); other teams' never wait for them. The one lock order: the member's row, then the
+    team's (quota_member_set and the admin's team form take them so too)."""
     membership = memberships_for(user, team).select_for_update(of=("self",)).first()
     if membership is None:
         if team:
@@ -280,19 +281,17 @@ def membership_locked(user: AbstractBaseUser, team: Team | str | None) -> Member
         raise Forbidden(
             "You are in no team yet, so you cannot book: ask an admin to add you to your lab's team."
         )
-    # The team's limits read again, after the lock: the query above may have read them before it
-    # waited for the lock (PostgreSQL re-reads only the rows it locks). Whoever sets them
-    # (quota_team_set, the admin's team form) holds every member's row until it commits, so what is
-    # read now stands until this booking commits. Read before, a team's first limits set while
-    # this booking waited would go unlocked here while a teammate's booking checked them.
-    membership.team = Team.objects.get(pk=membership.team_id)
-    if has_limits(membership.team):
-        # Two bookings of this team cannot both pass its quota. Teams without limits are not
-        # locked, so their members' bookings of different cards never wait for each other. NO KEY:
-        # a commit whose rows refer to the team (a job, a booking, a member) checks their keys
-        # with FOR KEY SHARE, which FOR UPDATE would hold up, and in a cycle (tests/test_lock_modes.py).
-        list(Team.objects.select_for_update(no_key=True).filter(pk=membership.team_id).values_list("pk"))
+    # Its limits as locked, not as the query above read them (perhaps before it waited for the
+    # member's lock: PostgreSQL reads again only the rows a query locks).
+    membership.team = team_locked(membership.team_id)
     return membership
+
+
+def team_locked(team_id: int) -> Team:
+    """The team's row, locked until the transaction ends, read as it stands once locked. NO KEY: a
+    commit whose rows refer to the team (a job, a booking, a member) checks their keys with FOR
+    KEY SHARE, which FOR UPDATE would hold up, and in a cycle (tests/test_lock_modes.py)."""
+    return Team.objects.select_for_update(no_key=True).get(pk=team_id)
 
 
 def _cards_refusal(who: _Holder, ask: QuotaAsk) -> str | None:
@@ -502,7 +501,7 @@ def quota_team_set(*, actor: AbstractBaseUser, team: Team, **limits: int | None)
     own limit is above the new one. Logged in the audit log."""
     if not is_admin(actor):
         raise Forbidden("Only admins set team quotas; ask one.")
-    team = team_locked_with_members(team.pk)
+    team = team_locked(team.pk)
     changes = _quota_changes(team, limits, (*QUOTA_FIELDS, "shares"))
     # Members' quotas fit inside the team's: a lower team limit is refused while one is above it
     # (quota_member_set locks the team's row too, so neither can slip past the other).
@@ -531,7 +530,7 @@ def quota_member_set(*, actor: AbstractBaseUser, membership: Membership, **limit
         )
     membership = found
     changes = _quota_changes(membership, limits, (*QUOTA_FIELDS, "max_booking_hours", "shares"))
-    team = membership.team = Team.objects.select_for_update(no_key=True).get(pk=membership.team_id)
+    team = membership.team = team_locked(membership.team_id)
     for field in QUOTA_FIELDS:
         team_limit, value = getattr(team, field), limits.get(field, getattr(membership, field))
         if team_limit is not None and value is not None and value > team_limit:

@@ -192,11 +192,13 @@ class TeamDetail(generics.GenericAPIView):
         limits = dict(data.validated_data)
         auto_release = limits.pop("auto_release_idle", None)
         lend = limits.pop("lend_idle", None)
-        with transaction.atomic():  # both or neither
-            if limits:
-                team = quota_team_set(actor=request.user, team=team, **limits)
+        with transaction.atomic():  # all or nothing
+            # The auto-release first: it writes the team's bookings, and the booking services'
+            # lock order is the bookings' rows, then the team's (which quota_team_set locks).
             if auto_release is not None:
                 team = team_auto_release_set(actor=request.user, team=team, on=auto_release)
+            if limits:
+                team = quota_team_set(actor=request.user, team=team, **limits)
             if lend is not None:
                 team = team_lend_idle_set(actor=request.user, team=team, on=lend)
         return self._show(team)

@@ -232,12 +232,12 @@ def _membership_locked(membership: Membership) -> str | None:
 
 
 def team_locked_with_members(team_id: int, *, no_key: bool = True) -> Team:
-    """The team's row, locked, with every member's row locked first: the one lock order for a
-    team's quota (gpus.quotas.membership_locked, where a booking locks its member's row and then
-    the team's). A booking of the team in flight holds its member's row, so a change of the team's
-    limits waits for it to commit, and a booking after it waits for this change and then reads the
-    new limits. Inside a transaction. NO KEY unless the team's key goes (a delete): a commit
-    whose rows refer to the team checks them with FOR KEY SHARE, which NO KEY lets through."""
+    """The team's row, locked, with every member's row locked first: the order bookings take them
+    (gpus.quotas.membership_locked: the member's row, then the team's), for a change that writes
+    members' rows too (the admin's team form); the other way round, a booking holding a member's
+    row and waiting for the team's deadlocks with it. Inside a transaction. NO KEY unless the
+    team's key goes (a delete): a commit whose rows refer to the team checks them with FOR KEY
+    SHARE, which NO KEY lets through."""
     members = Membership.objects.select_for_update(no_key=True).filter(team_id=team_id).order_by("pk")
     list(members.values_list("pk"))
     return Team.objects.select_for_update(no_key=no_key).get(pk=team_id)
