@@ -56,6 +56,7 @@ DROPPED = (httpx.RemoteProtocolError, httpx.ReadError)
 MAYBE_DONE = "It may or may not be done: check before you try again."
 KEY_HEADER = "Idempotency-Key"  # a change's own, the same in each of its tries
 KEPT_HEADER = "Idempotency-Keys"  # "kept": the portal does a change sent again with its key once
+IN_PROGRESS = "idempotency_key_in_progress"  # the 409 of a try while an earlier one still runs
 
 
 def _user_agent() -> str:
@@ -156,8 +157,17 @@ class Portal:
                     continue
                 raise self._unreachable(exc, maybe_done=sent and not safe) from None
             self.keys_kept = self.keys_kept or response.headers.get(KEPT_HEADER) == "kept"
-            away = response.status_code == 503 and (safe or (keyed and self.keys_kept))
-            if away and retry.wait(f"the portal answered 503 ({_unavailable(response)})"):
+            if (
+                keyed
+                and _code(response) == IN_PROGRESS
+                and retry.wait("the portal is still doing this request")
+            ):
+                continue  # an earlier try of it, whose answer was lost, is still running
+            # A 503 whose code is `unavailable` is a part of the lab that did not answer (a Slurm
+            # cluster): said at once, never waited on.
+            away = response.status_code == 503 and _code(response) != "unavailable"
+            again = away and (safe or (keyed and self.keys_kept))
+            if again and retry.wait(f"the portal answered 503 ({_unavailable(response)})"):
                 continue
             _check(response)
             return response
@@ -168,11 +178,17 @@ class Portal:
         portal would do the change twice."""
         while not self.keys_kept and not self.keys_asked:
             try:
-                self.keys_kept = self.http.get("").headers.get(KEPT_HEADER) == "kept"
-                self.keys_asked = True
+                answer = self.http.get("")
             except httpx.TransportError as exc:
-                if not retry.wait(f"cannot reach the portal at {self.url} ({_reason(exc)})"):
-                    return False
+                why = _reason(exc)
+            else:
+                self.keys_kept = answer.headers.get(KEPT_HEADER) == "kept"
+                # Only the portal's own answer (its API answers JSON) tells; a proxy's error page
+                # while the portal restarts does not, and is asked past.
+                self.keys_asked = self.keys_kept or "json" in answer.headers.get("Content-Type", "")
+                why = f"HTTP {answer.status_code}"
+            if not self.keys_asked and not retry.wait(f"cannot reach the portal at {self.url} ({why})"):
+                return False
         return self.keys_kept
 
     def _unreachable(self, exc: httpx.TransportError, *, maybe_done: bool = False) -> Unreachable:
@@ -280,6 +296,17 @@ def _unavailable(response: httpx.Response) -> str:
         body = None
     service = body.get("service") if isinstance(body, dict) else None
     return f"{service} unavailable" if isinstance(service, str) and service else "service unavailable"
+
+
+def _code(response: httpx.Response) -> str | None:
+    """The error body's `code` (docs/api.md), if any."""
+    if response.is_success or "json" not in response.headers.get("Content-Type", ""):
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get("code") if isinstance(body, dict) else None
 
 
 def _tls_failure(exc: BaseException) -> bool:

@@ -312,6 +312,8 @@ LOGIN_FAILURE_LOG_DAYS: Days each failed sign-in is kept for the record.
 API_TOKEN_DEFAULT_DAYS: Days a new API token lasts when none is given (0: until revoked).
 API_TOKEN_MAX_DAYS: The most days any token may last (0: no limit).
 IDEMPOTENCY_KEY_HOURS: Hours a change made under an API Idempotency-Key is remembered (docs/api.md).
+IDEMPOTENCY_IN_PROGRESS_SECONDS: A key's request unanswered this long is reported "unknown", not "still
+    being done".
 """,
 )
 

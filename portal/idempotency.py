@@ -4,28 +4,42 @@ answer is sent again (the IETF httpapi draft "The Idempotency-Key HTTP Header Fi
 
 A client sends `Idempotency-Key: <up to 255 visible ASCII characters>` with a POST, PUT, PATCH or
 DELETE under /api/: a new key for each change it means to make (`gpu` sends a UUID), the same one
-with each try of that change. The portal keeps, per credential and key, what the request was (a
-SHA-256 of its method, path, query and body) and the answer it got, in the change's own
-transaction: a request is either done and remembered, or neither. Again with that key:
+with each try of that change. For a signed-in user (an active API token, or a session) the portal
+keeps, per user and key, what the request was (a SHA-256 of its method, path, query and body)
+and the answer it got. Again with that key:
 
 - the same request gets the first answer again, with `Idempotent-Replayed: true`;
 - another request (another body or path) is refused with 422, naming the header;
-- while the first is still being done, the second waits for it (its key's row is locked by the
-  first's transaction; SQLite's writers take turns anyway) and then gets its answer.
+- while the first is still being done, 409 (`idempotency_key_in_progress`) with Retry-After: the
+  client tries again a moment later.
 
-Answers below 500 are remembered, refusals too (the same request would be refused again). A 5xx is
-not: its transaction is rolled back, the key with it, so a try after it is done anew. Keys are
-kept IDEMPOTENCY_KEY_HOURS (24), then pruned (portal.tasks.prune_idempotency_keys).
+How, and why so: the key is claimed (its row written and committed) before the request is done,
+and the answer kept after, each in a transaction of its own. The request itself runs exactly as
+without a key, in its services' own transactions: a job's submit asks Slurm outside any (holding
+none of SQLite's write lock meanwhile), a refused booking still tells its team. The price is the
+rare try whose outcome the portal cannot know: one that failed with a 5xx, or a portal that
+stopped, or lost its database, between the change's commit and keeping its answer. A 5xx gives
+the key up (the change most likely rolled back, and a try after it is done anew, as without a
+key); a claim left without an answer past IDEMPOTENCY_IN_PROGRESS_SECONDS is answered 409
+`idempotency_key_unknown`: look before doing it again.
 
-Every answer under /api/, an outage's 503 among them, says `Idempotency-Keys: kept`: a client
+Answers that refuse before the change is looked at (401, 403, 429: a CSRF check, a lockout) are
+not kept: the same request, put right, goes through. Answers that carry a secret (a new API
+token, an interactive session's environment) are not kept either, only that the change was made:
+a try after it gets 409 `idempotency_answer_not_kept`, saying where to look. Keys are kept
+IDEMPOTENCY_KEY_HOURS (24), then pruned (portal.tasks.prune_idempotency_keys).
+
+Every answer under /api/ that passes here says `Idempotency-Keys: kept`, a 503 included: a client
 that lost an answer sends a change again only to a portal that said so (an older one would do it
-twice). A middleware, not a view's decorator, so that no change of the API can miss it.
+twice). A middleware, not a view's decorator, so that no change of the API can miss it; after
+Django's authentication, so a session's user is known and the security headers wrap its answers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
@@ -36,9 +50,12 @@ from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
 from portal.api_errors import api_error_response
-from portal.models import IdempotentRequest
+from portal.models import ApiToken, IdempotentRequest
 from portal.outage import service_unavailable
+from portal.tokens import api_token_find
 from portal.unreachable import outage_of
+
+log = logging.getLogger(__name__)
 
 KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -46,10 +63,18 @@ KEPT_HEADER = "Idempotency-Keys"
 KEY_MAX = 255
 CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
+# Refusals before the change is looked at: the same request, put right, must go through.
+NOT_KEPT = frozenset({401, 403, 429})
+# POSTs whose answers carry a secret, never stored (portal/tokens.py keeps tokens hashed).
+SECRET_ANSWERS = ("/api/v1/token/", "/api/v1/sessions/")
+WHERE_TO_LOOK = {
+    "/api/v1/token/": "your profile page lists your tokens",
+    "/api/v1/sessions/": "GET /api/v1/sessions/ lists your sessions",
+}
 
 
 class IdempotencyMiddleware:
-    """First in MIDDLEWARE: its transaction holds everything the request does."""
+    """After AuthenticationMiddleware (a session's user), before the views."""
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
@@ -57,25 +82,43 @@ class IdempotencyMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         if not request.path.startswith("/api/"):
             return self.get_response(request)
-        key, owner = request.headers.get(KEY_HEADER), _owner(request)
-        if key is None or request.method not in CHANGES or owner is None:
-            response = self.get_response(request)  # nobody's (no credentials): nothing to keep
-        else:
-            try:
-                response = _refused(key) or _once(request, key, owner, self.get_response)
-            except Exception as exc:
-                # The database away while the key was claimed, or at the commit (its outcome then
-                # unknown): the outage's 503, answered here so it says that keys are kept, and a
-                # try after it finds the change either done and kept or not done.
-                service = outage_of(exc)
-                if service is None:
-                    raise
-                response = service_unavailable(request, service, exc)
+        key = request.headers.get(KEY_HEADER)
+        try:
+            response = self._answer(request, key) if key is not None and request.method in CHANGES else None
+        except Exception as exc:
+            # The database away while the key was read or claimed: nothing was done yet. The
+            # outage's 503, answered here so that it says keys are kept.
+            service = outage_of(exc)
+            if service is None:
+                raise
+            response = service_unavailable(request, service, exc)
+        if response is None:
+            response = self.get_response(request)
         response.headers[KEPT_HEADER] = "kept"
         return response
 
+    def _answer(self, request: HttpRequest, key: str) -> HttpResponse | None:
+        """The answer under the key; None: no key to keep (nobody signed in), done as without one."""
+        if refused := _malformed(key):
+            return refused
+        user_id = _user_id(request)
+        if user_id is None:
+            return None  # DRF answers 401 (or the view takes no credentials): nothing to keep
+        fingerprint = request_fingerprint(request)
+        claimed = _claim(request, user_id, key, fingerprint, timezone.now())
+        if isinstance(claimed, HttpResponse):
+            return claimed
+        response = self.get_response(request)
+        try:
+            _keep(claimed, request, response)
+        except Exception as exc:  # the change was made and answered: its answer goes out all the same
+            if outage_of(exc) is None:
+                raise
+            log.warning("Idempotency-Key %r: the answer was not kept (%s)", key, exc)
+        return response
 
-def _refused(key: str) -> HttpResponse | None:
+
+def _malformed(key: str) -> HttpResponse | None:
     if 1 <= len(key) <= KEY_MAX and all("!" <= c <= "~" for c in key):
         return None
     message = (
@@ -87,65 +130,87 @@ def _refused(key: str) -> HttpResponse | None:
     )
 
 
-def _once(
-    request: HttpRequest, key: str, owner: str, get_response: Callable[[HttpRequest], HttpResponse]
-) -> HttpResponse:
-    """The request done under its key, and its answer kept; or the answer it got before."""
-    fingerprint = request_fingerprint(request)
-    with transaction.atomic():
-        claimed = _claim(request, key, owner, fingerprint, timezone.now())
-        if isinstance(claimed, HttpResponse):
-            return claimed
-        response = get_response(request)
-        if response.status_code >= 500:
-            # Not kept: its work is rolled back, the key with it, so a try after it is done anew.
-            transaction.set_rollback(True)
-            return response
-        if response.streaming:  # no change of the API streams its answer: none is kept
-            IdempotentRequest.objects.filter(pk=claimed.pk).delete()
-            return response
-        IdempotentRequest.objects.filter(pk=claimed.pk).update(
-            answer_status=response.status_code,
-            content_type=response.headers.get("Content-Type", "")[:200],
-            content=response.content,
-        )
-    return response
+def _user_id(request: HttpRequest) -> int | None:
+    """The signed-in user's id: an active API token's (the header DRF reads), else the session's."""
+    header = request.headers.get("Authorization", "")
+    if header:
+        scheme, _, key = header.partition(" ")
+        token = api_token_find(key.strip()) if scheme.lower() == "token" and key.strip() else None
+        active = token is not None and token.status(timezone.now()) == ApiToken.Status.ACTIVE
+        return token.user_id if active and token.user.is_active else None  # type: ignore[union-attr]
+    user = getattr(request, "user", None)
+    return user.pk if user is not None and user.is_authenticated else None
 
 
 def _claim(
-    request: HttpRequest, key: str, owner: str, fingerprint: str, now: datetime
+    request: HttpRequest, user_id: int, key: str, fingerprint: str, now: datetime
 ) -> IdempotentRequest | HttpResponse:
-    """The key's row, new and locked by this transaction; or, where the key was used, its answer.
-    A row past IDEMPOTENCY_KEY_HOURS that the prune has not reached yet counts as gone."""
+    """The key's row, written and committed before the change; or, where the key was used, its
+    answer. A row past IDEMPOTENCY_KEY_HOURS that the prune has not reached yet counts as gone."""
     stale = now - timedelta(hours=settings.IDEMPOTENCY_KEY_HOURS)
-    IdempotentRequest.objects.filter(owner=owner, key=key, created_at__lt=stale).delete()
-    try:
-        with transaction.atomic():  # a savepoint: the outer transaction goes on after a clash
-            return IdempotentRequest.objects.create(
-                owner=owner,
-                key=key,
-                fingerprint=fingerprint,
-                method=request.method or "",
-                path=request.path[:500],
-                created_at=now,
-            )
-    except IntegrityError:
-        # The key's row, committed: on PostgreSQL this insert waited for its transaction.
-        return _replay(IdempotentRequest.objects.get(owner=owner, key=key), request, fingerprint)
+    while True:
+        try:
+            with transaction.atomic():
+                IdempotentRequest.objects.filter(user_id=user_id, key=key, created_at__lt=stale).delete()
+                return IdempotentRequest.objects.create(
+                    user_id=user_id,
+                    key=key,
+                    fingerprint=fingerprint,
+                    method=request.method or "",
+                    path=request.path[:500],
+                    created_at=now,
+                )
+        except IntegrityError:
+            found = IdempotentRequest.objects.filter(user_id=user_id, key=key).first()
+            if found is not None:  # else given up meanwhile (a 5xx): claimed anew
+                return _replay(found, fingerprint, now)
 
 
-def _replay(found: IdempotentRequest, request: HttpRequest, fingerprint: str) -> HttpResponse:
+def _keep(claimed: IdempotentRequest, request: HttpRequest, response: HttpResponse) -> None:
+    """Keep the answer with its key; or give the key up, where a try after this is to be done anew."""
+    rows = IdempotentRequest.objects.filter(pk=claimed.pk)
+    status = response.status_code
+    if status >= 500 or status in NOT_KEPT or response.streaming:
+        rows.delete()
+        return
+    secret = request.method == "POST" and request.path in SECRET_ANSWERS
+    rows.update(
+        answer_status=status,
+        content_type=response.headers.get("Content-Type", "")[:200],
+        content=b"" if secret else response.content,
+        secret=secret,
+    )
+
+
+def _replay(found: IdempotentRequest, fingerprint: str, now: datetime) -> HttpResponse:
+    when = f"{found.created_at:%Y-%m-%d %H:%M:%S} UTC"
     if found.fingerprint != fingerprint:
         message = (
-            f"{found.key!r} was sent with another request ({found.method} {found.path} at "
-            f"{found.created_at:%Y-%m-%d %H:%M:%S} UTC); send a new key for a new change."
+            f"{found.key!r} was sent with another request ({found.method} {found.path} at {when}); "
+            "send a new key for a new change."
         )
-        return api_error_response(
-            f"{KEY_HEADER}: {message}",
-            code="idempotency_key_reused",
-            status=422,
-            errors={KEY_HEADER: [message]},
+        return _refusal(message, "idempotency_key_reused", 422)
+    if found.answer_status == 0:
+        if now - found.created_at < timedelta(seconds=settings.IDEMPOTENCY_IN_PROGRESS_SECONDS):
+            message = (
+                f"the request sent with {found.key!r} at {when} is still being done; try again in a moment."
+            )
+            response = _refusal(message, "idempotency_key_in_progress", 409)
+            response["Retry-After"] = "1"
+            return response
+        message = (
+            f"the request sent with {found.key!r} at {when} was never answered (the portal stopped or "
+            "lost its database while doing it), so whether it was done is unknown: look before "
+            "doing it again, with a new key."
         )
+        return _refusal(message, "idempotency_key_unknown", 409)
+    if found.secret:
+        where = WHERE_TO_LOOK.get(found.path, "look it up")
+        message = (
+            f"the request sent with {found.key!r} at {when} was done (HTTP {found.answer_status}); its "
+            f"answer held a secret, which the portal does not keep: {where}."
+        )
+        return _refusal(message, "idempotency_answer_not_kept", 409)
     response = HttpResponse(
         bytes(found.content), status=found.answer_status, content_type=found.content_type or None
     )
@@ -153,19 +218,18 @@ def _replay(found: IdempotentRequest, request: HttpRequest, fingerprint: str) ->
     return response
 
 
-def _owner(request: HttpRequest) -> str | None:
-    """Whose the request is, before any view knows the user: a SHA-256 of its credentials."""
-    credentials = request.headers.get("Authorization") or request.COOKIES.get(settings.SESSION_COOKIE_NAME)
-    return hashlib.sha256(credentials.encode()).hexdigest() if credentials else None
+def _refusal(message: str, code: str, status: int) -> HttpResponse:
+    return api_error_response(
+        f"{KEY_HEADER}: {message}", code=code, status=status, errors={KEY_HEADER: [message]}
+    )
 
 
 def request_fingerprint(request: HttpRequest) -> str:
-    """SHA-256 of what the request asks: its method, path, query and body. A form's fields and
-    files as parsed (Django's upload handlers keep their caps; DRF reads the parsed form after),
-    any other body as sent."""
-    digest = hashlib.sha256(
-        f"{request.method} {request.path}?{request.META.get('QUERY_STRING', '')}\n".encode()
-    )
+    """SHA-256 of what the request asks: its method, path, query, content type and body. A form's
+    fields and files as parsed (Django's upload handlers keep their caps; DRF reads the parsed form
+    after), any other body as sent."""
+    digest = hashlib.sha256(_json([request.method, request.path, request.META.get("QUERY_STRING", "")]))
+    digest.update(_json(request.content_type))
     if request.method == "POST" and request.content_type in FORMS:
         for name, values in sorted(request.POST.lists()):
             digest.update(_json([name, values]) + b"\n")

@@ -558,12 +558,10 @@ class ChannelDelivery(models.Model):
 
 class IdempotentRequest(models.Model):
     """A change the API made under its client's `Idempotency-Key` (portal.idempotency): sent again
-    with the same key, the request gets this answer again instead of being done twice. Written in
-    the change's own transaction, so a request either is done and remembered or neither."""
+    with the same key, the request gets this answer again instead of being done twice. Claimed
+    (answer_status 0) before the change, its answer kept after."""
 
-    # Whose key: a SHA-256 of the request's credentials (its Authorization header, else its
-    # session cookie), read before any view knows the user; so two people's keys never meet.
-    owner = models.CharField(max_length=64)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
     key = models.CharField(max_length=255)
     fingerprint = models.CharField(max_length=64, help_text="SHA-256 of the method, the path and the body.")
     method = models.CharField(max_length=10)
@@ -573,10 +571,13 @@ class IdempotentRequest(models.Model):
     )
     content_type = models.CharField(max_length=200, blank=True)
     content = models.BinaryField(blank=True, default=b"", help_text="The answer's body, as first sent.")
+    secret = models.BooleanField(
+        default=False, help_text="The answer held a secret: not kept, only that it was made."
+    )
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["owner", "key"], name="idempotent_request_unique_key")]
+        constraints = [models.UniqueConstraint(fields=["user", "key"], name="idempotent_request_unique_key")]
 
     def __str__(self) -> str:
         return f"{self.method} {self.path} under key {self.key!r}"

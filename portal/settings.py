@@ -95,7 +95,6 @@ INSTALLED_APPS = [
 OUTAGE_RETRY_AFTER_SECONDS = env_int("OUTAGE_RETRY_AFTER_SECONDS", 10, min_value=1, max_value=3600)
 
 MIDDLEWARE = [
-    "portal.idempotency.IdempotencyMiddleware",  # first: a change's transaction holds all it does
     # Its process_exception answers a view's outage; portal.urls' handler500 a middleware's.
     "portal.outage.OutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
@@ -115,6 +114,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "portal.idempotency.IdempotencyMiddleware",  # inside every header-setting one: replays get them
     # Last, as django-axes asks: turns a locked-out sign-in into the 429 answer.
     "axes.middleware.AxesMiddleware",
 ]

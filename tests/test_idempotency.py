@@ -124,9 +124,9 @@ def test_a_5xx_is_not_remembered_so_its_try_is_done_anew(http, box, monkeypatch)
     assert Reservation.objects.count() == 1 and len(calls) == 2
 
 
-def test_two_tries_at_once_make_one_booking(http, box, monkeypatch):
-    """The second try arrives while the first is still being done: it waits for it (the key's row,
-    locked by the first's transaction; SQLite's writers take turns) and answers the same."""
+def test_a_try_while_the_first_is_still_being_done_is_told_to_come_back(http, box, monkeypatch):
+    """The key is claimed before the change: a second try meanwhile gets 409 with Retry-After, and
+    once the first is answered, its answer."""
     real, entered, release = booking_service.reservation_create, threading.Event(), threading.Event()
 
     def slow(**kwargs):  # type: ignore[no-untyped-def]
@@ -138,16 +138,30 @@ def test_two_tries_at_once_make_one_booking(http, box, monkeypatch):
     answers: list[httpx.Response] = []
     first = threading.Thread(target=lambda: answers.append(_book(http, box[0].uuid, "k-race")))
     first.start()
-    assert entered.wait(10)
-    second = threading.Thread(target=lambda: answers.append(_book(http, box[0].uuid, "k-race")))
-    second.start()
-    second.join(1)  # it waits on the first; its answer comes only once the first has committed
-    release.set()
-    first.join(20)
-    second.join(20)
-    assert [a.status_code for a in answers] == [201, 201], [a.text for a in answers]
-    assert answers[0].json() == answers[1].json() and Reservation.objects.count() == 1
-    assert sorted(a.headers.get("Idempotent-Replayed", "") for a in answers) == ["", "true"]
+    try:
+        assert entered.wait(10)
+        meanwhile = _book(http, box[0].uuid, "k-race")
+    finally:
+        release.set()
+        first.join(20)
+    assert meanwhile.status_code == 409 and meanwhile.headers["Retry-After"] == "1"
+    assert meanwhile.json()["code"] == "idempotency_key_in_progress"
+    later = _book(http, box[0].uuid, "k-race")
+    assert answers[0].status_code == later.status_code == 201 and later.json() == answers[0].json()
+    assert Reservation.objects.count() == 1
+
+
+def test_a_try_whose_first_was_never_answered_is_told_the_outcome_is_unknown(http, box, settings):
+    assert _book(http, box[0].uuid, "k-lost").status_code == 201
+    # As if the portal had stopped between the booking's commit and keeping its answer.
+    IdempotentRequest.objects.update(
+        answer_status=0,
+        created_at=timezone.now() - timedelta(seconds=settings.IDEMPOTENCY_IN_PROGRESS_SECONDS),
+    )
+    again = _book(http, box[0].uuid, "k-lost")
+    assert again.status_code == 409 and again.json()["code"] == "idempotency_key_unknown"
+    assert "look before doing it again" in again.json()["errors"]["Idempotency-Key"][0]
+    assert Reservation.objects.count() == 1
 
 
 def test_a_script_uploaded_twice_under_one_key_is_one_job(live_server, token, booking, tmp_path):
