@@ -28,6 +28,7 @@ from portal.models import IdempotentRequest
 from portal.services import api_token_create
 from portal.tasks import prune_idempotency_keys
 from tests.test_outage import DatabaseDown
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -221,7 +222,8 @@ class LosesFirstAnswer:
     one carrying a POST as soon as the portal has answered it, without passing the answer on:
     the change is made, its answer lost, as behind a proxy that timed out."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, *, at_once: bool = False) -> None:
+        self.at_once = at_once  # close the client's connection as soon as the POST is passed on
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -241,9 +243,13 @@ class LosesFirstAnswer:
         with client, socket.create_connection(self.upstream) as portal:
             request = _one_request(client)
             portal.sendall(request)
+            first_post = request.startswith(b"POST") and not self.lost
+            if first_post and self.at_once:
+                self.lost.append(b"")
+                client.close()  # while the portal is still doing it
             answer = _read_all(portal)
-            if request.startswith(b"POST") and not self.lost:
-                self.lost.append(answer)
+            if first_post:
+                self.lost[:] = [answer]
                 return  # closed without a word: the client sees the connection dropped
             client.sendall(answer)
 
@@ -327,4 +333,43 @@ def test_gpu_book_waits_out_a_database_outage_and_books_once(live_server, token,
         outage.end()
     assert result.exit_code == 0, result.output
     assert "gpu: the portal answered 503 (database unavailable); retrying in 1 s…" in result.stderr
+    assert json.loads(result.stdout)["id"] == Reservation.objects.get().pk
+
+
+def test_gpu_book_lost_while_the_portal_still_books_waits_for_it_and_books_once(
+    live_server, token, box, monkeypatch, tmp_path
+):
+    """The connection drops while the first try is still being done: the try sent again is told
+    to come back (409 in progress), and `gpu` does, and gets the first try's answer."""
+    real, release = booking_service.reservation_create, threading.Event()
+
+    def slow(**kwargs):  # type: ignore[no-untyped-def]
+        release.wait(20)
+        return real(**kwargs)
+
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:  # gpu's waits: the first try ends during the second
+        waits.append(seconds)
+        if len(waits) == 2:
+            release.set()
+            kept = IdempotentRequest.objects.filter(answer_status=201)
+            wait_for(kept.exists, timeout=20, what="the first try's answer kept")
+
+    monkeypatch.setattr("gpus.api.reservation_create", slow)
+    proxy = LosesFirstAnswer(live_server.url, at_once=True)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv(config.URL_ENV, proxy.url)
+    monkeypatch.setenv(config.TOKEN_ENV, token)
+    monkeypatch.setattr("gpu_cli.api.sleep", sleep)
+    monkeypatch.delenv(api.RETRY_ENV, raising=False)
+    try:
+        result = CliRunner().invoke(
+            cli, ["book", "--gpu", box[0].uuid, "--time", "1h", "--json"], prog_name="gpu"
+        )
+    finally:
+        release.set()
+        proxy.close()
+    assert result.exit_code == 0, result.output
+    assert "gpu: the portal is still doing this request; retrying in" in result.stderr
     assert json.loads(result.stdout)["id"] == Reservation.objects.get().pk
