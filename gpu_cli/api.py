@@ -57,6 +57,7 @@ MAYBE_DONE = "It may or may not be done: check before you try again."
 KEY_HEADER = "Idempotency-Key"  # a change's own, the same in each of its tries
 KEPT_HEADER = "Idempotency-Keys"  # "kept": the portal does a change sent again with its key once
 IN_PROGRESS = "idempotency_key_in_progress"  # the 409 of a try while an earlier one still runs
+UNKNOWN = "idempotency_key_unknown"  # the 409 of a try whose earlier one's outcome is unknown
 
 
 def _user_agent() -> str:
@@ -139,7 +140,7 @@ class Portal:
         retry = Retry(self.retry_seconds)
         safe = method in SAFE_METHODS
         # A key belongs to a token (portal/idempotency.py): `login`, which has none yet, sends none.
-        keyed = not safe and self.signed_in
+        keyed = not safe and self.signed_in and self.retry_seconds > 0  # never sent again: no key
         if keyed:
             kwargs["headers"] = {**(kwargs.get("headers") or {}), KEY_HEADER: uuid.uuid4().hex}
         while True:
@@ -169,6 +170,11 @@ class Portal:
             again = away and (safe or (keyed and self.keys_kept))
             if again and retry.wait(f"the portal answered 503 ({_unavailable(response)})"):
                 continue
+            if keyed and _code(response) in (IN_PROGRESS, UNKNOWN):
+                # Its first try may have been done (or still be running): exit 3, never "refused",
+                # which a person would put right and send as a new change.
+                detail = str(response.json().get("detail") or "")
+                raise Unreachable(f"{detail} {MAYBE_DONE}")
             _check(response)
             return response
 

@@ -16,17 +16,18 @@ and the answer it got. Again with that key:
 How, and why so: the key is claimed (its row written and committed) before the request is done,
 and the answer kept after, each in a transaction of its own. The request itself runs exactly as
 without a key, in its services' own transactions: a job's submit asks Slurm outside any (holding
-none of SQLite's write lock meanwhile), a refused booking still tells its team. The price is the
-rare try whose outcome the portal cannot know: one that failed with a 5xx, or a portal that
-stopped, or lost its database, between the change's commit and keeping its answer. A 5xx gives
-the key up (the change most likely rolled back, and a try after it is done anew, as without a
-key); a claim left without an answer past IDEMPOTENCY_IN_PROGRESS_SECONDS is answered 409
-`idempotency_key_unknown`: look before doing it again.
+none of SQLite's write lock meanwhile), a refused booking still tells its team. Where the portal
+cannot know whether a try's change was made, it says so and never does it again: a 5xx after the
+request wrote anything (a booking committed and then the database lost while its answer was read)
+leaves the key "unknown", and so does a claim left without an answer past
+IDEMPOTENCY_IN_PROGRESS_SECONDS (the portal stopped while doing it); a try after either gets
+409 `idempotency_key_unknown`: look before doing it again, with a new key. A 5xx before any write
+(a Slurm cluster that did not answer, the database away from the start) gives the key up: a try
+after it is done anew.
 
 Answers that refuse before the change is looked at (401, 403, 429: a CSRF check, a lockout) are
-not kept: the same request, put right, goes through. Answers that carry a secret (a new API
-token, an interactive session's environment) are not kept either, only that the change was made:
-a try after it gets 409 `idempotency_answer_not_kept`, saying where to look. Keys are kept
+not kept: the same request, put right, goes through. POST /api/v1/token/ takes no key: its
+answer is a secret the portal keeps only hashed, and its body a password. Keys are kept
 IDEMPOTENCY_KEY_HOURS (24), then pruned (portal.tasks.prune_idempotency_keys).
 
 Every answer under /api/ that passes here says `Idempotency-Keys: kept`, a 503 included: a client
@@ -45,7 +46,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
@@ -65,12 +66,11 @@ CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
 # Refusals before the change is looked at: the same request, put right, must go through.
 NOT_KEPT = frozenset({401, 403, 429})
-# POSTs whose answers carry a secret, never stored (portal/tokens.py keeps tokens hashed).
-SECRET_ANSWERS = ("/api/v1/token/", "/api/v1/sessions/")
-WHERE_TO_LOOK = {
-    "/api/v1/token/": "your profile page lists your tokens",
-    "/api/v1/sessions/": "GET /api/v1/sessions/ lists your sessions",
-}
+# Takes no key: its answer is a new token's secret (portal/tokens.py keeps them hashed), its body a password.
+UNKEYED = ("/api/v1/token/",)
+WRITES = ("INSERT", "UPDATE", "DELETE")
+# Writes that are no change of the user's: a token's last use (DRF's authentication), the keys' own.
+NOT_CHANGES = ("portal_apitoken", "portal_idempotentrequest")
 
 
 class IdempotencyMiddleware:
@@ -102,15 +102,17 @@ class IdempotencyMiddleware:
         if refused := _malformed(key):
             return refused
         user_id = _user_id(request)
-        if user_id is None:
-            return None  # DRF answers 401 (or the view takes no credentials): nothing to keep
+        if user_id is None or request.path.startswith(UNKEYED):
+            return None  # DRF answers 401 (or the view takes no key): nothing to keep
         fingerprint = request_fingerprint(request)
         claimed = _claim(request, user_id, key, fingerprint, timezone.now())
         if isinstance(claimed, HttpResponse):
             return claimed
-        response = self.get_response(request)
+        wrote = WriteSeen()
+        with connection.execute_wrapper(wrote):
+            response = self.get_response(request)
         try:
-            _keep(claimed, request, response)
+            _keep(claimed, response, wrote.seen)
         except Exception as exc:  # the change was made and answered: its answer goes out all the same
             if outage_of(exc) is None:
                 raise
@@ -134,8 +136,8 @@ def _user_id(request: HttpRequest) -> int | None:
     """The signed-in user's id: an active API token's (the header DRF reads), else the session's."""
     header = request.headers.get("Authorization", "")
     if header:
-        scheme, _, key = header.partition(" ")
-        token = api_token_find(key.strip()) if scheme.lower() == "token" and key.strip() else None
+        words = header.split()  # as DRF's TokenAuthentication reads it
+        token = api_token_find(words[1]) if len(words) == 2 and words[0].lower() == "token" else None
         active = token is not None and token.status(timezone.now()) == ApiToken.Status.ACTIVE
         return token.user_id if active and token.user.is_active else None  # type: ignore[union-attr]
     user = getattr(request, "user", None)
@@ -151,7 +153,6 @@ def _claim(
     while True:
         try:
             with transaction.atomic():
-                IdempotentRequest.objects.filter(user_id=user_id, key=key, created_at__lt=stale).delete()
                 return IdempotentRequest.objects.create(
                     user_id=user_id,
                     key=key,
@@ -162,24 +163,42 @@ def _claim(
                 )
         except IntegrityError:
             found = IdempotentRequest.objects.filter(user_id=user_id, key=key).first()
-            if found is not None:  # else given up meanwhile (a 5xx): claimed anew
+            if found is not None and found.created_at < stale:  # forgotten, but not pruned yet
+                IdempotentRequest.objects.filter(pk=found.pk, created_at__lt=stale).delete()
+            elif found is not None:  # else given up meanwhile (a 5xx): claimed anew
                 return _replay(found, fingerprint, now)
 
 
-def _keep(claimed: IdempotentRequest, request: HttpRequest, response: HttpResponse) -> None:
-    """Keep the answer with its key; or give the key up, where a try after this is to be done anew."""
+class WriteSeen:
+    """An execute wrapper: whether the request wrote anything of the user's (a change, made or
+    rolled back: which, a 5xx cannot tell)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, execute, sql, params, many, context):  # type: ignore[no-untyped-def]
+        result = execute(sql, params, many, context)  # a statement that failed wrote nothing
+        head = sql.lstrip()[:6].upper()
+        if head in WRITES and not any(table in sql for table in NOT_CHANGES):
+            self.seen = True
+        return result
+
+
+def _keep(claimed: IdempotentRequest, response: HttpResponse, wrote: bool) -> None:
+    """Keep the answer with its key; give the key up where a try after this is to be done anew;
+    or leave it unanswered ("unknown" at once) where whether the change was made is not known."""
     rows = IdempotentRequest.objects.filter(pk=claimed.pk)
     status = response.status_code
-    if status >= 500 or status in NOT_KEPT or response.streaming:
+    if status >= 500 and wrote:
+        rows.update(unknown=True)
+    elif status >= 500 or status in NOT_KEPT or response.streaming:
         rows.delete()
-        return
-    secret = request.method == "POST" and request.path in SECRET_ANSWERS
-    rows.update(
-        answer_status=status,
-        content_type=response.headers.get("Content-Type", "")[:200],
-        content=b"" if secret else response.content,
-        secret=secret,
-    )
+    else:
+        rows.update(
+            answer_status=status,
+            content_type=response.headers.get("Content-Type", "")[:200],
+            content=response.content,
+        )
 
 
 def _replay(found: IdempotentRequest, fingerprint: str, now: datetime) -> HttpResponse:
@@ -191,7 +210,8 @@ def _replay(found: IdempotentRequest, fingerprint: str, now: datetime) -> HttpRe
         )
         return _refusal(message, "idempotency_key_reused", 422)
     if found.answer_status == 0:
-        if now - found.created_at < timedelta(seconds=settings.IDEMPOTENCY_IN_PROGRESS_SECONDS):
+        running = now - found.created_at < timedelta(seconds=settings.IDEMPOTENCY_IN_PROGRESS_SECONDS)
+        if running and not found.unknown:
             message = (
                 f"the request sent with {found.key!r} at {when} is still being done; try again in a moment."
             )
@@ -199,18 +219,11 @@ def _replay(found: IdempotentRequest, fingerprint: str, now: datetime) -> HttpRe
             response["Retry-After"] = "1"
             return response
         message = (
-            f"the request sent with {found.key!r} at {when} was never answered (the portal stopped or "
-            "lost its database while doing it), so whether it was done is unknown: look before "
-            "doing it again, with a new key."
+            f"the request sent with {found.key!r} at {when} failed or was never answered once it had "
+            "begun to write (the portal stopped, or lost its database, while doing it), so whether it "
+            "was done is unknown: look before doing it again, with a new key."
         )
         return _refusal(message, "idempotency_key_unknown", 409)
-    if found.secret:
-        where = WHERE_TO_LOOK.get(found.path, "look it up")
-        message = (
-            f"the request sent with {found.key!r} at {when} was done (HTTP {found.answer_status}); its "
-            f"answer held a secret, which the portal does not keep: {where}."
-        )
-        return _refusal(message, "idempotency_answer_not_kept", 409)
     response = HttpResponse(
         bytes(found.content), status=found.answer_status, content_type=found.content_type or None
     )

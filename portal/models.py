@@ -571,8 +571,8 @@ class IdempotentRequest(models.Model):
     )
     content_type = models.CharField(max_length=200, blank=True)
     content = models.BinaryField(blank=True, default=b"", help_text="The answer's body, as first sent.")
-    secret = models.BooleanField(
-        default=False, help_text="The answer held a secret: not kept, only that it was made."
+    unknown = models.BooleanField(
+        default=False, help_text="A 5xx after the request wrote: whether its change was made is not known."
     )
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
 

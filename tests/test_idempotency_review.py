@@ -11,6 +11,8 @@ from django.db import InterfaceError, connection
 
 from gpu_cli import api, config
 from gpu_cli.main import cli
+from gpus.api import ReservationViewSet
+from gpus.models import Reservation
 from jobs import submit
 from portal import idempotency
 from portal.errors import Unavailable
@@ -140,20 +142,62 @@ def test_a_csrf_refusal_is_not_replayed_once_the_token_is_sent(live_server, alic
         assert b.post("/api/v1/reservations/", json=body, headers=fixed).status_code != 403
 
 
-def test_a_new_tokens_answer_under_a_key_keeps_only_that_it_was_made(http, live_server, alice):
-    """A signed-in user asks for another token under a key: made once; its secret is not kept, and
-    a try after it is told where to look."""
+def test_a_new_token_takes_no_key_so_nothing_of_it_is_kept(http, alice):
+    """POST token/ takes no key: its answer is a secret kept only hashed, its body a password."""
     alice.set_password("pw-0123456789")
     alice.save()
-    body = {"username": "alice", "password": "pw-0123456789"}
-    first = http.post("token/", json=body, headers=KEY)
-    assert first.status_code in (200, 201), first.text
-    again = http.post("token/", json=body, headers=KEY)
-    assert again.status_code == 409 and again.json()["code"] == "idempotency_answer_not_kept"
-    assert "your profile page lists your tokens" in again.json()["errors"]["Idempotency-Key"][0]
-    kept = IdempotentRequest.objects.get()
-    assert (
-        kept.secret
-        and bytes(kept.content) == b""
-        and first.json()["token"].encode() not in bytes(kept.content)
-    )
+    answer = http.post("token/", json={"username": "alice", "password": "pw-0123456789"}, headers=KEY)
+    assert answer.status_code in (200, 201), answer.text
+    assert not IdempotentRequest.objects.exists()
+
+
+# A second review, of the rework (44a0a44): each test failed on it.
+
+
+def test_a_503_after_the_change_was_committed_never_has_gpu_do_it_twice(gpu, box, monkeypatch):
+    """The booking is committed, then the database drops while its answer is read back (_show):
+    the key is left "unknown", and gpu's try after the 503 is told so: one booking, exit 3."""
+    real, calls = ReservationViewSet._show, []
+
+    def drops_once(self, pk):  # type: ignore[no-untyped-def]
+        calls.append(pk)
+        if len(calls) == 1:
+            raise InterfaceError("connection already closed")
+        return real(self, pk)
+
+    monkeypatch.setattr(ReservationViewSet, "_show", drops_once)
+    result = gpu("book", "--gpus", "1", "--time", "1h")
+    assert Reservation.objects.count() == 1, (Reservation.objects.count(), result.output)
+    assert result.exit_code == 3 and "may or may not be done" in result.output, result.output
+
+
+def test_gpu_told_in_progress_past_its_budget_says_maybe_done_not_refused(gpu, box, monkeypatch):
+    def in_progress(request, user_id, key, fingerprint, now):  # type: ignore[no-untyped-def]
+        row = IdempotentRequest(key=key, fingerprint=fingerprint, answer_status=0, created_at=now)
+        return idempotency._replay(row, fingerprint, now)
+
+    monkeypatch.setattr(idempotency, "_claim", in_progress)
+    result = gpu("book", "--gpu", box[0].uuid, "--time", "1h")
+    assert result.exit_code == 3 and "may or may not" in result.output, (result.exit_code, result.output)
+
+
+def test_a_gpu_exec_sessions_answer_is_replayed(live_server, token, booking):
+    headers = {"Authorization": f"Token {token}", "Idempotency-Key": "s-1"}
+    body = {"reservation": booking.pk, "kind": "exec", "host": "box1", "command": ["true"]}
+    url = f"{live_server.url}/api/v1/sessions/"
+    first = httpx.post(url, json=body, headers=headers)
+    assert first.status_code == 201, first.text
+    again = httpx.post(url, json=body, headers=headers)
+    assert again.status_code == 201 and again.json() == first.json(), again.text
+
+
+def test_a_beat_never_sent_again_sends_no_key(live_server, token, booking):
+    """gpu exec's beats (retry_seconds=0) are never sent again: a key would only cost a row each."""
+    with api.Portal(live_server.url, token) as setup:
+        body = {"reservation": booking.pk, "kind": "exec", "host": "box1", "command": ["x"]}
+        sid = setup.post("sessions/", json=body)["id"]
+    before = IdempotentRequest.objects.count()
+    with api.Portal(live_server.url, token, retry_seconds=0) as beats:
+        for _ in range(3):
+            beats.post(f"sessions/{sid}/beat/")
+    assert IdempotentRequest.objects.count() == before
