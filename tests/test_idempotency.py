@@ -45,6 +45,22 @@ def http(live_server, token) -> Iterator[httpx.Client]:
         yield client
 
 
+@pytest.fixture
+def gpu_book(token, monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """book(url, card, sleep=None): `gpu book --gpu CARD --time 1h --json` signed in to `url` as
+    alice, its waits between tries through `sleep` (none: at once)."""
+
+    def book(url: str, card: str, sleep=None):  # type: ignore[no-untyped-def]
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+        monkeypatch.setenv(config.URL_ENV, url)
+        monkeypatch.setenv(config.TOKEN_ENV, token)
+        monkeypatch.setattr("gpu_cli.api.sleep", sleep or (lambda seconds: None))
+        monkeypatch.delenv(api.RETRY_ENV, raising=False)
+        return CliRunner().invoke(cli, ["book", "--gpu", card, "--time", "1h", "--json"], prog_name="gpu")
+
+    return book
+
+
 def _book(http: httpx.Client, card: str, key: str | bytes | None, **more: object) -> httpx.Response:
     headers = {"Idempotency-Key": key} if key is not None else {}
     return http.post("reservations/", json={"gpus": [card], **more}, headers=headers)
@@ -251,7 +267,7 @@ class LosesFirstAnswer:
             if first_post:
                 self.lost[:] = [answer]
                 return  # closed without a word: the client sees the connection dropped
-            client.sendall(answer)
+            client.sendall(_closing(answer))
 
     def close(self) -> None:
         self.listener.close()
@@ -277,6 +293,14 @@ def _one_request(sock: socket.socket) -> bytes:
     return head + b"\r\nConnection: close\r\n\r\n" + body
 
 
+def _closing(answer: bytes) -> bytes:
+    """The answer saying `Connection: close`: this proxy passes one request a connection, so the
+    client must not send its next one on it."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+    return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + body
+
+
 def _read_all(sock: socket.socket) -> bytes:
     chunks = []
     while chunk := sock.recv(65536):
@@ -284,19 +308,10 @@ def _read_all(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def test_gpu_book_whose_answer_was_lost_sends_it_again_and_books_once(
-    live_server, token, box, monkeypatch, tmp_path
-):
+def test_gpu_book_whose_answer_was_lost_sends_it_again_and_books_once(live_server, box, gpu_book):
     proxy = LosesFirstAnswer(live_server.url)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv(config.URL_ENV, proxy.url)
-    monkeypatch.setenv(config.TOKEN_ENV, token)
-    monkeypatch.setattr("gpu_cli.api.sleep", lambda seconds: None)
-    monkeypatch.delenv(api.RETRY_ENV, raising=False)
     try:
-        result = CliRunner().invoke(
-            cli, ["book", "--gpu", box[0].uuid, "--time", "1h", "--json"], prog_name="gpu"
-        )
+        result = gpu_book(proxy.url, box[0].uuid)
     finally:
         proxy.close()
     assert result.exit_code == 0, result.output
@@ -316,19 +331,12 @@ def test_the_key_the_cli_sends_is_new_for_each_change(live_server, token, box, m
     assert len(set(keys)) == 2 and all(uuid.UUID(k) for k in keys)
 
 
-def test_gpu_book_waits_out_a_database_outage_and_books_once(live_server, token, box, monkeypatch, tmp_path):
+def test_gpu_book_waits_out_a_database_outage_and_books_once(live_server, box, gpu_book, tmp_path):
     """The database away when the booking comes: the portal's 503 says it keeps keys (the outage
     met while claiming the key), so `gpu` sends the booking again once it is back."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv(config.URL_ENV, live_server.url)
-    monkeypatch.setenv(config.TOKEN_ENV, token)
-    monkeypatch.delenv(api.RETRY_ENV, raising=False)
     outage = DatabaseDown(tmp_path)
     try:
-        monkeypatch.setattr("gpu_cli.api.sleep", lambda seconds: outage.end())
-        result = CliRunner().invoke(
-            cli, ["book", "--gpu", box[0].uuid, "--time", "1h", "--json"], prog_name="gpu"
-        )
+        result = gpu_book(live_server.url, box[0].uuid, sleep=lambda seconds: outage.end())
     finally:
         outage.end()
     assert result.exit_code == 0, result.output
@@ -337,7 +345,7 @@ def test_gpu_book_waits_out_a_database_outage_and_books_once(live_server, token,
 
 
 def test_gpu_book_lost_while_the_portal_still_books_waits_for_it_and_books_once(
-    live_server, token, box, monkeypatch, tmp_path
+    live_server, box, monkeypatch, gpu_book
 ):
     """The connection drops while the first try is still being done: the try sent again is told
     to come back (409 in progress), and `gpu` does, and gets the first try's answer."""
@@ -358,15 +366,8 @@ def test_gpu_book_lost_while_the_portal_still_books_waits_for_it_and_books_once(
 
     monkeypatch.setattr("gpus.api.reservation_create", slow)
     proxy = LosesFirstAnswer(live_server.url, at_once=True)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv(config.URL_ENV, proxy.url)
-    monkeypatch.setenv(config.TOKEN_ENV, token)
-    monkeypatch.setattr("gpu_cli.api.sleep", sleep)
-    monkeypatch.delenv(api.RETRY_ENV, raising=False)
     try:
-        result = CliRunner().invoke(
-            cli, ["book", "--gpu", box[0].uuid, "--time", "1h", "--json"], prog_name="gpu"
-        )
+        result = gpu_book(proxy.url, box[0].uuid, sleep=sleep)
     finally:
         release.set()
         proxy.close()
