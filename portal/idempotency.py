@@ -150,7 +150,7 @@ def _claim(
     """The key's row, written and committed before the change; or, where the key was used, its
     answer. A row past IDEMPOTENCY_KEY_HOURS that the prune has not reached yet counts as gone."""
     stale = now - timedelta(hours=settings.IDEMPOTENCY_KEY_HOURS)
-    while True:
+    for tries in range(3):  # the key given up or forgotten meanwhile: claimed again
         try:
             with transaction.atomic():
                 return IdempotentRequest.objects.create(
@@ -167,6 +167,9 @@ def _claim(
                 IdempotentRequest.objects.filter(pk=found.pk, created_at__lt=stale).delete()
             elif found is not None:  # else given up meanwhile (a 5xx): claimed anew
                 return _replay(found, fingerprint, now)
+            if tries == 2:
+                raise  # not the key's clash (its user deleted meanwhile): the 500 it is
+    raise AssertionError("unreachable")
 
 
 class WriteSeen:
@@ -177,10 +180,13 @@ class WriteSeen:
         self.seen = False
 
     def __call__(self, execute, sql, params, many, context):  # type: ignore[no-untyped-def]
-        result = execute(sql, params, many, context)  # a statement that failed wrote nothing
-        head = sql.lstrip()[:6].upper()
-        if head in WRITES and not any(table in sql for table in NOT_CHANGES):
-            self.seen = True
+        write = sql.lstrip()[:6].upper() in WRITES and not any(table in sql for table in NOT_CHANGES)
+        # Outside a transaction a write commits as it runs, and its answer may be lost after:
+        # seen before it is sent. Inside one, a statement that failed wrote nothing.
+        autocommit = not context["connection"].in_atomic_block
+        self.seen = self.seen or (write and autocommit)
+        result = execute(sql, params, many, context)
+        self.seen = self.seen or write
         return result
 
 
