@@ -158,19 +158,16 @@ class Portal:
                     continue
                 raise self._unreachable(exc, maybe_done=sent and not safe) from None
             self.keys_kept = self.keys_kept or response.headers.get(KEPT_HEADER) == "kept"
-            if (
-                keyed
-                and _code(response) == IN_PROGRESS
-                and retry.wait("the portal is still doing this request")
-            ):
+            code = _code(response)
+            if keyed and code == IN_PROGRESS and retry.wait("the portal is still doing this request"):
                 continue  # an earlier try of it, whose answer was lost, is still running
             # A 503 whose code is `unavailable` is a part of the lab that did not answer (a Slurm
             # cluster): said at once, never waited on.
-            away = response.status_code == 503 and _code(response) != "unavailable"
+            away = response.status_code == 503 and code != "unavailable"
             again = away and (safe or (keyed and self.keys_kept))
             if again and retry.wait(f"the portal answered 503 ({_unavailable(response)})"):
                 continue
-            if keyed and _code(response) in (IN_PROGRESS, UNKNOWN):
+            if keyed and code in (IN_PROGRESS, UNKNOWN):
                 # Its first try may have been done (or still be running): exit 3, never "refused",
                 # which a person would put right and send as a new change.
                 detail = str(response.json().get("detail") or "")

@@ -40,6 +40,7 @@ from portal.models import (
     Team,
     members_above_team,
 )
+from portal.teams import team_locked
 from portal.timefmt import format_time
 
 log = logging.getLogger(__name__)
@@ -285,13 +286,6 @@ def membership_locked(user: AbstractBaseUser, team: Team | str | None) -> Member
     # member's lock: PostgreSQL reads again only the rows a query locks).
     membership.team = team_locked(membership.team_id)
     return membership
-
-
-def team_locked(team_id: int) -> Team:
-    """The team's row, locked until the transaction ends, read as it stands once locked. NO KEY: a
-    commit whose rows refer to the team (a job, a booking, a member) checks their keys with FOR
-    KEY SHARE, which FOR UPDATE would hold up, and in a cycle (tests/test_lock_modes.py)."""
-    return Team.objects.select_for_update(no_key=True).get(pk=team_id)
 
 
 def _cards_refusal(who: _Holder, ask: QuotaAsk) -> str | None:

@@ -194,9 +194,7 @@ class TeamAdmin(admin.ModelAdmin):
         team = super().get_object(request, object_id, from_field)
         if team is None or request.method != "POST":
             return team
-        # FOR UPDATE only to delete it; a change's NO KEY lets a member added meanwhile commit.
-        deleting = request.path.rstrip("/").endswith("/delete")
-        return team_locked_with_members(team.pk, no_key=not deleting)
+        return team_locked_with_members(team.pk)
 
 
 @admin.register(AuditEntry)

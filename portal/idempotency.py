@@ -127,9 +127,7 @@ def _malformed(key: str) -> HttpResponse | None:
         f"give 1 to {KEY_MAX} visible ASCII characters (no spaces), a new one for each change, e.g. "
         "a UUID; send the same one only with a try of the same request."
     )
-    return api_error_response(
-        f"{KEY_HEADER}: {message}", code="invalid", status=400, errors={KEY_HEADER: [message]}
-    )
+    return _refusal(message, "invalid", 400)
 
 
 def _user_id(request: HttpRequest) -> int | None:

@@ -13,7 +13,7 @@ IDEMPOTENCY_KEY_HOURS = env_int("IDEMPOTENCY_KEY_HOURS", 24, min_value=1, max_va
 # its request) is answered "unknown" instead of "still being done". Longer than any request takes:
 # a Slurm cluster's check may wait 300 s.
 IDEMPOTENCY_IN_PROGRESS_SECONDS = env_int(
-    "IDEMPOTENCY_IN_PROGRESS_SECONDS", 600, min_value=60, max_value=3600
+    "IDEMPOTENCY_IN_PROGRESS_SECONDS", 600, min_value=330, max_value=3600
 )
 API_BEAT_SCHEDULE = {
     "prune-idempotency-keys": {"task": "portal.tasks.prune_idempotency_keys", "schedule": 24 * 3600.0},

@@ -231,16 +231,22 @@ def _membership_locked(membership: Membership) -> str | None:
     return rows.values_list("role", flat=True).first()
 
 
-def team_locked_with_members(team_id: int, *, no_key: bool = True) -> Team:
-    """The team's row, locked, with every member's row locked first: the order bookings take them
-    (gpus.quotas.membership_locked: the member's row, then the team's), for a change that writes
-    members' rows too (the admin's team form); the other way round, a booking holding a member's
-    row and waiting for the team's deadlocks with it. Inside a transaction. NO KEY unless the
-    team's key goes (a delete): a commit whose rows refer to the team checks them with FOR KEY
-    SHARE, which NO KEY lets through."""
+def team_locked(team_id: int) -> Team:
+    """The team's row, locked until the transaction ends, read as it stands once locked: every
+    booking takes it after its member's row (gpus.quotas.membership_locked), and so does whatever
+    changes the team's limits. NO KEY: a commit whose rows refer to the team (a job, a booking, a
+    member) checks their keys with FOR KEY SHARE, which FOR UPDATE would hold up, and in a cycle
+    (tests/test_lock_modes.py); a delete takes FOR UPDATE itself when it comes."""
+    return Team.objects.select_for_update(no_key=True).get(pk=team_id)
+
+
+def team_locked_with_members(team_id: int) -> Team:
+    """The team's row, locked, with every member's row locked first: the order bookings take them,
+    for a change that writes members' rows too (the admin's team form); the other way round, a
+    booking holding a member's row and waiting for the team's deadlocks with it."""
     members = Membership.objects.select_for_update(no_key=True).filter(team_id=team_id).order_by("pk")
     list(members.values_list("pk"))
-    return Team.objects.select_for_update(no_key=no_key).get(pk=team_id)
+    return team_locked(team_id)
 
 
 def _check_role(role: str) -> str:

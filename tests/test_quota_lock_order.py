@@ -1,5 +1,5 @@
 """A team's quota under concurrent changes, on PostgreSQL. Every booking locks its member's row and
-then its team's, limits or none, and reads the limits from the locked row (gpus.quotas.team_locked);
+then its team's, limits or none, and reads the limits from the locked row (portal.teams.team_locked);
 a change of the limits locks the team's row; a change that writes members' rows too (Django
 admin's team form) locks them first (portal.teams.team_locked_with_members); the team API writes
 the team's bookings before its row.
