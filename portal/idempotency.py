@@ -42,11 +42,13 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, connection, transaction
+from django.db.models import BooleanField, ExpressionWrapper, Q, QuerySet
+from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
@@ -105,7 +107,7 @@ class IdempotencyMiddleware:
         if user_id is None or request.path.startswith(UNKEYED):
             return None  # DRF answers 401 (or the view takes no key): nothing to keep
         fingerprint = request_fingerprint(request)
-        claimed = _claim(request, user_id, key, fingerprint, timezone.now())
+        claimed = _claim(request, user_id, key, fingerprint)
         if isinstance(claimed, HttpResponse):
             return claimed
         wrote = WriteSeen()
@@ -143,11 +145,12 @@ def _user_id(request: HttpRequest) -> int | None:
 
 
 def _claim(
-    request: HttpRequest, user_id: int, key: str, fingerprint: str, now: datetime
+    request: HttpRequest, user_id: int, key: str, fingerprint: str
 ) -> IdempotentRequest | HttpResponse:
     """The key's row, written and committed before the change; or, where the key was used, its
-    answer. A row past IDEMPOTENCY_KEY_HOURS that the prune has not reached yet counts as gone."""
-    stale = now - timedelta(hours=settings.IDEMPOTENCY_KEY_HOURS)
+    answer. A row past IDEMPOTENCY_KEY_HOURS that the prune has not reached yet counts as gone.
+    Its times are the database's (Now()): the web servers that claim and answer a key may be
+    several hosts, whose clocks are never compared."""
     for tries in range(3):  # the key given up or forgotten meanwhile: claimed again
         try:
             with transaction.atomic():
@@ -157,14 +160,14 @@ def _claim(
                     fingerprint=fingerprint,
                     method=request.method or "",
                     path=request.path[:500],
-                    created_at=now,
+                    created_at=Now(),
                 )
         except IntegrityError:
-            found = IdempotentRequest.objects.filter(user_id=user_id, key=key).first()
-            if found is not None and found.created_at < stale:  # forgotten, but not pruned yet
-                IdempotentRequest.objects.filter(pk=found.pk, created_at__lt=stale).delete()
-            elif found is not None:  # else given up meanwhile (a 5xx): claimed anew
-                return _replay(found, fingerprint, now)
+            rows = IdempotentRequest.objects.filter(user_id=user_id, key=key)
+            forgotten = rows.filter(created_at__lt=Now() - timedelta(hours=settings.IDEMPOTENCY_KEY_HOURS))
+            if not forgotten.delete()[0] and (found := _with_age(rows).first()) is not None:
+                return _replay(found, fingerprint)
+            # else forgotten (not pruned yet), or given up meanwhile (a 5xx): claimed anew
             if tries == 2:
                 raise  # not the key's clash (its user deleted meanwhile): the 500 it is
     raise AssertionError("unreachable")
@@ -205,7 +208,13 @@ def _keep(claimed: IdempotentRequest, response: HttpResponse, wrote: bool) -> No
         )
 
 
-def _replay(found: IdempotentRequest, fingerprint: str, now: datetime) -> HttpResponse:
+def _with_age(rows: QuerySet[IdempotentRequest]) -> QuerySet[IdempotentRequest]:
+    """Each row with `running`: claimed within IDEMPOTENCY_IN_PROGRESS_SECONDS, by the database's clock."""
+    since = Now() - timedelta(seconds=settings.IDEMPOTENCY_IN_PROGRESS_SECONDS)
+    return rows.annotate(running=ExpressionWrapper(Q(created_at__gt=since), output_field=BooleanField()))
+
+
+def _replay(found: IdempotentRequest, fingerprint: str) -> HttpResponse:
     when = f"{found.created_at:%Y-%m-%d %H:%M:%S} UTC"
     if found.fingerprint != fingerprint:
         message = (
@@ -214,8 +223,7 @@ def _replay(found: IdempotentRequest, fingerprint: str, now: datetime) -> HttpRe
         )
         return _refusal(message, "idempotency_key_reused", 422)
     if found.answer_status == 0:
-        running = now - found.created_at < timedelta(seconds=settings.IDEMPOTENCY_IN_PROGRESS_SECONDS)
-        if running and not found.unknown:
+        if found.running and not found.unknown:  # type: ignore[attr-defined]
             message = (
                 f"the request sent with {found.key!r} at {when} is still being done; try again in a moment."
             )
@@ -270,7 +278,7 @@ def _file_digest(upload: UploadedFile) -> bytes:
     return digest.hexdigest().encode()
 
 
-def idempotency_keys_prune(now: datetime | None = None) -> int:
-    """Forget the keys older than IDEMPOTENCY_KEY_HOURS; how many went."""
-    stale = (now or timezone.now()) - timedelta(hours=settings.IDEMPOTENCY_KEY_HOURS)
+def idempotency_keys_prune() -> int:
+    """Forget the keys older than IDEMPOTENCY_KEY_HOURS, by the database's clock; how many went."""
+    stale = Now() - timedelta(hours=settings.IDEMPOTENCY_KEY_HOURS)
     return IdempotentRequest.objects.filter(created_at__lt=stale).delete()[0]

@@ -8,6 +8,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from django.db import InterfaceError, connection
+from django.utils import timezone
 
 from gpu_cli import api, config
 from gpu_cli.main import cli
@@ -172,9 +173,10 @@ def test_a_503_after_the_change_was_committed_never_has_gpu_do_it_twice(gpu, box
 
 
 def test_gpu_told_in_progress_past_its_budget_says_maybe_done_not_refused(gpu, box, monkeypatch):
-    def in_progress(request, user_id, key, fingerprint, now):  # type: ignore[no-untyped-def]
-        row = IdempotentRequest(key=key, fingerprint=fingerprint, answer_status=0, created_at=now)
-        return idempotency._replay(row, fingerprint, now)
+    def in_progress(request, user_id, key, fingerprint):  # type: ignore[no-untyped-def]
+        row = IdempotentRequest(key=key, fingerprint=fingerprint, answer_status=0, created_at=timezone.now())
+        row.running = True  # as _with_age reads it: claimed a moment ago, by a try still running
+        return idempotency._replay(row, fingerprint)
 
     monkeypatch.setattr(idempotency, "_claim", in_progress)
     result = gpu("book", "--gpu", box[0].uuid, "--time", "1h")
