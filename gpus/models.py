@@ -401,6 +401,11 @@ class Reservation(models.Model):
         indexes = [
             models.Index(fields=["owner", "end"], name="reservation_owner_end"),
             models.Index(fields=["team", "end"], name="reservation_team_end"),
+            # /metrics reads the loans that ended since their last settle (jobs/lending_report.py):
+            # the few of the last day, not a scan of every loan or booking ever made.
+            models.Index(
+                fields=["end"], condition=models.Q(lent_from__isnull=False), name="reservation_loan_end"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -7,8 +7,11 @@ from their start to their end or release. *Used*: the time the borrowers' jobs r
 a run that left for the queue included (kept as a LoanRun: its job's row forgets it), so the
 figures, and /metrics' counters, never go down.
 Both count on the side of the booking that was lent: its team is the one whose idle cards were put
-to work. A memory share counts its fraction of the card, as the usage reports do. Loans are few
-beside all bookings, so the figures are summed here from three reads, not rolled up.
+to work. A memory share counts its fraction of the card, as the usage reports do.
+
+The Reports page sums its period's loans from three reads. /metrics' counters run from the first
+loan ever made: they read the totals of the loans settled a day after their end (LendingTotal,
+folded in hourly by beat) and sum only the loans since, so a scrape does not grow with the years.
 """
 
 from __future__ import annotations
@@ -18,15 +21,22 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import F, Q
+from django.db import transaction
+from django.db.models import F, Min, Q, QuerySet
 from django.utils import timezone
 
 from gpus.models import GPU, Allocation, Reservation
 from gpus.reports import UsageScope
 from gpus.usage import day_start
-from jobs.models import Job, LoanRun
+from jobs.models import Job, LendingTotal, LoanRun
 
 HOUR = 3600.0
+# A loan is settled into LendingTotal this long after its end, once every run on it has ended: a
+# run's end may be written late (a GPU host's spool replays what it could not write while the
+# database was away; a run whose host went silent is marked lost after JOB_LOST_AFTER_SECONDS).
+SETTLE_AFTER = timedelta(days=1)
+
+Sums = dict[tuple[str, str], list[int]]  # (team slug, server) → [lent ms, used ms]
 
 
 @dataclass(frozen=True)
@@ -48,29 +58,31 @@ def _overlap(start: datetime, end: datetime | None, since: datetime | None, unti
     return max(0.0, (high - low).total_seconds())
 
 
-def lending_hours(
-    *, until: datetime, since: datetime | None = None, visible: Q | None = None
-) -> list[LentHours]:
-    """The figures for [since, until) (since None: from the first loan), by lending team and
-    server, largest lent first. `visible`: a filter on the loans (the viewer's scope)."""
-    # A loan cancelled once it ran (a leader's or an admin's cancel) keeps the part it held, as a
-    # release does (its end is the cancel): dropping it would take its hours off the counters.
+def _held(until: datetime) -> QuerySet[Reservation]:
+    """The loans begun before `until`. A loan cancelled once it ran (a leader's or an admin's
+    cancel) keeps the part it held, as a release does (its end is the cancel): dropping it would
+    take its hours off the counters."""
     held = Q(cancelled_at=None) | Q(cancelled_at__gt=F("start"))
-    loans = Reservation.objects.filter(held, lent_from__isnull=False, start__lt=until)
-    if since is not None:
-        loans = loans.filter(end__gt=since)
-    if visible is not None:
-        loans = loans.filter(visible)
+    return Reservation.objects.filter(held, lent_from__isnull=False, start__lt=until)
+
+
+def _lent_ms(loans: QuerySet[Reservation], since: datetime | None, until: datetime) -> Sums:
+    """Milliseconds lent and used of `loans` within [since, until), by lending team and server."""
     windows = {
         pk: (start, end, team)
-        for pk, start, end, team in loans.values_list("pk", "start", "end", "lent_from__team__slug")
+        for pk, start, end, team in loans.order_by().values_list(
+            "pk", "start", "end", "lent_from__team__slug"
+        )
     }
+    sums: Sums = defaultdict(lambda: [0, 0])
     if not windows:
-        return []
+        return sums
+    # A subquery, not a list of every id (a first settle folds a year of loans). A loan it finds
+    # that the read above did not (made in between) is left out below.
+    ids = loans.values("pk")
     cards: dict[int, list[tuple[str, float]]] = defaultdict(list)
-    for loan, memory, server, total, reserved in Allocation.objects.filter(
-        reservation_id__in=list(windows)
-    ).values_list(
+    allocations = Allocation.objects.filter(reservation_id__in=ids).order_by()
+    for loan, memory, server, total, reserved in allocations.values_list(
         "reservation_id", "memory_mb", "gpu__server__name", "gpu__memory_total_mb", "gpu__memory_reserved_mb"
     ):
         bookable = GPU.bookable_mb(total, reserved)
@@ -83,25 +95,92 @@ def lending_hours(
     runs = [
         (loan, started, max(finished, beat) if finished and beat else finished or beat)
         for loan, started, finished, beat in Job.objects.filter(
-            reservation_id__in=list(windows), started_at__isnull=False
-        ).values_list("reservation_id", "started_at", "finished_at", "heartbeat_at")
+            reservation_id__in=ids, started_at__isnull=False
+        )
+        .order_by()
+        .values_list("reservation_id", "started_at", "finished_at", "heartbeat_at")
     ]
-    left = LoanRun.objects.filter(loan_id__in=list(windows)).values_list("loan_id", "started_at", "ended_at")
+    left = LoanRun.objects.filter(loan_id__in=ids).order_by().values_list("loan_id", "started_at", "ended_at")
     for loan, started, finished in [*runs, *left]:  # the runs still on their loans, and those that left
+        if loan not in windows:
+            continue
         start, end, _ = windows[loan]
         ran[loan] += _overlap(max(started, start), min(finished, end) if finished else end, since, until)
-    lent: dict[tuple[str, str], float] = defaultdict(float)
-    used: dict[tuple[str, str], float] = defaultdict(float)
     for loan, (start, end, team) in windows.items():
         window = _overlap(start, end, since, until)
         for server, weight in cards[loan]:
-            lent[(team, server)] += window * weight / HOUR
-            used[(team, server)] += min(ran[loan], window) * weight / HOUR
+            sums[(team, server)][0] += round(1000 * window * weight)
+            sums[(team, server)][1] += round(1000 * min(ran[loan], window) * weight)
+    return sums
+
+
+def _rows(sums: Sums) -> list[LentHours]:
+    """Largest lent first."""
     rows = [
-        LentHours(team, server, round(hours, 3), round(used[(team, server)], 3))
-        for (team, server), hours in lent.items()
+        LentHours(team, server, round(lent / 1000 / HOUR, 3), round(used / 1000 / HOUR, 3))
+        for (team, server), (lent, used) in sums.items()
     ]
     return sorted(rows, key=lambda r: (-r.lent, r.team, r.server))
+
+
+def lending_hours(
+    *, until: datetime, since: datetime | None = None, visible: Q | None = None
+) -> list[LentHours]:
+    """The figures for [since, until) (since None: from the first loan), by lending team and
+    server, largest lent first. `visible`: a filter on the loans (the viewer's scope)."""
+    loans = _held(until)
+    if since is not None:
+        loans = loans.filter(end__gt=since)
+    if visible is not None:
+        loans = loans.filter(visible)
+    return _rows(_lent_ms(loans, since, until))
+
+
+def lending_totals(now: datetime) -> list[LentHours]:
+    """The figures from the first loan ever made to `now`, as lending_hours(until=now) gives them,
+    read from the settled totals and the loans that ended since (/metrics' counters)."""
+    # The totals first, in one statement (all of them as of one settle), then the loans after
+    # their `through`: a settle that commits between the two reads still has its loans read here.
+    settled = list(LendingTotal.objects.values_list("team", "server", "lent_ms", "used_ms", "through"))
+    loans = _held(now)
+    if settled:
+        loans = loans.filter(end__gt=settled[0][4])
+    sums = _lent_ms(loans, None, now)
+    for team, server, lent, used, _ in settled:
+        if team or server:  # not the head
+            sums[(team, server)][0] += lent
+            sums[(team, server)][1] += used
+    return _rows(sums)
+
+
+def lending_settle(now: datetime) -> int:
+    """Fold the loans that ended at least SETTLE_AFTER ago, and whose runs have all ended, into
+    LendingTotal (beat, hourly). Returns how many. Again: folds none twice."""
+    cutoff = now - SETTLE_AFTER
+    with transaction.atomic():
+        head, first_settle = LendingTotal.objects.select_for_update(no_key=True).get_or_create(
+            team="", server="", defaults={"through": cutoff}
+        )
+        since = None if first_settle else head.through
+        due = _held(now).filter(end__lte=cutoff)
+        if since is not None:
+            due = due.filter(end__gt=since)
+        # A loan with a run not yet ended waits, and so do the loans that ended after it: the
+        # totals hold every loan up to `through`.
+        waiting = Job.objects.filter(reservation__in=due, started_at__isnull=False, finished_at=None)
+        first = waiting.aggregate(end=Min("reservation__end"))["end"]
+        through = min(cutoff, first - timedelta(microseconds=1)) if first else cutoff
+        if since is not None and through <= since:
+            return 0
+        due = due.filter(end__lte=through)
+        count = due.count()
+        for (team, server), (lent, used) in _lent_ms(due, None, now).items():
+            LendingTotal.objects.get_or_create(team=team, server=server, defaults={"through": through})
+            LendingTotal.objects.filter(team=team, server=server).update(
+                lent_ms=F("lent_ms") + lent, used_ms=F("used_ms") + used
+            )
+        LendingTotal.objects.update(through=through)
+    return count
 
 
 def reports_context(context: Any) -> dict[str, Any]:

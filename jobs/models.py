@@ -369,6 +369,30 @@ class LoanRun(models.Model):
         return f"job {self.job_id} on loan {self.loan_id}"
 
 
+class LendingTotal(models.Model):
+    """The GPU-time lent to the queue and used by its borrowers of the loans settled for good
+    (jobs/lending_report.py), by lending team and server: /metrics' counters run from the first
+    loan ever made, and read these few rows and the loans since `through`, not every loan.
+
+    The row with no team and no server is the head: a settle locks it, so settles take turns. A
+    settle writes `through` on every row in its one transaction, so a scrape's one read of the rows
+    sees all of them as of one settle, and reads the loans that ended after it."""
+
+    team = models.CharField(max_length=100, blank=True, help_text="The lending team's slug.")
+    server = models.CharField(max_length=100, blank=True)
+    # Milliseconds, whole: sums of integers are the same in any order, so a counter never dips by a
+    # float's last digit when its loans move from the scrape's own sum to these rows.
+    lent_ms = models.BigIntegerField(default=0)
+    used_ms = models.BigIntegerField(default=0)
+    through = models.DateTimeField(help_text="Every loan that ended by this is in the totals.")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["team", "server"], name="lending_total_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.team or 'head'}/{self.server}: lent {self.lent_ms} ms through {self.through}"
+
+
 class LogChunk(models.Model):
     """A piece of a job's log as the worker flushed it (≤ 1 MB each).
 

@@ -7,11 +7,13 @@ import threading
 
 from celery import shared_task
 from django.db import connection
+from django.utils import timezone
 
 from gpus.models import Server
 from jobs.host.images import images_pull_here
 from jobs.host.lab import lab_run
 from jobs.host.runner import job_run
+from jobs.lending_report import lending_settle
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +69,13 @@ def pull_images_now(server_id: int, image_ids: list[int]) -> list[tuple[str, boo
         log.warning("Pull of images %s: server %s is gone; nothing pulled", image_ids, server_id)
         return []
     return [(one.image, one.ok, one.detail) for one in images_pull_here(server, image_ids)]
+
+
+@shared_task(ignore_result=True, soft_time_limit=300, time_limit=360)
+def settle_lending() -> int:
+    """Fold the loans a day past their end into /metrics' lending totals (jobs.lending_report; beat,
+    hourly). Again: folds none twice."""
+    settled = lending_settle(timezone.now())
+    if settled:
+        log.info("Settled %d loans into the lending totals", settled)
+    return settled

@@ -32,8 +32,7 @@ from portal.identity_env import (
     oidc_settings_from_env,
 )
 from portal.names import instance_keys
-from portal.settings_api import *  # noqa: F403 - IDEMPOTENCY_KEY_HOURS: the API's
-from portal.settings_api import API_BEAT_SCHEDULE
+from portal.settings_api import *  # noqa: F403 - IDEMPOTENCY_KEY_HOURS, API_BEAT_SCHEDULE: the API's
 from portal.settings_containers import *  # noqa: F403 - CONTAINER_*: jobs and labs in images
 from portal.settings_lending import *  # noqa: F403 - PREEMPT_*, LEND_*, NO_SHOW_*: preemption and lending
 from portal.settings_notices import *  # noqa: F403 - JOB_END_NOTIFY_*: job notices
@@ -535,7 +534,8 @@ CELERY_BEAT_SCHEDULE = {
     "prune-signin-failures": {"task": "portal.tasks.prune_signin_failures", "schedule": 24 * 3600.0},
     # A lost tick of beat is sent again next period; this one finds mails whose message was lost.
     "requeue-stranded-mail": {"task": "portal.tasks.requeue_stranded_mail", "schedule": 60.0},
-    **API_BEAT_SCHEDULE,
+    **API_BEAT_SCHEDULE,  # noqa: F405 - the star imports': each part's own periodic tasks
+    **LENDING_BEAT_SCHEDULE,  # noqa: F405
 }
 # A QUEUED mail with no message out for this long is sent again (its message was lost with Redis).
 MAIL_REQUEUE_MINUTES = env_int("MAIL_REQUEUE_MINUTES", 10, min_value=1, max_value=24 * 60)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from portal.env import env_int
 
 __all__ = [
+    "LENDING_BEAT_SCHEDULE",
     "LEND_AFTER_MINUTES",
     "LEND_GRACE_SECONDS",
     "NO_SHOW_MINUTES",
@@ -22,3 +23,9 @@ LEND_AFTER_MINUTES = env_int("LEND_AFTER_MINUTES", 15, min_value=1, max_value=7 
 LEND_GRACE_SECONDS = env_int("LEND_GRACE_SECONDS", 20, min_value=1, max_value=100)
 # A booking unused from its start this long is a no-show: its owner is told.
 NO_SHOW_MINUTES = env_int("NO_SHOW_MINUTES", 30, min_value=1, max_value=7 * 24 * 60)
+
+LENDING_BEAT_SCHEDULE = {
+    # /metrics' lending counters read the loans settled a day after their end as totals
+    # (jobs/lending_report.py): hourly, so a scrape reads about a day of loans, never all of them.
+    "settle-lending": {"task": "jobs.tasks.settle_lending", "schedule": 3600.0},
+}

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gpus.inventory import CardState
 from gpus.models import GPU, Allocation, Server, Violation
 from jobs.host.dcgm import job_name, session_name
-from jobs.lending_report import HOUR, lending_hours
+from jobs.lending_report import HOUR, lending_totals
 from jobs.models import InteractiveSession, Job
 from portal.clock import db_now
 from portal.models import WatchdogKind
@@ -234,7 +234,7 @@ def job_metrics(now: datetime) -> Iterator[Metric]:
 def lending_metrics(now: datetime) -> Iterator[Metric]:
     """Idle booked cards lent to the queue, and what its borrowers used of them, since the first
     loan (jobs/lending_report.py): counters in GPU-seconds (÷ 3600 for GPU-hours), by the lending
-    team and server. Three queries over the loans alone."""
+    team and server. The settled totals, then three queries over the loans of the last day or so."""
     labels = ["team", "server"]
     lent = CounterMetricFamily(
         "gpu_portal_lent_gpu_seconds", "Booked but idle GPU time lent to queued jobs.", labels=labels
@@ -242,7 +242,7 @@ def lending_metrics(now: datetime) -> Iterator[Metric]:
     used = CounterMetricFamily(
         "gpu_portal_lent_used_gpu_seconds", "Lent GPU time the borrowing jobs ran.", labels=labels
     )
-    for row in lending_hours(until=now):
+    for row in lending_totals(now):
         lent.add_metric([row.team, row.server], row.lent * HOUR)
         used.add_metric([row.team, row.server], row.used * HOUR)
     yield lent
