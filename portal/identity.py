@@ -120,7 +120,10 @@ def external_account_link(*, source: str, issuer: str, subject: str, username: o
             "a-z, 0-9, '.', '_' and '-'. Ask an admin to link your account."
         )
     user_model = get_user_model()
-    user = user_model.objects.select_for_update().filter(username=name).first()
+    # NO KEY: two first sign-ins under one name still take turns, while a commit that only refers
+    # to the user (a team form adding them, their booking in another tab) does not wait for it and
+    # cannot deadlock with the memberships this sign-in locks next (tests/test_lock_modes.py).
+    user = user_model.objects.select_for_update(no_key=True).filter(username=name).first()
     if user is None:
         user = user_model.objects.create_user(name)  # no usable password
         linked = f"{user} created and linked to {subject} at {issuer}"

@@ -10,9 +10,9 @@ row. One booking was answered 500.
 
 The same holds for every row a booking, a cancel or a log line locks and others refer to: the
 cards (a telemetry round's processes, a watchdog's violations refer to them), the booking (a loan,
-a job), the job (its log chunks, its metrics). Each test holds the lock as the service takes it and
-commits a row that refers to the locked one, with a 5 s lock timeout; each fails with the old
-FOR UPDATE."""
+a job), the job (its log chunks, its metrics), and the account a first directory sign-in links.
+Each test holds the lock as the service takes it and commits a row that refers to the locked one,
+with a 5 s lock timeout; each fails with the old FOR UPDATE."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from gpus.quotas import membership_locked
 from jobs.logs.store import log_append
 from jobs.models import LogChunk
 from jobs.services import job_cancel
+from portal.identity import external_account_link
 from portal.models import Team
 from tests.factories import MembershipFactory, UserFactory, queue_job
 
@@ -80,6 +81,24 @@ def test_a_bookings_lock_on_its_team_never_holds_up_a_commit_that_refers_to_the_
         lambda: MembershipFactory(team=team, user=UserFactory(username="newcomer")),
     )
     assert team.memberships.filter(user__username="newcomer").exists()
+
+
+@on_postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_first_directory_sign_in_never_holds_up_a_commit_that_refers_to_its_user(team):
+    """The sign-in locks the account it links by name, then the memberships it syncs: an admin's
+    team form adding that person meanwhile committed only after it, and in the other order the two
+    deadlocked."""
+    person = UserFactory(username="dirname")
+    person.set_unusable_password()
+    person.save()
+    _committed_while_held(
+        lambda: external_account_link(
+            source="oidc", issuer="https://idp.example", subject="sub-1", username="dirname"
+        ),
+        lambda: MembershipFactory(team=team, user=person),
+    )
+    assert team.memberships.filter(user=person).exists()
 
 
 @on_postgres
