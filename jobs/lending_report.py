@@ -17,7 +17,7 @@ folded in hourly by beat) and sum only the loans since, so a scrape does not gro
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -28,7 +28,7 @@ from django.utils import timezone
 from gpus.models import GPU, Allocation, Reservation
 from gpus.reports import UsageScope
 from gpus.usage import day_start
-from jobs.models import Job, LendingTotal, LoanRun
+from jobs.models import Job, LendingSettle, LendingTotal, LoanRun
 
 HOUR = 3600.0
 # A loan is settled into LendingTotal this long after its end, once every run on it has ended: a
@@ -36,7 +36,16 @@ HOUR = 3600.0
 # database was away; a run whose host went silent is marked lost after JOB_LOST_AFTER_SECONDS).
 SETTLE_AFTER = timedelta(days=1)
 
-Sums = dict[tuple[str, str], list[int]]  # (team slug, server) → [lent ms, used ms]
+Key = tuple[int, int]  # (the lending team's id, the server's id)
+
+
+@dataclass
+class Sums:
+    """Milliseconds lent and used by team and server, and their names as last read: a rename
+    moves a series to its new name whole."""
+
+    ms: dict[Key, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    names: dict[Key, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -69,56 +78,68 @@ def _held(until: datetime) -> QuerySet[Reservation]:
 def _lent_ms(loans: QuerySet[Reservation], since: datetime | None, until: datetime) -> Sums:
     """Milliseconds lent and used of `loans` within [since, until), by lending team and server."""
     windows = {
-        pk: (start, end, team)
-        for pk, start, end, team in loans.order_by().values_list(
-            "pk", "start", "end", "lent_from__team__slug"
+        pk: (start, end, team, slug)
+        for pk, start, end, team, slug in loans.order_by().values_list(
+            "pk", "start", "end", "lent_from__team_id", "lent_from__team__slug"
         )
     }
-    sums: Sums = defaultdict(lambda: [0, 0])
+    sums = Sums()
     if not windows:
         return sums
     # A subquery, not a list of every id (a first settle folds a year of loans). A loan it finds
     # that the read above did not (made in between) is left out below.
     ids = loans.values("pk")
-    cards: dict[int, list[tuple[str, float]]] = defaultdict(list)
+    cards: dict[int, list[tuple[int, str, float]]] = defaultdict(list)
     allocations = Allocation.objects.filter(reservation_id__in=ids).order_by()
-    for loan, memory, server, total, reserved in allocations.values_list(
-        "reservation_id", "memory_mb", "gpu__server__name", "gpu__memory_total_mb", "gpu__memory_reserved_mb"
+    for loan, memory, server, name, total, reserved in allocations.values_list(
+        "reservation_id",
+        "memory_mb",
+        "gpu__server_id",
+        "gpu__server__name",
+        "gpu__memory_total_mb",
+        "gpu__memory_reserved_mb",
     ):
         bookable = GPU.bookable_mb(total, reserved)
-        cards[loan].append((server, 1.0 if memory is None or not bookable else min(1.0, memory / bookable)))
+        share = 1.0 if memory is None or not bookable else min(1.0, memory / bookable)
+        cards[loan].append((server, name, share))
     ran: dict[int, float] = defaultdict(float)
     # A run still going counts to its last beat, not to `until`: its end, written later by its
     # worker (a record replayed after an outage, a host clock behind this one), may be earlier
     # than a scrape's now, and the counter must not go down; it never ends before that beat. (No
     # beat yet: to `until`.)
-    runs = [
-        (loan, started, max(finished, beat) if finished and beat else finished or beat)
-        for loan, started, finished, beat in Job.objects.filter(
+    runs = {
+        (job, started): (loan, max(finished, beat) if finished and beat else finished or beat)
+        for job, loan, started, finished, beat in Job.objects.filter(
             reservation_id__in=ids, started_at__isnull=False
         )
         .order_by()
-        .values_list("reservation_id", "started_at", "finished_at", "heartbeat_at")
-    ]
-    left = LoanRun.objects.filter(loan_id__in=ids).order_by().values_list("loan_id", "started_at", "ended_at")
-    for loan, started, finished in [*runs, *left]:  # the runs still on their loans, and those that left
+        .values_list("pk", "reservation_id", "started_at", "finished_at", "heartbeat_at")
+    }
+    # A run that left its loan between the two reads (a late end record sends its job back to the
+    # queue and keeps the run as a LoanRun, in one commit) is read twice: counted once, as the job
+    # row had it. A LoanRun starts when its job's run did.
+    left = LoanRun.objects.filter(loan_id__in=ids).order_by()
+    for job, loan, started, ended in left.values_list("job_id", "loan_id", "started_at", "ended_at"):
+        runs.setdefault((job, started), (loan, ended))
+    for (_, started), (loan, finished) in runs.items():  # the runs on their loans, and those that left
         if loan not in windows:
             continue
-        start, end, _ = windows[loan]
+        start, end, _, _ = windows[loan]
         ran[loan] += _overlap(max(started, start), min(finished, end) if finished else end, since, until)
-    for loan, (start, end, team) in windows.items():
+    for loan, (start, end, team, slug) in windows.items():
         window = _overlap(start, end, since, until)
-        for server, weight in cards[loan]:
-            sums[(team, server)][0] += round(1000 * window * weight)
-            sums[(team, server)][1] += round(1000 * min(ran[loan], window) * weight)
+        for server, name, weight in cards[loan]:
+            sums.names[(team, server)] = (slug, name)
+            sums.ms[(team, server)][0] += round(1000 * window * weight)
+            sums.ms[(team, server)][1] += round(1000 * min(ran[loan], window) * weight)
     return sums
 
 
 def _rows(sums: Sums) -> list[LentHours]:
     """Largest lent first."""
     rows = [
-        LentHours(team, server, round(lent / 1000 / HOUR, 3), round(used / 1000 / HOUR, 3))
-        for (team, server), (lent, used) in sums.items()
+        LentHours(*sums.names[key], round(lent / 1000 / HOUR, 3), round(used / 1000 / HOUR, 3))
+        for key, (lent, used) in sums.ms.items()
     ]
     return sorted(rows, key=lambda r: (-r.lent, r.team, r.server))
 
@@ -141,15 +162,20 @@ def lending_totals(now: datetime) -> list[LentHours]:
     read from the settled totals and the loans that ended since (/metrics' counters)."""
     # The totals first, in one statement (all of them as of one settle), then the loans after
     # their `through`: a settle that commits between the two reads still has its loans read here.
-    settled = list(LendingTotal.objects.values_list("team", "server", "lent_ms", "used_ms", "through"))
+    # No totals: nothing folded yet, or only loans that held no card; either way all are read.
+    settled = list(
+        LendingTotal.objects.values_list(
+            "team_id", "server_id", "team__slug", "server__name", "lent_ms", "used_ms", "through"
+        )
+    )
     loans = _held(now)
     if settled:
-        loans = loans.filter(end__gt=settled[0][4])
+        loans = loans.filter(end__gt=settled[0][-1])
     sums = _lent_ms(loans, None, now)
-    for team, server, lent, used, _ in settled:
-        if team or server:  # not the head
-            sums[(team, server)][0] += lent
-            sums[(team, server)][1] += used
+    for team, server, slug, name, lent, used, _ in settled:
+        sums.names.setdefault((team, server), (slug, name))
+        sums.ms[(team, server)][0] += lent
+        sums.ms[(team, server)][1] += used
     return _rows(sums)
 
 
@@ -158,8 +184,8 @@ def lending_settle(now: datetime) -> int:
     LendingTotal (beat, hourly). Returns how many. Again: folds none twice."""
     cutoff = now - SETTLE_AFTER
     with transaction.atomic():
-        head, first_settle = LendingTotal.objects.select_for_update(no_key=True).get_or_create(
-            team="", server="", defaults={"through": cutoff}
+        head, first_settle = LendingSettle.objects.select_for_update(no_key=True).get_or_create(
+            pk=1, defaults={"through": cutoff}
         )
         since = None if first_settle else head.through
         due = _held(now).filter(end__lte=cutoff)
@@ -174,12 +200,13 @@ def lending_settle(now: datetime) -> int:
             return 0
         due = due.filter(end__lte=through)
         count = due.count()
-        for (team, server), (lent, used) in _lent_ms(due, None, now).items():
-            LendingTotal.objects.get_or_create(team=team, server=server, defaults={"through": through})
-            LendingTotal.objects.filter(team=team, server=server).update(
+        for (team, server), (lent, used) in _lent_ms(due, None, now).ms.items():
+            LendingTotal.objects.get_or_create(team_id=team, server_id=server, defaults={"through": through})
+            LendingTotal.objects.filter(team_id=team, server_id=server).update(
                 lent_ms=F("lent_ms") + lent, used_ms=F("used_ms") + used
             )
         LendingTotal.objects.update(through=through)
+        LendingSettle.objects.filter(pk=head.pk).update(through=through)
     return count
 
 

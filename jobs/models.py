@@ -374,12 +374,13 @@ class LendingTotal(models.Model):
     (jobs/lending_report.py), by lending team and server: /metrics' counters run from the first
     loan ever made, and read these few rows and the loans since `through`, not every loan.
 
-    The row with no team and no server is the head: a settle locks it, so settles take turns. A
-    settle writes `through` on every row in its one transaction, so a scrape's one read of the rows
-    sees all of them as of one settle, and reads the loans that ended after it."""
+    Keyed by the team's and server's rows, not their names: a renamed team's series moves to its
+    new name whole, settled and unsettled alike, and never drops. A settle writes `through` on
+    every row in its one transaction, so a scrape's one read of the rows sees all of them as of
+    one settle, and reads the loans that ended after it."""
 
-    team = models.CharField(max_length=100, blank=True, help_text="The lending team's slug.")
-    server = models.CharField(max_length=100, blank=True)
+    team = models.ForeignKey("portal.Team", on_delete=models.CASCADE, related_name="+")
+    server = models.ForeignKey("gpus.Server", on_delete=models.CASCADE, related_name="+")
     # Milliseconds, whole: sums of integers are the same in any order, so a counter never dips by a
     # float's last digit when its loans move from the scrape's own sum to these rows.
     lent_ms = models.BigIntegerField(default=0)
@@ -390,7 +391,17 @@ class LendingTotal(models.Model):
         constraints = [models.UniqueConstraint(fields=["team", "server"], name="lending_total_unique")]
 
     def __str__(self) -> str:
-        return f"{self.team or 'head'}/{self.server}: lent {self.lent_ms} ms through {self.through}"
+        return f"team {self.team_id}, server {self.server_id}: lent {self.lent_ms} ms through {self.through}"
+
+
+class LendingSettle(models.Model):
+    """The one row the settles lock, so they take turns, and where they stopped (`through`, as on
+    every LendingTotal row)."""
+
+    through = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"loans settled through {self.through}"
 
 
 class LogChunk(models.Model):

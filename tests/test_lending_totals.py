@@ -17,7 +17,7 @@ from gpus.booking import reservation_create
 from gpus.models import Reservation
 from jobs import lending_report
 from jobs.lending_report import SETTLE_AFTER, lending_hours, lending_settle, lending_totals
-from jobs.models import Job, LendingTotal
+from jobs.models import Job, LendingSettle, LendingTotal
 from jobs.tasks import settle_lending
 from tests.factories import queue_job
 from tests.test_prometheus_metrics import TOKEN, scrape
@@ -75,9 +75,9 @@ def test_a_settled_loan_counts_the_same_and_is_no_longer_read(alice, bob, box):
     assert lending_settle(now) == 0  # again: nothing folded twice
     assert lending_totals(now) == before
     assert counters() == (6 * 3600, 4 * 3600)
-    head = LendingTotal.objects.get(team="", server="")
+    head = LendingSettle.objects.get()
     assert head.through == now - SETTLE_AFTER
-    assert LendingTotal.objects.exclude(pk=head.pk).get().used_ms == 3 * 3600 * 1000
+    assert LendingTotal.objects.get().used_ms == 3 * 3600 * 1000
 
     # The settled loan is read from its total: a change to its rows no longer reaches the scrape,
     # while the loan of an hour ago is still read as it stands.
@@ -102,7 +102,7 @@ def test_a_loan_whose_run_has_not_ended_waits_and_so_do_the_loans_after_it(alice
     before = lending_totals(now)
 
     assert lending_settle(now) == 1  # the first only
-    assert LendingTotal.objects.get(team="", server="").through < stuck.end
+    assert LendingSettle.objects.get().through < stuck.end
     assert lending_totals(now) == before
     assert lending_settle(now) == 0
 
@@ -111,7 +111,7 @@ def test_a_loan_whose_run_has_not_ended_waits_and_so_do_the_loans_after_it(alice
     after = lending_totals(now)
     assert lending_settle(now) == 2
     assert lending_totals(now) == after
-    assert LendingTotal.objects.get(team="", server="").through == now - SETTLE_AFTER
+    assert LendingSettle.objects.get().through == now - SETTLE_AFTER
 
 
 @pytest.mark.django_db
@@ -138,8 +138,8 @@ def test_a_settle_between_a_scrapes_two_reads_counts_each_loan_once(alice, bob, 
 
 @pytest.mark.django_db(transaction=True)
 def test_two_settles_at_once_fold_each_loan_once(alice, bob, box):
-    """Each with its own connection (PostgreSQL in CI): the head row makes them take turns, and the
-    second finds the loans already folded."""
+    """Each with its own connection (PostgreSQL in CI): LendingSettle's row makes them take turns,
+    and the second finds the loans already folded."""
     now = timezone.now()
     lend(alice, bob, box[:2], now - 3 * SETTLE_AFTER)
     lend(alice, bob, box[2:3], now - 2 * SETTLE_AFTER)
@@ -166,7 +166,7 @@ def test_two_settles_at_once_fold_each_loan_once(alice, bob, box):
     assert not failed, failed
     assert sorted(folded) == [0, 2]
     assert lending_totals(now) == expected
-    assert LendingTotal.objects.filter(team="", server="").count() == 1
+    assert LendingSettle.objects.count() == 1
 
 
 @pytest.mark.django_db
