@@ -17,7 +17,7 @@ folded in hourly by beat) and sum only the loans since, so a scrape does not gro
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,10 +25,11 @@ from django.db import transaction
 from django.db.models import F, Min, Q, QuerySet
 from django.utils import timezone
 
-from gpus.models import GPU, Allocation, Reservation
+from gpus.models import GPU, Allocation, Reservation, Server
 from gpus.reports import UsageScope
 from gpus.usage import day_start
 from jobs.models import Job, LendingSettle, LendingTotal, LoanRun
+from portal.models import Team
 
 HOUR = 3600.0
 # A loan is settled into LendingTotal this long after its end, once every run on it has ended: a
@@ -39,13 +40,7 @@ SETTLE_AFTER = timedelta(days=1)
 Key = tuple[int, int]  # (the lending team's id, the server's id)
 
 
-@dataclass
-class Sums:
-    """Milliseconds lent and used by team and server, and their names as last read: a rename
-    moves a series to its new name whole."""
-
-    ms: dict[Key, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
-    names: dict[Key, tuple[str, str]] = field(default_factory=dict)
+Sums = dict[Key, list[int]]  # → [lent ms, used ms]
 
 
 @dataclass(frozen=True)
@@ -78,30 +73,22 @@ def _held(until: datetime) -> QuerySet[Reservation]:
 def _lent_ms(loans: QuerySet[Reservation], since: datetime | None, until: datetime) -> Sums:
     """Milliseconds lent and used of `loans` within [since, until), by lending team and server."""
     windows = {
-        pk: (start, end, team, slug)
-        for pk, start, end, team, slug in loans.order_by().values_list(
-            "pk", "start", "end", "lent_from__team_id", "lent_from__team__slug"
-        )
+        pk: (start, end, team)
+        for pk, start, end, team in loans.order_by().values_list("pk", "start", "end", "lent_from__team_id")
     }
-    sums = Sums()
+    sums: Sums = defaultdict(lambda: [0, 0])
     if not windows:
         return sums
     # A subquery, not a list of every id (a first settle folds a year of loans). A loan it finds
     # that the read above did not (made in between) is left out below.
     ids = loans.values("pk")
-    cards: dict[int, list[tuple[int, str, float]]] = defaultdict(list)
+    cards: dict[int, list[tuple[int, float]]] = defaultdict(list)
     allocations = Allocation.objects.filter(reservation_id__in=ids).order_by()
-    for loan, memory, server, name, total, reserved in allocations.values_list(
-        "reservation_id",
-        "memory_mb",
-        "gpu__server_id",
-        "gpu__server__name",
-        "gpu__memory_total_mb",
-        "gpu__memory_reserved_mb",
+    for loan, memory, server, total, reserved in allocations.values_list(
+        "reservation_id", "memory_mb", "gpu__server_id", "gpu__memory_total_mb", "gpu__memory_reserved_mb"
     ):
         bookable = GPU.bookable_mb(total, reserved)
-        share = 1.0 if memory is None or not bookable else min(1.0, memory / bookable)
-        cards[loan].append((server, name, share))
+        cards[loan].append((server, 1.0 if memory is None or not bookable else min(1.0, memory / bookable)))
     ran: dict[int, float] = defaultdict(float)
     # A run still going counts to its last beat, not to `until`: its end, written later by its
     # worker (a record replayed after an outage, a host clock behind this one), may be earlier
@@ -124,22 +111,28 @@ def _lent_ms(loans: QuerySet[Reservation], since: datetime | None, until: dateti
     for (_, started), (loan, finished) in runs.items():  # the runs on their loans, and those that left
         if loan not in windows:
             continue
-        start, end, _, _ = windows[loan]
+        start, end, _ = windows[loan]
         ran[loan] += _overlap(max(started, start), min(finished, end) if finished else end, since, until)
-    for loan, (start, end, team, slug) in windows.items():
+    for loan, (start, end, team) in windows.items():
         window = _overlap(start, end, since, until)
-        for server, name, weight in cards[loan]:
-            sums.names[(team, server)] = (slug, name)
-            sums.ms[(team, server)][0] += round(1000 * window * weight)
-            sums.ms[(team, server)][1] += round(1000 * min(ran[loan], window) * weight)
+        for server, weight in cards[loan]:
+            sums[(team, server)][0] += round(1000 * window * weight)
+            sums[(team, server)][1] += round(1000 * min(ran[loan], window) * weight)
     return sums
 
 
 def _rows(sums: Sums) -> list[LentHours]:
-    """Largest lent first."""
+    """Largest lent first, each named by its team's slug and server's name as they are now, read
+    once each (unique within a read, so no two series share their labels while an admin renames
+    or swaps them; a rename moves a series whole). A team or server gone takes its series along."""
+    if not sums:
+        return []
+    slugs = dict(Team.objects.filter(pk__in={team for team, _ in sums}).values_list("pk", "slug"))
+    names = dict(Server.objects.filter(pk__in={server for _, server in sums}).values_list("pk", "name"))
     rows = [
-        LentHours(*sums.names[key], round(lent / 1000 / HOUR, 3), round(used / 1000 / HOUR, 3))
-        for key, (lent, used) in sums.ms.items()
+        LentHours(slugs[team], names[server], round(lent / 1000 / HOUR, 3), round(used / 1000 / HOUR, 3))
+        for (team, server), (lent, used) in sums.items()
+        if team in slugs and server in names
     ]
     return sorted(rows, key=lambda r: (-r.lent, r.team, r.server))
 
@@ -163,19 +156,14 @@ def lending_totals(now: datetime) -> list[LentHours]:
     # The totals first, in one statement (all of them as of one settle), then the loans after
     # their `through`: a settle that commits between the two reads still has its loans read here.
     # No totals: nothing folded yet, or only loans that held no card; either way all are read.
-    settled = list(
-        LendingTotal.objects.values_list(
-            "team_id", "server_id", "team__slug", "server__name", "lent_ms", "used_ms", "through"
-        )
-    )
+    settled = list(LendingTotal.objects.values_list("team_id", "server_id", "lent_ms", "used_ms", "through"))
     loans = _held(now)
     if settled:
         loans = loans.filter(end__gt=settled[0][-1])
     sums = _lent_ms(loans, None, now)
-    for team, server, slug, name, lent, used, _ in settled:
-        sums.names.setdefault((team, server), (slug, name))
-        sums.ms[(team, server)][0] += lent
-        sums.ms[(team, server)][1] += used
+    for team, server, lent, used, _ in settled:
+        sums[(team, server)][0] += lent
+        sums[(team, server)][1] += used
     return _rows(sums)
 
 
@@ -200,7 +188,7 @@ def lending_settle(now: datetime) -> int:
             return 0
         due = due.filter(end__lte=through)
         count = due.count()
-        for (team, server), (lent, used) in _lent_ms(due, None, now).ms.items():
+        for (team, server), (lent, used) in _lent_ms(due, None, now).items():
             LendingTotal.objects.get_or_create(team_id=team, server_id=server, defaults={"through": through})
             LendingTotal.objects.filter(team_id=team, server_id=server).update(
                 lent_ms=F("lent_ms") + lent, used_ms=F("used_ms") + used

@@ -135,6 +135,19 @@ def job_preempt(
     return bool(asked)
 
 
+def _loan_run_keep(job_id: int, was: dict, ended_at: datetime) -> None:
+    """The run on a loan its job leaves, kept (jobs.lending_report counts it as used). It ends
+    never before its last beat, nor before the end a lost run was marked with: /metrics counted
+    it that far, and a lost run's late "preempted" end may name a moment before either."""
+    began = was["started_at"]
+    LoanRun.objects.create(
+        loan_id=was["reservation_id"],
+        job_id=job_id,
+        started_at=began,
+        ended_at=max(began, ended_at, was.get("heartbeat_at") or began, was.get("finished_at") or began),
+    )
+
+
 def job_requeue(
     job_id: int,
     *,
@@ -150,20 +163,20 @@ def job_requeue(
     `ended_at` (its end as its worker saw it; default `now`). `say`: the log's line is written
     here (no supervisor wrote it). Whether this call made the change."""
     now = now or timezone.now()
-    fields = ("reservation_id", "array_id", "started_at", "heartbeat_at", "reservation__lent_from")
+    fields = (
+        "reservation_id",
+        "array_id",
+        "started_at",
+        "heartbeat_at",
+        "finished_at",
+        "reservation__lent_from",
+    )
     was = Job.objects.filter(pk=job_id).values(*fields).first() or {}
     booking, array = was.get("reservation_id"), was.get("array_id")
 
     def told() -> None:
         if was.get("reservation__lent_from") and was.get("started_at"):
-            began = was["started_at"]
-            LoanRun.objects.create(
-                # Never before its last beat: /metrics counted it that far (jobs.lending_report).
-                loan_id=booking,
-                job_id=job_id,
-                started_at=began,
-                ended_at=max(began, ended_at or now, was.get("heartbeat_at") or began),
-            )
+            _loan_run_keep(job_id, was, ended_at or now)
         if booking is not None:
             _booking_give_back(booking, job_id, now)
         if array is not None:  # its array was told of it as lost: its real end is told again
