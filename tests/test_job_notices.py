@@ -452,7 +452,8 @@ def _failed_with_log(alice, booking, env: dict[str, str], *pieces: str, message:
 
 
 def test_a_secret_the_writer_split_across_two_lines_is_masked(alice, booking):
-    # A partial line held too long is stored as a line of its own (LogWriter._take_partial).
+    # A line broken in two: a line of the portal's own came while the job's line was being drawn
+    # (LogWriter.write_line), or a worker stopped inside it and the next wrote on a new line.
     body = _failed_with_log(alice, booking, {"KEY": SECRET}, f"key={SECRET[:9]}", f"{SECRET[9:]} ok")
     assert SECRET[:9] not in body and SECRET[9:] not in body and "key=****" in body
 

@@ -176,3 +176,82 @@ def test_the_exact_form_gives_back_every_byte_however_the_body_is_cut(text):
 def test_gpus_reader_ends_lines_where_sse_does():
     assert list(sse_lines(["a\r", "\nb\r", "c\n", "d\x0ce\u2028f\n"])) == ["a", "b", "c", "d\x0ce\u2028f"]
     assert list(sse_lines(["data: x\r", "\r", "\n"])) == ["data: x", ""]
+
+
+# --- a line still being drawn: stored as it comes, and gone on with -----------------------------
+
+
+STAMPED = rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
+
+
+def stored(job: Job) -> bytes:  # noqa: F811
+    return b"".join(log_stream(job.pk))
+
+
+def _waited(writer: LogWriter) -> None:
+    writer.partial_since -= 1.0  # the line has waited LOG_FLUSH_SECONDS: taken as far as it came
+    writer.maybe_flush()
+
+
+def test_a_bar_drawn_over_many_flushes_is_stored_as_one_line_with_one_timestamp(job):  # noqa: F811
+    """A long epoch's bar was stored as a line every half second, each with its own timestamp and a
+    newline the job never printed: a page, `gpu logs` and the download showed a bar per flush."""
+    import re
+
+    writer = LogWriter(job.pk)
+    bar = keras_bar(6)
+    cuts = [next(at for at in range(want, len(bar)) if bar[at] & 0xC0 != 0x80) for want in (40, 90)]
+    pieces = [bar[: cuts[0]], bar[cuts[0] : cuts[1]], bar[cuts[1] :]]  # between characters
+    for piece in pieces[:-1]:
+        writer.feed(piece)
+        _waited(writer)
+        writer.flush()  # each piece stored, and readable, at once
+        assert stored(job).endswith(piece) and not stored(job).endswith(b"\n")
+    writer.feed(pieces[-1] + b"after\n")
+    writer.close()
+    assert re.fullmatch(STAMPED + re.escape(bar) + STAMPED + b"after\n", stored(job))
+
+
+def test_a_portal_line_while_a_bar_is_drawn_is_a_line_of_its_own(job):  # noqa: F811
+    import re
+
+    writer = LogWriter(job.pk)
+    writer.feed(b"\r1/9 [==")
+    _waited(writer)
+    writer.write_line("[portal] Time limit in 5 minutes.")
+    writer.feed(b"\r2/9 [====\n")
+    writer.close()
+    expected = STAMPED + rb"\r1/9 \[==\n" + STAMPED + rb"\[portal\] Time limit in 5 minutes\.\n"
+    assert re.fullmatch(expected + STAMPED + rb"\r2/9 \[====\n", stored(job))
+
+
+def test_a_log_left_inside_a_line_is_gone_on_with_on_a_new_line(job):  # noqa: F811
+    """Its worker stopped while a bar was drawn (killed, its host lost): the reconciler's line, and
+    a writer that takes the job up again (its next run after a preemption), start lines of their own."""
+    import re
+
+    from jobs.logs.store import log_append
+
+    writer = LogWriter(job.pk)
+    writer.feed(b"\r3/9 [======")
+    _waited(writer)
+    writer.flush()  # and no close: the worker is gone
+    log_append(job.pk, "[portal] Lost: its worker stopped answering.")
+    again = LogWriter(job.pk)
+    again.feed(b"resumed\n")
+    again.close()
+    lines = stored(job).split(b"\n")
+    assert [bool(re.match(STAMPED, line)) for line in lines] == [True, True, True, False]  # then ""
+    assert lines[0].endswith(b"[======") and lines[2].endswith(b"resumed")
+
+
+def test_the_exact_stream_sends_a_line_being_drawn_at_once_and_the_text_form_its_whole_lines():
+    from jobs.logs.stream import Cursor
+
+    exact, text = Cursor(0, exact=True), Cursor(0)
+    bar = "\r1/9 ━━".encode()
+    # Not the first two of the last ━'s three bytes: they wait for the third.
+    assert exact.take(bar[:-1], 0, len(bar) - 1) == event(bar[:-3], len(bar) - 3, exact=True)
+    assert exact.take(bar[-1:], len(bar) - 1, len(bar)) == event(bar[-3:], len(bar), exact=True)
+    assert text.take(bar, 0, len(bar)) == b""  # the text form cannot go on with a line it sent
+    assert text.take(b"\n", len(bar), len(bar) + 1) == event(bar + b"\n", len(bar) + 1)

@@ -101,8 +101,9 @@ STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ")
 def _bar_printed(writer: LogWriter) -> None:
     """A Keras 3 evaluate() bar of six redraws (escape codes, backspaces, carriage returns) after
     a line, stored as the worker stores it: the bar's line taken after its first redraw, as the
-    half-second flush takes a line still being drawn, and the rest once its newline came; then a
-    CRLF line, and a line written over and erased to its end (ESC [ K)."""
+    half-second flush takes a line still being drawn (stored without a newline), and the rest,
+    which goes on drawing that line, once its newline came; then a CRLF line, and a line written
+    over and erased to its end (ESC [ K)."""
     writer.feed(b"Epoch 1/1\n")
     bar = keras_bar(6)
     redrawn = bar.index(b"\x08")  # the second redraw begins by backspacing over the first
@@ -122,7 +123,8 @@ def _as_shown(log) -> list[str]:  # type: ignore[no-untyped-def]
 SHOWN = [
     "epoch 0",
     "Epoch 1/1",
-    "1/6 ━━━━━━━━━━━━━━━━━━━━ 0s 2ms/step - accuracy: 0.9001",  # the line taken while being drawn
+    # One bar: the piece taken while the line was being drawn was a line of its own before (a bar
+    # every half second of a long epoch).
     "6/6 ━━━━━━━━━━━━━━━━━━━━ 0s 2ms/step - accuracy: 0.9006",
     "Test accuracy: 0.98",
     "Done",

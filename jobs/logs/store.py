@@ -5,6 +5,10 @@ log must outlive that host. The worker flushes every LOG_FLUSH_SECONDS or whenev
 pending; live watchers do not wait for that: each line is also published on Redis as it is
 taken (jobs/logs/live.py, read by the event stream in jobs/logs/stream.py, docs/live.md).
 
+Each line is stored with the time it began: a line still being drawn (a progress bar redrawn with
+carriage returns) is stored as it comes, each LOG_FLUSH_SECONDS, and what follows continues that
+line until its newline, so the stored log is the job's bytes with a timestamp at each line's start.
+
 Offsets are byte positions in the job's whole output (timestamps included). The cap
 (JOB_LOG_MAX_MB) keeps the first half as `head` chunks and the newest half as tail
 chunks, dropping the oldest tail chunk as new ones arrive; readers put a marker line
@@ -23,6 +27,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Max
+from django.db.models.functions import Length, Substr
 from django.utils import timezone
 from django.utils.http import content_disposition_header
 
@@ -56,6 +61,19 @@ def utf8_incomplete(data: bytes | bytearray) -> int:
             )
             return back if length > back else 0
     return 0
+
+
+def _ends_open(job_id: int) -> bool:
+    """Whether the job's stored log ends inside a line (its writer stopped while a bar was being
+    drawn): what is appended after it starts a line of its own."""
+    last = (
+        LogChunk.objects.filter(job_id=job_id)
+        .order_by("-seq")
+        .annotate(last=Substr("data", Length("data"), 1))
+        .values_list("last", flat=True)
+        .first()
+    )
+    return last is not None and bytes(last) != b"\n"
 
 
 def dropped_marker(dropped: int) -> bytes:
@@ -106,6 +124,9 @@ class LogWriter:
         self.pending = bytearray()
         self.partial = bytearray()  # a line still waiting for its newline
         self.partial_since = 0.0
+        # What was taken ends inside a line, stored without a newline of its own: the next bytes
+        # continue it, with no timestamp of their own.
+        self.open = bool(self.total) and _ends_open(job_id)
         self.last_flush = time.monotonic()
         self.in_sync = not (spool is not None and (spool.size or spool.dropped))
         # More of the job's row, written with every store in its transaction (a Slurm job's place
@@ -129,7 +150,7 @@ class LogWriter:
             return
         stamp = timestamp()
         *lines, rest = bytes(self.partial).split(b"\n")
-        self._add(b"".join(stamp + line + b"\n" for line in lines))
+        self._add(b"".join(self._stamp(stamp) + line + b"\n" for line in lines))
         self.partial = bytearray(rest)
         self.partial_since = time.monotonic()
         self._cap_pending()
@@ -143,21 +164,38 @@ class LogWriter:
             self.total += excess
             self.dropped += excess
 
+    def _stamp(self, stamp: bytes) -> bytes:
+        """A line's timestamp where a line starts; nothing where the bytes continue an open one."""
+        if self.open:
+            self.open = False
+            return b""
+        return stamp
+
     def _take_partial(self, *, whole: bool = False) -> None:
-        """The partial line as a line of its own, but for a character the pipe's last read ended
-        inside (kept for the next line, else each half reads as U+FFFD); `whole`: all of it."""
+        """The line being drawn as far as it came, without a newline: what follows continues it.
+        Not a character the pipe's last read ended inside (kept for the rest, else each half reads
+        as U+FFFD). `whole`: all of it, and the line ended (the job's output has ended)."""
         keep = 0 if whole else utf8_incomplete(self.partial)
+        if whole:
+            if self.partial or self.open:
+                self._add(self._stamp(timestamp()) + bytes(self.partial) + b"\n")
+            self.partial.clear()
+            return
         if keep == len(self.partial):
             self.partial_since = time.monotonic()  # only that character's start: wait for the rest
             return
-        self._add(timestamp() + bytes(self.partial[: len(self.partial) - keep]) + b"\n")
+        self._add(self._stamp(timestamp()) + bytes(self.partial[: len(self.partial) - keep]))
+        self.open = True
         del self.partial[: len(self.partial) - keep]
         self.partial_since = time.monotonic()
         self._cap_pending()
 
     def write_line(self, text: str) -> None:
-        """A line of the portal's own (what it applied, why it stopped the job)."""
-        self._add(timestamp() + text.rstrip("\n").encode() + b"\n")
+        """A line of the portal's own (what it applied, why it stopped the job), on a line of its
+        own: a line the job was drawing ends first, and goes on after it on a new line."""
+        ended = b"\n" if self.open else b""
+        self.open = False
+        self._add(ended + timestamp() + text.rstrip("\n").encode() + b"\n")
 
     # After a failed flush the next waits: 2 s, doubling up to 30 s, back to none once one
     # succeeds (or the caller knows the database answers again and clears `backoff`). Each try
@@ -182,7 +220,7 @@ class LogWriter:
 
     def close(self) -> None:
         try:
-            if self.partial:
+            if self.partial or self.open:
                 self._take_partial(whole=True)
             self.flush()
         finally:
@@ -210,6 +248,9 @@ class LogWriter:
                 self.pending.clear()
             data = self.spool.read()
             if self.spool.dropped:
+                if data and not data.endswith(b"\n"):  # the marker is a line of its own
+                    data += b"\n"
+                    self.open = False
                 data += spool_dropped_marker(self.spool)
             self._store_once(data)
             self.spool.clear()
@@ -294,7 +335,8 @@ def log_append(job_id: int, text: str, *, now: datetime | None = None) -> None:
         job = Job.objects.select_for_update(no_key=True).filter(pk=job_id).values("log_bytes").get()
         seq = (LogChunk.objects.filter(job_id=job_id).aggregate(seq=Max("seq"))["seq"] or 0) + 1
         at = (now or timezone.now()).timestamp()
-        data = timestamp(at) + text.rstrip("\n").encode() + b"\n"
+        ended = b"\n" if job["log_bytes"] and _ends_open(job_id) else b""  # a line of its own
+        data = ended + timestamp(at) + text.rstrip("\n").encode() + b"\n"
         LogChunk.objects.create(
             job_id=job_id, seq=seq, start=job["log_bytes"], size=len(data), head=False, data=data
         )

@@ -4,7 +4,8 @@ Each event is whole lines of the log: one `data:` line per log line (its raw tex
 newline), and `id:` the byte offset just after them. SSE cannot carry a carriage return inside a
 line, so with `?encoding=json` an event's data is instead one JSON string holding its bytes
 exactly (a progress bar's carriage returns, every newline; a byte that is no UTF-8 as the
-escape of Python's surrogateescape stand-in): what `gpu logs -f` and the job page ask for. A
+escape of Python's surrogateescape stand-in), sent as they come, a line still being drawn
+included: what `gpu logs -f` and the job page ask for. A
 client that reconnects with that id in `Last-Event-ID` (or `?offset=`) gets exactly the bytes
 after it. `event: end` follows the last bytes once the job has ended. A comment line every
 LOG_STREAM_KEEPALIVE_SECONDS keeps proxies from closing a quiet stream.
@@ -49,7 +50,7 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 
 from jobs.logs import live as log_live
-from jobs.logs.store import log_end, log_pieces, parse_offset
+from jobs.logs.store import log_end, log_pieces, parse_offset, utf8_incomplete
 from jobs.models import Job
 from portal.errors import Invalid
 from portal.subscriptions import Lost, Subscription, hub
@@ -193,7 +194,8 @@ KEEPALIVE = b": keep-alive\n\n"
 @dataclass
 class Cursor:
     """What this stream has sent (`sent`, the last id) and received (`have`); the bytes between
-    them wait for their line's end. `ahead` holds live output past a gap, by offset."""
+    them wait for their line's end (the exact form: only for a character's). `ahead` holds live
+    output past a gap, by offset."""
 
     sent: int
     exact: bool = False  # events as `event(exact=True)` writes them
@@ -217,10 +219,17 @@ class Cursor:
             piece = piece[self.have - start :]
         self.held += piece
         self.have = end
-        cut = self.held.rfind(b"\n") + 1
-        if not cut and len(self.held) < READ_BYTES:
-            return b""
-        cut = cut or len(self.held)
+        if self.exact:
+            # Bytes exactly, a line still being drawn included (a progress bar, stored as it comes:
+            # jobs/logs/store.py), but for a character whose rest has not come yet.
+            cut = len(self.held) - utf8_incomplete(self.held)
+            if not cut:
+                return b""
+        else:  # whole lines: the text form cannot say where a line it sent in part goes on
+            cut = self.held.rfind(b"\n") + 1
+            if not cut and len(self.held) < READ_BYTES:
+                return b""
+            cut = cut or len(self.held)
         out = event(bytes(self.held[:cut]), self.sent + cut, exact=self.exact)
         del self.held[:cut]
         self.sent += cut
