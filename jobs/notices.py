@@ -227,10 +227,12 @@ def log_tail(job: Job, lines: int = LOG_LINES) -> str:
     """The last `lines` lines of the job's log, without their timestamps, each value of the job's
     own environment (an API key, a password) masked: a message may land in a shared chat room.
 
-    Masked over the whole window read, before its last lines are taken: a secret the writer
-    split over two lines (a partial line held too long is stored as a line of its own), or one
-    of many lines (a key file), is masked whole. The window's first line is dropped when the log
-    goes on before it: it may begin inside a secret, whose end alone would not be masked."""
+    Masked over the whole window read, before its last lines are taken: a secret split over two
+    lines (a line of the portal's own came while the job's line was being drawn), or one of many
+    lines (a key file), is masked whole. The window's first line is dropped, up to its first
+    newline or carriage return, when the log goes on before it: it may begin inside a secret,
+    whose end alone would not be masked. (A progress bar's line, stored whole however long an
+    epoch draws it, keeps its redraws after that carriage return.)"""
     chunks = LogChunk.objects.filter(job_id=job.pk)
     # A worker stores a chunk per flush, often a line or two: as many as the window needs (their
     # sizes first, so a megabyte's chunk is never read for its last 8 KB's sake).
@@ -248,7 +250,8 @@ def log_tail(job: Job, lines: int = LOG_LINES) -> str:
     cut = first_start > 0 or len(data) > LOG_TAIL_BYTES
     data = data[-LOG_TAIL_BYTES:]
     if cut:
-        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+        ends = [at for at in (data.find(b"\n"), data.find(b"\r")) if at >= 0]
+        data = data[min(ends) + 1 :] if ends else b""
     # PostgreSQL refuses NUL in text: the notice's row would fail inside the end's transaction.
     text = _STAMP.sub(b"", data).replace(b"\0", b"").decode("utf-8", errors="replace")
     # Masked before a redraw hides part of a secret; its lines as a terminal shows them (a

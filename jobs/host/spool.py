@@ -212,6 +212,11 @@ class LogSpool:
     def read(self) -> bytes:
         return os.pread(self.fd, self.size, 0)
 
+    def ends_open(self) -> bool:
+        """Whether what waits ends inside a line (a progress bar being drawn): what comes next
+        continues it."""
+        return bool(self.size) and os.pread(self.fd, 1, self.size - 1) != b"\n"
+
     def clear(self) -> None:
         os.ftruncate(self.fd, 0)
         self.size = 0

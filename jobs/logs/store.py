@@ -63,6 +63,18 @@ def utf8_incomplete(data: bytes | bytearray) -> int:
     return 0
 
 
+# The start of a line as the writer stores it: what does not begin so goes on with a line.
+_STAMPED = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ")
+
+
+def _line_started(data: bytes) -> bytes:
+    """`data`, which went on with a line, made to start a line of its own: its newline that ended
+    that line dropped, or a timestamp before its first bytes."""
+    if data[:1] == b"\n":
+        return data[1:]
+    return data if _STAMPED.match(data) else timestamp() + data
+
+
 def _ends_open(job_id: int) -> bool:
     """Whether the job's stored log ends inside a line (its writer stopped while a bar was being
     drawn): what is appended after it starts a line of its own."""
@@ -125,8 +137,11 @@ class LogWriter:
         self.partial = bytearray()  # a line still waiting for its newline
         self.partial_since = 0.0
         # What was taken ends inside a line, stored without a newline of its own: the next bytes
-        # continue it, with no timestamp of their own.
-        self.open = bool(self.total) and _ends_open(job_id)
+        # continue it, with no timestamp of their own. What waits in a spool left over goes first.
+        if spool is not None and spool.size:
+            self.open = spool.ends_open()
+        else:
+            self.open = bool(self.total) and _ends_open(job_id)
         self.last_flush = time.monotonic()
         self.in_sync = not (spool is not None and (spool.size or spool.dropped))
         # More of the job's row, written with every store in its transaction (a Slurm job's place
@@ -248,9 +263,12 @@ class LogWriter:
                 self.pending.clear()
             data = self.spool.read()
             if self.spool.dropped:
-                if data and not data.endswith(b"\n"):  # the marker is a line of its own
+                # The marker is a line of its own, after what was kept (or what is stored), and
+                # what comes after it starts a line: the bytes it stands for ended inside one.
+                ends_open = data[-1:] != b"\n" if data else bool(self.total) and _ends_open(self.job_id)
+                if ends_open:
                     data += b"\n"
-                    self.open = False
+                self.open = False
                 data += spool_dropped_marker(self.spool)
             self._store_once(data)
             self.spool.clear()
@@ -275,9 +293,12 @@ class LogWriter:
                 self._store(data)
             except IntegrityError:
                 # Someone else appended (the reconciler's "lost" line while this worker was
-                # out of touch): continue after what is stored.
+                # out of touch): continue after what is stored, on a line of its own if that
+                # ended the line these bytes went on with.
                 self.seq, self.total, self.dropped, self.tail_bytes, self.tail = saved
                 self._resync()
+                if not _ends_open(self.job_id):
+                    data = _line_started(data)
                 self._store(data)
         except Exception:
             self.seq, self.total, self.dropped, self.tail_bytes, self.tail = saved

@@ -2,9 +2,10 @@
 // data-offset="0">.
 //
 // The page's one event stream (static/js/live.js; GET /jobs/<id>/events/?encoding=json,
-// docs/live.md) brings each line as the job prints it: an event's data is whole lines, as one JSON
-// string of their exact text (carriage returns included), its id the byte offset after them, and
-// a reconnect resumes after the last one. At `end` one fetch of the log's endpoint
+// docs/live.md) brings the log as the job prints it: an event's data is one JSON string of its
+// exact text (carriage returns included; a line still being drawn comes as it is drawn, and the
+// next event goes on with it), its id the byte offset after it, and a reconnect resumes after
+// the last one. At `end` one fetch of the log's endpoint
 // brings the final status and any last byte; when the page gives the stream up (refused, or
 // failing) the polling below takes over from the same offset, saying so.
 //
@@ -17,9 +18,9 @@
 // The text is shown as a terminal shows it, line by line: a carriage return goes back to the
 // line's start (after the worker's timestamp) and what follows writes over it, a backspace steps
 // back, erasing and moving along the line are done, and colour codes are left out. A Keras or
-// tqdm progress bar is then one bar a stored line (the worker stores a line still being drawn
-// every half second, with a newline of its own), not one line per redraw with its escape codes;
-// the download keeps the bytes as printed.
+// tqdm progress bar is then one bar, redrawn in place (the worker stores a line still being drawn
+// every half second without a newline, and goes on with it), not one line per redraw with its
+// escape codes; the download keeps the bytes as printed.
 (function () {
   "use strict";
 
