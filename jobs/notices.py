@@ -268,22 +268,29 @@ def _as_shown(line: str) -> str:
     return shown.rstrip()
 
 
+_SPLIT = r"(?:\n(?:\[portal\][^\n]*\n)*)?"  # where a value's halves may sit apart in the log
+_PORTAL_LINE = re.compile(r"\[portal\][^\n]*")
+
+
 def secrets_mask(job: Job, text: str) -> str:
     """`text` with each value of the job's environment masked, as written and in the forms a
     program prints it in (URL-encoded, in JSON, in base64 alone or inside a longer base64 such
-    as an `Authorization: Basic` header), even where the log's writer broke it over two lines.
-    Values shorter than SECRET_MIN_LENGTH stay: masking "1" or "en" would mask every line."""
+    as an `Authorization: Basic` header), even where the log's writer broke it over two lines,
+    or the portal's own lines came between its halves (a time limit's warning while the job's line
+    was being drawn: jobs/logs/store.py). Values shorter than SECRET_MIN_LENGTH stay: masking "1"
+    or "en" would mask every line."""
     forms: set[str] = set()
     for value in {str(v) for v in (job.env or {}).values()}:
         if len(value) >= SECRET_MIN_LENGTH:
             forms |= _forms(value)
     forms = {form for form in forms if len(form) >= SECRET_MIN_LENGTH}
-    # Each form found on its own, a line break allowed anywhere inside it; the spans found are
-    # merged, so two values that overlap ("xab" in "xabcdef12") are masked as one, whole.
+    # Each form found on its own, a line break (and portal lines after it) allowed anywhere inside
+    # it; the spans found are merged, so two values that overlap ("xab" in "xabcdef12") are masked
+    # as one, whole.
     spans = sorted(
         (found.start(), found.end())
         for form in forms
-        for found in re.finditer("\n?".join(map(re.escape, form)), text)
+        for found in re.finditer(_SPLIT.join(map(re.escape, form)), text)
     )
     masked, done = [], 0
     for start, end in spans:
@@ -293,8 +300,13 @@ def secrets_mask(job: Job, text: str) -> str:
             masked.append((start, end))
         done = max(done, end)
     pieces, at = [], 0
-    for start, end in masked:  # the mask keeps the line breaks: the lines stay where they were
-        pieces += [text[at:start], MASK + "\n" * text.count("\n", start, end)]
+    for start, end in masked:  # the mask keeps the line breaks and portal lines: lines stay in place
+        inside = text[start:end].split("\n")
+        kept = [
+            line if 0 < n < len(inside) - 1 and _PORTAL_LINE.fullmatch(line) else ""
+            for n, line in enumerate(inside)
+        ]
+        pieces += [text[at:start], MASK + "\n".join(kept)]
         at = end
     return "".join(pieces) + text[at:]
 

@@ -1,6 +1,7 @@
 """A review's cases against lines stored as they are drawn (jobs/logs/store.py): the writer's
 resync after the reconciler appended to an open line, the spool's dropped marker beside an open
-line, a writer given a spool left inside a line, and a notice's log tail inside a long bar."""
+line, a writer given a spool left inside a line, a notice's log tail inside a long bar; and, from a
+second review, a value of the job's environment that a portal line split while it was drawn."""
 
 from __future__ import annotations
 
@@ -137,3 +138,25 @@ def test_log_tail_of_a_job_stopped_inside_a_long_bar_shows_the_bar(job):  # noqa
     writer.close()
     tail = log_tail(job)
     assert "399/999" in tail, tail
+
+
+def test_a_secret_a_portal_line_split_while_drawn_is_masked_in_the_notice_tail(job):  # noqa: F811
+    """A second review: the job printed half a value of its environment, its line was stored as
+    far as drawn, a portal line came, then the rest: the mask allowed only a newline inside a
+    value, so both halves went out to a possibly shared chat room. The portal line stays."""
+    secret = "sk-live-0123456789abcdefABCDEF"
+    Job.objects.filter(pk=job.pk).update(env={"API_KEY": secret})
+    job.refresh_from_db()
+    writer = LogWriter(job.pk)
+    writer.feed(b"connecting with key " + secret[:16].encode())
+    _waited(writer)  # the line as far as drawn: stored, open
+    writer.write_line("[portal] Time limit in 5 minutes: the job is stopped then.")
+    writer.feed(secret[16:].encode() + b" ok\n")
+    writer.close()
+    tail = log_tail(job)
+    assert secret[:16] not in tail and secret[16:] not in tail, tail
+    assert tail.split("\n") == [
+        "connecting with key ****",
+        "[portal] Time limit in 5 minutes: the job is stopped then.",
+        " ok",
+    ]
