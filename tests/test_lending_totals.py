@@ -5,12 +5,10 @@ across a settle, and a loan whose run has not ended waits, with every loan after
 
 from __future__ import annotations
 
-import threading
 from datetime import datetime, timedelta
 
 import pytest
 from django.conf import settings
-from django.db import connection
 from django.utils import timezone
 
 from gpus.booking import reservation_create
@@ -20,6 +18,7 @@ from jobs.lending_report import SETTLE_AFTER, lending_hours, lending_settle, len
 from jobs.models import Job, LendingSettle, LendingTotal
 from jobs.tasks import settle_lending
 from tests.factories import queue_job
+from tests.test_lending_race import _both_at_once
 from tests.test_prometheus_metrics import TOKEN, scrape
 
 H = timedelta(hours=1)
@@ -144,26 +143,8 @@ def test_two_settles_at_once_fold_each_loan_once(alice, bob, box):
     lend(alice, bob, box[:2], now - 3 * SETTLE_AFTER)
     lend(alice, bob, box[2:3], now - 2 * SETTLE_AFTER)
     expected = lending_totals(now)
-    barrier = threading.Barrier(2)
     folded: list[int] = []
-    failed: list[BaseException] = []
-
-    def settle() -> None:
-        try:
-            connection.ensure_connection()
-            barrier.wait(timeout=30)
-            folded.append(lending_settle(now))
-        except BaseException as error:  # said by the test, not lost in a thread
-            failed.append(error)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=settle) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not failed, failed
+    _both_at_once(*[lambda: folded.append(lending_settle(now))] * 2)
     assert sorted(folded) == [0, 2]
     assert lending_totals(now) == expected
     assert LendingSettle.objects.count() == 1
