@@ -52,16 +52,20 @@ def copy_log(portal: Portal, job_id: int, *, follow: bool) -> None:
     """Copy the job's log to stdout as it arrives; with `follow`, until the job has finished and
     its last bytes are out."""
     out = sys.stdout.buffer
-    offset = 0
+    offset, last = 0, b"\n"
     while True:
         with portal.stream(f"jobs/{job_id}/log/", offset=offset) as response:
             for chunk in response.iter_bytes():
                 out.write(chunk)
+                last = chunk[-1:] or last
             out.flush()
             status = response.headers.get("X-Job-Status", "")
             next_offset = int(response.headers.get("X-Log-Next-Offset", offset))
         # A finished job's status is read before its log: one more read after it proves nothing is left.
         if not follow or (next_offset == offset and status in FINISHED):
+            if last != b"\n" and sys.stdout.isatty():  # a line still being drawn: the prompt below it
+                out.write(b"\n")
+                out.flush()
             return
         if next_offset == offset:
             time.sleep(POLL_SECONDS)

@@ -73,7 +73,7 @@ def _replay_one(name: str, spool: LogSpool) -> int:
     writer = LogWriter(job_id, spool=spool)
     record = EndRecord.read(name)
     if record is None:  # its supervisor died: the reconciler marks the job lost; its lines stay
-        writer.flush()
+        writer.close()  # and its last line ends: nothing of that run comes after it
     elif job_end_record(job_id, writer, record):
         log.info("Job %s finished: %s (recorded from this host's spool)", job_id, record.status)
         queued_job_ended(job)

@@ -270,6 +270,8 @@ class LogWriter:
                     data += b"\n"
                 self.open = False
                 data += spool_dropped_marker(self.spool)
+            if data and not (self.total and _ends_open(self.job_id)):
+                data = _line_started(data)  # what it went on with was ended meanwhile (log_append)
             self._store_once(data)
             self.spool.clear()
             return
