@@ -89,6 +89,13 @@ def kill_quietly(procs: Iterable[psutil.Process | None]) -> None:
                 proc.kill()
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
 class Leftovers:
     """The processes a test's jobs started that the test saw: killed after it, whatever happened."""
 
@@ -98,7 +105,17 @@ class Leftovers:
     def child(self, pidfile: Path, job_id: int) -> psutil.Process | None:
         """The process whose pid the job wrote to `pidfile`; None if it is gone already."""
         text = wait_for(lambda: pidfile.exists() and pidfile.read_text(), timeout=30, what="the child's pid")
-        proc = job_process(int(str(text)), job_id)
+        pid = int(str(text))
+        # The job writes the pid once its Popen returns, which is when the child's exec closed its
+        # error pipe: a moment before the kernel has set up the new program's environment, which
+        # reads empty till then (a CI run under load found it "gone"). Asked again till it is the
+        # job's, or gone (a zombie too: nothing left to signal).
+        found = wait_for(
+            lambda: job_process(pid, job_id) or ("gone" if _gone(pid) else None),
+            timeout=10,
+            what="the child seen as the job's",
+        )
+        proc = None if found == "gone" else found
         if proc is not None:
             self.seen.append(proc)
         return proc
