@@ -29,6 +29,7 @@ from django.db.models import Max, Min, Q, Sum
 from django.urls import reverse
 from django.utils import timezone
 
+from jobs.logs.store import STAMP
 from jobs.models import Job, JobArray, LogChunk
 from portal.models import Notification
 from portal.notifications import job_notify_of, notification_send
@@ -49,7 +50,6 @@ LOG_TAIL_BYTES = 8192  # read from the log's end to find them
 SECRET_MIN_LENGTH = 3  # an environment value this long is masked in the log's lines ("1" is no secret)
 MASK = "****"
 ARRAY_LISTED = 10  # an array's failed tasks named one by one, at most
-_STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT[\d:.]+Z ", re.MULTILINE)  # each log line's timestamp
 # What a terminal acts on and does not show: colours and cursor moves (CSI), titles (OSC), the rest
 # of ESC's two-character sequences, and backspaces (Keras's progress bar writes all of them). A
 # title left unended ends with its line: else it hid every line after it.
@@ -253,7 +253,7 @@ def log_tail(job: Job, lines: int = LOG_LINES) -> str:
         ends = [at for at in (data.find(b"\n"), data.find(b"\r")) if at >= 0]
         data = data[min(ends) + 1 :] if ends else b""
     # PostgreSQL refuses NUL in text: the notice's row would fail inside the end's transaction.
-    text = _STAMP.sub(b"", data).replace(b"\0", b"").decode("utf-8", errors="replace")
+    text = STAMP.sub(b"", data).replace(b"\0", b"").decode("utf-8", errors="replace")
     # Masked before a redraw hides part of a secret; its lines as a terminal shows them (a
     # progress bar that redraws itself with \r is one line, not one a redraw).
     text = secrets_mask(job, _TERMINAL_CODES.sub("", text).rstrip("\n"))

@@ -63,8 +63,9 @@ def utf8_incomplete(data: bytes | bytearray) -> int:
     return 0
 
 
-# The start of a line as the writer stores it: what does not begin so goes on with a line.
-_STAMPED = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ")
+# The timestamp `timestamp()` puts at each line's start (MULTILINE: at every line's, for a reader
+# that strips them); bytes that do not begin so go on with a line.
+STAMP = re.compile(rb"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z ", re.MULTILINE)
 
 
 def _line_started(data: bytes) -> bytes:
@@ -72,7 +73,7 @@ def _line_started(data: bytes) -> bytes:
     that line dropped, or a timestamp before its first bytes."""
     if data[:1] == b"\n":
         return data[1:]
-    return data if _STAMPED.match(data) else timestamp() + data
+    return data if STAMP.match(data) else timestamp() + data
 
 
 def _ends_open(job_id: int) -> bool:
